@@ -1,0 +1,89 @@
+"""Device, Buffer, Backend: where tensors live and how launches run.
+
+A `Device` is a plain description (name, kind, properties) so that plans and
+support predicates can be computed and tested without the hardware. Its
+`backend` factory makes the `Backend` that allocates and runs, on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import attrs
+import numpy as np
+
+from ..tensor import Tensor
+
+
+@attrs.frozen
+class Device:
+    """A place to run kernels: 'cpu', 'cuda0', or a plugin's own kind."""
+
+    name: str
+    kind: str  # "cpu", "cuda", or a plugin's kind
+    description: str = ""
+    #: facts support predicates read: compute capability, smem per block, ...
+    props: dict[str, Any] = attrs.field(factory=dict, hash=False, eq=False)
+    #: makes the Backend; None for a description only (planning, tests)
+    backend_factory: Callable[[Device], Backend] | None = attrs.field(default=None, hash=False, eq=False, repr=False)
+    #: host-memory devices share numpy storage with the CPU (no copies needed)
+    host_memory: bool = False
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class LaunchError(RuntimeError):
+    """A launch failed; the message names the node, its op and the plugin."""
+
+
+class Buffer(Protocol):
+    """A block of device memory."""
+
+    nbytes: int
+
+
+class Launch(Protocol):
+    """A pre-bound kernel launch: all buffers, sizes and arguments fixed at plan time."""
+
+    def __call__(self) -> None: ...
+
+
+class BindContext(Protocol):
+    """What a kernel's `bind` sees: where each tensor of the plan lives on the device."""
+
+    device: Device
+    backend: Backend
+
+    def array(self, t: Tensor) -> Any:
+        """`t` as an array of the backend (numpy view on host devices, a CuPy view on CUDA)."""
+
+    def ptr(self, t: Tensor) -> int:
+        """`t`'s first byte as an address (device backends)."""
+
+
+class Backend(Protocol):
+    """Allocation, transfers and execution on one device."""
+
+    device: Device
+
+    def alloc(self, nbytes: int, what: str) -> Buffer:
+        """Device memory of `nbytes`; `what` names the use for error messages."""
+
+    def write(self, buf: Buffer, offset: int, data: np.ndarray) -> None:
+        """Copy host bytes (a uint8 array) into `buf` at `offset`."""
+
+    def read(self, buf: Buffer, offset: int, nbytes: int) -> np.ndarray:
+        """Copy `nbytes` from `buf` at `offset` to a new host uint8 array."""
+
+    def bind_context(self, where: Callable[[Tensor], tuple[Buffer, int]]) -> BindContext:
+        """A context that resolves tensors to (buffer, byte offset) through `where`."""
+
+    def executor(self, launches: list[tuple[str, Launch]]) -> Callable[[], None]:
+        """Something that runs the launches in order (CUDA: captured and replayed).
+
+        Each launch comes with a description of what it runs ("rms_norm 'x'
+        (4, 64) f32 by cuda_norm") for the LaunchError raised when it fails.
+        """
+
+    def synchronize(self) -> None: ...

@@ -1,0 +1,76 @@
+"""The host backend: numpy buffers; launches run in order on the calling thread.
+
+Used by the CPU device and by any plugin device that computes in host memory.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+import numpy as np
+
+from ..tensor import Tensor
+from .base import Device, Launch, LaunchError
+
+
+@attrs.define(eq=False)
+class HostBuffer:
+    data: np.ndarray  # uint8
+    what: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.size)
+
+
+@attrs.define(eq=False)
+class HostContext:
+    device: Device
+    backend: HostBackend
+    where: Callable[[Tensor], tuple[HostBuffer, int]]
+
+    def array(self, t: Tensor) -> np.ndarray:
+        buf, offset = self.where(t)
+        return t.host_view(buf.data, offset)
+
+    def ptr(self, t: Tensor) -> int:
+        buf, offset = self.where(t)
+        return int(buf.data.ctypes.data) + offset
+
+
+@attrs.define(eq=False)
+class HostBackend:
+    device: Device
+
+    def alloc(self, nbytes: int, what: str) -> HostBuffer:
+        try:
+            return HostBuffer(np.zeros(max(int(nbytes), 1), np.uint8), what)
+        except MemoryError as exc:
+            raise MemoryError(f"{self.device.name}: cannot allocate {nbytes} bytes for {what}") from exc
+
+    def write(self, buf: HostBuffer, offset: int, data: np.ndarray) -> None:
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        buf.data[offset:offset + raw.size] = raw
+
+    def read(self, buf: HostBuffer, offset: int, nbytes: int) -> np.ndarray:
+        return buf.data[offset:offset + nbytes].copy()
+
+    def bind_context(self, where: Callable[[Tensor], tuple[HostBuffer, int]]) -> HostContext:
+        return HostContext(self.device, self, where)
+
+    def executor(self, launches: list[tuple[str, Launch]]) -> Callable[[], None]:
+        calls = [launch for _, launch in launches]
+
+        def run() -> None:
+            i = 0
+            try:
+                for i, call in enumerate(calls):
+                    call()
+            except Exception as exc:
+                raise LaunchError(f"{self.device.name}: {launches[i][0]} failed: {type(exc).__name__}: {exc}") from exc
+
+        return run
+
+    def synchronize(self) -> None:
+        pass

@@ -1,0 +1,376 @@
+"""compile(): fusion, kernel selection, device split and memory plan -> Plan.
+
+A Plan is computed without touching the hardware (so it can be inspected and
+tested on a device description); its launches are bound on the first run:
+buffers allocated, weights uploaded, every kernel's arguments fixed. A run
+then only writes the inputs, calls one runner per device segment (CUDA:
+a graph replay) and reads the outputs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import attrs
+import numpy as np
+
+from .alloc import MemoryPlan
+from .backends.base import Backend, Device
+from .dtypes import from_float
+from .graph import Graph
+from .manager import PluginManager, manager
+from .sched import Scheduler, Step
+from .tensor import Flag, Tensor, to_numpy
+
+#: Ops whose kernels must be correct when the output aliases source 0 (same
+#: layout): the memory plan may then reuse that source's bytes (ggml's rule).
+INPLACE_OPS = frozenset({
+    "add", "sub", "mul", "div", "scale", "clamp", "sqr", "sqrt", "log", "sin", "cos", "leaky_relu",
+    "abs", "sgn", "neg", "step", "tanh", "elu", "relu", "sigmoid", "gelu", "gelu_erf", "gelu_quick",
+    "silu", "hardswish", "hardsigmoid", "exp", "expm1", "softplus", "floor", "ceil", "round", "trunc",
+})
+
+
+def fusion_from_env() -> bool:
+    return os.environ.get("OPDISPATCH_DISABLE_FUSION", "") in ("", "0")
+
+
+def resolve_device(device: str | Device | None, mgr: PluginManager) -> Device:
+    """A Device from a name ('cpu', 'cuda0', 'cuda' = the first of that kind) or None (the best)."""
+    if isinstance(device, Device):
+        return device
+    devices = mgr.devices()
+    if device is None:
+        gpus = [d for d in devices if d.kind == "cuda"]
+        return gpus[0] if gpus else _by_name(devices, "cpu")
+    for d in devices:
+        if d.name == device:
+            return d
+    of_kind = [d for d in devices if d.kind == device]
+    if of_kind:
+        return of_kind[0]
+    raise ValueError(f"unknown device '{device}' (known: {', '.join(d.name for d in devices)})")
+
+
+def _by_name(devices: Sequence[Device], name: str) -> Device:
+    for d in devices:
+        if d.name == name:
+            return d
+    raise ValueError(f"no '{name}' device: is the cpu plugin installed? (known: {', '.join(d.name for d in devices)})")
+
+
+_cache: dict[tuple, Plan] = {}
+
+
+def compile(  # noqa: A001 - the natural name
+    outputs: Graph | Tensor | Sequence[Tensor],
+    device: str | Device | None = None,
+    *,
+    prefer: Sequence[str] = (),
+    exclude: Iterable[str] = (),
+    fusion: bool | None = None,
+    host_params: Iterable[Tensor] = (),
+    plugins: PluginManager | None = None,
+) -> Plan:
+    """Plan `outputs` for `device` (default: the first GPU, else the CPU).
+
+    `prefer`/`exclude` reorder the plugins (see plugins.py); `fusion=False`
+    (or OPDISPATCH_DISABLE_FUSION=1) turns fusion off; `host_params` are
+    weights that stay in host memory (run on the CPU unless offloaded).
+    Plans are cached by the graph's structural key and these options.
+    """
+    graph = outputs if isinstance(outputs, Graph) else Graph.build(outputs)
+    mgr = plugins or manager()
+    dev = resolve_device(device, mgr)
+    fusion = fusion_from_env() if fusion is None else fusion
+    order = mgr.order(prefer, exclude)
+    host = frozenset(host_params)
+    key = (graph.key(), dev.name, id(dev), fusion, tuple(p.name for p in order), tuple(sorted(t.uid for t in host)), id(mgr))
+    cached = _cache.get(key)
+    if cached is not None:
+        return cached.for_graph(graph)
+    fallback = dev if dev.kind == "cpu" else _by_name(mgr.devices(), "cpu")
+    sched = Scheduler(mgr, order, dev, fallback, fusion, host)
+    steps = sched.schedule(graph)
+    memory = plan_memory(graph, steps, sched.homes)
+    plan = Plan(graph, dev, steps, sched.homes, memory, fusion, [p.name for p in order])
+    _cache[key] = plan
+    return plan
+
+
+def plan_memory(graph: Graph, steps: list[Step], homes: Mapping[Tensor, Device]) -> dict[str, MemoryPlan]:
+    """Arena slots per device: node outputs and per-run copies, with in-place reuse."""
+    memory: dict[str, MemoryPlan] = {}
+    last: dict[tuple[Tensor, str], int] = {}
+    where: dict[tuple[Tensor, Device], str] = {}
+
+    def holder(b: Tensor, dev: Device) -> str:
+        # Host-memory devices read each other's buffers without copies.
+        if (b, dev) in where or not dev.host_memory:
+            return dev.name
+        return homes[b].name if homes[b].host_memory else dev.name
+
+    for i, step in enumerate(steps):  # pass 1: last read of each (base, device)
+        if step.kind == "view":
+            continue
+        if step.kind == "copy":
+            where[(step.out, step.device)] = step.device.name
+            last[(step.out, step.src_device.name)] = i
+            continue
+        inside = set(step.nodes)
+        for n in step.nodes:
+            for s in n.srcs:
+                if s is not None and s not in inside:
+                    last[(s.base, holder(s.base, step.device))] = i
+        where[(step.out.base, step.device)] = step.device.name
+    for o in graph.outputs:
+        last[(o.base, homes[o.base].name)] = len(steps)
+
+    for i, step in enumerate(steps):  # pass 2: slots
+        if step.kind == "view":
+            continue
+        b = step.out.base
+        if b.is_leaf and (step.kind != "copy" or b.flags & Flag.PARAM or homes[b] is step.device):
+            continue  # leafs live in persistent buffers at home, and so do param copies
+        mem = memory.setdefault(step.device.name, MemoryPlan())
+        key = (b, step.device.name)
+        end = max(last.get(key, i), i)
+        if key in mem.by_key:
+            mem.share(key, key, end)
+            continue
+        src0 = step.nodes[0].srcs[0] if step.kind == "kernel" and step.nodes[0].srcs else None
+        if (step.kind == "kernel" and step.out.op in INPLACE_OPS and b is step.out and src0 is not None
+                and src0.base is src0 and (src0, step.device.name) in mem.by_key
+                and last.get((src0, step.device.name)) == i and not graph.is_output(src0)
+                and src0.nbytes == b.nbytes and src0.strides == b.strides and src0.dtype == b.dtype):
+            mem.share(key, (src0, step.device.name), end)
+        else:
+            mem.add(key, b.nbytes, i, end)
+    for mem in memory.values():
+        mem.place()
+    return memory
+
+
+@attrs.define(eq=False)
+class _Bound:
+    """What binding made: buffers, and one runner per segment of the plan."""
+
+    backends: dict[str, Backend]
+    arenas: dict[str, Any]
+    persistent: dict[tuple[Tensor, str], Any]
+    runners: list[Callable[[], None]]
+
+
+@attrs.define(eq=False)
+class _Shared:
+    bound: _Bound | None = None
+
+
+@attrs.define(eq=False)
+class Plan:
+    """Steps to compute a graph on a device; `explain()` says who runs what."""
+
+    graph: Graph
+    device: Device
+    steps: list[Step]
+    homes: dict[Tensor, Device]
+    memory: dict[str, MemoryPlan]
+    fusion: bool
+    plugin_order: list[str]
+    _shared: _Shared = attrs.field(factory=_Shared)
+    #: tensors of an equal graph -> this plan's tensors (a cached plan reused)
+    _alias: dict[Tensor, Tensor] = attrs.field(factory=dict)
+
+    def for_graph(self, graph: Graph) -> Plan:
+        """This plan, answering to the tensors of `graph` (structurally equal)."""
+        if graph is self.graph:
+            return self
+        mine = [*self.graph.leafs, *self.graph.nodes]
+        theirs = [*graph.leafs, *graph.nodes]
+        return attrs.evolve(self, alias=dict(zip(theirs, mine)))
+
+    def _own(self, t: Tensor | str) -> Tensor:
+        if isinstance(t, str):
+            for leaf in self.graph.leafs:
+                if leaf.name == t:
+                    return leaf
+            raise KeyError(f"no leaf named '{t}' in the graph")
+        return self._alias.get(t, t)
+
+    # -- inspection -----------------------------------------------------------------
+    @property
+    def fusions(self) -> list[Step]:
+        return [s for s in self.steps if s.kind == "fused"]
+
+    def peak_bytes(self) -> dict[str, int]:
+        return {name: mem.peak for name, mem in self.memory.items()}
+
+    def explain(self) -> str:
+        """Per node: the plugin that took it, who declined before (and why), fusions, copies."""
+        kernels = [s for s in self.steps if s.kind in ("kernel", "fused")]
+        copies = [s for s in self.steps if s.kind == "copy"]
+        peak = ", ".join(f"{n} {_mib(b)}" for n, b in self.peak_bytes().items()) or "none"
+        lines = [
+            f"plan on {self.device.name}: {len(self.graph.nodes)} nodes -> {len(kernels)} launches, "
+            f"{len(self.fusions)} fused groups, {len(copies)} copies; fusion {'on' if self.fusion else 'off'}; "
+            f"arena peak {peak}",
+            f"plugin order: {', '.join(self.plugin_order)}",
+        ]
+        for i, s in enumerate(self.steps):
+            if s.kind == "view":
+                lines.append(f"  {i:4d}  {s.describe():50s} view (no kernel)")
+                continue
+            if s.kind == "copy":
+                lines.append(f"  {i:4d}  copy {s.out.describe():45s} {s.kernel}" + (f" ({s.note})" if s.note else ""))
+                continue
+            who = f"{s.plugin}:{s.kernel}" if s.kind == "kernel" else f"{s.plugin} [fused {s.kernel}]"
+            line = f"  {i:4d}  {s.describe():50s} {who} on {s.device.name}"
+            if s.note:
+                line += f" ({s.note})"
+            if s.declined:
+                line += "  declined: " + "; ".join(f"{p} ({r})" if r else p for p, r in s.declined)
+            lines.append(line)
+        return "\n".join(lines)
+
+    def summary(self) -> dict[str, Any]:
+        """Counts for a one-line report: launches per plugin, fusions by rule, peak bytes."""
+        per_plugin: dict[str, int] = {}
+        fused: dict[str, int] = {}
+        for s in self.steps:
+            if s.kind in ("kernel", "fused"):
+                per_plugin[s.plugin] = per_plugin.get(s.plugin, 0) + 1
+            if s.kind == "fused":
+                fused[s.kernel] = fused.get(s.kernel, 0) + 1
+        return {"nodes": len(self.graph.nodes), "launches": sum(per_plugin.values()), "plugins": per_plugin,
+                "fusions": fused, "copies": sum(s.kind == "copy" for s in self.steps), "peak": self.peak_bytes()}
+
+    # -- running ---------------------------------------------------------------------
+    def run(self, feeds: Mapping[Tensor | str, Any] | None = None) -> list[np.ndarray]:
+        """Write the inputs, run every step, return the outputs as host arrays
+        (block formats as raw uint8 rows)."""
+        bound = self._bind()
+        feeds = feeds or {}
+        given = {self._own(k): v for k, v in feeds.items()}
+        for t in self.graph.inputs:
+            if t not in given:
+                raise KeyError(f"no value for input {t.describe()}")
+            arr = to_numpy(given.pop(t))
+            if tuple(arr.shape) != t.shape:
+                raise ValueError(f"input {t.describe()}: got shape {tuple(arr.shape)}")
+            host = arr.astype(t.dtype.numpy, copy=False) if t.dtype.is_int else from_float(t.dtype, arr)
+            self._write(bound, t, host)
+        if given:
+            raise KeyError(f"feeds for tensors that are not inputs: {', '.join(t.describe() for t in given)}")
+        for runner in bound.runners:
+            runner()
+        return [self.read(o) for o in self.graph.outputs]
+
+    def read(self, t: Tensor | str) -> np.ndarray:
+        """The current value of an output, input or state, as a host array."""
+        t = self._own(t)
+        bound = self._bind()
+        b = t.base
+        dev = self.homes[b]
+        buf, off = self._where(bound, b, dev)
+        raw = bound.backends[dev.name].read(buf, off, b.nbytes)
+        return np.array(t.host_view(raw, t.view_offset))
+
+    def _write(self, bound: _Bound, t: Tensor, host: np.ndarray) -> None:
+        dev = self.homes[t]
+        buf, off = self._where(bound, t, dev)
+        bound.backends[dev.name].write(buf, off, np.ascontiguousarray(host).view(np.uint8).reshape(-1))
+
+    def _where(self, bound: _Bound, b: Tensor, dev: Device) -> tuple[Any, int]:
+        """(buffer, byte offset) of base `b` on `dev`."""
+        key = (b, dev.name)
+        if key in bound.persistent:
+            return bound.persistent[key], 0
+        mem = self.memory.get(dev.name)
+        if mem is not None and key in mem.by_key:
+            return bound.arenas[dev.name], mem.offset(key)
+        home = self.homes.get(b)
+        if dev.host_memory and home is not None and home.host_memory and home is not dev:
+            return self._where(bound, b, home)
+        raise RuntimeError(f"internal: {b.describe()} has no storage on {dev.name}")
+
+    def _bind(self) -> _Bound:
+        if self._shared.bound is None:
+            self._shared.bound = self._make_bound()
+        return self._shared.bound
+
+    def _make_bound(self) -> _Bound:
+        backends: dict[str, Backend] = {}
+        for s in self.steps:
+            for dev in (s.device, s.src_device):
+                if dev is not None and dev.name not in backends:
+                    if dev.backend_factory is None:
+                        raise RuntimeError(f"device {dev.name} is a description only: it can plan, not run")
+                    backends[dev.name] = dev.backend_factory(dev)
+        for leaf in self.graph.leafs:
+            dev = self.homes[leaf]
+            if dev.name not in backends:
+                backends[dev.name] = dev.backend_factory(dev)
+        arenas = {name: backends[name].alloc(mem.peak, f"the arena of {name}") for name, mem in self.memory.items()}
+        persistent: dict[tuple[Tensor, str], Any] = {}
+        bound = _Bound(backends, arenas, persistent, [])
+        for leaf in self.graph.leafs:
+            dev = self.homes[leaf]
+            buf = backends[dev.name].alloc(leaf.nbytes, f"{leaf.describe()}")
+            persistent[(leaf, dev.name)] = buf
+            if leaf.data is not None:
+                backends[dev.name].write(buf, 0, leaf.data)
+        segment: list[tuple[str, Any]] = []
+        seg_dev: Device | None = None
+
+        def flush() -> None:
+            nonlocal segment, seg_dev
+            if segment:
+                bound.runners.append(backends[seg_dev.name].executor(segment))
+            segment, seg_dev = [], None
+
+        for s in self.steps:
+            if s.kind == "view":
+                continue
+            if s.kind == "copy":
+                flush()
+                copy = self._bind_copy(bound, s)
+                if s.note == "bind":
+                    copy()
+                else:
+                    bound.runners.append(copy)
+                continue
+            if seg_dev is not None and seg_dev is not s.device:
+                flush()
+            seg_dev = s.device
+            dev = s.device
+            ctx = backends[dev.name].bind_context(self._resolver(bound, dev))
+            launch = s.bind(ctx, s.nodes[0]) if s.kind == "kernel" else s.bind(ctx, s.nodes)
+            segment.append((f"{s.describe()} by {s.plugin}:{s.kernel}", launch))
+        flush()
+        return bound
+
+    def _resolver(self, bound: _Bound, dev: Device) -> Callable[[Tensor], tuple[Any, int]]:
+        def where(t: Tensor) -> tuple[Any, int]:
+            buf, off = self._where(bound, t.base, dev)
+            return buf, off + t.view_offset
+
+        return where
+
+    def _bind_copy(self, bound: _Bound, s: Step) -> Callable[[], None]:
+        b = s.out
+        src_be, dst_be = bound.backends[s.src_device.name], bound.backends[s.device.name]
+        if (b, s.device.name) not in bound.persistent and s.note == "bind":
+            bound.persistent[(b, s.device.name)] = dst_be.alloc(b.nbytes, f"copy of {b.describe()}")
+        src = self._where(bound, b, s.src_device)
+        dst = self._where(bound, b, s.device)
+        n = b.nbytes
+
+        def copy() -> None:
+            dst_be.write(dst[0], dst[1], src_be.read(src[0], src[1], n))
+
+        return copy
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"

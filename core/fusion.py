@@ -1,0 +1,61 @@
+"""Fusion rules: a pattern of consecutive ops run by one kernel.
+
+A rule is data (name, op pattern, check, bind), after tinygrad's pattern
+matcher; plugins yield rules through the `fusion_rules` hook. `can_fuse`
+is ggml's structural condition; the rule's `check` adds its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import attrs
+
+if TYPE_CHECKING:
+    from .backends.base import BindContext, Device, Launch
+    from .graph import Graph
+    from .tensor import Tensor
+
+
+def _accept(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
+    return True
+
+
+@attrs.frozen
+class FusionRule:
+    """`pattern` ops, consecutive in execution order, run by one `bind`-ed launch.
+
+    `check(device, nodes, graph)` returns True or a reason not to fuse (types,
+    shapes, broadcasting the fused kernel cannot handle). `bind(ctx, nodes)`
+    returns one launch that writes the last node's output.
+    """
+
+    name: str
+    pattern: tuple[str, ...] = attrs.field(converter=tuple)
+    bind: Callable[[BindContext, Sequence[Tensor]], Launch]
+    check: Callable[[Device, Sequence[Tensor], Graph], bool | str] = _accept
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.pattern) < 2:
+            raise ValueError(f"fusion rule '{self.name}': a pattern needs at least two ops")
+
+
+def can_fuse(graph: Graph, start: int, pattern: Sequence[str]) -> bool:
+    """ggml's can_fuse: nodes start.. match `pattern` in order, and every node
+    but the last is read only inside the group and is not a graph output."""
+    nodes = graph.nodes
+    end = start + len(pattern)
+    if end > len(nodes):
+        return False
+    group = nodes[start:end]
+    if any(n.op != p for n, p in zip(group, pattern)):
+        return False
+    members = set(group)
+    for n in group[:-1]:
+        if graph.is_output(n):
+            return False
+        readers = graph.users.get(n, ())
+        if not readers or any(r not in members for r in readers):
+            return False
+    return True
+

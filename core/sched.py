@@ -1,0 +1,222 @@
+"""Multi-device split: each node on the GPU first, else the CPU, with copies between.
+
+After ggml's scheduler: a node no plugin accepts on the main device runs on
+the CPU reference; a node reading weights that stay in host memory runs on
+the CPU unless `offload_op` says the batch is worth copying the weights over.
+Copies are inserted where a value is read on a device that does not hold its
+current version, and an in-place write (set_rows into a KV cache) made away
+from the buffer's home is copied back.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable, Sequence
+
+import attrs
+
+from .backends.base import Device
+from .fusion import can_fuse
+from .graph import Graph
+from .hookspecs import Kernel
+from .manager import Plugin, PluginError, PluginManager, PluginWarning
+from .tensor import VIEW_OPS, Flag, Tensor
+
+
+class DispatchError(RuntimeError):
+    """No plugin accepts a node on any device; the message lists who declined and why."""
+
+
+@attrs.define(eq=False)
+class Step:
+    """One entry of a plan: a kernel launch, a fused group, a view or a copy."""
+
+    kind: str  # "kernel" | "fused" | "view" | "copy"
+    nodes: tuple[Tensor, ...]
+    device: Device
+    plugin: str = ""
+    kernel: str = ""  # kernel label, fusion rule name, or copy direction
+    bind: Callable | None = None
+    declined: tuple[tuple[str, str], ...] = ()  # (plugin, reason), in the order asked
+    note: str = ""  # why it is not where the plan's device would put it
+    src_device: Device | None = None  # copies: from where
+
+    @property
+    def out(self) -> Tensor:
+        return self.nodes[-1]
+
+    def describe(self) -> str:
+        n = self.out
+        what = "+".join(x.op or "?" for x in self.nodes) if self.kind != "copy" else "copy"
+        return f"{what} {n.describe()}"
+
+
+def offload_min_batch() -> int:
+    return int(os.environ.get("OPDISPATCH_OFFLOAD_MIN_BATCH", "32"))
+
+
+def batch_size(node: Tensor) -> int:
+    """Rows processed per weight, in ggml's sense (ggml's ne[1], ne[2] for MoE/rope)."""
+    if node.op == "get_rows":
+        return 0  # an embedding lookup never pays for copying the table
+    if node.op in ("mul_mat_id", "rope"):
+        return node.shape[-3] if node.ndim >= 3 else 1
+    return node.shape[-2] if node.ndim >= 2 else 1
+
+
+def select(mgr: PluginManager, plugins: Sequence[Plugin], device: Device, node: Tensor
+           ) -> tuple[Plugin | None, Kernel | None, list[tuple[str, str]]]:
+    """The first plugin, in order, that accepts `node` on `device`, and who declined before it."""
+    declined: list[tuple[str, str]] = []
+    for plugin in plugins:
+        kernel, reason = mgr.supports(plugin, device, node)
+        if kernel is not None:
+            return plugin, kernel, declined
+        declined.append((plugin.name, reason))
+    return None, None, declined
+
+
+@attrs.define(eq=False)
+class Scheduler:
+    """Turns a graph into steps on `device` (and `fallback`) with copies inserted."""
+
+    mgr: PluginManager
+    plugins: list[Plugin]
+    device: Device
+    fallback: Device
+    fusion: bool = True
+    host_params: frozenset[Tensor] = frozenset()
+    #: after `schedule`: the device holding each base's own buffer (leafs: their home)
+    homes: dict[Tensor, Device] = attrs.field(factory=dict)
+
+    def home(self, t: Tensor) -> Device:
+        """Where a leaf's buffer lives."""
+        return self.fallback if t in self.host_params else self.device
+
+    def schedule(self, graph: Graph) -> list[Step]:
+        steps = self._assign(graph)
+        return self._insert_copies(graph, steps)
+
+    # -- devices and kernels ------------------------------------------------------
+    def _assign(self, graph: Graph) -> list[Step]:
+        rules = self.mgr.fusion_rules(self.plugins, self.device) if self.fusion else []
+        nodes = graph.nodes
+        steps: list[Step] = []
+        placed: dict[Tensor, Device] = {}
+        i = 0
+        while i < len(nodes):
+            node = nodes[i]
+            if node.op in VIEW_OPS:
+                dev = placed.get(node.base, self.home(node.base))
+                steps.append(Step("view", (node,), dev, kernel="view"))
+                placed[node] = dev
+                i += 1
+                continue
+            fused = self._fuse(graph, i, rules)
+            if fused is not None:
+                steps.append(fused)
+                for n in fused.nodes:
+                    placed[n] = self.device
+                i += len(fused.nodes)
+                continue
+            step = self._place(node)
+            steps.append(step)
+            placed[node] = step.device
+            i += 1
+        return steps
+
+    def _fuse(self, graph: Graph, i: int, rules: list) -> Step | None:
+        for plugin, rule in rules:
+            if not can_fuse(graph, i, rule.pattern):
+                continue
+            group = tuple(graph.nodes[i:i + len(rule.pattern)])
+            if any(s in self.host_params for n in group for s in n.srcs):
+                continue
+            try:
+                answer = rule.check(self.device, group, graph)
+            except Exception as exc:  # noqa: BLE001 - a broken rule must not break dispatch
+                self._warn_rule(plugin, rule.name, exc)
+                continue
+            if answer is True:
+                return Step("fused", group, self.device, plugin.name, rule.name, rule.bind)
+        return None
+
+    def _warn_rule(self, plugin: Plugin, rule: str, exc: Exception) -> None:
+        msg = f"plugin '{plugin.name}' raised in the check of fusion rule {rule}: {type(exc).__name__}: {exc}"
+        if self.mgr.strict:
+            raise PluginError(msg) from exc
+        warnings.warn(f"opdispatch: {msg}", PluginWarning, stacklevel=4)
+
+    def _place(self, node: Tensor) -> Step:
+        note = ""
+        declined: list[tuple[str, str]] = []
+        if self.device is not self.fallback:
+            host_weights = [s for s in node.srcs if s is not None and s in self.host_params]
+            offload = True
+            if host_weights:
+                answer = self.mgr.offload_op(self.plugins, self.device, node)
+                offload = answer if answer is not None else batch_size(node) >= offload_min_batch()
+                if not offload:
+                    note = f"weights on host, batch {batch_size(node)} below offload threshold"
+            if offload:
+                plugin, kernel, declined = select(self.mgr, self.plugins, self.device, node)
+                if kernel is not None:
+                    return Step("kernel", (node,), self.device, plugin.name, kernel.label, kernel.bind,
+                                tuple(declined), "offloaded" if host_weights else "")
+                note = f"no plugin accepts it on {self.device.name}"
+        plugin, kernel, more = select(self.mgr, self.plugins, self.fallback, node)
+        if kernel is None:
+            asked = "; ".join(f"{p}: {r or 'no kernel'}" for p, r in declined + more)
+            raise DispatchError(f"no plugin runs {node.op} {node.describe()} on "
+                                f"{self.device.name} or {self.fallback.name} ({asked})")
+        return Step("kernel", (node,), self.fallback, plugin.name, kernel.label, kernel.bind,
+                    tuple(declined + more), note)
+
+    # -- copies ----------------------------------------------------------------------
+    def _insert_copies(self, graph: Graph, steps: list[Step]) -> list[Step]:
+        """Copy each value to where it is read when that device lacks its current version.
+
+        `version[b]` counts writes to base `b`; `held[(b, dev)]` is the version
+        a device holds. Params never change, so their copies are made once at
+        bind time (`note="bind"`).
+        """
+        version: dict[Tensor, int] = {}
+        held: dict[tuple[Tensor, str], int] = {}
+        home = self.homes
+        for leaf in graph.leafs:
+            home[leaf] = self.home(leaf)
+            version[leaf] = 0
+            held[(leaf, home[leaf].name)] = 0
+        out: list[Step] = []
+        for step in steps:
+            if step.kind == "view":
+                out.append(step)
+                continue
+            inside = set(step.nodes)
+            reads = {s.base for n in step.nodes for s in n.srcs if s is not None and s not in inside}
+            for b in sorted(reads, key=lambda t: t.uid):
+                self._ensure(b, step.device, version, held, home, out)
+            written = step.out.base
+            if written is step.out:
+                home[written] = step.device
+                version[written] = 0
+            else:  # in place: the written buffer must be on this device first
+                self._ensure(written, step.device, version, held, home, out)
+                version[written] += 1
+            held[(written, step.device.name)] = version[written]
+            out.append(step)
+            if home[written] is not step.device and written.is_leaf:
+                out.append(Step("copy", (written,), home[written], kernel=f"{step.device.name}->{home[written].name}",
+                                src_device=step.device, note="write-back"))
+                held[(written, home[written].name)] = version[written]
+        return out
+
+    def _ensure(self, b: Tensor, dev: Device, version: dict, held: dict, home: dict, out: list[Step]) -> None:
+        if held.get((b, dev.name)) == version[b] or (dev.host_memory and home[b].host_memory):
+            return
+        src = home[b] if held.get((b, home[b].name)) == version[b] else next(
+            d for d in (self.device, self.fallback) if held.get((b, d.name)) == version[b])
+        note = "bind" if b.flags & Flag.PARAM else ""
+        out.append(Step("copy", (b,), dev, kernel=f"{src.name}->{dev.name}", src_device=src, note=note))
+        held[(b, dev.name)] = version[b]
