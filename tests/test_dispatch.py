@@ -1,0 +1,297 @@
+"""Dispatch: plugin order, prefer/exclude, fall-through, isolation, explain(), fusion."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+
+import opdispatch as od
+from opdispatch import ops
+from opdispatch.hookspecs import Kernel, PluginInfo, hookimpl
+from opdispatch.manager import PluginError, PluginManager, PluginWarning
+from opdispatch.sched import DispatchError
+from toy import TOY, ToyPlugin, manager_with
+
+
+def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.uniform(-1, 1, shape).astype(np.float32)
+
+
+def add_mul_graph(shape=(4, 6)):  # noqa: ANN001, ANN201
+    a, b, c = (od.input(n, shape) for n in "abc")
+    return (a, b, c), ops.mul(ops.add(a, b), c)
+
+
+def kernel_steps(plan: od.Plan) -> list:
+    return [s for s in plan.steps if s.kind in ("kernel", "fused")]
+
+
+def test_first_accepting_plugin_in_priority_order_runs_the_node() -> None:
+    mgr = manager_with(ToyPlugin("low", 150), ToyPlugin("high", 250))
+    assert [p.name for p in mgr.order()] == ["high", "low", "cpu"]
+    (a, b, c), y = add_mul_graph()
+    plan = od.compile(y, TOY, plugins=mgr, fusion=False)
+    assert [s.plugin for s in kernel_steps(plan)] == ["high", "high"]
+    assert "high:toy_add" in plan.explain()
+
+
+def test_prefer_and_exclude_and_env_reorder(monkeypatch: pytest.MonkeyPatch) -> None:
+    mgr = manager_with(ToyPlugin("low", 150), ToyPlugin("high", 250))
+    assert [p.name for p in mgr.order(prefer=["low"])] == ["low", "high", "cpu"]
+    assert [p.name for p in mgr.order(exclude=["high"])] == ["low", "cpu"]
+    monkeypatch.setenv("OPDISPATCH_PLUGINS", "cpu,-high")
+    assert [p.name for p in mgr.order()] == ["cpu", "low"]
+    with pytest.raises(PluginError, match="unknown plugin 'nope'"):
+        mgr.order(prefer=["nope"])
+
+
+def test_prefer_changes_who_runs_and_results_agree() -> None:
+    rng = np.random.default_rng()
+    mgr = manager_with(ToyPlugin("low", 150), ToyPlugin("high", 250, offset=0.5))
+    (a, b, c), y = add_mul_graph()
+    feeds = {a: rand(rng, 4, 6), b: rand(rng, 4, 6), c: rand(rng, 4, 6)}
+    want = (feeds[a] + feeds[b]) * feeds[c]
+    got_low = od.compile(y, TOY, plugins=mgr, prefer=["low"], fusion=False).run(feeds)[0]
+    got_high = od.compile(y, TOY, plugins=mgr, fusion=False).run(feeds)[0]
+    np.testing.assert_allclose(got_low, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got_high, (feeds[a] + feeds[b] + 0.5) * feeds[c], rtol=1e-6, atol=1e-6)
+
+
+def test_decline_with_reason_falls_through_to_cpu_with_copies() -> None:
+    rng = np.random.default_rng()
+    mgr = manager_with(ToyPlugin())
+    a, b = od.input("a", (3, 5)), od.input("b", (5,))  # broadcast: the toy declines
+    y = ops.add(a, b)
+    plan = od.compile(y, TOY, plugins=mgr)
+    (step,) = kernel_steps(plan)
+    assert step.device.name == "cpu" and step.plugin == "cpu"
+    assert ("toy", "no broadcasting") in step.declined
+    text = plan.explain()
+    assert "toy (no broadcasting)" in text and "no plugin accepts it on toy0" in text
+    assert sum(s.kind == "copy" for s in plan.steps) == 2  # a and b go to the cpu
+    fa, fb = rand(rng, 3, 5), rand(rng, 5)
+    np.testing.assert_allclose(plan.run({a: fa, b: fb})[0], fa + fb, rtol=1e-6)
+
+
+def test_no_plugin_anywhere_names_everyone_asked() -> None:
+    mgr = PluginManager(strict=False)
+    mgr.register(ToyPlugin(), "toy")
+    from opdispatch.reference import plugin as cpu_plugin
+
+    class NoCpuKernels:
+        @hookimpl
+        def devices(self):  # noqa: ANN202
+            return cpu_plugin.devices()
+
+    mgr.register(NoCpuKernels(), "cpu_devices_only")
+    a = od.input("a", (3, 5))
+    with pytest.raises(DispatchError, match=r"no plugin runs neg .*'a'|no plugin runs neg"):
+        od.compile(ops.neg(a), TOY, plugins=mgr)
+
+
+def test_plugin_raising_in_a_hook_is_named_and_isolated() -> None:
+    class Broken:
+        @hookimpl
+        def plugin_info(self) -> PluginInfo:
+            return PluginInfo("broken", priority=300)
+
+        @hookimpl
+        def kernels(self, device):  # noqa: ANN001, ANN202
+            raise RuntimeError("kaboom")
+
+    mgr = manager_with(Broken(), ToyPlugin())
+    (a, b, c), y = add_mul_graph()
+    with pytest.warns(PluginWarning, match="plugin 'broken' raised in kernels: RuntimeError: kaboom"):
+        plan = od.compile(y, TOY, plugins=mgr, fusion=False)
+    assert [s.plugin for s in kernel_steps(plan)] == ["toy", "toy"]
+    strict = manager_with(Broken(), ToyPlugin(), strict=True)
+    with pytest.raises(PluginError, match="'broken' raised in kernels"):
+        od.compile(y, TOY, plugins=strict, fusion=False)
+
+
+def test_plugin_raising_in_a_support_predicate_is_skipped_with_its_name() -> None:
+    def bad_supports(device, node):  # noqa: ANN001, ANN202
+        raise ValueError("bad predicate")
+
+    class Flaky:
+        @hookimpl
+        def plugin_info(self) -> PluginInfo:
+            return PluginInfo("flaky", priority=300)
+
+        @hookimpl
+        def kernels(self, device):  # noqa: ANN001, ANN202
+            yield Kernel("add", bind=None, supports=bad_supports)  # type: ignore[arg-type]
+
+    mgr = manager_with(Flaky(), ToyPlugin())
+    (a, b, c), y = add_mul_graph()
+    with pytest.warns(PluginWarning, match="'flaky' raised in supports of add"):
+        plan = od.compile(y, TOY, plugins=mgr, fusion=False)
+    first = kernel_steps(plan)[0]
+    assert first.plugin == "toy" and first.declined[0][0] == "flaky"
+
+
+def test_hooks_not_matching_the_specs_are_left_out() -> None:
+    class Misspelled:
+        @hookimpl
+        def kernel(self, device):  # noqa: ANN001, ANN202 - not a hook
+            return []
+
+    class WrongArgs:
+        @hookimpl
+        def kernels(self, device, extra):  # noqa: ANN001, ANN202
+            return []
+
+    mgr = PluginManager(strict=False)
+    with pytest.warns(PluginWarning, match="'Misspelled' left out: unknown hook"):
+        assert mgr.register(Misspelled(), "Misspelled") is None
+    with pytest.warns(PluginWarning, match="'WrongArgs' left out: hooks do not match"):
+        assert mgr.register(WrongArgs(), "WrongArgs") is None
+    assert [n for n, _ in mgr.skipped] == ["Misspelled", "WrongArgs"]
+    with pytest.raises(PluginError, match="'Misspelled'"):
+        PluginManager(strict=True).register(Misspelled(), "Misspelled")
+
+
+def test_entry_point_that_fails_to_import_is_named(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    dist = tmp_path / "fakeplug-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fakeplug\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(textwrap.dedent("""
+        [opdispatch_test]
+        good = fake_good_plugin
+        bad = fake_bad_plugin
+    """))
+    (tmp_path / "fake_good_plugin.py").write_text(textwrap.dedent("""
+        from opdispatch.hookspecs import PluginInfo, hookimpl
+        @hookimpl
+        def plugin_info():
+            return PluginInfo("good", "2.0")
+    """))
+    (tmp_path / "fake_bad_plugin.py").write_text("raise ImportError('missing libfoo')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mgr = PluginManager(strict=False)
+    with pytest.warns(PluginWarning, match="'bad' left out: failed to import fake_bad_plugin: ImportError: missing libfoo"):
+        mgr.load_entry_points("opdispatch_test")
+    assert "good" in mgr.plugins and mgr.plugins["good"].info.version == "2.0"
+    for mod in ("fake_good_plugin", "fake_bad_plugin"):
+        sys.modules.pop(mod, None)
+    with pytest.raises(PluginError, match="'bad'"):
+        PluginManager(strict=True).load_entry_points("opdispatch_test")
+
+
+def test_builtin_plugins_load_through_entry_points_in_strict_mode() -> None:
+    mgr = PluginManager(strict=True)
+    mgr.load_entry_points()
+    names = [p.name for p in mgr.order()]
+    for name in ("cuda_matmul", "cuda_attention", "cuda_norm", "cuda_misc", "cuda", "cpu"):
+        assert name in names
+    assert names[-1] == "cpu"
+    assert all(p.origin.startswith("entry point") for p in mgr.order())
+
+
+def test_fusion_applies_and_matches_unfused_results() -> None:
+    rng = np.random.default_rng()
+    toy = ToyPlugin()
+    mgr = manager_with(toy)
+    (a, b, c), y = add_mul_graph()
+    feeds = {a: rand(rng, 4, 6), b: rand(rng, 4, 6), c: rand(rng, 4, 6)}
+    fused = od.compile(y, TOY, plugins=mgr, fusion=True)
+    unfused = od.compile(y, TOY, plugins=mgr, fusion=False)
+    assert [s.kind for s in kernel_steps(fused)] == ["fused"]
+    assert [s.kind for s in kernel_steps(unfused)] == ["kernel", "kernel"]
+    assert "toy [fused add_mul]" in fused.explain()
+    out_f, out_u = fused.run(feeds)[0], unfused.run(feeds)[0]
+    assert toy.fused_runs == 1
+    np.testing.assert_allclose(out_f, out_u, rtol=1e-6)
+    np.testing.assert_allclose(out_f, (feeds[a] + feeds[b]) * feeds[c], rtol=1e-6)
+
+
+def test_fusion_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    mgr = manager_with(ToyPlugin())
+    (a, b, c), y = add_mul_graph((2, 3))
+    monkeypatch.setenv("OPDISPATCH_DISABLE_FUSION", "1")
+    assert not od.compile(y, TOY, plugins=mgr).fusions
+
+
+def test_no_fusion_when_the_intermediate_is_used_elsewhere_or_an_output() -> None:
+    mgr = manager_with(ToyPlugin())
+    a, b, c = (od.input(n, (2, 3)) for n in "abc")
+    s = ops.add(a, b)
+    y = ops.mul(s, c)
+    assert not od.compile([y, s], TOY, plugins=mgr).fusions  # s is an output
+    z = ops.mul(s, c)
+    w = ops.add(z, s)  # s read outside the group
+    assert not od.compile(w, TOY, plugins=mgr).fusions
+
+
+def test_fusion_check_declines_and_nodes_run_unfused() -> None:
+    mgr = manager_with(ToyPlugin())
+    a, b, c = (od.input(n, (2, 3)) for n in "abc")
+    y = ops.mul(c, ops.add(a, b))  # the add is mul's second source
+    plan = od.compile(y, TOY, plugins=mgr)
+    assert not plan.fusions and len(kernel_steps(plan)) == 2
+
+
+def test_plan_cache_reuses_plans_for_equal_graphs() -> None:
+    rng = np.random.default_rng()
+    mgr = manager_with(ToyPlugin())
+    (a1, b1, c1), y1 = add_mul_graph()
+    (a2, b2, c2), y2 = add_mul_graph()
+    p1 = od.compile(y1, TOY, plugins=mgr)
+    p2 = od.compile(y2, TOY, plugins=mgr)
+    assert p2.steps is p1.steps  # same plan, answering to the new graph's tensors
+    feeds = {a2: rand(rng, 4, 6), b2: rand(rng, 4, 6), c2: rand(rng, 4, 6)}
+    np.testing.assert_allclose(p2.run(feeds)[0], (feeds[a2] + feeds[b2]) * feeds[c2], rtol=1e-6)
+    (a3, b3, c3), y3 = add_mul_graph((4, 7))
+    assert od.compile(y3, TOY, plugins=mgr).steps is not p1.steps
+
+
+def test_run_checks_feeds() -> None:
+    a = od.input("a", (2, 3))
+    plan = od.compile(ops.neg(a), "cpu")
+    with pytest.raises(KeyError, match="no value for input 'a'"):
+        plan.run({})
+    with pytest.raises(ValueError, match=r"input 'a' \(2, 3\) f32: got shape \(3, 2\)"):
+        plan.run({a: np.ones((3, 2))})
+    np.testing.assert_array_equal(plan.run({"a": np.full((2, 3), 2.0)})[0], np.full((2, 3), -2.0))
+
+
+def test_a_failing_kernel_is_named_and_the_plan_stays_usable() -> None:
+    calls = {"n": 0}
+
+    def bind(ctx, node):  # noqa: ANN001, ANN202
+        out = ctx.array(node)
+
+        def launch() -> None:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise FloatingPointError("overflow")
+            out[...] = 1.0
+
+        return launch
+
+    class Once:
+        @hookimpl
+        def plugin_info(self) -> PluginInfo:
+            return PluginInfo("once")
+
+        @hookimpl
+        def kernels(self, device):  # noqa: ANN001, ANN202
+            if device.kind == "toy":
+                yield Kernel("neg", bind, name="neg_once")
+
+    mgr = manager_with(Once(), ToyPlugin())
+    a = od.input("a", (2, 2))
+    plan = od.compile(ops.neg(a), TOY, plugins=mgr)
+    with pytest.raises(Exception, match=r"neg 'neg\.\d+' \(2, 2\) f32 by once:neg_once failed: FloatingPointError"):
+        plan.run({a: np.ones((2, 2))})
+    np.testing.assert_array_equal(plan.run({a: np.ones((2, 2))})[0], np.ones((2, 2)))
+
+
+def test_warnings_do_not_leak_from_a_clean_manager() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        manager_with(ToyPlugin())
