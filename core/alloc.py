@@ -49,8 +49,13 @@ class MemoryPlan:
         """`key` reuses the slot of `with_key` (in place), extending its lifetime to `last`."""
         slot = self.by_key[with_key]
         slot.keys.append(key)
-        slot.last = max(slot.last, last)
         self.by_key[key] = slot
+        self.extend(key, last)
+
+    def extend(self, key: Hashable, last: int) -> None:
+        """Keep `key`'s slot alive until step `last` (a later write or copy into it)."""
+        slot = self.by_key[key]
+        slot.last = max(slot.last, last)
 
     def offset(self, key: Hashable) -> int:
         return self.by_key[key].offset

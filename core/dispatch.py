@@ -20,7 +20,7 @@ from .backends.base import Backend, Device
 from .dtypes import from_float
 from .graph import Graph
 from .manager import PluginManager, manager
-from .sched import Scheduler, Step
+from .sched import Scheduler, Step, offload_min_batch
 from .tensor import Flag, Tensor, to_numpy
 
 #: Ops whose kernels must be correct when the output aliases source 0 (same
@@ -60,9 +60,6 @@ def _by_name(devices: Sequence[Device], name: str) -> Device:
     raise ValueError(f"no '{name}' device: is the cpu plugin installed? (known: {', '.join(d.name for d in devices)})")
 
 
-_cache: dict[tuple, Plan] = {}
-
-
 def compile(  # noqa: A001 - the natural name
     outputs: Graph | Tensor | Sequence[Tensor],
     device: str | Device | None = None,
@@ -78,7 +75,8 @@ def compile(  # noqa: A001 - the natural name
     `prefer`/`exclude` reorder the plugins (see plugins.py); `fusion=False`
     (or OPDISPATCH_DISABLE_FUSION=1) turns fusion off; `host_params` are
     weights that stay in host memory (run on the CPU unless offloaded).
-    Plans are cached by the graph's structural key and these options.
+    Plans are cached in the plugin manager by the graph's structural key and
+    these options (registering a plugin clears the cache).
     """
     graph = outputs if isinstance(outputs, Graph) else Graph.build(outputs)
     mgr = plugins or manager()
@@ -86,8 +84,10 @@ def compile(  # noqa: A001 - the natural name
     fusion = fusion_from_env() if fusion is None else fusion
     order = mgr.order(prefer, exclude)
     host = frozenset(host_params)
-    key = (graph.key(), dev.name, id(dev), fusion, tuple(p.name for p in order), tuple(sorted(t.uid for t in host)), id(mgr))
-    cached = _cache.get(key)
+    # The key holds `dev` itself so that its id stays unique while cached.
+    key = (graph.key(), dev, id(dev), fusion, tuple(p.name for p in order), tuple(sorted(t.uid for t in host)),
+           offload_min_batch())
+    cached = mgr.plans.get(key)
     if cached is not None:
         return cached.for_graph(graph)
     fallback = dev if dev.kind == "cpu" else _by_name(mgr.devices(), "cpu")
@@ -95,7 +95,7 @@ def compile(  # noqa: A001 - the natural name
     steps = sched.schedule(graph)
     memory = plan_memory(graph, steps, sched.homes)
     plan = Plan(graph, dev, steps, sched.homes, memory, fusion, [p.name for p in order])
-    _cache[key] = plan
+    mgr.plans[key] = plan
     return plan
 
 
@@ -137,7 +137,7 @@ def plan_memory(graph: Graph, steps: list[Step], homes: Mapping[Tensor, Device])
         key = (b, step.device.name)
         end = max(last.get(key, i), i)
         if key in mem.by_key:
-            mem.share(key, key, end)
+            mem.extend(key, end)
             continue
         src0 = step.nodes[0].srcs[0] if step.kind == "kernel" and step.nodes[0].srcs else None
         if (step.kind == "kernel" and step.out.op in INPLACE_OPS and b is step.out and src0 is not None
@@ -228,8 +228,10 @@ class Plan:
             line = f"  {i:4d}  {s.describe():50s} {who} on {s.device.name}"
             if s.note:
                 line += f" ({s.note})"
-            if s.declined:
-                line += "  declined: " + "; ".join(f"{p} ({r})" if r else p for p, r in s.declined)
+            reasons = [f"{p} ({r})" for p, r in s.declined if r]
+            silent = len(s.declined) - len(reasons)
+            if reasons or silent:
+                line += "  declined: " + "; ".join(reasons + ([f"{silent} without a kernel"] if silent else []))
             lines.append(line)
         return "\n".join(lines)
 

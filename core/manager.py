@@ -64,6 +64,8 @@ class PluginManager:
     #: (name, reason) of plugins left out at load time
     skipped: list[tuple[str, str]] = attrs.field(init=False, factory=list)
     _kernels: dict[tuple[str, str], dict[str, list[Kernel]]] = attrs.field(init=False, factory=dict)
+    #: compiled plans by structural key (see dispatch.compile); cleared when plugins change
+    plans: dict[tuple, Any] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.pm = pluggy.PluginManager(PROJECT)
@@ -118,12 +120,14 @@ class PluginManager:
         plugin = Plugin(info.name if info.name else name, obj, info, origin, hooks)
         self.plugins[plugin.name] = plugin
         self._kernels.clear()
+        self.plans.clear()
         return plugin
 
     def unregister(self, name: str) -> None:
         plugin = self.plugins.pop(name)
         self.pm.unregister(plugin.obj)
         self._kernels.clear()
+        self.plans.clear()
 
     def _reject(self, name: str, reason: str) -> None:
         if self.strict:
