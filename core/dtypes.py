@@ -1,0 +1,331 @@
+"""Dtype table and ggml's block-quantized formats, on the host (numpy only).
+
+Quantized tensors are stored exactly as ggml stores them (so GGUF weights load
+without conversion): a row of K values is K // 32 blocks of `block_bytes` raw
+bytes, held on the host as ``np.uint8`` arrays of shape ``(..., K // 32 *
+block_bytes)``. `quantize` reproduces ggml's reference quantizers
+(``quantize_row_*_ref`` in ggml-quants.c) byte for byte, and `dequantize` its
+``dequantize_row_*``: both evaluate ggml's float32 expressions one IEEE
+operation at a time, as the C source reads. A build that fuses ``x*id + 8.5f``
+into one FMA (GCC with -march=native does) writes other q4_0/q5_0 codes where
+x*id sits next to a half-integer: common for values on a coarse grid, rare for
+real weights; gguf-py's quants.py notes the same. Non-finite inputs give
+unspecified codes, as in ggml, where they are undefined behaviour.
+
+bf16 values live in ``ml_dtypes.bfloat16`` arrays; f32 -> bf16 uses ggml's own
+bit formula (round to nearest even, NaN made quiet) so even NaN payloads match.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+    "DType", "DTYPES", "dtype", "quantize", "dequantize", "to_host_float", "from_float",
+    "F32", "F16", "BF16", "I8", "I16", "I32", "I64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+]
+
+QK = 32  # values per block, for every format here
+_F16 = np.dtype("<f2")  # d and m are little-endian IEEE halves inside a block
+
+
+@attrs.frozen
+class DType:
+    """One element type: its name, its host storage, and its block geometry.
+
+    Plain types are blocks of one element (block_bytes == itemsize), so byte
+    arithmetic is the same for every type: see `row_bytes`.
+    """
+
+    name: str
+    block_size: int
+    block_bytes: int
+    kind: str = attrs.field(validator=attrs.validators.in_(("float", "int", "quant")))
+    numpy: np.dtype
+
+    @property
+    def is_float(self) -> bool:
+        return self.kind == "float"
+
+    @property
+    def is_int(self) -> bool:
+        return self.kind == "int"
+
+    @property
+    def is_quant(self) -> bool:
+        return self.kind == "quant"
+
+    def row_bytes(self, n: int) -> int:
+        """Bytes of n contiguous elements; a quantized row must hold whole blocks."""
+        if n < 0 or n % self.block_size:
+            raise ValueError(
+                f"{self.name}: {n} elements is not a whole number of {self.block_size}-element blocks"
+            )
+        return n // self.block_size * self.block_bytes
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"DType({self.name!r})"
+
+
+_U8 = np.dtype(np.uint8)
+F32 = DType("f32", 1, 4, "float", np.dtype(np.float32))
+F16 = DType("f16", 1, 2, "float", np.dtype(np.float16))
+BF16 = DType("bf16", 1, 2, "float", np.dtype(ml_dtypes.bfloat16))
+I8 = DType("i8", 1, 1, "int", np.dtype(np.int8))
+I16 = DType("i16", 1, 2, "int", np.dtype(np.int16))
+I32 = DType("i32", 1, 4, "int", np.dtype(np.int32))
+I64 = DType("i64", 1, 8, "int", np.dtype(np.int64))
+Q4_0 = DType("q4_0", QK, 18, "quant", _U8)
+Q4_1 = DType("q4_1", QK, 20, "quant", _U8)
+Q5_0 = DType("q5_0", QK, 22, "quant", _U8)
+Q5_1 = DType("q5_1", QK, 24, "quant", _U8)
+Q8_0 = DType("q8_0", QK, 34, "quant", _U8)
+
+DTYPES: dict[str, DType] = {
+    t.name: t for t in (F32, F16, BF16, I8, I16, I32, I64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+}
+# Quantized data is raw uint8, so a numpy dtype only ever names a plain type.
+_BY_NUMPY: dict[np.dtype, DType] = {t.numpy: t for t in DTYPES.values() if not t.is_quant}
+
+
+def dtype(x: str | DType | np.dtype | type) -> DType:
+    """Look up a DType by opdispatch name, DType, or numpy dtype (float32, bfloat16, int8...).
+
+    Strings are opdispatch names only: numpy's own "i8" means int64, ours int8.
+    """
+    if isinstance(x, DType):
+        return x
+    if isinstance(x, str):
+        found = DTYPES.get(x)
+    else:
+        try:
+            found = _BY_NUMPY.get(np.dtype(x))
+        except (TypeError, ValueError):
+            found = None
+    if found is None:
+        raise ValueError(f"unknown dtype {x!r}: known dtypes are {', '.join(DTYPES)}")
+    return found
+
+
+# ---------------------------------------------------------------------------
+# Block-quantized formats
+
+
+@attrs.frozen
+class _Codec:
+    """What differs between ggml's 32-value block formats; one shared codec runs them all.
+
+    scale_from picks the value the scale d is derived from (d = that / divisor):
+      "signed_absmax": the element of largest |x|, sign kept (q4_0, q5_0). The
+          divisor is negative so that element lands on code 0 exactly, which
+          buys one extra level on its side;
+      "absmax": max |x| (q8_0);
+      "range": max - min, with min stored as m (q4_1, q5_1: x = q*d + m).
+    Codes of bits < 8 are unsigned, q = min(2**bits - 1, trunc((x - m)*id +
+    zero + 0.5)) with id = 1/d and m = 0 unless affine, decoded as
+    (q - zero)*d + m. 8-bit codes are int8, q = roundf(x*id): halves away from zero.
+    """
+
+    bits: Literal[4, 5, 8]
+    scale_from: Literal["signed_absmax", "absmax", "range"]
+    divisor: int
+    zero: int
+
+    @property
+    def affine(self) -> bool:
+        return self.scale_from == "range"
+
+    @property
+    def fields(self) -> tuple[tuple[str, int], ...]:
+        """(name, bytes) of one block, in ggml's struct order: d, [m], [qh], qs."""
+        return (
+            (("d", 2),)
+            + ((("m", 2),) if self.affine else ())
+            + ((("qh", 4),) if self.bits == 5 else ())
+            + (("qs", QK // 2 if self.bits < 8 else QK),)
+        )
+
+
+_CODECS: dict[str, _Codec] = {
+    "q4_0": _Codec(bits=4, scale_from="signed_absmax", divisor=-8, zero=8),
+    "q4_1": _Codec(bits=4, scale_from="range", divisor=15, zero=0),
+    "q5_0": _Codec(bits=5, scale_from="signed_absmax", divisor=-16, zero=16),
+    "q5_1": _Codec(bits=5, scale_from="range", divisor=31, zero=0),
+    "q8_0": _Codec(bits=8, scale_from="absmax", divisor=127, zero=0),
+}
+
+
+def _quant(dt: DType | str) -> tuple[DType, _Codec]:
+    dt = dtype(dt)
+    if not dt.is_quant:
+        raise ValueError(f"{dt} is not a block-quantized dtype (one of {', '.join(_CODECS)})")
+    return dt, _CODECS[dt.name]
+
+
+def _first(x: np.ndarray, where: np.ndarray) -> np.ndarray:
+    """The first element of each block where `where` holds, keeping the block axis.
+
+    ggml scans a block with strict comparisons, so the first of tied
+    candidates wins; that decides the sign of a zero, hence the bytes of d, m.
+    """
+    return np.take_along_axis(x, np.argmax(where, axis=-1, keepdims=True), axis=-1)
+
+
+def _roundf(v: np.ndarray) -> np.ndarray:
+    """C roundf in float32: halves go away from zero (np.rint sends them to even)."""
+    t = np.trunc(v)
+    return np.where(np.abs(v - t) == np.float32(0.5), t + np.sign(v), np.rint(v))
+
+
+def _encode(c: _Codec, x: np.ndarray) -> np.ndarray:
+    """float32 blocks (..., 32) -> raw blocks (..., block_bytes), ggml's f32 steps one by one."""
+    m = None
+    if c.scale_from == "range":
+        m = _first(x, x == x.min(axis=-1, keepdims=True))
+        ref = _first(x, x == x.max(axis=-1, keepdims=True)) - m
+    elif c.scale_from == "absmax":
+        ref = np.abs(x).max(axis=-1, keepdims=True)
+    else:
+        amax = np.abs(x).max(axis=-1, keepdims=True)
+        # an all-zero block keeps ggml's starting max of +0.0, whatever x's zeros' signs
+        ref = np.where(amax > 0, _first(x, np.abs(x) == amax), np.float32(0))
+    d = ref / np.float32(c.divisor)
+    inv = np.where(d != 0, np.float32(1) / d, np.float32(0))
+    v = (x if m is None else x - m) * inv
+
+    parts = {"d": d.astype(_F16).view(np.uint8)}
+    if m is not None:
+        parts["m"] = m.astype(_F16).view(np.uint8)
+    if c.bits == 8:
+        parts["qs"] = _roundf(v).astype(np.int8).view(np.uint8)
+    else:
+        q = np.minimum(np.trunc(v + np.float32(c.zero + 0.5)), np.float32(2**c.bits - 1))
+        q = q.astype(np.uint8)
+        # byte j holds code j (low nibble) and code j + 16 (high nibble)
+        parts["qs"] = (q[..., : QK // 2] & 0x0F) | ((q[..., QK // 2 :] & 0x0F) << 4)
+        if c.bits == 5:  # 5th bit of code j -> bit j of a little-endian uint32
+            parts["qh"] = np.packbits((q >> 4) & 1, axis=-1, bitorder="little")
+    return np.concatenate([parts[name] for name, _ in c.fields], axis=-1)
+
+
+def _decode(c: _Codec, raw: np.ndarray) -> np.ndarray:
+    """Raw blocks (..., block_bytes) -> float32 (..., 32): (q - zero)*d, plus m if affine."""
+    parts, at = {}, 0
+    for name, size in c.fields:
+        parts[name], at = raw[..., at : at + size], at + size
+    qs = parts["qs"]
+    if c.bits == 8:
+        q = qs.view(np.int8)
+    else:
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        if c.bits == 5:
+            q = q | (np.unpackbits(parts["qh"], axis=-1, bitorder="little") << 4)
+    y = (q.astype(np.float32) - np.float32(c.zero)) * parts["d"].view(_F16).astype(np.float32)
+    if c.affine:
+        y = y + parts["m"].view(_F16).astype(np.float32)
+    return y
+
+
+def quantize(dt: DType | str, x: np.ndarray) -> np.ndarray:
+    """float (..., K) -> uint8 (..., K // 32 * block_bytes), byte-exact with ggml's quantize_row_*_ref.
+
+    x is rounded to float32 first, the type ggml quantizes from.
+    """
+    dt, c = _quant(dt)
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim == 0 or x.shape[-1] % QK:
+        raise ValueError(
+            f"quantize to {dt}: the last axis must be whole blocks of {QK} values, got shape {x.shape}"
+        )
+    lead, nb = x.shape[:-1], x.shape[-1] // QK
+    with np.errstate(all="ignore"):  # d == 0 and non-finite input follow ggml silently
+        raw = _encode(c, x.reshape(*lead, nb, QK))
+    return raw.reshape(*lead, nb * dt.block_bytes)
+
+
+def dequantize(dt: DType | str, raw: np.ndarray, n: int | None = None) -> np.ndarray:
+    """uint8 (..., nbytes) -> float32 (..., values), as ggml's dequantize_row_*.
+
+    n (optional) is how many values each row holds, as ggml's k argument: the
+    first row_bytes(n) bytes of each row are decoded and any bytes after them
+    ignored. Without n the whole last axis is decoded and must be whole blocks.
+    """
+    dt, c = _quant(dt)
+    raw = np.asarray(raw)
+    if raw.dtype != np.uint8:
+        raise TypeError(f"dequantize {dt}: expected raw uint8 blocks, got {raw.dtype} of shape {raw.shape}")
+    nbytes = raw.shape[-1] if raw.ndim else 0
+    if n is None:
+        if raw.ndim == 0 or nbytes % dt.block_bytes:
+            raise ValueError(
+                f"dequantize {dt}: the last axis must be whole {dt.block_bytes}-byte blocks, "
+                f"got shape {raw.shape}"
+            )
+        n = nbytes // dt.block_bytes * QK
+    elif dt.row_bytes(n) > nbytes:
+        raise ValueError(
+            f"dequantize {dt}: {n} values take {dt.row_bytes(n)} bytes a row, got shape {raw.shape}"
+        )
+    lead, nb = raw.shape[:-1], n // QK
+    blocks = np.ascontiguousarray(raw[..., : nb * dt.block_bytes]).reshape(*lead, nb, dt.block_bytes)
+    with np.errstate(all="ignore"):  # inf/NaN scales decode to inf/NaN, as in ggml
+        return _decode(c, blocks).reshape(*lead, n)
+
+
+# ---------------------------------------------------------------------------
+# Conversions between host storage and float values
+
+
+def _f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """ggml_compute_fp32_to_bf16 on the bits: round to nearest even, NaN made quiet.
+
+    ml_dtypes' cast rounds the same but rewrites NaN payloads and warns on them.
+    """
+    u = x.view(np.uint32)
+    rounded = (u + (np.uint32(0x7FFF) + ((u >> 16) & 1))) >> 16  # uint32 wraps, as in C
+    bits = np.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, rounded)
+    return bits.astype(np.uint16).view(ml_dtypes.bfloat16)
+
+
+def to_host_float(dt: DType | str, arr: np.ndarray) -> np.ndarray:
+    """Host storage of dt -> values, as a new C-contiguous array.
+
+    Floats give float32, quantized rows (raw uint8) their dequantized float32,
+    integers stay integers of their own dtype (an i64 does not fit a float).
+    """
+    dt = dtype(dt)
+    if dt.is_quant:
+        return dequantize(dt, arr)
+    arr = np.asarray(arr)
+    if arr.dtype != dt.numpy:
+        raise TypeError(f"to_host_float: {dt} is stored as {dt.numpy}, got {arr.dtype} of shape {arr.shape}")
+    return arr.astype(np.float32 if dt.is_float else dt.numpy, order="C")
+
+
+def from_float(dt: DType | str, values: np.ndarray) -> np.ndarray:
+    """Values -> host storage of dt (a new C-contiguous array), rounded as ggml's copy from f32.
+
+    Values are rounded to float32 first (ggml holds them so), then: f16/bf16
+    round to nearest even (overflow gives inf), integers truncate toward zero
+    like C's cast (ggml_cpu_fp32_to_i32), quantized types go through
+    `quantize`. Integer values bound for an integer type are cast directly,
+    so large ones keep every digit.
+    """
+    dt = dtype(dt)
+    values = np.asarray(values)
+    if dt.is_int and values.dtype.kind in "biu":
+        return values.astype(dt.numpy, order="C")
+    x = values.astype(np.float32, order="C")
+    if dt.is_quant:
+        return quantize(dt, x)
+    if dt == BF16:
+        return _f32_to_bf16(x)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf, and out-of-range ints as C leaves them
+        return x.astype(dt.numpy)
