@@ -1,0 +1,153 @@
+"""Reference kernels of the attention pieces: soft_max, rope, flash_attn_ext, diag_mask_inf.
+
+`alibi_slopes` and `rope_yarn_corr_dims` are the host-side parameter helpers
+ggml computes once per op; device plugins reuse them rather than restate them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..ops.matmul import pad4
+from ..tensor import Tensor
+from . import load, reference, store
+
+
+def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
+    """ALiBi slope of each head, float64 `(n_head,)`, as ggml's soft_max and flash_attn_ext use them.
+
+    L = 2**floor(log2(n_head)), m0 = 2**(-max_bias/L), m1 = 2**(-max_bias/2/L);
+    slope_h = m0**(h+1) for h < L, else m1**(2*(h-L)+1). All ones when
+    max_bias <= 0 (ggml tests max_bias > 0).
+    """
+    n_head = int(n_head)
+    if max_bias <= 0 or n_head < 1:
+        return np.ones(max(n_head, 0))
+    n_log2 = 1 << (n_head.bit_length() - 1)  # exact 2**floor(log2(n_head))
+    h = np.arange(n_head)
+    m0 = 2.0 ** (-max_bias / n_log2)
+    m1 = 2.0 ** (-max_bias / 2.0 / n_log2)
+    return np.where(h < n_log2, m0 ** (h + 1), m1 ** (2 * (h - n_log2) + 1))
+
+
+def rope_yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float,
+                        beta_slow: float) -> tuple[float, float]:
+    """YaRN's (lo, hi) correction dims, in float32 like ggml_rope_yarn_corr_dims.
+
+    corr(r) = n_dims*ln(n_ctx_orig/(2*pi*r)) / (2*ln(freq_base));
+    lo = max(0, floor(corr(beta_fast))), hi = min(n_dims - 1, ceil(corr(beta_slow))).
+    float32 so that floor/ceil land where ggml's land. n_ctx_orig = 0 gives
+    log(0) = -inf, hence (0, -inf), as in C.
+    """
+    f32 = np.float32
+
+    def corr(n_rot: float) -> np.float32:
+        with np.errstate(divide="ignore"):
+            ratio = f32(n_ctx_orig) / (f32(n_rot) * f32(2) * f32(np.pi))
+            return f32(n_dims) * np.log(ratio) / (f32(2) * np.log(f32(freq_base)))
+
+    lo = max(0.0, float(np.floor(corr(beta_fast))))
+    hi = min(float(n_dims - 1), float(np.ceil(corr(beta_slow))))
+    return lo, hi
+
+
+def _outer_mask(arr: np.ndarray, t: Tensor, outer: tuple[int, int], rows: int) -> np.ndarray:
+    """Mask values float64 `(outer[0], outer[1], rows, cols)`: first `rows` rows, outer dims by modulo."""
+    m = load(arr, t).astype(np.float64).reshape(pad4(t.shape))[:, :, :rows, :]
+    return m[np.arange(outer[0]) % m.shape[0]][:, np.arange(outer[1]) % m.shape[1]]
+
+
+def _softmax(w: np.ndarray, sink: np.ndarray | None) -> np.ndarray:
+    """Softmax over the last axis; `sink` (broadcastable, last axis 1) is an extra logit.
+
+    A row with no finite logit and no sink gives zeros rather than NaN.
+    """
+    top = w.max(axis=-1, keepdims=True)
+    if sink is not None:
+        top = np.maximum(top, sink)
+    top = np.where(np.isneginf(top), 0.0, top)  # all -inf: exp gives 0s, not NaN
+    e = np.exp(w - top)
+    total = e.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + np.exp(sink - top)
+    return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+
+
+@reference("soft_max")
+def _soft_max(node: Tensor, out: np.ndarray, a: np.ndarray, mask: np.ndarray | None,
+              sinks: np.ndarray | None) -> None:
+    ta, tmask, tsinks = node.srcs
+    w = load(a, ta).astype(np.float64).reshape(pad4(ta.shape)) * node.params["scale"]
+    n3, n_head, rows, _ = w.shape
+    if tmask is not None:
+        slopes = alibi_slopes(n_head, node.params["max_bias"])
+        w = w + slopes[:, None, None] * _outer_mask(mask, tmask, (n3, n_head), rows)
+    sink = load(sinks, tsinks).astype(np.float64)[:, None, None] if tsinks is not None else None
+    store(out, _softmax(w, sink).reshape(ta.shape), node)
+
+
+@reference("rope")
+def _rope(node: Tensor, out: np.ndarray, x: np.ndarray, pos: np.ndarray, freq_factors: np.ndarray | None) -> None:
+    tx, tpos, tff = node.srcs
+    p = node.params
+    n_dims = p["n_dims"]
+    half = n_dims // 2
+    xv = load(x, tx).astype(np.float64).reshape(pad4(tx.shape))  # (B, T, H, D)
+    i = np.arange(half)
+    inv_freq = p["freq_base"] ** (-2.0 * i / n_dims)
+    if tff is not None:
+        inv_freq = inv_freq / load(freq_factors, tff)[:half].astype(np.float64)
+    theta_ext = load(pos, tpos).astype(np.float64)[:, None] * inv_freq  # (T, half)
+    theta = p["freq_scale"] * theta_ext
+    mscale = p["attn_factor"]
+    if p["ext_factor"] != 0.0:
+        lo, hi = rope_yarn_corr_dims(n_dims, p["n_ctx_orig"], p["freq_base"], p["beta_fast"], p["beta_slow"])
+        mix = p["ext_factor"] * (1.0 - np.clip((i - lo) / max(0.001, hi - lo), 0.0, 1.0))
+        theta = theta * (1.0 - mix) + theta_ext * mix
+        mscale *= 1.0 + 0.1 * np.log(1.0 / p["freq_scale"])
+    c = (np.cos(theta) * mscale)[None, :, None, :]
+    s = (np.sin(theta) * mscale)[None, :, None, :]
+    i0, i1 = (2 * i, 2 * i + 1) if p["mode"] == "normal" else (i, i + half)
+    x0, x1 = xv[..., i0], xv[..., i1]
+    y = xv.copy()
+    y[..., i0] = x0 * c - x1 * s
+    y[..., i1] = x0 * s + x1 * c
+    store(out, y.reshape(tx.shape), node)
+
+
+@reference("flash_attn_ext")
+def _flash_attn_ext(node: Tensor, out: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                    mask: np.ndarray | None, sinks: np.ndarray | None) -> None:
+    tq, tk, tv, tmask, tsinks = node.srcs
+    p = node.params
+    qv = load(q, tq).astype(np.float64)
+    kv = load(k, tk).astype(np.float64)
+    vv = load(v, tv).astype(np.float64)
+    n_b, n_head, n_q, _ = qv.shape
+    group = n_head // kv.shape[1]
+    bias = None
+    if tmask is not None:
+        slopes = alibi_slopes(n_head, p["max_bias"])
+        bias = slopes[:, None, None] * _outer_mask(mask, tmask, (n_b, n_head), n_q)
+    sink = load(sinks, tsinks).astype(np.float64) if tsinks is not None else None
+    res = np.empty(node.shape, np.float64)  # (B, Tq, Hq, Dv)
+    # One head at a time: memory stays O(Tq*Tk), not O(Hq*Tk*D) for repeated kv heads.
+    for b in range(n_b):
+        for h in range(n_head):
+            s = p["scale"] * (qv[b, h] @ kv[b, h // group].T)
+            if p["softcap"] != 0.0:
+                s = p["softcap"] * np.tanh(s / p["softcap"])
+            if bias is not None:
+                # -inf entries are skipped outright (even where q.k is not finite), as ggml does.
+                s = np.where(np.isneginf(bias[b, h]), -np.inf, s + bias[b, h])
+            w = _softmax(s, sink[h] if sink is not None else None)
+            res[b, :, h, :] = w @ vv[b, h // group]
+    store(out, res, node)
+
+
+@reference("diag_mask_inf")
+def _diag_mask_inf(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
+    (tx,) = node.srcs
+    cols = np.arange(tx.shape[-1])
+    rows = np.arange(tx.shape[-2])[:, None] if tx.ndim >= 2 else 0  # a vector is row 0
+    store(out, np.where(cols > node.params["n_past"] + rows, -np.inf, load(x, tx)), node)
