@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..tensor import Tensor
 from .base import check, check_dtype, check_rank, check_tensor, node, op
-from .matmul import pad4
+from .base import pad4
 
 __all__ = ["soft_max", "rope", "flash_attn_ext", "diag_mask_inf"]
 

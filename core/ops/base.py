@@ -89,6 +89,11 @@ def can_repeat(b: Shape, a: Shape) -> bool:
     return all(nb != 0 and na % nb == 0 for na, nb in zip(a, b))
 
 
+def pad4(shape: Shape) -> Shape:
+    """`shape` with leading 1s up to 4 dims (ggml's missing outer dims)."""
+    return (1,) * (4 - len(shape)) + tuple(shape)
+
+
 FLOATS = ("f32", "f16", "bf16")
 QUANTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 

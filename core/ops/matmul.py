@@ -7,14 +7,9 @@ rule): with ratio r = B2 // A2, b's batch i uses a's batch i // r, not i % A2.
 from __future__ import annotations
 
 from ..tensor import Shape, Tensor
-from .base import FLOATS, QUANTS, check, check_dtype, check_rank, check_tensor, node, op
+from .base import FLOATS, QUANTS, check, pad4, check_dtype, check_rank, check_tensor, node, op
 
 __all__ = ["mul_mat", "mul_mat_id", "out_prod"]
-
-
-def pad4(shape: Shape) -> Shape:
-    """`shape` with leading 1s up to 4 dims (ggml's missing outer dims)."""
-    return (1,) * (4 - len(shape)) + tuple(shape)
 
 
 def _check_not_transposed(op_name: str, a: Tensor) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops.matmul import pad4
+from ..ops.base import pad4
 from ..tensor import Tensor
 from . import load, reference, store
 
