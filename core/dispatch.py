@@ -251,22 +251,39 @@ class Plan:
     def run(self, feeds: Mapping[Tensor | str, Any] | None = None) -> list[np.ndarray]:
         """Write the inputs, run every step, return the outputs as host arrays
         (block formats as raw uint8 rows)."""
-        bound = self._bind()
-        feeds = feeds or {}
-        given = {self._own(k): v for k, v in feeds.items()}
-        for t in self.graph.inputs:
-            if t not in given:
-                raise KeyError(f"no value for input {t.describe()}")
-            arr = to_numpy(given.pop(t))
-            if tuple(arr.shape) != t.shape:
-                raise ValueError(f"input {t.describe()}: got shape {tuple(arr.shape)}")
-            host = arr.astype(t.dtype.numpy, copy=False) if t.dtype.is_int else from_float(t.dtype, arr)
-            self._write(bound, t, host)
-        if given:
-            raise KeyError(f"feeds for tensors that are not inputs: {', '.join(t.describe() for t in given)}")
-        for runner in bound.runners:
-            runner()
+        given = {self._own(k): v for k, v in (feeds or {}).items()}
+        missing = [t.describe() for t in self.graph.inputs if t not in given]
+        if missing:
+            raise KeyError(f"no value for input {', '.join(missing)}")
+        for t, value in given.items():
+            self.write(t, value)
+        self.launch()
         return [self.read(o) for o in self.graph.outputs]
+
+    def write(self, t: Tensor | str, value: Any) -> None:
+        """Set an input (or overwrite a state) from a host array or DLPack object."""
+        t = self._own(t)
+        if not t.is_leaf or not t.flags & (Flag.INPUT | Flag.STATE):
+            raise KeyError(f"{t.describe()} is not an input or state of this plan")
+        arr = to_numpy(value)
+        if tuple(arr.shape) != t.shape:
+            raise ValueError(f"input {t.describe()}: got shape {tuple(arr.shape)}")
+        host = arr.astype(t.dtype.numpy, copy=False) if t.dtype.is_int else from_float(t.dtype, arr)
+        bound = self._bind()
+        dev = self.homes[t]
+        buf, off = self._where(bound, t, dev)
+        bound.backends[dev.name].write(buf, off, np.ascontiguousarray(host).view(np.uint8).reshape(-1))
+
+    def launch(self) -> None:
+        """Run every step on the inputs as last written; no host copies of the
+        outputs (device work may still be in flight: see `synchronize`)."""
+        for runner in self._bind().runners:
+            runner()
+
+    def synchronize(self) -> None:
+        """Wait for every device of the plan to finish its work."""
+        for backend in self._bind().backends.values():
+            backend.synchronize()
 
     def read(self, t: Tensor | str) -> np.ndarray:
         """The current value of an output, input or state, as a host array."""
@@ -277,11 +294,6 @@ class Plan:
         buf, off = self._where(bound, b, dev)
         raw = bound.backends[dev.name].read(buf, off, b.nbytes)
         return np.array(t.host_view(raw, t.view_offset))
-
-    def _write(self, bound: _Bound, t: Tensor, host: np.ndarray) -> None:
-        dev = self.homes[t]
-        buf, off = self._where(bound, t, dev)
-        bound.backends[dev.name].write(buf, off, np.ascontiguousarray(host).view(np.uint8).reshape(-1))
 
     def _where(self, bound: _Bound, b: Tensor, dev: Device) -> tuple[Any, int]:
         """(buffer, byte offset) of base `b` on `dev`."""
