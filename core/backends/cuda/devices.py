@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 from ..base import Device
+
+if TYPE_CHECKING:
+    from .backend import CudaBackend
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,7 +46,7 @@ def discover() -> tuple[tuple[Device, ...], str]:
     return tuple(found), ""
 
 
-def _backend_factory(device: Device):  # noqa: ANN202 - the backend class arrives with issue 3
-    from .backend import CudaBackend
+def _backend_factory(device: Device) -> CudaBackend:
+    from .backend import backend_for
 
-    return CudaBackend(device)
+    return backend_for(device)

@@ -1,0 +1,205 @@
+"""The CUDA backend (CuPy): device buffers, one non-blocking stream per GPU,
+host<->device transfers ordered on it, and plan segments run by GraphRunner.
+
+One backend per GPU (`backend_for`): every plan on a GPU shares its stream,
+so their work is ordered, and the caches that hang off it (NVRTC modules,
+later the cuBLAS handle). Transfers are synchronous for the caller: `write`
+returns once the bytes are on the device, `read` sees all work queued before
+it. Kernel failures are asynchronous; `synchronize` (and `read`) name the
+segments that ran since the last wait.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable, Hashable
+
+import attrs
+import numpy as np
+
+from ...tensor import Tensor
+from ..base import Device, Launch, LaunchError
+from .graphs import GraphRunner, graphs_enabled, stream_capture
+from .kernels import EMPTY
+
+_CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
+
+_backends: dict[int, CudaBackend] = {}
+
+
+def backend_for(device: Device) -> CudaBackend:
+    """The one backend of `device` (its `backend_factory`)."""
+    index = int(device.props["index"])
+    backend = _backends.get(index)
+    if backend is None:
+        backend = _backends[index] = CudaBackend(device)
+    return backend
+
+
+@attrs.define(eq=False)
+class CudaBuffer:
+    """Device memory: a CuPy MemoryPointer, held as long as the buffer lives."""
+
+    mem: Any
+    nbytes: int
+    what: str = ""
+
+    @property
+    def ptr(self) -> int:
+        return int(self.mem.ptr)
+
+
+def _array_layout(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...], np.dtype]:
+    """Shape, byte strides and dtype of `t`'s array view (block formats: raw uint8 rows), as Tensor.host_view."""
+    dt = t.dtype
+    if dt.is_quant:
+        return t.shape[:-1] + (dt.row_bytes(t.shape[-1]),), t.strides[:-1] + (1,), np.dtype(np.uint8)
+    return t.shape, t.strides, dt.numpy
+
+
+@attrs.define(eq=False)
+class CudaContext:
+    """What a kernel's bind sees on a GPU: addresses, CuPy views, the stream to launch on."""
+
+    device: Device
+    backend: CudaBackend
+    where: Callable[[Tensor], tuple[CudaBuffer, int]]
+
+    @property
+    def stream(self) -> Any:
+        return self.backend.stream
+
+    def ptr(self, t: Tensor) -> int:
+        buf, offset = self.where(t)
+        return buf.ptr + offset
+
+    def array(self, t: Tensor) -> Any:
+        import cupy
+
+        buf, offset = self.where(t)
+        shape, strides, dtype = _array_layout(t)
+        return cupy.ndarray(shape, dtype, buf.mem + offset, strides)
+
+
+@attrs.define(eq=False)
+class Segment:
+    """A run of consecutive launches of a plan on one GPU, as `Plan` calls it."""
+
+    backend: CudaBackend
+    runner: GraphRunner
+    signature: tuple[Hashable, ...]
+
+    def __call__(self) -> None:
+        be = self.backend
+        with be.cuda_device, be.stream:  # foreign launches (CuPy calls) go to our stream too
+            self.runner(self.signature)
+        be.pending[self.runner.name] = None
+
+
+@attrs.define(eq=False)
+class CudaBackend:
+    """Allocation, transfers and execution on one GPU (see the module docstring)."""
+
+    device: Device
+    index: int = attrs.field(init=False)
+    cuda_device: Any = attrs.field(init=False)  # cupy.cuda.Device
+    stream: Any = attrs.field(init=False)  # cupy.cuda.Stream, non-blocking
+    #: names of the segments run since the last synchronize (an ordered set)
+    pending: dict[str, None] = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        import cupy
+
+        self.index = int(self.device.props["index"])
+        self.cuda_device = cupy.cuda.Device(self.index)
+        with self.cuda_device:
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    # -- memory --------------------------------------------------------------------
+    def alloc(self, nbytes: int, what: str) -> CudaBuffer:
+        """Device memory from CuPy's pool, tied to our stream; out of memory raises
+        MemoryError naming `what` and the free memory, and leaves the backend usable."""
+        import cupy
+        from cupy.cuda import runtime
+
+        n = max(int(nbytes), 1)
+        with self.cuda_device, self.stream:
+            try:
+                mem = cupy.cuda.alloc(n)
+            except (MemoryError, runtime.CUDARuntimeError) as exc:
+                if not isinstance(exc, MemoryError) and getattr(exc, "status", None) != _CUDA_ERROR_MEMORY_ALLOCATION:
+                    raise
+                free, total = runtime.memGetInfo()
+                raise MemoryError(
+                    f"{self.device.name}: cannot allocate {nbytes} bytes ({_gib(nbytes)}) for {what}: "
+                    f"{free} bytes ({_gib(free)}) free of {total} ({_gib(total)})"
+                ) from exc
+        return CudaBuffer(mem, n, what)
+
+    def write(self, buf: CudaBuffer, offset: int, data: np.ndarray) -> None:
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        _check_range(buf, offset, raw.size, "write")
+        if raw.size:
+            with self.cuda_device:
+                (buf.mem + offset).copy_from_host_async(ctypes.c_void_p(raw.ctypes.data), raw.size, self.stream)
+            self.synchronize()
+
+    def read(self, buf: CudaBuffer, offset: int, nbytes: int) -> np.ndarray:
+        _check_range(buf, offset, nbytes, "read")
+        out = np.empty(nbytes, np.uint8)
+        if nbytes:
+            with self.cuda_device:
+                (buf.mem + offset).copy_to_host_async(ctypes.c_void_p(out.ctypes.data), nbytes, self.stream)
+            self.synchronize()
+        return out
+
+    def copy(self, dst: CudaBuffer, dst_offset: int, src: CudaBuffer, src_offset: int, nbytes: int) -> None:
+        """Device-to-device copy, queued on the stream (ordered with the launches, not waited for)."""
+        _check_range(dst, dst_offset, nbytes, "copy into")
+        _check_range(src, src_offset, nbytes, "copy from")
+        if nbytes:
+            with self.cuda_device:
+                (dst.mem + dst_offset).copy_from_device_async(src.mem + src_offset, nbytes, self.stream)
+
+    # -- execution -------------------------------------------------------------------
+    def bind_context(self, where: Callable[[Tensor], tuple[CudaBuffer, int]]) -> CudaContext:
+        return CudaContext(self.device, self, where)
+
+    def executor(self, launches: list[tuple[str, Launch]]) -> Segment:
+        """A Segment running `launches` through a GraphRunner (captured unless
+        OPDISPATCH_DISABLE_CUDA_GRAPHS=1). Launches are fixed at bind time, so
+        the signature is computed once: our KernelLaunch's own, else identity."""
+        kept = [(what, launch) for what, launch in launches if launch is not EMPTY]
+        if not launches:
+            name = f"{self.device.name} segment (empty)"
+        elif len(launches) == 1:
+            name = f"{self.device.name} segment [{launches[0][0]}]"
+        else:
+            name = f"{self.device.name} segment [{launches[0][0]} .. {launches[-1][0]}] ({len(launches)} launches)"
+        capture = stream_capture(self.stream) if graphs_enabled() and kept else None
+        signature = tuple(getattr(launch, "signature", id(launch)) for _, launch in kept)
+        return Segment(self, GraphRunner(name, kept, capture, self.device.name), signature)
+
+    def synchronize(self) -> None:
+        """Wait for the stream; a failure there names the segments run since the last wait."""
+        try:
+            with self.cuda_device:
+                self.stream.synchronize()
+        except Exception as exc:
+            ran = "; ".join(self.pending) or "no plan segment"
+            self.pending.clear()
+            raise LaunchError(
+                f"{self.device.name}: device work failed: {type(exc).__name__}: {exc}. Since the last synchronize "
+                f"these ran: {ran}. To name the launch, rerun with OPDISPATCH_DISABLE_CUDA_GRAPHS=1 "
+                "CUDA_LAUNCH_BLOCKING=1"
+            ) from exc
+        self.pending.clear()
+
+
+def _check_range(buf: CudaBuffer, offset: int, nbytes: int, what: str) -> None:
+    if offset < 0 or nbytes < 0 or offset + nbytes > buf.nbytes:
+        raise ValueError(f"{what} {nbytes} bytes at offset {offset}: outside the {buf.nbytes}-byte buffer for {buf.what}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"

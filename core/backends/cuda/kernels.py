@@ -1,0 +1,159 @@
+"""NVRTC modules and pre-bound kernel launches: how a plugin runs CUDA C++.
+
+A plugin keeps its kernels in `kernels/*.cu`, includes "common.cuh" (this
+folder is on the include path, and so is the .cu file's own folder) and, at
+bind time::
+
+    module = load_module(KERNELS / "norm.cu", NAME_EXPRESSIONS)    # the instances it launches
+    fn = module.get_function("norm_rows_f32<1, 128, true, 0>")     # one of NAME_EXPRESSIONS
+    return launcher(fn, rows, 128, (np.uint64(ctx.ptr(x)), np.int32(n), ...), stream=ctx.stream)
+
+`launcher` converts the arguments once and returns a launch that is one
+cuLaunchKernel call: no per-call argument conversion, as DESIGN.md's
+measured launch costs demand. Arguments are numpy scalars of the exact C
+type of each kernel parameter (pointers np.uint64, `int` np.int32,
+`long long` np.int64, `float` np.float32): a Python int would be a guess.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+from pathlib import Path
+from typing import Any, Hashable, Sequence
+
+import attrs
+import numpy as np
+
+from ..base import Launch
+
+#: Shared headers (common.cuh); on the include path of every module.
+INCLUDE_DIR = Path(__file__).resolve().parent
+
+#: The C type each numpy scalar type is passed as.
+_CTYPES: dict[np.dtype, type] = {
+    np.dtype(np.bool_): ctypes.c_bool,
+    np.dtype(np.int8): ctypes.c_int8,
+    np.dtype(np.uint8): ctypes.c_uint8,
+    np.dtype(np.int16): ctypes.c_int16,
+    np.dtype(np.uint16): ctypes.c_uint16,
+    np.dtype(np.int32): ctypes.c_int32,
+    np.dtype(np.uint32): ctypes.c_uint32,
+    np.dtype(np.int64): ctypes.c_int64,
+    np.dtype(np.uint64): ctypes.c_uint64,
+    np.dtype(np.float32): ctypes.c_float,
+    np.dtype(np.float64): ctypes.c_double,
+}
+
+#: Dynamic shared memory a kernel may use without opting in (cudaFuncSetAttribute).
+_SMEM_DEFAULT_LIMIT = 48 * 1024
+
+_modules: dict[tuple, Any] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _headers_digest(folder: Path) -> str:
+    """Hash of the headers a module can include: CuPy's disk cache keys on the
+    source text only, so the source carries this to see header edits."""
+    h = hashlib.sha256()
+    for path in sorted({*INCLUDE_DIR.glob("*.cuh"), *folder.glob("*.cuh")}):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def load_module(cu_path: str | Path, name_expressions: Sequence[str] = (), options: Sequence[str] = ()) -> Any:
+    """The `cupy.RawModule` of a .cu file, compiled by NVRTC with -std=c++17.
+
+    `name_expressions` are the template instances to compile (each then a
+    valid `get_function` argument). Cached in memory per (source and header
+    hash, names, options) and on disk by CuPy; the module compiles here, on
+    the current device, so that errors name the file.
+    """
+    import cupy
+
+    path = Path(cu_path).resolve()
+    code = f"// opdispatch headers {_headers_digest(path.parent)}\n" + path.read_text()
+    opts = ("-std=c++17", f"-I{INCLUDE_DIR}", f"-I{path.parent}", *options)
+    names = tuple(name_expressions)
+    key = (hashlib.sha256(code.encode()).hexdigest(), names, opts)
+    module = _modules.get(key)
+    if module is None:
+        module = cupy.RawModule(code=code, options=opts, name_expressions=names or None)
+        try:
+            module.compile()
+        except Exception as exc:  # noqa: BLE001 - CuPy's CompileException carries the log
+            raise RuntimeError(f"compiling {path} failed: {type(exc).__name__}: {exc}") from exc
+        _modules[key] = module
+    return module
+
+
+def pack_args(args: Sequence[Any]) -> tuple[Any, tuple[Any, ...], tuple[Hashable, ...]]:
+    """(void* array for cuLaunchKernel, the C values it points at, a hashable
+    description of the values) from numpy scalars."""
+    values = []
+    for i, a in enumerate(args):
+        ctype = _CTYPES.get(a.dtype) if isinstance(a, np.generic) else None
+        if ctype is None:
+            raise TypeError(
+                f"kernel argument {i} ({a!r}, {type(a).__name__}): pass a numpy scalar of the parameter's exact C "
+                "type (np.uint64 for pointers, np.int32 for int, np.int64 for long long, np.float32 for float)"
+            )
+        values.append(ctype(a.item()))
+    params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+    described = tuple((a.dtype.char, a.item()) for a in args)
+    return params, tuple(values), described
+
+
+def _dims(what: str, dims: int | Sequence[int], limits: tuple[int, int, int]) -> tuple[int, int, int]:
+    d = (int(dims),) if isinstance(dims, (int, np.integer)) else tuple(int(x) for x in dims)
+    if not 1 <= len(d) <= 3 or any(x < 0 or x > hi for x, hi in zip(d, limits)):
+        raise ValueError(f"{what} {tuple(d)} is out of CUDA's range {limits}")
+    return (d + (1, 1))[:3]  # type: ignore[return-value]
+
+
+def EMPTY() -> None:  # noqa: N802 - a constant, used by identity
+    """The launch of an empty grid: nothing to do (executors drop it)."""
+
+
+@attrs.define(eq=False, repr=False)
+class KernelLaunch:
+    """One kernel launch with everything fixed: calling it is one cuLaunchKernel."""
+
+    name: str
+    signature: tuple[Hashable, ...]  # kernel, grid, block, smem, argument values: graph re-capture key
+    _go: functools.partial
+    _keep: tuple[Any, ...]  # the C argument values and their pointer array, alive as long as the launch
+
+    def __call__(self) -> None:
+        self._go()
+
+    def __repr__(self) -> str:
+        return f"<KernelLaunch {self.name} grid={self.signature[1]} block={self.signature[2]}>"
+
+
+def launcher(fn: Any, grid: int | Sequence[int], block: int | Sequence[int], args: Sequence[Any],
+             smem: int = 0, *, stream: Any) -> Launch:
+    """A zero-argument launch of `fn` (from `load_module(...).get_function`) on `stream`.
+
+    An empty grid (a zero dimension) gives a launch that does nothing. More
+    than 48 KiB of dynamic shared memory is opted into here.
+    """
+    import cupy
+    from cupy.cuda import driver
+
+    g = _dims("grid", grid, (2**31 - 1, 65535, 65535))
+    if 0 in g:
+        return EMPTY
+    b = _dims("block", block, (1024, 1024, 64))
+    if 0 in b:
+        raise ValueError(f"block {b} has a zero dimension")
+    params, values, described = pack_args(args)
+    with cupy.cuda.Device(stream.device_id):
+        if smem > _SMEM_DEFAULT_LIMIT:
+            fn.max_dynamic_shared_size_bytes = smem
+        ptr = int(fn.kernel.ptr)
+    name = getattr(fn, "name", "kernel")
+    go = functools.partial(driver.launchKernel, ptr, *g, *b, int(smem), int(stream.ptr), ctypes.addressof(params), 0)
+    return KernelLaunch(name, (ptr, g, b, int(smem), described), go, (params, values))

@@ -1,0 +1,19 @@
+"""Shared test configuration: `@pytest.mark.gpu` tests skip, with the reason, where no GPU is usable."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    from opdispatch.backends.cuda.devices import discover
+
+    devices, why = discover()
+    if devices:
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU: {why}")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
