@@ -10,6 +10,7 @@ a graph replay) and reads the outputs.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import attrs
@@ -152,6 +153,27 @@ def plan_memory(graph: Graph, steps: list[Step], homes: Mapping[Tensor, Device])
     return memory
 
 
+#: Buffers of leafs (params, states, inputs), one per tensor and device, shared by
+#: every plan that uses the tensor and freed with it: prefill and decode plans
+#: see one KV cache, and weights are uploaded once.
+_RESIDENT: weakref.WeakKeyDictionary[Tensor, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def resident(t: Tensor, dev: Device, backend: Backend, *, copy: bool = False) -> Any:
+    """The buffer holding leaf `t` on `dev`, made (and filled with `t.data`) on first use.
+
+    With `copy`, a copy of a param away from its home, filled by the caller.
+    """
+    per_device = _RESIDENT.setdefault(t, {})
+    key = dev.name + ("/copy" if copy else "")
+    if key not in per_device:
+        buf = backend.alloc(t.nbytes, f"copy of {t.describe()}" if copy else t.describe())
+        if t.data is not None and not copy:
+            backend.write(buf, 0, t.data)
+        per_device[key] = buf
+    return per_device[key]
+
+
 @attrs.define(eq=False)
 class _Bound:
     """What binding made: buffers, and one runner per segment of the plan."""
@@ -261,14 +283,19 @@ class Plan:
         return [self.read(o) for o in self.graph.outputs]
 
     def write(self, t: Tensor | str, value: Any) -> None:
-        """Set an input (or overwrite a state) from a host array or DLPack object."""
+        """Set an input (or overwrite a state) from a host array or DLPack object
+        (block formats: float values, quantized here, or the raw rows `read` gives)."""
         t = self._own(t)
         if not t.is_leaf or not t.flags & (Flag.INPUT | Flag.STATE):
             raise KeyError(f"{t.describe()} is not an input or state of this plan")
         arr = to_numpy(value)
-        if tuple(arr.shape) != t.shape:
+        raw_shape = t.array_layout()[0]
+        if t.dtype.is_quant and arr.dtype == np.uint8 and tuple(arr.shape) == raw_shape:
+            host = arr  # raw blocks, as `read` returns them
+        elif tuple(arr.shape) != t.shape:
             raise ValueError(f"input {t.describe()}: got shape {tuple(arr.shape)}")
-        host = arr.astype(t.dtype.numpy, copy=False) if t.dtype.is_int else from_float(t.dtype, arr)
+        else:
+            host = arr.astype(t.dtype.numpy, copy=False) if t.dtype.is_int else from_float(t.dtype, arr)
         bound = self._bind()
         dev = self.homes[t]
         buf, off = self._where(bound, t, dev)
@@ -330,10 +357,7 @@ class Plan:
         bound = _Bound(backends, arenas, persistent, [])
         for leaf in self.graph.leafs:
             dev = self.homes[leaf]
-            buf = backends[dev.name].alloc(leaf.nbytes, f"{leaf.describe()}")
-            persistent[(leaf, dev.name)] = buf
-            if leaf.data is not None:
-                backends[dev.name].write(buf, 0, leaf.data)
+            persistent[(leaf, dev.name)] = resident(leaf, dev, backends[dev.name])
         segment: list[tuple[str, Any]] = []
         seg_dev: Device | None = None
 
@@ -374,8 +398,8 @@ class Plan:
     def _bind_copy(self, bound: _Bound, s: Step) -> Callable[[], None]:
         b = s.out
         src_be, dst_be = bound.backends[s.src_device.name], bound.backends[s.device.name]
-        if (b, s.device.name) not in bound.persistent and s.note == "bind":
-            bound.persistent[(b, s.device.name)] = dst_be.alloc(b.nbytes, f"copy of {b.describe()}")
+        if s.note == "bind":  # a param's copy: made once, shared like the param itself
+            bound.persistent[(b, s.device.name)] = resident(b, s.device, dst_be, copy=True)
         src = self._where(bound, b, s.src_device)
         dst = self._where(bound, b, s.device)
         n = b.nbytes

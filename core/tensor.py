@@ -120,19 +120,20 @@ class Tensor:
         return not self.shape or self.shape[-1] == 1 or self.strides[-1] == self.dtype.block_bytes
 
     # -- host data ------------------------------------------------------------
-    def host_view(self, storage: np.ndarray, offset: int = 0) -> np.ndarray:
-        """This tensor as a numpy view of `storage` (a uint8 buffer), zero-copy.
+    def array_layout(self) -> tuple[Shape, Shape, np.dtype]:
+        """(shape, byte strides, numpy dtype) of this tensor seen as an array.
 
         Plain dtypes map to their numpy dtype; block formats to raw uint8 rows
         of shape (..., K // 32 * block_bytes).
         """
         dt = self.dtype
         if dt.is_quant:
-            shape = self.shape[:-1] + (dt.row_bytes(self.shape[-1]),)
-            strides = self.strides[:-1] + (1,)
-            np_dtype = np.dtype(np.uint8)
-        else:
-            shape, strides, np_dtype = self.shape, self.strides, dt.numpy
+            return self.shape[:-1] + (dt.row_bytes(self.shape[-1]),), self.strides[:-1] + (1,), np.dtype(np.uint8)
+        return self.shape, self.strides, dt.numpy
+
+    def host_view(self, storage: np.ndarray, offset: int = 0) -> np.ndarray:
+        """This tensor as a numpy view of `storage` (a uint8 buffer), zero-copy."""
+        shape, strides, np_dtype = self.array_layout()
         return np.ndarray(shape, dtype=np_dtype, buffer=storage, offset=offset, strides=strides)
 
     def describe(self) -> str:

@@ -37,6 +37,16 @@ class LaunchError(RuntimeError):
     """A launch failed; the message names the node, its op and the plugin."""
 
 
+def run_launches(device: str, launches: list[tuple[str, Launch]]) -> None:
+    """Call every launch in order; a failure is re-raised as LaunchError naming it."""
+    i = 0
+    try:
+        for i, (_, launch) in enumerate(launches):
+            launch()
+    except Exception as exc:
+        raise LaunchError(f"{device}: {launches[i][0]} failed: {type(exc).__name__}: {exc}") from exc
+
+
 class Buffer(Protocol):
     """A block of device memory."""
 
@@ -50,7 +60,10 @@ class Launch(Protocol):
 
 
 class BindContext(Protocol):
-    """What a kernel's `bind` sees: where each tensor of the plan lives on the device."""
+    """What a kernel's `bind` sees: where each tensor of the plan lives on the device.
+
+    Device backends add what their launches need (the CUDA context: `stream`).
+    """
 
     device: Device
     backend: Backend

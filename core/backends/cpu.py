@@ -11,7 +11,7 @@ import attrs
 import numpy as np
 
 from ..tensor import Tensor
-from .base import Device, Launch, LaunchError
+from .base import Device, Launch, run_launches
 
 
 @attrs.define(eq=False)
@@ -60,17 +60,8 @@ class HostBackend:
         return HostContext(self.device, self, where)
 
     def executor(self, launches: list[tuple[str, Launch]]) -> Callable[[], None]:
-        calls = [launch for _, launch in launches]
-
-        def run() -> None:
-            i = 0
-            try:
-                for i, call in enumerate(calls):
-                    call()
-            except Exception as exc:
-                raise LaunchError(f"{self.device.name}: {launches[i][0]} failed: {type(exc).__name__}: {exc}") from exc
-
-        return run
+        launches = list(launches)
+        return lambda: run_launches(self.device.name, launches)
 
     def synchronize(self) -> None:
         pass

@@ -49,14 +49,6 @@ class CudaBuffer:
         return int(self.mem.ptr)
 
 
-def _array_layout(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...], np.dtype]:
-    """Shape, byte strides and dtype of `t`'s array view (block formats: raw uint8 rows), as Tensor.host_view."""
-    dt = t.dtype
-    if dt.is_quant:
-        return t.shape[:-1] + (dt.row_bytes(t.shape[-1]),), t.strides[:-1] + (1,), np.dtype(np.uint8)
-    return t.shape, t.strides, dt.numpy
-
-
 @attrs.define(eq=False)
 class CudaContext:
     """What a kernel's bind sees on a GPU: addresses, CuPy views, the stream to launch on."""
@@ -77,7 +69,7 @@ class CudaContext:
         import cupy
 
         buf, offset = self.where(t)
-        shape, strides, dtype = _array_layout(t)
+        shape, strides, dtype = t.array_layout()
         return cupy.ndarray(shape, dtype, buf.mem + offset, strides)
 
 

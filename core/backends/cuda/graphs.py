@@ -19,7 +19,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import attrs
 
-from ..base import Launch, LaunchError
+from ..base import Launch, LaunchError, run_launches
 
 #: Consecutive re-captures after which capture is turned off (ggml's number).
 MAX_CONSECUTIVE_RECAPTURES = 4
@@ -92,12 +92,7 @@ class GraphRunner:
 
     def launch_all(self) -> None:
         """Every launch, in order, now; a failure names the launch."""
-        i = 0
-        try:
-            for i, (_, launch) in enumerate(self.launches):
-                launch()
-        except Exception as exc:
-            raise LaunchError(f"{self.device}: {self.launches[i][0]} failed: {type(exc).__name__}: {exc}") from exc
+        run_launches(self.device, self.launches)
 
     def _capture_and_replay(self) -> None:
         try:

@@ -1,0 +1,282 @@
+"""The `opdispatch` command: info, ops, test-ops, run.
+
+Errors a user can fix (an unknown device, a prompt longer than the context)
+print one line on stderr and exit with status 2, like argparse's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+import attrs
+import numpy as np
+
+from . import __version__
+from .backends.base import Device
+from .dispatch import Plan, resolve_device
+from .manager import PluginManager, manager
+from .models.llama import CACHE_DTYPES, PRESETS, WEIGHT_DTYPES, LlamaModel, generate, random_weights
+from .ops import OPS
+from .tensor import Tensor
+
+if TYPE_CHECKING:
+    from .testing.cases import Case
+
+#: An H200 as discover() describes one: `ops` plans for it when no GPU is here
+#: (planning reads only a device's description, never the hardware).
+H200 = Device("cuda0", "cuda", "NVIDIA H200 (description: no GPU here)", {
+    "cc": (9, 0), "sm_count": 132, "smem_per_block": 48 * 1024, "smem_per_block_optin": 227 * 1024,
+    "warp_size": 32, "total_memory": 143771 * 2**20, "free_memory": 143771 * 2**20, "pci_bus_id": "", "index": 0,
+})
+
+
+class UsageError(Exception):
+    """A mistake in the command line: reported in one line, exit status 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or argparse's own usage error (already printed)
+        return int(exc.code or 0)
+    try:
+        return int(args.handler(args) or 0)
+    except UsageError as exc:
+        print(f"opdispatch {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="opdispatch", description="Tensor compute graphs on GPUs through op plugins.")
+    parser.add_argument("--version", action="version", version=f"opdispatch {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("info", help="devices, and plugins in dispatch order")
+    p.set_defaults(handler=cmd_info)
+
+    p = sub.add_parser("ops", help="support matrix: op x dtype x device -> the plugin that runs it")
+    p.add_argument("--device", help="one device (default: every device; cuda0 is an H200 description without a GPU)")
+    p.add_argument("--markdown", nargs="?", const="docs/ops.md", metavar="PATH",
+                   help="write the matrix as a markdown table (default path: docs/ops.md)")
+    p.set_defaults(handler=cmd_ops)
+
+    _add_test_ops(sub)
+
+    p = sub.add_parser(
+        "run", help="generate with a Llama-style decoder (random weights), report the plan and tokens/s",
+        description="Generate greedily with a Llama-style decoder built from random weights, then print the plan "
+                    "summary and prefill/decode tokens/s. The preset stays 'tiny' on every device unless --preset "
+                    "1b is given (1b is meant for a GPU: on the numpy reference it takes minutes).")
+    p.add_argument("--device", help="device name or kind (default: the best available, a GPU if there is one)")
+    p.add_argument("--preset", choices=tuple(PRESETS), default="tiny", help="model shape (default: tiny)")
+    p.add_argument("--dtype", choices=WEIGHT_DTYPES, help="weight dtype (default: the preset's: tiny f32, 1b bf16)")
+    p.add_argument("--cache-dtype", choices=CACHE_DTYPES, help="KV cache dtype (default: f16)")
+    p.add_argument("--tokens", type=int, default=32, help="tokens to generate (default: 32)")
+    p.add_argument("--prompt-len", type=int, default=16, help="random prompt length (default: 16)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompt (default: 0)")
+    p.add_argument("--no-fusion", action="store_true", help="compile without fusion rules")
+    p.set_defaults(handler=cmd_run)
+    return parser
+
+
+def _add_test_ops(sub: Any) -> None:
+    """The conformance harness brings its own arguments; `info` and `run` must work even if it does not import."""
+    try:
+        from .testing.cli import add_test_ops_parser
+    except ImportError as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        p = sub.add_parser("test-ops", help=f"conformance sweep (unavailable: {reason})")
+        p.set_defaults(handler=lambda args: _unavailable(reason))
+        return
+    add_test_ops_parser(sub)
+
+
+def _unavailable(reason: str) -> int:
+    raise UsageError(f"the conformance harness did not import ({reason})")
+
+
+# -- info -----------------------------------------------------------------------------
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .backends.cuda.devices import discover
+
+    mgr = manager()
+    print(f"opdispatch {__version__}")
+    print("devices:")
+    for dev in mgr.devices():
+        print(f"  {dev.name:8s} {dev.kind:6s} {dev.description}{_cuda_facts(dev)}")
+    why = discover()[1]
+    if why:
+        print(f"  (no CUDA device: {why})")
+    print("plugins, in dispatch order:")
+    for i, p in enumerate(mgr.order(), 1):
+        print(f"  {i}. {p.name:16s} {p.info.version or '-':8s} priority {p.priority:<4d} {p.origin}"
+              + (f"  ({p.info.description})" if p.info.description else ""))
+    for name, reason in mgr.skipped:
+        print(f"  left out: {name}: {reason}")
+    switches = {k: v for k, v in sorted(os.environ.items()) if k.startswith("OPDISPATCH_")}
+    if switches:
+        print("environment: " + ", ".join(f"{k}={v}" for k, v in switches.items()))
+    return 0
+
+
+def _cuda_facts(dev: Device) -> str:
+    p = dev.props
+    if dev.kind != "cuda" or "cc" not in p:
+        return ""
+    gib = 2**30
+    return (f"  cc {p['cc'][0]}.{p['cc'][1]}, {p['sm_count']} SMs, {p['total_memory'] / gib:.1f} GiB "
+            f"({p['free_memory'] / gib:.1f} free), PCI {p['pci_bus_id'] or '-'}")
+
+
+# -- ops ------------------------------------------------------------------------------
+
+
+def cmd_ops(args: argparse.Namespace) -> int:
+    mgr = manager()
+    devices = _matrix_devices(mgr, args.device)
+    rows = support_matrix(mgr, devices)
+    names = [d.name for d in devices]
+    table = [["op", "dtype", *names]] + [[op, dt, *cells] for op, dt, cells in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for r in table:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if args.markdown:
+        path = args.markdown
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(_markdown(table, devices))
+        print(f"wrote {path}")
+    return 0
+
+
+def _matrix_devices(mgr: PluginManager, name: str | None) -> list[Device]:
+    """The devices here, plus an H200 description when no GPU is (so the CUDA column is never empty)."""
+    devices = mgr.devices()
+    if not any(d.kind == "cuda" for d in devices):
+        devices = [*devices, H200]
+    if name is None:
+        return devices
+    for d in devices:
+        if name in (d.name, d.kind):
+            return [d]
+    raise UsageError(f"unknown device '{name}' (known: {', '.join(d.name for d in devices)})")
+
+
+def support_matrix(mgr: PluginManager, devices: Sequence[Device]) -> list[tuple[str, str, list[str]]]:
+    """(op or fused pattern, dtypes, who runs it on each device), from the conformance cases.
+
+    Every case of the full sweep is built (cheap: no device is touched) and the
+    first one of each dtype signature is planned for each device.
+    """
+    from .testing.cases import cases, groups
+    from .testing.harness import Status, support
+
+    rows = []
+    for group in groups():
+        if OPS.get(group) is not None and OPS[group].family == "view":
+            continue  # views run no kernel
+        first: dict[str, Case] = {}
+        for case in cases(group, full=True):
+            try:
+                outputs, _ = case.build(np.random.default_rng(0))
+            except Exception:  # noqa: BLE001 - a broken case is the harness's bug; test-ops reports it
+                continue
+            first.setdefault(dtype_signature(outputs[0]), case)
+        if not first:
+            rows.append((group, "-", ["no case"] * len(devices)))
+        for sig, case in first.items():
+            cells = []
+            for dev in devices:
+                r = support(case, dev, mgr)
+                cells.append({Status.SUPPORTED: r.plugin, Status.UNSUPPORTED: f"{r.plugin} (fallback)"}
+                             .get(r.status, "none"))
+            rows.append((group, sig, cells))
+    return rows
+
+
+def dtype_signature(node: Tensor) -> str:
+    """The dtypes a node takes, in source order, and its result's when that is not one of them: 'q4_0,i32 -> f32'."""
+    srcs = list(dict.fromkeys(s.dtype.name for s in node.srcs if s is not None))
+    return ",".join(srcs) + ("" if node.dtype.name in srcs else f" -> {node.dtype.name}")
+
+
+def _markdown(table: list[list[str]], devices: Sequence[Device]) -> str:
+    head, *body = table
+    lines = [
+        "# Op support matrix",
+        "",
+        "Which plugin runs a representative node of each op and dtype on each device, as dispatch picks it",
+        "(first plugin in order that accepts it). Generated by `opdispatch ops --markdown`; do not edit.",
+        "",
+        "Devices: " + "; ".join(f"`{d.name}` ({d.description or d.kind})" for d in devices) + ".",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+        *("| " + " | ".join(r) + " |" for r in body),
+        "",
+        "## Semantics",
+        "",
+        "Each op's builder docstring says it in full (numpy order, ggml's meaning); its first line:",
+        "",
+        *(f"- `{op.name}` ({op.family}): {op.doc}" for op in OPS.values()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# -- run ------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    try:
+        device = resolve_device(args.device, manager())
+        cfg = attrs.evolve(PRESETS[args.preset], **{k: v for k, v in (("dtype", args.dtype),
+                                                                       ("cache_dtype", args.cache_dtype)) if v})
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.tokens < 1 or args.prompt_len < 1 or args.prompt_len + args.tokens > cfg.max_ctx:
+        raise UsageError(f"--prompt-len {args.prompt_len} plus --tokens {args.tokens} must be positive and fit "
+                         f"the context of {cfg.max_ctx}")
+    print(f"model: llama {args.preset}: {cfg.describe()}")
+    t0 = time.perf_counter()
+    model = LlamaModel(cfg, random_weights(cfg, args.seed))
+    weights = sum(t.nbytes for t in model.params.values())
+    cache = sum(t.nbytes for t in model.states)
+    print(f"weights: random, seed {args.seed}, {_size(weights)}, built in {time.perf_counter() - t0:.2f} s; "
+          f"KV cache {_size(cache)}")
+    prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab, args.prompt_len).tolist()
+    out = generate(model, prompt, args.tokens, device, fusion=False if args.no_fusion else None)
+    print(f"device: {device.name} ({device.description}); fusion {'off' if args.no_fusion else 'on'}; "
+          f"compile {out.compile_s:.2f} s")
+    _print_plan("prefill", out.prefill_plan)
+    if out.decode_plan is not None:
+        _print_plan("decode", out.decode_plan)
+    print(f"prompt: {len(prompt)} tokens; generated: {' '.join(map(str, out.tokens))}")
+    print(f"prefill: {len(prompt)} tokens in {out.prefill_s * 1e3:.2f} ms = {out.prefill_tps:.1f} tokens/s")
+    if out.decode_steps:
+        print(f"decode: {out.decode_steps} tokens in {out.decode_s * 1e3:.2f} ms = {out.decode_tps:.1f} tokens/s "
+              f"({out.decode_s / out.decode_steps * 1e3:.3f} ms/token)")
+    return 0
+
+
+def _print_plan(what: str, plan: Plan) -> None:
+    s = plan.summary()
+    plugins = ", ".join(f"{name} {n}" for name, n in s["plugins"].items())
+    fusions = ", ".join(f"{name} x{n}" for name, n in s["fusions"].items()) or "none"
+    peak = ", ".join(f"{dev} {_size(n)}" for dev, n in s["peak"].items()) or "none"
+    print(f"{what} plan: {s['nodes']} nodes -> {s['launches']} launches ({plugins}); fusions: {fusions}; "
+          f"copies: {s['copies']}; arena peak: {peak}")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
