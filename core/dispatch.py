@@ -30,6 +30,7 @@ INPLACE_OPS = frozenset({
     "add", "sub", "mul", "div", "scale", "clamp", "sqr", "sqrt", "log", "sin", "cos", "leaky_relu",
     "abs", "sgn", "neg", "step", "tanh", "elu", "relu", "sigmoid", "gelu", "gelu_erf", "gelu_quick",
     "silu", "hardswish", "hardsigmoid", "exp", "expm1", "softplus", "floor", "ceil", "round", "trunc",
+    "norm", "rms_norm", "l2_norm", "group_norm",
 })
 
 
@@ -87,7 +88,7 @@ def compile(  # noqa: A001 - the natural name
     host = frozenset(host_params)
     # The key holds `dev` itself so that its id stays unique while cached.
     key = (graph.key(), dev, id(dev), fusion, tuple(p.name for p in order), tuple(sorted(t.uid for t in host)),
-           offload_min_batch())
+           offload_min_batch(), os.environ.get("OPDISPATCH_DISABLE_CUDA_GRAPHS", ""))
     cached = mgr.plans.get(key)
     if cached is not None:
         return cached.for_graph(graph)
@@ -254,6 +255,8 @@ class Plan:
             silent = len(s.declined) - len(reasons)
             if reasons or silent:
                 line += "  declined: " + "; ".join(reasons + ([f"{silent} without a kernel"] if silent else []))
+            if s.unfused:
+                line += "  not fused: " + "; ".join(f"{rule} ({why})" for rule, why in s.unfused)
             lines.append(line)
         return "\n".join(lines)
 
@@ -306,6 +309,13 @@ class Plan:
         outputs (device work may still be in flight: see `synchronize`)."""
         for runner in self._bind().runners:
             runner()
+
+    def poison(self, byte: int = 0xFF) -> None:
+        """Fill every arena with `byte` (0xFF: NaN in every float type), so that a
+        test can prove each output element is written by the next run."""
+        bound = self._bind()
+        for name, arena in bound.arenas.items():
+            bound.backends[name].fill(arena, byte)
 
     def synchronize(self) -> None:
         """Wait for every device of the plan to finish its work."""

@@ -41,6 +41,8 @@ class Step:
     declined: tuple[tuple[str, str], ...] = ()  # (plugin, reason), in the order asked
     note: str = ""  # why it is not where the plan's device would put it
     src_device: Device | None = None  # copies: from where
+    #: fusion rules whose pattern matched here but whose check declined: (rule, reason)
+    unfused: tuple[tuple[str, str], ...] = ()
 
     @property
     def out(self) -> Tensor:
@@ -113,7 +115,7 @@ class Scheduler:
                 placed[node] = dev
                 i += 1
                 continue
-            fused = self._fuse(graph, i, rules)
+            fused, unfused = self._fuse(graph, i, rules)
             if fused is not None:
                 steps.append(fused)
                 for n in fused.nodes:
@@ -121,26 +123,33 @@ class Scheduler:
                 i += len(fused.nodes)
                 continue
             step = self._place(node)
+            step.unfused = tuple(unfused)
             steps.append(step)
             placed[node] = step.device
             i += 1
         return steps
 
-    def _fuse(self, graph: Graph, i: int, rules: list) -> Step | None:
+    def _fuse(self, graph: Graph, i: int, rules: list) -> tuple[Step | None, list[tuple[str, str]]]:
+        """The first rule, in plugin order, that fuses the nodes from i; and the
+        (rule, reason) of those whose pattern matched but whose check declined."""
+        declined: list[tuple[str, str]] = []
         for plugin, rule in rules:
             if not can_fuse(graph, i, rule.pattern):
                 continue
             group = tuple(graph.nodes[i:i + len(rule.pattern)])
             if any(s in self.host_params for n in group for s in n.srcs):
+                declined.append((rule.name, "reads weights kept on the host"))
                 continue
             try:
                 answer = rule.check(self.device, group, graph)
             except Exception as exc:  # noqa: BLE001 - a broken rule must not break dispatch
                 self._warn_rule(plugin, rule.name, exc)
+                declined.append((rule.name, f"check raised {type(exc).__name__}"))
                 continue
             if answer is True:
-                return Step("fused", group, self.device, plugin.name, rule.name, rule.bind)
-        return None
+                return Step("fused", group, self.device, plugin.name, rule.name, rule.bind), declined
+            declined.append((rule.name, answer if isinstance(answer, str) and answer else "check declined"))
+        return None, declined
 
     def _warn_rule(self, plugin: Plugin, rule: str, exc: Exception) -> None:
         msg = f"plugin '{plugin.name}' raised in the check of fusion rule {rule}: {type(exc).__name__}: {exc}"

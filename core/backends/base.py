@@ -89,6 +89,9 @@ class Backend(Protocol):
     def read(self, buf: Buffer, offset: int, nbytes: int) -> np.ndarray:
         """Copy `nbytes` from `buf` at `offset` to a new host uint8 array."""
 
+    def fill(self, buf: Buffer, byte: int) -> None:
+        """Set every byte of `buf` (tests poison outputs with it)."""
+
     def bind_context(self, where: Callable[[Tensor], tuple[Buffer, int]]) -> BindContext:
         """A context that resolves tensors to (buffer, byte offset) through `where`."""
 

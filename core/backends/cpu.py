@@ -56,6 +56,9 @@ class HostBackend:
     def read(self, buf: HostBuffer, offset: int, nbytes: int) -> np.ndarray:
         return buf.data[offset:offset + nbytes].copy()
 
+    def fill(self, buf: HostBuffer, byte: int) -> None:
+        buf.data.fill(byte)
+
     def bind_context(self, where: Callable[[Tensor], tuple[HostBuffer, int]]) -> HostContext:
         return HostContext(self.device, self, where)
 

@@ -145,6 +145,11 @@ class CudaBackend:
             self.synchronize()
         return out
 
+    def fill(self, buf: CudaBuffer, byte: int) -> None:
+        with self.cuda_device:
+            buf.mem.memset_async(int(byte), buf.nbytes, self.stream)
+        self.synchronize()
+
     def copy(self, dst: CudaBuffer, dst_offset: int, src: CudaBuffer, src_offset: int, nbytes: int) -> None:
         """Device-to-device copy, queued on the stream (ordered with the launches, not waited for)."""
         _check_range(dst, dst_offset, nbytes, "copy into")
