@@ -34,6 +34,10 @@ INPLACE_OPS = frozenset({
 })
 
 
+#: plans kept per plugin manager (each holds its arenas once bound)
+PLAN_CACHE_SIZE = 64
+
+
 def fusion_from_env() -> bool:
     return os.environ.get("OPDISPATCH_DISABLE_FUSION", "") in ("", "0")
 
@@ -91,6 +95,7 @@ def compile(  # noqa: A001 - the natural name
            offload_min_batch(), os.environ.get("OPDISPATCH_DISABLE_CUDA_GRAPHS", ""))
     cached = mgr.plans.get(key)
     if cached is not None:
+        mgr.plans.move_to_end(key)
         return cached.for_graph(graph)
     fallback = dev if dev.kind == "cpu" else _by_name(mgr.devices(), "cpu")
     sched = Scheduler(mgr, order, dev, fallback, fusion, host)
@@ -98,6 +103,8 @@ def compile(  # noqa: A001 - the natural name
     memory = plan_memory(graph, steps, sched.homes)
     plan = Plan(graph, dev, steps, sched.homes, memory, fusion, [p.name for p in order])
     mgr.plans[key] = plan
+    while len(mgr.plans) > PLAN_CACHE_SIZE:  # a sweep must not hold every plan's buffers
+        mgr.plans.popitem(last=False)
     return plan
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import OrderedDict
 from importlib.metadata import entry_points
 from typing import Any, Callable, Iterable, Sequence
 
@@ -64,8 +65,9 @@ class PluginManager:
     #: (name, reason) of plugins left out at load time
     skipped: list[tuple[str, str]] = attrs.field(init=False, factory=list)
     _kernels: dict[tuple[str, str], dict[str, list[Kernel]]] = attrs.field(init=False, factory=dict)
-    #: compiled plans by structural key (see dispatch.compile); cleared when plugins change
-    plans: dict[tuple, Any] = attrs.field(init=False, factory=dict)
+    #: compiled plans by structural key, least recently used first (see dispatch.compile);
+    #: cleared when plugins change
+    plans: OrderedDict[tuple, Any] = attrs.field(init=False, factory=OrderedDict)
 
     def __attrs_post_init__(self) -> None:
         self.pm = pluggy.PluginManager(PROJECT)

@@ -1,13 +1,430 @@
-"""The cuda_attention plugin: soft_max, rope, flash_attn_ext; rope+set_rows fusion.
+"""The cuda_attention plugin: soft_max, rope, flash_attn_ext; rope -> view -> set_rows fused.
 
-Its kernels arrive with the CUDA backend; until then it accepts nothing.
+Kernels (kernels/*.cu, CUDA C++ compiled by NVRTC one template instance at a time):
+
+- softmax.cu: one block per row, the row held in registers (float4 where
+  aligned) up to 32768 values, else two passes; f16/f32 mask broadcast by
+  modulo, ALiBi, sinks.
+- rope.cu: one thread per pair, normal/neox, partial rotation, frequency
+  factors, YaRN, f32/f16, strided input; and the fused rope -> set_rows.
+- fattn_decode.cu: flash_attn_ext for Tq <= 8 (split-K over the KV, the query
+  heads of one KV head packed in one block, partials combined in f32).
+- fattn_prefill.cu: flash_attn_ext for more rows (mma.sync tensor cores, K/V
+  tiles in shared memory, online softmax, fully masked tiles skipped through
+  per-tile mask flags computed on the device each run).
+
+Each bind is split in two: a pure `*_specs` function picks kernel instances,
+grids and arguments from shapes, strides and addresses (tested without a GPU),
+and `_launch` pre-binds the launches.
 """
 
 from __future__ import annotations
 
-from opdispatch.hookspecs import PRIORITY_BUILTIN, PluginInfo, hookimpl
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence
+
+import attrs
+import numpy as np
+
+from opdispatch.backends.base import Device, Launch
+from opdispatch.fusion import FusionRule
+from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
+from opdispatch.ops.base import pad4
+from opdispatch.reference.attention import rope_yarn_corr_dims
+from opdispatch.tensor import Tensor
+
+from . import fusion, support
+
+if TYPE_CHECKING:
+    from opdispatch.backends.cuda.backend import CudaContext
+
+KERNELS = Path(__file__).resolve().parent / "kernels"
+SOFTMAX_CU = KERNELS / "softmax.cu"
+ROPE_CU = KERNELS / "rope.cu"
+DECODE_CU = KERNELS / "fattn_decode.cu"
+PREFILL_CU = KERNELS / "fattn_prefill.cu"
+
+Ptr = Callable[[Tensor], int]
+u64, i32, i64, f32, u32 = np.uint64, np.int32, np.int64, np.float32, np.uint32
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+# -- template instances ---------------------------------------------------------------------------
+
+#: C++ type of each K/V (and cache) dtype in the kernels
+CTYPE = {"f32": "float", "f16": "od::f16", "bf16": "od::bf16", "q8_0": "od_attn::q8_0", "q4_0": "od_attn::q4_0"}
+SOFTMAX_BLOCKS = (32, 64, 128, 256, 512, 1024)
+SOFTMAX_CACHE = 8  # loads a thread keeps in registers
+DECODE_NCOLS = (1, 4, 8)
+
+
+def softmax_kernel(block: int, cache: int, vec: bool, mask: str) -> str:
+    return f"soft_max_f32<{block}, {cache}, {_b(vec)}, {CTYPE[mask]}>"
+
+
+def rope_kernel(neox: bool, dt: str) -> str:
+    return f"rope_kernel<{_b(neox)}, {CTYPE[dt]}>"
+
+
+def rope_set_rows_kernel(neox: bool, cache: str, idx: str) -> str:
+    return f"rope_set_rows<{_b(neox)}, {CTYPE[cache]}, {'int' if idx == 'i32' else 'long long'}>"
+
+
+def decode_kernel(d: int, kv: str, ncols: int) -> str:
+    return f"fattn_decode<{d}, {CTYPE[kv]}, {ncols}>"
+
+
+def prefill_kernel(d: int, kv: str) -> str:
+    return f"fattn_prefill<{d}, {CTYPE[kv]}>"
+
+
+COMBINE = "fattn_combine"
+MASK_FLAGS = "fattn_mask_flags"
+
+#: each .cu of this plugin and every template instance launched from it (tests/test_kernels_compile.py)
+KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {
+    SOFTMAX_CU: tuple(
+        [softmax_kernel(b, SOFTMAX_CACHE, v, m) for b in SOFTMAX_BLOCKS for v in (False, True) for m in ("f32", "f16")]
+        + [softmax_kernel(1024, 0, v, m) for v in (False, True) for m in ("f32", "f16")]),
+    ROPE_CU: tuple(
+        [rope_kernel(n, dt) for n in (False, True) for dt in ("f32", "f16")]
+        + [rope_set_rows_kernel(n, c, i) for n in (False, True) for c in fusion.CACHE_TYPES for i in ("i32", "i64")]),
+    DECODE_CU: tuple(
+        [decode_kernel(d, kv, c) for d, kv in support.kv_variants() for c in DECODE_NCOLS] + [COMBINE]),
+    PREFILL_CU: tuple([prefill_kernel(d, kv) for d, kv in support.kv_variants()] + [MASK_FLAGS]),
+}
+
+
+# -- launch specs ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Spec:
+    """One launch: source, kernel instance, grid, threads per block, arguments, dynamic shared memory."""
+
+    source: Path
+    kernel: str
+    grid: tuple[int, ...]
+    block: int
+    args: tuple[np.generic, ...]
+    smem: int = 0
+
+
+@attrs.frozen
+class Workspace:
+    """Device scratch memory a launch needs (partials, tile flags): bytes, and what for."""
+
+    nbytes: int
+    what: str
+
+
+def _elem_strides(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape padded to 4 dims and strides in elements (0 for the padding)."""
+    pad = 4 - t.ndim
+    return pad4(t.shape), (0,) * pad + tuple(s // t.dtype.block_bytes for s in t.strides)
+
+
+def _byte_strides(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    pad = 4 - t.ndim
+    return pad4(t.shape), (0,) * pad + tuple(t.strides)
+
+
+def _aligned(t: Tensor, ptr: Ptr, unit: int, elems: int = 1) -> bool:
+    """Every row of `t` starts on a `unit`-byte boundary (the row length is checked by the caller)."""
+    shape, strides = _byte_strides(t)
+    return ptr(t) % unit == 0 and all(s % unit == 0 for n, s in zip(shape[:3], strides[:3]) if n > 1)
+
+
+def alibi_args(n_head: int, max_bias: float) -> tuple[np.generic, ...]:
+    """(use_alibi, m0, m1, n_head_log2) as the kernels take them (ggml's formula)."""
+    if max_bias <= 0 or n_head < 1:
+        return i32(0), f32(1.0), f32(1.0), i32(1)
+    n_log2 = 1 << (int(n_head).bit_length() - 1)
+    return i32(1), f32(2.0 ** (-max_bias / n_log2)), f32(2.0 ** (-max_bias / 2.0 / n_log2)), i32(n_log2)
+
+
+def softmax_block(units: int) -> tuple[int, int]:
+    """(threads, loads kept per thread) for a row of `units` loads; (1024, 0): two passes."""
+    for block in SOFTMAX_BLOCKS:
+        if units <= block * SOFTMAX_CACHE:
+            return block, SOFTMAX_CACHE
+    return 1024, 0
+
+
+def softmax_specs(node: Tensor, ptr: Ptr) -> list[Spec]:
+    a, mask, sinks = node.srcs
+    (a3, a2, rows, cols), st = _elem_strides(a)
+    vec = cols % 4 == 0 and _aligned(a, ptr, 16) and ptr(node) % 16 == 0
+    if mask is not None:
+        (m3, m2, _, _), ms = _elem_strides(mask)
+        vec = vec and _aligned(mask, ptr, 16 if mask.dtype.name == "f32" else 8)
+        mt, mptr = mask.dtype.name, ptr(mask)
+    else:
+        m3 = m2 = 1
+        ms = (0, 0, 0, 0)
+        mt, mptr = "f32", 0
+    block, cache = softmax_block(cols // 4 if vec else cols)
+    p = node.params
+    args = (u64(ptr(a)), u64(mptr), u64(ptr(sinks) if sinks is not None else 0), u64(ptr(node)),
+            i32(cols), i32(rows), i32(a2), i64(st[2]), i64(st[1]), i64(st[0]),
+            i32(m2), i32(m3), i64(ms[2]), i64(ms[1]), i64(ms[0]),
+            f32(p["scale"]), *alibi_args(a2, p["max_bias"]))
+    n = a3 * a2 * rows if cols else 0
+    return [Spec(SOFTMAX_CU, softmax_kernel(block, cache, vec, mt), (n,), block, args)]
+
+
+def _rope_params(node: Tensor) -> tuple[np.generic, ...]:
+    """d, n_dims, heads, tokens, theta_scale, freq_scale, ext_factor, mscale, corr_lo, corr_hi."""
+    p = node.params
+    _, t, h, d = pad4(node.srcs[0].shape)
+    n_dims = p["n_dims"]
+    ext = p["ext_factor"]
+    if ext != 0.0:
+        lo, hi = rope_yarn_corr_dims(n_dims, p["n_ctx_orig"], p["freq_base"], p["beta_fast"], p["beta_slow"])
+        mscale = p["attn_factor"] * (1.0 + 0.1 * math.log(1.0 / p["freq_scale"]))
+    else:
+        lo, hi, mscale = 0.0, 0.0, p["attn_factor"]
+    theta_scale = np.float32(p["freq_base"]) ** np.float32(-2.0 / n_dims)  # ggml: powf(freq_base, -2.0f/n_dims)
+    return (i32(d), i32(n_dims), i32(h), i32(t), f32(theta_scale), f32(p["freq_scale"]), f32(ext), f32(mscale),
+            f32(lo), f32(hi))
+
+
+ROPE_BLOCK = 256
+
+
+def rope_specs(node: Tensor, ptr: Ptr) -> list[Spec]:
+    x, pos, ff = node.srcs
+    _, (xs_b, xs_t, xs_h, _) = _elem_strides(x)
+    total = node.size // 2
+    args = (u64(ptr(x)), u64(ptr(pos)), u64(ptr(ff) if ff is not None else 0), u64(ptr(node)), u32(total),
+            i64(xs_h), i64(xs_t), i64(xs_b), *_rope_params(node))
+    name = rope_kernel(node.params["mode"] == "neox", x.dtype.name)
+    return [Spec(ROPE_CU, name, (-(-total // ROPE_BLOCK),), ROPE_BLOCK, args)]
+
+
+def rope_set_rows_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[Spec]:
+    rope, x, cache, idx = fusion.parts(nodes)
+    _, (_, xs_t, xs_h, _) = _elem_strides(x)
+    cs = cache.strides[-2] // cache.dtype.block_bytes
+    total = rope.size // 2
+    args = (u64(ptr(x)), u64(ptr(rope.srcs[1])), u64(ptr(rope.srcs[2]) if rope.srcs[2] is not None else 0),
+            u64(ptr(cache)), u64(ptr(idx)), u32(total), i64(xs_h), i64(xs_t), i64(cs), *_rope_params(rope))
+    name = rope_set_rows_kernel(rope.params["mode"] == "neox", cache.dtype.name, idx.dtype.name)
+    return [Spec(ROPE_CU, name, (-(-total // ROPE_BLOCK),), ROPE_BLOCK, args)]
+
+
+# -- flash_attn_ext --------------------------------------------------------------------------------
+
+PREFILL_BM = 64
+DECODE_WARPS = 4
+
+
+def prefill_tile_n(d: int) -> int:
+    return 32 if d > 128 else 64
+
+
+def prefill_smem(d: int) -> int:
+    """Dynamic shared memory of fattn_prefill<d, ...>: K/V stages (and Q for d > 128), 16-bit values."""
+    bn, row = prefill_tile_n(d), d + 8
+    stages = 1 if d > 128 else 2
+    return 2 * (stages * 2 * bn * row + (PREFILL_BM * row if d > 128 else 0))
+
+
+def decode_geometry(d: int, ncols: int) -> tuple[int, int]:
+    """(keys a block handles per step, blocks an SM holds) of fattn_decode<d, ., ncols>."""
+    ch = d // 8
+    gl = 8 if ch <= 8 else 16 if ch <= 16 else 32
+    u = 2 if ncols >= 8 else 4
+    return DECODE_WARPS * (32 // gl) * u, 2 if ncols >= 8 else 3
+
+
+@attrs.frozen
+class FlashPlan:
+    """How one flash_attn_ext node runs: its launches and the scratch memory they need.
+
+    `specs(ptr, ws)` gives the launches once the workspaces (addresses, in the
+    order of `workspaces`) exist.
+    """
+
+    kind: str  # "decode" | "prefill"
+    workspaces: tuple[Workspace, ...]
+    make: Callable[[Ptr, Sequence[int]], list[Spec]] = attrs.field(repr=False)
+    nsplit: int = 1
+    chunk: int = 0
+
+    def specs(self, ptr: Ptr, ws: Sequence[int]) -> list[Spec]:
+        return self.make(ptr, ws)
+
+
+def _kv_vec(k: Tensor, v: Tensor, ptr: Ptr) -> bool:
+    """16-byte loads of K and V rows (f32/f16/bf16 rows starting 16-byte aligned)."""
+    if k.dtype.is_quant:
+        return False
+    return _aligned(k, ptr, 16) and _aligned(v, ptr, 16)
+
+
+def _fa_common(node: Tensor, ptr: Ptr) -> tuple[np.generic, ...]:
+    """The arguments both kernels share after the pointers: sizes, strides (bytes), mask, scales."""
+    q, k, v, mask, _ = node.srcs
+    (_, hq, tq, _), (qs_b, qs_h, qs_t, _) = _byte_strides(q)
+    (_, hkv, tk, _), (ks_b, ks_h, ks_t, _) = _byte_strides(k)
+    _, (vs_b, vs_h, vs_t, _) = _byte_strides(v)
+    if mask is not None:
+        (m3, m2, _, _), (ms_b, ms_h, ms_t, _) = _byte_strides(mask)
+    else:
+        m3 = m2 = 1
+        ms_b = ms_h = ms_t = 0
+    p = node.params
+    return (i32(q.dtype.name == "f16"), i32(tq), i32(hq), i32(tk), i32(hq // hkv),
+            i64(qs_t), i64(qs_h), i64(qs_b), i64(ks_t), i64(ks_h), i64(ks_b), i64(vs_t), i64(vs_h), i64(vs_b),
+            i32(m2), i32(m3), i64(ms_t), i64(ms_h), i64(ms_b),
+            f32(p["scale"]), f32(p["softcap"]), *alibi_args(hq, p["max_bias"]))
+
+
+def flash_plan(node: Tensor, sm_count: int = 132) -> FlashPlan:
+    """Decode (split-K) for Tq <= DECODE_MAX_TQ, else prefill (tensor cores)."""
+    q, k, v, mask, sinks = node.srcs
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    kv = k.dtype.name
+    if tq <= support.DECODE_MAX_TQ:
+        group = hq // hkv
+        cols = group * tq
+        ncols = 1 if cols == 1 else 4 if cols <= 4 else 8
+        ncg = -(-cols // ncols)
+        step, per_sm = decode_geometry(d, ncols)
+        base = b * hkv * ncg
+        nsplit = max(1, min(-(-sm_count * per_sm // base), -(-tk // step)))
+        chunk = -(-(-(-tk // nsplit)) // step) * step
+        nsplit = -(-tk // chunk)
+        rows = b * tq * hq
+        ws = (Workspace(nsplit * rows * d * 4, "flash_attn_ext partial sums"),
+              Workspace(nsplit * rows * 8, "flash_attn_ext partial max/sum"))
+
+        def make_decode(ptr: Ptr, wsp: Sequence[int]) -> list[Spec]:
+            common = _fa_common(node, ptr)
+            args = (u64(ptr(q)), u64(ptr(k)), u64(ptr(v)), u64(ptr(mask) if mask is not None else 0),
+                    u64(wsp[0]), u64(wsp[1]), *common[:4], i32(group), i32(ncg), *common[5:],
+                    i32(chunk), i32(_kv_vec(k, v, ptr)))
+            combine = (u64(wsp[0]), u64(wsp[1]), u64(ptr(sinks) if sinks is not None else 0), u64(ptr(node)),
+                       i32(d), i32(rows), i32(nsplit), i32(hq))
+            return [Spec(DECODE_CU, decode_kernel(d, kv, ncols), (nsplit, hkv * ncg, b), DECODE_WARPS * 32, args),
+                    Spec(DECODE_CU, COMBINE, (rows,), min(256, -(-d // 32) * 32), combine)]
+
+        return FlashPlan("decode", ws, make_decode, nsplit, chunk)
+
+    bn = prefill_tile_n(d)
+    n_qt = -(-tq // PREFILL_BM)
+    n_kt = -(-tk // bn)
+    ws: tuple[Workspace, ...] = ()
+    if mask is not None:
+        m3, m2 = pad4(mask.shape)[:2]
+        ws = (Workspace(m3 * m2 * n_qt * n_kt, "flash_attn_ext mask tile flags"),)
+
+    def make_prefill(ptr: Ptr, wsp: Sequence[int]) -> list[Spec]:
+        common = _fa_common(node, ptr)
+        flags = wsp[0] if mask is not None else 0
+        args = (u64(ptr(q)), u64(ptr(k)), u64(ptr(v)), u64(ptr(mask) if mask is not None else 0),
+                u64(ptr(sinks) if sinks is not None else 0), u64(ptr(node)), u64(flags), *common,
+                i32(_kv_vec(k, v, ptr)), i32(n_kt))
+        main = Spec(PREFILL_CU, prefill_kernel(d, kv), (n_qt, hq, b), 128, args, prefill_smem(d))
+        if mask is None:
+            return [main]
+        (m3, m2, _, _), (ms_b, ms_h, ms_t, _) = _byte_strides(mask)
+        fargs = (u64(ptr(mask)), u64(flags), i32(tq), i32(tk), i32(PREFILL_BM), i32(bn), i32(m2),
+                 i64(ms_t), i64(ms_h), i64(ms_b))
+        return [Spec(PREFILL_CU, MASK_FLAGS, (n_kt, n_qt, m3 * m2), 128, fargs), main]
+
+    return FlashPlan("prefill", ws, make_prefill)
+
+
+# -- binding --------------------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class Launches:
+    """Several pre-bound launches run as one (a node's kernels), with their scratch buffers kept alive."""
+
+    launches: tuple[Any, ...]
+    keep: tuple[Any, ...] = ()
+    signature: tuple[Hashable, ...] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.signature = tuple(getattr(fn, "signature", id(fn)) for fn in self.launches)
+
+    def __call__(self) -> None:
+        for fn in self.launches:
+            fn()
+
+
+def _launch(ctx: CudaContext, specs: Sequence[Spec], keep: tuple[Any, ...] = ()) -> Launch:
+    from opdispatch.backends.cuda.kernels import EMPTY, launcher, load_module
+
+    launches = []
+    for s in specs:
+        fn = load_module(s.source, (s.kernel,)).get_function(s.kernel)
+        launches.append(launcher(fn, s.grid, s.block, s.args, s.smem, stream=ctx.stream))
+    launches = [fn for fn in launches if fn is not EMPTY]
+    if not launches:
+        return EMPTY
+    if len(launches) == 1 and not keep:
+        return launches[0]
+    return Launches(tuple(launches), keep)
+
+
+def bind_soft_max(ctx: CudaContext, node: Tensor) -> Launch:
+    return _launch(ctx, softmax_specs(node, ctx.ptr))
+
+
+def bind_rope(ctx: CudaContext, node: Tensor) -> Launch:
+    return _launch(ctx, rope_specs(node, ctx.ptr))
+
+
+def bind_rope_set_rows(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
+    return _launch(ctx, rope_set_rows_specs(nodes, ctx.ptr))
+
+
+def bind_flash_attn_ext(ctx: CudaContext, node: Tensor) -> Launch:
+    plan = flash_plan(node, int(ctx.device.props.get("sm_count", 132)))
+    bufs = tuple(ctx.backend.alloc(w.nbytes, f"{w.what} of {node.describe()}") for w in plan.workspaces)
+    return _launch(ctx, plan.specs(ctx.ptr, [buf.ptr for buf in bufs]), bufs)
+
+
+# -- hooks ----------------------------------------------------------------------------------------
 
 
 @hookimpl
 def plugin_info() -> PluginInfo:
-    return PluginInfo("cuda_attention", "0.1.0", PRIORITY_BUILTIN, "soft_max, rope, flash_attn_ext; rope+set_rows fusion")
+    return PluginInfo("cuda_attention", "0.1.0", PRIORITY_BUILTIN,
+                      "soft_max, rope, flash_attn_ext (split-K decode, tensor-core prefill); rope+set_rows fusion")
+
+
+@hookimpl
+def supports_op(device: Device, node: Tensor) -> bool | str | None:
+    """Plugin-wide gate: the reductions assume 32-lane warps."""
+    if device.kind == "cuda" and device.props.get("warp_size", 32) != 32:
+        return f"the kernels need 32-lane warps, {device.name} has {device.props['warp_size']}"
+    return None
+
+
+@hookimpl
+def kernels(device: Device) -> Iterator[Kernel]:
+    if device.kind != "cuda":
+        return
+    yield Kernel("soft_max", bind_soft_max, support.soft_max, name="soft_max_f32")
+    yield Kernel("rope", bind_rope, support.rope, name="rope")
+    yield Kernel("flash_attn_ext", bind_flash_attn_ext, support.flash_attn_ext, name="flash_attn_ext")
+
+
+@hookimpl
+def fusion_rules(device: Device) -> Iterator[FusionRule]:
+    """rope -> view (or reshape) -> set_rows: the K-cache write of a decoder layer."""
+    if device.kind != "cuda":
+        return
+    for view in ("view", "reshape"):
+        yield FusionRule(f"rope_{view}_set_rows", ("rope", view, "set_rows"), bind=bind_rope_set_rows,
+                         check=fusion.check)

@@ -1,13 +1,628 @@
 """The cuda_matmul plugin: mul_mat, mul_mat_id, out_prod; quantized mat-vec; bias/GLU fusions.
 
-Its kernels arrive with the CUDA backend; until then it accepts nothing.
+Paths (support.py picks one per node; its name shows in `Plan.explain()`):
+
+- mmvf / mmvq: batch N <= 8, float / block-quantized weights: kernels/mmv.cu's
+  mat-vec, reading each weight byte once (16-byte loads for float rows,
+  16-bit loads for blocks, which are only 2-byte aligned), b in float.
+- cublas: float weights, N > 8: cuBLAS GemmEx through our own handle
+  (core/backends/cuda/cublas.py, usable under CUDA-graph capture), strided-
+  batched when every operand's batches are evenly spaced, else pointer-array
+  batched (repeat-interleaved broadcast, permuted batches). The operands must
+  share a type: b is converted to a's type first when it differs (an f32 b
+  with f16/bf16 weights is rounded to f16/bf16, as ggml does; a rounding of b
+  well inside mul_mat's NMSE bound, and it keeps the tensor cores).
+- dequant_cublas: quantized weights, N > 8: kernels/convert.cu dequantizes a
+  to f16 (and b is converted to f16), then cuBLAS.
+- mmv_id (one token) and mmv_id_grouped (a routing kernel groups the (token,
+  slot) pairs by expert on the device, then a mat-vec per expert used): no
+  host synchronization, so both live inside a captured CUDA graph.
+- cublas_out_prod: cuBLAS, a converted to f32 first unless it is f32.
+
+Scratch buffers (converted b, dequantized a, the routing table) come from
+`scratch()`: one buffer per backend and role, grown when a node needs more and
+shared by every node on that backend. Sharing is safe because a backend runs
+every plan on its one stream, so a node's conversion and its GEMM finish before
+the next node's conversion overwrites the buffer (also inside a CUDA graph,
+which keeps the stream's order). A grown buffer replaces the old one only for
+later binds; launches bound earlier keep theirs alive.
+
+A bind is split in two, as in cuda_norm: pure spec functions (`mmv_spec`,
+`gemm_specs`, ...) compute kernel instances, grids, arguments and cuBLAS calls
+from shapes, strides and addresses (tested without a GPU), and `_realize`
+turns specs into pre-bound launches.
 """
 
 from __future__ import annotations
 
-from opdispatch.hookspecs import PRIORITY_BUILTIN, PluginInfo, hookimpl
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import attrs
+import numpy as np
+
+from opdispatch.backends.base import Device, Launch
+from opdispatch.fusion import FusionRule
+from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
+from opdispatch.ops.base import pad4
+from opdispatch.ops.elementwise import GLU_KINDS
+from opdispatch.tensor import Tensor
+
+from . import fusion, support
+
+if TYPE_CHECKING:
+    from opdispatch.backends.cuda.backend import CudaContext
+
+KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
+MMV_CU = KERNELS_DIR / "mmv.cu"
+CONVERT_CU = KERNELS_DIR / "convert.cu"
+
+#: mm_common.cuh's weight kinds and b/destination kinds
+W_KIND = {"f32": "W_F32", "f16": "W_F16", "bf16": "W_BF16", "q4_0": "W_Q4_0", "q4_1": "W_Q4_1",
+          "q5_0": "W_Q5_0", "q5_1": "W_Q5_1", "q8_0": "W_Q8_0"}
+B_KIND = {"f32": "B_F32", "f16": "B_F16", "bf16": "B_BF16"}
+EPI_NONE, EPI_BIAS, EPI_GLU = "EPI_NONE", "EPI_BIAS", "EPI_GLU"
+GLU_CODE = {kind: i for i, kind in enumerate(GLU_KINDS)}  # mm_common.cuh's GLU_* values
+
+BLOCK = 128  # mmv.cu's mm::BLOCK
+ROWS = 2  # rows of a a mat-vec block computes (the kernels' R)
+NTS = (1, 2, 4, 8)  # column counts the mat-vec kernels are compiled for
+ROUTE_BLOCK = 1024  # mmv.cu's ROUTE_BLOCK
+CONVERT_BLOCK = 256  # convert.cu's CONVERT_BLOCK
+CONVERT_GRID_MAX = 65536  # blocks of a conversion (grid-stride over rows beyond)
+
+
+def _b(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+def mmv_name(wt: str, tb: str, nt: int, vec: bool, epi: str) -> str:
+    return f"mmv<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {ROWS}, {_b(vec)}, {epi}>"
+
+
+def mmv_id_name(wt: str, vec: bool, epi: str) -> str:
+    return f"mmv_id<{W_KIND[wt]}, B_F32, {ROWS}, {_b(vec)}, {epi}>"
+
+
+def grouped_name(wt: str, nt: int, vec: bool, epi: str) -> str:
+    return f"mmv_id_grouped<{W_KIND[wt]}, B_F32, {nt}, {ROWS}, {_b(vec)}, {epi}>"
+
+
+def convert_name(ts: str, td: str) -> str:
+    return f"convert<{B_KIND[ts]}, {B_KIND[td]}>"
+
+
+def dequant_name(wt: str, td: str) -> str:
+    return f"dequant<{W_KIND[wt]}, {B_KIND[td]}>"
+
+
+ROUTE_NAME = "moe_route"
+FLOAT_NAMES = ("f32", "f16", "bf16")
+QUANT_NAMES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+WEIGHTS = FLOAT_NAMES + QUANT_NAMES
+
+#: every instance the specs can name, per source (tests/test_kernels_compile.py compiles them all).
+#: Column counts are compiled for the common case only: b f32 with 16-byte loads takes NTS (and
+#: the grouped MoE kernel GROUPED_NTS); the rarer variants (scalar loads, b f16/bf16, which only
+#: unfused mul_mat takes) are compiled for 8 columns and run fewer.
+GROUPED_NTS = (1, 4, 8)
+MMV_NAMES: tuple[str, ...] = (
+    *(mmv_name(wt, "f32", nt, True, epi) for epi in (EPI_NONE, EPI_BIAS, EPI_GLU) for wt in WEIGHTS for nt in NTS),
+    *(mmv_name(wt, "f32", 8, False, epi) for epi in (EPI_NONE, EPI_BIAS, EPI_GLU) for wt in WEIGHTS),
+    *(mmv_name(wt, tb, 8, vec, EPI_NONE) for wt in WEIGHTS for tb in ("f16", "bf16") for vec in (False, True)),
+    *(mmv_id_name(wt, vec, epi) for wt in WEIGHTS for vec in (False, True) for epi in (EPI_NONE, EPI_BIAS, EPI_GLU)),
+    *(grouped_name(wt, nt, True, epi) for wt in WEIGHTS for nt in GROUPED_NTS for epi in (EPI_NONE, EPI_BIAS)),
+    *(grouped_name(wt, 8, False, epi) for wt in WEIGHTS for epi in (EPI_NONE, EPI_BIAS)),
+    ROUTE_NAME,
+)
+CONVERT_NAMES: tuple[str, ...] = (
+    *(convert_name(ts, td) for ts in FLOAT_NAMES for td in FLOAT_NAMES if ts != td or ts == "f32"),
+    *(dequant_name(wt, td) for wt in QUANT_NAMES for td in ("f16", "f32")),
+)
+KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {MMV_CU: MMV_NAMES, CONVERT_CU: CONVERT_NAMES}
+
+Ptr = Callable[[Tensor], int]
+#: scratch(role, nbytes) -> device address of a buffer of at least nbytes for `role`
+Scratch = Callable[[str, int], int]
+
+
+# -- specs: what to launch, computed from shapes, strides and addresses -----------------------------
+
+
+@attrs.frozen
+class KernelSpec:
+    """One launch of a kernel instance of `source`."""
+
+    source: Path
+    kernel: str
+    grid: tuple[int, ...]
+    block: int
+    args: tuple[np.generic, ...]
+    smem: int = 0
+
+
+@attrs.frozen
+class GemmSpec:
+    """One cuBLAS call, column-major (see cublas.py): C (m x n) = op(A) (m x k) op(B) (k x n).
+
+    kind "gemm" (batch 1), "strided" (operand i at ptr + i * stride elements)
+    or "batched" (one address per batch in `ptrs`: (a, b, c) triples)."""
+
+    kind: str
+    transa: int
+    transb: int
+    m: int
+    n: int
+    k: int
+    a: int
+    a_type: str
+    lda: int
+    b: int
+    b_type: str
+    ldb: int
+    c: int
+    ldc: int
+    strides: tuple[int, int, int] = (0, 0, 0)
+    batch: int = 1
+    ptrs: tuple[tuple[int, int, int], ...] = ()
+
+
+Spec = KernelSpec | GemmSpec
+U64, I32, I64, F32 = np.uint64, np.int32, np.int64, np.float32
+
+
+def nt_for(n: int, choices: Sequence[int] = NTS) -> int:
+    """The fewest compiled columns that hold n (n <= 8)."""
+    return next(nt for nt in choices if nt >= n)
+
+
+def _geometry(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and byte strides padded to 4 dims (missing outer dims: size 1, stride 0)."""
+    pad = 4 - t.ndim
+    return pad4(t.shape), (0,) * pad + tuple(t.strides)
+
+
+def _aligned(ptr: int, strides_sizes: Sequence[tuple[int, int]], to: int = 16) -> bool:
+    """ptr and every stride of an axis longer than 1 are multiples of `to`."""
+    return ptr % to == 0 and all(s % to == 0 for s, n in strides_sizes if n > 1)
+
+
+def _b_vec(b: Tensor, ptr: int) -> bool:
+    """b's rows are packed and every row starts 16-byte aligned (K % 4 == 0 is the caller's)."""
+    (n3, n2, n1, k), (s3, s2, s1, s0) = _geometry(b)
+    return (k == 1 or s0 == b.dtype.block_bytes) and _aligned(ptr, ((s1, n1), (s2, n2), (s3, n3)))
+
+
+def _a_vec(a: Tensor, ptr: int) -> bool:
+    """Float rows of a read with 16-byte loads: K % 8 == 0, rows and batches 16-byte aligned."""
+    (n3, n2, m, k), (s3, s2, s1, _) = _geometry(a)
+    return k % 8 == 0 and _aligned(ptr, ((s1, m), (s2, n2), (s3, n3)))
+
+
+def _elem_stride(t: Tensor) -> int:
+    """Byte stride of t's last axis (any value when it has one element)."""
+    return t.strides[-1] if t.shape[-1] > 1 else t.dtype.block_bytes
+
+
+def mmv_spec(node: Tensor, out: Tensor, ptr: Ptr, *, a1: Tensor | None = None, bias0: Tensor | None = None,
+             bias1: Tensor | None = None, glu: Tensor | None = None) -> KernelSpec:
+    """mmv for mul_mat `node` writing `out` (node itself, or the last node of a fused group)."""
+    a, b = node.srcs
+    (a3, a2, m, k), (sa3, sa2, sa1, _) = _geometry(a)
+    (b3, b2, n, _), (sb3, sb2, sb1, _) = _geometry(b)
+    pa, pb = ptr(a), ptr(b)
+    b_vec = k % 4 == 0 and _b_vec(b, pb)
+    if a.dtype.is_quant:
+        vec = b_vec
+    else:
+        vec = b_vec and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0)
+    epi = EPI_GLU if glu is not None else EPI_BIAS if bias0 is not None else EPI_NONE
+    kind, alpha, limit = 0, 0.0, 0.0
+    if glu is not None:
+        kind, alpha, limit = GLU_CODE[glu.params["kind"]], glu.params["alpha"], glu.params["limit"]
+    args = (U64(pa), U64(ptr(a1) if a1 is not None else 0), I64(sa1), I64(sa2), I64(sa3),
+            I32(b2 // a2), I32(b3 // a3), U64(pb), I64(sb1), I64(_elem_stride(b)), I64(sb2), I64(sb3),
+            U64(ptr(out)), I32(m), I32(k), I32(n),
+            U64(ptr(bias0) if bias0 is not None else 0), U64(ptr(bias1) if bias1 is not None else 0),
+            I32(kind), F32(alpha), F32(limit))
+    grid = (math.ceil(m / ROWS) if n else 0, b2, b3)
+    nt = nt_for(max(n, 1)) if vec and b.dtype.name == "f32" else 8
+    return KernelSpec(MMV_CU, mmv_name(a.dtype.name, b.dtype.name, nt, vec, epi), grid, BLOCK, args)
+
+
+def _id_vec(node: Tensor, ptr: Ptr, a1: Tensor | None) -> bool:
+    as_, b, _ = node.srcs
+    k = as_.shape[-1]
+    b_ok = k % 4 == 0 and _b_vec(b, ptr(b))
+    if as_.dtype.is_quant:
+        return b_ok
+    return b_ok and _a_vec(as_, ptr(as_)) and (a1 is None or ptr(a1) % 16 == 0)
+
+
+def mmv_id_spec(node: Tensor, out: Tensor, ptr: Ptr, *, a1: Tensor | None = None, bias0: Tensor | None = None,
+                bias1: Tensor | None = None, glu: Tensor | None = None) -> KernelSpec:
+    """mmv_id for mul_mat_id `node` (one token a grid z index) writing `out`."""
+    as_, b, ids = node.srcs
+    e, m, k = as_.shape
+    t, ub, _ = b.shape
+    u = ids.shape[1]
+    epi = EPI_GLU if glu is not None else EPI_BIAS if bias0 is not None else EPI_NONE
+    kind, alpha, limit = 0, 0.0, 0.0
+    if glu is not None:
+        kind, alpha, limit = GLU_CODE[glu.params["kind"]], glu.params["alpha"], glu.params["limit"]
+    bias_e = bias0.strides[0] if bias0 is not None else 0
+    args = (U64(ptr(as_)), U64(ptr(a1) if a1 is not None else 0), I64(as_.strides[1]), I64(as_.strides[0]), I32(e),
+            U64(ptr(ids)), I64(ids.strides[0]), I64(ids.strides[1]),
+            U64(ptr(b)), I64(b.strides[0]), I64(b.strides[1]), I32(ub), I64(_elem_stride(b)),
+            U64(ptr(out)), I32(m), I32(k),
+            U64(ptr(bias0) if bias0 is not None else 0), U64(ptr(bias1) if bias1 is not None else 0), I64(bias_e),
+            I32(kind), F32(alpha), F32(limit))
+    grid = (math.ceil(m / ROWS), u, t)
+    return KernelSpec(MMV_CU, mmv_id_name(as_.dtype.name, _id_vec(node, ptr, a1), epi), grid, BLOCK, args)
+
+
+def route_words(n_experts: int, pairs: int) -> int:
+    """int32 words of moe_route's table."""
+    return 1 + 3 * n_experts + pairs
+
+
+def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, route: int, *, bias: Tensor | None = None
+                  ) -> list[KernelSpec]:
+    """moe_route then mmv_id_grouped for mul_mat_id `node`; `route` is the table's scratch address."""
+    as_, b, ids = node.srcs
+    e, m, k = as_.shape
+    t, ub, _ = b.shape
+    u = ids.shape[1]
+    pairs = t * u
+    route_spec = KernelSpec(
+        MMV_CU, ROUTE_NAME, (1,), ROUTE_BLOCK,
+        (U64(ptr(ids)), I64(ids.strides[0]), I64(ids.strides[1]), I32(t), I32(u), I32(e), U64(route),
+         U64(ptr(out)), I32(m)),
+        smem=2 * 4 * e)
+    vec = _id_vec(node, ptr, None)
+    nt = nt_for(min(support.MMV_MAX_N, max(1, math.ceil(pairs / min(e, pairs)))), GROUPED_NTS) if vec else 8
+    epi = EPI_BIAS if bias is not None else EPI_NONE
+    args = (U64(ptr(as_)), I64(as_.strides[1]), I64(as_.strides[0]), I32(e), U64(route),
+            U64(ptr(b)), I64(b.strides[0]), I64(b.strides[1]), I32(ub), I64(_elem_stride(b)),
+            U64(ptr(out)), I32(m), I32(k), I32(u),
+            U64(ptr(bias) if bias is not None else 0), I64(bias.strides[0] if bias is not None else 0))
+    grid = (math.ceil(m / ROWS), min(e, pairs))
+    return [route_spec, KernelSpec(MMV_CU, grouped_name(as_.dtype.name, nt, vec, epi), grid,
+                                   BLOCK, args)]
+
+
+def _conversion(src: Tensor, dst_type: str, dst: int) -> KernelSpec:
+    """convert/dequant of `src` (rows on its last axis) into a contiguous `dst_type` buffer at `dst`."""
+    (n3, n2, n1, n0), (s3, s2, s1, s0) = _geometry(src)
+    rows = n1 * n2 * n3
+    grid = (max(1, min(rows, CONVERT_GRID_MAX)),)
+    if src.dtype.is_quant:
+        return KernelSpec(CONVERT_CU, dequant_name(src.dtype.name, dst_type), grid, CONVERT_BLOCK,
+                          (U64(0), I32(n0), I32(n1), I32(n2), I32(n3), I64(s1), I64(s2), I64(s3), U64(dst)))
+    return KernelSpec(CONVERT_CU, convert_name(src.dtype.name, dst_type), grid, CONVERT_BLOCK,
+                      (U64(0), I32(n0), I32(n1), I32(n2), I32(n3), I64(s0), I64(s1), I64(s2), I64(s3), U64(dst)))
+
+
+def conversion(src: Tensor, dst_type: str, src_ptr: int, dst: int) -> KernelSpec:
+    spec = _conversion(src, dst_type, dst)
+    return attrs.evolve(spec, args=(U64(src_ptr), *spec.args[1:]))
+
+
+ELEM = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+@attrs.frozen
+class Operand:
+    """A matrix operand of a batched GEMM: base address, per-batch byte strides (outer, inner),
+    leading dimension (elements), transpose flag and element type."""
+
+    ptr: int
+    s3: int
+    s2: int
+    ld: int
+    trans: int
+    dtype: str
+
+
+def batched(spec_args: dict, a: Operand, b: Operand, c: Operand, batches: tuple[int, int],
+            ratios: tuple[int, int]) -> GemmSpec:
+    """One GemmSpec over batches (B3, B2) with a repeat-interleaved by `ratios` (r3, r2):
+    batch (i3, i2) reads a's (i3 // r3, i2 // r2). Strided when every operand's addresses
+    step evenly over the flattened batches, else pointer arrays."""
+    n3, n2 = batches
+    r3, r2 = ratios
+    trip = [(a.ptr + (i3 // r3) * a.s3 + (i2 // r2) * a.s2, b.ptr + i3 * b.s3 + i2 * b.s2, c.ptr + i3 * c.s3 + i2 * c.s2)
+            for i3 in range(n3) for i2 in range(n2)]
+    common = dict(transa=a.trans, transb=b.trans, a_type=a.dtype, lda=a.ld, b_type=b.dtype, ldb=b.ld, ldc=c.ld,
+                  **spec_args)
+    if len(trip) == 1:
+        return GemmSpec("gemm", a=trip[0][0], b=trip[0][1], c=trip[0][2], **common)
+    steps = [trip[1][j] - trip[0][j] for j in range(3)]
+    even = all(trip[i][j] - trip[i - 1][j] == steps[j] for i in range(1, len(trip)) for j in range(3))
+    sizes = (ELEM[a.dtype], ELEM[b.dtype], 4)
+    if even and all(s >= 0 and s % z == 0 for s, z in zip(steps, sizes)):
+        return GemmSpec("strided", a=trip[0][0], b=trip[0][1], c=trip[0][2],
+                        strides=tuple(s // z for s, z in zip(steps, sizes)), batch=len(trip), **common)
+    return GemmSpec("batched", a=trip[0][0], b=trip[0][1], c=trip[0][2], batch=len(trip), ptrs=tuple(trip), **common)
+
+
+def compute_type(a: Tensor) -> str:
+    """The type both GEMM operands take: f16 for block formats, else a's own."""
+    return "f16" if a.dtype.is_quant else a.dtype.name
+
+
+def gemm_specs(node: Tensor, ptr: Ptr, scratch: Scratch) -> list[Spec]:
+    """cublas / dequant_cublas for mul_mat `node`.
+
+    Row-major out (N, M) = b (N, K) @ a (M, K)^T, in cuBLAS' column-major terms:
+    a's row-major (M, K) buffer (row stride lda >= K) read column-major is a
+    K x M matrix A'; b's row-major (N, K) buffer (row stride ldb) read column-
+    major is a K x N matrix B'; out's (N, M) buffer is a column-major M x N
+    matrix C (ldc = M). C = A'^T B': gemm(transa=T, transb=N, m=M, n=N, k=K,
+    A=a, lda, B=b, ldb, C=out, ldc=M). A b with its N axis packed instead (a
+    transposed view) is a column-major N x K matrix (ld = its K stride) and
+    goes in with transb=T; any other b layout is copied first.
+    """
+    from opdispatch.backends.cuda import cublas
+
+    a, b = node.srcs
+    (a3, a2, m, k), (sa3, sa2, sa1, _) = _geometry(a)
+    (b3, b2, n, _), (sb3, sb2, sb1, sb0) = _geometry(b)
+    ct = compute_type(a)
+    es = ELEM[ct]
+    specs: list[Spec] = []
+    if a.dtype.is_quant:
+        dst = scratch("a", a3 * a2 * m * k * es)
+        specs.append(conversion(a, ct, ptr(a), dst))
+        a_op = Operand(dst, a2 * m * k * es, m * k * es, k, cublas.CUBLAS_OP_T, ct)
+    else:
+        a_op = Operand(ptr(a), sa3, sa2, sa1 // es if m > 1 else k, cublas.CUBLAS_OP_T, ct)
+    b_elem = b.dtype.block_bytes
+    if b.dtype.name == ct and (k == 1 or sb0 == b_elem) and (n == 1 or sb1 >= k * b_elem):
+        b_op = Operand(ptr(b), sb3, sb2, sb1 // b_elem if n > 1 else k, cublas.CUBLAS_OP_N, ct)
+    elif b.dtype.name == ct and n > 1 and sb1 == b_elem and (k == 1 or sb0 >= n * b_elem):
+        b_op = Operand(ptr(b), sb3, sb2, sb0 // b_elem if k > 1 else n, cublas.CUBLAS_OP_T, ct)
+    else:
+        dst = scratch("b", b3 * b2 * n * k * es)
+        specs.append(conversion(b, ct, ptr(b), dst))
+        b_op = Operand(dst, b2 * n * k * es, n * k * es, k, cublas.CUBLAS_OP_N, ct)
+    c_op = Operand(ptr(node), b2 * n * m * 4, n * m * 4, m, 0, "f32")
+    r3, r2 = b3 // a3, b2 // a2
+    nn, batches, ratios = n, (b3, b2), (r3, r2)
+    if r2 > 1 and b_op.trans == cublas.CUBLAS_OP_N and b_op.s2 == n * b_op.ld * es:
+        # b's batches r2 at a time are one (r2 * N, K) matrix against the same a: fold them
+        nn, batches, ratios = n * r2, (b3, a2), (r3, 1)
+        b_op = attrs.evolve(b_op, s2=b_op.s2 * r2)
+        c_op = attrs.evolve(c_op, s2=c_op.s2 * r2)
+    specs.append(batched(dict(m=m, n=nn, k=k), a_op, b_op, c_op, batches, ratios))
+    return specs
+
+
+def out_prod_specs(node: Tensor, ptr: Ptr, scratch: Scratch) -> list[Spec]:
+    """cublas_out_prod: out[n, m] = sum_k b[k, n] * a[k, m] per batch.
+
+    Column-major: a's row-major (K, M) buffer (row stride lda >= M) is an M x K
+    matrix A; out's (N, M) buffer an M x N matrix C (ldc = M); C = A op(B) with
+    op(B)[k, n] = b[k, n]: b's row-major (K, N) rows read column-major are an
+    N x K matrix, so transb=T with ldb = its K stride; a b with its K axis
+    packed (a transposed view) is already K x N: transb=N, ldb = its N stride.
+    gemm(transa=N, transb, m=M, n=N, k=K, A=a, lda, B=b, ldb, C=out, ldc=M).
+    Weights other than f32 are converted to f32 first; other b layouts copied.
+    """
+    from opdispatch.backends.cuda import cublas
+
+    a, b = node.srcs
+    (a3, a2, k, m), (sa3, sa2, sa1, _) = _geometry(a)
+    (b3, b2, _, n), (sb3, sb2, sb1, sb0) = _geometry(b)
+    specs: list[Spec] = []
+    if a.dtype.name == "f32":
+        a_op = Operand(ptr(a), sa3, sa2, sa1 // 4 if k > 1 else m, cublas.CUBLAS_OP_N, "f32")
+    else:
+        dst = scratch("a", a3 * a2 * k * m * 4)
+        specs.append(conversion(a, "f32", ptr(a), dst))
+        a_op = Operand(dst, a2 * k * m * 4, k * m * 4, m, cublas.CUBLAS_OP_N, "f32")
+    if (n == 1 or sb0 == 4) and (k == 1 or sb1 >= 4 * n):
+        b_op = Operand(ptr(b), sb3, sb2, sb1 // 4 if k > 1 else n, cublas.CUBLAS_OP_T, "f32")
+    elif k > 1 and sb1 == 4 and (n == 1 or sb0 >= 4 * k):
+        b_op = Operand(ptr(b), sb3, sb2, sb0 // 4 if n > 1 else k, cublas.CUBLAS_OP_N, "f32")
+    else:
+        dst = scratch("b", b3 * b2 * k * n * 4)
+        specs.append(conversion(b, "f32", ptr(b), dst))
+        b_op = Operand(dst, b2 * k * n * 4, k * n * 4, n, cublas.CUBLAS_OP_T, "f32")
+    c_op = Operand(ptr(node), b2 * n * m * 4, n * m * 4, m, 0, "f32")
+    specs.append(batched(dict(m=m, n=n, k=k), a_op, b_op, c_op, (b3, b2), (b3 // a3, b2 // a2)))
+    return specs
+
+
+# -- binding: specs -> launches -------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class Launches:
+    """Several pre-bound launches run in order as one (a conversion and its GEMM)."""
+
+    name: str
+    parts: tuple[Any, ...]
+    keep: tuple[Any, ...] = ()  # scratch buffers the parts use
+    signature: tuple = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.signature = tuple(getattr(p, "signature", id(p)) for p in self.parts)
+
+    def __call__(self) -> None:
+        for p in self.parts:
+            p()
+
+
+_scratch: dict[tuple[int, str], Any] = {}
+
+
+def scratch_for(ctx: CudaContext, what: str, kept: list) -> Scratch:
+    """scratch(role, nbytes) for one bind: the backend's shared buffer of that role, grown as
+    needed (see the module docstring); every buffer handed out is appended to `kept`."""
+
+    def get(role: str, nbytes: int) -> int:
+        key = (id(ctx.backend), role)
+        buf = _scratch.get(key)
+        if buf is None or buf.nbytes < nbytes:
+            buf = ctx.backend.alloc(max(nbytes, 1 << 20), f"cuda_matmul scratch '{role}' (for {what})")
+            _scratch[key] = buf
+        kept.append(buf)
+        return buf.ptr
+
+    return get
+
+
+def _kernel_launch(ctx: CudaContext, spec: KernelSpec) -> Launch:
+    from opdispatch.backends.cuda.kernels import launcher, load_module
+
+    fn = load_module(spec.source, (spec.kernel,)).get_function(spec.kernel)
+    return launcher(fn, spec.grid, spec.block, spec.args, spec.smem, stream=ctx.stream)
+
+
+def _gemm_launch(ctx: CudaContext, g: GemmSpec) -> Launch:
+    from opdispatch.backends.cuda import cublas
+
+    h = cublas.for_backend(ctx.backend)
+    at, bt = cublas.DATA_TYPES[g.a_type], cublas.DATA_TYPES[g.b_type]
+    ct = cublas.CUDA_R_32F
+    if g.kind == "gemm":
+        return h.gemm(g.transa, g.transb, g.m, g.n, g.k, g.a, at, g.lda, g.b, bt, g.ldb, g.c, ct, g.ldc)
+    if g.kind == "strided":
+        sa, sb, sc = g.strides
+        return h.gemm_strided_batched(g.transa, g.transb, g.m, g.n, g.k, g.a, at, g.lda, sa, g.b, bt, g.ldb, sb,
+                                      g.c, ct, g.ldc, sc, g.batch)
+    pa, pb, pc = zip(*g.ptrs)
+    return h.gemm_batched(g.transa, g.transb, g.m, g.n, g.k, pa, at, g.lda, pb, bt, g.ldb, pc, ct, g.ldc)
+
+
+def _realize(ctx: CudaContext, name: str, specs: Sequence[Spec], kept: Sequence[Any] = ()) -> Launch:
+    from opdispatch.backends.cuda.kernels import EMPTY
+
+    with ctx.backend.cuda_device:
+        parts = [(_kernel_launch(ctx, s) if isinstance(s, KernelSpec) else _gemm_launch(ctx, s)) for s in specs]
+    parts = [p for p in parts if p is not EMPTY]
+    if not parts:
+        return EMPTY
+    if len(parts) == 1 and not kept:
+        return parts[0]
+    return Launches(name, tuple(parts), tuple(kept))
+
+
+def _empty(node: Tensor) -> bool:
+    return node.size == 0
+
+
+def bind_mmv(ctx: CudaContext, node: Tensor) -> Launch:
+    from opdispatch.backends.cuda.kernels import EMPTY
+
+    if _empty(node):
+        return EMPTY
+    return _realize(ctx, node.name, [mmv_spec(node, node, ctx.ptr)])
+
+
+def bind_gemm(ctx: CudaContext, node: Tensor) -> Launch:
+    from opdispatch.backends.cuda.kernels import EMPTY
+
+    if _empty(node):
+        return EMPTY
+    kept: list = []
+    return _realize(ctx, node.name, gemm_specs(node, ctx.ptr, scratch_for(ctx, node.describe(), kept)), kept)
+
+
+def bind_out_prod(ctx: CudaContext, node: Tensor) -> Launch:
+    from opdispatch.backends.cuda.kernels import EMPTY
+
+    if _empty(node):
+        return EMPTY
+    kept: list = []
+    return _realize(ctx, node.name, out_prod_specs(node, ctx.ptr, scratch_for(ctx, node.describe(), kept)), kept)
+
+
+def bind_mmv_id(ctx: CudaContext, node: Tensor) -> Launch:
+    from opdispatch.backends.cuda.kernels import EMPTY
+
+    if _empty(node):
+        return EMPTY
+    return _realize(ctx, node.name, [mmv_id_spec(node, node, ctx.ptr)])
+
+
+def _bind_grouped(ctx: CudaContext, node: Tensor, out: Tensor, bias: Tensor | None) -> Launch:
+    from opdispatch.backends.cuda.kernels import EMPTY
+
+    if _empty(node):
+        return EMPTY
+    kept: list = []
+    e = node.srcs[0].shape[0]
+    route = scratch_for(ctx, node.describe(), kept)("route", 4 * route_words(e, node.shape[0] * node.shape[1]))
+    return _realize(ctx, node.name, grouped_specs(node, out, ctx.ptr, route, bias=bias), kept)
+
+
+def bind_mmv_id_grouped(ctx: CudaContext, node: Tensor) -> Launch:
+    return _bind_grouped(ctx, node, node, None)
+
+
+def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
+    """Any group of fusion.PATTERNS: one mat-vec launch writing the last node."""
+    from opdispatch.backends.cuda.kernels import EMPTY
+
+    prods, biases, glu = fusion.parts(nodes)
+    out = nodes[-1]
+    if _empty(out):
+        return EMPTY
+    first = prods[0]
+    if first.op == "mul_mat_id" and glu is None and first.shape[0] > 1:
+        return _bind_grouped(ctx, first, out, biases[0])
+    make = mmv_spec if first.op == "mul_mat" else mmv_id_spec
+    if glu is None:
+        spec = make(first, out, ctx.ptr, bias0=biases[0])
+    else:
+        spec = make(prods[0], out, ctx.ptr, a1=prods[1].srcs[0], bias0=biases[0], bias1=biases[1], glu=glu)
+    return _realize(ctx, out.name, [spec])
+
+
+# -- hooks ------------------------------------------------------------------------------------------
+
+#: (op, path name, bind) of every Kernel record, in the order they are asked
+PATHS: tuple[tuple[str, str, Callable], ...] = (
+    ("mul_mat", "mmvf", bind_mmv),
+    ("mul_mat", "mmvq", bind_mmv),
+    ("mul_mat", "cublas", bind_gemm),
+    ("mul_mat", "dequant_cublas", bind_gemm),
+    ("mul_mat_id", "mmv_id", bind_mmv_id),
+    ("mul_mat_id", "mmv_id_grouped", bind_mmv_id_grouped),
+    ("out_prod", "cublas_out_prod", bind_out_prod),
+)
 
 
 @hookimpl
 def plugin_info() -> PluginInfo:
-    return PluginInfo("cuda_matmul", "0.1.0", PRIORITY_BUILTIN, "mul_mat, mul_mat_id, out_prod; quantized mat-vec; bias/GLU fusions")
+    return PluginInfo("cuda_matmul", "0.1.0", PRIORITY_BUILTIN,
+                      "mul_mat, mul_mat_id, out_prod; quantized mat-vec; bias/GLU fusions")
+
+
+@hookimpl
+def supports_op(device: Device, node: Tensor) -> bool | str | None:
+    """Plugin-wide gate: 32-lane warps, then the matrix products' shared conditions (said once)."""
+    if device.kind != "cuda" or node.op not in support.MATMUL_OPS:
+        return None
+    if device.props.get("warp_size", 32) != 32:
+        return f"the kernels need 32-lane warps, {device.name} has {device.props['warp_size']}"
+    return support.gate(node)
+
+
+@hookimpl
+def kernels(device: Device) -> Iterator[Kernel]:
+    if device.kind != "cuda":
+        return
+    for op, path, bind in PATHS:
+        yield Kernel(op, bind, support.takes(path), name=path)
+
+
+@hookimpl
+def fusion_rules(device: Device) -> Iterator[FusionRule]:
+    if device.kind != "cuda":
+        return
+    for name, pattern in fusion.PATTERNS:
+        yield FusionRule(name, pattern, bind=bind_fused, check=fusion.check)
