@@ -1,0 +1,579 @@
+// Copies and conversions (cpy, dup, cont), get_rows, set_rows, and the layout
+// ops (concat, repeat, pad, pad_reflect_1d, roll, arange, fill, diag, tri,
+// set, acc, timestep_embedding) of the cuda_misc plugin.
+//
+// Conventions: byte pointers and byte strides; 4-d shapes innermost first
+// (n0 = the last numpy axis); flat indices in row-major order. Contiguous
+// paths move 16 bytes per access; the strided paths unravel a flat index with
+// the multiply-high divisions of quant.cuh. Values are converted through f32:
+// f16 and bf16 round to nearest even (bf16 with ggml's formula), f32 -> i32
+// truncates toward zero, block formats round as ggml's reference quantizers.
+#include "common.cuh"
+#include "quant.cuh"
+
+namespace od {
+namespace rows {
+
+// -- element conversions ---------------------------------------------------------------
+
+__device__ __forceinline__ float to_f32(const float v) { return v; }
+__device__ __forceinline__ float to_f32(const f16 v) { return f16_to_f32(v.bits); }
+__device__ __forceinline__ float to_f32(const bf16 v) { return bf16_to_f32(v.bits); }
+__device__ __forceinline__ float to_f32(const int v) { return __int2float_rn(v); }
+
+template <class D>
+__device__ __forceinline__ D from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(const float v) { return v; }
+template <>
+__device__ __forceinline__ f16 from_f32<f16>(const float v) { return f16{f32_to_f16(v)}; }
+template <>
+__device__ __forceinline__ bf16 from_f32<bf16>(const float v) { return bf16{f32_to_bf16(v)}; }
+template <>
+__device__ __forceinline__ int from_f32<int>(const float v) { return __float2int_rz(v); }
+
+template <class A, class B>
+constexpr bool same_v = false;
+template <class A>
+constexpr bool same_v<A, A> = true;
+
+// Same type: the bits, untouched (NaN payloads, large integers, raw units).
+template <class S, class D>
+__device__ __forceinline__ D convert(const S v) {
+    if constexpr (same_v<S, D>) {
+        return v;
+    } else {
+        return from_f32<D>(to_f32(v));
+    }
+}
+
+// Raw units for same-dtype copies of block formats: one block.
+template <int BYTES>
+struct Block {
+    unsigned short w[BYTES / 2];
+};
+
+// Eight elements through one or two 16-byte accesses (the address must be aligned).
+template <class T>
+union Pack8 {
+    uint4 raw[sizeof(T) / 2];
+    T v[8];
+};
+
+template <class T>
+__device__ __forceinline__ Pack8<T> load8(const T* p) {
+    Pack8<T> r;
+#pragma unroll
+    for (int k = 0; k < int(sizeof(T) / 2); k++) {
+        r.raw[k] = reinterpret_cast<const uint4*>(p)[k];
+    }
+    return r;
+}
+
+template <class T>
+__device__ __forceinline__ void store8(T* p, const Pack8<T>& r) {
+#pragma unroll
+    for (int k = 0; k < int(sizeof(T) / 2); k++) {
+        reinterpret_cast<uint4*>(p)[k] = r.raw[k];
+    }
+}
+
+// Four consecutive source values as f32 (the address aligned to 4 elements).
+__device__ __forceinline__ void load4(const float* p, float (&x)[4]) {
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    x[0] = v.x;
+    x[1] = v.y;
+    x[2] = v.z;
+    x[3] = v.w;
+}
+
+template <class T>
+__device__ __forceinline__ void load4(const T* p, float (&x)[4]) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);  // four 16-bit values
+    const T* h = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        x[i] = to_f32(h[i]);
+    }
+}
+
+__device__ __forceinline__ long long thread_id() {
+    return static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ long long thread_count() {
+    return static_cast<long long>(gridDim.x) * blockDim.x;
+}
+
+}  // namespace rows
+}  // namespace od
+
+using namespace od;
+using namespace od::rows;
+
+// -- copies -------------------------------------------------------------------------------
+
+// Same dtype, both contiguous: nbytes copied in units of U (uint4 when both
+// addresses are 16-byte aligned), the last nbytes % sizeof(U) bytes one by one.
+template <class U>
+__global__ void copy_contig(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
+                            const long long nbytes) {
+    const long long n = nbytes / static_cast<long long>(sizeof(U));
+    const long long id = thread_id();
+    for (long long i = id; i < n; i += thread_count()) {
+        reinterpret_cast<U*>(dst)[i] = reinterpret_cast<const U*>(src)[i];
+    }
+    const long long tail = n * static_cast<long long>(sizeof(U)) + id;
+    if (tail < nbytes) {
+        dst[tail] = src[tail];
+    }
+}
+
+// Conversion between plain types, both contiguous. VEC: 8 elements per access
+// pair (both addresses 16-byte aligned).
+template <class S, class D, bool VEC>
+__global__ void convert_contig(const S* __restrict__ src, D* __restrict__ dst, const long long n) {
+    const long long id = thread_id();
+    long long done = 0;
+    if constexpr (VEC) {
+        const long long n8 = n / 8;
+        for (long long i = id; i < n8; i += thread_count()) {
+            const Pack8<S> a = load8(src + 8 * i);
+            Pack8<D> b;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                b.v[j] = convert<S, D>(a.v[j]);
+            }
+            store8(dst + 8 * i, b);
+        }
+        done = 8 * n8;
+        if (done + id < n) {
+            dst[done + id] = convert<S, D>(src[done + id]);
+        }
+    } else {
+        for (long long i = id; i < n; i += thread_count()) {
+            dst[i] = convert<S, D>(src[i]);
+        }
+    }
+}
+
+// Any strides on either side: element i (row-major) of src's shape goes to
+// element i of dst's shape. Plain types, or raw units (Block<N>) for block formats.
+template <class S, class D>
+__global__ void convert_strided(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
+                                const unsigned n, OD_LAYOUT_PARAMS(a), OD_LAYOUT_PARAMS(b)) {
+    const Layout la = OD_LAYOUT(a), lb = OD_LAYOUT(b);
+    for (unsigned i = thread_id(); i < n; i += thread_count()) {
+        const S v = *reinterpret_cast<const S*>(src + la.offset(i));
+        *reinterpret_cast<D*>(dst + lb.offset(i)) = convert<S, D>(v);
+    }
+}
+
+// Same shape, the source's fastest axis A is not the last one (a transpose):
+// 32 x 32 tiles through shared memory, read along A and written along the
+// last axis, both coalesced. Axes innermost first as (0, A, B, C); grid
+// (tiles of axis 0, tiles of A, nB * nC), 32 x 8 threads.
+template <class S, class D>
+__global__ void __launch_bounds__(256) convert_tiled(const unsigned char* __restrict__ src,
+                                                     unsigned char* __restrict__ dst, const unsigned n0,
+                                                     const unsigned na, const unsigned nb, const long long s0,
+                                                     const long long sa, const long long sb, const long long sc,
+                                                     const long long d0, const long long da, const long long db,
+                                                     const long long dc) {
+    __shared__ S tile[32][33];
+    const unsigned ib = blockIdx.z % nb, ic = blockIdx.z / nb;
+    const unsigned char* s = src + ib * sb + ic * sc;
+    unsigned char* d = dst + ib * db + ic * dc;
+    const unsigned base0 = blockIdx.x * 32, basea = blockIdx.y * 32;
+#pragma unroll
+    for (int k = 0; k < 32; k += 8) {
+        const unsigned i0 = base0 + threadIdx.y + k, ia = basea + threadIdx.x;
+        if (i0 < n0 && ia < na) {
+            tile[threadIdx.y + k][threadIdx.x] = *reinterpret_cast<const S*>(s + i0 * s0 + ia * sa);
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < 32; k += 8) {
+        const unsigned i0 = base0 + threadIdx.x, ia = basea + threadIdx.y + k;
+        if (i0 < n0 && ia < na) {
+            *reinterpret_cast<D*>(d + i0 * d0 + ia * da) = convert<S, D>(tile[threadIdx.x][threadIdx.y + k]);
+        }
+    }
+}
+
+// f32/f16/bf16 -> a block format: 8 lanes per block of 32 row-major values.
+// CONTIG: both contiguous and the source 16-byte aligned (vector loads); else
+// element i of the source is at la.offset(i) and block b of dst at lb.offset(b).
+template <class Q, class S, bool CONTIG>
+__global__ void quantize(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
+                         const unsigned nblocks, OD_LAYOUT_PARAMS(a), OD_LAYOUT_PARAMS(b)) {
+    const Layout la = OD_LAYOUT(a), lb = OD_LAYOUT(b);
+    const int lane = threadIdx.x % WARP_SIZE, r = lane % 8;
+    const unsigned warp = thread_id() / WARP_SIZE;
+    const unsigned warps = thread_count() / WARP_SIZE;
+    for (unsigned first = 4 * warp; first < nblocks; first += 4 * warps) {  // warp-uniform: every lane shuffles
+        const unsigned b = first + lane / 8;
+        const bool active = b < nblocks;
+        float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        unsigned char* blk = dst;
+        if (active) {
+            const unsigned e = b * quant::QK + 4 * r;
+            if constexpr (CONTIG) {
+                load4(reinterpret_cast<const S*>(src) + e, x);
+                blk = dst + static_cast<long long>(b) * Q::BYTES;
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    x[i] = to_f32(*reinterpret_cast<const S*>(src + la.offset(e + i)));
+                }
+                blk = dst + lb.offset(b);
+            }
+        }
+        quant::encode8<Q>(x, r, blk, active);
+    }
+}
+
+// A block format -> f32/f16/bf16. CONTIG: both contiguous, 4 values per thread
+// (dst aligned to 4 elements); else one value per thread, block b of the source
+// at la.offset(b) and element i of dst at lb.offset(i).
+template <class Q, class D, bool CONTIG>
+__global__ void dequantize(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
+                           const unsigned n, OD_LAYOUT_PARAMS(a), OD_LAYOUT_PARAMS(b)) {
+    const Layout la = OD_LAYOUT(a), lb = OD_LAYOUT(b);
+    if constexpr (CONTIG) {
+        for (unsigned t = thread_id(); t < n / 4; t += thread_count()) {
+            const unsigned e = 4 * t;
+            const unsigned char* blk = src + static_cast<long long>(e / quant::QK) * Q::BYTES;
+            D* out = reinterpret_cast<D*>(dst) + e;
+            if constexpr (same_v<D, float>) {
+                float4 v;
+                v.x = quant::decode<Q>(blk, e % quant::QK);
+                v.y = quant::decode<Q>(blk, e % quant::QK + 1);
+                v.z = quant::decode<Q>(blk, e % quant::QK + 2);
+                v.w = quant::decode<Q>(blk, e % quant::QK + 3);
+                *reinterpret_cast<float4*>(out) = v;
+            } else {
+                union {
+                    uint2 raw;
+                    D v[4];
+                } u;
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    u.v[i] = from_f32<D>(quant::decode<Q>(blk, e % quant::QK + i));
+                }
+                *reinterpret_cast<uint2*>(out) = u.raw;
+            }
+        }
+    } else {
+        for (unsigned i = thread_id(); i < n; i += thread_count()) {
+            const float y = quant::decode<Q>(src + la.offset(i / quant::QK), i % quant::QK);
+            *reinterpret_cast<D*>(dst + lb.offset(i)) = from_f32<D>(y);
+        }
+    }
+}
+
+// -- get_rows / set_rows -------------------------------------------------------------------
+
+// Row `row` of the index grid (i3, i2, k): the index value, or -1 when out of range.
+template <class I>
+__device__ __forceinline__ long long row_index(const unsigned char* idx, const unsigned k, const unsigned i2,
+                                               const unsigned i3, const long long is0, const long long is1,
+                                               const long long is2, const long long nrows) {
+    const long long r = *reinterpret_cast<const I*>(idx + i3 * is2 + i2 * is1 + k * is0);
+    return r >= 0 && r < nrows ? r : -1;
+}
+
+// out (A3, A2, n, C) contiguous = a[i3, i2, idx[i3, i2, k]]; one output row per
+// blockIdx.x, 4 * blockDim.x columns per blockIdx.y. A row index out of range
+// gives NaN (0 for i32) instead of reading outside a.
+template <class S, class D>
+__global__ void get_rows(const unsigned char* __restrict__ a, const unsigned char* __restrict__ idx,
+                         D* __restrict__ out, const int ncols, const unsigned n, const unsigned a2,
+                         const long long arows, const long long as0, const long long as1, const long long as2,
+                         const long long as3, const long long is0, const long long is1, const long long is2) {
+    const unsigned row = blockIdx.x;
+    const unsigned k = row % n, i2 = (row / n) % a2, i3 = row / n / a2;
+    const long long r = row_index<int>(idx, k, i2, i3, is0, is1, is2, arows);
+    const unsigned char* src = a + i3 * as3 + i2 * as2 + r * as1;
+    D* dst = out + static_cast<long long>(row) * ncols;
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        const int c = (blockIdx.y * 4 + u) * blockDim.x + threadIdx.x;
+        if (c < ncols) {
+            dst[c] = r < 0 ? convert<float, D>(__int_as_float(0x7fc00000))
+                           : convert<S, D>(*reinterpret_cast<const S*>(src + c * as0));
+        }
+    }
+}
+
+// The same from a block format (rows of packed blocks), dequantized to f32.
+template <class Q>
+__global__ void get_rows_q(const unsigned char* __restrict__ a, const unsigned char* __restrict__ idx,
+                           float* __restrict__ out, const int ncols, const unsigned n, const unsigned a2,
+                           const long long arows, const long long as1, const long long as2, const long long as3,
+                           const long long is0, const long long is1, const long long is2) {
+    const unsigned row = blockIdx.x;
+    const unsigned k = row % n, i2 = (row / n) % a2, i3 = row / n / a2;
+    const long long r = row_index<int>(idx, k, i2, i3, is0, is1, is2, arows);
+    const unsigned char* src = a + i3 * as3 + i2 * as2 + r * as1;
+    float* dst = out + static_cast<long long>(row) * ncols;
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        const int c = (blockIdx.y * 4 + u) * blockDim.x + threadIdx.x;
+        if (c < ncols) {
+            dst[c] = r < 0 ? __int_as_float(0x7fc00000)
+                           : quant::decode<Q>(src + (c / quant::QK) * Q::BYTES, c % quant::QK);
+        }
+    }
+}
+
+// dst[j3, j2, idx[j3 % I2, j2 % I1, k]] = src[j3, j2, k] (f32 rows), one source
+// row per blockIdx.x. Rows whose index is out of range are not written.
+template <class D, class I>
+__global__ void set_rows(const unsigned char* __restrict__ src, const unsigned char* __restrict__ idx,
+                         unsigned char* __restrict__ dst, const int ncols, const unsigned n, const unsigned d2,
+                         const unsigned ni1, const unsigned ni2, const long long drows, const long long ss0,
+                         const long long ss1, const long long ss2, const long long ss3, const long long is0,
+                         const long long is1, const long long is2, const long long ds0, const long long ds1,
+                         const long long ds2, const long long ds3) {
+    const unsigned row = blockIdx.x;
+    const unsigned k = row % n, j2 = (row / n) % d2, j3 = row / n / d2;
+    const long long r = row_index<I>(idx, k, j2 % ni1, j3 % ni2, is0, is1, is2, drows);
+    if (r < 0) {
+        return;
+    }
+    const unsigned char* s = src + j3 * ss3 + j2 * ss2 + k * ss1;
+    unsigned char* d = dst + j3 * ds3 + j2 * ds2 + r * ds1;
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        const int c = (blockIdx.y * 4 + u) * blockDim.x + threadIdx.x;
+        if (c < ncols) {
+            *reinterpret_cast<D*>(d + c * ds0) = from_f32<D>(*reinterpret_cast<const float*>(s + c * ss0));
+        }
+    }
+}
+
+// The same into a block format: 8 lanes per block, 4 * (blockDim.x / 32) blocks
+// of the row per blockIdx.y. VEC: source rows packed and 16-byte aligned.
+template <class Q, class I, bool VEC>
+__global__ void set_rows_q(const unsigned char* __restrict__ src, const unsigned char* __restrict__ idx,
+                           unsigned char* __restrict__ dst, const int nblocks, const unsigned n, const unsigned d2,
+                           const unsigned ni1, const unsigned ni2, const long long drows, const long long ss0,
+                           const long long ss1, const long long ss2, const long long ss3, const long long is0,
+                           const long long is1, const long long is2, const long long ds1, const long long ds2,
+                           const long long ds3) {
+    const unsigned row = blockIdx.x;
+    const unsigned k = row % n, j2 = (row / n) % d2, j3 = row / n / d2;
+    const long long r = row_index<I>(idx, k, j2 % ni1, j3 % ni2, is0, is1, is2, drows);
+    if (r < 0) {
+        return;  // uniform over the block: no lane is left waiting in a shuffle
+    }
+    const unsigned char* s = src + j3 * ss3 + j2 * ss2 + k * ss1;
+    unsigned char* d = dst + j3 * ds3 + j2 * ds2 + r * ds1;
+    const int lane = threadIdx.x % WARP_SIZE, q = lane % 8;
+    const int b = (blockIdx.y * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE) * 4 + lane / 8;
+    const bool active = b < nblocks;
+    float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (active) {
+        const int c = b * quant::QK + 4 * q;
+        if constexpr (VEC) {
+            load4(reinterpret_cast<const float*>(s) + c, x);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                x[i] = *reinterpret_cast<const float*>(s + (c + i) * ss0);
+            }
+        }
+    }
+    quant::encode8<Q>(x, q, d + static_cast<long long>(b) * Q::BYTES, active);
+}
+
+// -- layout ops -----------------------------------------------------------------------------
+// Each writes a contiguous result, one element (or raw unit) per thread,
+// unravelled with the result's layout `o` (its strides unused).
+
+__device__ __forceinline__ unsigned axis_of(const Idx4 x, const int axis) {
+    return axis == 0 ? x.i0 : axis == 1 ? x.i1 : axis == 2 ? x.i2 : x.i3;
+}
+
+// np.concatenate((a, b), axis): `axis` innermost first; a has alen along it.
+template <class U>
+__global__ void concat(const unsigned char* __restrict__ a, const unsigned char* __restrict__ b,
+                       U* __restrict__ out, const unsigned n, OD_LAYOUT_PARAMS(o), const int axis, const unsigned alen,
+                       const long long as0, const long long as1, const long long as2, const long long as3,
+                       const long long bs0, const long long bs1, const long long bs2, const long long bs3) {
+    const Layout lo = OD_LAYOUT(o);
+    for (unsigned i = thread_id(); i < n; i += thread_count()) {
+        Idx4 x = lo.unravel(i);
+        const unsigned c = axis_of(x, axis);
+        const bool from_a = c < alen;
+        if (!from_a) {
+            x.i0 -= axis == 0 ? alen : 0;
+            x.i1 -= axis == 1 ? alen : 0;
+            x.i2 -= axis == 2 ? alen : 0;
+            x.i3 -= axis == 3 ? alen : 0;
+        }
+        const unsigned char* p = from_a ? a + (x.i0 * as0 + x.i1 * as1 + x.i2 * as2 + x.i3 * as3)
+                                        : b + (x.i0 * bs0 + x.i1 * bs1 + x.i2 * bs2 + x.i3 * bs3);
+        out[i] = *reinterpret_cast<const U*>(p);
+    }
+}
+
+// np.tile: out element (i0..i3) = a[i0 % a0, ..., i3 % a3].
+template <class U>
+__global__ void repeat(const unsigned char* __restrict__ a, U* __restrict__ out, const unsigned n,
+                       OD_LAYOUT_PARAMS(o), const unsigned a0, const unsigned a1, const unsigned a2, const unsigned a3,
+                       const long long as0, const long long as1, const long long as2, const long long as3) {
+    const Layout lo = OD_LAYOUT(o);
+    for (unsigned i = thread_id(); i < n; i += thread_count()) {
+        const Idx4 x = lo.unravel(i);
+        const long long off = (x.i0 % a0) * as0 + (x.i1 % a1) * as1 + (x.i2 % a2) * as2 + (x.i3 % a3) * as3;
+        out[i] = *reinterpret_cast<const U*>(a + off);
+    }
+}
+
+// np.pad with zeros: out (i0..i3) = x[i - lo] inside x, else 0 (f32).
+__global__ void pad(const unsigned char* __restrict__ x, float* __restrict__ out, const unsigned n,
+                    OD_LAYOUT_PARAMS(o), const unsigned x0, const unsigned x1, const unsigned x2, const unsigned x3,
+                    const unsigned lo0, const unsigned lo1, const unsigned lo2, const unsigned lo3,
+                    const long long xs0, const long long xs1, const long long xs2, const long long xs3) {
+    const Layout lo = OD_LAYOUT(o);
+    for (unsigned i = thread_id(); i < n; i += thread_count()) {
+        const Idx4 p = lo.unravel(i);
+        // unsigned wrap-around makes "before the start" a large value: one compare per axis
+        const unsigned j0 = p.i0 - lo0, j1 = p.i1 - lo1, j2 = p.i2 - lo2, j3 = p.i3 - lo3;
+        const bool inside = j0 < x0 && j1 < x1 && j2 < x2 && j3 < x3;
+        out[i] = inside ? *reinterpret_cast<const float*>(x + (j0 * xs0 + j1 * xs1 + j2 * xs2 + j3 * xs3)) : 0.0f;
+    }
+}
+
+// np.pad(mode="reflect") on the last axis: p0 before, edge not repeated (f32).
+__global__ void pad_reflect_1d(const unsigned char* __restrict__ x, float* __restrict__ out, const unsigned n,
+                               OD_LAYOUT_PARAMS(o), const int x0, const int p0, const long long xs0,
+                               const long long xs1, const long long xs2, const long long xs3) {
+    const Layout lo = OD_LAYOUT(o);
+    for (unsigned i = thread_id(); i < n; i += thread_count()) {
+        const Idx4 p = lo.unravel(i);
+        int j = static_cast<int>(p.i0) - p0;
+        j = j < 0 ? -j : j;
+        j = j >= x0 ? 2 * (x0 - 1) - j : j;
+        out[i] = *reinterpret_cast<const float*>(x + (j * xs0 + p.i1 * xs1 + p.i2 * xs2 + p.i3 * xs3));
+    }
+}
+
+// np.roll on every axis; shifts normalized to [0, n) per axis (f32; x has out's shape).
+__global__ void roll(const unsigned char* __restrict__ x, float* __restrict__ out, const unsigned n,
+                     OD_LAYOUT_PARAMS(o), const unsigned sh0, const unsigned sh1, const unsigned sh2,
+                     const unsigned sh3, const long long xs0, const long long xs1, const long long xs2,
+                     const long long xs3) {
+    const Layout lo = OD_LAYOUT(o);
+    const unsigned n0 = lo.n0.d, n1 = lo.n1.d, n2 = lo.n2.d;
+    const unsigned n3 = n / (n0 * n1 * n2);
+    for (unsigned i = thread_id(); i < n; i += thread_count()) {
+        const Idx4 p = lo.unravel(i);
+        const unsigned j0 = p.i0 >= sh0 ? p.i0 - sh0 : p.i0 + n0 - sh0;
+        const unsigned j1 = p.i1 >= sh1 ? p.i1 - sh1 : p.i1 + n1 - sh1;
+        const unsigned j2 = p.i2 >= sh2 ? p.i2 - sh2 : p.i2 + n2 - sh2;
+        const unsigned j3 = p.i3 >= sh3 ? p.i3 - sh3 : p.i3 + n3 - sh3;
+        out[i] = *reinterpret_cast<const float*>(x + (j0 * xs0 + j1 * xs1 + j2 * xs2 + j3 * xs3));
+    }
+}
+
+// start + step * i in f32, two roundings as ggml (no FMA).
+__global__ void arange(float* __restrict__ out, const unsigned n, const float start, const float step) {
+    for (unsigned i = thread_id(); i < n; i += thread_count()) {
+        out[i] = __fadd_rn(start, __fmul_rn(step, static_cast<float>(i)));
+    }
+}
+
+template <class D>
+__global__ void fill(D* __restrict__ out, const long long n, const float value) {
+    const D v = from_f32<D>(value);
+    for (long long i = thread_id(); i < n; i += thread_count()) {
+        out[i] = v;
+    }
+}
+
+// out (.., N, N): x[.., 0, i0] on the diagonal, 0 elsewhere (f32).
+__global__ void diag(const unsigned char* __restrict__ x, float* __restrict__ out, const unsigned n,
+                     OD_LAYOUT_PARAMS(o), const long long xs0, const long long xs2, const long long xs3) {
+    const Layout lo = OD_LAYOUT(o);
+    for (unsigned i = thread_id(); i < n; i += thread_count()) {
+        const Idx4 p = lo.unravel(i);
+        out[i] = p.i0 == p.i1 ? *reinterpret_cast<const float*>(x + (p.i0 * xs0 + p.i2 * xs2 + p.i3 * xs3)) : 0.0f;
+    }
+}
+
+// Keep a triangle (f32): kind 0 lower (col < row), 1 lower_diag, 2 upper (col > row), 3 upper_diag.
+__global__ void tri(const unsigned char* __restrict__ x, float* __restrict__ out, const unsigned n,
+                    OD_LAYOUT_PARAMS(o), const int kind, const long long xs0, const long long xs1,
+                    const long long xs2, const long long xs3) {
+    const Layout lo = OD_LAYOUT(o);
+    for (unsigned i = thread_id(); i < n; i += thread_count()) {
+        const Idx4 p = lo.unravel(i);
+        const bool keep = kind == 0 ? p.i0 < p.i1 : kind == 1 ? p.i0 <= p.i1 : kind == 2 ? p.i0 > p.i1 : p.i0 >= p.i1;
+        out[i] = keep ? *reinterpret_cast<const float*>(x + (p.i0 * xs0 + p.i1 * xs1 + p.i2 * xs2 + p.i3 * xs3))
+                      : 0.0f;
+    }
+}
+
+// set / acc: out (contiguous, a's shape) = a, with the window overwritten by b
+// (set) or by a + b (acc). The window starts at element `woff` of out and has
+// axes sorted by element stride, largest first (ws0 >= ws1 >= ...), each at
+// least the span of the ones after it, so the division below finds the only
+// window position of an element. Padding axes have wn = 1 and a huge stride.
+template <class T, bool ACC>
+__global__ void set_window(const unsigned char* __restrict__ a, const unsigned char* __restrict__ b,
+                           T* __restrict__ out, const unsigned n, OD_LAYOUT_PARAMS(a), const long long woff,
+                           const long long ws0, const long long ws1, const long long ws2, const long long ws3,
+                           const unsigned wn0, const unsigned wn1, const unsigned wn2, const unsigned wn3,
+                           const long long bs0, const long long bs1, const long long bs2, const long long bs3) {
+    const Layout la = OD_LAYOUT(a);
+    const long long ws[4] = {ws0, ws1, ws2, ws3};
+    const unsigned wn[4] = {wn0, wn1, wn2, wn3};
+    const long long bs[4] = {bs0, bs1, bs2, bs3};
+    for (unsigned i = thread_id(); i < n; i += thread_count()) {
+        const T av = *reinterpret_cast<const T*>(a + la.offset(i));
+        long long rel = static_cast<long long>(i) - woff;
+        long long boff = 0;
+        bool inside = rel >= 0;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const long long c = inside ? rel / ws[k] : 0;
+            inside = inside && c < wn[k];
+            rel -= c * ws[k];
+            boff += c * bs[k];
+        }
+        inside = inside && rel == 0;
+        T v = av;
+        if (inside) {
+            const T bv = *reinterpret_cast<const T*>(b + boff);
+            if constexpr (ACC) {
+                v = av + bv;
+            } else {
+                v = bv;
+            }
+        }
+        out[i] = v;
+    }
+}
+
+// out (N, dim) f32: cos(t * f_j) for j < half, sin(t * f_{j-half}) for half <= j < 2 half,
+// 0 for an odd dim's last column; f_j = exp(-ln(max_period) * j / half). In double, like the reference.
+__global__ void timestep_embedding(const unsigned char* __restrict__ t, float* __restrict__ out, const int rows,
+                                   const int dim, const long long ts0, const double log_max_period) {
+    const int half = dim / 2;
+    const long long n = static_cast<long long>(rows) * dim;
+    for (long long i = thread_id(); i < n; i += thread_count()) {
+        const int row = static_cast<int>(i / dim), j = static_cast<int>(i % dim);
+        float v = 0.0f;
+        if (j < 2 * half) {
+            const int f = j < half ? j : j - half;
+            const double freq = exp(-log_max_period * f / half);
+            const double arg = static_cast<double>(*reinterpret_cast<const float*>(t + row * ts0)) * freq;
+            v = static_cast<float>(j < half ? cos(arg) : sin(arg));
+        }
+        out[i] = v;
+    }
+}

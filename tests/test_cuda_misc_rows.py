@@ -1,0 +1,785 @@
+"""cuda_misc's rows half: copies, get_rows/set_rows, layout ops, reductions, sorts, the MoE fusion.
+
+CPU-only tests plan graphs for a CUDA device description (what the plugin
+takes and declines, which fusions match, which kernel instances the binds
+pick) and check the host-side index arithmetic. `@pytest.mark.gpu` tests run
+each op on the GPU against compile(..., "cpu"): exactly where the kernels
+round as the reference (copies, conversions, quantized bytes, gathers,
+sorts), by NMSE where they sum in another order. Each GPU plan runs twice
+with fresh inputs, so a stale output cannot pass.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Callable, Sequence
+
+import numpy as np
+import pytest
+
+import opdispatch as od
+from opdispatch import ops
+from opdispatch.backends.base import Device
+from opdispatch.dtypes import DTYPES, dequantize, from_float, quantize, to_host_float
+from opdispatch.ops.base import FLOATS, QUANTS
+from opdispatch.plugins.cuda_misc import rows
+from opdispatch.testing.metrics import nmse
+
+DEV = Device("cuda0", "cuda", props={"cc": (9, 0), "sm_count": 132, "smem_per_block": 49152, "warp_size": 32})
+PLAIN = ("f32", "f16", "bf16", "i32")
+
+gpu = pytest.mark.gpu
+
+
+def kernel_steps(plan: od.Plan) -> list:
+    return [s for s in plan.steps if s.kind in ("kernel", "fused")]
+
+
+def step_of(plan: od.Plan, node: od.Tensor):  # noqa: ANN201
+    return next(s for s in plan.steps if node in s.nodes)
+
+
+# ==================================================================================================
+# Plans on a device description (no GPU)
+
+
+def _one_of_each() -> list[od.Tensor]:
+    """One node per op of this half, in the layouts a decoder and the benchmarks use."""
+    x = od.input("x", (7, 64))
+    xt = od.input("xt", (64, 7)).T
+    q = od.param("wq", np.random.default_rng(0).uniform(-1, 1, (10, 64)), "q4_0")
+    idx = od.input("idx", (5,), "i32")
+    kv = od.state("kv", (16, 64), "f16")
+    kvq = od.state("kvq", (16, 64), "q8_0")
+    ids64 = od.input("ids64", (7,), "i64")
+    i32 = od.input("ints", (7, 64), "i32")
+    return [
+        ops.cpy(x, od.state("h", (7, 64), "f16")),
+        ops.cpy(x, od.state("q8", (7, 64), "q8_0")),
+        ops.cpy(q, od.state("deq", (10, 64), "f32")),
+        ops.cont(xt),
+        ops.dup(i32),
+        ops.get_rows(q, idx),
+        ops.get_rows(x, idx),
+        ops.set_rows(kv, x, ids64),
+        ops.set_rows(kvq, x, ids64),
+        ops.concat(x, x, 0),
+        ops.repeat(od.input("r", (1, 64)), (7, 64)),
+        ops.pad(x, ((1, 2), (3, 0))),
+        ops.pad_reflect_1d(x, 2, 3),
+        ops.roll(x, (1, -2)),
+        ops.arange(0.0, 10.0, 0.5),
+        ops.fill(x, 2.5),
+        ops.diag(od.input("d", (7,))),
+        ops.tri(od.input("sq", (9, 9)), "lower"),
+        ops.set(x, od.input("s", (2, 8)), 4 * 65),
+        ops.acc(x, od.input("s2", (2, 8)), 4 * 3),
+        ops.timestep_embedding(od.input("t", (5,)), 33),
+        ops.sum(x),
+        ops.sum_rows(x),
+        ops.mean(xt),
+        ops.cumsum(x),
+        ops.argmax(x),
+        ops.count_equal(i32, od.input("i2", (7, 64), "i32")),
+        ops.argsort(x, "desc"),
+        ops.argsort(od.input("long", (2, 2**20)), "asc"),
+        ops.top_k(x, 3),
+        ops.top_k(od.input("vocab", (2, 128256)), 40),
+    ]
+
+
+def test_takes_every_op_of_the_half() -> None:
+    outs = _one_of_each()
+    plan = od.compile(outs, DEV)
+    for out in outs:
+        step = step_of(plan, out)
+        assert step.plugin == "cuda_misc" and step.device.name == "cuda0", plan.explain()
+
+
+@pytest.mark.parametrize("build, reason", [
+    (lambda: ops.cont(od.input("x", (8,)).view((3,), offset=2)), "split an element"),
+    (lambda: ops.get_rows(od.param("w", np.ones((4, 64)), "q8_0").view((2, 32), (68, 68)),
+                          od.input("i", (1,), "i32")), "quantized rows must be packed"),
+    (lambda: ops.set(od.input("a", (4, 8)), od.input("b", (2, 3)), 0, (4, 4)), "overlaps itself"),
+    (lambda: ops.argsort(od.input("x", (65536, 4097))), "more than 65535 rows"),
+    (lambda: ops.top_k(od.input("x", (2, 10000)), 5000), "k above 4096"),
+    (lambda: ops.cpy(od.input("x", (4, 64), "i32"), od.state("q", (4, 64), "q8_0")), None),  # the builder refuses
+])
+def test_declines_with_a_reason(build: Callable[[], od.Tensor], reason: str | None) -> None:
+    if reason is None:
+        with pytest.raises(ops.OpError):
+            build()
+        return
+    out = build()
+    plan = od.compile(out, DEV)
+    step = step_of(plan, out)
+    assert step.plugin == "cpu"
+    why = next(r for p, r in step.declined if p == "cuda_misc")
+    assert reason in why, plan.explain()
+
+
+def _router(tokens: int = 9, experts: int = 64, k: int = 4, norm: bool = True, view: str = "reshape",
+            mask: bool = False) -> tuple[od.Tensor, od.Tensor, od.Tensor]:
+    logits = od.input("logits", (tokens, experts))
+    probs = ops.soft_max(logits, od.input("m", (tokens, experts)) if mask else None)
+    ids = ops.top_k(probs, k)
+    table = probs.reshape(tokens, experts, 1) if view == "reshape" else probs.view((tokens, experts, 1))
+    weights = ops.get_rows(table, ids)
+    if not norm:
+        return logits, ids, weights
+    w2 = weights.reshape(tokens, k)
+    return logits, ids, ops.div(w2, ops.sum_rows(w2))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("view", ["reshape", "view"])
+def test_moe_router_fuses(norm: bool, view: str) -> None:
+    _, _, out = _router(norm=norm, view=view)
+    plan = od.compile(out, DEV)
+    (fused,) = plan.fusions
+    assert fused.plugin == "cuda_misc" and fused.nodes[-1] is out
+    assert [n.op for n in fused.nodes][:4] == ["soft_max", view, "top_k", "get_rows"]
+    assert fused.kernel.startswith("topk_moe_norm" if norm else "topk_moe_")
+    assert len(kernel_steps(plan)) == 1
+
+
+def test_moe_router_variants_do_not_fuse() -> None:
+    # soft_max with a mask: ggml's kernel (and ours) has no mask
+    _, _, out = _router(mask=True)
+    assert not od.compile(out, DEV).fusions
+    # the ids read outside the group: can_fuse refuses (no storage for them while fused)
+    _, ids, out = _router()
+    assert not od.compile([out, ids], DEV).fusions
+    # top_k of the logits, not of the probabilities
+    logits = od.input("logits", (9, 64))
+    probs = ops.soft_max(logits)
+    w = ops.get_rows(probs.reshape(9, 64, 1), ops.top_k(ops.scale(probs, 2.0), 4))
+    plan = od.compile(w, DEV)
+    assert not plan.fusions
+    # divided by something else than the weights' sum
+    _, _, out = _router(norm=False)
+    w2 = out.reshape(9, 4)
+    other = ops.div(w2, ops.sum_rows(ops.sqr(w2)))
+    assert not any(f.kernel.startswith("topk_moe_norm") for f in od.compile(other, DEV).fusions)
+
+
+def test_moe_check_reasons() -> None:
+    logits, _, out = _router(experts=2048, k=4)
+    graph = od.Graph.build(out)
+    assert "experts" in rows.moe_check(DEV, graph.nodes, graph)
+
+
+# -- the binds' choices, with made-up addresses ------------------------------------------------------
+
+
+def addresses(*tensors: od.Tensor, misalign: int = 0) -> Callable[[od.Tensor], int]:
+    """A `ptr` for specs: each base 256-aligned (as the arena places them), plus view offsets."""
+    bases: dict[od.Tensor, int] = {}
+
+    def ptr(t: od.Tensor) -> int:
+        base = bases.setdefault(t.base, (len(bases) + 1) << 20)
+        return base + t.view_offset + misalign
+
+    return ptr
+
+
+def _names_in_sources(specs: Sequence[rows.Spec]) -> None:
+    for s in specs:
+        assert s.kernel in rows.KERNEL_SOURCES[s.source], f"{s.kernel} is not compiled for {s.source.name}"
+
+
+def test_copy_specs_pick_the_fast_paths() -> None:
+    x = od.input("x", (64, 64))
+    y = ops.cpy(x, od.state("h", (64, 64), "f16"))
+    (s,) = rows.copy_specs(x, y, addresses(), 132)
+    assert s.kernel == "convert_contig<float, od::f16, true>"
+    (s,) = rows.copy_specs(x, y, addresses(misalign=4), 132)
+    assert s.kernel == "convert_contig<float, od::f16, false>"
+    d = ops.dup(x)
+    assert rows.copy_specs(x, d, addresses(), 132)[0].kernel == "copy_contig<uint4>"
+    assert rows.copy_specs(x, d, addresses(misalign=4), 132)[0].kernel == "copy_contig<unsigned>"
+    q = ops.cpy(x, od.state("q", (64, 64), "q8_0"))
+    assert rows.copy_specs(x, q, addresses(), 132)[0].kernel == "quantize<od::quant::q8_0, float, true>"
+    assert rows.copy_specs(x.T, q, addresses(), 132)[0].kernel == "quantize<od::quant::q8_0, float, false>"
+    c = ops.cont(x.T)
+    (s,) = rows.copy_specs(x.T, c, addresses(), 132)
+    assert s.kernel == "convert_tiled<unsigned, unsigned>" and s.grid == (2, 2, 1) and s.block == (32, 8)
+    z = od.input("z", (3, 64, 5))
+    strided = ops.cont(z.permute(1, 0, 2))  # rows still packed: no tiles
+    assert rows.copy_specs(strided.srcs[0], strided, addresses(), 132)[0].kernel.startswith("convert_strided")
+
+
+def test_every_kernel_a_bind_names_is_compiled() -> None:
+    """Each spec's instance is in KERNEL_SOURCES (what NVRTC compiles), for every path."""
+    outs = _one_of_each()
+    x = od.input("x2", (5, 64))
+    for s in PLAIN:
+        for d in PLAIN:
+            for src in (od.input(f"c{s}{d}", (5, 64), s), od.input(f"t{s}{d}", (64, 5), s).T):
+                outs.append(ops.cpy(src, od.state(f"o{s}{d}{src.name}", (5, 64), d)))
+    for q in QUANTS:
+        for f in FLOATS:
+            outs.append(ops.cpy(od.input(f"f{q}{f}", (64, 5), f).T, od.state(f"s{q}{f}", (5, 64), q)))
+            w = od.param(f"p{q}{f}", np.ones((3, 5, 64)), q)
+            outs += [ops.cpy(w, od.state(f"d{q}{f}", (3, 5, 64), f)), ops.cont(w.permute(1, 0, 2)),
+                     ops.get_rows(w, od.input(f"g{q}{f}", (3, 2), "i32")),
+                     ops.set_rows(od.state(f"k{q}{f}", (3, 5, 64), q), od.input(f"r{q}{f}", (3, 2, 64)),
+                                  od.input(f"j{q}{f}", (3, 2), "i32"))]
+    for t in ("i8", "i16", "i64"):
+        outs.append(ops.cont(od.input(f"raw{t}", (7, 5), t).T))
+    outs += [ops.sum(od.input(f"sum{f}", (9, 5), f).T) for f in FLOATS]
+    outs += [ops.argsort(od.input("as", (3, 100003))), ops.top_k(od.input("tk", (3, 100003)), 100)]
+    outs += [ops.concat(x, x, 1), ops.concat(od.param("cq", np.ones((2, 64)), "q4_1"),
+                                                 od.param("cq2", np.ones((2, 32)), "q4_1"), 1)]
+    _, _, moe = _router(experts=256)
+    graph = od.Graph.build([*outs, moe])
+    plan = od.compile(graph, DEV)
+    ptrs = (addresses(), addresses(misalign=4))
+    binds = {k.op: k for k in rows.KERNELS}
+    for step in kernel_steps(plan):
+        if step.plugin != "cuda_misc":
+            continue
+        node = step.nodes[-1]
+        for ptr in ptrs:
+            if step.kind == "fused":
+                _names_in_sources(rows.moe_specs(step.nodes, ptr))
+            elif node.op in ("cpy", "dup", "cont"):
+                _names_in_sources(rows.copy_specs(node.srcs[0], node, ptr, 132))
+            elif node.op == "get_rows":
+                _names_in_sources(rows.get_rows_specs(node, ptr))
+            elif node.op == "set_rows":
+                _names_in_sources(rows.set_rows_specs(node, ptr))
+            elif node.op == "argsort":
+                _names_in_sources(rows.argsort_specs(node, ptr, rows.chunk_limit(DEV)))
+            elif node.op == "top_k":
+                _names_in_sources(rows.top_k_specs(node, ptr, rows.chunk_limit(DEV)))
+            else:
+                assert node.op in binds
+                specs_fn = {
+                    "concat": rows.concat_specs, "repeat": rows.repeat_specs, "pad": rows.pad_specs,
+                    "pad_reflect_1d": rows.pad_reflect_specs, "roll": rows.roll_specs, "diag": rows.diag_specs,
+                    "tri": rows.tri_specs, "arange": rows.arange_specs, "fill": rows.fill_specs,
+                    "set": rows.set_acc_specs, "acc": rows.set_acc_specs,
+                    "timestep_embedding": rows.timestep_specs, "sum": rows.sum_specs,
+                    "sum_rows": rows.sum_rows_specs, "mean": rows.sum_rows_specs, "cumsum": rows.cumsum_specs,
+                    "argmax": rows.argmax_specs, "count_equal": rows.count_equal_specs,
+                }[node.op]
+                _names_in_sources(specs_fn(node, ptr, 132))
+
+
+def test_long_argsort_merges_level_by_level() -> None:
+    x = od.input("x", (2, 2**20))
+    node = ops.argsort(x)
+    specs = rows.argsort_specs(node, addresses(), 4096)
+    # sort 256 chunks, then per level k = 2**13 .. 2**20: the flip, the global
+    # half-cleaners down to the chunk, and the chunk merge
+    levels = range(13, 21)
+    assert len(specs) == 1 + sum(2 + (lv - 13) for lv in levels)
+    assert specs[0].grid == (2, 256) and specs[0].smem == 4096 * 8
+    assert rows.chunk_limit(DEV) == 4096
+    assert rows.chunk_limit(Device("g", "cuda", props={"smem_per_block_optin": 232448})) == 16384
+    small = rows.argsort_specs(ops.argsort(od.input("s", (3, 1000))), addresses(), 4096)
+    assert len(small) == 1 and small[0].kernel == "sort_chunks<512>" and small[0].smem == 1024 * 8
+
+
+def _emulate_sort(specs: Sequence[rows.Spec], keys: np.ndarray) -> np.ndarray:
+    """Run argsort_specs' launches on the host: the network sort.cu runs, on (key, index) pairs."""
+    n = len(keys)
+    order = np.arange(n)
+
+    def swap_if(i: int, p: int) -> None:
+        a, b = order[i], order[p]
+        if (keys[b], b) < (keys[a], a):
+            order[i], order[p] = b, a
+
+    for s in specs:
+        if s.kernel.startswith("sort_chunks"):
+            chunk = int(s.args[3])
+            for start in range(0, n, chunk):
+                part = order[start:start + chunk]
+                order[start:start + chunk] = sorted(part, key=lambda i: (keys[i], i))
+        elif s.kernel == "merge_step":
+            npad, mask, half = (int(v) for v in s.args[3:6])
+            for t in range(npad // 2):
+                i = 2 * t - (t & (half - 1))
+                if (i ^ mask) < n:
+                    swap_if(i, i ^ mask)
+        else:  # merge_chunks: the half-cleaners inside each chunk
+            chunk = int(s.args[3])
+            for start in range(0, n, chunk):
+                j = chunk // 2
+                while j:
+                    for t in range(chunk // 2):
+                        i = start + 2 * t - (t & (j - 1))
+                        if i + j < n:
+                            swap_if(i, i + j)
+                    j //= 2
+    return order
+
+
+@pytest.mark.parametrize("n", [9, 16, 37, 64, 100, 257])
+def test_long_argsort_network_sorts(n: int) -> None:
+    """The chunk sort and merge launches, emulated with 8-key chunks, give the stable order."""
+    rng = np.random.default_rng()
+    keys = rng.integers(0, n // 3 + 1, n)
+    specs = rows.argsort_specs(ops.argsort(od.input("x", (1, n))), addresses(), 8)
+    np.testing.assert_array_equal(_emulate_sort(specs, keys), np.argsort(keys, kind="stable"))
+
+
+def test_fastdiv_matches_integer_division() -> None:
+    rng = np.random.default_rng()
+    divisors = [1, 2, 3, 5, 7, 13, 64, 65, 1000, 4097, 2**20 + 1, 2**30 - 1, 2**31 - 1,
+                *rng.integers(1, 2**31, 40).tolist()]
+    ns = np.concatenate([rng.integers(0, 2**31, 2000), [0, 1, 2**31 - 1, 2**31 - 2]]).astype(np.uint64)
+    for d in divisors:
+        dd, m, ell = rows.fastdiv(d)
+        assert 0 < m < 2**32 and dd == d
+        hi = (ns * np.uint64(m)) >> np.uint64(32)
+        q = (hi + ns) >> np.uint64(ell)
+        assert np.array_equal(q, ns // np.uint64(d)), d
+
+
+def test_window_decomposition() -> None:
+    a = od.input("a", (6, 10))
+    node = ops.set(a, od.input("b", (3, 4)), 4 * 12)
+    sizes, wstrides, bstrides = rows.window(node)
+    assert sizes == [1, 1, 3, 4] and wstrides == [1 << 40, 1 << 40, 10, 1] and bstrides == [0, 0, 16, 4]
+
+
+# ==================================================================================================
+# On the GPU, against the CPU reference
+
+
+@pytest.fixture
+def rng() -> tuple[int, np.random.Generator]:
+    seed = secrets.randbits(32)
+    return seed, np.random.default_rng(seed)
+
+
+def cuda() -> Device:
+    from opdispatch.backends.cuda.devices import discover
+
+    return discover()[0][0]
+
+
+def plans(outputs: Sequence[od.Tensor], fusion: bool = True) -> tuple[od.Plan, od.Plan]:
+    return od.compile(list(outputs), cuda(), fusion=fusion), od.compile(list(outputs), "cpu")
+
+
+def assert_on_gpu(plan: od.Plan, *nodes: od.Tensor) -> None:
+    for n in nodes:
+        step = step_of(plan, n)
+        assert step.plugin == "cuda_misc" and step.device.kind == "cuda", plan.explain()
+
+
+def both(outputs: Sequence[od.Tensor], make_feeds: Callable[[], dict], runs: int = 2, fusion: bool = True
+         ) -> list[tuple[list[np.ndarray], list[np.ndarray]]]:
+    """(GPU outputs, CPU outputs) for `runs` fresh feeds; the GPU plan must run the outputs on cuda_misc."""
+    g, c = plans(outputs, fusion)
+    assert_on_gpu(g, *[o for o in outputs if o.op not in ("reshape", "view")])
+    results = []
+    for _ in range(runs):
+        feeds = make_feeds()
+        results.append((g.run(feeds), c.run(feeds)))
+    return results
+
+
+def values(rng: np.random.Generator, shape: Sequence[int], dt: str, lo: float = -1.0, hi: float = 1.0
+           ) -> np.ndarray:
+    """Random values for a tensor of dtype dt: integers for integer types, never all zero."""
+    if DTYPES[dt].is_int:
+        return rng.integers(-1000, 1000, shape).astype(DTYPES[dt].numpy)
+    return rng.uniform(lo, hi, shape).astype(np.float32)
+
+
+def assert_exact(got: np.ndarray, want: np.ndarray, seed: int, what: str = "") -> None:
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    g, w = np.asarray(got), np.asarray(want)
+    if g.dtype.kind == "f" or g.dtype == DTYPES["bf16"].numpy:
+        g, w = g.astype(np.float32), w.astype(np.float32)
+        same = (g == w) | (np.isnan(g) & np.isnan(w))
+    else:
+        same = g == w
+    bad = np.argwhere(~same)
+    if bad.size:
+        at = tuple(bad[0])
+        pytest.fail(f"{what}: {len(bad)} of {g.size} differ, first at {at}: {g[at]} vs {w[at]} (seed {seed})")
+
+
+def hard_blocks(rng: np.random.Generator, shape: Sequence[int]) -> np.ndarray:
+    """Values that probe the quantizers' rounding: a coarse grid (x * 1/d lands on halves, where an FMA
+    would round differently), blocks of signed zeros, tied extremes of both signs, and plain random values."""
+    n = int(np.prod(shape))
+    x = rng.uniform(-1, 1, n).astype(np.float32)
+    blocks = x.reshape(-1, 32)
+    for i in range(len(blocks)):
+        kind = i % 5
+        if kind == 1:
+            blocks[i] = rng.integers(-16, 17, 32) / np.float32(16) * np.float32(rng.uniform(0.1, 3))
+        elif kind == 2 and i % 10 == 2:
+            blocks[i] = np.where(rng.random(32) < 0.5, -0.0, 0.0).astype(np.float32)
+        elif kind == 3:
+            m = np.float32(rng.uniform(0.5, 2))
+            blocks[i, rng.integers(0, 32)] = -m
+            blocks[i, rng.integers(0, 32)] = m
+    return x.reshape(shape)
+
+
+# -- copies ----------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["contig", "src_T", "dst_T"])
+@pytest.mark.parametrize("dst", PLAIN)
+@pytest.mark.parametrize("src", PLAIN)
+def test_cpy_between_plain_types(src: str, dst: str, layout: str, rng) -> None:
+    seed, r = rng
+    shape = (5, 7, 13)
+    x = od.input("x", (5, 13, 7) if layout == "src_T" else shape, src)
+    a = x.permute(0, 2, 1) if layout == "src_T" else x
+    b = od.state("b", (5, 13, 7) if layout == "dst_T" else shape, dst)
+    out = ops.cpy(a, b.permute(0, 2, 1) if layout == "dst_T" else b)
+    for got, ref in both([out], lambda: {x: values(r, x.shape, src, -300, 300)}):
+        assert_exact(got[0], ref[0], seed, f"cpy {src}->{dst} {layout}")
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["contig", "src_T", "dst_window"])
+@pytest.mark.parametrize("src", FLOATS)
+@pytest.mark.parametrize("q", QUANTS)
+def test_cpy_quantizes_exactly_as_dtypes(q: str, src: str, layout: str, rng) -> None:
+    seed, r = rng
+    shape = (6, 96)
+    x = od.input("x", (96, 6) if layout == "src_T" else shape, src)
+    a = x.T if layout == "src_T" else x
+    if layout == "dst_window":  # every other block of a wider state: rows not packed back to back
+        big = od.state("big", (6, 192), q)
+        dt = DTYPES[q]
+        dst = big.view(shape, (big.strides[0], dt.block_bytes), dt.block_bytes)
+    else:
+        dst = od.state("q", shape, q)
+    out = ops.cpy(a, dst)
+
+    def feeds() -> dict:
+        return {x: hard_blocks(r, x.shape)}
+
+    g, c = plans([out])
+    assert_on_gpu(g, out)
+    for _ in range(2):
+        f = feeds()
+        got, ref = g.run(f)[0], c.run(f)[0]
+        host = to_host_float(src, from_float(src, f[x]))  # the values as stored in x
+        want = quantize(q, np.ascontiguousarray(host.T if layout == "src_T" else host).reshape(shape))
+        assert_exact(got, want, seed, f"cpy {src}->{q} {layout} vs dtypes.quantize")
+        assert_exact(got, ref, seed, f"cpy {src}->{q} {layout} vs cpu")
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["contig", "permuted"])
+@pytest.mark.parametrize("dst", FLOATS)
+@pytest.mark.parametrize("q", QUANTS)
+def test_cpy_dequantizes_exactly_as_dtypes(q: str, dst: str, layout: str, rng) -> None:
+    seed, r = rng
+    w = od.input("w", (3, 4, 64), q)
+    src = w.permute(1, 0, 2) if layout == "permuted" else w
+    out = ops.cpy(src, od.state("y", src.shape, dst))
+    for got, ref in both([out], lambda: {w: values(r, w.shape, "f32")}):
+        assert_exact(got[0], ref[0], seed, f"cpy {q}->{dst} {layout}")
+    # and the reference is dtypes.dequantize itself
+    raw = quantize(q, values(r, (4, 64), "f32"))
+    np.testing.assert_array_equal(dequantize(q, raw), to_host_float(q, raw))
+
+
+@gpu
+@pytest.mark.parametrize("dt", ["i8", "i16", "f32", "i64", "bf16", *QUANTS])
+def test_dup_and_cont_copy_bytes(dt: str, rng) -> None:
+    seed, r = rng
+    x = od.input("x", (3, 5, 64), dt)
+    outs = [ops.dup(x), ops.cont(x.permute(1, 0, 2)), ops.cont(x.permute(1, 0, 2), (5, 3 * 64)),
+            ops.dup(x.permute(1, 0, 2))]
+    if not DTYPES[dt].is_quant:
+        outs.append(ops.cont(x.permute(2, 0, 1), (64, 15)))
+
+    def feeds() -> dict:
+        return {x: values(r, x.shape, "f32" if DTYPES[dt].is_quant else dt)}
+
+    for got, ref in both(outs, feeds):
+        for i, (gg, rr) in enumerate(zip(got, ref)):
+            assert_exact(gg, rr, seed, f"{dt} copy {i}")
+
+
+# -- get_rows / set_rows -------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["contig", "strided"])
+@pytest.mark.parametrize("dt", [*PLAIN, *QUANTS])
+def test_get_rows_every_dtype(dt: str, layout: str, rng) -> None:
+    seed, r = rng
+    quant = DTYPES[dt].is_quant
+    if layout == "strided" and quant:
+        a_leaf = od.input("a", (3, 2, 10, 64), dt)
+        a = a_leaf.permute(1, 0, 2, 3)  # outer axes swapped: rows packed, batches strided
+    elif layout == "strided":
+        a_leaf = od.input("a", (2, 3, 64, 10), dt)
+        a = a_leaf.transpose()  # rows not packed: element stride of 10
+    else:
+        a_leaf = a = od.input("a", (2, 3, 10, 64), dt)
+    idx_leaf = od.input("idx", (5, 3, 2), "i32")
+    idx = idx_leaf.permute(2, 1, 0)  # (2, 3, 5), strided
+    emb_idx = od.input("tok", (7,), "i32")
+    table = od.input("emb", (100, 96), dt)
+    outs = [ops.get_rows(a, idx), ops.get_rows(table, emb_idx)]
+
+    def feeds() -> dict:
+        src = "f32" if quant else dt
+        return {a_leaf: values(r, a_leaf.shape, src), idx_leaf: r.integers(0, 10, idx_leaf.shape).astype(np.int32),
+                table: values(r, table.shape, src), emb_idx: r.integers(0, 100, 7).astype(np.int32)}
+
+    for got, ref in both(outs, feeds):
+        for i, (gg, rr) in enumerate(zip(got, ref)):
+            assert_exact(gg, rr, seed, f"get_rows {dt} {layout} {i}")
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["contig", "strided"])
+@pytest.mark.parametrize("itype", ["i32", "i64"])
+@pytest.mark.parametrize("dt", [*FLOATS, *QUANTS])
+def test_set_rows_into_every_dtype(dt: str, itype: str, layout: str, rng) -> None:
+    seed, r = rng
+    init = r.uniform(-1, 1, (2, 3, 16, 64)).astype(np.float32)
+    cache = od.state("cache", (2, 3, 16, 64), dt, init=init)
+    if layout == "strided":
+        src_leaf = od.input("src", (2, 3, 64, 5))
+        src = src_leaf.transpose()
+    else:
+        src_leaf = src = od.input("src", (2, 3, 5, 64))
+    idx = od.input("idx", (1, 3, 5), itype)  # tiles over the outer batch axis
+    out = ops.set_rows(cache, src, idx)
+    initial = from_float(dt, init)
+    g, c = plans([out])
+    assert_on_gpu(g, out)
+    written = np.zeros((2, 3, 16), bool)
+    for _ in range(2):
+        rows_ = np.stack([r.permutation(16)[:5] for _ in range(3)])[None].astype(DTYPES[itype].numpy)
+        written[:, np.arange(3)[:, None], rows_[0]] = True
+        f = {src_leaf: values(r, src_leaf.shape, "f32"), idx: rows_}
+        got, ref = g.run(f)[0], c.run(f)[0]
+        assert_exact(got, ref, seed, f"set_rows {dt} {itype} {layout}")
+        assert_exact(g.read(cache), c.read(cache), seed, "the whole cache")
+    # rows no run wrote keep their initial bytes
+    final = g.read(cache)
+    assert_exact(final[~written], initial[~written], seed, "rows never written")
+
+
+# -- layout ops -------------------------------------------------------------------------------------------
+
+
+@gpu
+def test_layout_ops(rng) -> None:
+    seed, r = rng
+    x = od.input("x", (5, 7, 9))
+    xt = od.input("xt", (5, 9, 7))
+    xs = xt.permute(0, 2, 1)  # (5, 7, 9), strided
+    h = od.input("h", (3, 1, 5), "f16")
+    i = od.input("i", (4, 6), "i32")
+    q = od.input("q", (4, 64), "q8_0")
+    q2 = od.input("q2", (4, 32), "q8_0")
+    d = od.input("d", (3, 1, 7))
+    sq = od.input("sq", (2, 9, 9))
+    t = od.input("t", (13,))
+    a = od.input("a", (6, 10))
+    bw = od.input("bw", (3, 4))
+    bi = od.input("bi", (2, 3), "i32")
+    ai = od.input("ai", (6, 10), "i32")
+    outs = [
+        ops.concat(x, xs, 0), ops.concat(x, xs, 1), ops.concat(x, xs, 2),
+        ops.concat(i, i, 1), ops.concat(q, q2, 1), ops.concat(q, q, 0),
+        ops.concat(h, h, 1),
+        ops.repeat(h, (2, 3, 4, 5)), ops.repeat(od.input("r", (1, 9)), (3, 5, 9)),
+        ops.pad(xs, ((1, 2), (0, 3), (2, 0))), ops.pad_reflect_1d(xs, 3, 4),
+        ops.roll(xs, (1, -3, 4)), ops.arange(0.5, 100.3, 0.7), ops.fill(x, -2.5), ops.fill(h, 3.25),
+        ops.diag(d), ops.diag(od.input("dv", (6,))),
+        *(ops.tri(sq, kind) for kind in ("lower", "lower_diag", "upper", "upper_diag")),
+        ops.set(a, bw, 4 * 12), ops.acc(a, bw, 4 * 12), ops.acc(a.T, bw, 4 * 2, (40, 4)),
+        ops.set(ai, bi, 4 * 7, (20, 4)),
+        ops.timestep_embedding(t, 65), ops.timestep_embedding(t, 64, 500),
+    ]
+
+    def feeds() -> dict:
+        f = {leaf: values(r, leaf.shape, "f32" if leaf.dtype.is_quant else leaf.dtype.name)
+             for leaf in (x, xt, h, i, q, q2, d, sq, a, bw, bi, ai)}
+        f[t] = r.uniform(0, 1000, 13).astype(np.float32)
+        f.update({n: values(r, n.shape, "f32") for n in od.Graph.build(outs).inputs if n not in f})
+        return f
+
+    for got, ref in both(outs, feeds):
+        for k, (gg, rr) in enumerate(zip(got, ref)):
+            if outs[k].op == "timestep_embedding":
+                assert nmse(gg, rr) <= 1e-7, (k, seed)
+            else:
+                assert_exact(gg, rr, seed, f"{outs[k].op} #{k}")
+
+
+# -- reductions -------------------------------------------------------------------------------------------
+
+
+@gpu
+def test_reductions_on_odd_shapes(rng) -> None:
+    seed, r = rng
+    x = od.input("x", (5, 7, 13))
+    xt = od.input("xt", (5, 13, 7))
+    big = od.input("big", (2**20 + 3,))
+    long = od.input("long", (3, 100003))
+    hv = od.input("hv", (37, 41), "f16")
+    bv = od.input("bv", (300, 1001), "bf16")
+    outs = [
+        ops.sum(x), ops.sum(xt.permute(0, 2, 1)), ops.sum(big), ops.sum(hv), ops.sum(bv),
+        ops.sum_rows(x), ops.sum_rows(xt.permute(0, 2, 1)), ops.sum_rows(long), ops.mean(long), ops.mean(x),
+        ops.cumsum(x), ops.cumsum(xt.permute(0, 2, 1)), ops.cumsum(long),
+    ]
+    bounds = [1e-7] * 3 + [1e-4, 1e-4] + [1e-7] * 8
+    for got, ref in both(outs, lambda: {t: values(r, t.shape, t.dtype.name) for t in (x, xt, big, long, hv, bv)}):
+        for k, (gg, rr) in enumerate(zip(got, ref)):
+            err = nmse(to_host_float(outs[k].dtype, gg), to_host_float(outs[k].dtype, rr))
+            assert err <= bounds[k], f"{outs[k].op} #{k}: nmse {err} (seed {seed})"
+
+
+@gpu
+def test_argmax_takes_the_last_of_ties_and_count_equal(rng) -> None:
+    seed, r = rng
+    x = od.input("x", (13, 1000))
+    v = od.input("v", (77,))
+    a = od.input("a", (5, 7, 1001), "i32")
+    bt = od.input("bt", (5, 1001, 7), "i32")
+    outs = [ops.argmax(x), ops.argmax(x.T), ops.argmax(v), ops.count_equal(a, bt.permute(0, 2, 1))]
+
+    def feeds() -> dict:
+        xv = values(r, x.shape, "f32")
+        for row in range(13):  # tied maxima: ggml keeps the last
+            cols = r.choice(1000, 3, replace=False)
+            xv[row, cols] = 2.0
+        av = r.integers(0, 3, a.shape).astype(np.int32)
+        bv = np.where(r.random(a.shape) < 0.5, av, r.integers(0, 3, a.shape)).astype(np.int32)
+        return {x: xv, v: values(r, (77,), "f32"), a: av, bt: np.ascontiguousarray(bv.transpose(0, 2, 1))}
+
+    for got, ref in both(outs, feeds):
+        for k, (gg, rr) in enumerate(zip(got, ref)):
+            assert_exact(gg, rr, seed, f"{outs[k].op} #{k}")
+
+
+# -- sorting ------------------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("order", ["asc", "desc"])
+@pytest.mark.parametrize("n", [1, 7, 1000, 2**16, 100003, 2**20])
+def test_argsort_is_the_stable_sort(n: int, order: str, rng) -> None:
+    seed, r = rng
+    rows_ = 2 if n >= 2**16 else 5
+    x = od.input("x", (rows_, n))
+    xt = od.input("xt", (n, 3))
+    outs = [ops.argsort(x, order), ops.argsort(xt.T, order)]
+
+    def feeds() -> dict:
+        # ties on purpose: values from a small set, some NaN-free signed zeros
+        xv = (r.integers(-n // 8 - 2, n // 8 + 2, (rows_, n)) / 4).astype(np.float32)
+        xv[:, :: 97] = -0.0
+        return {x: xv, xt: values(r, xt.shape, "f32")}
+
+    for got, ref in both(outs, feeds):
+        for k, (gg, rr) in enumerate(zip(got, ref)):
+            assert_exact(gg, rr, seed, f"argsort {order} n={n} #{k}")
+
+
+@gpu
+@pytest.mark.parametrize("n, k", [(7, 1), (100, 5), (4096, 64), (50000, 1000), (200000, 40), (128256, 1)])
+def test_top_k_as_sets(n: int, k: int, rng) -> None:
+    seed, r = rng
+    x = od.input("x", (3, n))
+    xt = od.input("xt", (n, 2))
+    outs = [ops.top_k(x, k), ops.top_k(xt.T, k)]
+    g, c = plans(outs)
+    assert_on_gpu(g, *outs)
+    for ties in (False, True):
+        xv = values(r, x.shape, "f32")
+        if ties:  # equal values across the threshold: any of them may be taken, values must agree
+            xv = (np.round(xv * 50) / 50).astype(np.float32)
+        f = {x: xv, xt: values(r, xt.shape, "f32")}
+        got, ref = g.run(f), c.run(f)
+        for gg, rr, src in zip(got, ref, (xv, f[xt].T)):
+            for row in range(gg.shape[0]):
+                assert len(set(gg[row].tolist())) == k, seed
+                if ties:
+                    np.testing.assert_array_equal(np.sort(src[row][gg[row]]), np.sort(src[row][rr[row]]), str(seed))
+                else:
+                    assert set(gg[row].tolist()) == set(rr[row].tolist()), seed
+
+
+# -- the MoE router, fused and not -------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("experts, k", [(8, 2), (64, 8), (256, 8), (160, 6)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_moe_router_fused_matches_unfused(experts: int, k: int, norm: bool, rng) -> None:
+    seed, r = rng
+    tokens = 33
+    logits, _, out = _router(tokens, experts, k, norm)
+    fused = od.compile(out, cuda())
+    unfused = od.compile(out, cuda(), fusion=False)
+    ref = od.compile(out, "cpu")
+    assert len(fused.fusions) == 1 and fused.fusions[0].plugin == "cuda_misc", fused.explain()
+    assert not unfused.fusions
+    for _ in range(2):
+        # distinct logits a clear step apart: the selection cannot depend on rounding
+        lv = np.stack([r.permutation(experts) for _ in range(tokens)]).astype(np.float32) * np.float32(0.05)
+        f = {logits: lv}
+        a, b, c = fused.run(f)[0], unfused.run(f)[0], ref.run(f)[0]
+        assert nmse(a, c) <= 1e-10 and nmse(b, c) <= 1e-10, seed
+
+
+# -- bandwidth ---------------------------------------------------------------------------------------------
+
+N = 1 << 26
+
+
+def _perf_cases() -> list[tuple[object, bool]]:
+    """(case, must reach 85% of the copy bandwidth): the contiguous copies and conversions must."""
+    from opdispatch.testing.cases import Case
+
+    def cpy(src: str, dst: str) -> Case:
+        def make(inp):  # noqa: ANN001, ANN202
+            return ops.cpy(inp.uniform((N // 32, 32), src), od.state("dst", (N // 32, 32), dst))
+        moved = sum(DTYPES[t].row_bytes(32) * (N // 32) for t in (src, dst))
+        return Case("cpy", f"{src}->{dst} 2^26", make, nbytes=moved)
+
+    return [
+        (cpy("f32", "f16"), True), (cpy("f16", "f32"), True), (cpy("f32", "bf16"), True),
+        (cpy("f32", "q8_0"), True), (cpy("f32", "q4_0"), True), (cpy("q8_0", "f32"), True),
+        (cpy("f32", "f32"), True),
+        (Case("cont", "f32 8192^2 transposed", lambda inp: ops.cont(inp.uniform((8192, 8192)).T)), False),
+        (Case("sum_rows", "f32 16384x4096", lambda inp: ops.sum_rows(inp.uniform((16384, 4096)))), True),
+        (Case("get_rows", "f32 512 of 32000x2048",
+              lambda inp: ops.get_rows(od.param("emb", np.ones((32000, 2048), np.float32)),
+                                       inp.ints((512,), 0, 32000)), nbytes=2 * 512 * 2048 * 4), False),
+        (Case("argsort", "f32 4x2^20", lambda inp: ops.argsort(inp.uniform((4, 1 << 20)), "desc")), False),
+        (Case("top_k", "f32 4x128256 k=40", lambda inp: ops.top_k(inp.uniform((4, 128256)), 40)), False),
+    ]
+
+
+@gpu
+def test_copies_run_near_copy_bandwidth() -> None:
+    from opdispatch.testing.harness import Status, copy_bandwidth, run_perf
+
+    ceiling = copy_bandwidth(cuda(), min_time=0.3)
+    assert ceiling is not None
+    slow = []
+    for case, strict in _perf_cases():
+        res = run_perf(case, cuda(), plugin="cuda_misc", min_time=0.3)
+        assert res.status is Status.PASS, res.describe()
+        ratio = res.rate / ceiling
+        print(f"{res.describe()}  {ratio:.0%} of dup's {ceiling / 1e9:.0f} GB/s")
+        if strict and ratio < 0.85:
+            slow.append(f"{case.name}: {ratio:.0%}")
+    assert not slow, f"below 85% of the copy bandwidth: {slow}"
