@@ -5,7 +5,7 @@ Kernels (kernels/*.cu, CUDA C++ compiled by NVRTC one template instance at a tim
 - softmax.cu: one block per row, the row held in registers (float4 where
   aligned) up to 32768 values, else two passes; f16/f32 mask broadcast by
   modulo, ALiBi, sinks.
-- rope.cu: one thread per pair, normal/neox, partial rotation, frequency
+- rope.cu: one thread per (token, pair) for up to 8 heads, normal/neox, partial rotation, frequency
   factors, YaRN, f32/f16, strided input; and the fused rope -> set_rows.
 - fattn_decode.cu: flash_attn_ext for Tq <= 8 (split-K over the KV, the query
   heads of one KV head packed in one block, partials combined in f32).
@@ -194,14 +194,23 @@ def _rope_params(node: Tensor) -> tuple[np.generic, ...]:
 
 
 ROPE_BLOCK = 256
+#: heads a rope thread rotates with one sin/cos (the angle depends on token and pair only)
+ROPE_HEADS_PER_THREAD = 8
+
+
+def rope_threads(x: Tensor) -> tuple[int, int]:
+    """(threads, heads per thread) of a rope over x (B, T, H, D)."""
+    b, t, h, d = pad4(x.shape)
+    hpt = min(h, ROPE_HEADS_PER_THREAD)
+    return b * t * -(-h // hpt) * (d // 2), hpt
 
 
 def rope_specs(node: Tensor, ptr: Ptr) -> list[Spec]:
     x, pos, ff = node.srcs
     _, (xs_b, xs_t, xs_h, _) = _elem_strides(x)
-    total = node.size // 2
+    total, hpt = rope_threads(x)
     args = (u64(ptr(x)), u64(ptr(pos)), u64(ptr(ff) if ff is not None else 0), u64(ptr(node)), u32(total),
-            i64(xs_h), i64(xs_t), i64(xs_b), *_rope_params(node))
+            i32(hpt), i64(xs_h), i64(xs_t), i64(xs_b), *_rope_params(node))
     name = rope_kernel(node.params["mode"] == "neox", x.dtype.name)
     return [Spec(ROPE_CU, name, (-(-total // ROPE_BLOCK),), ROPE_BLOCK, args)]
 
@@ -210,9 +219,10 @@ def rope_set_rows_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[Spec]:
     rope, x, cache, idx = fusion.parts(nodes)
     _, (_, xs_t, xs_h, _) = _elem_strides(x)
     cs = cache.strides[-2] // cache.dtype.block_bytes
-    total = rope.size // 2
+    total, hpt = rope_threads(x)
     args = (u64(ptr(x)), u64(ptr(rope.srcs[1])), u64(ptr(rope.srcs[2]) if rope.srcs[2] is not None else 0),
-            u64(ptr(cache)), u64(ptr(idx)), u32(total), i64(xs_h), i64(xs_t), i64(cs), *_rope_params(rope))
+            u64(ptr(cache)), u64(ptr(idx)), u32(total), i32(hpt), i64(xs_h), i64(xs_t), i64(cs),
+            *_rope_params(rope))
     name = rope_set_rows_kernel(rope.params["mode"] == "neox", cache.dtype.name, idx.dtype.name)
     return [Spec(ROPE_CU, name, (-(-total // ROPE_BLOCK),), ROPE_BLOCK, args)]
 
@@ -298,7 +308,8 @@ def flash_plan(node: Tensor, sm_count: int = 132) -> FlashPlan:
         ncg = -(-cols // ncols)
         step, per_sm = decode_geometry(d, ncols)
         base = b * hkv * ncg
-        nsplit = max(1, min(-(-sm_count * per_sm // base), -(-tk // step)))
+        # one wave: as many splits as fill the SMs' resident blocks, no ragged second wave
+        nsplit = max(1, min(sm_count * per_sm // base, -(-tk // step)))
         chunk = -(-(-(-tk // nsplit)) // step) * step
         nsplit = -(-tk // chunk)
         rows = b * tq * hq

@@ -1,0 +1,114 @@
+"""cuda_attention beside torch: flash attention decode (us, GB/s) and prefill (TFLOP/s), softmax and rope (GB/s).
+
+Decode: 1 query, 8192 keys, 32 query / 8 KV heads, D = 128, batch 1 and 16,
+f16 and bf16 K/V, against F.scaled_dot_product_attention(enable_gqa=True)
+(DESIGN.md target: <= 20 us at batch 1; torch 47.5 us). Bytes: K, V, q, out.
+Prefill: causal through the mask, D = 128, 4096 tokens, 32 heads, batch 4,
+FLOPs = 4*B*H*Tq*Tk*D/2 (causal: half the products), against SDPA
+is_causal=True (target: >= 50% of its TFLOP/s). Softmax and rope: bytes
+read + written, against the copy bandwidth (target >= 85%).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import opdispatch as od
+from opdispatch import ops
+
+pytestmark = pytest.mark.gpu
+
+
+def ready(outputs, feeds: dict, plugin: str = "cuda_attention") -> od.Plan:  # noqa: ANN001
+    """A plan on cuda0 with its inputs written, every launch taken by `plugin`."""
+    plan = od.compile(outputs, "cuda0")
+    for s in plan.steps:
+        if s.kind in ("kernel", "fused"):
+            assert s.plugin == plugin and s.device.name == "cuda0", plan.explain()
+    for t, v in feeds.items():
+        plan.write(t, v)
+    return plan
+
+
+def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.uniform(-1, 1, shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("kv", ["f16", "bf16"])
+def test_decode(measure, torch_cuda, batch: int, kv: str) -> None:  # noqa: ANN001
+    torch = torch_cuda
+    rng = np.random.default_rng(0)
+    hq, hkv, tk, d = 32, 8, 8192, 128
+    q_dtype = "f16" if kv == "f16" else "f32"  # the op takes f32 or f16 queries
+    q = od.input("q", (batch, hq, 1, d), q_dtype)
+    k = od.input("k", (batch, hkv, tk, d), kv)
+    v = od.input("v", (batch, hkv, tk, d), kv)
+    fq, fk, fv = rand(rng, *q.shape), rand(rng, *k.shape), rand(rng, *v.shape)
+    scale = 1 / np.sqrt(d)
+    plan = ready(ops.flash_attn_ext(q, k, v, None, scale), {q: fq, k: fk, v: fv})
+    tdt = torch.float16 if kv == "f16" else torch.bfloat16
+    tq, tk_, tv = (torch.from_numpy(a).cuda().to(tdt) for a in (fq, fk, fv))
+    F = torch.nn.functional
+    nbytes = k.nbytes + v.nbytes + q.nbytes + batch * hq * d * 4
+    info = measure(plan, nbytes, lambda: F.scaled_dot_product_attention(tq, tk_, tv, scale=scale, enable_gqa=True))
+    print(f"decode batch {batch} {kv}: {info['us']:.1f} us (torch {info['torch_us']:.1f} us), "
+          f"{info['GB/s']:.0f} GB/s")
+
+
+def test_prefill_causal(measure, torch_cuda) -> None:  # noqa: ANN001
+    torch = torch_cuda
+    rng = np.random.default_rng(0)
+    b, h, t, d = 4, 32, 4096, 128
+    q = od.input("q", (b, h, t, d), "f16")
+    k = od.input("k", (b, h, t, d), "f16")
+    v = od.input("v", (b, h, t, d), "f16")
+    m = od.input("m", (1, 1, t, t), "f16")
+    causal = np.where(np.arange(t)[None, :] > np.arange(t)[:, None], -np.inf, 0.0).astype(np.float32)
+    fq, fk, fv = (rand(rng, b, h, t, d) for _ in range(3))
+    scale = 1 / np.sqrt(d)
+    plan = ready(ops.flash_attn_ext(q, k, v, m, scale), {q: fq, k: fk, v: fv, m: causal})
+    tq, tk_, tv = (torch.from_numpy(a).cuda().half() for a in (fq, fk, fv))
+    F = torch.nn.functional
+    flops = 4 * b * h * t * t * d // 2
+    nbytes = q.nbytes + k.nbytes + v.nbytes + m.nbytes + b * t * h * d * 4
+    info = measure(plan, nbytes, lambda: F.scaled_dot_product_attention(tq, tk_, tv, is_causal=True, scale=scale),
+                   flops=flops)
+    print(f"prefill causal: {info['TFLOP/s']:.0f} TFLOP/s, {info['us']:.0f} us "
+          f"(torch {flops / info['torch_us'] / 1e6:.0f} TFLOP/s)")
+
+
+def test_soft_max(measure, torch_cuda) -> None:  # noqa: ANN001
+    torch = torch_cuda
+    rng = np.random.default_rng(0)
+    shape = (1, 32, 512, 4096)
+    a = od.input("a", shape)
+    m = od.input("m", (1, 1, 512, 4096), "f16")
+    fa_, fm = rand(rng, *shape), rand(rng, 1, 1, 512, 4096)
+    plan = ready(ops.soft_max(a, m, 0.088), {a: fa_, m: fm})
+    ta = torch.from_numpy(fa_).cuda()
+    out = torch.empty_like(ta)
+    measure(plan, 2 * a.nbytes + m.nbytes, lambda: torch.softmax(ta, -1, out=out))
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16"])
+def test_rope(measure, torch_cuda, dt: str) -> None:  # noqa: ANN001
+    torch = torch_cuda
+    rng = np.random.default_rng(0)
+    shape = (1, 4096, 32, 128)
+    x = od.input("x", shape, dt)
+    pos = od.input("pos", (4096,), "i32")
+    fx = rand(rng, *shape)
+    plan = ready(ops.rope(x, pos, 128, "neox"), {x: fx, pos: np.arange(4096, dtype=np.int32)})
+    tdt = torch.float32 if dt == "f32" else torch.float16
+    tx = torch.from_numpy(fx).cuda().to(tdt)
+    ang = torch.arange(4096, device="cuda")[:, None] * 10000.0 ** (-torch.arange(64, device="cuda") / 64)
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None, :].to(tdt)
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[None, :, None, :].to(tdt)
+
+    def torch_rope():  # noqa: ANN202 - the usual rotate-half formulation
+        x1, x2 = tx[..., :64], tx[..., 64:]
+        return tx * cos + torch.cat([-x2, x1], -1) * sin
+
+    measure(plan, 2 * x.nbytes + pos.nbytes, torch_rope)

@@ -1,0 +1,267 @@
+// Helpers of the cuda_attention kernels: block reductions, ALiBi slopes, row
+// loaders for every K/V type (f32, f16, bf16, q8_0, q4_0) and the sm_80+
+// instructions the prefill kernel uses (ldmatrix, mma.sync, cp.async), written
+// in PTX so that no system header is needed (NVRTC and nvcc alike).
+#pragma once
+
+#include "common.cuh"
+
+namespace od_attn {
+
+using od::bf16;
+using od::f16;
+
+constexpr float LOG2E = 1.4426950408889634f;
+// The running maximum starts here rather than at -inf, so that exp(m_old - m_new)
+// and exp(s - m) stay finite (0 or 1) while every logit so far was -inf.
+constexpr float NEG_BIG = -1e30f;
+
+// Type tags of the block formats (32 values a block, f16 scale first).
+struct q8_0 {};
+struct q4_0 {};
+
+// -- reductions ---------------------------------------------------------------------
+
+template <int BLOCK>
+__device__ __forceinline__ float block_max(float v) {
+    v = od::warp_max(v);
+    if constexpr (BLOCK > od::WARP_SIZE) {
+        __shared__ float partial[BLOCK / od::WARP_SIZE];
+        const int lane = threadIdx.x % od::WARP_SIZE;
+        const int warp = threadIdx.x / od::WARP_SIZE;
+        __syncthreads();
+        if (lane == 0) {
+            partial[warp] = v;
+        }
+        __syncthreads();
+        v = lane < BLOCK / od::WARP_SIZE ? partial[lane] : -__int_as_float(0x7f800000);
+        v = od::warp_max(v);
+    }
+    return v;
+}
+
+// ALiBi slope of head h (ggml_soft_max / flash_attn_ext); 1 when max_bias <= 0 (use_alibi 0).
+__device__ __forceinline__ float alibi_slope(int use_alibi, int h, int n_head_log2, float m0, float m1) {
+    if (!use_alibi) {
+        return 1.0f;
+    }
+    return h < n_head_log2 ? powf(m0, (float)(h + 1)) : powf(m1, (float)(2 * (h - n_head_log2) + 1));
+}
+
+__device__ __forceinline__ bool is_neg_inf(float x) { return x == -__int_as_float(0x7f800000); }
+
+// -- loaders: 8 consecutive values of a row as floats ----------------------------------
+// Row8<T>::load(row, e0, vec, f): values e0 .. e0+7 (e0 a multiple of 8) of the row
+// starting at byte address `row`. `vec`: the row start is 16-byte aligned (16-byte
+// loads for f16/bf16/f32); block formats are read in 2-byte words (blocks of 34 or 18
+// bytes are only 2-byte aligned). In two steps where registers matter: fetch(...)
+// loads the raw bytes into a Raw, decode(raw, e0, f) converts them.
+
+__device__ __forceinline__ void unpack_f16x2(unsigned w, float& lo, float& hi) {
+    lo = od::f16_to_f32(static_cast<unsigned short>(w & 0xffffu));
+    hi = od::f16_to_f32(static_cast<unsigned short>(w >> 16));
+}
+
+__device__ __forceinline__ void unpack_bf16x2(unsigned w, float& lo, float& hi) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xffff0000u);
+}
+
+template <typename T>
+struct Row8;
+
+template <>
+struct Row8<float> {
+    struct Raw {
+        float v[8];
+    };
+    static __device__ __forceinline__ void fetch(const char* row, int e0, bool vec, Raw& r) {
+        const float* p = reinterpret_cast<const float*>(row) + e0;
+        if (vec) {
+            const float4 a = reinterpret_cast<const float4*>(p)[0];
+            const float4 b = reinterpret_cast<const float4*>(p)[1];
+            r.v[0] = a.x; r.v[1] = a.y; r.v[2] = a.z; r.v[3] = a.w;
+            r.v[4] = b.x; r.v[5] = b.y; r.v[6] = b.z; r.v[7] = b.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                r.v[i] = p[i];
+            }
+        }
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int, float (&f)[8]) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            f[i] = r.v[i];
+        }
+    }
+    static __device__ __forceinline__ void load(const char* row, int e0, bool vec, float (&f)[8]) {
+        Raw r;
+        fetch(row, e0, vec, r);
+        decode(r, e0, f);
+    }
+};
+
+template <bool BF>
+struct Row8Half {
+    struct Raw {
+        unsigned w[4];
+    };
+    static __device__ __forceinline__ void fetch(const char* row, int e0, bool vec, Raw& r) {
+        const unsigned short* p = reinterpret_cast<const unsigned short*>(row) + e0;
+        if (vec) {
+            const uint4 u = *reinterpret_cast<const uint4*>(p);
+            r.w[0] = u.x; r.w[1] = u.y; r.w[2] = u.z; r.w[3] = u.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                r.w[i] = static_cast<unsigned>(p[2 * i]) | (static_cast<unsigned>(p[2 * i + 1]) << 16);
+            }
+        }
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int, float (&f)[8]) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if constexpr (BF) {
+                unpack_bf16x2(r.w[i], f[2 * i], f[2 * i + 1]);
+            } else {
+                unpack_f16x2(r.w[i], f[2 * i], f[2 * i + 1]);
+            }
+        }
+    }
+    static __device__ __forceinline__ void load(const char* row, int e0, bool vec, float (&f)[8]) {
+        Raw r;
+        fetch(row, e0, vec, r);
+        decode(r, e0, f);
+    }
+};
+
+template <>
+struct Row8<f16> : Row8Half<false> {};
+
+template <>
+struct Row8<bf16> : Row8Half<true> {};
+
+template <>
+struct Row8<q8_0> {
+    // block: f16 d, int8 qs[32]; value = qs[j] * d
+    struct Raw {
+        unsigned w[2];
+        float d;
+    };
+    static __device__ __forceinline__ void fetch(const char* row, int e0, bool, Raw& r) {
+        const char* blk = row + (e0 >> 5) * 34;
+        r.d = od::f16_to_f32(*reinterpret_cast<const unsigned short*>(blk));
+        const unsigned short* qs = reinterpret_cast<const unsigned short*>(blk + 2 + (e0 & 31));
+        r.w[0] = static_cast<unsigned>(qs[0]) | (static_cast<unsigned>(qs[1]) << 16);
+        r.w[1] = static_cast<unsigned>(qs[2]) | (static_cast<unsigned>(qs[3]) << 16);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int, float (&f)[8]) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int q = static_cast<int>(r.w[i / 4] << (24 - 8 * (i % 4))) >> 24;  // sign-extended byte i
+            f[i] = static_cast<float>(q) * r.d;
+        }
+    }
+    static __device__ __forceinline__ void load(const char* row, int e0, bool vec, float (&f)[8]) {
+        Raw r;
+        fetch(row, e0, vec, r);
+        decode(r, e0, f);
+    }
+};
+
+template <>
+struct Row8<q4_0> {
+    // block: f16 d, qs[16]: byte j = q[j] | q[j+16] << 4; value = (q - 8) * d
+    struct Raw {
+        unsigned w[2];
+        float d;
+    };
+    static __device__ __forceinline__ void fetch(const char* row, int e0, bool, Raw& r) {
+        const char* blk = row + (e0 >> 5) * 18;
+        r.d = od::f16_to_f32(*reinterpret_cast<const unsigned short*>(blk));
+        const unsigned short* qs = reinterpret_cast<const unsigned short*>(blk + 2 + (e0 & 15));
+        r.w[0] = static_cast<unsigned>(qs[0]) | (static_cast<unsigned>(qs[1]) << 16);
+        r.w[1] = static_cast<unsigned>(qs[2]) | (static_cast<unsigned>(qs[3]) << 16);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int e0, float (&f)[8]) {
+        const int shift = (e0 & 31) < 16 ? 0 : 4;  // values 16..31 sit in the high nibbles
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int q = static_cast<int>((r.w[i / 4] >> (8 * (i % 4) + shift)) & 0xfu);
+            f[i] = static_cast<float>(q - 8) * r.d;
+        }
+    }
+    static __device__ __forceinline__ void load(const char* row, int e0, bool vec, float (&f)[8]) {
+        Raw r;
+        fetch(row, e0, vec, r);
+        decode(r, e0, f);
+    }
+};
+
+// -- sm_80+ instructions (prefill) -------------------------------------------------------
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+// D (16x8 f32) += A (16x16, row) * B (16x8, col); BF: bf16 inputs, else f16.
+template <bool BF>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    if constexpr (BF) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// Two floats as a packed pair of 16-bit values, `lo` in the low half (round to nearest even).
+template <bool BF>
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    unsigned r;
+    if constexpr (BF) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+
+__device__ __forceinline__ void cp_async16(unsigned saddr, const void* gptr) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(gptr));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+__device__ __forceinline__ void st_shared16(unsigned saddr, unsigned a, unsigned b, unsigned c, unsigned d) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(saddr), "r"(a), "r"(b), "r"(c), "r"(d));
+}
+
+}  // namespace od_attn

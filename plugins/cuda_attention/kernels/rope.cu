@@ -1,0 +1,175 @@
+// rope (ggml_rope_ext) in normal and neox modes, with YaRN and frequency factors,
+// and the fused rope -> view -> set_rows that writes rotated K rows straight into
+// a KV cache. One thread per (token, pair of values) and group of up to `hpt` heads:
+// the angle's sin/cos are computed once for the heads of the group.
+//
+// x (B, T, H, D) with contiguous rows, outer strides in elements (xs_h, xs_t,
+// xs_b); pos i32 (T,); ff f32 (>= n_dims/2) or null. For pair i < n_dims/2 of
+// token t: theta_ext = pos[t] * theta_scale**i / ff[i], theta_scale =
+// freq_base**(-2/n_dims) (ggml computes it this way, in float), then YaRN's mix
+// (corr dims lo, hi from the host) and mscale. Pairs: (2i, 2i+1) in normal mode,
+// (i, i + n_dims/2) in neox mode; dims >= n_dims are copied.
+#include "attn_common.cuh"
+
+namespace {
+
+struct RopeParams {
+    int d;           // head size (D), even
+    int n_dims;      // rotated dims
+    int heads;       // H
+    int tokens;      // T
+    float theta_scale;
+    float freq_scale;
+    float ext_factor;
+    float mscale;    // attn_factor, times YaRN's magnitude correction when ext_factor != 0
+    float corr_lo;
+    float corr_hi;
+};
+
+// The kernels take the parameters one by one (launch arguments are scalars).
+#define ROPE_PARAMS                                                                                         \
+    int d, int n_dims, int heads, int tokens, float theta_scale, float freq_scale, float ext_factor,        \
+        float mscale, float corr_lo, float corr_hi
+#define ROPE_STRUCT {d, n_dims, heads, tokens, theta_scale, freq_scale, ext_factor, mscale, corr_lo, corr_hi}
+
+__device__ __forceinline__ void rope_cos_sin(float theta_ext, int i, const RopeParams& p, float& c, float& s) {
+    const float theta_int = p.freq_scale * theta_ext;
+    float theta = theta_int;
+    if (p.ext_factor != 0.0f) {
+        const float y = (static_cast<float>(i) - p.corr_lo) / fmaxf(0.001f, p.corr_hi - p.corr_lo);
+        const float mix = p.ext_factor * (1.0f - fminf(1.0f, fmaxf(0.0f, y)));
+        theta = theta_int * (1.0f - mix) + theta_ext * mix;
+    }
+    sincosf(theta, &s, &c);
+    c *= p.mscale;
+    s *= p.mscale;
+}
+
+// The pair handled by flat pair index j of a row: its two element offsets, its
+// frequency index, and whether it rotates.
+template <bool NEOX>
+__device__ __forceinline__ void pair_of(int j, const RopeParams& p, int& e0, int& e1, int& i, bool& rot) {
+    const int half = p.n_dims / 2;
+    if (2 * j >= p.n_dims) {  // pass-through: (2j, 2j+1)
+        e0 = 2 * j;
+        e1 = 2 * j + 1;
+        i = 0;
+        rot = false;
+    } else if (NEOX) {
+        e0 = j;
+        e1 = j + half;
+        i = j;
+        rot = true;
+    } else {
+        e0 = 2 * j;
+        e1 = 2 * j + 1;
+        i = j;
+        rot = true;
+    }
+}
+
+template <bool NEOX>
+__device__ __forceinline__ void cos_sin_of(int i, int pos, const float* ff, const RopeParams& p, float& c, float& s) {
+    float theta_ext = static_cast<float>(pos) * powf(p.theta_scale, static_cast<float>(i));
+    if (ff != nullptr) {
+        theta_ext /= ff[i];
+    }
+    rope_cos_sin(theta_ext, i, p, c, s);
+}
+
+// Flat thread index -> (pair j of a row, head group hg, token row bt = b*T + t). Each thread
+// rotates pair j of heads hg*hpt .. hg*hpt + hpt - 1 of one token: the angle depends on the
+// token and the pair only, so its sin/cos are computed once for those heads.
+struct PairIndex {
+    unsigned j, h0, h1, bt;
+};
+
+__device__ __forceinline__ PairIndex pair_index(unsigned idx, const RopeParams& p, int hpt) {
+    const unsigned pairs = static_cast<unsigned>(p.d / 2);
+    const unsigned groups = static_cast<unsigned>((p.heads + hpt - 1) / hpt);
+    PairIndex r;
+    r.j = idx % pairs;
+    const unsigned rest = idx / pairs;
+    const unsigned hg = rest % groups;
+    r.bt = rest / groups;
+    r.h0 = hg * hpt;
+    r.h1 = min(r.h0 + hpt, static_cast<unsigned>(p.heads));
+    return r;
+}
+
+}  // namespace
+
+// out contiguous (B, T, H, D), x's type T. total = B*T*ceil(H/hpt)*D/2 threads (< 2**32).
+template <bool NEOX, typename T>
+__global__ void __launch_bounds__(256) rope_kernel(const T* __restrict__ x, const int* __restrict__ pos,
+                                                   const float* __restrict__ ff, T* __restrict__ out, unsigned total,
+                                                   int hpt, long long xs_h, long long xs_t, long long xs_b,
+                                                   ROPE_PARAMS) {
+    const RopeParams p = ROPE_STRUCT;
+    const unsigned idx = blockIdx.x * 256u + threadIdx.x;
+    if (idx >= total) {
+        return;
+    }
+    const PairIndex q = pair_index(idx, p, hpt);
+    const unsigned t = q.bt % static_cast<unsigned>(p.tokens);
+    const unsigned b = q.bt / static_cast<unsigned>(p.tokens);
+    int e0, e1, i;
+    bool rot;
+    pair_of<NEOX>(static_cast<int>(q.j), p, e0, e1, i, rot);
+    float c = 1.0f, s = 0.0f;
+    if (rot) {
+        cos_sin_of<NEOX>(i, pos[t], ff, p, c, s);
+    }
+    const T* xb = x + t * xs_t + b * xs_b;
+    for (unsigned h = q.h0; h < q.h1; ++h) {
+        const T* xr = xb + h * xs_h;
+        T* yr = out + (static_cast<long long>(q.bt) * p.heads + h) * p.d;
+        const float x0 = od::load(xr + e0);
+        const float x1 = od::load(xr + e1);
+        if (rot) {
+            od::store(yr + e0, x0 * c - x1 * s);
+            od::store(yr + e1, x0 * s + x1 * c);
+        } else {
+            od::store(yr + e0, x0);
+            od::store(yr + e1, x1);
+        }
+    }
+}
+
+// Fused rope -> view (T, H*D) -> set_rows: x f32 (1, T, H, D); row t of the rotated
+// values goes to cache row idx[t] (cache row stride cs in elements), converted to DT.
+template <bool NEOX, typename DT, typename IT>
+__global__ void __launch_bounds__(256) rope_set_rows(const float* __restrict__ x, const int* __restrict__ pos,
+                                                     const float* __restrict__ ff, DT* __restrict__ cache,
+                                                     const IT* __restrict__ idx, unsigned total, int hpt,
+                                                     long long xs_h, long long xs_t, long long cs, ROPE_PARAMS) {
+    const RopeParams p = ROPE_STRUCT;
+    const unsigned k = blockIdx.x * 256u + threadIdx.x;
+    if (k >= total) {
+        return;
+    }
+    const PairIndex q = pair_index(k, p, hpt);
+    const unsigned t = q.bt;  // batch 1
+    int e0, e1, i;
+    bool rot;
+    pair_of<NEOX>(static_cast<int>(q.j), p, e0, e1, i, rot);
+    float c = 1.0f, s = 0.0f;
+    if (rot) {
+        cos_sin_of<NEOX>(i, pos[t], ff, p, c, s);
+    }
+    const float* xb = x + t * xs_t;
+    DT* yb = cache + static_cast<long long>(idx[t]) * cs;
+    for (unsigned h = q.h0; h < q.h1; ++h) {
+        const float* xr = xb + h * xs_h;
+        DT* yr = yb + static_cast<long long>(h) * p.d;
+        const float x0 = xr[e0];
+        const float x1 = xr[e1];
+        if (rot) {
+            od::store(yr + e0, x0 * c - x1 * s);
+            od::store(yr + e1, x0 * s + x1 * c);
+        } else {
+            od::store(yr + e0, x0);
+            od::store(yr + e1, x1);
+        }
+    }
+}

@@ -1,0 +1,617 @@
+"""The cuda_attention plugin: soft_max, rope, flash_attn_ext and the rope -> view -> set_rows fusion.
+
+Without a GPU: plans for a device description (who takes each node, declines
+with their reasons), fusion matching, and the launch specs (kernel instance,
+grid, arguments) against the kernels' own signatures. On a GPU: OPS.md's
+sweep against the numpy reference by NMSE (soft_max <= 1e-6, rope 1e-7 / the
+f16 bound, flash_attn_ext <= 5e-4): masks f16/f32 with -inf blocks, fully
+masked rows, sinks, ALiBi, softcap, head sizes 64..256, GQA 1/4/8, KV types
+f32/f16/bf16/q8_0/q4_0, decode and prefill, non-contiguous and misaligned
+views; fused rope+set_rows == unfused == reference; CUDA-graph replay ==
+direct launches.
+
+Random inputs come from a fresh seed each run, printed on failure; set
+OPDISPATCH_TEST_SEED to replay one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import re
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+import opdispatch as od
+import opdispatch.plugins.cuda_attention as ca
+from opdispatch import ops
+from opdispatch.backends.base import Device
+from opdispatch.graph import Graph
+from opdispatch.hookspecs import PRIORITY_BUILTIN
+from opdispatch.plugins.cuda_attention import fusion, support
+from opdispatch.tensor import Tensor
+from opdispatch.testing.cases import Inputs, bound
+from opdispatch.testing.metrics import nmse
+
+gpu = pytest.mark.gpu
+
+H200 = Device("cuda0", "cuda", "NVIDIA H200 (description)",
+              {"cc": (9, 0), "sm_count": 132, "smem_per_block": 49152, "warp_size": 32})
+TURING = Device("cuda0", "cuda", "sm_75 (description)",
+                {"cc": (7, 5), "sm_count": 40, "smem_per_block": 49152, "warp_size": 32})
+CPU = Device("cpu", "cpu")
+ATTN_OPS = ("soft_max", "rope", "flash_attn_ext")
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = int(os.environ.get("OPDISPATCH_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
+    print(f"random seed {seed}: replay with OPDISPATCH_TEST_SEED={seed}")
+    return np.random.default_rng(seed)
+
+
+def steps_of(plan: od.Plan, op: str) -> list:
+    return [s for s in plan.steps if s.kind in ("kernel", "fused") and any(n.op == op for n in s.nodes)]
+
+
+def fa(d: int = 64, tq: int = 1, tk: int = 113, hq: int = 4, hkv: int = 2, kv: str = "f16", dv: int | None = None,
+       mask: bool = False, **kw: object) -> Tensor:
+    q = od.input("q", (1, hq, tq, d))
+    k = od.input("k", (1, hkv, tk, d), kv)
+    v = od.input("v", (1, hkv, tk, dv or d), kw.pop("v_dtype", kv))  # type: ignore[arg-type]
+    m = od.input("m", (1, 1, tq, tk), "f16") if mask else None
+    return ops.flash_attn_ext(q, k, v, m, 1 / math.sqrt(d), **kw)  # type: ignore[arg-type]
+
+
+# -- the plugin, without a GPU --------------------------------------------------------------------
+
+
+def test_registered_as_a_builtin_through_its_entry_point() -> None:
+    plugin = od.manager().plugins["cuda_attention"]
+    assert plugin.priority == PRIORITY_BUILTIN
+    assert plugin.origin == "entry point opdispatch.plugins.cuda_attention"
+
+
+def test_kernels_and_rules_are_for_cuda_devices_only() -> None:
+    assert list(ca.kernels(device=CPU)) == [] and list(ca.fusion_rules(device=CPU)) == []
+    assert sorted(k.op for k in ca.kernels(device=H200)) == sorted(ATTN_OPS)
+    assert [r.name for r in ca.fusion_rules(device=H200)] == ["rope_view_set_rows", "rope_reshape_set_rows"]
+    assert all(r.pattern[0] == "rope" and r.pattern[2] == "set_rows" for r in ca.fusion_rules(device=H200))
+
+
+def _soft_max() -> Tensor:
+    return ops.soft_max(od.input("a", (2, 4, 7, 33)), od.input("m", (1, 4, 16, 33), "f16"), 0.1, 8.0,
+                        od.input("s", (4,)))
+
+
+def _rope() -> Tensor:
+    return ops.rope(od.input("x", (1, 5, 4, 64), "f16"), od.input("p", (5,), "i32"), 32, "neox",
+                    freq_factors=od.input("ff", (16,)), ext_factor=1.0, n_ctx_orig=4096)
+
+
+@pytest.mark.parametrize(("build", "op", "kernel"), [
+    (_soft_max, "soft_max", "soft_max_f32"),
+    (_rope, "rope", "rope"),
+    (lambda: fa(128, 1, 8192, 32, 8), "flash_attn_ext", "flash_attn_ext"),
+    (lambda: fa(128, 128, 300, 8, 1, "q4_0", mask=True, sinks=od.input("s", (8,)), softcap=10.0), "flash_attn_ext",
+     "flash_attn_ext"),
+    (lambda: fa(256, 4, 1024, 8, 8, "bf16", mask=True, max_bias=8.0), "flash_attn_ext", "flash_attn_ext"),
+])
+def test_plans_each_op_on_the_gpu_description(build: Callable[[], Tensor], op: str, kernel: str) -> None:
+    plan = od.compile(build(), H200)
+    (step,) = steps_of(plan, op)
+    assert (step.plugin, step.kernel, step.device.name) == ("cuda_attention", kernel, "cuda0"), plan.explain()
+    assert f"cuda_attention:{kernel} on cuda0" in plan.explain()
+
+
+def _rope_strided_rows() -> Tensor:
+    x = od.input("x", (1, 3, 64, 4))  # rows of x are a transposed view: stride 16 bytes between values
+    return ops.rope(x.permute(0, 1, 3, 2), od.input("p", (3,), "i32"), 64)
+
+
+def _rope_odd_head() -> Tensor:
+    return ops.rope(od.input("x", (1, 3, 2, 65)), od.input("p", (3,), "i32"), 64)
+
+
+@pytest.mark.parametrize(("build", "op", "reason"), [
+    (lambda: fa(192, 1, 113, dv=128), "flash_attn_ext", "K and V head sizes differ (kernels for equal sizes only)"),
+    (lambda: fa(112, 4, 113), "flash_attn_ext", "head size not in 64, 80, 96, 128, 256"),
+    (lambda: fa(32, 128, 113), "flash_attn_ext", "head size not in 64, 80, 96, 128, 256"),
+    (lambda: fa(64, 1, 113, kv="f16", v_dtype="bf16"), "flash_attn_ext", "K and V must have the same dtype"),
+    (_rope_strided_rows, "rope", "rows of x must be contiguous"),
+    (_rope_odd_head, "rope", "the head size must be even"),
+])
+def test_declines_with_the_reason_and_falls_back_to_cpu(build: Callable[[], Tensor], op: str, reason: str) -> None:
+    plan = od.compile(build(), H200)
+    (step,) = steps_of(plan, op)
+    assert step.device.name == "cpu" and step.plugin == "cpu", plan.explain()
+    assert ("cuda_attention", reason) in step.declined
+    assert f"cuda_attention ({reason})" in plan.explain()
+
+
+def test_prefill_needs_sm80_decode_does_not() -> None:
+    (prefill,) = steps_of(od.compile(fa(64, 9, 113), TURING), "flash_attn_ext")
+    assert prefill.device.name == "cpu"
+    assert ("cuda_attention", "the prefill kernel needs compute capability 8.0 (mma.sync, cp.async)") in prefill.declined
+    (decode,) = steps_of(od.compile(fa(64, 8, 113), TURING), "flash_attn_ext")
+    assert decode.plugin == "cuda_attention"
+
+
+def test_gate_declines_devices_without_32_lane_warps() -> None:
+    wide = Device("cuda0", "cuda", "a 64-lane device", {"cc": (9, 0), "warp_size": 64})
+    (step,) = steps_of(od.compile(_soft_max(), wide), "soft_max")
+    assert step.device.name == "cpu"
+    assert ("cuda_attention", "the kernels need 32-lane warps, cuda0 has 64") in step.declined
+
+
+# -- fusion ---------------------------------------------------------------------------------------
+
+
+def k_cache_write(cache: str = "f16", idx: str = "i64", mode: str = "neox", n_tok: int = 5, heads: int = 4,
+                  d: int = 64, rows: int = 32, how: str = "view", batch: int = 1) -> Tensor:
+    """rope(k) -> view (T, H*D) -> set_rows into the cache, as llama.cpp writes K."""
+    k = od.input("k", (batch, n_tok, heads, d))
+    kr = ops.rope(k, od.input("pos", (n_tok,), "i32"), d, mode)
+    flat = kr.view((n_tok * batch, heads * d)) if how == "view" else kr.reshape((n_tok * batch, heads * d))
+    if how == "per head":
+        flat = kr.view((n_tok * heads, d))
+        return ops.set_rows(od.state("cache", (rows * heads, d), cache), flat,
+                            od.input("idx", (n_tok * heads,), idx))
+    return ops.set_rows(od.state("cache", (rows, heads * d), cache), flat, od.input("idx", (n_tok * batch,), idx))
+
+
+def test_graph_order_puts_rope_view_set_rows_next_to_each_other() -> None:
+    y = k_cache_write()
+    assert [n.op for n in Graph.build(y).nodes] == ["rope", "view", "set_rows"]
+    y = k_cache_write(how="reshape")
+    assert [n.op for n in Graph.build(y).nodes] == ["rope", "reshape", "set_rows"]
+
+
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+@pytest.mark.parametrize("idx", ["i32", "i64"])
+@pytest.mark.parametrize("how", ["view", "reshape"])
+def test_fuses_rope_view_set_rows(cache: str, idx: str, how: str) -> None:
+    plan = od.compile(k_cache_write(cache, idx, how=how), H200)
+    (step,) = plan.fusions
+    assert (step.plugin, step.kernel, step.device.name) == ("cuda_attention", f"rope_{how}_set_rows", "cuda0")
+    assert [n.op for n in step.nodes] == ["rope", how, "set_rows"]
+    assert len([s for s in plan.steps if s.kind in ("kernel", "fused")]) == 1
+    assert f"cuda_attention [fused rope_{how}_set_rows] on cuda0" in plan.explain()
+    spec, = ca.rope_set_rows_specs(step.nodes, fake_ptr)
+    assert spec.kernel in ca.KERNEL_SOURCES[ca.ROPE_CU]
+    assert spec_types(spec) == kernel_param_types(ca.ROPE_CU, "rope_set_rows")
+
+
+@pytest.mark.parametrize(("build", "reason"), [
+    (lambda: k_cache_write("bf16"), r"cache dtype bf16 \(fused for f32, f16\)"),
+    (lambda: k_cache_write("q8_0"), r"cache dtype q8_0"),
+    (lambda: k_cache_write(how="per head"), r"the view's rows hold 64 values, not one token's heads x head size"),
+    (lambda: k_cache_write(batch=2), r"rope has a batch axis of 2"),
+])
+def test_fusion_check_declines_what_ggml_does_not_fuse(build: Callable[[], Tensor], reason: str) -> None:
+    y = build()
+    graph = Graph.build(y)
+    nodes = graph.nodes
+    assert [n.op for n in nodes] == ["rope", "view", "set_rows"]
+    answer = fusion.check(H200, nodes, graph)
+    assert isinstance(answer, str) and re.search(reason, answer), answer
+    plan = od.compile(y, H200)
+    assert not plan.fusions
+    (rope_step,) = steps_of(plan, "rope")
+    assert rope_step.plugin == "cuda_attention"
+
+
+def test_no_fusion_when_the_rotated_k_is_also_an_output() -> None:
+    y = k_cache_write()
+    rope = Graph.build(y).nodes[0]
+    plan = od.compile([y, rope], H200)
+    assert not plan.fusions
+    assert steps_of(plan, "rope")[0].plugin == "cuda_attention"
+
+
+def test_fusion_off_runs_three_nodes() -> None:
+    plan = od.compile(k_cache_write(), H200, fusion=False)
+    assert not plan.fusions
+    assert steps_of(plan, "rope")[0].plugin == "cuda_attention"
+
+
+# -- launch specs, without a GPU ------------------------------------------------------------------
+
+BASE = 0x7F00_0000_0000
+C_TYPES = {"char*": np.uint64, "float*": np.uint64, "float2*": np.uint64, "int*": np.uint64, "MT*": np.uint64,
+           "T*": np.uint64, "DT*": np.uint64, "IT*": np.uint64, "unsigned char*": np.uint64,
+           "int": np.int32, "unsigned": np.uint32, "long long": np.int64, "float": np.float32}
+ROPE_PARAMS = ("int d, int n_dims, int heads, int tokens, float theta_scale, float freq_scale, float ext_factor, "
+               "float mscale, float corr_lo, float corr_hi")
+
+
+def fake_ptr(t: Tensor) -> int:
+    return BASE + t.view_offset
+
+
+def kernel_param_types(source: Path, name: str) -> list[type]:
+    """numpy scalar types of a kernel's parameters, read from its source."""
+    src = source.read_text().replace("ROPE_PARAMS", ROPE_PARAMS)
+    m = re.search(rf"__global__ void (?:__launch_bounds__\([^)]*\) )?{name}\((.*?)\)\s*\{{", src, re.S)
+    assert m, f"{name} not found in {source}"
+    types = []
+    for p in m.group(1).split(","):
+        p = re.sub(r"\b(const|__restrict__)\b", "", p)
+        p = re.sub(r"\s+\w+\s*$", "", p.strip())
+        types.append(C_TYPES[re.sub(r"\s+", " ", p).replace(" *", "*").strip()])
+    return types
+
+
+def spec_types(spec: ca.Spec) -> list[type]:
+    return [type(a) for a in spec.args]
+
+
+@pytest.mark.parametrize(("heads", "threads", "hpt"), [(1, 64, 1), (8, 64, 8), (32, 4 * 64, 8), (12, 2 * 64, 8)])
+def test_rope_threads_share_the_angle_across_heads(heads: int, threads: int, hpt: int) -> None:
+    assert ca.rope_threads(od.input("x", (1, 1, heads, 128))) == (threads, hpt)
+
+
+def test_every_kernel_signature_is_readable() -> None:
+    for source, name in ((ca.SOFTMAX_CU, "soft_max_f32"), (ca.ROPE_CU, "rope_kernel"), (ca.ROPE_CU, "rope_set_rows"),
+                         (ca.DECODE_CU, "fattn_decode"), (ca.DECODE_CU, "fattn_combine"),
+                         (ca.PREFILL_CU, "fattn_prefill"), (ca.PREFILL_CU, "fattn_mask_flags")):
+        assert kernel_param_types(source, name)
+
+
+@pytest.mark.parametrize(("shape", "mask", "view", "kernel", "grid"), [
+    ((4, 4096), None, None, "soft_max_f32<128, 8, true, float>", 4),
+    ((4, 4097), "f16", None, "soft_max_f32<1024, 8, false, od::f16>", 4),
+    ((2, 3, 5, 33), "f32", None, "soft_max_f32<32, 8, false, float>", 30),
+    ((1, 3, 2, 200001), "f32", None, "soft_max_f32<1024, 0, false, float>", 6),
+    ((1, 3, 2, 200000), "f16", None, "soft_max_f32<1024, 0, true, od::f16>", 6),
+    ((1, 3, 2, 32768), "f16", None, "soft_max_f32<1024, 8, true, od::f16>", 6),
+    ((1,), None, None, "soft_max_f32<32, 8, false, float>", 1),
+    ((10, 64), None, lambda a: a.view((4, 64), (512, 4), 4), "soft_max_f32<32, 8, false, float>", 4),
+    ((3, 6, 64), "f16", lambda a: a.permute(1, 0, 2), "soft_max_f32<32, 8, true, od::f16>", 18),
+])
+def test_soft_max_spec_picks_the_variant(shape: tuple, mask: str | None, view: Callable | None, kernel: str,
+                                         grid: int) -> None:
+    a = od.input("a", shape)
+    a = view(a) if view else a
+    m = od.input("m", (1, 1, *pad2(a.shape)), mask) if mask else None
+    node = ops.soft_max(a, m)
+    (spec,) = ca.softmax_specs(node, fake_ptr)
+    assert (spec.kernel, spec.grid) == (kernel, (grid,))
+    assert spec.kernel in ca.KERNEL_SOURCES[ca.SOFTMAX_CU]
+    assert spec_types(spec) == kernel_param_types(ca.SOFTMAX_CU, "soft_max_f32")
+
+
+def pad2(shape: tuple) -> tuple:
+    return ((1,) + tuple(shape))[-2:] if len(shape) < 2 else tuple(shape[-2:])
+
+
+def test_soft_max_spec_passes_strides_and_alibi() -> None:
+    a = od.input("a", (3, 5, 7, 40)).permute(1, 0, 2, 3)  # (5, 3, 7, 40)
+    m = od.input("m", (1, 3, 9, 40), "f16")
+    (spec,) = ca.softmax_specs(ops.soft_max(a, m, 0.5, 8.0), fake_ptr)
+    ncols, nrows, nheads, as1, as2, as3, m2, m3, ms1, ms2, ms3, scale, alibi, m0, m1, nlog2 = spec.args[4:]
+    assert (ncols, nrows, nheads, as1, as2, as3) == (40, 7, 3, 40, 5 * 7 * 40, 7 * 40)
+    assert (m2, m3, ms1, ms2, ms3) == (3, 1, 40, 9 * 40, 3 * 9 * 40)
+    assert (scale, alibi, nlog2) == (np.float32(0.5), 1, 2)
+    assert m0 == np.float32(2.0 ** -4) and m1 == np.float32(2.0 ** -2)
+
+
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+@pytest.mark.parametrize("dt", ["f32", "f16"])
+def test_rope_spec(mode: str, dt: str) -> None:
+    x = od.input("x", (2, 5, 3, 80), dt).permute(0, 2, 1, 3)  # (2, 3, 5, 80): tokens 3, heads 5
+    node = ops.rope(x, od.input("p", (3,), "i32"), 64, mode, freq_base=500000.0, freq_scale=0.25, ext_factor=1.0,
+                    attn_factor=1.2, n_ctx_orig=4096)
+    (spec,) = ca.rope_specs(node, fake_ptr)
+    assert spec.kernel == ca.rope_kernel(mode == "neox", dt) and spec.kernel in ca.KERNEL_SOURCES[ca.ROPE_CU]
+    assert spec_types(spec) == kernel_param_types(ca.ROPE_CU, "rope_kernel")
+    total, hpt, xs_h, xs_t, xs_b, d, n_dims, heads, tokens = (int(a) for a in spec.args[4:13])
+    assert (total, hpt) == (2 * 3 * 1 * 40, 5)  # one thread per (token, pair) rotates all 5 heads
+    assert (xs_h, xs_t, xs_b, d, n_dims, heads, tokens) == (3 * 80, 80, 15 * 80, 80, 64, 5, 3)
+    theta_scale, freq_scale, ext, mscale, lo, hi = (float(a) for a in spec.args[13:])
+    assert theta_scale == pytest.approx(500000.0 ** (-2 / 64), rel=1e-6)
+    assert mscale == pytest.approx(1.2 * (1 + 0.1 * math.log(4)), rel=1e-6)
+    from opdispatch.reference.attention import rope_yarn_corr_dims
+    assert (lo, hi) == rope_yarn_corr_dims(64, 4096, 500000.0, 32.0, 1.0)
+    assert spec.grid == (-(-total // 256),)
+
+
+@pytest.mark.parametrize(("d", "tq", "tk", "hq", "hkv", "kv", "ncols", "ncg"), [
+    (128, 1, 8192, 32, 8, "f16", 4, 1),
+    (128, 1, 8192, 32, 8, "bf16", 4, 1),
+    (64, 1, 113, 4, 4, "q8_0", 1, 1),
+    (64, 4, 512, 8, 1, "q4_0", 8, 4),
+    (256, 8, 1024, 16, 2, "f32", 8, 8),
+    (96, 3, 100, 6, 3, "f16", 8, 1),
+    (64, 2, 1, 2, 2, "f16", 4, 1),
+])
+def test_decode_plan(d: int, tq: int, tk: int, hq: int, hkv: int, kv: str, ncols: int, ncg: int) -> None:
+    node = fa(d, tq, tk, hq, hkv, kv, mask=True, sinks=od.input("s", (hq,)))
+    plan = ca.flash_plan(node, 132)
+    assert plan.kind == "decode"
+    step, _ = ca.decode_geometry(d, ncols)
+    assert plan.chunk % step == 0 and (plan.nsplit - 1) * plan.chunk < tk <= plan.nsplit * plan.chunk
+    rows = tq * hq
+    assert [w.nbytes for w in plan.workspaces] == [plan.nsplit * rows * d * 4, plan.nsplit * rows * 8]
+    main, combine = plan.specs(fake_ptr, [BASE + 2**20, BASE + 2**21])
+    assert main.kernel == ca.decode_kernel(d, kv, ncols) and main.kernel in ca.KERNEL_SOURCES[ca.DECODE_CU]
+    assert main.grid == (plan.nsplit, hkv * ncg, 1) and main.block == 128
+    assert spec_types(main) == kernel_param_types(ca.DECODE_CU, "fattn_decode")
+    assert combine.kernel == ca.COMBINE and combine.grid == (rows,)
+    assert spec_types(combine) == kernel_param_types(ca.DECODE_CU, "fattn_combine")
+
+
+def test_decode_splits_fill_the_gpu() -> None:
+    one = ca.flash_plan(fa(128, 1, 8192, 32, 8), 132)
+    sixteen = ca.flash_plan(ops.flash_attn_ext(od.input("q", (16, 32, 1, 128)), od.input("k", (16, 8, 8192, 128), "f16"),
+                                               od.input("v", (16, 8, 8192, 128), "f16")), 132)
+    assert one.nsplit * 8 >= 132 * 2 and sixteen.nsplit * 16 * 8 >= 132 * 2
+    assert one.nsplit > sixteen.nsplit >= 1
+
+
+@pytest.mark.parametrize(("d", "kv", "mask", "bn"), [
+    (128, "f16", True, 64), (64, "bf16", False, 64), (80, "f32", True, 64), (96, "f16", False, 64),
+    (256, "q8_0", True, 32), (128, "q4_0", False, 64),
+])
+def test_prefill_plan(d: int, kv: str, mask: bool, bn: int) -> None:
+    node = fa(d, 300, 1000, 8, 2, kv, mask=mask)
+    plan = ca.flash_plan(node, 132)
+    assert plan.kind == "prefill"
+    n_qt, n_kt = -(-300 // 64), -(-1000 // bn)
+    assert [w.nbytes for w in plan.workspaces] == ([n_qt * n_kt] if mask else [])
+    specs = plan.specs(fake_ptr, [BASE + 2**20] if mask else [])
+    main = specs[-1]
+    assert main.kernel == ca.prefill_kernel(d, kv) and main.kernel in ca.KERNEL_SOURCES[ca.PREFILL_CU]
+    assert main.grid == (n_qt, 8, 1) and main.block == 128
+    assert main.smem == ca.prefill_smem(d) <= 99 * 1024  # fits every sm_80+ GPU's opt-in limit
+    assert spec_types(main) == kernel_param_types(ca.PREFILL_CU, "fattn_prefill")
+    assert int(main.args[-1]) == n_kt
+    if mask:
+        flags = specs[0]
+        assert (flags.kernel, flags.grid) == (ca.MASK_FLAGS, (n_kt, n_qt, 1))
+        assert spec_types(flags) == kernel_param_types(ca.PREFILL_CU, "fattn_mask_flags")
+        assert int(flags.args[5]) == bn
+
+
+def test_every_name_expression_is_declared_for_the_compile_test() -> None:
+    assert set(ca.KERNEL_SOURCES) == set((Path(ca.__file__).parent / "kernels").glob("*.cu"))
+    for d, kv, tq in itertools.product(support.HEAD_SIZES, support.KV_TYPES, (1, 2, 5, 8, 9, 64)):
+        if kv.startswith("q") and d % 32:
+            continue  # block formats need rows of whole blocks
+        for spec in ca.flash_plan(fa(d, tq, 200, 8, 2, kv, mask=True), 132).specs(fake_ptr, [BASE, BASE]):
+            assert spec.kernel in ca.KERNEL_SOURCES[spec.source]
+
+
+# -- on a GPU ------------------------------------------------------------------------------------------
+
+FA_BOUND = bound("flash_attn_ext")  # 5e-4
+SOFT_MAX_BOUND = bound("soft_max")  # 1e-6
+
+
+def assert_close(got: np.ndarray, ref: np.ndarray, limit: float, what: str) -> None:
+    assert got.shape == ref.shape, what
+    assert not np.isnan(got).any(), f"{what}: NaN in the output (an element not written?)"
+    err = nmse(got, ref)
+    assert err <= limit, f"{what}: NMSE {err:.3g} > {limit:g}"
+
+
+def run_on_gpu(outputs: Tensor | list[Tensor], feeds: dict, **kw: object) -> tuple[od.Plan, list[np.ndarray]]:
+    """Run on cuda0 (arenas poisoned first) with every attention node taken by cuda_attention there."""
+    plan = od.compile(outputs, "cuda0", **kw)
+    for s in plan.steps:
+        if s.kind in ("kernel", "fused") and s.nodes[0].op in ATTN_OPS:
+            assert (s.plugin, s.device.name) == ("cuda_attention", "cuda0"), plan.explain()
+    plan.poison()
+    return plan, plan.run(feeds)
+
+
+def reference(outputs: Tensor | list[Tensor], feeds: dict) -> list[np.ndarray]:
+    return od.compile(outputs, "cpu").run(feeds)
+
+
+def check_case(y: Tensor, inp: Inputs, limit: float, what: str) -> None:
+    _, (got,) = run_on_gpu(y, inp.feeds)
+    (ref,) = reference(y, inp.feeds)
+    assert_close(got, ref, limit, what)
+
+
+# soft_max: (shape, mask shape or None, mask dtype, scale, max_bias, sinks, layout, empty rows)
+SOFT_MAX_CASES = {
+    "1 column": ((4, 1), None, None, 1.0, 0.0, False, "contig", False),
+    "5 columns, f16 mask": ((2, 4, 3, 5), (1, 1, 3, 5), "f16", 0.1, 0.0, False, "contig", False),
+    "1-d": ((33,), None, None, 0.1, 0.0, True, "contig", False),
+    "16, f32 mask, alibi, sinks": ((2, 4, 3, 16), (1, 1, 3, 16), "f32", 1.0, 8.0, True, "contig", False),
+    "33, mask rows > R, batch broadcast": ((2, 4, 3, 33), (2, 1, 8, 33), "f16", 0.1, 8.0, True, "contig", False),
+    "33, per-head mask": ((2, 4, 3, 33), (1, 4, 16, 33), "f16", 0.1, 8.0, True, "contig", False),
+    "33, full mask": ((2, 4, 3, 33), (2, 4, 3, 33), "f32", 0.1, 0.0, False, "contig", False),
+    "1023 float4-less, fully masked rows": ((2, 4, 4, 1023), (1, 1, 4, 1023), "f16", 1.0, 0.0, False, "contig", True),
+    "1024, fully masked rows and sinks": ((2, 4, 4, 1024), (1, 1, 4, 1024), "f16", 1.0, 8.0, True, "contig", True),
+    "4096, f16 mask": ((1, 8, 16, 4096), (1, 1, 16, 4096), "f16", 0.088, 0.0, False, "contig", False),
+    "4097, f32 mask": ((1, 4, 5, 4097), (1, 1, 5, 4097), "f32", 0.1, 8.0, True, "contig", False),
+    "32768 (float4, register cache full)": ((1, 2, 3, 32768), (1, 1, 3, 32768), "f16", 0.1, 0.0, True, "contig", False),
+    "40000 (two passes, float4)": ((1, 2, 2, 40000), (1, 1, 2, 40000), "f32", 0.1, 8.0, False, "contig", False),
+    "200001 (two passes)": ((1, 3, 2, 200001), None, None, 1.0, 0.0, False, "contig", False),
+    "200001, f32 mask, alibi, sinks": ((1, 3, 2, 200001), (1, 1, 2, 200001), "f32", 0.1, 8.0, True, "contig", False),
+    "200001, f16 mask, masked rows": ((1, 2, 2, 200001), (1, 1, 2, 200001), "f16", 0.1, 0.0, True, "contig", True),
+    "permuted heads/rows": ((2, 4, 3, 64), (1, 1, 4, 64), "f16", 0.1, 8.0, True, "perm", False),
+    "strided rows (misaligned)": ((3, 5, 100), (1, 5, 100), "f16", 0.1, 0.0, False, "strided", False),
+    "strided long rows": ((2, 2, 50000), (1, 2, 50000), "f32", 1.0, 0.0, True, "strided", False),
+}
+
+
+@gpu
+@pytest.mark.parametrize("case", list(SOFT_MAX_CASES))
+def test_soft_max_matches_the_reference(case: str, rng) -> None:  # noqa: ANN001
+    shape, mshape, mdt, scale, max_bias, sinks, layout, empty = SOFT_MAX_CASES[case]
+    inp = Inputs(rng)
+    a = inp.uniform(shape, layout=layout)
+    m = inp.mask(mshape, mdt, empty) if mshape else None
+    s = inp.uniform((pad4_(shape)[1],)) if sinks else None
+    check_case(ops.soft_max(a, m, scale, max_bias, s), inp, SOFT_MAX_BOUND, f"soft_max {case}")
+
+
+def pad4_(shape: tuple) -> tuple:
+    return (1,) * (4 - len(shape)) + tuple(shape)
+
+
+# rope: dtype, mode, shape, n_dims, freq factors, yarn, layout
+ROPE_CASES = [
+    (dt, mode, shape, n_dims, ff, yarn, layout)
+    for (dt, mode, ff, yarn), (shape, n_dims, layout) in zip(
+        itertools.product(("f32", "f16"), ("normal", "neox"), (False, True), (False, True)),
+        itertools.cycle([((2, 13, 4, 64), 64, "contig"), ((1, 7, 3, 128), 64, "perm"), ((2, 5, 4, 80), 80, "strided"),
+                         ((1, 9, 2, 96), 32, "contig"), ((3, 4, 5, 128), 128, "perm"), ((1, 1, 1, 66), 40, "contig")]))
+]
+
+
+@gpu
+@pytest.mark.parametrize(("dt", "mode", "shape", "n_dims", "ff", "yarn", "layout"), ROPE_CASES)
+def test_rope_matches_the_reference(dt: str, mode: str, shape: tuple, n_dims: int, ff: bool, yarn: bool,
+                                    layout: str, rng) -> None:  # noqa: ANN001
+    inp = Inputs(rng)
+    params = dict(freq_base=10000.0, freq_scale=1.0, ext_factor=0.0, attn_factor=1.0, beta_fast=32.0, beta_slow=1.0,
+                  n_ctx_orig=0)
+    if yarn:
+        params.update(freq_base=500000.0, freq_scale=0.25, ext_factor=1.0, attn_factor=1.2, n_ctx_orig=4096)
+    x = inp.uniform(shape, dt, layout=layout)
+    f = inp.uniform((n_dims // 2,), lo=0.9, hi=1.1) if ff else None
+    y = ops.rope(x, inp.ints((shape[1],), 0, 512), n_dims, mode, freq_factors=f, **params)
+    check_case(y, inp, bound("rope", dt), f"rope {dt} {mode} {shape} n_dims={n_dims} ff={ff} yarn={yarn} {layout}")
+
+
+def fa_graph(inp: Inputs, d: int, tq: int, tk: int, hq: int, hkv: int, kv: str = "f16", mask: str = "",
+             batch: int = 1, sinks: bool = False, max_bias: float = 0.0, softcap: float = 0.0, q_dtype: str = "f32",
+             layout: str = "perm", mask_shape: tuple | None = None) -> Tensor:
+    """flash_attn_ext on inputs laid out like ggml's KV cache ('perm': tokens outside heads)."""
+    q = inp.uniform((batch, hq, tq, d), q_dtype, layout="perm")
+    if layout == "misaligned":  # rows start 2 bytes (one f16) past a 16-byte boundary: no 16-byte loads
+        kl = inp.uniform((batch, hkv, tk, d + 32), kv)
+        vl = inp.uniform((batch, hkv, tk, d + 32), kv)
+        unit = kl.dtype.block_bytes if not kl.dtype.is_quant else kl.dtype.block_bytes
+        k = kl.view((batch, hkv, tk, d), kl.strides, unit)
+        v = vl.view((batch, hkv, tk, d), vl.strides, unit)
+    else:
+        k = inp.uniform((batch, hkv, tk, d), kv, layout=layout)
+        v = inp.uniform((batch, hkv, tk, d), kv, layout=layout)
+    m = None
+    if mask:
+        rows = -(-tq // 16) * 16
+        shape = mask_shape or (1, 1, rows, tk)
+        if mask == "causal":  # query row t sees keys up to tk - tq + t
+            r = np.arange(shape[2])[:, None]
+            c = np.arange(tk)[None, :]
+            values = np.broadcast_to(np.where(c > tk - tq + r, -np.inf, 0.0), shape)
+            if max_bias:
+                values = values - np.abs(c - r) / tk
+            m = inp._leaf(shape, "f16", values)
+        else:
+            m = inp.mask(shape, "f16", empty_rows=mask == "empty rows")
+    s = inp.uniform((hq,)) if sinks else None
+    return ops.flash_attn_ext(q, k, v, m, 1.0 / math.sqrt(d), max_bias, softcap, s)
+
+
+FA_CASES: dict[str, dict] = {}
+# head sizes x query rows (decode 1/4, prefill 128/35) x GQA 1/4/8 x kv 113/512/1024, with and without mask
+for _d in support.HEAD_SIZES:
+    for _tq, _gqa, _tk, _mask in [(1, 1, 113, "random"), (1, 4, 1024, ""), (1, 8, 512, "random"), (4, 4, 113, "random"),
+                                  (4, 1, 512, ""), (4, 8, 1024, "random"), (128, 1, 113, "random"), (128, 4, 512, ""),
+                                  (128, 8, 1024, "random"), (35, 4, 1024, "causal"), (8, 2, 300, "random")]:
+        FA_CASES[f"d={_d} q={_tq} gqa={_gqa} kv={_tk} mask={_mask or 'none'}"] = dict(
+            d=_d, tq=_tq, tk=_tk, hq=2 * _gqa, hkv=2, mask=_mask)
+# every K/V type, with sinks / ALiBi / softcap, decode and prefill
+for _kv, _d, _tq in itertools.product(("f32", "f16", "bf16", "q8_0", "q4_0"), (64, 128), (1, 4, 128)):
+    _opt = {1: dict(sinks=True), 4: dict(max_bias=8.0, mask="random"), 128: dict(softcap=10.0, mask="random")}[_tq]
+    FA_CASES[f"{_kv} d={_d} q={_tq} {_opt}"] = dict(d=_d, tq=_tq, tk=512, hq=8, hkv=2, kv=_kv, **_opt)
+    FA_CASES[f"{_kv} d={_d} q={_tq} all options"] = dict(d=_d, tq=_tq, tk=113, hq=4, hkv=4, kv=_kv, mask="random",
+                                                         sinks=True, max_bias=8.0, softcap=10.0, batch=2)
+for _tq in (1, 4, 64):
+    FA_CASES[f"empty rows q={_tq}"] = dict(d=64, tq=_tq, tk=113, hq=4, hkv=2, mask="empty rows")
+    FA_CASES[f"empty rows and sinks q={_tq}"] = dict(d=64, tq=_tq, tk=113, hq=4, hkv=2, mask="empty rows", sinks=True)
+    FA_CASES[f"mask per batch and head q={_tq}"] = dict(d=64, tq=_tq, tk=200, hq=4, hkv=2, mask="random", batch=2,
+                                                      mask_shape=(2, 4, -(-_tq // 16) * 16, 200))
+    FA_CASES[f"q f16 q={_tq}"] = dict(d=128, tq=_tq, tk=300, hq=8, hkv=2, mask="random", q_dtype="f16")
+    FA_CASES[f"contiguous kv q={_tq}"] = dict(d=96, tq=_tq, tk=300, hq=8, hkv=1, mask="random", layout="contig")
+    for _kv in ("f16", "bf16", "f32", "q8_0"):
+        FA_CASES[f"misaligned {_kv} q={_tq}"] = dict(d=64, tq=_tq, tk=100, hq=4, hkv=2, kv=_kv, mask="random",
+                                                    layout="misaligned")
+FA_CASES["long kv 8192 decode gqa 4"] = dict(d=128, tq=1, tk=8192, hq=32, hkv=8, batch=2)
+FA_CASES["long kv 8192 decode bf16 mask"] = dict(d=128, tq=1, tk=8192, hq=8, hkv=2, kv="bf16", mask="random")
+FA_CASES["long kv 8192 prefill causal"] = dict(d=128, tq=256, tk=8192, hq=4, hkv=1, mask="causal")
+FA_CASES["causal 300x300 alibi"] = dict(d=64, tq=300, tk=300, hq=4, hkv=2, mask="causal", max_bias=8.0)
+FA_CASES["causal d=256 bf16 sinks"] = dict(d=256, tq=200, tk=200, hq=2, hkv=1, kv="bf16", mask="causal", sinks=True)
+
+
+@gpu
+@pytest.mark.parametrize("case", list(FA_CASES))
+def test_flash_attn_ext_matches_the_reference(case: str, rng) -> None:  # noqa: ANN001
+    inp = Inputs(rng)
+    y = fa_graph(inp, **FA_CASES[case])
+    check_case(y, inp, FA_BOUND, f"flash_attn_ext {case}")
+
+
+@gpu
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+@pytest.mark.parametrize("idx", ["i32", "i64"])
+@pytest.mark.parametrize(("mode", "n_tok"), [("normal", 1), ("neox", 7), ("neox", 64), ("normal", 13)])
+def test_fused_rope_set_rows_matches_unfused_and_reference(cache: str, idx: str, mode: str, n_tok: int,
+                                                           rng) -> None:  # noqa: ANN001
+    heads, d, rows = 8, 128, 256
+    inp = Inputs(rng)
+    k = inp.uniform((1, n_tok, heads, d), layout="perm")
+    kr = ops.rope(k, inp.ints((n_tok,), 0, 512), d, mode, freq_factors=inp.uniform((d // 2,), lo=0.9, hi=1.1))
+    dst = od.state("cache", (rows, heads * d), cache, init=rng.uniform(-1, 1, (rows, heads * d)))
+    y = ops.set_rows(dst, kr.view((n_tok, heads * d)), inp.ids((n_tok,), rows, idx))
+    plan, (fused,) = run_on_gpu(y, inp.feeds)
+    assert len(plan.fusions) == 1, plan.explain()
+    limit = bound("set_rows", cache)
+    ref_plan = od.compile(y, "cpu")
+    ref_plan.write(dst, dst.data.view(np.float32 if cache == "f32" else np.float16).reshape(rows, heads * d))
+    (ref,) = ref_plan.run(inp.feeds)
+    assert_close(fused.astype(np.float64), ref.astype(np.float64), limit, f"fused rope+set_rows {cache} {idx}")
+    plan2, _ = run_on_gpu(y, inp.feeds, fusion=False)
+    assert not plan2.fusions
+    plan2.write(dst, dst.data.view(np.float32 if cache == "f32" else np.float16).reshape(rows, heads * d))
+    (unfused,) = plan2.run(inp.feeds)
+    assert_close(fused.astype(np.float64), unfused.astype(np.float64), limit, "fused vs unfused")
+
+
+def attention_block(seed: int) -> tuple[list[Tensor], dict]:
+    """rope, soft_max, decode and prefill attention in one graph, on fresh inputs drawn from `seed`."""
+    inp = Inputs(np.random.default_rng(seed))
+    kr = ops.rope(inp.uniform((1, 9, 4, 64)), inp.ints((9,), 0, 512), 64, "neox")
+    sm = ops.soft_max(inp.uniform((2, 4, 9, 300)), inp.mask((1, 1, 9, 300)), 0.1, 8.0)
+    dec = fa_graph(inp, 128, 1, 2048, 32, 8, mask="random", sinks=True)
+    pre = fa_graph(inp, 64, 100, 300, 4, 2, mask="causal")
+    return [kr, sm, dec, pre], inp.feeds
+
+
+@gpu
+def test_cuda_graph_replay_matches_direct_launches(monkeypatch: pytest.MonkeyPatch, rng) -> None:  # noqa: ANN001
+    from opdispatch.backends.cuda.backend import Segment
+
+    seeds = [int(s) for s in rng.integers(0, 2**31, 4)]
+    results = {}
+    for disabled in ("1", "0"):
+        monkeypatch.setenv("OPDISPATCH_DISABLE_CUDA_GRAPHS", disabled)
+        results[disabled] = []
+        for seed in seeds:  # structurally equal graphs: one cached plan, bound once (direct, capture, replays)
+            outputs, feeds = attention_block(seed)
+            plan = od.compile(outputs, "cuda0")
+            results[disabled].append(plan.run(feeds))
+        segments = [s for s in plan._bind().runners if isinstance(s, Segment)]
+        assert segments
+        for s in segments:
+            if disabled == "1":
+                assert s.runner.capture is None and s.runner.captures == 0
+            else:
+                assert s.runner.captures == 1 and not s.runner.disabled
+    outputs, feeds = attention_block(seeds[-1])
+    for got, ref in zip(results["0"][-1], reference(outputs, feeds)):
+        assert_close(got, ref, FA_BOUND, "replayed graph vs reference")
+    for direct, replayed in zip(results["1"], results["0"]):
+        for a, b in zip(direct, replayed):
+            assert np.array_equal(a, b)
