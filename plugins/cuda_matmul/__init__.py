@@ -4,7 +4,13 @@ Paths (support.py picks one per node; its name shows in `Plan.explain()`):
 
 - mmvf / mmvq: batch N <= 8, float / block-quantized weights: kernels/mmv.cu's
   mat-vec, reading each weight byte once (16-byte loads for float rows,
-  16-bit loads for blocks, which are only 2-byte aligned), b in float.
+  16-bit loads for blocks, which are only 2-byte aligned). Float weights take
+  b as it is (f32/f16/bf16). For block formats b is first quantized to int8
+  with a scale per 32 values (convert.cu's quantize_q8, ggml's q8_1 idea),
+  and the kernel takes integer dot products (dp4a): one int->float
+  conversion per 8 weights instead of 8, which is what keeps it at memory
+  speed. The rounding of b this adds is ggml's too (its CPU and CUDA backends
+  quantize b for these types) and lies well inside mul_mat's NMSE bound.
 - cublas: float weights, N > 8: cuBLAS GemmEx through our own handle
   (core/backends/cuda/cublas.py, usable under CUDA-graph capture), strided-
   batched when every operand's batches are evenly spaced, else pointer-array
@@ -19,7 +25,7 @@ Paths (support.py picks one per node; its name shows in `Plan.explain()`):
   host synchronization, so both live inside a captured CUDA graph.
 - cublas_out_prod: cuBLAS, a converted to f32 first unless it is f32.
 
-Scratch buffers (converted b, dequantized a, the routing table) come from
+Scratch buffers (converted or quantized b, dequantized a, the routing table) come from
 `scratch()`: one buffer per backend and role, grown when a node needs more and
 shared by every node on that backend. Sharing is safe because a backend runs
 every plan on its one stream, so a node's conversion and its GEMM finish before
@@ -27,7 +33,7 @@ the next node's conversion overwrites the buffer (also inside a CUDA graph,
 which keeps the stream's order). A grown buffer replaces the old one only for
 later binds; launches bound earlier keep theirs alive.
 
-A bind is split in two, as in cuda_norm: pure spec functions (`mmv_spec`,
+A bind is split in two, as in cuda_norm: pure spec functions (`mmv_specs`,
 `gemm_specs`, ...) compute kernel instances, grids, arguments and cuBLAS calls
 from shapes, strides and addresses (tested without a GPU), and `_realize`
 turns specs into pre-bound launches.
@@ -61,7 +67,7 @@ CONVERT_CU = KERNELS_DIR / "convert.cu"
 #: mm_common.cuh's weight kinds and b/destination kinds
 W_KIND = {"f32": "W_F32", "f16": "W_F16", "bf16": "W_BF16", "q4_0": "W_Q4_0", "q4_1": "W_Q4_1",
           "q5_0": "W_Q5_0", "q5_1": "W_Q5_1", "q8_0": "W_Q8_0"}
-B_KIND = {"f32": "B_F32", "f16": "B_F16", "bf16": "B_BF16"}
+B_KIND = {"f32": "B_F32", "f16": "B_F16", "bf16": "B_BF16", "q8": "B_Q8"}
 EPI_NONE, EPI_BIAS, EPI_GLU = "EPI_NONE", "EPI_BIAS", "EPI_GLU"
 GLU_CODE = {kind: i for i, kind in enumerate(GLU_KINDS)}  # mm_common.cuh's GLU_* values
 
@@ -70,6 +76,7 @@ ROWS = 2  # rows of a a mat-vec block computes (the kernels' R)
 NTS = (1, 2, 4, 8)  # column counts the mat-vec kernels are compiled for
 ROUTE_BLOCK = 1024  # mmv.cu's ROUTE_BLOCK
 CONVERT_BLOCK = 256  # convert.cu's CONVERT_BLOCK
+Q8_BLOCK = 256  # convert.cu's Q8_BLOCK
 CONVERT_GRID_MAX = 65536  # blocks of a conversion (grid-stride over rows beyond)
 
 
@@ -81,12 +88,16 @@ def mmv_name(wt: str, tb: str, nt: int, vec: bool, epi: str) -> str:
     return f"mmv<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {ROWS}, {_b(vec)}, {epi}>"
 
 
-def mmv_id_name(wt: str, vec: bool, epi: str) -> str:
-    return f"mmv_id<{W_KIND[wt]}, B_F32, {ROWS}, {_b(vec)}, {epi}>"
+def mmv_id_name(wt: str, tb: str, vec: bool, epi: str) -> str:
+    return f"mmv_id<{W_KIND[wt]}, {B_KIND[tb]}, {ROWS}, {_b(vec)}, {epi}>"
 
 
-def grouped_name(wt: str, nt: int, vec: bool, epi: str) -> str:
-    return f"mmv_id_grouped<{W_KIND[wt]}, B_F32, {nt}, {ROWS}, {_b(vec)}, {epi}>"
+def grouped_name(wt: str, tb: str, nt: int, vec: bool, epi: str) -> str:
+    return f"mmv_id_grouped<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {ROWS}, {_b(vec)}, {epi}>"
+
+
+def q8_name(ts: str) -> str:
+    return f"quantize_q8<{B_KIND[ts]}>"
 
 
 def convert_name(ts: str, td: str) -> str:
@@ -103,22 +114,28 @@ QUANT_NAMES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 WEIGHTS = FLOAT_NAMES + QUANT_NAMES
 
 #: every instance the specs can name, per source (tests/test_kernels_compile.py compiles them all).
-#: Column counts are compiled for the common case only: b f32 with 16-byte loads takes NTS (and
-#: the grouped MoE kernel GROUPED_NTS); the rarer variants (scalar loads, b f16/bf16, which only
-#: unfused mul_mat takes) are compiled for 8 columns and run fewer.
+#: Block-format weights always run against b quantized to int8 records (B_Q8). Column counts
+#: are compiled for the common case only: float weights with b f32 and 16-byte loads take NTS
+#: (the grouped MoE kernel GROUPED_NTS); the rarer variants (scalar loads, b f16/bf16, which
+#: only unfused mul_mat takes) are compiled for 8 columns and run fewer.
 GROUPED_NTS = (1, 4, 8)
+EPIS = (EPI_NONE, EPI_BIAS, EPI_GLU)
 MMV_NAMES: tuple[str, ...] = (
-    *(mmv_name(wt, "f32", nt, True, epi) for epi in (EPI_NONE, EPI_BIAS, EPI_GLU) for wt in WEIGHTS for nt in NTS),
-    *(mmv_name(wt, "f32", 8, False, epi) for epi in (EPI_NONE, EPI_BIAS, EPI_GLU) for wt in WEIGHTS),
-    *(mmv_name(wt, tb, 8, vec, EPI_NONE) for wt in WEIGHTS for tb in ("f16", "bf16") for vec in (False, True)),
-    *(mmv_id_name(wt, vec, epi) for wt in WEIGHTS for vec in (False, True) for epi in (EPI_NONE, EPI_BIAS, EPI_GLU)),
-    *(grouped_name(wt, nt, True, epi) for wt in WEIGHTS for nt in GROUPED_NTS for epi in (EPI_NONE, EPI_BIAS)),
-    *(grouped_name(wt, 8, False, epi) for wt in WEIGHTS for epi in (EPI_NONE, EPI_BIAS)),
+    *(mmv_name(wt, "f32", nt, True, epi) for epi in EPIS for wt in FLOAT_NAMES for nt in NTS),
+    *(mmv_name(wt, "f32", 8, False, epi) for epi in EPIS for wt in FLOAT_NAMES),
+    *(mmv_name(wt, tb, 8, vec, EPI_NONE) for wt in FLOAT_NAMES for tb in ("f16", "bf16") for vec in (False, True)),
+    *(mmv_name(wt, "q8", nt, True, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
+    *(mmv_id_name(wt, "f32", vec, epi) for wt in FLOAT_NAMES for vec in (False, True) for epi in EPIS),
+    *(mmv_id_name(wt, "q8", True, epi) for wt in QUANT_NAMES for epi in EPIS),
+    *(grouped_name(wt, "f32", nt, True, epi) for wt in FLOAT_NAMES for nt in GROUPED_NTS for epi in EPIS[:2]),
+    *(grouped_name(wt, "f32", 8, False, epi) for wt in FLOAT_NAMES for epi in EPIS[:2]),
+    *(grouped_name(wt, "q8", nt, True, epi) for wt in QUANT_NAMES for nt in GROUPED_NTS for epi in EPIS[:2]),
     ROUTE_NAME,
 )
 CONVERT_NAMES: tuple[str, ...] = (
-    *(convert_name(ts, td) for ts in FLOAT_NAMES for td in FLOAT_NAMES if ts != td or ts == "f32"),
+    *(convert_name(ts, td) for ts in FLOAT_NAMES for td in FLOAT_NAMES),
     *(dequant_name(wt, td) for wt in QUANT_NAMES for td in ("f16", "f32")),
+    *(q8_name(ts) for ts in FLOAT_NAMES),
 )
 KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {MMV_CU: MMV_NAMES, CONVERT_CU: CONVERT_NAMES}
 
@@ -205,61 +222,92 @@ def _elem_stride(t: Tensor) -> int:
     return t.strides[-1] if t.shape[-1] > 1 else t.dtype.block_bytes
 
 
-def mmv_spec(node: Tensor, out: Tensor, ptr: Ptr, *, a1: Tensor | None = None, bias0: Tensor | None = None,
-             bias1: Tensor | None = None, glu: Tensor | None = None) -> KernelSpec:
-    """mmv for mul_mat `node` writing `out` (node itself, or the last node of a fused group)."""
+def q8_record(k: int) -> int:
+    """Bytes of one b row quantized for block-format weights (mm_common.cuh's Q8_RECORD)."""
+    return k + k // 8
+
+
+def quantize_b(b: Tensor, src: int, dst: int) -> KernelSpec:
+    """quantize_q8 of b's rows (any float type, any strides) into records at `dst`, in b's row order."""
+    (n3, n2, n1, n0), (s3, s2, s1, s0) = _geometry(b)
+    warps = n1 * n2 * n3 * (n0 // 32)
+    grid = (max(1, min(math.ceil(warps / (Q8_BLOCK // 32)), CONVERT_GRID_MAX)),)
+    return KernelSpec(CONVERT_CU, q8_name(b.dtype.name), grid, Q8_BLOCK,
+                      (U64(src), I32(n0), I32(n1), I32(n2), I32(n3), I64(_elem_stride(b)), I64(s1), I64(s2), I64(s3),
+                       U64(dst)))
+
+
+def _epilogue(glu: Tensor | None, bias0: Tensor | None) -> tuple[str, int, float, float]:
+    if glu is not None:
+        return EPI_GLU, GLU_CODE[glu.params["kind"]], glu.params["alpha"], glu.params["limit"]
+    return (EPI_BIAS if bias0 is not None else EPI_NONE), 0, 0.0, 0.0
+
+
+def _addr(ptr: Ptr, t: Tensor | None) -> np.uint64:
+    return U64(ptr(t) if t is not None else 0)
+
+
+def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tensor | None = None,
+              bias0: Tensor | None = None, bias1: Tensor | None = None, glu: Tensor | None = None
+              ) -> list[KernelSpec]:
+    """mmv for mul_mat `node` writing `out` (node itself, or the last node of a fused group);
+    block-format weights first quantize b into int8 records (scratch "bq")."""
     a, b = node.srcs
     (a3, a2, m, k), (sa3, sa2, sa1, _) = _geometry(a)
     (b3, b2, n, _), (sb3, sb2, sb1, _) = _geometry(b)
-    pa, pb = ptr(a), ptr(b)
-    b_vec = k % 4 == 0 and _b_vec(b, pb)
+    pa = ptr(a)
+    specs: list[KernelSpec] = []
     if a.dtype.is_quant:
-        vec = b_vec
+        rec = q8_record(k)
+        qb = scratch("bq", b3 * b2 * n * rec)
+        specs.append(quantize_b(b, ptr(b), qb))
+        pb, b_col, b_es, sb2, sb3, tb, vec = qb, rec, 1, n * rec, b2 * n * rec, "q8", True
+        nt = nt_for(max(n, 1))
     else:
-        vec = b_vec and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0)
-    epi = EPI_GLU if glu is not None else EPI_BIAS if bias0 is not None else EPI_NONE
-    kind, alpha, limit = 0, 0.0, 0.0
-    if glu is not None:
-        kind, alpha, limit = GLU_CODE[glu.params["kind"]], glu.params["alpha"], glu.params["limit"]
-    args = (U64(pa), U64(ptr(a1) if a1 is not None else 0), I64(sa1), I64(sa2), I64(sa3),
-            I32(b2 // a2), I32(b3 // a3), U64(pb), I64(sb1), I64(_elem_stride(b)), I64(sb2), I64(sb3),
-            U64(ptr(out)), I32(m), I32(k), I32(n),
-            U64(ptr(bias0) if bias0 is not None else 0), U64(ptr(bias1) if bias1 is not None else 0),
-            I32(kind), F32(alpha), F32(limit))
+        pb, b_col, b_es, tb = ptr(b), sb1, _elem_stride(b), b.dtype.name
+        vec = (k % 4 == 0 and _b_vec(b, pb) and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0))
+        nt = nt_for(max(n, 1)) if vec and tb == "f32" else 8
+    epi, kind, alpha, limit = _epilogue(glu, bias0)
+    args = (U64(pa), _addr(ptr, a1), I64(sa1), I64(sa2), I64(sa3), I32(b2 // a2), I32(b3 // a3),
+            U64(pb), I64(b_col), I64(b_es), I64(sb2), I64(sb3), U64(ptr(out)), I32(m), I32(k), I32(n),
+            _addr(ptr, bias0), _addr(ptr, bias1), I32(kind), F32(alpha), F32(limit))
     grid = (math.ceil(m / ROWS) if n else 0, b2, b3)
-    nt = nt_for(max(n, 1)) if vec and b.dtype.name == "f32" else 8
-    return KernelSpec(MMV_CU, mmv_name(a.dtype.name, b.dtype.name, nt, vec, epi), grid, BLOCK, args)
+    specs.append(KernelSpec(MMV_CU, mmv_name(a.dtype.name, tb, nt, vec, epi), grid, BLOCK, args))
+    return specs
 
 
-def _id_vec(node: Tensor, ptr: Ptr, a1: Tensor | None) -> bool:
+def _id_b(node: Tensor, ptr: Ptr, scratch: Scratch, a1: Tensor | None
+          ) -> tuple[list[KernelSpec], int, int, int, int, str, bool]:
+    """mul_mat_id's b as the kernels read it: (specs to run first, address, token stride,
+    slot stride, element stride, b kind, 16-byte loads)."""
     as_, b, _ = node.srcs
-    k = as_.shape[-1]
-    b_ok = k % 4 == 0 and _b_vec(b, ptr(b))
+    t, ub, k = b.shape
     if as_.dtype.is_quant:
-        return b_ok
-    return b_ok and _a_vec(as_, ptr(as_)) and (a1 is None or ptr(a1) % 16 == 0)
+        rec = q8_record(k)
+        qb = scratch("bq", t * ub * rec)
+        return [quantize_b(b, ptr(b), qb)], qb, ub * rec, rec, 1, "q8", True
+    vec = k % 4 == 0 and _b_vec(b, ptr(b)) and _a_vec(as_, ptr(as_)) and (a1 is None or ptr(a1) % 16 == 0)
+    return [], ptr(b), b.strides[0], b.strides[1], _elem_stride(b), "f32", vec
 
 
-def mmv_id_spec(node: Tensor, out: Tensor, ptr: Ptr, *, a1: Tensor | None = None, bias0: Tensor | None = None,
-                bias1: Tensor | None = None, glu: Tensor | None = None) -> KernelSpec:
-    """mmv_id for mul_mat_id `node` (one token a grid z index) writing `out`."""
+def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tensor | None = None,
+                 bias0: Tensor | None = None, bias1: Tensor | None = None, glu: Tensor | None = None
+                 ) -> list[KernelSpec]:
+    """mmv_id for mul_mat_id `node` (a grid z index a token) writing `out`."""
     as_, b, ids = node.srcs
     e, m, k = as_.shape
     t, ub, _ = b.shape
     u = ids.shape[1]
-    epi = EPI_GLU if glu is not None else EPI_BIAS if bias0 is not None else EPI_NONE
-    kind, alpha, limit = 0, 0.0, 0.0
-    if glu is not None:
-        kind, alpha, limit = GLU_CODE[glu.params["kind"]], glu.params["alpha"], glu.params["limit"]
+    specs, pb, b_t, b_u, b_es, tb, vec = _id_b(node, ptr, scratch, a1)
+    epi, kind, alpha, limit = _epilogue(glu, bias0)
     bias_e = bias0.strides[0] if bias0 is not None else 0
-    args = (U64(ptr(as_)), U64(ptr(a1) if a1 is not None else 0), I64(as_.strides[1]), I64(as_.strides[0]), I32(e),
+    args = (U64(ptr(as_)), _addr(ptr, a1), I64(as_.strides[1]), I64(as_.strides[0]), I32(e),
             U64(ptr(ids)), I64(ids.strides[0]), I64(ids.strides[1]),
-            U64(ptr(b)), I64(b.strides[0]), I64(b.strides[1]), I32(ub), I64(_elem_stride(b)),
-            U64(ptr(out)), I32(m), I32(k),
-            U64(ptr(bias0) if bias0 is not None else 0), U64(ptr(bias1) if bias1 is not None else 0), I64(bias_e),
-            I32(kind), F32(alpha), F32(limit))
-    grid = (math.ceil(m / ROWS), u, t)
-    return KernelSpec(MMV_CU, mmv_id_name(as_.dtype.name, _id_vec(node, ptr, a1), epi), grid, BLOCK, args)
+            U64(pb), I64(b_t), I64(b_u), I32(ub), I64(b_es), U64(ptr(out)), I32(m), I32(k),
+            _addr(ptr, bias0), _addr(ptr, bias1), I64(bias_e), I32(kind), F32(alpha), F32(limit))
+    specs.append(KernelSpec(MMV_CU, mmv_id_name(as_.dtype.name, tb, vec, epi), (math.ceil(m / ROWS), u, t), BLOCK,
+                            args))
+    return specs
 
 
 def route_words(n_experts: int, pairs: int) -> int:
@@ -267,29 +315,29 @@ def route_words(n_experts: int, pairs: int) -> int:
     return 1 + 3 * n_experts + pairs
 
 
-def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, route: int, *, bias: Tensor | None = None
+def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, bias: Tensor | None = None
                   ) -> list[KernelSpec]:
-    """moe_route then mmv_id_grouped for mul_mat_id `node`; `route` is the table's scratch address."""
+    """(quantize_q8,) moe_route, then mmv_id_grouped for mul_mat_id `node`."""
     as_, b, ids = node.srcs
     e, m, k = as_.shape
     t, ub, _ = b.shape
     u = ids.shape[1]
     pairs = t * u
-    route_spec = KernelSpec(
+    route = scratch("route", 4 * route_words(e, pairs))
+    specs, pb, b_t, b_u, b_es, tb, vec = _id_b(node, ptr, scratch, None)
+    specs.append(KernelSpec(
         MMV_CU, ROUTE_NAME, (1,), ROUTE_BLOCK,
         (U64(ptr(ids)), I64(ids.strides[0]), I64(ids.strides[1]), I32(t), I32(u), I32(e), U64(route),
          U64(ptr(out)), I32(m)),
-        smem=2 * 4 * e)
-    vec = _id_vec(node, ptr, None)
+        smem=2 * 4 * e))
     nt = nt_for(min(support.MMV_MAX_N, max(1, math.ceil(pairs / min(e, pairs)))), GROUPED_NTS) if vec else 8
     epi = EPI_BIAS if bias is not None else EPI_NONE
     args = (U64(ptr(as_)), I64(as_.strides[1]), I64(as_.strides[0]), I32(e), U64(route),
-            U64(ptr(b)), I64(b.strides[0]), I64(b.strides[1]), I32(ub), I64(_elem_stride(b)),
-            U64(ptr(out)), I32(m), I32(k), I32(u),
-            U64(ptr(bias) if bias is not None else 0), I64(bias.strides[0] if bias is not None else 0))
-    grid = (math.ceil(m / ROWS), min(e, pairs))
-    return [route_spec, KernelSpec(MMV_CU, grouped_name(as_.dtype.name, nt, vec, epi), grid,
-                                   BLOCK, args)]
+            U64(pb), I64(b_t), I64(b_u), I32(ub), I64(b_es), U64(ptr(out)), I32(m), I32(k), I32(u),
+            _addr(ptr, bias), I64(bias.strides[0] if bias is not None else 0))
+    specs.append(KernelSpec(MMV_CU, grouped_name(as_.dtype.name, tb, nt, vec, epi), (math.ceil(m / ROWS), min(e, pairs)),
+                            BLOCK, args))
+    return specs
 
 
 def _conversion(src: Tensor, dst_type: str, dst: int) -> KernelSpec:
@@ -514,72 +562,51 @@ def _empty(node: Tensor) -> bool:
     return node.size == 0
 
 
-def bind_mmv(ctx: CudaContext, node: Tensor) -> Launch:
+def _bind(ctx: CudaContext, node: Tensor, make: Callable[[Scratch], list]) -> Launch:
+    """Specs from `make(scratch)` (with this bind's scratch buffers kept alive) as one launch."""
     from opdispatch.backends.cuda.kernels import EMPTY
 
     if _empty(node):
         return EMPTY
-    return _realize(ctx, node.name, [mmv_spec(node, node, ctx.ptr)])
+    kept: list = []
+    return _realize(ctx, node.name, make(scratch_for(ctx, node.describe(), kept)), kept)
+
+
+def bind_mmv(ctx: CudaContext, node: Tensor) -> Launch:
+    return _bind(ctx, node, lambda scratch: mmv_specs(node, node, ctx.ptr, scratch))
 
 
 def bind_gemm(ctx: CudaContext, node: Tensor) -> Launch:
-    from opdispatch.backends.cuda.kernels import EMPTY
-
-    if _empty(node):
-        return EMPTY
-    kept: list = []
-    return _realize(ctx, node.name, gemm_specs(node, ctx.ptr, scratch_for(ctx, node.describe(), kept)), kept)
+    return _bind(ctx, node, lambda scratch: gemm_specs(node, ctx.ptr, scratch))
 
 
 def bind_out_prod(ctx: CudaContext, node: Tensor) -> Launch:
-    from opdispatch.backends.cuda.kernels import EMPTY
-
-    if _empty(node):
-        return EMPTY
-    kept: list = []
-    return _realize(ctx, node.name, out_prod_specs(node, ctx.ptr, scratch_for(ctx, node.describe(), kept)), kept)
+    return _bind(ctx, node, lambda scratch: out_prod_specs(node, ctx.ptr, scratch))
 
 
 def bind_mmv_id(ctx: CudaContext, node: Tensor) -> Launch:
-    from opdispatch.backends.cuda.kernels import EMPTY
-
-    if _empty(node):
-        return EMPTY
-    return _realize(ctx, node.name, [mmv_id_spec(node, node, ctx.ptr)])
-
-
-def _bind_grouped(ctx: CudaContext, node: Tensor, out: Tensor, bias: Tensor | None) -> Launch:
-    from opdispatch.backends.cuda.kernels import EMPTY
-
-    if _empty(node):
-        return EMPTY
-    kept: list = []
-    e = node.srcs[0].shape[0]
-    route = scratch_for(ctx, node.describe(), kept)("route", 4 * route_words(e, node.shape[0] * node.shape[1]))
-    return _realize(ctx, node.name, grouped_specs(node, out, ctx.ptr, route, bias=bias), kept)
+    return _bind(ctx, node, lambda scratch: mmv_id_specs(node, node, ctx.ptr, scratch))
 
 
 def bind_mmv_id_grouped(ctx: CudaContext, node: Tensor) -> Launch:
-    return _bind_grouped(ctx, node, node, None)
+    return _bind(ctx, node, lambda scratch: grouped_specs(node, node, ctx.ptr, scratch))
+
+
+def fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch) -> list[KernelSpec]:
+    """Any group of fusion.PATTERNS: the mat-vec launch (after b's quantization, for block
+    formats) that writes the last node."""
+    prods, biases, glu = fusion.parts(nodes)
+    out, first = nodes[-1], prods[0]
+    if first.op == "mul_mat_id" and glu is None and first.shape[0] > 1:
+        return grouped_specs(first, out, ptr, scratch, bias=biases[0])
+    make = mmv_specs if first.op == "mul_mat" else mmv_id_specs
+    if glu is None:
+        return make(first, out, ptr, scratch, bias0=biases[0])
+    return make(first, out, ptr, scratch, a1=prods[1].srcs[0], bias0=biases[0], bias1=biases[1], glu=glu)
 
 
 def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
-    """Any group of fusion.PATTERNS: one mat-vec launch writing the last node."""
-    from opdispatch.backends.cuda.kernels import EMPTY
-
-    prods, biases, glu = fusion.parts(nodes)
-    out = nodes[-1]
-    if _empty(out):
-        return EMPTY
-    first = prods[0]
-    if first.op == "mul_mat_id" and glu is None and first.shape[0] > 1:
-        return _bind_grouped(ctx, first, out, biases[0])
-    make = mmv_spec if first.op == "mul_mat" else mmv_id_spec
-    if glu is None:
-        spec = make(first, out, ctx.ptr, bias0=biases[0])
-    else:
-        spec = make(prods[0], out, ctx.ptr, a1=prods[1].srcs[0], bias0=biases[0], bias1=biases[1], glu=glu)
-    return _realize(ctx, out.name, [spec])
+    return _bind(ctx, nodes[-1], lambda scratch: fused_specs(nodes, ctx.ptr, scratch))
 
 
 # -- hooks ------------------------------------------------------------------------------------------

@@ -1,0 +1,147 @@
+"""When matrix products and what follows them run as one mat-vec kernel (ggml's rules).
+
+Groups (consecutive in execution order; `can_fuse` already checked that every
+node but the last is read only inside the group):
+  mul_mat_add           mul_mat -> add(bias)                       one row of bias (M values)
+  mul_mat_id_add_id     mul_mat_id -> add_id(bias, same ids)       bias (E, M)
+  mul_mat_glu           mul_mat(wg, x), mul_mat(wu, x) -> glu(gate, up)
+  mul_mat_add_glu       the same with a bias after each mul_mat
+  mul_mat_id_glu        mul_mat_id(wg, x, ids), mul_mat_id(wu, x, ids) -> glu
+  mul_mat_id_add_id_glu the same with add_id biases (gpt-oss)
+The fused kernels are the mat-vec ones, so each product must take a mat-vec
+path (mul_mat with N <= 8; mul_mat_id with one token for the GLU groups),
+with b in f32. GLU groups need both weights of one dtype, shape and strides
+and the same b (and ids). Anything else: a reason, and the nodes run unfused.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from opdispatch.backends.base import Device
+from opdispatch.graph import Graph
+from opdispatch.ops.elementwise import GLU_KINDS
+from opdispatch.tensor import Tensor
+
+from . import support
+
+MMV_PATHS = ("mmvf", "mmvq", "mmv_id", "mmv_id_grouped")
+
+#: (rule name, pattern), longest first: dispatch takes the first rule whose check passes
+PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("mul_mat_add_glu", ("mul_mat", "add", "mul_mat", "add", "glu")),
+    ("mul_mat_id_add_id_glu", ("mul_mat_id", "add_id", "mul_mat_id", "add_id", "glu")),
+    ("mul_mat_glu", ("mul_mat", "mul_mat", "glu")),
+    ("mul_mat_id_glu", ("mul_mat_id", "mul_mat_id", "glu")),
+    ("mul_mat_add", ("mul_mat", "add")),
+    ("mul_mat_id_add_id", ("mul_mat_id", "add_id")),
+)
+
+
+def _mmv(node: Tensor) -> str:
+    """'' if `node` runs on a mat-vec path with an f32 b, else why not."""
+    c = support.choose(node)
+    if c.reason:
+        return f"{node.op}: {c.reason}"
+    if c.path not in MMV_PATHS:
+        return f"{node.op} takes {c.path}, not a mat-vec kernel (batch {support.batch_n(node)} > {support.MMV_MAX_N})"
+    if node.srcs[1].dtype.name != "f32":
+        return f"{node.op}: b must be f32 to fuse, got {node.srcs[1].dtype.name}"
+    return ""
+
+
+def _bias_ok(prod: Tensor, add: Tensor) -> tuple[Tensor | None, str]:
+    """The bias an add/add_id after `prod` adds, or why the kernel cannot add it."""
+    if add.op == "add":
+        if prod not in add.srcs:
+            return None, "add does not read the mul_mat before it"
+        bias = _bias_of(prod, add)
+        if bias is prod:
+            return None, "add adds the mul_mat to itself"
+        if add.shape != prod.shape:
+            return None, f"add broadcasts the mul_mat result into {add.shape}"
+        m = prod.shape[-1]
+        if bias.size != m or bias.shape[-1] != m:
+            return None, f"the bias {bias.describe()} is not one row of {m} values"
+    else:  # add_id(prod, bias, ids)
+        if add.srcs[0] is not prod:
+            return None, "add_id does not add to the mul_mat_id before it"
+        bias = add.srcs[1]
+        if add.srcs[2] is not prod.srcs[2]:
+            return None, "add_id reads other ids than the mul_mat_id"
+    if bias.dtype.name != "f32":
+        return None, f"the bias {bias.describe()} must be f32"
+    if not bias.rows_contiguous() or not support.elem_strides(bias):
+        return None, f"the bias {bias.describe()} rows must be contiguous"
+    if add.dtype.name != "f32" or not add.is_contiguous():
+        return None, f"{add.op} must give a contiguous f32 result"
+    return bias, ""
+
+
+def _bias_of(prod: Tensor, add: Tensor) -> Tensor:
+    if add.op == "add_id":
+        return add.srcs[1]
+    return add.srcs[1] if add.srcs[0] is prod else add.srcs[0]
+
+
+def parts(nodes: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor | None], Tensor | None]:
+    """(the products, their biases (None where absent), the glu node or None) of a group
+    that passed `check`; a GLU group's pair comes as (gate, up), glu's first source first."""
+    glu = nodes[-1] if nodes[-1].op == "glu" else None
+    groups: list[list] = []  # [product, bias, the node glu reads]
+    for n in nodes[:-1] if glu is not None else nodes:
+        if n.op in ("mul_mat", "mul_mat_id"):
+            groups.append([n, None, n])
+        else:
+            groups[-1][1] = _bias_of(groups[-1][0], n)
+            groups[-1][2] = n
+    if glu is not None and glu.srcs[0] is groups[1][2]:
+        groups.reverse()
+    return [g[0] for g in groups], [g[1] for g in groups], glu
+
+
+def check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
+    """True if one mat-vec kernel computes `nodes` (see the module docstring); else why not."""
+    glu = nodes[-1] if nodes[-1].op == "glu" else None
+    body = list(nodes[:-1] if glu is not None else nodes)
+    prods = [n for n in body if n.op in ("mul_mat", "mul_mat_id")]
+    for p in prods:
+        why = _mmv(p)
+        if why:
+            return why
+    ends = []
+    for i, n in enumerate(body):
+        if n.op in ("add", "add_id"):
+            _, why = _bias_ok(body[i - 1], n)
+            if why:
+                return why
+            ends.append(n)
+    if glu is None:
+        return True
+    heads = ends if ends else prods
+    if glu.srcs[1] is None:
+        return "glu over one tensor's halves, not a gate and an up product"
+    if {id(s) for s in glu.srcs} != {id(h) for h in heads}:
+        return "glu does not combine the two products"
+    if glu.params.get("swapped"):
+        return "swapped glu"
+    if glu.params["kind"] not in GLU_KINDS:
+        return f"unknown glu kind {glu.params['kind']}"
+    if glu.dtype.name != "f32" or not glu.is_contiguous():
+        return "glu must give a contiguous f32 result"
+    g, u = prods
+    wg, wu = g.srcs[0], u.srcs[0]
+    if g.srcs[1] is not u.srcs[1]:
+        return "the two products read different inputs"
+    if g.op == "mul_mat_id":
+        if g.srcs[2] is not u.srcs[2]:
+            return "the two products read different ids"
+        if g.shape[0] != 1:
+            return f"{g.shape[0]} tokens: the fused GLU is for one token"
+    _, biases, _ = parts(nodes)
+    if None not in biases and g.op == "mul_mat_id" and biases[0].strides != biases[1].strides:
+        return "the two add_id biases have different strides"
+    if (wg.dtype, wg.shape, wg.strides) != (wu.dtype, wu.shape, wu.strides):
+        return (f"the weights differ in dtype, shape or strides: {wg.describe()} {wg.strides} "
+                f"and {wu.describe()} {wu.strides}")
+    return True

@@ -1,0 +1,108 @@
+// Copies that prepare cuBLAS operands, written to a contiguous scratch buffer:
+//   convert<TS, TD>   a float tensor of any strides -> contiguous TD (f32/f16/bf16),
+//                     rounded as opdispatch.dtypes.from_float (to nearest even).
+//   dequant<WT, TD>   rows of a block-format tensor (any row and batch strides) ->
+//                     contiguous TD, decoded exactly as opdispatch.dtypes.dequantize
+//                     (then rounded to TD).
+//   quantize_q8<TS>   rows of a float tensor (any strides) -> int8 records for the
+//                     mat-vec kernels of block-format weights (mm_common.cuh's B_Q8):
+//                     per 32 values d = absmax / 127, code = round(x / d), one warp a block.
+// All take 4-d geometry innermost first: n0 values a row, rows n1 x n2 x n3
+// with byte strides s1, s2, s3 (convert also s0, the element stride). A block
+// of CONVERT_BLOCK threads walks rows (grid-stride over n1 * n2 * n3 rows).
+
+#include "mm_common.cuh"
+
+constexpr int CONVERT_BLOCK = 256;
+
+namespace mm {
+
+template <int TD>
+__device__ __forceinline__ void store_as(u8* p, float v) {
+    if constexpr (TD == B_F32) {
+        *reinterpret_cast<float*>(p) = v;
+    } else if constexpr (TD == B_F16) {
+        *reinterpret_cast<unsigned short*>(p) = od::f32_to_f16(v);
+    } else {
+        *reinterpret_cast<unsigned short*>(p) = od::f32_to_bf16(v);
+    }
+}
+
+__device__ __forceinline__ long long row_offset(long long row, int n1, int n2, long long s1, long long s2,
+                                                long long s3) {
+    const long long i1 = row % n1, q = row / n1;
+    return i1 * s1 + (q % n2) * s2 + (q / n2) * s3;
+}
+
+}  // namespace mm
+
+using mm::u8;
+
+template <int TS, int TD>
+__global__ void __launch_bounds__(CONVERT_BLOCK) convert(const u8* src, int n0, int n1, int n2, int n3, long long s0,
+                                                         long long s1, long long s2, long long s3, u8* dst) {
+    constexpr int DS = TD == B_F32 ? 4 : 2;
+    const long long rows = static_cast<long long>(n1) * n2 * n3;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const u8* s = src + mm::row_offset(row, n1, n2, s1, s2, s3);
+        u8* d = dst + row * n0 * DS;
+        for (int i = threadIdx.x; i < n0; i += CONVERT_BLOCK) {
+            mm::store_as<TD>(d + i * DS, mm::load_elem<TS>(s + i * s0));
+        }
+    }
+}
+
+template <int WT, int TD>
+__global__ void __launch_bounds__(CONVERT_BLOCK) dequant(const u8* src, int n0, int n1, int n2, int n3, long long s1,
+                                                         long long s2, long long s3, u8* dst) {
+    using F = mm::Fmt<WT>;
+    constexpr int DS = TD == B_F32 ? 4 : 2;
+    const long long rows = static_cast<long long>(n1) * n2 * n3;
+    const int units = n0 / 8;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const u8* s = src + mm::row_offset(row, n1, n2, s1, s2, s3);
+        u8* d = dst + row * n0 * DS;
+        for (int u = threadIdx.x; u < units; u += CONVERT_BLOCK) {
+            float c[8], scale, offset;
+            mm::load_unit_quant<WT>(s, u, c, scale, offset);
+            const int2 k = mm::unit_k<WT>(u);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                float v = __fmul_rn(c[j], scale);
+                if constexpr (F::M >= 0) {
+                    v = __fadd_rn(v, offset);
+                }
+                mm::store_as<TD>(d + (j < 4 ? k.x + j : k.y + j - 4) * DS, v);
+            }
+        }
+    }
+}
+
+// One warp per 32-value block of a row; Q8_BLOCK / 32 warps a block, grid-stride over blocks.
+constexpr int Q8_BLOCK = 256;
+
+template <int TS>
+__global__ void __launch_bounds__(Q8_BLOCK) quantize_q8(const u8* src, int n0, int n1, int n2, int n3, long long s0,
+                                                        long long s1, long long s2, long long s3, u8* dst) {
+    const long long rows = static_cast<long long>(n1) * n2 * n3;
+    const int per_row = n0 / 32;
+    const long long blocks = rows * per_row;
+    const long long rec = Q8_RECORD(static_cast<long long>(n0));
+    const int lane = threadIdx.x % od::WARP_SIZE;
+    const long long warps = static_cast<long long>(gridDim.x) * (Q8_BLOCK / od::WARP_SIZE);
+    for (long long w = blockIdx.x * (Q8_BLOCK / od::WARP_SIZE) + threadIdx.x / od::WARP_SIZE; w < blocks;
+         w += warps) {
+        const long long row = w / per_row;
+        const int blk = static_cast<int>(w % per_row);
+        const u8* s = src + mm::row_offset(row, n1, n2, s1, s2, s3);
+        const float x = mm::load_elem<TS>(s + (32ll * blk + lane) * s0);
+        const float amax = od::warp_max(fabsf(x));
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 127.0f / amax : 0.0f;
+        u8* r = dst + row * rec;
+        r[32 * blk + lane] = static_cast<u8>(static_cast<signed char>(__float2int_rn(x * id)));
+        if (lane == 0) {
+            reinterpret_cast<float*>(r + n0)[blk] = d;
+        }
+    }
+}

@@ -1,0 +1,308 @@
+// Device helpers of the cuda_matmul kernels: weight formats read 8 values at a
+// time, b loads, and the GLU activations of the fused epilogue.
+//
+// Weight kinds (template parameter WT) and b kinds (TB) are small integers, named
+// below, so that template instances read as mmv<W_Q4_0, B_F32, ...>.
+//
+// A weight row is read in "units" of 8 values:
+//   float formats (VEC): unit u = values 8u .. 8u+7, one 16-byte load (f16/bf16)
+//     or two (f32); b indices 8u .. 8u+3 and 8u+4 .. 8u+7.
+//   float formats (scalar): unit u = value u alone (any K, any alignment).
+//   block formats: 4 units a block of 32, unit u = block u / 4, part s = u % 4:
+//     q8_0: codes 8s .. 8s+7 (b indices 32*blk + 8s + [0, 8));
+//     4- and 5-bit: qs bytes 4s .. 4s+3 hold codes 4s..4s+3 (low nibbles) and
+//       16+4s .. 16+4s+3 (high nibbles) (b indices 32*blk + 4s + [0, 4) and
+//       32*blk + 16 + 4s + [0, 4)).
+//   value_j = c_j * d + m, where c_j is the code minus the format's zero (exact
+//   small integers held as floats), d the block scale and m its offset (0 unless
+//   q4_1/q5_1). Blocks are only 2-byte aligned (18, 22 and 34 bytes), so every
+//   block field is read with 16-bit loads.
+//
+// Decoding for the dequantizing copy (convert.cu) is exactly opdispatch.dtypes.dequantize:
+// (q - zero) * d then + m, each rounded once (__fmul_rn / __fadd_rn keep the
+// compiler from contracting them into an FMA).
+#pragma once
+
+#include "common.cuh"
+
+// Weight kinds.
+constexpr int W_F32 = 0;
+constexpr int W_F16 = 1;
+constexpr int W_BF16 = 2;
+constexpr int W_Q4_0 = 3;
+constexpr int W_Q4_1 = 4;
+constexpr int W_Q5_0 = 5;
+constexpr int W_Q5_1 = 6;
+constexpr int W_Q8_0 = 7;
+
+// b (and destination) element kinds.
+constexpr int B_F32 = 0;
+constexpr int B_F16 = 1;
+constexpr int B_BF16 = 2;
+// b quantized by convert.cu's quantize_q8 (the mat-vec kernels of block-format weights):
+// each b row of K values is a record of K int8 codes then K / 32 float scales
+// (Q8_RECORD(K) bytes), b[k] ~= code[k] * scale[k / 32], scale = absmax / 127.
+constexpr int B_Q8 = 3;
+#define Q8_RECORD(K) ((K) + (K) / 8)
+
+// Epilogues of the mat-vec kernels.
+constexpr int EPI_NONE = 0;  // out = a . b
+constexpr int EPI_BIAS = 1;  // out = a . b + bias[m]
+constexpr int EPI_GLU = 2;   // out = act(a0 . b + bias0[m]) * (a1 . b + bias1[m]) (biases optional)
+
+// GLU kinds (the runtime `glu` argument), in opdispatch.ops.GLU_KINDS order.
+constexpr int GLU_REGLU = 0;
+constexpr int GLU_GEGLU = 1;
+constexpr int GLU_SWIGLU = 2;
+constexpr int GLU_GEGLU_ERF = 3;
+constexpr int GLU_GEGLU_QUICK = 4;
+constexpr int GLU_SWIGLU_OAI = 5;
+
+namespace mm {
+
+using u8 = unsigned char;
+
+template <int WT>
+struct Fmt;
+
+template <>
+struct Fmt<W_F32> {
+    static constexpr bool QUANT = false;
+    static constexpr int ELEM = 4;
+    static constexpr int BITS = 8 * 4;
+    static constexpr int M = -1;
+};
+template <>
+struct Fmt<W_F16> {
+    static constexpr bool QUANT = false;
+    static constexpr int ELEM = 2;
+    static constexpr int BITS = 8 * 2;
+    static constexpr int M = -1;
+};
+template <>
+struct Fmt<W_BF16> {
+    static constexpr bool QUANT = false;
+    static constexpr int ELEM = 2;
+    static constexpr int BITS = 8 * 2;
+    static constexpr int M = -1;
+};
+
+// Block formats: bytes, field offsets (-1: absent), code zero, code bits.
+template <int BYTES_, int M_, int QH_, int QS_, int ZERO_, int BITS_>
+struct QFmt {
+    static constexpr bool QUANT = true;
+    static constexpr int BYTES = BYTES_;
+    static constexpr int M = M_;
+    static constexpr int QH = QH_;
+    static constexpr int QS = QS_;
+    static constexpr int ZERO = ZERO_;
+    static constexpr int BITS = BITS_;
+};
+template <>
+struct Fmt<W_Q4_0> : QFmt<18, -1, -1, 2, 8, 4> {};
+template <>
+struct Fmt<W_Q4_1> : QFmt<20, 2, -1, 4, 0, 4> {};
+template <>
+struct Fmt<W_Q5_0> : QFmt<22, -1, 2, 6, 16, 5> {};
+template <>
+struct Fmt<W_Q5_1> : QFmt<24, 2, 4, 8, 0, 5> {};
+template <>
+struct Fmt<W_Q8_0> : QFmt<34, -1, -1, 2, 0, 8> {};
+
+__device__ __forceinline__ unsigned ld16(const u8* p) {
+    return *reinterpret_cast<const unsigned short*>(p);
+}
+
+// 4 bytes at a 2-byte aligned address.
+__device__ __forceinline__ unsigned ld32_2(const u8* p) {
+    return ld16(p) | (ld16(p + 2) << 16);
+}
+
+// Element loads of any kind as float.
+template <int K>
+__device__ __forceinline__ float load_elem(const u8* p) {
+    if constexpr (K == W_F32 || K == B_F32) {
+        return *reinterpret_cast<const float*>(p);
+    } else if constexpr (K == W_F16 || K == B_F16) {
+        return od::f16_to_f32(ld16(p));
+    } else {
+        return od::bf16_to_f32(ld16(p));
+    }
+}
+
+// The first b index of each half (4 values) of unit u, for block formats and vector float rows.
+template <int WT>
+__device__ __forceinline__ int2 unit_k(int u) {
+    if constexpr (Fmt<WT>::QUANT && Fmt<WT>::BITS < 8) {
+        const int k = (u >> 2) * 32 + (u & 3) * 4;
+        return make_int2(k, k + 16);
+    } else {
+        return make_int2(8 * u, 8 * u + 4);
+    }
+}
+
+__device__ __forceinline__ void half2_to_f(unsigned v, float& lo, float& hi) {
+    lo = od::f16_to_f32(static_cast<unsigned short>(v & 0xffffu));
+    hi = od::f16_to_f32(static_cast<unsigned short>(v >> 16));
+}
+
+__device__ __forceinline__ void bf2_to_f(unsigned v, float& lo, float& hi) {
+    lo = __uint_as_float(v << 16);
+    hi = __uint_as_float(v & 0xffff0000u);
+}
+
+// 8 float values of unit u of a float row (16-byte aligned row, K % 8 == 0).
+template <int WT>
+__device__ __forceinline__ void load_unit_float(const u8* row, int u, float (&w)[8]) {
+    if constexpr (WT == W_F32) {
+        const float4* p = reinterpret_cast<const float4*>(row) + 2 * u;
+        const float4 x = p[0], y = p[1];
+        w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+        w[4] = y.x, w[5] = y.y, w[6] = y.z, w[7] = y.w;
+    } else {
+        const uint4 v = reinterpret_cast<const uint4*>(row)[u];
+        if constexpr (WT == W_F16) {
+            half2_to_f(v.x, w[0], w[1]);
+            half2_to_f(v.y, w[2], w[3]);
+            half2_to_f(v.z, w[4], w[5]);
+            half2_to_f(v.w, w[6], w[7]);
+        } else {
+            bf2_to_f(v.x, w[0], w[1]);
+            bf2_to_f(v.y, w[2], w[3]);
+            bf2_to_f(v.z, w[4], w[5]);
+            bf2_to_f(v.w, w[6], w[7]);
+        }
+    }
+}
+
+// Codes c (minus the zero, as floats), scale d and offset m of unit u of a block-format row.
+template <int WT>
+__device__ __forceinline__ void load_unit_quant(const u8* row, int u, float (&c)[8], float& d, float& m) {
+    using F = Fmt<WT>;
+    const u8* blk = row + (u >> 2) * F::BYTES;
+    const int s = u & 3;
+    d = od::f16_to_f32(ld16(blk));
+    if constexpr (F::M >= 0) {
+        m = od::f16_to_f32(ld16(blk + F::M));
+    } else {
+        m = 0.0f;
+    }
+    if constexpr (F::BITS == 8) {
+        const u8* q = blk + F::QS + 8 * s;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const unsigned v = ld16(q + 2 * i);
+            c[2 * i] = static_cast<float>(static_cast<signed char>(v & 0xffu));
+            c[2 * i + 1] = static_cast<float>(static_cast<signed char>(v >> 8));
+        }
+    } else {
+        const unsigned q = ld32_2(blk + F::QS + 4 * s);
+        unsigned hl = 0, hh = 0;  // 5th bits, moved to bit 4 of each byte
+        if constexpr (F::BITS == 5) {
+            const unsigned qh = ld32_2(blk + F::QH);
+            const unsigned lo = (qh >> (4 * s)) & 0xfu;         // bits of codes 4s .. 4s+3
+            const unsigned hi = (qh >> (16 + 4 * s)) & 0xfu;    // bits of codes 16+4s ..
+            // spread 4 bits to bit 4 of 4 bytes
+            hl = ((lo & 1u) << 4) | ((lo & 2u) << 11) | ((lo & 4u) << 18) | ((lo & 8u) << 25);
+            hh = ((hi & 1u) << 4) | ((hi & 2u) << 11) | ((hi & 4u) << 18) | ((hi & 8u) << 25);
+        }
+        const unsigned lo4 = (q & 0x0f0f0f0fu) | hl;
+        const unsigned hi4 = ((q >> 4) & 0x0f0f0f0fu) | hh;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            c[j] = static_cast<float>(static_cast<int>((lo4 >> (8 * j)) & 0xffu) - F::ZERO);
+            c[4 + j] = static_cast<float>(static_cast<int>((hi4 >> (8 * j)) & 0xffu) - F::ZERO);
+        }
+    }
+}
+
+// The 8 codes of unit u of a block-format row as two words of 4 bytes, for dp4a against
+// b's int8 codes at unit_k(u): lo, hi. Codes are the raw stored ones (0 .. 2**BITS - 1,
+// or int8 for q8_0): the caller subtracts the zero. Also the scale d and offset m.
+template <int WT>
+__device__ __forceinline__ void load_unit_words(const u8* row, int u, int& lo, int& hi, float& d, float& m) {
+    using F = Fmt<WT>;
+    const u8* blk = row + (u >> 2) * F::BYTES;
+    const int s = u & 3;
+    d = od::f16_to_f32(ld16(blk));
+    if constexpr (F::M >= 0) {
+        m = od::f16_to_f32(ld16(blk + F::M));
+    } else {
+        m = 0.0f;
+    }
+    if constexpr (F::BITS == 8) {
+        const u8* q = blk + F::QS + 8 * s;
+        lo = static_cast<int>(ld32_2(q));
+        hi = static_cast<int>(ld32_2(q + 4));
+    } else {
+        const unsigned q = ld32_2(blk + F::QS + 4 * s);
+        unsigned hl = 0, hh = 0;
+        if constexpr (F::BITS == 5) {
+            const unsigned qh = ld32_2(blk + F::QH);
+            const unsigned l = (qh >> (4 * s)) & 0xfu;
+            const unsigned h = (qh >> (16 + 4 * s)) & 0xfu;
+            hl = ((l & 1u) << 4) | ((l & 2u) << 11) | ((l & 4u) << 18) | ((l & 8u) << 25);
+            hh = ((h & 1u) << 4) | ((h & 2u) << 11) | ((h & 4u) << 18) | ((h & 8u) << 25);
+        }
+        lo = static_cast<int>((q & 0x0f0f0f0fu) | hl);
+        hi = static_cast<int>(((q >> 4) & 0x0f0f0f0fu) | hh);
+    }
+}
+
+// 4 b values at index k of a contiguous column (VEC: 16-byte aligned f32 or 8-byte aligned f16/bf16 data).
+template <int TB, bool VEC>
+__device__ __forceinline__ float4 load_b4(const u8* col, int k, long long es) {
+    if constexpr (VEC) {
+        if constexpr (TB == B_F32) {
+            return *reinterpret_cast<const float4*>(col + 4ll * k);
+        } else {
+            const uint2 v = *reinterpret_cast<const uint2*>(col + 2ll * k);
+            float4 r;
+            if constexpr (TB == B_F16) {
+                half2_to_f(v.x, r.x, r.y);
+                half2_to_f(v.y, r.z, r.w);
+            } else {
+                bf2_to_f(v.x, r.x, r.y);
+                bf2_to_f(v.y, r.z, r.w);
+            }
+            return r;
+        }
+    } else {
+        const u8* p = col + k * es;
+        return make_float4(load_elem<TB>(p), load_elem<TB>(p + es), load_elem<TB>(p + 2 * es),
+                           load_elem<TB>(p + 3 * es));
+    }
+}
+
+// -- activations of the fused GLU epilogue (as opdispatch.reference.elementwise) --------------
+
+constexpr float GELU_COEF_A = 0.044715f;
+constexpr float GELU_QUICK_COEF = 1.702f;
+constexpr float SQRT_2_OVER_PI = 0.79788456080286535587989211986876f;
+constexpr float SQRT_2_INV = 0.70710678118654752440084436210484f;
+
+__device__ __forceinline__ float sigmoid(float x) {
+    return 1.0f / (1.0f + expf(-x));
+}
+
+__device__ __forceinline__ float glu(int kind, float g, float u, float alpha, float limit) {
+    switch (kind) {
+        case GLU_REGLU:
+            return (g > 0.0f ? g : 0.0f) * u;
+        case GLU_GEGLU:
+            return 0.5f * g * (1.0f + tanhf(SQRT_2_OVER_PI * g * (1.0f + GELU_COEF_A * g * g))) * u;
+        case GLU_SWIGLU:
+            return g * sigmoid(g) * u;
+        case GLU_GEGLU_ERF:
+            return 0.5f * g * (1.0f + erff(g * SQRT_2_INV)) * u;
+        case GLU_GEGLU_QUICK:
+            return g * sigmoid(GELU_QUICK_COEF * g) * u;
+        default: {  // GLU_SWIGLU_OAI
+            const float x = fminf(g, limit);
+            const float y = fminf(fmaxf(u, -limit), limit);
+            return x * sigmoid(alpha * x) * (y + 1.0f);
+        }
+    }
+}
+
+}  // namespace mm

@@ -1,0 +1,860 @@
+"""The cuda_matmul plugin.
+
+Without a GPU: which path (Kernel name) each shape and dtype takes on a
+device description, the declines and their reasons, which fusions match and
+which do not (and why); the mat-vec launch specs against mmv.cu's kernel
+signatures; and the cuBLAS call specs (column-major arguments, batching,
+folded broadcasts, conversions) executed by a numpy emulation of cuBLAS and of
+the conversion kernels, against the numpy reference.
+
+On a GPU: OPS.md's mul_mat sweep (every weight dtype, n in 1..9, 16, 128, 512,
+broadcast batch ratios, permuted / transposed / offset b, odd K), mul_mat_id,
+out_prod, the fused patterns against the reference and against unfused runs,
+poisoned outputs, and CUDA-graph replay == direct launches, each by NMSE
+(OPS.md: 5e-4 for the matrix products).
+
+Random inputs come from a fresh seed each run, printed on failure; set
+OPDISPATCH_TEST_SEED to replay one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import opdispatch as od
+import opdispatch.plugins.cuda_matmul as cm
+from opdispatch import ops
+from opdispatch.backends.base import Device
+from opdispatch.dtypes import dequantize, from_float
+from opdispatch.graph import Graph
+from opdispatch.hookspecs import PRIORITY_BUILTIN
+from opdispatch.plugins.cuda_matmul import fusion, support
+from opdispatch.tensor import Tensor
+from opdispatch.testing.metrics import nmse
+
+gpu = pytest.mark.gpu
+
+H200 = Device("cuda0", "cuda", "NVIDIA H200 (description)",
+              {"cc": (9, 0), "sm_count": 132, "warp_size": 32, "smem_per_block": 48 * 1024})
+CPU = Device("cpu", "cpu")
+NMSE_MAX = 5e-4  # OPS.md: mul_mat, mul_mat_id, out_prod
+FLOATS = ("f32", "f16", "bf16")
+QUANTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+MATMUL_OPS = ("mul_mat", "mul_mat_id", "out_prod")
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = int(os.environ.get("OPDISPATCH_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
+    print(f"random seed {seed}: replay with OPDISPATCH_TEST_SEED={seed}")
+    return np.random.default_rng(seed)
+
+
+def steps_of(plan: od.Plan, op: str) -> list:
+    return [s for s in plan.steps if s.kind in ("kernel", "fused") and s.nodes[0].op == op]
+
+
+def weight(name: str, shape: tuple, dtype: str, seed: int = 0) -> Tensor:
+    return od.param(name, np.random.default_rng(seed).uniform(-1, 1, shape).astype(np.float32), dtype)
+
+
+# -- the plugin, without a GPU ---------------------------------------------------------------
+
+
+def test_registered_as_a_builtin_through_its_entry_point() -> None:
+    plugin = od.manager().plugins["cuda_matmul"]
+    assert plugin.priority == PRIORITY_BUILTIN
+    assert plugin.origin == "entry point opdispatch.plugins.cuda_matmul"
+
+
+def test_kernels_and_rules_are_for_cuda_devices_only() -> None:
+    assert list(cm.kernels(device=CPU)) == [] and list(cm.fusion_rules(device=CPU)) == []
+    names = [(k.op, k.name) for k in cm.kernels(device=H200)]
+    assert names == [(op, path) for op, path, _ in cm.PATHS]
+    assert [r.name for r in cm.fusion_rules(device=H200)] == [name for name, _ in fusion.PATTERNS]
+
+
+PATH_CASES = [
+    # (a dtype, a shape, b shape, path)
+    ("f32", (64, 96), (1, 96), "mmvf"),
+    ("f16", (64, 96), (8, 96), "mmvf"),
+    ("bf16", (64, 65), (3, 65), "mmvf"),
+    ("f16", (64, 96), (9, 96), "cublas"),
+    ("bf16", (2, 64, 96), (2, 512, 96), "cublas"),
+    ("f32", (64, 80), (128, 80), "cublas"),
+    ("q4_0", (64, 96), (1, 96), "mmvq"),
+    ("q5_1", (64, 96), (8, 96), "mmvq"),
+    ("q8_0", (64, 96), (9, 96), "dequant_cublas"),
+    ("q4_1", (64, 96), (512, 96), "dequant_cublas"),
+]
+
+
+@pytest.mark.parametrize(("dt", "a_shape", "b_shape", "path"), PATH_CASES)
+def test_mul_mat_path_by_dtype_and_batch(dt: str, a_shape: tuple, b_shape: tuple, path: str) -> None:
+    y = ops.mul_mat(weight("w", a_shape, dt), od.input("x", b_shape))
+    plan = od.compile(y, H200)
+    (step,) = steps_of(plan, "mul_mat")
+    assert (step.plugin, step.kernel, step.device.name) == ("cuda_matmul", path, "cuda0")
+    assert f"cuda_matmul:{path} on cuda0" in plan.explain()
+
+
+@pytest.mark.parametrize(("n_tok", "path"), [(1, "mmv_id"), (4, "mmv_id_grouped"), (129, "mmv_id_grouped")])
+@pytest.mark.parametrize("dt", ["f16", "q4_0"])
+def test_mul_mat_id_path(n_tok: int, path: str, dt: str) -> None:
+    y = ops.mul_mat_id(weight("experts", (8, 32, 64), dt), od.input("x", (n_tok, 1, 64)),
+                       od.input("ids", (n_tok, 2), "i32"))
+    (step,) = steps_of(od.compile(y, H200), "mul_mat_id")
+    assert (step.plugin, step.kernel) == ("cuda_matmul", path)
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16", "q8_0"])
+def test_out_prod_takes_cublas(dt: str) -> None:
+    y = ops.out_prod(weight("a", (7, 64), dt), od.input("b", (7, 5)))
+    (step,) = steps_of(od.compile(y, H200), "out_prod")
+    assert (step.plugin, step.kernel) == ("cuda_matmul", "cublas_out_prod")
+
+
+def test_paths_are_mutually_exclusive() -> None:
+    kernels = list(cm.kernels(device=H200))
+    for dt, a_shape, b_shape, path in PATH_CASES:
+        node = ops.mul_mat(weight("w", a_shape, dt), od.input("x", b_shape))
+        takers = [k.name for k in kernels if k.op == "mul_mat" and k.supports(H200, node) is True]
+        assert takers == [path]
+
+
+def _strided_k_rows() -> Tensor:
+    a = od.input("a", (16, 128))
+    return ops.mul_mat(a.view((16, 64), (512, 8)), od.input("x", (1, 64)))
+
+
+def _many_experts() -> Tensor:
+    return ops.mul_mat_id(od.input("e", (5000, 4, 32)), od.input("x", (2, 1, 32)), od.input("ids", (2, 2), "i32"))
+
+
+def _overlapping_rows() -> Tensor:
+    a = od.input("a", (40,))
+    return ops.mul_mat(a.view((8, 32), (4, 4)), od.input("x", (1, 32)))
+
+
+def _misaligned_f32() -> Tensor:
+    a = od.input("a", (16 * 33,), "f16")
+    return ops.mul_mat(a.view((16, 32), (66, 2), 1), od.input("x", (1, 32)))
+
+
+@pytest.mark.parametrize(("build", "reason"), [
+    (_strided_k_rows, "a's rows (the K axis) must be contiguous"),
+    (_many_experts, "more than 4096 experts with several tokens"),
+    (_overlapping_rows, "a's rows overlap"),
+    (_misaligned_f32, "a's strides and offset must be whole elements"),
+])
+def test_declines_with_the_reason_and_falls_back_to_cpu(build: Callable[[], Tensor], reason: str) -> None:
+    y = build()
+    plan = od.compile(y, H200)
+    (step,) = steps_of(plan, y.op)
+    assert step.device.name == "cpu" and step.plugin == "cpu"
+    assert ("cuda_matmul", reason) in step.declined
+    assert f"cuda_matmul ({reason})" in plan.explain()
+
+
+def test_gate_declines_devices_without_32_lane_warps() -> None:
+    wide = Device("cuda0", "cuda", "a 64-lane device", {"cc": (9, 0), "warp_size": 64})
+    y = ops.mul_mat(od.input("a", (4, 64)), od.input("x", (1, 64)))
+    (step,) = steps_of(od.compile(y, wide), "mul_mat")
+    assert step.device.name == "cpu"
+    assert ("cuda_matmul", "the kernels need 32-lane warps, cuda0 has 64") in step.declined
+
+
+# -- fusion matching ---------------------------------------------------------------------------------
+
+
+def _glu_graph(dt: str = "f16", n: int = 1, kind: str = "swiglu", bias: bool = False, same_x: bool = True,
+               gate_first: bool = True) -> Tensor:
+    x = od.input("x", (n, 64))
+    g = ops.mul_mat(weight("wg", (32, 64), dt, 1), x)
+    if bias:
+        g = ops.add(g, od.input("bg", (32,)))
+    u = ops.mul_mat(weight("wu", (32, 64), dt, 2), x if same_x else od.input("x2", (n, 64)))
+    if bias:
+        u = ops.add(u, od.input("bu", (32,)))
+    return ops.glu_split(g, u, kind) if gate_first else ops.glu_split(u, g, kind)
+
+
+def _moe_glu_graph(n_tok: int = 1, bias: bool = False, dt: str = "q4_0") -> Tensor:
+    x = od.input("x", (n_tok, 1, 64))
+    ids = od.input("ids", (n_tok, 4), "i32")
+    g = ops.mul_mat_id(weight("wg", (8, 32, 64), dt, 1), x, ids)
+    if bias:
+        g = ops.add_id(g, od.input("bg", (8, 32)), ids)
+    u = ops.mul_mat_id(weight("wu", (8, 32, 64), dt, 2), x, ids)
+    if bias:
+        u = ops.add_id(u, od.input("bu", (8, 32)), ids)
+    return ops.glu_split(g, u, "swiglu_oai", alpha=1.702, limit=7.0)
+
+
+def test_gate_up_glu_nodes_are_consecutive() -> None:
+    y = _glu_graph(bias=True)
+    assert [n.op for n in Graph.build(y).nodes] == ["mul_mat", "add", "mul_mat", "add", "glu"]
+    assert [n.op for n in Graph.build(_glu_graph()).nodes] == ["mul_mat", "mul_mat", "glu"]
+
+
+@pytest.mark.parametrize(("build", "rule", "ops_in_group"), [
+    (lambda: ops.add(ops.mul_mat(weight("w", (32, 64), "f16"), od.input("x", (1, 64))), od.input("b", (32,))),
+     "mul_mat_add", ["mul_mat", "add"]),
+    (lambda: ops.add(ops.mul_mat(weight("w", (32, 64), "q4_0"), od.input("x", (8, 64))), od.input("b", (1, 32))),
+     "mul_mat_add", ["mul_mat", "add"]),
+    (lambda: _glu_graph("f16"), "mul_mat_glu", ["mul_mat", "mul_mat", "glu"]),
+    (lambda: _glu_graph("q8_0", n=3, kind="geglu"), "mul_mat_glu", ["mul_mat", "mul_mat", "glu"]),
+    (lambda: _glu_graph("q4_0", gate_first=False), "mul_mat_glu", ["mul_mat", "mul_mat", "glu"]),
+    (lambda: _glu_graph("bf16", bias=True), "mul_mat_add_glu", ["mul_mat", "add", "mul_mat", "add", "glu"]),
+    (lambda: _moe_glu_graph(), "mul_mat_id_glu", ["mul_mat_id", "mul_mat_id", "glu"]),
+    (lambda: _moe_glu_graph(bias=True), "mul_mat_id_add_id_glu",
+     ["mul_mat_id", "add_id", "mul_mat_id", "add_id", "glu"]),
+    (lambda: _moe_add_id(4), "mul_mat_id_add_id", ["mul_mat_id", "add_id"]),
+    (lambda: _moe_add_id(1), "mul_mat_id_add_id", ["mul_mat_id", "add_id"]),
+])
+def test_fuses(build: Callable[[], Tensor], rule: str, ops_in_group: list) -> None:
+    plan = od.compile(build(), H200)
+    (step,) = plan.fusions
+    assert (step.plugin, step.kernel, step.device.name) == ("cuda_matmul", rule, "cuda0")
+    assert [n.op for n in step.nodes] == ops_in_group
+    assert len([s for s in plan.steps if s.kind in ("kernel", "fused")]) == 1
+    assert f"cuda_matmul [fused {rule}] on cuda0" in plan.explain()
+
+
+def _moe_add_id(n_tok: int) -> Tensor:
+    ids = od.input("ids", (n_tok, 2), "i32")
+    y = ops.mul_mat_id(weight("e", (4, 32, 64), "f16"), od.input("x", (n_tok, 2, 64)), ids)
+    return ops.add_id(y, od.input("b", (4, 32)), ids)
+
+
+def _bias_add_of_large_batch() -> Tensor:
+    return ops.add(ops.mul_mat(weight("w", (32, 64), "f16"), od.input("x", (16, 64))), od.input("b", (32,)))
+
+
+def _full_add() -> Tensor:
+    return ops.add(ops.mul_mat(weight("w", (32, 64), "f16"), od.input("x", (2, 64))), od.input("r", (2, 32)))
+
+
+def _f16_bias() -> Tensor:
+    return ops.add(ops.mul_mat(weight("w", (32, 64), "f16"), od.input("x", (1, 64))), od.input("b", (32,), "f16"))
+
+
+def _f16_b() -> Tensor:
+    return ops.add(ops.mul_mat(weight("w", (32, 64), "f16"), od.input("x", (1, 64), "f16")), od.input("b", (32,)))
+
+
+def _moe_glu_several_tokens() -> Tensor:
+    return _moe_glu_graph(n_tok=4)
+
+
+def _glu_of_other_weight_dtypes() -> Tensor:
+    x = od.input("x", (1, 64))
+    return ops.glu_split(ops.mul_mat(weight("wg", (32, 64), "f16"), x), ops.mul_mat(weight("wu", (32, 64), "q8_0"), x),
+                         "swiglu")
+
+
+@pytest.mark.parametrize(("build", "reason"), [
+    (_bias_add_of_large_batch, r"mul_mat takes cublas, not a mat-vec kernel \(batch 16 > 8\)"),
+    (_full_add, r"the bias .* is not one row of 32 values"),
+    (_f16_bias, r"the bias .* must be f32"),
+    (_f16_b, r"mul_mat: b must be f32 to fuse, got f16"),
+    (lambda: _glu_graph(same_x=False), r"the two products read different inputs"),
+    (_moe_glu_several_tokens, r"4 tokens: the fused GLU is for one token"),
+    (_glu_of_other_weight_dtypes, r"the weights differ in dtype, shape or strides"),
+    (lambda: _glu_graph(n=9), r"mul_mat takes cublas, not a mat-vec kernel \(batch 9 > 8\)"),
+])
+def test_fusion_check_declines_with_a_reason(build: Callable[[], Tensor], reason: str) -> None:
+    y = build()
+    graph = Graph.build(y)
+    group = [n for n in graph.nodes if n.op not in ("view", "reshape", "permute", "transpose")]
+    pattern = tuple(n.op for n in group)
+    answers = [fusion.check(H200, group[i:i + len(p)], graph)
+               for i in range(len(group)) for _, p in fusion.PATTERNS if pattern[i:i + len(p)] == p]
+    assert answers and all(isinstance(a, str) for a in answers), answers
+    assert any(re.search(reason, a) for a in answers), answers
+    plan = od.compile(y, H200)
+    assert not [s for s in plan.fusions if s.plugin == "cuda_matmul"], plan.explain()
+
+
+def test_glu_over_halves_of_one_product_does_not_match() -> None:
+    y = ops.glu(ops.mul_mat(weight("w", (64, 64), "f16"), od.input("x", (1, 64))), "swiglu")
+    plan = od.compile(y, H200)
+    assert not [s for s in plan.fusions if s.plugin == "cuda_matmul"]
+    (step,) = steps_of(plan, "mul_mat")
+    assert step.kernel == "mmvf"
+
+
+def test_fusion_off_runs_each_node() -> None:
+    plan = od.compile(_glu_graph(bias=True), H200, fusion=False)
+    assert not plan.fusions
+    assert [s.kernel for s in steps_of(plan, "mul_mat")] == ["mmvf", "mmvf"]
+
+
+def test_fusion_parts_orders_gate_first() -> None:
+    for gate_first in (True, False):
+        y = _glu_graph("q4_0", bias=True, gate_first=gate_first)
+        nodes = Graph.build(y).nodes
+        prods, biases, glu = fusion.parts(nodes)
+        assert glu is nodes[-1]
+        assert prods[0].srcs[0].name == ("wg" if gate_first else "wu")
+        assert biases[0].name == ("bg" if gate_first else "bu")
+
+
+# -- launch specs, without a GPU --------------------------------------------------------------
+
+BASE = 0x7F00_0000_0000  # 256-byte aligned, as arena slots and buffers are
+C_TYPES = {"const u8*": np.uint64, "const float*": np.uint64, "const int*": np.uint64, "float*": np.uint64,
+           "int*": np.uint64, "u8*": np.uint64, "int": np.int32, "long long": np.int64, "float": np.float32}
+
+
+SCRATCH = BASE + 2**40
+
+
+def fake_ptr(t: Tensor) -> int:
+    return BASE + (t.base.uid % 997) * 2**20 + t.view_offset
+
+
+def fake_scratch(role: str, nbytes: int) -> int:
+    return SCRATCH
+
+
+def kernel_param_types(source, name: str) -> list[type]:  # noqa: ANN001
+    """numpy scalar types of a kernel's parameters, read from its source."""
+    src = source.read_text()
+    m = re.search(rf"__global__ void __launch_bounds__\([\w:]+\) {name}\((.*?)\)\s*\{{", src, re.S)
+    assert m, f"{name} not found in {source}"
+    return [C_TYPES[re.sub(r"\s+\w+$", "", p.strip())] for p in m.group(1).split(",")]
+
+
+def check_spec(spec: cm.KernelSpec) -> None:
+    assert spec.kernel in cm.KERNEL_SOURCES[spec.source], spec.kernel
+    base = spec.kernel.split("<")[0]
+    assert [type(a) for a in spec.args] == kernel_param_types(spec.source, base)
+
+
+@pytest.mark.parametrize(("dt", "a_shape", "b_view", "kernel"), [
+    ("f16", (64, 4096), None, "mmv<W_F16, B_F32, 1, 2, true, EPI_NONE>"),
+    ("f32", (64, 65), None, "mmv<W_F32, B_F32, 8, 2, false, EPI_NONE>"),  # K % 8 != 0: scalar
+    ("bf16", (64, 80), None, "mmv<W_BF16, B_F32, 4, 2, true, EPI_NONE>"),
+    ("q4_0", (64, 4096), None, "mmv<W_Q4_0, B_Q8, 1, 2, true, EPI_NONE>"),
+    ("q8_0", (64, 96), "offset", "mmv<W_Q8_0, B_Q8, 4, 2, true, EPI_NONE>"),  # b quantized: any layout
+    ("f16", (64, 96), "T", "mmv<W_F16, B_F32, 8, 2, false, EPI_NONE>"),  # b's K axis strided
+    ("f32", (64, 96), "offset", "mmv<W_F32, B_F32, 8, 2, false, EPI_NONE>"),  # b rows misaligned
+    ("q5_1", (64, 96), "f16", "mmv<W_Q5_1, B_Q8, 4, 2, true, EPI_NONE>"),
+    ("bf16", (64, 96), "f16", "mmv<W_BF16, B_F16, 8, 2, true, EPI_NONE>"),
+])
+def test_mmv_spec_picks_the_variant(dt: str, a_shape: tuple, b_view: str | None, kernel: str) -> None:
+    k = a_shape[-1]
+    n = 1 if b_view is None and a_shape[-1] == 4096 else 3
+    if b_view == "offset":
+        x = od.input("x", (n, k + 1))
+        b = x.view((n, k), x.strides, 4)
+    elif b_view == "T":
+        b = od.input("x", (k, n)).transpose()
+    else:
+        b = od.input("x", (n, k), "f16" if b_view == "f16" else "f32")
+    y = ops.mul_mat(weight("w", a_shape, dt), b)
+    specs = cm.mmv_specs(y, y, fake_ptr, fake_scratch)
+    spec = specs[-1]
+    assert spec.kernel == kernel
+    assert spec.grid == (a_shape[0] // 2, 1, 1) and spec.block == cm.BLOCK
+    for s in specs:
+        check_spec(s)
+    if dt in QUANTS:
+        (q,) = specs[:-1]
+        assert q.kernel == f"quantize_q8<{cm.B_KIND[b.dtype.name]}>"
+        assert int(q.args[-1]) == int(spec.args[7]) == SCRATCH  # b's records feed the mat-vec
+        assert int(spec.args[8]) == k + k // 8  # one record a column
+
+
+def test_mmv_spec_batch_geometry() -> None:
+    a = weight("w", (3, 2, 16, 64), "f16")
+    y = ops.mul_mat(a, od.input("x", (6, 4, 5, 64)))
+    (spec,) = cm.mmv_specs(y, y, fake_ptr, fake_scratch)
+    args = dict(zip(["a0", "a1", "a_row", "a_s2", "a_s3", "r2", "r3", "b", "b_col", "b_es", "b_s2", "b_s3", "out",
+                     "M", "K", "N"], spec.args))
+    assert spec.grid == (8, 4, 6)
+    assert (args["r2"], args["r3"]) == (2, 2)
+    assert (args["a_row"], args["a_s2"], args["a_s3"]) == (128, 16 * 128, 2 * 16 * 128)
+    assert (args["b_col"], args["b_s2"], args["b_s3"]) == (256, 5 * 256, 4 * 5 * 256)
+    assert (args["M"], args["K"], args["N"]) == (16, 64, 5)
+
+
+def test_mmv_id_and_grouped_specs() -> None:
+    experts = weight("e", (8, 32, 64), "q4_0")
+    ids = od.input("ids", (1, 4), "i32")
+    y = ops.mul_mat_id(experts, od.input("x", (1, 1, 64)), ids)
+    q, spec = cm.mmv_id_specs(y, y, fake_ptr, fake_scratch)
+    assert q.kernel == "quantize_q8<B_F32>"
+    assert spec.kernel == "mmv_id<W_Q4_0, B_Q8, 2, true, EPI_NONE>" and spec.grid == (16, 4, 1)
+    check_spec(q)
+    check_spec(spec)
+    ids = od.input("ids", (32, 4), "i32")
+    y = ops.mul_mat_id(weight("e16", (8, 32, 64), "f16"), od.input("x", (32, 4, 64)), ids)
+    route, grouped = cm.grouped_specs(y, y, fake_ptr, fake_scratch)
+    check_spec(route)
+    check_spec(grouped)
+    assert route.kernel == "moe_route" and route.grid == (1,) and route.smem == 2 * 4 * 8
+    assert grouped.kernel == "mmv_id_grouped<W_F16, B_F32, 8, 2, true, EPI_NONE>"  # 128 pairs on 8 experts
+    assert grouped.grid == (16, 8)
+
+
+def test_fused_glu_spec() -> None:
+    y = _glu_graph("q4_0", n=2, kind="geglu", bias=True)
+    nodes = Graph.build(y).nodes
+    prods, biases, glu = fusion.parts(nodes)
+    q, spec = cm.mmv_specs(prods[0], nodes[-1], fake_ptr, fake_scratch, a1=prods[1].srcs[0], bias0=biases[0],
+                           bias1=biases[1], glu=glu)
+    assert q.kernel == "quantize_q8<B_F32>"
+    assert spec.kernel == "mmv<W_Q4_0, B_Q8, 2, 2, true, EPI_GLU>"
+    check_spec(spec)
+    assert int(spec.args[1]) == fake_ptr(prods[1].srcs[0]) and int(spec.args[-3]) == 1  # geglu
+
+
+def test_every_kernel_instance_is_a_template_of_the_sources() -> None:
+    for source, names in cm.KERNEL_SOURCES.items():
+        text = source.read_text()
+        for name in names:
+            assert re.search(rf"\b{name.split('<')[0]}\(", text), name
+
+
+# -- cuBLAS call specs, emulated with numpy ----------------------------------------------------------
+
+NP = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
+B_OF = {v: k for k, v in cm.B_KIND.items()}
+W_OF = {v: k for k, v in cm.W_KIND.items()}
+
+
+class Memory:
+    """A flat byte array standing for device memory: tensors and scratch buffers placed in it."""
+
+    def __init__(self) -> None:
+        self.mem = np.zeros(1 << 24, np.uint8)
+        self.top = 256
+        self.where: dict[Tensor, int] = {}
+
+    def alloc(self, nbytes: int) -> int:
+        at = self.top
+        self.top = (self.top + nbytes + 255) // 256 * 256
+        assert self.top <= self.mem.size
+        return at
+
+    def place(self, t: Tensor, data: np.ndarray | None = None) -> None:
+        b = t.base
+        if b not in self.where:
+            self.where[b] = self.alloc(b.nbytes)
+            if data is not None:
+                self.mem[self.where[b]:self.where[b] + b.nbytes] = data
+
+    def ptr(self, t: Tensor) -> int:
+        return self.where[t.base] + t.view_offset
+
+    def scratch(self, role: str, nbytes: int) -> int:
+        return self.alloc(nbytes)
+
+    def array(self, ptr: int, shape: tuple, strides: tuple, dt: np.dtype) -> np.ndarray:
+        return np.ndarray(shape, dt, self.mem, offset=ptr, strides=strides)
+
+    def run(self, spec: cm.KernelSpec | cm.GemmSpec) -> None:
+        if isinstance(spec, cm.GemmSpec):
+            self.gemm(spec)
+        else:
+            self.convert(spec)
+
+    def convert(self, spec: cm.KernelSpec) -> None:
+        kind, types = spec.kernel.split("<")
+        ts, td = (x.strip() for x in types.rstrip(">").split(","))
+        args = [int(a) for a in spec.args]
+        if kind == "convert":
+            src, n0, n1, n2, n3, s0, s1, s2, s3, dst = args
+            vals = self.array(src, (n3, n2, n1, n0), (s3, s2, s1, s0), NP[B_OF[ts]]).astype(np.float32)
+        else:
+            src, n0, n1, n2, n3, s1, s2, s3, dst = args
+            wt = W_OF[ts]
+            row = n0 // 32 * {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}[wt]
+            raw = self.array(src, (n3, n2, n1, row), (s3, s2, s1, 1), np.dtype(np.uint8))
+            vals = dequantize(wt, np.ascontiguousarray(raw))
+        out = from_float(B_OF[td], vals)
+        flat = np.ascontiguousarray(out).view(np.uint8).reshape(-1)
+        self.mem[dst:dst + flat.size] = flat
+
+    def gemm(self, g: cm.GemmSpec) -> None:
+        if g.kind == "gemm":
+            trips = [(g.a, g.b, g.c)]
+        elif g.kind == "strided":
+            sa, sb, sc = g.strides
+            ea, eb = NP[g.a_type].itemsize, NP[g.b_type].itemsize
+            trips = [(g.a + i * sa * ea, g.b + i * sb * eb, g.c + i * sc * 4) for i in range(g.batch)]
+        else:
+            trips = list(g.ptrs)
+        for pa, pb, pc in trips:
+            a = self.colmajor(pa, (g.k, g.m) if g.transa else (g.m, g.k), g.lda, g.a_type)
+            b = self.colmajor(pb, (g.n, g.k) if g.transb else (g.k, g.n), g.ldb, g.b_type)
+            c = (a.T if g.transa else a) @ (b.T if g.transb else b)
+            self.colmajor(pc, (g.m, g.n), g.ldc, "f32")[...] = c
+
+    def colmajor(self, ptr: int, shape: tuple, ld: int, dtype: str) -> np.ndarray:
+        """Element (i, j) at ptr + (i + j * ld) * size: cuBLAS' view of memory."""
+        assert ld >= shape[0], (ld, shape)
+        dt = NP[dtype]
+        view = self.array(ptr, shape, (dt.itemsize, ld * dt.itemsize), dt)
+        return view if dtype == "f32" else view.astype(np.float64)
+
+
+def _emulate(y: Tensor, make_specs: Callable) -> tuple[np.ndarray, np.ndarray, list]:
+    graph = Graph.build(y)
+    memory = Memory()
+    for leaf in graph.leafs:
+        memory.place(leaf, leaf.data)
+    memory.place(y)
+    specs = make_specs(y, memory.ptr, memory.scratch)
+    for spec in specs:
+        memory.run(spec)
+    got = np.array(memory.array(memory.ptr(y), y.shape, y.strides, np.dtype(np.float32)))
+    (ref,) = od.compile(y, "cpu").run({})
+    return got, ref, specs
+
+
+def _param(shape: tuple, dt: str, rng: np.random.Generator) -> Tensor:
+    return od.param("p", rng.uniform(-1, 1, shape).astype(np.float32), dt)
+
+
+GEMM_CASES = {
+    # name: (a dtype, a shape, b dtype, b leaf shape, view of b, expected kinds)
+    "f16 plain": ("f16", (16, 64), "f16", (24, 64), None, ["gemm"]),
+    "f32 batch strided": ("f32", (3, 16, 65), "f32", (3, 24, 65), None, ["strided"]),
+    "bf16 f32 b converted": ("bf16", (16, 80), "f32", (24, 80), None, ["convert", "gemm"]),
+    "f16 broadcast folded": ("f16", (2, 16, 64), "f16", (6, 24, 64), None, ["strided"]),
+    "f16 broadcast 4-d": ("f16", (3, 1, 16, 64), "f16", (3, 2, 12, 64), None, ["strided"]),
+    "f16 broadcast a3": ("f16", (1, 2, 16, 64), "f16", (3, 4, 12, 64), None, ["batched"]),
+    "f32 permuted b": ("f32", (2, 16, 64), "f32", (12, 4, 64), lambda x: x.permute(1, 0, 2), ["batched"]),
+    "f32 transposed b": ("f32", (16, 64), "f32", (64, 12), lambda x: x.transpose(), ["gemm"]),
+    "f16 offset b": ("f16", (16, 64), "f16", (12, 96), lambda x: x.view((12, 64), x.strides, 2), ["gemm"]),
+    "f16 strided b elements": ("f16", (16, 32), "f16", (12, 64), lambda x: x.view((12, 32), (128, 4)),
+                               ["convert", "gemm"]),
+    "q4_0 dequant": ("q4_0", (16, 64), "f32", (20, 64), None, ["dequant", "convert", "gemm"]),
+    "q5_1 dequant batched": ("q5_1", (2, 16, 96), "f32", (2, 10, 96), None, ["dequant", "convert", "strided"]),
+    "q8_0 broadcast": ("q8_0", (2, 1, 8, 32), "f32", (2, 3, 9, 32), None, ["dequant", "convert", "strided"]),
+}
+
+
+@pytest.mark.parametrize("case", list(GEMM_CASES))
+def test_gemm_specs_compute_mul_mat(case: str, rng) -> None:  # noqa: ANN001
+    ta, a_shape, tb, b_shape, view, kinds = GEMM_CASES[case]
+    b = _param(b_shape, tb, rng)
+    y = ops.mul_mat(_param(a_shape, ta, rng), view(b) if view else b)
+    got, ref, specs = _emulate(y, cm.gemm_specs)
+    for s in specs:
+        if isinstance(s, cm.KernelSpec):
+            check_spec(s)
+    got_kinds = [s.kind if isinstance(s, cm.GemmSpec) else s.kernel.split("<")[0] for s in specs]
+    assert got_kinds == kinds
+    assert nmse(got, ref) <= NMSE_MAX, nmse(got, ref)
+
+
+OUT_PROD_CASES = {
+    "f32": ("f32", (7, 13), (7, 5), None, ["gemm"]),
+    "f32 batched broadcast": ("f32", (2, 7, 13), (4, 7, 5), None, ["batched"]),
+    "f16 converted": ("f16", (2, 3, 9, 11), (2, 6, 9, 4), None, ["convert", "batched"]),
+    "q8_0": ("q8_0", (11, 64), (11, 5), None, ["dequant", "gemm"]),
+    "b transposed": ("f32", (7, 13), (16, 7), lambda x: x.transpose(), ["gemm"]),
+    "b strided": ("f32", (7, 13), (7, 10), lambda x: x.view((7, 5), (40, 8)), ["convert", "gemm"]),
+    "k = 1": ("f32", (1, 13), (1, 5), None, ["gemm"]),
+}
+
+
+@pytest.mark.parametrize("case", list(OUT_PROD_CASES))
+def test_out_prod_specs_compute_out_prod(case: str, rng) -> None:  # noqa: ANN001
+    ta, a_shape, b_shape, view, kinds = OUT_PROD_CASES[case]
+    b = _param(b_shape, "f32", rng)
+    y = ops.out_prod(_param(a_shape, ta, rng), view(b) if view else b)
+    got, ref, specs = _emulate(y, cm.out_prod_specs)
+    for s in specs:
+        if isinstance(s, cm.KernelSpec):
+            check_spec(s)
+    assert [s.kind if isinstance(s, cm.GemmSpec) else s.kernel.split("<")[0] for s in specs] == kinds
+    assert nmse(got, ref) <= 1e-10, nmse(got, ref)
+
+
+# -- on a GPU -------------------------------------------------------------------------------------
+
+
+def uniform(rng: np.random.Generator, shape: tuple, lo: float = -1, hi: float = 1) -> np.ndarray:
+    return rng.uniform(lo, hi, shape).astype(np.float32)
+
+
+def assert_close(got: np.ndarray, ref: np.ndarray, what: str, bound: float = NMSE_MAX) -> None:
+    assert got.shape == ref.shape, what
+    assert np.isfinite(got).all(), f"{what}: non-finite outputs (an element not written?)"
+    err = nmse(got, ref)
+    assert err <= bound, f"{what}: NMSE {err:.3g} > {bound}"
+
+
+def feeds_for(y: Tensor | list, rng: np.random.Generator, n_experts: int = 0) -> dict:
+    feeds = {}
+    for t in Graph.build(y).inputs:
+        if t.dtype.name == "i32":  # expert ids: distinct along the last axis
+            order = np.argsort(rng.random(t.shape[:-1] + (n_experts,)), axis=-1)
+            feeds[t] = order[..., : t.shape[-1]].astype(np.int32)
+        else:
+            feeds[t] = uniform(rng, t.shape)
+    return feeds
+
+
+def run_both(y: Tensor, feeds: dict, path: str | None = None, **kw: object) -> tuple[od.Plan, np.ndarray, np.ndarray]:
+    """(plan on cuda0, its output, the reference's); every matrix product taken by cuda_matmul."""
+    plan = od.compile(y, "cuda0", **kw)
+    for s in plan.steps:
+        if s.kind in ("kernel", "fused") and s.nodes[0].op in MATMUL_OPS:
+            assert (s.plugin, s.device.name) == ("cuda_matmul", "cuda0"), plan.explain()
+            if path is not None and s.kind == "kernel":
+                assert s.kernel == path, plan.explain()
+    (got,) = plan.run(feeds)
+    (ref,) = od.compile(y, "cpu").run(feeds)
+    return plan, got, ref
+
+
+SWEEP_N = (*range(1, 10), 16, 128, 512)
+
+
+@gpu
+@pytest.mark.parametrize("n", SWEEP_N)
+@pytest.mark.parametrize("dt", FLOATS + QUANTS)
+def test_mul_mat_sweep(dt: str, n: int, rng) -> None:  # noqa: ANN001
+    ks = (64, 65, 80) if dt in FLOATS else (64, 96)
+    for k in ks:
+        a, b = od.input("a", (16, k), dt), od.input("b", (n, k))
+        y = ops.mul_mat(a, b)
+        plan, got, ref = run_both(y, feeds_for(y, rng))
+        assert_close(got, ref, f"mul_mat a={dt} n={n} k={k} ({steps_of(plan, 'mul_mat')[0].kernel})")
+
+
+@gpu
+@pytest.mark.parametrize(("bs", "nr"), list(itertools.product(((1, 1), (1, 2), (3, 1), (3, 2)),
+                                                              ((1, 1), (1, 2), (2, 1), (2, 2)))))
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16", "q4_0", "q8_0"])
+def test_mul_mat_broadcast_batches(dt: str, bs: tuple, nr: tuple, rng) -> None:  # noqa: ANN001
+    for n in (1, 7, 16):
+        a = od.input("a", (*bs, 13, 64), dt)
+        b = od.input("b", (bs[0] * nr[0], bs[1] * nr[1], n, 64))
+        y = ops.mul_mat(a, b)
+        _, got, ref = run_both(y, feeds_for(y, rng))
+        assert_close(got, ref, f"mul_mat a={dt} bs={bs} nr={nr} n={n}")
+
+
+B_LAYOUTS: dict[str, Callable[[Tensor], Tensor]] = {
+    "permuted batches": lambda x: x.permute(1, 0, 2, 3),
+    "transposed": lambda x: x.transpose(),
+    "offset rows": lambda x: x.view(x.shape[:-1] + (x.shape[-1] - 32,), x.strides, 4 * 32 // 2),
+}
+
+
+def _b_leaf_shape(layout: str, shape: tuple) -> tuple:
+    if layout == "permuted batches":
+        return (shape[1], shape[0], *shape[2:])
+    if layout == "transposed":
+        return (*shape[:-2], shape[-1], shape[-2])
+    return (*shape[:-1], shape[-1] + 32)
+
+
+@gpu
+@pytest.mark.parametrize("layout", list(B_LAYOUTS))
+@pytest.mark.parametrize("n", [1, 5, 16, 128])
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16", "q4_1", "q8_0"])
+def test_mul_mat_b_layouts(dt: str, n: int, layout: str, rng) -> None:  # noqa: ANN001
+    shape = (2, 3, n, 64)
+    x = od.input("x", _b_leaf_shape(layout, shape))
+    b = B_LAYOUTS[layout](x)
+    assert b.shape == shape
+    y = ops.mul_mat(od.input("a", (1, 3, 24, 64), dt), b)
+    _, got, ref = run_both(y, feeds_for(y, rng))
+    assert_close(got, ref, f"mul_mat a={dt} n={n} b {layout}")
+
+
+@gpu
+@pytest.mark.parametrize("tb", ["f16", "bf16"])
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16", "q4_0"])
+@pytest.mark.parametrize("n", [1, 4, 16])
+def test_mul_mat_half_b(dt: str, tb: str, n: int, rng) -> None:  # noqa: ANN001
+    for k in (64, 80):
+        y = ops.mul_mat(od.input("a", (16, k if dt in FLOATS else 64), dt), od.input("b", (n, k if dt in FLOATS
+                                                                                               else 64), tb))
+        _, got, ref = run_both(y, feeds_for(y, rng))
+        assert_close(got, ref, f"mul_mat a={dt} b={tb} n={n}")
+
+
+@gpu
+@pytest.mark.parametrize(("m", "k", "n"), [(4096, 4096, 1), (1000, 4096, 3), (3, 14336, 2), (300, 4128, 64)])
+@pytest.mark.parametrize("dt", ["f16", "bf16", "q4_0", "q5_0", "q8_0"])
+def test_mul_mat_large(dt: str, m: int, k: int, n: int, rng) -> None:  # noqa: ANN001
+    y = ops.mul_mat(od.input("a", (m, k), dt), od.input("b", (n, k)))
+    _, got, ref = run_both(y, feeds_for(y, rng))
+    assert_close(got, ref, f"mul_mat a={dt} m={m} k={k} n={n}")
+
+
+@gpu
+@pytest.mark.parametrize(("n_exp", "used", "n_tok"), list(itertools.product((4, 8), (1, 2, 4), (1, 4, 32))))
+@pytest.mark.parametrize("dt", FLOATS + QUANTS)
+def test_mul_mat_id(dt: str, n_exp: int, used: int, n_tok: int, rng) -> None:  # noqa: ANN001
+    k = 96 if dt in QUANTS else 80
+    for b_rows in sorted({1, used}):
+        experts = od.input("experts", (n_exp, 16, k), dt)
+        y = ops.mul_mat_id(experts, od.input("b", (n_tok, b_rows, k)), od.input("ids", (n_tok, used), "i32"))
+        plan, got, ref = run_both(y, feeds_for(y, rng, n_exp), "mmv_id" if n_tok == 1 else "mmv_id_grouped")
+        assert_close(got, ref, f"mul_mat_id as={dt} e={n_exp} used={used} t={n_tok} b_rows={b_rows}")
+
+
+@gpu
+@pytest.mark.parametrize(("n_exp", "used", "n_tok"), [(128, 8, 1), (128, 8, 129), (32, 4, 512)])
+@pytest.mark.parametrize("dt", ["f16", "q4_0"])
+def test_mul_mat_id_many_experts(dt: str, n_exp: int, used: int, n_tok: int, rng) -> None:  # noqa: ANN001
+    y = ops.mul_mat_id(od.input("experts", (n_exp, 64, 256), dt), od.input("b", (n_tok, 1, 256)),
+                       od.input("ids", (n_tok, used), "i32"))
+    _, got, ref = run_both(y, feeds_for(y, rng, n_exp))
+    assert_close(got, ref, f"mul_mat_id as={dt} e={n_exp} used={used} t={n_tok}")
+
+
+@gpu
+@pytest.mark.parametrize("dt", FLOATS + QUANTS)
+def test_out_prod(dt: str, rng) -> None:  # noqa: ANN001
+    m = 64 if dt in QUANTS else 13
+    for k, n, bs, nr in [(7, 5, (1, 1), (1, 1)), (65, 16, (1, 1), (1, 1)), (1, 1, (1, 1), (1, 1)),
+                         (9, 4, (2, 3), (2, 2))]:
+        y = ops.out_prod(od.input("a", (*bs, k, m), dt), od.input("b", (bs[0] * nr[0], bs[1] * nr[1], k, n)))
+        _, got, ref = run_both(y, feeds_for(y, rng), "cublas_out_prod")
+        assert_close(got, ref, f"out_prod a={dt} k={k} n={n} bs={bs} nr={nr}")
+    x = od.input("x", (5, 7))
+    y = ops.out_prod(od.input("a", (7, m), dt), x.transpose())
+    _, got, ref = run_both(y, feeds_for(y, rng))
+    assert_close(got, ref, f"out_prod a={dt} b transposed")
+
+
+FUSED_BUILDS: dict[str, Callable[[str, int], Tensor]] = {
+    "mul_mat_add": lambda dt, n: ops.add(ops.mul_mat(od.input("w", (40, 128), dt), od.input("x", (n, 128))),
+                                         od.input("bias", (40,))),
+    "mul_mat_glu swiglu": lambda dt, n: _glu_inputs(dt, n, "swiglu", False),
+    "mul_mat_glu geglu": lambda dt, n: _glu_inputs(dt, n, "geglu", False),
+    "mul_mat_add_glu swiglu_oai": lambda dt, n: _glu_inputs(dt, n, "swiglu_oai", True),
+    "mul_mat_id_add_id": lambda dt, n: _moe_inputs(dt, n, False, True),
+    "mul_mat_id_glu": lambda dt, n: _moe_inputs(dt, 1, True, False),
+    "mul_mat_id_add_id_glu": lambda dt, n: _moe_inputs(dt, 1, True, True),
+}
+
+
+def _glu_inputs(dt: str, n: int, kind: str, bias: bool) -> Tensor:
+    x = od.input("x", (n, 128))
+    g, u = ops.mul_mat(od.input("wg", (40, 128), dt), x), ops.mul_mat(od.input("wu", (40, 128), dt), x)
+    if bias:
+        g, u = ops.add(g, od.input("bg", (40,))), ops.add(u, od.input("bu", (40,)))
+    return ops.glu_split(g, u, kind)
+
+
+def _moe_inputs(dt: str, n_tok: int, glu: bool, bias: bool) -> Tensor:
+    x = od.input("x", (n_tok, 1, 128))
+    ids = od.input("ids", (n_tok, 4), "i32")
+    g = ops.mul_mat_id(od.input("wg", (8, 40, 128), dt), x, ids)
+    if bias:
+        g = ops.add_id(g, od.input("bg", (8, 40)), ids)
+    if not glu:
+        return g
+    u = ops.mul_mat_id(od.input("wu", (8, 40, 128), dt), x, ids)
+    if bias:
+        u = ops.add_id(u, od.input("bu", (8, 40)), ids)
+    return ops.glu_split(g, u, "swiglu_oai", alpha=1.702, limit=7.0)
+
+
+@gpu
+@pytest.mark.parametrize("n", [1, 3, 8])
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16", "q4_0", "q5_1", "q8_0"])
+@pytest.mark.parametrize("build", list(FUSED_BUILDS))
+def test_fused_matches_reference_and_unfused(build: str, dt: str, n: int, rng) -> None:  # noqa: ANN001
+    y = FUSED_BUILDS[build](dt, n)
+    feeds = feeds_for(y, rng, 8)
+    plan, fused, ref = run_both(y, feeds)
+    assert [s.kernel for s in plan.fusions] == [build.split()[0]], plan.explain()
+    assert_close(fused, ref, f"{build} a={dt} n={n} fused")
+    unfused_plan, unfused, _ = run_both(y, feeds, fusion=False)
+    assert not unfused_plan.fusions
+    assert_close(fused, unfused, f"{build} a={dt} n={n} fused vs unfused")
+
+
+def poison_arenas(plan: od.Plan) -> None:
+    """Fill every arena of a bound plan with NaN bytes (0xFF), so unwritten outputs show."""
+    from opdispatch.backends.cuda.backend import CudaBuffer
+
+    bound = plan._bind()
+    for name, buf in bound.arenas.items():
+        backend = bound.backends[name]
+        if isinstance(buf, CudaBuffer):
+            buf.mem.memset_async(0xFF, buf.nbytes, backend.stream)
+            backend.synchronize()
+
+
+def _chain(dt: str, n: int) -> tuple[Tensor, Tensor]:
+    """A graph with every path: mat-vec, cuBLAS, fused GLU, MoE (direct and grouped), out_prod.
+    Its out_prod weight is a new param each call, so each call plans (and binds) anew."""
+    x = od.input("x", (n, 128))
+    h = ops.mul_mat(od.input("w1", (96, 128), dt), x)
+    g = ops.glu_split(ops.mul_mat(od.input("wg", (64, 96), dt), h), ops.mul_mat(od.input("wu", (64, 96), dt), h),
+                      "swiglu")
+    y = ops.mul_mat_id(od.input("experts", (4, 32, 64), dt), g.reshape(n, 1, 64), od.input("ids", (n, 2), "i32"))
+    a = od.param("a", np.linspace(-1, 1, n * 24, dtype=np.float32).reshape(n, 24), "f16")
+    return y, ops.out_prod(a, y.reshape(n, 64))
+
+
+def named_feeds(outputs: list, rng: np.random.Generator, n_experts: int) -> dict[str, np.ndarray]:
+    """Values for every input of the graph, by name (plans take feeds by leaf name)."""
+    return {t.name: v for t, v in feeds_for(outputs, rng, n_experts).items()}
+
+
+@gpu
+@pytest.mark.parametrize("n", [1, 16])
+def test_every_output_element_is_written_on_each_run(n: int, rng) -> None:  # noqa: ANN001
+    y, z = _chain("q4_0", n)
+    plan = od.compile([y, z], "cuda0")
+    assert {s.kernel for s in plan.steps if s.plugin == "cuda_matmul"} == (
+        {"mmvq", "mul_mat_glu", "mmv_id", "cublas_out_prod"} if n == 1 else
+        {"dequant_cublas", "mmv_id_grouped", "cublas_out_prod"}), plan.explain()
+    for run in range(3):  # warm-up, capture, replay
+        feeds = named_feeds([y, z], rng, 4)
+        poison_arenas(plan)
+        got = plan.run(feeds)
+        ref = od.compile([y, z], "cpu").run(feeds)
+        for g, r, what in zip(got, ref, ("mul_mat_id", "out_prod")):
+            assert_close(g, r, f"{what} n={n}, run {run}")
+
+
+@gpu
+def test_cuda_graph_replay_matches_direct_launches(monkeypatch: pytest.MonkeyPatch, rng) -> None:  # noqa: ANN001
+    from opdispatch.backends.cuda.backend import Segment
+
+    values = {}
+    results = {}
+    for disabled in ("1", "0"):
+        monkeypatch.setenv("OPDISPATCH_DISABLE_CUDA_GRAPHS", disabled)
+        outs = []
+        for n in (1, 16):
+            y, z = _chain("q8_0", n)
+            if n not in values:
+                values[n] = [named_feeds([y, z], rng, 4) for _ in range(3)]
+            plan = od.compile([y, z], "cuda0")
+            outs.append([plan.run(f) for f in values[n]])
+            segments = [s for s in plan._bind().runners if isinstance(s, Segment)]
+            assert segments
+            for s in segments:
+                if disabled == "1":
+                    assert s.runner.capture is None and s.runner.captures == 0
+                else:
+                    assert s.runner.captures == 1 and not s.runner.disabled, s.runner.disabled
+        results[disabled] = outs
+    for direct, replayed in zip(results["1"], results["0"]):
+        for d_run, r_run in zip(direct, replayed):
+            for d, r in zip(d_run, r_run):
+                assert np.array_equal(d, r)
