@@ -1,0 +1,143 @@
+// Gated linear units: y = act(gate) * up, per kind (reglu, geglu, swiglu,
+// geglu_erf, geglu_quick, swiglu_oai), for every form of the glu op: halves
+// of one tensor (either order) or two tensors (glu_split). The caller passes
+// the gate and up pointers and their strides, so the forms are one kernel.
+//
+// T is float, od::f16 or od::bf16 (gate, up and result alike); computed in
+// float. The result is contiguous, rows of `nc`; gate and up are rows of nc
+// packed elements, row r = (i0 * n1 + i1) * n2 + i2 at i0 * s0 + i1 * s1 +
+// i2 * s2 elements (the division happens per row, and not at all when the
+// caller folded the rows into the last axis: n0 = n1 = 1). Columns along x, rows along y.
+// vec: nc, every row stride and pointer allow 16-byte vectors.
+//
+// Semantics are the reference's (core/reference/elementwise.py): reglu's relu
+// sends NaN to 0; swiglu_oai clips with comparisons that keep NaN, as numpy's
+// minimum and clip do.
+
+#include "common.cuh"
+
+namespace ew_glu {
+
+// Stores convert with round-to-nearest-even, as common.cuh's od::store; bf16 through the
+// hardware's cvt.rn.bf16.f32 (sm_80+): the same value as od::store's bit formula in one
+// instruction instead of six (a NaN becomes the canonical quiet NaN, its payload dropped).
+__device__ __forceinline__ void put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void put(od::f16* p, float v) { od::store(p, v); }
+__device__ __forceinline__ void put(od::bf16* p, float v) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    p->bits = h;
+}
+
+// Kind codes: must match GLU_CODES in plugins/cuda_misc/elementwise.py.
+constexpr int GLU_REGLU = 0;
+constexpr int GLU_GEGLU = 1;
+constexpr int GLU_SWIGLU = 2;
+constexpr int GLU_GEGLU_ERF = 3;
+constexpr int GLU_GEGLU_QUICK = 4;
+constexpr int GLU_SWIGLU_OAI = 5;
+
+constexpr float GELU_COEF_A = 0.044715f;
+constexpr float GELU_QUICK_COEF = 1.702f;
+constexpr float SQRT_2_OVER_PI = 0.79788456080286535587989211986876f;
+constexpr float SQRT_2_INV = 0.70710678118654752440084436210484f;
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+    T v[N];
+};
+
+// 1 / (1 + exp(-x)) without overflow, precise in the tail (as unary.cu's)
+__device__ __forceinline__ float sigmoid(float x) {
+    const float e = expf(-fabsf(x));
+    const float r = __fdividef(1.0f, 1.0f + e);  // 1 + e in [1, 2]: within 2 ulps
+    return x >= 0.0f ? r : e * r;
+}
+
+template <int KIND>
+__device__ __forceinline__ float glu1(float g, float u, float alpha, float limit) {
+    if constexpr (KIND == GLU_REGLU) {
+        return (g > 0.0f ? g : 0.0f) * u;
+    } else if constexpr (KIND == GLU_GEGLU) {
+        // 0.5 g (1 + tanh(v)) = g sigmoid(2v): no cancellation for negative g
+        return g * sigmoid(2.0f * SQRT_2_OVER_PI * g * (1.0f + GELU_COEF_A * g * g)) * u;
+    } else if constexpr (KIND == GLU_SWIGLU) {
+        return g * sigmoid(g) * u;
+    } else if constexpr (KIND == GLU_GEGLU_ERF) {
+        return 0.5f * g * erfcf(-g * SQRT_2_INV) * u;  // 1 + erf(z) = erfc(-z)
+    } else if constexpr (KIND == GLU_GEGLU_QUICK) {
+        return g * sigmoid(GELU_QUICK_COEF * g) * u;
+    } else {
+        // x = min(gate, limit); u = clip(up, -limit, limit); x * sigmoid(alpha * x) * (u + 1)
+        const float x = g > limit ? limit : g;
+        const float c = u > limit ? limit : (u < -limit ? -limit : u);
+        return x * sigmoid(alpha * x) * (c + 1.0f);
+    }
+}
+
+template <int KIND, int N, typename T>
+__device__ __forceinline__ void glu_loop(const T* g, long long gs0, long long gs1, long long gs2, const T* u,
+                                         long long us0, long long us1, long long us2, T* y, int n1, int n2,
+                                         long long rows, int nc, float alpha, float limit) {
+    using P = Pack<T, N>;
+    const int ncv = nc / N;
+    const bool folded = rows == n2;  // one axis of rows: no division
+    for (long long r = (long long)blockIdx.y * blockDim.y + threadIdx.y; r < rows;
+         r += (long long)gridDim.y * blockDim.y) {
+        long long go, uo;
+        if (folded) {
+            go = r * gs2;
+            uo = r * us2;
+        } else {
+            const int i2 = (int)r % n2;
+            const int t = (int)r / n2;
+            const int i1 = t % n1;
+            const int i0 = t / n1;
+            go = i0 * gs0 + i1 * gs1 + i2 * gs2;
+            uo = i0 * us0 + i1 * us1 + i2 * us2;
+        }
+        const P* gr = reinterpret_cast<const P*>(g + go);
+        const P* ur = reinterpret_cast<const P*>(u + uo);
+        P* yr = reinterpret_cast<P*>(y + r * nc);
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < ncv; c += gridDim.x * blockDim.x) {
+            const P gv = gr[c];
+            const P uv = ur[c];
+            P out;
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                put(&out.v[k], glu1<KIND>(od::load(&gv.v[k]), od::load(&uv.v[k]), alpha, limit));
+            }
+            yr[c] = out;
+        }
+    }
+}
+
+}  // namespace ew_glu
+
+// y (rows x nc, contiguous) = act(gate) * up; rows = n0 * n1 * n2 (n0 implied).
+template <typename T>
+__global__ void glu_rows(const T* g, long long gs0, long long gs1, long long gs2, const T* u, long long us0,
+                         long long us1, long long us2, T* y, int n1, int n2, long long rows, int nc, int kind,
+                         float alpha, float limit, int vec) {
+    using namespace ew_glu;
+    constexpr int N = 16 / sizeof(T);
+#define EW_CASE(K)                                                                                  \
+    case K:                                                                                         \
+        if (vec) {                                                                                  \
+            glu_loop<K, N>(g, gs0, gs1, gs2, u, us0, us1, us2, y, n1, n2, rows, nc, alpha, limit);  \
+        } else {                                                                                    \
+            glu_loop<K, 1>(g, gs0, gs1, gs2, u, us0, us1, us2, y, n1, n2, rows, nc, alpha, limit);  \
+        }                                                                                           \
+        break;
+    switch (kind) {
+        EW_CASE(GLU_REGLU)
+        EW_CASE(GLU_GEGLU)
+        EW_CASE(GLU_SWIGLU)
+        EW_CASE(GLU_GEGLU_ERF)
+        EW_CASE(GLU_GEGLU_QUICK)
+        EW_CASE(GLU_SWIGLU_OAI)
+        default:
+            break;
+    }
+#undef EW_CASE
+}

@@ -1,0 +1,280 @@
+// Elementwise maps of one source: sqr, sqrt, log, sin, cos, scale, clamp,
+// leaky_relu, every unary op (abs .. trunc), and the fused softcap
+// (scale -> tanh -> scale).
+//
+// T is float, od::f16 or od::bf16; the source and the result have the same
+// type, values are computed in float. The result is contiguous.
+//
+//   unary_flat<T>     the source contiguous too: 16-byte vectors, grid-stride
+//                     loop, two vectors in flight per thread; `nvec` vectors
+//                     (0 when a pointer is not 16-byte aligned), then the
+//                     tail [nvec * VEC, n) one element at a time.
+//   unary_strided<T>  any source strides (elements, 4 dims): a 2-D block,
+//                     threads along the last axis, rows (the outer three
+//                     axes, split per row) across blockDim.y and the grid.
+//
+// The op is a run-time code (OP_* below, the table UNARY_CODES of
+// elementwise.py): one switch per group of vectors, uniform across the grid,
+// keeps each instance small (NVRTC: 0.2-0.9 s) at no cost to bandwidth; the
+// long-code ops (erf, sin, ...) are one out-of-line call per element. On the
+// H200 (64 Mi elements, copy 4.2 TB/s): relu, scale, softcap 92-94% of copy
+// bandwidth in f32 and 92% (f16) / 88-92% (bf16); silu, gelu 94% f32 and
+// 81-85% f16/bf16; sin 90% f32; gelu_erf 69% f32, 34% f16/bf16.
+//
+// Semantics are the numpy reference's (core/reference/elementwise.py):
+// comparisons are written so that NaN goes where the reference sends it
+// (relu/step/sgn/leaky_relu: 0, clamp: the bounds' order, hardsigmoid and
+// the rest: NaN propagates); round is roundf (halves away from zero);
+// softplus passes x through above 20; gelu uses ggml's tanh constants. The
+// formulas avoid cancellation and overflow (sigmoid, gelu, gelu_erf below), so
+// results keep their relative precision where they are tiny.
+//
+// Aliasing: the result may be the source itself (same layout): every element
+// is read and then written by one thread.
+
+#include "common.cuh"
+
+namespace ew_unary {
+
+// Stores convert with round-to-nearest-even, as common.cuh's od::store; bf16 through the
+// hardware's cvt.rn.bf16.f32 (sm_80+): the same value as od::store's bit formula in one
+// instruction instead of six (a NaN becomes the canonical quiet NaN, its payload dropped).
+__device__ __forceinline__ void put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void put(od::f16* p, float v) { od::store(p, v); }
+__device__ __forceinline__ void put(od::bf16* p, float v) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    p->bits = h;
+}
+
+// Op codes: must match UNARY_CODES in plugins/cuda_misc/elementwise.py.
+constexpr int OP_ABS = 0;
+constexpr int OP_SGN = 1;
+constexpr int OP_NEG = 2;
+constexpr int OP_STEP = 3;
+constexpr int OP_TANH = 4;
+constexpr int OP_ELU = 5;
+constexpr int OP_RELU = 6;
+constexpr int OP_SIGMOID = 7;
+constexpr int OP_GELU = 8;
+constexpr int OP_GELU_ERF = 9;
+constexpr int OP_GELU_QUICK = 10;
+constexpr int OP_SILU = 11;
+constexpr int OP_HARDSWISH = 12;
+constexpr int OP_HARDSIGMOID = 13;
+constexpr int OP_EXP = 14;
+constexpr int OP_EXPM1 = 15;
+constexpr int OP_SOFTPLUS = 16;
+constexpr int OP_FLOOR = 17;
+constexpr int OP_CEIL = 18;
+constexpr int OP_ROUND = 19;
+constexpr int OP_TRUNC = 20;
+constexpr int OP_SQR = 21;
+constexpr int OP_SQRT = 22;
+constexpr int OP_LOG = 23;
+constexpr int OP_SIN = 24;
+constexpr int OP_COS = 25;
+constexpr int OP_SCALE = 26;       // x * p0 + p1
+constexpr int OP_CLAMP = 27;       // p0 = min, p1 = max
+constexpr int OP_LEAKY_RELU = 28;  // p0 = negative slope
+constexpr int OP_SOFTCAP = 29;     // p1 * tanh(p0 * x), rounded to T between steps as the unfused ops do
+
+// ggml's constants (ggml-cpu/vec.h)
+constexpr float GELU_COEF_A = 0.044715f;
+constexpr float GELU_QUICK_COEF = 1.702f;
+constexpr float SQRT_2_OVER_PI = 0.79788456080286535587989211986876f;
+constexpr float SQRT_2_INV = 0.70710678118654752440084436210484f;
+
+// -- 16-byte vectors ----------------------------------------------------------------
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+    T v[N];
+};
+
+template <typename T>
+struct Vec {
+    static constexpr int N = 16 / sizeof(T);  // elements per 16-byte vector
+};
+
+// v rounded to T and back (identity for float): what storing a result in T keeps.
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+    T t;
+    put(&t, v);
+    return od::load(&t);
+}
+
+// -- the maps ---------------------------------------------------------------------------
+
+// 1 / (1 + exp(-x)), as e / (1 + e) with e = exp(-|x|) for x < 0: no overflow, and
+// the tail keeps its relative precision (down to the subnormals the reference gives).
+__device__ __forceinline__ float sigmoid(float x) {
+    const float e = expf(-fabsf(x));
+    const float r = __fdividef(1.0f, 1.0f + e);  // 1 + e in [1, 2]: within 2 ulps
+    return x >= 0.0f ? r : e * r;
+}
+
+// 0.5 x (1 + tanh(u)) with ggml's u, written as x sigmoid(2u): the same function
+// without the cancellation of 1 + tanh(u) for negative x.
+__device__ __forceinline__ float gelu(float x) {
+    return x * sigmoid(2.0f * SQRT_2_OVER_PI * x * (1.0f + GELU_COEF_A * x * x));
+}
+
+// Ops whose code is large (argument reduction, long polynomials) run through
+// one out-of-line function per T, called once per element: inlining them for
+// every element of a vector would multiply the module's size (and NVRTC's
+// compile time) for ops that are rare in models and compute-heavy anyway.
+template <typename T>
+__device__ __noinline__ float map_large(int op, float x, float p0, float p1) {
+    switch (op) {
+        case OP_ELU: return x > 0.0f ? x : expm1f(x);
+        case OP_GELU_ERF: return 0.5f * x * erfcf(-x * SQRT_2_INV);  // 1 + erf(z) = erfc(-z), no cancellation
+        case OP_EXPM1: return expm1f(x);
+        case OP_SOFTPLUS: return x > 20.0f ? x : log1pf(expf(x));
+        case OP_LOG: return logf(x);
+        case OP_SIN: return sinf(x);
+        case OP_COS: return cosf(x);
+        default: return x;
+    }
+}
+
+__device__ __forceinline__ float hardsigmoid(float x) {
+    // min(1, max(0, (x + 3) / 6)) with NaN propagating as numpy's minimum/maximum do
+    float h = (x + 3.0f) / 6.0f;
+    h = h < 0.0f ? 0.0f : h;
+    return h > 1.0f ? 1.0f : h;
+}
+
+__device__ __forceinline__ float clamp(float x, float lo, float hi) {
+    // ggml: MAX(MIN(x, max), min) with C's ternaries: NaN -> max, then min wins when min > max
+    x = x < hi ? x : hi;
+    return x > lo ? x : lo;
+}
+
+// One op over N values in place; the switch is outside the element loop.
+template <typename T, int N>
+__device__ __forceinline__ void apply(int op, float (&v)[N], float p0, float p1) {
+    switch (op) {
+#define EW_MAP(code, expr)                                  \
+    case code:                                              \
+        _Pragma("unroll") for (int k = 0; k < N; ++k) {     \
+            const float x = v[k];                           \
+            v[k] = (expr);                                  \
+        }                                                   \
+        break;
+        EW_MAP(OP_ABS, fabsf(x))
+        EW_MAP(OP_SGN, x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f))
+        EW_MAP(OP_NEG, -x)
+        EW_MAP(OP_STEP, x > 0.0f ? 1.0f : 0.0f)
+        EW_MAP(OP_TANH, tanhf(x))
+        EW_MAP(OP_RELU, x > 0.0f ? x : 0.0f)
+        EW_MAP(OP_SIGMOID, sigmoid(x))
+        EW_MAP(OP_GELU, gelu(x))
+        EW_MAP(OP_GELU_QUICK, x * sigmoid(GELU_QUICK_COEF * x))
+        EW_MAP(OP_SILU, x * sigmoid(x))
+        EW_MAP(OP_HARDSWISH, x * hardsigmoid(x))
+        EW_MAP(OP_HARDSIGMOID, hardsigmoid(x))
+        EW_MAP(OP_EXP, expf(x))
+        EW_MAP(OP_FLOOR, floorf(x))
+        EW_MAP(OP_CEIL, ceilf(x))
+        EW_MAP(OP_ROUND, roundf(x))
+        EW_MAP(OP_TRUNC, truncf(x))
+        EW_MAP(OP_SQR, x * x)
+        EW_MAP(OP_SQRT, sqrtf(x))
+        EW_MAP(OP_SCALE, fmaf(x, p0, p1))
+        EW_MAP(OP_CLAMP, clamp(x, p0, p1))
+        EW_MAP(OP_LEAKY_RELU, (x > 0.0f ? x : 0.0f) + p0 * (x < 0.0f ? x : 0.0f))
+        // the unfused scale (bias 0), tanh and scale, each result rounded to T
+        EW_MAP(OP_SOFTCAP, fmaf(round_to<T>(tanhf(round_to<T>(fmaf(x, p0, 0.0f)))), p1, 0.0f))
+#undef EW_MAP
+        default:
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                v[k] = map_large<T>(op, v[k], p0, p1);
+            }
+            break;
+    }
+}
+
+}  // namespace ew_unary
+
+// y[i] = f(x[i]) for i in [0, n): x and y contiguous; the first nvec * VEC
+// elements as 16-byte vectors (nvec = 0 when x or y is not 16-byte aligned).
+template <typename T>
+__global__ void unary_flat(const T* x, T* y, long long n, long long nvec, int op, float p0, float p1) {
+    using namespace ew_unary;
+    constexpr int N = Vec<T>::N;
+    using P = Pack<T, N>;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const P* xv = reinterpret_cast<const P*>(x);
+    P* yv = reinterpret_cast<P*>(y);
+    // two vectors per thread and step: both loads issued before either is used
+    for (; i + stride < nvec; i += 2 * stride) {
+        const P a = xv[i];
+        const P b = xv[i + stride];
+        float v[2 * N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            v[k] = od::load(&a.v[k]);
+            v[N + k] = od::load(&b.v[k]);
+        }
+        apply<T, 2 * N>(op, v, p0, p1);
+        P ra, rb;
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            put(&ra.v[k], v[k]);
+            put(&rb.v[k], v[N + k]);
+        }
+        yv[i] = ra;
+        yv[i + stride] = rb;
+    }
+    if (i < nvec) {
+        const P a = xv[i];
+        float v[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            v[k] = od::load(&a.v[k]);
+        }
+        apply<T, N>(op, v, p0, p1);
+        P r;
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            put(&r.v[k], v[k]);
+        }
+        yv[i] = r;
+    }
+    // the tail (or everything, unaligned), one element per thread and step
+    for (long long j = nvec * N + (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
+        float v[1] = {od::load(x + j)};
+        apply<T, 1>(op, v, p0, p1);
+        put(y + j, v[0]);
+    }
+}
+
+// y (contiguous, n0 x n1 x n2 x n3) = f(x) with x's element strides s0..s3.
+// Rows r = (i0 * n1 + i1) * n2 + i2 < n0 * n1 * n2 (< 2**31) go along
+// blockDim.y and gridDim.y, the last axis along blockDim.x and gridDim.x.
+template <typename T>
+__global__ void unary_strided(const T* x, T* y, int n0, int n1, int n2, int n3, long long s0, long long s1,
+                              long long s2, long long s3, int op, float p0, float p1) {
+    using namespace ew_unary;
+    const long long rows = (long long)n0 * n1 * n2;
+    for (long long r = blockIdx.y * blockDim.y + threadIdx.y; r < rows; r += gridDim.y * blockDim.y) {
+        int i0 = 0, i1 = 0, i2 = (int)r;  // rows along one axis: no division
+        if (rows != n2) {
+            const int t = (int)r / n2;
+            i2 = (int)r - t * n2;
+            i1 = t % n1;
+            i0 = t / n1;
+        }
+        const T* xr = x + i0 * s0 + i1 * s1 + i2 * s2;
+        T* yr = y + (long long)r * n3;
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < n3; c += gridDim.x * blockDim.x) {
+            float v[1] = {od::load(xr + c * s3)};
+            apply<T, 1>(op, v, p0, p1);
+            put(yr + c, v[0]);
+        }
+    }
+}
