@@ -151,6 +151,7 @@ def plan_memory(graph: Graph, steps: list[Step], homes: Mapping[Tensor, Device])
         src0 = step.nodes[0].srcs[0] if step.kind == "kernel" and step.nodes[0].srcs else None
         if (step.kind == "kernel" and step.out.op in INPLACE_OPS and b is step.out and src0 is not None
                 and src0.base is src0 and (src0, step.device.name) in mem.by_key
+                and not any(s is not None and s.base is src0 for s in step.nodes[0].srcs[1:])
                 and last.get((src0, step.device.name)) == i and not graph.is_output(src0)
                 and src0.nbytes == b.nbytes and src0.strides == b.strides and src0.dtype == b.dtype):
             mem.share(key, (src0, step.device.name), end)

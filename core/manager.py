@@ -229,7 +229,7 @@ class PluginManager:
             if answer is True:
                 return k, ""
             reasons.append(answer if isinstance(answer, str) and answer else "declined")
-        return None, "; ".join(reasons)
+        return None, "; ".join(dict.fromkeys(reasons))  # several kernels may give one reason
 
     def offload_op(self, plugins: Sequence[Plugin], device: Device, node: Tensor) -> bool | None:
         """The first non-None answer of `plugins` to offload_op."""

@@ -168,3 +168,14 @@ def test_outputs_and_intermediate_outputs_are_not_overwritten() -> None:
     o3, o1 = plan.run({a: fa})
     np.testing.assert_allclose(o1, -fa, rtol=1e-6)
     np.testing.assert_allclose(o3, np.tanh(np.exp(-fa)), rtol=1e-6)
+
+
+def test_no_in_place_reuse_when_another_source_views_the_same_bytes() -> None:
+    rng = np.random.default_rng()
+    a = od.input("a", (8, 8))
+    s = ops.neg(a)
+    y = ops.add(s, ops.transpose(s))  # writing y over s would race with reading s transposed
+    plan = od.compile(y, "cpu")
+    assert all(len(slot.keys) == 1 for slot in plan.memory["cpu"].slots)
+    fa = rand(rng, 8, 8)
+    np.testing.assert_allclose(plan.run({a: fa})[0], -fa - fa.T, rtol=1e-6)
