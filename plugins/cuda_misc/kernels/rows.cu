@@ -137,23 +137,7 @@ __global__ void convert_contig(const S* __restrict__ src, D* __restrict__ dst, c
     long long done = 0;
     if constexpr (VEC) {
         const long long n8 = n / 8;
-        const long long stride = thread_count();
-        // Two packs per iteration: twice the loads in flight, which a narrow
-        // source (f16 -> f32 reads 16 bytes for 32 written) needs to reach bandwidth.
-        long long i = id;
-        for (; i + stride < n8; i += 2 * stride) {
-            const Pack8<S> a0 = load8(src + 8 * i);
-            const Pack8<S> a1 = load8(src + 8 * (i + stride));
-            Pack8<D> b0, b1;
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                b0.v[j] = convert<S, D>(a0.v[j]);
-                b1.v[j] = convert<S, D>(a1.v[j]);
-            }
-            store8(dst + 8 * i, b0);
-            store8(dst + 8 * (i + stride), b1);
-        }
-        if (i < n8) {
+        for (long long i = id; i < n8; i += thread_count()) {
             const Pack8<S> a = load8(src + 8 * i);
             Pack8<D> b;
 #pragma unroll
