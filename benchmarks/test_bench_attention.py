@@ -68,7 +68,7 @@ def test_prefill_causal(measure, torch_cuda) -> None:  # noqa: ANN001
     causal = np.where(np.arange(t)[None, :] > np.arange(t)[:, None], -np.inf, 0.0).astype(np.float32)
     fq, fk, fv = (rand(rng, b, h, t, d) for _ in range(3))
     scale = 1 / np.sqrt(d)
-    plan = ready(ops.flash_attn_ext(q, k, v, m, scale), {q: fq, k: fk, v: fv, m: causal})
+    plan = ready(ops.flash_attn_ext(q, k, v, m, scale), {q: fq, k: fk, v: fv, m: causal[None, None]})
     tq, tk_, tv = (torch.from_numpy(a).cuda().half() for a in (fq, fk, fv))
     F = torch.nn.functional
     flops = 4 * b * h * t * t * d // 2
