@@ -60,6 +60,12 @@ union Pack8 {
     T v[8];
 };
 
+// N elements as one aligned access of N * sizeof(T) bytes.
+template <class T, int N>
+struct alignas(sizeof(T) * N) Vec {
+    T v[N];
+};
+
 template <class T>
 __device__ __forceinline__ Pack8<T> load8(const T* p) {
     Pack8<T> r;
@@ -135,7 +141,25 @@ template <class S, class D, bool VEC>
 __global__ void convert_contig(const S* __restrict__ src, D* __restrict__ dst, const long long n) {
     const long long id = thread_id();
     long long done = 0;
-    if constexpr (VEC) {
+    if constexpr (VEC && sizeof(D) > sizeof(S)) {
+        // Widening (f16 -> f32): packs sized by the destination, so that each
+        // thread stores one 16-byte word and a warp's stores are contiguous.
+        constexpr int N = 16 / sizeof(D);
+        const long long nv = n / N;
+        for (long long i = id; i < nv; i += thread_count()) {
+            const Vec<S, N> a = *reinterpret_cast<const Vec<S, N>*>(src + N * i);
+            Vec<D, N> b;
+#pragma unroll
+            for (int j = 0; j < N; j++) {
+                b.v[j] = convert<S, D>(a.v[j]);
+            }
+            *reinterpret_cast<Vec<D, N>*>(dst + N * i) = b;
+        }
+        done = N * nv;
+        if (done + id < n) {
+            dst[done + id] = convert<S, D>(src[done + id]);
+        }
+    } else if constexpr (VEC) {
         const long long n8 = n / 8;
         for (long long i = id; i < n8; i += thread_count()) {
             const Pack8<S> a = load8(src + 8 * i);
