@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 
 
@@ -17,3 +20,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh seed per test, printed; OPDISPATCH_TEST_SEED replays one."""
+    s = int(os.environ.get("OPDISPATCH_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
+    print(f"random seed {s}: replay with OPDISPATCH_TEST_SEED={s}")
+    return s
+
+
+@pytest.fixture
+def rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)

@@ -47,13 +47,6 @@ CPU = Device("cpu", "cpu")
 ATTN_OPS = ("soft_max", "rope", "flash_attn_ext")
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int(os.environ.get("OPDISPATCH_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
-    print(f"random seed {seed}: replay with OPDISPATCH_TEST_SEED={seed}")
-    return np.random.default_rng(seed)
-
-
 def steps_of(plan: od.Plan, op: str) -> list:
     return [s for s in plan.steps if s.kind in ("kernel", "fused") and any(n.op == op for n in s.nodes)]
 

@@ -26,13 +26,6 @@ from opdispatch.backends.cuda.kernels import pack_args
 gpu = pytest.mark.gpu
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int(os.environ.get("OPDISPATCH_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
-    print(f"random seed {seed}: replay with OPDISPATCH_TEST_SEED={seed}")
-    return np.random.default_rng(seed)
-
-
 # -- without a GPU ------------------------------------------------------------------------
 
 

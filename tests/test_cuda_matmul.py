@@ -50,13 +50,6 @@ QUANTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 MATMUL_OPS = ("mul_mat", "mul_mat_id", "out_prod")
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int(os.environ.get("OPDISPATCH_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
-    print(f"random seed {seed}: replay with OPDISPATCH_TEST_SEED={seed}")
-    return np.random.default_rng(seed)
-
-
 def steps_of(plan: od.Plan, op: str) -> list:
     return [s for s in plan.steps if s.kind in ("kernel", "fused") and s.nodes[0].op == op]
 

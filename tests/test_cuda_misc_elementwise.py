@@ -49,13 +49,6 @@ MAPS_WITH_PARAMS = {"scale": (0.37, -0.25), "clamp": (-0.5, 0.75), "leaky_relu":
 EXP_LIKE = ("exp", "expm1", "softplus", "elu", "sigmoid", "silu", "gelu_quick", "gelu", "gelu_erf", "tanh")
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int(os.environ.get("OPDISPATCH_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
-    print(f"random seed {seed}: replay with OPDISPATCH_TEST_SEED={seed}")
-    return np.random.default_rng(seed)
-
-
 def map_op(op: str, x: Tensor) -> Tensor:
     if op in MAPS_WITH_PARAMS:
         return getattr(ops, op)(x, *MAPS_WITH_PARAMS[op])

@@ -350,12 +350,6 @@ def test_window_decomposition() -> None:
 # On the GPU, against the CPU reference
 
 
-@pytest.fixture
-def rng() -> tuple[int, np.random.Generator]:
-    seed = secrets.randbits(32)
-    return seed, np.random.default_rng(seed)
-
-
 def cuda() -> Device:
     from opdispatch.backends.cuda.devices import discover
 
@@ -432,8 +426,8 @@ def hard_blocks(rng: np.random.Generator, shape: Sequence[int]) -> np.ndarray:
 @pytest.mark.parametrize("layout", ["contig", "src_T", "dst_T"])
 @pytest.mark.parametrize("dst", PLAIN)
 @pytest.mark.parametrize("src", PLAIN)
-def test_cpy_between_plain_types(src: str, dst: str, layout: str, rng) -> None:
-    seed, r = rng
+def test_cpy_between_plain_types(src: str, dst: str, layout: str, rng, seed) -> None:
+    r = rng
     shape = (5, 7, 13)
     x = od.input("x", (5, 13, 7) if layout == "src_T" else shape, src)
     a = x.permute(0, 2, 1) if layout == "src_T" else x
@@ -447,8 +441,8 @@ def test_cpy_between_plain_types(src: str, dst: str, layout: str, rng) -> None:
 @pytest.mark.parametrize("layout", ["contig", "src_T", "dst_window"])
 @pytest.mark.parametrize("src", FLOATS)
 @pytest.mark.parametrize("q", QUANTS)
-def test_cpy_quantizes_exactly_as_dtypes(q: str, src: str, layout: str, rng) -> None:
-    seed, r = rng
+def test_cpy_quantizes_exactly_as_dtypes(q: str, src: str, layout: str, rng, seed) -> None:
+    r = rng
     shape = (6, 96)
     x = od.input("x", (96, 6) if layout == "src_T" else shape, src)
     a = x.T if layout == "src_T" else x
@@ -478,8 +472,8 @@ def test_cpy_quantizes_exactly_as_dtypes(q: str, src: str, layout: str, rng) -> 
 @pytest.mark.parametrize("layout", ["contig", "permuted"])
 @pytest.mark.parametrize("dst", FLOATS)
 @pytest.mark.parametrize("q", QUANTS)
-def test_cpy_dequantizes_exactly_as_dtypes(q: str, dst: str, layout: str, rng) -> None:
-    seed, r = rng
+def test_cpy_dequantizes_exactly_as_dtypes(q: str, dst: str, layout: str, rng, seed) -> None:
+    r = rng
     w = od.input("w", (3, 4, 64), q)
     src = w.permute(1, 0, 2) if layout == "permuted" else w
     out = ops.cpy(src, od.state("y", src.shape, dst))
@@ -492,8 +486,8 @@ def test_cpy_dequantizes_exactly_as_dtypes(q: str, dst: str, layout: str, rng) -
 
 @gpu
 @pytest.mark.parametrize("dt", ["i8", "i16", "f32", "i64", "bf16", *QUANTS])
-def test_dup_and_cont_copy_bytes(dt: str, rng) -> None:
-    seed, r = rng
+def test_dup_and_cont_copy_bytes(dt: str, rng, seed) -> None:
+    r = rng
     x = od.input("x", (3, 5, 64), dt)
     outs = [ops.dup(x), ops.cont(x.permute(1, 0, 2)), ops.cont(x.permute(1, 0, 2), (5, 3 * 64)),
             ops.dup(x.permute(1, 0, 2))]
@@ -514,8 +508,8 @@ def test_dup_and_cont_copy_bytes(dt: str, rng) -> None:
 @gpu
 @pytest.mark.parametrize("layout", ["contig", "strided"])
 @pytest.mark.parametrize("dt", [*PLAIN, *QUANTS])
-def test_get_rows_every_dtype(dt: str, layout: str, rng) -> None:
-    seed, r = rng
+def test_get_rows_every_dtype(dt: str, layout: str, rng, seed) -> None:
+    r = rng
     quant = DTYPES[dt].is_quant
     if layout == "strided" and quant:
         a_leaf = od.input("a", (3, 2, 10, 64), dt)
@@ -545,8 +539,8 @@ def test_get_rows_every_dtype(dt: str, layout: str, rng) -> None:
 @pytest.mark.parametrize("layout", ["contig", "strided"])
 @pytest.mark.parametrize("itype", ["i32", "i64"])
 @pytest.mark.parametrize("dt", [*FLOATS, *QUANTS])
-def test_set_rows_into_every_dtype(dt: str, itype: str, layout: str, rng) -> None:
-    seed, r = rng
+def test_set_rows_into_every_dtype(dt: str, itype: str, layout: str, rng, seed) -> None:
+    r = rng
     init = r.uniform(-1, 1, (2, 3, 16, 64)).astype(np.float32)
     cache = od.state("cache", (2, 3, 16, 64), dt, init=init)
     if layout == "strided":
@@ -576,8 +570,8 @@ def test_set_rows_into_every_dtype(dt: str, itype: str, layout: str, rng) -> Non
 
 
 @gpu
-def test_layout_ops(rng) -> None:
-    seed, r = rng
+def test_layout_ops(rng, seed) -> None:
+    r = rng
     x = od.input("x", (5, 7, 9))
     xt = od.input("xt", (5, 9, 7))
     xs = xt.permute(0, 2, 1)  # (5, 7, 9), strided
@@ -625,8 +619,8 @@ def test_layout_ops(rng) -> None:
 
 
 @gpu
-def test_reductions_on_odd_shapes(rng) -> None:
-    seed, r = rng
+def test_reductions_on_odd_shapes(rng, seed) -> None:
+    r = rng
     x = od.input("x", (5, 7, 13))
     xt = od.input("xt", (5, 13, 7))
     big = od.input("big", (2**20 + 3,))
@@ -646,8 +640,8 @@ def test_reductions_on_odd_shapes(rng) -> None:
 
 
 @gpu
-def test_argmax_takes_the_last_of_ties_and_count_equal(rng) -> None:
-    seed, r = rng
+def test_argmax_takes_the_last_of_ties_and_count_equal(rng, seed) -> None:
+    r = rng
     x = od.input("x", (13, 1000))
     v = od.input("v", (77,))
     a = od.input("a", (5, 7, 1001), "i32")
@@ -674,8 +668,8 @@ def test_argmax_takes_the_last_of_ties_and_count_equal(rng) -> None:
 @gpu
 @pytest.mark.parametrize("order", ["asc", "desc"])
 @pytest.mark.parametrize("n", [1, 7, 1000, 2**16, 100003, 2**20])
-def test_argsort_is_the_stable_sort(n: int, order: str, rng) -> None:
-    seed, r = rng
+def test_argsort_is_the_stable_sort(n: int, order: str, rng, seed) -> None:
+    r = rng
     rows_ = 2 if n >= 2**16 else 5
     x = od.input("x", (rows_, n))
     xt = od.input("xt", (n, 3))
@@ -694,8 +688,8 @@ def test_argsort_is_the_stable_sort(n: int, order: str, rng) -> None:
 
 @gpu
 @pytest.mark.parametrize("n, k", [(7, 1), (100, 5), (4096, 64), (50000, 1000), (200000, 40), (128256, 1)])
-def test_top_k_as_sets(n: int, k: int, rng) -> None:
-    seed, r = rng
+def test_top_k_as_sets(n: int, k: int, rng, seed) -> None:
+    r = rng
     x = od.input("x", (3, n))
     xt = od.input("xt", (n, 2))
     outs = [ops.top_k(x, k), ops.top_k(xt.T, k)]
@@ -722,8 +716,8 @@ def test_top_k_as_sets(n: int, k: int, rng) -> None:
 @gpu
 @pytest.mark.parametrize("experts, k", [(8, 2), (64, 8), (256, 8), (160, 6)])
 @pytest.mark.parametrize("norm", [True, False])
-def test_moe_router_fused_matches_unfused(experts: int, k: int, norm: bool, rng) -> None:
-    seed, r = rng
+def test_moe_router_fused_matches_unfused(experts: int, k: int, norm: bool, rng, seed) -> None:
+    r = rng
     tokens = 33
     logits, _, out = _router(tokens, experts, k, norm)
     fused = od.compile(out, cuda())

@@ -41,13 +41,6 @@ EPS = {"norm": 1e-5, "rms_norm": 1e-6, "l2_norm": 1e-12}
 NMSE_MAX = 1e-7  # OPS.md: the default bound, norms included
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int(os.environ.get("OPDISPATCH_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
-    print(f"random seed {seed}: replay with OPDISPATCH_TEST_SEED={seed}")
-    return np.random.default_rng(seed)
-
-
 def row_norm(op: str, x: Tensor) -> Tensor:
     return getattr(ops, op)(x, EPS[op])
 

@@ -24,13 +24,6 @@ from opdispatch import dtypes as D
 QUANT = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int(os.environ.get("OPDISPATCH_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
-    print(f"random seed {seed}: replay with OPDISPATCH_TEST_SEED={seed}")
-    return np.random.default_rng(seed)
-
-
 # ---------------------------------------------------------------------------
 # An independent statement of the formats (ggml-common.h / ggml-quants.c)
 

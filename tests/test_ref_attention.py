@@ -24,12 +24,6 @@ from opdispatch.reference.attention import alibi_slopes, rope_yarn_corr_dims
 from helpers import evaluate, nmse
 
 
-@pytest.fixture
-def rng() -> tuple[np.random.Generator, int]:
-    seed = int(np.random.default_rng().integers(2**63))
-    return np.random.default_rng(seed), seed
-
-
 def uniform(gen: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     return gen.uniform(-1.0, 1.0, shape)
 
@@ -130,8 +124,8 @@ SOFT_MAX_CASES = [(None, None, 1.0, 0.0), (None, None, 0.1, 0.0)] + [
 
 @pytest.mark.parametrize("mask_dt,mask_outer,scale,max_bias", SOFT_MAX_CASES)
 @pytest.mark.parametrize("sinks", [False, True])
-def test_soft_max(rng, mask_dt, mask_outer, sinks, scale, max_bias):
-    gen, seed = rng
+def test_soft_max(rng, seed, mask_dt, mask_outer, sinks, scale, max_bias):
+    gen = rng
     shape = (2, 5, 7, 13)
     av = uniform(gen, shape) * 4
     a = od.input("a", shape)
@@ -153,8 +147,8 @@ def test_soft_max(rng, mask_dt, mask_outer, sinks, scale, max_bias):
     assert_close(out, ref, seed, 1e-7)
 
 
-def test_soft_max_noncontiguous_and_ranks(rng):
-    gen, seed = rng
+def test_soft_max_noncontiguous_and_ranks(rng, seed):
+    gen = rng
     leaf = od.input("a", (5, 3, 4, 11))
     a = leaf.permute(1, 0, 2, 3)  # (3, 5, 4, 11): rows contiguous, outer axes swapped
     av = uniform(gen, leaf.shape)
@@ -169,8 +163,8 @@ def test_soft_max_noncontiguous_and_ranks(rng):
 
 
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_soft_max_fully_masked_row_is_zero(rng, with_sinks):
-    gen, seed = rng
+def test_soft_max_fully_masked_row_is_zero(rng, seed, with_sinks):
+    gen = rng
     a, mask = od.input("a", (1, 2, 3, 8)), od.input("mask", (3, 8), "f16")
     mv = uniform(gen, (3, 8))
     mv[1] = -np.inf
@@ -238,8 +232,8 @@ def rope_formula(x: np.ndarray, pos: np.ndarray, n_dims: int, mode: str, freq_ba
 @pytest.mark.parametrize("freq_factors", [False, True])
 @pytest.mark.parametrize("yarn", [False, True])
 @pytest.mark.parametrize("dt", ["f32", "f16"])
-def test_rope(rng, mode, d, n_dims, freq_factors, yarn, dt):
-    gen, seed = rng
+def test_rope(rng, seed, mode, d, n_dims, freq_factors, yarn, dt):
+    gen = rng
     b, t, h = 2, 7, 3
     kw = dict(freq_base=10000.0, freq_scale=1.0, ext_factor=0.0, attn_factor=1.0, beta_fast=32.0, beta_slow=1.0,
               n_ctx_orig=0)
@@ -266,8 +260,8 @@ def test_rope(rng, mode, d, n_dims, freq_factors, yarn, dt):
         assert np.array_equal(out[..., n_dims:], from_float(dt, xv.transpose(0, 2, 1, 3)[..., n_dims:]))
 
 
-def test_rope_3d(rng):
-    gen, seed = rng
+def test_rope_3d(rng, seed):
+    gen = rng
     x, pos = od.input("x", (5, 2, 16)), od.input("pos", (5,), "i32")
     xv, pv = uniform(gen, x.shape), gen.integers(0, 512, 5)
     (out,) = evaluate(rope(x, pos, 16, "neox", freq_base=500000.0), {x: xv, pos: pv})
@@ -334,8 +328,8 @@ FA_FEATURES = {
 @pytest.mark.parametrize("d,kv_dt", [(64, "f32"), (64, "f16"), (64, "q8_0"), (80, "f32"), (80, "f16")])
 @pytest.mark.parametrize("gqa", [1, 4])
 @pytest.mark.parametrize("feature", list(FA_FEATURES))
-def test_flash_attn_ext(rng, d, gqa, kv_dt, feature):
-    _run_flash_attn(rng, d=d, dv=d, gqa=gqa, kv_dt=kv_dt, **FA_FEATURES[feature])
+def test_flash_attn_ext(rng, seed, d, gqa, kv_dt, feature):
+    _run_flash_attn(rng, seed, d=d, dv=d, gqa=gqa, kv_dt=kv_dt, **FA_FEATURES[feature])
 
 
 @pytest.mark.parametrize("case", [
@@ -345,14 +339,14 @@ def test_flash_attn_ext(rng, d, gqa, kv_dt, feature):
     dict(d=80, dv=80, gqa=4, kv_dt="f16", mask=True, mask_per_head=True, sinks=True),
     dict(d=64, dv=64, gqa=1, kv_dt="f32", n_q=1, n_kv=113, mask=True),
 ])
-def test_flash_attn_ext_more(rng, case):
-    _run_flash_attn(rng, **case)
+def test_flash_attn_ext_more(rng, seed, case):
+    _run_flash_attn(rng, seed, **case)
 
 
-def _run_flash_attn(rng, d: int, dv: int, gqa: int, kv_dt: str, q_dt: str = "f32", n_q: int = 7, n_kv: int = 33,
+def _run_flash_attn(rng, seed, d: int, dv: int, gqa: int, kv_dt: str, q_dt: str = "f32", n_q: int = 7, n_kv: int = 33,
                     mask: bool = False, mask_per_head: bool = False, sinks: bool = False, max_bias: float = 0.0,
                     softcap: float = 0.0) -> None:
-    gen, seed = rng
+    gen = rng
     n_b, n_kv_head = 2, 2
     n_head = n_kv_head * gqa
     scale = 1.0 / math.sqrt(d)
@@ -420,8 +414,8 @@ def test_flash_attn_ext_errors():
 
 @pytest.mark.parametrize("shape", [(11,), (7, 11), (2, 3, 7, 11)])
 @pytest.mark.parametrize("n_past", [0, 3])
-def test_diag_mask_inf(rng, shape, n_past):
-    gen, seed = rng
+def test_diag_mask_inf(rng, seed, shape, n_past):
+    gen = rng
     x = od.input("x", shape)
     xv = uniform(gen, shape)
     (out,) = evaluate(diag_mask_inf(x, n_past), {x: xv})
@@ -433,8 +427,8 @@ def test_diag_mask_inf(rng, shape, n_past):
     assert_close(out, ref, seed, 0.0)
 
 
-def test_diag_mask_inf_noncontiguous_and_errors(rng):
-    gen, seed = rng
+def test_diag_mask_inf_noncontiguous_and_errors(rng, seed):
+    gen = rng
     leaf = od.input("x", (9, 5))
     xv = uniform(gen, leaf.shape)
     (out,) = evaluate(diag_mask_inf(leaf.T, 1), {leaf: xv})

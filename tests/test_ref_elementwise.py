@@ -33,13 +33,6 @@ LAYOUTS = ("contig", "permuted", "padded")
 # -- helpers shared with test_ref_norm.py ------------------------------------------
 
 
-@pytest.fixture
-def rng() -> tuple[np.random.Generator, int]:
-    """A fresh generator per test and its seed, for the assertion messages."""
-    seed = int(np.random.SeedSequence().entropy) % 2**63
-    return np.random.default_rng(seed), seed
-
-
 def stored(values: np.ndarray, dt: str) -> np.ndarray:
     """values as a tensor of dtype dt holds them (float64): f32 first, then f16/bf16, like ggml."""
     return np.asarray(values, np.float64).astype(np.float32).astype(NP_DTYPES[dt]).astype(np.float64)
@@ -188,16 +181,16 @@ def _run_binary(op_name, a_shape, b_shape, dta, dtb, layouts, gen, seed):
 @pytest.mark.parametrize("layouts", [("contig", "contig"), ("permuted", "permuted"), ("padded", "permuted")])
 @pytest.mark.parametrize("shapes", BROADCASTS, ids=lambda s: f"{s[0]}<-{s[1]}".replace(" ", ""))
 @pytest.mark.parametrize("op_name", list(BINARY))
-def test_binary_broadcast(op_name, shapes, layouts, rng):
-    gen, seed = rng
+def test_binary_broadcast(op_name, shapes, layouts, rng, seed):
+    gen = rng
     r, c = int(gen.choice([5, 7, 11])), int(gen.choice([10, 14, 26]))
     _run_binary(op_name, _dims(shapes[0], r, c), _dims(shapes[1], r, c), "f32", "f32", layouts, gen, seed)
 
 
 @pytest.mark.parametrize("dtypes", [("f16", "f16"), ("bf16", "bf16"), ("f16", "f32"), ("f32", "bf16"), ("bf16", "f16")])
 @pytest.mark.parametrize("op_name", list(BINARY))
-def test_binary_dtypes(op_name, dtypes, rng):
-    gen, seed = rng
+def test_binary_dtypes(op_name, dtypes, rng, seed):
+    gen = rng
     for a_shape, b_shape in [((3, 7, 13), (7, 1)), ((2, 5, 11), (2, 5, 11))]:
         _run_binary(op_name, a_shape, b_shape, *dtypes, ("permuted", "padded"), gen, seed)
 
@@ -207,8 +200,8 @@ def test_binary_dtypes(op_name, dtypes, rng):
 
 @pytest.mark.parametrize("dtypes", [("f32", "f32"), ("f16", "f32"), ("bf16", "bf16")])
 @pytest.mark.parametrize("b_shape", [(1,), (1, 1, 1)])
-def test_add1(dtypes, b_shape, rng):
-    gen, seed = rng
+def test_add1(dtypes, b_shape, rng, seed):
+    gen = rng
     dta, dtb = dtypes
     a = stored(gen.uniform(-1, 1, (3, 5, 7)), dta)
     b = stored(gen.uniform(-1, 1, b_shape), dtb)
@@ -221,8 +214,8 @@ def test_add1(dtypes, b_shape, rng):
 
 @pytest.mark.parametrize("dt", ["f32", "f16"])
 @pytest.mark.parametrize("layout", ["contig", "permuted"])
-def test_add_id(dt, layout, rng):
-    gen, seed = rng
+def test_add_id(dt, layout, rng, seed):
+    gen = rng
     t, u, c, e = 5, 3, 7, 4
     a = stored(gen.uniform(-1, 1, (t, u, c)), dt)
     b = stored(gen.uniform(-1, 1, (e, c)), dt)
@@ -268,16 +261,16 @@ def _map_case(name: str, formula: Callable[[float], float], values: np.ndarray, 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dt", list(NP_DTYPES))
 @pytest.mark.parametrize("name", list(UNARY))
-def test_unary(name, dt, layout, rng):
-    gen, seed = rng
+def test_unary(name, dt, layout, rng, seed):
+    gen = rng
     values = gen.uniform(-10, 10, (3, 5, 7))
     values.flat[: len(SPECIAL)] = SPECIAL
     _map_case(name, UNARY[name], values, dt, layout, gen, seed)
 
 
-def test_unary_edge_points(rng):
+def test_unary_edge_points(rng, seed):
     """round: halves away from zero; sgn/step/relu at 0 and at the signs (exact)."""
-    gen, seed = rng
+    gen = rng
     x = np.array([-2.5, -1.5, -0.5, -0.49999997, 0.0, 0.49999997, 0.5, 1.5, 2.5])
     want = {
         "round": [-3, -2, -1, -0.0, 0, 0, 1, 2, 3],
@@ -301,16 +294,16 @@ MAPS: dict[str, tuple[Callable[[float], float], tuple[float, float]]] = {
 
 @pytest.mark.parametrize("dt", list(NP_DTYPES))
 @pytest.mark.parametrize("name", list(MAPS))
-def test_maps(name, dt, rng):
-    gen, seed = rng
+def test_maps(name, dt, rng, seed):
+    gen = rng
     formula, (lo, hi) = MAPS[name]
     for layout, shape in [("contig", (11,)), ("permuted", (2, 5, 7)), ("padded", (3, 13))]:
         _map_case(name, formula, gen.uniform(lo, hi, shape), dt, layout, gen, seed)
 
 
 @pytest.mark.parametrize("dt", list(NP_DTYPES))
-def test_scale_clamp_leaky_relu(dt, rng):
-    gen, seed = rng
+def test_scale_clamp_leaky_relu(dt, rng, seed):
+    gen = rng
     x = stored(gen.uniform(-10, 10, (4, 5, 7)), dt)
     tx, feed = source("x", x, dt, "permuted", gen)
     s, bias = float(gen.uniform(-3, 3)), float(gen.uniform(-3, 3))
@@ -348,8 +341,8 @@ def _glu_formula(kind: str, alpha: float, limit: float) -> Callable[[float, floa
 @pytest.mark.parametrize("dt", list(NP_DTYPES))
 @pytest.mark.parametrize("mode", ["fused", "swapped", "split"])
 @pytest.mark.parametrize("kind", ops.GLU_KINDS)
-def test_glu(kind, mode, dt, layout, rng):
-    gen, seed = rng
+def test_glu(kind, mode, dt, layout, rng, seed):
+    gen = rng
     shape = (2, 3, 7)  # gate/up rows of 7: odd
     gate = stored(gen.uniform(-10, 10, shape), dt)  # beyond swiglu_oai's limit of 7
     up = stored(gen.uniform(-10, 10, shape), dt)
@@ -372,8 +365,8 @@ def test_glu(kind, mode, dt, layout, rng):
 
 
 @pytest.mark.parametrize("swapped", [False, True])
-def test_glu_swiglu_oai_params(swapped, rng):
-    gen, seed = rng
+def test_glu_swiglu_oai_params(swapped, rng, seed):
+    gen = rng
     alpha, limit = float(gen.uniform(0.5, 2)), float(gen.uniform(1, 4))
     x = stored(gen.uniform(-6, 6, (5, 2 * 11)), "f32")
     tx = od.input("x", x.shape)

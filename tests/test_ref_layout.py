@@ -24,18 +24,6 @@ from opdispatch.tensor import Tensor, input, param
 HOST = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "i16": np.int16}
 
 
-@pytest.fixture
-def seed() -> int:
-    s = int(os.environ.get("OPDISPATCH_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
-    print(f"random seed {s}: replay with OPDISPATCH_TEST_SEED={s}")
-    return s
-
-
-@pytest.fixture
-def rng(seed: int) -> np.random.Generator:
-    return np.random.default_rng(seed)
-
-
 def values(rng: np.random.Generator, shape: tuple[int, ...], dt: str = "f32") -> np.ndarray:
     if dt in ("i32", "i16"):
         return rng.integers(-1000, 1000, shape).astype(HOST[dt])

@@ -21,12 +21,6 @@ from helpers import evaluate, nmse
 QUANTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 
 
-@pytest.fixture
-def rng() -> tuple[np.random.Generator, int]:
-    seed = int(np.random.default_rng().integers(2**63))
-    return np.random.default_rng(seed), seed
-
-
 def uniform(gen: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     return gen.uniform(-1.0, 1.0, shape)
 
@@ -60,8 +54,8 @@ def mul_mat_formula(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("bs", [(1, 1), (1, 3), (2, 1), (2, 3)])  # a's (A3, A2)
 @pytest.mark.parametrize("nr", [(1, 1), (2, 1), (1, 2), (2, 2)])  # (B3 // A3, B2 // A2)
-def test_mul_mat_broadcast(rng, bs, nr):
-    gen, seed = rng
+def test_mul_mat_broadcast(rng, seed, bs, nr):
+    gen = rng
     m, n, k = 5, 7, 65
     a_shape = (*bs, m, k)
     b_shape = (bs[0] * nr[0], bs[1] * nr[1], n, k)
@@ -75,8 +69,8 @@ def test_mul_mat_broadcast(rng, bs, nr):
                                        ("bf16", "bf16")])
 @pytest.mark.parametrize("k", [65, 80])
 @pytest.mark.parametrize("n", [1, 7, 16])
-def test_mul_mat_float_dtypes(rng, a_dt, b_dt, k, n):
-    gen, seed = rng
+def test_mul_mat_float_dtypes(rng, seed, a_dt, b_dt, k, n):
+    gen = rng
     a_shape, b_shape = (2, 11, k), (4, n, k)
     av, bv = uniform(gen, a_shape), uniform(gen, b_shape)
     a = od.param("w", av, a_dt)
@@ -90,8 +84,8 @@ def test_mul_mat_float_dtypes(rng, a_dt, b_dt, k, n):
 
 @pytest.mark.parametrize("dt", QUANTS)
 @pytest.mark.parametrize("n", [1, 7, 16])
-def test_mul_mat_quantized(rng, dt, n):
-    gen, seed = rng
+def test_mul_mat_quantized(rng, seed, dt, n):
+    gen = rng
     k = 96
     av, bv = uniform(gen, (1, 3, 13, k)), uniform(gen, (2, 3, n, k))
     a = od.param("w", av, dt)
@@ -101,8 +95,8 @@ def test_mul_mat_quantized(rng, dt, n):
     assert_close(out, mul_mat_formula(stored(av, dt), bv), seed)
 
 
-def test_mul_mat_noncontiguous(rng):
-    gen, seed = rng
+def test_mul_mat_noncontiguous(rng, seed):
+    gen = rng
     m, n, k = 13, 7, 80
     # a: outer axes permuted (rows stay contiguous, not transposed)
     a_leaf = od.input("a", (3, 2, m, k))
@@ -127,8 +121,8 @@ def test_mul_mat_noncontiguous(rng):
     ((1, 5, 32), (7, 32), (1, 7, 5)),
     ((5, 32), (2, 3, 1, 32), (2, 3, 1, 5)),
 ])
-def test_mul_mat_ranks(rng, a_shape, b_shape, out_shape):
-    gen, seed = rng
+def test_mul_mat_ranks(rng, seed, a_shape, b_shape, out_shape):
+    gen = rng
     a, b = od.input("a", a_shape), od.input("b", b_shape)
     av, bv = uniform(gen, a_shape), uniform(gen, b_shape)
     node = mul_mat(a, b)
@@ -164,8 +158,8 @@ def test_mul_mat_errors():
 
 @pytest.mark.parametrize("dt", ["f32", "f16", "q8_0", "q4_1"])
 @pytest.mark.parametrize("u,ub", [(1, 1), (2, 1), (2, 2)])
-def test_mul_mat_id(rng, dt, u, ub):
-    gen, seed = rng
+def test_mul_mat_id(rng, seed, dt, u, ub):
+    gen = rng
     n_exp, m, k, t = 4, 7, 64, 5
     wv, bv = uniform(gen, (n_exp, m, k)), uniform(gen, (t, ub, k))
     idv = gen.integers(0, n_exp, (t, u))
@@ -183,7 +177,7 @@ def test_mul_mat_id(rng, dt, u, ub):
 
 @pytest.mark.parametrize("bad", [4, -1])
 def test_mul_mat_id_out_of_range(rng, bad):
-    gen, _ = rng
+    gen = rng
     w = od.param("experts", uniform(gen, (4, 3, 32)))
     b, ids = od.input("x", (2, 1, 32)), od.input("ids", (2, 2), "i32")
     node = mul_mat_id(w, b, ids)
@@ -224,8 +218,8 @@ def out_prod_formula(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("a_dt", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("bs,nr", [((1, 1), (1, 1)), ((1, 3), (2, 2)), ((2, 1), (1, 2))])
-def test_out_prod(rng, a_dt, bs, nr):
-    gen, seed = rng
+def test_out_prod(rng, seed, a_dt, bs, nr):
+    gen = rng
     k, m, n = 11, 32, 7
     a_shape, b_shape = (*bs, k, m), (bs[0] * nr[0], bs[1] * nr[1], k, n)
     av, bv = uniform(gen, a_shape), uniform(gen, b_shape)
@@ -236,8 +230,8 @@ def test_out_prod(rng, a_dt, bs, nr):
     assert_close(out, out_prod_formula(stored(av, a_dt), bv), seed)
 
 
-def test_out_prod_noncontiguous(rng):
-    gen, seed = rng
+def test_out_prod_noncontiguous(rng, seed):
+    gen = rng
     k, m, n = 13, 5, 7
     b_leaf = od.input("bt", (2, n, k))
     b = b_leaf.transpose()  # (2, k, n)

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 import pytest
 from helpers import evaluate, nmse
-from test_ref_elementwise import LAYOUTS, assert_close, rng, source, stored  # noqa: F401 (rng is a fixture)
+from test_ref_elementwise import LAYOUTS, assert_close, source, stored
 
 import opdispatch as od
 from opdispatch import ops
@@ -58,8 +58,8 @@ def _run(build: Callable, x: np.ndarray, layout: str, gen: np.random.Generator) 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("n", [1, 5, 4097])
 @pytest.mark.parametrize("name", list(ROW_NORMS))
-def test_row_norms(name, n, layout, rng):
-    gen, seed = rng
+def test_row_norms(name, n, layout, rng, seed):
+    gen = rng
     x = stored(gen.uniform(-10, 10, (2, 3, n)), "f32")
     y, out = _run(getattr(ops, name), x, layout, gen)
     eps = y.params["eps"]
@@ -78,9 +78,9 @@ def test_row_norms(name, n, layout, rng):
         ("l2_norm", 1.0, 0.0),
     ],
 )
-def test_row_norms_eps(name, magnitude, eps, rng):
+def test_row_norms_eps(name, magnitude, eps, rng, seed):
     """eps is used as given: where it dominates, the result differs from the eps-free formula."""
-    gen, seed = rng
+    gen = rng
     x = stored(gen.uniform(-magnitude, magnitude, (4, 37)), "f32")
     y, out = _run(lambda t: getattr(ops, name)(t, eps=eps), x, "permuted", gen)
     assert y.params["eps"] == eps
@@ -124,8 +124,8 @@ def _group_norm_expected(x: np.ndarray, groups: int, eps: float) -> np.ndarray:
         ((7, 3, 5), 2),  # 3-D: (C, H, W), N = 1
     ],
 )
-def test_group_norm(shape, groups, layout, rng):
-    gen, seed = rng
+def test_group_norm(shape, groups, layout, rng, seed):
+    gen = rng
     x = stored(gen.uniform(-10, 10, shape), "f32")
     eps = float(gen.choice([1e-6, 1e-2, 5.0]))
     y, out = _run(lambda t: ops.group_norm(t, groups, eps), x, layout, gen)
@@ -134,9 +134,9 @@ def test_group_norm(shape, groups, layout, rng):
     assert_close(out, want, BOUND, seed, f"group_norm {shape} groups {groups} eps {eps} {layout}")
 
 
-def test_group_norm_uneven_groups_differ_from_floor_split(rng):
+def test_group_norm_uneven_groups_differ_from_floor_split(rng, seed):
     """C=5, groups=2 must use ceil(5/2)=3 channels for group 0 (ggml), not 2."""
-    gen, seed = rng
+    gen = rng
     x = stored(gen.uniform(-10, 10, (1, 5, 2, 3)), "f32")
     _, out = _run(lambda t: ops.group_norm(t, 2), x, "contig", gen)
     floor_split = np.concatenate([_group_norm_expected(x[:, :2], 1, 1e-6), _group_norm_expected(x[:, 2:], 1, 1e-6)], 1)

@@ -24,18 +24,6 @@ HOST = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
 SHAPES = [(7,), (5, 13), (2, 3, 11), (2, 3, 5, 7)]
 
 
-@pytest.fixture
-def seed() -> int:
-    s = int(os.environ.get("OPDISPATCH_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
-    print(f"random seed {s}: replay with OPDISPATCH_TEST_SEED={s}")
-    return s
-
-
-@pytest.fixture
-def rng(seed: int) -> np.random.Generator:
-    return np.random.default_rng(seed)
-
-
 def reversed_view(name: str, vals: np.ndarray, dt: str = "f32") -> tuple[Tensor, dict]:
     """vals as a non-contiguous tensor (the axis-reversing permute of an input) and its feed."""
     axes = tuple(range(vals.ndim))[::-1]

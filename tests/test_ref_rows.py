@@ -26,18 +26,6 @@ PLAIN = ["f32", "f16", "bf16", "i32"]
 HOST = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16, "i32": np.int32}
 
 
-@pytest.fixture
-def seed() -> int:
-    s = int(os.environ.get("OPDISPATCH_TEST_SEED", np.random.SeedSequence().entropy % 2**63))
-    print(f"random seed {s}: replay with OPDISPATCH_TEST_SEED={s}")
-    return s
-
-
-@pytest.fixture
-def rng(seed: int) -> np.random.Generator:
-    return np.random.default_rng(seed)
-
-
 def values(rng: np.random.Generator, shape: tuple[int, ...], dt: str, scale: float = 1.0) -> np.ndarray:
     """Random host values of a plain dtype, exactly representable in it (never all zero)."""
     if dt == "i32":
