@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import re
 from pathlib import Path
 from typing import Callable

@@ -8,7 +8,6 @@ OPDISPATCH_TEST_SEED to replay one.
 from __future__ import annotations
 
 import ctypes
-import os
 import subprocess
 import sys
 import textwrap

@@ -20,7 +20,6 @@ OPDISPATCH_TEST_SEED to replay one.
 from __future__ import annotations
 
 import itertools
-import os
 import re
 from typing import Callable
 
@@ -35,7 +34,7 @@ from opdispatch.backends.base import Device
 from opdispatch.dtypes import dequantize, from_float
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import PRIORITY_BUILTIN
-from opdispatch.plugins.cuda_matmul import fusion, support
+from opdispatch.plugins.cuda_matmul import fusion
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
 

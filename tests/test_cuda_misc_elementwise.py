@@ -15,7 +15,6 @@ OPDISPATCH_TEST_SEED to replay one.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Callable, Sequence

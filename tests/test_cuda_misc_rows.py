@@ -11,7 +11,6 @@ with fresh inputs, so a stale output cannot pass.
 
 from __future__ import annotations
 
-import secrets
 from typing import Callable, Sequence
 
 import numpy as np

@@ -14,7 +14,6 @@ OPDISPATCH_TEST_SEED to replay one.
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Callable
 

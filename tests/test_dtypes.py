@@ -12,7 +12,6 @@ OPDISPATCH_TEST_SEED to replay one.
 
 from __future__ import annotations
 
-import os
 import struct
 
 import ml_dtypes

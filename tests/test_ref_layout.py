@@ -9,7 +9,6 @@ set OPDISPATCH_TEST_SEED to replay one.
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest

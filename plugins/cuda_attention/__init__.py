@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence
 import attrs
 import numpy as np
 
+from opdispatch.backends.cuda.kernels import KernelSpec, chain
 from opdispatch.backends.base import Device, Launch
 from opdispatch.fusion import FusionRule
 from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
@@ -102,16 +103,6 @@ KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {
 # -- launch specs ---------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Spec:
-    """One launch: source, kernel instance, grid, threads per block, arguments, dynamic shared memory."""
-
-    source: Path
-    kernel: str
-    grid: tuple[int, ...]
-    block: int
-    args: tuple[np.generic, ...]
-    smem: int = 0
 
 
 @attrs.frozen
@@ -155,7 +146,7 @@ def softmax_block(units: int) -> tuple[int, int]:
     return 1024, 0
 
 
-def softmax_specs(node: Tensor, ptr: Ptr) -> list[Spec]:
+def softmax_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
     a, mask, sinks = node.srcs
     (a3, a2, rows, cols), st = _elem_strides(a)
     vec = cols % 4 == 0 and _aligned(a, ptr, 16) and ptr(node) % 16 == 0
@@ -174,7 +165,7 @@ def softmax_specs(node: Tensor, ptr: Ptr) -> list[Spec]:
             i32(m2), i32(m3), i64(ms[2]), i64(ms[1]), i64(ms[0]),
             f32(p["scale"]), *alibi_args(a2, p["max_bias"]))
     n = a3 * a2 * rows if cols else 0
-    return [Spec(SOFTMAX_CU, softmax_kernel(block, cache, vec, mt), (n,), block, args)]
+    return [KernelSpec(SOFTMAX_CU, softmax_kernel(block, cache, vec, mt), (n,), block, args)]
 
 
 def _rope_params(node: Tensor) -> tuple[np.generic, ...]:
@@ -205,17 +196,17 @@ def rope_threads(x: Tensor) -> tuple[int, int]:
     return b * t * -(-h // hpt) * (d // 2), hpt
 
 
-def rope_specs(node: Tensor, ptr: Ptr) -> list[Spec]:
+def rope_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
     x, pos, ff = node.srcs
     _, (xs_b, xs_t, xs_h, _) = _elem_strides(x)
     total, hpt = rope_threads(x)
     args = (u64(ptr(x)), u64(ptr(pos)), u64(ptr(ff) if ff is not None else 0), u64(ptr(node)), u32(total),
             i32(hpt), i64(xs_h), i64(xs_t), i64(xs_b), *_rope_params(node))
     name = rope_kernel(node.params["mode"] == "neox", x.dtype.name)
-    return [Spec(ROPE_CU, name, (-(-total // ROPE_BLOCK),), ROPE_BLOCK, args)]
+    return [KernelSpec(ROPE_CU, name, (-(-total // ROPE_BLOCK),), ROPE_BLOCK, args)]
 
 
-def rope_set_rows_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[Spec]:
+def rope_set_rows_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[KernelSpec]:
     rope, x, cache, idx = fusion.parts(nodes)
     _, (_, xs_t, xs_h, _) = _elem_strides(x)
     cs = cache.strides[-2] // cache.dtype.block_bytes
@@ -224,7 +215,7 @@ def rope_set_rows_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[Spec]:
             u64(ptr(cache)), u64(ptr(idx)), u32(total), i32(hpt), i64(xs_h), i64(xs_t), i64(cs),
             *_rope_params(rope))
     name = rope_set_rows_kernel(rope.params["mode"] == "neox", cache.dtype.name, idx.dtype.name)
-    return [Spec(ROPE_CU, name, (-(-total // ROPE_BLOCK),), ROPE_BLOCK, args)]
+    return [KernelSpec(ROPE_CU, name, (-(-total // ROPE_BLOCK),), ROPE_BLOCK, args)]
 
 
 # -- flash_attn_ext --------------------------------------------------------------------------------
@@ -262,11 +253,11 @@ class FlashPlan:
 
     kind: str  # "decode" | "prefill"
     workspaces: tuple[Workspace, ...]
-    make: Callable[[Ptr, Sequence[int]], list[Spec]] = attrs.field(repr=False)
+    make: Callable[[Ptr, Sequence[int]], list[KernelSpec]] = attrs.field(repr=False)
     nsplit: int = 1
     chunk: int = 0
 
-    def specs(self, ptr: Ptr, ws: Sequence[int]) -> list[Spec]:
+    def specs(self, ptr: Ptr, ws: Sequence[int]) -> list[KernelSpec]:
         return self.make(ptr, ws)
 
 
@@ -316,15 +307,15 @@ def flash_plan(node: Tensor, sm_count: int = 132) -> FlashPlan:
         ws = (Workspace(nsplit * rows * d * 4, "flash_attn_ext partial sums"),
               Workspace(nsplit * rows * 8, "flash_attn_ext partial max/sum"))
 
-        def make_decode(ptr: Ptr, wsp: Sequence[int]) -> list[Spec]:
+        def make_decode(ptr: Ptr, wsp: Sequence[int]) -> list[KernelSpec]:
             common = _fa_common(node, ptr)
             args = (u64(ptr(q)), u64(ptr(k)), u64(ptr(v)), u64(ptr(mask) if mask is not None else 0),
                     u64(wsp[0]), u64(wsp[1]), *common[:4], i32(group), i32(ncg), *common[5:],
                     i32(chunk), i32(_kv_vec(k, v, ptr)))
             combine = (u64(wsp[0]), u64(wsp[1]), u64(ptr(sinks) if sinks is not None else 0), u64(ptr(node)),
                        i32(d), i32(rows), i32(nsplit), i32(hq))
-            return [Spec(DECODE_CU, decode_kernel(d, kv, ncols), (nsplit, hkv * ncg, b), DECODE_WARPS * 32, args),
-                    Spec(DECODE_CU, COMBINE, (rows,), min(256, -(-d // 32) * 32), combine)]
+            return [KernelSpec(DECODE_CU, decode_kernel(d, kv, ncols), (nsplit, hkv * ncg, b), DECODE_WARPS * 32, args),
+                    KernelSpec(DECODE_CU, COMBINE, (rows,), min(256, -(-d // 32) * 32), combine)]
 
         return FlashPlan("decode", ws, make_decode, nsplit, chunk)
 
@@ -336,19 +327,19 @@ def flash_plan(node: Tensor, sm_count: int = 132) -> FlashPlan:
         m3, m2 = pad4(mask.shape)[:2]
         ws = (Workspace(m3 * m2 * n_qt * n_kt, "flash_attn_ext mask tile flags"),)
 
-    def make_prefill(ptr: Ptr, wsp: Sequence[int]) -> list[Spec]:
+    def make_prefill(ptr: Ptr, wsp: Sequence[int]) -> list[KernelSpec]:
         common = _fa_common(node, ptr)
         flags = wsp[0] if mask is not None else 0
         args = (u64(ptr(q)), u64(ptr(k)), u64(ptr(v)), u64(ptr(mask) if mask is not None else 0),
                 u64(ptr(sinks) if sinks is not None else 0), u64(ptr(node)), u64(flags), *common,
                 i32(_kv_vec(k, v, ptr)), i32(n_kt))
-        main = Spec(PREFILL_CU, prefill_kernel(d, kv), (n_qt, hq, b), 128, args, prefill_smem(d))
+        main = KernelSpec(PREFILL_CU, prefill_kernel(d, kv), (n_qt, hq, b), 128, args, prefill_smem(d))
         if mask is None:
             return [main]
         (m3, m2, _, _), (ms_b, ms_h, ms_t, _) = _byte_strides(mask)
         fargs = (u64(ptr(mask)), u64(flags), i32(tq), i32(tk), i32(PREFILL_BM), i32(bn), i32(m2),
                  i64(ms_t), i64(ms_h), i64(ms_b))
-        return [Spec(PREFILL_CU, MASK_FLAGS, (n_kt, n_qt, m3 * m2), 128, fargs), main]
+        return [KernelSpec(PREFILL_CU, MASK_FLAGS, (n_kt, n_qt, m3 * m2), 128, fargs), main]
 
     return FlashPlan("prefill", ws, make_prefill)
 
@@ -356,35 +347,10 @@ def flash_plan(node: Tensor, sm_count: int = 132) -> FlashPlan:
 # -- binding --------------------------------------------------------------------------------------
 
 
-@attrs.define(eq=False)
-class Launches:
-    """Several pre-bound launches run as one (a node's kernels), with their scratch buffers kept alive."""
-
-    launches: tuple[Any, ...]
-    keep: tuple[Any, ...] = ()
-    signature: tuple[Hashable, ...] = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self.signature = tuple(getattr(fn, "signature", id(fn)) for fn in self.launches)
-
-    def __call__(self) -> None:
-        for fn in self.launches:
-            fn()
 
 
-def _launch(ctx: CudaContext, specs: Sequence[Spec], keep: tuple[Any, ...] = ()) -> Launch:
-    from opdispatch.backends.cuda.kernels import EMPTY, launcher, load_module
-
-    launches = []
-    for s in specs:
-        fn = load_module(s.source, (s.kernel,)).get_function(s.kernel)
-        launches.append(launcher(fn, s.grid, s.block, s.args, s.smem, stream=ctx.stream))
-    launches = [fn for fn in launches if fn is not EMPTY]
-    if not launches:
-        return EMPTY
-    if len(launches) == 1 and not keep:
-        return launches[0]
-    return Launches(tuple(launches), keep)
+def _launch(ctx: CudaContext, specs: Sequence[KernelSpec], keep: tuple[Any, ...] = ()) -> Launch:
+    return chain((s.launch(ctx.stream) for s in specs), keep)
 
 
 def bind_soft_max(ctx: CudaContext, node: Tensor) -> Launch:

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import attrs
 import numpy as np
 
+from opdispatch.backends.cuda.kernels import KernelSpec, chain
 from opdispatch.backends.base import Device, Launch
 from opdispatch.fusion import FusionRule
 from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
@@ -147,16 +148,6 @@ Scratch = Callable[[str, int], int]
 # -- specs: what to launch, computed from shapes, strides and addresses -----------------------------
 
 
-@attrs.frozen
-class KernelSpec:
-    """One launch of a kernel instance of `source`."""
-
-    source: Path
-    kernel: str
-    grid: tuple[int, ...]
-    block: int
-    args: tuple[np.generic, ...]
-    smem: int = 0
 
 
 @attrs.frozen
@@ -486,21 +477,6 @@ def out_prod_specs(node: Tensor, ptr: Ptr, scratch: Scratch) -> list[Spec]:
 # -- binding: specs -> launches -------------------------------------------------------------------
 
 
-@attrs.define(eq=False)
-class Launches:
-    """Several pre-bound launches run in order as one (a conversion and its GEMM)."""
-
-    name: str
-    parts: tuple[Any, ...]
-    keep: tuple[Any, ...] = ()  # scratch buffers the parts use
-    signature: tuple = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self.signature = tuple(getattr(p, "signature", id(p)) for p in self.parts)
-
-    def __call__(self) -> None:
-        for p in self.parts:
-            p()
 
 
 _scratch: dict[tuple[int, str], Any] = {}
@@ -522,13 +498,6 @@ def scratch_for(ctx: CudaContext, what: str, kept: list) -> Scratch:
     return get
 
 
-def _kernel_launch(ctx: CudaContext, spec: KernelSpec) -> Launch:
-    from opdispatch.backends.cuda.kernels import launcher, load_module
-
-    fn = load_module(spec.source, (spec.kernel,)).get_function(spec.kernel)
-    return launcher(fn, spec.grid, spec.block, spec.args, spec.smem, stream=ctx.stream)
-
-
 def _gemm_launch(ctx: CudaContext, g: GemmSpec) -> Launch:
     from opdispatch.backends.cuda import cublas
 
@@ -545,17 +514,10 @@ def _gemm_launch(ctx: CudaContext, g: GemmSpec) -> Launch:
     return h.gemm_batched(g.transa, g.transb, g.m, g.n, g.k, pa, at, g.lda, pb, bt, g.ldb, pc, ct, g.ldc)
 
 
-def _realize(ctx: CudaContext, name: str, specs: Sequence[Spec], kept: Sequence[Any] = ()) -> Launch:
-    from opdispatch.backends.cuda.kernels import EMPTY
-
+def _realize(ctx: CudaContext, specs: Sequence[Spec], kept: Sequence[Any] = ()) -> Launch:
     with ctx.backend.cuda_device:
-        parts = [(_kernel_launch(ctx, s) if isinstance(s, KernelSpec) else _gemm_launch(ctx, s)) for s in specs]
-    parts = [p for p in parts if p is not EMPTY]
-    if not parts:
-        return EMPTY
-    if len(parts) == 1 and not kept:
-        return parts[0]
-    return Launches(name, tuple(parts), tuple(kept))
+        parts = [(s.launch(ctx.stream) if isinstance(s, KernelSpec) else _gemm_launch(ctx, s)) for s in specs]
+    return chain(parts, kept)
 
 
 def _empty(node: Tensor) -> bool:
@@ -569,7 +531,7 @@ def _bind(ctx: CudaContext, node: Tensor, make: Callable[[Scratch], list]) -> La
     if _empty(node):
         return EMPTY
     kept: list = []
-    return _realize(ctx, node.name, make(scratch_for(ctx, node.describe(), kept)), kept)
+    return _realize(ctx, make(scratch_for(ctx, node.describe(), kept)), kept)
 
 
 def bind_mmv(ctx: CudaContext, node: Tensor) -> Launch:

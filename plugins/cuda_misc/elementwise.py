@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import attrs
 import numpy as np
 
+from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.backends.base import Device, Launch
 from opdispatch.fusion import FusionRule
 from opdispatch.hookspecs import Kernel
@@ -251,15 +252,6 @@ def _vec(t: Tensor) -> int:
 # -- launch specs -----------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Spec:
-    """One launch: source file, kernel instance, grid, block and arguments."""
-
-    source: Path
-    kernel: str
-    grid: tuple[int, ...]
-    block: tuple[int, ...]
-    args: tuple[np.generic, ...]
 
 
 def _p(ptr: Ptr, t: Tensor) -> np.uint64:
@@ -278,14 +270,14 @@ def _aligned(ptr: Ptr, t: Tensor, nbytes: int) -> bool:
     return ptr(t) % nbytes == 0
 
 
-def binary_spec(op: str, a: Tensor, b: Tensor, out: Tensor, ptr: Ptr, sm_count: int) -> Spec:
+def binary_spec(op: str, a: Tensor, b: Tensor, out: Tensor, ptr: Ptr, sm_count: int) -> KernelSpec:
     """The path for the layout: binary_flat, binary_rows (whole vectors, aligned) or binary_bcast."""
     if flat_layout(a, b):
         return binary_flat_spec(op, a, b, out, ptr, sm_count)
     return binary_rows_spec(op, a, b, out, ptr, sm_count)
 
 
-def binary_flat_spec(op: str, a: Tensor, b: Tensor, out: Tensor, ptr: Ptr, sm_count: int) -> Spec:
+def binary_flat_spec(op: str, a: Tensor, b: Tensor, out: Tensor, ptr: Ptr, sm_count: int) -> KernelSpec:
     """a, b, out contiguous; b a's shape or one element."""
     n = out.size
     vec = _vec(out)
@@ -295,10 +287,10 @@ def binary_flat_spec(op: str, a: Tensor, b: Tensor, out: Tensor, ptr: Ptr, sm_co
     nvec = n // vec if ok else 0
     args = (_p(ptr, a), _p(ptr, b), _p(ptr, out), *_ll(n, nvec), *_i(int(scalar), BINARY_CODES[op]))
     grid = grid_flat(max(nvec, n - nvec * vec), sm_count)
-    return Spec(ELEMENTWISE_CU, binary_kernel("binary_flat", a.dtype.name, b.dtype.name), (grid,), (THREADS,), args)
+    return KernelSpec(ELEMENTWISE_CU, binary_kernel("binary_flat", a.dtype.name, b.dtype.name), (grid,), (THREADS,), args)
 
 
-def binary_rows_spec(op: str, a: Tensor, b: Tensor, out: Tensor, ptr: Ptr, sm_count: int) -> Spec:
+def binary_rows_spec(op: str, a: Tensor, b: Tensor, out: Tensor, ptr: Ptr, sm_count: int) -> KernelSpec:
     """Rows of packed elements (see rows_layout) in whole aligned vectors, else binary_bcast."""
     lay = rows_layout(out.shape, (a, b))
     vec = _vec(out)
@@ -309,18 +301,18 @@ def binary_rows_spec(op: str, a: Tensor, b: Tensor, out: Tensor, ptr: Ptr, sm_co
     grid, block = grid_2d(lay.cols // vec, lay.rows, sm_count)
     args = (_p(ptr, a), *_ll(lay.strides[0]), _p(ptr, b), *_ll(lay.strides[1]), _p(ptr, out),
             *_ll(lay.rows, lay.cols), *_i(BINARY_CODES[op]))
-    return Spec(ELEMENTWISE_CU, binary_kernel("binary_rows", a.dtype.name, b.dtype.name), grid, block, args)
+    return KernelSpec(ELEMENTWISE_CU, binary_kernel("binary_rows", a.dtype.name, b.dtype.name), grid, block, args)
 
 
-def binary_bcast_spec(op: str, a: Tensor, b: Tensor, out: Tensor, ptr: Ptr, sm_count: int) -> Spec:
+def binary_bcast_spec(op: str, a: Tensor, b: Tensor, out: Tensor, ptr: Ptr, sm_count: int) -> KernelSpec:
     """Any strides, b by modulo in every axis."""
     n, ((_, sa), (m, sb)) = fold(out.shape, [elements(a), elements(b)])
     grid, block = grid_2d(n[3], n[0] * n[1] * n[2], sm_count)
     args = (_p(ptr, a), *_ll(*sa), _p(ptr, b), *_i(*m), *_ll(*sb), _p(ptr, out), *_i(*n), *_i(BINARY_CODES[op]))
-    return Spec(ELEMENTWISE_CU, binary_kernel("binary_bcast", a.dtype.name, b.dtype.name), grid, block, args)
+    return KernelSpec(ELEMENTWISE_CU, binary_kernel("binary_bcast", a.dtype.name, b.dtype.name), grid, block, args)
 
 
-def add_id_spec(node: Tensor, ptr: Ptr, sm_count: int) -> Spec:
+def add_id_spec(node: Tensor, ptr: Ptr, sm_count: int) -> KernelSpec:
     a, b, ids = node.srcs
     (_, n_t, n_u, n_c), (_, as0, as1, as2) = elements(a)
     (_, _, n_e, _), (_, _, bs0, bs1) = elements(b)
@@ -328,7 +320,7 @@ def add_id_spec(node: Tensor, ptr: Ptr, sm_count: int) -> Spec:
     grid, block = grid_2d(n_c, n_t * n_u, sm_count)
     args = (_p(ptr, a), *_ll(as0, as1, as2), _p(ptr, b), *_ll(bs0, bs1), _p(ptr, ids), *_ll(is0, is1),
             _p(ptr, node), *_i(n_t, n_u, n_c, n_e))
-    return Spec(ELEMENTWISE_CU, binary_kernel("add_id", a.dtype.name, b.dtype.name), grid, block, args)
+    return KernelSpec(ELEMENTWISE_CU, binary_kernel("add_id", a.dtype.name, b.dtype.name), grid, block, args)
 
 
 def map_params(node: Tensor) -> tuple[float, float]:
@@ -343,7 +335,7 @@ def map_params(node: Tensor) -> tuple[float, float]:
     return 0.0, 0.0
 
 
-def unary_spec(code: int, x: Tensor, out: Tensor, p0: float, p1: float, ptr: Ptr, sm_count: int) -> Spec:
+def unary_spec(code: int, x: Tensor, out: Tensor, p0: float, p1: float, ptr: Ptr, sm_count: int) -> KernelSpec:
     """unary_flat when x is contiguous, else unary_strided."""
     t = x.dtype.name
     tail = (*_i(code), np.float32(p0), np.float32(p1))
@@ -352,15 +344,15 @@ def unary_spec(code: int, x: Tensor, out: Tensor, p0: float, p1: float, ptr: Ptr
         vec = _vec(out)
         nvec = n // vec if _aligned(ptr, x, 16) and _aligned(ptr, out, 16) else 0
         grid = grid_flat(max(-(-nvec // 2), n - nvec * vec), sm_count)  # two vectors per thread and step
-        return Spec(UNARY_CU, unary_kernel("unary_flat", t), (grid,), (THREADS,),
+        return KernelSpec(UNARY_CU, unary_kernel("unary_flat", t), (grid,), (THREADS,),
                     (_p(ptr, x), _p(ptr, out), *_ll(n, nvec), *tail))
     n, ((_, sx),) = fold(out.shape, [elements(x)])
     grid, block = grid_2d(n[3], n[0] * n[1] * n[2], sm_count)
-    return Spec(UNARY_CU, unary_kernel("unary_strided", t), grid, block,
+    return KernelSpec(UNARY_CU, unary_kernel("unary_strided", t), grid, block,
                 (_p(ptr, x), _p(ptr, out), *_i(*n), *_ll(*sx), *tail))
 
 
-def glu_spec(node: Tensor, ptr: Ptr, sm_count: int) -> Spec:
+def glu_spec(node: Tensor, ptr: Ptr, sm_count: int) -> KernelSpec:
     """glu_rows for either form: gate and up are passed as two pointers with their own strides."""
     x, y = node.srcs
     p = node.params
@@ -387,10 +379,10 @@ def glu_spec(node: Tensor, ptr: Ptr, sm_count: int) -> Spec:
     grid, block = grid_2d(nc // vec if ok else nc, rows, sm_count)
     args = (np.uint64(g_ptr), *_ll(*gs3), np.uint64(u_ptr), *_ll(*us3), _p(ptr, node), *_i(n[1], n[2]),
             *_ll(rows), *_i(nc, GLU_CODES[p["kind"]]), np.float32(p["alpha"]), np.float32(p["limit"]), *_i(int(ok)))
-    return Spec(GLU_CU, unary_kernel("glu_rows", node.dtype.name), grid, block, args)
+    return KernelSpec(GLU_CU, unary_kernel("glu_rows", node.dtype.name), grid, block, args)
 
 
-def multi_add_spec(nodes: Sequence[Tensor], ptr: Ptr, sm_count: int) -> Spec:
+def multi_add_spec(nodes: Sequence[Tensor], ptr: Ptr, sm_count: int) -> KernelSpec:
     """One kernel adding every operand of a chain of adds (checked by `multi_add_check`)."""
     srcs = multi_add_operands(nodes)
     out = nodes[-1]
@@ -403,7 +395,7 @@ def multi_add_spec(nodes: Sequence[Tensor], ptr: Ptr, sm_count: int) -> Spec:
     pad = 9 - len(srcs)
     args = (*(_p(ptr, t) for t in srcs), *(np.uint64(0),) * pad, *_ll(*lay.strides), *_ll(*(0,) * pad),
             *_i(len(srcs)), _p(ptr, out), *_ll(lay.rows, lay.cols), *_i(int(ok)))
-    return Spec(ELEMENTWISE_CU, unary_kernel("multi_add", out.dtype.name), grid, block, args)
+    return KernelSpec(ELEMENTWISE_CU, unary_kernel("multi_add", out.dtype.name), grid, block, args)
 
 
 # -- binds ----------------------------------------------------------------------------------------
@@ -413,13 +405,9 @@ def sm_count(ctx: object) -> int:
     return int(ctx.device.props.get("sm_count", 132))  # type: ignore[attr-defined]
 
 
-def launch(ctx: object, spec: Spec) -> Launch:
-    """The pre-bound launch of `spec`. NVRTC compiles only the instance launched (a module of
-    one name, cached in memory and on disk): a graph pays for the kernels it uses, not all 40."""
-    from opdispatch.backends.cuda.kernels import launcher, load_module
-
-    fn = load_module(spec.source, (spec.kernel,)).get_function(spec.kernel)
-    return launcher(fn, spec.grid, spec.block, spec.args, stream=ctx.stream)  # type: ignore[attr-defined]
+def launch(ctx: object, spec: KernelSpec) -> Launch:
+    """The pre-bound launch of `spec` on the context's stream."""
+    return spec.launch(ctx.stream)  # type: ignore[attr-defined]
 
 
 def _binary_srcs(node: Tensor) -> tuple[str, Tensor, Tensor]:

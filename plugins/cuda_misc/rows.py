@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
-import attrs
 import numpy as np
 
+from opdispatch.backends.cuda.kernels import KernelSpec, chain
 from opdispatch.backends.base import Device, Launch
 from opdispatch.dtypes import DTYPES, DType
 from opdispatch.fusion import FusionRule
@@ -210,51 +210,12 @@ def u64(x: int) -> np.uint64:
 # -- launches --------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Spec:
-    """One launch: the source, the kernel instance, grid, threads per block, arguments, dynamic smem."""
-
-    source: Path
-    kernel: str
-    grid: int | tuple[int, ...]
-    block: int | tuple[int, ...]
-    args: tuple[np.generic, ...]
-    smem: int = 0
 
 
-@attrs.frozen
-class Chain:
-    """Several launches run as one node's launch (a long argsort): in order, on one stream."""
-
-    launches: tuple[Launch, ...]
-
-    @property
-    def signature(self) -> tuple[Any, ...]:
-        return tuple(getattr(x, "signature", id(x)) for x in self.launches)
-
-    def __call__(self) -> None:
-        for launch in self.launches:
-            launch()
 
 
-def _module_for(source: Path) -> Any:
-    from opdispatch.backends.cuda.kernels import load_module
-
-    return load_module(source, KERNEL_SOURCES[source])
-
-
-def _launch(ctx: CudaContext, specs: Sequence[Spec]) -> Launch:
-    from opdispatch.backends.cuda.kernels import EMPTY, launcher
-
-    launches = []
-    for s in specs:
-        fn = _module_for(s.source).get_function(s.kernel)
-        launch = launcher(fn, s.grid, s.block, s.args, s.smem, stream=ctx.stream)
-        if launch is not EMPTY:
-            launches.append(launch)
-    if not launches:
-        return EMPTY
-    return launches[0] if len(launches) == 1 else Chain(tuple(launches))
+def _launch(ctx: CudaContext, specs: Sequence[KernelSpec]) -> Launch:
+    return chain(s.launch(ctx.stream) for s in specs)
 
 
 def sm_count(device: Device) -> int:
@@ -353,14 +314,14 @@ def transposed(src: Tensor, dst: Tensor) -> tuple[tuple[int, ...], tuple[int, ..
     return tuple(n[k] for k in order), tuple(ss[k] for k in order), tuple(ds[k] for k in order)
 
 
-def _tiled(kernel: str, src: Tensor, dst: Tensor, ptr: Ptr, t: tuple) -> Spec:
+def _tiled(kernel: str, src: Tensor, dst: Tensor, ptr: Ptr, t: tuple) -> KernelSpec:
     (n0, na, nb, nc), ss, ds = t
-    return Spec(ROWS_CU, kernel, (-(-n0 // 32), -(-na // 32), nb * nc), (32, 8),
+    return KernelSpec(ROWS_CU, kernel, (-(-n0 // 32), -(-na // 32), nb * nc), (32, 8),
                 (u64(ptr(src)), u64(ptr(dst)), np.uint32(n0), np.uint32(na), np.uint32(nb),
                  *(np.int64(v) for v in ss), *(np.int64(v) for v in ds)))
 
 
-def copy_specs(src: Tensor, dst: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
+def copy_specs(src: Tensor, dst: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     """The launch copying src into dst (dst's own shape and strides), converting the dtype."""
     kind = copy_kind(src.dtype, dst.dtype)
     ps, pd = ptr(src), ptr(dst)
@@ -371,37 +332,37 @@ def copy_specs(src: Tensor, dst: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
             nbytes = dst.nbytes if dst.size else 0
             # at least one block when there are bytes: it copies the tail past the last whole unit
             work = max(nbytes // align, 1) if nbytes else 0
-            return [Spec(ROWS_CU, tmpl("copy_contig", CONTIG_UNITS[align]), stride_grid(work, sms), BLOCK,
+            return [KernelSpec(ROWS_CU, tmpl("copy_contig", CONTIG_UNITS[align]), stride_grid(work, sms), BLOCK,
                          (u64(ps), u64(pd), np.int64(nbytes)))]
         unit = raw(src.dtype)
         t = transposed(src, dst)
         if t is not None:
             return [_tiled(tmpl("convert_tiled", unit, unit), src, dst, ptr, t)]
         n = units(src)
-        return [Spec(ROWS_CU, tmpl("convert_strided", unit, unit), stride_grid(n, sms), BLOCK,
+        return [KernelSpec(ROWS_CU, tmpl("convert_strided", unit, unit), stride_grid(n, sms), BLOCK,
                      (u64(ps), u64(pd), np.uint32(n), *layout(src, True), *layout(dst, True)))]
     if kind == "quantize":
         contig = both and ps % 16 == 0
         nblocks = units(dst)
         name = tmpl("quantize", QUANT[dst.dtype.name], VALUE[src.dtype.name], b(contig))
-        return [Spec(ROWS_CU, name, stride_grid(nblocks * 8, sms), BLOCK,
+        return [KernelSpec(ROWS_CU, name, stride_grid(nblocks * 8, sms), BLOCK,
                      (u64(ps), u64(pd), np.uint32(nblocks), *layout(src), *layout(dst, True)))]
     if kind == "dequantize":
         contig = both and pd % 16 == 0
         n = dst.size
         name = tmpl("dequantize", QUANT[src.dtype.name], VALUE[dst.dtype.name], b(contig))
-        return [Spec(ROWS_CU, name, stride_grid(n // 4 if contig else n, sms), BLOCK,
+        return [KernelSpec(ROWS_CU, name, stride_grid(n // 4 if contig else n, sms), BLOCK,
                      (u64(ps), u64(pd), np.uint32(n), *layout(src, True), *layout(dst)))]
     s, d = VALUE[src.dtype.name], VALUE[dst.dtype.name]
     if both:
         vec = alignment(ps, pd) == 16
         work = max(dst.size // 8, 1 if dst.size else 0) if vec else dst.size  # the tail: at least one block
-        return [Spec(ROWS_CU, tmpl("convert_contig", s, d, b(vec)), stride_grid(work, sms), BLOCK,
+        return [KernelSpec(ROWS_CU, tmpl("convert_contig", s, d, b(vec)), stride_grid(work, sms), BLOCK,
                      (u64(ps), u64(pd), np.int64(dst.size)))]
     t = transposed(src, dst)
     if t is not None:
         return [_tiled(tmpl("convert_tiled", s, d), src, dst, ptr, t)]
-    return [Spec(ROWS_CU, tmpl("convert_strided", s, d), stride_grid(dst.size, sms), BLOCK,
+    return [KernelSpec(ROWS_CU, tmpl("convert_strided", s, d), stride_grid(dst.size, sms), BLOCK,
                  (u64(ps), u64(pd), np.uint32(dst.size), *layout(src), *layout(dst)))]
 
 
@@ -441,7 +402,7 @@ supports_get_rows = _rules(
 )
 
 
-def get_rows_specs(node: Tensor, ptr: Ptr) -> list[Spec]:
+def get_rows_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
     a, idx = node.srcs
     (a3, a2, arows, cols), (as3, as2, as1, as0) = _padded(a)
     (_, _, n), (is2, is1, is0) = _pad3(idx)
@@ -451,10 +412,10 @@ def get_rows_specs(node: Tensor, ptr: Ptr) -> list[Spec]:
             np.int64(arows))
     tail = (np.int64(is0), np.int64(is1), np.int64(is2))
     if a.dtype.is_quant:
-        return [Spec(ROWS_CU, tmpl("get_rows_q", QUANT[a.dtype.name]), grid, blk,
+        return [KernelSpec(ROWS_CU, tmpl("get_rows_q", QUANT[a.dtype.name]), grid, blk,
                      (*head, np.int64(as1), np.int64(as2), np.int64(as3), *tail))]
     s = VALUE[a.dtype.name]
-    return [Spec(ROWS_CU, tmpl("get_rows", s, "int" if s == "int" else "float"), grid, blk,
+    return [KernelSpec(ROWS_CU, tmpl("get_rows", s, "int" if s == "int" else "float"), grid, blk,
                  (*head, np.int64(as0), np.int64(as1), np.int64(as2), np.int64(as3), *tail))]
 
 
@@ -473,7 +434,7 @@ supports_set_rows = _rules(
 )
 
 
-def set_rows_specs(node: Tensor, ptr: Ptr) -> list[Spec]:
+def set_rows_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
     dst, src, idx = node.srcs
     (d3, d2, drows, cols), (ds3, ds2, ds1, ds0) = _padded(node)
     (_, _, n, _), ss = _padded(src)
@@ -490,10 +451,10 @@ def set_rows_specs(node: Tensor, ptr: Ptr) -> list[Spec]:
         vec = (ss[3] == 4 and psrc % 16 == 0
                and all(s % 16 == 0 for k, s in enumerate(ss[:3]) if pad4(src.shape)[k] > 1))
         name = tmpl("set_rows_q", QUANT[node.dtype.name], itype, b(vec))
-        return [Spec(ROWS_CU, name, (rows, -(-nblocks // (4 * warps))), 32 * warps,
+        return [KernelSpec(ROWS_CU, name, (rows, -(-nblocks // (4 * warps))), 32 * warps,
                      (*head, np.int32(nblocks), *batch, np.int64(ds1), np.int64(ds2), np.int64(ds3)))]
     blk = row_block(cols)
-    return [Spec(ROWS_CU, tmpl("set_rows", VALUE[node.dtype.name], itype), (rows, -(-cols // (4 * blk))), blk,
+    return [KernelSpec(ROWS_CU, tmpl("set_rows", VALUE[node.dtype.name], itype), (rows, -(-cols // (4 * blk))), blk,
                  (*head, np.int32(cols), *batch, np.int64(ds0), np.int64(ds1), np.int64(ds2), np.int64(ds3)))]
 
 
@@ -507,14 +468,14 @@ def bind_set_rows(ctx: CudaContext, node: Tensor) -> Launch:
 
 
 def _flat(node: Tensor, ptr: Ptr, sms: int, kernel: str, srcs: Sequence[Tensor], *extra: np.generic,
-          blocks: bool = False) -> list[Spec]:
+          blocks: bool = False) -> list[KernelSpec]:
     """A grid-stride kernel over the result's units: sources' addresses, out, n, out's shape, extra args."""
     n = units(node)
     shape = list(pad4(node.shape))
     if blocks:
         shape[-1] //= node.dtype.block_size
     args = (*(u64(ptr(s)) for s in srcs), u64(ptr(node)), np.uint32(n), *shape_layout(shape), *extra)
-    return [Spec(ROWS_CU, kernel, stride_grid(n, sms), BLOCK, args)]
+    return [KernelSpec(ROWS_CU, kernel, stride_grid(n, sms), BLOCK, args)]
 
 
 def _strides(t: Tensor) -> tuple[np.int64, ...]:
@@ -542,7 +503,7 @@ supports_concat = _rules(
 )
 
 
-def concat_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
+def concat_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     a, bb = node.srcs
     axis = node.params["axis"]
     quant = node.dtype.is_quant
@@ -558,7 +519,7 @@ supports_repeat = _rules(
 )
 
 
-def repeat_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
+def repeat_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     a = node.srcs[0]
     pa = (1,) * (node.ndim - a.ndim) + a.shape
     dims = tuple(np.uint32(x) for x in reversed(pad4(pa)))
@@ -568,25 +529,25 @@ def repeat_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
 supports_f32_layout = _rules(*_F32_IN_OUT)
 
 
-def pad_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
+def pad_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     x = node.srcs[0]
     lo = (0,) * (4 - x.ndim) + tuple(p[0] for p in node.params["pads"])
     return _flat(node, ptr, sms, "pad", (x,), *_dims(x), *(np.uint32(v) for v in reversed(lo)), *_strides(x))
 
 
-def pad_reflect_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
+def pad_reflect_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     x = node.srcs[0]
     return _flat(node, ptr, sms, "pad_reflect_1d", (x,), np.int32(x.shape[-1]), np.int32(node.params["p0"]),
                  *_strides(x))
 
 
-def roll_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
+def roll_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     x = node.srcs[0]
     shifts = (0,) * (4 - x.ndim) + tuple(s % max(n, 1) for s, n in zip(node.params["shifts"], x.shape))
     return _flat(node, ptr, sms, "roll", (x,), *(np.uint32(s) for s in reversed(shifts)), *_strides(x))
 
 
-def diag_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
+def diag_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     x = node.srcs[0]
     # x (.., 1, N) or (N,): its axis -2 is never stepped, out's axes -3, -4 read x's -3, -4
     xs = (0,) * (4 - x.ndim) + x.strides if x.ndim >= 2 else (0, 0, 0, x.strides[0])
@@ -596,15 +557,15 @@ def diag_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
 TRI_CODES = {"lower": 0, "lower_diag": 1, "upper": 2, "upper_diag": 3}
 
 
-def tri_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
+def tri_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     x = node.srcs[0]
     return _flat(node, ptr, sms, "tri", (x,), np.int32(TRI_CODES[node.params["kind"]]), *_strides(x))
 
 
-def arange_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
+def arange_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     p = node.params
     n = node.shape[0]
-    return [Spec(ROWS_CU, "arange", stride_grid(n, sms), BLOCK,
+    return [KernelSpec(ROWS_CU, "arange", stride_grid(n, sms), BLOCK,
                  (u64(ptr(node)), np.uint32(n), np.float32(p["start"]), np.float32(p["step"])))]
 
 
@@ -612,8 +573,8 @@ supports_arange = _rules((small, "2**31 elements or more"))
 supports_fill = _rules((dtype_in(("f32", "f16")), "the result must be f32 or f16"))
 
 
-def fill_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
-    return [Spec(ROWS_CU, tmpl("fill", VALUE[node.dtype.name]), stride_grid(node.size, sms), BLOCK,
+def fill_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
+    return [KernelSpec(ROWS_CU, tmpl("fill", VALUE[node.dtype.name]), stride_grid(node.size, sms), BLOCK,
                  (u64(ptr(node)), np.int64(node.size), np.float32(node.params["value"])))]
 
 
@@ -641,7 +602,7 @@ supports_set_acc = _rules(
 )
 
 
-def set_acc_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
+def set_acc_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     a, bt = node.srcs
     sizes, wstrides, bstrides = window(node)  # type: ignore[misc]
     # set copies f32 or i32 values as they are; acc adds f32
@@ -650,21 +611,21 @@ def set_acc_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
     args = (u64(ptr(a)), u64(ptr(bt)), u64(ptr(node)), np.uint32(n), *layout(a),
             np.int64(node.params["offset"] // a.dtype.block_bytes), *(np.int64(s) for s in wstrides),
             *(np.uint32(s) for s in sizes), *(np.int64(s) for s in bstrides))
-    return [Spec(ROWS_CU, name, stride_grid(n, sms), BLOCK, args)]
+    return [KernelSpec(ROWS_CU, name, stride_grid(n, sms), BLOCK, args)]
 
 
 supports_timestep = _rules(*_F32_IN_OUT)
 
 
-def timestep_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
+def timestep_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     t = node.srcs[0]
     rows, dim = node.shape
-    return [Spec(ROWS_CU, "timestep_embedding", stride_grid(node.size, sms), BLOCK,
+    return [KernelSpec(ROWS_CU, "timestep_embedding", stride_grid(node.size, sms), BLOCK,
                  (u64(ptr(t)), u64(ptr(node)), np.int32(rows), np.int32(dim), np.int64(t.strides[0]),
                   np.float64(math.log(node.params["max_period"]))))]
 
 
-def _binder(specs: Callable[[Tensor, Ptr, int], list[Spec]]) -> Callable[[CudaContext, Tensor], Launch]:
+def _binder(specs: Callable[[Tensor, Ptr, int], list[KernelSpec]]) -> Callable[[CudaContext, Tensor], Launch]:
     def bind(ctx: CudaContext, node: Tensor) -> Launch:
         return _launch(ctx, specs(node, ctx.ptr, sm_count(ctx.device)))
 
@@ -711,31 +672,31 @@ def _vec_rows(x: Tensor, ptr: Ptr) -> bool:
             and all(s % 16 == 0 for n, s in zip(shape[:3], strides[:3]) if n > 1))
 
 
-def sum_rows_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
+def sum_rows_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     x = node.srcs[0]
     cols = x.shape[-1]
     vec = _vec_rows(x, ptr)
     blk = reduce_block(cols // 4 if vec else cols)
     name = tmpl("sum_rows", blk, b(node.op == "mean"), b(vec))
     rows = math.prod(x.shape[:-1]) if cols else 0
-    return [Spec(REDUCE_CU, name, rows, blk, (u64(ptr(x)), u64(ptr(node)), *_row_args(x)))]
+    return [KernelSpec(REDUCE_CU, name, rows, blk, (u64(ptr(x)), u64(ptr(node)), *_row_args(x)))]
 
 
-def cumsum_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
+def cumsum_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     x = node.srcs[0]
     cols = x.shape[-1]
     blk = reduce_block(-(-cols // 4))
     rows = math.prod(x.shape[:-1]) if cols else 0
-    return [Spec(REDUCE_CU, tmpl("cumsum", blk), rows, blk, (u64(ptr(x)), u64(ptr(node)), *_row_args(x)))]
+    return [KernelSpec(REDUCE_CU, tmpl("cumsum", blk), rows, blk, (u64(ptr(x)), u64(ptr(node)), *_row_args(x)))]
 
 
-def argmax_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
+def argmax_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     x = node.srcs[0]
     cols = x.shape[-1]
     rows = x.shape[0] if x.ndim == 2 else 1
     s1 = x.strides[0] if x.ndim == 2 else 0
     blk = reduce_block(cols)
-    return [Spec(REDUCE_CU, tmpl("argmax", blk), rows if cols else 0, blk,
+    return [KernelSpec(REDUCE_CU, tmpl("argmax", blk), rows if cols else 0, blk,
                  (u64(ptr(x)), u64(ptr(node)), np.int32(cols), np.int64(x.strides[-1]), np.int64(s1)))]
 
 
@@ -750,11 +711,11 @@ def _partials_grid(n: int, sms: int) -> int:
     return min(-(-n // BLOCK), MAX_PARTIALS, sms * 4)
 
 
-def sum_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
+def sum_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     x = node.srcs[0]
     name = tmpl("sum_all", VALUE[x.dtype.name], b(x.is_contiguous()))
     # an empty x still writes its sum, 0: one block
-    return [Spec(REDUCE_CU, name, max(_partials_grid(x.size, sms), 1), BLOCK,
+    return [KernelSpec(REDUCE_CU, name, max(_partials_grid(x.size, sms), 1), BLOCK,
                  (u64(ptr(x)), u64(ptr(node)), np.uint32(x.size), *layout(x)))]
 
 
@@ -764,9 +725,9 @@ supports_count_equal = _rules(
 )
 
 
-def count_equal_specs(node: Tensor, ptr: Ptr, sms: int) -> list[Spec]:
+def count_equal_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     a, bt = node.srcs
-    return [Spec(REDUCE_CU, "count_equal", max(_partials_grid(a.size, sms), 1), BLOCK,
+    return [KernelSpec(REDUCE_CU, "count_equal", max(_partials_grid(a.size, sms), 1), BLOCK,
                  (u64(ptr(a)), u64(ptr(bt)), u64(ptr(node)), np.uint32(a.size), *layout(a), *layout(bt)))]
 
 
@@ -820,7 +781,7 @@ def supports_argsort_on(device: Device, node: Tensor) -> bool | str:
     return _argsort_long_ok(device, node) if ok is True else ok
 
 
-def argsort_specs(node: Tensor, ptr: Ptr, chunk_max: int) -> list[Spec]:
+def argsort_specs(node: Tensor, ptr: Ptr, chunk_max: int) -> list[KernelSpec]:
     x = node.srcs[0]
     n = x.shape[-1]
     rows = _sort_rows(node) if n else 0
@@ -830,17 +791,17 @@ def argsort_specs(node: Tensor, ptr: Ptr, chunk_max: int) -> list[Spec]:
     tail = (np.uint32(max(n1, 1)), np.uint32(max(n2, 1)), *(np.int64(s) for s in st))
     if n <= chunk_max:
         chunk = pow2(n)
-        return [Spec(SORT_CU, tmpl("sort_chunks", sort_block(chunk)), (rows, 1), sort_block(chunk),
+        return [KernelSpec(SORT_CU, tmpl("sort_chunks", sort_block(chunk)), (rows, 1), sort_block(chunk),
                      (px, po, np.int32(n), np.int32(chunk), np.int32(n), np.int64(n), desc, *tail), chunk * 8)]
     chunk = chunk_max
     nchunks = -(-n // chunk)
     npad = pow2(n)
     big = SORT_BLOCKS[-1]
-    specs = [Spec(SORT_CU, tmpl("sort_chunks", big), (rows, nchunks), big,
+    specs = [KernelSpec(SORT_CU, tmpl("sort_chunks", big), (rows, nchunks), big,
                   (px, po, np.int32(n), np.int32(chunk), np.int32(chunk), np.int64(n), desc, *tail), chunk * 8)]
 
-    def step(mask: int, half: int) -> Spec:
-        return Spec(SORT_CU, "merge_step", (-(-(npad // 2) // 256), rows), 256,
+    def step(mask: int, half: int) -> KernelSpec:
+        return KernelSpec(SORT_CU, "merge_step", (-(-(npad // 2) // 256), rows), 256,
                     (px, po, np.int32(n), np.int32(npad), np.int32(mask), np.int32(half), desc, *tail))
 
     k = 2 * chunk
@@ -850,7 +811,7 @@ def argsort_specs(node: Tensor, ptr: Ptr, chunk_max: int) -> list[Spec]:
         while j >= chunk:
             specs.append(step(j, j))
             j //= 2
-        specs.append(Spec(SORT_CU, tmpl("merge_chunks", big), (rows, nchunks), big,
+        specs.append(KernelSpec(SORT_CU, tmpl("merge_chunks", big), (rows, nchunks), big,
                           (px, po, np.int32(n), np.int32(chunk), desc, *tail), chunk * 8))
         k *= 2
     return specs
@@ -869,7 +830,7 @@ def supports_top_k_on(device: Device, node: Tensor) -> bool | str:
     return True
 
 
-def top_k_specs(node: Tensor, ptr: Ptr, chunk_max: int) -> list[Spec]:
+def top_k_specs(node: Tensor, ptr: Ptr, chunk_max: int) -> list[KernelSpec]:
     x = node.srcs[0]
     n, k = x.shape[-1], node.params["k"]
     rows = _sort_rows(node)
@@ -878,10 +839,10 @@ def top_k_specs(node: Tensor, ptr: Ptr, chunk_max: int) -> list[Spec]:
     tail = (np.uint32(max(n1, 1)), np.uint32(max(n2, 1)), *(np.int64(s) for s in st))
     if n <= chunk_max:
         chunk = pow2(n)
-        return [Spec(SORT_CU, tmpl("sort_chunks", sort_block(chunk)), (rows, 1), sort_block(chunk),
+        return [KernelSpec(SORT_CU, tmpl("sort_chunks", sort_block(chunk)), (rows, 1), sort_block(chunk),
                      (px, po, np.int32(n), np.int32(chunk), np.int32(k), np.int64(k), np.int32(1), *tail), chunk * 8)]
     kpad = pow2(k)
-    return [Spec(SORT_CU, tmpl("topk_select", 1024), rows, 1024,
+    return [KernelSpec(SORT_CU, tmpl("topk_select", 1024), rows, 1024,
                  (px, po, np.int32(n), np.int32(k), np.int32(kpad), *tail), kpad * 8)]
 
 
@@ -945,7 +906,7 @@ def moe_check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | s
     return True
 
 
-def moe_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[Spec]:
+def moe_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[KernelSpec]:
     probs, _, topk, _ = nodes[:4]
     logits = probs.srcs[0]
     out = nodes[-1]
@@ -956,7 +917,7 @@ def moe_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[Spec]:
     # nothing outside the group reads them, so the kernel does not write them.
     args = (u64(ptr(logits)), u64(ptr(out)), u64(0), np.uint32(rows), np.int32(experts), np.int32(k),
             np.int64(experts), np.float32(probs.params["scale"]), np.int32(len(nodes) > 4))
-    return [Spec(SORT_CU, tmpl("topk_moe", npl), -(-rows // 4), 128, args)]
+    return [KernelSpec(SORT_CU, tmpl("topk_moe", npl), -(-rows // 4), 128, args)]
 
 
 def bind_moe(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import attrs
 import numpy as np
 
+from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.backends.base import Device, Launch
 from opdispatch.fusion import FusionRule
 from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
@@ -68,14 +69,6 @@ def pick_block(units: int) -> int:
     return 1024
 
 
-@attrs.frozen
-class Spec:
-    """One launch of norm.cu: the kernel instance, blocks, threads per block and arguments."""
-
-    kernel: str
-    grid: int
-    block: int
-    args: tuple[np.generic, ...]
 
 
 def _elements(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -99,7 +92,7 @@ def _operand_args(t: Tensor | None, ptr: Ptr) -> tuple[np.generic, ...]:
 
 
 def row_spec(op: str, x: Tensor, out: Tensor, eps: float, ptr: Ptr,
-             weight: Tensor | None = None, residual: Tensor | None = None) -> Spec:
+             weight: Tensor | None = None, residual: Tensor | None = None) -> KernelSpec:
     """norm_rows_f32 for `op` of x into the contiguous `out`, times `weight` plus `residual` if given."""
     shape, strides = _elements(x)
     ncols = shape[3]
@@ -112,10 +105,10 @@ def row_spec(op: str, x: Tensor, out: Tensor, eps: float, ptr: Ptr,
             np.int32(shape[1]), np.int32(shape[2]), *(np.int64(s) for s in strides[:3]),
             *_operand_args(weight, ptr), *_operand_args(residual, ptr))
     rows = math.prod(shape[:3]) if ncols else 0
-    return Spec(row_kernel(MODES[op], block, vec, fuse), rows, block, args)
+    return KernelSpec(NORM_CU, row_kernel(MODES[op], block, vec, fuse), rows, block, args)
 
 
-def group_spec(x: Tensor, out: Tensor, groups: int, eps: float, ptr: Ptr) -> Spec:
+def group_spec(x: Tensor, out: Tensor, groups: int, eps: float, ptr: Ptr) -> KernelSpec:
     """group_norm_f32 of x (N, C, H, W) into the contiguous `out`."""
     (n, c, h, w), strides = _elements(x)
     hw = h * w
@@ -124,15 +117,12 @@ def group_spec(x: Tensor, out: Tensor, groups: int, eps: float, ptr: Ptr) -> Spe
     block = pick_block(per_group * hw // 4 if vec else per_group * hw)
     args = (np.uint64(ptr(x)), np.uint64(ptr(out)), np.int32(c), np.int32(hw), np.int32(per_group),
             np.int32(groups), np.int64(strides[0]), np.float32(eps))
-    return Spec(group_kernel(block, vec), n * groups if x.size else 0, block, args)
+    return KernelSpec(NORM_CU, group_kernel(block, vec), n * groups if x.size else 0, block, args)
 
 
-def launch_spec(ctx: CudaContext, spec: Spec) -> Launch:
-    """The pre-bound launch of `spec` on the context's stream (norm.cu compiled once per process)."""
-    from opdispatch.backends.cuda.kernels import launcher, load_module
-
-    fn = load_module(NORM_CU, NAME_EXPRESSIONS).get_function(spec.kernel)
-    return launcher(fn, spec.grid, spec.block, spec.args, stream=ctx.stream)
+def launch_spec(ctx: CudaContext, spec: KernelSpec) -> Launch:
+    """The pre-bound launch of `spec` on the context's stream."""
+    return spec.launch(ctx.stream)
 
 
 def bind_row_norm(ctx: CudaContext, node: Tensor) -> Launch:

@@ -21,7 +21,7 @@ import ctypes
 import functools
 import hashlib
 from pathlib import Path
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -157,3 +157,52 @@ def launcher(fn: Any, grid: int | Sequence[int], block: int | Sequence[int], arg
     name = getattr(fn, "name", "kernel")
     go = functools.partial(driver.launchKernel, ptr, *g, *b, int(smem), int(stream.ptr), ctypes.addressof(params), 0)
     return KernelLaunch(name, (ptr, g, b, int(smem), described), go, (params, values))
+
+
+@attrs.frozen
+class KernelSpec:
+    """One launch of kernel instance `kernel` of `source`: what a plugin's bind computes.
+
+    Kept as data so that plugins can test grids and arguments without a GPU.
+    NVRTC compiles only the instance launched (a module of one name, cached in
+    memory and on disk): a plan pays for the kernels it uses.
+    """
+
+    source: Path
+    kernel: str
+    grid: int | tuple[int, ...]
+    block: int | tuple[int, ...]
+    args: tuple[Any, ...]
+    smem: int = 0
+
+    def launch(self, stream: Any) -> Launch:
+        fn = load_module(self.source, (self.kernel,)).get_function(self.kernel)
+        return launcher(fn, self.grid, self.block, self.args, self.smem, stream=stream)
+
+
+@attrs.define(eq=False)
+class LaunchChain:
+    """Several pre-bound launches run in order as one node's launch (a conversion
+    and its GEMM, a split-KV pass and its combine), with the scratch buffers
+    they use kept alive as long as the launch."""
+
+    launches: tuple[Launch, ...]
+    keep: tuple[Any, ...] = ()
+    signature: tuple[Hashable, ...] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.signature = tuple(getattr(fn, "signature", id(fn)) for fn in self.launches)
+
+    def __call__(self) -> None:
+        for fn in self.launches:
+            fn()
+
+
+def chain(launches: Iterable[Launch], keep: Sequence[Any] = ()) -> Launch:
+    """One launch for `launches`, empty ones dropped: EMPTY, the only one, or a LaunchChain."""
+    kept = [fn for fn in launches if fn is not EMPTY]
+    if not kept:
+        return EMPTY
+    if len(kept) == 1 and not keep:
+        return kept[0]
+    return LaunchChain(tuple(kept), tuple(keep))
