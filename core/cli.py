@@ -17,6 +17,7 @@ import numpy as np
 
 from . import __version__
 from .backends.base import Device
+from .backends.cuda.devices import H200
 from .dispatch import Plan, resolve_device
 from .manager import PluginManager, manager
 from .models.llama import CACHE_DTYPES, PRESETS, WEIGHT_DTYPES, LlamaModel, generate, random_weights
@@ -25,14 +26,6 @@ from .tensor import Tensor
 
 if TYPE_CHECKING:
     from .testing.cases import Case
-
-#: An H200 as discover() describes one: `ops` plans for it when no GPU is here
-#: (planning reads only a device's description, never the hardware).
-H200 = Device("cuda0", "cuda", "NVIDIA H200 (description: no GPU here)", {
-    "cc": (9, 0), "sm_count": 132, "smem_per_block": 48 * 1024, "smem_per_block_optin": 227 * 1024,
-    "warp_size": 32, "total_memory": 143771 * 2**20, "free_memory": 143771 * 2**20, "pci_bus_id": "", "index": 0,
-})
-
 
 class UsageError(Exception):
     """A mistake in the command line: reported in one line, exit status 2."""

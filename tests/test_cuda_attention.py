@@ -29,6 +29,7 @@ import opdispatch as od
 import opdispatch.plugins.cuda_attention as ca
 from opdispatch import ops
 from opdispatch.backends.base import Device
+from opdispatch.backends.cuda.devices import H200
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import PRIORITY_BUILTIN
 from opdispatch.plugins.cuda_attention import fusion, support
@@ -38,8 +39,6 @@ from opdispatch.testing.metrics import nmse
 
 gpu = pytest.mark.gpu
 
-H200 = Device("cuda0", "cuda", "NVIDIA H200 (description)",
-              {"cc": (9, 0), "sm_count": 132, "smem_per_block": 49152, "warp_size": 32})
 TURING = Device("cuda0", "cuda", "sm_75 (description)",
                 {"cc": (7, 5), "sm_count": 40, "smem_per_block": 49152, "warp_size": 32})
 CPU = Device("cpu", "cpu")

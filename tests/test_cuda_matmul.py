@@ -31,6 +31,7 @@ import opdispatch as od
 import opdispatch.plugins.cuda_matmul as cm
 from opdispatch import ops
 from opdispatch.backends.base import Device
+from opdispatch.backends.cuda.devices import H200
 from opdispatch.dtypes import dequantize, from_float
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import PRIORITY_BUILTIN
@@ -40,8 +41,6 @@ from opdispatch.testing.metrics import nmse
 
 gpu = pytest.mark.gpu
 
-H200 = Device("cuda0", "cuda", "NVIDIA H200 (description)",
-              {"cc": (9, 0), "sm_count": 132, "warp_size": 32, "smem_per_block": 48 * 1024})
 CPU = Device("cpu", "cpu")
 NMSE_MAX = 5e-4  # OPS.md: mul_mat, mul_mat_id, out_prod
 FLOATS = ("f32", "f16", "bf16")

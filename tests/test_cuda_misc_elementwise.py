@@ -26,6 +26,7 @@ import opdispatch as od
 import opdispatch.plugins.cuda_misc as cm
 from opdispatch import ops
 from opdispatch.backends.base import Device
+from opdispatch.backends.cuda.devices import H200
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import PRIORITY_BUILTIN
 from opdispatch.ops.elementwise import GLU_KINDS, UNARY_OPS
@@ -35,8 +36,6 @@ from opdispatch.testing.metrics import nmse
 
 gpu = pytest.mark.gpu
 
-H200 = Device("cuda0", "cuda", "NVIDIA H200 (description)",
-              {"cc": (9, 0), "sm_count": 132, "smem_per_block": 49152, "warp_size": 32})
 CPU = Device("cpu", "cpu")
 FLOATS = ("f32", "f16", "bf16")
 #: NMSE bounds: f32 the default (OPS.md); f16/bf16 results differ from the reference

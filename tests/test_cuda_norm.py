@@ -24,6 +24,7 @@ import opdispatch as od
 import opdispatch.plugins.cuda_norm as cn
 from opdispatch import ops
 from opdispatch.backends.base import Device
+from opdispatch.backends.cuda.devices import H200
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import PRIORITY_BUILTIN
 from opdispatch.plugins.cuda_norm import fusion
@@ -32,8 +33,6 @@ from opdispatch.testing.metrics import nmse
 
 gpu = pytest.mark.gpu
 
-H200 = Device("cuda0", "cuda", "NVIDIA H200 (description)",
-              {"cc": (9, 0), "sm_count": 132, "warp_size": 32, "smem_per_block": 48 * 1024})
 CPU = Device("cpu", "cpu")
 NORM_OPS = ("norm", "rms_norm", "l2_norm", "group_norm")
 EPS = {"norm": 1e-5, "rms_norm": 1e-6, "l2_norm": 1e-12}

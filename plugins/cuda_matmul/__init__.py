@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import attrs
 import numpy as np
 
+from opdispatch.backends.cuda.devices import warp32_gate
 from opdispatch.backends.cuda.kernels import KernelSpec, chain
 from opdispatch.backends.base import Device, Launch
 from opdispatch.fusion import FusionRule
@@ -596,9 +597,7 @@ def supports_op(device: Device, node: Tensor) -> bool | str | None:
     """Plugin-wide gate: 32-lane warps, then the matrix products' shared conditions (said once)."""
     if device.kind != "cuda" or node.op not in support.MATMUL_OPS:
         return None
-    if device.props.get("warp_size", 32) != 32:
-        return f"the kernels need 32-lane warps, {device.name} has {device.props['warp_size']}"
-    return support.gate(node)
+    return warp32_gate(device) or support.gate(node)
 
 
 @hookimpl

@@ -16,6 +16,7 @@ import importlib
 from pathlib import Path
 from typing import Iterator
 
+from opdispatch.backends.cuda.devices import warp32_gate
 from opdispatch.backends.base import Device
 from opdispatch.fusion import FusionRule
 from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
@@ -48,9 +49,7 @@ def plugin_info() -> PluginInfo:
 @hookimpl
 def supports_op(device: Device, node: Tensor) -> bool | str | None:
     """Plugin-wide gate: the kernels assume 32-lane warps."""
-    if device.kind == "cuda" and device.props.get("warp_size", 32) != 32:
-        return f"the kernels need 32-lane warps, {device.name} has {device.props['warp_size']}"
-    return None
+    return warp32_gate(device)
 
 
 @hookimpl

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import attrs
 import numpy as np
 
+from opdispatch.backends.cuda.devices import warp32_gate
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.backends.base import Device, Launch
 from opdispatch.fusion import FusionRule
@@ -147,10 +148,8 @@ def plugin_info() -> PluginInfo:
 
 @hookimpl
 def supports_op(device: Device, node: Tensor) -> bool | str | None:
-    """Plugin-wide gate: the reductions assume 32-lane warps."""
-    if device.kind == "cuda" and device.props.get("warp_size", 32) != 32:
-        return f"the kernels need 32-lane warps, {device.name} has {device.props['warp_size']}"
-    return None
+    """Plugin-wide gate: the kernels assume 32-lane warps."""
+    return warp32_gate(device)
 
 
 @hookimpl

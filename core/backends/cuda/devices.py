@@ -46,6 +46,22 @@ def discover() -> tuple[tuple[Device, ...], str]:
     return tuple(found), ""
 
 
+#: An H200 as `discover` describes one, without a backend: plans and support
+#: predicates for it are computed (and tested) where no GPU is.
+H200 = Device("cuda0", "cuda", "NVIDIA H200 (description: no GPU here)", {
+    "cc": (9, 0), "sm_count": 132, "smem_per_block": 48 * 1024, "smem_per_block_optin": 227 * 1024,
+    "warp_size": 32, "total_memory": 143771 * 2**20, "free_memory": 143771 * 2**20, "pci_bus_id": "", "index": 0,
+})
+
+
+def warp32_gate(device: Device) -> str | None:
+    """A reason to decline on a CUDA device whose warps are not 32 lanes (the
+    built-in kernels' reductions assume 32), else None: the plugins' supports_op."""
+    if device.kind == "cuda" and device.props.get("warp_size", 32) != 32:
+        return f"the kernels need 32-lane warps, {device.name} has {device.props['warp_size']}"
+    return None
+
+
 def _backend_factory(device: Device) -> CudaBackend:
     from .backend import backend_for
 
