@@ -1,22 +1,19 @@
 """Benchmark fixtures: GPU-only, each figure a ratio against a baseline measured in the same run.
 
-A benchmark times `REPS` back-to-back runs then one synchronize, so the
-launch and sync overheads of one call are amortised the same way for
-opdispatch and for torch. Bytes (inputs + output) or FLOPs are counted by
-each benchmark explicitly and stored in `extra_info`, with the derived GB/s,
-the fraction of the copy bandwidth measured here, and the ratio to torch.
+Times come from bench.device_seconds (back-to-back runs, one synchronize).
+Bytes (inputs + output) or FLOPs are counted by each benchmark explicitly and
+stored in `extra_info`, with the derived GB/s, the fraction of the copy
+bandwidth measured here, and the ratio to torch.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import pytest
+from bench import device_seconds
 
 from opdispatch.backends.cuda.devices import discover
-
-REPS = 20
 
 
 def _require_gpu() -> None:
@@ -24,21 +21,6 @@ def _require_gpu() -> None:
     if not devices:
         pytest.skip(f"benchmarks need a CUDA GPU: {why}")
     pytest.importorskip("torch")
-
-
-def device_seconds(fn: Callable[[], None], sync: Callable[[], None], reps: int = REPS, rounds: int = 15) -> float:
-    """Median seconds of one call of `fn`, timed over `reps` calls per round."""
-    fn()
-    sync()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        times.append((time.perf_counter() - t0) / reps)
-    times.sort()
-    return times[len(times) // 2]
 
 
 @pytest.fixture(scope="session")

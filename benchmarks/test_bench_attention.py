@@ -15,20 +15,12 @@ import numpy as np
 import pytest
 
 import opdispatch as od
+from bench import ready
 from opdispatch import ops
 
 pytestmark = pytest.mark.gpu
 
 
-def ready(outputs, feeds: dict, plugin: str = "cuda_attention") -> od.Plan:  # noqa: ANN001
-    """A plan on cuda0 with its inputs written, every launch taken by `plugin`."""
-    plan = od.compile(outputs, "cuda0")
-    for s in plan.steps:
-        if s.kind in ("kernel", "fused"):
-            assert s.plugin == plugin and s.device.name == "cuda0", plan.explain()
-    for t, v in feeds.items():
-        plan.write(t, v)
-    return plan
 
 
 def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -47,7 +39,7 @@ def test_decode(measure, torch_cuda, batch: int, kv: str) -> None:  # noqa: ANN0
     v = od.input("v", (batch, hkv, tk, d), kv)
     fq, fk, fv = rand(rng, *q.shape), rand(rng, *k.shape), rand(rng, *v.shape)
     scale = 1 / np.sqrt(d)
-    plan = ready(ops.flash_attn_ext(q, k, v, None, scale), {q: fq, k: fk, v: fv})
+    plan = ready(ops.flash_attn_ext(q, k, v, None, scale), {q: fq, k: fk, v: fv}, "cuda_attention")
     tdt = torch.float16 if kv == "f16" else torch.bfloat16
     tq, tk_, tv = (torch.from_numpy(a).cuda().to(tdt) for a in (fq, fk, fv))
     F = torch.nn.functional
@@ -68,7 +60,7 @@ def test_prefill_causal(measure, torch_cuda) -> None:  # noqa: ANN001
     causal = np.where(np.arange(t)[None, :] > np.arange(t)[:, None], -np.inf, 0.0).astype(np.float32)
     fq, fk, fv = (rand(rng, b, h, t, d) for _ in range(3))
     scale = 1 / np.sqrt(d)
-    plan = ready(ops.flash_attn_ext(q, k, v, m, scale), {q: fq, k: fk, v: fv, m: causal[None, None]})
+    plan = ready(ops.flash_attn_ext(q, k, v, m, scale), {q: fq, k: fk, v: fv, m: causal[None, None]}, "cuda_attention")
     tq, tk_, tv = (torch.from_numpy(a).cuda().half() for a in (fq, fk, fv))
     F = torch.nn.functional
     flops = 4 * b * h * t * t * d // 2
@@ -86,7 +78,7 @@ def test_soft_max(measure, torch_cuda) -> None:  # noqa: ANN001
     a = od.input("a", shape)
     m = od.input("m", (1, 1, 512, 4096), "f16")
     fa_, fm = rand(rng, *shape), rand(rng, 1, 1, 512, 4096)
-    plan = ready(ops.soft_max(a, m, 0.088), {a: fa_, m: fm})
+    plan = ready(ops.soft_max(a, m, 0.088), {a: fa_, m: fm}, "cuda_attention")
     ta = torch.from_numpy(fa_).cuda()
     out = torch.empty_like(ta)
     measure(plan, 2 * a.nbytes + m.nbytes, lambda: torch.softmax(ta, -1, out=out))
@@ -100,7 +92,7 @@ def test_rope(measure, torch_cuda, dt: str) -> None:  # noqa: ANN001
     x = od.input("x", shape, dt)
     pos = od.input("pos", (4096,), "i32")
     fx = rand(rng, *shape)
-    plan = ready(ops.rope(x, pos, 128, "neox"), {x: fx, pos: np.arange(4096, dtype=np.int32)})
+    plan = ready(ops.rope(x, pos, 128, "neox"), {x: fx, pos: np.arange(4096, dtype=np.int32)}, "cuda_attention")
     tdt = torch.float32 if dt == "f32" else torch.float16
     tx = torch.from_numpy(fx).cuda().to(tdt)
     ang = torch.arange(4096, device="cuda")[:, None] * 10000.0 ** (-torch.arange(64, device="cuda") / 64)

@@ -13,43 +13,19 @@
 
 from __future__ import annotations
 
-import time
-from typing import Callable
-
 import numpy as np
 import pytest
 
 import opdispatch as od
+from bench import device_seconds, ready
 from opdispatch import ops
 
 pytestmark = pytest.mark.gpu
+MATMUL, MATMUL_OPS = "cuda_matmul", ("mul_mat", "mul_mat_id")
 
 
-def seconds(fn: Callable[[], None], sync: Callable[[], None], reps: int = 20, rounds: int = 15) -> float:
-    """Median seconds of one call, timed as conftest.measure times (reps back to back, one sync)."""
-    fn()
-    sync()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        times.append((time.perf_counter() - t0) / reps)
-    return sorted(times)[len(times) // 2]
 
 
-def ready(outputs, feeds: dict, kernel: str | None = None) -> od.Plan:  # noqa: ANN001
-    """A plan on cuda0 with its inputs written, every matrix product taken by cuda_matmul."""
-    plan = od.compile(outputs, "cuda0")
-    for s in plan.steps:
-        if s.kind in ("kernel", "fused") and s.nodes[0].op in ("mul_mat", "mul_mat_id"):
-            assert s.plugin == "cuda_matmul" and s.device.name == "cuda0", plan.explain()
-            if kernel is not None:
-                assert s.kernel == kernel, plan.explain()
-    for t, v in feeds.items():
-        plan.write(t, v)
-    return plan
 
 
 def rand(*shape: int, lo: float = -1, hi: float = 1) -> np.ndarray:
@@ -67,7 +43,7 @@ def test_gemm(measure, torch_cuda, dt: str, size: int) -> None:  # noqa: ANN001
     M = N = K = size
     a = od.param("a", rand(M, K), dt)
     b = od.input("b", (N, K), dt)
-    plan = ready(ops.mul_mat(a, b), {b: rand(N, K)}, "cublas")
+    plan = ready(ops.mul_mat(a, b), {b: rand(N, K)}, MATMUL, ops=MATMUL_OPS, kernel="cublas")
     tdt = torch.bfloat16 if dt == "bf16" else torch.float16
     ta = torch.randn(M, K, device="cuda", dtype=tdt)
     tb = torch.randn(N, K, device="cuda", dtype=tdt)
@@ -81,7 +57,8 @@ def test_matvec(measure, torch_cuda, dt: str, shape: tuple) -> None:  # noqa: AN
     M, K = shape
     a = od.param("a", rand(M, K), dt)
     x = od.input("x", (1, K))
-    plan = ready(ops.mul_mat(a, x), {x: rand(1, K)}, "mmvq" if dt.startswith("q") else "mmvf")
+    plan = ready(ops.mul_mat(a, x), {x: rand(1, K)}, MATMUL, ops=MATMUL_OPS,
+                 kernel="mmvq" if dt.startswith("q") else "mmvf")
     tw = torch.randn(M, K, device="cuda", dtype=torch.float16)
     tx = torch.randn(1, K, device="cuda", dtype=torch.float16)
     measure(plan, weight_bytes(a) + 4 * K + 4 * M, lambda: torch.matmul(tx, tw.T))
@@ -93,11 +70,11 @@ def test_gate_up_swiglu(measure, benchmark, torch_cuda, dt: str) -> None:  # noq
     wg, wu = od.param("wg", rand(M, K), dt), od.param("wu", rand(M, K), dt)
     x = od.input("x", (1, K))
     y = ops.glu_split(ops.mul_mat(wg, x), ops.mul_mat(wu, x), "swiglu")
-    fused = ready(y, {x: rand(1, K)})
+    fused = ready(y, {x: rand(1, K)}, MATMUL, ops=MATMUL_OPS)
     assert [s.kernel for s in fused.fusions] == ["mul_mat_glu"], fused.explain()
     unfused = od.compile(y, "cuda0", fusion=False)
     unfused.write(x, rand(1, K))
-    unfused_s = seconds(unfused.launch, unfused.synchronize)
+    unfused_s = device_seconds(unfused.launch, unfused.synchronize)
     info = measure(fused, 2 * weight_bytes(wg) + 4 * K + 4 * M, None)
     benchmark.extra_info["unfused_us"] = unfused_s * 1e6
     benchmark.extra_info["speedup_vs_unfused"] = unfused_s * 1e6 / info["us"]
@@ -109,5 +86,6 @@ def test_moe_8_of_128(measure, torch_cuda, dt: str) -> None:  # noqa: ANN001
     experts = od.param("experts", rand(E, M, K), dt)
     x, ids = od.input("x", (1, 1, K)), od.input("ids", (1, U), "i32")
     chosen = np.random.default_rng(1).permutation(E)[:U].astype(np.int32).reshape(1, U)
-    plan = ready(ops.mul_mat_id(experts, x, ids), {x: rand(1, 1, K), ids: chosen}, "mmv_id")
+    plan = ready(ops.mul_mat_id(experts, x, ids), {x: rand(1, 1, K), ids: chosen}, MATMUL, ops=MATMUL_OPS,
+                 kernel="mmv_id")
     measure(plan, U * experts.nbytes // E + 4 * K + 4 * U * M, None)

@@ -9,20 +9,12 @@ import numpy as np
 import pytest
 
 import opdispatch as od
+from bench import ready
 from opdispatch import ops
 
 pytestmark = pytest.mark.gpu
 
 
-def ready(outputs, feeds: dict, plugin: str) -> od.Plan:  # noqa: ANN001
-    """A plan on cuda0 with its inputs written, every launch taken by `plugin`."""
-    plan = od.compile(outputs, "cuda0")
-    for s in plan.steps:
-        if s.kind in ("kernel", "fused"):
-            assert s.plugin == plugin and s.device.name == "cuda0", plan.explain()
-    for t, v in feeds.items():
-        plan.write(t, v)
-    return plan
 
 
 def rand(*shape: int, lo: float = -1, hi: float = 1) -> np.ndarray:
