@@ -78,7 +78,7 @@ def compile(  # noqa: A001 - the natural name
 ) -> Plan:
     """Plan `outputs` for `device` (default: the first GPU, else the CPU).
 
-    `prefer`/`exclude` reorder the plugins (see plugins.py); `fusion=False`
+    `prefer`/`exclude` reorder the plugins (see manager.py); `fusion=False`
     (or OPDISPATCH_DISABLE_FUSION=1) turns fusion off; `host_params` are
     weights that stay in host memory (run on the CPU unless offloaded).
     Plans are cached in the plugin manager by the graph's structural key and
@@ -112,11 +112,11 @@ def plan_memory(graph: Graph, steps: list[Step], homes: Mapping[Tensor, Device])
     """Arena slots per device: node outputs and per-run copies, with in-place reuse."""
     memory: dict[str, MemoryPlan] = {}
     last: dict[tuple[Tensor, str], int] = {}
-    where: dict[tuple[Tensor, Device], str] = {}
+    held: set[tuple[Tensor, Device]] = set()  # (base, device) with a buffer on that device
 
     def holder(b: Tensor, dev: Device) -> str:
         # Host-memory devices read each other's buffers without copies.
-        if (b, dev) in where or not dev.host_memory:
+        if (b, dev) in held or not dev.host_memory:
             return dev.name
         return homes[b].name if homes[b].host_memory else dev.name
 
@@ -124,7 +124,7 @@ def plan_memory(graph: Graph, steps: list[Step], homes: Mapping[Tensor, Device])
         if step.kind == "view":
             continue
         if step.kind == "copy":
-            where[(step.out, step.device)] = step.device.name
+            held.add((step.out, step.device))
             last[(step.out, step.src_device.name)] = i
             continue
         inside = set(step.nodes)
@@ -132,7 +132,7 @@ def plan_memory(graph: Graph, steps: list[Step], homes: Mapping[Tensor, Device])
             for s in n.srcs:
                 if s is not None and s not in inside:
                     last[(s.base, holder(s.base, step.device))] = i
-        where[(step.out.base, step.device)] = step.device.name
+        held.add((step.out.base, step.device))
     for o in graph.outputs:
         last[(o.base, homes[o.base].name)] = len(steps)
 
