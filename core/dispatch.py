@@ -168,19 +168,19 @@ def plan_memory(graph: Graph, steps: list[Step], homes: Mapping[Tensor, Device])
 _RESIDENT: weakref.WeakKeyDictionary[Tensor, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
-def resident(t: Tensor, dev: Device, backend: Backend, *, copy: bool = False) -> Any:
+def resident(t: Tensor, dev: Device, backend: Backend) -> Any:
     """The buffer holding leaf `t` on `dev`, made (and filled with `t.data`) on first use.
 
-    With `copy`, a copy of a param away from its home, filled by the caller.
+    A param used on a device away from its home (offloaded) gets one too:
+    weights never change, so it is filled from their data once.
     """
     per_device = _RESIDENT.setdefault(t, {})
-    key = dev.name + ("/copy" if copy else "")
-    if key not in per_device:
-        buf = backend.alloc(t.nbytes, f"copy of {t.describe()}" if copy else t.describe())
-        if t.data is not None and not copy:
+    if dev.name not in per_device:
+        buf = backend.alloc(t.nbytes, t.describe())
+        if t.data is not None:
             backend.write(buf, 0, t.data)
-        per_device[key] = buf
-    return per_device[key]
+        per_device[dev.name] = buf
+    return per_device[dev.name]
 
 
 @attrs.define(eq=False)
@@ -390,11 +390,10 @@ class Plan:
                 continue
             if s.kind == "copy":
                 flush()
-                copy = self._bind_copy(bound, s)
-                if s.note == "bind":
-                    copy()
+                if s.note == "bind":  # a param: its buffer on this device is filled from its data
+                    bound.persistent[(s.out, s.device.name)] = resident(s.out, s.device, backends[s.device.name])
                 else:
-                    bound.runners.append(copy)
+                    bound.runners.append(self._bind_copy(bound, s))
                 continue
             if seg_dev is not None and seg_dev is not s.device:
                 flush()
@@ -416,8 +415,6 @@ class Plan:
     def _bind_copy(self, bound: _Bound, s: Step) -> Callable[[], None]:
         b = s.out
         src_be, dst_be = bound.backends[s.src_device.name], bound.backends[s.device.name]
-        if s.note == "bind":  # a param's copy: made once, shared like the param itself
-            bound.persistent[(b, s.device.name)] = resident(b, s.device, dst_be, copy=True)
         src = self._where(bound, b, s.src_device)
         dst = self._where(bound, b, s.device)
         n = b.nbytes
