@@ -7,9 +7,12 @@ print one line on stderr and exit with status 2, like argparse's own.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
+from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import attrs
@@ -20,7 +23,8 @@ from .backends.base import Device
 from .backends.cuda.devices import H200
 from .dispatch import Plan, resolve_device
 from .manager import PluginManager, manager
-from .models.llama import CACHE_DTYPES, PRESETS, WEIGHT_DTYPES, LlamaModel, generate, random_weights
+from .models.llama import (CACHE_DTYPES, PRESETS, SAMPLING, WEIGHT_DTYPES, WINDOW_STEP, LlamaConfig, LlamaModel,
+                           Sampler, generate, random_weights)
 from .ops import OPS
 from .tensor import Tensor
 
@@ -61,17 +65,29 @@ def _parser() -> argparse.ArgumentParser:
     _add_test_ops(sub)
 
     p = sub.add_parser(
-        "run", help="generate with a Llama-style decoder (random weights), report the plan and tokens/s",
-        description="Generate greedily with a Llama-style decoder built from random weights, then print the plan "
-                    "summary and prefill/decode tokens/s. The preset stays 'tiny' on every device unless --preset "
-                    "1b is given (1b is meant for a GPU: on the numpy reference it takes minutes).")
+        "run", help="generate with a Llama-style decoder, report the plan and tokens/s",
+        description="Generate from a random prompt with a Llama-style decoder (random weights of a preset shape, "
+                    "or weights from a GGUF file or safetensors files), then print the plan summary and "
+                    "prefill/decode tokens/s. The preset stays 'tiny' on every device unless another is given "
+                    "(1b is meant for a GPU: on the numpy reference it takes minutes).")
     p.add_argument("--device", help="device name or kind (default: the best available, a GPU if there is one)")
-    p.add_argument("--preset", choices=tuple(PRESETS), default="tiny", help="model shape (default: tiny)")
-    p.add_argument("--dtype", choices=WEIGHT_DTYPES, help="weight dtype (default: the preset's: tiny f32, 1b bf16)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=tuple(PRESETS),
+                     help="random weights of this shape (default: tiny; tiny-moe: 4 experts, 2 used)")
+    src.add_argument("--gguf", metavar="PATH", help="weights and config from a llama GGUF file")
+    src.add_argument("--safetensors", metavar="DIR",
+                     help="weights from the *.safetensors files in DIR (or one file), config from config.json there")
+    p.add_argument("--dtype", choices=WEIGHT_DTYPES,
+                   help="dtype of random weights (default: the preset's: tiny f32, 1b bf16); loaded weights keep "
+                        "their stored types")
     p.add_argument("--cache-dtype", choices=CACHE_DTYPES, help="KV cache dtype (default: f16)")
     p.add_argument("--tokens", type=int, default=32, help="tokens to generate (default: 32)")
     p.add_argument("--prompt-len", type=int, default=16, help="random prompt length (default: 16)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompt (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, the prompt and sampling (default: 0)")
+    p.add_argument("--sample", choices=SAMPLING, default="greedy", help="how tokens are picked (default: greedy)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k: tokens kept (default: 40)")
+    p.add_argument("--top-p", type=float, default=0.9, help="top-p: probability kept (default: 0.9)")
+    p.add_argument("--temperature", type=float, default=1.0, help="top-k/top-p: logits are divided by it (default: 1)")
     p.add_argument("--no-fusion", action="store_true", help="compile without fusion rules")
     p.set_defaults(handler=cmd_run)
     return parser
@@ -229,22 +245,44 @@ def _markdown(table: list[list[str]], devices: Sequence[Device]) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device, manager())
-        cfg = attrs.evolve(PRESETS[args.preset], **{k: v for k, v in (("dtype", args.dtype),
-                                                                       ("cache_dtype", args.cache_dtype)) if v})
+        sampler = Sampler(args.sample, args.top_k, args.top_p, args.temperature, args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if args.tokens < 1 or args.prompt_len < 1 or args.prompt_len + args.tokens > cfg.max_ctx:
-        raise UsageError(f"--prompt-len {args.prompt_len} plus --tokens {args.tokens} must be positive and fit "
-                         f"the context of {cfg.max_ctx}")
-    print(f"model: llama {args.preset}: {cfg.describe()}")
+    if args.tokens < 1 or args.prompt_len < 1:
+        raise UsageError(f"--prompt-len {args.prompt_len} and --tokens {args.tokens} must be positive")
+    need = args.prompt_len + args.tokens
+    loaded = args.gguf or args.safetensors
+    if loaded and args.dtype:
+        raise UsageError("--dtype sets the dtype of random weights; loaded weights keep their stored types")
     t0 = time.perf_counter()
-    model = LlamaModel(cfg, random_weights(cfg, args.seed))
-    weights = sum(t.nbytes for t in model.params.values())
+    if loaded:
+        cfg, weights, what = _load_weights(args)
+        # The KV cache is allocated whole: hold what this run needs, in whole attention windows.
+        if need <= cfg.max_ctx:
+            cfg = attrs.evolve(cfg, max_ctx=min(cfg.max_ctx, -(-need // WINDOW_STEP) * WINDOW_STEP))
+    else:
+        what = args.preset or "tiny"
+        cfg = attrs.evolve(PRESETS[what], **({"dtype": args.dtype} if args.dtype else {}))
+        weights = None
+    if need > cfg.max_ctx:
+        raise UsageError(f"--prompt-len {args.prompt_len} plus --tokens {args.tokens} must fit the context of "
+                         f"{cfg.max_ctx}")
+    try:
+        if args.cache_dtype:
+            cfg = attrs.evolve(cfg, cache_dtype=args.cache_dtype)
+        print(f"model: llama {what}: {cfg.describe()}")
+        model = LlamaModel(cfg, random_weights(cfg, args.seed) if weights is None else weights)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    size = sum(t.nbytes for t in {id(t): t for t in model.params.values()}.values())
     cache = sum(t.nbytes for t in model.states)
-    print(f"weights: random, seed {args.seed}, {_size(weights)}, built in {time.perf_counter() - t0:.2f} s; "
-          f"KV cache {_size(cache)}")
+    source = f"random, seed {args.seed}" if weights is None else f"{len(model.params)} tensors ({_dtypes(model)})"
+    print(f"weights: {source}, {_size(size)}, {'built' if weights is None else 'loaded'} in "
+          f"{time.perf_counter() - t0:.2f} s; KV cache {_size(cache)}")
     prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab, args.prompt_len).tolist()
-    out = generate(model, prompt, args.tokens, device, fusion=False if args.no_fusion else None)
+    print(f"sampling: {sampler.describe()}")
+    out = generate(model, prompt, args.tokens, device, fusion=False if args.no_fusion else None, sampler=sampler,
+                   progress=sys.stderr)
     print(f"device: {device.name} ({device.description}); fusion {'off' if args.no_fusion else 'on'}; "
           f"compile {out.compile_s:.2f} s")
     _print_plan("prefill", out.prefill_plan)
@@ -256,6 +294,46 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"decode: {out.decode_steps} tokens in {out.decode_s * 1e3:.2f} ms = {out.decode_tps:.1f} tokens/s "
               f"({out.decode_s / out.decode_steps * 1e3:.3f} ms/token)")
     return 0
+
+
+def _load_weights(args: argparse.Namespace) -> tuple[LlamaConfig, dict[str, Tensor], str]:
+    """(config, params, a name for them) from --gguf or --safetensors; the loaders import lazily."""
+    try:
+        from .models import weights as loaders
+    except ImportError as exc:
+        raise UsageError(f"weight loading is unavailable ({type(exc).__name__}: {exc})") from None
+    try:
+        if args.gguf:
+            cfg, params = loaders.load_gguf(args.gguf)
+            return cfg, params, f"gguf {args.gguf}"
+        root = Path(args.safetensors)
+        config = (root if root.is_dir() else root.parent) / "config.json"
+        if not config.is_file():
+            raise UsageError(f"--safetensors {args.safetensors}: no config.json beside the weights ({config})")
+        try:
+            cfg = LlamaConfig.from_hf(json.loads(config.read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{config}: not JSON ({exc})") from None
+        params = loaders.load_safetensors(root)
+        common = Counter(t.dtype.name for name, t in params.items() if t.ndim >= 2).most_common(1)
+        if common and common[0][0] in WEIGHT_DTYPES:  # what describe() says the weights are in
+            try:
+                cfg = attrs.evolve(cfg, dtype=common[0][0])
+            except ValueError:
+                pass
+        return cfg, params, f"safetensors {args.safetensors}"
+    except OSError as exc:
+        raise UsageError(f"--{'gguf' if args.gguf else 'safetensors'}: {exc.strerror or exc}: {exc.filename}") from None
+    except (ValueError, ImportError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _dtypes(model: LlamaModel) -> str:
+    """'bf16 2.0 GiB, f32 1.1 MiB': the model's weight bytes by dtype."""
+    by: Counter[str] = Counter()
+    for t in {id(t): t for t in model.params.values()}.values():
+        by[t.dtype.name] += t.nbytes
+    return ", ".join(f"{dt} {_size(n)}" for dt, n in by.most_common())
 
 
 def _print_plan(what: str, plan: Plan) -> None:

@@ -1,20 +1,37 @@
-"""The Llama graph against a plain numpy Llama, and the KV cache against recomputation."""
+"""The Llama graph against a plain numpy Llama (and Mixtral), the KV cache against recomputation,
+configs from HF config dicts, and sampling."""
 
 from __future__ import annotations
+
+import io
+import math
 
 import attrs
 import numpy as np
 import pytest
 
+from opdispatch.backends.cuda.devices import H200
+from opdispatch.dispatch import compile
 from opdispatch.graph import Graph
-from opdispatch.models.llama import PRESETS, Generator, LlamaConfig, LlamaModel, generate, random_weights
+from opdispatch.models.llama import (PRESETS, Generator, LlamaConfig, LlamaModel, Sampler, generate, random_weights,
+                                     weight_shapes)
+from opdispatch.tensor import param
 
 TINY_F32 = attrs.evolve(PRESETS["tiny"], dtype="f32", cache_dtype="f32")
+MOE_F32 = attrs.evolve(PRESETS["tiny-moe"], dtype="f32", cache_dtype="f32")
 PROMPT = [3, 141, 59, 26, 5, 35, 89, 79, 32, 38, 46]
 
 
-def numpy_llama(cfg: LlamaConfig, w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
-    """Logits (T, vocab) of HF's Llama written out in float64, sharing no code with opdispatch."""
+def numpy_llama(cfg: LlamaConfig, w: dict[str, np.ndarray], ids: list[int],
+                inv_freq: np.ndarray | None = None) -> np.ndarray:
+    """Logits (T, vocab) of HF's Llama / Mixtral written out in float64, sharing no code with opdispatch.
+
+    MoE layers (cfg.experts) read HF Mixtral's weights, one expert at a time, and
+    route as MixtralSparseMoeBlock: softmax over the router logits, the top
+    experts_used, their probabilities renormalized when cfg.norm_topk, the
+    weighted sum of the chosen experts' SwiGLU. `inv_freq`: RoPE frequencies
+    (default base**(-2i/d)).
+    """
     t_len, hd = len(ids), cfg.head_dim
     w = {k: v.astype(np.float64) for k, v in w.items()}
 
@@ -24,7 +41,28 @@ def numpy_llama(cfg: LlamaConfig, w: dict[str, np.ndarray], ids: list[int]) -> n
     def rotate_half(x: np.ndarray) -> np.ndarray:
         return np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], axis=-1)
 
-    inv_freq = cfg.rope_base ** (-np.arange(0, hd, 2) / hd)
+    def swiglu(h: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+        g = h @ gate.T
+        return (g / (1 + np.exp(-g)) * (h @ up.T)) @ down.T
+
+    def moe(p: str, h: np.ndarray) -> np.ndarray:
+        logits = h @ w[p + "block_sparse_moe.gate.weight"].T
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out = np.zeros_like(h)
+        for t in range(t_len):
+            ranked = sorted(range(cfg.experts), key=lambda e: -probs[t, e])
+            chosen, k = ranked[:cfg.experts_used], cfg.experts_used
+            # The selection must not hinge on rounding: the last chosen and the first left out are apart.
+            assert k == cfg.experts or probs[t, ranked[k - 1]] - probs[t, ranked[k]] > 1e-5
+            gates = probs[t, chosen] / (probs[t, chosen].sum() if cfg.norm_topk else 1.0)
+            for e, g in zip(chosen, gates):
+                q = f"{p}block_sparse_moe.experts.{e}."
+                out[t] += g * swiglu(h[t], w[q + "w1.weight"], w[q + "w3.weight"], w[q + "w2.weight"])
+        return out
+
+    if inv_freq is None:
+        inv_freq = cfg.rope_base ** (-np.arange(0, hd, 2) / hd)
     freqs = np.arange(t_len)[:, None] * inv_freq[None, :]
     emb = np.concatenate([freqs, freqs], axis=-1)  # (T, hd)
     cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]  # broadcast over heads
@@ -49,8 +87,10 @@ def numpy_llama(cfg: LlamaConfig, w: dict[str, np.ndarray], ids: list[int]) -> n
         attn = np.einsum("hqk,khd->qhd", probs, v).reshape(t_len, cfg.hidden)
         x = x + attn @ w[p + "self_attn.o_proj.weight"].T
         h = rms(x, w[p + "post_attention_layernorm.weight"])
-        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+        if cfg.experts:
+            x = x + moe(p, h)
+        else:
+            x = x + swiglu(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"])
     return rms(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
 
 
@@ -141,3 +181,299 @@ def test_config_refuses_unusable_dtypes() -> None:
         attrs.evolve(PRESETS["tiny"], cache_dtype="q8_0")  # head_dim 16 holds no 32-value block
     with pytest.raises(ValueError, match="heads"):
         LlamaConfig(vocab=8, hidden=60, layers=1, heads=8, kv_heads=2, ffn=64)
+
+
+# -- mixture of experts -------------------------------------------------------------------
+
+
+def run_steps(model: LlamaModel, prompt: list[int], steps: int, device: str = "cpu") -> tuple[list[int], np.ndarray]:
+    """Prefill `prompt`, then `steps` greedy decode steps: (the whole sequence, logits of every position)."""
+    gen = Generator(model, device)
+    seq = list(prompt)
+    got = [gen.forward(seq)]
+    for _ in range(steps):
+        seq.append(int(np.argmax(got[-1][-1])))
+        got.append(gen.forward(seq[-1:]))
+    return seq, np.concatenate(got)
+
+
+@pytest.mark.parametrize("k, norm_topk", [(2, True), (2, False), (3, True), (1, False)],
+                         ids=["mixtral", "no-renorm", "k3", "k1"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda0", marks=pytest.mark.gpu)])
+def test_moe_prefill_and_decode_match_numpy_mixtral(device: str, k: int, norm_topk: bool) -> None:
+    cfg = attrs.evolve(MOE_F32, experts_used=k, norm_topk=norm_topk)
+    w = random_weights(cfg, seed=1)
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in w  # HF Mixtral's names
+    seq, got = run_steps(LlamaModel(cfg, w), PROMPT, 8, device)
+    assert_close_logits(got, numpy_llama(cfg, w, seq))
+
+
+def test_moe_weights_stacked_or_per_expert_under_either_name_give_one_model() -> None:
+    w = random_weights(MOE_F32, seed=1)
+    ref = Generator(LlamaModel(MOE_F32, w), "cpu").forward(PROMPT)
+    qwen, stacked = {}, {}
+    for name, x in w.items():
+        for mixtral, hf in ((".block_sparse_moe.gate.", ".mlp.gate."), (".w1.", ".gate_proj."),
+                            (".w3.", ".up_proj."), (".w2.", ".down_proj.")):
+            name = name.replace(mixtral, hf)
+        qwen[name.replace("block_sparse_moe.", "mlp.")] = x
+    for name, shape in weight_shapes(MOE_F32).items():
+        if len(shape) == 3:  # "...mlp.experts.gate_proj.weight" <- "...mlp.experts.{e}.gate_proj.weight"
+            stem, proj = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
+            stacked[name] = np.stack([qwen[f"{stem}.{e}.{proj}.weight"] for e in range(shape[0])])
+        else:
+            stacked[name] = qwen[name]
+    for weights in (qwen, stacked):
+        np.testing.assert_array_equal(Generator(LlamaModel(MOE_F32, weights), "cpu").forward(PROMPT), ref)
+    # Stacked float16 params (as a loader makes them) are used as they are.
+    params = {n: param(n, x, "f16") if x.ndim == 3 else x for n, x in stacked.items()}
+    model = LlamaModel(MOE_F32, params)
+    up = "model.layers.0.mlp.experts.up_proj.weight"
+    assert model.params[up] is params[up]
+    assert_close_logits(Generator(model, "cpu").forward(PROMPT), ref, 5e-3)
+    # ... and so are per-expert params, their blocks stacked.
+    per_expert = {n: param(n, x, "q8_0") if ".experts." in n else x for n, x in qwen.items()}
+    stacked_q8 = LlamaModel(MOE_F32, per_expert).params["model.layers.1.mlp.experts.down_proj.weight"]
+    assert stacked_q8.dtype.name == "q8_0" and stacked_q8.shape == (4, 64, 64)
+    assert stacked_q8.data.tobytes() == b"".join(per_expert[f"model.layers.1.mlp.experts.{e}.down_proj.weight"].data
+                                                 .tobytes() for e in range(4))
+
+
+def moe_ops(model: LlamaModel, n: int) -> list[str]:
+    return [t.op for t in Graph.build(model.build(n, 0)[0]).nodes]
+
+
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_moe_router_nodes_run_consecutively_for_the_topk_moe_fusion(norm_topk: bool) -> None:
+    cfg = attrs.evolve(PRESETS["tiny-moe"], norm_topk=norm_topk)
+    model = LlamaModel(cfg, random_weights(cfg))
+    router = ["soft_max", "reshape", "top_k", "get_rows"] + (["reshape", "sum_rows", "div"] if norm_topk else [])
+    experts = ["view", "reshape", "mul_mat_id", "mul_mat_id", "glu", "mul_mat_id", "mul", "view", "view", "add", "add"]
+    for n in (1, 7):
+        ops = " ".join(moe_ops(model, n))
+        assert ops.count(" ".join(["mul_mat"] + router + experts)) == cfg.layers, ops
+    # On an H200 (planned without one): gate/up + glu fused for one token, the 2 experts + residual in one add.
+    plan = compile(model.build(1, 0)[0], H200)
+    fused = [s.kernel for s in plan.fusions]
+    assert fused.count("mul_mat_id_glu") == cfg.layers and fused.count("multi_add_2") == cfg.layers
+
+
+def test_moe_decode_graph_is_the_same_across_tokens() -> None:
+    model = LlamaModel(PRESETS["tiny-moe"], random_weights(PRESETS["tiny-moe"]))
+    assert len({Graph.build(model.build(1, n_past)[0]).key() for n_past in (11, 12, 57)}) == 1
+
+
+# -- weights --------------------------------------------------------------------------------
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute, as llama.cpp writes q_proj/k_proj into a GGUF."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape))
+
+
+@pytest.mark.parametrize("cfg", [TINY_F32, MOE_F32], ids=["dense", "moe"])
+def test_normal_rope_on_gguf_permuted_qk_equals_neox_on_hf_weights(cfg: LlamaConfig) -> None:
+    w = random_weights(cfg, seed=3)
+    gguf_w = dict(w)
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}.self_attn."
+        gguf_w[p + "q_proj.weight"] = llama_cpp_permute(w[p + "q_proj.weight"], cfg.heads, cfg.heads)
+        gguf_w[p + "k_proj.weight"] = llama_cpp_permute(w[p + "k_proj.weight"], cfg.heads, cfg.kv_heads)
+    seq, neox = run_steps(LlamaModel(cfg, w), PROMPT, 4)
+    normal_cfg = attrs.evolve(cfg, rope_mode="normal")
+    _, normal = run_steps(LlamaModel(normal_cfg, gguf_w), PROMPT, 4)
+    assert_close_logits(normal, neox, 1e-5)
+    assert_close_logits(normal, numpy_llama(cfg, w, seq))
+    # The mode matters: normal RoPE on HF's own rows is another model.
+    _, wrong = run_steps(LlamaModel(normal_cfg, w), PROMPT, 4)
+    assert np.abs(wrong - neox).max() > 1e-2 * np.abs(neox).max()
+
+
+def test_lm_head_left_out_is_tied_to_the_embedding() -> None:
+    w = random_weights(TINY_F32, seed=4)
+    w["lm_head.weight"] = w["model.embed_tokens.weight"].copy()
+    ref = Generator(LlamaModel(TINY_F32, w), "cpu").forward(PROMPT)
+    del w["lm_head.weight"]
+    model = LlamaModel(TINY_F32, w)
+    assert model.lm_head is model.embed
+    np.testing.assert_array_equal(Generator(model, "cpu").forward(PROMPT), ref)
+
+
+def test_weights_that_do_not_fit_are_named() -> None:
+    w = random_weights(MOE_F32)
+    with pytest.raises(ValueError, match=r"missing weights \(1\): model\.layers\.1\.mlp\.experts\.up_proj\.weight"):
+        LlamaModel(MOE_F32, {k: v for k, v in w.items() if k != "model.layers.1.block_sparse_moe.experts.2.w3.weight"})
+    with pytest.raises(ValueError, match=r"does not use \(1\): model\.layers\.0\.self_attn\.q_proj\.bias"):
+        LlamaModel(MOE_F32, {**w, "model.layers.0.self_attn.q_proj.bias": np.ones(64, np.float32)})
+    bad = {**w, "model.norm.weight": np.ones(65, np.float32)}
+    with pytest.raises(ValueError, match=r"model\.norm\.weight has shape \(65,\), expected \(64,\)"):
+        LlamaModel(MOE_F32, bad)
+    LlamaModel(MOE_F32, {**w, "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8)})  # a buffer, not a weight
+
+
+# -- configs from HF ------------------------------------------------------------------------
+
+
+def hf_llama3_inv_freq(head_dim: int, base: float, s: dict) -> np.ndarray:
+    """transformers' _compute_llama3_parameters (modeling_rope_utils.py), in numpy."""
+    inv_freq = 1.0 / base ** (np.arange(0, head_dim, 2) / head_dim)
+    old, low, high, factor = (s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"],
+                              s["factor"])
+    wavelen = 2 * math.pi / inv_freq
+    inv_llama = np.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_llama / factor + smooth * inv_llama
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, smoothed, inv_llama)
+
+
+LLAMA_32_1B = {  # meta-llama/Llama-3.2-1B's config.json, as transformers writes it
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.45.0",
+    "use_cache": True, "vocab_size": 128256,
+}
+MIXTRAL = {  # mistralai/Mixtral-8x7B-v0.1's, less the keys at MixtralConfig's defaults
+    "architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336, "model_type": "mixtral",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_local_experts": 8, "vocab_size": 32000,
+}
+
+
+def test_from_hf_reads_llama_and_mixtral_configs() -> None:
+    cfg = LlamaConfig.from_hf(LLAMA_32_1B)
+    assert (cfg.vocab, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.ffn) == (128256, 2048, 16, 32, 8, 8192)
+    assert (cfg.rope_base, cfg.rms_eps, cfg.max_ctx, cfg.experts, cfg.rope_mode) == (5e5, 1e-5, 4096, 0, "neox")
+    inv = 500000.0 ** (-np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(inv / np.array(cfg.rope_freq_factors),
+                               hf_llama3_inv_freq(64, 5e5, LLAMA_32_1B["rope_scaling"]), rtol=1e-12)
+    moe = LlamaConfig.from_hf(MIXTRAL, max_ctx=512, dtype="q8_0")
+    assert (moe.experts, moe.experts_used, moe.norm_topk, moe.kv_heads) == (8, 2, True, 8)
+    assert (moe.rope_base, moe.rms_eps, moe.max_ctx, moe.dtype) == (1e6, 1e-5, 512, "q8_0")
+    qwen_style = LlamaConfig.from_hf({**MIXTRAL, "num_experts_per_tok": 4, "norm_topk_prob": False})
+    assert (qwen_style.experts_used, qwen_style.norm_topk) == (4, False)
+    assert LlamaConfig.from_hf({**MIXTRAL, "rope_scaling": {"type": "linear", "factor": 4.0}}).rope_freq_scale == 0.25
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"model_type": "qwen2"}, "model_type 'qwen2'"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"head_dim": 128}, "head_dim 128"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling 'yarn'"),
+    ({"model_type": "mistral", "sliding_window": 1024}, "sliding_window 1024 shorter than max_ctx 4096"),
+    ({"hidden_size": None}, "lacks hidden_size"),
+])
+def test_from_hf_refuses_what_the_builder_does_not_run(change: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig.from_hf({**LLAMA_32_1B, **change})
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"type": "linear", "factor": 4.0},
+], ids=["llama3", "linear"])
+def test_scaled_rope_from_hf_matches_transformers_frequencies(scaling: dict) -> None:
+    tiny = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 128, "rope_scaling": scaling}
+    cfg = LlamaConfig.from_hf(tiny, dtype="f32", cache_dtype="f32")
+    base = 10000.0 ** (-np.arange(0, 16, 2) / 16)
+    inv_freq = hf_llama3_inv_freq(16, 10000.0, scaling) if scaling.get("rope_type") == "llama3" else \
+        base / scaling["factor"]  # linear: positions divided by the factor
+    if cfg.rope_freq_factors is not None:  # all three of llama3's bands are exercised
+        assert {1.0, 8.0} < set(cfg.rope_freq_factors) and len(set(cfg.rope_freq_factors)) > 3
+    w = random_weights(cfg, seed=5)
+    seq, got = run_steps(LlamaModel(cfg, w), PROMPT * 2, 4)
+    ref = numpy_llama(cfg, w, seq, inv_freq)
+    assert_close_logits(got, ref)
+    assert np.abs(numpy_llama(cfg, w, seq) - ref).max() > 1e-2 * np.abs(ref).max()  # the scaling shows
+
+
+# -- sampling --------------------------------------------------------------------------------
+
+
+def test_top_k_1_is_greedy(tiny) -> None:
+    rng = np.random.default_rng(7)
+    rows = rng.standard_normal((50, 300))
+    rows[0, [5, 9]] = rows[0].max() + 1  # a tie: the first index wins, as np.argmax
+    s = Sampler("top-k", top_k=1, temperature=0.3)
+    assert [s(r) for r in rows] == [int(np.argmax(r)) for r in rows]
+    _, _, model = tiny
+    assert generate(model, PROMPT, 6, "cpu", sampler=s).tokens == generate(model, PROMPT, 6, "cpu").tokens
+
+
+def test_top_p_keeps_the_nucleus() -> None:
+    probs = np.array([0.05, 0.5, 0.15, 0.3])
+    logits = np.log(probs) + 3.0
+    for p, ids in ((0.4, [1]), (0.7, [1, 3]), (0.85, [1, 3, 2]), (1.0, [1, 3, 2, 0])):
+        got_ids, got_p = Sampler("top-p", top_p=p).candidates(logits)
+        assert got_ids.tolist() == ids
+        np.testing.assert_allclose(got_p, probs[ids] / probs[ids].sum(), rtol=1e-12)
+    s = Sampler("top-p", top_p=0.7, seed=11)
+    draws = np.array([s(logits) for _ in range(4000)])
+    assert set(draws.tolist()) == {1, 3}
+    assert abs((draws == 1).mean() - 0.625) < 0.03  # 0.5 / 0.8, within ~4 sigma
+
+
+def test_top_p_on_a_flat_vocabulary_and_temperature() -> None:
+    rng = np.random.default_rng(8)
+    logits = rng.standard_normal(5000) * 0.5  # a nucleus of thousands: past the first partial sort
+    ids, p = Sampler("top-p", top_p=0.9, temperature=1.5).candidates(logits)
+    full = np.exp(logits / 1.5 - (logits / 1.5).max())
+    full /= full.sum()
+    order = np.argsort(-full, kind="stable")
+    n = int(np.searchsorted(np.cumsum(full[order]), 0.9)) + 1  # the smallest prefix reaching 0.9
+    assert ids.tolist() == order[:n].tolist() and n > 1000
+    np.testing.assert_allclose(p, full[order[:n]] / full[order[:n]].sum(), rtol=1e-9)
+    # top-k at temperature T draws in proportion to exp(logit / T) among the k largest.
+    ids, p = Sampler("top-k", top_k=3, temperature=2.0).candidates(np.log([0.1, 0.4, 0.2, 0.3]))
+    assert ids.tolist() == [1, 3, 2]
+    np.testing.assert_allclose(p, np.sqrt([0.4, 0.3, 0.2]) / np.sqrt([0.4, 0.3, 0.2]).sum(), rtol=1e-12)
+
+
+def test_sampling_repeats_with_its_seed(tiny) -> None:
+    _, _, model = tiny
+    gen = Generator(model, "cpu")
+    s = Sampler("top-p", top_p=0.95, temperature=1.5, seed=3)
+    first = gen.generate(PROMPT, 12, s)
+    assert first.sampling == "top-p (p 0.95, temperature 1.5, seed 3)"
+    assert gen.generate(PROMPT, 12, s).tokens == first.tokens  # the same sampler again: reset to its seed
+    assert gen.generate(PROMPT, 12, Sampler("top-p", top_p=0.95, temperature=1.5, seed=3)).tokens == first.tokens
+    assert gen.generate(PROMPT, 12, Sampler("top-p", top_p=0.95, temperature=1.5, seed=4)).tokens != first.tokens
+    assert first.tokens != generate(model, PROMPT, 12, "cpu").tokens  # not greedy
+
+
+@pytest.mark.parametrize("kw, match", [({"method": "beam"}, "method"), ({"method": "top-k", "top_k": 0}, "top_k"),
+                                       ({"method": "top-p", "top_p": 1.5}, "top_p"),
+                                       ({"method": "top-p", "temperature": 0.0}, "temperature")])
+def test_sampler_refuses_bad_parameters(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Sampler(**kw)
+    Sampler("greedy", temperature=0.0, top_k=0)  # greedy uses neither
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_one_line_elsewhere(tiny) -> None:
+    _, _, model = tiny
+    log = io.StringIO()
+    generate(model, PROMPT, 5, "cpu", progress=log)
+    assert len(log.getvalue().splitlines()) == 1
+    assert log.getvalue().startswith("generated 5/5 tokens in ") and " tokens/s " in log.getvalue()
+    tty = Terminal()
+    generate(model, PROMPT, 5, "cpu", progress=tty)
+    text = tty.getvalue()
+    assert text.startswith("\r") and text.endswith("\n") and text.count("\n") == 1
+    assert "#" * 30 + " 5/5 tokens, " in text and "tokens/s" in text

@@ -1,3 +1,13 @@
 """Graph builders for real workloads."""
 
-from .llama import PRESETS, Generation, Generator, LlamaConfig, LlamaModel, generate, random_weights  # noqa: F401
+from .llama import (  # noqa: F401
+    PRESETS,
+    Generation,
+    Generator,
+    LlamaConfig,
+    LlamaModel,
+    Sampler,
+    generate,
+    random_weights,
+    weight_shapes,
+)

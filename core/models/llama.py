@@ -1,12 +1,23 @@
-"""A Llama decoder as one opdispatch graph per step, and greedy generation.
+"""A Llama decoder as one opdispatch graph per step, and generation (greedy, top-k, top-p).
 
 The graph follows llama.cpp's: embedding by get_rows, per layer RMSNorm ->
-q/k/v projections -> neox RoPE (HF's rotate_half) -> K and V written into the
-cache with set_rows -> flash_attn_ext over a fixed window of the cache with a
-causal f16 mask -> output projection -> residual -> RMSNorm -> SwiGLU MLP ->
-residual; final norm and LM head. Everything that changes from one decode
-step to the next is an input (token, position, cache row, mask), so a decode
-step's graph, plan and CUDA graph stay the same for 256 tokens at a time.
+q/k/v projections -> RoPE -> K and V written into the cache with set_rows ->
+flash_attn_ext over a fixed window of the cache with a causal f16 mask ->
+output projection -> residual -> RMSNorm -> SwiGLU MLP (or a mixture of
+experts) -> residual; final norm and LM head. Everything that changes from
+one decode step to the next is an input (token, position, cache row, mask),
+so a decode step's graph, plan and CUDA graph stay the same for 256 tokens at
+a time.
+
+RoPE: "neox" pairs dims (i, i + d/2), HF's rotate_half, for HF weights;
+"normal" pairs (2i, 2i+1), for GGUF llama weights, whose Q/K rows llama.cpp's
+converter permuted so that the normal pairs are HF's pairs. Linear scaling
+(freq_scale) and Llama 3's per-frequency factors (rope_freq_factors) apply.
+
+Mixture of experts (Mixtral, Qwen-MoE): router logits -> soft_max -> top_k ->
+the selected probabilities gathered with get_rows (optionally renormalized:
+sum_rows, div) -> the experts' SwiGLU through mul_mat_id -> weighted (mul) and
+summed over the k experts by a chain of adds, as llama.cpp's build_moe_ffn.
 
 KV cache layout: per layer one state of shape (max_ctx, kv_heads * head_dim)
 for K and one for V, a row per token position (llama.cpp's layout). A step
@@ -18,8 +29,9 @@ as a strided view (1, kv_heads, window, head_dim) that costs nothing.
 from __future__ import annotations
 
 import math
+import re
 import time
-from typing import Sequence
+from typing import Any, Mapping, Sequence, TextIO
 
 import attrs
 import numpy as np
@@ -29,20 +41,37 @@ from ..backends.base import Device
 from ..dispatch import Plan, compile, resolve_device
 from ..dtypes import dtype as as_dtype
 from ..manager import manager
-from ..tensor import Tensor, input, param, state  # noqa: A004
+from ..tensor import Flag, Tensor, input, param, state  # noqa: A004
 
-__all__ = ["LlamaConfig", "PRESETS", "random_weights", "LlamaModel", "StepInputs", "Generator", "Generation",
-           "generate", "window_for"]
+__all__ = ["LlamaConfig", "PRESETS", "MOE_ALIASES", "weight_shapes", "random_weights", "LlamaModel", "StepInputs",
+           "Sampler", "SAMPLING", "Progress", "Generator", "Generation", "generate", "window_for"]
 
 WEIGHT_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 CACHE_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+ROPE_MODES = ("neox", "normal")
 #: the attention window grows in steps of this many positions (or up to max_ctx)
 WINDOW_STEP = 256
+#: LlamaConfig.from_hf caps the context (the KV cache is allocated whole) unless max_ctx is given
+HF_MAX_CTX = 4096
+
+
+def _factors(v: Sequence[float] | None) -> tuple[float, ...] | None:
+    return None if v is None else tuple(float(x) for x in v)
 
 
 @attrs.frozen
 class LlamaConfig:
-    """Shape of a Llama decoder, and the dtypes its weights and KV cache are stored in."""
+    """Shape of a Llama decoder, and the dtypes its weights and KV cache are stored in.
+
+    rope_mode: "neox" (HF weights) or "normal" (GGUF llama weights, Q/K rows
+    permuted by llama.cpp's converter). rope_freq_scale: linear RoPE scaling
+    (1 / factor). rope_freq_factors: head_dim/2 divisors of the frequencies
+    (Llama 3's rope scaling; ggml's rope_freqs). experts: experts per MoE
+    layer (0: a dense SwiGLU MLP); experts_used: how many each token takes
+    (k); norm_topk: renormalize the k routing weights to sum to 1 (Mixtral
+    does; Qwen-MoE says so in norm_topk_prob). With experts, ffn is each
+    expert's hidden size.
+    """
 
     vocab: int
     hidden: int
@@ -55,6 +84,12 @@ class LlamaConfig:
     max_ctx: int = 2048
     dtype: str = attrs.field(default="f32", validator=attrs.validators.in_(WEIGHT_DTYPES))
     cache_dtype: str = attrs.field(default="f16", validator=attrs.validators.in_(CACHE_DTYPES))
+    rope_mode: str = attrs.field(default="neox", validator=attrs.validators.in_(ROPE_MODES))
+    rope_freq_scale: float = 1.0
+    rope_freq_factors: tuple[float, ...] | None = attrs.field(default=None, converter=_factors)
+    experts: int = 0
+    experts_used: int = 0
+    norm_topk: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.hidden % self.heads or self.heads % self.kv_heads or self.head_dim % 2:
@@ -65,6 +100,15 @@ class LlamaConfig:
             block = as_dtype(dt).block_size
             if k % block:
                 raise ValueError(f"llama: {what} dtype {dt} needs rows that are multiples of {block}, got {k}")
+        if self.experts < 0 or (self.experts and not 1 <= self.experts_used <= self.experts) or (
+                not self.experts and self.experts_used):
+            raise ValueError(f"llama: experts_used {self.experts_used} must be in 1..experts ({self.experts}), "
+                             "or both 0 for a dense MLP")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(f"llama: rope_freq_factors has {len(self.rope_freq_factors)} values, expected "
+                             f"head_dim/2 = {self.head_dim // 2}")
+        if not self.rope_freq_scale > 0:
+            raise ValueError(f"llama: rope_freq_scale must be positive, got {self.rope_freq_scale}")
 
     @property
     def head_dim(self) -> int:
@@ -75,32 +119,165 @@ class LlamaConfig:
         return self.kv_heads * self.head_dim
 
     def n_params(self) -> int:
-        per_layer = 2 * self.hidden * (self.hidden + self.kv_dim) + 3 * self.hidden * self.ffn + 2 * self.hidden
+        mlp = 3 * self.hidden * self.ffn * max(self.experts, 1) + self.experts * self.hidden
+        per_layer = 2 * self.hidden * (self.hidden + self.kv_dim) + mlp + 2 * self.hidden
         return 2 * self.vocab * self.hidden + self.layers * per_layer + self.hidden
 
     def describe(self) -> str:
+        moe = (f" x {self.experts} experts ({self.experts_used} used{', renormalized' if self.norm_topk else ''})"
+               if self.experts else "")
+        rope = f"rope {self.rope_mode} base {self.rope_base:g}"
+        if self.rope_freq_scale != 1.0:
+            rope += f" scale {self.rope_freq_scale:g}"
+        if self.rope_freq_factors is not None:
+            rope += " with freq factors"
         return (f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads ({self.kv_heads} kv, dim "
-                f"{self.head_dim}), ffn {self.ffn}, vocab {self.vocab}, max_ctx {self.max_ctx}; "
+                f"{self.head_dim}), ffn {self.ffn}{moe}, vocab {self.vocab}, {rope}, max_ctx {self.max_ctx}; "
                 f"{self.n_params() / 1e6:.1f}M params in {self.dtype}, cache {self.cache_dtype}")
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any], **overrides: Any) -> LlamaConfig:
+        """A config from a transformers config.json (LlamaConfig, MistralConfig or MixtralConfig keys).
+
+        Keys missing from `config` take that class's default. max_ctx is
+        max_position_embeddings capped at HF_MAX_CTX (the KV cache is
+        allocated whole); `overrides` (max_ctx, dtype, cache_dtype, ...) win.
+        Architectures or options this builder does not run (biases, other
+        activations, a head_dim other than hidden/heads, YaRN or dynamic
+        RoPE scaling, a sliding window shorter than the context) raise
+        ValueError rather than build a different model.
+        """
+        c = dict(config)
+        kind = c.get("model_type", "llama")
+        if kind not in _HF_DEFAULTS:
+            raise ValueError(f"llama: HF model_type {kind!r} is not one this builder runs "
+                             f"({', '.join(_HF_DEFAULTS)})")
+        c = {**_HF_DEFAULTS[kind], **{k: v for k, v in c.items() if v is not None}}
+        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                               "intermediate_size") if k not in c]
+        if missing:
+            raise ValueError(f"llama: HF config lacks {', '.join(missing)}")
+        hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        kw: dict[str, Any] = dict(
+            vocab=int(c["vocab_size"]), hidden=hidden, layers=int(c["num_hidden_layers"]), heads=heads,
+            kv_heads=int(c.get("num_key_value_heads", heads)), ffn=int(c["intermediate_size"]),
+            rope_base=float(c["rope_theta"]), rms_eps=float(c["rms_norm_eps"]),
+            max_ctx=min(int(c["max_position_embeddings"]), HF_MAX_CTX))
+        experts = int(c.get("num_local_experts", 0))
+        if experts:
+            kw.update(experts=experts, experts_used=int(c["num_experts_per_tok"]),
+                      norm_topk=bool(c.get("norm_topk_prob", True)))
+        kw.update(_hf_rope_scaling(c.get("rope_scaling"), hidden // heads, kw["rope_base"]))
+        kw.update(overrides)
+        window = c.get("sliding_window")
+        unsupported = [
+            (c.get("hidden_act", "silu") != "silu", f"hidden_act {c.get('hidden_act')!r} (only silu)"),
+            (bool(c.get("attention_bias")), "attention_bias"),
+            (bool(c.get("mlp_bias")), "mlp_bias"),
+            (int(c.get("head_dim") or hidden // heads) != hidden // heads,
+             f"head_dim {c.get('head_dim')} other than hidden_size / num_attention_heads"),
+            (window is not None and int(window) < kw["max_ctx"],
+             f"sliding_window {window} shorter than max_ctx {kw['max_ctx']}"),
+        ]
+        bad = [why for cond, why in unsupported if cond]
+        if bad:
+            raise ValueError(f"llama: HF config needs what this builder does not run: {'; '.join(bad)}")
+        return cls(**kw)
+
+
+#: transformers' class defaults for the keys from_hf reads (config.json may omit a key at its default)
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+    "mistral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                "num_key_value_heads": 8, "sliding_window": 4096},
+    "mixtral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2},
+}
+
+
+def _hf_rope_scaling(scaling: Mapping[str, Any] | None, head_dim: int, base: float) -> dict[str, Any]:
+    """LlamaConfig fields for HF's rope_scaling: none, "linear" or "llama3"."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return {}
+    if kind == "linear":
+        return {"rope_freq_scale": 1.0 / float(scaling["factor"])}
+    if kind == "llama3":
+        # llama.cpp's rope_freqs (convert_hf_to_gguf.py), the inverse of HF's _compute_llama3_parameters.
+        factor, old = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+        lo, hi = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        factors = []
+        for i in range(0, head_dim, 2):
+            wavelen = 2 * math.pi * base ** (i / head_dim)
+            if wavelen < old / hi:
+                factors.append(1.0)
+            elif wavelen > old / lo:
+                factors.append(factor)
+            else:
+                smooth = (old / wavelen - lo) / (hi - lo)
+                factors.append(1.0 / ((1 - smooth) / factor + smooth))
+        return {"rope_freq_factors": tuple(factors)}
+    raise ValueError(f"llama: rope_scaling {kind!r} is not supported (default, linear, llama3)")
 
 
 PRESETS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, max_ctx=128),
+    "tiny-moe": LlamaConfig(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=64, max_ctx=128,
+                            experts=4, experts_used=2),
     # Llama-3.2-1B's shape with Llama 2's vocabulary and rope base; bf16 as the decode target says.
     "1b": LlamaConfig(vocab=32000, hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, max_ctx=2048,
                       dtype="bf16"),
 }
 
+#: A MoE layer's weights (after "model.layers.{i}.") are stacked on a leading expert axis under the
+#: names gguf's tensor map gives llama.cpp's ffn_gate_inp/ffn_{gate,up,down}_exps (weights.load_gguf's):
+#: mlp.gate (E, hidden), mlp.experts.gate_proj / up_proj (E, ffn, hidden), mlp.experts.down_proj (E, hidden, ffn).
+#: What may stand for each, in LlamaModel's weights: HF Mixtral's names, then HF Qwen2-MoE's ({e}: one per expert).
+MOE_ALIASES: dict[str, tuple[str, ...]] = {
+    "mlp.gate": ("block_sparse_moe.gate",),
+    "mlp.experts.gate_proj": ("block_sparse_moe.experts.{e}.w1", "mlp.experts.{e}.gate_proj"),
+    "mlp.experts.up_proj": ("block_sparse_moe.experts.{e}.w3", "mlp.experts.{e}.up_proj"),
+    "mlp.experts.down_proj": ("block_sparse_moe.experts.{e}.w2", "mlp.experts.{e}.down_proj"),
+}
+_LAYER_NAME = re.compile(r"(model\.layers\.\d+\.)(.+)\.weight")
+
+
+def weight_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The weights LlamaModel takes, HF names -> numpy shapes ((out, in) for matrices).
+
+    Expert weights appear stacked (see MOE_ALIASES); LlamaModel also takes
+    them per expert under HF Mixtral's or Qwen2-MoE's names. "lm_head.weight" may be left out (tied to the
+    embedding), and "rope_freqs.weight" (GGUF's name, head_dim/2 f32) may be
+    given in place of cfg.rope_freq_factors.
+    """
+    h, kv, f, e = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.experts
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab, h)}
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (h, h),
+                   p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
+                   p + "self_attn.o_proj.weight": (h, h), p + "post_attention_layernorm.weight": (h,)}
+        if e:
+            shapes |= {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_proj.weight": (e, f, h),
+                       p + "mlp.experts.up_proj.weight": (e, f, h), p + "mlp.experts.down_proj.weight": (e, h, f)}
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                       p + "mlp.down_proj.weight": (h, f)}
+    shapes |= {"model.norm.weight": (h,), "lm_head.weight": (cfg.vocab, h)}
+    return shapes
+
 
 def random_weights(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """HF Llama names, (out, in) matrices like torch.nn.Linear, float32.
+    """HF Llama (or Mixtral, with experts) names, (out, in) matrices like torch.nn.Linear, float32.
 
     Linear weights have std 1/sqrt(in): HF's initializer_range 0.02 at hidden
     2048, and O(1) activations in a tiny model, so its attention is far from
-    uniform and tests see RoPE and the mask. Embeddings have std 1; norm
-    weights are near 1 but not 1, so a dropped norm weight shows. Values are
-    uniform with that std rather than normal: 4x faster to draw, which a
-    1B-parameter model notices.
+    uniform and tests see RoPE and the mask (and the router's choices are far
+    from ties). Embeddings have std 1; norm weights are near 1 but not 1, so a
+    dropped norm weight shows. Values are uniform with that std rather than
+    normal: 4x faster to draw, which a 1B-parameter model notices. MoE
+    weights come under HF Mixtral's names (block_sparse_moe.gate, and
+    block_sparse_moe.experts.{e}.w1/w2/w3 one expert at a time).
     """
     rng = np.random.default_rng(seed)
 
@@ -111,27 +288,21 @@ def random_weights(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
         x += np.float32(mean)
         return x
 
-    def linear(out: int, inp: int) -> np.ndarray:
-        return draw((out, inp), inp ** -0.5)
-
-    def norm() -> np.ndarray:
-        return draw((cfg.hidden,), 0.1, mean=1.0)
-
-    h, kv = cfg.hidden, cfg.kv_dim
-    w = {"model.embed_tokens.weight": draw((cfg.vocab, h), 1.0)}
-    for i in range(cfg.layers):
-        p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = norm()
-        w[p + "self_attn.q_proj.weight"] = linear(h, h)
-        w[p + "self_attn.k_proj.weight"] = linear(kv, h)
-        w[p + "self_attn.v_proj.weight"] = linear(kv, h)
-        w[p + "self_attn.o_proj.weight"] = linear(h, h)
-        w[p + "post_attention_layernorm.weight"] = norm()
-        w[p + "mlp.gate_proj.weight"] = linear(cfg.ffn, h)
-        w[p + "mlp.up_proj.weight"] = linear(cfg.ffn, h)
-        w[p + "mlp.down_proj.weight"] = linear(h, cfg.ffn)
-    w["model.norm.weight"] = norm()
-    w["lm_head.weight"] = linear(cfg.vocab, h)
+    w = {}
+    for name, shape in weight_shapes(cfg).items():
+        m = _LAYER_NAME.fullmatch(name)
+        mixtral = MOE_ALIASES[m.group(2)][0] if m and m.group(2) in MOE_ALIASES else None
+        if name == "model.embed_tokens.weight":
+            w[name] = draw(shape, 1.0)
+        elif len(shape) == 1:
+            w[name] = draw(shape, 0.1, mean=1.0)
+        elif mixtral is None:
+            w[name] = draw(shape, shape[1] ** -0.5)
+        elif len(shape) == 2:  # the router
+            w[f"{m.group(1)}{mixtral}.weight"] = draw(shape, shape[1] ** -0.5)
+        else:
+            for e in range(shape[0]):
+                w[f"{m.group(1)}{mixtral.format(e=e)}.weight"] = draw(shape[1:], shape[2] ** -0.5)
     return w
 
 
@@ -163,11 +334,6 @@ class StepInputs:
         }
 
 
-#: a layer's weights, in _Layer's field order (HF names after "model.layers.{i}." and before ".weight")
-_LAYER_WEIGHTS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                  "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
 @attrs.define(eq=False)
 class _Layer:
     attn_norm: Tensor
@@ -176,28 +342,102 @@ class _Layer:
     wv: Tensor
     wo: Tensor
     ffn_norm: Tensor
-    w_gate: Tensor
+    w_gate: Tensor  # (ffn, hidden), or (experts, ffn, hidden) stacked
     w_up: Tensor
     w_down: Tensor
+    router: Tensor | None  # (experts, hidden); None for a dense MLP
     k_cache: Tensor
     v_cache: Tensor
 
 
-class LlamaModel:
-    """Weights as params in cfg.dtype (norm weights stay f32, as in llama.cpp) and the KV cache as states."""
+#: names a checkpoint may carry that the graph does not need
+_UNUSED = ("rotary_emb.inv_freq",)
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray]) -> None:
+
+class LlamaModel:
+    """Weights as params and the KV cache as states.
+
+    `weights` maps HF names (see weight_shapes) to float arrays, converted to
+    cfg.dtype (norm weights and the MoE router stay f32, as llama.cpp keeps
+    them), or to opdispatch params (e.g. GGUF blocks from a loader), used as
+    they are. Expert weights come stacked or one per expert (MOE_ALIASES).
+    Without "lm_head.weight" the LM head is the embedding (tied).
+    A missing weight, a wrong shape or a weight the model would not use
+    raises ValueError naming it.
+    """
+
+    def __init__(self, cfg: LlamaConfig, weights: Mapping[str, np.ndarray | Tensor]) -> None:
         self.cfg = cfg
-        self.params = {name: param(name, w, "f32" if w.ndim == 1 else cfg.dtype) for name, w in weights.items()}
-        self.layers = [
-            _Layer(*(self.params[f"model.layers.{i}.{name}.weight"] for name in _LAYER_WEIGHTS),
-                   state(f"cache.k.{i}", (cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype),
-                   state(f"cache.v.{i}", (cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype))
-            for i in range(cfg.layers)
-        ]
+        given = dict(weights)
+        self.params: dict[str, Tensor] = {}
+        missing = []
+        for name, shape in weight_shapes(cfg).items():
+            t = self._take(given, name, shape)
+            if t is not None:
+                self.params[name] = t
+            elif name != "lm_head.weight":
+                missing.append(name)
+        rope_freqs = given.pop("rope_freqs.weight", None)
+        unused = [n for n in given if not n.endswith(_UNUSED)]
+        if missing or unused:
+            raise ValueError("llama: " + "; ".join(
+                f"{what} ({len(names)}): {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}"
+                for what, names in (("missing weights", missing), ("weights this model does not use", unused))
+                if names))
+        if rope_freqs is None and cfg.rope_freq_factors is not None:
+            rope_freqs = np.asarray(cfg.rope_freq_factors, np.float32)
+        self.rope_freqs = None if rope_freqs is None else self._param("rope_freqs.weight", rope_freqs,
+                                                                       (cfg.head_dim // 2,))
+        self.layers = [self._layer(i) for i in range(cfg.layers)]
         self.embed = self.params["model.embed_tokens.weight"]
         self.norm = self.params["model.norm.weight"]
-        self.lm_head = self.params["lm_head.weight"]
+        self.lm_head = self.params.get("lm_head.weight", self.embed)
+
+    def _take(self, given: dict[str, Any], name: str, shape: tuple[int, ...]) -> Tensor | None:
+        """The weight `name` from `given` (popped), under its own name or an alias of MOE_ALIASES; None if absent."""
+        if name in given:
+            return self._param(name, given.pop(name), shape)
+        m = _LAYER_NAME.fullmatch(name)
+        for alias in MOE_ALIASES.get(m.group(2), ()) if m else ():
+            parts = [f"{m.group(1)}{alias.format(e=e)}.weight" for e in range(shape[0] if "{e}" in alias else 1)]
+            if all(p in given for p in parts):
+                if "{e}" not in alias:
+                    return self._param(name, given.pop(parts[0]), shape)
+                return self._stack(name, [given.pop(p) for p in parts], shape)
+        return None
+
+    def _param(self, name: str, w: np.ndarray | Tensor, shape: tuple[int, ...]) -> Tensor:
+        """A param as it is, or a float array in cfg.dtype (norms and the router in f32); its shape checked."""
+        if isinstance(w, Tensor) and not w.flags & Flag.PARAM:
+            raise ValueError(f"llama: weight {name} is {w.describe()}, not a param")
+        w = w if isinstance(w, Tensor) else np.asarray(w)
+        if w.shape != shape:
+            raise ValueError(f"llama: weight {name} has shape {w.shape}, expected {shape}")
+        if isinstance(w, Tensor):
+            return w
+        keep_f32 = w.ndim == 1 or name.endswith(".mlp.gate.weight")
+        return param(name, w, "f32" if keep_f32 else self.cfg.dtype)
+
+    def _stack(self, name: str, parts: list[np.ndarray | Tensor], shape: tuple[int, ...]) -> Tensor:
+        """Experts given one by one -> one (E, out, in) param: float arrays stacked, params' blocks concatenated."""
+        if not any(isinstance(p, Tensor) for p in parts):
+            return self._param(name, np.stack([np.asarray(p) for p in parts]), shape)
+        first = parts[0]
+        if not all(isinstance(p, Tensor) and p.flags & Flag.PARAM and p.data is not None and p.is_contiguous()
+                   and p.dtype == first.dtype and p.shape == shape[1:] for p in parts):
+            raise ValueError(f"llama: the experts of {name} must all be float arrays, or contiguous params of one "
+                             f"dtype and shape {shape[1:]}")
+        return param(name, np.concatenate([p.data for p in parts]), first.dtype, shape=shape)
+
+    def _layer(self, i: int) -> _Layer:
+        cfg, p = self.cfg, f"model.layers.{i}."
+        w = {name[len(p):-len(".weight")]: t for name, t in self.params.items() if name.startswith(p)}
+        mlp = ([w["mlp.experts.gate_proj"], w["mlp.experts.up_proj"], w["mlp.experts.down_proj"], w["mlp.gate"]]
+               if cfg.experts else [w["mlp.gate_proj"], w["mlp.up_proj"], w["mlp.down_proj"], None])
+        return _Layer(w["input_layernorm"], w["self_attn.q_proj"], w["self_attn.k_proj"], w["self_attn.v_proj"],
+                      w["self_attn.o_proj"], w["post_attention_layernorm"], *mlp,
+                      state(f"cache.k.{i}", (cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype),
+                      state(f"cache.v.{i}", (cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype))
 
     @property
     def states(self) -> list[Tensor]:
@@ -224,13 +464,55 @@ class LlamaModel:
             attn = ops.flash_attn_ext(q.permute(0, 2, 1, 3), keys, values, inp.mask, scale=hd ** -0.5)
             x = ops.add(x, ops.mul_mat(layer.wo, attn.reshape(n, cfg.hidden)))
             h = ops.mul(ops.rms_norm(x, cfg.rms_eps), layer.ffn_norm)
-            gated = ops.glu_split(ops.mul_mat(layer.w_gate, h), ops.mul_mat(layer.w_up, h), "swiglu")
-            x = ops.add(x, ops.mul_mat(layer.w_down, gated))
+            if layer.router is None:
+                gated = ops.glu_split(ops.mul_mat(layer.w_gate, h), ops.mul_mat(layer.w_up, h), "swiglu")
+                x = ops.add(x, ops.mul_mat(layer.w_down, gated))
+            else:
+                x = self._moe(layer, h, x)
         logits = ops.mul_mat(self.lm_head, ops.mul(ops.rms_norm(x, cfg.rms_eps), self.norm))
         return [logits], inp
 
+    def _moe(self, layer: _Layer, h: Tensor, residual: Tensor) -> Tensor:
+        """residual + the mixture of experts on h (n, hidden), as llama.cpp's build_moe_ffn.
+
+        Execution order is Graph.build's depth-first walk, sources in order.
+        The routing weights are the first source of the node that weights the
+        experts, so the whole router runs before the experts, its nodes
+        consecutive as ggml's top-k MoE fusion matches them: soft_max,
+        reshape, top_k, get_rows[, reshape, sum_rows, div]. That needs them
+        broadcast over the hidden axis as mul's first operand (a stride-0
+        view, free). (The rule still cannot fuse them: can_fuse wants every
+        node but the last read only inside the group, and the experts'
+        mul_mat_id read top_k's ids; ggml's fused kernel writes the ids as a
+        second output.) The k weighted experts are summed by a chain of adds
+        ending with the residual: with k = 2 all its adds are consecutive
+        (multi-add fusion); with k > 2 each expert's view comes between two
+        adds, as no order hint (ggml_build_forward_expand) exists here.
+        """
+        cfg = self.cfg
+        n, e, k, hidden = h.shape[0], cfg.experts, cfg.experts_used, cfg.hidden
+        probs = ops.soft_max(ops.mul_mat(layer.router, h))  # (n, E)
+        ids = ops.top_k(probs, k)  # (n, k) i32
+        weights = ops.get_rows(probs.reshape(n, e, 1), ids)  # (n, k, 1): the selected probabilities
+        if cfg.norm_topk:
+            flat = weights.reshape(n, k)
+            weights = ops.div(flat, ops.sum_rows(flat))  # (n, k)
+        spread = weights.view((n, k, hidden), (weights.strides[0], weights.strides[1], 0))
+        x = h.reshape(n, 1, hidden)
+        gated = ops.glu_split(ops.mul_mat_id(layer.w_gate, x, ids), ops.mul_mat_id(layer.w_up, x, ids), "swiglu")
+        weighted = ops.mul(spread, ops.mul_mat_id(layer.w_down, gated, ids))  # (n, k, hidden)
+        row = weighted.strides[0]
+        per_expert = [weighted.view((n, hidden), (row, weighted.strides[2]), j * weighted.strides[1])
+                      for j in range(k)]
+        out = per_expert[0]
+        for t in per_expert[1:]:
+            out = ops.add(out, t)
+        return ops.add(out, residual)
+
     def _rope(self, x: Tensor, pos: Tensor) -> Tensor:
-        return ops.rope(x, pos, self.cfg.head_dim, "neox", freq_base=self.cfg.rope_base)
+        cfg = self.cfg
+        return ops.rope(x, pos, cfg.head_dim, cfg.rope_mode, freq_base=cfg.rope_base,
+                        freq_scale=cfg.rope_freq_scale, freq_factors=self.rope_freqs)
 
     def _window(self, cache: Tensor, window: int) -> Tensor:
         """The first `window` rows of a cache as (1, kv_heads, window, head_dim), a strided view."""
@@ -240,9 +522,133 @@ class LlamaModel:
         return cache.view(shape, (window * row, head, row, cache.dtype.block_bytes))
 
 
+# -- sampling and progress ------------------------------------------------------------
+
+SAMPLING = ("greedy", "top-k", "top-p")
+
+
+@attrs.define
+class Sampler:
+    """Picks each next token from a row of logits, on the host, with a seeded numpy RNG.
+
+    greedy: the argmax (the first of equal maxima). top-k: the top_k largest
+    logits, drawn by softmax(logits / temperature) over them (top_k = 1 is
+    greedy). top-p (nucleus): softmax(logits / temperature), then the most
+    probable tokens until their probability reaches top_p (at least one
+    token), renormalized. Only the parameters of `method` are checked and
+    used. `reset` restarts the RNG from `seed`; Generator.generate
+    does at the start of every sequence, so a seed repeats a generation.
+    """
+
+    method: str = attrs.field(default="greedy", validator=attrs.validators.in_(SAMPLING))
+    top_k: int = 40
+    top_p: float = 0.9
+    temperature: float = 1.0
+    seed: int = 0
+    _rng: np.random.Generator = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        bad = [why for uses, ok, why in (
+            ("top-k", self.top_k >= 1, f"top_k must be >= 1, got {self.top_k}"),
+            ("top-p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("top-k top-p", self.temperature > 0,
+             f"temperature must be > 0 (greedy is its own method), got {self.temperature}"),
+        ) if self.method in uses.split() and not ok]
+        if bad:
+            raise ValueError("sampler: " + "; ".join(bad))
+        self.reset()
+
+    def reset(self) -> None:
+        self._rng = np.random.default_rng(self.seed)
+
+    def describe(self) -> str:
+        if self.method == "greedy":
+            return "greedy"
+        cut = f"k {self.top_k}" if self.method == "top-k" else f"p {self.top_p:g}"
+        return f"{self.method} ({cut}, temperature {self.temperature:g}, seed {self.seed})"
+
+    def candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, their probabilities summing to 1) that the next draw picks from, most probable first.
+
+        Whole-vocabulary work stays in the logits' own float type (f32 from a
+        model: a few hundred microseconds for 32000 tokens) and sorts only a
+        top-m that holds the candidates; their probabilities are float64.
+        """
+        z = np.asarray(logits).reshape(-1)
+        if z.dtype not in (np.float32, np.float64):
+            z = z.astype(np.float64)
+        if self.method == "greedy" or (self.method == "top-k" and self.top_k == 1):
+            return np.array([int(np.argmax(z))]), np.ones(1)
+        if self.method == "top-k":
+            ids = _largest(z, self.top_k)
+        else:
+            w = np.exp((z - z.max()) / z.dtype.type(self.temperature))
+            total = w.sum(dtype=np.float64)
+            m = 64
+            while True:  # the nucleus is a prefix of the sorted order: find a top-m that holds it
+                ids = _largest(z, m)
+                if m >= z.size or w[ids].sum(dtype=np.float64) >= self.top_p * total:
+                    break
+                m *= 8
+        x = z[ids].astype(np.float64) / self.temperature
+        q = np.exp(x - x[0])  # ids[0] holds the largest logit
+        if self.method == "top-p":
+            q /= total
+            before = np.cumsum(q) - q  # probability of the tokens ranked above each
+            ids, q = ids[before < self.top_p], q[before < self.top_p]
+        return ids, q / q.sum()
+
+    def __call__(self, logits: np.ndarray) -> int:
+        ids, p = self.candidates(logits)
+        if ids.size == 1:
+            return int(ids[0])
+        c = np.cumsum(p)
+        return int(ids[min(int(np.searchsorted(c, self._rng.random() * c[-1], side="right")), ids.size - 1)])
+
+
+def _largest(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest values, largest first (ties: lower index first; at the k-th value, any)."""
+    idx = np.argpartition(x, x.size - k)[x.size - k:] if k < x.size else np.arange(x.size)
+    return idx[np.lexsort((idx, -x[idx]))]
+
+
+class Progress:
+    """Tokens generated so far: a bar redrawn with \\r on a terminal, else one summary line at the end."""
+
+    def __init__(self, stream: TextIO | None, total: int, every_s: float = 0.1) -> None:
+        self.stream, self.total, self.every_s = stream, total, every_s
+        self.tty = stream is not None and hasattr(stream, "isatty") and stream.isatty()
+        self.t0 = time.perf_counter()
+        self.shown = -math.inf
+
+    def update(self, done: int) -> None:
+        now = time.perf_counter()
+        if self.tty and (now - self.shown >= self.every_s or done == self.total):
+            self.shown = now
+            width = 30
+            bar = "#" * (width * done // self.total) + "-" * (width - width * done // self.total)
+            self.stream.write(f"\r{bar} {done}/{self.total} tokens, {self._rate(done, now):.1f} tokens/s")
+            self.stream.flush()
+
+    def close(self, done: int) -> None:
+        if self.stream is None:
+            return
+        now = time.perf_counter()
+        if self.tty:
+            self.update(done)
+            self.stream.write("\n")
+        else:
+            self.stream.write(f"generated {done}/{self.total} tokens in {now - self.t0:.3f} s, "
+                              f"{self._rate(done, now):.1f} tokens/s (wall clock, with prefill and sampling)\n")
+        self.stream.flush()
+
+    def _rate(self, done: int, now: float) -> float:
+        return done / (now - self.t0) if now > self.t0 else math.nan
+
+
 @attrs.frozen
 class Generation:
-    """Tokens generated greedily and where the time went (first runs, which bind, are left out)."""
+    """Tokens generated and where the time went (first runs, which bind, are left out; so is sampling)."""
 
     prompt: tuple[int, ...]
     tokens: tuple[int, ...]
@@ -252,6 +658,7 @@ class Generation:
     decode_steps: int
     prefill_plan: Plan
     decode_plan: Plan | None
+    sampling: str = "greedy"
 
     @property
     def prefill_tps(self) -> float:
@@ -313,30 +720,43 @@ class Generator:
         self.n_past += len(token_ids)
         return logits
 
-    def generate(self, prompt_ids: Sequence[int], n_new: int) -> Generation:
-        """Greedy continuation of `prompt_ids` by n_new tokens (argmax on the host)."""
+    def generate(self, prompt_ids: Sequence[int], n_new: int, sampler: Sampler | None = None, *,
+                 progress: TextIO | None = None) -> Generation:
+        """Continue `prompt_ids` by n_new tokens: prefill, then one decode step per token.
+
+        `sampler` (default greedy) picks each token from the last logits on
+        the host; it is reset first, so its seed repeats the tokens.
+        `progress`: a stream for a progress bar (a terminal) or a summary line.
+        """
         if not prompt_ids or n_new < 1:
             raise ValueError("generate: needs a non-empty prompt and n_new >= 1")
+        sampler = sampler if sampler is not None else Sampler()
+        sampler.reset()
         self.reset()
         compile_before = self.compile_s
         self.step(len(prompt_ids), 0)
         if n_new > 1:
             self.step(1, len(prompt_ids))
+        bar = Progress(progress, n_new)
         logits = self.forward(prompt_ids)
         prefill_s = self.last_run_s
-        tokens = [int(np.argmax(logits[-1]))]
+        tokens = [sampler(logits[-1])]
+        bar.update(1)
         decode_s = 0.0
         for _ in range(n_new - 1):
             logits = self.forward(tokens[-1:])
             decode_s += self.last_run_s
-            tokens.append(int(np.argmax(logits[-1])))
+            tokens.append(sampler(logits[-1]))
+            bar.update(len(tokens))
+        bar.close(len(tokens))
         prefill_plan = self.step(len(prompt_ids), 0)[0]
         decode_plan = self._last if n_new > 1 else None
         return Generation(tuple(int(t) for t in prompt_ids), tuple(tokens), self.compile_s - compile_before,
-                          prefill_s, decode_s, n_new - 1, prefill_plan, decode_plan)
+                          prefill_s, decode_s, n_new - 1, prefill_plan, decode_plan, sampler.describe())
 
 
 def generate(model: LlamaModel, prompt_ids: Sequence[int], n_new: int, device: str | Device | None = None,
-             *, fusion: bool | None = None) -> Generation:
-    """Greedy generation on `device` (default: the best available)."""
-    return Generator(model, device, fusion=fusion).generate(prompt_ids, n_new)
+             *, fusion: bool | None = None, sampler: Sampler | None = None,
+             progress: TextIO | None = None) -> Generation:
+    """Generation on `device` (default: the best available); greedy unless a sampler is given."""
+    return Generator(model, device, fusion=fusion).generate(prompt_ids, n_new, sampler, progress=progress)

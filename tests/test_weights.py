@@ -1,0 +1,640 @@
+"""Weight loaders (opdispatch.models.weights) on files written by the gguf and safetensors packages.
+
+The GGUF files are written by gguf's own GGUFWriter, quantized by gguf's own
+quantizer and named through gguf's own TensorNameMap: implementations nobody
+here wrote. The safetensors files are written by the safetensors package, and
+by hand for the malformed cases.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import attrs
+import gguf
+import ml_dtypes
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GT
+
+from opdispatch import dtypes
+from opdispatch.models.llama import Generator, LlamaConfig, LlamaModel, random_weights
+from opdispatch.models.weights import (GGUF_LAYER_TO_HF, GGUF_TO_HF, gguf_name_to_hf, load_gguf, load_safetensors,
+                                       load_state_dict, read_gguf, unpermute_qk)
+from opdispatch.tensor import Tensor
+
+QUANTS = {"q4_0": GT.Q4_0, "q4_1": GT.Q4_1, "q5_0": GT.Q5_0, "q5_1": GT.Q5_1, "q8_0": GT.Q8_0}
+GGUF_TYPE = {"f32": GT.F32, "f16": GT.F16, "bf16": GT.BF16, **QUANTS}
+
+
+def values(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
+    """Random float32, no zeros, magnitudes over a few octaves (so blocks differ in scale)."""
+    x = rng.standard_normal(shape) * np.exp2(rng.integers(-3, 4, shape[:-1] + (1,)))
+    return (x * scale).astype(np.float32)
+
+
+def stored(x: np.ndarray, dt: str) -> np.ndarray:
+    """x in GGUF's storage of dt, made by gguf itself (raw uint8 for bf16 and the block formats)."""
+    if dt == "f32":
+        return x.astype(np.float32)
+    if dt == "f16":
+        return x.astype(np.float16)
+    return gguf.quants.quantize(x, GGUF_TYPE[dt])
+
+
+def gguf_values(raw: np.ndarray, dt: str) -> np.ndarray:
+    """What gguf decodes its storage of dt to (float32)."""
+    return np.asarray(gguf.quants.dequantize(raw, GGUF_TYPE[dt]), dtype=np.float32)
+
+
+def write_gguf(path: Path, tensors: dict[str, np.ndarray], meta: dict[str, Any] | None = None,
+               types: dict[str, str] | None = None) -> None:
+    """A GGUF file by gguf's GGUFWriter: float arrays stored as types[name] (f32 by default)."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (meta or {}).items():
+        getattr(w, f"add_{key}")(value)
+    for name, x in tensors.items():
+        dt = (types or {}).get(name, "f32")
+        w.add_tensor(name, stored(x, dt), raw_dtype=GGUF_TYPE[dt] if dt in QUANTS or dt == "bf16" else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# ---------------------------------------------------------------------------
+# Our block formats against gguf's quantizer (and, on ties, ggml's C reference)
+
+
+@pytest.mark.parametrize("fmt", sorted(QUANTS))
+def test_quantize_matches_gguf_quantizer_byte_for_byte(fmt: str, rng: np.random.Generator) -> None:
+    cases = {
+        "normal": values(rng, (64, 256)),
+        "uniform": rng.uniform(-1, 1, (64, 256)).astype(np.float32),
+        "heavy tails": np.clip(rng.standard_cauchy((64, 256)), -1e3, 1e3).astype(np.float32),
+        # values on a coarse grid put x*id on exact half-integers: rounding ties in every block
+        "quarter grid": (rng.integers(-40, 41, (64, 256)) / 4).astype(np.float32),
+        "integers": rng.integers(-127, 128, (64, 256)).astype(np.float32),
+        "tiny (f16 subnormal d)": (rng.standard_normal((64, 256)) * 1e-6).astype(np.float32),
+    }
+    for case, x in cases.items():
+        ours = dtypes.quantize(fmt, x)
+        theirs = gguf.quants.quantize(x, QUANTS[fmt])
+        bad = np.argwhere((ours != theirs).reshape(64, -1, dtypes.dtype(fmt).block_bytes).any(-1))
+        assert not bad.size, f"{fmt} {case}: {len(bad)} blocks differ from gguf's, first (row, block) {bad[0]}"
+        np.testing.assert_array_equal(dtypes.dequantize(fmt, ours), gguf_values(theirs, fmt), err_msg=f"{fmt} {case}")
+
+
+@pytest.mark.parametrize("fmt", sorted(QUANTS))
+def test_signed_zero_ties_follow_ggml_c_reference(fmt: str, rng: np.random.Generator) -> None:
+    """Where gguf-py and ggml's quantize_row_*_ref part ways, we follow the C reference.
+
+    They differ only on the sign of a zero scale or minimum: (1) in an all-zero
+    block ggml's q4_0/q5_0 keep their starting max = +0.0f, so d = +0/-8 = -0
+    (f16 0x8000) whatever the zeros' signs; gguf-py takes x[argmax|x|], the
+    first element, whose sign flips d's. (2) q4_1/q5_1 take the first minimum
+    (strict `<`), so with -0.0 before +0.0 m = -0 and with +0.0 first m = +0;
+    numpy's min reduction (gguf-py) does not promise which zero it returns.
+    Decoded values are equal either way. (Checked against the C functions
+    compiled with gcc -ffp-contract=off: these are the C's bytes.)
+    """
+    zeros = np.zeros((1, 32), np.float32)
+    zeros[0, ::2] = -0.0  # starts with -0.0
+    ours = dtypes.quantize(fmt, zeros)
+    d = ours[0, :2].view("<f2")[0]
+    if fmt in ("q4_0", "q5_0"):
+        assert ours[0, :2].tolist() == [0x00, 0x80]  # -0: +0.0f / -8
+    else:
+        assert d == 0 and not np.signbit(d)  # q8_0: +0 / 127; q4_1/q5_1: max - min = -0 - -0 = +0
+    if fmt in ("q4_1", "q5_1"):
+        ones = values(rng, (1, 32))
+        ones[0] = np.abs(ones[0]) + 1
+        neg_first, pos_first = ones.copy(), ones.copy()
+        neg_first[0, 3], neg_first[0, 9] = -0.0, 0.0
+        pos_first[0, 3], pos_first[0, 9] = 0.0, -0.0
+        assert dtypes.quantize(fmt, neg_first)[0, 2:4].tolist() == [0x00, 0x80]  # m = -0
+        assert dtypes.quantize(fmt, pos_first)[0, 2:4].tolist() == [0x00, 0x00]  # m = +0
+    np.testing.assert_array_equal(dtypes.dequantize(fmt, ours), 0.0)
+
+
+# ---------------------------------------------------------------------------
+# GGUF tensors
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16", *sorted(QUANTS)])
+def test_gguf_tensors_load_as_stored(dt: str, tmp_path: Path, rng: np.random.Generator) -> None:
+    arrays = {"a.weight": values(rng, (3, 5, 64)), "b.weight": values(rng, (7, 96)), "c.weight": values(rng, (128,))}
+    path = tmp_path / f"{dt}.gguf"
+    write_gguf(path, arrays, {"block_count": 1}, types={n: dt for n in arrays})
+    meta, tensors = read_gguf(path)
+    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == 1
+    reader = gguf.GGUFReader(str(path))
+    for rt in reader.tensors:
+        t = tensors[rt.name]
+        x = arrays[rt.name]
+        assert isinstance(t, Tensor) and t.shape == x.shape and t.dtype.name == dt  # ne reversed = numpy order
+        raw = np.ascontiguousarray(stored(x, dt)).view(np.uint8).reshape(-1)
+        np.testing.assert_array_equal(t.data, raw)  # byte-identical: no conversion
+        assert not t.data.flags.owndata and not t.data.flags.writeable  # a view of the read-only memmap
+        host = dtypes.to_host_float(dt, t.host_view(t.data))
+        if dt in QUANTS:
+            np.testing.assert_array_equal(host, gguf_values(stored(x, dt), dt).reshape(x.shape))
+        elif dt == "bf16":
+            np.testing.assert_array_equal(host, x.astype(ml_dtypes.bfloat16).astype(np.float32))
+        else:
+            np.testing.assert_array_equal(host, x.astype(dtypes.dtype(dt).numpy).astype(np.float32))
+
+
+def test_gguf_refuses_other_types_naming_the_tensor(tmp_path: Path, rng: np.random.Generator) -> None:
+    # Q6_K: gguf has no quantizer for it, so write 2 rows of 256 values as random 210-byte blocks.
+    path = tmp_path / "q6k.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", values(rng, (4, 32)))
+    w.add_tensor("blk.0.attn_q.weight", rng.integers(0, 256, (2, 210), dtype=np.uint8), raw_dtype=GT.Q6_K)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ValueError, match=r"q6k\.gguf: tensor 'blk\.0\.attn_q\.weight' has type Q6_K; opdispatch "
+                                         r"loads F32, F16, BF16, Q4_0"):
+        read_gguf(path)
+    path = tmp_path / "i32.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("ids", rng.integers(1, 9, (8,), dtype=np.int32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ValueError, match=r"tensor 'ids' has type I32"):
+        read_gguf(path)
+
+
+def tensor_layout(path: Path) -> tuple[int, list[tuple[str, int, int, int]]]:
+    """(data start, [(name, info offset, data begin, data end)]) of a GGUF file, by gguf's reader."""
+    reader = gguf.GGUFReader(str(path))
+    return reader.data_offset, [(t.name, t.field.offset, t.data_offset, t.data_offset + t.n_bytes)
+                                for t in reader.tensors]
+
+
+def test_gguf_truncated_anywhere_is_a_clear_error(tmp_path: Path, rng: np.random.Generator) -> None:
+    path = tmp_path / "full.gguf"
+    arrays = {"token_embd.weight": values(rng, (8, 64)), "blk.0.attn_q.weight": values(rng, (64, 64)),
+              "blk.0.ffn_up.weight": values(rng, (32, 64))}
+    write_gguf(path, arrays, {"block_count": 1, "embedding_length": 64},
+               types={"blk.0.attn_q.weight": "q4_0", "blk.0.ffn_up.weight": "q8_0"})
+    data = path.read_bytes()
+    data_start, layout = tensor_layout(path)
+    data_end = max(end for *_, end in layout)
+    # every cut inside the header, and cuts at random and at the edges of each tensor's data
+    cuts = set(range(data_start + 1)) | set(rng.integers(data_start, data_end, 60).tolist())
+    cuts |= {c for _, _, b, e in layout for c in (b + 1, e - 1)}
+    cut_path = tmp_path / "cut.gguf"
+    for cut in sorted(cuts):
+        cut_path.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=re.escape(str(cut_path))) as err:
+            read_gguf(cut_path)
+        if cut >= data_start:  # the header is whole: the first tensor cut off is named
+            first = min((b, name) for name, _, b, e in layout if cut < e)[1]
+            assert f"tensor '{first}'" in str(err.value) and "runs past the end of the file" in str(err.value)
+    # The alignment padding after the last tensor is not data: cutting it loses nothing.
+    cut_path.write_bytes(data[:data_end])
+    assert set(read_gguf(cut_path)[1]) == set(arrays)
+
+
+def test_gguf_corrupt_headers_are_clear_errors(tmp_path: Path, rng: np.random.Generator) -> None:
+    path = tmp_path / "ok.gguf"
+    write_gguf(path, {"token_embd.weight": values(rng, (8, 64)), "blk.0.attn_k.weight": values(rng, (32, 64))},
+               {"block_count": 1}, types={"blk.0.attn_k.weight": "q5_1"})
+    data = bytearray(path.read_bytes())
+    _, layout = tensor_layout(path)
+    name, info, _, _ = layout[1]
+    # tensor info: u64 name length, name, u32 n_dims, u64 ne[n_dims], u32 type, u64 offset
+    n_dims_at = info + 8 + len(name)
+    type_at = n_dims_at + 4 + 8 * 2
+    bad = tmp_path / "bad.gguf"
+
+    def expect(mutated: bytes | bytearray, pattern: str) -> None:
+        bad.write_bytes(mutated)
+        with pytest.raises(ValueError, match=pattern):
+            read_gguf(bad)
+
+    expect(b"", r"bad\.gguf: not a readable GGUF file")
+    expect(b"GGML" + bytes(data[4:]), r"bad\.gguf: not a readable GGUF file \(ValueError: GGUF magic invalid")
+    wrong_type = data.copy()
+    wrong_type[type_at:type_at + 4] = struct.pack("<I", 99)
+    expect(wrong_type, r"bad\.gguf: tensor 'blk\.0\.attn_k\.weight' has unknown ggml type 99")
+    far = data.copy()
+    far[type_at + 4:type_at + 12] = struct.pack("<Q", 1 << 40)
+    expect(far, r"tensor 'blk\.0\.attn_k\.weight' \(Q5_1, ne \[64, 32\], 1536 bytes at byte \d+\) runs past the end")
+    misaligned = data.copy()
+    misaligned[type_at + 4:type_at + 12] = struct.pack("<Q", 7)
+    expect(misaligned, r"tensor 'blk\.0\.attn_k\.weight': data offset 7 is not a multiple of the alignment 32")
+    odd_row = data.copy()
+    odd_row[n_dims_at + 4:n_dims_at + 12] = struct.pack("<Q", 48)  # ne[0] 48: not whole 32-value blocks
+    expect(odd_row, r"tensor 'blk\.0\.attn_k\.weight' \(Q5_1, ne \[48, 32\]\): ne\[0\] is not a multiple of its "
+                    r"block size 32")
+    huge_name = data.copy()
+    huge_name[info:info + 8] = struct.pack("<Q", 1 << 62)  # a name length past the end of the file
+    expect(huge_name, r"bad\.gguf: truncated: a read of \d+ x uint8 at byte \d+ ends at byte \d+, past the end")
+    huge_count = data.copy()
+    huge_count[8:16] = struct.pack("<Q", 1 << 50)  # tensor count
+    expect(huge_count, r"bad\.gguf: ")
+
+
+# ---------------------------------------------------------------------------
+# A tiny Llama in GGUF, as llama.cpp's converter writes one
+
+
+def hf_to_gguf_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute of q_proj/k_proj rows (HF rotate-half -> ggml pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def stacked_experts(cfg: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """random_weights' Mixtral names (one expert at a time) -> the stacked names GGUF and LlamaModel use."""
+    out = {n: w for n, w in weights.items() if ".block_sparse_moe." not in n}
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        out[p + "mlp.gate.weight"] = weights[p + "block_sparse_moe.gate.weight"]
+        for proj, w in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+            out[p + f"mlp.experts.{proj}.weight"] = np.stack(
+                [weights[p + f"block_sparse_moe.experts.{e}.{w}.weight"] for e in range(cfg.experts)])
+    return out
+
+
+def write_llama_gguf(path: Path, cfg: LlamaConfig, weights: dict[str, np.ndarray], matrix_type: str,
+                     *, tied: bool = False, meta: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
+    """cfg and HF-named float weights as a llama GGUF, as llama.cpp's converter writes one.
+
+    Q/K rows permuted, names by gguf's TensorNameMap, norms and the MoE router
+    f32, other matrices in matrix_type by gguf's quantizer. Returns the values
+    the file holds, HF names and order (each weight after its storage round trip).
+    """
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.layers)
+    tensors, types, held = {}, {}, {}
+    for hf, w in weights.items():
+        if tied and hf == "lm_head.weight":
+            continue
+        name = "rope_freqs.weight" if hf == "rope_freqs.weight" else names.get_name(hf, try_suffixes=(".weight",))
+        dt = "f32" if w.ndim == 1 or hf.endswith(".mlp.gate.weight") else matrix_type
+        if ".q_proj." in hf or ".k_proj." in hf:
+            n_head = cfg.heads if ".q_proj." in hf else cfg.kv_heads
+            tensors[name] = hf_to_gguf_permute(w, n_head)
+        else:
+            tensors[name] = w
+        types[name] = dt
+        raw = stored(w, dt)
+        held[hf] = (gguf_values(raw, dt) if dt in QUANTS or dt == "bf16" else raw.astype(np.float32)).reshape(w.shape)
+    header = {"block_count": cfg.layers, "context_length": cfg.max_ctx, "embedding_length": cfg.hidden,
+              "feed_forward_length": cfg.ffn, "head_count": cfg.heads, "head_count_kv": cfg.kv_heads,
+              "rope_freq_base": cfg.rope_base, "layer_norm_rms_eps": cfg.rms_eps,
+              "rope_dimension_count": cfg.head_dim, "token_list": [f"<t{i}>" for i in range(cfg.vocab)]}
+    if cfg.experts:
+        header |= {"expert_count": cfg.experts, "expert_used_count": cfg.experts_used}
+    write_gguf(path, tensors, header | (meta or {}), types)
+    return held
+
+
+def logits(model: LlamaModel, prompt: list[int], n_decode: int = 2) -> np.ndarray:
+    """Prefill logits of `prompt`, then those of n_decode steps feeding back the prefill's argmax (on cpu)."""
+    gen = Generator(model, "cpu")
+    out = [gen.forward(prompt)]
+    for _ in range(n_decode):
+        out.append(gen.forward([int(np.argmax(out[-1][-1]))]))
+    return np.concatenate(out)
+
+
+def assert_same_logits(got: np.ndarray, ref: np.ndarray, rel: float = 1e-5) -> None:
+    err = np.abs(got - ref).max()
+    assert err <= rel * np.abs(ref).max(), f"max |logit diff| {err:.3g} of max |logit| {np.abs(ref).max():.3g}"
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+def tiny_cfg(**kw: Any) -> LlamaConfig:
+    base = dict(vocab=160, hidden=64, layers=2, heads=4, kv_heads=2, ffn=96, rope_base=5000.0,
+                rms_eps=float(np.float32(1e-6)), max_ctx=64, dtype="f32", cache_dtype="f32")
+    return LlamaConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("matrix_type", ["f32", "f16", "bf16", *sorted(QUANTS)])
+def test_tiny_llama_gguf_runs_like_its_float_weights(matrix_type: str, moe: bool, tmp_path: Path,
+                                                     rng: np.random.Generator) -> None:
+    """Load a GGUF as llama.cpp writes one; its logits equal those of the same values as f32 HF weights."""
+    cfg = tiny_cfg(**({"ffn": 64, "experts": 4, "experts_used": 2} if moe else {}))
+    weights = random_weights(cfg, seed=int(rng.integers(2**31)))
+    if moe:
+        weights = stacked_experts(cfg, weights)
+    path = tmp_path / "tiny.gguf"
+    held = write_llama_gguf(path, cfg, weights, matrix_type)
+
+    loaded_cfg, params = load_gguf(path)
+    for f in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "rope_base", "rms_eps", "max_ctx",
+              "experts", "experts_used"):
+        assert getattr(loaded_cfg, f) == getattr(cfg, f), f
+    assert loaded_cfg.rope_mode == "normal"  # Q/K rows as the converter stored them
+    assert set(params) == set(weights)
+    for name, t in params.items():
+        assert t.name == name and t.shape == weights[name].shape
+        assert t.dtype.name == ("f32" if t.ndim == 1 or name.endswith(".mlp.gate.weight") else matrix_type)
+
+    prompt = rng.integers(0, cfg.vocab, 9).tolist()
+    got = logits(LlamaModel(attrs.evolve(loaded_cfg, cache_dtype="f32"), params), prompt)
+    ref = logits(LlamaModel(cfg, held), prompt)  # the same values as f32, HF rows, neox RoPE
+    assert_same_logits(got, ref)
+
+    # rope_mode="neox" gives HF's rows back: the same logits with neox RoPE.
+    neox_cfg, neox = load_gguf(path, rope_mode="neox")
+    assert neox_cfg.rope_mode == "neox"
+    assert_same_logits(logits(LlamaModel(attrs.evolve(neox_cfg, cache_dtype="f32"), neox), prompt), ref)
+    # The comparison sees RoPE: the file's rows run with neox RoPE are far off.
+    wrong = logits(LlamaModel(attrs.evolve(loaded_cfg, cache_dtype="f32", rope_mode="neox"), params), prompt)
+    assert np.abs(wrong - ref).max() > 1e-2 * np.abs(ref).max()
+
+
+def test_gguf_neox_mode_unpermutes_to_hf_rows(tmp_path: Path, rng: np.random.Generator) -> None:
+    cfg = tiny_cfg(layers=1)
+    weights = random_weights(cfg, seed=int(rng.integers(2**31)))
+    path = tmp_path / "tiny.gguf"
+    held = write_llama_gguf(path, cfg, weights, "q8_0")
+    _, params = load_gguf(path, rope_mode="neox")
+    for proj in ("q_proj", "k_proj"):
+        name = f"model.layers.0.self_attn.{proj}.weight"
+        t = params[name]
+        rows = t.data.reshape(t.shape[0], -1)
+        np.testing.assert_array_equal(rows, gguf.quants.quantize(weights[name], GT.Q8_0))  # HF rows, same blocks
+        np.testing.assert_array_equal(dtypes.dequantize("q8_0", rows), held[name])
+    x = values(rng, (3 * 8, 5))
+    np.testing.assert_array_equal(unpermute_qk(hf_to_gguf_permute(x, 3), 3), x)
+
+
+def test_gguf_tied_embeddings(tmp_path: Path, rng: np.random.Generator) -> None:
+    cfg = tiny_cfg(layers=1)
+    path = tmp_path / "tied.gguf"
+    held = write_llama_gguf(path, cfg, random_weights(cfg, seed=int(rng.integers(2**31))), "q4_0", tied=True)
+    loaded_cfg, params = load_gguf(path)
+    assert "lm_head.weight" not in params and params["model.embed_tokens.weight"].dtype.name == "q4_0"
+    assert "lm_head.weight" not in held  # the reference ties too
+    prompt = rng.integers(0, cfg.vocab, 5).tolist()
+    assert_same_logits(logits(LlamaModel(attrs.evolve(loaded_cfg, cache_dtype="f32"), params), prompt),
+                       logits(LlamaModel(cfg, held), prompt))
+
+
+def test_gguf_rope_scaling(tmp_path: Path, rng: np.random.Generator) -> None:
+    """Linear scaling from rope.scaling.factor and Llama 3's rope_freqs tensor, as llama.cpp reads them."""
+    cfg = tiny_cfg(layers=1)
+    factors = rng.uniform(1, 8, cfg.head_dim // 2).astype(np.float32)
+    weights = random_weights(cfg, seed=int(rng.integers(2**31))) | {"rope_freqs.weight": factors}
+    path = tmp_path / "scaled.gguf"
+    held = write_llama_gguf(path, cfg, weights, "f16",
+                            meta={"rope_scaling_type": gguf.RopeScalingType.LINEAR, "rope_scaling_factor": 4.0})
+    loaded_cfg, params = load_gguf(path)
+    assert loaded_cfg.rope_freq_scale == 0.25
+    np.testing.assert_array_equal(params["rope_freqs.weight"].host_view(params["rope_freqs.weight"].data), factors)
+    prompt = rng.integers(0, cfg.vocab, 12).tolist()
+    ref_cfg = attrs.evolve(cfg, rope_freq_scale=0.25, rope_freq_factors=tuple(factors.tolist()))
+    del held["rope_freqs.weight"]
+    ref = logits(LlamaModel(ref_cfg, held), prompt)
+    assert_same_logits(logits(LlamaModel(attrs.evolve(loaded_cfg, cache_dtype="f32"), params), prompt), ref)
+    plain = logits(LlamaModel(cfg, held), prompt)
+    assert np.abs(plain - ref).max() > 1e-3 * np.abs(ref).max()  # the scaling shows in the logits
+
+    write_gguf(path, {"token_embd.weight": values(rng, (16, 64))},
+               {"block_count": 1, "embedding_length": 64, "head_count": 4, "feed_forward_length": 96,
+                "rope_scaling_type": gguf.RopeScalingType.YARN, "rope_scaling_factor": 4.0})
+    with pytest.raises(ValueError, match=r"scaled\.gguf: rope scaling 'yarn' is not supported \(linear only\)"):
+        load_gguf(path)
+
+
+def test_gguf_names_agree_with_gguf_tensor_name_map() -> None:
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3)
+    hf_names = list(GGUF_TO_HF.values()) + [f"model.layers.2.{v}.weight" for v in GGUF_LAYER_TO_HF.values()]
+    for hf in hf_names:
+        gg = names.get_name(hf, try_suffixes=(".weight",))
+        assert gg is not None, hf
+        assert gguf_name_to_hf(gg) == hf
+    assert gguf_name_to_hf("blk.0.ffn_gate_exps.weight") == "model.layers.0.mlp.experts.gate_proj.weight"
+    assert gguf_name_to_hf("rope_freqs.weight") == "rope_freqs.weight"  # LlamaModel takes GGUF's name
+    assert gguf_name_to_hf("blk.0.attn_q.bias") is None
+
+
+def test_gguf_moe_metadata_and_stacked_experts(tmp_path: Path, rng: np.random.Generator) -> None:
+    cfg = tiny_cfg(layers=1)
+    w = random_weights(cfg, seed=int(rng.integers(2**31)))
+    n_exp, used = 4, 2
+    tensors = {"token_embd.weight": w["model.embed_tokens.weight"], "output_norm.weight": w["model.norm.weight"],
+               "output.weight": w["lm_head.weight"], "blk.0.ffn_gate_inp.weight": values(rng, (n_exp, cfg.hidden)),
+               "blk.0.ffn_gate_exps.weight": values(rng, (n_exp, cfg.ffn, cfg.hidden)),
+               "blk.0.ffn_up_exps.weight": values(rng, (n_exp, cfg.ffn, cfg.hidden)),
+               "blk.0.ffn_down_exps.weight": values(rng, (n_exp, cfg.hidden, cfg.ffn))}
+    path = tmp_path / "moe.gguf"
+    meta = {"block_count": 1, "context_length": 64, "embedding_length": cfg.hidden, "feed_forward_length": cfg.ffn,
+            "head_count": cfg.heads, "head_count_kv": cfg.kv_heads, "expert_count": n_exp, "expert_used_count": used}
+    write_gguf(path, tensors, meta, types={n: "q8_0" for n in tensors if "_exps" in n})
+    loaded, params = load_gguf(path)
+    assert (loaded.experts, loaded.experts_used) == (n_exp, used)
+    assert params["model.layers.0.mlp.gate.weight"].shape == (n_exp, cfg.hidden)
+    for proj, shape in (("gate_proj", (n_exp, cfg.ffn, cfg.hidden)), ("up_proj", (n_exp, cfg.ffn, cfg.hidden)),
+                        ("down_proj", (n_exp, cfg.hidden, cfg.ffn))):
+        t = params[f"model.layers.0.mlp.experts.{proj}.weight"]
+        assert t.shape == shape and t.dtype.name == "q8_0"
+
+
+def test_gguf_config_errors(tmp_path: Path, rng: np.random.Generator) -> None:
+    path = tmp_path / "m.gguf"
+    embed = {"token_embd.weight": values(rng, (16, 64))}
+    write_gguf(path, embed, {"block_count": 1, "embedding_length": 64, "head_count": 4})
+    with pytest.raises(ValueError, match=r"m\.gguf: metadata key 'llama\.feed_forward_length' is missing"):
+        load_gguf(path)
+    write_gguf(path, embed, {"block_count": 1, "embedding_length": 64, "head_count": 4, "feed_forward_length": 96,
+                             "rope_dimension_count": 8})
+    with pytest.raises(ValueError, match=r"'llama\.rope\.dimension_count' = 8 but embedding_length / head_count = 16"):
+        load_gguf(path)
+    write_gguf(path, {}, {"block_count": 1})
+    with pytest.raises(ValueError, match=r"m\.gguf: tensor 'token_embd\.weight' is missing"):
+        load_gguf(path)
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_tensor("token_embd.weight", values(rng, (16, 64)))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ValueError, match=r"general\.architecture is 'qwen2'; load_gguf reads 'llama' models"):
+        load_gguf(path)
+    write_gguf(path, {**embed, "blk.0.attn_q.bias": values(rng, (64,))},
+               {"block_count": 1, "embedding_length": 64, "head_count": 4, "feed_forward_length": 96})
+    with pytest.warns(UserWarning, match=r"kept under their GGUF names .*: blk\.0\.attn_q\.bias"):
+        _, params = load_gguf(path)
+    assert params["blk.0.attn_q.bias"].shape == (64,)
+
+
+# ---------------------------------------------------------------------------
+# safetensors
+
+
+def st_bytes(entries: dict[str, tuple[str, list[int], bytes]], *, header: Any = None, pad: int = 0) -> bytes:
+    """A safetensors file by hand: {name: (dtype, shape, data)} packed in order; `header` replaces the JSON."""
+    meta, blobs, at = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, (dt, shape, data) in entries.items():
+        meta[name] = {"dtype": dt, "shape": shape, "data_offsets": [at, at + len(data)]}
+        blobs.append(data)
+        at += len(data)
+    text = (json.dumps(meta) if header is None else header if isinstance(header, str) else json.dumps(header))
+    head = text.encode() + b" " * pad
+    return struct.pack("<Q", len(head)) + head + b"".join(blobs)
+
+
+def test_safetensors_written_by_the_package(tmp_path: Path, rng: np.random.Generator) -> None:
+    from safetensors.numpy import save_file
+
+    arrays = {"model.embed_tokens.weight": values(rng, (10, 64)),
+              "model.layers.0.self_attn.q_proj.weight": values(rng, (64, 64)).astype(np.float16),
+              "model.norm.weight": values(rng, (64,)), "scalar": np.array(rng.standard_normal(), np.float32)}
+    path = tmp_path / "model.safetensors"
+    save_file(arrays, str(path), metadata={"format": "pt"})
+    params = load_safetensors(path)
+    assert set(params) == set(arrays)
+    for name, x in arrays.items():
+        t = params[name]
+        assert t.name == name and t.shape == x.shape and t.dtype.numpy == x.dtype
+        np.testing.assert_array_equal(t.host_view(t.data), x)
+        assert not t.data.flags.writeable  # a view of the read-only memmap
+
+
+def test_safetensors_checkpoint_runs_in_llama_model(tmp_path: Path, rng: np.random.Generator) -> None:
+    """An f16 HF checkpoint in two shards -> LlamaModel, equal to the model that converts the floats itself."""
+    from safetensors.numpy import save_file
+
+    cfg = tiny_cfg(dtype="f16")
+    weights = random_weights(cfg, seed=int(rng.integers(2**31)))
+    names = sorted(weights)
+    for k, part in enumerate((names[::2], names[1::2])):
+        save_file({n: weights[n] if weights[n].ndim == 1 else weights[n].astype(np.float16) for n in part},
+                  str(tmp_path / f"model-{k}.safetensors"))
+    params = load_safetensors(tmp_path)
+    assert {t.dtype.name for n, t in params.items() if t.ndim == 2} == {"f16"}
+    prompt = rng.integers(0, cfg.vocab, 7).tolist()
+    assert_same_logits(logits(LlamaModel(cfg, params), prompt), logits(LlamaModel(cfg, weights), prompt))
+
+
+def test_safetensors_bf16_by_hand(tmp_path: Path, rng: np.random.Generator) -> None:
+    x = values(rng, (6, 32)).astype(ml_dtypes.bfloat16)
+    y = values(rng, (3, 4, 8))
+    path = tmp_path / "bf16.safetensors"
+    path.write_bytes(st_bytes({"w": ("BF16", [6, 32], x.tobytes()), "y": ("F32", [3, 4, 8], y.tobytes())}, pad=5))
+    params = load_safetensors(path)
+    assert params["w"].dtype.name == "bf16"
+    np.testing.assert_array_equal(params["w"].host_view(params["w"].data), x)
+    np.testing.assert_array_equal(params["y"].host_view(params["y"].data), y)
+
+
+def test_safetensors_sharded_directory(tmp_path: Path, rng: np.random.Generator) -> None:
+    from safetensors.numpy import save_file
+
+    shards = {"model-00001-of-00002.safetensors": {"a": values(rng, (4, 32)), "b": values(rng, (8,))},
+              "model-00002-of-00002.safetensors": {"c": values(rng, (2, 3, 32)).astype(np.float16)}}
+    for fname, arrays in shards.items():
+        save_file(arrays, str(tmp_path / fname))
+    params = load_safetensors(tmp_path)  # no index: every shard
+    assert set(params) == {"a", "b", "c"}
+    c = shards["model-00002-of-00002.safetensors"]["c"]
+    np.testing.assert_array_equal(params["c"].host_view(params["c"].data), c)
+
+    index = tmp_path / "model.safetensors.index.json"
+    weight_map = {n: f for f, arrays in shards.items() for n in arrays}
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert set(load_safetensors(tmp_path)) == {"a", "b", "c"}
+    index.write_text(json.dumps({"weight_map": {**weight_map, "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(ValueError, match=r"tensor 'b' is listed in model-00002-of-00002\.safetensors but found in "
+                                         r"model-00001"):
+        load_safetensors(tmp_path)
+    index.write_text(json.dumps({"weight_map": {**weight_map, "d": "model-00003-of-00003.safetensors"}}))
+    with pytest.raises(ValueError, match=r"shard model-00003-of-00003\.safetensors is missing"):
+        load_safetensors(tmp_path)
+    index.unlink()
+    save_file({"a": values(rng, (4, 32))}, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(ValueError, match=r"tensor 'a' is in two shards, extra\.safetensors and model-00001"):
+        load_safetensors(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=r"empty: no \*\.safetensors files"):
+        load_safetensors(empty)
+
+
+def test_safetensors_malformed_files_are_clear_errors(tmp_path: Path, rng: np.random.Generator) -> None:
+    a, b = values(rng, (4, 32)), values(rng, (8,)).astype(np.float16)
+    good = st_bytes({"a": ("F32", [4, 32], a.tobytes()), "b": ("F16", [8], b.tobytes())})
+    path = tmp_path / "bad.safetensors"
+
+    def expect(data: bytes, pattern: str) -> None:
+        path.write_bytes(data)
+        with pytest.raises(ValueError, match=pattern):
+            load_safetensors(path)
+
+    header_len = struct.unpack("<Q", good[:8])[0]
+    expect(good[:-1], r"bad\.safetensors: tensor 'b': data_offsets \[512, 528\] fall outside the data area of 527 "
+                      r"bytes .*truncated")
+    expect(good[:8 + header_len + 100], r"tensor 'a': data_offsets \[0, 512\] fall outside the data area of 100")
+    expect(good[:8 + header_len - 1], r"bad\.safetensors: header length \d+ runs past the end of the file")
+    expect(good[:5], r"bad\.safetensors: 5 bytes, too short for a safetensors header length")
+    expect(struct.pack("<Q", 1 << 63) + good[8:], r"header length 9223372036854775808 runs past the end")
+    expect(st_bytes({"a": ("F32", [4, 32], a.tobytes())}, header='{"a": {"dtype": "F32", "shape": [4, 32'),
+           r"bad\.safetensors: the header is not valid JSON")
+    expect(struct.pack("<Q", 2) + b"\xff\xfe", r"the header is not valid JSON")  # not UTF-8
+    expect(st_bytes({}, header=[1, 2]), r"the header is a JSON list, not an object")
+    expect(st_bytes({"a": ("F32", [4, 32], a.tobytes())},
+                    header={"a": {"dtype": "F32", "shape": [4, 32], "data_offsets": [0, 1 << 40]}}),
+           r"tensor 'a': data_offsets \[0, 1099511627776\] fall outside the data area of 512 bytes")
+    expect(st_bytes({"a": ("F32", [4, 32], a.tobytes())},
+                    header={"a": {"dtype": "F32", "shape": [4, 32], "data_offsets": [-4, 508]}}),
+           r"tensor 'a': data_offsets \[-4, 508\] fall outside")
+    expect(st_bytes({"a": ("F32", [4, 32], a.tobytes())},
+                    header={"a": {"dtype": "F32", "shape": [4, 31], "data_offsets": [0, 512]}}),
+           r"tensor 'a': F32 \(4, 31\) takes 496 bytes but data_offsets \[0, 512\] hold 512")
+    expect(st_bytes({"a": ("I64", [64], a.tobytes())}), r"tensor 'a' has dtype 'I64'; opdispatch loads F32, F16, BF16")
+    expect(st_bytes({"a": ("F8_E4M3", [512], a.tobytes())}), r"tensor 'a' has dtype 'F8_E4M3'")
+    expect(st_bytes({"a": ("F32", [4, -32], a.tobytes())}), r"tensor 'a': shape \[4, -32\] is not a list of "
+                                                            r"non-negative integers")
+    expect(st_bytes({"a": ("F32", [4, 32], a.tobytes())}, header={"a": {"dtype": "F32", "shape": [4, 32]}}),
+           r"tensor 'a': needs dtype, shape and data_offsets")
+    expect(st_bytes({"a": ("F32", [4, 32], a.tobytes())},
+                    header={"a": {"dtype": "F32", "shape": [2, 32], "data_offsets": [0, 256]},
+                            "b": {"dtype": "F32", "shape": [2, 32], "data_offsets": [128, 384]}}),
+           r"tensors 'a' and 'b' overlap")
+
+
+# ---------------------------------------------------------------------------
+# state dicts
+
+
+def test_state_dict_of_numpy_arrays(rng: np.random.Generator) -> None:
+    sd = {"f32": values(rng, (4, 32)), "f16": values(rng, (4, 32)).astype(np.float16),
+          "bf16": values(rng, (4, 32)).astype(ml_dtypes.bfloat16), "f64": values(rng, (4, 32)).astype(np.float64),
+          "strided": values(rng, (8, 64))[::2, ::2]}
+    params = load_state_dict(sd)
+    for name, x in sd.items():
+        t = params[name]
+        assert t.name == name and t.shape == x.shape
+        want = x.astype(np.float32) if x.dtype == np.float64 else x
+        assert t.dtype.numpy == want.dtype
+        np.testing.assert_array_equal(t.host_view(t.data), want)
+    assert not np.shares_memory(params["f32"].data, sd["f32"])
+    shared = load_state_dict({"f32": sd["f32"]}, copy=False)["f32"]
+    assert np.shares_memory(shared.data, sd["f32"])
+    with pytest.raises(ValueError, match=r"state dict tensor 'mask' has dtype bool"):
+        load_state_dict({"mask": np.ones(4, bool)})
+
+
+def test_state_dict_of_torch_tensors(rng: np.random.Generator) -> None:
+    torch = pytest.importorskip("torch")
+    x = values(rng, (6, 32))
+    sd = {"f32": torch.from_numpy(x), "bf16": torch.from_numpy(x).to(torch.bfloat16),
+          "f16": torch.from_numpy(x).half().t(), "param": torch.nn.Parameter(torch.from_numpy(x))}
+    params = load_state_dict(sd)
+    bf = params["bf16"]
+    assert bf.dtype.name == "bf16"
+    np.testing.assert_array_equal(bf.host_view(bf.data).view(np.int16), sd["bf16"].view(torch.int16).numpy())
+    np.testing.assert_array_equal(params["f16"].host_view(params["f16"].data), x.astype(np.float16).T)
+    np.testing.assert_array_equal(params["param"].host_view(params["param"].data), x)
+
+    # A bf16 torch state dict runs like the model that rounds the same floats to bf16 itself.
+    cfg = tiny_cfg(dtype="bf16", layers=1)
+    weights = random_weights(cfg, seed=int(rng.integers(2**31)))
+    sd = {n: torch.from_numpy(w) if w.ndim == 1 else torch.from_numpy(w).to(torch.bfloat16) for n, w in weights.items()}
+    prompt = rng.integers(0, cfg.vocab, 7).tolist()
+    assert_same_logits(logits(LlamaModel(cfg, load_state_dict(sd)), prompt), logits(LlamaModel(cfg, weights), prompt))
