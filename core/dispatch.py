@@ -132,34 +132,40 @@ def plan_memory(graph: Graph, steps: list[Step], homes: Mapping[Tensor, Device])
             for s in n.srcs:
                 if s is not None and s not in inside:
                     last[(s.base, holder(s.base, step.device))] = i
-        held.add((step.out.base, step.device))
+        held.update((t.base, step.device) for t in step.written)
     for o in graph.outputs:
         last[(o.base, homes[o.base].name)] = len(steps)
 
     for i, step in enumerate(steps):  # pass 2: slots
         if step.kind == "view":
             continue
-        b = step.out.base
-        if b.is_leaf and (step.kind != "copy" or b.flags & Flag.PARAM or homes[b] is step.device):
-            continue  # leafs live in persistent buffers at home, and so do param copies
-        mem = memory.setdefault(step.device.name, MemoryPlan())
-        key = (b, step.device.name)
-        end = max(last.get(key, i), i)
-        if key in mem.by_key:
-            mem.extend(key, end)
-            continue
-        src0 = step.nodes[0].srcs[0] if step.kind == "kernel" and step.nodes[0].srcs else None
-        if (step.kind == "kernel" and step.out.op in INPLACE_OPS and b is step.out and src0 is not None
-                and src0.base is src0 and (src0, step.device.name) in mem.by_key
-                and not any(s is not None and s.base is src0 for s in step.nodes[0].srcs[1:])
-                and last.get((src0, step.device.name)) == i and not graph.is_output(src0)
-                and src0.nbytes == b.nbytes and src0.strides == b.strides and src0.dtype == b.dtype):
-            mem.share(key, (src0, step.device.name), end)
-        else:
-            mem.add(key, b.nbytes, i, end)
+        for t in step.written:
+            b = t.base
+            if b.is_leaf and (step.kind != "copy" or b.flags & Flag.PARAM or homes[b] is step.device):
+                continue  # leafs live in persistent buffers at home, and so do param copies
+            mem = memory.setdefault(step.device.name, MemoryPlan())
+            key = (b, step.device.name)
+            end = max(last.get(key, i), i)
+            if key in mem.by_key:
+                mem.extend(key, end)
+            elif step.kind == "kernel" and _may_reuse(graph, step, last, mem, i):
+                mem.share(key, (step.out.srcs[0], step.device.name), end)
+            else:
+                mem.add(key, b.nbytes, i, end)
     for mem in memory.values():
         mem.place()
     return memory
+
+
+def _may_reuse(graph: Graph, step: Step, last: Mapping[tuple[Tensor, str], int], mem: MemoryPlan, i: int) -> bool:
+    """May the node of `step` write over source 0, which it reads for the last time?
+    (An op of INPLACE_OPS, same layout, no other source viewing those bytes.)"""
+    out, dev = step.out, step.device.name
+    src0 = out.srcs[0] if out.srcs else None
+    return (out.op in INPLACE_OPS and out.base is out and src0 is not None and src0.base is src0
+            and (src0, dev) in mem.by_key and last.get((src0, dev)) == i and not graph.is_output(src0)
+            and not any(s is not None and s.base is src0 for s in out.srcs[1:])
+            and src0.nbytes == out.nbytes and src0.strides == out.strides and src0.dtype == out.dtype)
 
 
 #: Buffers of leafs (params, states, inputs), one per tensor and device, shared by
@@ -256,6 +262,8 @@ class Plan:
                 lines.append(f"  {i:4d}  copy {s.out.describe():45s} {s.kernel}" + (f" ({s.note})" if s.note else ""))
                 continue
             who = f"{s.plugin}:{s.kernel}" if s.kind == "kernel" else f"{s.plugin} [fused {s.kernel}]"
+            if s.writes:
+                who += " (also writes " + ", ".join(f"'{t.name}'" for t in s.writes) + ")"
             line = f"  {i:4d}  {s.describe():50s} {who} on {s.device.name}"
             if s.note:
                 line += f" ({s.note})"

@@ -27,22 +27,29 @@ class FusionRule:
 
     `check(device, nodes, graph)` returns True or a reason not to fuse (types,
     shapes, broadcasting the fused kernel cannot handle). `bind(ctx, nodes)`
-    returns one launch that writes the last node's output.
+    returns one launch that writes the last node's output, and the outputs of
+    the nodes at the pattern positions in `outputs`: those may be read outside
+    the group (ggml's top-k MoE router also writes the expert ids).
     """
 
     name: str
     pattern: tuple[str, ...] = attrs.field(converter=tuple)
     bind: Callable[[BindContext, Sequence[Tensor]], Launch]
     check: Callable[[Device, Sequence[Tensor], Graph], bool | str] = _accept
+    outputs: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self) -> None:
         if len(self.pattern) < 2:
             raise ValueError(f"fusion rule '{self.name}': a pattern needs at least two ops")
+        if any(not 0 <= j < len(self.pattern) - 1 for j in self.outputs):
+            raise ValueError(f"fusion rule '{self.name}': outputs {self.outputs} must be positions "
+                             f"before the last of its {len(self.pattern)} ops")
 
 
-def can_fuse(graph: Graph, start: int, pattern: Sequence[str]) -> bool:
+def can_fuse(graph: Graph, start: int, pattern: Sequence[str], outputs: Sequence[int] = ()) -> bool:
     """ggml's can_fuse: nodes start.. match `pattern` in order, and every node
-    but the last is read only inside the group and is not a graph output."""
+    but the last is read only inside the group and is not a graph output,
+    except those at the positions in `outputs`, which the fused kernel writes."""
     nodes = graph.nodes
     end = start + len(pattern)
     if end > len(nodes):
@@ -51,7 +58,9 @@ def can_fuse(graph: Graph, start: int, pattern: Sequence[str]) -> bool:
     if any(n.op != p for n, p in zip(group, pattern)):
         return False
     members = set(group)
-    for n in group[:-1]:
+    for j, n in enumerate(group[:-1]):
+        if j in outputs:
+            continue
         if graph.is_output(n):
             return False
         readers = graph.users.get(n, ())

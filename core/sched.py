@@ -43,6 +43,13 @@ class Step:
     src_device: Device | None = None  # copies: from where
     #: fusion rules whose pattern matched here but whose check declined: (rule, reason)
     unfused: tuple[tuple[str, str], ...] = ()
+    #: fused groups: the nodes besides the last whose outputs the kernel also writes
+    writes: tuple[Tensor, ...] = ()
+
+    @property
+    def written(self) -> tuple[Tensor, ...]:
+        """Every tensor this step writes: the extra outputs of a fused group, then `out`."""
+        return (*self.writes, self.out)
 
     @property
     def out(self) -> Tensor:
@@ -134,9 +141,16 @@ class Scheduler:
         (rule, reason) of those whose pattern matched but whose check declined."""
         declined: list[tuple[str, str]] = []
         for plugin, rule in rules:
-            if not can_fuse(graph, i, rule.pattern):
-                continue
             group = tuple(graph.nodes[i:i + len(rule.pattern)])
+            if tuple(n.op for n in group) != rule.pattern:
+                continue
+            if not can_fuse(graph, i, rule.pattern, rule.outputs):
+                declined.append((rule.name, "an intermediate result is read outside the group"))
+                continue
+            writes = tuple(group[j] for j in rule.outputs)
+            if any(w.is_view for w in writes):
+                declined.append((rule.name, "an extra output is a view"))
+                continue
             if any(s in self.host_params for n in group for s in n.srcs):
                 declined.append((rule.name, "reads weights kept on the host"))
                 continue
@@ -147,7 +161,7 @@ class Scheduler:
                 declined.append((rule.name, f"check raised {type(exc).__name__}"))
                 continue
             if answer is True:
-                return Step("fused", group, self.device, plugin.name, rule.name, rule.bind), declined
+                return Step("fused", group, self.device, plugin.name, rule.name, rule.bind, writes=writes), declined
             declined.append((rule.name, answer if isinstance(answer, str) and answer else "check declined"))
         return None, declined
 
@@ -206,20 +220,28 @@ class Scheduler:
             reads = {s.base for n in step.nodes for s in n.srcs if s is not None and s not in inside}
             for b in sorted(reads, key=lambda t: t.uid):
                 self._ensure(b, step.device, version, held, home, out)
-            written = step.out.base
-            if written is step.out:
-                home[written] = step.device
-                version[written] = 0
-            else:  # in place: the written buffer must be on this device first
-                self._ensure(written, step.device, version, held, home, out)
-                version[written] += 1
-            held[(written, step.device.name)] = version[written]
+            for t in step.written:  # written in place: the buffer must be on this device first
+                if t.base is not t:
+                    self._ensure(t.base, step.device, version, held, home, out)
             out.append(step)
-            if home[written] is not step.device and written.is_leaf:
-                out.append(Step("copy", (written,), home[written], kernel=f"{step.device.name}->{home[written].name}",
-                                src_device=step.device, note="write-back"))
-                held[(written, home[written].name)] = version[written]
+            for t in step.written:
+                self._record_write(t, step, version, held, home, out)
         return out
+
+    def _record_write(self, t: Tensor, step: Step, version: dict, held: dict, home: dict, out: list[Step]) -> None:
+        """`step` wrote `t`: a new buffer at home on its device, or a new version of the
+        buffer it aliases, copied back home when that is a leaf elsewhere (a KV cache)."""
+        b = t.base
+        if b is t:
+            home[b] = step.device
+            version[b] = 0
+        else:
+            version[b] += 1
+        held[(b, step.device.name)] = version[b]
+        if home[b] is not step.device and b.is_leaf:
+            out.append(Step("copy", (b,), home[b], kernel=f"{step.device.name}->{home[b].name}",
+                            src_device=step.device, note="write-back"))
+            held[(b, home[b].name)] = version[b]
 
     def _ensure(self, b: Tensor, dev: Device, version: dict, held: dict, home: dict, out: list[Step]) -> None:
         if held.get((b, dev.name)) == version[b] or (dev.host_memory and home[b].host_memory):

@@ -142,13 +142,22 @@ def test_moe_router_fuses(norm: bool, view: str) -> None:
     assert len(kernel_steps(plan)) == 1
 
 
+def test_moe_router_fused_writes_the_ids_others_read() -> None:
+    _, ids, out = _router()
+    x = od.input("x", (9, 4, 16))
+    experts = od.param("experts", np.ones((64, 8, 16), np.float32))
+    moe = ops.mul_mat_id(experts, x, ids)  # reads the ids outside the fused group, as a MoE layer does
+    plan = od.compile([out, moe], DEV)
+    (fused,) = plan.fusions
+    assert fused.writes == (ids,) and fused.plugin == "cuda_misc"
+    specs = rows.moe_specs(fused.nodes, lambda t: 1000 + t.uid)
+    assert int(specs[0].args[2]) == 1000 + ids.uid  # the kernel is given the ids' address
+
+
 def test_moe_router_variants_do_not_fuse() -> None:
     # soft_max with a mask: ggml's kernel (and ours) has no mask
     _, _, out = _router(mask=True)
     assert not od.compile(out, DEV).fusions
-    # the ids read outside the group: can_fuse refuses (no storage for them while fused)
-    _, ids, out = _router()
-    assert not od.compile([out, ids], DEV).fusions
     # top_k of the logits, not of the probabilities
     logits = od.input("logits", (9, 64))
     probs = ops.soft_max(logits)
@@ -730,6 +739,21 @@ def test_moe_router_fused_matches_unfused(experts: int, k: int, norm: bool, rng,
         f = {logits: lv}
         a, b, c = fused.run(f)[0], unfused.run(f)[0], ref.run(f)[0]
         assert nmse(a, c) <= 1e-10 and nmse(b, c) <= 1e-10, seed
+
+
+@gpu
+@pytest.mark.parametrize("experts, k", [(8, 2), (64, 8)])
+def test_moe_router_fused_ids_match_the_reference(experts: int, k: int, rng, seed) -> None:
+    tokens = 17
+    logits, ids, out = _router(tokens, experts, k, True)
+    fused = od.compile([out, ids], cuda())
+    ref = od.compile([out, ids], "cpu")
+    assert fused.fusions and fused.fusions[0].writes == (ids,), fused.explain()
+    lv = np.stack([rng.permutation(experts) for _ in range(tokens)]).astype(np.float32) * np.float32(0.05)
+    (w, i), (wr, ir) = fused.run({logits: lv}), ref.run({logits: lv})
+    np.testing.assert_array_equal(np.sort(i, axis=-1), np.sort(ir, axis=-1), str(seed))
+    order, order_ref = np.argsort(i, axis=-1), np.argsort(ir, axis=-1)  # weights follow their ids
+    assert nmse(np.take_along_axis(w, order, -1), np.take_along_axis(wr, order_ref, -1)) <= 1e-10, seed
 
 
 # -- bandwidth ---------------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ import pytest
 
 import opdispatch as od
 from opdispatch import ops
+from opdispatch.fusion import FusionRule
 from opdispatch.hookspecs import Kernel, PluginInfo, hookimpl
+from opdispatch.reference import load, store
 from opdispatch.manager import PluginError, PluginManager, PluginWarning
 from opdispatch.sched import DispatchError
 from toy import TOY, ToyPlugin, manager_with
@@ -295,3 +297,49 @@ def test_warnings_do_not_leak_from_a_clean_manager() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         manager_with(ToyPlugin())
+
+
+class SumToo(ToyPlugin):
+    """Fuses add -> mul and also writes the sum, which others may read (FusionRule.outputs)."""
+
+    @hookimpl
+    def fusion_rules(self, device):  # noqa: ANN001, ANN202
+        if device.kind == "toy":
+            yield FusionRule("add_mul_keep_sum", ("add", "mul"), bind=self._bind_both, outputs=(0,))
+
+    def _bind_both(self, ctx, nodes):  # noqa: ANN001, ANN202
+        add, mul = nodes
+        out_sum, out = ctx.array(add), ctx.array(mul)
+        a, b, c = (ctx.array(t) for t in (add.srcs[0], add.srcs[1], mul.srcs[1]))
+
+        def launch() -> None:
+            s = load(a, "f32") + load(b, "f32")
+            store(out_sum, s, add)
+            store(out, s * load(c, "f32"), mul)
+
+        return launch
+
+
+def test_a_fused_group_may_write_declared_extra_outputs() -> None:
+    rng = np.random.default_rng()
+    mgr = manager_with(SumToo())
+    a, b, c = (od.input(n, (3, 4)) for n in "abc")
+    s = ops.add(a, b)
+    y = ops.mul(s, c)
+    z = ops.neg(s)  # reads the sum outside the group: on the cpu, copied from the toy device
+    plan = od.compile([y, z], TOY, plugins=mgr)
+    (fused,) = plan.fusions
+    assert fused.writes == (s,) and "(also writes 'add." in plan.explain()
+    feeds = {a: rand(rng, 3, 4), b: rand(rng, 3, 4), c: rand(rng, 3, 4)}
+    oy, oz = plan.run(feeds)
+    np.testing.assert_allclose(oy, (feeds[a] + feeds[b]) * feeds[c], rtol=1e-6)
+    np.testing.assert_allclose(oz, -(feeds[a] + feeds[b]), rtol=1e-6)
+    # Without the declaration the same group is refused, and explain() says why.
+    plain = od.compile([y, z], TOY, plugins=manager_with(ToyPlugin()))
+    assert not plain.fusions
+    assert "not fused: add_mul (an intermediate result is read outside the group)" in plain.explain()
+
+
+def test_fusion_rule_outputs_are_checked() -> None:
+    with pytest.raises(ValueError, match="outputs \\(1,\\) must be positions before the last"):
+        FusionRule("bad", ("add", "mul"), bind=lambda ctx, nodes: None, outputs=(1,))

@@ -913,9 +913,9 @@ def moe_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[KernelSpec]:
     experts, k = probs.shape[-1], topk.params["k"]
     rows = math.prod(probs.shape[:-1])
     npl = next(n for n in MOE_NPL if 32 * n >= experts)
-    # ids (top_k's result) have no storage while fused: can_fuse fuses only when
-    # nothing outside the group reads them, so the kernel does not write them.
-    args = (u64(ptr(logits)), u64(ptr(out)), u64(0), np.uint32(rows), np.int32(experts), np.int32(k),
+    # The kernel also writes the expert ids (top_k's result, the rule's extra
+    # output): mul_mat_id reads them outside the group.
+    args = (u64(ptr(logits)), u64(ptr(out)), u64(ptr(topk)), np.uint32(rows), np.int32(experts), np.int32(k),
             np.int64(experts), np.float32(probs.params["scale"]), np.int32(len(nodes) > 4))
     return [KernelSpec(SORT_CU, tmpl("topk_moe", npl), -(-rows // 4), 128, args)]
 
@@ -954,5 +954,5 @@ KERNELS: list[Kernel] = [
 ]
 
 #: longest patterns first: dispatch takes the first rule whose check passes
-FUSIONS: list[FusionRule] = [FusionRule(name, pattern, bind=bind_moe, check=moe_check)
+FUSIONS: list[FusionRule] = [FusionRule(name, pattern, bind=bind_moe, check=moe_check, outputs=(2,))
                              for name, pattern in MOE_PATTERNS]
