@@ -103,4 +103,10 @@ __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(f16* p, float v) { p->bits = f32_to_f16(v); }
 __device__ __forceinline__ void store(bf16* p, float v) { p->bits = f32_to_bf16(v); }
 
+// N elements as one aligned access of N * sizeof(T) bytes (16 bytes: one vector load).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+    T v[N];
+};
+
 }  // namespace od

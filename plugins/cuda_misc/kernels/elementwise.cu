@@ -30,20 +30,12 @@
 // Aliasing: the result may be a itself (same layout): each element is read
 // and then written by one thread.
 
-#include "common.cuh"
+#include "ew_common.cuh"
 
 namespace ew_binary {
 
-// Stores convert with round-to-nearest-even, as common.cuh's od::store; bf16 through the
-// hardware's cvt.rn.bf16.f32 (sm_80+): the same value as od::store's bit formula in one
-// instruction instead of six (a NaN becomes the canonical quiet NaN, its payload dropped).
-__device__ __forceinline__ void put(float* p, float v) { *p = v; }
-__device__ __forceinline__ void put(od::f16* p, float v) { od::store(p, v); }
-__device__ __forceinline__ void put(od::bf16* p, float v) {
-    unsigned short h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    p->bits = h;
-}
+using ew::put;
+using od::Pack;
 
 // Op codes: must match BINARY_CODES in plugins/cuda_misc/elementwise.py.
 constexpr int OP_ADD = 0;
@@ -80,11 +72,6 @@ __device__ __forceinline__ void split_row(long long r, int n1, int n2, long long
 
 // i % m for i >= 0, without the division where it is not needed (m = 1, or i < m).
 __device__ __forceinline__ int wrap(int i, int m) { return m == 1 ? 0 : (i < m ? i : i % m); }
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-    T v[N];
-};
 
 // Elements of the result type per 16-byte vector; b moves the same count.
 template <typename T>

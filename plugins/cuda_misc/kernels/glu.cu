@@ -14,20 +14,13 @@
 // sends NaN to 0; swiglu_oai clips with comparisons that keep NaN, as numpy's
 // minimum and clip do.
 
-#include "common.cuh"
+#include "ew_common.cuh"
 
 namespace ew_glu {
 
-// Stores convert with round-to-nearest-even, as common.cuh's od::store; bf16 through the
-// hardware's cvt.rn.bf16.f32 (sm_80+): the same value as od::store's bit formula in one
-// instruction instead of six (a NaN becomes the canonical quiet NaN, its payload dropped).
-__device__ __forceinline__ void put(float* p, float v) { *p = v; }
-__device__ __forceinline__ void put(od::f16* p, float v) { od::store(p, v); }
-__device__ __forceinline__ void put(od::bf16* p, float v) {
-    unsigned short h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    p->bits = h;
-}
+using ew::put;
+using ew::sigmoid;
+using od::Pack;
 
 // Kind codes: must match GLU_CODES in plugins/cuda_misc/elementwise.py.
 constexpr int GLU_REGLU = 0;
@@ -41,18 +34,6 @@ constexpr float GELU_COEF_A = 0.044715f;
 constexpr float GELU_QUICK_COEF = 1.702f;
 constexpr float SQRT_2_OVER_PI = 0.79788456080286535587989211986876f;
 constexpr float SQRT_2_INV = 0.70710678118654752440084436210484f;
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-    T v[N];
-};
-
-// 1 / (1 + exp(-x)) without overflow, precise in the tail (as unary.cu's)
-__device__ __forceinline__ float sigmoid(float x) {
-    const float e = expf(-fabsf(x));
-    const float r = __fdividef(1.0f, 1.0f + e);  // 1 + e in [1, 2]: within 2 ulps
-    return x >= 0.0f ? r : e * r;
-}
 
 template <int KIND>
 __device__ __forceinline__ float glu1(float g, float u, float alpha, float limit) {

@@ -60,12 +60,6 @@ union Pack8 {
     T v[8];
 };
 
-// N elements as one aligned access of N * sizeof(T) bytes.
-template <class T, int N>
-struct alignas(sizeof(T) * N) Vec {
-    T v[N];
-};
-
 template <class T>
 __device__ __forceinline__ Pack8<T> load8(const T* p) {
     Pack8<T> r;
@@ -147,13 +141,13 @@ __global__ void convert_contig(const S* __restrict__ src, D* __restrict__ dst, c
         constexpr int N = 16 / sizeof(D);
         const long long nv = n / N;
         for (long long i = id; i < nv; i += thread_count()) {
-            const Vec<S, N> a = *reinterpret_cast<const Vec<S, N>*>(src + N * i);
-            Vec<D, N> b;
+            const od::Pack<S, N> a = *reinterpret_cast<const od::Pack<S, N>*>(src + N * i);
+            od::Pack<D, N> b;
 #pragma unroll
             for (int j = 0; j < N; j++) {
                 b.v[j] = convert<S, D>(a.v[j]);
             }
-            *reinterpret_cast<Vec<D, N>*>(dst + N * i) = b;
+            *reinterpret_cast<od::Pack<D, N>*>(dst + N * i) = b;
         }
         done = N * nv;
         if (done + id < n) {

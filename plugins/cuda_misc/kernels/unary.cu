@@ -32,20 +32,13 @@
 // Aliasing: the result may be the source itself (same layout): every element
 // is read and then written by one thread.
 
-#include "common.cuh"
+#include "ew_common.cuh"
 
 namespace ew_unary {
 
-// Stores convert with round-to-nearest-even, as common.cuh's od::store; bf16 through the
-// hardware's cvt.rn.bf16.f32 (sm_80+): the same value as od::store's bit formula in one
-// instruction instead of six (a NaN becomes the canonical quiet NaN, its payload dropped).
-__device__ __forceinline__ void put(float* p, float v) { *p = v; }
-__device__ __forceinline__ void put(od::f16* p, float v) { od::store(p, v); }
-__device__ __forceinline__ void put(od::bf16* p, float v) {
-    unsigned short h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    p->bits = h;
-}
+using ew::put;
+using ew::sigmoid;
+using od::Pack;
 
 // Op codes: must match UNARY_CODES in plugins/cuda_misc/elementwise.py.
 constexpr int OP_ABS = 0;
@@ -87,11 +80,6 @@ constexpr float SQRT_2_INV = 0.70710678118654752440084436210484f;
 
 // -- 16-byte vectors ----------------------------------------------------------------
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-    T v[N];
-};
-
 template <typename T>
 struct Vec {
     static constexpr int N = 16 / sizeof(T);  // elements per 16-byte vector
@@ -106,14 +94,6 @@ __device__ __forceinline__ float round_to(float v) {
 }
 
 // -- the maps ---------------------------------------------------------------------------
-
-// 1 / (1 + exp(-x)), as e / (1 + e) with e = exp(-|x|) for x < 0: no overflow, and
-// the tail keeps its relative precision (down to the subnormals the reference gives).
-__device__ __forceinline__ float sigmoid(float x) {
-    const float e = expf(-fabsf(x));
-    const float r = __fdividef(1.0f, 1.0f + e);  // 1 + e in [1, 2]: within 2 ulps
-    return x >= 0.0f ? r : e * r;
-}
 
 // 0.5 x (1 + tanh(u)) with ggml's u, written as x sigmoid(2u): the same function
 // without the cancellation of 1 + tanh(u) for negative x.
