@@ -6,13 +6,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from opdispatch.dtypes import from_float
+from opdispatch.dtypes import from_float, to_host_float
 from opdispatch.graph import Graph
 from opdispatch.reference import REFERENCE
 from opdispatch.tensor import VIEW_OPS, Flag, Tensor
 from opdispatch.testing.metrics import nmse
 
-__all__ = ["evaluate", "nmse"]
+__all__ = ["assert_close", "evaluate", "nmse", "stored", "uniform"]
 
 
 def evaluate(outputs: Tensor | Sequence[Tensor], feeds: dict[Tensor, Any] | None = None) -> list[np.ndarray]:
@@ -43,3 +43,19 @@ def evaluate(outputs: Tensor | Sequence[Tensor], feeds: dict[Tensor, Any] | None
         REFERENCE[n.op](n, arr(n), *[arr(s) if s is not None else None for s in n.srcs])
     return [np.array(arr(o)) for o in graph.outputs]
 
+
+def uniform(gen: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    return gen.uniform(-1.0, 1.0, shape)
+
+
+def stored(values: np.ndarray, dt: str) -> np.ndarray:
+    """What a tensor of dtype `dt` holds for `values`, as float64 (quantized: dequantized)."""
+    return to_host_float(dt, from_float(dt, values)).astype(np.float64)
+
+
+def assert_close(out: np.ndarray, ref: np.ndarray, seed: int, tol: float = 1e-7) -> None:
+    assert out.shape == ref.shape, f"shape {out.shape} != {ref.shape} (seed {seed})"
+    err = nmse(out, ref)
+    assert err <= tol, f"nmse {err:.3g} > {tol:g} (seed {seed})"
+    # evaluate() starts outputs at zero: every entry the formula makes nonzero must be written.
+    assert np.all((out != 0) | (ref == 0)), f"output entries left unwritten (seed {seed})"

@@ -16,29 +16,12 @@ import numpy as np
 import pytest
 
 import opdispatch as od
-from opdispatch.dtypes import from_float, to_host_float
+from opdispatch.dtypes import from_float
 from opdispatch.ops import OPS, OpError, diag_mask_inf, flash_attn_ext, rope, soft_max
 from opdispatch.reference import REFERENCE
 from opdispatch.reference.attention import alibi_slopes, rope_yarn_corr_dims
 
-from helpers import evaluate, nmse
-
-
-def uniform(gen: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    return gen.uniform(-1.0, 1.0, shape)
-
-
-def stored(values: np.ndarray, dt: str) -> np.ndarray:
-    """What a tensor of dtype `dt` holds for `values`, as float64 (quantized: dequantized)."""
-    return to_host_float(dt, from_float(dt, values)).astype(np.float64)
-
-
-def assert_close(out: np.ndarray, ref: np.ndarray, seed: int, tol: float = 1e-7) -> None:
-    assert out.shape == ref.shape, f"shape {out.shape} != {ref.shape} (seed {seed})"
-    err = nmse(out, ref)
-    assert err <= tol, f"nmse {err:.3g} > {tol:g} (seed {seed})"
-    # evaluate() starts outputs at zero: every entry the formula makes nonzero must be written.
-    assert np.all((out != 0) | (ref == 0)), f"output entries left unwritten (seed {seed})"
+from helpers import assert_close, evaluate, stored, uniform
 
 
 def slope_formula(h: int, n_head: int, max_bias: float) -> float:

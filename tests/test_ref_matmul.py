@@ -12,30 +12,12 @@ import numpy as np
 import pytest
 
 import opdispatch as od
-from opdispatch.dtypes import from_float, to_host_float
 from opdispatch.ops import OPS, OpError, mul_mat, mul_mat_id, out_prod
 from opdispatch.reference import REFERENCE
 
-from helpers import evaluate, nmse
+from helpers import assert_close, evaluate, stored, uniform
 
 QUANTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
-
-
-def uniform(gen: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    return gen.uniform(-1.0, 1.0, shape)
-
-
-def stored(values: np.ndarray, dt: str) -> np.ndarray:
-    """What a tensor of dtype `dt` holds for `values`, as float64 (quantized: dequantized)."""
-    return to_host_float(dt, from_float(dt, values)).astype(np.float64)
-
-
-def assert_close(out: np.ndarray, ref: np.ndarray, seed: int, tol: float = 1e-7) -> None:
-    assert out.shape == ref.shape, f"shape {out.shape} != {ref.shape} (seed {seed})"
-    err = nmse(out, ref)
-    assert err <= tol, f"nmse {err:.3g} > {tol:g} (seed {seed})"
-    # evaluate() starts outputs at zero: every entry the formula makes nonzero must be written.
-    assert np.all((out != 0) | (ref == 0)), f"output entries left unwritten (seed {seed})"
 
 
 def mul_mat_formula(a: np.ndarray, b: np.ndarray) -> np.ndarray:
