@@ -343,3 +343,16 @@ def test_a_fused_group_may_write_declared_extra_outputs() -> None:
 def test_fusion_rule_outputs_are_checked() -> None:
     with pytest.raises(ValueError, match="outputs \\(1,\\) must be positions before the last"):
         FusionRule("bad", ("add", "mul"), bind=lambda ctx, nodes: None, outputs=(1,))
+
+
+def test_plan_cache_keeps_the_most_recently_used_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opdispatch import dispatch
+
+    monkeypatch.setattr(dispatch, "PLAN_CACHE_SIZE", 2)
+    mgr = manager_with()
+    plans = [od.compile(ops.neg(od.input("x", (n,))), "cpu", plugins=mgr) for n in (1, 2)]
+    assert od.compile(ops.neg(od.input("x", (1,))), "cpu", plugins=mgr).steps is plans[0].steps  # now most recent
+    od.compile(ops.neg(od.input("x", (3,))), "cpu", plugins=mgr)  # evicts the plan for (2,)
+    assert len(mgr.plans) == 2
+    assert od.compile(ops.neg(od.input("x", (1,))), "cpu", plugins=mgr).steps is plans[0].steps
+    assert od.compile(ops.neg(od.input("x", (2,))), "cpu", plugins=mgr).steps is not plans[1].steps
