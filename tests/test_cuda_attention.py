@@ -31,7 +31,6 @@ from opdispatch import ops
 from opdispatch.backends.base import Device
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.graph import Graph
-from opdispatch.hookspecs import PRIORITY_BUILTIN
 from opdispatch.plugins.cuda_attention import fusion, support
 from opdispatch.tensor import Tensor
 from opdispatch.testing.cases import Inputs, bound
@@ -59,12 +58,6 @@ def fa(d: int = 64, tq: int = 1, tk: int = 113, hq: int = 4, hkv: int = 2, kv: s
 
 
 # -- the plugin, without a GPU --------------------------------------------------------------------
-
-
-def test_registered_as_a_builtin_through_its_entry_point() -> None:
-    plugin = od.manager().plugins["cuda_attention"]
-    assert plugin.priority == PRIORITY_BUILTIN
-    assert plugin.origin == "entry point opdispatch.plugins.cuda_attention"
 
 
 def test_kernels_and_rules_are_for_cuda_devices_only() -> None:

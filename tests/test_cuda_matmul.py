@@ -34,7 +34,6 @@ from opdispatch.backends.base import Device
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.dtypes import dequantize, from_float
 from opdispatch.graph import Graph
-from opdispatch.hookspecs import PRIORITY_BUILTIN
 from opdispatch.plugins.cuda_matmul import fusion
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
@@ -57,12 +56,6 @@ def weight(name: str, shape: tuple, dtype: str, seed: int = 0) -> Tensor:
 
 
 # -- the plugin, without a GPU ---------------------------------------------------------------
-
-
-def test_registered_as_a_builtin_through_its_entry_point() -> None:
-    plugin = od.manager().plugins["cuda_matmul"]
-    assert plugin.priority == PRIORITY_BUILTIN
-    assert plugin.origin == "entry point opdispatch.plugins.cuda_matmul"
 
 
 def test_kernels_and_rules_are_for_cuda_devices_only() -> None:

@@ -26,7 +26,6 @@ from opdispatch import ops
 from opdispatch.backends.base import Device
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.graph import Graph
-from opdispatch.hookspecs import PRIORITY_BUILTIN
 from opdispatch.plugins.cuda_norm import fusion
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
@@ -48,12 +47,6 @@ def steps_of(plan: od.Plan, op: str) -> list:
 
 
 # -- the plugin, without a GPU ---------------------------------------------------------------
-
-
-def test_registered_as_a_builtin_through_its_entry_point() -> None:
-    plugin = od.manager().plugins["cuda_norm"]
-    assert plugin.priority == PRIORITY_BUILTIN
-    assert plugin.origin == "entry point opdispatch.plugins.cuda_norm"
 
 
 def test_kernels_and_rules_are_for_cuda_devices_only() -> None:

@@ -12,7 +12,7 @@ import pytest
 import opdispatch as od
 from opdispatch import ops
 from opdispatch.fusion import FusionRule
-from opdispatch.hookspecs import Kernel, PluginInfo, hookimpl
+from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
 from opdispatch.reference import load, store
 from opdispatch.manager import PluginError, PluginManager, PluginWarning
 from opdispatch.sched import DispatchError
@@ -192,6 +192,9 @@ def test_builtin_plugins_load_through_entry_points_in_strict_mode() -> None:
         assert name in names
     assert names[-1] == "cpu"
     assert all(p.origin.startswith("entry point") for p in mgr.order())
+    for name in ("cuda_matmul", "cuda_attention", "cuda_norm", "cuda_misc"):
+        plugin = mgr.plugins[name]
+        assert plugin.priority == PRIORITY_BUILTIN and plugin.origin == f"entry point opdispatch.plugins.{name}"
 
 
 def test_fusion_applies_and_matches_unfused_results() -> None:
