@@ -22,9 +22,12 @@ import pytest
 from gguf import GGMLQuantizationType as GT
 
 from opdispatch import dtypes
+from opdispatch.backends.cuda.devices import H200
+from opdispatch.dispatch import compile
 from opdispatch.models.llama import Generator, LlamaConfig, LlamaModel, random_weights
 from opdispatch.models.weights import (GGUF_LAYER_TO_HF, GGUF_TO_HF, gguf_name_to_hf, load_gguf, load_safetensors,
-                                       load_state_dict, read_gguf, unpermute_qk)
+                                       load_state_dict, read_gguf, state_dict_arrays, unpermute_qk)
+from opdispatch.testing.metrics import nmse
 from opdispatch.tensor import Tensor
 
 QUANTS = {"q4_0": GT.Q4_0, "q4_1": GT.Q4_1, "q5_0": GT.Q5_0, "q5_1": GT.Q5_1, "q8_0": GT.Q8_0}
@@ -350,6 +353,76 @@ def test_tiny_llama_gguf_runs_like_its_float_weights(matrix_type: str, moe: bool
     assert np.abs(wrong - ref).max() > 1e-2 * np.abs(ref).max()
 
 
+# A quantized GGUF on the GPU: block formats all the way to the kernels
+
+GPU_CFG = dict(vocab=512, hidden=256, heads=4, kv_heads=2, ffn=512, max_ctx=128)  # head_dim 64: CUDA flash attention
+
+
+def quantized_gguf_model(path: Path, matrix_type: str, seed: int) -> tuple[LlamaModel, LlamaModel]:
+    """(the GGUF's model as loaded, in its block formats; the f32 model of the weights before quantization)."""
+    cfg = tiny_cfg(**GPU_CFG)
+    weights = random_weights(cfg, seed=seed)
+    write_llama_gguf(path, cfg, weights, matrix_type)
+    loaded_cfg, params = load_gguf(path)
+    assert {t.dtype.name for t in params.values() if t.ndim == 2} == {matrix_type}
+    return LlamaModel(attrs.evolve(loaded_cfg, cache_dtype="f32"), params), LlamaModel(cfg, weights)
+
+
+def steps_on(model: LlamaModel, prompt: list[int], feed: list[int], device: str) -> np.ndarray:
+    """Logits of a prefill of `prompt`, then of one decode step per token of `feed`, on `device`."""
+    gen = Generator(model, device)
+    return np.concatenate([gen.forward(prompt)] + [gen.forward([t]) for t in feed])
+
+
+def block_matmuls(plan: Any) -> list[tuple[str, str, str]]:
+    """(op, weight dtype, device kind) of every plan step node that reads a block-format weight."""
+    return [(n.op, n.srcs[0].dtype.name, s.device.kind) for s in plan.steps if s.kind in ("kernel", "fused")
+            for n in s.nodes if n.op in ("mul_mat", "get_rows") and n.srcs[0].dtype.is_quant]
+
+
+@pytest.mark.parametrize("matrix_type", ["q8_0", "q4_0"])
+def test_quantized_gguf_is_planned_on_the_gpu_in_its_block_format(matrix_type: str, tmp_path: Path,
+                                                                  rng: np.random.Generator) -> None:
+    """On an H200 (planned without one) every matmul and the embedding read the q8_0/q4_0 blocks on the GPU."""
+    model, _ = quantized_gguf_model(tmp_path / "q.gguf", matrix_type, int(rng.integers(2**31)))
+    cfg = model.cfg
+    for n_tokens in (1, 12):  # decode (quantized mat-vec) and prefill (dequantized tiles into cuBLAS)
+        plan = compile(model.build(n_tokens, 0)[0], H200)
+        reads = block_matmuls(plan)
+        assert len(reads) == 1 + cfg.layers * 7 + 1  # embedding, q k v o gate up down per layer, LM head
+        assert {(dt, kind) for _, dt, kind in reads} == {(matrix_type, "cuda")}
+        assert not [s for s in plan.steps if s.kind == "copy"]  # no weight converted or moved on the way
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("matrix_type", ["q8_0", "q4_0"])
+def test_quantized_gguf_runs_on_cuda_like_the_cpu_reference(matrix_type: str, tmp_path: Path,
+                                                            rng: np.random.Generator) -> None:
+    """A Llama GGUF quantized by gguf's own quantizer runs on cuda0 from its blocks, as the CPU reference runs it.
+
+    The GPU's quantized kernels round what the weights multiply (to int8 with
+    a scale per 32 values for a decode step's mat-vec, to f16 for prefill),
+    as ggml's do; the CPU reference dequantizes exactly and sums in float64.
+    Logits NMSE <= 1e-3 (a few 1e-5 per matmul, over 2 layers), far below
+    what q4_0 itself costs, printed beside it (the f32 weights' logits).
+    """
+    model, f32_model = quantized_gguf_model(tmp_path / "q.gguf", matrix_type, int(rng.integers(2**31)))
+    prompt = rng.integers(0, model.cfg.vocab, 12).tolist()
+    gen = Generator(model, "cpu")
+    feed = [int(np.argmax(gen.forward(prompt)[-1]))]
+    for _ in range(7):
+        feed.append(int(np.argmax(gen.forward(feed[-1:])[-1])))
+    cpu = steps_on(model, prompt, feed, "cpu")
+    gpu_model = LlamaModel(model.cfg, model.params)  # the same block-format params, a cache of its own
+    gpu = steps_on(gpu_model, prompt, feed, "cuda0")
+    err, fmt_err = nmse(gpu, cpu), nmse(cpu, steps_on(f32_model, prompt, feed, "cpu"))
+    print(f"gguf {matrix_type} on cuda0: logits NMSE {err:.2g} against the CPU reference on the same file "
+          f"({len(cpu)} positions); the format's own NMSE against the f32 weights {fmt_err:.2g}")
+    assert np.isfinite(gpu).all() and err <= 1e-3
+    plan = Generator(gpu_model, "cuda0").step(1, len(prompt))[0]
+    assert {(dt, kind) for _, dt, kind in block_matmuls(plan)} == {(matrix_type, "cuda")}
+
+
 def test_gguf_neox_mode_unpermutes_to_hf_rows(tmp_path: Path, rng: np.random.Generator) -> None:
     cfg = tiny_cfg(layers=1)
     weights = random_weights(cfg, seed=int(rng.integers(2**31)))
@@ -638,3 +711,54 @@ def test_state_dict_of_torch_tensors(rng: np.random.Generator) -> None:
     sd = {n: torch.from_numpy(w) if w.ndim == 1 else torch.from_numpy(w).to(torch.bfloat16) for n, w in weights.items()}
     prompt = rng.integers(0, cfg.vocab, 7).tolist()
     assert_same_logits(logits(LlamaModel(cfg, load_state_dict(sd)), prompt), logits(LlamaModel(cfg, weights), prompt))
+
+
+# ---------------------------------------------------------------------------
+# transformers 5's formats: fused MoE experts in the state dict, RoPE in rope_parameters
+
+
+def test_transformers_5_fused_experts_run_like_per_expert_weights(rng: np.random.Generator) -> None:
+    """MixtralForCausalLM's state dict in transformers 5: experts.gate_up_proj (E, 2 ffn, hidden), gate rows first,
+    and experts.down_proj (E, hidden, ffn), no ".weight"; the router is mlp.gate.weight."""
+    cfg = tiny_cfg(ffn=64, experts=4, experts_used=2)
+    per_expert = random_weights(cfg, seed=int(rng.integers(2**31)))  # transformers 4's names
+    fused = {n: w for n, w in per_expert.items() if ".block_sparse_moe." not in n}
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        ex = [f"{p}block_sparse_moe.experts.{e}." for e in range(cfg.experts)]
+        fused[p + "mlp.gate.weight"] = per_expert[p + "block_sparse_moe.gate.weight"]
+        fused[p + "mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([per_expert[e + "w1.weight"], per_expert[e + "w3.weight"]]) for e in ex])
+        fused[p + "mlp.experts.down_proj"] = np.stack([per_expert[e + "w2.weight"] for e in ex])
+    arrays = state_dict_arrays(fused)
+    assert arrays["model.layers.1.mlp.experts.up_proj.weight"].shape == (4, 64, 64)
+    np.testing.assert_array_equal(arrays["model.layers.1.mlp.experts.up_proj.weight"][2],
+                                  per_expert["model.layers.1.block_sparse_moe.experts.2.w3.weight"])
+    prompt = rng.integers(0, cfg.vocab, 7).tolist()
+    ref = logits(LlamaModel(cfg, per_expert), prompt)
+    np.testing.assert_array_equal(logits(LlamaModel(cfg, arrays), prompt), ref)
+    np.testing.assert_array_equal(logits(LlamaModel(cfg, load_state_dict(fused)), prompt), ref)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj' has shape \(4, 127, 64\)"):
+        state_dict_arrays({"model.layers.0.mlp.experts.gate_up_proj": np.zeros((4, 127, 64), np.float32)})
+
+
+def test_transformers_5_rope_parameters() -> None:
+    """transformers 5 writes rope_theta and the scaling into one dict, rope_parameters (no rope_theta key)."""
+    base = {"model_type": "llama", "vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 256}
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    v4 = LlamaConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": scaling})
+    v5 = LlamaConfig.from_hf({**base, "rope_parameters": {**scaling, "rope_theta": 5e5}})
+    assert v5 == v4 and v5.rope_base == 5e5 and v5.rope_freq_factors is not None
+    plain = LlamaConfig.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert (plain.rope_base, plain.rope_freq_factors, plain.rope_freq_scale) == (1e6, None, 1.0)
+    mixtral = LlamaConfig.from_hf({**base, "model_type": "mixtral", "num_local_experts": 4,
+                                   "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 2e4}})
+    assert (mixtral.rope_base, mixtral.rope_freq_scale, mixtral.experts) == (2e4, 0.5, 4)
+    with pytest.raises(ValueError, match="rope_parameters per layer type"):
+        LlamaConfig.from_hf({**base, "rope_parameters": {"full_attention": {"rope_type": "default",
+                                                                             "rope_theta": 1e4}}})
+    with pytest.raises(ValueError, match="rope_scaling 'yarn'"):
+        LlamaConfig.from_hf({**base, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}})

@@ -139,7 +139,10 @@ class LlamaConfig:
     def from_hf(cls, config: Mapping[str, Any], **overrides: Any) -> LlamaConfig:
         """A config from a transformers config.json (LlamaConfig, MistralConfig or MixtralConfig keys).
 
-        Keys missing from `config` take that class's default. max_ctx is
+        Keys missing from `config` take that class's default. RoPE comes from
+        rope_theta and rope_scaling (transformers 4) or from rope_parameters
+        (transformers 5: rope_theta and the scaling keys in one dict, which
+        wins over the other two). max_ctx is
         max_position_embeddings capped at HF_MAX_CTX (the KV cache is
         allocated whole); `overrides` (max_ctx, dtype, cache_dtype, ...) win.
         Architectures or options this builder does not run (biases, other
@@ -153,6 +156,12 @@ class LlamaConfig:
             raise ValueError(f"llama: HF model_type {kind!r} is not one this builder runs "
                              f"({', '.join(_HF_DEFAULTS)})")
         c = {**_HF_DEFAULTS[kind], **{k: v for k, v in c.items() if v is not None}}
+        rope = c.get("rope_parameters")
+        if isinstance(rope, Mapping):
+            if any(isinstance(v, Mapping) for v in rope.values()):
+                raise ValueError(f"llama: rope_parameters per layer type ({', '.join(rope)}) are not supported")
+            c["rope_theta"] = rope.get("rope_theta", c["rope_theta"])
+            c["rope_scaling"] = rope
         missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                "intermediate_size") if k not in c]
         if missing:

@@ -17,7 +17,9 @@ until a backend uploads them.
   every ``*.safetensors`` shard in it (following ``model.safetensors.index.json``
   when there is one).
 - `load_state_dict(state_dict)` takes torch tensors (any device; bf16 moved
-  bit for bit) or numpy arrays.
+  bit for bit) or numpy arrays; `state_dict_arrays(state_dict)` gives the same
+  as numpy arrays, for `LlamaModel` to convert to its dtype. Both split
+  transformers 5's fused MoE experts into the stacked names LlamaModel takes.
 
 Malformed or truncated input raises ValueError naming the file and, where one
 is at fault, the tensor; every extent is checked against the file size before
@@ -51,8 +53,8 @@ from ..dtypes import dtype as as_dtype
 from ..tensor import Tensor, param
 from .llama import LlamaConfig
 
-__all__ = ["load_gguf", "read_gguf", "load_safetensors", "load_state_dict", "GGUF_TO_HF", "GGUF_LAYER_TO_HF",
-           "GGUF_TYPES", "SAFETENSORS_DTYPES", "gguf_name_to_hf", "unpermute_qk"]
+__all__ = ["load_gguf", "read_gguf", "load_safetensors", "load_state_dict", "state_dict_arrays", "GGUF_TO_HF",
+           "GGUF_LAYER_TO_HF", "GGUF_TYPES", "SAFETENSORS_DTYPES", "gguf_name_to_hf", "unpermute_qk"]
 
 #: GGUF tensor names outside the layers -> HF names.
 GGUF_TO_HF: dict[str, str] = {
@@ -518,17 +520,50 @@ def _host_array(name: str, value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
+#: transformers 5's fused MoE experts (Mixtral and others): "experts.gate_up_proj" (E, 2 * ffn, hidden), the
+#: gate's rows first, and "experts.down_proj" (E, hidden, ffn), parameters without a ".weight" suffix
+_FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)")
+
+
+def _unfused(name: str, arr: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """(name, array) pairs under LlamaModel's stacked expert names for a fused expert tensor, else [(name, arr)]."""
+    m = _FUSED_EXPERTS.fullmatch(name)
+    if m is None:
+        return [(name, arr)]
+    stem = m.group(1) + "mlp.experts."
+    if arr.ndim != 3 or (m.group(2) == "gate_up_proj" and arr.shape[1] % 2):
+        raise ValueError(f"state dict tensor '{name}' has shape {arr.shape}; fused experts are (experts, "
+                         f"{'2 * ffn, hidden' if m.group(2) == 'gate_up_proj' else 'hidden, ffn'})")
+    if m.group(2) == "down_proj":
+        return [(stem + "down_proj.weight", arr)]
+    f = arr.shape[1] // 2
+    return [(stem + "gate_proj.weight", np.ascontiguousarray(arr[:, :f])),
+            (stem + "up_proj.weight", np.ascontiguousarray(arr[:, f:]))]
+
+
+def state_dict_arrays(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """A torch/transformers state dict -> {name: numpy array} (host copies of torch tensors, bf16 bit for bit).
+
+    Names are kept, except transformers 5's fused MoE experts
+    (``model.layers.{i}.mlp.experts.gate_up_proj`` and ``...down_proj``),
+    which become the stacked ``mlp.experts.{gate,up,down}_proj.weight`` that
+    `LlamaModel` takes (gate_up split in two). Give the result to LlamaModel
+    to have it convert float weights to its config's dtype.
+    """
+    return {n: a for name, value in state_dict.items() for n, a in _unfused(name, _host_array(name, value))}
+
+
 def load_state_dict(state_dict: Mapping[str, Any], *, copy: bool = True) -> dict[str, Tensor]:
     """A torch/transformers state dict (or {name: numpy array}) -> {name: param}, names kept.
 
     f32, f16, bf16 (torch.bfloat16 or ml_dtypes.bfloat16) and integer tensors
     keep their type; float64 becomes f32 (rounded). With copy=False the params
     share the memory of contiguous CPU tensors (mutating those changes the
-    weights); the default copies.
+    weights); the default copies. transformers 5's fused MoE experts are
+    renamed and split as `state_dict_arrays` does (the split halves are copies).
     """
     out: dict[str, Tensor] = {}
-    for name, value in state_dict.items():
-        arr = _host_array(name, value)
+    for name, arr in (pair for n, v in state_dict.items() for pair in _unfused(n, _host_array(n, v))):
         if arr.dtype == np.float64:
             out[name] = param(name, arr, "f32")
             continue
