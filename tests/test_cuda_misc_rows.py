@@ -275,6 +275,50 @@ def test_every_kernel_a_bind_names_is_compiled() -> None:
                 _names_in_sources(specs_fn(node, ptr, 132))
 
 
+def _row_coverage(grid: tuple[int, int], tpr_log2: int, rows: int, cols: int, pack: int) -> np.ndarray:
+    """How many times rows.cu's get_rows/set_rows tiling writes each (row, column)."""
+    hits = np.zeros((rows, cols), int)
+    tpr = 1 << tpr_log2
+    for bx in range(grid[0]):
+        for by in range(grid[1]):
+            for t in range(256):
+                row = bx * (256 >> tpr_log2) + (t >> tpr_log2)
+                if row >= rows:
+                    continue
+                c0 = (by * 4 * tpr + (t & (tpr - 1))) * pack
+                for u in range(4):
+                    c = c0 + u * tpr * pack
+                    if c < cols:
+                        hits[row, c:c + pack] += 1
+    return hits
+
+
+@pytest.mark.parametrize(("rows_", "cols", "pack"), [(1, 1, 1), (5, 3, 1), (300, 4, 4), (7, 64, 4), (3, 4096, 4),
+                                                  (2, 1100, 1), (9, 1024, 8), (1, 8200, 4)])
+def test_row_tiling_writes_every_value_once(rows_: int, cols: int, pack: int) -> None:
+    grid, tpr_log2 = rows.row_tiling(rows_, cols, pack)
+    assert rows.ROW_THREADS == 256 and rows.ROW_UNROLL == 4  # as _row_coverage assumes
+    assert (_row_coverage(grid, int(tpr_log2), rows_, cols, pack) == 1).all()
+
+
+def test_row_specs_pick_vector_packs() -> None:
+    table = od.input("t", (100, 96), "f16")
+    node = ops.get_rows(table, od.input("i", (7,), "i32"))
+    (s,) = rows.get_rows_specs(node, addresses())
+    assert s.kernel == "get_rows<od::f16, float, true>" and s.block == rows.ROW_THREADS
+    assert s.grid == (1, 1) and int(s.args[8]) == 3  # 24 packs of 4: 8 threads per row, 32 rows per block
+    (s,) = rows.get_rows_specs(node, addresses(misalign=2))
+    assert s.kernel == "get_rows<od::f16, float, false>"
+    strided = ops.get_rows(od.input("a", (64, 10), "f16").T, od.input("j", (3,), "i32"))
+    assert rows.get_rows_specs(strided, addresses())[0].kernel == "get_rows<od::f16, float, false>"
+    cache = od.state("kv", (64, 1024), "f16")
+    put = ops.set_rows(cache, od.input("s", (8, 1024)), od.input("r", (8,), "i64"))
+    (s,) = rows.set_rows_specs(put, addresses())
+    assert s.kernel == "set_rows<od::f16, long long, true>" and s.grid == (2, 1) and int(s.args[10]) == 6
+    odd = ops.set_rows(od.state("kv2", (64, 1022), "f16"), od.input("s2", (8, 1022)), od.input("r2", (8,), "i32"))
+    assert rows.set_rows_specs(odd, addresses())[0].kernel == "set_rows<od::f16, int, false>"
+
+
 def test_long_argsort_merges_level_by_level() -> None:
     x = od.input("x", (2, 2**20))
     node = ops.argsort(x)

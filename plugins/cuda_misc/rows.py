@@ -84,7 +84,9 @@ def tmpl(name: str, *params: object) -> str:
 # -- instances: every template instance a spec can name, per source file -------------------
 
 RAW_DTYPES = ("i8", "i16", "f32", "i64", *QUANTS)  # one per raw unit
-ROW_BLOCKS = (32, 64, 128, 256)  # get_rows/set_rows threads per block: any, one module
+ROW_BLOCKS = (32, 64, 128, 256)  # get_rows_q threads per block: any, one module
+ROW_THREADS = 256  # rows.cu's ROW_THREADS: threads per block of get_rows / set_rows
+ROW_UNROLL = 4  # rows.cu's ROW_UNROLL: packs per thread
 
 
 def _rows_instances() -> tuple[str, ...]:
@@ -100,9 +102,9 @@ def _rows_instances() -> tuple[str, ...]:
         for f in FLOATS:
             names += [tmpl("quantize", QUANT[q], VALUE[f], b(c)) for c in (False, True)]
             names += [tmpl("dequantize", QUANT[q], VALUE[f], b(c)) for c in (False, True)]
-    names += [tmpl("get_rows", VALUE[s], "int" if s == "i32" else "float") for s in PLAIN]
+    names += [tmpl("get_rows", VALUE[s], "int" if s == "i32" else "float", b(v)) for s in PLAIN for v in (False, True)]
     names += [tmpl("get_rows_q", QUANT[q]) for q in QUANTS]
-    names += [tmpl("set_rows", VALUE[d], i) for d in FLOATS for i in ("int", "long long")]
+    names += [tmpl("set_rows", VALUE[d], i, b(v)) for d in FLOATS for i in ("int", "long long") for v in (False, True)]
     names += [tmpl("set_rows_q", QUANT[q], i, b(v))
               for q in QUANTS for i in ("int", "long long") for v in (False, True)]
     names += [tmpl("concat", raw(DTYPES[t])) for t in RAW_DTYPES]
@@ -376,11 +378,32 @@ def bind_copy(ctx: CudaContext, node: Tensor) -> Launch:
 
 
 def row_block(cols: int) -> int:
-    """Threads per block for rows of `cols` values, 4 per thread: no more than the row needs."""
+    """Threads per block of get_rows_q for rows of `cols` values, 4 per thread: no more than the row needs."""
     for blk in ROW_BLOCKS:
         if 4 * blk >= cols:
             return blk
     return ROW_BLOCKS[-1]
+
+
+def row_tiling(rows: int, cols: int, pack: int) -> tuple[tuple[int, int], np.int32]:
+    """get_rows / set_rows: (grid, log2 of the threads per row) for `rows` rows of `cols`
+    values moved in packs of `pack`. A row gets the fewest threads (a power of two, at
+    most a block) that cover it with ROW_UNROLL packs each; short rows share a block."""
+    packs = -(-cols // pack)
+    tpr = min(pow2(-(-packs // ROW_UNROLL)), ROW_THREADS)
+    return (-(-rows // (ROW_THREADS // tpr)), -(-packs // (tpr * ROW_UNROLL))), np.int32(tpr.bit_length() - 1)
+
+
+def row_pack(src: DType, dst: DType) -> int:
+    """rows.cu's row_pack: values per 16-byte access of the wider of the two element types."""
+    return 16 // max(src.block_bytes, dst.block_bytes)
+
+
+def packed_rows_aligned(t: Tensor, addr: int, nbytes: int) -> bool:
+    """Rows packed, their start and every outer stride used (axis longer than 1) multiples of nbytes."""
+    shape, strides = _padded(t)
+    return (strides[3] == t.dtype.block_bytes and addr % nbytes == 0
+            and all(st % nbytes == 0 for n, st in zip(shape[:3], strides[:3]) if n > 1))
 
 
 def _pad3(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -392,13 +415,16 @@ def _packed_rows(t: Tensor) -> bool:
     return not t.dtype.is_quant or t.rows_contiguous()
 
 
+#: the longest rows the row kernels' grid.y covers (1 value per access, the worst case)
+MAX_ROW = ROW_UNROLL * ROW_THREADS * 65535
+
 supports_get_rows = _rules(
     (dtype_in(PLAIN + QUANTS, _src(0)), "a must be f32, f16, bf16, i32 or a block format"),
     (dtype_in(("i32",), _src(1)), "indices must be i32"),
     (lambda n: _packed_rows(n.srcs[0]), "quantized rows must be packed"),
     (lambda n: aligned(n.srcs[0]) and aligned(n.srcs[1]), "strides or offsets that split an element"),
     (lambda n: math.prod(n.shape[:-1]) <= INT_MAX, "at most 2**31 - 1 rows"),
-    (lambda n: n.shape[-1] <= 4 * ROW_BLOCKS[-1] * 65535, "rows longer than the grid covers"),
+    (lambda n: n.shape[-1] <= MAX_ROW, "rows longer than the grid covers"),
 )
 
 
@@ -406,17 +432,22 @@ def get_rows_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
     a, idx = node.srcs
     (a3, a2, arows, cols), (as3, as2, as1, as0) = _padded(a)
     (_, _, n), (is2, is1, is0) = _pad3(idx)
-    blk = row_block(cols)
-    grid = (a3 * a2 * n, -(-cols // (4 * blk)))
+    rows = a3 * a2 * n
     head = (u64(ptr(a)), u64(ptr(idx)), u64(ptr(node)), np.int32(cols), np.uint32(n), np.uint32(a2),
             np.int64(arows))
     tail = (np.int64(is0), np.int64(is1), np.int64(is2))
     if a.dtype.is_quant:
-        return [KernelSpec(ROWS_CU, tmpl("get_rows_q", QUANT[a.dtype.name]), grid, blk,
+        blk = row_block(cols)
+        return [KernelSpec(ROWS_CU, tmpl("get_rows_q", QUANT[a.dtype.name]), (rows, -(-cols // (4 * blk))), blk,
                      (*head, np.int64(as1), np.int64(as2), np.int64(as3), *tail))]
+    pack = row_pack(a.dtype, node.dtype)
+    vec = (cols % pack == 0 and ptr(node) % 16 == 0
+           and packed_rows_aligned(a, ptr(a), pack * a.dtype.block_bytes))
+    grid, tpr_log2 = row_tiling(rows, cols, pack if vec else 1)
     s = VALUE[a.dtype.name]
-    return [KernelSpec(ROWS_CU, tmpl("get_rows", s, "int" if s == "int" else "float"), grid, blk,
-                 (*head, np.int64(as0), np.int64(as1), np.int64(as2), np.int64(as3), *tail))]
+    return [KernelSpec(ROWS_CU, tmpl("get_rows", s, "int" if s == "int" else "float", b(vec)), grid, ROW_THREADS,
+                 (*head, np.uint32(rows), tpr_log2, np.int64(as0), np.int64(as1), np.int64(as2), np.int64(as3),
+                  *tail))]
 
 
 def bind_get_rows(ctx: CudaContext, node: Tensor) -> Launch:
@@ -430,7 +461,7 @@ supports_set_rows = _rules(
     (lambda n: _packed_rows(n), "quantized rows must be packed"),
     (lambda n: all(aligned(t) for t in n.srcs), "strides or offsets that split an element"),
     (lambda n: math.prod(n.srcs[1].shape[:-1]) <= INT_MAX, "at most 2**31 - 1 rows"),
-    (lambda n: n.shape[-1] <= 4 * ROW_BLOCKS[-1] * 65535, "rows longer than the grid covers"),
+    (lambda n: n.shape[-1] <= MAX_ROW, "rows longer than the grid covers"),
 )
 
 
@@ -442,8 +473,8 @@ def set_rows_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
     itype = "int" if idx.dtype.name == "i32" else "long long"
     psrc = ptr(src)
     head = (u64(psrc), u64(ptr(idx)), u64(ptr(node)))
-    batch = (np.uint32(n), np.uint32(d2), np.uint32(i1), np.uint32(i2), np.int64(drows),
-             *(np.int64(s) for s in reversed(ss)), np.int64(is0), np.int64(is1), np.int64(is2))
+    batch = (np.uint32(n), np.uint32(d2), np.uint32(i1), np.uint32(i2), np.int64(drows))
+    strides = (*(np.int64(s) for s in reversed(ss)), np.int64(is0), np.int64(is1), np.int64(is2))
     rows = d3 * d2 * n
     if node.dtype.is_quant:
         nblocks = cols // node.dtype.block_size
@@ -452,10 +483,14 @@ def set_rows_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
                and all(s % 16 == 0 for k, s in enumerate(ss[:3]) if pad4(src.shape)[k] > 1))
         name = tmpl("set_rows_q", QUANT[node.dtype.name], itype, b(vec))
         return [KernelSpec(ROWS_CU, name, (rows, -(-nblocks // (4 * warps))), 32 * warps,
-                     (*head, np.int32(nblocks), *batch, np.int64(ds1), np.int64(ds2), np.int64(ds3)))]
-    blk = row_block(cols)
-    return [KernelSpec(ROWS_CU, tmpl("set_rows", VALUE[node.dtype.name], itype), (rows, -(-cols // (4 * blk))), blk,
-                 (*head, np.int32(cols), *batch, np.int64(ds0), np.int64(ds1), np.int64(ds2), np.int64(ds3)))]
+                     (*head, np.int32(nblocks), *batch, *strides, np.int64(ds1), np.int64(ds2), np.int64(ds3)))]
+    pack = row_pack(src.dtype, node.dtype)
+    vec = (cols % pack == 0 and packed_rows_aligned(src, psrc, pack * 4)
+           and packed_rows_aligned(node, ptr(node), pack * node.dtype.block_bytes))
+    grid, tpr_log2 = row_tiling(rows, cols, pack if vec else 1)
+    return [KernelSpec(ROWS_CU, tmpl("set_rows", VALUE[node.dtype.name], itype, b(vec)), grid, ROW_THREADS,
+                 (*head, np.int32(cols), *batch, np.uint32(rows), tpr_log2, *strides,
+                  np.int64(ds0), np.int64(ds1), np.int64(ds2), np.int64(ds3)))]
 
 
 def bind_set_rows(ctx: CudaContext, node: Tensor) -> Launch:

@@ -292,6 +292,23 @@ __global__ void dequantize(const unsigned char* __restrict__ src, unsigned char*
 }
 
 // -- get_rows / set_rows -------------------------------------------------------------------
+//
+// Each row gets TPR = 1 << tpr_log2 consecutive threads (a block of ROW_THREADS
+// holds ROW_THREADS / TPR rows, so short rows share a block) and each thread up
+// to ROW_UNROLL packs of N values, TPR * N values apart: a warp's accesses are
+// contiguous, and a thread issues all its loads before its stores (bytes in
+// flight). Block (x, y) covers rows x * ROW_THREADS / TPR .. and packs
+// y * ROW_UNROLL * TPR .. of them. A thread finds its row (one division chain)
+// and reads the row's index once; nothing is divided in the copy loop.
+// VEC: rows packed on both sides, each row aligned to a pack, cols % N == 0;
+// N = 16 / the wider element size, so the wider side moves 16 bytes per access
+// (f16 -> f32: 8-byte loads, 16-byte stores). Otherwise N = 1, any element stride.
+
+constexpr int ROW_THREADS = 256;
+constexpr int ROW_UNROLL = 4;
+
+template <class S, class D, bool VEC>
+constexpr int row_pack = VEC ? 16 / static_cast<int>(sizeof(S) > sizeof(D) ? sizeof(S) : sizeof(D)) : 1;
 
 // Row `row` of the index grid (i3, i2, k): the index value, or -1 when out of range.
 template <class I>
@@ -302,25 +319,47 @@ __device__ __forceinline__ long long row_index(const unsigned char* idx, const u
     return r >= 0 && r < nrows ? r : -1;
 }
 
-// out (A3, A2, n, C) contiguous = a[i3, i2, idx[i3, i2, k]]; one output row per
-// blockIdx.x, 4 * blockDim.x columns per blockIdx.y. A row index out of range
-// gives NaN (0 for i32) instead of reading outside a.
-template <class S, class D>
-__global__ void get_rows(const unsigned char* __restrict__ a, const unsigned char* __restrict__ idx,
-                         D* __restrict__ out, const int ncols, const unsigned n, const unsigned a2,
-                         const long long arows, const long long as0, const long long as1, const long long as2,
-                         const long long as3, const long long is0, const long long is1, const long long is2) {
-    const unsigned row = blockIdx.x;
+// out (A3, A2, n, C) contiguous = a[i3, i2, idx[i3, i2, k]], nrows = A3 * A2 * n
+// rows. A row index out of range gives NaN (0 for i32) instead of reading outside a.
+template <class S, class D, bool VEC>
+__global__ void __launch_bounds__(ROW_THREADS)
+    get_rows(const unsigned char* __restrict__ a, const unsigned char* __restrict__ idx, D* __restrict__ out,
+             const int ncols, const unsigned n, const unsigned a2, const long long arows, const unsigned nrows,
+             const int tpr_log2, const long long as0, const long long as1, const long long as2, const long long as3,
+             const long long is0, const long long is1, const long long is2) {
+    constexpr int N = row_pack<S, D, VEC>;
+    const unsigned row = blockIdx.x * (ROW_THREADS >> tpr_log2) + (threadIdx.x >> tpr_log2);
+    if (row >= nrows) {
+        return;
+    }
+    const int tpr = 1 << tpr_log2;
+    const int c0 = (blockIdx.y * ROW_UNROLL * tpr + (threadIdx.x & (tpr - 1))) * N;
     const unsigned k = row % n, i2 = (row / n) % a2, i3 = row / n / a2;
     const long long r = row_index<int>(idx, k, i2, i3, is0, is1, is2, arows);
     const unsigned char* src = a + i3 * as3 + i2 * as2 + r * as1;
     D* dst = out + static_cast<long long>(row) * ncols;
+    Pack<S, N> v[ROW_UNROLL];
 #pragma unroll
-    for (int u = 0; u < 4; u++) {
-        const int c = (blockIdx.y * 4 + u) * blockDim.x + threadIdx.x;
+    for (int u = 0; u < ROW_UNROLL; u++) {
+        const int c = c0 + u * tpr * N;
+        if (r >= 0 && c < ncols) {
+            if constexpr (VEC) {
+                v[u] = *reinterpret_cast<const Pack<S, N>*>(src + c * static_cast<long long>(sizeof(S)));
+            } else {
+                v[u].v[0] = *reinterpret_cast<const S*>(src + c * as0);
+            }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < ROW_UNROLL; u++) {
+        const int c = c0 + u * tpr * N;
         if (c < ncols) {
-            dst[c] = r < 0 ? convert<float, D>(__int_as_float(0x7fc00000))
-                           : convert<S, D>(*reinterpret_cast<const S*>(src + c * as0));
+            Pack<D, N> w;
+#pragma unroll
+            for (int j = 0; j < N; j++) {
+                w.v[j] = r < 0 ? convert<float, D>(__int_as_float(0x7fc00000)) : convert<S, D>(v[u].v[j]);
+            }
+            *reinterpret_cast<Pack<D, N>*>(dst + c) = w;
         }
     }
 }
@@ -346,28 +385,56 @@ __global__ void get_rows_q(const unsigned char* __restrict__ a, const unsigned c
     }
 }
 
-// dst[j3, j2, idx[j3 % I2, j2 % I1, k]] = src[j3, j2, k] (f32 rows), one source
-// row per blockIdx.x. Rows whose index is out of range are not written.
-template <class D, class I>
-__global__ void set_rows(const unsigned char* __restrict__ src, const unsigned char* __restrict__ idx,
-                         unsigned char* __restrict__ dst, const int ncols, const unsigned n, const unsigned d2,
-                         const unsigned ni1, const unsigned ni2, const long long drows, const long long ss0,
-                         const long long ss1, const long long ss2, const long long ss3, const long long is0,
-                         const long long is1, const long long is2, const long long ds0, const long long ds1,
-                         const long long ds2, const long long ds3) {
-    const unsigned row = blockIdx.x;
+// dst[j3, j2, idx[j3 % I2, j2 % I1, k]] = src[j3, j2, k] (f32 rows), nrows = D3 * D2 * n
+// source rows, tiled as get_rows. Rows whose index is out of range are not written.
+template <class D, class I, bool VEC>
+__global__ void __launch_bounds__(ROW_THREADS)
+    set_rows(const unsigned char* __restrict__ src, const unsigned char* __restrict__ idx,
+             unsigned char* __restrict__ dst, const int ncols, const unsigned n, const unsigned d2, const unsigned ni1,
+             const unsigned ni2, const long long drows, const unsigned nrows, const int tpr_log2, const long long ss0,
+             const long long ss1, const long long ss2, const long long ss3, const long long is0, const long long is1,
+             const long long is2, const long long ds0, const long long ds1, const long long ds2,
+             const long long ds3) {
+    constexpr int N = row_pack<float, D, VEC>;
+    const unsigned row = blockIdx.x * (ROW_THREADS >> tpr_log2) + (threadIdx.x >> tpr_log2);
+    if (row >= nrows) {
+        return;
+    }
     const unsigned k = row % n, j2 = (row / n) % d2, j3 = row / n / d2;
     const long long r = row_index<I>(idx, k, j2 % ni1, j3 % ni2, is0, is1, is2, drows);
     if (r < 0) {
         return;
     }
+    const int tpr = 1 << tpr_log2;
+    const int c0 = (blockIdx.y * ROW_UNROLL * tpr + (threadIdx.x & (tpr - 1))) * N;
     const unsigned char* s = src + j3 * ss3 + j2 * ss2 + k * ss1;
     unsigned char* d = dst + j3 * ds3 + j2 * ds2 + r * ds1;
+    Pack<float, N> v[ROW_UNROLL];
 #pragma unroll
-    for (int u = 0; u < 4; u++) {
-        const int c = (blockIdx.y * 4 + u) * blockDim.x + threadIdx.x;
+    for (int u = 0; u < ROW_UNROLL; u++) {
+        const int c = c0 + u * tpr * N;
         if (c < ncols) {
-            *reinterpret_cast<D*>(d + c * ds0) = from_f32<D>(*reinterpret_cast<const float*>(s + c * ss0));
+            if constexpr (VEC) {
+                v[u] = *reinterpret_cast<const Pack<float, N>*>(s + c * 4ll);
+            } else {
+                v[u].v[0] = *reinterpret_cast<const float*>(s + c * ss0);
+            }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < ROW_UNROLL; u++) {
+        const int c = c0 + u * tpr * N;
+        if (c < ncols) {
+            Pack<D, N> w;
+#pragma unroll
+            for (int j = 0; j < N; j++) {
+                w.v[j] = from_f32<D>(v[u].v[j]);
+            }
+            if constexpr (VEC) {
+                *reinterpret_cast<Pack<D, N>*>(d + c * static_cast<long long>(sizeof(D))) = w;
+            } else {
+                *reinterpret_cast<D*>(d + c * ds0) = w.v[0];
+            }
         }
     }
 }
