@@ -327,11 +327,11 @@ def check_spec(spec: cm.KernelSpec) -> None:
     ("f16", (64, 4096), None, "mmv<W_F16, B_F32, 1, 2, true, EPI_NONE>"),
     ("f32", (64, 65), None, "mmv<W_F32, B_F32, 8, 2, false, EPI_NONE>"),  # K % 8 != 0: scalar
     ("bf16", (64, 80), None, "mmv<W_BF16, B_F32, 4, 2, true, EPI_NONE>"),
-    ("q4_0", (64, 4096), None, "mmv<W_Q4_0, B_Q8, 1, 2, true, EPI_NONE>"),
-    ("q8_0", (64, 96), "offset", "mmv<W_Q8_0, B_Q8, 4, 2, true, EPI_NONE>"),  # b quantized: any layout
+    ("q4_0", (64, 4096), None, "mmvq<W_Q4_0, B_F32, 1, EPI_NONE>"),
+    ("q8_0", (64, 96), "offset", "mmvq<W_Q8_0, B_F32, 4, EPI_NONE>"),  # b read by elements: any layout
     ("f16", (64, 96), "T", "mmv<W_F16, B_F32, 8, 2, false, EPI_NONE>"),  # b's K axis strided
     ("f32", (64, 96), "offset", "mmv<W_F32, B_F32, 8, 2, false, EPI_NONE>"),  # b rows misaligned
-    ("q5_1", (64, 96), "f16", "mmv<W_Q5_1, B_Q8, 4, 2, true, EPI_NONE>"),
+    ("q5_1", (64, 96), "f16", "mmvq<W_Q5_1, B_F16, 8, EPI_NONE>"),
     ("bf16", (64, 96), "f16", "mmv<W_BF16, B_F16, 8, 2, true, EPI_NONE>"),
 ])
 def test_mmv_spec_picks_the_variant(dt: str, a_shape: tuple, b_view: str | None, kernel: str) -> None:
@@ -345,17 +345,30 @@ def test_mmv_spec_picks_the_variant(dt: str, a_shape: tuple, b_view: str | None,
     else:
         b = od.input("x", (n, k), "f16" if b_view == "f16" else "f32")
     y = ops.mul_mat(weight("w", a_shape, dt), b)
-    specs = cm.mmv_specs(y, y, fake_ptr, fake_scratch)
-    spec = specs[-1]
+    (spec,) = cm.mmv_specs(y, y, fake_ptr, fake_scratch)
     assert spec.kernel == kernel
-    assert spec.grid == (a_shape[0] // 2, 1, 1) and spec.block == cm.BLOCK
-    for s in specs:
-        check_spec(s)
-    if dt in QUANTS:
-        (q,) = specs[:-1]
-        assert q.kernel == f"quantize_q8<{cm.B_KIND[b.dtype.name]}>"
-        assert int(q.args[-1]) == int(spec.args[7]) == SCRATCH  # b's records feed the mat-vec
-        assert int(spec.args[8]) == k + k // 8  # one record a column
+    check_spec(spec)
+    if dt in QUANTS:  # one launch: b is quantized inside the kernel, QSTREAMS rows a block
+        assert spec.grid == (a_shape[0] // cm.QSTREAMS, 1, 1) and spec.block == cm.QBLOCK
+        nt = int(kernel.split(",")[2])
+        assert spec.smem == cm.q_smem(dtypes_block_bytes(dt), nt) <= 64 * 1024
+        assert int(spec.args[7]) == fake_ptr(b)
+    else:
+        assert spec.grid == (a_shape[0] // 2, 1, 1) and spec.block == cm.BLOCK and spec.smem == 0
+
+
+def dtypes_block_bytes(dt: str) -> int:
+    return {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}[dt]
+
+
+def test_q_smem_mirrors_the_kernel() -> None:
+    """q_smem: QSTREAMS chunks of QCHUNK blocks plus a granule, and nt b columns (codes and (d, d*sum))."""
+    assert cm.q_smem(18, 1) == 16 * (64 * 18 // 16 + 1) * 16 + 64 * 40
+    assert cm.q_smem(34, 8) == 16 * 137 * 16 + 8 * 2560
+    src = cm.MMV_CU.read_text()
+    for name, value in (("QBLOCK", cm.QBLOCK), ("QCHUNK", cm.QCHUNK)):
+        assert re.search(rf"constexpr int {name} = {value};", src), name
+    assert "constexpr int QSTREAMS = 2 * QWARPS;" in src and cm.QSTREAMS == 2 * cm.QBLOCK // 32
 
 
 def test_mmv_spec_batch_geometry() -> None:
@@ -375,11 +388,15 @@ def test_mmv_id_and_grouped_specs() -> None:
     experts = weight("e", (8, 32, 64), "q4_0")
     ids = od.input("ids", (1, 4), "i32")
     y = ops.mul_mat_id(experts, od.input("x", (1, 1, 64)), ids)
-    q, spec = cm.mmv_id_specs(y, y, fake_ptr, fake_scratch)
-    assert q.kernel == "quantize_q8<B_F32>"
-    assert spec.kernel == "mmv_id<W_Q4_0, B_Q8, 2, true, EPI_NONE>" and spec.grid == (16, 4, 1)
-    check_spec(q)
+    (spec,) = cm.mmv_id_specs(y, y, fake_ptr, fake_scratch)
+    assert spec.kernel == "mmvq_id<W_Q4_0, EPI_NONE>" and spec.grid == (2, 4, 1)
+    assert spec.block == cm.QBLOCK and spec.smem == cm.q_smem(18, 1)
     check_spec(spec)
+    y = ops.mul_mat_id(experts, od.input("x", (32, 1, 64)), od.input("ids", (32, 4), "i32"))
+    route, grouped = cm.grouped_specs(y, y, fake_ptr, fake_scratch)
+    assert grouped.kernel == "mmvq_id_grouped<W_Q4_0, 8, EPI_NONE>" and grouped.grid == (2, 8)
+    assert grouped.smem == cm.q_smem(18, 8)
+    check_spec(grouped)
     ids = od.input("ids", (32, 4), "i32")
     y = ops.mul_mat_id(weight("e16", (8, 32, 64), "f16"), od.input("x", (32, 4, 64)), ids)
     route, grouped = cm.grouped_specs(y, y, fake_ptr, fake_scratch)
@@ -394,10 +411,11 @@ def test_fused_glu_spec() -> None:
     y = _glu_graph("q4_0", n=2, kind="geglu", bias=True)
     nodes = Graph.build(y).nodes
     prods, biases, glu = fusion.parts(nodes)
-    q, spec = cm.mmv_specs(prods[0], nodes[-1], fake_ptr, fake_scratch, a1=prods[1].srcs[0], bias0=biases[0],
+    (spec,) = cm.mmv_specs(prods[0], nodes[-1], fake_ptr, fake_scratch, a1=prods[1].srcs[0], bias0=biases[0],
                            bias1=biases[1], glu=glu)
-    assert q.kernel == "quantize_q8<B_F32>"
-    assert spec.kernel == "mmv<W_Q4_0, B_Q8, 2, 2, true, EPI_GLU>"
+    assert spec.kernel == "mmvq<W_Q4_0, B_F32, 2, EPI_GLU>"
+    m = prods[0].shape[-1]
+    assert spec.grid == (-(-m // (cm.QSTREAMS // 2)), 1, 1)  # gate and up rows: half as many a block
     check_spec(spec)
     assert int(spec.args[1]) == fake_ptr(prods[1].srcs[0]) and int(spec.args[-3]) == 1  # geglu
 

@@ -3,14 +3,14 @@
 Paths (support.py picks one per node; its name shows in `Plan.explain()`):
 
 - mmvf / mmvq: batch N <= 8, float / block-quantized weights: kernels/mmv.cu's
-  mat-vec, reading each weight byte once (16-byte loads for float rows,
-  16-bit loads for blocks, which are only 2-byte aligned). Float weights take
-  b as it is (f32/f16/bf16). For block formats b is first quantized to int8
-  with a scale per 32 values (convert.cu's quantize_q8, ggml's q8_1 idea),
-  and the kernel takes integer dot products (dp4a): one int->float
-  conversion per 8 weights instead of 8, which is what keeps it at memory
-  speed. The rounding of b this adds is ggml's too (its CPU and CUDA backends
-  quantize b for these types) and lies well inside mul_mat's NMSE bound.
+  mat-vec, reading each weight byte once with 16-byte loads. Float weights take
+  b as it is (f32/f16/bf16). Block formats (only 2-byte aligned) are staged
+  through shared memory by whole 16-byte granules, and each block quantizes
+  its b values to int8 there with a scale per 32 values (ggml's q8_1 idea) for
+  integer dot products (dp4a): one kernel, no separate pass over b, a few
+  integer instructions per 4 weights. The rounding of b this adds is ggml's too
+  (its CPU and CUDA backends quantize b for these types) and lies well inside
+  mul_mat's NMSE bound.
 - cublas: float weights, N > 8: cuBLAS GemmEx through our own handle
   (core/backends/cuda/cublas.py, usable under CUDA-graph capture), strided-
   batched when every operand's batches are evenly spaced, else pointer-array
@@ -25,7 +25,7 @@ Paths (support.py picks one per node; its name shows in `Plan.explain()`):
   host synchronization, so both live inside a captured CUDA graph.
 - cublas_out_prod: cuBLAS, a converted to f32 first unless it is f32.
 
-Scratch buffers (converted or quantized b, dequantized a, the routing table) come from
+Scratch buffers (converted b, dequantized a, the routing table) come from
 `scratch()`: one buffer per backend and role, grown when a node needs more and
 shared by every node on that backend. Sharing is safe because a backend runs
 every plan on its one stream, so a node's conversion and its GEMM finish before
@@ -69,7 +69,7 @@ CONVERT_CU = KERNELS_DIR / "convert.cu"
 #: mm_common.cuh's weight kinds and b/destination kinds
 W_KIND = {"f32": "W_F32", "f16": "W_F16", "bf16": "W_BF16", "q4_0": "W_Q4_0", "q4_1": "W_Q4_1",
           "q5_0": "W_Q5_0", "q5_1": "W_Q5_1", "q8_0": "W_Q8_0"}
-B_KIND = {"f32": "B_F32", "f16": "B_F16", "bf16": "B_BF16", "q8": "B_Q8"}
+B_KIND = {"f32": "B_F32", "f16": "B_F16", "bf16": "B_BF16"}
 EPI_NONE, EPI_BIAS, EPI_GLU = "EPI_NONE", "EPI_BIAS", "EPI_GLU"
 GLU_CODE = {kind: i for i, kind in enumerate(GLU_KINDS)}  # mm_common.cuh's GLU_* values
 
@@ -78,7 +78,9 @@ ROWS = 2  # rows of a a mat-vec block computes (the kernels' R)
 NTS = (1, 2, 4, 8)  # column counts the mat-vec kernels are compiled for
 ROUTE_BLOCK = 1024  # mmv.cu's ROUTE_BLOCK
 CONVERT_BLOCK = 256  # convert.cu's CONVERT_BLOCK
-Q8_BLOCK = 256  # convert.cu's Q8_BLOCK
+# mmv.cu's block-format mat-vec (q_tile): threads, rows (streams) a block, blocks of 32 a chunk,
+# shared bytes of one b column of a chunk
+QBLOCK, QSTREAMS, QCHUNK, QB_COLUMN = 256, 16, 64, 64 * (8 * 4 + 8)
 CONVERT_GRID_MAX = 65536  # blocks of a conversion (grid-stride over rows beyond)
 
 
@@ -98,8 +100,22 @@ def grouped_name(wt: str, tb: str, nt: int, vec: bool, epi: str) -> str:
     return f"mmv_id_grouped<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {ROWS}, {_b(vec)}, {epi}>"
 
 
-def q8_name(ts: str) -> str:
-    return f"quantize_q8<{B_KIND[ts]}>"
+def mmvq_name(wt: str, tb: str, nt: int, epi: str) -> str:
+    return f"mmvq<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {epi}>"
+
+
+def mmvq_id_name(wt: str, epi: str) -> str:
+    return f"mmvq_id<{W_KIND[wt]}, {epi}>"
+
+
+def qgrouped_name(wt: str, nt: int, epi: str) -> str:
+    return f"mmvq_id_grouped<{W_KIND[wt]}, {nt}, {epi}>"
+
+
+def q_smem(block_bytes: int, nt: int) -> int:
+    """Dynamic shared memory of a q_tile kernel (mmv.cu's QTile::smem): the staged weight
+    chunks (QCHUNK blocks a stream, plus one granule for unaligned rows) and nt b columns."""
+    return QSTREAMS * (QCHUNK * block_bytes // 16 + 1) * 16 + nt * QB_COLUMN
 
 
 def convert_name(ts: str, td: str) -> str:
@@ -116,28 +132,27 @@ QUANT_NAMES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 WEIGHTS = FLOAT_NAMES + QUANT_NAMES
 
 #: every instance the specs can name, per source (tests/test_kernels_compile.py compiles them all).
-#: Block-format weights always run against b quantized to int8 records (B_Q8). Column counts
-#: are compiled for the common case only: float weights with b f32 and 16-byte loads take NTS
-#: (the grouped MoE kernel GROUPED_NTS); the rarer variants (scalar loads, b f16/bf16, which
-#: only unfused mul_mat takes) are compiled for 8 columns and run fewer.
+#: Column counts are compiled for the common case only: b f32 (and 16-byte loads for float
+#: weights) takes NTS (the grouped MoE kernels GROUPED_NTS); the rarer variants (scalar loads,
+#: b f16/bf16, which only unfused mul_mat takes) are compiled for 8 columns and run fewer.
 GROUPED_NTS = (1, 4, 8)
 EPIS = (EPI_NONE, EPI_BIAS, EPI_GLU)
 MMV_NAMES: tuple[str, ...] = (
     *(mmv_name(wt, "f32", nt, True, epi) for epi in EPIS for wt in FLOAT_NAMES for nt in NTS),
     *(mmv_name(wt, "f32", 8, False, epi) for epi in EPIS for wt in FLOAT_NAMES),
     *(mmv_name(wt, tb, 8, vec, EPI_NONE) for wt in FLOAT_NAMES for tb in ("f16", "bf16") for vec in (False, True)),
-    *(mmv_name(wt, "q8", nt, True, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
+    *(mmvq_name(wt, "f32", nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
+    *(mmvq_name(wt, tb, 8, EPI_NONE) for wt in QUANT_NAMES for tb in ("f16", "bf16")),
     *(mmv_id_name(wt, "f32", vec, epi) for wt in FLOAT_NAMES for vec in (False, True) for epi in EPIS),
-    *(mmv_id_name(wt, "q8", True, epi) for wt in QUANT_NAMES for epi in EPIS),
+    *(mmvq_id_name(wt, epi) for wt in QUANT_NAMES for epi in EPIS),
     *(grouped_name(wt, "f32", nt, True, epi) for wt in FLOAT_NAMES for nt in GROUPED_NTS for epi in EPIS[:2]),
     *(grouped_name(wt, "f32", 8, False, epi) for wt in FLOAT_NAMES for epi in EPIS[:2]),
-    *(grouped_name(wt, "q8", nt, True, epi) for wt in QUANT_NAMES for nt in GROUPED_NTS for epi in EPIS[:2]),
+    *(qgrouped_name(wt, nt, epi) for wt in QUANT_NAMES for nt in GROUPED_NTS for epi in EPIS[:2]),
     ROUTE_NAME,
 )
 CONVERT_NAMES: tuple[str, ...] = (
     *(convert_name(ts, td) for ts in FLOAT_NAMES for td in FLOAT_NAMES),
     *(dequant_name(wt, td) for wt in QUANT_NAMES for td in ("f16", "f32")),
-    *(q8_name(ts) for ts in FLOAT_NAMES),
 )
 KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {MMV_CU: MMV_NAMES, CONVERT_CU: CONVERT_NAMES}
 
@@ -214,21 +229,6 @@ def _elem_stride(t: Tensor) -> int:
     return t.strides[-1] if t.shape[-1] > 1 else t.dtype.block_bytes
 
 
-def q8_record(k: int) -> int:
-    """Bytes of one b row quantized for block-format weights (mm_common.cuh's Q8_RECORD)."""
-    return k + k // 8
-
-
-def quantize_b(b: Tensor, src: int, dst: int) -> KernelSpec:
-    """quantize_q8 of b's rows (any float type, any strides) into records at `dst`, in b's row order."""
-    (n3, n2, n1, n0), (s3, s2, s1, s0) = _geometry(b)
-    warps = n1 * n2 * n3 * (n0 // 32)
-    grid = (max(1, min(math.ceil(warps / (Q8_BLOCK // 32)), CONVERT_GRID_MAX)),)
-    return KernelSpec(CONVERT_CU, q8_name(b.dtype.name), grid, Q8_BLOCK,
-                      (U64(src), I32(n0), I32(n1), I32(n2), I32(n3), I64(_elem_stride(b)), I64(s1), I64(s2), I64(s3),
-                       U64(dst)))
-
-
 def _epilogue(glu: Tensor | None, bias0: Tensor | None) -> tuple[str, int, float, float]:
     if glu is not None:
         return EPI_GLU, GLU_CODE[glu.params["kind"]], glu.params["alpha"], glu.params["limit"]
@@ -242,64 +242,58 @@ def _addr(ptr: Ptr, t: Tensor | None) -> np.uint64:
 def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tensor | None = None,
               bias0: Tensor | None = None, bias1: Tensor | None = None, glu: Tensor | None = None
               ) -> list[KernelSpec]:
-    """mmv for mul_mat `node` writing `out` (node itself, or the last node of a fused group);
-    block-format weights first quantize b into int8 records (scratch "bq")."""
+    """mmv (float weights) or mmvq (block formats) for mul_mat `node` writing `out` (node
+    itself, or the last node of a fused group)."""
     a, b = node.srcs
     (a3, a2, m, k), (sa3, sa2, sa1, _) = _geometry(a)
     (b3, b2, n, _), (sb3, sb2, sb1, _) = _geometry(b)
-    pa = ptr(a)
-    specs: list[KernelSpec] = []
-    if a.dtype.is_quant:
-        rec = q8_record(k)
-        qb = scratch("bq", b3 * b2 * n * rec)
-        specs.append(quantize_b(b, ptr(b), qb))
-        pb, b_col, b_es, sb2, sb3, tb, vec = qb, rec, 1, n * rec, b2 * n * rec, "q8", True
-        nt = nt_for(max(n, 1))
-    else:
-        pb, b_col, b_es, tb = ptr(b), sb1, _elem_stride(b), b.dtype.name
-        vec = (k % 4 == 0 and _b_vec(b, pb) and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0))
-        nt = nt_for(max(n, 1)) if vec and tb == "f32" else 8
+    pa, pb, tb = ptr(a), ptr(b), b.dtype.name
     epi, kind, alpha, limit = _epilogue(glu, bias0)
     args = (U64(pa), _addr(ptr, a1), I64(sa1), I64(sa2), I64(sa3), I32(b2 // a2), I32(b3 // a3),
-            U64(pb), I64(b_col), I64(b_es), I64(sb2), I64(sb3), U64(ptr(out)), I32(m), I32(k), I32(n),
+            U64(pb), I64(sb1), I64(_elem_stride(b)), I64(sb2), I64(sb3), U64(ptr(out)), I32(m), I32(k), I32(n),
             _addr(ptr, bias0), _addr(ptr, bias1), I32(kind), F32(alpha), F32(limit))
+    if a.dtype.is_quant:
+        nt = nt_for(max(n, 1)) if tb == "f32" else 8
+        rows = QSTREAMS // (2 if epi == EPI_GLU else 1)
+        grid = (math.ceil(m / rows) if n else 0, b2, b3)
+        return [KernelSpec(MMV_CU, mmvq_name(a.dtype.name, tb, nt, epi), grid, QBLOCK, args,
+                           smem=q_smem(a.dtype.block_bytes, nt))]
+    vec = (k % 4 == 0 and _b_vec(b, pb) and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0))
+    nt = nt_for(max(n, 1)) if vec and tb == "f32" else 8
     grid = (math.ceil(m / ROWS) if n else 0, b2, b3)
-    specs.append(KernelSpec(MMV_CU, mmv_name(a.dtype.name, tb, nt, vec, epi), grid, BLOCK, args))
-    return specs
+    return [KernelSpec(MMV_CU, mmv_name(a.dtype.name, tb, nt, vec, epi), grid, BLOCK, args)]
 
 
-def _id_b(node: Tensor, ptr: Ptr, scratch: Scratch, a1: Tensor | None
-          ) -> tuple[list[KernelSpec], int, int, int, int, str, bool]:
-    """mul_mat_id's b as the kernels read it: (specs to run first, address, token stride,
-    slot stride, element stride, b kind, 16-byte loads)."""
+def _id_b(node: Tensor, ptr: Ptr) -> tuple[int, int, int, int, bool]:
+    """mul_mat_id's b as the kernels read it: (address, token stride, slot stride, element
+    stride, 16-byte loads for float experts)."""
     as_, b, _ = node.srcs
-    t, ub, k = b.shape
-    if as_.dtype.is_quant:
-        rec = q8_record(k)
-        qb = scratch("bq", t * ub * rec)
-        return [quantize_b(b, ptr(b), qb)], qb, ub * rec, rec, 1, "q8", True
-    vec = k % 4 == 0 and _b_vec(b, ptr(b)) and _a_vec(as_, ptr(as_)) and (a1 is None or ptr(a1) % 16 == 0)
-    return [], ptr(b), b.strides[0], b.strides[1], _elem_stride(b), "f32", vec
+    vec = b.shape[-1] % 4 == 0 and _b_vec(b, ptr(b)) and _a_vec(as_, ptr(as_))
+    return ptr(b), b.strides[0], b.strides[1], _elem_stride(b), vec
 
 
 def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tensor | None = None,
                  bias0: Tensor | None = None, bias1: Tensor | None = None, glu: Tensor | None = None
                  ) -> list[KernelSpec]:
-    """mmv_id for mul_mat_id `node` (a grid z index a token) writing `out`."""
+    """mmv_id / mmvq_id for mul_mat_id `node` (a grid z index a token) writing `out`."""
     as_, b, ids = node.srcs
     e, m, k = as_.shape
     t, ub, _ = b.shape
     u = ids.shape[1]
-    specs, pb, b_t, b_u, b_es, tb, vec = _id_b(node, ptr, scratch, a1)
+    pb, b_t, b_u, b_es, vec = _id_b(node, ptr)
+    vec = vec and (a1 is None or ptr(a1) % 16 == 0)
     epi, kind, alpha, limit = _epilogue(glu, bias0)
     bias_e = bias0.strides[0] if bias0 is not None else 0
     args = (U64(ptr(as_)), _addr(ptr, a1), I64(as_.strides[1]), I64(as_.strides[0]), I32(e),
             U64(ptr(ids)), I64(ids.strides[0]), I64(ids.strides[1]),
             U64(pb), I64(b_t), I64(b_u), I32(ub), I64(b_es), U64(ptr(out)), I32(m), I32(k),
             _addr(ptr, bias0), _addr(ptr, bias1), I64(bias_e), I32(kind), F32(alpha), F32(limit))
-    specs.append(KernelSpec(MMV_CU, mmv_id_name(as_.dtype.name, tb, vec, epi), (math.ceil(m / ROWS), u, t), BLOCK,
-                            args))
-    return specs
+    if as_.dtype.is_quant:
+        rows = QSTREAMS // (2 if epi == EPI_GLU else 1)
+        return [KernelSpec(MMV_CU, mmvq_id_name(as_.dtype.name, epi), (math.ceil(m / rows), u, t), QBLOCK, args,
+                           smem=q_smem(as_.dtype.block_bytes, 1))]
+    return [KernelSpec(MMV_CU, mmv_id_name(as_.dtype.name, "f32", vec, epi), (math.ceil(m / ROWS), u, t), BLOCK,
+                       args)]
 
 
 def route_words(n_experts: int, pairs: int) -> int:
@@ -309,26 +303,32 @@ def route_words(n_experts: int, pairs: int) -> int:
 
 def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, bias: Tensor | None = None
                   ) -> list[KernelSpec]:
-    """(quantize_q8,) moe_route, then mmv_id_grouped for mul_mat_id `node`."""
+    """moe_route, then mmv_id_grouped / mmvq_id_grouped for mul_mat_id `node`."""
     as_, b, ids = node.srcs
     e, m, k = as_.shape
     t, ub, _ = b.shape
     u = ids.shape[1]
     pairs = t * u
     route = scratch("route", 4 * route_words(e, pairs))
-    specs, pb, b_t, b_u, b_es, tb, vec = _id_b(node, ptr, scratch, None)
-    specs.append(KernelSpec(
+    pb, b_t, b_u, b_es, vec = _id_b(node, ptr)
+    specs = [KernelSpec(
         MMV_CU, ROUTE_NAME, (1,), ROUTE_BLOCK,
         (U64(ptr(ids)), I64(ids.strides[0]), I64(ids.strides[1]), I32(t), I32(u), I32(e), U64(route),
          U64(ptr(out)), I32(m)),
-        smem=2 * 4 * e))
-    nt = nt_for(min(support.MMV_MAX_N, max(1, math.ceil(pairs / min(e, pairs)))), GROUPED_NTS) if vec else 8
+        smem=2 * 4 * e)]
+    quant = as_.dtype.is_quant
+    nt = nt_for(min(support.MMV_MAX_N, max(1, math.ceil(pairs / min(e, pairs)))), GROUPED_NTS)
+    nt = nt if vec or quant else 8
     epi = EPI_BIAS if bias is not None else EPI_NONE
     args = (U64(ptr(as_)), I64(as_.strides[1]), I64(as_.strides[0]), I32(e), U64(route),
             U64(pb), I64(b_t), I64(b_u), I32(ub), I64(b_es), U64(ptr(out)), I32(m), I32(k), I32(u),
             _addr(ptr, bias), I64(bias.strides[0] if bias is not None else 0))
-    specs.append(KernelSpec(MMV_CU, grouped_name(as_.dtype.name, tb, nt, vec, epi), (math.ceil(m / ROWS), min(e, pairs)),
-                            BLOCK, args))
+    if quant:
+        specs.append(KernelSpec(MMV_CU, qgrouped_name(as_.dtype.name, nt, epi), (math.ceil(m / QSTREAMS),
+                                min(e, pairs)), QBLOCK, args, smem=q_smem(as_.dtype.block_bytes, nt)))
+    else:
+        specs.append(KernelSpec(MMV_CU, grouped_name(as_.dtype.name, "f32", nt, vec, epi),
+                                (math.ceil(m / ROWS), min(e, pairs)), BLOCK, args))
     return specs
 
 

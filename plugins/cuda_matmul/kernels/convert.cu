@@ -4,10 +4,7 @@
 //   dequant<WT, TD>   rows of a block-format tensor (any row and batch strides) ->
 //                     contiguous TD, decoded exactly as opdispatch.dtypes.dequantize
 //                     (then rounded to TD).
-//   quantize_q8<TS>   rows of a float tensor (any strides) -> int8 records for the
-//                     mat-vec kernels of block-format weights (mm_common.cuh's B_Q8):
-//                     per 32 values d = absmax / 127, code = round(x / d), one warp a block.
-// All take 4-d geometry innermost first: n0 values a row, rows n1 x n2 x n3
+// Both take 4-d geometry innermost first: n0 values a row, rows n1 x n2 x n3
 // with byte strides s1, s2, s3 (convert also s0, the element stride). A block
 // of CONVERT_BLOCK threads walks rows (grid-stride over n1 * n2 * n3 rows).
 
@@ -74,35 +71,6 @@ __global__ void __launch_bounds__(CONVERT_BLOCK) dequant(const u8* src, int n0, 
                 }
                 mm::store_as<TD>(d + (j < 4 ? k.x + j : k.y + j - 4) * DS, v);
             }
-        }
-    }
-}
-
-// One warp per 32-value block of a row; Q8_BLOCK / 32 warps a block, grid-stride over blocks.
-constexpr int Q8_BLOCK = 256;
-
-template <int TS>
-__global__ void __launch_bounds__(Q8_BLOCK) quantize_q8(const u8* src, int n0, int n1, int n2, int n3, long long s0,
-                                                        long long s1, long long s2, long long s3, u8* dst) {
-    const long long rows = static_cast<long long>(n1) * n2 * n3;
-    const int per_row = n0 / 32;
-    const long long blocks = rows * per_row;
-    const long long rec = Q8_RECORD(static_cast<long long>(n0));
-    const int lane = threadIdx.x % od::WARP_SIZE;
-    const long long warps = static_cast<long long>(gridDim.x) * (Q8_BLOCK / od::WARP_SIZE);
-    for (long long w = blockIdx.x * (Q8_BLOCK / od::WARP_SIZE) + threadIdx.x / od::WARP_SIZE; w < blocks;
-         w += warps) {
-        const long long row = w / per_row;
-        const int blk = static_cast<int>(w % per_row);
-        const u8* s = src + mm::row_offset(row, n1, n2, s1, s2, s3);
-        const float x = mm::load_elem<TS>(s + (32ll * blk + lane) * s0);
-        const float amax = od::warp_max(fabsf(x));
-        const float d = amax / 127.0f;
-        const float id = d > 0.0f ? 127.0f / amax : 0.0f;
-        u8* r = dst + row * rec;
-        r[32 * blk + lane] = static_cast<u8>(static_cast<signed char>(__float2int_rn(x * id)));
-        if (lane == 0) {
-            reinterpret_cast<float*>(r + n0)[blk] = d;
         }
     }
 }

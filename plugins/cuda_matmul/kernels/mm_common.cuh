@@ -1,22 +1,22 @@
-// Device helpers of the cuda_matmul kernels: weight formats read 8 values at a
-// time, b loads, and the GLU activations of the fused epilogue.
+// Device helpers of the cuda_matmul kernels: weight formats, b loads, and the
+// GLU activations of the fused epilogue.
 //
 // Weight kinds (template parameter WT) and b kinds (TB) are small integers, named
-// below, so that template instances read as mmv<W_Q4_0, B_F32, ...>.
+// below, so that template instances read as mmvq<W_Q4_0, B_F32, ...>.
 //
-// A weight row is read in "units" of 8 values:
-//   float formats (VEC): unit u = values 8u .. 8u+7, one 16-byte load (f16/bf16)
-//     or two (f32); b indices 8u .. 8u+3 and 8u+4 .. 8u+7.
-//   float formats (scalar): unit u = value u alone (any K, any alignment).
-//   block formats: 4 units a block of 32, unit u = block u / 4, part s = u % 4:
-//     q8_0: codes 8s .. 8s+7 (b indices 32*blk + 8s + [0, 8));
-//     4- and 5-bit: qs bytes 4s .. 4s+3 hold codes 4s..4s+3 (low nibbles) and
-//       16+4s .. 16+4s+3 (high nibbles) (b indices 32*blk + 4s + [0, 4) and
-//       32*blk + 16 + 4s + [0, 4)).
-//   value_j = c_j * d + m, where c_j is the code minus the format's zero (exact
-//   small integers held as floats), d the block scale and m its offset (0 unless
-//   q4_1/q5_1). Blocks are only 2-byte aligned (18, 22 and 34 bytes), so every
-//   block field is read with 16-bit loads.
+// Float rows (mmv) are read in "units" of 8 values:
+//   VEC: unit u = values 8u .. 8u+7, one 16-byte load (f16/bf16) or two (f32);
+//     b indices 8u .. 8u+3 and 8u+4 .. 8u+7.
+//   scalar: unit u = value u alone (any K, any alignment).
+// Block formats (32 values a block) are decoded two ways:
+//   load_unit_quant (the dequantizing copy, convert.cu): 4 units a block, unit u =
+//     block u / 4, part s = u % 4: q8_0 codes 8s .. 8s+7; 4- and 5-bit: qs bytes
+//     4s .. 4s+3 hold codes 4s..4s+3 (low nibbles) and 16+4s .. 16+4s+3 (high).
+//   decode_block (the quantized mat-vec, mmv.cu): a whole block from shared memory
+//     as 8 words of 4 int8 codes, word i = values 4i .. 4i+3, for dp4a.
+//   value_j = c_j * d + m, where c_j is the code minus the format's zero, d the
+//   block scale and m its offset (0 unless q4_1/q5_1). Blocks are only 2-byte
+//   aligned (18, 22 and 34 bytes): global fields are read with 16-bit loads.
 //
 // Decoding for the dequantizing copy (convert.cu) is exactly opdispatch.dtypes.dequantize:
 // (q - zero) * d then + m, each rounded once (__fmul_rn / __fadd_rn keep the
@@ -39,11 +39,6 @@ constexpr int W_Q8_0 = 7;
 constexpr int B_F32 = 0;
 constexpr int B_F16 = 1;
 constexpr int B_BF16 = 2;
-// b quantized by convert.cu's quantize_q8 (the mat-vec kernels of block-format weights):
-// each b row of K values is a record of K int8 codes then K / 32 float scales
-// (Q8_RECORD(K) bytes), b[k] ~= code[k] * scale[k / 32], scale = absmax / 127.
-constexpr int B_Q8 = 3;
-#define Q8_RECORD(K) ((K) + (K) / 8)
 
 // Epilogues of the mat-vec kernels.
 constexpr int EPI_NONE = 0;  // out = a . b
@@ -175,6 +170,11 @@ __device__ __forceinline__ void load_unit_float(const u8* row, int u, float (&w)
     }
 }
 
+// 4 bits (one a value) moved to bit 4 of each of 4 bytes: the 5th bits of q5 codes.
+__device__ __forceinline__ unsigned spread4(unsigned h) {
+    return ((h & 1u) << 4) | ((h & 2u) << 11) | ((h & 4u) << 18) | ((h & 8u) << 25);
+}
+
 // Codes c (minus the zero, as floats), scale d and offset m of unit u of a block-format row.
 template <int WT>
 __device__ __forceinline__ void load_unit_quant(const u8* row, int u, float (&c)[8], float& d, float& m) {
@@ -202,9 +202,8 @@ __device__ __forceinline__ void load_unit_quant(const u8* row, int u, float (&c)
             const unsigned qh = ld32_2(blk + F::QH);
             const unsigned lo = (qh >> (4 * s)) & 0xfu;         // bits of codes 4s .. 4s+3
             const unsigned hi = (qh >> (16 + 4 * s)) & 0xfu;    // bits of codes 16+4s ..
-            // spread 4 bits to bit 4 of 4 bytes
-            hl = ((lo & 1u) << 4) | ((lo & 2u) << 11) | ((lo & 4u) << 18) | ((lo & 8u) << 25);
-            hh = ((hi & 1u) << 4) | ((hi & 2u) << 11) | ((hi & 4u) << 18) | ((hi & 8u) << 25);
+            hl = spread4(lo);
+            hh = spread4(hi);
         }
         const unsigned lo4 = (q & 0x0f0f0f0fu) | hl;
         const unsigned hi4 = ((q >> 4) & 0x0f0f0f0fu) | hh;
@@ -216,36 +215,48 @@ __device__ __forceinline__ void load_unit_quant(const u8* row, int u, float (&c)
     }
 }
 
-// The 8 codes of unit u of a block-format row as two words of 4 bytes, for dp4a against
-// b's int8 codes at unit_k(u): lo, hi. Codes are the raw stored ones (0 .. 2**BITS - 1,
-// or int8 for q8_0): the caller subtracts the zero. Also the scale d and offset m.
+// The 32-bit word at byte x (even; a constant once unrolled, so w stays in registers) of a
+// block whose byte 0 is byte sh / 8 (0 or 2) of w[0]. __funnelshift_rc clamps a shift of 32
+// to "all of the high word".
+template <int N>
+__device__ __forceinline__ unsigned block_word(const unsigned (&w)[N], int x, int sh) {
+    return __funnelshift_rc(w[x / 4], w[x / 4 + 1], sh + 8 * (x % 4));
+}
+
+// The block at byte `pos` (even) of shared memory `s`: q[i] = codes of values 4i .. 4i+3
+// (raw: 0 .. 2**BITS - 1, or int8 for q8_0; the caller subtracts the zero), scale d, offset m.
 template <int WT>
-__device__ __forceinline__ void load_unit_words(const u8* row, int u, int& lo, int& hi, float& d, float& m) {
+__device__ __forceinline__ void decode_block(const u8* s, int pos, int (&q)[8], float& d, float& m) {
     using F = Fmt<WT>;
-    const u8* blk = row + (u >> 2) * F::BYTES;
-    const int s = u & 3;
-    d = od::f16_to_f32(ld16(blk));
+    constexpr int NWORDS = (F::BYTES + 1) / 4 + 1;  // 4-byte words holding the block at either alignment
+    const unsigned* p = reinterpret_cast<const unsigned*>(s + (pos & ~3));
+    unsigned w[NWORDS];
+#pragma unroll
+    for (int i = 0; i < NWORDS; ++i) {
+        w[i] = p[i];
+    }
+    const int sh = (pos & 2) * 8;
+    d = od::f16_to_f32(static_cast<unsigned short>(block_word(w, 0, sh) & 0xffffu));
+    m = 0.0f;
     if constexpr (F::M >= 0) {
-        m = od::f16_to_f32(ld16(blk + F::M));
-    } else {
-        m = 0.0f;
+        m = od::f16_to_f32(static_cast<unsigned short>(block_word(w, F::M, sh) & 0xffffu));
     }
     if constexpr (F::BITS == 8) {
-        const u8* q = blk + F::QS + 8 * s;
-        lo = static_cast<int>(ld32_2(q));
-        hi = static_cast<int>(ld32_2(q + 4));
-    } else {
-        const unsigned q = ld32_2(blk + F::QS + 4 * s);
-        unsigned hl = 0, hh = 0;
-        if constexpr (F::BITS == 5) {
-            const unsigned qh = ld32_2(blk + F::QH);
-            const unsigned l = (qh >> (4 * s)) & 0xfu;
-            const unsigned h = (qh >> (16 + 4 * s)) & 0xfu;
-            hl = ((l & 1u) << 4) | ((l & 2u) << 11) | ((l & 4u) << 18) | ((l & 8u) << 25);
-            hh = ((h & 1u) << 4) | ((h & 2u) << 11) | ((h & 4u) << 18) | ((h & 8u) << 25);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            q[i] = static_cast<int>(block_word(w, F::QS + 4 * i, sh));
         }
-        lo = static_cast<int>((q & 0x0f0f0f0fu) | hl);
-        hi = static_cast<int>(((q >> 4) & 0x0f0f0f0fu) | hh);
+    } else {
+        unsigned qh = 0;
+        if constexpr (F::BITS == 5) {
+            qh = block_word(w, F::QH, sh);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const unsigned qs = block_word(w, F::QS + 4 * i, sh);
+            q[i] = static_cast<int>((qs & 0x0f0f0f0fu) | spread4((qh >> (4 * i)) & 0xfu));
+            q[i + 4] = static_cast<int>(((qs >> 4) & 0x0f0f0f0fu) | spread4((qh >> (16 + 4 * i)) & 0xfu));
+        }
     }
 }
 
