@@ -420,6 +420,19 @@ def test_fused_glu_spec() -> None:
     assert int(spec.args[1]) == fake_ptr(prods[1].srcs[0]) and int(spec.args[-3]) == 1  # geglu
 
 
+def test_cublaslt_structs_and_alignment() -> None:
+    """cublasLt's heuristic result is 96 bytes (an array of them is read past index 0), and the
+    alignment told to its heuristic divides the address and the batch stride, at most 256."""
+    import ctypes
+
+    from opdispatch.backends.cuda import cublas
+
+    assert ctypes.sizeof(cublas.LtAlgo) == 64 and ctypes.sizeof(cublas.LtHeuristic) == 96
+    assert cublas._alignment(0x7F0000000100, 0) == 256
+    assert cublas._alignment(0x7F0000000102, 0) == 2
+    assert cublas._alignment(0x7F0000000100, 3 * 4096 * 2 + 16) == 16
+
+
 def test_every_kernel_instance_is_a_template_of_the_sources() -> None:
     for source, names in cm.KERNEL_SOURCES.items():
         text = source.read_text()

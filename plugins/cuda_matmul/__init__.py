@@ -11,10 +11,11 @@ Paths (support.py picks one per node; its name shows in `Plan.explain()`):
   integer instructions per 4 weights. The rounding of b this adds is ggml's too
   (its CPU and CUDA backends quantize b for these types) and lies well inside
   mul_mat's NMSE bound.
-- cublas: float weights, N > 8: cuBLAS GemmEx through our own handle
-  (core/backends/cuda/cublas.py, usable under CUDA-graph capture), strided-
-  batched when every operand's batches are evenly spaced, else pointer-array
-  batched (repeat-interleaved broadcast, permuted batches). The operands must
+- cublas: float weights, N > 8: cuBLAS through our own handles
+  (core/backends/cuda/cublas.py, usable under CUDA-graph capture): cublasLt
+  (algorithm timed once per problem) for one GEMM or strided batches when
+  every operand's batches are evenly spaced, else GemmBatchedEx on pointer
+  arrays (repeat-interleaved broadcast, permuted batches). The operands must
   share a type: b is converted to a's type first when it differs (an f32 b
   with f16/bf16 weights is rounded to f16/bf16, as ggml does; a rounding of b
   well inside mul_mat's NMSE bound, and it keeps the tensor cores).
@@ -505,12 +506,9 @@ def _gemm_launch(ctx: CudaContext, g: GemmSpec) -> Launch:
     h = cublas.for_backend(ctx.backend)
     at, bt = cublas.DATA_TYPES[g.a_type], cublas.DATA_TYPES[g.b_type]
     ct = cublas.CUDA_R_32F
-    if g.kind == "gemm":
-        return h.gemm(g.transa, g.transb, g.m, g.n, g.k, g.a, at, g.lda, g.b, bt, g.ldb, g.c, ct, g.ldc)
-    if g.kind == "strided":
-        sa, sb, sc = g.strides
-        return h.gemm_strided_batched(g.transa, g.transb, g.m, g.n, g.k, g.a, at, g.lda, sa, g.b, bt, g.ldb, sb,
-                                      g.c, ct, g.ldc, sc, g.batch)
+    if g.kind in ("gemm", "strided"):
+        return h.matmul(g.transa, g.transb, g.m, g.n, g.k, g.a, at, g.lda, g.b, bt, g.ldb, g.c, ct, g.ldc, g.strides,
+                        g.batch)
     pa, pb, pc = zip(*g.ptrs)
     return h.gemm_batched(g.transa, g.transb, g.m, g.n, g.k, pa, at, g.lda, pb, bt, g.ldb, pc, ct, g.ldc)
 
