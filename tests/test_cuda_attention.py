@@ -117,12 +117,26 @@ def test_declines_with_the_reason_and_falls_back_to_cpu(build: Callable[[], Tens
     assert f"cuda_attention ({reason})" in plan.explain()
 
 
-def test_prefill_needs_sm80_decode_does_not() -> None:
-    (prefill,) = steps_of(od.compile(fa(64, 9, 113), TURING), "flash_attn_ext")
-    assert prefill.device.name == "cpu"
-    assert ("cuda_attention", "the prefill kernel needs compute capability 8.0 (mma.sync, cp.async)") in prefill.declined
-    (decode,) = steps_of(od.compile(fa(64, 8, 113), TURING), "flash_attn_ext")
-    assert decode.plugin == "cuda_attention"
+def test_flash_attn_ext_needs_sm80() -> None:
+    for tq in (8, 9):  # decode and prefill: both on mma.sync m16n8k16 and cp.async
+        (step,) = steps_of(od.compile(fa(64, tq, 113), TURING), "flash_attn_ext")
+        assert step.device.name == "cpu"
+        reason = "the flash_attn_ext kernels need compute capability 8.0 (mma.sync m16n8k16, cp.async)"
+        assert ("cuda_attention", reason) in step.declined
+
+
+SM86 = Device("cuda0", "cuda", "sm_86 (description)",
+              {"cc": (8, 6), "sm_count": 84, "smem_per_block": 49152, "smem_per_block_optin": 101376, "warp_size": 32})
+
+
+@pytest.mark.parametrize(("d", "tq", "runs_on_gpu"), [(64, 1, True), (64, 100, True), (128, 1, False), (128, 100, False)])
+def test_flash_attn_ext_declines_what_does_not_fit_shared_memory(d: int, tq: int, runs_on_gpu: bool) -> None:
+    (step,) = steps_of(od.compile(fa(d, tq, 113), SM86), "flash_attn_ext")
+    assert (step.plugin == "cuda_attention") == runs_on_gpu, step.declined
+    if not runs_on_gpu:
+        need = ca.decode_smem(d) if tq <= support.DECODE_MAX_TQ else ca.prefill_smem(d)
+        reason = f"the kernel for head size {d} needs {need} bytes of shared memory a block, cuda0 has 101376"
+        assert ("cuda_attention", reason) in step.declined
 
 
 def test_gate_declines_devices_without_32_lane_warps() -> None:
@@ -304,37 +318,40 @@ def test_rope_spec(mode: str, dt: str) -> None:
     assert spec.grid == (-(-total // 256),)
 
 
-@pytest.mark.parametrize(("d", "tq", "tk", "hq", "hkv", "kv", "ncols", "ncg"), [
-    (128, 1, 8192, 32, 8, "f16", 4, 1),
-    (128, 1, 8192, 32, 8, "bf16", 4, 1),
-    (64, 1, 113, 4, 4, "q8_0", 1, 1),
-    (64, 4, 512, 8, 1, "q4_0", 8, 4),
-    (256, 8, 1024, 16, 2, "f32", 8, 8),
-    (96, 3, 100, 6, 3, "f16", 8, 1),
-    (64, 2, 1, 2, 2, "f16", 4, 1),
+@pytest.mark.parametrize(("d", "tq", "tk", "hq", "hkv", "kv", "ncg"), [
+    (128, 1, 8192, 32, 8, "f16", 1),
+    (128, 1, 8192, 32, 8, "bf16", 1),
+    (64, 1, 113, 4, 4, "q8_0", 1),
+    (64, 4, 512, 8, 1, "q4_0", 2),  # 8 heads x 4 rows = 32 columns: two blocks of 16
+    (256, 8, 1024, 16, 2, "f32", 4),
+    (96, 3, 100, 6, 3, "f16", 1),
+    (64, 2, 1, 2, 2, "f16", 1),
+    (128, 1, 4096, 64, 2, "f16", 2),  # GQA 32
 ])
-def test_decode_plan(d: int, tq: int, tk: int, hq: int, hkv: int, kv: str, ncols: int, ncg: int) -> None:
+def test_decode_plan(d: int, tq: int, tk: int, hq: int, hkv: int, kv: str, ncg: int) -> None:
     node = fa(d, tq, tk, hq, hkv, kv, mask=True, sinks=od.input("s", (hq,)))
     plan = ca.flash_plan(node, 132)
     assert plan.kind == "decode"
-    step, _ = ca.decode_geometry(d, ncols)
-    assert plan.chunk % step == 0 and (plan.nsplit - 1) * plan.chunk < tk <= plan.nsplit * plan.chunk
+    assert plan.chunk % ca.DECODE_BN == 0 and (plan.nsplit - 1) * plan.chunk < tk <= plan.nsplit * plan.chunk
     rows = tq * hq
     assert [w.nbytes for w in plan.workspaces] == [plan.nsplit * rows * d * 4, plan.nsplit * rows * 8]
     main, combine = plan.specs(fake_ptr, [BASE + 2**20, BASE + 2**21])
-    assert main.kernel == ca.decode_kernel(d, kv, ncols) and main.kernel in ca.KERNEL_SOURCES[ca.DECODE_CU]
+    assert main.kernel == ca.decode_kernel(d, kv) and main.kernel in ca.KERNEL_SOURCES[ca.DECODE_CU]
     assert main.grid == (plan.nsplit, hkv * ncg, 1) and main.block == 128
+    assert main.smem == ca.decode_smem(d) <= H200.props["smem_per_block_optin"]
     assert spec_types(main) == kernel_param_types(ca.DECODE_CU, "fattn_decode")
-    assert combine.kernel == ca.COMBINE and combine.grid == (rows,)
+    assert combine.kernel == ca.COMBINE and combine.grid == (rows,) and combine.block == 128
     assert spec_types(combine) == kernel_param_types(ca.DECODE_CU, "fattn_combine")
 
 
-def test_decode_splits_fill_the_gpu() -> None:
-    one = ca.flash_plan(fa(128, 1, 8192, 32, 8), 132)
-    sixteen = ca.flash_plan(ops.flash_attn_ext(od.input("q", (16, 32, 1, 128)), od.input("k", (16, 8, 8192, 128), "f16"),
-                                               od.input("v", (16, 8, 8192, 128), "f16")), 132)
-    assert one.nsplit * 8 >= 132 * 2 and sixteen.nsplit * 16 * 8 >= 132 * 2
-    assert one.nsplit > sixteen.nsplit >= 1
+@pytest.mark.parametrize("batch", [1, 16])
+def test_decode_splits_fill_the_gpu_in_one_wave(batch: int) -> None:
+    node = ops.flash_attn_ext(od.input("q", (batch, 32, 1, 128)), od.input("k", (batch, 8, 8192, 128), "f16"),
+                              od.input("v", (batch, 8, 8192, 128), "f16"))
+    plan = ca.flash_plan(node, 132)
+    blocks, slots = plan.nsplit * batch * 8, 132 * ca.decode_blocks_per_sm(128)
+    assert 0.9 * slots <= blocks <= slots
+    assert plan.nsplit == (32 if batch == 1 else 2)
 
 
 @pytest.mark.parametrize(("d", "kv", "mask", "bn"), [
@@ -345,20 +362,21 @@ def test_prefill_plan(d: int, kv: str, mask: bool, bn: int) -> None:
     node = fa(d, 300, 1000, 8, 2, kv, mask=mask)
     plan = ca.flash_plan(node, 132)
     assert plan.kind == "prefill"
-    n_qt, n_kt = -(-300 // 64), -(-1000 // bn)
+    bm = ca.prefill_tile_m(d)
+    n_qt, n_kt = -(-300 // bm), -(-1000 // bn)
     assert [w.nbytes for w in plan.workspaces] == ([n_qt * n_kt] if mask else [])
     specs = plan.specs(fake_ptr, [BASE + 2**20] if mask else [])
     main = specs[-1]
     assert main.kernel == ca.prefill_kernel(d, kv) and main.kernel in ca.KERNEL_SOURCES[ca.PREFILL_CU]
     assert main.grid == (n_qt, 8, 1) and main.block == 128
-    assert main.smem == ca.prefill_smem(d) <= 99 * 1024  # fits every sm_80+ GPU's opt-in limit
+    assert main.smem == ca.prefill_smem(d) <= H200.props["smem_per_block_optin"]
     assert spec_types(main) == kernel_param_types(ca.PREFILL_CU, "fattn_prefill")
     assert int(main.args[-1]) == n_kt
     if mask:
         flags = specs[0]
         assert (flags.kernel, flags.grid) == (ca.MASK_FLAGS, (n_kt, n_qt, 1))
         assert spec_types(flags) == kernel_param_types(ca.PREFILL_CU, "fattn_mask_flags")
-        assert int(flags.args[5]) == bn
+        assert (int(flags.args[4]), int(flags.args[5])) == (bm, bn)
 
 
 def test_every_name_expression_is_declared_for_the_compile_test() -> None:
@@ -527,6 +545,23 @@ FA_CASES["long kv 8192 decode bf16 mask"] = dict(d=128, tq=1, tk=8192, hq=8, hkv
 FA_CASES["long kv 8192 prefill causal"] = dict(d=128, tq=256, tk=8192, hq=4, hkv=1, mask="causal")
 FA_CASES["causal 300x300 alibi"] = dict(d=64, tq=300, tk=300, hq=4, hkv=2, mask="causal", max_bias=8.0)
 FA_CASES["causal d=256 bf16 sinks"] = dict(d=256, tq=200, tk=200, hq=2, hkv=1, kv="bf16", mask="causal", sinks=True)
+# prefill: query tiles of 128 rows (64 for d=256) with a partial last one, causal tile skipping
+# (diagonal tiles read the mask, tiles above it are skipped), kv lengths not a multiple of the tile
+for _d, _tq, _tk in [(128, 1000, 1000), (64, 129, 129), (96, 255, 300), (80, 130, 1024), (256, 65, 113),
+                     (128, 2048, 2048)]:
+    FA_CASES[f"prefill causal d={_d} q={_tq} kv={_tk}"] = dict(d=_d, tq=_tq, tk=_tk, hq=4, hkv=1, mask="causal",
+                                                              q_dtype="f16")
+FA_CASES["prefill causal bf16 softcap q=300 kv=1200"] = dict(d=128, tq=300, tk=1200, hq=4, hkv=2, kv="bf16",
+                                                             mask="causal", softcap=10.0)
+FA_CASES["prefill q8_0 causal q=200 kv=700"] = dict(d=128, tq=200, tk=700, hq=2, hkv=1, kv="q8_0", mask="causal")
+FA_CASES["prefill no mask q=131 kv=1000 gqa 4"] = dict(d=128, tq=131, tk=1000, hq=8, hkv=2)
+# decode: many splits of 64-key tiles, kv not a multiple of 64, more than 16 columns a KV head
+FA_CASES["decode q=8 gqa 8 (64 columns) kv=5000"] = dict(d=128, tq=8, tk=5000, hq=16, hkv=2, mask="random")
+FA_CASES["decode gqa 32 kv=3001 bf16 sinks"] = dict(d=128, tq=1, tk=3001, hq=64, hkv=2, kv="bf16", sinks=True)
+FA_CASES["decode batch 16 kv=8192"] = dict(d=128, tq=1, tk=8192, hq=32, hkv=8, batch=16)
+FA_CASES["decode d=256 q=2 kv=4097 alibi softcap"] = dict(d=256, tq=2, tk=4097, hq=8, hkv=2, mask="random",
+                                                          max_bias=8.0, softcap=10.0)
+FA_CASES["decode q4_0 kv=6000 q=3"] = dict(d=64, tq=3, tk=6000, hq=8, hkv=1, kv="q4_0", mask="random")
 
 
 @gpu

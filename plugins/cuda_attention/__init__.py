@@ -7,11 +7,13 @@ Kernels (kernels/*.cu, CUDA C++ compiled by NVRTC one template instance at a tim
   modulo, ALiBi, sinks.
 - rope.cu: one thread per (token, pair) for up to 8 heads, normal/neox, partial rotation, frequency
   factors, YaRN, f32/f16, strided input; and the fused rope -> set_rows.
-- fattn_decode.cu: flash_attn_ext for Tq <= 8 (split-K over the KV, the query
-  heads of one KV head packed in one block, partials combined in f32).
-- fattn_prefill.cu: flash_attn_ext for more rows (mma.sync tensor cores, K/V
-  tiles in shared memory, online softmax, fully masked tiles skipped through
-  per-tile mask flags computed on the device each run).
+- fattn_decode.cu: flash_attn_ext for Tq <= 8 (split-K over the KV on mma.sync,
+  16 (query row, head) columns of one KV head a block, K/V tiles streamed
+  through cp.async stages, partials combined in f32 by fattn_combine).
+- fattn_prefill.cu: flash_attn_ext for more rows (mma.sync tensor cores, 128
+  query rows a block for D <= 128, double-buffered K/V tiles in shared memory,
+  online softmax, fully masked tiles skipped through per-tile mask flags
+  computed on the device each run).
 
 Each bind is split in two: a pure `*_specs` function picks kernel instances,
 grids and arguments from shapes, strides and addresses (tested without a GPU),
@@ -37,6 +39,7 @@ from opdispatch.reference.attention import rope_yarn_corr_dims
 from opdispatch.tensor import Tensor
 
 from . import fusion, support
+from .support import DECODE_BN, decode_smem, prefill_smem, prefill_tile_m, prefill_tile_n
 
 if TYPE_CHECKING:
     from opdispatch.backends.cuda.backend import CudaContext
@@ -61,7 +64,6 @@ def _b(x: bool) -> str:
 CTYPE = {"f32": "float", "f16": "od::f16", "bf16": "od::bf16", "q8_0": "od_attn::q8_0", "q4_0": "od_attn::q4_0"}
 SOFTMAX_BLOCKS = (32, 64, 128, 256, 512, 1024)
 SOFTMAX_CACHE = 8  # loads a thread keeps in registers
-DECODE_NCOLS = (1, 4, 8)
 
 
 def softmax_kernel(block: int, cache: int, vec: bool, mask: str) -> str:
@@ -76,8 +78,8 @@ def rope_set_rows_kernel(neox: bool, cache: str, idx: str) -> str:
     return f"rope_set_rows<{_b(neox)}, {CTYPE[cache]}, {'int' if idx == 'i32' else 'long long'}>"
 
 
-def decode_kernel(d: int, kv: str, ncols: int) -> str:
-    return f"fattn_decode<{d}, {CTYPE[kv]}, {ncols}>"
+def decode_kernel(d: int, kv: str) -> str:
+    return f"fattn_decode<{d}, {CTYPE[kv]}>"
 
 
 def prefill_kernel(d: int, kv: str) -> str:
@@ -96,7 +98,7 @@ KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {
         [rope_kernel(n, dt) for n in (False, True) for dt in ("f32", "f16")]
         + [rope_set_rows_kernel(n, c, i) for n in (False, True) for c in fusion.CACHE_TYPES for i in ("i32", "i64")]),
     DECODE_CU: tuple(
-        [decode_kernel(d, kv, c) for d, kv in support.kv_variants() for c in DECODE_NCOLS] + [COMBINE]),
+        [decode_kernel(d, kv) for d, kv in support.kv_variants()] + [COMBINE]),
     PREFILL_CU: tuple([prefill_kernel(d, kv) for d, kv in support.kv_variants()] + [MASK_FLAGS]),
 }
 
@@ -221,27 +223,15 @@ def rope_set_rows_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[KernelSpec]:
 
 # -- flash_attn_ext --------------------------------------------------------------------------------
 
-PREFILL_BM = 64
-DECODE_WARPS = 4
+#: shared memory of one SM (H100/H200: 228 KiB, 227 KiB of it for one block)
+SMEM_PER_SM = 228 * 1024
+#: decode: columns (query row, head) a block, the M rows of its mma
+DECODE_COLS = 16
 
 
-def prefill_tile_n(d: int) -> int:
-    return 32 if d > 128 else 64
-
-
-def prefill_smem(d: int) -> int:
-    """Dynamic shared memory of fattn_prefill<d, ...>: K/V stages (and Q for d > 128), 16-bit values."""
-    bn, row = prefill_tile_n(d), d + 8
-    stages = 1 if d > 128 else 2
-    return 2 * (stages * 2 * bn * row + (PREFILL_BM * row if d > 128 else 0))
-
-
-def decode_geometry(d: int, ncols: int) -> tuple[int, int]:
-    """(keys a block handles per step, blocks an SM holds) of fattn_decode<d, ., ncols>."""
-    ch = d // 8
-    gl = 8 if ch <= 8 else 16 if ch <= 16 else 32
-    u = 2 if ncols >= 8 else 4
-    return DECODE_WARPS * (32 // gl) * u, 2 if ncols >= 8 else 3
+def decode_blocks_per_sm(d: int) -> int:
+    """fattn_decode blocks one SM holds: shared memory bound (1 KiB reserved a block), 2 by launch bounds at least."""
+    return max(1, min(4, SMEM_PER_SM // (decode_smem(d) + 1024)))
 
 
 @attrs.frozen
@@ -295,15 +285,14 @@ def flash_plan(node: Tensor, sm_count: int = 132) -> FlashPlan:
     kv = k.dtype.name
     if tq <= support.DECODE_MAX_TQ:
         group = hq // hkv
-        cols = group * tq
-        ncols = 1 if cols == 1 else 4 if cols <= 4 else 8
-        ncg = -(-cols // ncols)
-        step, per_sm = decode_geometry(d, ncols)
+        ncg = -(-(group * tq) // DECODE_COLS)
         base = b * hkv * ncg
-        # one wave: as many splits as fill the SMs' resident blocks, no ragged second wave
-        nsplit = max(1, min(sm_count * per_sm // base, -(-tk // step)))
-        chunk = -(-(-(-tk // nsplit)) // step) * step
-        nsplit = -(-tk // chunk)
+        tiles = max(1, -(-tk // DECODE_BN))
+        # one wave: as many splits as fill the SMs' resident blocks (memory bound: every
+        # SM streaming), no ragged second wave
+        nsplit = max(1, min(sm_count * decode_blocks_per_sm(d) // base, tiles))
+        chunk = -(-tiles // nsplit) * DECODE_BN
+        nsplit = max(1, -(-tk // chunk))
         rows = b * tq * hq
         ws = (Workspace(nsplit * rows * d * 4, "flash_attn_ext partial sums"),
               Workspace(nsplit * rows * 8, "flash_attn_ext partial max/sum"))
@@ -315,13 +304,13 @@ def flash_plan(node: Tensor, sm_count: int = 132) -> FlashPlan:
                     i32(chunk), i32(_kv_vec(k, v, ptr)))
             combine = (u64(wsp[0]), u64(wsp[1]), u64(ptr(sinks) if sinks is not None else 0), u64(ptr(node)),
                        i32(d), i32(rows), i32(nsplit), i32(hq))
-            return [KernelSpec(DECODE_CU, decode_kernel(d, kv, ncols), (nsplit, hkv * ncg, b), DECODE_WARPS * 32, args),
-                    KernelSpec(DECODE_CU, COMBINE, (rows,), min(256, -(-d // 32) * 32), combine)]
+            return [KernelSpec(DECODE_CU, decode_kernel(d, kv), (nsplit, hkv * ncg, b), 128, args, decode_smem(d)),
+                    KernelSpec(DECODE_CU, COMBINE, (rows,), 128, combine)]
 
         return FlashPlan("decode", ws, make_decode, nsplit, chunk)
 
-    bn = prefill_tile_n(d)
-    n_qt = -(-tq // PREFILL_BM)
+    bm, bn = prefill_tile_m(d), prefill_tile_n(d)
+    n_qt = -(-tq // bm)
     n_kt = -(-tk // bn)
     ws: tuple[Workspace, ...] = ()
     if mask is not None:
@@ -338,7 +327,7 @@ def flash_plan(node: Tensor, sm_count: int = 132) -> FlashPlan:
         if mask is None:
             return [main]
         (m3, m2, _, _), (ms_b, ms_h, ms_t, _) = _byte_strides(mask)
-        fargs = (u64(ptr(mask)), u64(flags), i32(tq), i32(tk), i32(PREFILL_BM), i32(bn), i32(m2),
+        fargs = (u64(ptr(mask)), u64(flags), i32(tq), i32(tk), i32(bm), i32(bn), i32(m2),
                  i64(ms_t), i64(ms_h), i64(ms_b))
         return [KernelSpec(PREFILL_CU, MASK_FLAGS, (n_kt, n_qt, m3 * m2), 128, fargs), main]
 

@@ -28,6 +28,31 @@ KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 DECODE_MAX_TQ = 8
 
 
+def prefill_tile_m(d: int) -> int:
+    """Query rows a prefill block takes: 32 a warp (two m16 tiles) where registers allow."""
+    return 64 if d > 128 else 128
+
+
+def prefill_tile_n(d: int) -> int:
+    """Keys a prefill K/V tile holds."""
+    return 32 if d > 128 else 64
+
+
+def prefill_smem(d: int) -> int:
+    """Dynamic shared memory of fattn_prefill<d, ...>: Q and two K/V stages, 16-bit values, rows padded by 8."""
+    return 2 * (d + 8) * (prefill_tile_m(d) + 2 * 2 * prefill_tile_n(d))
+
+
+#: decode: keys a K/V tile (16 a warp)
+DECODE_BN = 64
+
+
+def decode_smem(d: int) -> int:
+    """Dynamic shared memory of fattn_decode<d, ...>: its K/V stages (3, or 2 for d > 128), rows padded by 8."""
+    stages = 2 if d > 128 else 3
+    return stages * 2 * DECODE_BN * (d + 8) * 2
+
+
 def kv_variants() -> list[tuple[int, str]]:
     """(head size, K/V dtype) pairs with kernels: block formats need whole 32-value blocks."""
     return [(d, kv) for d in HEAD_SIZES for kv in KV_TYPES if d % 32 == 0 or kv in ("f32", "f16", "bf16")]
@@ -134,6 +159,11 @@ def flash_attn_ext(device: Device, node: Tensor) -> bool | str:
     ok = first_failure(node, FLASH_ATTN_EXT)
     if ok is not True:
         return ok
-    if not _decode(node) and tuple(device.props.get("cc", (0, 0))) < (8, 0):
-        return "the prefill kernel needs compute capability 8.0 (mma.sync, cp.async)"
+    if tuple(device.props.get("cc", (0, 0))) < (8, 0):
+        return "the flash_attn_ext kernels need compute capability 8.0 (mma.sync m16n8k16, cp.async)"
+    d = node.srcs[1].shape[-1]
+    need = decode_smem(d) if _decode(node) else prefill_smem(d)
+    have = device.props.get("smem_per_block_optin", device.props.get("smem_per_block", 48 * 1024))
+    if need > have:
+        return f"the kernel for head size {d} needs {need} bytes of shared memory a block, {device.name} has {have}"
     return True

@@ -1,7 +1,8 @@
 // Helpers of the cuda_attention kernels: block reductions, ALiBi slopes, row
 // loaders for every K/V type (f32, f16, bf16, q8_0, q4_0) and the sm_80+
-// instructions the prefill kernel uses (ldmatrix, mma.sync, cp.async), written
-// in PTX so that no system header is needed (NVRTC and nvcc alike).
+// instructions both flash kernels use (ldmatrix, mma.sync, cp.async), written
+// in PTX so that no system header is needed (NVRTC and nvcc alike), and the
+// K/V tile loader they share.
 #pragma once
 
 #include "common.cuh"
@@ -19,6 +20,15 @@ constexpr float NEG_BIG = -1e30f;
 // Type tags of the block formats (32 values a block, f16 scale first).
 struct q8_0 {};
 struct q4_0 {};
+
+template <class A, class B>
+struct same_type {
+    static constexpr bool value = false;
+};
+template <class A>
+struct same_type<A, A> {
+    static constexpr bool value = true;
+};
 
 // -- reductions ---------------------------------------------------------------------
 
@@ -199,7 +209,7 @@ struct Row8<q4_0> {
     }
 };
 
-// -- sm_80+ instructions (prefill) -------------------------------------------------------
+// -- sm_80+ instructions -------------------------------------------------------------------
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     unsigned r;
@@ -262,6 +272,70 @@ __device__ __forceinline__ void cp_async_wait() {
 
 __device__ __forceinline__ void st_shared16(unsigned saddr, unsigned a, unsigned b, unsigned c, unsigned d) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(saddr), "r"(a), "r"(b), "r"(c), "r"(d));
+}
+
+// One tile of ROWS keys x D values into shared memory as 16-bit values (bf16 when
+// K/V are bf16, else f16), row stride D + 8 units (conflict-free ldmatrix); keys
+// past `end` are zeros (so P * V never meets garbage). f16/bf16 rows 16-byte aligned
+// (`vec`) go through cp.async, other types are converted through registers.
+// A thread copies 16-byte chunks c = tid + i * THREADS; where THREADS is a multiple
+// of the chunks in a row, its column is fixed and its rows step evenly, which keeps
+// the addresses in few registers.
+template <int D, int ROWS, int THREADS, typename KT>
+__device__ __forceinline__ void load_tile(unsigned short* dst, const char* base, long long rs, int kb, int end, bool vec,
+                                          int tid) {
+    constexpr bool BF = same_type<KT, bf16>::value;
+    constexpr bool NATIVE = same_type<KT, f16>::value || BF;
+    constexpr int CPR = D / 8;
+    constexpr int TOTAL = ROWS * CPR;
+    constexpr bool EVEN = THREADS % CPR == 0;
+    static_assert(TOTAL % THREADS == 0, "tile chunks must divide among the threads");
+    const char* src0 = base + (kb + tid / CPR) * rs;
+#pragma unroll
+    for (int it = 0; it < TOTAL / THREADS; ++it) {
+        const int c = tid + it * THREADS;
+        const int row = EVEN ? tid / CPR + it * (THREADS / CPR) : c / CPR;
+        const int col = EVEN ? tid % CPR : c % CPR;
+        const unsigned sa = smem_addr(dst + row * (D + 8) + col * 8);
+        if (kb + row >= end) {
+            st_shared16(sa, 0u, 0u, 0u, 0u);
+            continue;
+        }
+        const char* src = EVEN ? src0 + it * (THREADS / CPR) * rs : base + (kb + row) * rs;
+        if constexpr (NATIVE) {
+            if (vec) {
+                cp_async16(sa, src + col * 16);
+            } else {
+                typename Row8Half<BF>::Raw r;
+                Row8Half<BF>::fetch(src, col * 8, false, r);
+                st_shared16(sa, r.w[0], r.w[1], r.w[2], r.w[3]);
+            }
+        } else {
+            float f[8];
+            Row8<KT>::load(src, col * 8, vec, f);
+            st_shared16(sa, pack2<BF>(f[0], f[1]), pack2<BF>(f[2], f[3]), pack2<BF>(f[4], f[5]),
+                        pack2<BF>(f[6], f[7]));
+        }
+    }
+}
+
+// 8 values e0 .. e0+7 of a query row (f32, or f16 if q_f16) into shared memory as
+// 16-bit values; a null row stores zeros.
+template <bool BF>
+__device__ __forceinline__ void store_q8(unsigned short* dst, const char* row, int e0, int q_f16) {
+    float f[8];
+    if (row == nullptr) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            f[i] = 0.0f;
+        }
+    } else if (q_f16) {
+        Row8<f16>::load(row, e0, false, f);
+    } else {
+        Row8<float>::load(row, e0, false, f);
+    }
+    st_shared16(smem_addr(dst), pack2<BF>(f[0], f[1]), pack2<BF>(f[2], f[3]), pack2<BF>(f[4], f[5]),
+                pack2<BF>(f[6], f[7]));
 }
 
 }  // namespace od_attn

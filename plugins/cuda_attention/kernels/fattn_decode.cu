@@ -1,22 +1,25 @@
-// flash_attn_ext for few query rows against a long KV (decode): split-K.
+// flash_attn_ext for few query rows against a long KV (decode): split-K on tensor cores.
 //
-// Grid (nsplit, Hkv * ncg, B), 128 threads. A block takes one KV head, one slice
-// of `chunk` keys and NCOLS query columns: a column is one (query row t, query
-// head h) of the heads sharing that KV head (GQA), so every K/V byte the block
-// reads serves all of them. Lanes work in groups of GL (D/8 rounded up to a power
-// of two): a group holds one key, each lane 8 of its D values (16-byte loads for
-// f16/bf16, dequantized in registers for q8_0/q4_0). Each group keeps a running
-// max / sum / accumulator per column in f32 (log2 units); groups merge through
-// shuffles, warps through shared memory, and the block writes its partial
-// (max, sum, acc[D]) per column to the workspace. fattn_combine merges the
-// splits, adds the sink and writes out (B, Tq, Hq, D) f32.
+// Grid (nsplit, Hkv * ncg, B), 128 threads (4 warps). A block takes one KV head,
+// one slice of `chunk` keys (a multiple of 64) and 16 query columns: a column is
+// one (query row t, query head h) of the heads sharing that KV head (GQA), so each
+// K/V byte is read once for all of them. The 16 columns are the M rows of
+// mma.sync m16n8k16 (columns past group * Tq are zeros, never written): S = Q K^T
+// and O += P V run on tensor cores with f32 accumulators, which leaves the SM
+// free to keep the memory system busy. K/V tiles of 64 keys stream through
+// STAGES shared-memory stages (cp.async for f16/bf16, so several tiles per block
+// are in flight); each warp takes 16 keys of a tile and keeps its own online
+// softmax (f32, log2 units). At the end the warps merge through shared memory
+// and the block writes its partial (max, sum, acc[D]) per column to the
+// workspace; fattn_combine merges the splits, adds the sink and writes out
+// (B, Tq, Hq, D) f32.
 //
 // Strides are in bytes: q (t, h, b), k and v (t, h, b), mask (t, h, b) with
 // mask heads / batches broadcast by modulo (m2, m3).
 #include "attn_common.cuh"
 
-template <int D, typename KT, int NCOLS>
-__global__ void __launch_bounds__(128, NCOLS >= 8 ? 2 : 3) fattn_decode(
+template <int D, typename KT>
+__global__ void __launch_bounds__(128, 2) fattn_decode(
     const char* __restrict__ q, const char* __restrict__ k, const char* __restrict__ v,
     const char* __restrict__ mask, float* __restrict__ ws_acc, float2* __restrict__ ws_ml,
     int q_f16, int tq, int hq, int tk, int group, int ncg,
@@ -27,220 +30,226 @@ __global__ void __launch_bounds__(128, NCOLS >= 8 ? 2 : 3) fattn_decode(
     float scale, float softcap, int use_alibi, float m0, float m1, int n_head_log2,
     int chunk, int kv_vec) {
     using namespace od_attn;
-    constexpr int NW = 4;
-    constexpr int CH = D / 8;                                   // 8-value chunks per row
-    constexpr int GL = CH <= 8 ? 8 : (CH <= 16 ? 16 : 32);      // lanes per key
-    constexpr int KPW = 32 / GL;                                // keys per warp and step
-    constexpr int U = NCOLS >= 8 ? 2 : 4;                       // keys per group and step
-    constexpr int STEP = NW * KPW * U;
+    constexpr bool BF = same_type<KT, bf16>::value;
+    constexpr int BN = 64;                    // keys a tile, 16 a warp
+    constexpr int STAGES = D > 128 ? 2 : 3;   // tiles in flight (shared memory: STAGES * 2 * BN * SR * 2 bytes)
+    constexpr int SR = D + 8;                 // shared row stride in 16-bit units (conflict-free ldmatrix)
+    constexpr int KSTEPS = D / 16;
+    constexpr int DT = D / 8;
+    constexpr int OR = D + 4;                 // row stride of the f32 merge buffer
     const float NEG_INF = -__int_as_float(0x7f800000);
 
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int gl = lane % GL;
-    const int grp = lane / GL;
-    const bool active = gl < CH;
+    extern __shared__ __align__(16) unsigned short smem[];
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2;
+    const int tq4 = lane & 3;
     const int split = blockIdx.x;
     const int kvh = blockIdx.y / ncg;
     const int cg = blockIdx.y % ncg;
     const int b = blockIdx.z;
-    const int ncols_total = group * tq;
-    const bool has_mask = mask != nullptr;
-
-    float qv[NCOLS][8];
-    float slope[NCOLS];
-    const unsigned short* mrow[NCOLS];
-#pragma unroll
-    for (int c = 0; c < NCOLS; ++c) {
-        const int cc = cg * NCOLS + c;
-        const bool valid = cc < ncols_total;
-        const int h = kvh * group + (valid ? cc % group : 0);
-        const int t = valid ? cc / group : 0;
-        if (valid && active) {
-            const char* qr = q + b * qs_b + h * qs_h + t * qs_t;
-            if (q_f16) {
-                Row8<f16>::load(qr, gl * 8, false, qv[c]);
-            } else {
-                Row8<float>::load(qr, gl * 8, false, qv[c]);
-            }
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                qv[c][i] *= scale;
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                qv[c][i] = 0.0f;
-            }
-        }
-        slope[c] = alibi_slope(use_alibi, h, n_head_log2, m0, m1);
-        mrow[c] = has_mask ? reinterpret_cast<const unsigned short*>(mask + (b % m3) * ms_b + (h % m2) * ms_h + t * ms_t)
-                           : nullptr;
-    }
-
-    float m[NCOLS], l[NCOLS], acc[NCOLS][8];
-#pragma unroll
-    for (int c = 0; c < NCOLS; ++c) {
-        m[c] = NEG_BIG;
-        l[c] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            acc[c][i] = 0.0f;
-        }
-    }
-
+    const int ncols = group * tq;
     const int k_begin = split * chunk;
     const int k_end = min(tk, k_begin + chunk);
+    const int n_tiles = (k_end - k_begin + BN - 1) / BN;
     const char* kbase = k + b * ks_b + kvh * ks_h;
     const char* vbase = v + b * vs_b + kvh * vs_h;
     const bool vec = kv_vec != 0;
 
-    for (int kb = k_begin; kb < k_end; kb += STEP) {
-        typename Row8<KT>::Raw kr[U], vr[U];
-        int key[U];
+    auto stage_k = [&](int st) { return smem + st * 2 * BN * SR; };
+    auto stage_v = [&](int st) { return smem + (st * 2 + 1) * BN * SR; };
+    auto load_kv = [&](int i) {  // tile i of the slice; keys past k_end are zeros
+        const int st = i % STAGES;
+        load_tile<D, BN, 128, KT>(stage_k(st), kbase, ks_t, k_begin + i * BN, k_end, vec, tid);
+        load_tile<D, BN, 128, KT>(stage_v(st), vbase, vs_t, k_begin + i * BN, k_end, vec, tid);
+    };
+    // start the K/V stream first; the Q fragments are built while it flies
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            key[u] = kb + (u * NW + warp) * KPW + grp;
-            if (active && key[u] < k_end) {
-                Row8<KT>::fetch(kbase + key[u] * ks_t, gl * 8, vec, kr[u]);
-                Row8<KT>::fetch(vbase + key[u] * vs_t, gl * 8, vec, vr[u]);
-            } else {
-                kr[u] = {};
-                vr[u] = {};
-            }
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (i < n_tiles) {
+            load_kv(i);
         }
-        float s[U][NCOLS];
+        cp_async_commit();
+    }
+
+    // This lane's fragment rows g and g + 8 are columns cg*16 + g (+ 8): their mask
+    // row, ALiBi slope and the Q A-fragments, read straight from global memory.
+    const unsigned short* mrow[2];
+    float slope2[2];
+    unsigned qa[KSTEPS][4];
+    {
+        const char* qrow[2];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            float kf[8];
-            Row8<KT>::decode(kr[u], gl * 8, kf);
-#pragma unroll
-            for (int c = 0; c < NCOLS; ++c) {
-                float dot = 0.0f;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    dot = fmaf(qv[c][i], kf[i], dot);
-                }
-#pragma unroll
-                for (int off = GL / 2; off > 0; off >>= 1) {
-                    dot += __shfl_xor_sync(od::FULL_MASK, dot, off, 32);
-                }
-                s[u][c] = dot;
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const bool in = key[u] < k_end;
-#pragma unroll
-            for (int c = 0; c < NCOLS; ++c) {
-                float x = s[u][c];
-                if (softcap != 0.0f) {
-                    x = softcap * tanhf(x / softcap);
-                }
-                if (has_mask && in) {
-                    const float mv = slope[c] * od::f16_to_f32(mrow[c][key[u]]);
-                    x = is_neg_inf(mv) ? NEG_INF : x + mv;
-                }
-                s[u][c] = in ? x * LOG2E : NEG_INF;
-            }
+        for (int r = 0; r < 2; ++r) {
+            const int cc = cg * 16 + g + 8 * r;
+            const bool valid = cc < ncols;
+            const int h = kvh * group + (valid ? cc % group : 0);
+            const int t = valid ? cc / group : 0;
+            qrow[r] = valid ? q + b * qs_b + h * qs_h + t * qs_t : nullptr;
+            slope2[r] = alibi_slope(use_alibi, h, n_head_log2, m0, m1) * LOG2E;
+            mrow[r] = mask != nullptr && valid
+                          ? reinterpret_cast<const unsigned short*>(mask + (b % m3) * ms_b + (h % m2) * ms_h + t * ms_t)
+                          : nullptr;
         }
 #pragma unroll
-        for (int c = 0; c < NCOLS; ++c) {
-            float mx = s[0][c];
+        for (int kk = 0; kk < KSTEPS; ++kk) {
 #pragma unroll
-            for (int u = 1; u < U; ++u) {
-                mx = fmaxf(mx, s[u][c]);
+            for (int i = 0; i < 4; ++i) {  // a0: (g, 2t), a1: (g+8, 2t), a2: (g, 2t+8), a3: (g+8, 2t+8)
+                const char* qr = qrow[i & 1];
+                const int e = kk * 16 + (i >> 1) * 8 + 2 * tq4;
+                float x0 = 0.0f, x1 = 0.0f;
+                if (qr != nullptr) {
+                    if (q_f16) {
+                        x0 = od::f16_to_f32(reinterpret_cast<const unsigned short*>(qr)[e]);
+                        x1 = od::f16_to_f32(reinterpret_cast<const unsigned short*>(qr)[e + 1]);
+                    } else {
+                        x0 = reinterpret_cast<const float*>(qr)[e];
+                        x1 = reinterpret_cast<const float*>(qr)[e + 1];
+                    }
+                }
+                qa[kk][i] = pack2<BF>(x0, x1);
             }
-            const float mn = fmaxf(m[c], mx);
-            const float alpha = exp2f(m[c] - mn);
-            m[c] = mn;
-            l[c] *= alpha;
+        }
+    }
+    // logit in log2 units: softcap ? cap*tanh(s*scale/cap) : s*scale, times log2(e)
+    const float mul2 = softcap != 0.0f ? softcap * LOG2E : scale * LOG2E;
+    const float in_scale = softcap != 0.0f ? scale / softcap : 1.0f;
+
+    float o[DT][4];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                acc[c][i] *= alpha;
+    for (int dt = 0; dt < DT; ++dt) {
+        o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+    }
+    float mrun[2] = {NEG_BIG, NEG_BIG};
+    float lrun[2] = {0.0f, 0.0f};
+
+    for (int i = 0; i < n_tiles; ++i) {
+        cp_async_wait<STAGES - 2>();  // tile i has landed (this thread's copies) ...
+        __syncthreads();              // ... everyone's, and everyone is done with tile i - 1
+        if (i + STAGES - 1 < n_tiles) {
+            load_kv(i + STAGES - 1);  // into the stage tile i - 1 used
+        }
+        cp_async_commit();
+
+        const unsigned short* Ks = stage_k(i % STAGES) + warp * 16 * SR;
+        const unsigned short* Vs = stage_v(i % STAGES) + warp * 16 * SR;
+        const int kw = k_begin + i * BN + warp * 16;  // this warp's first key
+
+        // S (16 columns x 16 keys) = Q K^T
+        float s[2][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+            unsigned r0, r1, r2, r3;
+            ldsm_x4(smem_addr(Ks + ((lane >> 4) * 8 + (lane & 7)) * SR + kk * 16 + ((lane >> 3) & 1) * 8), r0, r1, r2,
+                    r3);
+            mma_16816<BF>(s[0], qa[kk], r0, r1);
+            mma_16816<BF>(s[1], qa[kk], r2, r3);
+        }
+        // element (nt, e): column g + 8*(e >> 1), key kw + nt*8 + 2*tq4 + (e & 1)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = kw + nt * 8 + 2 * tq4 + (e & 1);
+                float x = s[nt][e] * in_scale;
+                x = (softcap != 0.0f ? tanhf(x) : x) * mul2;
+                if (key >= k_end) {
+                    x = NEG_INF;
+                } else if (mrow[e >> 1] != nullptr) {
+                    x = fmaf(slope2[e >> 1], od::f16_to_f32(mrow[e >> 1][key]), x);  // -inf stays -inf
+                }
+                s[nt][e] = x;
             }
+        }
+
+        // online softmax; a column's 16 keys sit in the 4 lanes of a quad
+        float mx[2] = {fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1])),
+                       fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]))};
+        float alpha[2], ls[2] = {0.0f, 0.0f};
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                s[u][c] = exp2f(s[u][c] - mn);
-                l[c] += s[u][c];
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(od::FULL_MASK, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(od::FULL_MASK, mx[r], 2));
+            const float mn = fmaxf(mrun[r], mx[r]);
+            alpha[r] = exp2f(mrun[r] - mn);
+            mrun[r] = mn;
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[nt][e] = exp2f(s[nt][e] - mrun[e >> 1]);
+                ls[e >> 1] += s[nt][e];
             }
         }
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            float vf[8];
-            Row8<KT>::decode(vr[u], gl * 8, vf);
+        for (int r = 0; r < 2; ++r) {
+            lrun[r] = lrun[r] * alpha[r] + ls[r];
+        }
 #pragma unroll
-            for (int c = 0; c < NCOLS; ++c) {
+        for (int dt = 0; dt < DT; ++dt) {
+            o[dt][0] *= alpha[0];
+            o[dt][1] *= alpha[0];
+            o[dt][2] *= alpha[1];
+            o[dt][3] *= alpha[1];
+        }
+
+        // O += P V: the S accumulators are the A fragment of P (16 columns x 16 keys)
+        const unsigned pa[4] = {pack2<BF>(s[0][0], s[0][1]), pack2<BF>(s[0][2], s[0][3]), pack2<BF>(s[1][0], s[1][1]),
+                                pack2<BF>(s[1][2], s[1][3])};
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    acc[c][i] = fmaf(s[u][c], vf[i], acc[c][i]);
-                }
-            }
+        for (int dp = 0; dp < D / 16; ++dp) {
+            unsigned r0, r1, r2, r3;
+            ldsm_x4_trans(smem_addr(Vs + (lane & 15) * SR + dp * 16 + (lane >> 4) * 8), r0, r1, r2, r3);
+            mma_16816<BF>(o[2 * dp], pa, r0, r1);
+            mma_16816<BF>(o[2 * dp + 1], pa, r2, r3);
         }
     }
 
-    // Merge the key groups of a warp (lanes l and l ^ off hold the same D values).
+    // Merge the 4 warps through shared memory (the K/V stages are free now).
+    cp_async_wait<0>();
+    __syncthreads();
+    float* s_o = reinterpret_cast<float*>(smem);  // [warp][column][OR]
+    float* s_ml = s_o + 4 * 16 * OR;              // [warp][column] (max, sum)
 #pragma unroll
-    for (int off = GL; off < 32; off <<= 1) {
+    for (int r = 0; r < 2; ++r) {
+        lrun[r] += __shfl_xor_sync(od::FULL_MASK, lrun[r], 1);
+        lrun[r] += __shfl_xor_sync(od::FULL_MASK, lrun[r], 2);
+        float* row = s_o + (warp * 16 + g + 8 * r) * OR + 2 * tq4;
 #pragma unroll
-        for (int c = 0; c < NCOLS; ++c) {
-            const float mo = __shfl_xor_sync(od::FULL_MASK, m[c], off, 32);
-            const float lo = __shfl_xor_sync(od::FULL_MASK, l[c], off, 32);
-            const float mn = fmaxf(m[c], mo);
-            const float a = exp2f(m[c] - mn);
-            const float bb = exp2f(mo - mn);
-            l[c] = l[c] * a + lo * bb;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const float ao = __shfl_xor_sync(od::FULL_MASK, acc[c][i], off, 32);
-                acc[c][i] = acc[c][i] * a + ao * bb;
-            }
-            m[c] = mn;
+        for (int dt = 0; dt < DT; ++dt) {
+            *reinterpret_cast<float2*>(row + dt * 8) = make_float2(o[dt][2 * r], o[dt][2 * r + 1]);
         }
-    }
-
-    __shared__ float s_ml[NW][NCOLS][2];
-    __shared__ float s_acc[NW][NCOLS][D];
-    if (lane < GL && active) {
-#pragma unroll
-        for (int c = 0; c < NCOLS; ++c) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                s_acc[warp][c][gl * 8 + i] = acc[c][i];
-            }
-        }
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int c = 0; c < NCOLS; ++c) {
-            s_ml[warp][c][0] = m[c];
-            s_ml[warp][c][1] = l[c];
+        if (tq4 == 0) {
+            s_ml[(warp * 16 + g + 8 * r) * 2] = mrun[r];
+            s_ml[(warp * 16 + g + 8 * r) * 2 + 1] = lrun[r];
         }
     }
     __syncthreads();
 
     const long long rows = static_cast<long long>(gridDim.z) * tq * hq;
-    for (int e = threadIdx.x; e < NCOLS * D; e += NW * 32) {
+    for (int e = tid; e < 16 * D; e += 128) {
         const int c = e / D;
         const int d = e % D;
-        const int cc = cg * NCOLS + c;
-        if (cc >= ncols_total) {
-            continue;
+        const int cc = cg * 16 + c;
+        if (cc >= ncols) {
+            break;  // e only grows past the valid columns
         }
         const int h = kvh * group + cc % group;
         const int t = cc / group;
         const long long r = (static_cast<long long>(b) * tq + t) * hq + h;
-        float mx = s_ml[0][c][0];
+        float mx = s_ml[c * 2];
 #pragma unroll
-        for (int w = 1; w < NW; ++w) {
-            mx = fmaxf(mx, s_ml[w][c][0]);
+        for (int w = 1; w < 4; ++w) {
+            mx = fmaxf(mx, s_ml[(w * 16 + c) * 2]);
         }
         float sum = 0.0f, a = 0.0f;
 #pragma unroll
-        for (int w = 0; w < NW; ++w) {
-            const float f = exp2f(s_ml[w][c][0] - mx);
-            sum += s_ml[w][c][1] * f;
-            a += s_acc[w][c][d] * f;
+        for (int w = 0; w < 4; ++w) {
+            const float f = exp2f(s_ml[(w * 16 + c) * 2] - mx);
+            sum += s_ml[(w * 16 + c) * 2 + 1] * f;
+            a += s_o[(w * 16 + c) * OR + d] * f;
         }
         ws_acc[(split * rows + r) * D + d] = a;
         if (d == 0) {
@@ -250,33 +259,65 @@ __global__ void __launch_bounds__(128, NCOLS >= 8 ? 2 : 3) fattn_decode(
 }
 
 // Merges the nsplit partials of each output row r = (b*Tq + t)*Hq + h, adds the sink
-// of head h, normalizes: out f32 (B, Tq, Hq, D) contiguous. Grid: rows; any block size.
-__global__ void fattn_combine(const float* __restrict__ ws_acc, const float2* __restrict__ ws_ml,
-                              const float* __restrict__ sinks, float* __restrict__ out, int d_head, int rows,
-                              int nsplit, int hq) {
+// of head h, normalizes: out f32 (B, Tq, Hq, D) contiguous. Grid: rows, 128 threads.
+// The threads form 128 / (D/4) groups, a float4 of the row per thread, and each group
+// takes every ngroups-th split: the loads of many splits are in flight at once.
+__global__ void __launch_bounds__(128) fattn_combine(const float* __restrict__ ws_acc, const float2* __restrict__ ws_ml,
+                                                     const float* __restrict__ sinks, float* __restrict__ out,
+                                                     int d_head, int rows, int nsplit, int hq) {
     using namespace od_attn;
     const long long r = blockIdx.x;
     float mx = NEG_BIG;
-    for (int s = 0; s < nsplit; ++s) {
+    for (int s = threadIdx.x; s < nsplit; s += 128) {
         mx = fmaxf(mx, ws_ml[s * static_cast<long long>(rows) + r].x);
     }
+    mx = block_max<128>(mx);
     float sink = 0.0f;
     if (sinks != nullptr) {
         sink = sinks[r % hq] * LOG2E;
         mx = fmaxf(mx, sink);
     }
-    for (int d = threadIdx.x; d < d_head; d += blockDim.x) {
-        float sum = 0.0f, a = 0.0f;
-        for (int s = 0; s < nsplit; ++s) {
-            const long long i = s * static_cast<long long>(rows) + r;
-            const float2 ml = ws_ml[i];
-            const float f = exp2f(ml.x - mx);
-            sum += ml.y * f;
-            a += ws_acc[i * d_head + d] * f;
+    const int dq = d_head / 4;
+    const int ngroups = 128 / dq;
+    const int grp = threadIdx.x / dq;
+    const int u = threadIdx.x % dq;
+    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float sum = 0.0f;
+    for (int s = grp; grp < ngroups && s < nsplit; s += ngroups) {
+        const long long i = s * static_cast<long long>(rows) + r;
+        const float2 ml = ws_ml[i];
+        const float f = exp2f(ml.x - mx);
+        const float4 x = reinterpret_cast<const float4*>(ws_acc + i * d_head)[u];
+        sum += ml.y * f;
+        a.x += x.x * f;
+        a.y += x.y * f;
+        a.z += x.z * f;
+        a.w += x.w * f;
+    }
+    __shared__ float4 s_a[128];
+    __shared__ float s_sum[128];
+    s_a[threadIdx.x] = a;
+    s_sum[threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.x < dq) {
+        float4 t = s_a[threadIdx.x];
+        float total = s_sum[threadIdx.x];
+        for (int gi = 1; gi < ngroups; ++gi) {
+            const float4 x = s_a[gi * dq + threadIdx.x];
+            t.x += x.x;
+            t.y += x.y;
+            t.z += x.z;
+            t.w += x.w;
+            total += s_sum[gi * dq + threadIdx.x];
         }
         if (sinks != nullptr) {
-            sum += exp2f(sink - mx);
+            total += exp2f(sink - mx);
         }
-        out[r * d_head + d] = sum > 0.0f ? a / sum : 0.0f;
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        float* y = out + r * d_head + 4 * threadIdx.x;
+        y[0] = t.x * inv;
+        y[1] = t.y * inv;
+        y[2] = t.z * inv;
+        y[3] = t.w * inv;
     }
 }
