@@ -330,8 +330,70 @@ def test_long_argsort_merges_level_by_level() -> None:
     assert specs[0].grid == (2, 256) and specs[0].smem == 4096 * 8
     assert rows.chunk_limit(DEV) == 4096
     assert rows.chunk_limit(Device("g", "cuda", props={"smem_per_block_optin": 232448})) == 16384
-    small = rows.argsort_specs(ops.argsort(od.input("s", (3, 1000))), addresses(), 4096)
-    assert len(small) == 1 and small[0].kernel == "sort_chunks<512>" and small[0].smem == 1024 * 8
+    small = rows.argsort_specs(ops.argsort(od.input("s", (3, 5000))), addresses(), 8192)
+    assert len(small) == 1 and small[0].kernel == "sort_chunks<1024>" and small[0].smem == 8192 * 8
+    warp = rows.argsort_specs(ops.argsort(od.input("w", (9, 1000))), addresses(), 4096)
+    assert len(warp) == 1 and warp[0].kernel == "sort_rows_warp<16, 2>" and (warp[0].grid, warp[0].block) == (9, 64)
+    short = rows.top_k_specs(ops.top_k(od.input("t", (5, 40)), 3), addresses(), 4096)
+    assert short[0].kernel == "sort_rows_warp<2, 1>" and (short[0].grid, short[0].block) == (2, 128)
+
+
+def _emulate_warp_sort(keys: np.ndarray, k: int, warps: int) -> np.ndarray:
+    """sort.cu's sort_rows_warp<k, warps> on the host: thread t's register j holds network position t * k + j."""
+    threads = 32 * warps
+    v = np.full((threads, k), np.inf)
+    for j in range(k):  # value t + threads * j goes to register j of thread t
+        c = np.arange(threads) + threads * j
+        ok = c < len(keys)
+        v[ok, j] = keys[c[ok]]
+    t = np.arange(threads)
+    pos = t[:, None] * k + np.arange(k)[None, :]
+
+    def shuffle(regs_from: list[int], mask: int, lower: np.ndarray) -> None:
+        assert mask < 32  # a shuffle stays in the warp
+        other = v[t ^ mask][:, regs_from]
+        v[:] = np.where(lower[:, None], np.minimum(v, other), np.maximum(v, other))
+
+    def through_smem(mask: int, top: int) -> None:
+        flat = v.reshape(-1)  # position order
+        other = flat[pos ^ mask]
+        v[:] = np.where((pos & top) == 0, np.minimum(v, other), np.maximum(v, other))
+
+    def order(j: int, p: int) -> None:
+        v[:, j], v[:, p] = np.minimum(v[:, j], v[:, p]), np.maximum(v[:, j], v[:, p])
+
+    size = 2
+    while size <= threads * k:
+        if size <= k:
+            for j in range(k):
+                if j < j ^ (size - 1):
+                    order(j, j ^ (size - 1))
+        elif size <= 32 * k:
+            shuffle(list(range(k - 1, -1, -1)), size // k - 1, (t & (size // (2 * k))) == 0)
+        else:
+            through_smem(size - 1, size // 2)
+        h = size // 4
+        while h:
+            if h < k:
+                for j in range(k):
+                    if not j & h:
+                        order(j, j | h)
+            elif h < 32 * k:
+                shuffle(list(range(k)), h // k, (t & (h // k)) == 0)
+            else:
+                through_smem(h, h)
+            h //= 2
+        size *= 2
+    return v.reshape(-1)
+
+
+@pytest.mark.parametrize(("k", "warps"), rows.WARP_SORTS)
+def test_warp_sort_network_sorts(k: int, warps: int) -> None:
+    rng = np.random.default_rng()
+    size = 32 * k * warps
+    for n in {max(1, size // 2 + 3), size, size - 1}:
+        keys = rng.permutation(4 * n)[:n].astype(float)  # unique, as sort.cu's keys (value, index) are
+        np.testing.assert_array_equal(_emulate_warp_sort(keys, k, warps)[:n], np.sort(keys))
 
 
 def _emulate_sort(specs: Sequence[rows.Spec], keys: np.ndarray) -> np.ndarray:
@@ -719,7 +781,7 @@ def test_argmax_takes_the_last_of_ties_and_count_equal(rng, seed) -> None:
 
 @gpu
 @pytest.mark.parametrize("order", ["asc", "desc"])
-@pytest.mark.parametrize("n", [1, 7, 1000, 2**16, 100003, 2**20])
+@pytest.mark.parametrize("n", [1, 7, 300, 1000, 1024, 2500, 4096, 2**16, 100003, 2**20])  # in registers up to 4096
 def test_argsort_is_the_stable_sort(n: int, order: str, rng, seed) -> None:
     r = rng
     rows_ = 2 if n >= 2**16 else 5

@@ -118,6 +118,9 @@ def _rows_instances() -> tuple[str, ...]:
 
 ROW_REDUCE_BLOCKS = (32, 128, 256, 1024)
 SORT_BLOCKS = (32, 128, 512, 1024)
+#: sort_rows_warp's (values per lane K, warps per row): one warp up to 512 values, then 16 per lane
+WARP_SORTS = ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (16, 2), (16, 4), (16, 8))
+WARP_SORT_MAX = 32 * 16 * 8
 MOE_NPL = (1, 2, 4, 8, 16, 32)
 
 
@@ -132,7 +135,8 @@ def _reduce_instances() -> tuple[str, ...]:
 
 
 def _sort_instances() -> tuple[str, ...]:
-    names = [tmpl("sort_chunks", blk) for blk in SORT_BLOCKS]
+    names = [tmpl("sort_rows_warp", *kw) for kw in WARP_SORTS]
+    names += [tmpl("sort_chunks", blk) for blk in SORT_BLOCKS]
     names += ["merge_step", tmpl("merge_chunks", 1024), tmpl("topk_select", 1024)]
     names += [tmpl("topk_moe", n) for n in MOE_NPL]
     return tuple(names)
@@ -794,6 +798,21 @@ def sort_block(chunk: int) -> int:
     return SORT_BLOCKS[-1]
 
 
+def warp_sort_spec(x: Tensor, out: Tensor, ptr: Ptr, kout: int, desc: bool) -> KernelSpec | None:
+    """sort_rows_warp for x's rows when they fit its registers; else None."""
+    n = x.shape[-1]
+    if n > WARP_SORT_MAX:
+        return None
+    rows = math.prod(x.shape[:-1]) if n else 0
+    npad = max(pow2(n), 32)
+    k, warps = (npad // 32, 1) if npad <= 512 else (16, npad // 512)
+    grid, block = (-(-rows // 4), 128) if warps == 1 else (rows, 32 * warps)  # 4 rows per block of one-warp rows
+    _, n1, n2, st = _rows_of(x)
+    return KernelSpec(SORT_CU, tmpl("sort_rows_warp", k, warps), grid, block,
+                      (u64(ptr(x)), u64(ptr(out)), np.uint32(rows), np.int32(n), np.int32(kout), np.int64(kout),
+                       np.int32(desc), np.uint32(max(n1, 1)), np.uint32(max(n2, 1)), *(np.int64(s) for s in st)))
+
+
 def _sort_rows(n: Tensor) -> int:
     return math.prod(n.srcs[0].shape[:-1])
 
@@ -819,6 +838,9 @@ def supports_argsort_on(device: Device, node: Tensor) -> bool | str:
 def argsort_specs(node: Tensor, ptr: Ptr, chunk_max: int) -> list[KernelSpec]:
     x = node.srcs[0]
     n = x.shape[-1]
+    warp = warp_sort_spec(x, node, ptr, n, node.params["order"] == "desc")
+    if warp is not None and n <= chunk_max:
+        return [warp]
     rows = _sort_rows(node) if n else 0
     desc = np.int32(node.params["order"] == "desc")
     px, po = u64(ptr(x)), u64(ptr(node))
@@ -868,6 +890,9 @@ def supports_top_k_on(device: Device, node: Tensor) -> bool | str:
 def top_k_specs(node: Tensor, ptr: Ptr, chunk_max: int) -> list[KernelSpec]:
     x = node.srcs[0]
     n, k = x.shape[-1], node.params["k"]
+    warp = warp_sort_spec(x, node, ptr, k, True)
+    if warp is not None and n <= chunk_max:
+        return [warp]
     rows = _sort_rows(node)
     px, po = u64(ptr(x)), u64(ptr(node))
     _, n1, n2, st = _rows_of(x)

@@ -5,17 +5,19 @@
 // give the order asked for, NaN last, -0 equal to +0) above its index, so
 // ties fall in index order and any correct sort gives numpy's stable order.
 //
-// argsort: rows that fit shared memory are sorted there by one block each
-// (a bitonic network in the form where every comparator puts the smaller key
+// argsort: rows of up to 4096 values are sorted in registers by one warp (up to
+// 512) or a few (sort_rows_warp), the network below in registers and shuffles.
+// Longer rows that fit shared memory are sorted there by one block each (a
+// bitonic network in the form where every comparator puts the smaller key
 // first, so positions past the row's end hold nothing and their comparators
 // are skipped: rows need no padding values). Longer rows are sorted in chunks
 // of CHUNK keys, then merged level by level: the comparators that span more
 // than a chunk run as one launch per step over global memory (indices in the
 // output, keys re-read from x), the rest of each level in shared memory.
 //
-// top_k: rows that fit are sorted whole; longer ones select the k-th key by a
-// radix select (four 8-bit passes), gather the k winners (ties at the
-// threshold by lowest index) and sort only those.
+// top_k: rows that fit are sorted whole (in registers up to 4096 values);
+// longer ones select the k-th key by a radix select (four 8-bit passes), gather
+// the k winners (ties at the threshold by lowest index) and sort only those.
 #include "common.cuh"
 #include "quant.cuh"
 
@@ -72,6 +74,20 @@ __device__ __forceinline__ void bitonic_sort(unsigned long long* keys, const int
     }
 }
 
+// sort_rows_warp's comparators: a <= b after `order`; `keep` gives the smaller of
+// v and its partner's o at the lower position of a comparator, else the larger.
+__device__ __forceinline__ void order(unsigned long long& a, unsigned long long& b) {
+    const unsigned long long x = a, y = b;
+    const bool swap = y < x;
+    a = swap ? y : x;
+    b = swap ? x : y;
+}
+
+__device__ __forceinline__ unsigned long long keep(const unsigned long long v, const unsigned long long o,
+                                                   const bool lower) {
+    return (o < v) == lower ? o : v;
+}
+
 __device__ __forceinline__ int pow2_at_least(const int n) {
     int p = 1;
     while (p < n) {
@@ -109,6 +125,119 @@ __global__ void __launch_bounds__(BLOCK) sort_chunks(const unsigned char* __rest
     int* dst = out + blockIdx.x * out_stride + start;
     for (int i = threadIdx.x; i < min(len, kout); i += BLOCK) {
         dst[i] = static_cast<int>(keys[i] & 0xffffffffu);
+    }
+}
+
+// Rows of n <= 32 * K * WARPS values sorted in registers: the network of
+// `bitonic_sort` over 32 * K * WARPS positions, position (warp * 32 + lane) * K + j
+// in register j (pads: keys above every real one). Comparators of stride below K
+// order registers; those below 32 * K pair the lane with lane ^ (stride / K)
+// through shuffles (the flip also reverses the registers); longer ones (WARPS > 1
+// only: a few steps) go through shared memory. One row per block of WARPS warps,
+// or 4 rows per block when WARPS = 1 (then no barrier at all). Values are loaded
+// coalesced (value t + 32 * WARPS * j into register j of thread t): where a value
+// starts in the network does not matter, its index travels in its key. The first
+// kout indices go to out + row * out_stride through shared memory, so the stores
+// coalesce too. K <= 16 keeps the unrolled code within the instruction cache.
+template <int K, int WARPS>
+__global__ void __launch_bounds__(WARPS == 1 ? 128 : 32 * WARPS, WARPS == 1 ? 4 : 16 / WARPS)  // 16 warps per SM
+    sort_rows_warp(const unsigned char* __restrict__ x, int* __restrict__ out, const unsigned rows, const int n,
+                   const int kout, const long long out_stride, const int desc, const unsigned n1, const unsigned n2,
+                   const long long s0, const long long s1, const long long s2, const long long s3) {
+    static_assert(K >= 1 && K <= 16 && (K & (K - 1)) == 0 && (WARPS == 1 || K == 16), "K: 1 .. 16, 16 if WARPS > 1");
+    constexpr int W = WARP_SIZE, ROWS = WARPS == 1 ? 4 : 1, RUN = W * K, LEN = RUN * WARPS;
+    // per row: LEN keys, one padding slot after each lane's K (no bank conflicts);
+    // the sorted indices are staged there too
+    __shared__ unsigned long long buf[ROWS][LEN + LEN / K];
+    const int t = ROWS == 1 ? threadIdx.x : threadIdx.x % W;  // thread of the row
+    const unsigned row = blockIdx.x * ROWS + threadIdx.x / (W * WARPS);
+    if (row >= rows) {
+        return;  // a whole row's warps: ROWS > 1 only when WARPS = 1
+    }
+    const int lane = t % W, first = t * K;  // position of register 0
+    unsigned long long* mine = buf[threadIdx.x / (W * WARPS)];
+    const unsigned char* src = row_start(x, row, n1, n2, s1, s2, s3);
+    unsigned long long v[K];
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+        const int c = t + W * WARPS * j;
+        v[j] = c < n ? sort_key(order_key(value(src, s0, c), desc), c) : ~0ull;
+    }
+    // A step whose partner is in another warp: i <-> i ^ mask, top = mask's highest bit.
+    auto through_smem = [&](const int mask, const int top) {
+#pragma unroll
+        for (int j = 0; j < K; j++) {
+            mine[(first + j) + (first + j) / K] = v[j];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < K; j++) {
+            const int p = (first + j) ^ mask;
+            v[j] = keep(v[j], mine[p + p / K], ((first + j) & top) == 0);
+        }
+        __syncthreads();
+    };
+#pragma unroll
+    for (int k = 2; k <= LEN; k <<= 1) {
+        if (k <= K) {  // the flip, i <-> i ^ (k - 1), inside the registers
+#pragma unroll
+            for (int j = 0; j < K; j++) {
+                if (j < (j ^ (k - 1))) {
+                    order(v[j], v[j ^ (k - 1)]);
+                }
+            }
+        } else if (k <= RUN) {  // partner lane ^ (k / K - 1), register K - 1 - j
+            const bool lower = (lane & (k / (2 * K))) == 0;
+#pragma unroll
+            for (int j = 0; j < (K + 1) / 2; j++) {
+                const int q = K - 1 - j;
+                const unsigned long long a = __shfl_xor_sync(FULL_MASK, v[q], k / K - 1);
+                const unsigned long long b = __shfl_xor_sync(FULL_MASK, v[j], k / K - 1);
+                v[j] = keep(v[j], a, lower);
+                if (q != j) {
+                    v[q] = keep(v[q], b, lower);
+                }
+            }
+        } else {
+            through_smem(k - 1, k / 2);
+        }
+#pragma unroll
+        for (int h = k / 4; h > 0; h >>= 1) {  // half-cleaners, i <-> i ^ h
+            if (h < K) {
+#pragma unroll
+                for (int j = 0; j < K; j++) {
+                    if ((j & h) == 0) {
+                        order(v[j], v[j | h]);
+                    }
+                }
+            } else if (h < RUN) {
+                const bool lower = (lane & (h / K)) == 0;
+#pragma unroll
+                for (int j = 0; j < K; j++) {
+                    v[j] = keep(v[j], __shfl_xor_sync(FULL_MASK, v[j], h / K), lower);
+                }
+            } else {
+                through_smem(h, h);
+            }
+        }
+    }
+    int* staged = reinterpret_cast<int*>(mine);
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+        staged[(first + j) + (first + j) / K] = static_cast<int>(v[j] & 0xffffffffu);
+    }
+    if constexpr (WARPS == 1) {
+        __syncwarp();
+    } else {
+        __syncthreads();
+    }
+    int* dst = out + row * out_stride;
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+        const int p = t + W * WARPS * j;
+        if (p < kout) {
+            dst[p] = staged[p + p / K];
+        }
     }
 }
 
