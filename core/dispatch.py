@@ -5,10 +5,16 @@ tested on a device description); its launches are bound on the first run:
 buffers allocated, weights uploaded, every kernel's arguments fixed. A run
 then only writes the inputs, calls one runner per device segment (CUDA:
 a graph replay) and reads the outputs.
+
+The inputs of a plan on a device are packed into one block there, so that
+`Plan.run` uploads them all with one asynchronous copy from one staging
+buffer (pinned on CUDA), and the outputs come back by asynchronous copies
+into another; the run waits once, at its end (see `_Feeder`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -189,6 +195,53 @@ def resident(t: Tensor, dev: Device, backend: Backend) -> Any:
     return per_device[dev.name]
 
 
+#: byte alignment of each input in a feeder's block and of each output in its staging buffer
+FEED_ALIGN = 256
+
+
+def _aligned(n: int) -> int:
+    return -(-n // FEED_ALIGN) * FEED_ALIGN
+
+
+@attrs.define(eq=False)
+class _Feeder:
+    """The transfers of `Plan.run` on one device whose backend stages (`staging`, `upload`, `download`).
+
+    The plan's inputs on the device that had no buffer yet were given one
+    block there (each input a sub-buffer of it, registered as its resident
+    buffer, so `Plan.write` and other plans see the same bytes); `host`
+    mirrors that block's layout. A run copies each input's bytes into
+    `host` and queues ONE upload of the whole block (plus one per input that
+    already had a buffer of its own) on the device's stream, before the
+    plan's launches on that stream; then one download per output into
+    `out_host`. Nothing waits until the run's single synchronize at its end.
+
+    Why this is safe: the staging buffers are overwritten only by the next
+    run of this plan, which starts after the previous run's synchronize
+    returned (a run that raises waits for the device before it re-raises),
+    so an upload never reads bytes being rewritten, and a download has
+    landed before its bytes are handed out.
+    """
+
+    backend: Any
+    #: input -> byte offset of its bytes in `host`
+    inputs: dict[Tensor, int]
+    host: Any
+    #: (device buffer, byte offset there, byte offset in host, bytes): the uploads, in order
+    uploads: list[tuple[Any, int, int, int]]
+    #: output base -> (offset in out_host, device buffer, offset there); filled at the end of binding
+    outputs: dict[Tensor, tuple[int, Any, int]] = attrs.field(factory=dict)
+    out_host: Any = None
+
+    def upload(self) -> None:
+        for buf, off, host_off, n in self.uploads:
+            self.backend.upload(buf, off, self.host, host_off, n)
+
+    def download(self) -> None:
+        for base, (host_off, buf, off) in self.outputs.items():
+            self.backend.download(self.out_host, host_off, buf, off, base.nbytes)
+
+
 @attrs.define(eq=False)
 class _Bound:
     """What binding made: buffers, and one runner per segment of the plan."""
@@ -197,6 +250,8 @@ class _Bound:
     arenas: dict[str, Any]
     persistent: dict[tuple[Tensor, str], Any]
     runners: list[Callable[[], None]]
+    #: device name -> its feeder (devices whose backends stage transfers)
+    feeders: dict[str, _Feeder] = attrs.field(factory=dict)
 
 
 @attrs.define(eq=False)
@@ -289,36 +344,87 @@ class Plan:
                 "fusions": fused, "copies": sum(s.kind == "copy" for s in self.steps), "peak": self.peak_bytes()}
 
     # -- running ---------------------------------------------------------------------
-    def run(self, feeds: Mapping[Tensor | str, Any] | None = None) -> list[np.ndarray]:
+    def run(self, feeds: Mapping[Tensor | str, Any] | None = None, *, copy: bool = True) -> list[np.ndarray]:
         """Write the inputs, run every step, return the outputs as host arrays
-        (block formats as raw uint8 rows)."""
+        (block formats as raw uint8 rows).
+
+        On a device whose backend stages transfers (CUDA, the host), the
+        inputs go up in one asynchronous copy from a staging buffer, the
+        outputs come back asynchronously, and the run waits once at its end
+        (see `_Feeder`); other inputs (states fed here, devices that do not
+        stage) are written by `write`. `copy=False` returns views of the
+        plan's output staging buffer instead of copies: no copy on the host,
+        but the next run of this plan overwrites them (a decode loop that
+        samples from the logits before the next step can use that).
+        """
         given = {self._own(k): v for k, v in (feeds or {}).items()}
         missing = [t.describe() for t in self.graph.inputs if t not in given]
         if missing:
             raise KeyError(f"no value for input {', '.join(missing)}")
+        bound = self._bind()
+        feeders = bound.feeders
         for t, value in given.items():
-            self.write(t, value)
-        self.launch()
-        return [self.read(o) for o in self.graph.outputs]
+            feeder = feeders.get(self.homes[t].name) if t.flags & Flag.INPUT else None
+            if feeder is not None and t in feeder.inputs:
+                raw = self._host_bytes(t, value)
+                off = feeder.inputs[t]
+                feeder.host[off:off + raw.size] = raw
+            else:
+                self.write(t, value)  # synchronous: done before anything below is queued
+        try:
+            for feeder in feeders.values():
+                feeder.upload()  # queued on the device's stream, ahead of the launches
+            self.launch()
+            for feeder in feeders.values():
+                feeder.download()  # queued behind the launches
+        except BaseException:
+            # The staging buffers may be in use by queued copies: wait (ignoring a second error) before
+            # the next run may rewrite them, then report the first error.
+            with contextlib.suppress(Exception):
+                self.synchronize()
+            raise
+        self.synchronize()
+        out = []
+        for o in self.graph.outputs:
+            b = o.base
+            feeder = feeders.get(self.homes[b].name)
+            if feeder is None or b not in feeder.outputs:
+                out.append(self.read(o))
+                continue
+            host_off = feeder.outputs[b][0]
+            arr = o.host_view(feeder.out_host[host_off:host_off + b.nbytes], o.view_offset)
+            out.append(np.array(arr) if copy else arr)
+        return out
 
     def write(self, t: Tensor | str, value: Any) -> None:
         """Set an input (or overwrite a state) from a host array or DLPack object
-        (block formats: float values, quantized here, or the raw rows `read` gives)."""
+        (block formats: float values, quantized here, or the raw rows `read` gives).
+        Synchronous: `value` may change once it returns."""
         t = self._own(t)
         if not t.is_leaf or not t.flags & (Flag.INPUT | Flag.STATE):
             raise KeyError(f"{t.describe()} is not an input or state of this plan")
+        host = self._host_bytes(t, value)
+        bound = self._bind()
+        dev = self.homes[t]
+        buf, off = self._where(bound, t, dev)
+        bound.backends[dev.name].write(buf, off, host)
+
+    @staticmethod
+    def _host_bytes(t: Tensor, value: Any) -> np.ndarray:
+        """`value` as the bytes `t` stores (flat uint8), its shape checked."""
         arr = to_numpy(value)
         raw_shape = t.array_layout()[0]
         if t.dtype.is_quant and arr.dtype == np.uint8 and tuple(arr.shape) == raw_shape:
             host = arr  # raw blocks, as `read` returns them
         elif tuple(arr.shape) != t.shape:
             raise ValueError(f"input {t.describe()}: got shape {tuple(arr.shape)}")
+        elif t.dtype.is_int:
+            host = arr.astype(t.dtype.numpy, copy=False)
+        elif not t.dtype.is_quant and arr.dtype == t.dtype.numpy:
+            host = arr  # already stored as t stores it: from_float would round-trip it through f32 unchanged
         else:
-            host = arr.astype(t.dtype.numpy, copy=False) if t.dtype.is_int else from_float(t.dtype, arr)
-        bound = self._bind()
-        dev = self.homes[t]
-        buf, off = self._where(bound, t, dev)
-        bound.backends[dev.name].write(buf, off, np.ascontiguousarray(host).view(np.uint8).reshape(-1))
+            host = from_float(t.dtype, arr)
+        return np.ascontiguousarray(host).view(np.uint8).reshape(-1)
 
     def launch(self) -> None:
         """Run every step on the inputs as last written; no host copies of the
@@ -381,6 +487,9 @@ class Plan:
         arenas = {name: backends[name].alloc(mem.peak, f"the arena of {name}") for name, mem in self.memory.items()}
         persistent: dict[tuple[Tensor, str], Any] = {}
         bound = _Bound(backends, arenas, persistent, [])
+        for name, backend in backends.items():
+            if all(callable(getattr(backend, m, None)) for m in ("staging", "upload", "download", "sub")):
+                bound.feeders[name] = self._make_feeder(name, backend)
         for leaf in self.graph.leafs:
             dev = self.homes[leaf]
             persistent[(leaf, dev.name)] = resident(leaf, dev, backends[dev.name])
@@ -411,7 +520,47 @@ class Plan:
             launch = s.bind(ctx, s.nodes[0]) if s.kind == "kernel" else s.bind(ctx, s.nodes)
             segment.append((f"{s.describe()} by {s.plugin}:{s.kernel}", launch))
         flush()
+        for name, feeder in bound.feeders.items():
+            self._feed_outputs(bound, name, feeder)
         return bound
+
+    def _make_feeder(self, name: str, backend: Any) -> _Feeder:
+        """The feeder of device `name`: this plan's inputs there that have no buffer yet get one block
+        (sub-buffers registered as their resident buffers), staged through one host buffer of its layout."""
+        ins = [t for t in self.graph.inputs if self.homes[t].name == name]
+        fresh = [t for t in ins if name not in _RESIDENT.get(t, {})]
+        offsets: dict[Tensor, int] = {}
+        size = 0
+        for t in fresh:
+            offsets[t] = size
+            size += _aligned(t.nbytes)
+        uploads: list[tuple[Any, int, int, int]] = []
+        if fresh:
+            block = backend.alloc(size, f"the inputs of a plan ({len(fresh)})")
+            for t in fresh:
+                sub = backend.sub(block, offsets[t], t.nbytes, t.describe())
+                if t.data is not None:
+                    backend.write(sub, 0, t.data)
+                _RESIDENT.setdefault(t, {})[name] = sub
+            uploads.append((block, 0, 0, size))  # the whole block, padding included: one copy
+        for t in ins:
+            if t not in offsets:  # an input another plan bound first: its own buffer, its own copy
+                offsets[t] = size
+                uploads.append((_RESIDENT[t][name], 0, size, t.nbytes))
+                size += _aligned(t.nbytes)
+        return _Feeder(backend, offsets, backend.staging(size), uploads)
+
+    def _feed_outputs(self, bound: _Bound, name: str, feeder: _Feeder) -> None:
+        """The outputs homed on device `name` come back through the feeder's output staging buffer."""
+        size = 0
+        for o in self.graph.outputs:
+            b = o.base
+            if self.homes[b].name != name or b in feeder.outputs:
+                continue
+            buf, off = self._where(bound, b, self.homes[b])
+            feeder.outputs[b] = (size, buf, off)
+            size += _aligned(b.nbytes)
+        feeder.out_host = feeder.backend.staging(size)
 
     def _resolver(self, bound: _Bound, dev: Device) -> Callable[[Tensor], tuple[Any, int]]:
         def where(t: Tensor) -> tuple[Any, int]:

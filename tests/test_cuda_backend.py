@@ -311,3 +311,61 @@ def test_executor_failure_names_the_launch_and_pending_names_segments(backend) -
     assert fine.runner.name in backend.pending
     backend.synchronize()
     assert not backend.pending
+
+
+@gpu
+def test_staged_upload_and_download_through_pinned_memory(backend, rng) -> None:  # noqa: ANN001
+    import cupy
+
+    host = backend.staging(8192)
+    assert cupy.cuda.runtime.pointerGetAttributes(host.ctypes.data).type == cupy.cuda.runtime.memoryTypeHost
+    block = backend.alloc(8192, "a block")
+    part = backend.sub(block, 4096, 1000, "a part of it")
+    data = rng.integers(0, 256, 8192, dtype=np.uint8)
+    host[:] = data
+    backend.upload(block, 0, host, 0, 8192)  # queued; nothing touches host before the synchronize
+    back = backend.staging(1000)
+    backend.download(back, 0, part, 0, 1000)
+    backend.synchronize()
+    assert np.array_equal(back, data[4096:5096])
+    assert np.array_equal(backend.read(block, 0, 8192), data)
+    with pytest.raises(ValueError, match="outside the 1000-byte buffer for a part of it"):
+        backend.download(back, 0, part, 1, 1000)
+
+
+@gpu
+def test_plan_run_on_a_gpu_uploads_once_replays_and_matches_write_launch_read(rng, monkeypatch) -> None:  # noqa: ANN001
+    from opdispatch import ops
+    from opdispatch.backends.cuda.backend import CudaBackend
+
+    calls: list[tuple[str, int]] = []
+    for name in ("upload", "download", "write"):
+        orig = getattr(CudaBackend, name)
+
+        def spy(self, *args, _orig=orig, _name=name):  # noqa: ANN001, ANN202
+            calls.append((_name, args[-1] if _name != "write" else args[-1].size))
+            return _orig(self, *args)
+
+        monkeypatch.setattr(CudaBackend, name, spy)
+    x, w, idx = od.input("x", (6, 256)), od.input("w", (256,)), od.input("idx", (3,), "i32")
+    y = ops.get_rows(ops.mul(ops.rms_norm(x, 1e-6), w), idx)
+    plan = od.compile(y, "cuda0")
+    runs = []
+    for _ in range(4):  # bind, capture, replays: fresh inputs each time
+        feeds = {x: rng.uniform(-1, 1, (6, 256)).astype(np.float32), w: rng.uniform(0.5, 1.5, 256).astype(np.float32),
+                 idx: rng.permutation(6)[:3].astype(np.int32)}
+        calls.clear()
+        got = plan.run(feeds)[0]
+        assert calls == [("upload", 6 * 256 * 4 + 256 * 4 + 256), ("download", 3 * 256 * 4)], calls  # x, w, idx padded
+        xs = feeds[x] / np.sqrt(np.mean(feeds[x] ** 2, axis=-1, keepdims=True) + 1e-6) * feeds[w]
+        np.testing.assert_allclose(got, xs[feeds[idx]], rtol=1e-5, atol=1e-6)
+        runs.append((feeds, got))
+    # the pieces agree with run, on the same buffers
+    for t, v in runs[0][0].items():
+        plan.write(t, v)
+    plan.launch()
+    np.testing.assert_array_equal(plan.read(y), runs[0][1])
+    view = plan.run(runs[1][0], copy=False)[0]
+    np.testing.assert_array_equal(view, runs[1][1])
+    plan.run(runs[2][0], copy=False)
+    np.testing.assert_array_equal(view, runs[2][1])  # the staging buffer, overwritten by the next run

@@ -6,17 +6,19 @@ import sys
 import textwrap
 import warnings
 
+import attrs
 import numpy as np
 import pytest
 
 import opdispatch as od
 from opdispatch import ops
+from opdispatch.backends.cpu import HostBackend
 from opdispatch.fusion import FusionRule
 from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
 from opdispatch.reference import load, store
 from opdispatch.manager import PluginError, PluginManager, PluginWarning
 from opdispatch.sched import DispatchError
-from toy import TOY, ToyPlugin, manager_with
+from toy import TOY, ToyPlugin, manager_with, toy_device
 
 
 def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -359,3 +361,88 @@ def test_plan_cache_keeps_the_most_recently_used_plans(monkeypatch: pytest.Monke
     assert len(mgr.plans) == 2
     assert od.compile(ops.neg(od.input("x", (1,))), "cpu", plugins=mgr).steps is plans[0].steps
     assert od.compile(ops.neg(od.input("x", (2,))), "cpu", plugins=mgr).steps is not plans[1].steps
+
+
+# -- Plan.run's staged transfers (dispatch._Feeder) ------------------------------------------
+
+
+class Counting(HostBackend):
+    """A host backend that counts Plan.run's staged copies and synchronizes."""
+
+    log: list = []
+
+    def upload(self, buf, offset, host, host_offset, nbytes):  # noqa: ANN001, ANN201
+        Counting.log.append(("upload", nbytes))
+        super().upload(buf, offset, host, host_offset, nbytes)
+
+    def download(self, host, host_offset, buf, offset, nbytes):  # noqa: ANN001, ANN201
+        Counting.log.append(("download", nbytes))
+        super().download(host, host_offset, buf, offset, nbytes)
+
+    def write(self, buf, offset, data):  # noqa: ANN001, ANN201
+        Counting.log.append(("write", data.size))
+        super().write(buf, offset, data)
+
+    def synchronize(self) -> None:
+        Counting.log.append(("sync", 0))
+
+
+class NoStaging(HostBackend):
+    staging = None  # not a staging backend: Plan.run writes and reads one tensor at a time
+
+
+def test_run_uploads_every_input_in_one_copy_and_waits_once() -> None:
+    rng = np.random.default_rng()
+    dev = toy_device("stage0", host_memory=True)
+    dev = attrs.evolve(dev, backend_factory=Counting)
+    mgr = manager_with(ToyPlugin(device=dev))
+    (a, b, c), y = add_mul_graph()
+    plan = od.compile(y, dev, plugins=mgr, fusion=False)
+    feeds = {a: rand(rng, 4, 6), b: rand(rng, 4, 6), c: rand(rng, 4, 6)}
+    plan.run(feeds)  # binds
+    Counting.log.clear()
+    got = plan.run(feeds)[0]
+    np.testing.assert_allclose(got, (feeds[a] + feeds[b]) * feeds[c], rtol=1e-6)
+    # one upload of the three inputs (each padded to the feeder's alignment), one download, one wait
+    assert Counting.log == [("upload", 3 * 256), ("download", 4 * 6 * 4), ("sync", 0)]
+    # write/read still work on the inputs' shared block, and the next run overwrites what write put there
+    plan.write(c, np.zeros((4, 6), np.float32))
+    plan.launch()
+    np.testing.assert_array_equal(plan.read(y), np.zeros((4, 6)))
+    np.testing.assert_array_equal(plan.read(a), feeds[a])
+    np.testing.assert_allclose(plan.run(feeds)[0], got, rtol=0)
+
+
+def test_run_without_copy_returns_views_that_the_next_run_overwrites() -> None:
+    a = od.input("a", (3,))
+    plan = od.compile(ops.neg(a), "cpu")
+    first = plan.run({a: np.ones(3)}, copy=False)[0]
+    kept = plan.run({a: np.ones(3)})[0]
+    np.testing.assert_array_equal(first, -np.ones(3))
+    plan.run({a: np.full(3, 2.0)}, copy=False)
+    np.testing.assert_array_equal(first, np.full(3, -2.0))  # the same staging bytes
+    np.testing.assert_array_equal(kept, -np.ones(3))  # a copy is the caller's
+
+
+def test_inputs_shared_between_plans_and_states_fed_through_run() -> None:
+    mgr = manager_with()  # a plan cache of its own: no equal graph's plan (with its own leafs) answers
+    a, x = od.input("a", (2, 3)), od.input("x", (2, 3))
+    s = od.state("s", (2, 3))
+    first = od.compile(ops.neg(a), "cpu", plugins=mgr)
+    first.run({a: np.ones((2, 3))})  # a gets its buffer in first's block
+    second = od.compile(ops.add(ops.add(a, x), s), "cpu", plugins=mgr)
+    out = second.run({a: np.full((2, 3), 2.0), x: np.full((2, 3), 3.0), s: np.full((2, 3), 4.0)})[0]
+    np.testing.assert_array_equal(out, np.full((2, 3), 9.0))
+    np.testing.assert_array_equal(first.read(a), np.full((2, 3), 2.0))  # one buffer for a, both plans
+    np.testing.assert_array_equal(second.read(s), np.full((2, 3), 4.0))
+
+
+def test_a_backend_without_staging_writes_and_reads_each_tensor() -> None:
+    rng = np.random.default_rng()
+    dev = attrs.evolve(toy_device("plain0", host_memory=True), backend_factory=NoStaging)
+    mgr = manager_with(ToyPlugin(device=dev))
+    (a, b, c), y = add_mul_graph()
+    plan = od.compile(y, dev, plugins=mgr, fusion=False)
+    feeds = {a: rand(rng, 4, 6), b: rand(rng, 4, 6), c: rand(rng, 4, 6)}
+    np.testing.assert_allclose(plan.run(feeds)[0], (feeds[a] + feeds[b]) * feeds[c], rtol=1e-6)
+    assert "plain0" not in plan._bind().feeders

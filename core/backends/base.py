@@ -92,6 +92,21 @@ class Backend(Protocol):
     def fill(self, buf: Buffer, byte: int) -> None:
         """Set every byte of `buf` (tests poison outputs with it)."""
 
+    # Optional: staged transfers. A backend with all four lets Plan.run upload a plan's
+    # inputs in one copy and wait once per run (dispatch._Feeder); without them, run uses
+    # write/read, one synchronous transfer each.
+    #
+    # def staging(self, nbytes: int) -> np.ndarray:
+    #     """A host uint8 buffer that upload/download may use asynchronously (CUDA: pinned)."""
+    # def sub(self, buf: Buffer, offset: int, nbytes: int, what: str) -> Buffer:
+    #     """Bytes offset..offset+nbytes of `buf` as a buffer of their own (sharing its memory)."""
+    # def upload(self, buf: Buffer, offset: int, host: np.ndarray, host_offset: int, nbytes: int) -> None:
+    #     """Queue a copy host -> buf, ordered before launches queued after it; `host` stays
+    #     unchanged until the next synchronize."""
+    # def download(self, host: np.ndarray, host_offset: int, buf: Buffer, offset: int, nbytes: int) -> None:
+    #     """Queue a copy buf -> host, ordered after launches queued before it; the bytes are
+    #     there once synchronize returns."""
+
     def bind_context(self, where: Callable[[Tensor], tuple[Buffer, int]]) -> BindContext:
         """A context that resolves tensors to (buffer, byte offset) through `where`."""
 

@@ -56,6 +56,19 @@ class HostBackend:
     def read(self, buf: HostBuffer, offset: int, nbytes: int) -> np.ndarray:
         return buf.data[offset:offset + nbytes].copy()
 
+    # Staged transfers (Plan.run's feeder): on the host they are plain copies, done at once.
+    def staging(self, nbytes: int) -> np.ndarray:
+        return np.zeros(max(int(nbytes), 1), np.uint8)
+
+    def sub(self, buf: HostBuffer, offset: int, nbytes: int, what: str) -> HostBuffer:
+        return HostBuffer(buf.data[offset:offset + nbytes], what)
+
+    def upload(self, buf: HostBuffer, offset: int, host: np.ndarray, host_offset: int, nbytes: int) -> None:
+        buf.data[offset:offset + nbytes] = host[host_offset:host_offset + nbytes]
+
+    def download(self, host: np.ndarray, host_offset: int, buf: HostBuffer, offset: int, nbytes: int) -> None:
+        host[host_offset:host_offset + nbytes] = buf.data[offset:offset + nbytes]
+
     def fill(self, buf: HostBuffer, byte: int) -> None:
         buf.data.fill(byte)
 

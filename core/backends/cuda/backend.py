@@ -6,7 +6,9 @@ so their work is ordered, and the caches that hang off it (NVRTC modules,
 later the cuBLAS handle). Transfers are synchronous for the caller: `write`
 returns once the bytes are on the device, `read` sees all work queued before
 it. Kernel failures are asynchronous; `synchronize` (and `read`) name the
-segments that ran since the last wait.
+segments that ran since the last wait. `upload` / `download` (with pinned
+`staging` memory) are the asynchronous transfers Plan.run uses instead: see
+the comment above them.
 """
 
 from __future__ import annotations
@@ -144,6 +146,45 @@ class CudaBackend:
                 (buf.mem + offset).copy_to_host_async(ctypes.c_void_p(out.ctypes.data), nbytes, self.stream)
             self.synchronize()
         return out
+
+    # -- staged transfers (Plan.run's feeder, dispatch._Feeder) -------------------------
+    # A decode step's host work must stay far below a millisecond: one H2D copy of all inputs
+    # from pinned memory, the graph replay and the D2H copies of the outputs are all queued on
+    # our one stream (so they run in that order on the GPU), and the caller waits once. Pinned
+    # host memory makes the copies truly asynchronous (from pageable memory CUDA stages them
+    # through a driver buffer and blocks); the caller keeps `host` unchanged until it synchronizes.
+    def staging(self, nbytes: int) -> np.ndarray:
+        """Pinned (page-locked) host memory as a uint8 array, from CuPy's pinned pool."""
+        import cupyx
+
+        with self.cuda_device:
+            return cupyx.empty_pinned((max(int(nbytes), 1),), np.uint8)
+
+    def sub(self, buf: CudaBuffer, offset: int, nbytes: int, what: str) -> CudaBuffer:
+        """A sub-range of `buf` (its MemoryPointer keeps the whole allocation alive)."""
+        _check_range(buf, offset, nbytes, "sub-buffer of")
+        return CudaBuffer(buf.mem + offset, int(nbytes), what)
+
+    def upload(self, buf: CudaBuffer, offset: int, host: np.ndarray, host_offset: int, nbytes: int) -> None:
+        """Queue host -> device on the stream; not waited for."""
+        _check_range(buf, offset, nbytes, "upload into")
+        if not 0 <= host_offset <= host_offset + nbytes <= host.nbytes:
+            raise ValueError(f"upload {nbytes} bytes from offset {host_offset}: outside the {host.nbytes}-byte host buffer")
+        if nbytes:
+            with self.cuda_device:
+                (buf.mem + offset).copy_from_host_async(ctypes.c_void_p(host.ctypes.data + host_offset), nbytes,
+                                                        self.stream)
+
+    def download(self, host: np.ndarray, host_offset: int, buf: CudaBuffer, offset: int, nbytes: int) -> None:
+        """Queue device -> host on the stream; the bytes are there once `synchronize` returns."""
+        _check_range(buf, offset, nbytes, "download from")
+        if not 0 <= host_offset <= host_offset + nbytes <= host.nbytes:
+            raise ValueError(f"download {nbytes} bytes to offset {host_offset}: outside the {host.nbytes}-byte host "
+                             "buffer")
+        if nbytes:
+            with self.cuda_device:
+                (buf.mem + offset).copy_to_host_async(ctypes.c_void_p(host.ctypes.data + host_offset), nbytes,
+                                                      self.stream)
 
     def fill(self, buf: CudaBuffer, byte: int) -> None:
         with self.cuda_device:
