@@ -23,8 +23,8 @@ from .backends.base import Device
 from .backends.cuda.devices import H200
 from .dispatch import Plan, resolve_device
 from .manager import PluginManager, manager
-from .models.llama import (CACHE_DTYPES, PRESETS, SAMPLING, WEIGHT_DTYPES, WINDOW_STEP, LlamaConfig, LlamaModel,
-                           Sampler, generate, random_weights)
+from .models.llama import (CACHE_DTYPES, PRESETS, SAMPLING, WEIGHT_DTYPES, WINDOW_STEP, Generator, LlamaConfig,
+                           LlamaModel, Sampler, generate, random_weights)
 from .ops import OPS
 from .tensor import Tensor
 
@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=40, help="top-k: tokens kept (default: 40)")
     p.add_argument("--top-p", type=float, default=0.9, help="top-p: probability kept (default: 0.9)")
     p.add_argument("--temperature", type=float, default=1.0, help="top-k/top-p: logits are divided by it (default: 1)")
+    p.add_argument("--batch", type=int, default=1, metavar="B",
+                   help="generate B sequences at once (B random prompts): one decode graph makes a token for each "
+                        "(default: 1)")
     p.add_argument("--no-fusion", action="store_true", help="compile without fusion rules")
     p.set_defaults(handler=cmd_run)
     return parser
@@ -248,8 +251,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         sampler = Sampler(args.sample, args.top_k, args.top_p, args.temperature, args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if args.tokens < 1 or args.prompt_len < 1:
-        raise UsageError(f"--prompt-len {args.prompt_len} and --tokens {args.tokens} must be positive")
+    if args.tokens < 1 or args.prompt_len < 1 or args.batch < 1:
+        raise UsageError(f"--prompt-len {args.prompt_len}, --tokens {args.tokens} and --batch {args.batch} must be "
+                         "positive")
     need = args.prompt_len + args.tokens
     loaded = args.gguf or args.safetensors
     if loaded and args.dtype:
@@ -271,7 +275,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.cache_dtype:
             cfg = attrs.evolve(cfg, cache_dtype=args.cache_dtype)
         print(f"model: llama {what}: {cfg.describe()}")
-        model = LlamaModel(cfg, random_weights(cfg, args.seed) if weights is None else weights)
+        model = LlamaModel(cfg, random_weights(cfg, args.seed) if weights is None else weights, max_seqs=args.batch)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     size = sum(t.nbytes for t in {id(t): t for t in model.params.values()}.values())
@@ -279,20 +283,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     source = f"random, seed {args.seed}" if weights is None else f"{len(model.params)} tensors ({_dtypes(model)})"
     print(f"weights: {source}, {_size(size)}, {'built' if weights is None else 'loaded'} in "
           f"{time.perf_counter() - t0:.2f} s; KV cache {_size(cache)}")
-    prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab, args.prompt_len).tolist()
+    prompts = np.random.default_rng(args.seed).integers(0, cfg.vocab, (args.batch, args.prompt_len)).tolist()
     print(f"sampling: {sampler.describe()}")
-    out = generate(model, prompt, args.tokens, device, fusion=False if args.no_fusion else None, sampler=sampler,
-                   progress=sys.stderr)
+    fusion = False if args.no_fusion else None
+    if args.batch == 1:
+        out = generate(model, prompts[0], args.tokens, device, fusion=fusion, sampler=sampler, progress=sys.stderr)
+        generated = [out.tokens]
+    else:
+        out = Generator(model, device, fusion=fusion, batch=args.batch).generate_batch(
+            prompts, args.tokens, sampler, progress=sys.stderr)
+        generated = list(out.tokens)
     print(f"device: {device.name} ({device.description}); fusion {'off' if args.no_fusion else 'on'}; "
           f"compile {out.compile_s:.2f} s")
     _print_plan("prefill", out.prefill_plan)
     if out.decode_plan is not None:
         _print_plan("decode", out.decode_plan)
-    print(f"prompt: {len(prompt)} tokens; generated: {' '.join(map(str, out.tokens))}")
-    print(f"prefill: {len(prompt)} tokens in {out.prefill_s * 1e3:.2f} ms = {out.prefill_tps:.1f} tokens/s")
+    for i, toks in enumerate(generated):
+        label = "" if args.batch == 1 else f"sequence {i}: "
+        print(f"{label}prompt: {args.prompt_len} tokens; generated: {' '.join(map(str, toks))}")
+    n_prompt = args.batch * args.prompt_len
+    seqs = "" if args.batch == 1 else f" ({args.batch} sequences)"
+    print(f"prefill: {n_prompt} tokens{seqs} in {out.prefill_s * 1e3:.2f} ms = {out.prefill_tps:.1f} tokens/s")
     if out.decode_steps:
-        print(f"decode: {out.decode_steps} tokens in {out.decode_s * 1e3:.2f} ms = {out.decode_tps:.1f} tokens/s "
-              f"({out.decode_s / out.decode_steps * 1e3:.3f} ms/token)")
+        made = out.decode_steps * args.batch
+        print(f"decode: {made} tokens{seqs} in {out.decode_s * 1e3:.2f} ms = {out.decode_tps:.1f} tokens/s "
+              f"({out.decode_s / out.decode_steps * 1e3:.3f} ms/{'token' if args.batch == 1 else 'step'})")
     return 0
 
 

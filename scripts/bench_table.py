@@ -1,4 +1,9 @@
-"""Print a markdown table from a pytest-benchmark JSON written by the benchmarks."""
+"""Print markdown tables from a pytest-benchmark JSON written by the benchmarks.
+
+Op benchmarks go in the first table; model benchmarks (benchmarks/test_bench_model.py, whose
+extra_info names a "preset") in a second: tokens/s, % of the HBM roofline, the transformers
+baselines and the speedup over them.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,25 @@ import json
 import sys
 
 
+def _fmt(v: object, spec: str) -> str:
+    if isinstance(v, (int, float)):
+        return format(v, spec)
+    return "n/a" if isinstance(v, str) and v.startswith("n/a") else ("" if v is None else str(v))
+
+
 def table(path: str) -> str:
     with open(path) as f:
         data = json.load(f)
     machine = data.get("machine_info", {})
-    rows = [f"machine: {machine.get('node', '?')}, {machine.get('cpu', {}).get('brand_raw', '')}",
-            "",
-            "| benchmark | us | GB/s | % copy BW | TFLOP/s | torch us | speedup vs torch |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for b in data.get("benchmarks", []):
+    benches = data.get("benchmarks", [])
+    ops = [b for b in benches if "preset" not in b.get("extra_info", {})]
+    models = [b for b in benches if "preset" in b.get("extra_info", {})]
+    rows = [f"machine: {machine.get('node', '?')}, {machine.get('cpu', {}).get('brand_raw', '')}"]
+    if ops:
+        rows += ["",
+                 "| benchmark | us | GB/s | % copy BW | TFLOP/s | torch us | speedup vs torch |",
+                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for b in ops:
         e = b.get("extra_info", {})
 
         def cell(key: str, fmt: str) -> str:
@@ -23,7 +38,27 @@ def table(path: str) -> str:
         frac = format(100 * e["copy_fraction"], ".0f") + "%" if "copy_fraction" in e else ""
         rows.append(f"| {b['name']} | {cell('us', '.1f')} | {cell('GB/s', '.0f')} | {frac} | "
                     f"{cell('TFLOP/s', '.1f')} | {cell('torch_us', '.1f')} | {cell('speedup_vs_torch', '.2f')} |")
-    copy = next((b["extra_info"].get("copy_GB/s") for b in data.get("benchmarks", []) if "copy_GB/s" in b.get("extra_info", {})), None)
+    if models:
+        rows += ["",
+                 "| preset | dtype | kind | batch | mode | tokens/s | ms/step | device ms | host ms | % roofline | "
+                 "HF eager tokens/s | torch.compile tokens/s | speedup vs HF | speedup vs compile |",
+                 "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for b in models:
+        e = b["extra_info"]
+        roof = _fmt(100 * e["roofline"], ".0f") + "%" if isinstance(e.get("roofline"), float) else ""
+        hf = _fmt(e.get("hf_eager_tokens/s"), ".1f")
+        if hf and e.get("hf_dtype") not in (None, e.get("dtype")):
+            hf += f" ({e['hf_dtype']})"
+        rows.append(
+            f"| {e['preset']} | {e['dtype']} | {e.get('kind', 'decode')} | {e['batch']} | {e['mode']} | "
+            f"{_fmt(e.get('tokens/s'), '.0f')} | {_fmt(e.get('step_ms'), '.3f')} | {_fmt(e.get('device_ms'), '.3f')} | "
+            f"{_fmt(e.get('host_ms'), '.3f')} | {roof} | {hf} | {_fmt(e.get('torch_compile_tokens/s'), '.0f')} | "
+            f"{_fmt(e.get('speedup_vs_hf'), '.1f')} | {_fmt(e.get('speedup_vs_compile'), '.2f')} |")
+    reasons = sorted({str(e[k]) for b in models for e in [b["extra_info"]]
+                      for k in ("hf_eager_tokens/s", "torch_compile_tokens/s") if str(e.get(k, "")).startswith("n/a")})
+    if reasons:
+        rows.append("\nbaselines not measured: " + "; ".join(reasons))
+    copy = next((b["extra_info"].get("copy_GB/s") for b in benches if "copy_GB/s" in b.get("extra_info", {})), None)
     if copy:
         rows.append(f"\ncopy bandwidth measured in this run: {copy:.0f} GB/s")
     return "\n".join(rows)

@@ -198,3 +198,19 @@ def test_run_gguf_generates_like_its_hf_weights(capsys, tmp_path: Path) -> None:
     assert re.search(r"^model: llama gguf .*rope normal base 10000, max_ctx 128;", out, re.M)
     prompt = np.random.default_rng(6).integers(0, cfg.vocab, 4).tolist()
     assert generated(out) == list(generate(LlamaModel(cfg, w), prompt, 6, "cpu").tokens)
+
+
+def test_run_batch_generates_each_sequence_as_alone(capsys) -> None:
+    code, out, err = run_cli(capsys, "run", "--device", "cpu", "--batch", "3", "--tokens", "4", "--prompt-len", "6")
+    assert code == 0, err
+    seqs = re.findall(r"^sequence (\d): prompt: 6 tokens; generated: ([\d ]+)$", out, re.M)
+    assert [s for s, _ in seqs] == ["0", "1", "2"]
+    assert re.search(r"^decode: 9 tokens \(3 sequences\) in [\d.]+ ms = [\d.]+ tokens/s \([\d.]+ ms/step\)", out, re.M)
+    assert "generated 12/12 tokens" in err
+    cfg = PRESETS["tiny"]
+    prompts = np.random.default_rng(0).integers(0, cfg.vocab, (3, 6)).tolist()
+    model = LlamaModel(cfg, random_weights(cfg, 0))
+    assert [[int(t) for t in toks.split()] for _, toks in seqs] == [list(generate(model, p, 4, "cpu").tokens)
+                                                                     for p in prompts]
+    code, _, err = run_cli(capsys, "run", "--device", "cpu", "--batch", "0")
+    assert code == 2 and "--batch 0 must be positive" in err

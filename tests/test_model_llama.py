@@ -165,6 +165,84 @@ def test_window_grows_in_steps_of_256() -> None:
         model.build(2, 599)
 
 
+# -- several sequences per step ----------------------------------------------------------------
+
+PROMPTS = [PROMPT, [7, 1, 250, 9, 4], [200, 3, 17, 17, 60, 2, 99, 128]]  # ragged: 11, 5 and 8 tokens
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda0", marks=pytest.mark.gpu)])
+def test_batch_decode_gives_each_sequence_the_logits_it_gets_alone(tiny, device: str) -> None:
+    cfg, w, alone_model = tiny
+    model = LlamaModel(cfg, w, max_seqs=4)
+    gen = Generator(model, device, batch=3)
+    pre = gen.forward_batch(PROMPTS)  # (3, 11, vocab): one padded prefill step
+    assert pre.shape == (3, len(PROMPT), cfg.vocab) and gen.lengths == [len(p) for p in PROMPTS]
+    seqs = [list(p) for p in PROMPTS]
+    got = [[pre[b, :len(p)]] for b, p in enumerate(PROMPTS)]
+    for _ in range(6):  # sequences at different positions, one decode graph per step
+        for b, s in enumerate(seqs):
+            s.append(int(np.argmax(got[b][-1][-1])))
+        step = gen.forward_batch([s[-1:] for s in seqs])
+        assert step.shape == (3, 1, cfg.vocab)
+        for b in range(3):
+            got[b].append(step[b])
+    assert gen.lengths == [len(s) for s in seqs]
+    plan = gen._last
+    assert plan.graph.inputs[0].shape == (3,) and gen.step(1, 14, batch=3)[1].mask.shape[:2] == (3, 1)
+    for b, s in enumerate(seqs):
+        # the same tokens, decoded alone (another model, one sequence in its cache)
+        _, ref = run_steps(alone_model, PROMPTS[b], 6, device)
+        mine = np.concatenate(got[b])
+        np.testing.assert_allclose(mine, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+    assert_close_logits(np.concatenate(got[1]), numpy_llama(cfg, w, seqs[1]))
+
+
+def test_generate_batch_makes_the_tokens_generate_makes_for_each_prompt(tiny) -> None:
+    cfg, w, alone_model = tiny
+    model = LlamaModel(cfg, w, max_seqs=3)
+    gen = Generator(model, "cpu", batch=3)
+    for sampler in (Sampler(), Sampler("top-p", top_p=0.9, temperature=1.3, seed=5)):
+        out = gen.generate_batch(PROMPTS, 7, sampler)
+        assert out.tokens == tuple(generate(alone_model, p, 7, "cpu", sampler=sampler).tokens for p in PROMPTS)
+        assert out.decode_steps == 6 and out.decode_tps > 0 and out.prefill_tps > 0
+        assert out.decode_plan.graph.inputs[0].shape == (3,)
+    same = gen.generate_batch([PROMPT] * 3, 3)  # equal prompts: the prefill's LM head reads the last rows only
+    assert same.prefill_plan.graph.outputs[0].shape == (3, cfg.vocab)
+    assert same.tokens == (generate(alone_model, PROMPT, 3, "cpu").tokens,) * 3
+    log = io.StringIO()
+    gen.generate_batch(PROMPTS, 2, progress=log)
+    assert log.getvalue().startswith("generated 6/6 tokens")
+
+
+def test_batch_steps_write_each_sequence_in_its_own_cache_region(tiny) -> None:
+    cfg, w, _ = tiny
+    model = LlamaModel(cfg, w, max_seqs=4)
+    assert model.states[0].shape == (4 * cfg.max_ctx, cfg.kv_dim)
+    _, inp = model.build(1, 40, batch=3, first_seq=1)
+    feeds = inp.feeds_batch([[5], [6], [7]], [40, 3, 17])
+    assert feeds[inp.kv_idx].tolist() == [1 * 128 + 40, 2 * 128 + 3, 3 * 128 + 17]
+    assert feeds[inp.pos].tolist() == [40, 3, 17]
+    mask = feeds[inp.mask]
+    assert mask.shape == (3, 1, 1, 128) and mask.dtype == np.float16
+    assert [int((mask[b, 0, 0] == 0).sum()) for b in range(3)] == [41, 4, 18]  # each sees its own positions
+    # the same graph at every position: one plan, one CUDA graph for the whole decode
+    assert len({Graph.build(model.build(1, n, batch=3)[0]).key() for n in (11, 12, 57)}) == 1
+    with pytest.raises(ValueError, match="max_seqs 4"):
+        model.build(1, 0, batch=3, first_seq=2)
+    with pytest.raises(ValueError, match="max_seqs of the model"):
+        Generator(LlamaModel(cfg, w), "cpu", batch=2)
+    with pytest.raises(ValueError, match="outside its window"):
+        inp.feeds_batch([[5], [6], [7]], [40, 3, 128])
+    # On an H200 (planned without one): a head size its kernels take; every node on the GPU, K/V written
+    # by the fused rope+set_rows, attention read through flash_attn_ext's batch axis.
+    big = LlamaConfig(vocab=512, hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, max_ctx=512, dtype="bf16")
+    plan = compile(LlamaModel(big, random_weights(big), max_seqs=16).build(1, 300, batch=16)[0], H200)
+    assert plan.summary()["copies"] == 0 and all(s.device is H200 for s in plan.steps if s.kind != "view")
+    fa = [s for s in plan.steps if s.kind == "kernel" and s.nodes[0].op == "flash_attn_ext"]
+    assert len(fa) == 2 and fa[0].nodes[0].srcs[1].shape == (16, 2, 512, 64)
+    assert [s.kernel for s in plan.fusions].count("rope_reshape_set_rows") == 2
+
+
 @pytest.mark.parametrize("dtype, cache", [("f16", "f16"), ("bf16", "bf16"), ("q8_0", "f16"), ("q4_0", "f32")])
 def test_stored_dtypes_stay_close_to_f32(tiny, dtype: str, cache: str) -> None:
     cfg, w, _ = tiny

@@ -44,7 +44,7 @@ from ..manager import manager
 from ..tensor import Flag, Tensor, input, param, state  # noqa: A004
 
 __all__ = ["LlamaConfig", "PRESETS", "MOE_ALIASES", "weight_shapes", "random_weights", "LlamaModel", "StepInputs",
-           "Sampler", "SAMPLING", "Progress", "Generator", "Generation", "generate", "window_for"]
+           "Sampler", "SAMPLING", "Progress", "Generator", "Generation", "BatchGeneration", "generate", "window_for"]
 
 WEIGHT_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 CACHE_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
@@ -322,24 +322,41 @@ def window_for(cfg: LlamaConfig, n_end: int) -> int:
 
 @attrs.frozen
 class StepInputs:
-    """The inputs of one step's graph; `feeds` fills them for tokens at positions n_past.."""
+    """The inputs of one step's graph: `batch` sequences of n tokens each, sequence b in cache region
+    first_seq + b (rows (first_seq + b) * max_ctx ..); `feeds` / `feeds_batch` fill them."""
 
-    tokens: Tensor  # i32 (n,)
-    pos: Tensor  # i32 (n,)
-    kv_idx: Tensor  # i64 (n,): cache rows written
-    mask: Tensor  # f16 (1, 1, n, window): 0 up to each token's position, -inf beyond
+    tokens: Tensor  # i32 (B * n,): sequence b's tokens at b * n ..
+    pos: Tensor  # i32 (B * n,)
+    kv_idx: Tensor  # i64 (B * n,): cache rows written, (first_seq + b) * max_ctx + position
+    mask: Tensor  # f16 (B, 1, n, window): per sequence, 0 up to each token's position, -inf beyond
+    first_seq: int = 0
+    max_ctx: int = 0  # cache rows per sequence
+
+    @property
+    def batch(self) -> int:
+        return self.mask.shape[0]
 
     def feeds(self, token_ids: Sequence[int], n_past: int) -> dict[Tensor, np.ndarray]:
-        n, window = self.tokens.shape[0], self.mask.shape[-1]
-        if len(token_ids) != n:
-            raise ValueError(f"llama step built for {n} tokens, got {len(token_ids)}")
-        positions = np.arange(n_past, n_past + n)
-        causal = np.arange(window)[None, :] <= positions[:, None]
+        """One sequence (batch 1): token_ids at positions n_past.."""
+        return self.feeds_batch([token_ids], [n_past])
+
+    def feeds_batch(self, token_ids: Sequence[Sequence[int]], n_past: Sequence[int]) -> dict[Tensor, np.ndarray]:
+        """Sequence b's tokens token_ids[b] (each of the step's n) at positions n_past[b].."""
+        b_, n, window = self.mask.shape[0], self.mask.shape[2], self.mask.shape[-1]
+        if len(token_ids) != b_ or len(n_past) != b_ or any(len(t) != n for t in token_ids):
+            raise ValueError(f"llama step built for {b_} sequence(s) of {n} tokens, got "
+                             f"{[len(t) for t in token_ids]} tokens at {len(n_past)} position(s)")
+        positions = np.asarray(n_past, np.int64)[:, None] + np.arange(n)  # (B, n)
+        if positions.min() < 0 or positions.max() >= window:
+            raise ValueError(f"llama step: positions {positions.min()}..{positions.max()} outside its window of "
+                             f"{window}")
+        causal = np.arange(window) <= positions[..., None]  # (B, n, window)
+        rows = (self.first_seq + np.arange(b_))[:, None] * self.max_ctx + positions
         return {
-            self.tokens: np.asarray(token_ids, np.int32),
-            self.pos: positions.astype(np.int32),
-            self.kv_idx: positions.astype(np.int64),
-            self.mask: np.where(causal, 0.0, -np.inf).astype(np.float16)[None, None],
+            self.tokens: np.asarray(token_ids, np.int32).reshape(-1),
+            self.pos: positions.astype(np.int32).reshape(-1),
+            self.kv_idx: rows.reshape(-1),
+            self.mask: np.where(causal, np.float16(0), np.float16(-np.inf))[:, None],
         }
 
 
@@ -373,10 +390,16 @@ class LlamaModel:
     Without "lm_head.weight" the LM head is the embedding (tied).
     A missing weight, a wrong shape or a weight the model would not use
     raises ValueError naming it.
+
+    The KV cache holds max_seqs sequences: per layer a K and a V state of
+    (max_seqs * max_ctx, kv_dim) rows, sequence s in rows s * max_ctx .. .
     """
 
-    def __init__(self, cfg: LlamaConfig, weights: Mapping[str, np.ndarray | Tensor]) -> None:
+    def __init__(self, cfg: LlamaConfig, weights: Mapping[str, np.ndarray | Tensor], *, max_seqs: int = 1) -> None:
+        if max_seqs < 1:
+            raise ValueError(f"llama: max_seqs must be >= 1, got {max_seqs}")
         self.cfg = cfg
+        self.max_seqs = max_seqs
         given = dict(weights)
         self.params: dict[str, Tensor] = {}
         missing = []
@@ -445,41 +468,65 @@ class LlamaModel:
                if cfg.experts else [w["mlp.gate_proj"], w["mlp.up_proj"], w["mlp.down_proj"], None])
         return _Layer(w["input_layernorm"], w["self_attn.q_proj"], w["self_attn.k_proj"], w["self_attn.v_proj"],
                       w["self_attn.o_proj"], w["post_attention_layernorm"], *mlp,
-                      state(f"cache.k.{i}", (cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype),
-                      state(f"cache.v.{i}", (cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype))
+                      state(f"cache.k.{i}", (self.max_seqs * cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype),
+                      state(f"cache.v.{i}", (self.max_seqs * cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype))
 
     @property
     def states(self) -> list[Tensor]:
         return [c for layer in self.layers for c in (layer.k_cache, layer.v_cache)]
 
-    def build(self, n_tokens: int, n_past: int) -> tuple[list[Tensor], StepInputs]:
-        """The graph of one step: n_tokens tokens at positions n_past.. -> [logits f32 (n_tokens, vocab)]."""
+    def build(self, n_tokens: int, n_past: int, *, batch: int = 1, first_seq: int = 0,
+              logits: str = "all") -> tuple[list[Tensor], StepInputs]:
+        """The graph of one step: `batch` sequences (cache regions first_seq ..) of n_tokens tokens each,
+        the furthest of them starting at position n_past -> [logits f32 (batch * n_tokens, vocab)],
+        sequence b's rows at b * n_tokens ..; logits="last": (batch, vocab), each sequence's last token.
+
+        Decode of several sequences (n_tokens 1) is one graph: their rows go through the projections and
+        the MLP together, each writes its K/V rows into its own cache region (set_rows at rows from
+        StepInputs.kv_idx), and flash_attn_ext reads the regions through its batch axis (q (B, heads, n,
+        head_dim), K/V views (B, kv_heads, window, head_dim) of the cache, a stride of max_ctx rows
+        between sequences) with a mask per sequence (B, 1, n, window): flash_attn_ext takes a mask with a
+        batch axis (broadcast by modulo, OPS.md), so sequences at different positions share the step.
+        The window (cache positions read) is window_for(n_past + n_tokens), the same for all of them.
+        """
         cfg = self.cfg
-        n, hd = n_tokens, cfg.head_dim
+        n, hd, b_ = n_tokens, cfg.head_dim, batch
         if n < 1 or n_past < 0 or n_past + n > cfg.max_ctx:
             raise ValueError(f"llama: {n} tokens after {n_past} do not fit max_ctx {cfg.max_ctx}")
+        if b_ < 1 or first_seq < 0 or first_seq + b_ > self.max_seqs:
+            raise ValueError(f"llama: sequences {first_seq}..{first_seq + b_ - 1} do not fit the cache of "
+                             f"max_seqs {self.max_seqs}")
+        if logits not in ("all", "last"):
+            raise ValueError(f"llama: logits must be 'all' or 'last', got {logits!r}")
         window = window_for(cfg, n_past + n)
-        inp = StepInputs(input("tokens", (n,), "i32"), input("pos", (n,), "i32"),
-                         input("kv_idx", (n,), "i64"), input("kq_mask", (1, 1, n, window), "f16"))
-        x = ops.get_rows(self.embed, inp.tokens)  # (n, hidden)
+        rows = b_ * n
+        inp = StepInputs(input("tokens", (rows,), "i32"), input("pos", (rows,), "i32"),
+                         input("kv_idx", (rows,), "i64"), input("kq_mask", (b_, 1, n, window), "f16"),
+                         first_seq, cfg.max_ctx)
+        x = ops.get_rows(self.embed, inp.tokens)  # (B * n, hidden)
         for layer in self.layers:
             h = ops.mul(ops.rms_norm(x, cfg.rms_eps), layer.attn_norm)
-            q = self._rope(ops.mul_mat(layer.wq, h).reshape(1, n, cfg.heads, hd), inp.pos)
-            k = self._rope(ops.mul_mat(layer.wk, h).reshape(1, n, cfg.kv_heads, hd), inp.pos)
-            v = ops.mul_mat(layer.wv, h)  # (n, kv_dim)
+            # RoPE sees the B * n rows as one run of tokens (a position each), then q splits by sequence.
+            q = self._rope(ops.mul_mat(layer.wq, h).reshape(1, rows, cfg.heads, hd), inp.pos)
+            k = self._rope(ops.mul_mat(layer.wk, h).reshape(1, rows, cfg.kv_heads, hd), inp.pos)
+            v = ops.mul_mat(layer.wv, h)  # (B * n, kv_dim)
             # Read the cache through set_rows' result: the write is ordered before the read.
-            keys = self._window(ops.set_rows(layer.k_cache, k.reshape(n, cfg.kv_dim), inp.kv_idx), window)
-            values = self._window(ops.set_rows(layer.v_cache, v, inp.kv_idx), window)
-            attn = ops.flash_attn_ext(q.permute(0, 2, 1, 3), keys, values, inp.mask, scale=hd ** -0.5)
-            x = ops.add(x, ops.mul_mat(layer.wo, attn.reshape(n, cfg.hidden)))
+            keys = self._window(ops.set_rows(layer.k_cache, k.reshape(rows, cfg.kv_dim), inp.kv_idx), window,
+                                b_, first_seq)
+            values = self._window(ops.set_rows(layer.v_cache, v, inp.kv_idx), window, b_, first_seq)
+            q = q.reshape(b_, n, cfg.heads, hd).permute(0, 2, 1, 3)  # (B, heads, n, hd)
+            attn = ops.flash_attn_ext(q, keys, values, inp.mask, scale=hd ** -0.5)  # (B, n, heads, hd)
+            x = ops.add(x, ops.mul_mat(layer.wo, attn.reshape(rows, cfg.hidden)))
             h = ops.mul(ops.rms_norm(x, cfg.rms_eps), layer.ffn_norm)
             if layer.router is None:
                 gated = ops.glu_split(ops.mul_mat(layer.w_gate, h), ops.mul_mat(layer.w_up, h), "swiglu")
                 x = ops.add(x, ops.mul_mat(layer.w_down, gated))
             else:
                 x = self._moe(layer, h, x)
-        logits = ops.mul_mat(self.lm_head, ops.mul(ops.rms_norm(x, cfg.rms_eps), self.norm))
-        return [logits], inp
+        if logits == "last" and n > 1:  # each sequence's last row, a strided view: the LM head reads B rows
+            x = x.view((b_, cfg.hidden), (n * x.strides[0], x.strides[1]), (n - 1) * x.strides[0])
+        out = ops.mul_mat(self.lm_head, ops.mul(ops.rms_norm(x, cfg.rms_eps), self.norm))
+        return [out], inp
 
     def _moe(self, layer: _Layer, h: Tensor, residual: Tensor) -> Tensor:
         """residual + the mixture of experts on h (n, hidden), as llama.cpp's build_moe_ffn.
@@ -523,12 +570,14 @@ class LlamaModel:
         return ops.rope(x, pos, cfg.head_dim, cfg.rope_mode, freq_base=cfg.rope_base,
                         freq_scale=cfg.rope_freq_scale, freq_factors=self.rope_freqs)
 
-    def _window(self, cache: Tensor, window: int) -> Tensor:
-        """The first `window` rows of a cache as (1, kv_heads, window, head_dim), a strided view."""
+    def _window(self, cache: Tensor, window: int, batch: int = 1, first_seq: int = 0) -> Tensor:
+        """The first `window` rows of sequences first_seq.. as (batch, kv_heads, window, head_dim), a strided
+        view of the cache (max_ctx rows between sequences)."""
         row = cache.strides[0]
         head = cache.dtype.row_bytes(self.cfg.head_dim)
-        shape = (1, self.cfg.kv_heads, window, self.cfg.head_dim)
-        return cache.view(shape, (window * row, head, row, cache.dtype.block_bytes))
+        region = self.cfg.max_ctx * row
+        shape = (batch, self.cfg.kv_heads, window, self.cfg.head_dim)
+        return cache.view(shape, (region, head, row, cache.dtype.block_bytes), first_seq * region)
 
 
 # -- sampling and progress ------------------------------------------------------------
@@ -678,60 +727,142 @@ class Generation:
         return self.decode_steps / self.decode_s if self.decode_s > 0 else math.nan
 
 
-class Generator:
-    """Runs a LlamaModel on one device: one compiled plan per step shape, and the cache position.
+@attrs.frozen
+class BatchGeneration:
+    """What Generator.generate_batch made: per sequence its prompt and new tokens, and the shared timing
+    (first runs, which bind, and sampling left out)."""
 
-    Each plan is compiled once (per token count and attention window). The
-    first run of a plan binds it (buffers, weight upload, kernels) and is
-    repeated untimed: a step rerun with the same inputs rewrites the same
-    cache rows with the same values.
+    prompts: tuple[tuple[int, ...], ...]
+    tokens: tuple[tuple[int, ...], ...]
+    compile_s: float
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    prefill_plan: Plan
+    decode_plan: Plan | None
+    sampling: str = "greedy"
+
+    @property
+    def prefill_tps(self) -> float:
+        """Prompt tokens per second (padding not counted)."""
+        return sum(map(len, self.prompts)) / self.prefill_s if self.prefill_s > 0 else math.nan
+
+    @property
+    def decode_tps(self) -> float:
+        """Tokens per second over all sequences: a step makes one per sequence."""
+        return len(self.tokens) * self.decode_steps / self.decode_s if self.decode_s > 0 else math.nan
+
+
+class Generator:
+    """Runs a LlamaModel on one device: one compiled plan per step shape, and each sequence's cache position.
+
+    `batch` sequences (at most the model's max_seqs) can step together:
+    sequence b lives in cache region b. `forward` and `generate` run
+    sequence 0 alone (one-sequence plans); `forward_batch` and
+    `generate_batch` run all `batch` of them in one graph per step.
+    Each plan is compiled once (per token count, attention window and
+    batch). The first run of a plan binds it (buffers, weight upload,
+    kernels) and is repeated untimed: a step rerun with the same inputs
+    rewrites the same cache rows with the same values.
     """
 
-    def __init__(self, model: LlamaModel, device: str | Device | None = None, *, fusion: bool | None = None) -> None:
+    def __init__(self, model: LlamaModel, device: str | Device | None = None, *, fusion: bool | None = None,
+                 batch: int = 1) -> None:
+        if not 1 <= batch <= model.max_seqs:
+            raise ValueError(f"llama: batch {batch} must be in 1..max_seqs of the model ({model.max_seqs}): "
+                             "LlamaModel(..., max_seqs=N) sizes the KV cache")
         self.model = model
         self.device = resolve_device(device, manager())
         self.fusion = fusion
-        self.n_past = 0
+        self.batch = batch
+        #: cache positions filled, per sequence
+        self.lengths = [0] * batch
         self.compile_s = 0.0
         self.last_run_s = 0.0
-        self._steps: dict[tuple[int, int], tuple[Plan, StepInputs]] = {}
+        self._steps: dict[tuple[int, int, int, str], tuple[Plan, StepInputs]] = {}
         self._bound: set[Plan] = set()
         self._last: Plan | None = None
 
-    def reset(self) -> None:
-        """Start a new sequence (the cache rows past a position are masked, not cleared)."""
-        self.n_past = 0
+    @property
+    def n_past(self) -> int:
+        """Sequence 0's position (the one `forward` and `generate` use)."""
+        return self.lengths[0]
 
-    def step(self, n_tokens: int, n_past: int) -> tuple[Plan, StepInputs]:
-        """The compiled plan for n_tokens tokens at n_past (compiled on first use)."""
-        key = (n_tokens, window_for(self.model.cfg, n_past + n_tokens))
+    @n_past.setter
+    def n_past(self, value: int) -> None:
+        self.lengths[0] = value
+
+    def reset(self) -> None:
+        """Start new sequences (the cache rows past a position are masked, not cleared)."""
+        self.lengths = [0] * self.batch
+
+    def step(self, n_tokens: int, n_past: int, *, batch: int = 1, logits: str = "all") -> tuple[Plan, StepInputs]:
+        """The compiled plan for `batch` sequences (0..) of n_tokens tokens, the furthest at n_past
+        (compiled on first use)."""
+        key = (n_tokens, window_for(self.model.cfg, n_past + n_tokens), batch, "all" if n_tokens == 1 else logits)
         if key not in self._steps:
             t0 = time.perf_counter()
-            outputs, inp = self.model.build(n_tokens, n_past)
+            outputs, inp = self.model.build(n_tokens, n_past, batch=batch, logits=key[3])
             self._steps[key] = (compile(outputs, self.device, fusion=self.fusion), inp)
             self.compile_s += time.perf_counter() - t0
         return self._steps[key]
 
     def forward(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Logits f32 (len(token_ids), vocab) for tokens at the next positions; advances the cache."""
-        bad = [t for t in token_ids if not 0 <= t < self.model.cfg.vocab]
+        """Logits f32 (len(token_ids), vocab) for tokens of sequence 0 at its next positions; advances it."""
+        return self._run([token_ids], batch=1)
+
+    def forward_batch(self, token_ids: Sequence[Sequence[int]], *, last: bool = False) -> np.ndarray:
+        """Every sequence's next tokens in one step: logits f32 (batch, n, vocab), n the longest of
+        token_ids; with `last`, (batch, vocab): each sequence's last token only (the LM head runs on
+        those alone when all have the same length). Advances each sequence by its own tokens.
+
+        Sequences may get different numbers of tokens: shorter ones are padded, the padding written to
+        cache rows past the sequence's end, which are masked until its next tokens overwrite them; their
+        logits rows past its length are padding.
+        """
+        if len(token_ids) != self.batch:
+            raise ValueError(f"llama: forward_batch needs tokens for each of the {self.batch} sequences, "
+                             f"got {len(token_ids)}")
+        lens = [len(t) for t in token_ids]
+        if min(lens) < 1:
+            raise ValueError("llama: forward_batch needs at least one token per sequence")
+        n = max(lens)
+        padded = [list(t) + [0] * (n - len(t)) for t in token_ids]
+        same = min(lens) == n
+        out = self._run(padded, batch=self.batch, logits="last" if last and same else "all", advance=lens)
+        if not last:
+            return out.reshape(self.batch, n, -1)
+        if same:
+            return out
+        return out.reshape(self.batch, n, -1)[np.arange(self.batch), np.array(lens) - 1]
+
+    def _run(self, token_ids: Sequence[Sequence[int]], *, batch: int, logits: str = "all",
+             advance: Sequence[int] | None = None, copy: bool = True) -> np.ndarray:
+        """One step of sequences 0..batch-1 (token_ids[b] each, all of one length); advances sequence b
+        by advance[b] (default: its token count). copy=False: the logits are a view that the next run of
+        the same plan overwrites (see Plan.run)."""
+        vocab = self.model.cfg.vocab
+        bad = [t for ids in token_ids for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"llama: token ids {bad[:5]} outside the vocabulary of {self.model.cfg.vocab}")
-        plan, inp = self.step(len(token_ids), self.n_past)
-        feeds = inp.feeds(token_ids, self.n_past)
+            raise ValueError(f"llama: token ids {bad[:5]} outside the vocabulary of {vocab}")
+        n = len(token_ids[0])
+        n_past = self.lengths[:batch]
+        plan, inp = self.step(n, max(n_past), batch=batch, logits=logits)
+        feeds = inp.feeds_batch(token_ids, n_past)
         self._last = plan
         if plan not in self._bound:
             plan.run(feeds)
             self._bound.add(plan)
         t0 = time.perf_counter()
-        (logits,) = plan.run(feeds)
+        (out,) = plan.run(feeds, copy=copy)
         self.last_run_s = time.perf_counter() - t0
-        self.n_past += len(token_ids)
-        return logits
+        for b in range(batch):
+            self.lengths[b] += n if advance is None else advance[b]
+        return out
 
     def generate(self, prompt_ids: Sequence[int], n_new: int, sampler: Sampler | None = None, *,
                  progress: TextIO | None = None) -> Generation:
-        """Continue `prompt_ids` by n_new tokens: prefill, then one decode step per token.
+        """Continue `prompt_ids` (as sequence 0) by n_new tokens: prefill, then one decode step per token.
 
         `sampler` (default greedy) picks each token from the last logits on
         the host; it is reset first, so its seed repeats the tokens.
@@ -743,25 +874,64 @@ class Generator:
         sampler.reset()
         self.reset()
         compile_before = self.compile_s
-        self.step(len(prompt_ids), 0)
+        self.step(len(prompt_ids), 0, logits="last")
         if n_new > 1:
             self.step(1, len(prompt_ids))
         bar = Progress(progress, n_new)
-        logits = self.forward(prompt_ids)
+        # The prompt's last logits only (the LM head on one row); a view, sampled before its plan runs again.
+        logits = self._run([prompt_ids], batch=1, logits="last", copy=False)
         prefill_s = self.last_run_s
         tokens = [sampler(logits[-1])]
         bar.update(1)
         decode_s = 0.0
         for _ in range(n_new - 1):
-            logits = self.forward(tokens[-1:])
+            logits = self._run([tokens[-1:]], batch=1, copy=False)
             decode_s += self.last_run_s
             tokens.append(sampler(logits[-1]))
             bar.update(len(tokens))
         bar.close(len(tokens))
-        prefill_plan = self.step(len(prompt_ids), 0)[0]
+        prefill_plan = self.step(len(prompt_ids), 0, logits="last")[0]
         decode_plan = self._last if n_new > 1 else None
         return Generation(tuple(int(t) for t in prompt_ids), tuple(tokens), self.compile_s - compile_before,
                           prefill_s, decode_s, n_new - 1, prefill_plan, decode_plan, sampler.describe())
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], n_new: int, sampler: Sampler | None = None, *,
+                       progress: TextIO | None = None) -> BatchGeneration:
+        """Continue each of `batch` prompts by n_new tokens: one prefill step for all (padded to the longest
+        prompt, see forward_batch), then decode steps that make one token per sequence each.
+
+        Each sequence samples with its own copy of `sampler` (reset to its seed), so sequence b gets the
+        tokens `generate(prompts[b], n_new, sampler)` would.
+        """
+        if len(prompts) != self.batch or not all(prompts) or n_new < 1:
+            raise ValueError(f"generate_batch: needs {self.batch} non-empty prompts and n_new >= 1")
+        sampler = sampler if sampler is not None else Sampler()
+        samplers = [attrs.evolve(sampler) for _ in prompts]  # each starts at the seed
+        self.reset()
+        compile_before = self.compile_s
+        lens = [len(p) for p in prompts]
+        self.step(max(lens), 0, batch=self.batch, logits="last" if min(lens) == max(lens) else "all")
+        if n_new > 1:
+            self.step(1, max(lens), batch=self.batch)
+        bar = Progress(progress, n_new * self.batch)
+        last = self.forward_batch(prompts, last=True)  # (B, vocab)
+        prefill_s = self.last_run_s
+        tokens = [[s(row)] for s, row in zip(samplers, last)]
+        bar.update(self.batch)
+        decode_s = 0.0
+        for _ in range(n_new - 1):
+            logits = self._run([t[-1:] for t in tokens], batch=self.batch, copy=False)  # (B, vocab)
+            decode_s += self.last_run_s
+            for t, s, row in zip(tokens, samplers, logits):
+                t.append(s(row))
+            bar.update(len(tokens[0]) * self.batch)
+        bar.close(len(tokens[0]) * self.batch)
+        prefill_plan = self.step(max(lens), 0, batch=self.batch,
+                                 logits="last" if min(lens) == max(lens) else "all")[0]
+        decode_plan = self._last if n_new > 1 else None
+        return BatchGeneration(tuple(tuple(int(t) for t in p) for p in prompts),
+                               tuple(tuple(t) for t in tokens), self.compile_s - compile_before, prefill_s,
+                               decode_s, n_new - 1, prefill_plan, decode_plan, sampler.describe())
 
 
 def generate(model: LlamaModel, prompt_ids: Sequence[int], n_new: int, device: str | Device | None = None,
