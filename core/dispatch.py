@@ -183,6 +183,8 @@ _RESIDENT: weakref.WeakKeyDictionary[Tensor, dict[str, Any]] = weakref.WeakKeyDi
 def resident(t: Tensor, dev: Device, backend: Backend) -> Any:
     """The buffer holding leaf `t` on `dev`, made (and filled with `t.data`) on first use.
 
+    A leaf without data (a KV cache) starts as zeros on every backend: attention
+    multiplies its masked, never-written rows by 0, and pool memory may hold NaN.
     A param used on a device away from its home (offloaded) gets one too:
     weights never change, so it is filled from their data once.
     """
@@ -191,6 +193,8 @@ def resident(t: Tensor, dev: Device, backend: Backend) -> Any:
         buf = backend.alloc(t.nbytes, t.describe())
         if t.data is not None:
             backend.write(buf, 0, t.data)
+        else:
+            backend.fill(buf, 0)
         per_device[dev.name] = buf
     return per_device[dev.name]
 

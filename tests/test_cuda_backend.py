@@ -221,6 +221,18 @@ def test_out_of_memory_names_the_request_and_leaves_the_backend_usable(backend, 
 
 
 @gpu
+def test_a_state_starts_as_zeros_over_recycled_nan_memory(backend) -> None:  # noqa: ANN001
+    # A KV cache's unwritten rows are read (times a zero softmax weight): NaN there would spread.
+    n = 1 << 18
+    junk = backend.alloc(4 * n, "junk")
+    backend.fill(junk, 0xFF)  # NaN in f32
+    del junk  # back to CuPy's pool, ready for the state below
+    cache = od.state("cache", (n,), "f32")
+    (out,) = od.compile(od.ops.scale(cache, 2.0, 1.0), "cuda0").run()
+    assert np.array_equal(out, np.ones(n, np.float32))
+
+
+@gpu
 def test_bind_context_addresses_and_views(backend, rng) -> None:  # noqa: ANN001
     import cupy
 
