@@ -253,6 +253,45 @@ def test_rope_threads_share_the_angle_across_heads(heads: int, threads: int, hpt
     assert ca.rope_threads(od.input("x", (1, 1, heads, 128))) == (threads, hpt)
 
 
+def _rope_pairs(d: int, n_dims: int, neox: bool) -> dict:
+    """rope.cu's pair_of: element -> (its partner, the angle index or None when passed through)."""
+    out = {}
+    for j in range(d // 2):
+        e0, e1, i = (2 * j, 2 * j + 1, None) if 2 * j >= n_dims else (j, j + n_dims // 2, j) if neox else \
+            (2 * j, 2 * j + 1, j)
+        out[e0], out[e1] = (e1, i), (e0, i)
+    return out
+
+
+def _rope_warp_pairs(d: int, n_dims: int, neox: bool, e: int, heads: int) -> dict:
+    """rope.cu's rope_warp and rope_chunk: (head, element) -> (partner, angle index or None)."""
+    out = {}
+    chunks = 32 // e
+    for j0 in range(0, d // 2, 32):
+        for lane in range(32):
+            jj = j0 + (lane % chunks) * e
+            rot = 2 * jj < n_dims
+            o0, o1 = (jj, jj + n_dims // 2) if neox and rot else (2 * jj, 2 * jj + e)
+            at = lambda u: o0 + u if u < e else o1 + u - e  # noqa: E731 - u-th of the chunk's 2e values
+            for h in range(lane // chunks, heads, e):
+                for k in range(e):
+                    a, b = (at(k), at(e + k)) if neox else (at(2 * k), at(2 * k + 1))
+                    for x, y in ((a, b), (b, a)):
+                        assert (h, x) not in out
+                        out[h, x] = (y, jj + k if rot else None)
+    return out
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("e", [4, 8])
+def test_rope_warp_rotates_the_pairs_of_the_pair_path(neox: bool, e: int) -> None:
+    for d, n_dims, heads in [(64, 64, 1), (128, 96, 3), (128, 32, 8), (256, 128, 5)]:
+        pairs, warp = _rope_pairs(d, n_dims, neox), _rope_warp_pairs(d, n_dims, neox, e, heads)
+        assert len(warp) == heads * d
+        for (h, x), (y, i) in warp.items():
+            assert (y, i) == pairs[x] or (i is None and pairs[x][1] is None)  # passed-through values: copied
+
+
 def test_every_kernel_signature_is_readable() -> None:
     for source, name in ((ca.SOFTMAX_CU, "soft_max_f32"), (ca.ROPE_CU, "rope_kernel"), (ca.ROPE_CU, "rope_set_rows"),
                          (ca.DECODE_CU, "fattn_decode"), (ca.DECODE_CU, "fattn_combine"),
@@ -467,6 +506,10 @@ ROPE_CASES = [
         itertools.product(("f32", "f16"), ("normal", "neox"), (False, True), (False, True)),
         itertools.cycle([((2, 13, 4, 64), 64, "contig"), ((1, 7, 3, 128), 64, "perm"), ((2, 5, 4, 80), 80, "strided"),
                          ((1, 9, 2, 96), 32, "contig"), ((3, 4, 5, 128), 128, "perm"), ((1, 1, 1, 66), 40, "contig")]))
+] + [  # rope_warp (16-byte packs) in every dtype and mode, two head groups, and its fallback on misaligned rows
+    (dt, mode, shape, n_dims, ff, ff, layout) for dt, mode in itertools.product(("f32", "f16"), ("normal", "neox"))
+    for shape, n_dims, ff, layout in [((2, 6, 12, 128), 96, True, "contig"), ((1, 3, 8, 64), 64, False, "perm"),
+                                      ((1, 4, 3, 128), 128, False, "strided")]
 ]
 
 

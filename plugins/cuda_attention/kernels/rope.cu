@@ -3,6 +3,13 @@
 // a KV cache. One thread per (token, pair of values) and group of up to `hpt` heads:
 // the angle's sin/cos are computed once for the heads of the group.
 //
+// Where rows allow it (D % 64 == 0, n_dims / 2 a multiple of E, 16-byte aligned rows:
+// rope_vec_ok), a warp, whose 32 threads hold 32 consecutive pairs of one token and
+// head group, moves the values in 16-byte packs instead (rope_warp): E = 16 / sizeof(x)
+// pairs a chunk, each lane rotates one chunk of one or two heads with the angles of
+// its chunk taken from the lanes that computed them. The angles, and so the results,
+// are those of the one-pair-per-thread path.
+//
 // x (B, T, H, D) with contiguous rows, outer strides in elements (xs_h, xs_t,
 // xs_b); pos i32 (T,); ff f32 (>= n_dims/2) or null. For pair i < n_dims/2 of
 // token t: theta_ext = pos[t] * theta_scale**i / ff[i], theta_scale =
@@ -97,6 +104,96 @@ __device__ __forceinline__ PairIndex pair_index(unsigned idx, const RopeParams& 
     return r;
 }
 
+// One chunk of E pairs of one head: the two packs of E values at o0 and o1 of the
+// row (neox rotated: the halves (i, i + n_dims/2); normal or passed through: 2E
+// consecutive values, pairs (2e, 2e+1)), rotated by angle e when `rot`.
+template <typename T, int E>
+struct Chunk {
+    od::Pack<T, E> a, b;
+};
+
+template <int E, typename TI>
+__device__ __forceinline__ Chunk<TI, E> load_chunk(const TI* xr, int o0, int o1) {
+    return {*reinterpret_cast<const od::Pack<TI, E>*>(xr + o0), *reinterpret_cast<const od::Pack<TI, E>*>(xr + o1)};
+}
+
+template <bool NEOX, int E, typename TI, typename TO>
+__device__ __forceinline__ void rotate_chunk(const Chunk<TI, E>& x, TO* yr, int o0, int o1, bool rot,
+                                             const float (&c)[E], const float (&s)[E]) {
+    float u[2 * E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        u[e] = od::load(&x.a.v[e]);
+        u[E + e] = od::load(&x.b.v[e]);
+    }
+    if (rot) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int i0 = NEOX ? e : 2 * e, i1 = NEOX ? E + e : 2 * e + 1;
+            const float x0 = u[i0], x1 = u[i1];
+            u[i0] = x0 * c[e] - x1 * s[e];
+            u[i1] = x0 * s[e] + x1 * c[e];
+        }
+    }
+    od::Pack<TO, E> y0, y1;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        od::store(&y0.v[e], u[e]);
+        od::store(&y1.v[e], u[E + e]);
+    }
+    *reinterpret_cast<od::Pack<TO, E>*>(yr + o0) = y0;
+    *reinterpret_cast<od::Pack<TO, E>*>(yr + o1) = y1;
+}
+
+// Whether rope_warp applies: every warp holds 32 pairs of one row (D/2 % 32 == 0),
+// chunks do not straddle n_dims, and x's rows and y's rows (stride ys) are aligned
+// to packs. Launch-uniform.
+template <int E, typename TI, typename TO>
+__device__ __forceinline__ bool rope_vec_ok(const TI* x, long long xs_h, long long xs_t, long long xs_b, const TO* y,
+                                            long long ys, const RopeParams& p) {
+    const unsigned long long xa = reinterpret_cast<unsigned long long>(x);
+    const unsigned long long ya = reinterpret_cast<unsigned long long>(y);
+    return p.d % 64 == 0 && (p.n_dims / 2) % E == 0 && xa % 16 == 0 && xs_h % E == 0 && xs_t % E == 0 &&
+           xs_b % E == 0 && ya % (E * sizeof(TO)) == 0 && ys % E == 0;
+}
+
+// The warp's pairs j0 .. j0 + 31 of heads h0 .. h1 - 1 of one token (xb, yb: the
+// token's rows, heads xs_h and D apart) as 32 / E chunks of E pairs times the heads:
+// lane l takes chunk l % (32 / E) of heads h0 + l / (32 / E), + E, ... Lane l holds
+// the angle of pair j0 + l (c, s); a chunk's E angles come by shuffles.
+template <bool NEOX, int E, typename TI, typename TO>
+__device__ __forceinline__ void rope_warp(const TI* xb, long long xs_h, TO* yb, const PairIndex& q,
+                                          const RopeParams& p, float c, float s) {
+    constexpr int CHUNKS = 32 / E;
+    const int lane = threadIdx.x % 32, ch = lane % CHUNKS;
+    float cc[E], ss[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        cc[e] = __shfl_sync(od::FULL_MASK, c, ch * E + e);
+        ss[e] = __shfl_sync(od::FULL_MASK, s, ch * E + e);
+    }
+    const int jj = static_cast<int>(q.j & ~31u) + ch * E;  // the chunk's first pair
+    const bool rot = 2 * jj < p.n_dims;
+    const int o0 = NEOX && rot ? jj : 2 * jj;
+    const int o1 = NEOX && rot ? jj + p.n_dims / 2 : 2 * jj + E;
+    constexpr int NH = E < 8 ? 2 : 1;  // heads loaded before the first store (hpt = 8: all of the lane's)
+    for (unsigned h = q.h0 + lane / CHUNKS; h < q.h1; h += NH * E) {
+        Chunk<TI, E> x[NH];
+#pragma unroll
+        for (int k = 0; k < NH; ++k) {
+            if (h + k * E < q.h1) {
+                x[k] = load_chunk<E>(xb + (h + k * E) * xs_h, o0, o1);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < NH; ++k) {
+            if (h + k * E < q.h1) {
+                rotate_chunk<NEOX>(x[k], yb + static_cast<long long>(h + k * E) * p.d, o0, o1, rot, cc, ss);
+            }
+        }
+    }
+}
+
 }  // namespace
 
 // out contiguous (B, T, H, D), x's type T. total = B*T*ceil(H/hpt)*D/2 threads (< 2**32).
@@ -121,6 +218,11 @@ __global__ void __launch_bounds__(256) rope_kernel(const T* __restrict__ x, cons
         cos_sin_of<NEOX>(i, pos[t], ff, p, c, s);
     }
     const T* xb = x + t * xs_t + b * xs_b;
+    constexpr int E = 16 / sizeof(T);
+    if (rope_vec_ok<E>(x, xs_h, xs_t, xs_b, out, p.d, p)) {  // then total % 32 == 0: whole warps
+        rope_warp<NEOX, E>(xb, xs_h, out + static_cast<long long>(q.bt) * p.heads * p.d, q, p, c, s);
+        return;
+    }
     for (unsigned h = q.h0; h < q.h1; ++h) {
         const T* xr = xb + h * xs_h;
         T* yr = out + (static_cast<long long>(q.bt) * p.heads + h) * p.d;
@@ -159,6 +261,10 @@ __global__ void __launch_bounds__(256) rope_set_rows(const float* __restrict__ x
     }
     const float* xb = x + t * xs_t;
     DT* yb = cache + static_cast<long long>(idx[t]) * cs;
+    if (rope_vec_ok<4>(x, xs_h, xs_t, 0ll, cache, cs, p)) {  // then total % 32 == 0: whole warps
+        rope_warp<NEOX, 4>(xb, xs_h, yb, q, p, c, s);
+        return;
+    }
     for (unsigned h = q.h0; h < q.h1; ++h) {
         const float* xr = xb + h * xs_h;
         DT* yr = yb + static_cast<long long>(h) * p.d;
