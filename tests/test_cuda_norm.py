@@ -14,6 +14,7 @@ OPDISPATCH_TEST_SEED to replay one.
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Callable
 
@@ -181,14 +182,19 @@ def spec_types(spec: cn.Spec) -> list[type]:
 
 
 @pytest.mark.parametrize(("shape", "view", "kernel", "grid"), [
-    ((16, 4096), None, "norm_rows_f32<1, 128, true, 0>", 16),
+    ((16384, 4096), None, "norm_rows_f32<1, 128, true, 0>", 16384),
+    ((16, 4096), None, "norm_rows_f32<1, 512, true, 0, 2>", 16),  # few rows: latency-bound variant
+    ((1, 2048), None, "norm_rows_f32<1, 256, true, 0, 2>", 1),  # a decode step's single token
+    ((1, 16384), None, "norm_rows_f32<1, 512, true, 0>", 1),  # too long for 2 loads a thread
+    ((257, 2048), None, "norm_rows_f32<1, 128, true, 0>", 257),
     ((16, 4097), None, "norm_rows_f32<1, 1024, false, 0>", 16),
     ((3, 200001), None, "norm_rows_f32<1, 1024, false, 0>", 3),
     ((5,), None, "norm_rows_f32<1, 32, false, 0>", 1),
-    ((2, 3, 4, 36), None, "norm_rows_f32<1, 32, true, 0>", 24),
+    ((2, 3, 4, 36), None, "norm_rows_f32<1, 64, true, 0, 2>", 24),
+    ((300, 36), None, "norm_rows_f32<1, 32, true, 0>", 300),
     ((10, 64), lambda x: x.view((4, 64), (512, 4), 4), "norm_rows_f32<1, 32, false, 0>", 4),  # misaligned
     ((10, 64), lambda x: x.view((5, 64), (520, 4)), "norm_rows_f32<1, 32, false, 0>", 5),  # row stride % 16 != 0
-    ((10, 64), lambda x: x.view((5, 64), (512, 4)), "norm_rows_f32<1, 32, true, 0>", 5),
+    ((10, 64), lambda x: x.view((5, 64), (512, 4)), "norm_rows_f32<1, 64, true, 0, 2>", 5),
     ((0, 64), None, "norm_rows_f32<1, 32, true, 0>", 0),
 ])
 def test_row_spec_picks_the_variant(shape: tuple, view: Callable | None, kernel: str, grid: int) -> None:
@@ -209,9 +215,9 @@ def test_row_spec_passes_outer_geometry_in_elements() -> None:
 
 
 @pytest.mark.parametrize(("op", "w_shape", "r_shape", "kernel"), [
-    ("rms_norm", (256,), None, "norm_rows_f32<1, 32, true, 1>"),
-    ("rms_norm", (256,), (8, 256), "norm_rows_f32<1, 32, true, 2>"),
-    ("norm", (1, 256), (256,), "norm_rows_f32<0, 32, true, 2>"),
+    ("rms_norm", (256,), None, "norm_rows_f32<1, 64, true, 1, 2>"),
+    ("rms_norm", (256,), (8, 256), "norm_rows_f32<1, 64, true, 2, 2>"),
+    ("norm", (1, 256), (256,), "norm_rows_f32<0, 64, true, 2, 2>"),
     ("rms_norm", (64,), None, "norm_rows_f32<1, 128, false, 1>"),  # columns by modulo: scalar
     ("norm", (256,), (8, 64), "norm_rows_f32<0, 128, false, 2>"),
 ])
@@ -246,9 +252,9 @@ def test_group_spec(shape: tuple, groups: int, kernel: str, grid: int, per_group
 
 
 def test_every_block_size_and_variant_is_compiled() -> None:
-    for ncols in (1, 4, 100, 128, 129, 512, 1024, 4096, 4100, 16384, 16388, 200001):
-        for op in ("norm", "rms_norm", "l2_norm"):
-            x = od.input("x", (2, ncols))
+    for ncols in (1, 4, 100, 128, 129, 512, 1024, 2048, 4096, 4100, 8192, 8196, 16384, 16388, 200001):
+        for op, rows in itertools.product(("norm", "rms_norm", "l2_norm"), (1, 2, 300)):
+            x = od.input("x", (rows, ncols))
             assert cn.row_spec(op, x, row_norm(op, x), EPS[op], fake_ptr).kernel in cn.NAME_EXPRESSIONS
 
 
@@ -287,6 +293,11 @@ ROW_CASES = {
     "rows of 5": ((7, 5), None),
     "rows of 8 (float4)": ((6, 8), None),
     "rows of 4096": ((5, 4096), None),
+    "one row of 2048 (decode, 2 float4s a thread)": ((1, 2048), None),
+    "one row of 8192 (latency variant, 1024 threads)": ((1, 8192), None),
+    "one row of 8196 (past the latency variant)": ((1, 8196), None),
+    "rows of 4000 (latency variant, partial last pass)": ((2, 4000), None),
+    "300 rows of 2048 (throughput variant)": ((300, 2048), None),
     "rows of 4097": ((4, 4097), None),
     "rows of 200001": ((3, 200001), None),
     "rows of 40000 (float4, past the register cache)": ((3, 40000), None),
@@ -340,6 +351,10 @@ FUSED_CASES = {
     "weight by modulo over outer axes": ((4, 6, 64), (2, 1, 64), "full", False),
     "weight by modulo over columns": ((6, 64), (16,), "full", False),
     "rows of 4097": ((5, 4097), (4097,), "full", False),
+    "one row of 2048 (decode)": ((1, 2048), (2048,), None, False),
+    "one row of 2048 with residual": ((1, 2048), (2048,), "full", False),
+    "rows of 1000, residual by modulo": ((4, 1000), (1000,), (2, 1000), False),
+    "300 rows of 2048 (throughput variant)": ((300, 2048), (2048,), "full", False),
     "rows of 40000": ((3, 40000), (40000,), "full", False),
     "broadcast residual": ((3, 5, 256), (256,), (5, 256), False),
     "full weight first": ((6, 64), (6, 64), "full", True),

@@ -39,8 +39,16 @@ FUSE_NONE, FUSE_MUL, FUSE_MUL_ADD = 0, 1, 2
 BLOCKS = (32, 128, 512, 1024)
 
 
-def row_kernel(mode: int, block: int, vec: bool, fuse: int) -> str:
-    return f"norm_rows_f32<{mode}, {block}, {'true' if vec else 'false'}, {fuse}>"
+#: the latency-bound configuration for few rows: float4s a thread keeps (norm.cu's PER), its block sizes,
+#: and the most rows it is picked for (up to about two blocks per SM of an H200)
+SMALL_PER = 2
+SMALL_BLOCKS = (64, 128, 256, 512, 1024)
+SMALL_ROWS = 256
+
+
+def row_kernel(mode: int, block: int, vec: bool, fuse: int, per: int | None = None) -> str:
+    tail = f", {per}" if per is not None else ""
+    return f"norm_rows_f32<{mode}, {block}, {'true' if vec else 'false'}, {fuse}{tail}>"
 
 
 def group_kernel(block: int, vec: bool) -> str:
@@ -51,6 +59,9 @@ def group_kernel(block: int, vec: bool) -> str:
 NAME_EXPRESSIONS: tuple[str, ...] = (
     *(row_kernel(mode, block, vec, fuse)
       for mode in MODES.values() for block in BLOCKS for vec in (False, True)
+      for fuse in ((FUSE_NONE,) if mode == MODES["l2_norm"] else (FUSE_NONE, FUSE_MUL, FUSE_MUL_ADD))),
+    *(row_kernel(mode, block, True, fuse, SMALL_PER)
+      for mode in MODES.values() for block in SMALL_BLOCKS
       for fuse in ((FUSE_NONE,) if mode == MODES["l2_norm"] else (FUSE_NONE, FUSE_MUL, FUSE_MUL_ADD))),
     *(group_kernel(block, vec) for block in BLOCKS for vec in (False, True)),
 )
@@ -70,6 +81,17 @@ def pick_block(units: int) -> int:
     return 1024
 
 
+def pick_small_block(units: int, rows: int) -> int | None:
+    """The block of the latency-bound configuration for `rows` float4 rows of `units` loads, or None
+    where the throughput configuration (pick_block, up to 8 loads a thread) fits better: few rows
+    (a decode step's single token) leave most SMs idle, so each row gets enough threads that every
+    one does at most SMALL_PER loads, and the weight/residual loads are issued before the reduction."""
+    if not 0 < rows <= SMALL_ROWS:
+        return None
+    for block in SMALL_BLOCKS:
+        if units <= SMALL_PER * block:
+            return block
+    return None
 
 
 def _elements(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -100,13 +122,15 @@ def row_spec(op: str, x: Tensor, out: Tensor, eps: float, ptr: Ptr,
     extra = [t for t in (weight, residual) if t is not None]
     vec = (ncols % 4 == 0 and _vec_rows(x, ptr) and ptr(out) % 16 == 0
            and all(t.shape[-1] == ncols and _vec_rows(t, ptr) for t in extra))
-    block = pick_block(ncols // 4 if vec else ncols)
+    rows = math.prod(shape[:3]) if ncols else 0
+    small = pick_small_block(ncols // 4, rows) if vec else None
+    block = small or pick_block(ncols // 4 if vec else ncols)
     fuse = FUSE_MUL_ADD if residual is not None else FUSE_MUL if weight is not None else FUSE_NONE
     args = (np.uint64(ptr(x)), np.uint64(ptr(out)), np.int32(ncols), np.float32(eps),
             np.int32(shape[1]), np.int32(shape[2]), *(np.int64(s) for s in strides[:3]),
             *_operand_args(weight, ptr), *_operand_args(residual, ptr))
-    rows = math.prod(shape[:3]) if ncols else 0
-    return KernelSpec(NORM_CU, row_kernel(MODES[op], block, vec, fuse), rows, block, args)
+    kernel = row_kernel(MODES[op], block, vec, fuse, SMALL_PER if small else None)
+    return KernelSpec(NORM_CU, kernel, rows, block, args)
 
 
 def group_spec(x: Tensor, out: Tensor, groups: int, eps: float, ptr: Ptr) -> KernelSpec:

@@ -79,14 +79,40 @@ __device__ __forceinline__ float4 finish4(float4 v, Affine a, const float4* w4, 
     return v;
 }
 
-// float4 loads a thread keeps in registers between the statistics and the output.
+// float4 loads a thread keeps in registers between the statistics and the output
+// (the PER of the large-tensor instances).
 constexpr int CACHE = 8;
+
+// Four outputs from prefetched operands: (v - a.shift) * a.scale [* g] [+ b].
+template <int FUSE>
+__device__ __forceinline__ float4 finish4v(float4 v, Affine a, float4 g, float4 b) {
+    v.x = (v.x - a.shift) * a.scale;
+    v.y = (v.y - a.shift) * a.scale;
+    v.z = (v.z - a.shift) * a.scale;
+    v.w = (v.w - a.shift) * a.scale;
+    if constexpr (FUSE >= FUSE_MUL) {
+        v.x *= g.x;
+        v.y *= g.y;
+        v.z *= g.z;
+        v.w *= g.w;
+    }
+    if constexpr (FUSE == FUSE_MUL_ADD) {
+        v.x += b.x;
+        v.y += b.y;
+        v.z += b.z;
+        v.w += b.w;
+    }
+    return v;
+}
 
 // y[0, n) = the MODE norm of x[0, n), then * w [+ r] (FUSE), all of length n,
 // with float4 moves: n % 4 == 0 and 16-byte aligned pointers. A span of at most
-// CACHE * BLOCK float4s stays in registers, so x is read from memory once;
+// PER * BLOCK float4s stays in registers, so x is read from memory once;
 // a longer one is read twice (the second time mostly from L2).
-template <int MODE, int BLOCK, int FUSE>
+// PER <= 2 is the latency-bound configuration (few rows, each thread one or two
+// float4s): the weight and residual float4s are loaded together with x, before
+// the reduction, so the row costs one memory round trip instead of two.
+template <int MODE, int BLOCK, int FUSE, int PER = CACHE>
 __device__ __forceinline__ void norm_span_vec(const float* x, float* y, int n, float k, float eps,
                                               const float* w, const float* r) {
     const float4* x4 = reinterpret_cast<const float4*>(x);
@@ -95,22 +121,40 @@ __device__ __forceinline__ void norm_span_vec(const float* x, float* y, int n, f
     float4* y4 = reinterpret_cast<float4*>(y);
     const int units = n / 4;
     float2 acc{0.0f, 0.0f};
-    if (units <= CACHE * BLOCK) {
-        float4 v[CACHE];
+    if (units <= PER * BLOCK) {
+        constexpr bool PREFETCH = PER <= 2;
+        float4 v[PER];
+        float4 g[PREFETCH && FUSE >= FUSE_MUL ? PER : 1];
+        float4 b[PREFETCH && FUSE == FUSE_MUL_ADD ? PER : 1];
 #pragma unroll
-        for (int j = 0; j < CACHE; ++j) {
+        for (int j = 0; j < PER; ++j) {
             const int i = threadIdx.x + j * BLOCK;
             if (i < units) {
                 v[j] = x4[i];
+                if constexpr (PREFETCH && FUSE >= FUSE_MUL) {
+                    g[j] = w4[i];
+                }
+                if constexpr (PREFETCH && FUSE == FUSE_MUL_ADD) {
+                    b[j] = r4[i];
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            if (threadIdx.x + j * BLOCK < units) {
                 accumulate(acc, v[j], k);
             }
         }
         const Affine a = norm_affine<MODE>(od::block_sum<BLOCK>(acc), n, k, eps);
 #pragma unroll
-        for (int j = 0; j < CACHE; ++j) {
+        for (int j = 0; j < PER; ++j) {
             const int i = threadIdx.x + j * BLOCK;
             if (i < units) {
-                y4[i] = finish4<FUSE>(v[j], a, w4, r4, i);
+                if constexpr (PREFETCH) {
+                    y4[i] = finish4v<FUSE>(v[j], a, g[FUSE >= FUSE_MUL ? j : 0], b[FUSE == FUSE_MUL_ADD ? j : 0]);
+                } else {
+                    y4[i] = finish4<FUSE>(v[j], a, w4, r4, i);
+                }
             }
         }
     } else {
@@ -155,7 +199,12 @@ __device__ __forceinline__ void norm_span(const float* x, float* y, int n, float
 // residual r (FUSE_MUL_ADD) have shapes (w0, w1, w2, wcols) / (r0, r1, r2, rcols)
 // dividing x's, broadcast by modulo in every axis (ggml's repeat), with element
 // strides ws*/rs* and contiguous rows; unused ones are passed as null, 1s and 0s.
-template <int MODE, int BLOCK, bool VEC, int FUSE>
+//
+// PER: float4s a thread keeps in registers (VEC only). The host picks PER = 2
+// with BLOCK >= n / 8 for few rows (latency-bound: one block per row, every
+// thread one or two loads of x, w and r issued together), and the default
+// otherwise (throughput-bound large tensors).
+template <int MODE, int BLOCK, bool VEC, int FUSE, int PER = CACHE>
 __global__ void __launch_bounds__(BLOCK) norm_rows_f32(
         const float* x, float* dst, int ncols, float eps,
         int n1, int n2, long long xs0, long long xs1, long long xs2,
@@ -180,7 +229,7 @@ __global__ void __launch_bounds__(BLOCK) norm_rows_f32(
 
     const float k = MODE == NORM_MEAN_VAR ? xr[0] : 0.0f;
     if constexpr (VEC) {
-        norm_span_vec<MODE, BLOCK, FUSE>(xr, yr, ncols, k, eps, wr, rr);
+        norm_span_vec<MODE, BLOCK, FUSE, PER>(xr, yr, ncols, k, eps, wr, rr);
     } else {
         norm_span<MODE, BLOCK, FUSE>(xr, yr, ncols, k, eps, wr, wcols, rr, rcols);
     }
