@@ -256,6 +256,31 @@ class _Bound:
     runners: list[Callable[[], None]]
     #: device name -> its feeder (devices whose backends stage transfers)
     feeders: dict[str, _Feeder] = attrs.field(factory=dict)
+    #: what Plan.run needs on every run, computed once at the end of binding (`_Plumbing`)
+    plumbing: _Plumbing | None = None
+
+
+@attrs.define(eq=False)
+class _Plumbing:
+    """Per-run work of Plan.run resolved once at bind time, so a run does no per-leaf Python work:
+    the plan's inputs; per input fed through a staging buffer, a typed view of its bytes there
+    (`_Slot`); per output, where its value comes from; the feeders to drive."""
+
+    inputs: tuple[Tensor, ...]
+    slots: dict[Tensor, _Slot]
+    #: per graph output: (its view of an output staging buffer, or None: read through Plan.read)
+    outputs: list[np.ndarray | None]
+    feeders: tuple[_Feeder, ...]
+
+
+@attrs.define(eq=False)
+class _Slot:
+    """An input's bytes in its feeder's staging buffer, as an array of the input's shape and numpy dtype
+    (None for block formats: those go through Plan._host_bytes)."""
+
+    dst: np.ndarray | None
+    raw: np.ndarray  # the same bytes, flat uint8
+    is_int: bool
 
 
 @attrs.define(eq=False)
@@ -361,25 +386,31 @@ class Plan:
         but the next run of this plan overwrites them (a decode loop that
         samples from the logits before the next step can use that).
         """
-        given = {self._own(k): v for k, v in (feeds or {}).items()}
-        missing = [t.describe() for t in self.graph.inputs if t not in given]
-        if missing:
+        alias = self._alias
+        given: dict[Tensor, Any] = {}
+        for k, v in (feeds or {}).items():
+            given[self._own(k) if k.__class__ is str else alias.get(k, k)] = v
+        ready = self._shared.bound
+        inputs = ready.plumbing.inputs if ready is not None else self.graph.inputs
+        if len(given) < len(inputs) or any(t not in given for t in inputs):
+            missing = [t.describe() for t in inputs if t not in given]
             raise KeyError(f"no value for input {', '.join(missing)}")
-        bound = self._bind()
-        feeders = bound.feeders
+        bound = ready if ready is not None else self._bind()
+        pl = bound.plumbing
+        slots = pl.slots
         for t, value in given.items():
-            feeder = feeders.get(self.homes[t].name) if t.flags & Flag.INPUT else None
-            if feeder is not None and t in feeder.inputs:
-                raw = self._host_bytes(t, value)
-                off = feeder.inputs[t]
-                feeder.host[off:off + raw.size] = raw
-            else:
+            slot = slots.get(t)
+            if slot is None:
                 self.write(t, value)  # synchronous: done before anything below is queued
+            elif not _fill_slot(slot, t, value):
+                raw = self._host_bytes(t, value)
+                slot.raw[:raw.size] = raw
         try:
-            for feeder in feeders.values():
+            for feeder in pl.feeders:
                 feeder.upload()  # queued on the device's stream, ahead of the launches
-            self.launch()
-            for feeder in feeders.values():
+            for runner in bound.runners:
+                runner()
+            for feeder in pl.feeders:
                 feeder.download()  # queued behind the launches
         except BaseException:
             # The staging buffers may be in use by queued copies: wait (ignoring a second error) before
@@ -387,17 +418,14 @@ class Plan:
             with contextlib.suppress(Exception):
                 self.synchronize()
             raise
-        self.synchronize()
+        for backend in bound.backends.values():
+            backend.synchronize()
         out = []
-        for o in self.graph.outputs:
-            b = o.base
-            feeder = feeders.get(self.homes[b].name)
-            if feeder is None or b not in feeder.outputs:
+        for o, view in zip(self.graph.outputs, pl.outputs):
+            if view is None:
                 out.append(self.read(o))
-                continue
-            host_off = feeder.outputs[b][0]
-            arr = o.host_view(feeder.out_host[host_off:host_off + b.nbytes], o.view_offset)
-            out.append(np.array(arr) if copy else arr)
+            else:
+                out.append(np.array(view) if copy else view)
         return out
 
     def write(self, t: Tensor | str, value: Any) -> None:
@@ -526,7 +554,32 @@ class Plan:
         flush()
         for name, feeder in bound.feeders.items():
             self._feed_outputs(bound, name, feeder)
+        bound.plumbing = self._plumbing(bound)
         return bound
+
+    def _plumbing(self, bound: _Bound) -> _Plumbing:
+        """What every run of this plan needs, resolved now (see _Plumbing)."""
+        slots: dict[Tensor, _Slot] = {}
+        for t in self.graph.inputs:
+            feeder = bound.feeders.get(self.homes[t].name)
+            if feeder is None or t not in feeder.inputs:
+                continue
+            off = feeder.inputs[t]
+            raw = feeder.host[off:off + t.nbytes]
+            dst = None
+            if not t.dtype.is_quant and t.is_contiguous():
+                dst = raw.view(t.dtype.numpy).reshape(t.shape)
+            slots[t] = _Slot(dst, raw, bool(t.dtype.is_int))
+        outputs: list[np.ndarray | None] = []
+        for o in self.graph.outputs:
+            b = o.base
+            feeder = bound.feeders.get(self.homes[b].name)
+            if feeder is None or b not in feeder.outputs:
+                outputs.append(None)
+                continue
+            host_off = feeder.outputs[b][0]
+            outputs.append(o.host_view(feeder.out_host[host_off:host_off + b.nbytes], o.view_offset))
+        return _Plumbing(tuple(self.graph.inputs), slots, outputs, tuple(bound.feeders.values()))
 
     def _make_feeder(self, name: str, backend: Any) -> _Feeder:
         """The feeder of device `name`: this plan's inputs there that have no buffer yet get one block
@@ -584,6 +637,21 @@ class Plan:
             dst_be.write(dst[0], dst[1], src_be.read(src[0], src[1], n))
 
         return copy
+
+
+def _fill_slot(slot: _Slot, t: Tensor, value: Any) -> bool:
+    """Copy `value` into its staging slot when it is a numpy array of the input's shape that needs no
+    conversion beyond Plan._host_bytes' integer cast; False: the caller converts it (_host_bytes)."""
+    dst = slot.dst
+    if dst is None or value.__class__ is not np.ndarray or value.shape != dst.shape:
+        return False
+    if value.dtype == dst.dtype:
+        np.copyto(dst, value)
+    elif slot.is_int:
+        np.copyto(dst, value, casting="unsafe")  # _host_bytes' astype
+    else:
+        return False
+    return True
 
 
 def _mib(n: int) -> str:

@@ -22,6 +22,9 @@ class Graph:
     nodes: list[Tensor]
     leafs: list[Tensor]
     users: dict[Tensor, list[Tensor]]
+    #: leafs_with's answers, by flag value: a graph's leafs do not change once built, and Plan.run
+    #: asks for the inputs on every run (enum Flag arithmetic per leaf is slow on a hot path)
+    _with: dict[int, tuple[Tensor, ...]] = attrs.field(init=False, factory=dict, repr=False)
 
     @classmethod
     def build(cls, outputs: Tensor | Sequence[Tensor]) -> Graph:
@@ -60,7 +63,11 @@ class Graph:
         return any(t is o for o in self.outputs)
 
     def leafs_with(self, flag: Flag) -> list[Tensor]:
-        return [t for t in self.leafs if t.flags & flag]
+        """The leafs with any of `flag`'s bits, in leaf order (computed once per flag, then cached)."""
+        got = self._with.get(flag.value)
+        if got is None:
+            got = self._with[flag.value] = tuple(t for t in self.leafs if t.flags & flag)
+        return list(got)
 
     @property
     def inputs(self) -> list[Tensor]:

@@ -28,6 +28,7 @@ as a strided view (1, kv_heads, window, head_dim) that costs nothing.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
@@ -341,23 +342,51 @@ class StepInputs:
         return self.feeds_batch([token_ids], [n_past])
 
     def feeds_batch(self, token_ids: Sequence[Sequence[int]], n_past: Sequence[int]) -> dict[Tensor, np.ndarray]:
-        """Sequence b's tokens token_ids[b] (each of the step's n) at positions n_past[b].."""
-        b_, n, window = self.mask.shape[0], self.mask.shape[2], self.mask.shape[-1]
+        """Sequence b's tokens token_ids[b] (each of the step's n) at positions n_past[b]..
+
+        Fresh arrays every call (a caller may keep them); the mask rows are cut from a precomputed
+        staircase (`_mask_rows`), so a decode step's inputs cost a few small numpy calls.
+        """
+        b_, n, window = self._dims
         if len(token_ids) != b_ or len(n_past) != b_ or any(len(t) != n for t in token_ids):
             raise ValueError(f"llama step built for {b_} sequence(s) of {n} tokens, got "
                              f"{[len(t) for t in token_ids]} tokens at {len(n_past)} position(s)")
-        positions = np.asarray(n_past, np.int64)[:, None] + np.arange(n)  # (B, n)
-        if positions.min() < 0 or positions.max() >= window:
-            raise ValueError(f"llama step: positions {positions.min()}..{positions.max()} outside its window of "
-                             f"{window}")
-        causal = np.arange(window) <= positions[..., None]  # (B, n, window)
-        rows = (self.first_seq + np.arange(b_))[:, None] * self.max_ctx + positions
+        # Python ints: a decode step has B positions, and numpy's per-call cost dominates at that size
+        positions = [int(p) for p in n_past] if n == 1 else [int(p) + i for p in n_past for i in range(n)]
+        lo, hi = min(positions), max(positions)
+        if lo < 0 or hi >= window:
+            raise ValueError(f"llama step: positions {lo}..{hi} outside its window of {window}")
+        pos = np.array(positions, np.int32)
+        # mask row of a token at position p: staircase row window - 1 - p (0 up to p, -inf beyond)
+        if len(positions) == 1:
+            mask = self._mask_rows[window - 1 - lo].reshape(1, 1, 1, window).copy()
+        else:
+            mask = self._mask_rows[(window - 1) - pos].reshape(b_, 1, n, window)
         return {
-            self.tokens: np.asarray(token_ids, np.int32).reshape(-1),
-            self.pos: positions.astype(np.int32).reshape(-1),
-            self.kv_idx: rows.reshape(-1),
-            self.mask: np.where(causal, np.float16(0), np.float16(-np.inf))[:, None],
+            self.tokens: np.array(token_ids, np.int32).reshape(-1),
+            self.pos: pos,
+            self.kv_idx: np.array([r + p for r, p in zip(self._row_base, positions)], np.int64),
+            self.mask: mask,
         }
+
+    @property
+    def _dims(self) -> tuple[int, int, int]:
+        return self.mask.shape[0], self.mask.shape[2], self.mask.shape[-1]
+
+    @functools.cached_property
+    def _row_base(self) -> list[int]:
+        """Cache row of position 0 of each of the step's B * n rows: (first_seq + b) * max_ctx."""
+        b_, n, _ = self._dims
+        return [(self.first_seq + b) * self.max_ctx for b in range(b_) for _ in range(n)]
+
+    @functools.cached_property
+    def _mask_rows(self) -> np.ndarray:
+        """(window, window) f16: row r is 0 for columns <= window - 1 - r, -inf beyond (read-only)."""
+        window = self.mask.shape[-1]
+        stair = np.full(2 * window - 1, -np.inf, np.float16)
+        stair[:window] = 0
+        rows = np.lib.stride_tricks.sliding_window_view(stair, window)  # row r = stair[r:r + window]
+        return rows
 
 
 @attrs.define(eq=False)

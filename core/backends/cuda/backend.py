@@ -85,8 +85,12 @@ class Segment:
 
     def __call__(self) -> None:
         be = self.backend
-        with be.cuda_device, be.stream:  # foreign launches (CuPy calls) go to our stream too
-            self.runner(self.signature)
+        with be.cuda_device:
+            # A replay launches the graph on our stream explicitly; direct launches and captures may make
+            # foreign launches (CuPy calls), which must go to our stream too.
+            if not self.runner.replay_same(self.signature):
+                with be.stream:
+                    self.runner(self.signature)
         be.pending[self.runner.name] = None
 
 
