@@ -598,6 +598,12 @@ FA_CASES["prefill causal bf16 softcap q=300 kv=1200"] = dict(d=128, tq=300, tk=1
                                                              mask="causal", softcap=10.0)
 FA_CASES["prefill q8_0 causal q=200 kv=700"] = dict(d=128, tq=200, tk=700, hq=2, hkv=1, kv="q8_0", mask="causal")
 FA_CASES["prefill no mask q=131 kv=1000 gqa 4"] = dict(d=128, tq=131, tk=1000, hq=8, hkv=2)
+# prefill tiles with no mask reads (all-zero mask blocks, no mask) on the unchecked cp.async loader
+# of D = 64 / 128 / 256, the scale folded into the exponent, beside diagonal tiles and sinks
+FA_CASES["prefill no mask d=64 q=256 kv=1024 gqa 2"] = dict(d=64, tq=256, tk=1024, hq=4, hkv=2, q_dtype="f16")
+FA_CASES["prefill no mask d=256 bf16 q=128 kv=512"] = dict(d=256, tq=128, tk=512, hq=2, hkv=1, kv="bf16")
+FA_CASES["prefill causal sinks d=128 q=640 kv=640 gqa 4"] = dict(d=128, tq=640, tk=640, hq=8, hkv=2, mask="causal",
+                                                                 sinks=True, q_dtype="f16")
 # decode: many splits of 64-key tiles, kv not a multiple of 64, more than 16 columns a KV head
 FA_CASES["decode q=8 gqa 8 (64 columns) kv=5000"] = dict(d=128, tq=8, tk=5000, hq=16, hkv=2, mask="random")
 FA_CASES["decode gqa 32 kv=3001 bf16 sinks"] = dict(d=128, tq=1, tk=3001, hq=64, hkv=2, kv="bf16", sinks=True)

@@ -13,12 +13,49 @@
 // layout of the A operand of P V. Blocks start from the last query tile, the
 // longest under a causal mask, so the short ones fill the tail.
 //
+// The loop is bound by instruction issue, not by the tensor cores, so the common
+// tile (whole, f16/bf16 aligned K/V, mask block all zero or no mask, no softcap)
+// takes a lean path: unchecked cp.async loads, ldmatrix on precomputed 32-bit
+// shared addresses, the scale folded into one FFMA before ex2.approx, O rescaled
+// only when some row's maximum grew. Diagonal/tail/softcap tiles take the general
+// path (mask read per element through per-row pointers).
+//
 // `flags` (from fattn_mask_flags, one byte per (mask slice, q tile, kv tile)):
 // 0 = the mask block is all -inf, the tile is skipped (a causal mask costs half);
 // 2 = all zero, the mask is not read; 1 = read it. Null flags: no mask.
 //
 // Strides are in bytes: q, k, v and mask (t, h, b); mask heads / batches by modulo.
 #include "attn_common.cuh"
+
+namespace od_prefill {
+
+// 2^x on the MUFU unit, flushing denormal results to zero (exp2f adds a range fix-up
+// of three instructions around it; probabilities below 2^-126 do not matter here).
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// A whole K or V tile of ROWS keys (all < tk) of f16/bf16 rows 16-byte aligned: only
+// cp.async, no per-chunk checks. 128 threads, D / 8 chunks a row dividing 128 (D = 64,
+// 128, 256): a thread's column is fixed and its rows step by 128 / (D / 8).
+template <int D, int ROWS>
+__device__ __forceinline__ void load_tile_full(unsigned short* dst, const char* base, long long rs, int kb, int tid) {
+    constexpr int CPR = D / 8;
+    constexpr int RPP = 128 / CPR;
+    static_assert(128 % CPR == 0 && ROWS % RPP == 0, "full-tile loader: chunks must divide evenly");
+    const int r0 = tid / CPR;
+    const int c0 = tid % CPR;
+    const char* src = base + static_cast<long long>(kb + r0) * rs + c0 * 16;
+    const unsigned sa = od_attn::smem_addr(dst + r0 * (D + 8) + c0 * 8);
+#pragma unroll
+    for (int it = 0; it < ROWS / RPP; ++it) {
+        od_attn::cp_async16(sa + it * RPP * (D + 8) * 2, src + it * RPP * rs);
+    }
+}
+
+}  // namespace od_prefill
 
 template <int D, typename KT>
 __global__ void __launch_bounds__(128, 2) fattn_prefill(
@@ -93,7 +130,16 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
         return n_kv_tiles;
     };
     auto stage_k = [&](int st) { return smem + BM * SR + st * 2 * BN * SR; };
+    constexpr bool NATIVE = same_type<KT, f16>::value || BF;
+    constexpr bool FULL_OK = NATIVE && 128 % (D / 8) == 0;
     auto load_kv = [&](int j, int st) {
+        if constexpr (FULL_OK) {
+            if (vec && (j + 1) * BN <= tk) {  // the common case: straight cp.async, no checks
+                od_prefill::load_tile_full<D, BN>(stage_k(st), kbase, ks_t, j * BN, tid);
+                od_prefill::load_tile_full<D, BN>(stage_k(st) + BN * SR, vbase, vs_t, j * BN, tid);
+                return;
+            }
+        }
         load_tile<D, BN, 128, KT>(stage_k(st), kbase, ks_t, j * BN, tk, vec, tid);
         load_tile<D, BN, 128, KT>(stage_k(st) + BN * SR, vbase, vs_t, j * BN, tk, vec, tid);
     };
@@ -112,6 +158,13 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
     const int g = lane >> 2;
     const int tq4 = lane & 3;
     const int wrow = warp * 16 * MT;  // this warp's first row in the tile
+    // Byte addresses in shared memory of what this lane hands ldmatrix: Q rows wrow + (lane & 15),
+    // column half lane >> 4; K (non-transposed B operand) rows (lane >> 4) * 8 + (lane & 7), column
+    // half (lane >> 3) & 1; V (transposed) rows lane & 15, column half lane >> 4.
+    const unsigned q_sa = smem_addr(sQ) + ((wrow + (lane & 15)) * SR + (lane >> 4) * 8) * 2;
+    const unsigned kv_sa = smem_addr(smem) + BM * SR * 2;
+    const unsigned k_lane = (((lane >> 4) * 8 + (lane & 7)) * SR + ((lane >> 3) & 1) * 8) * 2;
+    const unsigned v_lane = ((lane & 15) * SR + (lane >> 4) * 8) * 2;
 
     int j = next_tile(-1);
     if (j < n_kv_tiles) {
@@ -128,9 +181,11 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
         }
         cp_async_commit();
 
-        const unsigned short* Ks = stage_k(st);
-        const unsigned short* Vs = Ks + BN * SR;
+        // ldmatrix addresses (32-bit shared): this lane's row/column offsets plus compile-time steps
+        const unsigned k_sa = kv_sa + st * (2 * BN * SR * 2) + k_lane;
+        const unsigned v_sa = kv_sa + st * (2 * BN * SR * 2) + BN * SR * 2 + v_lane;
         const int kb = j * BN;
+        const int flag = fl != nullptr ? fl[j] : 2;  // loaded before S = Q K^T, which hides its latency
 
         // S = Q K^T (MT x 16 rows x BN keys per warp); each K fragment feeds MT mma
         float s[MT][NT][4];
@@ -146,14 +201,12 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
             unsigned a[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                ldsm_x4(smem_addr(sQ + (wrow + mt * 16 + (lane & 15)) * SR + kk * 16 + (lane >> 4) * 8), a[mt][0],
-                        a[mt][1], a[mt][2], a[mt][3]);
+                ldsm_x4(q_sa + (mt * 16 * SR + kk * 16) * 2, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
             }
 #pragma unroll
             for (int np = 0; np < NT / 2; ++np) {
                 unsigned r0, r1, r2, r3;
-                ldsm_x4(smem_addr(Ks + (np * 16 + (lane >> 4) * 8 + (lane & 7)) * SR + kk * 16 + ((lane >> 3) & 1) * 8),
-                        r0, r1, r2, r3);
+                ldsm_x4(k_sa + (np * 16 * SR + kk * 16) * 2, r0, r1, r2, r3);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma_16816<BF>(s[mt][2 * np], a[mt], r0, r1);
@@ -162,38 +215,39 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
             }
         }
 
-        // to log2 units: scale, softcap, mask (+ ALiBi) where the tile needs it, keys past tk
-        if (softcap != 0.0f) {
+        // Logits in log2 units are s * mul. The common tile (mask block all zero or no mask,
+        // no softcap, every key < tk, scale > 0) keeps the raw dot products: the maximum is
+        // taken over them and scaled once a row, and the scale folds into the exponent's
+        // FFMA, so a logit costs FMNMX + FFMA + MUFU + FADD. Other tiles (the causal
+        // diagonal, a tail, softcap) are brought to log2 units first and take mul = 1.
+        float mul = mul2;
+        if (flag != 2 || kb + BN > tk || softcap != 0.0f || !(mul2 > 0.0f)) {
+            mul = 1.0f;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
+                for (int r = 0; r < 2; ++r) {
+                    const int row = q0 + wrow + mt * 16 + g + 8 * r;
+                    const unsigned short* mrow =
+                        flag == 1 && row < tq ? reinterpret_cast<const unsigned short*>(mbase + row * ms_t) : nullptr;
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        s[mt][nt][e] = tanhf(s[mt][nt][e] * in_scale);
+                    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+                        for (int e2 = 0; e2 < 2; ++e2) {
+                            float x = s[mt][nt][2 * r + e2];
+                            if (softcap != 0.0f) {
+                                x = tanhf(x * in_scale);
+                            }
+                            x *= mul2;
+                            const int key = kb + nt * 8 + 2 * tq4 + e2;
+                            if (key >= tk) {
+                                x = NEG_INF;
+                            } else if (mrow != nullptr) {
+                                x = fmaf(slope2, od::f16_to_f32(mrow[key]), x);  // -inf stays -inf
+                            }
+                            s[mt][nt][2 * r + e2] = x;
+                        }
                     }
-                }
-            }
-        }
-        const int flag = fl != nullptr ? fl[j] : 2;
-        const bool tail = kb + BN > tk;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float x = s[mt][nt][e] * mul2;
-                    const int row = q0 + wrow + mt * 16 + g + (e >> 1) * 8;
-                    const int key = kb + nt * 8 + 2 * tq4 + (e & 1);
-                    if (flag == 1 && row < tq && key < tk) {
-                        const unsigned short m = *reinterpret_cast<const unsigned short*>(mbase + row * ms_t + key * 2LL);
-                        x = fmaf(slope2, od::f16_to_f32(m), x);  // -inf stays -inf
-                    }
-                    if (tail && key >= tk) {
-                        x = NEG_INF;
-                    }
-                    s[mt][nt][e] = x;
                 }
             }
         }
@@ -211,30 +265,33 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
             mx0 = fmaxf(mx0, __shfl_xor_sync(od::FULL_MASK, mx0, 2));
             mx1 = fmaxf(mx1, __shfl_xor_sync(od::FULL_MASK, mx1, 1));
             mx1 = fmaxf(mx1, __shfl_xor_sync(od::FULL_MASK, mx1, 2));
-            const float mn0 = fmaxf(mrun[mt][0], mx0);
-            const float mn1 = fmaxf(mrun[mt][1], mx1);
-            const float a0 = exp2f(mrun[mt][0] - mn0);
-            const float a1 = exp2f(mrun[mt][1] - mn1);
+            const float mn0 = fmaxf(mrun[mt][0], mx0 * mul);  // mul > 0: the max commutes with it
+            const float mn1 = fmaxf(mrun[mt][1], mx1 * mul);
+            const float a0 = od_prefill::ex2(mrun[mt][0] - mn0);
+            const float a1 = od_prefill::ex2(mrun[mt][1] - mn1);
             mrun[mt][0] = mn0;
             mrun[mt][1] = mn1;
             float ls0 = 0.0f, ls1 = 0.0f;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                s[mt][nt][0] = exp2f(s[mt][nt][0] - mn0);
-                s[mt][nt][1] = exp2f(s[mt][nt][1] - mn0);
-                s[mt][nt][2] = exp2f(s[mt][nt][2] - mn1);
-                s[mt][nt][3] = exp2f(s[mt][nt][3] - mn1);
+                s[mt][nt][0] = od_prefill::ex2(fmaf(s[mt][nt][0], mul, -mn0));
+                s[mt][nt][1] = od_prefill::ex2(fmaf(s[mt][nt][1], mul, -mn0));
+                s[mt][nt][2] = od_prefill::ex2(fmaf(s[mt][nt][2], mul, -mn1));
+                s[mt][nt][3] = od_prefill::ex2(fmaf(s[mt][nt][3], mul, -mn1));
                 ls0 += s[mt][nt][0] + s[mt][nt][1];
                 ls1 += s[mt][nt][2] + s[mt][nt][3];
             }
             lrun[mt][0] = lrun[mt][0] * a0 + ls0;
             lrun[mt][1] = lrun[mt][1] * a1 + ls1;
+            // rescale O only where some row of the warp saw its maximum grow (warp-uniform branch)
+            if (__any_sync(od::FULL_MASK, a0 != 1.0f || a1 != 1.0f)) {
 #pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                o[mt][dt][0] *= a0;
-                o[mt][dt][1] *= a0;
-                o[mt][dt][2] *= a1;
-                o[mt][dt][3] *= a1;
+                for (int dt = 0; dt < DT; ++dt) {
+                    o[mt][dt][0] *= a0;
+                    o[mt][dt][1] *= a0;
+                    o[mt][dt][2] *= a1;
+                    o[mt][dt][3] *= a1;
+                }
             }
         }
 
@@ -252,7 +309,7 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
 #pragma unroll
             for (int dp = 0; dp < D / 16; ++dp) {
                 unsigned r0, r1, r2, r3;
-                ldsm_x4_trans(smem_addr(Vs + (kk * 16 + (lane & 15)) * SR + dp * 16 + (lane >> 4) * 8), r0, r1, r2, r3);
+                ldsm_x4_trans(v_sa + (kk * 16 * SR + dp * 16) * 2, r0, r1, r2, r3);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma_16816<BF>(o[mt][2 * dp], a[mt], r0, r1);
