@@ -327,11 +327,11 @@ def check_spec(spec: cm.KernelSpec) -> None:
     ("f16", (64, 4096), None, "mmv<W_F16, B_F32, 1, 2, true, EPI_NONE>"),
     ("f32", (64, 65), None, "mmv<W_F32, B_F32, 8, 2, false, EPI_NONE>"),  # K % 8 != 0: scalar
     ("bf16", (64, 80), None, "mmv<W_BF16, B_F32, 4, 2, true, EPI_NONE>"),
-    ("q4_0", (64, 4096), None, "mmvq<W_Q4_0, B_F32, 1, EPI_NONE>"),
-    ("q8_0", (64, 96), "offset", "mmvq<W_Q8_0, B_F32, 4, EPI_NONE>"),  # b read by elements: any layout
+    ("q4_0", (64, 4096), None, "mmvq<W_Q4_0, 1, EPI_NONE>"),
+    ("q8_0", (64, 96), "offset", "mmvq<W_Q8_0, 4, EPI_NONE>"),  # b read by elements: any layout
     ("f16", (64, 96), "T", "mmv<W_F16, B_F32, 8, 2, false, EPI_NONE>"),  # b's K axis strided
     ("f32", (64, 96), "offset", "mmv<W_F32, B_F32, 8, 2, false, EPI_NONE>"),  # b rows misaligned
-    ("q5_1", (64, 96), "f16", "mmvq<W_Q5_1, B_F16, 8, EPI_NONE>"),
+    ("q5_1", (64, 96), "f16", "mmvq<W_Q5_1, 4, EPI_NONE>"),
     ("bf16", (64, 96), "f16", "mmv<W_BF16, B_F16, 8, 2, true, EPI_NONE>"),
 ])
 def test_mmv_spec_picks_the_variant(dt: str, a_shape: tuple, b_view: str | None, kernel: str) -> None:
@@ -345,14 +345,19 @@ def test_mmv_spec_picks_the_variant(dt: str, a_shape: tuple, b_view: str | None,
     else:
         b = od.input("x", (n, k), "f16" if b_view == "f16" else "f32")
     y = ops.mul_mat(weight("w", a_shape, dt), b)
-    (spec,) = cm.mmv_specs(y, y, fake_ptr, fake_scratch)
+    specs = cm.mmv_specs(y, y, fake_ptr, fake_scratch)
+    spec = specs[-1]
     assert spec.kernel == kernel
-    check_spec(spec)
-    if dt in QUANTS:  # one launch: b is quantized inside the kernel, QSTREAMS rows a block
-        assert spec.grid == (a_shape[0] // cm.QSTREAMS, 1, 1) and spec.block == cm.QBLOCK
-        nt = int(kernel.split(",")[2])
-        assert spec.smem == cm.q_smem(dtypes_block_bytes(dt), nt) <= 64 * 1024
-        assert int(spec.args[7]) == fake_ptr(b)
+    for sp in specs:
+        check_spec(sp)
+    if dt in QUANTS:  # b quantized to q8_1 first, then QROWS rows a block
+        quant = specs[0]
+        assert len(specs) == 2 and quant.kernel == f"quantize_q8_1<{cm.B_KIND[b.dtype.name]}>"
+        nbp = -(-k // 32 // 32) * 32
+        assert quant.grid == (n, -(-k // 32 // 8)) and int(quant.args[0]) == fake_ptr(b)
+        assert int(quant.args[-2]) == SCRATCH and int(quant.args[-1]) == SCRATCH + n * nbp * 32
+        assert spec.grid == (a_shape[0] // cm.QROWS, 1, 1) and spec.block == cm.q_threads(k) and spec.smem == 0
+        assert (int(spec.args[7]), int(spec.args[8]), int(spec.args[9])) == (SCRATCH, SCRATCH + n * nbp * 32, nbp)
     else:
         assert spec.grid == (a_shape[0] // 2, 1, 1) and spec.block == cm.BLOCK and spec.smem == 0
 
@@ -361,14 +366,13 @@ def dtypes_block_bytes(dt: str) -> int:
     return {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}[dt]
 
 
-def test_q_smem_mirrors_the_kernel() -> None:
-    """q_smem: QSTREAMS chunks of QCHUNK blocks plus a granule, and nt b columns (codes and (d, d*sum))."""
-    assert cm.q_smem(18, 1) == 16 * (64 * 18 // 16 + 1) * 16 + 64 * 40
-    assert cm.q_smem(34, 8) == 16 * 137 * 16 + 8 * 2560
+def test_q_constants_mirror_the_kernel() -> None:
+    """QROWS, QWARPS_MAX, QUANT_BLOCK as mmv.cu has them; threads a block from K."""
     src = cm.MMV_CU.read_text()
-    for name, value in (("QBLOCK", cm.QBLOCK), ("QCHUNK", cm.QCHUNK)):
+    for name, value in (("QROWS", cm.QROWS), ("QWARPS_MAX", cm.QWARPS_MAX), ("QUANT_BLOCK", cm.QUANT_BLOCK)):
         assert re.search(rf"constexpr int {name} = {value};", src), name
-    assert "constexpr int QSTREAMS = 2 * QWARPS;" in src and cm.QSTREAMS == 2 * cm.QBLOCK // 32
+    assert [cm.q_threads(k) for k in (32, 1024, 2048, 4096, 5632, 14336)] == [32, 32, 64, 128, 128, 128]
+    assert [cm.q8_padded(k) for k in (32, 1024, 1056, 4096)] == [32, 32, 64, 128]
 
 
 def test_mmv_spec_batch_geometry() -> None:
@@ -388,14 +392,18 @@ def test_mmv_id_and_grouped_specs() -> None:
     experts = weight("e", (8, 32, 64), "q4_0")
     ids = od.input("ids", (1, 4), "i32")
     y = ops.mul_mat_id(experts, od.input("x", (1, 1, 64)), ids)
-    (spec,) = cm.mmv_id_specs(y, y, fake_ptr, fake_scratch)
-    assert spec.kernel == "mmvq_id<W_Q4_0, EPI_NONE>" and spec.grid == (2, 4, 1)
-    assert spec.block == cm.QBLOCK and spec.smem == cm.q_smem(18, 1)
+    quant, spec = cm.mmv_id_specs(y, y, fake_ptr, fake_scratch)
+    assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (1, 1)
+    assert spec.kernel == "mmvq_id<W_Q4_0, EPI_NONE>" and spec.grid == (8, 4, 1)
+    assert spec.block == 32 and spec.smem == 0
+    check_spec(quant)
     check_spec(spec)
     y = ops.mul_mat_id(experts, od.input("x", (32, 1, 64)), od.input("ids", (32, 4), "i32"))
-    route, grouped = cm.grouped_specs(y, y, fake_ptr, fake_scratch)
-    assert grouped.kernel == "mmvq_id_grouped<W_Q4_0, 8, EPI_NONE>" and grouped.grid == (2, 8)
-    assert grouped.smem == cm.q_smem(18, 8)
+    route, quant, grouped = cm.grouped_specs(y, y, fake_ptr, fake_scratch)
+    assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (32, 1)  # 32 tokens x 1 b row
+    assert grouped.kernel == "mmvq_id_grouped<W_Q4_0, 8, EPI_NONE>" and grouped.grid == (8, 8)
+    assert grouped.smem == 0
+    check_spec(quant)
     check_spec(grouped)
     ids = od.input("ids", (32, 4), "i32")
     y = ops.mul_mat_id(weight("e16", (8, 32, 64), "f16"), od.input("x", (32, 4, 64)), ids)
@@ -411,11 +419,12 @@ def test_fused_glu_spec() -> None:
     y = _glu_graph("q4_0", n=2, kind="geglu", bias=True)
     nodes = Graph.build(y).nodes
     prods, biases, glu = fusion.parts(nodes)
-    (spec,) = cm.mmv_specs(prods[0], nodes[-1], fake_ptr, fake_scratch, a1=prods[1].srcs[0], bias0=biases[0],
-                           bias1=biases[1], glu=glu)
-    assert spec.kernel == "mmvq<W_Q4_0, B_F32, 2, EPI_GLU>"
+    quant, spec = cm.mmv_specs(prods[0], nodes[-1], fake_ptr, fake_scratch, a1=prods[1].srcs[0],
+                               bias0=biases[0], bias1=biases[1], glu=glu)
+    assert quant.kernel == "quantize_q8_1<B_F32>"  # b quantized once for both weights
+    assert spec.kernel == "mmvq<W_Q4_0, 2, EPI_GLU>"
     m = prods[0].shape[-1]
-    assert spec.grid == (-(-m // (cm.QSTREAMS // 2)), 1, 1)  # gate and up rows: half as many a block
+    assert spec.grid == (-(-m // (cm.QROWS // 2)), 1, 1)  # gate and up rows: half as many a block
     check_spec(spec)
     assert int(spec.args[1]) == fake_ptr(prods[1].srcs[0]) and int(spec.args[-3]) == 1  # geglu
 

@@ -3,14 +3,15 @@
 Paths (support.py picks one per node; its name shows in `Plan.explain()`):
 
 - mmvf / mmvq: batch N <= 8, float / block-quantized weights: kernels/mmv.cu's
-  mat-vec, reading each weight byte once with 16-byte loads. Float weights take
-  b as it is (f32/f16/bf16). Block formats (only 2-byte aligned) are staged
-  through shared memory by whole 16-byte granules, and each block quantizes
-  its b values to int8 there with a scale per 32 values (ggml's q8_1 idea) for
-  integer dot products (dp4a): one kernel, no separate pass over b, a few
-  integer instructions per 4 weights. The rounding of b this adds is ggml's too
-  (its CPU and CUDA backends quantize b for these types) and lies well inside
-  mul_mat's NMSE bound.
+  mat-vec, reading each weight byte once. Float weights take b as it is
+  (f32/f16/bf16), 16-byte loads. Block formats take two launches: quantize_q8_1
+  turns b into int8 codes with a scale per 32 values (ggml's q8_1) in a scratch
+  buffer, once per node; then each thread of the mat-vec reads whole quant blocks
+  of QROWS rows straight from global memory (the aligned 16-byte granules that
+  hold each 2-byte aligned block; consecutive threads, consecutive blocks) and
+  dots them with b by dp4a, no shared-memory staging. The rounding of b this adds
+  is ggml's too (its CPU and CUDA backends quantize b for these types) and lies
+  well inside mul_mat's NMSE bound.
 - cublas: float weights, N > 8: cuBLAS through our own handles
   (core/backends/cuda/cublas.py, usable under CUDA-graph capture): cublasLt
   (algorithm timed once per problem) for one GEMM or strided batches when
@@ -79,9 +80,9 @@ ROWS = 2  # rows of a a mat-vec block computes (the kernels' R)
 NTS = (1, 2, 4, 8)  # column counts the mat-vec kernels are compiled for
 ROUTE_BLOCK = 1024  # mmv.cu's ROUTE_BLOCK
 CONVERT_BLOCK = 256  # convert.cu's CONVERT_BLOCK
-# mmv.cu's block-format mat-vec (q_tile): threads, rows (streams) a block, blocks of 32 a chunk,
-# shared bytes of one b column of a chunk
-QBLOCK, QSTREAMS, QCHUNK, QB_COLUMN = 256, 16, 64, 64 * (8 * 4 + 8)
+# mmv.cu's block-format mat-vec: weight rows (streams) a block, warps a block at most,
+# quantize_q8_1's threads
+QROWS, QWARPS_MAX, QUANT_BLOCK = 4, 4, 256
 CONVERT_GRID_MAX = 65536  # blocks of a conversion (grid-stride over rows beyond)
 
 
@@ -101,8 +102,8 @@ def grouped_name(wt: str, tb: str, nt: int, vec: bool, epi: str) -> str:
     return f"mmv_id_grouped<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {ROWS}, {_b(vec)}, {epi}>"
 
 
-def mmvq_name(wt: str, tb: str, nt: int, epi: str) -> str:
-    return f"mmvq<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {epi}>"
+def mmvq_name(wt: str, nt: int, epi: str) -> str:
+    return f"mmvq<{W_KIND[wt]}, {nt}, {epi}>"
 
 
 def mmvq_id_name(wt: str, epi: str) -> str:
@@ -113,10 +114,31 @@ def qgrouped_name(wt: str, nt: int, epi: str) -> str:
     return f"mmvq_id_grouped<{W_KIND[wt]}, {nt}, {epi}>"
 
 
-def q_smem(block_bytes: int, nt: int) -> int:
-    """Dynamic shared memory of a q_tile kernel (mmv.cu's QTile::smem): the staged weight
-    chunks (QCHUNK blocks a stream, plus one granule for unaligned rows) and nt b columns."""
-    return QSTREAMS * (QCHUNK * block_bytes // 16 + 1) * 16 + nt * QB_COLUMN
+def quantize_name(tb: str) -> str:
+    return f"quantize_q8_1<{B_KIND[tb]}>"
+
+
+def q_threads(k: int) -> int:
+    """Threads of a block-format mat-vec block: a warp per 32 quant blocks of a row, 1 to QWARPS_MAX."""
+    return 32 * min(QWARPS_MAX, max(1, math.ceil(k // 32 / 32)))
+
+
+def q8_padded(k: int) -> int:
+    """Blocks of 32 a quantized b row holds (quantize_q8_1's nbp): k / 32 rounded up to 32."""
+    return math.ceil(k // 32 / 32) * 32
+
+
+def quantize_spec(b: Tensor, pb: int, scratch: Scratch) -> tuple[KernelSpec, int, int, int]:
+    """quantize_q8_1 of b's rows (row (i3 * n2 + i2) * n1 + i1 of b's padded (n3, n2, n1, K)
+    geometry) into the scratch buffer "bq": (spec, codes address, scales address, nbp)."""
+    (n3, n2, n1, k), (s3, s2, s1, _) = _geometry(b)
+    rows, nbp = n1 * n2 * n3, q8_padded(k)
+    bq = scratch("bq", rows * nbp * (32 + 8))
+    bds = bq + rows * nbp * 32
+    spec = KernelSpec(MMV_CU, quantize_name(b.dtype.name), (max(rows, 1), max(1, math.ceil(k // 32 / 8))),
+                      QUANT_BLOCK, (U64(pb), I64(_elem_stride(b)), I64(s1), I64(s2), I64(s3), I32(max(n1, 1)),
+                                    I32(max(n2, 1)), I32(k), I32(nbp), U64(bq), U64(bds)))
+    return spec, bq, bds, nbp
 
 
 def convert_name(ts: str, td: str) -> str:
@@ -142,8 +164,8 @@ MMV_NAMES: tuple[str, ...] = (
     *(mmv_name(wt, "f32", nt, True, epi) for epi in EPIS for wt in FLOAT_NAMES for nt in NTS),
     *(mmv_name(wt, "f32", 8, False, epi) for epi in EPIS for wt in FLOAT_NAMES),
     *(mmv_name(wt, tb, 8, vec, EPI_NONE) for wt in FLOAT_NAMES for tb in ("f16", "bf16") for vec in (False, True)),
-    *(mmvq_name(wt, "f32", nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
-    *(mmvq_name(wt, tb, 8, EPI_NONE) for wt in QUANT_NAMES for tb in ("f16", "bf16")),
+    *(quantize_name(tb) for tb in FLOAT_NAMES),
+    *(mmvq_name(wt, nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
     *(mmv_id_name(wt, "f32", vec, epi) for wt in FLOAT_NAMES for vec in (False, True) for epi in EPIS),
     *(mmvq_id_name(wt, epi) for wt in QUANT_NAMES for epi in EPIS),
     *(grouped_name(wt, "f32", nt, True, epi) for wt in FLOAT_NAMES for nt in GROUPED_NTS for epi in EPIS[:2]),
@@ -254,11 +276,12 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
             U64(pb), I64(sb1), I64(_elem_stride(b)), I64(sb2), I64(sb3), U64(ptr(out)), I32(m), I32(k), I32(n),
             _addr(ptr, bias0), _addr(ptr, bias1), I32(kind), F32(alpha), F32(limit))
     if a.dtype.is_quant:
-        nt = nt_for(max(n, 1)) if tb == "f32" else 8
-        rows = QSTREAMS // (2 if epi == EPI_GLU else 1)
+        quant, bq, bds, nbp = quantize_spec(b, pb, scratch)
+        qargs = (*args[:7], U64(bq), U64(bds), I32(nbp), *args[12:])
+        rows = QROWS // (2 if epi == EPI_GLU else 1)
         grid = (math.ceil(m / rows) if n else 0, b2, b3)
-        return [KernelSpec(MMV_CU, mmvq_name(a.dtype.name, tb, nt, epi), grid, QBLOCK, args,
-                           smem=q_smem(a.dtype.block_bytes, nt))]
+        return [quant, KernelSpec(MMV_CU, mmvq_name(a.dtype.name, nt_for(max(n, 1)), epi), grid, q_threads(k),
+                                  qargs)]
     vec = (k % 4 == 0 and _b_vec(b, pb) and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0))
     nt = nt_for(max(n, 1)) if vec and tb == "f32" else 8
     grid = (math.ceil(m / ROWS) if n else 0, b2, b3)
@@ -290,9 +313,11 @@ def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: T
             U64(pb), I64(b_t), I64(b_u), I32(ub), I64(b_es), U64(ptr(out)), I32(m), I32(k),
             _addr(ptr, bias0), _addr(ptr, bias1), I64(bias_e), I32(kind), F32(alpha), F32(limit))
     if as_.dtype.is_quant:
-        rows = QSTREAMS // (2 if epi == EPI_GLU else 1)
-        return [KernelSpec(MMV_CU, mmvq_id_name(as_.dtype.name, epi), (math.ceil(m / rows), u, t), QBLOCK, args,
-                           smem=q_smem(as_.dtype.block_bytes, 1))]
+        quant, bq, bds, nbp = quantize_spec(b, pb, scratch)
+        qargs = (*args[:8], U64(bq), U64(bds), I32(nbp), I32(ub), *args[13:])
+        rows = QROWS // (2 if epi == EPI_GLU else 1)
+        return [quant, KernelSpec(MMV_CU, mmvq_id_name(as_.dtype.name, epi), (math.ceil(m / rows), u, t),
+                                  q_threads(k), qargs)]
     return [KernelSpec(MMV_CU, mmv_id_name(as_.dtype.name, "f32", vec, epi), (math.ceil(m / ROWS), u, t), BLOCK,
                        args)]
 
@@ -325,8 +350,10 @@ def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, bias
             U64(pb), I64(b_t), I64(b_u), I32(ub), I64(b_es), U64(ptr(out)), I32(m), I32(k), I32(u),
             _addr(ptr, bias), I64(bias.strides[0] if bias is not None else 0))
     if quant:
-        specs.append(KernelSpec(MMV_CU, qgrouped_name(as_.dtype.name, nt, epi), (math.ceil(m / QSTREAMS),
-                                min(e, pairs)), QBLOCK, args, smem=q_smem(as_.dtype.block_bytes, nt)))
+        qspec, bq, bds, nbp = quantize_spec(b, pb, scratch)
+        qargs = (*args[:5], U64(bq), U64(bds), I32(nbp), I32(ub), *args[10:])
+        specs += [qspec, KernelSpec(MMV_CU, qgrouped_name(as_.dtype.name, nt, epi),
+                                    (math.ceil(m / QROWS), min(e, pairs)), q_threads(k), qargs)]
     else:
         specs.append(KernelSpec(MMV_CU, grouped_name(as_.dtype.name, "f32", nt, vec, epi),
                                 (math.ceil(m / ROWS), min(e, pairs)), BLOCK, args))

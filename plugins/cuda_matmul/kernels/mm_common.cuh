@@ -2,7 +2,7 @@
 // GLU activations of the fused epilogue.
 //
 // Weight kinds (template parameter WT) and b kinds (TB) are small integers, named
-// below, so that template instances read as mmvq<W_Q4_0, B_F32, ...>.
+// below, so that template instances read as mmvq<W_Q4_0, 1, EPI_NONE>.
 //
 // Float rows (mmv) are read in "units" of 8 values:
 //   VEC: unit u = values 8u .. 8u+7, one 16-byte load (f16/bf16) or two (f32);
@@ -12,7 +12,7 @@
 //   load_unit_quant (the dequantizing copy, convert.cu): 4 units a block, unit u =
 //     block u / 4, part s = u % 4: q8_0 codes 8s .. 8s+7; 4- and 5-bit: qs bytes
 //     4s .. 4s+3 hold codes 4s..4s+3 (low nibbles) and 16+4s .. 16+4s+3 (high).
-//   decode_block (the quantized mat-vec, mmv.cu): a whole block from shared memory
+//   decode_words (the quantized mat-vec, mmv.cu): a whole block, held in registers,
 //     as 8 words of 4 int8 codes, word i = values 4i .. 4i+3, for dp4a.
 //   value_j = c_j * d + m, where c_j is the code minus the format's zero, d the
 //   block scale and m its offset (0 unless q4_1/q5_1). Blocks are only 2-byte
@@ -223,19 +223,13 @@ __device__ __forceinline__ unsigned block_word(const unsigned (&w)[N], int x, in
     return __funnelshift_rc(w[x / 4], w[x / 4 + 1], sh + 8 * (x % 4));
 }
 
-// The block at byte `pos` (even) of shared memory `s`: q[i] = codes of values 4i .. 4i+3
-// (raw: 0 .. 2**BITS - 1, or int8 for q8_0; the caller subtracts the zero), scale d, offset m.
-template <int WT>
-__device__ __forceinline__ void decode_block(const u8* s, int pos, int (&q)[8], float& d, float& m) {
+// The block whose byte 0 is byte sh / 8 (0 or 2) of w[0] (registers): q[i] = codes of values
+// 4i .. 4i+3 (raw: 0 .. 2**BITS - 1, or int8 for q8_0; the caller subtracts the zero), scale d,
+// offset m.
+template <int WT, int N>
+__device__ __forceinline__ void decode_words(const unsigned (&w)[N], int sh, int (&q)[8], float& d, float& m) {
     using F = Fmt<WT>;
-    constexpr int NWORDS = (F::BYTES + 1) / 4 + 1;  // 4-byte words holding the block at either alignment
-    const unsigned* p = reinterpret_cast<const unsigned*>(s + (pos & ~3));
-    unsigned w[NWORDS];
-#pragma unroll
-    for (int i = 0; i < NWORDS; ++i) {
-        w[i] = p[i];
-    }
-    const int sh = (pos & 2) * 8;
+    static_assert(N >= (F::BYTES + 1) / 4 + 1, "too few words");
     d = od::f16_to_f32(static_cast<unsigned short>(block_word(w, 0, sh) & 0xffffu));
     m = 0.0f;
     if constexpr (F::M >= 0) {

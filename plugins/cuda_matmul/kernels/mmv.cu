@@ -5,11 +5,12 @@
 // of a against up to NT columns of b (f32/f16/bf16): the threads split K in units of 8
 // values (mm_common.cuh), each keeps NW * R * NT float partial sums, and the block reduces
 // them (warp shuffles, then shared memory).
-// Block-format weights (mmvq*): q_tile below: a block of QBLOCK threads computes QSTREAMS
-// rows, staging 16-byte loads of the weights through shared memory and quantizing b to int8
-// there, for integer dot products (dp4a).
+// Block-format weights (mmvq*): b is first quantized to int8 with a scale per 32 values
+// (quantize_q8_1, one launch per node), then a block of up to QTHREADS threads computes QROWS
+// rows streaming the weights straight from global memory (q_rows), integer dot products (dp4a).
 //
 // Kernels:
+//   quantize_q8_1  b rows to int8 codes and per-32 scales for the mmvq* kernels.
 //   mmv, mmvq      mul_mat: grid (row tiles, B2, B3), a's batch repeat-interleaved
 //                  (b batch i2 uses a batch i2 / r2), optional bias or GLU epilogue.
 //   mmv_id, mmvq_id
@@ -74,7 +75,7 @@ __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_r
             arow[w][r] = a[w] + (r < rows ? r : rows - 1) * a_row;
         }
     }
-    static_assert(!Fmt<WT>::QUANT, "block-format weights take q_tile");
+    static_assert(!Fmt<WT>::QUANT, "block-format weights take q_rows");
     float acc[NW * R * NT];
 #pragma unroll
     for (int i = 0; i < NW * R * NT; ++i) {
@@ -173,260 +174,213 @@ __device__ __forceinline__ float finish(const float* res, int r, int n, const fl
 
 // -- block-format weights (mmvq*) ----------------------------------------------------------------
 //
-// A block of QBLOCK threads computes QSTREAMS weight rows ("streams": QSTREAMS rows of a0, or
-// QSTREAMS / 2 rows of each of a0 and a1 for EPI_GLU) against up to NT columns of b (f32, f16
-// or bf16, any element stride). K is walked in chunks of QCHUNK blocks (32 values each):
-//   stage    each stream's chunk is copied to shared memory in 16-byte loads of the aligned
-//            granules that hold it: consecutive threads read consecutive granules, so a warp
-//            reads whole cache lines whatever the block size (18 to 34 bytes, 2-byte aligned).
-//            A granule never crosses a page: its few bytes outside the row are read and ignored.
-//            The chunk's b values are quantized to int8 with a scale per 32 (ggml's q8_1:
-//            d = absmax / 127, and d * sum(codes) for the formats' zero and offset) into
-//            shared memory, once for all the block's rows.
-//   compute  warp w takes streams w and w + QWARPS, lane l blocks l and l + 32 of both:
-//            8 dp4a a block and column, scales applied once a block.
-// The next chunk's loads (weights and b) are issued before the current chunk is computed: a
-// block has QSTREAMS chunks in flight (18 KB of q4_0, 35 KB of q8_0), and nothing but those
-// loads and b (read from L2) leaves the SM.
-constexpr int QBLOCK = 256;
-constexpr int QWARPS = QBLOCK / od::WARP_SIZE;
-constexpr int QSTREAMS = 2 * QWARPS;
-constexpr int QCHUNK = 64;                          // blocks of a row in a chunk: 2 a lane
-constexpr int QB_COLUMN = QCHUNK * (8 * 4 + 8);     // shared bytes of one b column of a chunk
+// Two launches. quantize_q8_1 first turns the b rows into int8 codes with a scale per 32
+// values (ggml's q8_1: d = absmax / 127, and d * sum(codes) for the formats' zero and offset),
+// once per node, into a scratch buffer laid out for wide loads (QB8 below). Then the mat-vec
+// streams the weights straight from global memory: a block of 1..QWARPS_MAX warps computes
+// QROWS weight rows ("streams": QROWS rows of a0, or QROWS / 2 rows of each of a0 and a1 for
+// EPI_GLU), thread t takes quant blocks j = t, t + blockDim.x, ... of all QROWS rows, so the
+// b values of block j are loaded once for the QROWS rows. A weight block (18 to 34 bytes,
+// 2-byte aligned) is read as the 2 or 3 aligned 16-byte granules that hold it (consecutive
+// threads read consecutive blocks: a warp's loads cover whole cache lines), moved into place
+// by selects and funnel shifts (load_block), and dotted with b by dp4a. No shared memory but
+// the final reduction over the block's warps, no barrier before it: each thread has its
+// QROWS * (2..3) weight loads and its b loads in flight at once.
+constexpr int QROWS = 4;
+constexpr int QWARPS_MAX = 4;
+constexpr int QTHREADS = QWARPS_MAX * od::WARP_SIZE;
 
-template <int WT>
-struct QTile {
-    static constexpr int BYTES = Fmt<WT>::BYTES;
-    static constexpr int STEP = QCHUNK * BYTES / 16;  // granules from a chunk to the next (rows stay aligned alike)
-    static constexpr int GRANULES = STEP + 1;         // granules holding a chunk, at most (unaligned rows)
-    static constexpr int LOADS = (QSTREAMS * GRANULES + QBLOCK - 1) / QBLOCK;  // granule loads a thread
-    // dynamic shared memory (mirrored by __init__.py's q_smem)
-    static constexpr int smem(int nt) { return QSTREAMS * GRANULES * 16 + nt * QB_COLUMN; }
+// Layout of quantize_q8_1's output for a b row of nb blocks, padded to nbp (a multiple of 32):
+// codes at bq + row * nbp * 32: block j's 32 codes in two 16-byte halves h at byte
+// ((j / 32) * 2 + h) * 512 + (j % 32) * 16 (so 32 threads read 512 contiguous bytes a half);
+// (d, d * sum) as a float2 at bds + (row * nbp + j) * 8.
+struct QB8 {
+    static __device__ __forceinline__ long long half(int j, int h) {
+        return ((j >> 5) * 2 + h) * 512ll + (j & 31) * 16;
+    }
 };
 
-// acc[t][n] (summed over the warp, every lane) = stream (warp + t * QWARPS) . column n of b,
-// streams s < QSTREAMS / NW rows of a[0], then as many of a[1]; row r at a[w] + r * a_row
-// (rows past `rows` read the last valid row again). Column n's value k at bcol[n] + k * b_es.
-// smem: QTile<WT>::smem(NT) bytes. Ends with the block synchronized (smem free again).
-template <int WT, int TB, int NT, int NW>
-__device__ __forceinline__ void q_tile(const u8* const (&a)[NW], long long a_row, int rows,
-                                       const u8* const (&bcol)[NT], long long b_es, int K, uint4* smem,
-                                       float (&acc)[2][NT]) {
-    using T = QTile<WT>;
+// The block at `blk` (2-byte aligned): q[i] = codes of values 4i .. 4i+3 (raw, see
+// decode_words), scale d, offset m. Reads only the 16-byte granules holding the block's bytes.
+template <int WT>
+__device__ __forceinline__ void load_block(const u8* blk, int (&q)[8], float& d, float& m) {
     using F = Fmt<WT>;
-    constexpr int RB = QSTREAMS / NW;
-    const int tid = threadIdx.x, lane = tid % od::WARP_SIZE, warp = tid / od::WARP_SIZE;
-    const int nb = K / 32, chunks = (nb + QCHUNK - 1) / QCHUNK;
-    const u8* sw = reinterpret_cast<const u8*>(smem);
-    int* bq = reinterpret_cast<int*>(smem + QSTREAMS * T::GRANULES);  // [NT][8][QCHUNK] code words
-    float2* bds = reinterpret_cast<float2*>(bq + NT * 8 * QCHUNK);    // [NT][QCHUNK] (d, d * sum)
-
-    auto row_of = [&](int s) {
-        const int r = s % RB;
-        return (s < RB ? a[0] : a[NW - 1]) + (r < rows ? r : rows - 1) * a_row;
-    };
-    auto misalign = [](const u8* p) { return static_cast<int>(reinterpret_cast<unsigned long long>(p) & 15); };
-    // this thread's granules: source (chunk 0) and the chunk byte each starts at (past the end: none)
-    const uint4* src[T::LOADS];
-    int first[T::LOADS];
+    constexpr int G = (14 + F::BYTES + 15) / 16;    // granules at the worst offset (14)
+    constexpr int NWD = (F::BYTES + 1) / 4 + 1;     // words decode_words reads
+    static_assert(4 * G >= NWD + 3, "window too small");
+    const unsigned long long addr = reinterpret_cast<unsigned long long>(blk);
+    const uint4* g = reinterpret_cast<const uint4*>(addr & ~15ull);
+    const int o = static_cast<int>(addr & 15);
+    unsigned win[4 * G];
 #pragma unroll
-    for (int i = 0; i < T::LOADS; ++i) {
-        const int f = tid + i * QBLOCK;
-        const u8* row = row_of(min(f / T::GRANULES, QSTREAMS - 1));
-        const int g = f % T::GRANULES, o = misalign(row);
-        src[i] = reinterpret_cast<const uint4*>(row - o) + g;
-        first[i] = f < QSTREAMS * T::GRANULES ? 16 * g - o : 0x7fffffff;
+    for (int i = 0; i < G; ++i) {
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (i < 2 || o + F::BYTES > 16 * i) {
+            v = __ldg(g + i);
+        }
+        win[4 * i] = v.x, win[4 * i + 1] = v.y, win[4 * i + 2] = v.z, win[4 * i + 3] = v.w;
     }
-    // where this thread's two streams start in shared memory
-    int pos[2];
+    // shift the window left by o / 4 words (two select stages), so the block starts at byte
+    // (o & 2) of w[0]
+    unsigned t[NWD + 1], w[NWD];
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-        const int s = warp + t * QWARPS;
-        pos[t] = s * T::GRANULES * 16 + misalign(row_of(s));
-    }
-
-    uint4 wreg[T::LOADS];
-    float breg[NT][2][4];  // b values k0 + 32 * qb + 4 * part + j, qb = tid / 8 + 32 p, part = tid % 8
-#pragma unroll
-    for (int i = 0; i < T::LOADS; ++i) {
-        wreg[i] = make_uint4(0, 0, 0, 0);
+    for (int k = 0; k < NWD + 1; ++k) {
+        t[k] = (o & 8) ? win[k + 2] : win[k];
     }
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                breg[n][p][j] = 0.0f;
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-            acc[t][n] = 0.0f;
-        }
+    for (int k = 0; k < NWD; ++k) {
+        w[k] = (o & 4) ? t[k + 1] : t[k];
     }
-    const int part = tid % 8;
+    decode_words<WT>(w, (o & 2) * 8, q, d, m);
+}
 
-    auto load = [&](int c) {
-        const int nblk = min(QCHUNK, nb - c * QCHUNK);
+// acc[s][n] (every thread's partial) = stream s . b column n over the blocks j this thread takes.
+// row[s]: stream s's weight row; bq[n], bd[n]: column n's codes and (d, d * sum) (QB8 layout).
+template <int WT, int NT>
+__device__ __forceinline__ void q_rows(const u8* const (&row)[QROWS], const u8* const (&bq)[NT],
+                                       const float2* const (&bd)[NT], int nb, float (&acc)[QROWS][NT]) {
+    using F = Fmt<WT>;
 #pragma unroll
-        for (int i = 0; i < T::LOADS; ++i) {
-            if (first[i] < nblk * T::BYTES) {
-                wreg[i] = __ldg(src[i] + c * T::STEP);
-            }
-        }
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-            const int qb = tid / 8 + 32 * p;
-            if (qb < nblk) {
-                const long long k = 32ll * (c * QCHUNK + qb) + 4 * part;
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        breg[n][p][j] = load_elem<TB>(bcol[n] + (k + j) * b_es);
-                    }
-                }
-            }
-        }
-    };
-
-    auto stage = [&](int c) {
-#pragma unroll
-        for (int i = 0; i < T::LOADS; ++i) {
-            if (tid + i * QBLOCK < QSTREAMS * T::GRANULES) {
-                smem[tid + i * QBLOCK] = wreg[i];
-            }
-        }
-        const int nblk = min(QCHUNK, nb - c * QCHUNK);
+    for (int s = 0; s < QROWS; ++s) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
-                const float* v = breg[n][p];
-                float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-#pragma unroll
-                for (int off = 1; off < 8; off <<= 1) {  // the 8 lanes of one 32-value block
-                    amax = fmaxf(amax, __shfl_xor_sync(od::FULL_MASK, amax, off));
-                }
-                const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-                int word = 0, sum = 0;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int q = __float2int_rn(v[j] * id);
-                    word |= (q & 0xff) << (8 * j);
-                    sum += q;
-                }
-#pragma unroll
-                for (int off = 1; off < 8; off <<= 1) {
-                    sum += __shfl_xor_sync(od::FULL_MASK, sum, off);
-                }
-                const int qb = tid / 8 + 32 * p;
-                if (qb < nblk) {
-                    bq[(n * 8 + part) * QCHUNK + qb] = word;
-                    if (part == 0) {
-                        bds[n * QCHUNK + qb] = make_float2(d, d * static_cast<float>(sum));
-                    }
-                }
-            }
+            acc[s][n] = 0.0f;
         }
-    };
-
-    auto compute = [&](int c) {
-        const int nblk = min(QCHUNK, nb - c * QCHUNK);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int j = lane + 32 * h;
-            if (j < nblk) {
-                int q[2][8];
-                float d[2], m[2];
-#pragma unroll
-                for (int t = 0; t < 2; ++t) {
-                    decode_block<WT>(sw, pos[t] + j * T::BYTES, q[t], d[t], m[t]);
-                }
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    int bw[8];
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        bw[i] = bq[(n * 8 + i) * QCHUNK + j];
-                    }
-                    const float2 ds = bds[n * QCHUNK + j];
-#pragma unroll
-                    for (int t = 0; t < 2; ++t) {
-                        int dot = 0;
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) {
-                            dot = __dp4a(q[t][i], bw[i], dot);
-                        }
-                        // sum_j (c_j - zero) * d * qb_j * db + m * qb_j * db
-                        float v = ds.x * static_cast<float>(dot);
-                        if constexpr (F::ZERO != 0) {
-                            v = fmaf(-static_cast<float>(F::ZERO), ds.y, v);
-                        }
-                        acc[t][n] = fmaf(d[t], v, acc[t][n]);
-                        if constexpr (F::M >= 0) {
-                            acc[t][n] = fmaf(m[t], ds.y, acc[t][n]);
-                        }
-                    }
-                }
-            }
-        }
-    };
-
-    load(0);
-    for (int c = 0; c < chunks; ++c) {
-        stage(c);
-        __syncthreads();
-        if (c + 1 < chunks) {
-            load(c + 1);
-        }
-        compute(c);
-        __syncthreads();
     }
+    for (int j = threadIdx.x; j < nb; j += blockDim.x) {
+        int q[QROWS][8];
+        float d[QROWS], m[QROWS];
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
+        for (int s = 0; s < QROWS; ++s) {
+            load_block<WT>(row[s] + static_cast<long long>(j) * F::BYTES, q[s], d[s], m[s]);
+        }
+        const long long h0 = QB8::half(j, 0), h1 = QB8::half(j, 1);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            acc[t][n] = od::warp_sum(acc[t][n]);
+            const int4 lo = __ldg(reinterpret_cast<const int4*>(bq[n] + h0));
+            const int4 hi = __ldg(reinterpret_cast<const int4*>(bq[n] + h1));
+            const float2 ds = __ldg(bd[n] + j);
+            const int bw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+            for (int s = 0; s < QROWS; ++s) {
+                int dot = 0;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    dot = __dp4a(q[s][i], bw[i], dot);
+                }
+                // sum_j (c_j - zero) * d * qb_j * db + m * qb_j * db
+                float v = ds.x * static_cast<float>(dot);
+                if constexpr (F::ZERO != 0) {
+                    v = fmaf(-static_cast<float>(F::ZERO), ds.y, v);
+                }
+                acc[s][n] = fmaf(d[s], v, acc[s][n]);
+                if constexpr (F::M >= 0) {
+                    acc[s][n] = fmaf(m[s], ds.y, acc[s][n]);
+                }
+            }
         }
     }
 }
 
-// Writes q_tile's rows m0 + r (r < rows) of columns n < ncols at ocol[n][m0 + r], through the epilogue.
-template <int EPI, int NT, int NW>
-__device__ __forceinline__ void q_store(const float (&acc)[2][NT], float* const (&ocol)[NT], int ncols, int m0,
-                                        int rows, const float* bias0, const float* bias1, int glu_kind, float alpha,
-                                        float limit) {
+// Sums acc over the block (blockDim.x / 32 warps); returns shared tot[s * NT + n], visible to all.
+template <int NT>
+__device__ __forceinline__ const float* q_reduce(float (&acc)[QROWS][NT]) {
+    __shared__ float part[QWARPS_MAX][QROWS * NT];
+    __shared__ float tot[QROWS * NT];
     const int lane = threadIdx.x % od::WARP_SIZE, warp = threadIdx.x / od::WARP_SIZE;
-    if (lane != 0) {
-        return;
-    }
+    const int nwarps = blockDim.x / od::WARP_SIZE;
+    __syncthreads();  // an earlier call may still read tot[]
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        if (n < ncols) {
-            if constexpr (NW == 2) {  // streams: gate row `warp`, up row `warp`
-                if (warp < rows) {
-                    const int m = m0 + warp;
-                    ocol[n][m] = epilogue<EPI>(acc[0][n], acc[1][n], bias0, bias1, m, glu_kind, alpha, limit);
-                }
-            } else {  // streams: rows `warp` and `warp + QWARPS`
+    for (int s = 0; s < QROWS; ++s) {
 #pragma unroll
-                for (int t = 0; t < 2; ++t) {
-                    const int r = warp + t * QWARPS;
-                    if (r < rows) {
-                        ocol[n][m0 + r] = epilogue<EPI>(acc[t][n], 0.0f, bias0, bias1, m0 + r, glu_kind, alpha,
-                                                        limit);
-                    }
-                }
+        for (int n = 0; n < NT; ++n) {
+            const float v = od::warp_sum(acc[s][n]);
+            if (lane == 0) {
+                part[warp][s * NT + n] = v;
             }
         }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < QROWS * NT; i += blockDim.x) {
+        float v = 0.0f;
+        for (int w = 0; w < nwarps; ++w) {
+            v += part[w][i];
+        }
+        tot[i] = v;
+    }
+    __syncthreads();
+    return tot;
+}
+
+// Writes rows m0 + r (r < rows) of columns n < ncols at ocol[n][m0 + r], through the epilogue.
+template <int EPI, int NT>
+__device__ __forceinline__ void q_store(const float* tot, float* const (&ocol)[NT], int ncols, int m0, int rows,
+                                        const float* bias0, const float* bias1, int glu_kind, float alpha,
+                                        float limit) {
+    constexpr int RB = EPI == EPI_GLU ? QROWS / 2 : QROWS;
+    const int t = threadIdx.x;
+    if (t < RB * NT) {
+        const int r = t / NT, n = t % NT;
+        if (r < rows && n < ncols) {
+            const float up = EPI == EPI_GLU ? tot[(RB + r) * NT + n] : 0.0f;
+            ocol[n][m0 + r] = epilogue<EPI>(tot[r * NT + n], up, bias0, bias1, m0 + r, glu_kind, alpha, limit);
+        }
+    }
+}
+
+// The QROWS stream rows of a tile: rows m0.. of a[0] (and of a[NW - 1] for EPI_GLU), rows past
+// `rows` read the last valid row again.
+template <int NW>
+__device__ __forceinline__ void q_streams(const u8* const (&a)[NW], long long a_row, int rows,
+                                          const u8* (&row)[QROWS]) {
+    constexpr int RB = QROWS / NW;
+#pragma unroll
+    for (int s = 0; s < QROWS; ++s) {
+        const int r = s % RB;
+        row[s] = (s < RB ? a[0] : a[NW - 1]) + (r < rows ? r : rows - 1) * a_row;
     }
 }
 
 }  // namespace mm
 
 using mm::u8;
+
+// b rows to int8 codes with a scale per 32 values (QB8 layout): row r = (i3, i2, i1) with
+// i1 < n1, i2 < n2 (r = (i3 * n2 + i2) * n1 + i1), value k at b + i3 * s3 + i2 * s2 + i1 * s1 + k * es.
+// Grid (rows, ceil(nb / 8)), QUANT_BLOCK threads: a warp per block of 32 values.
+constexpr int QUANT_BLOCK = 256;
+
+template <int TB>
+__global__ void __launch_bounds__(QUANT_BLOCK) quantize_q8_1(const u8* b, long long es, long long s1, long long s2,
+                                                             long long s3, int n1, int n2, int K, int nbp, u8* bq,
+                                                             u8* bds) {
+    const int r = blockIdx.x;
+    const int j = blockIdx.y * (QUANT_BLOCK / od::WARP_SIZE) + threadIdx.x / od::WARP_SIZE;
+    const int lane = threadIdx.x % od::WARP_SIZE;
+    if (j >= K / 32) {
+        return;
+    }
+    const int i1 = r % n1, i2 = (r / n1) % n2, i3 = r / (n1 * n2);
+    const u8* src = b + i3 * s3 + i2 * s2 + i1 * s1;
+    const float v = mm::load_elem<TB>(src + (32ll * j + lane) * es);
+    float amax = fabsf(v);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(od::FULL_MASK, amax, off));
+    }
+    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const int q = __float2int_rn(v * id);
+    int sum = q;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        sum += __shfl_xor_sync(od::FULL_MASK, sum, off);
+    }
+    u8* row = bq + static_cast<long long>(r) * nbp * 32;
+    row[mm::QB8::half(j, lane / 16) + lane % 16] = static_cast<u8>(q & 0xff);
+    if (lane == 0) {
+        reinterpret_cast<float2*>(bds)[static_cast<long long>(r) * nbp + j] = make_float2(d, d * static_cast<float>(sum));
+    }
+}
 
 // mul_mat: out[i3, i2, n, m] = sum_k a[i3 / r3, i2 / r2, m, k] * b[i3, i2, n, k] for n < N <= NT.
 // a0 (and a1, the up weight of EPI_GLU, with a0's strides) rows of a_row bytes,
@@ -466,16 +420,15 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, lon
     }
 }
 
-// mul_mat with block-format weights: as mmv, QSTREAMS / NW rows a block (q_tile), grid
-// (ceil(M / rows), B2, B3), QTile<WT>::smem(NT) bytes of dynamic shared memory.
-template <int WT, int TB, int NT, int EPI>
-__global__ void __launch_bounds__(mm::QBLOCK) mmvq(const u8* a0, const u8* a1, long long a_row, long long a_s2,
-                                                   long long a_s3, int r2, int r3, const u8* b, long long b_col,
-                                                   long long b_es, long long b_s2, long long b_s3, float* out, int M,
-                                                   int K, int N, const float* bias0, const float* bias1, int glu_kind,
-                                                   float alpha, float limit) {
-    constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = mm::QSTREAMS / NW;
-    extern __shared__ uint4 qsmem[];
+// mul_mat with block-format weights: as mmv, QROWS / NW rows a block (q_rows), b already
+// quantized by quantize_q8_1 (column n of batch (i3, i2) is its row (i3 * B2 + i2) * N + n,
+// nbp padded blocks a row); grid (ceil(M / rows), B2, B3), 32..QTHREADS threads.
+template <int WT, int NT, int EPI>
+__global__ void __launch_bounds__(mm::QTHREADS) mmvq(const u8* a0, const u8* a1, long long a_row, long long a_s2,
+                                                     long long a_s3, int r2, int r3, const u8* bq, const u8* bds,
+                                                     int nbp, float* out, int M, int K, int N, const float* bias0,
+                                                     const float* bias1, int glu_kind, float alpha, float limit) {
+    constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = mm::QROWS / NW;
     const int i2 = blockIdx.y, i3 = blockIdx.z;
     const int m0 = blockIdx.x * RB;
     const long long a_off = (i3 / r3) * a_s3 + (i2 / r2) * a_s2 + m0 * a_row;
@@ -484,19 +437,25 @@ __global__ void __launch_bounds__(mm::QBLOCK) mmvq(const u8* a0, const u8* a1, l
     if constexpr (NW == 2) {
         a[1] = a1 + a_off;
     }
-    const u8* bb = b + i3 * b_s3 + i2 * b_s2;
+    const int rows = min(RB, M - m0);
+    const u8* row[mm::QROWS];
+    mm::q_streams<NW>(a, a_row, rows, row);
+    const long long brow0 = (static_cast<long long>(i3) * gridDim.y + i2) * N;
     const u8* bcol[NT];
+    const float2* dcol[NT];
     float* ocol[NT];
-    float* o = out + (static_cast<long long>(i3) * gridDim.y + i2) * N * M;
+    float* o = out + brow0 * M;
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-        bcol[n] = bb + (n < N ? n : 0) * b_col;
+        const long long r = brow0 + (n < N ? n : 0);
+        bcol[n] = bq + r * nbp * 32;
+        dcol[n] = reinterpret_cast<const float2*>(bds) + r * nbp;
         ocol[n] = o + static_cast<long long>(n) * M;
     }
-    const int rows = min(RB, M - m0);
-    float acc[2][NT];
-    mm::q_tile<WT, TB, NT, NW>(a, a_row, rows, bcol, b_es, K, qsmem, acc);
-    mm::q_store<EPI, NT, NW>(acc, ocol, N, m0, rows, bias0, bias1, glu_kind, alpha, limit);
+    float acc[mm::QROWS][NT];
+    mm::q_rows<WT, NT>(row, bcol, dcol, K / 32, acc);
+    const float* tot = mm::q_reduce<NT>(acc);
+    mm::q_store<EPI, NT>(tot, ocol, N, m0, rows, bias0, bias1, glu_kind, alpha, limit);
 }
 
 // mul_mat_id for one (token t, slot u) a block: out[t, u, m] = as[ids[t, u], m, :] . b[t, u % Ub, :].
@@ -538,17 +497,16 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv_id(const u8* as0, const u8* as1
     }
 }
 
-// mul_mat_id with block-format experts, one (token t, slot u) a block: as mmv_id, QSTREAMS / NW
-// rows a block, b f32; grid (ceil(M / rows), U, T), QTile<WT>::smem(1) bytes of dynamic shared memory.
+// mul_mat_id with block-format experts, one (token t, slot u) a block: as mmv_id, QROWS / NW
+// rows a block; b (T, Ub, K) quantized by quantize_q8_1 (row t * Ub + u % Ub, nbp blocks a row);
+// grid (ceil(M / rows), U, T), 32..QTHREADS threads.
 template <int WT, int EPI>
-__global__ void __launch_bounds__(mm::QBLOCK) mmvq_id(const u8* as0, const u8* as1, long long a_row, long long a_e,
-                                                      int E, const u8* ids, long long ids_t, long long ids_u,
-                                                      const u8* b, long long b_t, long long b_u, int Ub, long long b_es,
-                                                      float* out, int M, int K, const float* bias0,
-                                                      const float* bias1, long long bias_e, int glu_kind, float alpha,
-                                                      float limit) {
-    constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = mm::QSTREAMS / NW;
-    extern __shared__ uint4 qsmem[];
+__global__ void __launch_bounds__(mm::QTHREADS) mmvq_id(const u8* as0, const u8* as1, long long a_row, long long a_e,
+                                                        int E, const u8* ids, long long ids_t, long long ids_u,
+                                                        const u8* bq, const u8* bds, int nbp, int Ub, float* out,
+                                                        int M, int K, const float* bias0, const float* bias1,
+                                                        long long bias_e, int glu_kind, float alpha, float limit) {
+    constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = mm::QROWS / NW;
     const int u = blockIdx.y, t = blockIdx.z, U = gridDim.y;
     const int m0 = blockIdx.x * RB;
     const int rows = min(RB, M - m0);
@@ -565,12 +523,17 @@ __global__ void __launch_bounds__(mm::QBLOCK) mmvq_id(const u8* as0, const u8* a
     if constexpr (NW == 2) {
         a[1] = as1 + e * a_e + m0 * a_row;
     }
-    const u8* const bcol[1] = {b + t * b_t + (u % Ub) * b_u};
-    float acc[2][1];
-    mm::q_tile<WT, B_F32, 1, NW>(a, a_row, rows, bcol, b_es, K, qsmem, acc);
+    const u8* row[mm::QROWS];
+    mm::q_streams<NW>(a, a_row, rows, row);
+    const long long r = static_cast<long long>(t) * Ub + u % Ub;
+    const u8* const bcol[1] = {bq + r * nbp * 32};
+    const float2* const dcol[1] = {reinterpret_cast<const float2*>(bds) + r * nbp};
+    float acc[mm::QROWS][1];
+    mm::q_rows<WT, 1>(row, bcol, dcol, K / 32, acc);
+    const float* tot = mm::q_reduce<1>(acc);
     const long long boff = e * bias_e / 4;
-    mm::q_store<EPI, 1, NW>(acc, ocol, 1, m0, rows, bias0 != nullptr ? bias0 + boff : nullptr,
-                            bias1 != nullptr ? bias1 + boff : nullptr, glu_kind, alpha, limit);
+    mm::q_store<EPI, 1>(tot, ocol, 1, m0, rows, bias0 != nullptr ? bias0 + boff : nullptr,
+                        bias1 != nullptr ? bias1 + boff : nullptr, glu_kind, alpha, limit);
 }
 
 // The routing table of mul_mat_id's grouped path, in int32 words of `route`:
@@ -711,37 +674,43 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv_id_grouped(const u8* as, long l
     }
 }
 
-// mul_mat_id, grouped, block-format experts: as mmv_id_grouped, QSTREAMS rows a block (q_tile),
-// b f32; grid (ceil(M / QSTREAMS), min(E, T*U)), QTile<WT>::smem(NT) bytes of dynamic shared memory.
+// mul_mat_id, grouped, block-format experts: as mmv_id_grouped, QROWS rows a block (q_rows),
+// b (T, Ub, K) quantized by quantize_q8_1 (pair p = t * U + u reads row t * Ub + u % Ub);
+// grid (ceil(M / QROWS), min(E, T*U)), 32..QTHREADS threads.
 template <int WT, int NT, int EPI>
-__global__ void __launch_bounds__(mm::QBLOCK) mmvq_id_grouped(const u8* as, long long a_row, long long a_e, int E,
-                                                              const int* route, const u8* b, long long b_t,
-                                                              long long b_u, int Ub, long long b_es, float* out,
-                                                              int M, int K, int U, const float* bias,
-                                                              long long bias_e) {
-    extern __shared__ uint4 qsmem[];
+__global__ void __launch_bounds__(mm::QTHREADS) mmvq_id_grouped(const u8* as, long long a_row, long long a_e, int E,
+                                                                const int* route, const u8* bq, const u8* bds,
+                                                                int nbp, int Ub, float* out, int M, int K, int U,
+                                                                const float* bias, long long bias_e) {
     const int s = blockIdx.y;
     if (s >= route[0]) {
         return;
     }
     const int e = route[1 + s], first = route[1 + E + s], count = route[1 + 2 * E + s];
     const int* list = route + 1 + 3 * E + first;
-    const int m0 = blockIdx.x * mm::QSTREAMS;
-    const int rows = min(mm::QSTREAMS, M - m0);
+    const int m0 = blockIdx.x * mm::QROWS;
+    const int rows = min(mm::QROWS, M - m0);
     const u8* const a[1] = {as + e * a_e + m0 * a_row};
+    const u8* row[mm::QROWS];
+    mm::q_streams<1>(a, a_row, rows, row);
     const float* bias_e_row = bias != nullptr ? bias + e * bias_e / 4 : nullptr;
     for (int g = 0; g < count; g += NT) {
         const int ncols = min(NT, count - g);
         const u8* bcol[NT];
+        const float2* dcol[NT];
         float* ocol[NT];
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const int p = list[g + (n < ncols ? n : 0)];
-            bcol[n] = b + (p / U) * b_t + ((p % U) % Ub) * b_u;
+            const long long r = static_cast<long long>(p / U) * Ub + (p % U) % Ub;
+            bcol[n] = bq + r * nbp * 32;
+            dcol[n] = reinterpret_cast<const float2*>(bds) + r * nbp;
             ocol[n] = out + static_cast<long long>(p) * M;
         }
-        float acc[2][NT];
-        mm::q_tile<WT, B_F32, NT, 1>(a, a_row, rows, bcol, b_es, K, qsmem, acc);
-        mm::q_store<EPI, NT, 1>(acc, ocol, ncols, m0, rows, bias_e_row, nullptr, 0, 0.0f, 0.0f);
+        float acc[mm::QROWS][NT];
+        mm::q_rows<WT, NT>(row, bcol, dcol, K / 32, acc);
+        const float* tot = mm::q_reduce<NT>(acc);
+        mm::q_store<EPI, NT>(tot, ocol, ncols, m0, rows, bias_e_row, nullptr, 0, 0.0f, 0.0f);
     }
 }
+
