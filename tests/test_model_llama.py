@@ -105,9 +105,12 @@ def tiny() -> tuple[LlamaConfig, dict[str, np.ndarray], LlamaModel]:
     return TINY_F32, w, LlamaModel(TINY_F32, w)
 
 
+@pytest.mark.parametrize("stack_qkv", [False, True], ids=["qkv", "stacked-qkv"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda0", marks=pytest.mark.gpu)])
-def test_prefill_and_decode_match_numpy_llama(tiny, device: str) -> None:
+def test_prefill_and_decode_match_numpy_llama(tiny, device: str, stack_qkv: bool) -> None:
     cfg, w, model = tiny
+    if stack_qkv:
+        model = LlamaModel(cfg, w, stack_qkv=True)
     gen = Generator(model, device)
     seq = list(PROMPT)
     got = [gen.forward(seq)]
@@ -241,6 +244,46 @@ def test_batch_steps_write_each_sequence_in_its_own_cache_region(tiny) -> None:
     fa = [s for s in plan.steps if s.kind == "kernel" and s.nodes[0].op == "flash_attn_ext"]
     assert len(fa) == 2 and fa[0].nodes[0].srcs[1].shape == (16, 2, 512, 64)
     assert [s.kernel for s in plan.fusions].count("rope_reshape_set_rows") == 2
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "q4_0"])
+def test_qkv_projections_are_one_mat_vec_a_layer_and_unstacked_when_dtypes_differ(tiny, dtype: str) -> None:
+    cfg, w, _ = tiny
+    cfg = attrs.evolve(cfg, dtype=dtype)
+    model = LlamaModel(cfg, w, stack_qkv=True)
+    assert all(layer.wqkv is None for layer in LlamaModel(cfg, w).layers)  # off by default
+    layer = model.layers[0]
+    assert layer.wqkv is not None and layer.wqkv.shape == (cfg.hidden + 2 * cfg.kv_dim, cfg.hidden)
+    assert layer.wqkv.dtype == layer.wq.dtype
+    raw = layer.wqkv.data.reshape(-1)
+    assert raw.tobytes() == layer.wq.data.tobytes() + layer.wk.data.tobytes() + layer.wv.data.tobytes()
+    graph = Graph.build(model.build(1, 5)[0])
+    weights = [t.srcs[0] for t in graph.nodes if t.op == "mul_mat"]
+    for layer in model.layers:  # one stacked q/k/v projection a layer, no separate q, k or v
+        assert sum(t is layer.wqkv for t in weights) == 1
+        assert not any(t is layer.wq or t is layer.wk or t is layer.wv for t in weights)
+    # A k_proj stored in another dtype than q_proj's: no stacking, three projections, the same logits.
+    mixed = dict(w)
+    for i in range(cfg.layers):
+        name = f"model.layers.{i}.self_attn.k_proj.weight"
+        mixed[name] = param(name, w[name], "f16" if dtype != "f16" else "f32")
+    other = LlamaModel(cfg, mixed, stack_qkv=True)
+    assert all(layer.wqkv is None for layer in other.layers)
+    got, ref = Generator(other, "cpu").forward(PROMPT), Generator(model, "cpu").forward(PROMPT)
+    assert_close_logits(got, ref, rel={"f32": 1e-3, "bf16": 3e-2, "q4_0": 0.4}[dtype])
+    if dtype == "f32":
+        assert_close_logits(ref, numpy_llama(tiny[0], w, PROMPT))
+    # On an H200 (planned without one): rope, rope+set_rows and set_rows take the views of the stacked
+    # output, so every node stays on the GPU and each layer saves two launches.
+    big = LlamaConfig(vocab=512, hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, max_ctx=512, dtype="bf16")
+    bw = random_weights(big)
+    for batch in (1, 16):
+        plans = [compile(LlamaModel(big, bw, max_seqs=16, stack_qkv=s).build(1, 300, batch=batch)[0], H200)
+                 for s in (False, True)]
+        for plan in plans:
+            assert plan.summary()["copies"] == 0 and all(s.device is H200 for s in plan.steps if s.kind != "view")
+            assert [s.kernel for s in plan.fusions].count("rope_reshape_set_rows") == big.layers
+        assert plans[1].summary()["launches"] == plans[0].summary()["launches"] - 2 * big.layers
 
 
 @pytest.mark.parametrize("dtype, cache", [("f16", "f16"), ("bf16", "bf16"), ("q8_0", "f16"), ("q4_0", "f32")])

@@ -403,6 +403,9 @@ class _Layer:
     router: Tensor | None  # (experts, hidden); None for a dense MLP
     k_cache: Tensor
     v_cache: Tensor
+    #: wq, wk, wv stacked row-wise, (hidden + 2 kv_dim, hidden): one mat-vec a layer; None where they
+    #: cannot be stacked (different dtypes, no data), and the graph uses the three
+    wqkv: Tensor | None = None
 
 
 #: names a checkpoint may carry that the graph does not need
@@ -422,13 +425,23 @@ class LlamaModel:
 
     The KV cache holds max_seqs sequences: per layer a K and a V state of
     (max_seqs * max_ctx, kv_dim) rows, sequence s in rows s * max_ctx .. .
+
+    stack_qkv: each layer's q_proj, k_proj and v_proj are also stacked row-wise
+    into one (hidden + 2 kv_dim, hidden) param (float weights concatenated,
+    block formats by their bytes: rows are independent), so a step runs one
+    projection a layer instead of three and q, k, v are free views of its
+    output; where the three differ in dtype they stay apart. Off by default
+    for now: tests/test_weights.py counts seven block-format matmuls a layer.
+    The weights are uploaded once either way (the graph reads only the stack).
     """
 
-    def __init__(self, cfg: LlamaConfig, weights: Mapping[str, np.ndarray | Tensor], *, max_seqs: int = 1) -> None:
+    def __init__(self, cfg: LlamaConfig, weights: Mapping[str, np.ndarray | Tensor], *, max_seqs: int = 1,
+                 stack_qkv: bool = False) -> None:
         if max_seqs < 1:
             raise ValueError(f"llama: max_seqs must be >= 1, got {max_seqs}")
         self.cfg = cfg
         self.max_seqs = max_seqs
+        self.stack_qkv = stack_qkv
         given = dict(weights)
         self.params: dict[str, Tensor] = {}
         missing = []
@@ -495,10 +508,11 @@ class LlamaModel:
         w = {name[len(p):-len(".weight")]: t for name, t in self.params.items() if name.startswith(p)}
         mlp = ([w["mlp.experts.gate_proj"], w["mlp.experts.up_proj"], w["mlp.experts.down_proj"], w["mlp.gate"]]
                if cfg.experts else [w["mlp.gate_proj"], w["mlp.up_proj"], w["mlp.down_proj"], None])
-        return _Layer(w["input_layernorm"], w["self_attn.q_proj"], w["self_attn.k_proj"], w["self_attn.v_proj"],
-                      w["self_attn.o_proj"], w["post_attention_layernorm"], *mlp,
+        wq, wk, wv = w["self_attn.q_proj"], w["self_attn.k_proj"], w["self_attn.v_proj"]
+        return _Layer(w["input_layernorm"], wq, wk, wv, w["self_attn.o_proj"], w["post_attention_layernorm"], *mlp,
                       state(f"cache.k.{i}", (self.max_seqs * cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype),
-                      state(f"cache.v.{i}", (self.max_seqs * cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype))
+                      state(f"cache.v.{i}", (self.max_seqs * cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype),
+                      _stack_rows(f"{p}self_attn.qkv_proj.weight", (wq, wk, wv)) if self.stack_qkv else None)
 
     @property
     def states(self) -> list[Tensor]:
@@ -536,9 +550,17 @@ class LlamaModel:
         for layer in self.layers:
             h = ops.mul(ops.rms_norm(x, cfg.rms_eps), layer.attn_norm)
             # RoPE sees the B * n rows as one run of tokens (a position each), then q splits by sequence.
-            q = self._rope(ops.mul_mat(layer.wq, h).reshape(1, rows, cfg.heads, hd), inp.pos)
-            k = self._rope(ops.mul_mat(layer.wk, h).reshape(1, rows, cfg.kv_heads, hd), inp.pos)
-            v = ops.mul_mat(layer.wv, h)  # (B * n, kv_dim)
+            if layer.wqkv is not None:  # one projection; q, k, v are column ranges of its rows (free views)
+                qkv = ops.mul_mat(layer.wqkv, h)  # (B * n, hidden + 2 kv_dim)
+                rs, es = qkv.strides
+                q = qkv.view((1, rows, cfg.heads, hd), (rows * rs, rs, hd * es, es))
+                k = qkv.view((1, rows, cfg.kv_heads, hd), (rows * rs, rs, hd * es, es), cfg.hidden * es)
+                v = qkv.view((rows, cfg.kv_dim), (rs, es), (cfg.hidden + cfg.kv_dim) * es)
+            else:
+                q = ops.mul_mat(layer.wq, h).reshape(1, rows, cfg.heads, hd)
+                k = ops.mul_mat(layer.wk, h).reshape(1, rows, cfg.kv_heads, hd)
+                v = ops.mul_mat(layer.wv, h)  # (B * n, kv_dim)
+            q, k = self._rope(q, inp.pos), self._rope(k, inp.pos)
             # Read the cache through set_rows' result: the write is ordered before the read.
             keys = self._window(ops.set_rows(layer.k_cache, k.reshape(rows, cfg.kv_dim), inp.kv_idx), window,
                                 b_, first_seq)
@@ -607,6 +629,17 @@ class LlamaModel:
         region = self.cfg.max_ctx * row
         shape = (batch, self.cfg.kv_heads, window, self.cfg.head_dim)
         return cache.view(shape, (region, head, row, cache.dtype.block_bytes), first_seq * region)
+
+
+def _stack_rows(name: str, parts: Sequence[Tensor]) -> Tensor | None:
+    """Params of one dtype and row length stacked along their rows into one param (their stored bytes
+    concatenated: rows are independent in every format, blocks included); None where that cannot be."""
+    first = parts[0]
+    if not all(p.flags & Flag.PARAM and p.data is not None and p.ndim == 2 and p.is_contiguous()
+               and p.dtype == first.dtype and p.shape[1] == first.shape[1] for p in parts):
+        return None
+    shape = (sum(p.shape[0] for p in parts), first.shape[1])
+    return param(name, np.concatenate([np.asarray(p.data).reshape(-1) for p in parts]), first.dtype, shape=shape)
 
 
 # -- sampling and progress ------------------------------------------------------------
