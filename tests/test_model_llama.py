@@ -108,10 +108,8 @@ def tiny() -> tuple[LlamaConfig, dict[str, np.ndarray], LlamaModel]:
 @pytest.mark.parametrize("stack_qkv", [False, True], ids=["qkv", "stacked-qkv"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda0", marks=pytest.mark.gpu)])
 def test_prefill_and_decode_match_numpy_llama(tiny, device: str, stack_qkv: bool) -> None:
-    cfg, w, model = tiny
-    if stack_qkv:
-        model = LlamaModel(cfg, w, stack_qkv=True)
-    gen = Generator(model, device)
+    cfg, w, _ = tiny
+    gen = Generator(LlamaModel(cfg, w, stack_qkv=stack_qkv), device)
     seq = list(PROMPT)
     got = [gen.forward(seq)]
     for _ in range(8):
@@ -251,7 +249,8 @@ def test_qkv_projections_are_one_mat_vec_a_layer_and_unstacked_when_dtypes_diffe
     cfg, w, _ = tiny
     cfg = attrs.evolve(cfg, dtype=dtype)
     model = LlamaModel(cfg, w, stack_qkv=True)
-    assert all(layer.wqkv is None for layer in LlamaModel(cfg, w).layers)  # off by default
+    assert all(layer.wqkv is not None for layer in LlamaModel(cfg, w).layers)  # on by default
+    assert all(layer.wqkv is None for layer in LlamaModel(cfg, w, stack_qkv=False).layers)
     layer = model.layers[0]
     assert layer.wqkv is not None and layer.wqkv.shape == (cfg.hidden + 2 * cfg.kv_dim, cfg.hidden)
     assert layer.wqkv.dtype == layer.wq.dtype

@@ -389,7 +389,7 @@ def test_quantized_gguf_is_planned_on_the_gpu_in_its_block_format(matrix_type: s
     for n_tokens in (1, 12):  # decode (quantized mat-vec) and prefill (dequantized tiles into cuBLAS)
         plan = compile(model.build(n_tokens, 0)[0], H200)
         reads = block_matmuls(plan)
-        assert len(reads) == 1 + cfg.layers * 7 + 1  # embedding, q k v o gate up down per layer, LM head
+        assert len(reads) == 1 + cfg.layers * 5 + 1  # embedding, stacked qkv, o, gate, up, down per layer, LM head
         assert {(dt, kind) for _, dt, kind in reads} == {(matrix_type, "cuda")}
         assert not [s for s in plan.steps if s.kind == "copy"]  # no weight converted or moved on the way
 
