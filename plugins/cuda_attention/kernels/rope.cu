@@ -160,35 +160,54 @@ __device__ __forceinline__ bool rope_vec_ok(const TI* x, long long xs_h, long lo
 // The warp's pairs j0 .. j0 + 31 of heads h0 .. h1 - 1 of one token (xb, yb: the
 // token's rows, heads xs_h and D apart) as 32 / E chunks of E pairs times the heads:
 // lane l takes chunk l % (32 / E) of heads h0 + l / (32 / E), + E, ... Lane l holds
-// the angle of pair j0 + l (c, s); a chunk's E angles come by shuffles.
-template <bool NEOX, int E, typename TI, typename TO>
+// the angle of pair j0 + l; a chunk's E angles come by shuffles.
+//
+// The lane's first NH heads are loaded before anything else: angle(c, s) (which
+// reads pos and runs powf/sincosf) is called after those loads are issued, so the
+// angle's latency hides behind theirs; a lane with more than NH heads (hpt > NH * E)
+// does the rest NH at a time, each round's loads before its stores.
+template <bool NEOX, int E, typename TI, typename TO, typename Angle>
 __device__ __forceinline__ void rope_warp(const TI* xb, long long xs_h, TO* yb, const PairIndex& q,
-                                          const RopeParams& p, float c, float s) {
+                                          const RopeParams& p, Angle angle) {
     constexpr int CHUNKS = 32 / E;
+    constexpr int STEP = 32 / CHUNKS;  // heads the warp covers per load (= E)
+    constexpr int NH = E < 8 ? 2 : 1;  // heads of a lane in flight (hpt = 8: all of the lane's)
     const int lane = threadIdx.x % 32, ch = lane % CHUNKS;
+    const int jj = static_cast<int>(q.j & ~31u) + ch * E;  // the chunk's first pair
+    const bool rot = 2 * jj < p.n_dims;
+    const int o0 = NEOX && rot ? jj : 2 * jj;
+    const int o1 = NEOX && rot ? jj + p.n_dims / 2 : 2 * jj + E;
+    unsigned h = q.h0 + lane / CHUNKS;
+    Chunk<TI, E> x[NH];
+#pragma unroll
+    for (int k = 0; k < NH; ++k) {
+        if (h + k * STEP < q.h1) {
+            x[k] = load_chunk<E>(xb + (h + k * STEP) * xs_h, o0, o1);
+        }
+    }
+    float c, s;
+    angle(c, s);
     float cc[E], ss[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) {
         cc[e] = __shfl_sync(od::FULL_MASK, c, ch * E + e);
         ss[e] = __shfl_sync(od::FULL_MASK, s, ch * E + e);
     }
-    const int jj = static_cast<int>(q.j & ~31u) + ch * E;  // the chunk's first pair
-    const bool rot = 2 * jj < p.n_dims;
-    const int o0 = NEOX && rot ? jj : 2 * jj;
-    const int o1 = NEOX && rot ? jj + p.n_dims / 2 : 2 * jj + E;
-    constexpr int NH = E < 8 ? 2 : 1;  // heads loaded before the first store (hpt = 8: all of the lane's)
-    for (unsigned h = q.h0 + lane / CHUNKS; h < q.h1; h += NH * E) {
-        Chunk<TI, E> x[NH];
+    for (;;) {
 #pragma unroll
         for (int k = 0; k < NH; ++k) {
-            if (h + k * E < q.h1) {
-                x[k] = load_chunk<E>(xb + (h + k * E) * xs_h, o0, o1);
+            if (h + k * STEP < q.h1) {
+                rotate_chunk<NEOX>(x[k], yb + static_cast<long long>(h + k * STEP) * p.d, o0, o1, rot, cc, ss);
             }
+        }
+        h += NH * STEP;
+        if (h >= q.h1) {
+            break;
         }
 #pragma unroll
         for (int k = 0; k < NH; ++k) {
-            if (h + k * E < q.h1) {
-                rotate_chunk<NEOX>(x[k], yb + static_cast<long long>(h + k * E) * p.d, o0, o1, rot, cc, ss);
+            if (h + k * STEP < q.h1) {
+                x[k] = load_chunk<E>(xb + (h + k * STEP) * xs_h, o0, o1);
             }
         }
     }
@@ -213,15 +232,22 @@ __global__ void __launch_bounds__(256) rope_kernel(const T* __restrict__ x, cons
     int e0, e1, i;
     bool rot;
     pair_of<NEOX>(static_cast<int>(q.j), p, e0, e1, i, rot);
-    float c = 1.0f, s = 0.0f;
-    if (rot) {
-        cos_sin_of<NEOX>(i, pos[t], ff, p, c, s);
-    }
     const T* xb = x + t * xs_t + b * xs_b;
     constexpr int E = 16 / sizeof(T);
     if (rope_vec_ok<E>(x, xs_h, xs_t, xs_b, out, p.d, p)) {  // then total % 32 == 0: whole warps
-        rope_warp<NEOX, E>(xb, xs_h, out + static_cast<long long>(q.bt) * p.heads * p.d, q, p, c, s);
+        const auto angle = [&](float& c, float& s) {
+            c = 1.0f;
+            s = 0.0f;
+            if (rot) {
+                cos_sin_of<NEOX>(i, pos[t], ff, p, c, s);
+            }
+        };
+        rope_warp<NEOX, E>(xb, xs_h, out + static_cast<long long>(q.bt) * p.heads * p.d, q, p, angle);
         return;
+    }
+    float c = 1.0f, s = 0.0f;
+    if (rot) {
+        cos_sin_of<NEOX>(i, pos[t], ff, p, c, s);
     }
     for (unsigned h = q.h0; h < q.h1; ++h) {
         const T* xr = xb + h * xs_h;
@@ -255,15 +281,22 @@ __global__ void __launch_bounds__(256) rope_set_rows(const float* __restrict__ x
     int e0, e1, i;
     bool rot;
     pair_of<NEOX>(static_cast<int>(q.j), p, e0, e1, i, rot);
-    float c = 1.0f, s = 0.0f;
-    if (rot) {
-        cos_sin_of<NEOX>(i, pos[t], ff, p, c, s);
-    }
     const float* xb = x + t * xs_t;
     DT* yb = cache + static_cast<long long>(idx[t]) * cs;
     if (rope_vec_ok<4>(x, xs_h, xs_t, 0ll, cache, cs, p)) {  // then total % 32 == 0: whole warps
-        rope_warp<NEOX, 4>(xb, xs_h, yb, q, p, c, s);
+        const auto angle = [&](float& c, float& s) {
+            c = 1.0f;
+            s = 0.0f;
+            if (rot) {
+                cos_sin_of<NEOX>(i, pos[t], ff, p, c, s);
+            }
+        };
+        rope_warp<NEOX, 4>(xb, xs_h, yb, q, p, angle);
         return;
+    }
+    float c = 1.0f, s = 0.0f;
+    if (rot) {
+        cos_sin_of<NEOX>(i, pos[t], ff, p, c, s);
     }
     for (unsigned h = q.h0; h < q.h1; ++h) {
         const float* xr = xb + h * xs_h;
