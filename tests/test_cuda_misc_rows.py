@@ -209,6 +209,10 @@ def test_copy_specs_pick_the_fast_paths() -> None:
     q = ops.cpy(x, od.state("q", (64, 64), "q8_0"))
     assert rows.copy_specs(x, q, addresses(), 132)[0].kernel == "quantize<od::quant::q8_0, float, true>"
     assert rows.copy_specs(x.T, q, addresses(), 132)[0].kernel == "quantize<od::quant::q8_0, float, false>"
+    big = od.input("big", (8192, 8192))
+    bq = ops.cpy(big, od.state("bq", (8192, 8192), "q8_0"))
+    assert rows.copy_specs(big, bq, addresses(), 132)[0].grid == 132 * rows.QUANT_BLOCKS_PER_SM  # one wave
+    assert rows.copy_specs(big.T, bq, addresses(), 132)[0].grid == 132 * rows.BLOCKS_PER_SM
     c = ops.cont(x.T)
     (s,) = rows.copy_specs(x.T, c, addresses(), 132)
     assert s.kernel == "convert_tiled<unsigned, unsigned>" and s.grid == (2, 2, 1) and s.block == (32, 8)
@@ -552,18 +556,24 @@ def test_cpy_between_plain_types(src: str, dst: str, layout: str, rng, seed) -> 
 
 
 @gpu
-@pytest.mark.parametrize("layout", ["contig", "src_T", "dst_window"])
+@pytest.mark.parametrize("layout", ["contig", "contig_groups", "contig_odd", "dst_offset", "src_T", "dst_window"])
 @pytest.mark.parametrize("src", FLOATS)
 @pytest.mark.parametrize("q", QUANTS)
 def test_cpy_quantizes_exactly_as_dtypes(q: str, src: str, layout: str, rng, seed) -> None:
+    # contig: 18 blocks (one staged group of 16 + a tail of 2); contig_groups: 528 blocks (33 groups,
+    # many warps); contig_odd: 35 blocks; dst_offset: a contiguous dst one block past a 16-byte
+    # boundary (the unstaged path)
     r = rng
-    shape = (6, 96)
-    x = od.input("x", (96, 6) if layout == "src_T" else shape, src)
+    shape = {"contig_groups": (33, 512), "contig_odd": (7, 160)}.get(layout, (6, 96))
+    x = od.input("x", shape[::-1] if layout == "src_T" else shape, src)
     a = x.T if layout == "src_T" else x
+    dt = DTYPES[q]
     if layout == "dst_window":  # every other block of a wider state: rows not packed back to back
         big = od.state("big", (6, 192), q)
-        dt = DTYPES[q]
         dst = big.view(shape, (big.strides[0], dt.block_bytes), dt.block_bytes)
+    elif layout == "dst_offset":
+        big = od.state("big", (6 * 96 + 32,), q)
+        dst = big.view(shape, (3 * dt.block_bytes, dt.block_bytes), dt.block_bytes)
     else:
         dst = od.state("q", shape, q)
     out = ops.cpy(a, dst)

@@ -48,6 +48,8 @@ INT_MAX = 2**31 - 1
 BLOCK = 256
 #: blocks per SM the grid-stride kernels launch at most: one wave of 256-thread blocks (then threads loop)
 BLOCKS_PER_SM = 8
+#: the same for the contiguous quantize (rows.cu's staged path): as many blocks as stay resident together
+QUANT_BLOCKS_PER_SM = 4
 #: partials of the whole-tensor reductions (reduce.cu's MAX_PARTIALS)
 MAX_PARTIALS = 1024
 
@@ -351,7 +353,12 @@ def copy_specs(src: Tensor, dst: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]
         contig = both and ps % 16 == 0
         nblocks = units(dst)
         name = tmpl("quantize", QUANT[dst.dtype.name], VALUE[src.dtype.name], b(contig))
-        return [KernelSpec(ROWS_CU, name, stride_grid(nblocks * 8, sms), BLOCK,
+        # contig: rows.cu stages 16 blocks a warp (43-48 registers: 5 blocks of 256 threads fit an SM), so
+        # the grid-stride grid is one wave of QUANT_BLOCKS_PER_SM blocks, not 8 (which would leave a
+        # second, partial wave doing as much work per block as the first)
+        per_sm = QUANT_BLOCKS_PER_SM if contig else BLOCKS_PER_SM
+        grid = min(-(-nblocks * 8 // BLOCK), sms * per_sm)
+        return [KernelSpec(ROWS_CU, name, grid, BLOCK,
                      (u64(ps), u64(pd), np.uint32(nblocks), *layout(src), *layout(dst, True)))]
     if kind == "dequantize":
         contig = both and pd % 16 == 0

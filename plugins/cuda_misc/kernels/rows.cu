@@ -223,6 +223,32 @@ __global__ void __launch_bounds__(256) convert_tiled(const unsigned char* __rest
 // f32/f16/bf16 -> a block format: 8 lanes per block of 32 row-major values.
 // CONTIG: both contiguous and the source 16-byte aligned (vector loads); else
 // element i of the source is at la.offset(i) and block b of dst at lb.offset(b).
+//
+// CONTIG with a 16-byte aligned dst and blocks of at most QUANT_WARPS warps: a warp
+// takes QUANT_GROUP = 16 consecutive blocks at a time (16 * BYTES bytes of dst, a
+// multiple of 16 for every format, so the group starts 16-byte aligned): its lanes
+// issue all 4 loads of the group first, encode the blocks into the warp's slice of
+// shared memory (the 2-byte stores of encode8 stay on chip), then write the group
+// with consecutive 16-byte stores. A last partial group, and every other case,
+// takes 4 blocks a warp at a time with encode8 writing dst directly.
+constexpr int QUANT_WARPS = 8;  // warps a block may have for the staged path (rows.py's BLOCK = 256)
+constexpr int QUANT_GROUP = 16;
+
+template <class Q, class S>
+__device__ __forceinline__ void quantize4(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
+                                          const unsigned nblocks, const unsigned first, const int lane) {
+    const int r = lane % 8;
+    const unsigned b = first + lane / 8;
+    const bool active = b < nblocks;
+    float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    unsigned char* blk = dst;
+    if (active) {
+        load4(reinterpret_cast<const S*>(src) + b * quant::QK + 4 * r, x);
+        blk = dst + static_cast<long long>(b) * Q::BYTES;
+    }
+    quant::encode8<Q>(x, r, blk, active);
+}
+
 template <class Q, class S, bool CONTIG>
 __global__ void quantize(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
                          const unsigned nblocks, OD_LAYOUT_PARAMS(a), OD_LAYOUT_PARAMS(b)) {
@@ -230,25 +256,56 @@ __global__ void quantize(const unsigned char* __restrict__ src, unsigned char* _
     const int lane = threadIdx.x % WARP_SIZE, r = lane % 8;
     const unsigned warp = thread_id() / WARP_SIZE;
     const unsigned warps = thread_count() / WARP_SIZE;
-    for (unsigned first = 4 * warp; first < nblocks; first += 4 * warps) {  // warp-uniform: every lane shuffles
-        const unsigned b = first + lane / 8;
-        const bool active = b < nblocks;
-        float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        unsigned char* blk = dst;
-        if (active) {
-            const unsigned e = b * quant::QK + 4 * r;
-            if constexpr (CONTIG) {
-                load4(reinterpret_cast<const S*>(src) + e, x);
-                blk = dst + static_cast<long long>(b) * Q::BYTES;
-            } else {
+    if constexpr (CONTIG) {
+        constexpr int UNITS = QUANT_GROUP * Q::BYTES / 16;  // uint4s of a group
+        static_assert(QUANT_GROUP * Q::BYTES % 16 == 0, "a group of blocks must be a whole number of uint4s");
+        __shared__ uint4 stage[QUANT_WARPS][UNITS];
+        const bool staged = reinterpret_cast<unsigned long long>(dst) % 16 == 0 &&
+                            blockDim.x <= QUANT_WARPS * WARP_SIZE;  // launch-uniform
+        const unsigned full = staged ? nblocks / QUANT_GROUP : 0;  // whole groups
+        uint4* mine = stage[(threadIdx.x / WARP_SIZE) % QUANT_WARPS];
+        unsigned char* st = reinterpret_cast<unsigned char*>(mine);
+        for (unsigned g = warp; g < full; g += warps) {  // warp-uniform
+            const unsigned first = g * QUANT_GROUP;
+            float x[QUANT_GROUP / 4][4];
+#pragma unroll
+            for (int k = 0; k < QUANT_GROUP / 4; k++) {
+                const unsigned b = first + 4 * k + lane / 8;
+                load4(reinterpret_cast<const S*>(src) + b * quant::QK + 4 * r, x[k]);
+            }
+            __syncwarp();  // the previous group's stores have read the stage
+#pragma unroll
+            for (int k = 0; k < QUANT_GROUP / 4; k++) {
+                quant::encode8<Q>(x[k], r, st + (4 * k + lane / 8) * Q::BYTES, true);
+            }
+            __syncwarp();
+            uint4* out = reinterpret_cast<uint4*>(dst + static_cast<long long>(first) * Q::BYTES);
+#pragma unroll
+            for (int i = lane; i < UNITS; i += WARP_SIZE) {
+                out[i] = mine[i];
+            }
+        }
+        // what the groups left: every block when not staged, else the last nblocks % 16
+        for (unsigned first = full * QUANT_GROUP + 4 * warp; first < nblocks; first += 4 * warps) {
+            quantize4<Q, S>(src, dst, nblocks, first, lane);
+        }
+        return;
+    } else {
+        for (unsigned first = 4 * warp; first < nblocks; first += 4 * warps) {  // warp-uniform: every lane shuffles
+            const unsigned b = first + lane / 8;
+            const bool active = b < nblocks;
+            float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            unsigned char* blk = dst;
+            if (active) {
+                const unsigned e = b * quant::QK + 4 * r;
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     x[i] = to_f32(*reinterpret_cast<const S*>(src + la.offset(e + i)));
                 }
                 blk = dst + lb.offset(b);
             }
+            quant::encode8<Q>(x, r, blk, active);
         }
-        quant::encode8<Q>(x, r, blk, active);
     }
 }
 
@@ -401,14 +458,11 @@ __global__ void __launch_bounds__(ROW_THREADS)
         return;
     }
     const unsigned k = row % n, j2 = (row / n) % d2, j3 = row / n / d2;
+    // the source loads do not depend on the index: issued before it is read, so both latencies overlap
     const long long r = row_index<I>(idx, k, j2 % ni1, j3 % ni2, is0, is1, is2, drows);
-    if (r < 0) {
-        return;
-    }
     const int tpr = 1 << tpr_log2;
     const int c0 = (blockIdx.y * ROW_UNROLL * tpr + (threadIdx.x & (tpr - 1))) * N;
     const unsigned char* s = src + j3 * ss3 + j2 * ss2 + k * ss1;
-    unsigned char* d = dst + j3 * ds3 + j2 * ds2 + r * ds1;
     Pack<float, N> v[ROW_UNROLL];
 #pragma unroll
     for (int u = 0; u < ROW_UNROLL; u++) {
@@ -421,6 +475,10 @@ __global__ void __launch_bounds__(ROW_THREADS)
             }
         }
     }
+    if (r < 0) {
+        return;
+    }
+    unsigned char* d = dst + j3 * ds3 + j2 * ds2 + r * ds1;
 #pragma unroll
     for (int u = 0; u < ROW_UNROLL; u++) {
         const int c = c0 + u * tpr * N;
