@@ -78,9 +78,10 @@ def test_cpy(measure, torch_cuda, dst: str) -> None:  # noqa: ANN001
     measure(plan, 4 * R * C + out_bytes, (lambda: to.copy_(tx)) if dst == "f16" else None)
 
 
-def test_get_rows(measure, torch_cuda) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("n", [4096, 16384])  # 100 MB and 400 MB moved: the fixed launch cost matters at the first
+def test_get_rows(measure, torch_cuda, n: int) -> None:  # noqa: ANN001
     torch = torch_cuda
-    V, C, n = 32000, 4096, 4096
+    V, C = 32000, 4096
     table = od.param("table", rand(V, C), "f16")
     idx = od.input("idx", (n,), "i32")
     ids = np.random.default_rng().integers(0, V, n).astype(np.int32)
