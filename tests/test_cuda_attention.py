@@ -366,6 +366,9 @@ def test_rope_spec(mode: str, dt: str) -> None:
     (96, 3, 100, 6, 3, "f16", 1),
     (64, 2, 1, 2, 2, "f16", 1),
     (128, 1, 4096, 64, 2, "f16", 2),  # GQA 32
+    (64, 1, 1025, 32, 8, "f16", 1),  # 17 tiles: split
+    (64, 1, 768, 32, 8, "f16", 1),  # the 1.1B Llama's short context: one split
+    (128, 4, 1024, 32, 4, "bf16", 2),  # 16 tiles: one split
 ])
 def test_decode_plan(d: int, tq: int, tk: int, hq: int, hkv: int, kv: str, ncg: int) -> None:
     node = fa(d, tq, tk, hq, hkv, kv, mask=True, sinks=od.input("s", (hq,)))
@@ -373,14 +376,35 @@ def test_decode_plan(d: int, tq: int, tk: int, hq: int, hkv: int, kv: str, ncg: 
     assert plan.kind == "decode"
     assert plan.chunk % ca.DECODE_BN == 0 and (plan.nsplit - 1) * plan.chunk < tk <= plan.nsplit * plan.chunk
     rows = tq * hq
-    assert [w.nbytes for w in plan.workspaces] == [plan.nsplit * rows * d * 4, plan.nsplit * rows * 8]
-    main, combine = plan.specs(fake_ptr, [BASE + 2**20, BASE + 2**21])
+    specs = plan.specs(fake_ptr, [BASE + 2**20, BASE + 2**21])
+    main = specs[0]
     assert main.kernel == ca.decode_kernel(d, kv) and main.kernel in ca.KERNEL_SOURCES[ca.DECODE_CU]
     assert main.grid == (plan.nsplit, hkv * ncg, 1) and main.block == 128
     assert main.smem == ca.decode_smem(d) <= H200.props["smem_per_block_optin"]
     assert spec_types(main) == kernel_param_types(ca.DECODE_CU, "fattn_decode")
+    assert int(main.args[6]) == BASE and int(main.args[7]) == BASE  # sinks and output (fake_ptr)
+    if -(-tk // ca.DECODE_BN) <= ca.DECODE_ONE_SPLIT_TILES:  # the block finishes the softmax: no combine
+        assert plan.nsplit == 1 and plan.workspaces == () and len(specs) == 1
+        assert int(main.args[4]) == int(main.args[5]) == 0
+        return
+    assert plan.nsplit > 1
+    assert [w.nbytes for w in plan.workspaces] == [plan.nsplit * rows * d * 4, plan.nsplit * rows * 8]
+    assert (int(main.args[4]), int(main.args[5])) == (BASE + 2**20, BASE + 2**21)
+    combine = specs[1]
+    assert len(specs) == 2
     assert combine.kernel == ca.COMBINE and combine.grid == (rows,) and combine.block == 128
     assert spec_types(combine) == kernel_param_types(ca.DECODE_CU, "fattn_combine")
+
+
+@pytest.mark.parametrize(("tk", "batch", "nsplit"), [(1, 1, 1), (512, 1, 1), (768, 1, 1), (1024, 1, 1),
+                                                     (1024, 64, 1), (1025, 1, 17), (2048, 1, 32), (2048, 16, 4)])
+def test_decode_short_kv_takes_one_split(tk: int, batch: int, nsplit: int) -> None:
+    # the 1.1B Llama's attention: 32 query heads on 8 KV heads, D = 64
+    node = ops.flash_attn_ext(od.input("q", (batch, 32, 1, 64)), od.input("k", (batch, 8, tk, 64), "f16"),
+                              od.input("v", (batch, 8, tk, 64), "f16"))
+    plan = ca.flash_plan(node, 132)
+    assert plan.nsplit == nsplit
+    assert len(plan.specs(fake_ptr, [BASE] * len(plan.workspaces))) == (1 if nsplit == 1 else 2)
 
 
 @pytest.mark.parametrize("batch", [1, 16])
@@ -611,6 +635,26 @@ FA_CASES["decode batch 16 kv=8192"] = dict(d=128, tq=1, tk=8192, hq=32, hkv=8, b
 FA_CASES["decode d=256 q=2 kv=4097 alibi softcap"] = dict(d=256, tq=2, tk=4097, hq=8, hkv=2, mask="random",
                                                           max_bias=8.0, softcap=10.0)
 FA_CASES["decode q4_0 kv=6000 q=3"] = dict(d=64, tq=3, tk=6000, hq=8, hkv=1, kv="q4_0", mask="random")
+# decode with one split (<= 16 tiles of 64 keys): fattn_decode normalizes, adds the sinks and
+# writes the output itself, no combine; kv 1024 (16 tiles) and 1025 (17: split) around the switch
+FA_CASES["one split llama 1.1b d=64 gqa 4 kv=768"] = dict(d=64, tq=1, tk=768, hq=32, hkv=8)
+FA_CASES["one split d=64 gqa 4 kv=700 mask batch 3"] = dict(d=64, tq=1, tk=700, hq=32, hkv=8, mask="random",
+                                                            batch=3)
+FA_CASES["one split d=128 gqa 8 kv=512 causal sinks batch 2"] = dict(d=128, tq=1, tk=512, hq=16, hkv=2,
+                                                                     mask="causal", sinks=True, batch=2)
+FA_CASES["one split d=64 gqa 8 kv=1000 sinks no mask"] = dict(d=64, tq=1, tk=1000, hq=8, hkv=1, sinks=True)
+FA_CASES["one split d=128 gqa 4 kv=1024 mask sinks batch 4"] = dict(d=128, tq=1, tk=1024, hq=32, hkv=8,
+                                                                    mask="random", sinks=True, batch=4)
+FA_CASES["split d=128 gqa 4 kv=1025 mask sinks batch 4"] = dict(d=128, tq=1, tk=1025, hq=32, hkv=8,
+                                                                mask="random", sinks=True, batch=4)
+FA_CASES["one split q=4 gqa 8 (2 column groups) kv=900 alibi softcap"] = dict(
+    d=64, tq=4, tk=900, hq=16, hkv=2, mask="random", max_bias=8.0, softcap=10.0, batch=2)
+FA_CASES["one split empty rows and sinks q=2 kv=640 batch 2"] = dict(d=128, tq=2, tk=640, hq=8, hkv=2,
+                                                                     mask="empty rows", sinks=True, batch=2)
+FA_CASES["one split bf16 d=128 gqa 8 kv=333 f16 q"] = dict(d=128, tq=1, tk=333, hq=16, hkv=2, kv="bf16",
+                                                           mask="random", q_dtype="f16")
+FA_CASES["one split q8_0 d=64 gqa 4 kv=1024 sinks batch 2"] = dict(d=64, tq=1, tk=1024, hq=8, hkv=2, kv="q8_0",
+                                                                   mask="random", sinks=True, batch=2)
 
 
 @gpu

@@ -9,7 +9,8 @@ Kernels (kernels/*.cu, CUDA C++ compiled by NVRTC one template instance at a tim
   factors, YaRN, f32/f16, strided input; and the fused rope -> set_rows.
 - fattn_decode.cu: flash_attn_ext for Tq <= 8 (split-K over the KV on mma.sync,
   16 (query row, head) columns of one KV head a block, K/V tiles streamed
-  through cp.async stages, partials combined in f32 by fattn_combine).
+  through cp.async stages, partials combined in f32 by fattn_combine; short
+  KV runs one split that finishes the softmax itself, with no combine).
 - fattn_prefill.cu: flash_attn_ext for more rows (mma.sync tensor cores, 128
   query rows a block for D <= 128, double-buffered K/V tiles in shared memory,
   online softmax, fully masked tiles skipped through per-tile mask flags
@@ -227,6 +228,9 @@ def rope_set_rows_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[KernelSpec]:
 SMEM_PER_SM = 228 * 1024
 #: decode: columns (query row, head) a block, the M rows of its mma
 DECODE_COLS = 16
+#: decode: up to this many 64-key tiles a (batch, KV head), one split streams them all and
+#: fattn_decode finishes the softmax itself (no workspace, no fattn_combine launch)
+DECODE_ONE_SPLIT_TILES = 16
 
 
 def decode_blocks_per_sm(d: int) -> int:
@@ -288,24 +292,37 @@ def flash_plan(node: Tensor, sm_count: int = 132) -> FlashPlan:
         ncg = -(-(group * tq) // DECODE_COLS)
         base = b * hkv * ncg
         tiles = max(1, -(-tk // DECODE_BN))
-        # one wave: as many splits as fill the SMs' resident blocks (memory bound: every
-        # SM streaming), no ragged second wave
-        nsplit = max(1, min(sm_count * decode_blocks_per_sm(d) // base, tiles))
+        if tiles <= DECODE_ONE_SPLIT_TILES:
+            # Short KV (<= 1024 keys): one block a (batch, KV head, column group) streams every
+            # tile through its cp.async stages and writes the output itself. The KV is small
+            # (1 MB for 8 heads x 1024 keys x D=64 f16 K+V: ~1 us even from one block per head),
+            # while splitting costs a second launch (fattn_combine, ~2-3 us in a CUDA graph on
+            # H200) plus the per-block fixed cost (Q, prologue, merge) of many one-tile blocks:
+            # at 768 keys the split plan ran 4.4 us + 2.4 us of combine per layer.
+            nsplit = 1
+        else:
+            # one wave: as many splits as fill the SMs' resident blocks (memory bound: every
+            # SM streaming), no ragged second wave
+            nsplit = max(1, min(sm_count * decode_blocks_per_sm(d) // base, tiles))
         chunk = -(-tiles // nsplit) * DECODE_BN
         nsplit = max(1, -(-tk // chunk))
         rows = b * tq * hq
-        ws = (Workspace(nsplit * rows * d * 4, "flash_attn_ext partial sums"),
-              Workspace(nsplit * rows * 8, "flash_attn_ext partial max/sum"))
+        ws = () if nsplit == 1 else (Workspace(nsplit * rows * d * 4, "flash_attn_ext partial sums"),
+                                     Workspace(nsplit * rows * 8, "flash_attn_ext partial max/sum"))
 
         def make_decode(ptr: Ptr, wsp: Sequence[int]) -> list[KernelSpec]:
+            # one split (gridDim.x == 1): fattn_decode adds the sinks and writes the output itself
+            acc, ml = (0, 0) if nsplit == 1 else (wsp[0], wsp[1])
+            sink_ptr = u64(ptr(sinks) if sinks is not None else 0)
             common = _fa_common(node, ptr)
             args = (u64(ptr(q)), u64(ptr(k)), u64(ptr(v)), u64(ptr(mask) if mask is not None else 0),
-                    u64(wsp[0]), u64(wsp[1]), *common[:4], i32(group), i32(ncg), *common[5:],
+                    u64(acc), u64(ml), sink_ptr, u64(ptr(node)), *common[:4], i32(group), i32(ncg), *common[5:],
                     i32(chunk), i32(_kv_vec(k, v, ptr)))
-            combine = (u64(wsp[0]), u64(wsp[1]), u64(ptr(sinks) if sinks is not None else 0), u64(ptr(node)),
-                       i32(d), i32(rows), i32(nsplit), i32(hq))
-            return [KernelSpec(DECODE_CU, decode_kernel(d, kv), (nsplit, hkv * ncg, b), 128, args, decode_smem(d)),
-                    KernelSpec(DECODE_CU, COMBINE, (rows,), 128, combine)]
+            main = KernelSpec(DECODE_CU, decode_kernel(d, kv), (nsplit, hkv * ncg, b), 128, args, decode_smem(d))
+            if nsplit == 1:
+                return [main]
+            combine = (u64(acc), u64(ml), sink_ptr, u64(ptr(node)), i32(d), i32(rows), i32(nsplit), i32(hq))
+            return [main, KernelSpec(DECODE_CU, COMBINE, (rows,), 128, combine)]
 
         return FlashPlan("decode", ws, make_decode, nsplit, chunk)
 

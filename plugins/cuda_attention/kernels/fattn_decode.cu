@@ -12,7 +12,10 @@
 // softmax (f32, log2 units). At the end the warps merge through shared memory
 // and the block writes its partial (max, sum, acc[D]) per column to the
 // workspace; fattn_combine merges the splits, adds the sink and writes out
-// (B, Tq, Hq, D) f32.
+// (B, Tq, Hq, D) f32. With one split (gridDim.x == 1: short KV, see flash_plan)
+// the block holds the whole softmax of its columns: it adds the sink and
+// normalizes itself, writes `out` directly, and no combine is launched (the
+// workspace pointers are then unused).
 //
 // Strides are in bytes: q (t, h, b), k and v (t, h, b), mask (t, h, b) with
 // mask heads / batches broadcast by modulo (m2, m3).
@@ -22,7 +25,7 @@ template <int D, typename KT>
 __global__ void __launch_bounds__(128, 2) fattn_decode(
     const char* __restrict__ q, const char* __restrict__ k, const char* __restrict__ v,
     const char* __restrict__ mask, float* __restrict__ ws_acc, float2* __restrict__ ws_ml,
-    int q_f16, int tq, int hq, int tk, int group, int ncg,
+    const float* __restrict__ sinks, float* __restrict__ out, int q_f16, int tq, int hq, int tk, int group, int ncg,
     long long qs_t, long long qs_h, long long qs_b,
     long long ks_t, long long ks_h, long long ks_b,
     long long vs_t, long long vs_h, long long vs_b,
@@ -229,6 +232,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
     __syncthreads();
 
     const long long rows = static_cast<long long>(gridDim.z) * tq * hq;
+    const bool single = gridDim.x == 1;  // the whole KV in this block: finish here, as fattn_combine would
     for (int e = tid; e < 16 * D; e += 128) {
         const int c = e / D;
         const int d = e % D;
@@ -250,6 +254,22 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
             const float f = exp2f(s_ml[(w * 16 + c) * 2] - mx);
             sum += s_ml[(w * 16 + c) * 2 + 1] * f;
             a += s_o[(w * 16 + c) * OR + d] * f;
+        }
+        if (single) {  // fattn_combine with one split: same order of operations
+            float m = mx;
+            float sink = 0.0f;
+            if (sinks != nullptr) {
+                sink = sinks[h] * LOG2E;
+                m = fmaxf(m, sink);
+            }
+            const float f = exp2f(mx - m);
+            float total = sum * f;
+            if (sinks != nullptr) {
+                total += exp2f(sink - m);
+            }
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+            out[r * D + d] = a * f * inv;
+            continue;
         }
         ws_acc[(split * rows + r) * D + d] = a;
         if (d == 0) {
