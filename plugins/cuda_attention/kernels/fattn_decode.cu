@@ -138,6 +138,18 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         const unsigned short* Ks = stage_k(i % STAGES) + warp * 16 * SR;
         const unsigned short* Vs = stage_v(i % STAGES) + warp * 16 * SR;
         const int kw = k_begin + i * BN + warp * 16;  // this warp's first key
+        // this lane's 8 mask values of the tile, loaded before the S mma so that their latency
+        // overlaps it (one split walks many tiles one after another; loading them before the
+        // wait for the tile costs registers: spills at D=256, 131 at D=64 = 3 blocks an SM)
+        unsigned short mk[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = kw + nt * 8 + 2 * tq4 + (e & 1);
+                mk[nt][e] = mrow[e >> 1] != nullptr && key < k_end ? mrow[e >> 1][key] : 0;
+            }
+        }
 
         // S (16 columns x 16 keys) = Q K^T
         float s[2][4] = {};
@@ -160,7 +172,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
                 if (key >= k_end) {
                     x = NEG_INF;
                 } else if (mrow[e >> 1] != nullptr) {
-                    x = fmaf(slope2[e >> 1], od::f16_to_f32(mrow[e >> 1][key]), x);  // -inf stays -inf
+                    x = fmaf(slope2[e >> 1], od::f16_to_f32(mk[nt][e]), x);  // -inf stays -inf
                 }
                 s[nt][e] = x;
             }
