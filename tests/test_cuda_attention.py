@@ -628,6 +628,11 @@ FA_CASES["prefill no mask d=64 q=256 kv=1024 gqa 2"] = dict(d=64, tq=256, tk=102
 FA_CASES["prefill no mask d=256 bf16 q=128 kv=512"] = dict(d=256, tq=128, tk=512, hq=2, hkv=1, kv="bf16")
 FA_CASES["prefill causal sinks d=128 q=640 kv=640 gqa 4"] = dict(d=128, tq=640, tk=640, hq=8, hkv=2, mask="causal",
                                                                  sinks=True, q_dtype="f16")
+# prefill block order (q tiles in phases of halving length across batch and heads: 9 tiles -> 5, 2, 2)
+# with batch 3, and whole mixed (diagonal) tiles read as 32-bit mask pairs, ALiBi on, a partial q tile
+FA_CASES["prefill causal alibi batch 3 d=128 q=1100 kv=1100 gqa 2"] = dict(d=128, tq=1100, tk=1100, hq=4, hkv=2,
+                                                                          mask="causal", max_bias=8.0, batch=3,
+                                                                          q_dtype="f16")
 # decode: many splits of 64-key tiles, kv not a multiple of 64, more than 16 columns a KV head
 FA_CASES["decode q=8 gqa 8 (64 columns) kv=5000"] = dict(d=128, tq=8, tk=5000, hq=16, hkv=2, mask="random")
 FA_CASES["decode gqa 32 kv=3001 bf16 sinks"] = dict(d=128, tq=1, tk=3001, hq=64, hkv=2, kv="bf16", sinks=True)

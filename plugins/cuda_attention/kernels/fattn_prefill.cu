@@ -11,7 +11,7 @@
 // with f32 accumulators; the softmax is online in f32 (log2 units), and P is
 // rounded to 16 bits in registers, where the S accumulators already have the
 // layout of the A operand of P V. Blocks start from the last query tile, the
-// longest under a causal mask, so the short ones fill the tail.
+// longest under a causal mask, so the short ones fill the tail (see the block order below).
 //
 // The loop is bound by instruction issue, not by the tensor cores, so the common
 // tile (whole, f16/bf16 aligned K/V, mask block all zero or no mask, no softcap)
@@ -87,10 +87,32 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    const int qt = gridDim.x - 1 - blockIdx.x;
+    // Block order (blocks are dispatched in linear-id order): the q tiles run from the last one
+    // (the longest under a causal mask) down, in phases of halving length (the top half of every
+    // (batch, head)'s q tiles, then the next quarter, ..., 4 at least), each phase (batch,
+    // head)-major so that a few blocks of one head run together and share its K/V in L2. The
+    // last blocks dispatched are short ones, so the tail stays balanced.
+    int qt, h, b;
+    {
+        const int n_qt = gridDim.x;
+        const long long nh = static_cast<long long>(gridDim.y) * gridDim.z;
+        long long lin = blockIdx.x + gridDim.x * (blockIdx.y + static_cast<long long>(gridDim.y) * blockIdx.z);
+        int start = 0, rem = n_qt, len = 0;
+        for (;;) {
+            len = rem <= 4 ? rem : (rem + 1) / 2;
+            if (lin < len * nh) {
+                break;
+            }
+            lin -= len * nh;
+            start += len;
+            rem -= len;
+        }
+        const long long hb = lin / len;
+        qt = n_qt - 1 - (start + static_cast<int>(lin - hb * len));
+        h = static_cast<int>(hb % gridDim.y);
+        b = static_cast<int>(hb / gridDim.y);
+    }
     const int q0 = qt * BM;
-    const int h = blockIdx.y;
-    const int b = blockIdx.z;
     const int kvh = h / group;
 
     // -- Q tile -> shared memory (16-bit), rows past tq zero; read after the loop's first barrier --
@@ -108,6 +130,8 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
         flags != nullptr ? flags + ((static_cast<long long>(b % m3) * m2 + h % m2) * gridDim.x + qt) * n_kv_tiles
                          : nullptr;
     const char* mbase = mask != nullptr ? mask + (b % m3) * ms_b + (h % m2) * ms_h : nullptr;
+    // mask rows 4-byte aligned: a key pair (even key) is one 32-bit load
+    const bool mask_al4 = ((reinterpret_cast<unsigned long long>(mbase) | static_cast<unsigned long long>(ms_t)) & 3ull) == 0;
     const float slope2 = alibi_slope(use_alibi, h, n_head_log2, m0, m1) * LOG2E;
     // logit in log2 units: softcap ? cap*tanh(s*scale/cap) : s*scale, times log2(e)
     const float mul2 = softcap != 0.0f ? softcap * LOG2E : scale * LOG2E;
@@ -223,6 +247,28 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
         float mul = mul2;
         if (flag != 2 || kb + BN > tk || softcap != 0.0f || !(mul2 > 0.0f)) {
             mul = 1.0f;
+            if (flag == 1 && kb + BN <= tk && softcap == 0.0f && mask_al4) {
+                // A whole mixed tile (the causal diagonal): the two mask values of a lane's key pair
+                // in one 32-bit load, no per-key checks; same arithmetic as the general path below.
+                // Rows past tq read row tq - 1 (their output is never written).
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = min(q0 + wrow + mt * 16 + g + 8 * r, tq - 1);
+                        const unsigned* mrow =
+                            reinterpret_cast<const unsigned*>(mbase + row * ms_t + static_cast<long long>(kb) * 2) + tq4;
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt) {
+                            const unsigned mv = mrow[nt * 4];  // keys kb + nt * 8 + 2 * tq4 + {0, 1}
+                            s[mt][nt][2 * r] = fmaf(slope2, od::f16_to_f32(static_cast<unsigned short>(mv & 0xffffu)),
+                                                    s[mt][nt][2 * r] * mul2);
+                            s[mt][nt][2 * r + 1] = fmaf(slope2, od::f16_to_f32(static_cast<unsigned short>(mv >> 16)),
+                                                        s[mt][nt][2 * r + 1] * mul2);
+                        }
+                    }
+                }
+            } else {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -249,6 +295,7 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
                         }
                     }
                 }
+            }
             }
         }
 
