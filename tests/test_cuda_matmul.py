@@ -327,11 +327,11 @@ def check_spec(spec: cm.KernelSpec) -> None:
     ("f16", (64, 4096), None, "mmv<W_F16, B_F32, 1, 2, true, EPI_NONE>"),
     ("f32", (64, 65), None, "mmv<W_F32, B_F32, 8, 2, false, EPI_NONE>"),  # K % 8 != 0: scalar
     ("bf16", (64, 80), None, "mmv<W_BF16, B_F32, 4, 2, true, EPI_NONE>"),
-    ("q4_0", (64, 4096), None, "mmvq<W_Q4_0, 1, EPI_NONE, true>"),  # one f32 token: one launch
-    ("q8_0", (64, 96), "offset", "mmvq<W_Q8_0, 4, EPI_NONE, false>"),  # b read by elements: any layout
+    ("q4_0", (64, 4096), None, "mmvq<W_Q4_0, 1, EPI_NONE>"),
+    ("q8_0", (64, 96), "offset", "mmvq<W_Q8_0, 4, EPI_NONE>"),  # b read by elements: any layout
     ("f16", (64, 96), "T", "mmv<W_F16, B_F32, 8, 2, false, EPI_NONE>"),  # b's K axis strided
     ("f32", (64, 96), "offset", "mmv<W_F32, B_F32, 8, 2, false, EPI_NONE>"),  # b rows misaligned
-    ("q5_1", (64, 96), "f16", "mmvq<W_Q5_1, 4, EPI_NONE, false>"),
+    ("q5_1", (64, 96), "f16", "mmvq<W_Q5_1, 4, EPI_NONE>"),
     ("bf16", (64, 96), "f16", "mmv<W_BF16, B_F16, 8, 2, true, EPI_NONE>"),
 ])
 def test_mmv_spec_picks_the_variant(dt: str, a_shape: tuple, b_view: str | None, kernel: str) -> None:
@@ -350,12 +350,7 @@ def test_mmv_spec_picks_the_variant(dt: str, a_shape: tuple, b_view: str | None,
     assert spec.kernel == kernel
     for sp in specs:
         check_spec(sp)
-    if dt in QUANTS and kernel.endswith("true>"):  # b quantized by each block: one launch
-        nbp = -(-k // 32 // 32) * 32
-        assert len(specs) == 1 and spec.smem == nbp * 40 == cm.q_smem(k)
-        assert spec.grid == (a_shape[0] // cm.QROWS_F, 1, 1) and spec.block == cm.q_threads(k)
-        assert (int(spec.args[7]), int(spec.args[8]), int(spec.args[9])) == (fake_ptr(b), 0, nbp)
-    elif dt in QUANTS:  # b quantized to q8_1 first, then QROWS rows a block
+    if dt in QUANTS:  # b quantized to q8_1 first, then QROWS rows a block
         quant = specs[0]
         assert len(specs) == 2 and quant.kernel == f"quantize_q8_1<{cm.B_KIND[b.dtype.name]}>"
         nbp = -(-k // 32 // 32) * 32
@@ -374,8 +369,7 @@ def dtypes_block_bytes(dt: str) -> int:
 def test_q_constants_mirror_the_kernel() -> None:
     """QROWS, QWARPS_MAX, QUANT_BLOCK as mmv.cu has them; threads a block from K."""
     src = cm.MMV_CU.read_text()
-    for name, value in (("QROWS", cm.QROWS), ("QROWS_F", cm.QROWS_F), ("QWARPS_MAX", cm.QWARPS_MAX),
-                        ("QUANT_BLOCK", cm.QUANT_BLOCK)):
+    for name, value in (("QROWS", cm.QROWS), ("QWARPS_MAX", cm.QWARPS_MAX), ("QUANT_BLOCK", cm.QUANT_BLOCK)):
         assert re.search(rf"constexpr int {name} = {value};", src), name
     assert [cm.q_threads(k) for k in (32, 1024, 2048, 4096, 5632, 14336)] == [32, 32, 64, 128, 128, 128]
     assert [cm.q8_padded(k) for k in (32, 1024, 1056, 4096)] == [32, 32, 64, 128]
@@ -398,9 +392,11 @@ def test_mmv_id_and_grouped_specs() -> None:
     experts = weight("e", (8, 32, 64), "q4_0")
     ids = od.input("ids", (1, 4), "i32")
     y = ops.mul_mat_id(experts, od.input("x", (1, 1, 64)), ids)
-    (spec,) = cm.mmv_id_specs(y, y, fake_ptr, fake_scratch)  # f32 token: quantized by each block
-    assert spec.kernel == "mmvq_id<W_Q4_0, EPI_NONE, true>" and spec.grid == (4, 4, 1)
-    assert spec.block == 32 and spec.smem == 32 * 40
+    quant, spec = cm.mmv_id_specs(y, y, fake_ptr, fake_scratch)
+    assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (1, 1)
+    assert spec.kernel == "mmvq_id<W_Q4_0, EPI_NONE>" and spec.grid == (8, 4, 1)
+    assert spec.block == 32 and spec.smem == 0
+    check_spec(quant)
     check_spec(spec)
     y = ops.mul_mat_id(experts, od.input("x", (32, 1, 64)), od.input("ids", (32, 4), "i32"))
     route, quant, grouped = cm.grouped_specs(y, y, fake_ptr, fake_scratch)
@@ -426,7 +422,7 @@ def test_fused_glu_spec() -> None:
     quant, spec = cm.mmv_specs(prods[0], nodes[-1], fake_ptr, fake_scratch, a1=prods[1].srcs[0],
                                bias0=biases[0], bias1=biases[1], glu=glu)
     assert quant.kernel == "quantize_q8_1<B_F32>"  # b quantized once for both weights
-    assert spec.kernel == "mmvq<W_Q4_0, 2, EPI_GLU, false>"
+    assert spec.kernel == "mmvq<W_Q4_0, 2, EPI_GLU>"
     m = prods[0].shape[-1]
     assert spec.grid == (-(-m // (cm.QROWS // 2)), 1, 1)  # gate and up rows: half as many a block
     check_spec(spec)

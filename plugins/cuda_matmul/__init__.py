@@ -11,10 +11,7 @@ Paths (support.py picks one per node; its name shows in `Plan.explain()`):
   hold each 2-byte aligned block; consecutive threads, consecutive blocks) and
   dots them with b by dp4a, no shared-memory staging. The rounding of b this adds
   is ggml's too (its CPU and CUDA backends quantize b for these types) and lies
-  well inside mul_mat's NMSE bound. One f32 token (mul_mat n == 1, mul_mat_id's
-  mmvq_id) with 16-byte aligned rows and K <= QF_MAX_K takes one launch instead:
-  each block of QROWS_F rows first issues its weight loads, then quantizes b
-  itself into shared memory (same codes and scales as quantize_q8_1).
+  well inside mul_mat's NMSE bound.
 - cublas: float weights, N > 8: cuBLAS through our own handles
   (core/backends/cuda/cublas.py, usable under CUDA-graph capture): cublasLt
   (algorithm timed once per problem) for one GEMM or strided batches when
@@ -86,9 +83,6 @@ CONVERT_BLOCK = 256  # convert.cu's CONVERT_BLOCK
 # mmv.cu's block-format mat-vec: weight rows (streams) a block, warps a block at most,
 # quantize_q8_1's threads
 QROWS, QWARPS_MAX, QUANT_BLOCK = 4, 4, 256
-# streams of the one-launch kernels (mmvq/mmvq_id with BF: b f32 quantized by each block into
-# shared memory), and the largest K they take (shared memory nbp * 40 bytes <= 40 KiB)
-QROWS_F, QF_MAX_K = 8, 32768
 CONVERT_GRID_MAX = 65536  # blocks of a conversion (grid-stride over rows beyond)
 
 
@@ -108,12 +102,12 @@ def grouped_name(wt: str, tb: str, nt: int, vec: bool, epi: str) -> str:
     return f"mmv_id_grouped<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {ROWS}, {_b(vec)}, {epi}>"
 
 
-def mmvq_name(wt: str, nt: int, epi: str, bf: bool = False) -> str:
-    return f"mmvq<{W_KIND[wt]}, {nt}, {epi}, {_b(bf)}>"
+def mmvq_name(wt: str, nt: int, epi: str) -> str:
+    return f"mmvq<{W_KIND[wt]}, {nt}, {epi}>"
 
 
-def mmvq_id_name(wt: str, epi: str, bf: bool = False) -> str:
-    return f"mmvq_id<{W_KIND[wt]}, {epi}, {_b(bf)}>"
+def mmvq_id_name(wt: str, epi: str) -> str:
+    return f"mmvq_id<{W_KIND[wt]}, {epi}>"
 
 
 def qgrouped_name(wt: str, nt: int, epi: str) -> str:
@@ -132,19 +126,6 @@ def q_threads(k: int) -> int:
 def q8_padded(k: int) -> int:
     """Blocks of 32 a quantized b row holds (quantize_q8_1's nbp): k / 32 rounded up to 32."""
     return math.ceil(k // 32 / 32) * 32
-
-
-def q_fold(b: Tensor, pb: int, n: int) -> bool:
-    """One launch instead of two (quantize_q8_1 + mat-vec): each mat-vec block quantizes b
-    itself into shared memory. For one f32 column (a token) with 16-byte aligned packed rows
-    and K <= QF_MAX_K: the launch it saves (~2 us) outweighs each block's re-quantization of b
-    (K floats from L2, ~6 instructions a value, shared by QROWS_F rows)."""
-    return n == 1 and b.dtype.name == "f32" and b.shape[-1] <= QF_MAX_K and _b_vec(b, pb)
-
-
-def q_smem(k: int) -> int:
-    """Dynamic shared memory of a one-launch block-format kernel: b's codes and scales."""
-    return q8_padded(k) * (32 + 8)
 
 
 def quantize_spec(b: Tensor, pb: int, scratch: Scratch) -> tuple[KernelSpec, int, int, int]:
@@ -185,9 +166,8 @@ MMV_NAMES: tuple[str, ...] = (
     *(mmv_name(wt, tb, 8, vec, EPI_NONE) for wt in FLOAT_NAMES for tb in ("f16", "bf16") for vec in (False, True)),
     *(quantize_name(tb) for tb in FLOAT_NAMES),
     *(mmvq_name(wt, nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
-    *(mmvq_name(wt, 1, epi, True) for epi in EPIS for wt in QUANT_NAMES),
     *(mmv_id_name(wt, "f32", vec, epi) for wt in FLOAT_NAMES for vec in (False, True) for epi in EPIS),
-    *(mmvq_id_name(wt, epi, bf) for wt in QUANT_NAMES for epi in EPIS for bf in (False, True)),
+    *(mmvq_id_name(wt, epi) for wt in QUANT_NAMES for epi in EPIS),
     *(grouped_name(wt, "f32", nt, True, epi) for wt in FLOAT_NAMES for nt in GROUPED_NTS for epi in EPIS[:2]),
     *(grouped_name(wt, "f32", 8, False, epi) for wt in FLOAT_NAMES for epi in EPIS[:2]),
     *(qgrouped_name(wt, nt, epi) for wt in QUANT_NAMES for nt in GROUPED_NTS for epi in EPIS[:2]),
@@ -296,14 +276,8 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
             U64(pb), I64(sb1), I64(_elem_stride(b)), I64(sb2), I64(sb3), U64(ptr(out)), I32(m), I32(k), I32(n),
             _addr(ptr, bias0), _addr(ptr, bias1), I32(kind), F32(alpha), F32(limit))
     if a.dtype.is_quant:
-        bstrides = (I64(sb1), I64(sb2), I64(sb3))
-        if q_fold(b, pb, n):
-            qargs = (*args[:7], U64(pb), U64(0), I32(q8_padded(k)), *bstrides, *args[12:])
-            grid = (math.ceil(m / (QROWS_F // (2 if epi == EPI_GLU else 1))), b2, b3)
-            return [KernelSpec(MMV_CU, mmvq_name(a.dtype.name, 1, epi, True), grid, q_threads(k), qargs,
-                               smem=q_smem(k))]
         quant, bq, bds, nbp = quantize_spec(b, pb, scratch)
-        qargs = (*args[:7], U64(bq), U64(bds), I32(nbp), I64(0), I64(0), I64(0), *args[12:])
+        qargs = (*args[:7], U64(bq), U64(bds), I32(nbp), *args[12:])
         rows = QROWS // (2 if epi == EPI_GLU else 1)
         grid = (math.ceil(m / rows) if n else 0, b2, b3)
         return [quant, KernelSpec(MMV_CU, mmvq_name(a.dtype.name, nt_for(max(n, 1)), epi), grid, q_threads(k),
@@ -339,13 +313,8 @@ def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: T
             U64(pb), I64(b_t), I64(b_u), I32(ub), I64(b_es), U64(ptr(out)), I32(m), I32(k),
             _addr(ptr, bias0), _addr(ptr, bias1), I64(bias_e), I32(kind), F32(alpha), F32(limit))
     if as_.dtype.is_quant:
-        if q_fold(b, pb, 1):
-            qargs = (*args[:8], U64(pb), U64(0), I32(q8_padded(k)), I32(ub), I64(b_t), I64(b_u), *args[13:])
-            rows = QROWS_F // (2 if epi == EPI_GLU else 1)
-            return [KernelSpec(MMV_CU, mmvq_id_name(as_.dtype.name, epi, True), (math.ceil(m / rows), u, t),
-                               q_threads(k), qargs, smem=q_smem(k))]
         quant, bq, bds, nbp = quantize_spec(b, pb, scratch)
-        qargs = (*args[:8], U64(bq), U64(bds), I32(nbp), I32(ub), I64(0), I64(0), *args[13:])
+        qargs = (*args[:8], U64(bq), U64(bds), I32(nbp), I32(ub), *args[13:])
         rows = QROWS // (2 if epi == EPI_GLU else 1)
         return [quant, KernelSpec(MMV_CU, mmvq_id_name(as_.dtype.name, epi), (math.ceil(m / rows), u, t),
                                   q_threads(k), qargs)]

@@ -187,7 +187,6 @@ __device__ __forceinline__ float finish(const float* res, int r, int n, const fl
 // the final reduction over the block's warps, no barrier before it: each thread has its
 // QROWS * (2..3) weight loads and its b loads in flight at once.
 constexpr int QROWS = 4;
-constexpr int QROWS_F = 8;  // streams of the BF kernels (b quantized in each block: more rows share it)
 constexpr int QWARPS_MAX = 4;
 constexpr int QTHREADS = QWARPS_MAX * od::WARP_SIZE;
 
@@ -201,41 +200,25 @@ struct QB8 {
     }
 };
 
-// Granules (16 bytes) a block of format WT can span (at the worst offset, 14).
+// The block at `blk` (2-byte aligned): q[i] = codes of values 4i .. 4i+3 (raw, see
+// decode_words), scale d, offset m. Reads only the 16-byte granules holding the block's bytes.
 template <int WT>
-struct Gran {
-    static constexpr int G = (14 + Fmt<WT>::BYTES + 15) / 16;
-};
-
-// Issues the loads of the aligned 16-byte granules holding the block at `blk` (2-byte
-// aligned) into g (granules the block does not reach are left zero); o = blk's offset in g[0].
-template <int WT>
-__device__ __forceinline__ void fetch_block(const u8* blk, uint4 (&g)[Gran<WT>::G], int& o) {
-    constexpr int G = Gran<WT>::G;
-    const unsigned long long addr = reinterpret_cast<unsigned long long>(blk);
-    const uint4* p = reinterpret_cast<const uint4*>(addr & ~15ull);
-    o = static_cast<int>(addr & 15);
-#pragma unroll
-    for (int i = 0; i < G; ++i) {
-        g[i] = make_uint4(0u, 0u, 0u, 0u);
-        if (i < 2 || o + Fmt<WT>::BYTES > 16 * i) {
-            g[i] = __ldg(p + i);
-        }
-    }
-}
-
-// The block fetched into g at offset o: q[i] = codes of values 4i .. 4i+3 (raw, see
-// decode_words), scale d, offset m.
-template <int WT>
-__device__ __forceinline__ void decode_block(const uint4 (&g)[Gran<WT>::G], int o, int (&q)[8], float& d, float& m) {
+__device__ __forceinline__ void load_block(const u8* blk, int (&q)[8], float& d, float& m) {
     using F = Fmt<WT>;
-    constexpr int G = Gran<WT>::G;
+    constexpr int G = (14 + F::BYTES + 15) / 16;    // granules at the worst offset (14)
     constexpr int NWD = (F::BYTES + 1) / 4 + 1;     // words decode_words reads
     static_assert(4 * G >= NWD + 3, "window too small");
+    const unsigned long long addr = reinterpret_cast<unsigned long long>(blk);
+    const uint4* g = reinterpret_cast<const uint4*>(addr & ~15ull);
+    const int o = static_cast<int>(addr & 15);
     unsigned win[4 * G];
 #pragma unroll
     for (int i = 0; i < G; ++i) {
-        win[4 * i] = g[i].x, win[4 * i + 1] = g[i].y, win[4 * i + 2] = g[i].z, win[4 * i + 3] = g[i].w;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (i < 2 || o + F::BYTES > 16 * i) {
+            v = __ldg(g + i);
+        }
+        win[4 * i] = v.x, win[4 * i + 1] = v.y, win[4 * i + 2] = v.z, win[4 * i + 3] = v.w;
     }
     // shift the window left by o / 4 words (two select stages), so the block starts at byte
     // (o & 2) of w[0]
@@ -251,146 +234,35 @@ __device__ __forceinline__ void decode_block(const uint4 (&g)[Gran<WT>::G], int 
     decode_words<WT>(w, (o & 2) * 8, q, d, m);
 }
 
-// The block at `blk` (2-byte aligned): fetch_block then decode_block.
-template <int WT>
-__device__ __forceinline__ void load_block(const u8* blk, int (&q)[8], float& d, float& m) {
-    uint4 g[Gran<WT>::G];
-    int o;
-    fetch_block<WT>(blk, g, o);
-    decode_block<WT>(g, o, q, d, m);
-}
-
-// b column `col` (f32, 16-byte aligned, nb blocks of 32 values) quantized to q8_1 into shared
-// memory in the QB8 layout (codes at sq, (d, d * sum) at sd), with quantize_q8_1's arithmetic
-// (same codes, same scales): 4 lanes a block, 8 values (two 16-byte loads) a lane, loads of up
-// to 4 rounds issued before they are used. Every thread of the block must call it (the caller
-// synchronizes the block before reading sq, sd).
-__device__ __forceinline__ void quant_b_smem(const float* col, int nb, u8* sq, float2* sd) {
-    constexpr int UN = 4;
-    const int lane = threadIdx.x % od::WARP_SIZE;
-    const int parts = nb * 4;  // part p = values 8 (p % 4) .. of block p / 4
-    const float4* src = reinterpret_cast<const float4*>(col);
-    for (int p0 = threadIdx.x - lane; p0 < parts; p0 += UN * blockDim.x) {
-        float4 x[UN][2];
-#pragma unroll
-        for (int r = 0; r < UN; ++r) {
-            const int p = p0 + r * blockDim.x + lane;
-            x[r][0] = x[r][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (p < parts) {
-                x[r][0] = __ldg(src + 2 * p);
-                x[r][1] = __ldg(src + 2 * p + 1);
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < UN; ++r) {
-            if (p0 + r * blockDim.x >= parts) {  // warp-uniform
-                break;
-            }
-            const int p = p0 + r * blockDim.x + lane;
-            const float v[8] = {x[r][0].x, x[r][0].y, x[r][0].z, x[r][0].w,
-                                x[r][1].x, x[r][1].y, x[r][1].z, x[r][1].w};
-            float amax = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                amax = fmaxf(amax, fabsf(v[i]));
-            }
-            amax = fmaxf(amax, __shfl_xor_sync(od::FULL_MASK, amax, 1));
-            amax = fmaxf(amax, __shfl_xor_sync(od::FULL_MASK, amax, 2));
-            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            // round(v * id) (|.| <= 127) in the low byte: 1.5 * 2**23 + x rounds x to an integer
-            // (ties to even, as __float2int_rn) in the low mantissa bits
-            int c[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                c[i] = __float_as_int(__fadd_rn(__fmul_rn(v[i], id), 12582912.0f));
-            }
-            const int w0 = static_cast<int>(__byte_perm(__byte_perm(c[0], c[1], 0x0040),
-                                                        __byte_perm(c[2], c[3], 0x0040), 0x5410));
-            const int w1 = static_cast<int>(__byte_perm(__byte_perm(c[4], c[5], 0x0040),
-                                                        __byte_perm(c[6], c[7], 0x0040), 0x5410));
-            int sum = __dp4a(w1, 0x01010101, __dp4a(w0, 0x01010101, 0));
-            sum += __shfl_xor_sync(od::FULL_MASK, sum, 1);
-            sum += __shfl_xor_sync(od::FULL_MASK, sum, 2);
-            if (p < parts) {
-                const int j = p >> 2, s = p & 3;
-                *reinterpret_cast<int2*>(sq + QB8::half(j, s >> 1) + 8 * (s & 1)) = make_int2(w0, w1);
-                if (s == 0) {
-                    sd[j] = make_float2(d, d * static_cast<float>(sum));
-                }
-            }
-        }
-    }
-}
-
 // acc[s][n] (every thread's partial) = stream s . b column n over the blocks j this thread takes.
-// row[s]: stream s's weight row; bq[n], bd[n]: column n's codes and (d, d * sum) (QB8 layout),
-// in global memory, or (BF) in shared memory, where this function first quantizes the f32
-// column fcol (NT == 1) after issuing the weight loads of its first blocks.
-template <int WT, int S, int NT, bool BF>
-__device__ __forceinline__ void q_rows(const u8* const (&row)[S], const u8* const (&bq)[NT],
-                                       const float2* const (&bd)[NT], int nb, float (&acc)[S][NT],
-                                       const float* fcol) {
+// row[s]: stream s's weight row; bq[n], bd[n]: column n's codes and (d, d * sum) (QB8 layout).
+template <int WT, int NT>
+__device__ __forceinline__ void q_rows(const u8* const (&row)[QROWS], const u8* const (&bq)[NT],
+                                       const float2* const (&bd)[NT], int nb, float (&acc)[QROWS][NT]) {
     using F = Fmt<WT>;
-    constexpr int G = Gran<WT>::G;
 #pragma unroll
-    for (int s = 0; s < S; ++s) {
+    for (int s = 0; s < QROWS; ++s) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             acc[s][n] = 0.0f;
         }
     }
-    int j = threadIdx.x;
-    uint4 g[BF ? S : 1][G];
-    int o[BF ? S : 1];
-    if constexpr (BF) {
-        static_assert(NT == 1, "b quantized in the kernel: one column");
-        if (j < nb) {  // the first blocks' loads, in flight while b is quantized
+    for (int j = threadIdx.x; j < nb; j += blockDim.x) {
+        int q[QROWS][8];
+        float d[QROWS], m[QROWS];
 #pragma unroll
-            for (int s = 0; s < S; ++s) {
-                fetch_block<WT>(row[s] + static_cast<long long>(j) * F::BYTES, g[s], o[s]);
-            }
-        }
-        quant_b_smem(fcol, nb, const_cast<u8*>(bq[0]), const_cast<float2*>(bd[0]));
-        __syncthreads();
-    }
-    for (; j < nb; j += blockDim.x) {
-        int q[S][8];
-        float d[S], m[S];
-        if constexpr (BF) {
-            if (j != static_cast<int>(threadIdx.x)) {  // the first blocks' loads were issued above
-#pragma unroll
-                for (int s = 0; s < S; ++s) {
-                    fetch_block<WT>(row[s] + static_cast<long long>(j) * F::BYTES, g[s], o[s]);
-                }
-            }
-#pragma unroll
-            for (int s = 0; s < S; ++s) {
-                decode_block<WT>(g[s], o[s], q[s], d[s], m[s]);
-            }
-        } else {
-#pragma unroll
-            for (int s = 0; s < S; ++s) {
-                load_block<WT>(row[s] + static_cast<long long>(j) * F::BYTES, q[s], d[s], m[s]);
-            }
+        for (int s = 0; s < QROWS; ++s) {
+            load_block<WT>(row[s] + static_cast<long long>(j) * F::BYTES, q[s], d[s], m[s]);
         }
         const long long h0 = QB8::half(j, 0), h1 = QB8::half(j, 1);
-        const int jc = j;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            int4 lo, hi;
-            float2 ds;
-            if constexpr (BF) {
-                lo = *reinterpret_cast<const int4*>(bq[n] + h0);
-                hi = *reinterpret_cast<const int4*>(bq[n] + h1);
-                ds = bd[n][jc];
-            } else {
-                lo = __ldg(reinterpret_cast<const int4*>(bq[n] + h0));
-                hi = __ldg(reinterpret_cast<const int4*>(bq[n] + h1));
-                ds = __ldg(bd[n] + jc);
-            }
+            const int4 lo = __ldg(reinterpret_cast<const int4*>(bq[n] + h0));
+            const int4 hi = __ldg(reinterpret_cast<const int4*>(bq[n] + h1));
+            const float2 ds = __ldg(bd[n] + j);
             const int bw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-            for (int s = 0; s < S; ++s) {
+            for (int s = 0; s < QROWS; ++s) {
                 int dot = 0;
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
@@ -411,15 +283,15 @@ __device__ __forceinline__ void q_rows(const u8* const (&row)[S], const u8* cons
 }
 
 // Sums acc over the block (blockDim.x / 32 warps); returns shared tot[s * NT + n], visible to all.
-template <int S, int NT>
-__device__ __forceinline__ const float* q_reduce(float (&acc)[S][NT]) {
-    __shared__ float part[QWARPS_MAX][S * NT];
-    __shared__ float tot[S * NT];
+template <int NT>
+__device__ __forceinline__ const float* q_reduce(float (&acc)[QROWS][NT]) {
+    __shared__ float part[QWARPS_MAX][QROWS * NT];
+    __shared__ float tot[QROWS * NT];
     const int lane = threadIdx.x % od::WARP_SIZE, warp = threadIdx.x / od::WARP_SIZE;
     const int nwarps = blockDim.x / od::WARP_SIZE;
     __syncthreads();  // an earlier call may still read tot[]
 #pragma unroll
-    for (int s = 0; s < S; ++s) {
+    for (int s = 0; s < QROWS; ++s) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const float v = od::warp_sum(acc[s][n]);
@@ -429,7 +301,7 @@ __device__ __forceinline__ const float* q_reduce(float (&acc)[S][NT]) {
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < S * NT; i += blockDim.x) {
+    for (int i = threadIdx.x; i < QROWS * NT; i += blockDim.x) {
         float v = 0.0f;
         for (int w = 0; w < nwarps; ++w) {
             v += part[w][i];
@@ -441,11 +313,11 @@ __device__ __forceinline__ const float* q_reduce(float (&acc)[S][NT]) {
 }
 
 // Writes rows m0 + r (r < rows) of columns n < ncols at ocol[n][m0 + r], through the epilogue.
-template <int EPI, int S, int NT>
+template <int EPI, int NT>
 __device__ __forceinline__ void q_store(const float* tot, float* const (&ocol)[NT], int ncols, int m0, int rows,
                                         const float* bias0, const float* bias1, int glu_kind, float alpha,
                                         float limit) {
-    constexpr int RB = EPI == EPI_GLU ? S / 2 : S;
+    constexpr int RB = EPI == EPI_GLU ? QROWS / 2 : QROWS;
     const int t = threadIdx.x;
     if (t < RB * NT) {
         const int r = t / NT, n = t % NT;
@@ -456,21 +328,18 @@ __device__ __forceinline__ void q_store(const float* tot, float* const (&ocol)[N
     }
 }
 
-// The S stream rows of a tile: rows m0.. of a[0] (and of a[NW - 1] for EPI_GLU), rows past
+// The QROWS stream rows of a tile: rows m0.. of a[0] (and of a[NW - 1] for EPI_GLU), rows past
 // `rows` read the last valid row again.
-template <int S, int NW>
+template <int NW>
 __device__ __forceinline__ void q_streams(const u8* const (&a)[NW], long long a_row, int rows,
-                                          const u8* (&row)[S]) {
-    constexpr int RB = S / NW;
+                                          const u8* (&row)[QROWS]) {
+    constexpr int RB = QROWS / NW;
 #pragma unroll
-    for (int s = 0; s < S; ++s) {
+    for (int s = 0; s < QROWS; ++s) {
         const int r = s % RB;
         row[s] = (s < RB ? a[0] : a[NW - 1]) + (r < rows ? r : rows - 1) * a_row;
     }
 }
-
-// Dynamic shared memory of the BF kernels: b's q8_1 codes and scales (QB8 layout, nbp blocks).
-extern __shared__ __align__(16) u8 q_smem[];
 
 }  // namespace mm
 
@@ -551,20 +420,15 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, lon
     }
 }
 
-// mul_mat with block-format weights: as mmv, S / NW rows a block (q_rows). b already quantized
-// by quantize_q8_1 (column n of batch (i3, i2) is its row (i3 * B2 + i2) * N + n, nbp padded
-// blocks a row; b_s1, b_s2, b_s3 unused), or (BF, one column, S = QROWS_F) bq is b itself, f32,
-// column n of batch (i3, i2) at bq + i3 * b_s3 + i2 * b_s2 + n * b_s1 (16-byte aligned), that each
-// block quantizes into nbp * 40 bytes of dynamic shared memory. Grid (ceil(M / rows), B2, B3),
-// 32..QTHREADS threads.
-template <int WT, int NT, int EPI, bool BF>
+// mul_mat with block-format weights: as mmv, QROWS / NW rows a block (q_rows), b already
+// quantized by quantize_q8_1 (column n of batch (i3, i2) is its row (i3 * B2 + i2) * N + n,
+// nbp padded blocks a row); grid (ceil(M / rows), B2, B3), 32..QTHREADS threads.
+template <int WT, int NT, int EPI>
 __global__ void __launch_bounds__(mm::QTHREADS) mmvq(const u8* a0, const u8* a1, long long a_row, long long a_s2,
                                                      long long a_s3, int r2, int r3, const u8* bq, const u8* bds,
-                                                     int nbp, long long b_s1, long long b_s2, long long b_s3,
-                                                     float* out, int M, int K, int N, const float* bias0,
+                                                     int nbp, float* out, int M, int K, int N, const float* bias0,
                                                      const float* bias1, int glu_kind, float alpha, float limit) {
-    constexpr int S = BF ? mm::QROWS_F : mm::QROWS;
-    constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = S / NW;
+    constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = mm::QROWS / NW;
     const int i2 = blockIdx.y, i3 = blockIdx.z;
     const int m0 = blockIdx.x * RB;
     const long long a_off = (i3 / r3) * a_s3 + (i2 / r2) * a_s2 + m0 * a_row;
@@ -574,33 +438,24 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq(const u8* a0, const u8* a1,
         a[1] = a1 + a_off;
     }
     const int rows = min(RB, M - m0);
-    const u8* row[S];
-    mm::q_streams<S, NW>(a, a_row, rows, row);
+    const u8* row[mm::QROWS];
+    mm::q_streams<NW>(a, a_row, rows, row);
     const long long brow0 = (static_cast<long long>(i3) * gridDim.y + i2) * N;
     const u8* bcol[NT];
     const float2* dcol[NT];
     float* ocol[NT];
     float* o = out + brow0 * M;
-    const float* fcol = nullptr;
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-        if constexpr (BF) {
-            bcol[n] = mm::q_smem;
-            dcol[n] = reinterpret_cast<const float2*>(mm::q_smem + nbp * 32);
-        } else {
-            const long long r = brow0 + (n < N ? n : 0);
-            bcol[n] = bq + r * nbp * 32;
-            dcol[n] = reinterpret_cast<const float2*>(bds) + r * nbp;
-        }
+        const long long r = brow0 + (n < N ? n : 0);
+        bcol[n] = bq + r * nbp * 32;
+        dcol[n] = reinterpret_cast<const float2*>(bds) + r * nbp;
         ocol[n] = o + static_cast<long long>(n) * M;
     }
-    if constexpr (BF) {
-        fcol = reinterpret_cast<const float*>(bq + i3 * b_s3 + i2 * b_s2);
-    }
-    float acc[S][NT];
-    mm::q_rows<WT, S, NT, BF>(row, bcol, dcol, K / 32, acc, fcol);
-    const float* tot = mm::q_reduce<S, NT>(acc);
-    mm::q_store<EPI, S, NT>(tot, ocol, N, m0, rows, bias0, bias1, glu_kind, alpha, limit);
+    float acc[mm::QROWS][NT];
+    mm::q_rows<WT, NT>(row, bcol, dcol, K / 32, acc);
+    const float* tot = mm::q_reduce<NT>(acc);
+    mm::q_store<EPI, NT>(tot, ocol, N, m0, rows, bias0, bias1, glu_kind, alpha, limit);
 }
 
 // mul_mat_id for one (token t, slot u) a block: out[t, u, m] = as[ids[t, u], m, :] . b[t, u % Ub, :].
@@ -642,26 +497,22 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv_id(const u8* as0, const u8* as1
     }
 }
 
-// mul_mat_id with block-format experts, one (token t, slot u) a block: as mmv_id, S / NW rows a
-// block; b (T, Ub, K) quantized by quantize_q8_1 (row t * Ub + u % Ub, nbp blocks a row; b_t, b_u
-// unused), or (BF, S = QROWS_F) bq is b itself, f32, row (t, u % Ub) at bq + t * b_t + (u % Ub) * b_u
-// (16-byte aligned), quantized by each block into nbp * 40 bytes of dynamic shared memory.
-// Grid (ceil(M / rows), U, T), 32..QTHREADS threads.
-template <int WT, int EPI, bool BF>
+// mul_mat_id with block-format experts, one (token t, slot u) a block: as mmv_id, QROWS / NW
+// rows a block; b (T, Ub, K) quantized by quantize_q8_1 (row t * Ub + u % Ub, nbp blocks a row);
+// grid (ceil(M / rows), U, T), 32..QTHREADS threads.
+template <int WT, int EPI>
 __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id(const u8* as0, const u8* as1, long long a_row, long long a_e,
                                                         int E, const u8* ids, long long ids_t, long long ids_u,
-                                                        const u8* bq, const u8* bds, int nbp, int Ub, long long b_t,
-                                                        long long b_u, float* out, int M, int K, const float* bias0,
-                                                        const float* bias1, long long bias_e, int glu_kind,
-                                                        float alpha, float limit) {
-    constexpr int S = BF ? mm::QROWS_F : mm::QROWS;
-    constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = S / NW;
+                                                        const u8* bq, const u8* bds, int nbp, int Ub, float* out,
+                                                        int M, int K, const float* bias0, const float* bias1,
+                                                        long long bias_e, int glu_kind, float alpha, float limit) {
+    constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = mm::QROWS / NW;
     const int u = blockIdx.y, t = blockIdx.z, U = gridDim.y;
     const int m0 = blockIdx.x * RB;
     const int rows = min(RB, M - m0);
     const int e = *reinterpret_cast<const int*>(ids + t * ids_t + u * ids_u);
     float* const ocol[1] = {out + (static_cast<long long>(t) * U + u) * M};
-    if (e < 0 || e >= E) {  // block-uniform: the whole block leaves
+    if (e < 0 || e >= E) {
         if (threadIdx.x < rows) {
             ocol[0][m0 + threadIdx.x] = __int_as_float(0x7fc00000);  // NaN: the id is out of range
         }
@@ -672,26 +523,17 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id(const u8* as0, const u8*
     if constexpr (NW == 2) {
         a[1] = as1 + e * a_e + m0 * a_row;
     }
-    const u8* row[S];
-    mm::q_streams<S, NW>(a, a_row, rows, row);
-    const u8* bcol[1];
-    const float2* dcol[1];
-    const float* fcol = nullptr;
-    if constexpr (BF) {
-        bcol[0] = mm::q_smem;
-        dcol[0] = reinterpret_cast<const float2*>(mm::q_smem + nbp * 32);
-        fcol = reinterpret_cast<const float*>(bq + t * b_t + (u % Ub) * b_u);
-    } else {
-        const long long r = static_cast<long long>(t) * Ub + u % Ub;
-        bcol[0] = bq + r * nbp * 32;
-        dcol[0] = reinterpret_cast<const float2*>(bds) + r * nbp;
-    }
-    float acc[S][1];
-    mm::q_rows<WT, S, 1, BF>(row, bcol, dcol, K / 32, acc, fcol);
-    const float* tot = mm::q_reduce<S, 1>(acc);
+    const u8* row[mm::QROWS];
+    mm::q_streams<NW>(a, a_row, rows, row);
+    const long long r = static_cast<long long>(t) * Ub + u % Ub;
+    const u8* const bcol[1] = {bq + r * nbp * 32};
+    const float2* const dcol[1] = {reinterpret_cast<const float2*>(bds) + r * nbp};
+    float acc[mm::QROWS][1];
+    mm::q_rows<WT, 1>(row, bcol, dcol, K / 32, acc);
+    const float* tot = mm::q_reduce<1>(acc);
     const long long boff = e * bias_e / 4;
-    mm::q_store<EPI, S, 1>(tot, ocol, 1, m0, rows, bias0 != nullptr ? bias0 + boff : nullptr,
-                           bias1 != nullptr ? bias1 + boff : nullptr, glu_kind, alpha, limit);
+    mm::q_store<EPI, 1>(tot, ocol, 1, m0, rows, bias0 != nullptr ? bias0 + boff : nullptr,
+                        bias1 != nullptr ? bias1 + boff : nullptr, glu_kind, alpha, limit);
 }
 
 // The routing table of mul_mat_id's grouped path, in int32 words of `route`:
@@ -850,7 +692,7 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id_grouped(const u8* as, lo
     const int rows = min(mm::QROWS, M - m0);
     const u8* const a[1] = {as + e * a_e + m0 * a_row};
     const u8* row[mm::QROWS];
-    mm::q_streams<mm::QROWS, 1>(a, a_row, rows, row);
+    mm::q_streams<1>(a, a_row, rows, row);
     const float* bias_e_row = bias != nullptr ? bias + e * bias_e / 4 : nullptr;
     for (int g = 0; g < count; g += NT) {
         const int ncols = min(NT, count - g);
@@ -866,9 +708,9 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id_grouped(const u8* as, lo
             ocol[n] = out + static_cast<long long>(p) * M;
         }
         float acc[mm::QROWS][NT];
-        mm::q_rows<WT, mm::QROWS, NT, false>(row, bcol, dcol, K / 32, acc, nullptr);
-        const float* tot = mm::q_reduce<mm::QROWS, NT>(acc);
-        mm::q_store<EPI, mm::QROWS, NT>(tot, ocol, ncols, m0, rows, bias_e_row, nullptr, 0, 0.0f, 0.0f);
+        mm::q_rows<WT, NT>(row, bcol, dcol, K / 32, acc);
+        const float* tot = mm::q_reduce<NT>(acc);
+        mm::q_store<EPI, NT>(tot, ocol, ncols, m0, rows, bias_e_row, nullptr, 0, 0.0f, 0.0f);
     }
 }
 
