@@ -530,10 +530,10 @@ ROPE_CASES = [
         itertools.product(("f32", "f16"), ("normal", "neox"), (False, True), (False, True)),
         itertools.cycle([((2, 13, 4, 64), 64, "contig"), ((1, 7, 3, 128), 64, "perm"), ((2, 5, 4, 80), 80, "strided"),
                          ((1, 9, 2, 96), 32, "contig"), ((3, 4, 5, 128), 128, "perm"), ((1, 1, 1, 66), 40, "contig")]))
-] + [  # rope_warp (16-byte packs) in every dtype and mode, two head groups, and its fallback on misaligned rows
+] + [  # rope_warp (16-byte packs) in every dtype and mode, one to three head groups (20 heads), the fallback
     (dt, mode, shape, n_dims, ff, ff, layout) for dt, mode in itertools.product(("f32", "f16"), ("normal", "neox"))
     for shape, n_dims, ff, layout in [((2, 6, 12, 128), 96, True, "contig"), ((1, 3, 8, 64), 64, False, "perm"),
-                                      ((1, 4, 3, 128), 128, False, "strided")]
+                                      ((1, 4, 3, 128), 128, False, "strided"), ((1, 5, 20, 128), 128, False, "contig")]
 ]
 
 
