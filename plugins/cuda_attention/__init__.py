@@ -5,8 +5,9 @@ Kernels (kernels/*.cu, CUDA C++ compiled by NVRTC one template instance at a tim
 - softmax.cu: one block per row, the row held in registers (float4 where
   aligned) up to 32768 values, else two passes; f16/f32 mask broadcast by
   modulo, ALiBi, sinks.
-- rope.cu: one thread per (token, pair) for up to 8 heads, normal/neox, partial rotation, frequency
-  factors, YaRN, f32/f16, strided input; and the fused rope -> set_rows.
+- rope.cu: one thread per (token, pair) for up to 8 heads (one sin/cos for them),
+  normal/neox, partial rotation, frequency factors, YaRN, f32/f16, strided input;
+  aligned rows move in 16-byte packs a warp at a time; and the fused rope -> set_rows.
 - fattn_decode.cu: flash_attn_ext for Tq <= 8 (split-K over the KV on mma.sync,
   16 (query row, head) columns of one KV head a block, K/V tiles streamed
   through cp.async stages, partials combined in f32 by fattn_combine; short
