@@ -31,7 +31,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 import numpy as np
@@ -123,6 +123,12 @@ def library() -> ctypes.CDLL:
     except Exception as exc:  # noqa: BLE001
         tried.append(f"cuda.pathfinder: {exc}")
     candidates += [ctypes.util.find_library("cublas"), "libcublas.so.13", "libcublas.so.12", "libcublas.so"]
+    return _load_first("libcublas", candidates, _declare, tried)
+
+
+def _load_first(what: str, candidates: Sequence[str | None], declare: Callable[[ctypes.CDLL], None],
+                tried: list[str]) -> ctypes.CDLL:
+    """The first of `candidates` (paths or sonames; None skipped) that loads, typed by `declare`."""
     for path in candidates:
         if not path:
             continue
@@ -131,9 +137,9 @@ def library() -> ctypes.CDLL:
         except OSError as exc:
             tried.append(f"{path}: {exc}")
             continue
-        _declare(lib)
+        declare(lib)
         return lib
-    raise CublasError("cannot load libcublas: " + "; ".join(tried))
+    raise CublasError(f"cannot load {what}: " + "; ".join(tried))
 
 
 @functools.lru_cache(maxsize=1)
@@ -142,19 +148,9 @@ def lt_library() -> ctypes.CDLL:
     base = library()._name  # noqa: SLF001 - ctypes keeps the path it loaded
     folder = os.path.dirname(base)
     suffix = os.path.basename(base)[len("libcublas"):]  # ".so.13" and the like
-    tried = []
-    for path in (os.path.join(folder, "libcublasLt" + suffix) if folder else None,
-                 ctypes.util.find_library("cublasLt"), "libcublasLt.so.13", "libcublasLt.so.12"):
-        if not path:
-            continue
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError as exc:
-            tried.append(f"{path}: {exc}")
-            continue
-        _declare_lt(lib)
-        return lib
-    raise CublasError("cannot load libcublasLt: " + "; ".join(tried))
+    candidates = [os.path.join(folder, "libcublasLt" + suffix) if folder else None,
+                  ctypes.util.find_library("cublasLt"), "libcublasLt.so.13", "libcublasLt.so.12"]
+    return _load_first("libcublasLt", candidates, _declare_lt, [])
 
 
 def _declare_lt(lib: ctypes.CDLL) -> None:
