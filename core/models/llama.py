@@ -765,19 +765,25 @@ class Progress:
         return done / (now - self.t0) if now > self.t0 else math.nan
 
 
-@attrs.frozen
-class Generation:
-    """Tokens generated and where the time went (first runs, which bind, are left out; so is sampling)."""
+@attrs.frozen(kw_only=True)
+class _Timing:
+    """Where a generation's time went (first runs, which bind, are left out; so is sampling)."""
 
-    prompt: tuple[int, ...]
-    tokens: tuple[int, ...]
     compile_s: float
     prefill_s: float
     decode_s: float
     decode_steps: int
     prefill_plan: Plan
     decode_plan: Plan | None
-    sampling: str = "greedy"
+    sampling: str
+
+
+@attrs.frozen(kw_only=True)
+class Generation(_Timing):
+    """What Generator.generate made: the prompt, its new tokens, and the timing."""
+
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
 
     @property
     def prefill_tps(self) -> float:
@@ -788,20 +794,12 @@ class Generation:
         return self.decode_steps / self.decode_s if self.decode_s > 0 else math.nan
 
 
-@attrs.frozen
-class BatchGeneration:
-    """What Generator.generate_batch made: per sequence its prompt and new tokens, and the shared timing
-    (first runs, which bind, and sampling left out)."""
+@attrs.frozen(kw_only=True)
+class BatchGeneration(_Timing):
+    """What Generator.generate_batch made: per sequence its prompt and new tokens, and the shared timing."""
 
     prompts: tuple[tuple[int, ...], ...]
     tokens: tuple[tuple[int, ...], ...]
-    compile_s: float
-    prefill_s: float
-    decode_s: float
-    decode_steps: int
-    prefill_plan: Plan
-    decode_plan: Plan | None
-    sampling: str = "greedy"
 
     @property
     def prefill_tps(self) -> float:
@@ -884,18 +882,22 @@ class Generator:
         if len(token_ids) != self.batch:
             raise ValueError(f"llama: forward_batch needs tokens for each of the {self.batch} sequences, "
                              f"got {len(token_ids)}")
-        lens = [len(t) for t in token_ids]
+        return self._forward_seqs(token_ids, last=last)
+
+    def _forward_seqs(self, token_ids: Sequence[Sequence[int]], *, last: bool) -> np.ndarray:
+        """forward_batch for sequences 0..len(token_ids) - 1."""
+        batch, lens = len(token_ids), [len(t) for t in token_ids]
         if min(lens) < 1:
             raise ValueError("llama: forward_batch needs at least one token per sequence")
         n = max(lens)
         padded = [list(t) + [0] * (n - len(t)) for t in token_ids]
         same = min(lens) == n
-        out = self._run(padded, batch=self.batch, logits="last" if last and same else "all", advance=lens)
+        out = self._run(padded, batch=batch, logits="last" if last and same else "all", advance=lens)
         if not last:
-            return out.reshape(self.batch, n, -1)
+            return out.reshape(batch, n, -1)
         if same:
             return out
-        return out.reshape(self.batch, n, -1)[np.arange(self.batch), np.array(lens) - 1]
+        return out.reshape(batch, n, -1)[np.arange(batch), np.array(lens) - 1]
 
     def _run(self, token_ids: Sequence[Sequence[int]], *, batch: int, logits: str = "all",
              advance: Sequence[int] | None = None, copy: bool = True) -> np.ndarray:
@@ -926,73 +928,58 @@ class Generator:
         """Continue `prompt_ids` (as sequence 0) by n_new tokens: prefill, then one decode step per token.
 
         `sampler` (default greedy) picks each token from the last logits on
-        the host; it is reset first, so its seed repeats the tokens.
+        the host, starting from its seed, so a seed repeats the tokens.
         `progress`: a stream for a progress bar (a terminal) or a summary line.
         """
         if not prompt_ids or n_new < 1:
             raise ValueError("generate: needs a non-empty prompt and n_new >= 1")
-        sampler = sampler if sampler is not None else Sampler()
-        sampler.reset()
-        self.reset()
-        compile_before = self.compile_s
-        self.step(len(prompt_ids), 0, logits="last")
-        if n_new > 1:
-            self.step(1, len(prompt_ids))
-        bar = Progress(progress, n_new)
-        # The prompt's last logits only (the LM head on one row); a view, sampled before its plan runs again.
-        logits = self._run([prompt_ids], batch=1, logits="last", copy=False)
-        prefill_s = self.last_run_s
-        tokens = [sampler(logits[-1])]
-        bar.update(1)
-        decode_s = 0.0
-        for _ in range(n_new - 1):
-            logits = self._run([tokens[-1:]], batch=1, copy=False)
-            decode_s += self.last_run_s
-            tokens.append(sampler(logits[-1]))
-            bar.update(len(tokens))
-        bar.close(len(tokens))
-        prefill_plan = self.step(len(prompt_ids), 0, logits="last")[0]
-        decode_plan = self._last if n_new > 1 else None
-        return Generation(tuple(int(t) for t in prompt_ids), tuple(tokens), self.compile_s - compile_before,
-                          prefill_s, decode_s, n_new - 1, prefill_plan, decode_plan, sampler.describe())
+        (tokens,), timing = self._generate([prompt_ids], n_new, sampler, progress)
+        return Generation(prompt=tuple(int(t) for t in prompt_ids), tokens=tokens, **timing)
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], n_new: int, sampler: Sampler | None = None, *,
                        progress: TextIO | None = None) -> BatchGeneration:
         """Continue each of `batch` prompts by n_new tokens: one prefill step for all (padded to the longest
         prompt, see forward_batch), then decode steps that make one token per sequence each.
 
-        Each sequence samples with its own copy of `sampler` (reset to its seed), so sequence b gets the
+        Each sequence samples with its own copy of `sampler` (at its seed), so sequence b gets the
         tokens `generate(prompts[b], n_new, sampler)` would.
         """
         if len(prompts) != self.batch or not all(prompts) or n_new < 1:
             raise ValueError(f"generate_batch: needs {self.batch} non-empty prompts and n_new >= 1")
+        tokens, timing = self._generate(prompts, n_new, sampler, progress)
+        return BatchGeneration(prompts=tuple(tuple(int(t) for t in p) for p in prompts), tokens=tokens, **timing)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], n_new: int, sampler: Sampler | None,
+                  progress: TextIO | None) -> tuple[tuple[tuple[int, ...], ...], dict[str, Any]]:
+        """generate_batch for sequences 0..len(prompts) - 1: their new tokens, and _Timing's fields."""
+        batch = len(prompts)
         sampler = sampler if sampler is not None else Sampler()
         samplers = [attrs.evolve(sampler) for _ in prompts]  # each starts at the seed
         self.reset()
         compile_before = self.compile_s
         lens = [len(p) for p in prompts]
-        self.step(max(lens), 0, batch=self.batch, logits="last" if min(lens) == max(lens) else "all")
+        # The prompts' last logits only (the LM head on their last rows) when they are of one length.
+        prefill_plan = self.step(max(lens), 0, batch=batch, logits="last" if min(lens) == max(lens) else "all")[0]
         if n_new > 1:
-            self.step(1, max(lens), batch=self.batch)
-        bar = Progress(progress, n_new * self.batch)
-        last = self.forward_batch(prompts, last=True)  # (B, vocab)
+            self.step(1, max(lens), batch=batch)
+        bar = Progress(progress, n_new * batch)
+        last = self._forward_seqs(prompts, last=True)  # (batch, vocab)
         prefill_s = self.last_run_s
         tokens = [[s(row)] for s, row in zip(samplers, last)]
-        bar.update(self.batch)
+        bar.update(batch)
         decode_s = 0.0
         for _ in range(n_new - 1):
-            logits = self._run([t[-1:] for t in tokens], batch=self.batch, copy=False)  # (B, vocab)
+            # A view, sampled before its plan runs again.
+            logits = self._run([t[-1:] for t in tokens], batch=batch, copy=False)  # (batch, vocab)
             decode_s += self.last_run_s
             for t, s, row in zip(tokens, samplers, logits):
                 t.append(s(row))
-            bar.update(len(tokens[0]) * self.batch)
-        bar.close(len(tokens[0]) * self.batch)
-        prefill_plan = self.step(max(lens), 0, batch=self.batch,
-                                 logits="last" if min(lens) == max(lens) else "all")[0]
-        decode_plan = self._last if n_new > 1 else None
-        return BatchGeneration(tuple(tuple(int(t) for t in p) for p in prompts),
-                               tuple(tuple(t) for t in tokens), self.compile_s - compile_before, prefill_s,
-                               decode_s, n_new - 1, prefill_plan, decode_plan, sampler.describe())
+            bar.update(len(tokens[0]) * batch)
+        bar.close(len(tokens[0]) * batch)
+        timing = dict(compile_s=self.compile_s - compile_before, prefill_s=prefill_s, decode_s=decode_s,
+                      decode_steps=n_new - 1, prefill_plan=prefill_plan,
+                      decode_plan=self._last if n_new > 1 else None, sampling=sampler.describe())
+        return tuple(tuple(int(x) for x in t) for t in tokens), timing
 
 
 def generate(model: LlamaModel, prompt_ids: Sequence[int], n_new: int, device: str | Device | None = None,
