@@ -151,16 +151,8 @@ def setup_for(dtype: str) -> Setup:
 
 
 def median_seconds(step: Callable[[], object], steps: int = STEPS, rounds: int = ROUNDS) -> float:
-    """Median over `rounds` of the mean time of `steps` consecutive calls (each waits for its own result)."""
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        times.append((time.perf_counter() - t0) / steps)
-    return sorted(times)[len(times) // 2]
+    """bench.device_seconds for a step that waits for its own result (nothing left to synchronize)."""
+    return device_seconds(step, lambda: None, reps=steps, rounds=rounds)
 
 
 # -- transformers baselines ---------------------------------------------------------------------------
