@@ -341,6 +341,19 @@ __device__ __forceinline__ void q_streams(const u8* const (&a)[NW], long long a_
     }
 }
 
+// Row m0 of batch (i2, i3) of the weights a0 (and a1, the up weight of EPI_GLU, NW = 2), a's
+// batch axes broadcast over b's r2, r3 times (the pointers mmv and mmvq read from).
+template <int NW>
+__device__ __forceinline__ void weight_rows(const u8* a0, const u8* a1, long long a_row, long long a_s2,
+                                            long long a_s3, int r2, int r3, int i2, int i3, int m0,
+                                            const u8* (&a)[NW]) {
+    const long long off = (i3 / r3) * a_s3 + (i2 / r2) * a_s2 + m0 * a_row;
+    a[0] = a0 + off;
+    if constexpr (NW == 2) {
+        a[1] = a1 + off;
+    }
+}
+
 }  // namespace mm
 
 using mm::u8;
@@ -396,12 +409,8 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, lon
     __shared__ float res[NW * R * NT];
     const int i2 = blockIdx.y, i3 = blockIdx.z;
     const int m0 = blockIdx.x * R;
-    const long long a_off = (i3 / r3) * a_s3 + (i2 / r2) * a_s2 + m0 * a_row;
     const u8* a[NW];
-    a[0] = a0 + a_off;
-    if constexpr (NW == 2) {
-        a[1] = a1 + a_off;
-    }
+    mm::weight_rows<NW>(a0, a1, a_row, a_s2, a_s3, r2, r3, i2, i3, m0, a);
     const u8* bb = b + i3 * b_s3 + i2 * b_s2;
     const u8* bcol[NT];
 #pragma unroll
@@ -431,12 +440,8 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq(const u8* a0, const u8* a1,
     constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = mm::QROWS / NW;
     const int i2 = blockIdx.y, i3 = blockIdx.z;
     const int m0 = blockIdx.x * RB;
-    const long long a_off = (i3 / r3) * a_s3 + (i2 / r2) * a_s2 + m0 * a_row;
     const u8* a[NW];
-    a[0] = a0 + a_off;
-    if constexpr (NW == 2) {
-        a[1] = a1 + a_off;
-    }
+    mm::weight_rows<NW>(a0, a1, a_row, a_s2, a_s3, r2, r3, i2, i3, m0, a);
     const int rows = min(RB, M - m0);
     const u8* row[mm::QROWS];
     mm::q_streams<NW>(a, a_row, rows, row);
