@@ -10,8 +10,8 @@ Kernels (kernels/*.cu, CUDA C++ compiled by NVRTC one template instance at a tim
   aligned rows move in 16-byte packs a warp at a time; and the fused rope -> set_rows.
 - fattn_decode.cu: flash_attn_ext for Tq <= 8 (split-K over the KV on mma.sync,
   16 (query row, head) columns of one KV head a block, K/V tiles streamed
-  through cp.async stages, partials combined in f32 by fattn_combine; short
-  KV runs one split that finishes the softmax itself, with no combine).
+  through cp.async stages; the last split of each group to finish merges the
+  f32 partials in the same launch).
 - fattn_prefill.cu: flash_attn_ext for more rows (mma.sync tensor cores, 128
   query rows a block for D <= 128, double-buffered K/V tiles in shared memory,
   online softmax, fully masked tiles skipped through per-tile mask flags
@@ -88,7 +88,6 @@ def prefill_kernel(d: int, kv: str) -> str:
     return f"fattn_prefill<{d}, {CTYPE[kv]}>"
 
 
-COMBINE = "fattn_combine"
 MASK_FLAGS = "fattn_mask_flags"
 
 #: each .cu of this plugin and every template instance launched from it (tests/test_kernels_compile.py)
@@ -100,7 +99,7 @@ KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {
         [rope_kernel(n, dt) for n in (False, True) for dt in ("f32", "f16")]
         + [rope_set_rows_kernel(n, c, i) for n in (False, True) for c in fusion.CACHE_TYPES for i in ("i32", "i64")]),
     DECODE_CU: tuple(
-        [decode_kernel(d, kv) for d, kv in support.kv_variants()] + [COMBINE]),
+        [decode_kernel(d, kv) for d, kv in support.kv_variants()]),
     PREFILL_CU: tuple([prefill_kernel(d, kv) for d, kv in support.kv_variants()] + [MASK_FLAGS]),
 }
 
@@ -112,10 +111,12 @@ KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {
 
 @attrs.frozen
 class Workspace:
-    """Device scratch memory a launch needs (partials, tile flags): bytes, and what for."""
+    """Device scratch memory a launch needs (partials, tile flags, counters): bytes, what for,
+    and whether it must start zeroed (set once at bind; the kernels leave it so)."""
 
     nbytes: int
     what: str
+    zeroed: bool = False
 
 
 def _elem_strides(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -229,11 +230,6 @@ def rope_set_rows_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[KernelSpec]:
 SMEM_PER_SM = 228 * 1024
 #: decode: columns (query row, head) a block, the M rows of its mma
 DECODE_COLS = 16
-#: decode: up to this many 64-key tiles a (batch, KV head), one split streams them all and
-#: fattn_decode finishes the softmax itself (no workspace, no fattn_combine launch)
-DECODE_ONE_SPLIT_TILES = 16
-
-
 def decode_blocks_per_sm(d: int) -> int:
     """fattn_decode blocks one SM holds: shared memory bound (1 KiB reserved a block), 2 by launch bounds at least."""
     return max(1, min(4, SMEM_PER_SM // (decode_smem(d) + 1024)))
@@ -293,37 +289,27 @@ def flash_plan(node: Tensor, sm_count: int = 132) -> FlashPlan:
         ncg = -(-(group * tq) // DECODE_COLS)
         base = b * hkv * ncg
         tiles = max(1, -(-tk // DECODE_BN))
-        if tiles <= DECODE_ONE_SPLIT_TILES:
-            # Short KV (<= 1024 keys): one block a (batch, KV head, column group) streams every
-            # tile through its cp.async stages and writes the output itself. The KV is small
-            # (1 MB for 8 heads x 1024 keys x D=64 f16 K+V: ~1 us even from one block per head),
-            # while splitting costs a second launch (fattn_combine, ~2-3 us in a CUDA graph on
-            # H200) plus the per-block fixed cost (Q, prologue, merge) of many one-tile blocks:
-            # at 768 keys the split plan ran 4.4 us + 2.4 us of combine per layer.
-            nsplit = 1
-        else:
-            # one wave: as many splits as fill the SMs' resident blocks (memory bound: every
-            # SM streaming), no ragged second wave
-            nsplit = max(1, min(sm_count * decode_blocks_per_sm(d) // base, tiles))
+        # One wave: as many splits as fill the SMs' resident blocks (memory bound: every SM
+        # streaming; at short KV down to a tile a block, the last block of each group merges),
+        # no ragged second wave; the merge keeps a float per (column, split) in shared memory.
+        nsplit = max(1, min(sm_count * decode_blocks_per_sm(d) // base, tiles,
+                            decode_smem(d) // (DECODE_COLS * 4)))
         chunk = -(-tiles // nsplit) * DECODE_BN
         nsplit = max(1, -(-tk // chunk))
         rows = b * tq * hq
         ws = () if nsplit == 1 else (Workspace(nsplit * rows * d * 4, "flash_attn_ext partial sums"),
-                                     Workspace(nsplit * rows * 8, "flash_attn_ext partial max/sum"))
+                                     Workspace(nsplit * rows * 8, "flash_attn_ext partial max/sum"),
+                                     Workspace(base * 4, "flash_attn_ext split counters", zeroed=True))
 
         def make_decode(ptr: Ptr, wsp: Sequence[int]) -> list[KernelSpec]:
-            # one split (gridDim.x == 1): fattn_decode adds the sinks and writes the output itself
-            acc, ml = (0, 0) if nsplit == 1 else (wsp[0], wsp[1])
-            sink_ptr = u64(ptr(sinks) if sinks is not None else 0)
+            # one split (gridDim.x == 1): fattn_decode writes the output without the workspace
+            acc, ml, counters = (0, 0, 0) if nsplit == 1 else tuple(wsp)
             common = _fa_common(node, ptr)
             args = (u64(ptr(q)), u64(ptr(k)), u64(ptr(v)), u64(ptr(mask) if mask is not None else 0),
-                    u64(acc), u64(ml), sink_ptr, u64(ptr(node)), *common[:4], i32(group), i32(ncg), *common[5:],
-                    i32(chunk), i32(_kv_vec(k, v, ptr)))
-            main = KernelSpec(DECODE_CU, decode_kernel(d, kv), (nsplit, hkv * ncg, b), 128, args, decode_smem(d))
-            if nsplit == 1:
-                return [main]
-            combine = (u64(acc), u64(ml), sink_ptr, u64(ptr(node)), i32(d), i32(rows), i32(nsplit), i32(hq))
-            return [main, KernelSpec(DECODE_CU, COMBINE, (rows,), 128, combine)]
+                    u64(acc), u64(ml), u64(counters), u64(ptr(sinks) if sinks is not None else 0),
+                    u64(ptr(node)), *common[:4], i32(group), i32(ncg), *common[5:], i32(chunk),
+                    i32(_kv_vec(k, v, ptr)))
+            return [KernelSpec(DECODE_CU, decode_kernel(d, kv), (nsplit, hkv * ncg, b), 128, args, decode_smem(d))]
 
         return FlashPlan("decode", ws, make_decode, nsplit, chunk)
 
@@ -376,6 +362,9 @@ def bind_rope_set_rows(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
 def bind_flash_attn_ext(ctx: CudaContext, node: Tensor) -> Launch:
     plan = flash_plan(node, int(ctx.device.props.get("sm_count", 132)))
     bufs = tuple(ctx.backend.alloc(w.nbytes, f"{w.what} of {node.describe()}") for w in plan.workspaces)
+    for w, buf in zip(plan.workspaces, bufs):
+        if w.zeroed:
+            ctx.backend.fill(buf, 0)
     return _launch(ctx, plan.specs(ctx.ptr, [buf.ptr for buf in bufs]), bufs)
 
 

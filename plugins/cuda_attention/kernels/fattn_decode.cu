@@ -9,23 +9,42 @@
 // free to keep the memory system busy. K/V tiles of 64 keys stream through
 // STAGES shared-memory stages (cp.async for f16/bf16, so several tiles per block
 // are in flight); each warp takes 16 keys of a tile and keeps its own online
-// softmax (f32, log2 units). At the end the warps merge through shared memory
-// and the block writes its partial (max, sum, acc[D]) per column to the
-// workspace; fattn_combine merges the splits, adds the sink and writes out
-// (B, Tq, Hq, D) f32. With one split (gridDim.x == 1: short KV, see flash_plan)
-// the block holds the whole softmax of its columns: it adds the sink and
-// normalizes itself, writes `out` directly, and no combine is launched (the
-// workspace pointers are then unused).
+// softmax (f32, log2 units). At the end the warps merge through shared memory.
+//
+// With one split (gridDim.x == 1) the block holds the whole softmax of its
+// columns: it adds the sink, normalizes and writes `out` (B, Tq, Hq, D) f32.
+// With several, each block writes its partial (max, sum, acc[D]) per column to
+// the workspace and counts itself done on its (batch, KV head, column group)
+// counter; the last block of the group to finish merges the nsplit partials,
+// adds the sink and writes `out`, then sets the counter back to 0 for the next
+// launch (the counters start zeroed at bind). One launch either way: a second
+// combine kernel costs ~2-3 us in a CUDA graph, more than short-KV attention.
 //
 // Strides are in bytes: q (t, h, b), k and v (t, h, b), mask (t, h, b) with
 // mask heads / batches broadcast by modulo (m2, m3).
 #include "attn_common.cuh"
 
+// The factor that turns a column's merged (max, sum, acc) into its output: the sink of head h
+// joins the softmax denominator (ggml's attention sinks); a column with nothing to attend gives 0.
+__device__ __forceinline__ float finish_scale(float mx, float sum, const float* sinks, int h) {
+    float m = mx, sink = 0.0f;
+    if (sinks != nullptr) {
+        sink = sinks[h] * od_attn::LOG2E;
+        m = fmaxf(m, sink);
+    }
+    const float f = exp2f(mx - m);
+    float total = sum * f;
+    if (sinks != nullptr) {
+        total += exp2f(sink - m);
+    }
+    return total > 0.0f ? f / total : 0.0f;
+}
+
 template <int D, typename KT>
 __global__ void __launch_bounds__(128, 2) fattn_decode(
     const char* __restrict__ q, const char* __restrict__ k, const char* __restrict__ v,
     const char* __restrict__ mask, float* __restrict__ ws_acc, float2* __restrict__ ws_ml,
-    const float* __restrict__ sinks, float* __restrict__ out, int q_f16, int tq, int hq, int tk, int group, int ncg,
+    int* __restrict__ counters, const float* __restrict__ sinks, float* __restrict__ out, int q_f16, int tq, int hq, int tk, int group, int ncg,
     long long qs_t, long long qs_h, long long qs_b,
     long long ks_t, long long ks_h, long long ks_b,
     long long vs_t, long long vs_h, long long vs_b,
@@ -244,7 +263,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
     __syncthreads();
 
     const long long rows = static_cast<long long>(gridDim.z) * tq * hq;
-    const bool single = gridDim.x == 1;  // the whole KV in this block: finish here, as fattn_combine would
+    const bool single = gridDim.x == 1;  // the whole KV in this block: finish here
     for (int e = tid; e < 16 * D; e += 128) {
         const int c = e / D;
         const int d = e % D;
@@ -253,8 +272,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
             break;  // e only grows past the valid columns
         }
         const int h = kvh * group + cc % group;
-        const int t = cc / group;
-        const long long r = (static_cast<long long>(b) * tq + t) * hq + h;
+        const long long r = (static_cast<long long>(b) * tq + cc / group) * hq + h;
         float mx = s_ml[c * 2];
 #pragma unroll
         for (int w = 1; w < 4; ++w) {
@@ -267,89 +285,76 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
             sum += s_ml[(w * 16 + c) * 2 + 1] * f;
             a += s_o[(w * 16 + c) * OR + d] * f;
         }
-        if (single) {  // fattn_combine with one split: same order of operations
-            float m = mx;
-            float sink = 0.0f;
-            if (sinks != nullptr) {
-                sink = sinks[h] * LOG2E;
-                m = fmaxf(m, sink);
+        if (single) {
+            out[r * D + d] = a * finish_scale(mx, sum, sinks, h);
+        } else {
+            ws_acc[(split * rows + r) * D + d] = a;
+            if (d == 0) {
+                ws_ml[split * rows + r] = make_float2(mx, sum);
             }
-            const float f = exp2f(mx - m);
-            float total = sum * f;
-            if (sinks != nullptr) {
-                total += exp2f(sink - m);
-            }
-            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-            out[r * D + d] = a * f * inv;
-            continue;
-        }
-        ws_acc[(split * rows + r) * D + d] = a;
-        if (d == 0) {
-            ws_ml[split * rows + r] = make_float2(mx, sum);
         }
     }
-}
+    if (single) {
+        return;
+    }
 
-// Merges the nsplit partials of each output row r = (b*Tq + t)*Hq + h, adds the sink
-// of head h, normalizes: out f32 (B, Tq, Hq, D) contiguous. Grid: rows, 128 threads.
-// The threads form 128 / (D/4) groups, a float4 of the row per thread, and each group
-// takes every ngroups-th split: the loads of many splits are in flight at once.
-__global__ void __launch_bounds__(128) fattn_combine(const float* __restrict__ ws_acc, const float2* __restrict__ ws_ml,
-                                                     const float* __restrict__ sinks, float* __restrict__ out,
-                                                     int d_head, int rows, int nsplit, int hq) {
-    using namespace od_attn;
-    const long long r = blockIdx.x;
-    float mx = NEG_BIG;
-    for (int s = threadIdx.x; s < nsplit; s += 128) {
-        mx = fmaxf(mx, ws_ml[s * static_cast<long long>(rows) + r].x);
-    }
-    mx = block_max<128>(mx);
-    float sink = 0.0f;
-    if (sinks != nullptr) {
-        sink = sinks[r % hq] * LOG2E;
-        mx = fmaxf(mx, sink);
-    }
-    const int dq = d_head / 4;
-    const int ngroups = 128 / dq;
-    const int grp = threadIdx.x / dq;
-    const int u = threadIdx.x % dq;
-    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    float sum = 0.0f;
-    for (int s = grp; grp < ngroups && s < nsplit; s += ngroups) {
-        const long long i = s * static_cast<long long>(rows) + r;
-        const float2 ml = ws_ml[i];
-        const float f = exp2f(ml.x - mx);
-        const float4 x = reinterpret_cast<const float4*>(ws_acc + i * d_head)[u];
-        sum += ml.y * f;
-        a.x += x.x * f;
-        a.y += x.y * f;
-        a.z += x.z * f;
-        a.w += x.w * f;
-    }
-    __shared__ float4 s_a[128];
-    __shared__ float s_sum[128];
-    s_a[threadIdx.x] = a;
-    s_sum[threadIdx.x] = sum;
+    // Split: the last block of this (batch, KV head, column group) merges every split.
+    __shared__ int s_last;
+    __threadfence();  // this block's partials are visible device-wide before it counts itself done
     __syncthreads();
-    if (threadIdx.x < dq) {
-        float4 t = s_a[threadIdx.x];
-        float total = s_sum[threadIdx.x];
-        for (int gi = 1; gi < ngroups; ++gi) {
-            const float4 x = s_a[gi * dq + threadIdx.x];
-            t.x += x.x;
-            t.y += x.y;
-            t.z += x.z;
-            t.w += x.w;
-            total += s_sum[gi * dq + threadIdx.x];
+    if (tid == 0) {
+        int* counter = counters + b * gridDim.y + blockIdx.y;
+        s_last = atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1;
+        if (s_last) {
+            *counter = 0;  // every split has counted: ready for the next launch
         }
-        if (sinks != nullptr) {
-            total += exp2f(sink - mx);
+    }
+    __syncthreads();
+    if (!s_last) {
+        return;
+    }
+    __threadfence();
+    // A warp a column: the splits' weights exp2(max_s - M) into shared memory (the stages are
+    // free and hold 16 * nsplit floats, flash_plan caps nsplit so) and the column's output
+    // scale; then each thread sums its (column, d) elements over the splits. The partials were
+    // written by other SMs: __ldcg reads them from L2, past this SM's L1.
+    const int nsplit = gridDim.x;
+    const int nc = min(16, ncols - cg * 16);
+    float* s_w = reinterpret_cast<float*>(smem);  // [column][split]
+    __shared__ float s_scale[16];
+    for (int c = warp; c < nc; c += 4) {
+        const int cc = cg * 16 + c;
+        const int h = kvh * group + cc % group;
+        const long long r = (static_cast<long long>(b) * tq + cc / group) * hq + h;
+        float mx = NEG_BIG;
+        for (int sp = lane; sp < nsplit; sp += 32) {
+            mx = fmaxf(mx, __ldcg(&ws_ml[sp * rows + r]).x);
         }
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        float* y = out + r * d_head + 4 * threadIdx.x;
-        y[0] = t.x * inv;
-        y[1] = t.y * inv;
-        y[2] = t.z * inv;
-        y[3] = t.w * inv;
+        mx = od::warp_max(mx);
+        float sum = 0.0f;
+        for (int sp = lane; sp < nsplit; sp += 32) {
+            const float2 ml = __ldcg(&ws_ml[sp * rows + r]);
+            const float f = exp2f(ml.x - mx);
+            s_w[c * nsplit + sp] = f;
+            sum += ml.y * f;
+        }
+        sum = od::warp_sum(sum);
+        if (lane == 0) {
+            s_scale[c] = finish_scale(mx, sum, sinks, h);
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < nc * D; e += 128) {
+        const int c = e / D;
+        const int d = e % D;
+        const int cc = cg * 16 + c;
+        const long long r = (static_cast<long long>(b) * tq + cc / group) * hq + kvh * group + cc % group;
+        const float* w = s_w + c * nsplit;
+        float a = 0.0f;
+#pragma unroll 8
+        for (int sp = 0; sp < nsplit; ++sp) {
+            a += __ldcg(&ws_acc[(sp * rows + r) * D + d]) * w[sp];
+        }
+        out[r * D + d] = a * s_scale[c];
     }
 }
