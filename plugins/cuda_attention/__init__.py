@@ -309,7 +309,8 @@ def flash_plan(node: Tensor, sm_count: int = 132) -> FlashPlan:
                     u64(acc), u64(ml), u64(counters), u64(ptr(sinks) if sinks is not None else 0),
                     u64(ptr(node)), *common[:4], i32(group), i32(ncg), *common[5:], i32(chunk),
                     i32(_kv_vec(k, v, ptr)))
-            return [KernelSpec(DECODE_CU, decode_kernel(d, kv), (nsplit, hkv * ncg, b), 128, args, decode_smem(d))]
+            return [KernelSpec(DECODE_CU, decode_kernel(d, kv), (nsplit, hkv * ncg, b), 128, args, decode_smem(d),
+                               pdl=True)]
 
         return FlashPlan("decode", ws, make_decode, nsplit, chunk)
 
