@@ -390,8 +390,6 @@ def test_decode_plan(d: int, tq: int, tk: int, hq: int, hkv: int, kv: str, ncg: 
     assert [(w.nbytes, w.zeroed) for w in plan.workspaces] == [
         (plan.nsplit * rows * d * 4, False), (plan.nsplit * rows * 8, False), (hkv * ncg * 4, True)]
     assert tuple(int(a) for a in main.args[4:7]) == (BASE + 2**20, BASE + 2**21, BASE + 2**22)
-    # the merge keeps a float per (column, split) in the freed K/V stages
-    assert ca.DECODE_COLS * plan.nsplit * 4 <= main.smem
 
 
 @pytest.mark.parametrize(("tk", "batch", "nsplit"), [(1, 1, 1), (64, 1, 1), (512, 1, 8), (768, 1, 12),

@@ -291,9 +291,8 @@ def flash_plan(node: Tensor, sm_count: int = 132) -> FlashPlan:
         tiles = max(1, -(-tk // DECODE_BN))
         # One wave: as many splits as fill the SMs' resident blocks (memory bound: every SM
         # streaming; at short KV down to a tile a block, the last block of each group merges),
-        # no ragged second wave; the merge keeps a float per (column, split) in shared memory.
-        nsplit = max(1, min(sm_count * decode_blocks_per_sm(d) // base, tiles,
-                            decode_smem(d) // (DECODE_COLS * 4)))
+        # no ragged second wave.
+        nsplit = max(1, min(sm_count * decode_blocks_per_sm(d) // base, tiles))
         chunk = -(-tiles // nsplit) * DECODE_BN
         nsplit = max(1, -(-tk // chunk))
         rows = b * tq * hq

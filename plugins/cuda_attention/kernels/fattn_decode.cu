@@ -44,7 +44,8 @@ template <int D, typename KT>
 __global__ void __launch_bounds__(128, 2) fattn_decode(
     const char* __restrict__ q, const char* __restrict__ k, const char* __restrict__ v,
     const char* __restrict__ mask, float* __restrict__ ws_acc, float2* __restrict__ ws_ml,
-    int* __restrict__ counters, const float* __restrict__ sinks, float* __restrict__ out, int q_f16, int tq, int hq, int tk, int group, int ncg,
+    int* __restrict__ counters, const float* __restrict__ sinks, float* __restrict__ out,
+    int q_f16, int tq, int hq, int tk, int group, int ncg,
     long long qs_t, long long qs_h, long long qs_b,
     long long ks_t, long long ks_h, long long ks_b,
     long long vs_t, long long vs_h, long long vs_b,
@@ -316,47 +317,48 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         return;
     }
     __threadfence();
-    // A warp a column: the splits' weights exp2(max_s - M) into shared memory (the stages are
-    // free and hold 16 * nsplit floats, flash_plan caps nsplit so) and the column's output
-    // scale; then each thread sums its (column, d) elements over the splits. The partials were
-    // written by other SMs: __ldcg reads them from L2, past this SM's L1.
-    const int nsplit = gridDim.x;
+    // Every split's (max, sum) and accumulator slice of this thread's (column, 4 dims) loaded
+    // together, MERGE_LOADS splits at a time, so that the merge costs about one L2 round trip
+    // (the partials were written by other SMs: __ldcg reads them from L2, past this SM's L1).
+    constexpr int MERGE_LOADS = 12;  // 16 would cost registers at D = 64 (134: 3 blocks an SM, not 4)
     const int nc = min(16, ncols - cg * 16);
-    float* s_w = reinterpret_cast<float*>(smem);  // [column][split]
-    __shared__ float s_scale[16];
-    for (int c = warp; c < nc; c += 4) {
+    for (int e = tid; e < nc * (D / 4); e += 128) {
+        const int c = e / (D / 4);
+        const int d4 = e % (D / 4);
         const int cc = cg * 16 + c;
         const int h = kvh * group + cc % group;
         const long long r = (static_cast<long long>(b) * tq + cc / group) * hq + h;
-        float mx = NEG_BIG;
-        for (int sp = lane; sp < nsplit; sp += 32) {
-            mx = fmaxf(mx, __ldcg(&ws_ml[sp * rows + r]).x);
+        float mx = NEG_BIG, sum = 0.0f;
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int s0 = 0; s0 < static_cast<int>(gridDim.x); s0 += MERGE_LOADS) {
+            float2 ml[MERGE_LOADS];
+            float4 x[MERGE_LOADS];
+#pragma unroll
+            for (int j = 0; j < MERGE_LOADS; ++j) {
+                const long long i = (s0 + j) * rows + r;
+                const bool in = s0 + j < static_cast<int>(gridDim.x);
+                ml[j] = in ? __ldcg(&ws_ml[i]) : make_float2(NEG_BIG, 0.0f);
+                x[j] = in ? __ldcg(reinterpret_cast<const float4*>(ws_acc + i * D) + d4)
+                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+            float m = mx;
+#pragma unroll
+            for (int j = 0; j < MERGE_LOADS; ++j) {
+                m = fmaxf(m, ml[j].x);
+            }
+            const float f = exp2f(mx - m);
+            sum *= f;
+            a = make_float4(a.x * f, a.y * f, a.z * f, a.w * f);
+#pragma unroll
+            for (int j = 0; j < MERGE_LOADS; ++j) {
+                const float w = exp2f(ml[j].x - m);
+                sum += ml[j].y * w;
+                a = make_float4(fmaf(x[j].x, w, a.x), fmaf(x[j].y, w, a.y), fmaf(x[j].z, w, a.z),
+                                fmaf(x[j].w, w, a.w));
+            }
+            mx = m;
         }
-        mx = od::warp_max(mx);
-        float sum = 0.0f;
-        for (int sp = lane; sp < nsplit; sp += 32) {
-            const float2 ml = __ldcg(&ws_ml[sp * rows + r]);
-            const float f = exp2f(ml.x - mx);
-            s_w[c * nsplit + sp] = f;
-            sum += ml.y * f;
-        }
-        sum = od::warp_sum(sum);
-        if (lane == 0) {
-            s_scale[c] = finish_scale(mx, sum, sinks, h);
-        }
-    }
-    __syncthreads();
-    for (int e = tid; e < nc * D; e += 128) {
-        const int c = e / D;
-        const int d = e % D;
-        const int cc = cg * 16 + c;
-        const long long r = (static_cast<long long>(b) * tq + cc / group) * hq + kvh * group + cc % group;
-        const float* w = s_w + c * nsplit;
-        float a = 0.0f;
-#pragma unroll 8
-        for (int sp = 0; sp < nsplit; ++sp) {
-            a += __ldcg(&ws_acc[(sp * rows + r) * D + d]) * w[sp];
-        }
-        out[r * D + d] = a * s_scale[c];
+        const float k = finish_scale(mx, sum, sinks, h);
+        reinterpret_cast<float4*>(out + r * D)[d4] = make_float4(a.x * k, a.y * k, a.z * k, a.w * k);
     }
 }
