@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import attrs
 
+from .tensor import VIEW_OPS
+
 if TYPE_CHECKING:
     from .backends.base import BindContext, Device, Launch
     from .graph import Graph
@@ -49,7 +51,9 @@ class FusionRule:
 def can_fuse(graph: Graph, start: int, pattern: Sequence[str], outputs: Sequence[int] = ()) -> bool:
     """ggml's can_fuse: nodes start.. match `pattern` in order, and every node
     but the last is read only inside the group and is not a graph output,
-    except those at the positions in `outputs`, which the fused kernel writes."""
+    except those at the positions in `outputs`, which the fused kernel writes,
+    and views (no kernel: reading one reads its base) of a tensor the group
+    writes or does not touch."""
     nodes = graph.nodes
     end = start + len(pattern)
     if end > len(nodes):
@@ -58,8 +62,12 @@ def can_fuse(graph: Graph, start: int, pattern: Sequence[str], outputs: Sequence
     if any(n.op != p for n, p in zip(group, pattern)):
         return False
     members = set(group)
+    written = {group[-1].base, *(group[j].base for j in outputs)}
+    touched = {n.base for n in group if n.op not in VIEW_OPS}
     for j, n in enumerate(group[:-1]):
         if j in outputs:
+            continue
+        if n.op in VIEW_OPS and (n.base in written or n.base not in touched):
             continue
         if graph.is_output(n):
             return False

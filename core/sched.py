@@ -148,7 +148,7 @@ class Scheduler:
                 declined.append((rule.name, "an intermediate result is read outside the group"))
                 continue
             writes = tuple(group[j] for j in rule.outputs)
-            if any(w.is_view for w in writes):
+            if any(w.op in VIEW_OPS for w in writes):  # in-place results (set_rows) are written, views are not
                 declined.append((rule.name, "an extra output is a view"))
                 continue
             if any(s in self.host_params for n in group for s in n.srcs):

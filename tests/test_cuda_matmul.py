@@ -327,11 +327,11 @@ def check_spec(spec: cm.KernelSpec) -> None:
     ("f16", (64, 4096), None, "mmv<W_F16, B_F32, 1, 2, true, EPI_NONE>"),
     ("f32", (64, 65), None, "mmv<W_F32, B_F32, 8, 2, false, EPI_NONE>"),  # K % 8 != 0: scalar
     ("bf16", (64, 80), None, "mmv<W_BF16, B_F32, 4, 2, true, EPI_NONE>"),
-    ("q4_0", (64, 4096), None, "mmvq<W_Q4_0, 1, EPI_NONE>"),
-    ("q8_0", (64, 96), "offset", "mmvq<W_Q8_0, 4, EPI_NONE>"),  # b read by elements: any layout
+    ("q4_0", (64, 4096), None, "mmvq<W_Q4_0, 1, EPI_NONE, 4, 1>"),
+    ("q8_0", (64, 96), "offset", "mmvq<W_Q8_0, 4, EPI_NONE, 4, 1>"),  # b read by elements: any layout
     ("f16", (64, 96), "T", "mmv<W_F16, B_F32, 8, 2, false, EPI_NONE>"),  # b's K axis strided
     ("f32", (64, 96), "offset", "mmv<W_F32, B_F32, 8, 2, false, EPI_NONE>"),  # b rows misaligned
-    ("q5_1", (64, 96), "f16", "mmvq<W_Q5_1, 4, EPI_NONE>"),
+    ("q5_1", (64, 96), "f16", "mmvq<W_Q5_1, 4, EPI_NONE, 4, 1>"),
     ("bf16", (64, 96), "f16", "mmv<W_BF16, B_F16, 8, 2, true, EPI_NONE>"),
 ])
 def test_mmv_spec_picks_the_variant(dt: str, a_shape: tuple, b_view: str | None, kernel: str) -> None:
@@ -350,13 +350,13 @@ def test_mmv_spec_picks_the_variant(dt: str, a_shape: tuple, b_view: str | None,
     assert spec.kernel == kernel
     for sp in specs:
         check_spec(sp)
-    if dt in QUANTS:  # b quantized to q8_1 first, then QROWS rows a block
+    if dt in QUANTS:  # b quantized to q8_1 first, then QGEOM's rows a block
         quant = specs[0]
         assert len(specs) == 2 and quant.kernel == f"quantize_q8_1<{cm.B_KIND[b.dtype.name]}>"
         nbp = -(-k // 32 // 32) * 32
         assert quant.grid == (n, -(-k // 32 // 8)) and int(quant.args[0]) == fake_ptr(b)
         assert int(quant.args[-2]) == SCRATCH and int(quant.args[-1]) == SCRATCH + n * nbp * 32
-        assert spec.grid == (a_shape[0] // cm.QROWS, 1, 1) and spec.block == cm.q_threads(k) and spec.smem == 0
+        assert spec.grid == (a_shape[0] // 4, 1, 1) and spec.block == cm.QGEOM.block(k, 1) and spec.smem == 0
         assert (int(spec.args[7]), int(spec.args[8]), int(spec.args[9])) == (SCRATCH, SCRATCH + n * nbp * 32, nbp)
     else:
         assert spec.grid == (a_shape[0] // 2, 1, 1) and spec.block == cm.BLOCK and spec.smem == 0
@@ -367,11 +367,17 @@ def dtypes_block_bytes(dt: str) -> int:
 
 
 def test_q_constants_mirror_the_kernel() -> None:
-    """QROWS, QWARPS_MAX, QUANT_BLOCK as mmv.cu has them; threads a block from K."""
+    """QWARPS_MAX, QUANT_BLOCK as mmv.cu has them; a block's threads from K and the geometry."""
     src = cm.MMV_CU.read_text()
-    for name, value in (("QROWS", cm.QROWS), ("QWARPS_MAX", cm.QWARPS_MAX), ("QUANT_BLOCK", cm.QUANT_BLOCK)):
+    for name, value in (("QWARPS_MAX", cm.QWARPS_MAX), ("QUANT_BLOCK", cm.QUANT_BLOCK)):
         assert re.search(rf"constexpr int {name} = {value};", src), name
-    assert [cm.q_threads(k) for k in (32, 1024, 2048, 4096, 5632, 14336)] == [32, 32, 64, 128, 128, 128]
+    g = cm.QGeometry(rows=4, unroll=1, kwarps=4, groups=1)
+    assert [g.block(k, 1) for k in (32, 1024, 2048, 4096, 5632, 14336)] == [(32, 1), (32, 1), (64, 1)] + [(128, 1)] * 3
+    g = cm.QGeometry(rows=2, unroll=2, kwarps=2, groups=2)
+    assert [g.block(k, 1) for k in (1024, 2048, 4096)] == [(32, 2), (32, 2), (64, 2)]
+    assert g.block(4096, 8) == (64, 2) and g.tiles(100, cm.EPI_NONE) == 25 and g.tiles(100, cm.EPI_GLU) == 50
+    with pytest.raises(ValueError, match="QWARPS_MAX"):
+        cm.QGeometry(kwarps=4, groups=2)
     assert [cm.q8_padded(k) for k in (32, 1024, 1056, 4096)] == [32, 32, 64, 128]
 
 
@@ -394,14 +400,14 @@ def test_mmv_id_and_grouped_specs() -> None:
     y = ops.mul_mat_id(experts, od.input("x", (1, 1, 64)), ids)
     quant, spec = cm.mmv_id_specs(y, y, fake_ptr, fake_scratch)
     assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (1, 1)
-    assert spec.kernel == "mmvq_id<W_Q4_0, EPI_NONE>" and spec.grid == (8, 4, 1)
-    assert spec.block == 32 and spec.smem == 0
+    assert spec.kernel == "mmvq_id<W_Q4_0, EPI_NONE, 4, 1>" and spec.grid == (8, 4, 1)
+    assert spec.block == (32, 1) and spec.smem == 0
     check_spec(quant)
     check_spec(spec)
     y = ops.mul_mat_id(experts, od.input("x", (32, 1, 64)), od.input("ids", (32, 4), "i32"))
     route, quant, grouped = cm.grouped_specs(y, y, fake_ptr, fake_scratch)
     assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (32, 1)  # 32 tokens x 1 b row
-    assert grouped.kernel == "mmvq_id_grouped<W_Q4_0, 8, EPI_NONE>" and grouped.grid == (8, 8)
+    assert grouped.kernel == "mmvq_id_grouped<W_Q4_0, 8, EPI_NONE, 4, 1>" and grouped.grid == (8, 8)
     assert grouped.smem == 0
     check_spec(quant)
     check_spec(grouped)
@@ -422,9 +428,9 @@ def test_fused_glu_spec() -> None:
     quant, spec = cm.mmv_specs(prods[0], nodes[-1], fake_ptr, fake_scratch, a1=prods[1].srcs[0],
                                bias0=biases[0], bias1=biases[1], glu=glu)
     assert quant.kernel == "quantize_q8_1<B_F32>"  # b quantized once for both weights
-    assert spec.kernel == "mmvq<W_Q4_0, 2, EPI_GLU>"
+    assert spec.kernel == "mmvq<W_Q4_0, 2, EPI_GLU, 4, 1>"
     m = prods[0].shape[-1]
-    assert spec.grid == (-(-m // (cm.QROWS // 2)), 1, 1)  # gate and up rows: half as many a block
+    assert spec.grid == (-(-m // 2), 1, 1)  # 4 streams, gate and up: 2 output rows a block
     check_spec(spec)
     assert int(spec.args[1]) == fake_ptr(prods[1].srcs[0]) and int(spec.args[-3]) == 1  # geglu
 

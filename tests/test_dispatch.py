@@ -13,7 +13,8 @@ import pytest
 import opdispatch as od
 from opdispatch import ops
 from opdispatch.backends.cpu import HostBackend
-from opdispatch.fusion import FusionRule
+from opdispatch.fusion import FusionRule, can_fuse
+from opdispatch.graph import Graph
 from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
 from opdispatch.reference import load, store
 from opdispatch.manager import PluginError, PluginManager, PluginWarning
@@ -446,3 +447,19 @@ def test_a_backend_without_staging_writes_and_reads_each_tensor() -> None:
     feeds = {a: rand(rng, 4, 6), b: rand(rng, 4, 6), c: rand(rng, 4, 6)}
     np.testing.assert_allclose(plan.run(feeds)[0], (feeds[a] + feeds[b]) * feeds[c], rtol=1e-6)
     assert "plain0" not in plan._bind().feeders
+
+
+def test_can_fuse_lets_views_be_read_outside_when_the_group_writes_their_bytes() -> None:
+    a, b, c = od.input("a", (3, 4)), od.input("b", (3, 4)), od.input("c", (12,))
+    s = ops.add(a, b)
+    flat = s.reshape(12)  # a view of the sum, read inside the group (mul) and outside (neg)
+    graph = Graph.build([ops.mul(flat, c), ops.neg(flat)])
+    assert [n.op for n in graph.nodes] == ["add", "reshape", "mul", "neg"]
+    assert not can_fuse(graph, 0, ("add", "reshape", "mul"))  # the sum exists only inside the kernel
+    assert can_fuse(graph, 0, ("add", "reshape", "mul"), outputs=(0,))  # the kernel writes it: the view is free
+    # a view of a tensor made before the group: its bytes are there whatever the group does
+    d = od.input("d", (3, 4))
+    e = d.reshape(12)
+    graph = Graph.build([ops.mul(ops.add(c, c), e), ops.neg(e)])
+    assert [n.op for n in graph.nodes] == ["add", "reshape", "mul", "neg"]
+    assert can_fuse(graph, 0, ("add", "reshape", "mul"))

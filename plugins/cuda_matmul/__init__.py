@@ -7,11 +7,11 @@ Paths (support.py picks one per node; its name shows in `Plan.explain()`):
   (f32/f16/bf16), 16-byte loads. Block formats take two launches: quantize_q8_1
   turns b into int8 codes with a scale per 32 values (ggml's q8_1) in a scratch
   buffer, once per node; then each thread of the mat-vec reads whole quant blocks
-  of QROWS rows straight from global memory (the aligned 16-byte granules that
-  hold each 2-byte aligned block; consecutive threads, consecutive blocks) and
-  dots them with b by dp4a, no shared-memory staging. The rounding of b this adds
-  is ggml's too (its CPU and CUDA backends quantize b for these types) and lies
-  well inside mul_mat's NMSE bound.
+  of its row group's rows straight from global memory (the aligned 16-byte
+  granules that hold each 2-byte aligned block; consecutive threads, consecutive
+  blocks; the split is QGEOM's) and dots them with b by dp4a, no shared-memory
+  staging. The rounding of b this adds is ggml's too (its CPU and CUDA backends
+  quantize b for these types) and lies well inside mul_mat's NMSE bound.
 - cublas: float weights, N > 8: cuBLAS through our own handles
   (core/backends/cuda/cublas.py, usable under CUDA-graph capture): cublasLt
   (algorithm timed once per problem) for one GEMM or strided batches when
@@ -80,9 +80,8 @@ ROWS = 2  # rows of a a mat-vec block computes (the kernels' R)
 NTS = (1, 2, 4, 8)  # column counts the mat-vec kernels are compiled for
 ROUTE_BLOCK = 1024  # mmv.cu's ROUTE_BLOCK
 CONVERT_BLOCK = 256  # convert.cu's CONVERT_BLOCK
-# mmv.cu's block-format mat-vec: weight rows (streams) a block, warps a block at most,
-# quantize_q8_1's threads
-QROWS, QWARPS_MAX, QUANT_BLOCK = 4, 4, 256
+# mmv.cu's block-format mat-vec: warps a block at most; quantize_q8_1's threads
+QWARPS_MAX, QUANT_BLOCK = 4, 256
 CONVERT_GRID_MAX = 65536  # blocks of a conversion (grid-stride over rows beyond)
 
 
@@ -102,25 +101,57 @@ def grouped_name(wt: str, tb: str, nt: int, vec: bool, epi: str) -> str:
     return f"mmv_id_grouped<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {ROWS}, {_b(vec)}, {epi}>"
 
 
-def mmvq_name(wt: str, nt: int, epi: str) -> str:
-    return f"mmvq<{W_KIND[wt]}, {nt}, {epi}>"
+@attrs.frozen
+class QGeometry:
+    """How the block-format mat-vec kernels (mmv.cu's mmvq*) split the work. A row group
+    computes `rows` weight rows (the kernels' R streams; EPI_GLU: half gate, half up rows),
+    its threads splitting K over up to `kwarps` warps (a warp per 32 * unroll quant blocks);
+    each thread loads `unroll` blocks of every row before using them (the kernels' KU; with
+    one b column only: more columns already reuse each block); `groups` row groups a block."""
+
+    rows: int = attrs.field(default=4, validator=attrs.validators.in_((2, 4, 8)))
+    unroll: int = attrs.field(default=1, validator=attrs.validators.in_((1, 2, 4)))
+    kwarps: int = 4
+    groups: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.kwarps * self.groups <= QWARPS_MAX:
+            raise ValueError(f"{self}: kwarps * groups must be 1..{QWARPS_MAX} (mmv.cu's QWARPS_MAX)")
+
+    def unroll_for(self, nt: int) -> int:
+        return self.unroll if nt == 1 else 1
+
+    def block(self, k: int, nt: int) -> tuple[int, int]:
+        """(threads a row group, row groups): a warp per 32 * unroll quant blocks of a row, at most kwarps."""
+        per_warp = 32 * self.unroll_for(nt)
+        return 32 * min(self.kwarps, max(1, math.ceil(k // 32 / per_warp))), self.groups
+
+    def tiles(self, m: int, epi: str) -> int:
+        """Blocks along M: each row group writes rows / 2 rows for EPI_GLU (gate and up streams)."""
+        return math.ceil(m / (self.groups * self.rows // (2 if epi == EPI_GLU else 1)))
 
 
-def mmvq_id_name(wt: str, epi: str) -> str:
-    return f"mmvq_id<{W_KIND[wt]}, {epi}>"
+#: the split every mmvq* launch takes, read at bind time
+QGEOM = QGeometry()
 
 
-def qgrouped_name(wt: str, nt: int, epi: str) -> str:
-    return f"mmvq_id_grouped<{W_KIND[wt]}, {nt}, {epi}>"
+def mmvq_name(wt: str, nt: int, epi: str, g: QGeometry | None = None) -> str:
+    g = g or QGEOM
+    return f"mmvq<{W_KIND[wt]}, {nt}, {epi}, {g.rows}, {g.unroll_for(nt)}>"
+
+
+def mmvq_id_name(wt: str, epi: str, g: QGeometry | None = None) -> str:
+    g = g or QGEOM
+    return f"mmvq_id<{W_KIND[wt]}, {epi}, {g.rows}, {g.unroll_for(1)}>"
+
+
+def qgrouped_name(wt: str, nt: int, epi: str, g: QGeometry | None = None) -> str:
+    g = g or QGEOM
+    return f"mmvq_id_grouped<{W_KIND[wt]}, {nt}, {epi}, {g.rows}, {g.unroll_for(nt)}>"
 
 
 def quantize_name(tb: str) -> str:
     return f"quantize_q8_1<{B_KIND[tb]}>"
-
-
-def q_threads(k: int) -> int:
-    """Threads of a block-format mat-vec block: a warp per 32 quant blocks of a row, 1 to QWARPS_MAX."""
-    return 32 * min(QWARPS_MAX, max(1, math.ceil(k // 32 / 32)))
 
 
 def q8_padded(k: int) -> int:
@@ -278,10 +309,9 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     if a.dtype.is_quant:
         quant, bq, bds, nbp = quantize_spec(b, pb, scratch)
         qargs = (*args[:7], U64(bq), U64(bds), I32(nbp), *args[12:])
-        rows = QROWS // (2 if epi == EPI_GLU else 1)
-        grid = (math.ceil(m / rows) if n else 0, b2, b3)
-        return [quant, KernelSpec(MMV_CU, mmvq_name(a.dtype.name, nt_for(max(n, 1)), epi), grid, q_threads(k),
-                                  qargs)]
+        nt = nt_for(max(n, 1))
+        grid = (QGEOM.tiles(m, epi) if n else 0, b2, b3)
+        return [quant, KernelSpec(MMV_CU, mmvq_name(a.dtype.name, nt, epi), grid, QGEOM.block(k, nt), qargs)]
     vec = (k % 4 == 0 and _b_vec(b, pb) and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0))
     nt = nt_for(max(n, 1)) if vec and tb == "f32" else 8
     grid = (math.ceil(m / ROWS) if n else 0, b2, b3)
@@ -315,9 +345,8 @@ def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: T
     if as_.dtype.is_quant:
         quant, bq, bds, nbp = quantize_spec(b, pb, scratch)
         qargs = (*args[:8], U64(bq), U64(bds), I32(nbp), I32(ub), *args[13:])
-        rows = QROWS // (2 if epi == EPI_GLU else 1)
-        return [quant, KernelSpec(MMV_CU, mmvq_id_name(as_.dtype.name, epi), (math.ceil(m / rows), u, t),
-                                  q_threads(k), qargs)]
+        return [quant, KernelSpec(MMV_CU, mmvq_id_name(as_.dtype.name, epi), (QGEOM.tiles(m, epi), u, t),
+                                  QGEOM.block(k, 1), qargs)]
     return [KernelSpec(MMV_CU, mmv_id_name(as_.dtype.name, "f32", vec, epi), (math.ceil(m / ROWS), u, t), BLOCK,
                        args)]
 
@@ -353,7 +382,7 @@ def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, bias
         qspec, bq, bds, nbp = quantize_spec(b, pb, scratch)
         qargs = (*args[:5], U64(bq), U64(bds), I32(nbp), I32(ub), *args[10:])
         specs += [qspec, KernelSpec(MMV_CU, qgrouped_name(as_.dtype.name, nt, epi),
-                                    (math.ceil(m / QROWS), min(e, pairs)), q_threads(k), qargs)]
+                                    (QGEOM.tiles(m, epi), min(e, pairs)), QGEOM.block(k, nt), qargs)]
     else:
         specs.append(KernelSpec(MMV_CU, grouped_name(as_.dtype.name, "f32", nt, vec, epi),
                                 (math.ceil(m / ROWS), min(e, pairs)), BLOCK, args))

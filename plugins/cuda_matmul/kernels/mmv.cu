@@ -6,8 +6,9 @@
 // values (mm_common.cuh), each keeps NW * R * NT float partial sums, and the block reduces
 // them (warp shuffles, then shared memory).
 // Block-format weights (mmvq*): b is first quantized to int8 with a scale per 32 values
-// (quantize_q8_1, one launch per node), then a block of up to QTHREADS threads computes QROWS
-// rows streaming the weights straight from global memory (q_rows), integer dot products (dp4a).
+// (quantize_q8_1, one launch per node), then each row group of a block (up to QTHREADS threads
+// in all) computes R rows streaming the weights straight from global memory (q_rows), integer
+// dot products (dp4a).
 //
 // Kernels:
 //   quantize_q8_1  b rows to int8 codes and per-32 scales for the mmvq* kernels.
@@ -177,18 +178,34 @@ __device__ __forceinline__ float finish(const float* res, int r, int n, const fl
 // Two launches. quantize_q8_1 first turns the b rows into int8 codes with a scale per 32
 // values (ggml's q8_1: d = absmax / 127, and d * sum(codes) for the formats' zero and offset),
 // once per node, into a scratch buffer laid out for wide loads (QB8 below). Then the mat-vec
-// streams the weights straight from global memory: a block of 1..QWARPS_MAX warps computes
-// QROWS weight rows ("streams": QROWS rows of a0, or QROWS / 2 rows of each of a0 and a1 for
-// EPI_GLU), thread t takes quant blocks j = t, t + blockDim.x, ... of all QROWS rows, so the
-// b values of block j are loaded once for the QROWS rows. A weight block (18 to 34 bytes,
-// 2-byte aligned) is read as the 2 or 3 aligned 16-byte granules that hold it (consecutive
-// threads read consecutive blocks: a warp's loads cover whole cache lines), moved into place
-// by selects and funnel shifts (load_block), and dotted with b by dp4a. No shared memory but
-// the final reduction over the block's warps, no barrier before it: each thread has its
-// QROWS * (2..3) weight loads and its b loads in flight at once.
-constexpr int QROWS = 4;
+// streams the weights straight from global memory. A block is blockDim.y row groups of
+// blockDim.x threads (1..QWARPS_MAX warps in all); a row group computes R weight rows
+// ("streams": R rows of a0, or R / 2 rows of each of a0 and a1 for EPI_GLU), its thread x
+// taking quant blocks j = x, x + blockDim.x, ... of all R rows, KU of them at a time: the KU * R
+// blocks' loads are issued before any is used (bytes in flight), and the b values of block j
+// are loaded once for the R rows. A weight block (18 to 34 bytes, 2-byte aligned) is read as
+// the 2 or 3 aligned 16-byte granules that hold it (consecutive threads read consecutive
+// blocks: a warp's loads cover whole cache lines), moved into place by selects and funnel
+// shifts (decode_block), and dotted with b by dp4a. No shared memory but the final reduction
+// over a row group's warps; a row group of one warp reduces with shuffles alone, no barrier.
 constexpr int QWARPS_MAX = 4;
 constexpr int QTHREADS = QWARPS_MAX * od::WARP_SIZE;
+
+// Programmatic dependent launch (sm_90): quantize_q8_1 lets the mat-vec after it start early (its
+// blocks' launch and set-up overlap the quantization), and the mat-vec waits for quantize_q8_1's
+// results before its loop (waiting after the first weight loads costs 10-20 registers). Both are
+// no-ops in a launch without the programmatic attribute.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 // Layout of quantize_q8_1's output for a b row of nb blocks, padded to nbp (a multiple of 32):
 // codes at bq + row * nbp * 32: block j's 32 codes in two 16-byte halves h at byte
@@ -200,25 +217,38 @@ struct QB8 {
     }
 };
 
-// The block at `blk` (2-byte aligned): q[i] = codes of values 4i .. 4i+3 (raw, see
-// decode_words), scale d, offset m. Reads only the 16-byte granules holding the block's bytes.
+// 16-byte granules holding a block of format WT at the worst offset (14).
 template <int WT>
-__device__ __forceinline__ void load_block(const u8* blk, int (&q)[8], float& d, float& m) {
-    using F = Fmt<WT>;
-    constexpr int G = (14 + F::BYTES + 15) / 16;    // granules at the worst offset (14)
-    constexpr int NWD = (F::BYTES + 1) / 4 + 1;     // words decode_words reads
-    static_assert(4 * G >= NWD + 3, "window too small");
+constexpr int GRANULES = (14 + Fmt<WT>::BYTES + 15) / 16;
+
+// The granules holding the block at `blk` (2-byte aligned); a last granule past its bytes stays
+// unread (and unused).
+template <int WT>
+__device__ __forceinline__ void fetch_block(const u8* blk, uint4 (&g)[GRANULES<WT>]) {
     const unsigned long long addr = reinterpret_cast<unsigned long long>(blk);
-    const uint4* g = reinterpret_cast<const uint4*>(addr & ~15ull);
+    const uint4* p = reinterpret_cast<const uint4*>(addr & ~15ull);
     const int o = static_cast<int>(addr & 15);
+#pragma unroll
+    for (int i = 0; i < GRANULES<WT>; ++i) {
+        if (i < 2 || o + Fmt<WT>::BYTES > 16 * i) {
+            g[i] = __ldg(p + i);
+        }
+    }
+}
+
+// The block fetch_block read for `blk`: q[i] = codes of values 4i .. 4i+3 (raw, see
+// decode_words), scale d, offset m.
+template <int WT>
+__device__ __forceinline__ void decode_block(const u8* blk, const uint4 (&g)[GRANULES<WT>], int (&q)[8], float& d,
+                                             float& m) {
+    constexpr int G = GRANULES<WT>;
+    constexpr int NWD = (Fmt<WT>::BYTES + 1) / 4 + 1;  // words decode_words reads
+    static_assert(4 * G >= NWD + 3, "window too small");
+    const int o = static_cast<int>(reinterpret_cast<unsigned long long>(blk) & 15);
     unsigned win[4 * G];
 #pragma unroll
     for (int i = 0; i < G; ++i) {
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (i < 2 || o + F::BYTES > 16 * i) {
-            v = __ldg(g + i);
-        }
-        win[4 * i] = v.x, win[4 * i + 1] = v.y, win[4 * i + 2] = v.z, win[4 * i + 3] = v.w;
+        win[4 * i] = g[i].x, win[4 * i + 1] = g[i].y, win[4 * i + 2] = g[i].z, win[4 * i + 3] = g[i].w;
     }
     // shift the window left by o / 4 words (two select stages), so the block starts at byte
     // (o & 2) of w[0]
@@ -234,110 +264,127 @@ __device__ __forceinline__ void load_block(const u8* blk, int (&q)[8], float& d,
     decode_words<WT>(w, (o & 2) * 8, q, d, m);
 }
 
-// acc[s][n] (every thread's partial) = stream s . b column n over the blocks j this thread takes.
-// row[s]: stream s's weight row; bq[n], bd[n]: column n's codes and (d, d * sum) (QB8 layout).
-template <int WT, int NT>
-__device__ __forceinline__ void q_rows(const u8* const (&row)[QROWS], const u8* const (&bq)[NT],
-                                       const float2* const (&bd)[NT], int nb, float (&acc)[QROWS][NT]) {
+// acc[s][n] (every thread's partial) = stream s . b column n over the blocks j this thread takes
+// (j = threadIdx.x + i * blockDim.x). row[s]: stream s's weight row; bq[n], bd[n]: column n's
+// codes and (d, d * sum) (QB8 layout). Waits for the quantize_q8_1 launch first (pdl_wait).
+template <int WT, int NT, int R, int KU>
+__device__ __forceinline__ void q_rows(const u8* const (&row)[R], const u8* const (&bq)[NT],
+                                       const float2* const (&bd)[NT], int nb, float (&acc)[R][NT]) {
     using F = Fmt<WT>;
+    constexpr int G = GRANULES<WT>;
 #pragma unroll
-    for (int s = 0; s < QROWS; ++s) {
+    for (int s = 0; s < R; ++s) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             acc[s][n] = 0.0f;
         }
     }
-    for (int j = threadIdx.x; j < nb; j += blockDim.x) {
-        int q[QROWS][8];
-        float d[QROWS], m[QROWS];
+    const int step = blockDim.x;
+    pdl_wait();
+    for (int j0 = threadIdx.x; j0 < nb; j0 += KU * step) {
+        uint4 g[KU][R][G];
 #pragma unroll
-        for (int s = 0; s < QROWS; ++s) {
-            load_block<WT>(row[s] + static_cast<long long>(j) * F::BYTES, q[s], d[s], m[s]);
+        for (int u = 0; u < KU; ++u) {
+            const int j = j0 + u * step;
+#pragma unroll
+            for (int s = 0; s < R; ++s) {
+                if (u == 0 || j < nb) {
+                    fetch_block<WT>(row[s] + static_cast<long long>(j) * F::BYTES, g[u][s]);
+                }
+            }
         }
-        const long long h0 = QB8::half(j, 0), h1 = QB8::half(j, 1);
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            const int4 lo = __ldg(reinterpret_cast<const int4*>(bq[n] + h0));
-            const int4 hi = __ldg(reinterpret_cast<const int4*>(bq[n] + h1));
-            const float2 ds = __ldg(bd[n] + j);
-            const int bw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        for (int u = 0; u < KU; ++u) {
+            const int j = j0 + u * step;
+            if (u > 0 && j >= nb) {
+                break;
+            }
+            const long long h0 = QB8::half(j, 0), h1 = QB8::half(j, 1);
 #pragma unroll
-            for (int s = 0; s < QROWS; ++s) {
-                int dot = 0;
+            for (int n = 0; n < NT; ++n) {
+                const int4 lo = __ldg(reinterpret_cast<const int4*>(bq[n] + h0));
+                const int4 hi = __ldg(reinterpret_cast<const int4*>(bq[n] + h1));
+                const float2 ds = __ldg(bd[n] + j);
+                const int bw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    dot = __dp4a(q[s][i], bw[i], dot);
-                }
-                // sum_j (c_j - zero) * d * qb_j * db + m * qb_j * db
-                float v = ds.x * static_cast<float>(dot);
-                if constexpr (F::ZERO != 0) {
-                    v = fmaf(-static_cast<float>(F::ZERO), ds.y, v);
-                }
-                acc[s][n] = fmaf(d[s], v, acc[s][n]);
-                if constexpr (F::M >= 0) {
-                    acc[s][n] = fmaf(m[s], ds.y, acc[s][n]);
+                for (int s = 0; s < R; ++s) {
+                    int q[8];
+                    float d, m;
+                    decode_block<WT>(row[s] + static_cast<long long>(j) * F::BYTES, g[u][s], q, d, m);
+                    int dot = 0;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        dot = __dp4a(q[i], bw[i], dot);
+                    }
+                    // sum_j (c_j - zero) * d * qb_j * db + m * qb_j * db
+                    float v = ds.x * static_cast<float>(dot);
+                    if constexpr (F::ZERO != 0) {
+                        v = fmaf(-static_cast<float>(F::ZERO), ds.y, v);
+                    }
+                    acc[s][n] = fmaf(d, v, acc[s][n]);
+                    if constexpr (F::M >= 0) {
+                        acc[s][n] = fmaf(m, ds.y, acc[s][n]);
+                    }
                 }
             }
         }
     }
 }
 
-// Sums acc over the block (blockDim.x / 32 warps); returns shared tot[s * NT + n], visible to all.
-template <int NT>
-__device__ __forceinline__ const float* q_reduce(float (&acc)[QROWS][NT]) {
-    __shared__ float part[QWARPS_MAX][QROWS * NT];
-    __shared__ float tot[QROWS * NT];
-    const int lane = threadIdx.x % od::WARP_SIZE, warp = threadIdx.x / od::WARP_SIZE;
-    const int nwarps = blockDim.x / od::WARP_SIZE;
-    __syncthreads();  // an earlier call may still read tot[]
+// What a row group's threads wait on before reading each other's shared memory.
+__device__ __forceinline__ void q_barrier() {
+    if (blockDim.x > od::WARP_SIZE) {
+        __syncthreads();  // every row group has the same blockDim.x: a uniform branch
+    } else {
+        __syncwarp();
+    }
+}
+
+// Sums acc over each row group and writes its rows m0 + r (r < rows) of columns n < ncols at
+// ocol[n][m0 + r], through the epilogue. A caller that calls it again first calls q_barrier().
+template <int EPI, int NT, int R>
+__device__ __forceinline__ void q_out(float (&acc)[R][NT], float* const (&ocol)[NT], int ncols, int m0, int rows,
+                                      const float* bias0, const float* bias1, int glu_kind, float alpha,
+                                      float limit) {
+    constexpr int RB = EPI == EPI_GLU ? R / 2 : R;
+    __shared__ float part[QWARPS_MAX][R * NT];
+    const int x = threadIdx.x, lane = x % od::WARP_SIZE;
+    const int nwarps = blockDim.x / od::WARP_SIZE, w0 = threadIdx.y * nwarps;  // the group's warps
 #pragma unroll
-    for (int s = 0; s < QROWS; ++s) {
+    for (int s = 0; s < R; ++s) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const float v = od::warp_sum(acc[s][n]);
             if (lane == 0) {
-                part[warp][s * NT + n] = v;
+                part[w0 + x / od::WARP_SIZE][s * NT + n] = v;
             }
         }
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < QROWS * NT; i += blockDim.x) {
-        float v = 0.0f;
-        for (int w = 0; w < nwarps; ++w) {
+    q_barrier();
+    for (int i = x; i < RB * NT; i += blockDim.x) {
+        const int r = i / NT, n = i % NT;
+        float v = 0.0f, up = 0.0f;
+        for (int w = w0; w < w0 + nwarps; ++w) {
             v += part[w][i];
+            if constexpr (EPI == EPI_GLU) {
+                up += part[w][RB * NT + i];
+            }
         }
-        tot[i] = v;
-    }
-    __syncthreads();
-    return tot;
-}
-
-// Writes rows m0 + r (r < rows) of columns n < ncols at ocol[n][m0 + r], through the epilogue.
-template <int EPI, int NT>
-__device__ __forceinline__ void q_store(const float* tot, float* const (&ocol)[NT], int ncols, int m0, int rows,
-                                        const float* bias0, const float* bias1, int glu_kind, float alpha,
-                                        float limit) {
-    constexpr int RB = EPI == EPI_GLU ? QROWS / 2 : QROWS;
-    const int t = threadIdx.x;
-    if (t < RB * NT) {
-        const int r = t / NT, n = t % NT;
         if (r < rows && n < ncols) {
-            const float up = EPI == EPI_GLU ? tot[(RB + r) * NT + n] : 0.0f;
-            ocol[n][m0 + r] = epilogue<EPI>(tot[r * NT + n], up, bias0, bias1, m0 + r, glu_kind, alpha, limit);
+            ocol[n][m0 + r] = epilogue<EPI>(v, up, bias0, bias1, m0 + r, glu_kind, alpha, limit);
         }
     }
 }
 
-// The QROWS stream rows of a tile: rows m0.. of a[0] (and of a[NW - 1] for EPI_GLU), rows past
-// `rows` read the last valid row again.
-template <int NW>
-__device__ __forceinline__ void q_streams(const u8* const (&a)[NW], long long a_row, int rows,
-                                          const u8* (&row)[QROWS]) {
-    constexpr int RB = QROWS / NW;
+// The R stream rows of rows m0.. of a[0] (and of a[NW - 1] for EPI_GLU), a[w] a matrix's row 0;
+// rows past M read row M - 1 again.
+template <int NW, int R>
+__device__ __forceinline__ void q_streams(const u8* const (&a)[NW], long long a_row, int M, int m0,
+                                          const u8* (&row)[R]) {
+    constexpr int RB = R / NW;
 #pragma unroll
-    for (int s = 0; s < QROWS; ++s) {
-        const int r = s % RB;
-        row[s] = (s < RB ? a[0] : a[NW - 1]) + (r < rows ? r : rows - 1) * a_row;
+    for (int s = 0; s < R; ++s) {
+        row[s] = (s < RB ? a[0] : a[NW - 1]) + min(m0 + s % RB, M - 1) * static_cast<long long>(a_row);
     }
 }
 
@@ -367,6 +414,7 @@ template <int TB>
 __global__ void __launch_bounds__(QUANT_BLOCK) quantize_q8_1(const u8* b, long long es, long long s1, long long s2,
                                                              long long s3, int n1, int n2, int K, int nbp, u8* bq,
                                                              u8* bds) {
+    mm::pdl_launch_dependents();
     const int r = blockIdx.x;
     const int j = blockIdx.y * (QUANT_BLOCK / od::WARP_SIZE) + threadIdx.x / od::WARP_SIZE;
     const int lane = threadIdx.x % od::WARP_SIZE;
@@ -429,22 +477,21 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, lon
     }
 }
 
-// mul_mat with block-format weights: as mmv, QROWS / NW rows a block (q_rows), b already
-// quantized by quantize_q8_1 (column n of batch (i3, i2) is its row (i3 * B2 + i2) * N + n,
-// nbp padded blocks a row); grid (ceil(M / rows), B2, B3), 32..QTHREADS threads.
-template <int WT, int NT, int EPI>
+// mul_mat with block-format weights: as mmv, b already quantized by quantize_q8_1 (column n of
+// batch (i3, i2) is its row (i3 * B2 + i2) * N + n, nbp padded blocks a row); R / NW rows a row
+// group (q_rows), blockDim.y row groups a block; grid (ceil(M / (blockDim.y * R / NW)), B2, B3).
+template <int WT, int NT, int EPI, int R, int KU>
 __global__ void __launch_bounds__(mm::QTHREADS) mmvq(const u8* a0, const u8* a1, long long a_row, long long a_s2,
                                                      long long a_s3, int r2, int r3, const u8* bq, const u8* bds,
                                                      int nbp, float* out, int M, int K, int N, const float* bias0,
                                                      const float* bias1, int glu_kind, float alpha, float limit) {
-    constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = mm::QROWS / NW;
+    constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = R / NW;
     const int i2 = blockIdx.y, i3 = blockIdx.z;
-    const int m0 = blockIdx.x * RB;
+    const int m0 = (blockIdx.x * blockDim.y + threadIdx.y) * RB;
     const u8* a[NW];
-    mm::weight_rows<NW>(a0, a1, a_row, a_s2, a_s3, r2, r3, i2, i3, m0, a);
-    const int rows = min(RB, M - m0);
-    const u8* row[mm::QROWS];
-    mm::q_streams<NW>(a, a_row, rows, row);
+    mm::weight_rows<NW>(a0, a1, a_row, a_s2, a_s3, r2, r3, i2, i3, 0, a);
+    const u8* row[R];
+    mm::q_streams<NW, R>(a, a_row, M, m0, row);
     const long long brow0 = (static_cast<long long>(i3) * gridDim.y + i2) * N;
     const u8* bcol[NT];
     const float2* dcol[NT];
@@ -457,10 +504,9 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq(const u8* a0, const u8* a1,
         dcol[n] = reinterpret_cast<const float2*>(bds) + r * nbp;
         ocol[n] = o + static_cast<long long>(n) * M;
     }
-    float acc[mm::QROWS][NT];
-    mm::q_rows<WT, NT>(row, bcol, dcol, K / 32, acc);
-    const float* tot = mm::q_reduce<NT>(acc);
-    mm::q_store<EPI, NT>(tot, ocol, N, m0, rows, bias0, bias1, glu_kind, alpha, limit);
+    float acc[R][NT];
+    mm::q_rows<WT, NT, R, KU>(row, bcol, dcol, K / 32, acc);
+    mm::q_out<EPI, NT, R>(acc, ocol, N, m0, M - m0, bias0, bias1, glu_kind, alpha, limit);
 }
 
 // mul_mat_id for one (token t, slot u) a block: out[t, u, m] = as[ids[t, u], m, :] . b[t, u % Ub, :].
@@ -502,43 +548,41 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv_id(const u8* as0, const u8* as1
     }
 }
 
-// mul_mat_id with block-format experts, one (token t, slot u) a block: as mmv_id, QROWS / NW
-// rows a block; b (T, Ub, K) quantized by quantize_q8_1 (row t * Ub + u % Ub, nbp blocks a row);
-// grid (ceil(M / rows), U, T), 32..QTHREADS threads.
-template <int WT, int EPI>
+// mul_mat_id with block-format experts, one (token t, slot u) a block: as mmv_id, R / NW rows a
+// row group as mmvq; b (T, Ub, K) quantized by quantize_q8_1 (row t * Ub + u % Ub, nbp blocks a
+// row); grid (ceil(M / (blockDim.y * R / NW)), U, T).
+template <int WT, int EPI, int R, int KU>
 __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id(const u8* as0, const u8* as1, long long a_row, long long a_e,
                                                         int E, const u8* ids, long long ids_t, long long ids_u,
                                                         const u8* bq, const u8* bds, int nbp, int Ub, float* out,
                                                         int M, int K, const float* bias0, const float* bias1,
                                                         long long bias_e, int glu_kind, float alpha, float limit) {
-    constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = mm::QROWS / NW;
+    constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = R / NW;
     const int u = blockIdx.y, t = blockIdx.z, U = gridDim.y;
-    const int m0 = blockIdx.x * RB;
-    const int rows = min(RB, M - m0);
+    const int m0 = (blockIdx.x * blockDim.y + threadIdx.y) * RB;
     const int e = *reinterpret_cast<const int*>(ids + t * ids_t + u * ids_u);
     float* const ocol[1] = {out + (static_cast<long long>(t) * U + u) * M};
     if (e < 0 || e >= E) {
-        if (threadIdx.x < rows) {
-            ocol[0][m0 + threadIdx.x] = __int_as_float(0x7fc00000);  // NaN: the id is out of range
+        for (int r = threadIdx.x; r < min(RB, M - m0); r += blockDim.x) {
+            ocol[0][m0 + r] = __int_as_float(0x7fc00000);  // NaN: the id is out of range
         }
         return;
     }
     const u8* a[NW];
-    a[0] = as0 + e * a_e + m0 * a_row;
+    a[0] = as0 + e * a_e;
     if constexpr (NW == 2) {
-        a[1] = as1 + e * a_e + m0 * a_row;
+        a[1] = as1 + e * a_e;
     }
-    const u8* row[mm::QROWS];
-    mm::q_streams<NW>(a, a_row, rows, row);
+    const u8* row[R];
+    mm::q_streams<NW, R>(a, a_row, M, m0, row);
     const long long r = static_cast<long long>(t) * Ub + u % Ub;
     const u8* const bcol[1] = {bq + r * nbp * 32};
     const float2* const dcol[1] = {reinterpret_cast<const float2*>(bds) + r * nbp};
-    float acc[mm::QROWS][1];
-    mm::q_rows<WT, 1>(row, bcol, dcol, K / 32, acc);
-    const float* tot = mm::q_reduce<1>(acc);
+    float acc[R][1];
+    mm::q_rows<WT, 1, R, KU>(row, bcol, dcol, K / 32, acc);
     const long long boff = e * bias_e / 4;
-    mm::q_store<EPI, 1>(tot, ocol, 1, m0, rows, bias0 != nullptr ? bias0 + boff : nullptr,
-                        bias1 != nullptr ? bias1 + boff : nullptr, glu_kind, alpha, limit);
+    mm::q_out<EPI, 1, R>(acc, ocol, 1, m0, M - m0, bias0 != nullptr ? bias0 + boff : nullptr,
+                         bias1 != nullptr ? bias1 + boff : nullptr, glu_kind, alpha, limit);
 }
 
 // The routing table of mul_mat_id's grouped path, in int32 words of `route`:
@@ -679,10 +723,10 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv_id_grouped(const u8* as, long l
     }
 }
 
-// mul_mat_id, grouped, block-format experts: as mmv_id_grouped, QROWS rows a block (q_rows),
-// b (T, Ub, K) quantized by quantize_q8_1 (pair p = t * U + u reads row t * Ub + u % Ub);
-// grid (ceil(M / QROWS), min(E, T*U)), 32..QTHREADS threads.
-template <int WT, int NT, int EPI>
+// mul_mat_id, grouped, block-format experts: as mmv_id_grouped, R rows a row group (q_rows),
+// blockDim.y row groups a block; b (T, Ub, K) quantized by quantize_q8_1 (pair p = t * U + u
+// reads row t * Ub + u % Ub); grid (ceil(M / (blockDim.y * R)), min(E, T*U)).
+template <int WT, int NT, int EPI, int R, int KU>
 __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id_grouped(const u8* as, long long a_row, long long a_e, int E,
                                                                 const int* route, const u8* bq, const u8* bds,
                                                                 int nbp, int Ub, float* out, int M, int K, int U,
@@ -693,11 +737,10 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id_grouped(const u8* as, lo
     }
     const int e = route[1 + s], first = route[1 + E + s], count = route[1 + 2 * E + s];
     const int* list = route + 1 + 3 * E + first;
-    const int m0 = blockIdx.x * mm::QROWS;
-    const int rows = min(mm::QROWS, M - m0);
-    const u8* const a[1] = {as + e * a_e + m0 * a_row};
-    const u8* row[mm::QROWS];
-    mm::q_streams<1>(a, a_row, rows, row);
+    const int m0 = (blockIdx.x * blockDim.y + threadIdx.y) * R;
+    const u8* const a[1] = {as + e * a_e};
+    const u8* row[R];
+    mm::q_streams<1, R>(a, a_row, M, m0, row);
     const float* bias_e_row = bias != nullptr ? bias + e * bias_e / 4 : nullptr;
     for (int g = 0; g < count; g += NT) {
         const int ncols = min(NT, count - g);
@@ -712,10 +755,11 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id_grouped(const u8* as, lo
             dcol[n] = reinterpret_cast<const float2*>(bds) + r * nbp;
             ocol[n] = out + static_cast<long long>(p) * M;
         }
-        float acc[mm::QROWS][NT];
-        mm::q_rows<WT, NT>(row, bcol, dcol, K / 32, acc);
-        const float* tot = mm::q_reduce<NT>(acc);
-        mm::q_store<EPI, NT>(tot, ocol, ncols, m0, rows, bias_e_row, nullptr, 0, 0.0f, 0.0f);
+        float acc[R][NT];
+        mm::q_rows<WT, NT, R, KU>(row, bcol, dcol, K / 32, acc);
+        if (g > 0) {
+            mm::q_barrier();  // the last group of columns may still be read from q_out's shared memory
+        }
+        mm::q_out<EPI, NT, R>(acc, ocol, ncols, m0, M - m0, bias_e_row, nullptr, 0, 0.0f, 0.0f);
     }
 }
-
