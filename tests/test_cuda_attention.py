@@ -223,8 +223,8 @@ BASE = 0x7F00_0000_0000
 C_TYPES = {"char*": np.uint64, "float*": np.uint64, "float2*": np.uint64, "int*": np.uint64, "MT*": np.uint64,
            "T*": np.uint64, "DT*": np.uint64, "IT*": np.uint64, "unsigned char*": np.uint64,
            "int": np.int32, "unsigned": np.uint32, "long long": np.int64, "float": np.float32}
-ROPE_PARAMS = ("int d, int n_dims, int heads, int tokens, float theta_scale, float freq_scale, float ext_factor, "
-               "float mscale, float corr_lo, float corr_hi")
+ROPE_PARAMS = ("int d, int n_dims, float theta_scale, float freq_scale, float ext_factor, float mscale, "
+               "float corr_lo, float corr_hi")
 
 
 def fake_ptr(t: Tensor) -> int:
@@ -248,9 +248,24 @@ def spec_types(spec: ca.Spec) -> list[type]:
     return [type(a) for a in spec.args]
 
 
-@pytest.mark.parametrize(("heads", "threads", "hpt"), [(1, 64, 1), (8, 64, 8), (32, 4 * 64, 8), (12, 2 * 64, 8)])
-def test_rope_threads_share_the_angle_across_heads(heads: int, threads: int, hpt: int) -> None:
-    assert ca.rope_threads(od.input("x", (1, 1, heads, 128))) == (threads, hpt)
+def test_rope_layout_picks_chunks_where_rows_allow_and_fills_the_gpu() -> None:
+    chunks = lambda *a: ca.rope_layout(*a)  # noqa: E731 - rows, heads, d, n_dims, bytes of x, 16-byte rows
+    assert chunks(4096, 32, 128, 128, 2, True) == ca.RopeLayout(True, 8, chunks(4096, 32, 128, 128, 2, True).groups,
+                                                                4096)  # 8 chunks of 8 f16 pairs (16 values)
+    assert chunks(4096, 32, 128, 128, 4, True).units == 16  # f32: 4 pairs a chunk
+    assert chunks(4096, 32, 128, 128, 4, False) == ca.RopeLayout(False, 64, chunks(4096, 32, 128, 128, 4, True).groups,
+                                                                 4096)  # misaligned rows: pairs
+    assert not chunks(9, 2, 96, 40, 2, True).vec and chunks(9, 2, 96, 40, 4, True).vec  # 40 % 16, 40 % 8
+    assert not chunks(9, 2, 66, 66, 4, True).vec
+    # heads a thread: ROPE_HEADS_PER_THREAD on large launches, fewer (down to one) while the grid is small
+    big = chunks(1 << 20, 32, 128, 128, 2, True)
+    assert big.groups == 32 // ca.ROPE_HEADS_PER_THREAD and big.threads == (1 << 20) * 8 * big.groups
+    assert chunks(1, 32, 64, 64, 4, True).groups == 32  # a decode step: a head a thread
+    for rows in (1, 64, 1024, 4096, 16384):
+        lay = chunks(rows, 20, 128, 128, 2, True)
+        hpt = -(-20 // lay.groups)
+        assert hpt <= ca.ROPE_HEADS_PER_THREAD and (hpt == 1 or lay.threads >= ca.ROPE_FILL_THREADS)
+        assert lay.grid == (-(-lay.threads // ca.ROPE_BLOCK),)
 
 
 def _rope_pairs(d: int, n_dims: int, neox: bool) -> dict:
@@ -263,32 +278,41 @@ def _rope_pairs(d: int, n_dims: int, neox: bool) -> dict:
     return out
 
 
-def _rope_warp_pairs(d: int, n_dims: int, neox: bool, e: int, heads: int) -> dict:
-    """rope.cu's rope_warp and rope_chunk: (head, element) -> (partner, angle index or None)."""
+def _rope_layout_pairs(lay: ca.RopeLayout, d: int, n_dims: int, neox: bool, e: int, heads: int) -> dict:
+    """What rope.cu's threads do (slot_of, then rope_chunks or rope_pairs) for one token row:
+    (head, element) -> (partner, angle index or None)."""
     out = {}
-    chunks = 32 // e
-    for j0 in range(0, d // 2, 32):
-        for lane in range(32):
-            jj = j0 + (lane % chunks) * e
-            rot = 2 * jj < n_dims
-            o0, o1 = (jj, jj + n_dims // 2) if neox and rot else (2 * jj, 2 * jj + e)
-            at = lambda u: o0 + u if u < e else o1 + u - e  # noqa: E731 - u-th of the chunk's 2e values
-            for h in range(lane // chunks, heads, e):
-                for k in range(e):
-                    a, b = (at(k), at(e + k)) if neox else (at(2 * k), at(2 * k + 1))
-                    for x, y in ((a, b), (b, a)):
-                        assert (h, x) not in out
-                        out[h, x] = (y, jj + k if rot else None)
+    for idx in range(lay.threads // lay.rows):
+        u, g = idx % lay.units, idx // lay.units % lay.groups
+        for h in range(g, heads, lay.groups):
+            if lay.vec:  # chunk u: E pairs in two packs of E values
+                jj = u * e
+                rot = 2 * jj < n_dims
+                o0, o1 = (jj, jj + n_dims // 2) if neox and rot else (2 * jj, 2 * jj + e)
+                at = lambda k: o0 + k if k < e else o1 + k - e  # noqa: E731 - k-th of the chunk's 2e values
+                pairs = [((at(k), at(e + k)) if neox else (at(2 * k), at(2 * k + 1)), jj + k if rot else None)
+                         for k in range(e)]
+            else:
+                e0, e1, i = (2 * u, 2 * u + 1, None) if 2 * u >= n_dims else (u, u + n_dims // 2, u) if neox else \
+                    (2 * u, 2 * u + 1, u)
+                pairs = [((e0, e1), i)]
+            for (a, b), i in pairs:
+                for x, y in ((a, b), (b, a)):
+                    assert (h, x) not in out
+                    out[h, x] = (y, i)
     return out
 
 
 @pytest.mark.parametrize("neox", [False, True])
-@pytest.mark.parametrize("e", [4, 8])
-def test_rope_warp_rotates_the_pairs_of_the_pair_path(neox: bool, e: int) -> None:
-    for d, n_dims, heads in [(64, 64, 1), (128, 96, 3), (128, 32, 8), (256, 128, 5)]:
-        pairs, warp = _rope_pairs(d, n_dims, neox), _rope_warp_pairs(d, n_dims, neox, e, heads)
-        assert len(warp) == heads * d
-        for (h, x), (y, i) in warp.items():
+@pytest.mark.parametrize("elem", [2, 4])
+@pytest.mark.parametrize("packs", [False, True])
+def test_rope_threads_rotate_every_pair_of_every_head_once(neox: bool, elem: int, packs: bool) -> None:
+    for d, n_dims, heads, rows in [(64, 64, 1, 1), (128, 96, 3, 9), (128, 32, 8, 1), (256, 128, 5, 4096),
+                                   (80, 80, 20, 1), (128, 128, 32, 4096), (66, 40, 3, 2)]:
+        lay = ca.rope_layout(rows, heads, d, n_dims, elem, packs)
+        got, pairs = _rope_layout_pairs(lay, d, n_dims, neox, 16 // elem, heads), _rope_pairs(d, n_dims, neox)
+        assert len(got) == heads * d
+        for (h, x), (y, i) in got.items():
             assert (y, i) == pairs[x] or (i is None and pairs[x][1] is None)  # passed-through values: copied
 
 
@@ -346,15 +370,19 @@ def test_rope_spec(mode: str, dt: str) -> None:
     (spec,) = ca.rope_specs(node, fake_ptr)
     assert spec.kernel == ca.rope_kernel(mode == "neox", dt) and spec.kernel in ca.KERNEL_SOURCES[ca.ROPE_CU]
     assert spec_types(spec) == kernel_param_types(ca.ROPE_CU, "rope_kernel")
-    total, hpt, xs_h, xs_t, xs_b, d, n_dims, heads, tokens = (int(a) for a in spec.args[4:13])
-    assert (total, hpt) == (2 * 3 * 1 * 40, 5)  # one thread per (token, pair) rotates all 5 heads
-    assert (xs_h, xs_t, xs_b, d, n_dims, heads, tokens) == (3 * 80, 80, 15 * 80, 80, 64, 5, 3)
-    theta_scale, freq_scale, ext, mscale, lo, hi = (float(a) for a in spec.args[13:])
+    total, vec, heads, groups, tokens, xs_h, xs_t, xs_b, d, n_dims = (int(a) for a in spec.args[4:14])
+    units = 80 // (32 // node.dtype.block_bytes)  # chunks of two 16-byte packs: rows of x 16-byte aligned
+    assert (total, vec, heads, groups, tokens) == (2 * 3 * 5 * units, 1, 5, 5, 3)  # small: a head a thread
+    assert (xs_h, xs_t, xs_b, d, n_dims) == (3 * 80, 80, 15 * 80, 80, 64)
+    theta_scale, freq_scale, ext, mscale, lo, hi = (float(a) for a in spec.args[14:])
     assert theta_scale == pytest.approx(500000.0 ** (-2 / 64), rel=1e-6)
     assert mscale == pytest.approx(1.2 * (1 + 0.1 * math.log(4)), rel=1e-6)
     from opdispatch.reference.attention import rope_yarn_corr_dims
     assert (lo, hi) == rope_yarn_corr_dims(64, 4096, 500000.0, 32.0, 1.0)
-    assert spec.grid == (-(-total // 256),)
+    assert spec.grid == (-(-total // ca.ROPE_BLOCK),) and spec.block == ca.ROPE_BLOCK
+    # a row of x one element off 16 bytes: pairs
+    (spec,) = ca.rope_specs(node, lambda t: fake_ptr(t) + (2 if t is x else 0))
+    assert (int(spec.args[4]), int(spec.args[5])) == (2 * 3 * 5 * 40, 0)
 
 
 @pytest.mark.parametrize(("d", "tq", "tk", "hq", "hkv", "kv", "ncg"), [
@@ -527,10 +555,13 @@ ROPE_CASES = [
         itertools.product(("f32", "f16"), ("normal", "neox"), (False, True), (False, True)),
         itertools.cycle([((2, 13, 4, 64), 64, "contig"), ((1, 7, 3, 128), 64, "perm"), ((2, 5, 4, 80), 80, "strided"),
                          ((1, 9, 2, 96), 32, "contig"), ((3, 4, 5, 128), 128, "perm"), ((1, 1, 1, 66), 40, "contig")]))
-] + [  # rope_warp (16-byte packs) in every dtype and mode, one to three head groups (20 heads), the fallback
+] + [  # the chunk layout (16-byte packs) in every dtype and mode, 20 heads, pass-through chunks, the fallback
     (dt, mode, shape, n_dims, ff, ff, layout) for dt, mode in itertools.product(("f32", "f16"), ("normal", "neox"))
     for shape, n_dims, ff, layout in [((2, 6, 12, 128), 96, True, "contig"), ((1, 3, 8, 64), 64, False, "perm"),
                                       ((1, 4, 3, 128), 128, False, "strided"), ((1, 5, 20, 128), 128, False, "contig")]
+] + [  # launches large enough for several heads a thread, in rounds of ROPE_HEADS_IN_FLIGHT, uneven head groups
+    (dt, mode, (1, 6000, 20, 128), n_dims, True, False, "contig")
+    for dt, mode, n_dims in [("f32", "normal", 128), ("f16", "neox", 128), ("f16", "normal", 96), ("f32", "neox", 64)]
 ]
 
 

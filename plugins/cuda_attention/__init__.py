@@ -5,9 +5,11 @@ Kernels (kernels/*.cu, CUDA C++ compiled by NVRTC one template instance at a tim
 - softmax.cu: one block per row, the row held in registers (float4 where
   aligned) up to 32768 values, else two passes; f16/f32 mask broadcast by
   modulo, ALiBi, sinks.
-- rope.cu: one thread per (token, pair) for up to 8 heads (one sin/cos for them),
+- rope.cu: a thread rotates one chunk of E pairs (two 16-byte packs) of one token
+  for up to 8 heads with one set of angles, NH heads' loads in flight (pairs, one
+  a thread, where rows are not 16-byte aligned or D, n_dims not multiples of 2E);
   normal/neox, partial rotation, frequency factors, YaRN, f32/f16, strided input;
-  aligned rows move in 16-byte packs a warp at a time; and the fused rope -> set_rows.
+  and the fused rope -> set_rows.
 - fattn_decode.cu: flash_attn_ext for Tq <= 8 (split-K over the KV on mma.sync,
   16 (query row, head) columns of one KV head a block, K/V tiles streamed
   through cp.async stages; the last split of each group to finish merges the
@@ -72,12 +74,22 @@ def softmax_kernel(block: int, cache: int, vec: bool, mask: str) -> str:
     return f"soft_max_f32<{block}, {cache}, {_b(vec)}, {CTYPE[mask]}>"
 
 
+#: rope, by the dtype of x: heads whose loads a thread of the chunk layout has in flight at once
+#: (a template parameter, read when a kernel name is made). nvcc sm_90 registers, f16: 64 with 2,
+#: 88 with 4; f32: 56 with 2, 72 with 4
+ROPE_HEADS_IN_FLIGHT = {"f32": 2, "f16": 4}
+
+
 def rope_kernel(neox: bool, dt: str) -> str:
-    return f"rope_kernel<{_b(neox)}, {CTYPE[dt]}>"
+    return f"rope_kernel<{_b(neox)}, {CTYPE[dt]}, {ROPE_HEADS_IN_FLIGHT[dt]}>"
+
+
+def _idx_ctype(idx: str) -> str:
+    return "int" if idx == "i32" else "long long"
 
 
 def rope_set_rows_kernel(neox: bool, cache: str, idx: str) -> str:
-    return f"rope_set_rows<{_b(neox)}, {CTYPE[cache]}, {'int' if idx == 'i32' else 'long long'}>"
+    return f"rope_set_rows<{_b(neox)}, {CTYPE[cache]}, {_idx_ctype(idx)}, {ROPE_HEADS_IN_FLIGHT['f32']}>"
 
 
 def decode_kernel(d: int, kv: str) -> str:
@@ -175,9 +187,9 @@ def softmax_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
 
 
 def _rope_params(node: Tensor) -> tuple[np.generic, ...]:
-    """d, n_dims, heads, tokens, theta_scale, freq_scale, ext_factor, mscale, corr_lo, corr_hi."""
+    """d, n_dims, theta_scale, freq_scale, ext_factor, mscale, corr_lo, corr_hi."""
     p = node.params
-    _, t, h, d = pad4(node.srcs[0].shape)
+    d = node.srcs[0].shape[-1]
     n_dims = p["n_dims"]
     ext = p["ext_factor"]
     if ext != 0.0:
@@ -186,42 +198,81 @@ def _rope_params(node: Tensor) -> tuple[np.generic, ...]:
     else:
         lo, hi, mscale = 0.0, 0.0, p["attn_factor"]
     theta_scale = np.float32(p["freq_base"]) ** np.float32(-2.0 / n_dims)  # ggml: powf(freq_base, -2.0f/n_dims)
-    return (i32(d), i32(n_dims), i32(h), i32(t), f32(theta_scale), f32(p["freq_scale"]), f32(ext), f32(mscale),
-            f32(lo), f32(hi))
+    return (i32(d), i32(n_dims), f32(theta_scale), f32(p["freq_scale"]), f32(ext), f32(mscale), f32(lo), f32(hi))
 
 
-ROPE_BLOCK = 256
-#: heads a rope thread rotates with one sin/cos (the angle depends on token and pair only)
+#: threads a rope block (kernels index by blockDim.x): blocks of 4 warps fit registers finely (f16 chunks:
+#: 88 registers, 5 blocks an SM, where 256 would fit 2)
+ROPE_BLOCK = 128
+#: most heads a rope thread rotates with one set of angles (an angle depends on token and pair only)
 ROPE_HEADS_PER_THREAD = 8
+#: fewer heads a thread while a launch would have fewer threads than this (an H200 holds 132 SMs x
+#: 1024 of them): a small launch (decode) then spreads over the GPU instead of looping over heads
+ROPE_FILL_THREADS = 132 * 1024
 
 
-def rope_threads(x: Tensor) -> tuple[int, int]:
-    """(threads, heads per thread) of a rope over x (B, T, H, D)."""
-    b, t, h, d = pad4(x.shape)
-    hpt = min(h, ROPE_HEADS_PER_THREAD)
-    return b * t * -(-h // hpt) * (d // 2), hpt
+@attrs.frozen
+class RopeLayout:
+    """How rope's threads cover `rows` token rows of heads x D: a thread takes one unit of a head row
+    (a chunk of E pairs, two 16-byte packs, when `vec`; else one pair) for heads g, g + groups, ..."""
+
+    vec: bool
+    units: int  # units of a head row
+    groups: int
+    rows: int
+
+    @property
+    def threads(self) -> int:
+        return self.rows * self.groups * self.units
+
+    @property
+    def grid(self) -> tuple[int]:
+        return (-(-self.threads // ROPE_BLOCK),)
+
+
+def rope_layout(rows: int, heads: int, d: int, n_dims: int, elem_bytes: int, packs: bool) -> RopeLayout:
+    """The chunk layout where `packs` (rows 16-byte aligned) and a chunk's 2E values tile D and n_dims,
+    else pairs; heads per thread from ROPE_HEADS_PER_THREAD down (halved) to fill ROPE_FILL_THREADS."""
+    chunk = 32 // elem_bytes  # values of two 16-byte packs
+    vec = packs and d % chunk == 0 and n_dims % chunk == 0
+    units = d // chunk if vec else d // 2
+    hpt = min(heads, ROPE_HEADS_PER_THREAD)
+    while hpt > 1 and rows * units * -(-heads // hpt) < ROPE_FILL_THREADS:
+        hpt = -(-hpt // 2)
+    return RopeLayout(vec, units, -(-heads // hpt), rows)
+
+
+def _ff(rope: Tensor, ptr: Ptr) -> np.uint64:
+    return u64(ptr(rope.srcs[2]) if rope.srcs[2] is not None else 0)
 
 
 def rope_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
-    x, pos, ff = node.srcs
+    x, pos, _ = node.srcs
+    b, t, h, d = pad4(x.shape)
     _, (xs_b, xs_t, xs_h, _) = _elem_strides(x)
-    total, hpt = rope_threads(x)
-    args = (u64(ptr(x)), u64(ptr(pos)), u64(ptr(ff) if ff is not None else 0), u64(ptr(node)), u32(total),
-            i32(hpt), i64(xs_h), i64(xs_t), i64(xs_b), *_rope_params(node))
+    packs = _aligned(x, ptr, 16) and ptr(node) % 16 == 0
+    lay = rope_layout(b * t, h, d, node.params["n_dims"], x.dtype.block_bytes, packs)
+    args = (u64(ptr(x)), u64(ptr(pos)), _ff(node, ptr), u64(ptr(node)), u32(lay.threads), i32(lay.vec), i32(h),
+            i32(lay.groups), i32(t), i64(xs_h), i64(xs_t), i64(xs_b), *_rope_params(node))
     name = rope_kernel(node.params["mode"] == "neox", x.dtype.name)
-    return [KernelSpec(ROPE_CU, name, (-(-total // ROPE_BLOCK),), ROPE_BLOCK, args)]
+    return [KernelSpec(ROPE_CU, name, lay.grid, ROPE_BLOCK, args)]
+
+
+def _cache_packs(cache: Tensor, ptr: Ptr) -> bool:
+    """Cache rows take packs of 4 values (an f32 chunk's half)."""
+    return _aligned(cache, ptr, 4 * cache.dtype.block_bytes)
 
 
 def rope_set_rows_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[KernelSpec]:
     rope, x, cache, idx = fusion.parts(nodes)
+    _, t, h, d = pad4(x.shape)
     _, (_, xs_t, xs_h, _) = _elem_strides(x)
     cs = cache.strides[-2] // cache.dtype.block_bytes
-    total, hpt = rope_threads(x)
-    args = (u64(ptr(x)), u64(ptr(rope.srcs[1])), u64(ptr(rope.srcs[2]) if rope.srcs[2] is not None else 0),
-            u64(ptr(cache)), u64(ptr(idx)), u32(total), i32(hpt), i64(xs_h), i64(xs_t), i64(cs),
-            *_rope_params(rope))
+    lay = rope_layout(t, h, d, rope.params["n_dims"], 4, _aligned(x, ptr, 16) and _cache_packs(cache, ptr))
+    args = (u64(ptr(x)), u64(ptr(rope.srcs[1])), _ff(rope, ptr), u64(ptr(cache)), u64(ptr(idx)), u32(lay.threads),
+            i32(lay.vec), i32(h), i32(lay.groups), i64(xs_h), i64(xs_t), i64(cs), *_rope_params(rope))
     name = rope_set_rows_kernel(rope.params["mode"] == "neox", cache.dtype.name, idx.dtype.name)
-    return [KernelSpec(ROPE_CU, name, (-(-total // ROPE_BLOCK),), ROPE_BLOCK, args)]
+    return [KernelSpec(ROPE_CU, name, lay.grid, ROPE_BLOCK, args)]
 
 
 # -- flash_attn_ext --------------------------------------------------------------------------------
