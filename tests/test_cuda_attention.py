@@ -1,4 +1,5 @@
-"""The cuda_attention plugin: soft_max, rope, flash_attn_ext and the rope -> view -> set_rows fusion.
+"""The cuda_attention plugin: soft_max, rope, flash_attn_ext, the rope -> view -> set_rows fusion and the
+decode step's q/k/v rope + KV-cache writes in one launch.
 
 Without a GPU: plans for a device description (who takes each node, declines
 with their reasons), fusion matching, and the launch specs (kernel instance,
@@ -7,8 +8,8 @@ sweep against the numpy reference by NMSE (soft_max <= 1e-6, rope 1e-7 / the
 f16 bound, flash_attn_ext <= 5e-4): masks f16/f32 with -inf blocks, fully
 masked rows, sinks, ALiBi, softcap, head sizes 64..256, GQA 1/4/8, KV types
 f32/f16/bf16/q8_0/q4_0, decode and prefill, non-contiguous and misaligned
-views; fused rope+set_rows == unfused == reference; CUDA-graph replay ==
-direct launches.
+views; fused rope+set_rows and rope_qkv_set_rows == unfused == reference;
+CUDA-graph replay == direct launches.
 
 Random inputs come from a fresh seed each run, printed on failure; set
 OPDISPATCH_TEST_SEED to replay one.
@@ -63,8 +64,9 @@ def fa(d: int = 64, tq: int = 1, tk: int = 113, hq: int = 4, hkv: int = 2, kv: s
 def test_kernels_and_rules_are_for_cuda_devices_only() -> None:
     assert list(ca.kernels(device=CPU)) == [] and list(ca.fusion_rules(device=CPU)) == []
     assert sorted(k.op for k in ca.kernels(device=H200)) == sorted(ATTN_OPS)
-    assert [r.name for r in ca.fusion_rules(device=H200)] == ["rope_view_set_rows", "rope_reshape_set_rows"]
-    assert all(r.pattern[0] == "rope" and r.pattern[2] == "set_rows" for r in ca.fusion_rules(device=H200))
+    assert [r.name for r in ca.fusion_rules(device=H200)] == ["rope_qkv_set_rows", "rope_view_set_rows",
+                                                              "rope_reshape_set_rows"]
+    assert all(r.pattern[0] == "rope" and r.pattern[-1] == "set_rows" for r in ca.fusion_rules(device=H200))
 
 
 def _soft_max() -> Tensor:
@@ -215,6 +217,96 @@ def test_fusion_off_runs_three_nodes() -> None:
     plan = od.compile(k_cache_write(), H200, fusion=False)
     assert not plan.fusions
     assert steps_of(plan, "rope")[0].plugin == "cuda_attention"
+
+
+def qkv_step(inp: Inputs, cache: str = "f16", idx: str = "i64", mode: str = "neox", rows: int = 3, heads: int = 8,
+             kv_heads: int = 2, d: int = 64, n_dims: int | None = None, ctx: int = 32, v_cache: str | None = None,
+             q_base: float = 10000.0, own_pos: bool = False, own_ids: bool = False) -> list[Tensor]:
+    """The q/k/v part of LlamaModel.build's decode step (rows sequences of one token) over a stacked
+    projection output (rows, (heads + 2 kv_heads) * d): outputs q as flash_attn_ext reads it (rows, heads,
+    1, d) and the K and V windows (1, kv_heads, ctx, d) of the caches, whose rows start random.
+    own_pos / own_ids: q rotated at other positions, V written at other rows (the fusion declines)."""
+    hidden, kv, n = heads * d, kv_heads * d, n_dims or d
+    qkv = inp.uniform((rows, hidden + 2 * kv))
+    rs, es = qkv.strides
+    q = qkv.view((1, rows, heads, d), (rows * rs, rs, d * es, es))
+    k = qkv.view((1, rows, kv_heads, d), (rows * rs, rs, d * es, es), hidden * es)
+    v = qkv.view((rows, kv), (rs, es), (hidden + kv) * es)
+    pos, ff = inp.ints((rows,), 0, 512), inp.uniform((n // 2,), lo=0.9, hi=1.1)
+    qr = ops.rope(q, inp.ints((rows,), 0, 512) if own_pos else pos, n, mode, freq_base=q_base, freq_factors=ff)
+    kr = ops.rope(k, pos, n, mode, freq_factors=ff)
+    ids = inp.ids((rows,), ctx, idx)
+    caches = [od.state(f"{what}_cache", (ctx, kv), dt, init=inp.rng.uniform(-1, 1, (ctx, kv)))
+              for what, dt in (("k", cache), ("v", v_cache or cache))]
+    keys = ops.set_rows(caches[0], kr.reshape(rows, kv), ids)
+    values = ops.set_rows(caches[1], v, inp.ids((rows,), ctx, idx) if own_ids else ids)
+
+    def window(c: Tensor) -> Tensor:
+        row = c.strides[0]
+        return c.view((1, kv_heads, ctx, d), (ctx * row, c.dtype.row_bytes(d), row, c.dtype.block_bytes))
+
+    return [qr.reshape(rows, 1, heads, d).permute(0, 2, 1, 3), window(keys), window(values)]
+
+
+def test_qkv_step_emits_the_fused_pattern_consecutively() -> None:
+    nodes = Graph.build(qkv_step(Inputs(np.random.default_rng(0)))).nodes
+    assert [n.op for n in nodes] == ["view", *fusion.QKV_PATTERN, "view"]
+
+
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+@pytest.mark.parametrize("idx", ["i32", "i64"])
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+def test_fuses_the_decode_steps_rope_and_kv_writes(cache: str, idx: str, mode: str) -> None:
+    plan = od.compile(qkv_step(Inputs(np.random.default_rng(0)), cache, idx, mode), H200)
+    (step,) = plan.fusions
+    assert (step.plugin, step.kernel, step.device.name) == ("cuda_attention", "rope_qkv_set_rows", "cuda0")
+    assert [n.op for n in step.nodes] == list(fusion.QKV_PATTERN)
+    rope_q, _, k_rows, v_rows = fusion.qkv_parts(step.nodes)
+    assert step.writes == (rope_q, k_rows) and step.out is v_rows
+    assert [s.kind for s in plan.steps if s.kind != "view"] == ["fused"]  # one launch, no copies
+    (spec,) = ca.rope_qkv_specs(step.nodes, fake_ptr)
+    assert spec.kernel in ca.KERNEL_SOURCES[ca.ROPE_CU] and spec.kernel == ca.rope_qkv_kernel(mode == "neox", cache, idx)
+    assert spec_types(spec) == kernel_param_types(ca.ROPE_CU, "rope_qkv_set_rows")
+    vec, tokens, hq, gq, hk, gk, v_cols, qs_h, qs_t, ks_h, ks_t, vs_t, kcs, vcs = (int(a) for a in spec.args[9:23])
+    row = (8 + 2 * 2) * 64
+    assert (vec, tokens, hq, gq, hk, gk, v_cols) == (1, 3, 8, 8, 2, 2, 128)  # 16-byte rows; a head a thread
+    assert (qs_h, qs_t, ks_h, ks_t, vs_t, kcs, vcs) == (64, row, 64, row, row, 128, 128)
+    units = 64 // 8  # f32 chunks of 4 pairs
+    assert spec.grid == (-(-max(3 * 8 * units, 3 * 2 * units, 3 * 128 // 4) // ca.ROPE_BLOCK), 3)
+
+
+def test_fused_qkv_takes_pairs_where_rows_do_not_tile() -> None:
+    plan = od.compile(qkv_step(Inputs(np.random.default_rng(0)), d=66, n_dims=40), H200)
+    (step,) = plan.fusions
+    (spec,) = ca.rope_qkv_specs(step.nodes, fake_ptr)
+    assert int(spec.args[9]) == 0  # vec
+    assert spec.grid == (-(-max(3 * 8 * 33, 3 * 2 * 132) // ca.ROPE_BLOCK), 3)
+
+
+@pytest.mark.parametrize(("kw", "reason"), [
+    (dict(cache="bf16"), r"^k: cache dtype bf16"),
+    (dict(v_cache="f32"), r"the K cache is f16, the V cache f32"),
+    (dict(own_ids=True), r"K and V rows are written at different row ids"),
+    (dict(own_pos=True), r"q and k rotate with different positions"),
+    (dict(q_base=500000.0), r"q and k rotate with different positions, frequency factors or parameters"),
+])
+def test_qkv_fusion_declines_with_the_reason_and_k_still_fuses(kw: dict, reason: str) -> None:
+    outputs = qkv_step(Inputs(np.random.default_rng(0)), **kw)
+    graph = Graph.build(outputs)
+    answer = fusion.check_qkv(H200, graph.nodes[1:11], graph)
+    assert isinstance(answer, str) and re.search(reason, answer), answer
+    plan = od.compile(outputs, H200)
+    k_part = [] if kw.get("cache") == "bf16" else ["rope_reshape_set_rows"]  # ggml fuses f32/f16 caches only
+    assert [s.kernel for s in plan.fusions] == k_part
+    assert re.search(r"not fused: rope_qkv_set_rows \(" + reason.lstrip("^"), plan.explain())
+
+
+def test_no_qkv_fusion_when_the_rotated_k_is_also_an_output() -> None:
+    outputs = qkv_step(Inputs(np.random.default_rng(0)))
+    rope_k = Graph.build(outputs).nodes[5]
+    plan = od.compile([*outputs, rope_k], H200)
+    assert not plan.fusions
+    assert "not fused: rope_qkv_set_rows (an intermediate result is read outside the group)" in plan.explain()
 
 
 # -- launch specs, without a GPU ------------------------------------------------------------------
@@ -742,6 +834,39 @@ def test_fused_rope_set_rows_matches_unfused_and_reference(cache: str, idx: str,
     plan2.write(dst, dst.data.view(np.float32 if cache == "f32" else np.float16).reshape(rows, heads * d))
     (unfused,) = plan2.run(inp.feeds)
     assert_close(fused.astype(np.float64), unfused.astype(np.float64), limit, "fused vs unfused")
+
+
+@gpu
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+@pytest.mark.parametrize("idx", ["i32", "i64"])
+@pytest.mark.parametrize(("mode", "rows", "d", "n_dims"), [
+    ("neox", 1, 64, 64), ("normal", 4, 128, 128), ("neox", 16, 64, 32), ("neox", 300, 128, 128),
+    ("normal", 5, 66, 40),  # rows that 16-byte chunks do not tile: the pair layout, v a value a thread
+])
+def test_fused_rope_qkv_matches_unfused_and_reference(cache: str, idx: str, mode: str, rows: int, d: int,
+                                                      n_dims: int, rng) -> None:  # noqa: ANN001
+    inp = Inputs(rng)
+    outputs = qkv_step(inp, cache, idx, mode, rows=rows, d=d, n_dims=n_dims, ctx=512)
+    caches = [o.base for o in outputs[1:]]
+
+    def run(device: str, **kw: object) -> tuple[od.Plan, list[np.ndarray]]:
+        """A run from the caches' initial rows (plans on one device share their buffers), arenas poisoned."""
+        plan = od.compile(outputs, device, **kw)
+        for c in caches:
+            plan.write(c, c.data.view(np.float32 if c.dtype.name == "f32" else np.float16).reshape(c.shape))
+        plan.poison()
+        return plan, plan.run(inp.feeds)
+
+    plan, fused = run("cuda0")
+    assert [(s.plugin, s.kernel) for s in plan.fusions] == [("cuda_attention", "rope_qkv_set_rows")], plan.explain()
+    plain_plan, plain = run("cuda0", fusion=False)
+    assert not plain_plan.fusions
+    _, ref = run("cpu")
+    limits = (bound("rope"), bound("set_rows", cache), bound("set_rows", cache))
+    for what, got, want, other, limit in zip(("q", "K cache", "V cache"), fused, ref, plain, limits):
+        got = got.astype(np.float64)
+        assert_close(got, want.astype(np.float64), limit, f"fused {what} vs reference ({cache} {idx} {mode})")
+        assert_close(got, other.astype(np.float64), limit, f"fused {what} vs unfused ({cache} {idx} {mode})")
 
 
 def attention_block(seed: int) -> tuple[list[Tensor], dict]:

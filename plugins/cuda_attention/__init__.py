@@ -1,4 +1,5 @@
-"""The cuda_attention plugin: soft_max, rope, flash_attn_ext; rope -> view -> set_rows fused.
+"""The cuda_attention plugin: soft_max, rope, flash_attn_ext; rope -> view -> set_rows fused, and the
+decode step's rope(q), rope(k) -> K cache, v -> V cache in one launch (fusion.py).
 
 Kernels (kernels/*.cu, CUDA C++ compiled by NVRTC one template instance at a time):
 
@@ -9,7 +10,7 @@ Kernels (kernels/*.cu, CUDA C++ compiled by NVRTC one template instance at a tim
   for up to 8 heads with one set of angles, NH heads' loads in flight (pairs, one
   a thread, where rows are not 16-byte aligned or D, n_dims not multiples of 2E);
   normal/neox, partial rotation, frequency factors, YaRN, f32/f16, strided input;
-  and the fused rope -> set_rows.
+  the fused rope -> set_rows and rope_qkv_set_rows (q, k, v in one launch).
 - fattn_decode.cu: flash_attn_ext for Tq <= 8 (split-K over the KV on mma.sync,
   16 (query row, head) columns of one KV head a block, K/V tiles streamed
   through cp.async stages; the last split of each group to finish merges the
@@ -92,6 +93,10 @@ def rope_set_rows_kernel(neox: bool, cache: str, idx: str) -> str:
     return f"rope_set_rows<{_b(neox)}, {CTYPE[cache]}, {_idx_ctype(idx)}, {ROPE_HEADS_IN_FLIGHT['f32']}>"
 
 
+def rope_qkv_kernel(neox: bool, cache: str, idx: str) -> str:
+    return f"rope_qkv_set_rows<{_b(neox)}, {CTYPE[cache]}, {_idx_ctype(idx)}, {ROPE_HEADS_IN_FLIGHT['f32']}>"
+
+
 def decode_kernel(d: int, kv: str) -> str:
     return f"fattn_decode<{d}, {CTYPE[kv]}>"
 
@@ -109,7 +114,8 @@ KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {
         + [softmax_kernel(1024, 0, v, m) for v in (False, True) for m in ("f32", "f16")]),
     ROPE_CU: tuple(
         [rope_kernel(n, dt) for n in (False, True) for dt in ("f32", "f16")]
-        + [rope_set_rows_kernel(n, c, i) for n in (False, True) for c in fusion.CACHE_TYPES for i in ("i32", "i64")]),
+        + [f(n, c, i) for f in (rope_set_rows_kernel, rope_qkv_kernel) for n in (False, True)
+           for c in fusion.CACHE_TYPES for i in ("i32", "i64")]),
     DECODE_CU: tuple(
         [decode_kernel(d, kv) for d, kv in support.kv_variants()]),
     PREFILL_CU: tuple([prefill_kernel(d, kv) for d, kv in support.kv_variants()] + [MASK_FLAGS]),
@@ -275,6 +281,31 @@ def rope_set_rows_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[KernelSpec]:
     return [KernelSpec(ROPE_CU, name, lay.grid, ROPE_BLOCK, args)]
 
 
+def rope_qkv_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[KernelSpec]:
+    """One launch, blockIdx.y = 0, 1, 2: q rotated, k rotated into its cache rows, v copied into its rows."""
+    rope_q, rope_k, k_cache, v_cache = fusion.qkv_parts(nodes)
+    xq, xk, v, idx = rope_q.srcs[0], rope_k.srcs[0], v_cache.srcs[1], k_cache.srcs[2]
+    _, t, hq, d = pad4(xq.shape)
+    hk = xk.shape[-2]
+    _, (_, qs_t, qs_h, _) = _elem_strides(xq)
+    _, (_, ks_t, ks_h, _) = _elem_strides(xk)
+    v_cols = v.shape[-1]
+    packs = (_aligned(xq, ptr, 16) and ptr(rope_q) % 16 == 0 and _aligned(xk, ptr, 16) and _cache_packs(k_cache, ptr)
+             and v_cols % 4 == 0 and _aligned(v, ptr, 16) and _cache_packs(v_cache, ptr))
+    n_dims = rope_q.params["n_dims"]
+    lq, lk = rope_layout(t, hq, d, n_dims, 4, packs), rope_layout(t, hk, d, n_dims, 4, packs)
+    vec = lq.vec  # the same for q and k (same D, n_dims, packs); v follows it
+    v_threads = t * (v_cols // 4 if vec else v_cols)
+    args = (u64(ptr(xq)), u64(ptr(xk)), u64(ptr(v)), u64(ptr(rope_q.srcs[1])), _ff(rope_q, ptr), u64(ptr(rope_q)),
+            u64(ptr(k_cache)), u64(ptr(v_cache)), u64(ptr(idx)), i32(vec), i32(t), i32(hq), i32(lq.groups), i32(hk),
+            i32(lk.groups), i32(v_cols), i64(qs_h), i64(qs_t), i64(ks_h), i64(ks_t),
+            i64(v.strides[-2] // 4 if v.ndim >= 2 else 0), i64(k_cache.strides[-2] // k_cache.dtype.block_bytes),
+            i64(v_cache.strides[-2] // v_cache.dtype.block_bytes), *_rope_params(rope_q))
+    name = rope_qkv_kernel(rope_q.params["mode"] == "neox", k_cache.dtype.name, idx.dtype.name)
+    blocks = -(-max(lq.threads, lk.threads, v_threads) // ROPE_BLOCK)
+    return [KernelSpec(ROPE_CU, name, (blocks, 3), ROPE_BLOCK, args)]
+
+
 # -- flash_attn_ext --------------------------------------------------------------------------------
 
 #: shared memory of one SM (H100/H200: 228 KiB, 227 KiB of it for one block)
@@ -410,6 +441,10 @@ def bind_rope_set_rows(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
     return _launch(ctx, rope_set_rows_specs(nodes, ctx.ptr))
 
 
+def bind_rope_qkv_set_rows(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
+    return _launch(ctx, rope_qkv_specs(nodes, ctx.ptr))
+
+
 def bind_flash_attn_ext(ctx: CudaContext, node: Tensor) -> Launch:
     plan = flash_plan(node, int(ctx.device.props.get("sm_count", 132)))
     bufs = tuple(ctx.backend.alloc(w.nbytes, f"{w.what} of {node.describe()}") for w in plan.workspaces)
@@ -425,7 +460,8 @@ def bind_flash_attn_ext(ctx: CudaContext, node: Tensor) -> Launch:
 @hookimpl
 def plugin_info() -> PluginInfo:
     return PluginInfo("cuda_attention", "0.1.0", PRIORITY_BUILTIN,
-                      "soft_max, rope, flash_attn_ext (split-K decode, tensor-core prefill); rope+set_rows fusion")
+                      "soft_max, rope, flash_attn_ext (split-K decode, tensor-core prefill); rope+set_rows and q/k/v "
+                      "rope+cache-write fusions")
 
 
 @hookimpl
@@ -445,9 +481,12 @@ def kernels(device: Device) -> Iterator[Kernel]:
 
 @hookimpl
 def fusion_rules(device: Device) -> Iterator[FusionRule]:
-    """rope -> view (or reshape) -> set_rows: the K-cache write of a decoder layer."""
+    """The decode step's q rotation and K/V writes (fusion.QKV_PATTERN), asked first; rope -> view (or
+    reshape) -> set_rows: the K-cache write of a decoder layer."""
     if device.kind != "cuda":
         return
+    yield FusionRule("rope_qkv_set_rows", fusion.QKV_PATTERN, bind=bind_rope_qkv_set_rows, check=fusion.check_qkv,
+                     outputs=fusion.QKV_OUTPUTS)
     for view in ("view", "reshape"):
         yield FusionRule(f"rope_{view}_set_rows", ("rope", view, "set_rows"), bind=bind_rope_set_rows,
                          check=fusion.check)

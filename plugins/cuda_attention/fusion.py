@@ -1,14 +1,28 @@
-"""rope -> view -> set_rows as one kernel: rotated K rows written straight into the KV cache.
+"""Fusions of rope with the KV-cache writes of a decoder layer.
 
-ggml's rule (ggml_cuda_should_fuse_rope_set_rows), restated in numpy order:
-the rope input has no batch axis beyond 1 (ggml: ne[3] == 1), the view is
-contiguous and flattens each token's (H, D) into one row of H*D values (ggml:
-view ne[0] == rope ne[0]*ne[1]), the cache is f32 or f16, modes normal or
-neox. ggml takes i64 row ids only; our kernel takes i32 as well. The group is
-consecutive in execution order because Graph.build visits rope's sources,
-rope, the view, then set_rows (can_fuse checks that rope and the view are read
-only inside the group). `check` declines anything else with a reason, and the
-three nodes then run unfused.
+rope -> view -> set_rows as one kernel: rotated K rows written straight into
+the KV cache. ggml's rule (ggml_cuda_should_fuse_rope_set_rows), restated in
+numpy order: the rope input has no batch axis beyond 1 (ggml: ne[3] == 1),
+the view is contiguous and flattens each token's (H, D) into one row of H*D
+values (ggml: view ne[0] == rope ne[0]*ne[1]), the cache is f32 or f16, modes
+normal or neox. ggml takes i64 row ids only; our kernel takes i32 as well.
+The group is consecutive in execution order because Graph.build visits rope's
+sources, rope, the view, then set_rows (can_fuse checks that rope and the view
+are read only inside the group).
+
+The decode step's q/k/v (QKV_PATTERN), one launch for what is otherwise
+three (rope(q); rope(k) -> view -> set_rows; set_rows(v)): the nodes
+Llama's layer emits with q, k, v views of one stacked projection, in
+Graph.build's order: rope(q), the two views flash_attn_ext reads q through,
+k's view of the projection, rope(k), its flattening, set_rows(K cache), the
+K window attention reads, v's view, set_rows(V cache). rope(q) and
+set_rows(K cache) are the group's extra outputs; the views cost nothing and
+are read outside the group as views of what it writes (can_fuse). q and k
+rotate with the same positions and parameters, K and V rows are written at
+the same row ids into caches of one dtype; the K half is check's rule.
+
+`check` and `check_qkv` decline anything else with a reason, and the nodes
+then run unfused (rope(k) -> view -> set_rows still fused by the smaller rule).
 """
 
 from __future__ import annotations
@@ -62,3 +76,48 @@ def parts(nodes: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(rope, x, cache (the set_rows result), row ids) of a matched group."""
     rope, _, set_rows = nodes
     return rope, rope.srcs[0], set_rows, set_rows.srcs[2]
+
+
+#: the decode step's q/k/v nodes as Llama emits them (module docstring), and the positions of
+#: the extra outputs the fused kernel writes: rotated q and the K cache
+QKV_PATTERN = ("rope", "reshape", "permute", "view", "rope", "reshape", "set_rows", "view", "view", "set_rows")
+QKV_OUTPUTS = (0, 6)
+
+
+def check_qkv(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
+    """True if the fused kernel computes the decode step's q/k/v nodes (QKV_PATTERN) exactly; else why not."""
+    rope_q, rope_k, k_rows, v_rows = qkv_parts(nodes)
+    ok = check(device, (rope_k, nodes[5], k_rows), graph)
+    if ok is not True:
+        return f"k: {ok}"
+    ok = support.rope(device, rope_q)
+    if ok is not True:
+        return f"q: rope: {ok}"
+    xq, xk = rope_q.srcs[0], rope_k.srcs[0]
+    if xq.dtype.name != "f32":
+        return "q must be f32"
+    bq, tq, _, dq = pad4(xq.shape)
+    _, tk, _, dk = pad4(xk.shape)
+    if bq != 1:
+        return f"q has a batch axis of {bq}"
+    if (tq, dq) != (tk, dk):
+        return f"q ({tq} tokens, head size {dq}) and k ({tk}, {dk}) differ"
+    if any(a is not b for a, b in zip(rope_q.srcs[1:], rope_k.srcs[1:])) or rope_q.params != rope_k.params:
+        return "q and k rotate with different positions, frequency factors or parameters"
+    dst, v, idx = v_rows.srcs
+    if idx is not k_rows.srcs[2]:
+        return "K and V rows are written at different row ids"
+    if v_rows.dtype != k_rows.dtype:
+        return f"the K cache is {k_rows.dtype.name}, the V cache {v_rows.dtype.name}"
+    if pad4(v.shape)[:2] != (1, 1) or pad4(dst.shape)[:2] != (1, 1):
+        return "set_rows of v with batch axes"
+    if not v.rows_contiguous() or not support.whole_elements(v):
+        return "v rows must be contiguous, strides whole elements"
+    if not v_rows.rows_contiguous() or not support.whole_elements(v_rows):
+        return "V cache rows must be contiguous, strides whole elements"
+    return True
+
+
+def qkv_parts(nodes: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(rope(q), rope(k), K cache (its set_rows result), V cache) of a QKV_PATTERN group."""
+    return nodes[0], nodes[4], nodes[6], nodes[9]

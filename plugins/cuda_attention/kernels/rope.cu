@@ -1,5 +1,6 @@
-// rope (ggml_rope_ext) in normal and neox modes, with YaRN and frequency factors, and the
-// fused rope -> view -> set_rows that writes rotated K rows straight into a KV cache.
+// rope (ggml_rope_ext) in normal and neox modes, with YaRN and frequency factors; the fused
+// rope -> view -> set_rows that writes rotated K rows straight into a KV cache; and the fused
+// decode-step write rope(q), rope(k) -> K cache rows, v -> V cache rows, in one launch.
 //
 // The angle of a pair depends on its token and its index only, so a thread rotates the same
 // pair(s) of several heads of one token with one set of angles: heads g, g + G, g + 2G, ...
@@ -256,4 +257,55 @@ __global__ void __launch_bounds__(256) rope_set_rows(const float* __restrict__ x
     const unsigned t = s.bt;  // batch 1
     rope_slot<NEOX, NH>(vec, s, x + t * xs_t, xs_h, cache + static_cast<long long>(idx[t]) * cs, d, groups, heads,
                         pos + t, ff, p);
+}
+
+// A decode step's K/V write and q rotation in one launch (blockIdx.y: 0 q, 1 k, 2 v), tokens
+// t < T of batch 1: q (T, hq, D) f32 rotated into q_out (contiguous); k (T, hk, D) f32 rotated
+// into K cache row idx[t] (row stride kcs elements, heads D apart); v (T, v_cols) f32 copied
+// into V cache row idx[t] (stride vcs). q, k: rope_kernel's layouts and head groups (gq, gk);
+// v: 4 values a thread where `vec` (16-byte rows, 4*sizeof(DT)-aligned cache rows), else one.
+template <bool NEOX, typename DT, typename IT, int NH>
+__global__ void __launch_bounds__(256) rope_qkv_set_rows(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, const int* __restrict__ pos,
+    const float* __restrict__ ff, float* __restrict__ q_out, DT* __restrict__ k_cache, DT* __restrict__ v_cache,
+    const IT* __restrict__ idx, int vec, int tokens, int hq, int gq, int hk, int gk, int v_cols, long long qs_h,
+    long long qs_t, long long ks_h, long long ks_t, long long vs_t, long long kcs, long long vcs, ROPE_PARAMS) {
+    const RopeParams p = ROPE_STRUCT;
+    const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (blockIdx.y == 2) {
+        const unsigned per_row = static_cast<unsigned>(vec ? v_cols / 4 : v_cols);
+        if (i >= static_cast<unsigned>(tokens) * per_row) {
+            return;
+        }
+        const unsigned t = i / per_row, u = i - t * per_row;
+        const float* src = v + t * vs_t;
+        DT* dst = v_cache + static_cast<long long>(idx[t]) * vcs;
+        if (vec) {
+            const od::Pack<float, 4> a = reinterpret_cast<const od::Pack<float, 4>*>(src)[u];
+            od::Pack<DT, 4> y;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                od::store(&y.v[e], a.v[e]);
+            }
+            reinterpret_cast<od::Pack<DT, 4>*>(dst)[u] = y;
+        } else {
+            od::store(dst + u, src[u]);
+        }
+        return;
+    }
+    const bool is_q = blockIdx.y == 0;
+    const unsigned groups = static_cast<unsigned>(is_q ? gq : gk);
+    const unsigned units = row_units<float>(vec, d);
+    if (i >= static_cast<unsigned>(tokens) * groups * units) {
+        return;
+    }
+    const Slot s = slot_of(i, units, groups);
+    const unsigned t = s.bt;
+    if (is_q) {
+        rope_slot<NEOX, NH>(vec, s, q + t * qs_t, qs_h, q_out + static_cast<long long>(t) * hq * d, d, groups, hq,
+                            pos + t, ff, p);
+    } else {
+        rope_slot<NEOX, NH>(vec, s, k + t * ks_t, ks_h, k_cache + static_cast<long long>(idx[t]) * kcs, d, groups, hk,
+                            pos + t, ff, p);
+    }
 }
