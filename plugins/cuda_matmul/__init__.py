@@ -1,4 +1,4 @@
-"""The cuda_matmul plugin: mul_mat, mul_mat_id, out_prod; quantized mat-vec; bias/GLU fusions.
+"""The cuda_matmul plugin: mul_mat, mul_mat_id, out_prod; quantized mat-vec; fusions (fusion.py).
 
 Paths (support.py picks one per node; its name shows in `Plan.explain()`):
 
@@ -43,6 +43,7 @@ turns specs into pre-bound launches.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
@@ -89,8 +90,8 @@ def _b(flag: bool) -> str:
     return "true" if flag else "false"
 
 
-def mmv_name(wt: str, tb: str, nt: int, vec: bool, epi: str) -> str:
-    return f"mmv<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {ROWS}, {_b(vec)}, {epi}>"
+def mmv_name(wt: str, tb: str, nt: int, vec: bool, epi: str, norm: bool = False) -> str:
+    return f"mmv<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {ROWS}, {_b(vec)}, {epi}, {_b(norm)}>"
 
 
 def mmv_id_name(wt: str, tb: str, vec: bool, epi: str) -> str:
@@ -195,6 +196,8 @@ MMV_NAMES: tuple[str, ...] = (
     *(mmv_name(wt, "f32", nt, True, epi) for epi in EPIS for wt in FLOAT_NAMES for nt in NTS),
     *(mmv_name(wt, "f32", 8, False, epi) for epi in EPIS for wt in FLOAT_NAMES),
     *(mmv_name(wt, tb, 8, vec, EPI_NONE) for wt in FLOAT_NAMES for tb in ("f16", "bf16") for vec in (False, True)),
+    *(mmv_name(wt, "f32", nt, True, epi, True) for epi in EPIS for wt in FLOAT_NAMES for nt in NTS),
+    *(mmv_name(wt, "f32", 8, False, epi, True) for epi in EPIS for wt in FLOAT_NAMES),
     *(quantize_name(tb) for tb in FLOAT_NAMES),
     *(mmvq_name(wt, nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
     *(mmv_id_name(wt, "f32", vec, epi) for wt in FLOAT_NAMES for vec in (False, True) for epi in EPIS),
@@ -294,11 +297,14 @@ def _addr(ptr: Ptr, t: Tensor | None) -> np.uint64:
 
 
 def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tensor | None = None,
-              bias0: Tensor | None = None, bias1: Tensor | None = None, glu: Tensor | None = None
-              ) -> list[KernelSpec]:
+              bias0: Tensor | None = None, bias1: Tensor | None = None, glu: Tensor | None = None,
+              norm: fusion.Norm | None = None) -> list[KernelSpec]:
     """mmv (float weights) or mmvq (block formats) for mul_mat `node` writing `out` (node
-    itself, or the last node of a fused group)."""
+    itself, or the last node of a fused group). With `norm` (float weights only), the kernel
+    reads rms_norm's x in place of b and normalizes it (b is rms_norm(x) * weight)."""
     a, b = node.srcs
+    if norm is not None:
+        b = norm.x
     (a3, a2, m, k), (sa3, sa2, sa1, _) = _geometry(a)
     (b3, b2, n, _), (sb3, sb2, sb1, _) = _geometry(b)
     pa, pb, tb = ptr(a), ptr(b), b.dtype.name
@@ -312,10 +318,12 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
         nt = nt_for(max(n, 1))
         grid = (QGEOM.tiles(m, epi) if n else 0, b2, b3)
         return [quant, KernelSpec(MMV_CU, mmvq_name(a.dtype.name, nt, epi), grid, QGEOM.block(k, nt), qargs)]
-    vec = (k % 4 == 0 and _b_vec(b, pb) and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0))
+    vec = (k % 4 == 0 and _b_vec(b, pb) and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0)
+           and (norm is None or ptr(norm.weight) % 16 == 0))
     nt = nt_for(max(n, 1)) if vec and tb == "f32" else 8
     grid = (math.ceil(m / ROWS) if n else 0, b2, b3)
-    return [KernelSpec(MMV_CU, mmv_name(a.dtype.name, tb, nt, vec, epi), grid, BLOCK, args)]
+    args += (_addr(ptr, norm.weight), F32(norm.eps)) if norm is not None else (U64(0), F32(0.0))
+    return [KernelSpec(MMV_CU, mmv_name(a.dtype.name, tb, nt, vec, epi, norm is not None), grid, BLOCK, args)]
 
 
 def _id_b(node: Tensor, ptr: Ptr) -> tuple[int, int, int, int, bool]:
@@ -612,11 +620,12 @@ def bind_mmv_id_grouped(ctx: CudaContext, node: Tensor) -> Launch:
 def fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch) -> list[KernelSpec]:
     """Any group of fusion.PATTERNS: the mat-vec launch (after b's quantization, for block
     formats) that writes the last node."""
+    norm, nodes = fusion.split_norm(nodes)
     prods, biases, glu = fusion.parts(nodes)
     out, first = nodes[-1], prods[0]
     if first.op == "mul_mat_id" and glu is None and first.shape[0] > 1:
         return grouped_specs(first, out, ptr, scratch, bias=biases[0])
-    make = mmv_specs if first.op == "mul_mat" else mmv_id_specs
+    make = functools.partial(mmv_specs, norm=norm) if first.op == "mul_mat" else mmv_id_specs
     if glu is None:
         return make(first, out, ptr, scratch, bias0=biases[0])
     return make(first, out, ptr, scratch, a1=prods[1].srcs[0], bias0=biases[0], bias1=biases[1], glu=glu)
@@ -643,7 +652,7 @@ PATHS: tuple[tuple[str, str, Callable], ...] = (
 @hookimpl
 def plugin_info() -> PluginInfo:
     return PluginInfo("cuda_matmul", "0.1.0", PRIORITY_BUILTIN,
-                      "mul_mat, mul_mat_id, out_prod; quantized mat-vec; bias/GLU fusions")
+                      "mul_mat, mul_mat_id, out_prod; quantized mat-vec; bias, GLU and rms_norm fusions")
 
 
 @hookimpl

@@ -5,6 +5,11 @@
 // of a against up to NT columns of b (f32/f16/bf16): the threads split K in units of 8
 // values (mm_common.cuh), each keeps NW * R * NT float partial sums, and the block reduces
 // them (warp shuffles, then shared memory).
+// With NORM (mmv only, b f32), b is rms_norm's input x and each column is normalized on the
+// fly, replacing the rms_norm -> mul(weight) launch before it: the loop multiplies each b
+// value by the norm weight and sums the squares of the column beside the dot products; the
+// sums of squares are reduced with them and each dot product is scaled by its column's
+// rsqrt(mean(x^2) + eps) at the end (the scale does not depend on k, so one pass over x).
 // Block-format weights (mmvq*): b is first quantized to int8 with a scale per 32 values
 // (quantize_q8_1, one launch per node), then each row group of a block (up to QTHREADS threads
 // in all) computes R rows streaming the weights straight from global memory (q_rows), integer
@@ -13,7 +18,8 @@
 // Kernels:
 //   quantize_q8_1  b rows to int8 codes and per-32 scales for the mmvq* kernels.
 //   mmv, mmvq      mul_mat: grid (row tiles, B2, B3), a's batch repeat-interleaved
-//                  (b batch i2 uses a batch i2 / r2), optional bias or GLU epilogue.
+//                  (b batch i2 uses a batch i2 / r2), optional bias or GLU epilogue;
+//                  mmv optionally rms-normalizes b first (NORM).
 //   mmv_id, mmvq_id
 //                  mul_mat_id, one (token, slot) pair a block: grid (row tiles, U, T),
 //                  the expert read from ids on the device (no host synchronization).
@@ -64,10 +70,13 @@ __device__ __forceinline__ void block_reduce(float (&acc)[NV], float* res) {
 // res[(w * R + r) * NT + n] = sum_k a_w[row r][k] * b[col n][k] for rows r < rows
 // (row r at a[w] + r * a_row; rows past `rows` read the last valid row again,
 // their sums unspecified) and columns n < ncols (columns past ncols give
-// unspecified sums; their pointers must be valid).
-template <int WT, int TB, int NT, int R, bool VEC, int NW>
+// unspecified sums; their pointers must be valid). res holds NW * R * NT floats.
+// NORM: b[col n][k] stands for rms_norm(x)[k] * nw[k] with x the column (f32), nw K
+// contiguous floats (16-byte aligned for VEC); res then holds NT more floats (the sums of x^2).
+template <int WT, int TB, int NT, int R, bool VEC, int NW, bool NORM = false>
 __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_row, int rows,
-                                         const u8* const (&bcol)[NT], int ncols, long long b_es, int K, float* res) {
+                                         const u8* const (&bcol)[NT], int ncols, long long b_es, int K, float* res,
+                                         const float* nw = nullptr, float eps = 0.0f) {
     const u8* arow[NW][R];
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
@@ -77,9 +86,11 @@ __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_r
         }
     }
     static_assert(!Fmt<WT>::QUANT, "block-format weights take q_rows");
-    float acc[NW * R * NT];
+    static_assert(!NORM || TB == B_F32, "rms_norm's x is f32");
+    constexpr int NS = NW * R * NT;  // dot products; with NORM, NT sums of squares follow
+    float acc[NS + (NORM ? NT : 0)];
 #pragma unroll
-    for (int i = 0; i < NW * R * NT; ++i) {
+    for (int i = 0; i < NS + (NORM ? NT : 0); ++i) {
         acc[i] = 0.0f;
     }
     if constexpr (VEC) {
@@ -100,6 +111,18 @@ __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_r
 #pragma unroll
                     for (int j = 0; j < 8; ++j) {
                         bv[n][j] = 0.0f;
+                    }
+                }
+            }
+            if constexpr (NORM) {
+                float gv[8];  // the norm weight at the unit's values 8u .. 8u+7 (unit_k's, float weights)
+                load_unit_float<W_F32>(reinterpret_cast<const u8*>(nw), u, gv);
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        acc[NS + n] = fmaf(bv[n][j], bv[n][j], acc[NS + n]);
+                        bv[n][j] *= gv[j];
                     }
                 }
             }
@@ -130,6 +153,14 @@ __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_r
             for (int n = 0; n < NT; ++n) {
                 bv[n] = n < ncols ? load_elem<TB>(bcol[n] + k * b_es) : 0.0f;
             }
+            if constexpr (NORM) {
+                const float g = nw[k];
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    acc[NS + n] = fmaf(bv[n], bv[n], acc[NS + n]);
+                    bv[n] *= g;
+                }
+            }
 #pragma unroll
             for (int w = 0; w < NW; ++w) {
 #pragma unroll
@@ -144,7 +175,13 @@ __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_r
             }
         }
     }
-    block_reduce<NW * R * NT>(acc, res);
+    block_reduce<NS + (NORM ? NT : 0)>(acc, res);
+    if constexpr (NORM) {
+        for (int i = threadIdx.x; i < NS; i += BLOCK) {
+            res[i] *= rsqrtf(res[NS + i % NT] / static_cast<float>(K) + eps);
+        }
+        __syncthreads();
+    }
 }
 
 // The epilogue of output row m: v = a0 . b, up = a1 . b (read for EPI_GLU only).
@@ -447,14 +484,16 @@ __global__ void __launch_bounds__(QUANT_BLOCK) quantize_q8_1(const u8* b, long l
 // a0 (and a1, the up weight of EPI_GLU, with a0's strides) rows of a_row bytes,
 // batch strides a_s2, a_s3; b columns b_col bytes apart, elements b_es bytes
 // apart (scalar variants), batch strides b_s2, b_s3; out contiguous (B3, B2, N, M).
-template <int WT, int TB, int NT, int R, bool VEC, int EPI>
+// NORM: b is rms_norm's x (f32) and the product reads rms_norm(x, eps) * norm_w instead
+// (norm_w: K contiguous floats, one weight row for every column); else norm_w, eps unused.
+template <int WT, int TB, int NT, int R, bool VEC, int EPI, bool NORM>
 __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, long long a_row, long long a_s2,
                                                  long long a_s3, int r2, int r3, const u8* b, long long b_col,
                                                  long long b_es, long long b_s2, long long b_s3, float* out, int M,
                                                  int K, int N, const float* bias0, const float* bias1, int glu_kind,
-                                                 float alpha, float limit) {
+                                                 float alpha, float limit, const float* norm_w, float eps) {
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
-    __shared__ float res[NW * R * NT];
+    __shared__ float res[NW * R * NT + (NORM ? NT : 0)];
     const int i2 = blockIdx.y, i3 = blockIdx.z;
     const int m0 = blockIdx.x * R;
     const u8* a[NW];
@@ -466,7 +505,7 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, lon
         bcol[n] = bb + (n < N ? n : 0) * b_col;
     }
     const int rows = min(R, M - m0);
-    mm::mmv_tile<WT, TB, NT, R, VEC, NW>(a, a_row, rows, bcol, N, b_es, K, res);
+    mm::mmv_tile<WT, TB, NT, R, VEC, NW, NORM>(a, a_row, rows, bcol, N, b_es, K, res, norm_w, eps);
     const int t = threadIdx.x;
     if (t < R * NT) {
         const int r = t / NT, n = t % NT, m = m0 + r;
