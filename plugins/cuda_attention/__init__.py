@@ -77,8 +77,9 @@ def softmax_kernel(block: int, cache: int, vec: bool, mask: str) -> str:
 
 #: rope, by the dtype of x: heads whose loads a thread of the chunk layout has in flight at once
 #: (a template parameter, read when a kernel name is made). nvcc sm_90 registers, f16: 64 with 2,
-#: 88 with 4; f32: 56 with 2, 72 with 4
-ROPE_HEADS_IN_FLIGHT = {"f32": 2, "f16": 4}
+#: 88 with 4; f32: 56 with 2, 72 with 4. H200 (scratch sweep, % of copy bandwidth at 4096 / 16384
+#: tokens): f16 72% / 89% with 2, 54% / 81% with 4, 70% / 87% with 1; f32 86% / 95% with 2
+ROPE_HEADS_IN_FLIGHT = {"f32": 2, "f16": 2}
 
 
 def rope_kernel(neox: bool, dt: str) -> str:
