@@ -134,6 +134,8 @@ class QGeometry:
 
 #: the split every mmvq* launch takes, read at bind time
 QGEOM = QGeometry()
+#: quantize_q8_1 and the mmvq* kernels as programmatic dependent launches (KernelSpec.pdl), read at bind time
+Q_PDL = False
 
 
 def mmvq_name(wt: str, nt: int, epi: str, g: QGeometry | None = None) -> str:
@@ -169,7 +171,7 @@ def quantize_spec(b: Tensor, pb: int, scratch: Scratch) -> tuple[KernelSpec, int
     bds = bq + rows * nbp * 32
     spec = KernelSpec(MMV_CU, quantize_name(b.dtype.name), (max(rows, 1), max(1, math.ceil(k // 32 / 8))),
                       QUANT_BLOCK, (U64(pb), I64(_elem_stride(b)), I64(s1), I64(s2), I64(s3), I32(max(n1, 1)),
-                                    I32(max(n2, 1)), I32(k), I32(nbp), U64(bq), U64(bds)))
+                                    I32(max(n2, 1)), I32(k), I32(nbp), U64(bq), U64(bds)), pdl=Q_PDL)
     return spec, bq, bds, nbp
 
 
@@ -317,7 +319,8 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
         qargs = (*args[:7], U64(bq), U64(bds), I32(nbp), *args[12:])
         nt = nt_for(max(n, 1))
         grid = (QGEOM.tiles(m, epi) if n else 0, b2, b3)
-        return [quant, KernelSpec(MMV_CU, mmvq_name(a.dtype.name, nt, epi), grid, QGEOM.block(k, nt), qargs)]
+        return [quant, KernelSpec(MMV_CU, mmvq_name(a.dtype.name, nt, epi), grid, QGEOM.block(k, nt), qargs,
+                                  pdl=Q_PDL)]
     vec = (k % 4 == 0 and _b_vec(b, pb) and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0)
            and (norm is None or ptr(norm.weight) % 16 == 0))
     nt = nt_for(max(n, 1)) if vec and tb == "f32" else 8
@@ -355,7 +358,7 @@ def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: T
         quant, bq, bds, nbp = quantize_spec(b, pb, scratch)
         qargs = (*args[:8], U64(bq), U64(bds), I32(nbp), I32(ub), *args[13:])
         return [quant, KernelSpec(MMV_CU, mmvq_id_name(as_.dtype.name, epi), (QGEOM.tiles(m, epi), u, t),
-                                  QGEOM.block(k, 1), qargs)]
+                                  QGEOM.block(k, 1), qargs, pdl=Q_PDL)]
     return [KernelSpec(MMV_CU, mmv_id_name(as_.dtype.name, "f32", vec, epi), (math.ceil(m / ROWS), u, t), BLOCK,
                        args)]
 
@@ -391,7 +394,7 @@ def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, bias
         qspec, bq, bds, nbp = quantize_spec(b, pb, scratch)
         qargs = (*args[:5], U64(bq), U64(bds), I32(nbp), I32(ub), *args[10:])
         specs += [qspec, KernelSpec(MMV_CU, qgrouped_name(as_.dtype.name, nt, epi),
-                                    (QGEOM.tiles(m, epi), min(e, pairs)), QGEOM.block(k, nt), qargs)]
+                                    (QGEOM.tiles(m, epi), min(e, pairs)), QGEOM.block(k, nt), qargs, pdl=Q_PDL)]
     else:
         specs.append(KernelSpec(MMV_CU, grouped_name(as_.dtype.name, "f32", nt, vec, epi),
                                 (math.ceil(m / ROWS), min(e, pairs)), BLOCK, args))

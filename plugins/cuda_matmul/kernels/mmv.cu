@@ -228,22 +228,6 @@ __device__ __forceinline__ float finish(const float* res, int r, int n, const fl
 constexpr int QWARPS_MAX = 4;
 constexpr int QTHREADS = QWARPS_MAX * od::WARP_SIZE;
 
-// Programmatic dependent launch (sm_90): quantize_q8_1 lets the mat-vec after it start early (its
-// blocks' launch and set-up overlap the quantization), and the mat-vec waits for quantize_q8_1's
-// results before its loop (waiting after the first weight loads costs 10-20 registers). Both are
-// no-ops in a launch without the programmatic attribute.
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // Layout of quantize_q8_1's output for a b row of nb blocks, padded to nbp (a multiple of 32):
 // codes at bq + row * nbp * 32: block j's 32 codes in two 16-byte halves h at byte
 // ((j / 32) * 2 + h) * 512 + (j % 32) * 16 (so 32 threads read 512 contiguous bytes a half);
@@ -303,7 +287,7 @@ __device__ __forceinline__ void decode_block(const u8* blk, const uint4 (&g)[GRA
 
 // acc[s][n] (every thread's partial) = stream s . b column n over the blocks j this thread takes
 // (j = threadIdx.x + i * blockDim.x). row[s]: stream s's weight row; bq[n], bd[n]: column n's
-// codes and (d, d * sum) (QB8 layout). Waits for the quantize_q8_1 launch first (pdl_wait).
+// codes and (d, d * sum) (QB8 layout).
 template <int WT, int NT, int R, int KU>
 __device__ __forceinline__ void q_rows(const u8* const (&row)[R], const u8* const (&bq)[NT],
                                        const float2* const (&bd)[NT], int nb, float (&acc)[R][NT]) {
@@ -317,7 +301,6 @@ __device__ __forceinline__ void q_rows(const u8* const (&row)[R], const u8* cons
         }
     }
     const int step = blockDim.x;
-    pdl_wait();
     for (int j0 = threadIdx.x; j0 < nb; j0 += KU * step) {
         uint4 g[KU][R][G];
 #pragma unroll
@@ -363,6 +346,25 @@ __device__ __forceinline__ void q_rows(const u8* const (&row)[R], const u8* cons
                         acc[s][n] = fmaf(m, ds.y, acc[s][n]);
                     }
                 }
+            }
+        }
+    }
+}
+
+// Before od::pdl_wait (a PDL launch, common.cuh): the first KU blocks this thread reads of each row
+// into L2 (the line of each block's first byte: its last bytes are the next thread's first). The weights
+// are constant for a plan, so a mat-vec launched early streams them while quantize_q8_1 runs
+// (holding them in registers across the wait costs 10-20 registers).
+template <int WT, int R, int KU>
+__device__ __forceinline__ void q_prefetch(const u8* const (&row)[R], int nb) {
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+        const int j = threadIdx.x + u * blockDim.x;
+        if (j < nb) {
+#pragma unroll
+            for (int s = 0; s < R; ++s) {
+                const u8* blk = row[s] + static_cast<long long>(j) * Fmt<WT>::BYTES;
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(blk));
             }
         }
     }
@@ -476,7 +478,8 @@ template <int TB>
 __global__ void __launch_bounds__(QUANT_BLOCK) quantize_q8_1(const u8* b, long long es, long long s1, long long s2,
                                                              long long s3, int n1, int n2, int K, int nbp, u8* bq,
                                                              u8* bds) {
-    mm::pdl_launch_dependents();
+    od::pdl_trigger();  // a PDL launch (common.cuh): nothing is touched before pdl_wait
+    od::pdl_wait();
     const int r = blockIdx.x;
     const int j = blockIdx.y * (QUANT_BLOCK / od::WARP_SIZE) + threadIdx.x / od::WARP_SIZE;
     const int lane = threadIdx.x % od::WARP_SIZE;
@@ -561,6 +564,9 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq(const u8* a0, const u8* a1,
     mm::weight_rows<NW>(a0, a1, a_row, a_s2, a_s3, r2, r3, i2, i3, 0, a);
     const u8* row[R];
     mm::q_streams<NW, R>(a, a_row, M, m0, row);
+    od::pdl_trigger();  // a PDL launch (common.cuh): only the constant weights are read before pdl_wait
+    mm::q_prefetch<WT, R, KU>(row, K / 32);
+    od::pdl_wait();
     const long long brow0 = (static_cast<long long>(i3) * gridDim.y + i2) * N;
     const u8* bcol[NT];
     const float2* dcol[NT];
@@ -629,6 +635,8 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id(const u8* as0, const u8*
     constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = R / NW;
     const int u = blockIdx.y, t = blockIdx.z, U = gridDim.y;
     const int m0 = (blockIdx.x * blockDim.y + threadIdx.y) * RB;
+    od::pdl_trigger();  // a PDL launch (common.cuh): ids come from another launch, so wait first
+    od::pdl_wait();
     const int e = *reinterpret_cast<const int*>(ids + t * ids_t + u * ids_u);
     float* const ocol[1] = {out + (static_cast<long long>(t) * U + u) * M};
     if (e < 0 || e >= E) {
@@ -800,6 +808,8 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id_grouped(const u8* as, lo
                                                                 const int* route, const u8* bq, const u8* bds,
                                                                 int nbp, int Ub, float* out, int M, int K, int U,
                                                                 const float* bias, long long bias_e) {
+    od::pdl_trigger();  // a PDL launch (common.cuh): route comes from moe_route, so wait first
+    od::pdl_wait();
     const int s = blockIdx.y;
     if (s >= route[0]) {
         return;
