@@ -326,8 +326,7 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     nt = nt_for(max(n, 1)) if vec and tb == "f32" else 8
     grid = (math.ceil(m / ROWS) if n else 0, b2, b3)
     args += (_addr(ptr, norm.weight), F32(norm.eps)) if norm is not None else (U64(0), F32(0.0))
-    return [KernelSpec(MMV_CU, mmv_name(a.dtype.name, tb, nt, vec, epi, norm is not None), grid, BLOCK, args,
-                       pdl=True)]
+    return [KernelSpec(MMV_CU, mmv_name(a.dtype.name, tb, nt, vec, epi, norm is not None), grid, BLOCK, args)]
 
 
 def _id_b(node: Tensor, ptr: Ptr) -> tuple[int, int, int, int, bool]:

@@ -440,31 +440,6 @@ __device__ __forceinline__ void weight_rows(const u8* a0, const u8* a1, long lon
     }
 }
 
-// Before od::pdl_wait: pull the 16-byte units this thread will read of its float weight rows
-// (the first PREFETCH_UNITS of each, all of them for K <= 8192 at 2-byte weights) into L2. The
-// weights are constant for a plan, so a mat-vec launched early (PDL) streams them while the
-// launch before it finishes, and its loop then reads L2.
-constexpr int PREFETCH_UNITS = 8;
-
-template <int WT, int NW, int R>
-__device__ __forceinline__ void prefetch_rows(const u8* const (&a)[NW], long long a_row, int rows, int K) {
-    constexpr long long UNIT = WT == W_F32 ? 32 : 16;  // bytes of 8 values
-    const int units = K / 8;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-#pragma unroll
-            for (int i = 0; i < PREFETCH_UNITS; ++i) {
-                const int u = threadIdx.x + i * BLOCK;
-                if (r < rows && u < units) {
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(a[w] + r * a_row + u * UNIT));
-                }
-            }
-        }
-    }
-}
-
 }  // namespace mm
 
 using mm::u8;
@@ -526,11 +501,6 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, lon
     const int m0 = blockIdx.x * R;
     const u8* a[NW];
     mm::weight_rows<NW>(a0, a1, a_row, a_s2, a_s3, r2, r3, i2, i3, m0, a);
-    od::pdl_trigger();  // a PDL launch (common.cuh): only the constant weights are read before pdl_wait
-    if constexpr (VEC) {
-        mm::prefetch_rows<WT, NW, R>(a, a_row, min(R, M - m0), K);
-    }
-    od::pdl_wait();
     const u8* bb = b + i3 * b_s3 + i2 * b_s2;
     const u8* bcol[NT];
 #pragma unroll
