@@ -98,8 +98,7 @@ def compile(  # noqa: A001 - the natural name
     host = frozenset(host_params)
     # The key holds `dev` itself so that its id stays unique while cached.
     key = (graph.key(), dev, id(dev), fusion, tuple(p.name for p in order), tuple(sorted(t.uid for t in host)),
-           offload_min_batch(), os.environ.get("OPDISPATCH_DISABLE_CUDA_GRAPHS", ""),
-           os.environ.get("OPDISPATCH_DISABLE_PDL", ""))
+           offload_min_batch(), os.environ.get("OPDISPATCH_DISABLE_CUDA_GRAPHS", ""))
     cached = mgr.plans.get(key)
     if cached is not None:
         mgr.plans.move_to_end(key)

@@ -2,18 +2,15 @@
 
 Without a GPU: which path (Kernel name) each shape and dtype takes on a
 device description, the declines and their reasons, which fusions match and
-which do not (and why), the rms_norm fusions on the 1b preset's decode graph;
-the mat-vec launch specs against mmv.cu's kernel signatures; and the cuBLAS
-call specs (column-major arguments, batching, folded broadcasts, conversions)
-and the float mat-vec specs (the rms_norm fusions) executed by a numpy
-emulation of cuBLAS, the conversion kernels and mmv, against the numpy reference.
+which do not (and why); the mat-vec launch specs against mmv.cu's kernel
+signatures; and the cuBLAS call specs (column-major arguments, batching,
+folded broadcasts, conversions) executed by a numpy emulation of cuBLAS and of
+the conversion kernels, against the numpy reference.
 
 On a GPU: OPS.md's mul_mat sweep (every weight dtype, n in 1..9, 16, 128, 512,
 broadcast batch ratios, permuted / transposed / offset b, odd K), mul_mat_id,
-out_prod, the fused patterns against the reference and against unfused runs
-(the rms_norm ones with every float weight type, n 1..8, every epilogue and
-x layout, poisoned outputs, tighter bounds), poisoned outputs, a 1b-shaped
-model fused vs unfused, and CUDA-graph replay == direct launches, each by NMSE
+out_prod, the fused patterns against the reference and against unfused runs,
+poisoned outputs, and CUDA-graph replay == direct launches, each by NMSE
 (OPS.md: 5e-4 for the matrix products).
 
 Random inputs come from a fresh seed each run, printed on failure; set
@@ -26,7 +23,6 @@ import itertools
 import re
 from typing import Callable
 
-import attrs
 import ml_dtypes
 import numpy as np
 import pytest
@@ -36,10 +32,8 @@ import opdispatch.plugins.cuda_matmul as cm
 from opdispatch import ops
 from opdispatch.backends.base import Device
 from opdispatch.backends.cuda.devices import H200
-from opdispatch.dtypes import dequantize, dtype, from_float
-from opdispatch.fusion import can_fuse
+from opdispatch.dtypes import dequantize, from_float
 from opdispatch.graph import Graph
-from opdispatch.models.llama import PRESETS, Generator, LlamaModel, random_weights, weight_shapes
 from opdispatch.plugins.cuda_matmul import fusion
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
@@ -208,16 +202,6 @@ def test_gate_up_glu_nodes_are_consecutive() -> None:
      ["mul_mat_id", "add_id", "mul_mat_id", "add_id", "glu"]),
     (lambda: _moe_add_id(4), "mul_mat_id_add_id", ["mul_mat_id", "add_id"]),
     (lambda: _moe_add_id(1), "mul_mat_id_add_id", ["mul_mat_id", "add_id"]),
-    (lambda: _norm_group("bf16"), "rms_norm_mul_mat", ["rms_norm", "mul", "mul_mat"]),
-    (lambda: _norm_group("f32", n=8), "rms_norm_mul_mat", ["rms_norm", "mul", "mul_mat"]),
-    (lambda: _norm_group("f16", n=3, glu=True), "rms_norm_mul_mat_glu",
-     ["rms_norm", "mul", "mul_mat", "mul_mat", "glu"]),
-    (lambda: _norm_group("bf16", bias=True), "rms_norm_mul_mat_add", ["rms_norm", "mul", "mul_mat", "add"]),
-    (lambda: _norm_group("f32", n=2, glu=True, bias=True), "rms_norm_mul_mat_add_glu",
-     ["rms_norm", "mul", "mul_mat", "add", "mul_mat", "add", "glu"]),
-    (lambda: ops.mul_mat(weight("w", (32, 64), "f16"), ops.mul(od.input("g", (1, 64)),
-                                                               ops.rms_norm(od.input("x", (1, 64))))),
-     "rms_norm_mul_mat", ["rms_norm", "mul", "mul_mat"]),  # the weight on either side of the mul
 ])
 def test_fuses(build: Callable[[], Tensor], rule: str, ops_in_group: list) -> None:
     plan = od.compile(build(), H200)
@@ -307,164 +291,6 @@ def test_fusion_parts_orders_gate_first() -> None:
         assert biases[0].name == ("bg" if gate_first else "bu")
 
 
-# -- rms_norm -> mul(weight) fused into the float mat-vec -----------------------------------------
-
-NORM_RULES = tuple(name for name, _ in fusion.PATTERNS if name.startswith("rms_norm"))
-
-
-def _norm_group(dt: str = "bf16", n: int = 1, *, k: int = 64, m: int = 32, glu: bool = False, bias: bool = False,
-                eps: float = 1e-5, x: Tensor | None = None, g: Tensor | None = None,
-                leaf: Callable[[str, tuple, str], Tensor] | None = None, norm: bool = True) -> Tensor:
-    """mul_mat(w, rms_norm(x) * g) (the norm weight g broadcast over the rows), or swiglu of a gate and
-    an up product of it, a bias after each product if `bias`: the nodes in the Llama builder's order.
-    `leaf(name, shape, dtype)` makes the weights, biases and g (default: weight()). norm=False: x * g
-    instead of rms_norm(x) * g (what a kernel that skips the norm computes)."""
-    leaf = leaf or (lambda name, shape, dt_: weight(name, shape, dt_, seed=len(name)))
-    x = od.input("x", (n, k)) if x is None else x
-    h = ops.mul(ops.rms_norm(x, eps) if norm else x, leaf("g", (k,), "f32") if g is None else g)
-
-    def product(name: str) -> Tensor:
-        y = ops.mul_mat(leaf(name, (m, k), dt), h)
-        return ops.add(y, leaf(f"b{name}", (m,), "f32")) if bias else y
-
-    return ops.glu_split(product("wg"), product("wu"), "swiglu") if glu else product("w")
-
-
-def test_norm_rules_are_asked_before_cuda_norms_pair() -> None:
-    """The longest pattern matches the nodes as the builders emit them, and cuda_matmul's rules come
-    before cuda_norm's rms_norm_mul at an rms_norm (same priority, ordered by name): the longer group wins."""
-    assert [n.op for n in Graph.build(_norm_group(glu=True, bias=True)).nodes] == list(
-        dict(fusion.PATTERNS)["rms_norm_mul_mat_add_glu"])
-    plan = od.compile(_norm_group(), H200)
-    assert plan.plugin_order.index("cuda_matmul") < plan.plugin_order.index("cuda_norm")
-    assert [s.kernel for s in plan.fusions] == ["rms_norm_mul_mat"]
-    # asked the other way round, cuda_norm's pair wins and the product runs alone
-    plan = od.compile(_norm_group(), H200, prefer=["cuda_norm"])
-    assert [(s.plugin, s.kernel) for s in plan.fusions] == [("cuda_norm", "rms_norm_mul")]
-    assert [s.kernel for s in steps_of(plan, "mul_mat")] == ["mmvf"]
-
-
-def _norm_weight_per_row() -> Tensor:
-    return _norm_group(n=2, g=od.input("g", (2, 64)))
-
-
-def _norm_weight_f16() -> Tensor:
-    return _norm_group(g=od.input("g", (64,), "f16"))
-
-
-def _norm_broadcast_by_the_mul() -> Tensor:
-    h = ops.mul(od.input("g", (3, 64)), ops.rms_norm(od.input("x", (1, 64))))
-    return ops.mul_mat(weight("w", (32, 64), "f16"), h)
-
-
-def _norm_rows_as_weights() -> Tensor:
-    h = ops.mul(ops.rms_norm(od.input("x", (4, 64))), od.input("g", (64,)))
-    return ops.mul_mat(h, od.input("y", (1, 64)))
-
-
-def _norm_glu_of_other_weight_dtypes() -> Tensor:
-    h = ops.mul(ops.rms_norm(od.input("x", (1, 64))), od.input("g", (64,)))
-    return ops.glu_split(ops.mul_mat(weight("wg", (32, 64), "f16"), h), ops.mul_mat(weight("wu", (32, 64), "bf16"), h),
-                         "swiglu")
-
-
-@pytest.mark.parametrize(("build", "reason", "pair"), [
-    (lambda: _norm_group("q4_0"), r"q4_0 weights: the norm fuses into the float mat-vec only", True),
-    (lambda: _norm_group("q8_0", n=3, glu=True), r"q8_0 weights: the norm fuses into the float mat-vec only", True),
-    (lambda: _norm_group("bf16", n=9), r"mul_mat takes cublas, not a mat-vec kernel \(batch 9 > 8\)", True),
-    (lambda: _norm_group("f16", n=9, glu=True), r"mul_mat takes cublas, not a mat-vec kernel \(batch 9 > 8\)",
-     True),
-    (_norm_weight_per_row, r"the norm weight 'g' \(2, 64\) f32 is not one row of 64 values", True),
-    (_norm_rows_as_weights, r"the mul_mat does not read the normalized rows as b", True),
-    (_norm_glu_of_other_weight_dtypes, r"the weights differ in dtype, shape or strides", True),
-    # cuda_norm's kernel declines these too: each node runs alone, both reasons in explain()
-    (_norm_weight_f16, r"the norm weight 'g' \(64,\) f16 must be f32", False),
-    (_norm_broadcast_by_the_mul, r"mul broadcasts the rms_norm result into \(3, 64\)", False),
-])
-def test_norm_fusion_declines_and_cuda_norm_takes_the_pair(build: Callable[[], Tensor], reason: str,
-                                                           pair: bool) -> None:
-    y = build()
-    graph = Graph.build(y)
-    ops_ = tuple(n.op for n in graph.nodes)
-    answers = [fusion.check(H200, graph.nodes[:len(p)], graph) for name, p in fusion.PATTERNS
-               if name in NORM_RULES and ops_[:len(p)] == p and can_fuse(graph, 0, p)]
-    assert answers and all(isinstance(a, str) for a in answers), answers
-    assert any(re.search(reason, a) for a in answers), answers
-    plan = od.compile(y, H200)
-    assert not [s for s in plan.fusions if s.kernel in NORM_RULES], plan.explain()
-    (norm,) = [s for s in plan.steps if s.nodes[0].op == "rms_norm"]
-    assert (norm.plugin, norm.kernel) == ("cuda_norm", "rms_norm_mul" if pair else "rms_norm_f32"), plan.explain()
-    if not pair:
-        assert re.search(r"not fused: rms_norm_mul_mat \(" + reason, plan.explain()), plan.explain()
-
-
-def _norm_read_by_two_products() -> list[Tensor]:
-    h = ops.mul(ops.rms_norm(od.input("x", (1, 64))), od.input("g", (64,)))
-    return [ops.mul_mat(weight("wq", (32, 64), "bf16"), h), ops.mul_mat(weight("wk", (16, 64), "bf16"), h)]
-
-
-def _normalized_rows_an_output() -> list[Tensor]:
-    y = _norm_group()
-    return [y, y.srcs[1]]
-
-
-def _norm_an_output() -> list[Tensor]:
-    y = _norm_group()
-    return [y, y.srcs[1].srcs[0]]
-
-
-@pytest.mark.parametrize(("build", "pair_fused"), [
-    (_norm_read_by_two_products, True),  # Llama's q, k, v apart (stack_qkv=False)
-    (_normalized_rows_an_output, True),  # the mul's result is an output: rms_norm_mul writes it
-    (_norm_an_output, False),
-])
-def test_norm_read_outside_the_group_is_not_fused_into_the_product(build: Callable[[], list], pair_fused: bool) -> None:
-    outputs = build()
-    graph = Graph.build(outputs)
-    ops_ = tuple(n.op for n in graph.nodes)
-    matching = [p for name, p in fusion.PATTERNS if name in NORM_RULES and ops_[:len(p)] == p]
-    assert matching and not any(can_fuse(graph, 0, p) for p in matching)
-    plan = od.compile(outputs, H200)
-    assert not [s for s in plan.fusions if s.kernel in NORM_RULES], plan.explain()
-    (norm,) = [s for s in plan.steps if s.nodes[0].op == "rms_norm"]
-    assert norm.plugin == "cuda_norm" and norm.kernel == ("rms_norm_mul" if pair_fused else "rms_norm_f32")
-    if not pair_fused:
-        assert ("rms_norm_mul_mat", "an intermediate result is read outside the group") in norm.unfused
-        assert "not fused: rms_norm_mul_mat (an intermediate result is read outside the group)" in plan.explain()
-
-
-def _zero_weights(cfg: object) -> dict[str, Tensor]:
-    """Params of the model's shapes holding zero bytes (norms f32, the rest cfg.dtype) without touching
-    their memory: enough to plan a 1b-sized model on a device description."""
-    out = {}
-    for name, shape in weight_shapes(cfg).items():
-        dt = "f32" if len(shape) == 1 else cfg.dtype
-        nbytes = int(np.prod(shape[:-1])) * dtype(dt).row_bytes(shape[-1])
-        out[name] = od.param(name, np.zeros(nbytes, np.uint8), dt, shape=shape)
-    return out
-
-
-@pytest.mark.parametrize(("dt", "batch"), [("bf16", 1), ("f16", 8), ("bf16", 9), ("q8_0", 1)])
-def test_1b_decode_fuses_every_norm_into_its_projections(dt: str, batch: int) -> None:
-    """The 1b preset's decode step (planned on an H200 description): each layer's attention norm goes
-    into the stacked q/k/v mat-vec, its MLP norm into the gate/up + swiglu mat-vec, the final norm
-    into the LM head; no rms_norm launch is left. Batches above 8 (cuBLAS) and block-format weights
-    (mmvq) keep cuda_norm's rms_norm_mul."""
-    cfg = attrs.evolve(PRESETS["1b"], dtype=dt)
-    plan = od.compile(LlamaModel(cfg, _zero_weights(cfg), max_seqs=batch).build(1, 100, batch=batch)[0], H200)
-    fused = [s.kernel for s in plan.fusions]
-    norms = [s for s in plan.steps if s.nodes[0].op == "rms_norm"]
-    assert len(norms) == 2 * cfg.layers + 1
-    if dt in FLOATS and batch <= 8:
-        assert fused.count("rms_norm_mul_mat") == cfg.layers + 1 and fused.count("rms_norm_mul_mat_glu") == cfg.layers
-        assert all(s.plugin == "cuda_matmul" and s.kernel in NORM_RULES for s in norms)
-        assert "rms_norm+mul+mul_mat+mul_mat+glu" in plan.explain()
-        assert "cuda_matmul [fused rms_norm_mul_mat_glu] on cuda0" in plan.explain()
-        assert "cuda_norm" not in plan.summary()["plugins"]
-    else:
-        assert all((s.plugin, s.kernel) == ("cuda_norm", "rms_norm_mul") for s in norms), plan.explain()
-
-
 # -- launch specs, without a GPU --------------------------------------------------------------
 
 BASE = 0x7F00_0000_0000  # 256-byte aligned, as arena slots and buffers are
@@ -498,15 +324,15 @@ def check_spec(spec: cm.KernelSpec) -> None:
 
 
 @pytest.mark.parametrize(("dt", "a_shape", "b_view", "kernel"), [
-    ("f16", (64, 4096), None, "mmv<W_F16, B_F32, 1, 2, true, EPI_NONE, false>"),
-    ("f32", (64, 65), None, "mmv<W_F32, B_F32, 8, 2, false, EPI_NONE, false>"),  # K % 8 != 0: scalar
-    ("bf16", (64, 80), None, "mmv<W_BF16, B_F32, 4, 2, true, EPI_NONE, false>"),
-    ("q4_0", (64, 4096), None, "mmvq<W_Q4_0, 1, EPI_NONE, 4, 1>"),
-    ("q8_0", (64, 96), "offset", "mmvq<W_Q8_0, 4, EPI_NONE, 4, 1>"),  # b read by elements: any layout
-    ("f16", (64, 96), "T", "mmv<W_F16, B_F32, 8, 2, false, EPI_NONE, false>"),  # b's K axis strided
-    ("f32", (64, 96), "offset", "mmv<W_F32, B_F32, 8, 2, false, EPI_NONE, false>"),  # b rows misaligned
-    ("q5_1", (64, 96), "f16", "mmvq<W_Q5_1, 4, EPI_NONE, 4, 1>"),
-    ("bf16", (64, 96), "f16", "mmv<W_BF16, B_F16, 8, 2, true, EPI_NONE, false>"),
+    ("f16", (64, 4096), None, "mmv<W_F16, B_F32, 1, 2, true, EPI_NONE>"),
+    ("f32", (64, 65), None, "mmv<W_F32, B_F32, 8, 2, false, EPI_NONE>"),  # K % 8 != 0: scalar
+    ("bf16", (64, 80), None, "mmv<W_BF16, B_F32, 4, 2, true, EPI_NONE>"),
+    ("q4_0", (64, 4096), None, "mmvq<W_Q4_0, 1, EPI_NONE>"),
+    ("q8_0", (64, 96), "offset", "mmvq<W_Q8_0, 4, EPI_NONE>"),  # b read by elements: any layout
+    ("f16", (64, 96), "T", "mmv<W_F16, B_F32, 8, 2, false, EPI_NONE>"),  # b's K axis strided
+    ("f32", (64, 96), "offset", "mmv<W_F32, B_F32, 8, 2, false, EPI_NONE>"),  # b rows misaligned
+    ("q5_1", (64, 96), "f16", "mmvq<W_Q5_1, 4, EPI_NONE>"),
+    ("bf16", (64, 96), "f16", "mmv<W_BF16, B_F16, 8, 2, true, EPI_NONE>"),
 ])
 def test_mmv_spec_picks_the_variant(dt: str, a_shape: tuple, b_view: str | None, kernel: str) -> None:
     k = a_shape[-1]
@@ -524,13 +350,13 @@ def test_mmv_spec_picks_the_variant(dt: str, a_shape: tuple, b_view: str | None,
     assert spec.kernel == kernel
     for sp in specs:
         check_spec(sp)
-    if dt in QUANTS:  # b quantized to q8_1 first, then QGEOM's rows a block
+    if dt in QUANTS:  # b quantized to q8_1 first, then QROWS rows a block
         quant = specs[0]
         assert len(specs) == 2 and quant.kernel == f"quantize_q8_1<{cm.B_KIND[b.dtype.name]}>"
         nbp = -(-k // 32 // 32) * 32
         assert quant.grid == (n, -(-k // 32 // 8)) and int(quant.args[0]) == fake_ptr(b)
         assert int(quant.args[-2]) == SCRATCH and int(quant.args[-1]) == SCRATCH + n * nbp * 32
-        assert spec.grid == (a_shape[0] // 4, 1, 1) and spec.block == cm.QGEOM.block(k, 1) and spec.smem == 0
+        assert spec.grid == (a_shape[0] // cm.QROWS, 1, 1) and spec.block == cm.q_threads(k) and spec.smem == 0
         assert (int(spec.args[7]), int(spec.args[8]), int(spec.args[9])) == (SCRATCH, SCRATCH + n * nbp * 32, nbp)
     else:
         assert spec.grid == (a_shape[0] // 2, 1, 1) and spec.block == cm.BLOCK and spec.smem == 0
@@ -541,30 +367,20 @@ def dtypes_block_bytes(dt: str) -> int:
 
 
 def test_q_constants_mirror_the_kernel() -> None:
-    """QWARPS_MAX, QUANT_BLOCK as mmv.cu has them; a block's threads from K and the geometry."""
+    """QROWS, QWARPS_MAX, QUANT_BLOCK as mmv.cu has them; threads a block from K."""
     src = cm.MMV_CU.read_text()
-    for name, value in (("QWARPS_MAX", cm.QWARPS_MAX), ("QUANT_BLOCK", cm.QUANT_BLOCK)):
+    for name, value in (("QROWS", cm.QROWS), ("QWARPS_MAX", cm.QWARPS_MAX), ("QUANT_BLOCK", cm.QUANT_BLOCK)):
         assert re.search(rf"constexpr int {name} = {value};", src), name
-    g = cm.QGeometry(rows=4, unroll=1, kwarps=4, groups=1)
-    assert [g.block(k, 1) for k in (32, 1024, 2048, 4096, 5632, 14336)] == [(32, 1), (32, 1), (64, 1)] + [(128, 1)] * 3
-    g = cm.QGeometry(rows=2, unroll=2, kwarps=2, groups=2)
-    assert [g.block(k, 1) for k in (1024, 2048, 4096)] == [(32, 2), (32, 2), (64, 2)]
-    assert g.block(4096, 8) == (64, 2) and g.tiles(100, cm.EPI_NONE) == 25 and g.tiles(100, cm.EPI_GLU) == 50
-    with pytest.raises(ValueError, match="QWARPS_MAX"):
-        cm.QGeometry(kwarps=4, groups=2)
+    assert [cm.q_threads(k) for k in (32, 1024, 2048, 4096, 5632, 14336)] == [32, 32, 64, 128, 128, 128]
     assert [cm.q8_padded(k) for k in (32, 1024, 1056, 4096)] == [32, 32, 64, 128]
-
-
-#: mmv.cu's mmv parameters, in order
-MMV_ARGS = ("a0", "a1", "a_row", "a_s2", "a_s3", "r2", "r3", "b", "b_col", "b_es", "b_s2", "b_s3", "out", "M", "K",
-            "N", "bias0", "bias1", "glu_kind", "alpha", "limit", "norm_w", "eps")
 
 
 def test_mmv_spec_batch_geometry() -> None:
     a = weight("w", (3, 2, 16, 64), "f16")
     y = ops.mul_mat(a, od.input("x", (6, 4, 5, 64)))
     (spec,) = cm.mmv_specs(y, y, fake_ptr, fake_scratch)
-    args = dict(zip(MMV_ARGS, spec.args))
+    args = dict(zip(["a0", "a1", "a_row", "a_s2", "a_s3", "r2", "r3", "b", "b_col", "b_es", "b_s2", "b_s3", "out",
+                     "M", "K", "N"], spec.args))
     assert spec.grid == (8, 4, 6)
     assert (args["r2"], args["r3"]) == (2, 2)
     assert (args["a_row"], args["a_s2"], args["a_s3"]) == (128, 16 * 128, 2 * 16 * 128)
@@ -578,14 +394,14 @@ def test_mmv_id_and_grouped_specs() -> None:
     y = ops.mul_mat_id(experts, od.input("x", (1, 1, 64)), ids)
     quant, spec = cm.mmv_id_specs(y, y, fake_ptr, fake_scratch)
     assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (1, 1)
-    assert spec.kernel == "mmvq_id<W_Q4_0, EPI_NONE, 4, 1>" and spec.grid == (8, 4, 1)
-    assert spec.block == (32, 1) and spec.smem == 0
+    assert spec.kernel == "mmvq_id<W_Q4_0, EPI_NONE>" and spec.grid == (8, 4, 1)
+    assert spec.block == 32 and spec.smem == 0
     check_spec(quant)
     check_spec(spec)
     y = ops.mul_mat_id(experts, od.input("x", (32, 1, 64)), od.input("ids", (32, 4), "i32"))
     route, quant, grouped = cm.grouped_specs(y, y, fake_ptr, fake_scratch)
     assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (32, 1)  # 32 tokens x 1 b row
-    assert grouped.kernel == "mmvq_id_grouped<W_Q4_0, 8, EPI_NONE, 4, 1>" and grouped.grid == (8, 8)
+    assert grouped.kernel == "mmvq_id_grouped<W_Q4_0, 8, EPI_NONE>" and grouped.grid == (8, 8)
     assert grouped.smem == 0
     check_spec(quant)
     check_spec(grouped)
@@ -606,61 +422,11 @@ def test_fused_glu_spec() -> None:
     quant, spec = cm.mmv_specs(prods[0], nodes[-1], fake_ptr, fake_scratch, a1=prods[1].srcs[0],
                                bias0=biases[0], bias1=biases[1], glu=glu)
     assert quant.kernel == "quantize_q8_1<B_F32>"  # b quantized once for both weights
-    assert spec.kernel == "mmvq<W_Q4_0, 2, EPI_GLU, 4, 1>"
+    assert spec.kernel == "mmvq<W_Q4_0, 2, EPI_GLU>"
     m = prods[0].shape[-1]
-    assert spec.grid == (-(-m // 2), 1, 1)  # 4 streams, gate and up: 2 output rows a block
+    assert spec.grid == (-(-m // (cm.QROWS // 2)), 1, 1)  # gate and up rows: half as many a block
     check_spec(spec)
     assert int(spec.args[1]) == fake_ptr(prods[1].srcs[0]) and int(spec.args[-3]) == 1  # geglu
-
-
-def _offset_rows(n: int, k: int) -> Tensor:
-    """x (n, k) whose rows start 4 bytes past 16-byte alignment."""
-    x = od.input("x", (n, k + 1))
-    return x.view((n, k), x.strides, 4)
-
-
-def _strided_rows(n: int, k: int) -> Tensor:
-    """x (n, k): the first half of each row of an (n, 2k) input (aligned rows, 2k apart)."""
-    x = od.input("x", (n, 2 * k))
-    return x.view((n, k), x.strides)
-
-
-def _offset_norm_weight(k: int) -> Tensor:
-    g = od.input("g", (k + 1,))
-    return g.view((k,), g.strides, 4)
-
-
-@pytest.mark.parametrize(("build", "kernel"), [
-    (lambda: _norm_group("bf16", n=3), "mmv<W_BF16, B_F32, 4, 2, true, EPI_NONE, true>"),
-    (lambda: _norm_group("f16", glu=True), "mmv<W_F16, B_F32, 1, 2, true, EPI_GLU, true>"),
-    (lambda: _norm_group("f32", n=2, glu=True, bias=True), "mmv<W_F32, B_F32, 2, 2, true, EPI_GLU, true>"),
-    (lambda: _norm_group("f32", n=8, bias=True), "mmv<W_F32, B_F32, 8, 2, true, EPI_BIAS, true>"),
-    (lambda: _norm_group("bf16", n=5, k=65), "mmv<W_BF16, B_F32, 8, 2, false, EPI_NONE, true>"),  # K % 8: scalar
-    (lambda: _norm_group("f16", n=2, x=_offset_rows(2, 64)), "mmv<W_F16, B_F32, 8, 2, false, EPI_NONE, true>"),
-    (lambda: _norm_group("bf16", n=2, x=_strided_rows(2, 64)), "mmv<W_BF16, B_F32, 2, 2, true, EPI_NONE, true>"),
-    (lambda: _norm_group("f16", g=_offset_norm_weight(64)), "mmv<W_F16, B_F32, 8, 2, false, EPI_NONE, true>"),
-])
-def test_norm_spec_reads_x_and_the_norm_weight(build: Callable[[], Tensor], kernel: str) -> None:
-    """The fused launch reads rms_norm's x as b (its own strides) and gets the norm weight and eps."""
-    y = build()
-    group = [n for n in Graph.build(y).nodes if n.op != "view"]
-    (spec,) = cm.fused_specs(group, fake_ptr, fake_scratch)
-    assert spec.kernel == kernel
-    check_spec(spec)
-    args = dict(zip(MMV_ARGS, spec.args))
-    norm, x, g = group[0], group[0].srcs[0], fusion.split_norm(group)[0].weight
-    assert g.base.name == "g"
-    assert (args["b"], args["b_col"], args["b_es"]) == (fake_ptr(x), x.strides[0], x.strides[1])
-    assert (args["norm_w"], args["eps"]) == (fake_ptr(g), np.float32(norm.params["eps"]))
-    assert (args["out"], args["N"], args["K"]) == (fake_ptr(y), x.shape[0], x.shape[1])
-    assert spec.grid == (-(-group[2].shape[-1] // cm.ROWS), 1, 1)
-
-
-def test_unfused_mmv_passes_no_norm() -> None:
-    y = ops.mul_mat(weight("w", (32, 64), "bf16"), od.input("x", (1, 64)))
-    (spec,) = cm.mmv_specs(y, y, fake_ptr, fake_scratch)
-    assert spec.kernel.endswith("EPI_NONE, false>")
-    assert (int(spec.args[-2]), float(spec.args[-1])) == (0, 0.0)
 
 
 def test_cublaslt_structs_and_alignment() -> None:
@@ -723,37 +489,8 @@ class Memory:
     def run(self, spec: cm.KernelSpec | cm.GemmSpec) -> None:
         if isinstance(spec, cm.GemmSpec):
             self.gemm(spec)
-        elif spec.kernel.startswith("mmv<"):
-            self.mmv(spec)
         else:
             self.convert(spec)
-
-    def mmv(self, spec: cm.KernelSpec) -> None:
-        """mmv.cu's mmv in float64, as its comments define it, from the template and kernel arguments
-        (GLU: swiglu only)."""
-        wt, tb, _, _, _, epi, norm = (t.strip() for t in spec.kernel[len("mmv<"):-1].split(","))
-        a = {name: v.item() for name, v in zip(MMV_ARGS, spec.args)}
-        _, b2, b3 = spec.grid
-        m, k, n = a["M"], a["K"], a["N"]
-        wdt, f32 = NP[W_OF[wt]], np.dtype(np.float32)
-        out = self.array(a["out"], (b3, b2, n, m), (b2 * n * m * 4, n * m * 4, m * 4, 4), f32)
-        for i3, i2 in itertools.product(range(b3), range(b2)):
-            x = self.array(a["b"] + i3 * a["b_s3"] + i2 * a["b_s2"], (n, k), (a["b_col"], a["b_es"]), NP[B_OF[tb]])
-            x = x.astype(np.float64)
-            if norm == "true":
-                x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + a["eps"]) * self.array(
-                    a["norm_w"], (k,), (4,), f32)
-            w_off = (i3 // a["r3"]) * a["a_s3"] + (i2 // a["r2"]) * a["a_s2"]
-
-            def product(w: int, bias: int) -> np.ndarray:
-                v = x @ self.array(w + w_off, (m, k), (a["a_row"], wdt.itemsize), wdt).astype(np.float64).T
-                return v + self.array(bias, (m,), (4,), f32) if bias and epi != "EPI_NONE" else v
-
-            v = product(a["a0"], a["bias0"])
-            if epi == "EPI_GLU":
-                assert a["glu_kind"] == cm.GLU_CODE["swiglu"]
-                v = v / (1 + np.exp(-v)) * product(a["a1"], a["bias1"])
-            out[i3, i2] = v
 
     def convert(self, spec: cm.KernelSpec) -> None:
         kind, types = spec.kernel.split("<")
@@ -855,32 +592,6 @@ OUT_PROD_CASES = {
     "b strided": ("f32", (7, 13), (7, 10), lambda x: x.view((7, 5), (40, 8)), ["convert", "gemm"]),
     "k = 1": ("f32", (1, 13), (1, 5), None, ["gemm"]),
 }
-
-
-NORM_EMULATED: dict[str, Callable[[Callable], Tensor]] = {
-    # name: build(leaf) -> the group's last node
-    "bf16 n=3": lambda leaf: _norm_group("bf16", 3, k=96, x=leaf("x", (3, 96), "f32"), leaf=leaf),
-    "f16 glu bias n=2 m=41": lambda leaf: _norm_group("f16", 2, k=72, m=41, glu=True, bias=True,
-                                                       x=leaf("x", (2, 72), "f32"), leaf=leaf),
-    "f32 k=65 strided x": lambda leaf: _norm_group("f32", 4, k=65, x=leaf("x", (4, 130), "f32").view((4, 65), (520, 4)),
-                                                   leaf=leaf),
-    "bf16 glu eps-dominated": lambda leaf: _norm_group("bf16", 1, k=64, glu=True, eps=0.5,
-                                                       x=leaf("x", (1, 64), "f32"), leaf=leaf),
-}
-
-
-@pytest.mark.parametrize("case", list(NORM_EMULATED))
-def test_norm_specs_compute_the_group(case: str, rng) -> None:  # noqa: ANN001
-    """The fused launch, run by the numpy emulation of mmv (Memory.mmv), gives the reference's result
-    of the whole group: the arguments point at x, the weights, the norm weight, eps and the biases."""
-    y = NORM_EMULATED[case](lambda name, shape, dt: od.param(name, uniform(rng, shape), dt))
-
-    def specs(y: Tensor, ptr: Callable, scratch: Callable) -> list:
-        return cm.fused_specs([n for n in Graph.build(y).nodes if n.op != "view"], ptr, scratch)
-
-    got, ref, (spec,) = _emulate(y, specs)
-    assert spec.kernel.endswith("true>")
-    assert nmse(got, ref) <= 1e-12, nmse(got, ref)
 
 
 @pytest.mark.parametrize("case", list(OUT_PROD_CASES))
@@ -1171,95 +882,3 @@ def test_cuda_graph_replay_matches_direct_launches(monkeypatch: pytest.MonkeyPat
         for d_run, r_run in zip(direct, replayed):
             for d, r in zip(d_run, r_run):
                 assert np.array_equal(d, r)
-
-
-# -- rms_norm fused into the float mat-vec, on a GPU ----------------------------------------------
-
-#: fused vs the reference: f32 arithmetic in both, the weights' rounding in the stored values both
-#: read, so far below mul_mat's bound; fused vs unfused: the same but for the rounding of x * scale *
-#: weight and the order of the sums. A norm, its weight or (where it decides) eps left out is off by
-#: far more (test_norm_bounds_tell_a_wrong_norm_apart).
-NORM_NMSE, NORM_VS_UNFUSED = 1e-6, 1e-8
-NORM_FORMS = {"plain": (False, False), "glu": (True, False), "bias": (False, True), "bias glu": (True, True)}
-NORM_X = {"packed": lambda n, k: od.input("x", (n, k)), "offset rows": _offset_rows, "strided rows": _strided_rows}
-#: (K, M, x layout, x scale, eps): 16-byte loads with a partial last row tile; K % 8 != 0 (scalar
-#: loads); misaligned x rows (scalar); strided x rows; mean(x^2) ~ 3e-7 far below eps (eps decides)
-NORM_CASES = ((256, 41, "packed", 4.0, 1e-5), (100, 40, "packed", 1.0, 1e-6), (128, 40, "offset rows", 2.0, 1e-5),
-              (128, 40, "strided rows", 0.5, 1e-5), (2048, 40, "packed", 1e-3, 1e-4))
-
-
-def _norm_case(dt: str, n: int, form: str, case: tuple, *, norm: bool = True, eps: float | None = None) -> Tensor:
-    """The group of NORM_FORMS[form] for NORM_CASES' `case` (its eps unless given), every leaf an input."""
-    k, m, layout, _, case_eps = case
-    glu, bias = NORM_FORMS[form]
-    return _norm_group(dt, n, k=k, m=m, glu=glu, bias=bias, eps=case_eps if eps is None else eps,
-                       x=NORM_X[layout](n, k), leaf=od.input, norm=norm)
-
-
-def _norm_feeds(y: Tensor, case: tuple, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Random feeds by leaf name, x scaled by the case's scale."""
-    feeds = {t.name: v for t, v in feeds_for(y, rng).items()}
-    feeds["x"] = feeds["x"] * np.float32(case[3])
-    return feeds
-
-
-@pytest.mark.parametrize("form", list(NORM_FORMS))
-def test_norm_bounds_tell_a_wrong_norm_apart(form: str, rng) -> None:  # noqa: ANN001
-    """Without a GPU: the reference of the group with the norm, its weight or (where it decides) eps
-    left out is further from the right result than the GPU tests allow, so they fail on such a kernel."""
-    for case in NORM_CASES:
-        y = _norm_case("bf16", 3, form, case)
-        feeds = _norm_feeds(y, case, rng)
-        (ref,) = od.compile(y, "cpu").run(feeds)
-        wrongs = {"weight": (y, {**feeds, "g": np.ones(case[0], np.float32)}),
-                  "norm": (_norm_case("bf16", 3, form, case, norm=False), feeds)}
-        if case[4] == 1e-4:
-            wrongs["eps"] = (_norm_case("bf16", 3, form, case, eps=0.0), feeds)
-        for what, (graph, values) in wrongs.items():
-            (bad,) = od.compile(graph, "cpu").run(values)
-            assert nmse(bad, ref) > 1e2 * NORM_NMSE, f"{what} left out, case {case}: NMSE {nmse(bad, ref):.3g}"
-
-
-@gpu
-@pytest.mark.parametrize("form", list(NORM_FORMS))
-@pytest.mark.parametrize("n", range(1, 9))
-@pytest.mark.parametrize("dt", FLOATS)
-def test_norm_fused_matches_reference_and_unfused(dt: str, n: int, form: str, rng) -> None:  # noqa: ANN001
-    glu, bias = NORM_FORMS[form]
-    rule = "rms_norm_mul_mat" + "_add" * bias + "_glu" * glu
-    for case in NORM_CASES:
-        y = _norm_case(dt, n, form, case)
-        feeds = _norm_feeds(y, case, rng)
-        what = f"{rule} a={dt} n={n} (K, M, x, scale, eps)={case}"
-        plan = od.compile(y, "cuda0")
-        assert [(s.plugin, s.kernel) for s in plan.fusions] == [("cuda_matmul", rule)], plan.explain()
-        poison_arenas(plan)
-        (fused,) = plan.run(feeds)
-        (ref,) = od.compile(y, "cpu").run(feeds)
-        assert_close(fused, ref, f"{what}: fused vs reference", NORM_NMSE)
-        unfused_plan = od.compile(y, "cuda0", fusion=False)
-        assert not unfused_plan.fusions and [s.plugin for s in steps_of(unfused_plan, "rms_norm")] == ["cuda_norm"]
-        (unfused,) = unfused_plan.run(feeds)
-        assert_close(fused, unfused, f"{what}: fused vs unfused", NORM_VS_UNFUSED)
-
-
-@gpu
-def test_1b_shaped_decode_fused_matches_unfused(rng) -> None:  # noqa: ANN001
-    """Two layers of the 1b preset (hidden 2048, bf16): prefill (6 rows) and decode with every norm fused
-    into its projections give the logits of the unfused plans."""
-    cfg = attrs.evolve(PRESETS["1b"], layers=2, vocab=1000, max_ctx=256)
-    w = random_weights(cfg, seed=int(rng.integers(2**31)))
-    gens = [Generator(LlamaModel(cfg, w), "cuda0", fusion=fusion) for fusion in (True, False)]
-    prompt = rng.integers(0, cfg.vocab, 6).tolist()
-    logits = [[g.forward(prompt)] for g in gens]
-    for _ in range(3):
-        token = [int(np.argmax(logits[0][-1][-1]))]
-        for g, out in zip(gens, logits):
-            out.append(g.forward(token))
-    plan, _ = gens[0].step(1, gens[0].n_past)
-    rules = [s.kernel for s in plan.fusions]
-    assert rules.count("rms_norm_mul_mat") == cfg.layers + 1 and rules.count("rms_norm_mul_mat_glu") == cfg.layers
-    assert "cuda_matmul [fused rms_norm_mul_mat_glu] on cuda0" in plan.explain()
-    assert not gens[1].step(1, gens[1].n_past)[0].fusions
-    assert_close(np.concatenate(logits[0]), np.concatenate(logits[1]), "1b-shaped steps, fused vs unfused", 1e-6)
-

@@ -262,7 +262,7 @@ def rope_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
     args = (u64(ptr(x)), u64(ptr(pos)), _ff(node, ptr), u64(ptr(node)), u32(lay.threads), i32(lay.vec), i32(h),
             i32(lay.groups), i32(t), i64(xs_h), i64(xs_t), i64(xs_b), *_rope_params(node))
     name = rope_kernel(node.params["mode"] == "neox", x.dtype.name)
-    return [KernelSpec(ROPE_CU, name, lay.grid, ROPE_BLOCK, args, pdl=True)]
+    return [KernelSpec(ROPE_CU, name, lay.grid, ROPE_BLOCK, args)]
 
 
 def _cache_packs(cache: Tensor, ptr: Ptr) -> bool:
@@ -279,7 +279,7 @@ def rope_set_rows_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[KernelSpec]:
     args = (u64(ptr(x)), u64(ptr(rope.srcs[1])), _ff(rope, ptr), u64(ptr(cache)), u64(ptr(idx)), u32(lay.threads),
             i32(lay.vec), i32(h), i32(lay.groups), i64(xs_h), i64(xs_t), i64(cs), *_rope_params(rope))
     name = rope_set_rows_kernel(rope.params["mode"] == "neox", cache.dtype.name, idx.dtype.name)
-    return [KernelSpec(ROPE_CU, name, lay.grid, ROPE_BLOCK, args, pdl=True)]
+    return [KernelSpec(ROPE_CU, name, lay.grid, ROPE_BLOCK, args)]
 
 
 def rope_qkv_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[KernelSpec]:
@@ -304,7 +304,7 @@ def rope_qkv_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[KernelSpec]:
             i64(v_cache.strides[-2] // v_cache.dtype.block_bytes), *_rope_params(rope_q))
     name = rope_qkv_kernel(rope_q.params["mode"] == "neox", k_cache.dtype.name, idx.dtype.name)
     blocks = -(-max(lq.threads, lk.threads, v_threads) // ROPE_BLOCK)
-    return [KernelSpec(ROPE_CU, name, (blocks, 3), ROPE_BLOCK, args, pdl=True)]
+    return [KernelSpec(ROPE_CU, name, (blocks, 3), ROPE_BLOCK, args)]
 
 
 # -- flash_attn_ext --------------------------------------------------------------------------------
@@ -391,8 +391,7 @@ def flash_plan(node: Tensor, sm_count: int = 132) -> FlashPlan:
                     u64(acc), u64(ml), u64(counters), u64(ptr(sinks) if sinks is not None else 0),
                     u64(ptr(node)), *common[:4], i32(group), i32(ncg), *common[5:], i32(chunk),
                     i32(_kv_vec(k, v, ptr)))
-            return [KernelSpec(DECODE_CU, decode_kernel(d, kv), (nsplit, hkv * ncg, b), 128, args, decode_smem(d),
-                               pdl=True)]
+            return [KernelSpec(DECODE_CU, decode_kernel(d, kv), (nsplit, hkv * ncg, b), 128, args, decode_smem(d))]
 
         return FlashPlan("decode", ws, make_decode, nsplit, chunk)
 

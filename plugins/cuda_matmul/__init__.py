@@ -1,4 +1,4 @@
-"""The cuda_matmul plugin: mul_mat, mul_mat_id, out_prod; quantized mat-vec; fusions (fusion.py).
+"""The cuda_matmul plugin: mul_mat, mul_mat_id, out_prod; quantized mat-vec; bias/GLU fusions.
 
 Paths (support.py picks one per node; its name shows in `Plan.explain()`):
 
@@ -7,11 +7,11 @@ Paths (support.py picks one per node; its name shows in `Plan.explain()`):
   (f32/f16/bf16), 16-byte loads. Block formats take two launches: quantize_q8_1
   turns b into int8 codes with a scale per 32 values (ggml's q8_1) in a scratch
   buffer, once per node; then each thread of the mat-vec reads whole quant blocks
-  of its row group's rows straight from global memory (the aligned 16-byte
-  granules that hold each 2-byte aligned block; consecutive threads, consecutive
-  blocks; the split is QGEOM's) and dots them with b by dp4a, no shared-memory
-  staging. The rounding of b this adds is ggml's too (its CPU and CUDA backends
-  quantize b for these types) and lies well inside mul_mat's NMSE bound.
+  of QROWS rows straight from global memory (the aligned 16-byte granules that
+  hold each 2-byte aligned block; consecutive threads, consecutive blocks) and
+  dots them with b by dp4a, no shared-memory staging. The rounding of b this adds
+  is ggml's too (its CPU and CUDA backends quantize b for these types) and lies
+  well inside mul_mat's NMSE bound.
 - cublas: float weights, N > 8: cuBLAS through our own handles
   (core/backends/cuda/cublas.py, usable under CUDA-graph capture): cublasLt
   (algorithm timed once per problem) for one GEMM or strided batches when
@@ -43,7 +43,6 @@ turns specs into pre-bound launches.
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
@@ -81,8 +80,9 @@ ROWS = 2  # rows of a a mat-vec block computes (the kernels' R)
 NTS = (1, 2, 4, 8)  # column counts the mat-vec kernels are compiled for
 ROUTE_BLOCK = 1024  # mmv.cu's ROUTE_BLOCK
 CONVERT_BLOCK = 256  # convert.cu's CONVERT_BLOCK
-# mmv.cu's block-format mat-vec: warps a block at most; quantize_q8_1's threads
-QWARPS_MAX, QUANT_BLOCK = 4, 256
+# mmv.cu's block-format mat-vec: weight rows (streams) a block, warps a block at most,
+# quantize_q8_1's threads
+QROWS, QWARPS_MAX, QUANT_BLOCK = 4, 4, 256
 CONVERT_GRID_MAX = 65536  # blocks of a conversion (grid-stride over rows beyond)
 
 
@@ -90,8 +90,8 @@ def _b(flag: bool) -> str:
     return "true" if flag else "false"
 
 
-def mmv_name(wt: str, tb: str, nt: int, vec: bool, epi: str, norm: bool = False) -> str:
-    return f"mmv<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {ROWS}, {_b(vec)}, {epi}, {_b(norm)}>"
+def mmv_name(wt: str, tb: str, nt: int, vec: bool, epi: str) -> str:
+    return f"mmv<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {ROWS}, {_b(vec)}, {epi}>"
 
 
 def mmv_id_name(wt: str, tb: str, vec: bool, epi: str) -> str:
@@ -102,59 +102,25 @@ def grouped_name(wt: str, tb: str, nt: int, vec: bool, epi: str) -> str:
     return f"mmv_id_grouped<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {ROWS}, {_b(vec)}, {epi}>"
 
 
-@attrs.frozen
-class QGeometry:
-    """How the block-format mat-vec kernels (mmv.cu's mmvq*) split the work. A row group
-    computes `rows` weight rows (the kernels' R streams; EPI_GLU: half gate, half up rows),
-    its threads splitting K over up to `kwarps` warps (a warp per 32 * unroll quant blocks);
-    each thread loads `unroll` blocks of every row before using them (the kernels' KU; with
-    one b column only: more columns already reuse each block); `groups` row groups a block."""
-
-    rows: int = attrs.field(default=4, validator=attrs.validators.in_((2, 4, 8)))
-    unroll: int = attrs.field(default=1, validator=attrs.validators.in_((1, 2, 4)))
-    kwarps: int = 4
-    groups: int = 1
-
-    def __attrs_post_init__(self) -> None:
-        if not 1 <= self.kwarps * self.groups <= QWARPS_MAX:
-            raise ValueError(f"{self}: kwarps * groups must be 1..{QWARPS_MAX} (mmv.cu's QWARPS_MAX)")
-
-    def unroll_for(self, nt: int) -> int:
-        return self.unroll if nt == 1 else 1
-
-    def block(self, k: int, nt: int) -> tuple[int, int]:
-        """(threads a row group, row groups): a warp per 32 * unroll quant blocks of a row, at most kwarps."""
-        per_warp = 32 * self.unroll_for(nt)
-        return 32 * min(self.kwarps, max(1, math.ceil(k // 32 / per_warp))), self.groups
-
-    def tiles(self, m: int, epi: str) -> int:
-        """Blocks along M: each row group writes rows / 2 rows for EPI_GLU (gate and up streams)."""
-        return math.ceil(m / (self.groups * self.rows // (2 if epi == EPI_GLU else 1)))
+def mmvq_name(wt: str, nt: int, epi: str) -> str:
+    return f"mmvq<{W_KIND[wt]}, {nt}, {epi}>"
 
 
-#: the split every mmvq* launch takes, read at bind time
-QGEOM = QGeometry()
-#: quantize_q8_1 and the mmvq* kernels as programmatic dependent launches (KernelSpec.pdl), read at bind time
-Q_PDL = False
+def mmvq_id_name(wt: str, epi: str) -> str:
+    return f"mmvq_id<{W_KIND[wt]}, {epi}>"
 
 
-def mmvq_name(wt: str, nt: int, epi: str, g: QGeometry | None = None) -> str:
-    g = g or QGEOM
-    return f"mmvq<{W_KIND[wt]}, {nt}, {epi}, {g.rows}, {g.unroll_for(nt)}>"
-
-
-def mmvq_id_name(wt: str, epi: str, g: QGeometry | None = None) -> str:
-    g = g or QGEOM
-    return f"mmvq_id<{W_KIND[wt]}, {epi}, {g.rows}, {g.unroll_for(1)}>"
-
-
-def qgrouped_name(wt: str, nt: int, epi: str, g: QGeometry | None = None) -> str:
-    g = g or QGEOM
-    return f"mmvq_id_grouped<{W_KIND[wt]}, {nt}, {epi}, {g.rows}, {g.unroll_for(nt)}>"
+def qgrouped_name(wt: str, nt: int, epi: str) -> str:
+    return f"mmvq_id_grouped<{W_KIND[wt]}, {nt}, {epi}>"
 
 
 def quantize_name(tb: str) -> str:
     return f"quantize_q8_1<{B_KIND[tb]}>"
+
+
+def q_threads(k: int) -> int:
+    """Threads of a block-format mat-vec block: a warp per 32 quant blocks of a row, 1 to QWARPS_MAX."""
+    return 32 * min(QWARPS_MAX, max(1, math.ceil(k // 32 / 32)))
 
 
 def q8_padded(k: int) -> int:
@@ -171,7 +137,7 @@ def quantize_spec(b: Tensor, pb: int, scratch: Scratch) -> tuple[KernelSpec, int
     bds = bq + rows * nbp * 32
     spec = KernelSpec(MMV_CU, quantize_name(b.dtype.name), (max(rows, 1), max(1, math.ceil(k // 32 / 8))),
                       QUANT_BLOCK, (U64(pb), I64(_elem_stride(b)), I64(s1), I64(s2), I64(s3), I32(max(n1, 1)),
-                                    I32(max(n2, 1)), I32(k), I32(nbp), U64(bq), U64(bds)), pdl=Q_PDL)
+                                    I32(max(n2, 1)), I32(k), I32(nbp), U64(bq), U64(bds)))
     return spec, bq, bds, nbp
 
 
@@ -198,8 +164,6 @@ MMV_NAMES: tuple[str, ...] = (
     *(mmv_name(wt, "f32", nt, True, epi) for epi in EPIS for wt in FLOAT_NAMES for nt in NTS),
     *(mmv_name(wt, "f32", 8, False, epi) for epi in EPIS for wt in FLOAT_NAMES),
     *(mmv_name(wt, tb, 8, vec, EPI_NONE) for wt in FLOAT_NAMES for tb in ("f16", "bf16") for vec in (False, True)),
-    *(mmv_name(wt, "f32", nt, True, epi, True) for epi in EPIS for wt in FLOAT_NAMES for nt in NTS),
-    *(mmv_name(wt, "f32", 8, False, epi, True) for epi in EPIS for wt in FLOAT_NAMES),
     *(quantize_name(tb) for tb in FLOAT_NAMES),
     *(mmvq_name(wt, nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
     *(mmv_id_name(wt, "f32", vec, epi) for wt in FLOAT_NAMES for vec in (False, True) for epi in EPIS),
@@ -299,14 +263,11 @@ def _addr(ptr: Ptr, t: Tensor | None) -> np.uint64:
 
 
 def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tensor | None = None,
-              bias0: Tensor | None = None, bias1: Tensor | None = None, glu: Tensor | None = None,
-              norm: fusion.Norm | None = None) -> list[KernelSpec]:
+              bias0: Tensor | None = None, bias1: Tensor | None = None, glu: Tensor | None = None
+              ) -> list[KernelSpec]:
     """mmv (float weights) or mmvq (block formats) for mul_mat `node` writing `out` (node
-    itself, or the last node of a fused group). With `norm` (float weights only), the kernel
-    reads rms_norm's x in place of b and normalizes it (b is rms_norm(x) * weight)."""
+    itself, or the last node of a fused group)."""
     a, b = node.srcs
-    if norm is not None:
-        b = norm.x
     (a3, a2, m, k), (sa3, sa2, sa1, _) = _geometry(a)
     (b3, b2, n, _), (sb3, sb2, sb1, _) = _geometry(b)
     pa, pb, tb = ptr(a), ptr(b), b.dtype.name
@@ -317,16 +278,14 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     if a.dtype.is_quant:
         quant, bq, bds, nbp = quantize_spec(b, pb, scratch)
         qargs = (*args[:7], U64(bq), U64(bds), I32(nbp), *args[12:])
-        nt = nt_for(max(n, 1))
-        grid = (QGEOM.tiles(m, epi) if n else 0, b2, b3)
-        return [quant, KernelSpec(MMV_CU, mmvq_name(a.dtype.name, nt, epi), grid, QGEOM.block(k, nt), qargs,
-                                  pdl=Q_PDL)]
-    vec = (k % 4 == 0 and _b_vec(b, pb) and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0)
-           and (norm is None or ptr(norm.weight) % 16 == 0))
+        rows = QROWS // (2 if epi == EPI_GLU else 1)
+        grid = (math.ceil(m / rows) if n else 0, b2, b3)
+        return [quant, KernelSpec(MMV_CU, mmvq_name(a.dtype.name, nt_for(max(n, 1)), epi), grid, q_threads(k),
+                                  qargs)]
+    vec = (k % 4 == 0 and _b_vec(b, pb) and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0))
     nt = nt_for(max(n, 1)) if vec and tb == "f32" else 8
     grid = (math.ceil(m / ROWS) if n else 0, b2, b3)
-    args += (_addr(ptr, norm.weight), F32(norm.eps)) if norm is not None else (U64(0), F32(0.0))
-    return [KernelSpec(MMV_CU, mmv_name(a.dtype.name, tb, nt, vec, epi, norm is not None), grid, BLOCK, args)]
+    return [KernelSpec(MMV_CU, mmv_name(a.dtype.name, tb, nt, vec, epi), grid, BLOCK, args)]
 
 
 def _id_b(node: Tensor, ptr: Ptr) -> tuple[int, int, int, int, bool]:
@@ -356,8 +315,9 @@ def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: T
     if as_.dtype.is_quant:
         quant, bq, bds, nbp = quantize_spec(b, pb, scratch)
         qargs = (*args[:8], U64(bq), U64(bds), I32(nbp), I32(ub), *args[13:])
-        return [quant, KernelSpec(MMV_CU, mmvq_id_name(as_.dtype.name, epi), (QGEOM.tiles(m, epi), u, t),
-                                  QGEOM.block(k, 1), qargs, pdl=Q_PDL)]
+        rows = QROWS // (2 if epi == EPI_GLU else 1)
+        return [quant, KernelSpec(MMV_CU, mmvq_id_name(as_.dtype.name, epi), (math.ceil(m / rows), u, t),
+                                  q_threads(k), qargs)]
     return [KernelSpec(MMV_CU, mmv_id_name(as_.dtype.name, "f32", vec, epi), (math.ceil(m / ROWS), u, t), BLOCK,
                        args)]
 
@@ -393,7 +353,7 @@ def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, bias
         qspec, bq, bds, nbp = quantize_spec(b, pb, scratch)
         qargs = (*args[:5], U64(bq), U64(bds), I32(nbp), I32(ub), *args[10:])
         specs += [qspec, KernelSpec(MMV_CU, qgrouped_name(as_.dtype.name, nt, epi),
-                                    (QGEOM.tiles(m, epi), min(e, pairs)), QGEOM.block(k, nt), qargs, pdl=Q_PDL)]
+                                    (math.ceil(m / QROWS), min(e, pairs)), q_threads(k), qargs)]
     else:
         specs.append(KernelSpec(MMV_CU, grouped_name(as_.dtype.name, "f32", nt, vec, epi),
                                 (math.ceil(m / ROWS), min(e, pairs)), BLOCK, args))
@@ -623,12 +583,11 @@ def bind_mmv_id_grouped(ctx: CudaContext, node: Tensor) -> Launch:
 def fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch) -> list[KernelSpec]:
     """Any group of fusion.PATTERNS: the mat-vec launch (after b's quantization, for block
     formats) that writes the last node."""
-    norm, nodes = fusion.split_norm(nodes)
     prods, biases, glu = fusion.parts(nodes)
     out, first = nodes[-1], prods[0]
     if first.op == "mul_mat_id" and glu is None and first.shape[0] > 1:
         return grouped_specs(first, out, ptr, scratch, bias=biases[0])
-    make = functools.partial(mmv_specs, norm=norm) if first.op == "mul_mat" else mmv_id_specs
+    make = mmv_specs if first.op == "mul_mat" else mmv_id_specs
     if glu is None:
         return make(first, out, ptr, scratch, bias0=biases[0])
     return make(first, out, ptr, scratch, a1=prods[1].srcs[0], bias0=biases[0], bias1=biases[1], glu=glu)
@@ -655,7 +614,7 @@ PATHS: tuple[tuple[str, str, Callable], ...] = (
 @hookimpl
 def plugin_info() -> PluginInfo:
     return PluginInfo("cuda_matmul", "0.1.0", PRIORITY_BUILTIN,
-                      "mul_mat, mul_mat_id, out_prod; quantized mat-vec; bias, GLU and rms_norm fusions")
+                      "mul_mat, mul_mat_id, out_prod; quantized mat-vec; bias/GLU fusions")
 
 
 @hookimpl

@@ -1,4 +1,4 @@
-"""When matrix products and what comes before or after them run as one mat-vec kernel.
+"""When matrix products and what follows them run as one mat-vec kernel (ggml's rules).
 
 Groups (consecutive in execution order; `can_fuse` already checked that every
 node but the last is read only inside the group):
@@ -8,31 +8,15 @@ node but the last is read only inside the group):
   mul_mat_add_glu       the same with a bias after each mul_mat
   mul_mat_id_glu        mul_mat_id(wg, x, ids), mul_mat_id(wu, x, ids) -> glu
   mul_mat_id_add_id_glu the same with add_id biases (gpt-oss)
-  rms_norm_mul_mat[_add][_glu]
-                        rms_norm(x) -> mul(weight) -> the mul_mat groups above (Llama's
-                        attention and MLP inputs, and the LM head's)
 The fused kernels are the mat-vec ones, so each product must take a mat-vec
 path (mul_mat with N <= 8; mul_mat_id with one token for the GLU groups),
 with b in f32. GLU groups need both weights of one dtype, shape and strides
 and the same b (and ids). Anything else: a reason, and the nodes run unfused.
-
-The rms_norm groups save the norm's own launch (~2 us on the H200 at hidden
-2048; 33 of them a step of the 1b preset's decode). They take the float mat-vec
-only (mmvf): every block of it reads the whole of each b row anyway, so it sums the
-squares of x while it multiplies x by the norm weight, and scales its dot
-products by rsqrt(mean(x^2) + eps) (mmv.cu's NORM). The weight must be one
-f32 row of K values broadcast over all the rows (the usual norm weight), and
-the products must read the mul as b. Block-format weights decline: their
-kernels quantize b before the mat-vec. cuda_matmul is asked before cuda_norm
-(same priority, plugins ordered by name), so at an rms_norm these rules are
-tried first and, when they decline, cuda_norm's rms_norm_mul takes the pair.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
-
-import attrs
 
 from opdispatch.backends.base import Device
 from opdispatch.graph import Graph
@@ -45,10 +29,6 @@ MMV_PATHS = ("mmvf", "mmvq", "mmv_id", "mmv_id_grouped")
 
 #: (rule name, pattern), longest first: dispatch takes the first rule whose check passes
 PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("rms_norm_mul_mat_add_glu", ("rms_norm", "mul", "mul_mat", "add", "mul_mat", "add", "glu")),
-    ("rms_norm_mul_mat_glu", ("rms_norm", "mul", "mul_mat", "mul_mat", "glu")),
-    ("rms_norm_mul_mat_add", ("rms_norm", "mul", "mul_mat", "add")),
-    ("rms_norm_mul_mat", ("rms_norm", "mul", "mul_mat")),
     ("mul_mat_add_glu", ("mul_mat", "add", "mul_mat", "add", "glu")),
     ("mul_mat_id_add_id_glu", ("mul_mat_id", "add_id", "mul_mat_id", "add_id", "glu")),
     ("mul_mat_glu", ("mul_mat", "mul_mat", "glu")),
@@ -56,56 +36,6 @@ PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mul_mat_add", ("mul_mat", "add")),
     ("mul_mat_id_add_id", ("mul_mat_id", "add_id")),
 )
-
-
-@attrs.frozen
-class Norm:
-    """The rms_norm -> mul(weight) a mat-vec kernel applies to its b: rms_norm's input x
-    (read in place of b), the weight (K f32 values) and rms_norm's eps."""
-
-    x: Tensor
-    weight: Tensor
-    eps: float
-
-
-def _other(node: Tensor, src: Tensor) -> Tensor:
-    """The source of a binary `node` that is not `src`."""
-    return node.srcs[1] if node.srcs[0] is src else node.srcs[0]
-
-
-def split_norm(nodes: Sequence[Tensor]) -> tuple[Norm | None, Sequence[Tensor]]:
-    """(the Norm a group starts with, or None; the mat-vec group after it)."""
-    if nodes[0].op != "rms_norm":
-        return None, nodes
-    norm, mul = nodes[0], nodes[1]
-    return Norm(norm.srcs[0], _other(mul, norm), norm.params["eps"]), nodes[2:]
-
-
-def _norm_ok(norm: Tensor, mul: Tensor, body: Sequence[Tensor]) -> str:
-    """'' if the mat-vec kernel can apply rms_norm -> mul to the b of `body`'s products, else why not."""
-    if norm not in mul.srcs:
-        return "mul does not read the rms_norm before it"
-    w, x = _other(mul, norm), norm.srcs[0]
-    k = norm.shape[-1]
-    if w is norm:
-        return "mul squares the rms_norm"
-    if mul.shape != norm.shape:
-        return f"mul broadcasts the rms_norm result into {mul.shape}"
-    if w.dtype.name != "f32":
-        return f"the norm weight {w.describe()} must be f32"
-    if w.size != k or w.shape[-1] != k:
-        return f"the norm weight {w.describe()} is not one row of {k} values"
-    if not w.rows_contiguous() or not support.elem_strides(w):
-        return f"the norm weight {w.describe()} must be contiguous"
-    if not support.elem_strides(x):
-        return f"rms_norm's x {x.describe()} strides and offset must be whole elements"
-    for p in body:
-        if p.op == "mul_mat" and p.srcs[1] is not mul:
-            return "the mul_mat does not read the normalized rows as b"
-        if p.op == "mul_mat" and p.srcs[0].dtype.is_quant:
-            return (f"{p.srcs[0].dtype.name} weights: the norm fuses into the float mat-vec only (block formats "
-                    "quantize b first)")
-    return ""
 
 
 def _mmv(node: Tensor) -> str:
@@ -149,7 +79,9 @@ def _bias_ok(prod: Tensor, add: Tensor) -> tuple[Tensor | None, str]:
 
 
 def _bias_of(prod: Tensor, add: Tensor) -> Tensor:
-    return add.srcs[1] if add.op == "add_id" else _other(add, prod)
+    if add.op == "add_id":
+        return add.srcs[1]
+    return add.srcs[1] if add.srcs[0] is prod else add.srcs[0]
 
 
 def parts(nodes: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor | None], Tensor | None]:
@@ -170,9 +102,6 @@ def parts(nodes: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor | None], T
 
 def check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
     """True if one mat-vec kernel computes `nodes` (see the module docstring); else why not."""
-    if nodes[0].op == "rms_norm":
-        why = check(device, nodes[2:], graph)
-        return why if why is not True else _norm_ok(nodes[0], nodes[1], nodes[2:]) or True
     glu = nodes[-1] if nodes[-1].op == "glu" else None
     body = list(nodes[:-1] if glu is not None else nodes)
     prods = [n for n in body if n.op in ("mul_mat", "mul_mat_id")]

@@ -458,7 +458,7 @@ def get_rows_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
     s = VALUE[a.dtype.name]
     return [KernelSpec(ROWS_CU, tmpl("get_rows", s, "int" if s == "int" else "float", b(vec)), grid, ROW_THREADS,
                  (*head, np.uint32(rows), tpr_log2, np.int64(as0), np.int64(as1), np.int64(as2), np.int64(as3),
-                  *tail), pdl=True)]
+                  *tail))]
 
 
 def bind_get_rows(ctx: CudaContext, node: Tensor) -> Launch:
@@ -501,7 +501,7 @@ def set_rows_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
     grid, tpr_log2 = row_tiling(rows, cols, pack if vec else 1)
     return [KernelSpec(ROWS_CU, tmpl("set_rows", VALUE[node.dtype.name], itype, b(vec)), grid, ROW_THREADS,
                  (*head, np.int32(cols), *batch, np.uint32(rows), tpr_log2, *strides,
-                  np.int64(ds0), np.int64(ds1), np.int64(ds2), np.int64(ds3)), pdl=True)]
+                  np.int64(ds0), np.int64(ds1), np.int64(ds2), np.int64(ds3)))]
 
 
 def bind_set_rows(ctx: CudaContext, node: Tensor) -> Launch:

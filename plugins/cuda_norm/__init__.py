@@ -130,7 +130,7 @@ def row_spec(op: str, x: Tensor, out: Tensor, eps: float, ptr: Ptr,
             np.int32(shape[1]), np.int32(shape[2]), *(np.int64(s) for s in strides[:3]),
             *_operand_args(weight, ptr), *_operand_args(residual, ptr))
     kernel = row_kernel(MODES[op], block, vec, fuse, SMALL_PER if small else None)
-    return KernelSpec(NORM_CU, kernel, rows, block, args, pdl=True)
+    return KernelSpec(NORM_CU, kernel, rows, block, args)
 
 
 def group_spec(x: Tensor, out: Tensor, groups: int, eps: float, ptr: Ptr) -> KernelSpec:

@@ -60,25 +60,6 @@ __device__ __forceinline__ T block_sum(T v) {
     return v;
 }
 
-// -- programmatic dependent launch (sm_90+) ----------------------------------------
-// A kernel launched with KernelSpec(pdl=True) may start while the launch before it on the
-// stream still runs. pdl_wait() returns once that launch has finished and its writes are
-// visible: call it before reading or writing anything another launch touches (constant
-// weights may be read or prefetched before). pdl_trigger() lets the next PDL launch start
-// its blocks early (they wait in turn). Both are no-ops without PDL or before sm_90.
-
-__device__ __forceinline__ void pdl_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_trigger() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
-
 // -- 16-bit floats as raw storage -------------------------------------------------
 
 struct f16 {

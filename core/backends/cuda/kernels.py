@@ -13,13 +13,6 @@ cuLaunchKernel call: no per-call argument conversion, as DESIGN.md's
 measured launch costs demand. Arguments are numpy scalars of the exact C
 type of each kernel parameter (pointers np.uint64, `int` np.int32,
 `long long` np.int64, `float` np.float32): a Python int would be a guess.
-
-Programmatic dependent launch (PDL, sm_90+): a KernelSpec with `pdl=True` is
-launched with cuLaunchKernelEx and programmatic stream serialization, so its
-blocks may start while the kernel before it finishes (a CUDA graph keeps the
-edge). Such a kernel must call `od::pdl_wait()` (common.cuh) before it reads
-or writes anything another launch touches; only constant data (weights) may
-be read before. OPDISPATCH_DISABLE_PDL=1 launches every kernel plainly.
 """
 
 from __future__ import annotations
@@ -27,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import os
 from pathlib import Path
 from typing import Any, Hashable, Iterable, Sequence
 
@@ -141,51 +133,12 @@ class KernelLaunch:
         return f"<KernelLaunch {self.name} grid={self.signature[1]} block={self.signature[2]}>"
 
 
-def pdl_enabled() -> bool:
-    return os.environ.get("OPDISPATCH_DISABLE_PDL", "") in ("", "0")
-
-
-#: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
-_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
-
-
-class _LaunchAttribute(ctypes.Structure):
-    """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union (an int here)."""
-
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
-                ("value_pad", ctypes.c_char * 60)]
-
-
-class _LaunchConfig(ctypes.Structure):
-    """CUlaunchConfig."""
-
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
-
-
-@functools.lru_cache(maxsize=1)
-def _launch_kernel_ex() -> Any:
-    """The driver's cuLaunchKernelEx (CUDA 12.0+; CuPy does not wrap it)."""
-    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _pdl_launch(name: str, fn_ptr: int, config: _LaunchConfig, params: Any) -> None:
-    status = _launch_kernel_ex()(ctypes.byref(config), fn_ptr, params, None)
-    if status:
-        raise RuntimeError(f"cuLaunchKernelEx of {name} (programmatic dependent launch) failed: CUresult {status}")
-
-
 def launcher(fn: Any, grid: int | Sequence[int], block: int | Sequence[int], args: Sequence[Any],
-             smem: int = 0, *, stream: Any, pdl: bool = False) -> Launch:
+             smem: int = 0, *, stream: Any) -> Launch:
     """A zero-argument launch of `fn` (from `load_module(...).get_function`) on `stream`.
 
     An empty grid (a zero dimension) gives a launch that does nothing. More
-    than 48 KiB of dynamic shared memory is opted into here. `pdl`: a
-    programmatic dependent launch (see the module docstring) where the device
-    has sm_90 or later and OPDISPATCH_DISABLE_PDL is not set.
+    than 48 KiB of dynamic shared memory is opted into here.
     """
     import cupy
     from cupy.cuda import driver
@@ -201,19 +154,9 @@ def launcher(fn: Any, grid: int | Sequence[int], block: int | Sequence[int], arg
         if smem > _SMEM_DEFAULT_LIMIT:
             fn.max_dynamic_shared_size_bytes = smem
         ptr = int(fn.kernel.ptr)
-        pdl = pdl and pdl_enabled() and int(cupy.cuda.Device(stream.device_id).compute_capability) >= 90
     name = getattr(fn, "name", "kernel")
-    if pdl:
-        attr = _LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        config = _LaunchConfig((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), int(smem), int(stream.ptr),
-                               ctypes.pointer(attr), 1)
-        go = functools.partial(_pdl_launch, name, ptr, config, params)
-        keep: tuple[Any, ...] = (params, values, attr, config)
-    else:
-        go = functools.partial(driver.launchKernel, ptr, *g, *b, int(smem), int(stream.ptr), ctypes.addressof(params),
-                               0)
-        keep = (params, values)
-    return KernelLaunch(name, (ptr, g, b, int(smem), described, pdl), go, keep)
+    go = functools.partial(driver.launchKernel, ptr, *g, *b, int(smem), int(stream.ptr), ctypes.addressof(params), 0)
+    return KernelLaunch(name, (ptr, g, b, int(smem), described), go, (params, values))
 
 
 @attrs.frozen
@@ -231,13 +174,10 @@ class KernelSpec:
     block: int | tuple[int, ...]
     args: tuple[Any, ...]
     smem: int = 0
-    #: a programmatic dependent launch: the kernel calls od::pdl_wait() before it touches the
-    #: previous launches' memory (see the module docstring)
-    pdl: bool = False
 
     def launch(self, stream: Any) -> Launch:
         fn = load_module(self.source, (self.kernel,)).get_function(self.kernel)
-        return launcher(fn, self.grid, self.block, self.args, self.smem, stream=stream, pdl=self.pdl)
+        return launcher(fn, self.grid, self.block, self.args, self.smem, stream=stream)
 
 
 @attrs.define(eq=False)

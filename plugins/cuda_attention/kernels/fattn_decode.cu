@@ -63,8 +63,6 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
     const float NEG_INF = -__int_as_float(0x7f800000);
 
     extern __shared__ __align__(16) unsigned short smem[];
-    od::pdl_trigger();  // a PDL launch (common.cuh): nothing is touched before pdl_wait
-    od::pdl_wait();
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;

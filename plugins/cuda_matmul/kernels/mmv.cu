@@ -5,21 +5,14 @@
 // of a against up to NT columns of b (f32/f16/bf16): the threads split K in units of 8
 // values (mm_common.cuh), each keeps NW * R * NT float partial sums, and the block reduces
 // them (warp shuffles, then shared memory).
-// With NORM (mmv only, b f32), b is rms_norm's input x and each column is normalized on the
-// fly, replacing the rms_norm -> mul(weight) launch before it: the loop multiplies each b
-// value by the norm weight and sums the squares of the column beside the dot products; the
-// sums of squares are reduced with them and each dot product is scaled by its column's
-// rsqrt(mean(x^2) + eps) at the end (the scale does not depend on k, so one pass over x).
 // Block-format weights (mmvq*): b is first quantized to int8 with a scale per 32 values
-// (quantize_q8_1, one launch per node), then each row group of a block (up to QTHREADS threads
-// in all) computes R rows streaming the weights straight from global memory (q_rows), integer
-// dot products (dp4a).
+// (quantize_q8_1, one launch per node), then a block of up to QTHREADS threads computes QROWS
+// rows streaming the weights straight from global memory (q_rows), integer dot products (dp4a).
 //
 // Kernels:
 //   quantize_q8_1  b rows to int8 codes and per-32 scales for the mmvq* kernels.
 //   mmv, mmvq      mul_mat: grid (row tiles, B2, B3), a's batch repeat-interleaved
-//                  (b batch i2 uses a batch i2 / r2), optional bias or GLU epilogue;
-//                  mmv optionally rms-normalizes b first (NORM).
+//                  (b batch i2 uses a batch i2 / r2), optional bias or GLU epilogue.
 //   mmv_id, mmvq_id
 //                  mul_mat_id, one (token, slot) pair a block: grid (row tiles, U, T),
 //                  the expert read from ids on the device (no host synchronization).
@@ -70,13 +63,10 @@ __device__ __forceinline__ void block_reduce(float (&acc)[NV], float* res) {
 // res[(w * R + r) * NT + n] = sum_k a_w[row r][k] * b[col n][k] for rows r < rows
 // (row r at a[w] + r * a_row; rows past `rows` read the last valid row again,
 // their sums unspecified) and columns n < ncols (columns past ncols give
-// unspecified sums; their pointers must be valid). res holds NW * R * NT floats.
-// NORM: b[col n][k] stands for rms_norm(x)[k] * nw[k] with x the column (f32), nw K
-// contiguous floats (16-byte aligned for VEC); res then holds NT more floats (the sums of x^2).
-template <int WT, int TB, int NT, int R, bool VEC, int NW, bool NORM = false>
+// unspecified sums; their pointers must be valid).
+template <int WT, int TB, int NT, int R, bool VEC, int NW>
 __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_row, int rows,
-                                         const u8* const (&bcol)[NT], int ncols, long long b_es, int K, float* res,
-                                         const float* nw = nullptr, float eps = 0.0f) {
+                                         const u8* const (&bcol)[NT], int ncols, long long b_es, int K, float* res) {
     const u8* arow[NW][R];
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
@@ -86,11 +76,9 @@ __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_r
         }
     }
     static_assert(!Fmt<WT>::QUANT, "block-format weights take q_rows");
-    static_assert(!NORM || TB == B_F32, "rms_norm's x is f32");
-    constexpr int NS = NW * R * NT;  // dot products; with NORM, NT sums of squares follow
-    float acc[NS + (NORM ? NT : 0)];
+    float acc[NW * R * NT];
 #pragma unroll
-    for (int i = 0; i < NS + (NORM ? NT : 0); ++i) {
+    for (int i = 0; i < NW * R * NT; ++i) {
         acc[i] = 0.0f;
     }
     if constexpr (VEC) {
@@ -111,18 +99,6 @@ __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_r
 #pragma unroll
                     for (int j = 0; j < 8; ++j) {
                         bv[n][j] = 0.0f;
-                    }
-                }
-            }
-            if constexpr (NORM) {
-                float gv[8];  // the norm weight at the unit's values 8u .. 8u+7 (unit_k's, float weights)
-                load_unit_float<W_F32>(reinterpret_cast<const u8*>(nw), u, gv);
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        acc[NS + n] = fmaf(bv[n][j], bv[n][j], acc[NS + n]);
-                        bv[n][j] *= gv[j];
                     }
                 }
             }
@@ -153,14 +129,6 @@ __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_r
             for (int n = 0; n < NT; ++n) {
                 bv[n] = n < ncols ? load_elem<TB>(bcol[n] + k * b_es) : 0.0f;
             }
-            if constexpr (NORM) {
-                const float g = nw[k];
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    acc[NS + n] = fmaf(bv[n], bv[n], acc[NS + n]);
-                    bv[n] *= g;
-                }
-            }
 #pragma unroll
             for (int w = 0; w < NW; ++w) {
 #pragma unroll
@@ -175,13 +143,7 @@ __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_r
             }
         }
     }
-    block_reduce<NS + (NORM ? NT : 0)>(acc, res);
-    if constexpr (NORM) {
-        for (int i = threadIdx.x; i < NS; i += BLOCK) {
-            res[i] *= rsqrtf(res[NS + i % NT] / static_cast<float>(K) + eps);
-        }
-        __syncthreads();
-    }
+    block_reduce<NW * R * NT>(acc, res);
 }
 
 // The epilogue of output row m: v = a0 . b, up = a1 . b (read for EPI_GLU only).
@@ -215,16 +177,16 @@ __device__ __forceinline__ float finish(const float* res, int r, int n, const fl
 // Two launches. quantize_q8_1 first turns the b rows into int8 codes with a scale per 32
 // values (ggml's q8_1: d = absmax / 127, and d * sum(codes) for the formats' zero and offset),
 // once per node, into a scratch buffer laid out for wide loads (QB8 below). Then the mat-vec
-// streams the weights straight from global memory. A block is blockDim.y row groups of
-// blockDim.x threads (1..QWARPS_MAX warps in all); a row group computes R weight rows
-// ("streams": R rows of a0, or R / 2 rows of each of a0 and a1 for EPI_GLU), its thread x
-// taking quant blocks j = x, x + blockDim.x, ... of all R rows, KU of them at a time: the KU * R
-// blocks' loads are issued before any is used (bytes in flight), and the b values of block j
-// are loaded once for the R rows. A weight block (18 to 34 bytes, 2-byte aligned) is read as
-// the 2 or 3 aligned 16-byte granules that hold it (consecutive threads read consecutive
-// blocks: a warp's loads cover whole cache lines), moved into place by selects and funnel
-// shifts (decode_block), and dotted with b by dp4a. No shared memory but the final reduction
-// over a row group's warps; a row group of one warp reduces with shuffles alone, no barrier.
+// streams the weights straight from global memory: a block of 1..QWARPS_MAX warps computes
+// QROWS weight rows ("streams": QROWS rows of a0, or QROWS / 2 rows of each of a0 and a1 for
+// EPI_GLU), thread t takes quant blocks j = t, t + blockDim.x, ... of all QROWS rows, so the
+// b values of block j are loaded once for the QROWS rows. A weight block (18 to 34 bytes,
+// 2-byte aligned) is read as the 2 or 3 aligned 16-byte granules that hold it (consecutive
+// threads read consecutive blocks: a warp's loads cover whole cache lines), moved into place
+// by selects and funnel shifts (load_block), and dotted with b by dp4a. No shared memory but
+// the final reduction over the block's warps, no barrier before it: each thread has its
+// QROWS * (2..3) weight loads and its b loads in flight at once.
+constexpr int QROWS = 4;
 constexpr int QWARPS_MAX = 4;
 constexpr int QTHREADS = QWARPS_MAX * od::WARP_SIZE;
 
@@ -238,38 +200,25 @@ struct QB8 {
     }
 };
 
-// 16-byte granules holding a block of format WT at the worst offset (14).
+// The block at `blk` (2-byte aligned): q[i] = codes of values 4i .. 4i+3 (raw, see
+// decode_words), scale d, offset m. Reads only the 16-byte granules holding the block's bytes.
 template <int WT>
-constexpr int GRANULES = (14 + Fmt<WT>::BYTES + 15) / 16;
-
-// The granules holding the block at `blk` (2-byte aligned); a last granule past its bytes stays
-// unread (and unused).
-template <int WT>
-__device__ __forceinline__ void fetch_block(const u8* blk, uint4 (&g)[GRANULES<WT>]) {
-    const unsigned long long addr = reinterpret_cast<unsigned long long>(blk);
-    const uint4* p = reinterpret_cast<const uint4*>(addr & ~15ull);
-    const int o = static_cast<int>(addr & 15);
-#pragma unroll
-    for (int i = 0; i < GRANULES<WT>; ++i) {
-        if (i < 2 || o + Fmt<WT>::BYTES > 16 * i) {
-            g[i] = __ldg(p + i);
-        }
-    }
-}
-
-// The block fetch_block read for `blk`: q[i] = codes of values 4i .. 4i+3 (raw, see
-// decode_words), scale d, offset m.
-template <int WT>
-__device__ __forceinline__ void decode_block(const u8* blk, const uint4 (&g)[GRANULES<WT>], int (&q)[8], float& d,
-                                             float& m) {
-    constexpr int G = GRANULES<WT>;
-    constexpr int NWD = (Fmt<WT>::BYTES + 1) / 4 + 1;  // words decode_words reads
+__device__ __forceinline__ void load_block(const u8* blk, int (&q)[8], float& d, float& m) {
+    using F = Fmt<WT>;
+    constexpr int G = (14 + F::BYTES + 15) / 16;    // granules at the worst offset (14)
+    constexpr int NWD = (F::BYTES + 1) / 4 + 1;     // words decode_words reads
     static_assert(4 * G >= NWD + 3, "window too small");
-    const int o = static_cast<int>(reinterpret_cast<unsigned long long>(blk) & 15);
+    const unsigned long long addr = reinterpret_cast<unsigned long long>(blk);
+    const uint4* g = reinterpret_cast<const uint4*>(addr & ~15ull);
+    const int o = static_cast<int>(addr & 15);
     unsigned win[4 * G];
 #pragma unroll
     for (int i = 0; i < G; ++i) {
-        win[4 * i] = g[i].x, win[4 * i + 1] = g[i].y, win[4 * i + 2] = g[i].z, win[4 * i + 3] = g[i].w;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (i < 2 || o + F::BYTES > 16 * i) {
+            v = __ldg(g + i);
+        }
+        win[4 * i] = v.x, win[4 * i + 1] = v.y, win[4 * i + 2] = v.z, win[4 * i + 3] = v.w;
     }
     // shift the window left by o / 4 words (two select stages), so the block starts at byte
     // (o & 2) of w[0]
@@ -285,145 +234,110 @@ __device__ __forceinline__ void decode_block(const u8* blk, const uint4 (&g)[GRA
     decode_words<WT>(w, (o & 2) * 8, q, d, m);
 }
 
-// acc[s][n] (every thread's partial) = stream s . b column n over the blocks j this thread takes
-// (j = threadIdx.x + i * blockDim.x). row[s]: stream s's weight row; bq[n], bd[n]: column n's
-// codes and (d, d * sum) (QB8 layout).
-template <int WT, int NT, int R, int KU>
-__device__ __forceinline__ void q_rows(const u8* const (&row)[R], const u8* const (&bq)[NT],
-                                       const float2* const (&bd)[NT], int nb, float (&acc)[R][NT]) {
+// acc[s][n] (every thread's partial) = stream s . b column n over the blocks j this thread takes.
+// row[s]: stream s's weight row; bq[n], bd[n]: column n's codes and (d, d * sum) (QB8 layout).
+template <int WT, int NT>
+__device__ __forceinline__ void q_rows(const u8* const (&row)[QROWS], const u8* const (&bq)[NT],
+                                       const float2* const (&bd)[NT], int nb, float (&acc)[QROWS][NT]) {
     using F = Fmt<WT>;
-    constexpr int G = GRANULES<WT>;
 #pragma unroll
-    for (int s = 0; s < R; ++s) {
+    for (int s = 0; s < QROWS; ++s) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             acc[s][n] = 0.0f;
         }
     }
-    const int step = blockDim.x;
-    for (int j0 = threadIdx.x; j0 < nb; j0 += KU * step) {
-        uint4 g[KU][R][G];
+    for (int j = threadIdx.x; j < nb; j += blockDim.x) {
+        int q[QROWS][8];
+        float d[QROWS], m[QROWS];
 #pragma unroll
-        for (int u = 0; u < KU; ++u) {
-            const int j = j0 + u * step;
-#pragma unroll
-            for (int s = 0; s < R; ++s) {
-                if (u == 0 || j < nb) {
-                    fetch_block<WT>(row[s] + static_cast<long long>(j) * F::BYTES, g[u][s]);
-                }
-            }
+        for (int s = 0; s < QROWS; ++s) {
+            load_block<WT>(row[s] + static_cast<long long>(j) * F::BYTES, q[s], d[s], m[s]);
         }
+        const long long h0 = QB8::half(j, 0), h1 = QB8::half(j, 1);
 #pragma unroll
-        for (int u = 0; u < KU; ++u) {
-            const int j = j0 + u * step;
-            if (u > 0 && j >= nb) {
-                break;
-            }
-            const long long h0 = QB8::half(j, 0), h1 = QB8::half(j, 1);
+        for (int n = 0; n < NT; ++n) {
+            const int4 lo = __ldg(reinterpret_cast<const int4*>(bq[n] + h0));
+            const int4 hi = __ldg(reinterpret_cast<const int4*>(bq[n] + h1));
+            const float2 ds = __ldg(bd[n] + j);
+            const int bw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const int4 lo = __ldg(reinterpret_cast<const int4*>(bq[n] + h0));
-                const int4 hi = __ldg(reinterpret_cast<const int4*>(bq[n] + h1));
-                const float2 ds = __ldg(bd[n] + j);
-                const int bw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+            for (int s = 0; s < QROWS; ++s) {
+                int dot = 0;
 #pragma unroll
-                for (int s = 0; s < R; ++s) {
-                    int q[8];
-                    float d, m;
-                    decode_block<WT>(row[s] + static_cast<long long>(j) * F::BYTES, g[u][s], q, d, m);
-                    int dot = 0;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        dot = __dp4a(q[i], bw[i], dot);
-                    }
-                    // sum_j (c_j - zero) * d * qb_j * db + m * qb_j * db
-                    float v = ds.x * static_cast<float>(dot);
-                    if constexpr (F::ZERO != 0) {
-                        v = fmaf(-static_cast<float>(F::ZERO), ds.y, v);
-                    }
-                    acc[s][n] = fmaf(d, v, acc[s][n]);
-                    if constexpr (F::M >= 0) {
-                        acc[s][n] = fmaf(m, ds.y, acc[s][n]);
-                    }
+                for (int i = 0; i < 8; ++i) {
+                    dot = __dp4a(q[s][i], bw[i], dot);
+                }
+                // sum_j (c_j - zero) * d * qb_j * db + m * qb_j * db
+                float v = ds.x * static_cast<float>(dot);
+                if constexpr (F::ZERO != 0) {
+                    v = fmaf(-static_cast<float>(F::ZERO), ds.y, v);
+                }
+                acc[s][n] = fmaf(d[s], v, acc[s][n]);
+                if constexpr (F::M >= 0) {
+                    acc[s][n] = fmaf(m[s], ds.y, acc[s][n]);
                 }
             }
         }
     }
 }
 
-// Before od::pdl_wait (a PDL launch, common.cuh): the first KU blocks this thread reads of each row
-// into L2 (the line of each block's first byte: its last bytes are the next thread's first). The weights
-// are constant for a plan, so a mat-vec launched early streams them while quantize_q8_1 runs
-// (holding them in registers across the wait costs 10-20 registers).
-template <int WT, int R, int KU>
-__device__ __forceinline__ void q_prefetch(const u8* const (&row)[R], int nb) {
+// Sums acc over the block (blockDim.x / 32 warps); returns shared tot[s * NT + n], visible to all.
+template <int NT>
+__device__ __forceinline__ const float* q_reduce(float (&acc)[QROWS][NT]) {
+    __shared__ float part[QWARPS_MAX][QROWS * NT];
+    __shared__ float tot[QROWS * NT];
+    const int lane = threadIdx.x % od::WARP_SIZE, warp = threadIdx.x / od::WARP_SIZE;
+    const int nwarps = blockDim.x / od::WARP_SIZE;
+    __syncthreads();  // an earlier call may still read tot[]
 #pragma unroll
-    for (int u = 0; u < KU; ++u) {
-        const int j = threadIdx.x + u * blockDim.x;
-        if (j < nb) {
-#pragma unroll
-            for (int s = 0; s < R; ++s) {
-                const u8* blk = row[s] + static_cast<long long>(j) * Fmt<WT>::BYTES;
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(blk));
-            }
-        }
-    }
-}
-
-// What a row group's threads wait on before reading each other's shared memory.
-__device__ __forceinline__ void q_barrier() {
-    if (blockDim.x > od::WARP_SIZE) {
-        __syncthreads();  // every row group has the same blockDim.x: a uniform branch
-    } else {
-        __syncwarp();
-    }
-}
-
-// Sums acc over each row group and writes its rows m0 + r (r < rows) of columns n < ncols at
-// ocol[n][m0 + r], through the epilogue. A caller that calls it again first calls q_barrier().
-template <int EPI, int NT, int R>
-__device__ __forceinline__ void q_out(float (&acc)[R][NT], float* const (&ocol)[NT], int ncols, int m0, int rows,
-                                      const float* bias0, const float* bias1, int glu_kind, float alpha,
-                                      float limit) {
-    constexpr int RB = EPI == EPI_GLU ? R / 2 : R;
-    __shared__ float part[QWARPS_MAX][R * NT];
-    const int x = threadIdx.x, lane = x % od::WARP_SIZE;
-    const int nwarps = blockDim.x / od::WARP_SIZE, w0 = threadIdx.y * nwarps;  // the group's warps
-#pragma unroll
-    for (int s = 0; s < R; ++s) {
+    for (int s = 0; s < QROWS; ++s) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const float v = od::warp_sum(acc[s][n]);
             if (lane == 0) {
-                part[w0 + x / od::WARP_SIZE][s * NT + n] = v;
+                part[warp][s * NT + n] = v;
             }
         }
     }
-    q_barrier();
-    for (int i = x; i < RB * NT; i += blockDim.x) {
-        const int r = i / NT, n = i % NT;
-        float v = 0.0f, up = 0.0f;
-        for (int w = w0; w < w0 + nwarps; ++w) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < QROWS * NT; i += blockDim.x) {
+        float v = 0.0f;
+        for (int w = 0; w < nwarps; ++w) {
             v += part[w][i];
-            if constexpr (EPI == EPI_GLU) {
-                up += part[w][RB * NT + i];
-            }
         }
+        tot[i] = v;
+    }
+    __syncthreads();
+    return tot;
+}
+
+// Writes rows m0 + r (r < rows) of columns n < ncols at ocol[n][m0 + r], through the epilogue.
+template <int EPI, int NT>
+__device__ __forceinline__ void q_store(const float* tot, float* const (&ocol)[NT], int ncols, int m0, int rows,
+                                        const float* bias0, const float* bias1, int glu_kind, float alpha,
+                                        float limit) {
+    constexpr int RB = EPI == EPI_GLU ? QROWS / 2 : QROWS;
+    const int t = threadIdx.x;
+    if (t < RB * NT) {
+        const int r = t / NT, n = t % NT;
         if (r < rows && n < ncols) {
-            ocol[n][m0 + r] = epilogue<EPI>(v, up, bias0, bias1, m0 + r, glu_kind, alpha, limit);
+            const float up = EPI == EPI_GLU ? tot[(RB + r) * NT + n] : 0.0f;
+            ocol[n][m0 + r] = epilogue<EPI>(tot[r * NT + n], up, bias0, bias1, m0 + r, glu_kind, alpha, limit);
         }
     }
 }
 
-// The R stream rows of rows m0.. of a[0] (and of a[NW - 1] for EPI_GLU), a[w] a matrix's row 0;
-// rows past M read row M - 1 again.
-template <int NW, int R>
-__device__ __forceinline__ void q_streams(const u8* const (&a)[NW], long long a_row, int M, int m0,
-                                          const u8* (&row)[R]) {
-    constexpr int RB = R / NW;
+// The QROWS stream rows of a tile: rows m0.. of a[0] (and of a[NW - 1] for EPI_GLU), rows past
+// `rows` read the last valid row again.
+template <int NW>
+__device__ __forceinline__ void q_streams(const u8* const (&a)[NW], long long a_row, int rows,
+                                          const u8* (&row)[QROWS]) {
+    constexpr int RB = QROWS / NW;
 #pragma unroll
-    for (int s = 0; s < R; ++s) {
-        row[s] = (s < RB ? a[0] : a[NW - 1]) + min(m0 + s % RB, M - 1) * static_cast<long long>(a_row);
+    for (int s = 0; s < QROWS; ++s) {
+        const int r = s % RB;
+        row[s] = (s < RB ? a[0] : a[NW - 1]) + (r < rows ? r : rows - 1) * a_row;
     }
 }
 
@@ -453,8 +367,6 @@ template <int TB>
 __global__ void __launch_bounds__(QUANT_BLOCK) quantize_q8_1(const u8* b, long long es, long long s1, long long s2,
                                                              long long s3, int n1, int n2, int K, int nbp, u8* bq,
                                                              u8* bds) {
-    od::pdl_trigger();  // a PDL launch (common.cuh): nothing is touched before pdl_wait
-    od::pdl_wait();
     const int r = blockIdx.x;
     const int j = blockIdx.y * (QUANT_BLOCK / od::WARP_SIZE) + threadIdx.x / od::WARP_SIZE;
     const int lane = threadIdx.x % od::WARP_SIZE;
@@ -487,16 +399,14 @@ __global__ void __launch_bounds__(QUANT_BLOCK) quantize_q8_1(const u8* b, long l
 // a0 (and a1, the up weight of EPI_GLU, with a0's strides) rows of a_row bytes,
 // batch strides a_s2, a_s3; b columns b_col bytes apart, elements b_es bytes
 // apart (scalar variants), batch strides b_s2, b_s3; out contiguous (B3, B2, N, M).
-// NORM: b is rms_norm's x (f32) and the product reads rms_norm(x, eps) * norm_w instead
-// (norm_w: K contiguous floats, one weight row for every column); else norm_w, eps unused.
-template <int WT, int TB, int NT, int R, bool VEC, int EPI, bool NORM>
+template <int WT, int TB, int NT, int R, bool VEC, int EPI>
 __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, long long a_row, long long a_s2,
                                                  long long a_s3, int r2, int r3, const u8* b, long long b_col,
                                                  long long b_es, long long b_s2, long long b_s3, float* out, int M,
                                                  int K, int N, const float* bias0, const float* bias1, int glu_kind,
-                                                 float alpha, float limit, const float* norm_w, float eps) {
+                                                 float alpha, float limit) {
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
-    __shared__ float res[NW * R * NT + (NORM ? NT : 0)];
+    __shared__ float res[NW * R * NT];
     const int i2 = blockIdx.y, i3 = blockIdx.z;
     const int m0 = blockIdx.x * R;
     const u8* a[NW];
@@ -508,7 +418,7 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, lon
         bcol[n] = bb + (n < N ? n : 0) * b_col;
     }
     const int rows = min(R, M - m0);
-    mm::mmv_tile<WT, TB, NT, R, VEC, NW, NORM>(a, a_row, rows, bcol, N, b_es, K, res, norm_w, eps);
+    mm::mmv_tile<WT, TB, NT, R, VEC, NW>(a, a_row, rows, bcol, N, b_es, K, res);
     const int t = threadIdx.x;
     if (t < R * NT) {
         const int r = t / NT, n = t % NT, m = m0 + r;
@@ -519,24 +429,22 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, lon
     }
 }
 
-// mul_mat with block-format weights: as mmv, b already quantized by quantize_q8_1 (column n of
-// batch (i3, i2) is its row (i3 * B2 + i2) * N + n, nbp padded blocks a row); R / NW rows a row
-// group (q_rows), blockDim.y row groups a block; grid (ceil(M / (blockDim.y * R / NW)), B2, B3).
-template <int WT, int NT, int EPI, int R, int KU>
+// mul_mat with block-format weights: as mmv, QROWS / NW rows a block (q_rows), b already
+// quantized by quantize_q8_1 (column n of batch (i3, i2) is its row (i3 * B2 + i2) * N + n,
+// nbp padded blocks a row); grid (ceil(M / rows), B2, B3), 32..QTHREADS threads.
+template <int WT, int NT, int EPI>
 __global__ void __launch_bounds__(mm::QTHREADS) mmvq(const u8* a0, const u8* a1, long long a_row, long long a_s2,
                                                      long long a_s3, int r2, int r3, const u8* bq, const u8* bds,
                                                      int nbp, float* out, int M, int K, int N, const float* bias0,
                                                      const float* bias1, int glu_kind, float alpha, float limit) {
-    constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = R / NW;
+    constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = mm::QROWS / NW;
     const int i2 = blockIdx.y, i3 = blockIdx.z;
-    const int m0 = (blockIdx.x * blockDim.y + threadIdx.y) * RB;
+    const int m0 = blockIdx.x * RB;
     const u8* a[NW];
-    mm::weight_rows<NW>(a0, a1, a_row, a_s2, a_s3, r2, r3, i2, i3, 0, a);
-    const u8* row[R];
-    mm::q_streams<NW, R>(a, a_row, M, m0, row);
-    od::pdl_trigger();  // a PDL launch (common.cuh): only the constant weights are read before pdl_wait
-    mm::q_prefetch<WT, R, KU>(row, K / 32);
-    od::pdl_wait();
+    mm::weight_rows<NW>(a0, a1, a_row, a_s2, a_s3, r2, r3, i2, i3, m0, a);
+    const int rows = min(RB, M - m0);
+    const u8* row[mm::QROWS];
+    mm::q_streams<NW>(a, a_row, rows, row);
     const long long brow0 = (static_cast<long long>(i3) * gridDim.y + i2) * N;
     const u8* bcol[NT];
     const float2* dcol[NT];
@@ -549,9 +457,10 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq(const u8* a0, const u8* a1,
         dcol[n] = reinterpret_cast<const float2*>(bds) + r * nbp;
         ocol[n] = o + static_cast<long long>(n) * M;
     }
-    float acc[R][NT];
-    mm::q_rows<WT, NT, R, KU>(row, bcol, dcol, K / 32, acc);
-    mm::q_out<EPI, NT, R>(acc, ocol, N, m0, M - m0, bias0, bias1, glu_kind, alpha, limit);
+    float acc[mm::QROWS][NT];
+    mm::q_rows<WT, NT>(row, bcol, dcol, K / 32, acc);
+    const float* tot = mm::q_reduce<NT>(acc);
+    mm::q_store<EPI, NT>(tot, ocol, N, m0, rows, bias0, bias1, glu_kind, alpha, limit);
 }
 
 // mul_mat_id for one (token t, slot u) a block: out[t, u, m] = as[ids[t, u], m, :] . b[t, u % Ub, :].
@@ -593,43 +502,43 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv_id(const u8* as0, const u8* as1
     }
 }
 
-// mul_mat_id with block-format experts, one (token t, slot u) a block: as mmv_id, R / NW rows a
-// row group as mmvq; b (T, Ub, K) quantized by quantize_q8_1 (row t * Ub + u % Ub, nbp blocks a
-// row); grid (ceil(M / (blockDim.y * R / NW)), U, T).
-template <int WT, int EPI, int R, int KU>
+// mul_mat_id with block-format experts, one (token t, slot u) a block: as mmv_id, QROWS / NW
+// rows a block; b (T, Ub, K) quantized by quantize_q8_1 (row t * Ub + u % Ub, nbp blocks a row);
+// grid (ceil(M / rows), U, T), 32..QTHREADS threads.
+template <int WT, int EPI>
 __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id(const u8* as0, const u8* as1, long long a_row, long long a_e,
                                                         int E, const u8* ids, long long ids_t, long long ids_u,
                                                         const u8* bq, const u8* bds, int nbp, int Ub, float* out,
                                                         int M, int K, const float* bias0, const float* bias1,
                                                         long long bias_e, int glu_kind, float alpha, float limit) {
-    constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = R / NW;
+    constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = mm::QROWS / NW;
     const int u = blockIdx.y, t = blockIdx.z, U = gridDim.y;
-    const int m0 = (blockIdx.x * blockDim.y + threadIdx.y) * RB;
-    od::pdl_trigger();  // a PDL launch (common.cuh): ids come from another launch, so wait first
-    od::pdl_wait();
+    const int m0 = blockIdx.x * RB;
+    const int rows = min(RB, M - m0);
     const int e = *reinterpret_cast<const int*>(ids + t * ids_t + u * ids_u);
     float* const ocol[1] = {out + (static_cast<long long>(t) * U + u) * M};
     if (e < 0 || e >= E) {
-        for (int r = threadIdx.x; r < min(RB, M - m0); r += blockDim.x) {
-            ocol[0][m0 + r] = __int_as_float(0x7fc00000);  // NaN: the id is out of range
+        if (threadIdx.x < rows) {
+            ocol[0][m0 + threadIdx.x] = __int_as_float(0x7fc00000);  // NaN: the id is out of range
         }
         return;
     }
     const u8* a[NW];
-    a[0] = as0 + e * a_e;
+    a[0] = as0 + e * a_e + m0 * a_row;
     if constexpr (NW == 2) {
-        a[1] = as1 + e * a_e;
+        a[1] = as1 + e * a_e + m0 * a_row;
     }
-    const u8* row[R];
-    mm::q_streams<NW, R>(a, a_row, M, m0, row);
+    const u8* row[mm::QROWS];
+    mm::q_streams<NW>(a, a_row, rows, row);
     const long long r = static_cast<long long>(t) * Ub + u % Ub;
     const u8* const bcol[1] = {bq + r * nbp * 32};
     const float2* const dcol[1] = {reinterpret_cast<const float2*>(bds) + r * nbp};
-    float acc[R][1];
-    mm::q_rows<WT, 1, R, KU>(row, bcol, dcol, K / 32, acc);
+    float acc[mm::QROWS][1];
+    mm::q_rows<WT, 1>(row, bcol, dcol, K / 32, acc);
+    const float* tot = mm::q_reduce<1>(acc);
     const long long boff = e * bias_e / 4;
-    mm::q_out<EPI, 1, R>(acc, ocol, 1, m0, M - m0, bias0 != nullptr ? bias0 + boff : nullptr,
-                         bias1 != nullptr ? bias1 + boff : nullptr, glu_kind, alpha, limit);
+    mm::q_store<EPI, 1>(tot, ocol, 1, m0, rows, bias0 != nullptr ? bias0 + boff : nullptr,
+                        bias1 != nullptr ? bias1 + boff : nullptr, glu_kind, alpha, limit);
 }
 
 // The routing table of mul_mat_id's grouped path, in int32 words of `route`:
@@ -770,26 +679,25 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv_id_grouped(const u8* as, long l
     }
 }
 
-// mul_mat_id, grouped, block-format experts: as mmv_id_grouped, R rows a row group (q_rows),
-// blockDim.y row groups a block; b (T, Ub, K) quantized by quantize_q8_1 (pair p = t * U + u
-// reads row t * Ub + u % Ub); grid (ceil(M / (blockDim.y * R)), min(E, T*U)).
-template <int WT, int NT, int EPI, int R, int KU>
+// mul_mat_id, grouped, block-format experts: as mmv_id_grouped, QROWS rows a block (q_rows),
+// b (T, Ub, K) quantized by quantize_q8_1 (pair p = t * U + u reads row t * Ub + u % Ub);
+// grid (ceil(M / QROWS), min(E, T*U)), 32..QTHREADS threads.
+template <int WT, int NT, int EPI>
 __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id_grouped(const u8* as, long long a_row, long long a_e, int E,
                                                                 const int* route, const u8* bq, const u8* bds,
                                                                 int nbp, int Ub, float* out, int M, int K, int U,
                                                                 const float* bias, long long bias_e) {
-    od::pdl_trigger();  // a PDL launch (common.cuh): route comes from moe_route, so wait first
-    od::pdl_wait();
     const int s = blockIdx.y;
     if (s >= route[0]) {
         return;
     }
     const int e = route[1 + s], first = route[1 + E + s], count = route[1 + 2 * E + s];
     const int* list = route + 1 + 3 * E + first;
-    const int m0 = (blockIdx.x * blockDim.y + threadIdx.y) * R;
-    const u8* const a[1] = {as + e * a_e};
-    const u8* row[R];
-    mm::q_streams<1, R>(a, a_row, M, m0, row);
+    const int m0 = blockIdx.x * mm::QROWS;
+    const int rows = min(mm::QROWS, M - m0);
+    const u8* const a[1] = {as + e * a_e + m0 * a_row};
+    const u8* row[mm::QROWS];
+    mm::q_streams<1>(a, a_row, rows, row);
     const float* bias_e_row = bias != nullptr ? bias + e * bias_e / 4 : nullptr;
     for (int g = 0; g < count; g += NT) {
         const int ncols = min(NT, count - g);
@@ -804,11 +712,10 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id_grouped(const u8* as, lo
             dcol[n] = reinterpret_cast<const float2*>(bds) + r * nbp;
             ocol[n] = out + static_cast<long long>(p) * M;
         }
-        float acc[R][NT];
-        mm::q_rows<WT, NT, R, KU>(row, bcol, dcol, K / 32, acc);
-        if (g > 0) {
-            mm::q_barrier();  // the last group of columns may still be read from q_out's shared memory
-        }
-        mm::q_out<EPI, NT, R>(acc, ocol, ncols, m0, M - m0, bias_e_row, nullptr, 0, 0.0f, 0.0f);
+        float acc[mm::QROWS][NT];
+        mm::q_rows<WT, NT>(row, bcol, dcol, K / 32, acc);
+        const float* tot = mm::q_reduce<NT>(acc);
+        mm::q_store<EPI, NT>(tot, ocol, ncols, m0, rows, bias_e_row, nullptr, 0, 0.0f, 0.0f);
     }
 }
+

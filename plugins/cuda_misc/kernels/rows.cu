@@ -384,8 +384,6 @@ __global__ void __launch_bounds__(ROW_THREADS)
              const int ncols, const unsigned n, const unsigned a2, const long long arows, const unsigned nrows,
              const int tpr_log2, const long long as0, const long long as1, const long long as2, const long long as3,
              const long long is0, const long long is1, const long long is2) {
-    od::pdl_trigger();  // a PDL launch (common.cuh): nothing is touched before pdl_wait
-    od::pdl_wait();
     constexpr int N = row_pack<S, D, VEC>;
     const unsigned row = blockIdx.x * (ROW_THREADS >> tpr_log2) + (threadIdx.x >> tpr_log2);
     if (row >= nrows) {
@@ -454,8 +452,6 @@ __global__ void __launch_bounds__(ROW_THREADS)
              const long long ss1, const long long ss2, const long long ss3, const long long is0, const long long is1,
              const long long is2, const long long ds0, const long long ds1, const long long ds2,
              const long long ds3) {
-    od::pdl_trigger();  // a PDL launch (common.cuh): nothing is touched before pdl_wait
-    od::pdl_wait();
     constexpr int N = row_pack<float, D, VEC>;
     const unsigned row = blockIdx.x * (ROW_THREADS >> tpr_log2) + (threadIdx.x >> tpr_log2);
     if (row >= nrows) {
