@@ -77,7 +77,7 @@ def softmax_kernel(block: int, cache: int, vec: bool, mask: str) -> str:
 
 #: rope, by the dtype of x: heads whose loads a thread of the chunk layout has in flight at once
 #: (a template parameter, read when a kernel name is made). nvcc sm_90 registers, f16: 64 with 2,
-#: 88 with 4; f32: 56 with 2, 72 with 4. H200 (scratch sweep, % of copy bandwidth at 4096 / 16384
+#: 88 with 4; f32: 56 with 2, 72 with 4. Measured on the H200 (% of copy bandwidth at 4096 / 16384
 #: tokens): f16 72% / 89% with 2, 54% / 81% with 4, 70% / 87% with 1; f32 86% / 95% with 2
 ROPE_HEADS_IN_FLIGHT = {"f32": 2, "f16": 2}
 
@@ -208,8 +208,8 @@ def _rope_params(node: Tensor) -> tuple[np.generic, ...]:
     return (i32(d), i32(n_dims), f32(theta_scale), f32(p["freq_scale"]), f32(ext), f32(mscale), f32(lo), f32(hi))
 
 
-#: threads a rope block (kernels index by blockDim.x): blocks of 4 warps fit registers finely (f16 chunks:
-#: 88 registers, 5 blocks an SM, where 256 would fit 2)
+#: threads a rope block (kernels index by blockDim.x): blocks of 4 warps fit registers finely (at 88
+#: registers a thread an SM holds 5 such blocks, 2 of 256 threads)
 ROPE_BLOCK = 128
 #: most heads a rope thread rotates with one set of angles (an angle depends on token and pair only)
 ROPE_HEADS_PER_THREAD = 8
@@ -313,6 +313,8 @@ def rope_qkv_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[KernelSpec]:
 SMEM_PER_SM = 228 * 1024
 #: decode: columns (query row, head) a block, the M rows of its mma
 DECODE_COLS = 16
+
+
 def decode_blocks_per_sm(d: int) -> int:
     """fattn_decode blocks one SM holds: shared memory bound (1 KiB reserved a block), 2 by launch bounds at least."""
     return max(1, min(4, SMEM_PER_SM // (decode_smem(d) + 1024)))
