@@ -51,12 +51,11 @@ import attrs
 import numpy as np
 
 from opdispatch.backends.cuda.devices import warp32_gate
-from opdispatch.backends.cuda.kernels import KernelSpec, chain
+from opdispatch.backends.cuda.kernels import GLU_CODES, KernelSpec, chain
 from opdispatch.backends.base import Device, Launch
 from opdispatch.fusion import FusionRule
 from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
 from opdispatch.ops.base import pad4
-from opdispatch.ops.elementwise import GLU_KINDS
 from opdispatch.tensor import Tensor
 
 from . import fusion, support
@@ -73,7 +72,6 @@ W_KIND = {"f32": "W_F32", "f16": "W_F16", "bf16": "W_BF16", "q4_0": "W_Q4_0", "q
           "q5_0": "W_Q5_0", "q5_1": "W_Q5_1", "q8_0": "W_Q8_0"}
 B_KIND = {"f32": "B_F32", "f16": "B_F16", "bf16": "B_BF16"}
 EPI_NONE, EPI_BIAS, EPI_GLU = "EPI_NONE", "EPI_BIAS", "EPI_GLU"
-GLU_CODE = {kind: i for i, kind in enumerate(GLU_KINDS)}  # mm_common.cuh's GLU_* values
 
 BLOCK = 128  # mmv.cu's mm::BLOCK
 ROWS = 2  # rows of a a mat-vec block computes (the kernels' R)
@@ -254,7 +252,7 @@ def _elem_stride(t: Tensor) -> int:
 
 def _epilogue(glu: Tensor | None, bias0: Tensor | None) -> tuple[str, int, float, float]:
     if glu is not None:
-        return EPI_GLU, GLU_CODE[glu.params["kind"]], glu.params["alpha"], glu.params["limit"]
+        return EPI_GLU, GLU_CODES[glu.params["kind"]], glu.params["alpha"], glu.params["limit"]
     return (EPI_BIAS if bias0 is not None else EPI_NONE), 0, 0.0, 0.0
 
 

@@ -40,12 +40,12 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.kernels import KernelSpec
+from opdispatch.backends.cuda.kernels import GLU_CODES, KernelSpec
 from opdispatch.backends.base import Device, Launch
 from opdispatch.fusion import FusionRule
 from opdispatch.hookspecs import Kernel
 from opdispatch.ops.base import FLOATS, pad4
-from opdispatch.ops.elementwise import GLU_KINDS, UNARY_OPS
+from opdispatch.ops.elementwise import UNARY_OPS
 from opdispatch.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -70,7 +70,6 @@ UNARY_CODES = {
     "sqr": 21, "sqrt": 22, "log": 23, "sin": 24, "cos": 25,
     "scale": 26, "clamp": 27, "leaky_relu": 28, "softcap": 29,
 }
-GLU_CODES = {kind: i for i, kind in enumerate(GLU_KINDS)}
 
 #: ops run by the unary kernels (softcap is a fusion, not an op)
 MAP_OPS: tuple[str, ...] = (*UNARY_OPS, "sqr", "sqrt", "log", "sin", "cos", "scale", "clamp", "leaky_relu")

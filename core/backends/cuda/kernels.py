@@ -26,6 +26,7 @@ from typing import Any, Hashable, Iterable, Sequence
 import attrs
 import numpy as np
 
+from ...ops.elementwise import GLU_KINDS
 from ..base import Launch
 
 #: Shared headers (common.cuh); on the include path of every module.
@@ -45,6 +46,9 @@ _CTYPES: dict[np.dtype, type] = {
     np.dtype(np.float32): ctypes.c_float,
     np.dtype(np.float64): ctypes.c_double,
 }
+
+#: The GLU_* kind code (activations.cuh) of each glu kind: its place in GLU_KINDS.
+GLU_CODES: dict[str, int] = {kind: i for i, kind in enumerate(GLU_KINDS)}
 
 #: Dynamic shared memory a kernel may use without opting in (cudaFuncSetAttribute).
 _SMEM_DEFAULT_LIMIT = 48 * 1024

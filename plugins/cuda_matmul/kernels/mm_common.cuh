@@ -23,6 +23,7 @@
 // compiler from contracting them into an FMA).
 #pragma once
 
+#include "activations.cuh"
 #include "common.cuh"
 
 // Weight kinds.
@@ -45,13 +46,6 @@ constexpr int EPI_NONE = 0;  // out = a . b
 constexpr int EPI_BIAS = 1;  // out = a . b + bias[m]
 constexpr int EPI_GLU = 2;   // out = act(a0 . b + bias0[m]) * (a1 . b + bias1[m]) (biases optional)
 
-// GLU kinds (the runtime `glu` argument), in opdispatch.ops.GLU_KINDS order.
-constexpr int GLU_REGLU = 0;
-constexpr int GLU_GEGLU = 1;
-constexpr int GLU_SWIGLU = 2;
-constexpr int GLU_GEGLU_ERF = 3;
-constexpr int GLU_GEGLU_QUICK = 4;
-constexpr int GLU_SWIGLU_OAI = 5;
 
 namespace mm {
 
@@ -276,37 +270,6 @@ __device__ __forceinline__ float4 load_b4(const u8* col, int k, long long es) {
         const u8* p = col + k * es;
         return make_float4(load_elem<TB>(p), load_elem<TB>(p + es), load_elem<TB>(p + 2 * es),
                            load_elem<TB>(p + 3 * es));
-    }
-}
-
-// -- activations of the fused GLU epilogue (as opdispatch.reference.elementwise) --------------
-
-constexpr float GELU_COEF_A = 0.044715f;
-constexpr float GELU_QUICK_COEF = 1.702f;
-constexpr float SQRT_2_OVER_PI = 0.79788456080286535587989211986876f;
-constexpr float SQRT_2_INV = 0.70710678118654752440084436210484f;
-
-__device__ __forceinline__ float sigmoid(float x) {
-    return 1.0f / (1.0f + expf(-x));
-}
-
-__device__ __forceinline__ float glu(int kind, float g, float u, float alpha, float limit) {
-    switch (kind) {
-        case GLU_REGLU:
-            return (g > 0.0f ? g : 0.0f) * u;
-        case GLU_GEGLU:
-            return 0.5f * g * (1.0f + tanhf(SQRT_2_OVER_PI * g * (1.0f + GELU_COEF_A * g * g))) * u;
-        case GLU_SWIGLU:
-            return g * sigmoid(g) * u;
-        case GLU_GEGLU_ERF:
-            return 0.5f * g * (1.0f + erff(g * SQRT_2_INV)) * u;
-        case GLU_GEGLU_QUICK:
-            return g * sigmoid(GELU_QUICK_COEF * g) * u;
-        default: {  // GLU_SWIGLU_OAI
-            const float x = fminf(g, limit);
-            const float y = fminf(fmaxf(u, -limit), limit);
-            return x * sigmoid(alpha * x) * (y + 1.0f);
-        }
     }
 }
 

@@ -159,7 +159,7 @@ __device__ __forceinline__ float epilogue(float v, float up, const float* bias0,
         if (bias1 != nullptr) {
             up += bias1[m];
         }
-        v = glu(glu_kind, v, up, alpha, limit);
+        v = od::glu(glu_kind, v, up, alpha, limit);  // activations.cuh
     }
     return v;
 }

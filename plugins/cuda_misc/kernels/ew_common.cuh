@@ -1,6 +1,7 @@
 // Shared by cuda_misc's elementwise kernels (elementwise.cu, unary.cu, glu.cu).
 #pragma once
 
+#include "activations.cuh"
 #include "common.cuh"
 
 namespace ew {
@@ -14,14 +15,6 @@ __device__ __forceinline__ void put(od::bf16* p, float v) {
     unsigned short h;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
     p->bits = h;
-}
-
-// 1 / (1 + exp(-x)), as e / (1 + e) with e = exp(-|x|) for x < 0: no overflow, and
-// the tail keeps its relative precision (down to the subnormals the reference gives).
-__device__ __forceinline__ float sigmoid(float x) {
-    const float e = expf(-fabsf(x));
-    const float r = __fdividef(1.0f, 1.0f + e);  // 1 + e in [1, 2]: within 2 ulps
-    return x >= 0.0f ? r : e * r;
 }
 
 }  // namespace ew

@@ -19,42 +19,9 @@
 namespace ew_glu {
 
 using ew::put;
-using ew::sigmoid;
 using od::Pack;
 
-// Kind codes: must match GLU_CODES in plugins/cuda_misc/elementwise.py.
-constexpr int GLU_REGLU = 0;
-constexpr int GLU_GEGLU = 1;
-constexpr int GLU_SWIGLU = 2;
-constexpr int GLU_GEGLU_ERF = 3;
-constexpr int GLU_GEGLU_QUICK = 4;
-constexpr int GLU_SWIGLU_OAI = 5;
-
-constexpr float GELU_COEF_A = 0.044715f;
-constexpr float GELU_QUICK_COEF = 1.702f;
-constexpr float SQRT_2_OVER_PI = 0.79788456080286535587989211986876f;
-constexpr float SQRT_2_INV = 0.70710678118654752440084436210484f;
-
-template <int KIND>
-__device__ __forceinline__ float glu1(float g, float u, float alpha, float limit) {
-    if constexpr (KIND == GLU_REGLU) {
-        return (g > 0.0f ? g : 0.0f) * u;
-    } else if constexpr (KIND == GLU_GEGLU) {
-        // 0.5 g (1 + tanh(v)) = g sigmoid(2v): no cancellation for negative g
-        return g * sigmoid(2.0f * SQRT_2_OVER_PI * g * (1.0f + GELU_COEF_A * g * g)) * u;
-    } else if constexpr (KIND == GLU_SWIGLU) {
-        return g * sigmoid(g) * u;
-    } else if constexpr (KIND == GLU_GEGLU_ERF) {
-        return 0.5f * g * erfcf(-g * SQRT_2_INV) * u;  // 1 + erf(z) = erfc(-z)
-    } else if constexpr (KIND == GLU_GEGLU_QUICK) {
-        return g * sigmoid(GELU_QUICK_COEF * g) * u;
-    } else {
-        // x = min(gate, limit); u = clip(up, -limit, limit); x * sigmoid(alpha * x) * (u + 1)
-        const float x = g > limit ? limit : g;
-        const float c = u > limit ? limit : (u < -limit ? -limit : u);
-        return x * sigmoid(alpha * x) * (c + 1.0f);
-    }
-}
+using namespace od;  // GLU_* kinds and glu<KIND> (activations.cuh)
 
 template <int KIND, int N, typename T>
 __device__ __forceinline__ void glu_loop(const T* g, long long gs0, long long gs1, long long gs2, const T* u,
@@ -86,7 +53,7 @@ __device__ __forceinline__ void glu_loop(const T* g, long long gs0, long long gs
             P out;
 #pragma unroll
             for (int k = 0; k < N; ++k) {
-                put(&out.v[k], glu1<KIND>(od::load(&gv.v[k]), od::load(&uv.v[k]), alpha, limit));
+                put(&out.v[k], glu<KIND>(od::load(&gv.v[k]), od::load(&uv.v[k]), alpha, limit));
             }
             yr[c] = out;
         }

@@ -26,7 +26,7 @@
 // (relu/step/sgn/leaky_relu: 0, clamp: the bounds' order, hardsigmoid and
 // the rest: NaN propagates); round is roundf (halves away from zero);
 // softplus passes x through above 20; gelu uses ggml's tanh constants. The
-// formulas avoid cancellation and overflow (sigmoid, gelu, gelu_erf below), so
+// formulas avoid cancellation and overflow (sigmoid, gelu, gelu_erf: activations.cuh), so
 // results keep their relative precision where they are tiny.
 //
 // Aliasing: the result may be the source itself (same layout): every element
@@ -37,7 +37,10 @@
 namespace ew_unary {
 
 using ew::put;
-using ew::sigmoid;
+using od::GELU_QUICK_COEF;
+using od::gelu;
+using od::gelu_erf;
+using od::sigmoid;
 using od::Pack;
 
 // Op codes: must match UNARY_CODES in plugins/cuda_misc/elementwise.py.
@@ -72,12 +75,6 @@ constexpr int OP_CLAMP = 27;       // p0 = min, p1 = max
 constexpr int OP_LEAKY_RELU = 28;  // p0 = negative slope
 constexpr int OP_SOFTCAP = 29;     // p1 * tanh(p0 * x), rounded to T between steps as the unfused ops do
 
-// ggml's constants (ggml-cpu/vec.h)
-constexpr float GELU_COEF_A = 0.044715f;
-constexpr float GELU_QUICK_COEF = 1.702f;
-constexpr float SQRT_2_OVER_PI = 0.79788456080286535587989211986876f;
-constexpr float SQRT_2_INV = 0.70710678118654752440084436210484f;
-
 // -- 16-byte vectors ----------------------------------------------------------------
 
 template <typename T>
@@ -95,12 +92,6 @@ __device__ __forceinline__ float round_to(float v) {
 
 // -- the maps ---------------------------------------------------------------------------
 
-// 0.5 x (1 + tanh(u)) with ggml's u, written as x sigmoid(2u): the same function
-// without the cancellation of 1 + tanh(u) for negative x.
-__device__ __forceinline__ float gelu(float x) {
-    return x * sigmoid(2.0f * SQRT_2_OVER_PI * x * (1.0f + GELU_COEF_A * x * x));
-}
-
 // Ops whose code is large (argument reduction, long polynomials) run through
 // one out-of-line function per T, called once per element: inlining them for
 // every element of a vector would multiply the module's size (and NVRTC's
@@ -109,7 +100,7 @@ template <typename T>
 __device__ __noinline__ float map_large(int op, float x, float p0, float p1) {
     switch (op) {
         case OP_ELU: return x > 0.0f ? x : expm1f(x);
-        case OP_GELU_ERF: return 0.5f * x * erfcf(-x * SQRT_2_INV);  // 1 + erf(z) = erfc(-z), no cancellation
+        case OP_GELU_ERF: return gelu_erf(x);
         case OP_EXPM1: return expm1f(x);
         case OP_SOFTPLUS: return x > 20.0f ? x : log1pf(expf(x));
         case OP_LOG: return logf(x);
