@@ -209,7 +209,8 @@ def _aligned(n: int) -> int:
 
 @attrs.define(eq=False)
 class _Feeder:
-    """The transfers of `Plan.run` on one device whose backend stages (`staging`, `upload`, `download`).
+    """The transfers of `Plan.run` on one device whose backend stages (`staging`, `upload`, `download`,
+    `sub`, `mark`).
 
     The plan's inputs on the device that had no buffer yet were given one
     block there (each input a sub-buffer of it, registered as its resident
@@ -223,8 +224,9 @@ class _Feeder:
     Why this is safe: the staging buffers are overwritten only by the next
     run of this plan, which starts after the previous run's synchronize
     returned (a run that raises waits for the device before it re-raises),
-    so an upload never reads bytes being rewritten, and a download has
-    landed before its bytes are handed out.
+    or after the device took the previous submit's upload (the backend's
+    `mark` after it), so an upload never reads bytes being rewritten; a
+    download (run only) has landed before its bytes are handed out.
     """
 
     backend: Any
@@ -286,6 +288,8 @@ class _Slot:
 @attrs.define(eq=False)
 class _Shared:
     bound: _Bound | None = None
+    #: per feeder of the last submit: waits until the device has taken its uploaded inputs
+    taken: list[Callable[[], None]] = attrs.field(factory=list)
 
 
 @attrs.define(eq=False)
@@ -386,6 +390,34 @@ class Plan:
         but the next run of this plan overwrites them (a decode loop that
         samples from the logits before the next step can use that).
         """
+        bound = self._queue(feeds, download=True)
+        for backend in bound.backends.values():
+            backend.synchronize()
+        out = []
+        for o, view in zip(self.graph.outputs, bound.plumbing.outputs):
+            if view is None:
+                out.append(self.read(o))
+            else:
+                out.append(np.array(view) if copy else view)
+        return out
+
+    def submit(self, feeds: Mapping[Tensor | str, Any] | None = None) -> None:
+        """Queue a run and return without waiting for it: the inputs go up and
+        every step is queued as in `run`, but no output comes back (read
+        outputs and states with `read`, which waits for the device).
+
+        For loops whose steps feed each other on the device (a greedy decode:
+        each step's token is the previous step's argmax, kept in a state), so
+        the host prepares step i + 1 while the device runs step i. The next
+        `submit` or `run` of this plan first waits, on the host, until the
+        device has taken this one's inputs (the staging buffer is then free),
+        not until the device has finished it.
+        """
+        self._queue(feeds, download=False)
+
+    def _queue(self, feeds: Mapping[Tensor | str, Any] | None, *, download: bool) -> _Bound:
+        """Write the inputs into the staging buffers, queue their upload, every step and (with
+        `download`) the outputs' download; wait for nothing but an earlier submit's upload."""
         alias = self._alias
         given: dict[Tensor, Any] = {}
         for k, v in (feeds or {}).items():
@@ -398,6 +430,9 @@ class Plan:
         bound = ready if ready is not None else self._bind()
         pl = bound.plumbing
         slots = pl.slots
+        shared = self._shared
+        while shared.taken:  # the device has read the staging buffers a submit queued
+            shared.taken.pop()()
         for t, value in given.items():
             slot = slots.get(t)
             if slot is None:
@@ -408,25 +443,21 @@ class Plan:
         try:
             for feeder in pl.feeders:
                 feeder.upload()  # queued on the device's stream, ahead of the launches
+                if not download:
+                    shared.taken.append(feeder.backend.mark())
             for runner in bound.runners:
                 runner()
-            for feeder in pl.feeders:
-                feeder.download()  # queued behind the launches
+            if download:
+                for feeder in pl.feeders:
+                    feeder.download()  # queued behind the launches
         except BaseException:
             # The staging buffers may be in use by queued copies: wait (ignoring a second error) before
             # the next run may rewrite them, then report the first error.
+            shared.taken.clear()
             with contextlib.suppress(Exception):
                 self.synchronize()
             raise
-        for backend in bound.backends.values():
-            backend.synchronize()
-        out = []
-        for o, view in zip(self.graph.outputs, pl.outputs):
-            if view is None:
-                out.append(self.read(o))
-            else:
-                out.append(np.array(view) if copy else view)
-        return out
+        return bound
 
     def write(self, t: Tensor | str, value: Any) -> None:
         """Set an input (or overwrite a state) from a host array or DLPack object
@@ -520,7 +551,7 @@ class Plan:
         persistent: dict[tuple[Tensor, str], Any] = {}
         bound = _Bound(backends, arenas, persistent, [])
         for name, backend in backends.items():
-            if all(callable(getattr(backend, m, None)) for m in ("staging", "upload", "download", "sub")):
+            if all(callable(getattr(backend, m, None)) for m in ("staging", "upload", "download", "sub", "mark")):
                 bound.feeders[name] = self._make_feeder(name, backend)
         for leaf in self.graph.leafs:
             dev = self.homes[leaf]

@@ -438,6 +438,23 @@ def test_inputs_shared_between_plans_and_states_fed_through_run() -> None:
     np.testing.assert_array_equal(second.read(s), np.full((2, 3), 4.0))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda0", marks=pytest.mark.gpu)])
+def test_submitted_runs_chain_through_a_state_and_read_waits_for_them(device: str) -> None:
+    rng = np.random.default_rng()
+    x, s = od.input("x", (3, 5)), od.state("s", (3, 5))
+    plan = od.compile(ops.cpy(ops.add(s, x), s), device)  # s += x, in place
+    start = rand(rng, 3, 5)
+    plan.write(s, start)
+    xs = [rand(rng, 3, 5) for _ in range(6)]
+    for v in xs:
+        plan.submit({x: v})  # no wait: each run reads the s the previous one wrote
+    np.testing.assert_allclose(plan.read(s), start + np.sum(xs, axis=0), rtol=1e-5)
+    # a run after submits takes its own inputs, and returns its output
+    np.testing.assert_allclose(plan.run({x: xs[0]})[0], start + np.sum(xs, axis=0) + xs[0], rtol=1e-5)
+    with pytest.raises(KeyError, match="no value for input"):
+        plan.submit({})
+
+
 def test_a_backend_without_staging_writes_and_reads_each_tensor() -> None:
     rng = np.random.default_rng()
     dev = attrs.evolve(toy_device("plain0", host_memory=True), backend_factory=NoStaging)

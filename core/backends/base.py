@@ -92,7 +92,7 @@ class Backend(Protocol):
     def fill(self, buf: Buffer, byte: int) -> None:
         """Set every byte of `buf` (tests poison outputs with it)."""
 
-    # Optional: staged transfers. A backend with all four lets Plan.run upload a plan's
+    # Optional: staged transfers. A backend with all five lets Plan.run upload a plan's
     # inputs in one copy and wait once per run (dispatch._Feeder); without them, run uses
     # write/read, one synchronous transfer each.
     #
@@ -106,6 +106,9 @@ class Backend(Protocol):
     # def download(self, host: np.ndarray, host_offset: int, buf: Buffer, offset: int, nbytes: int) -> None:
     #     """Queue a copy buf -> host, ordered after launches queued before it; the bytes are
     #     there once synchronize returns."""
+    # def mark(self) -> Callable[[], None]:
+    #     """A point in the work queued so far: the returned function waits (on the host) until
+    #     the device has reached it (Plan.submit: the device has taken an upload)."""
 
     def bind_context(self, where: Callable[[Tensor], tuple[Buffer, int]]) -> BindContext:
         """A context that resolves tensors to (buffer, byte offset) through `where`."""

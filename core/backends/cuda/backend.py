@@ -190,6 +190,15 @@ class CudaBackend:
                 (buf.mem + offset).copy_to_host_async(ctypes.c_void_p(host.ctypes.data + host_offset), nbytes,
                                                       self.stream)
 
+    def mark(self) -> Callable[[], None]:
+        """An event recorded on the stream now; the returned function waits for it."""
+        import cupy
+
+        with self.cuda_device:
+            event = cupy.cuda.Event(block=False, disable_timing=True)
+            event.record(self.stream)
+        return event.synchronize
+
     def fill(self, buf: CudaBuffer, byte: int) -> None:
         with self.cuda_device:
             buf.mem.memset_async(int(byte), buf.nbytes, self.stream)
