@@ -9,12 +9,16 @@ fixed sane f16 scale) instead of drawing 1.1B floats and quantizing them.
 Each layer's q/k/v projections are stacked into one (LlamaModel's stack_qkv).
 
 - decode, batch B (1 or 16): every sequence holds CTX (512) prefilled tokens
-  (one batched prefill step fills all 16); the timed step is the one that
-  decodes a token per sequence at position CTX, repeated at that position
-  (it rewrites the same cache row): building the inputs, Plan.run (one
-  upload, the CUDA graph replay, the logits back) and a greedy argmax per
-  sequence, i.e. a generation step. `device_ms` is the plan's launches alone
-  (back to back, one synchronize), so host_ms = step_ms - device_ms.
+  (one batched prefill step fills all 16); a timed round is Generator.decode_greedy:
+  STEPS greedy decode steps per sequence from position CTX, each step's token
+  the previous step's argmax, picked and fed back on the GPU, the steps queued
+  without waiting (Plan.submit; the host writes each step's positions and
+  mask), the tokens read once at the end, as generate() runs greedy decoding.
+  step_ms is a round over STEPS. `device_ms` is the greedy step plan's launches
+  alone (back to back, one synchronize), so host_ms = step_ms - device_ms.
+  `host_pick_tokens/s`: a step that brings the logits back and picks on the host
+  (what top-k/top-p sampling runs): Plan.run (one upload, the CUDA graph replay,
+  the logits back) and numpy's argmax, at position CTX.
   Modes: default (fusion and CUDA graphs on), no-fusion, no-graphs (bf16 at
   batch 1 only).
 - prefill: one sequence of PREFILL (512) tokens (LM head on the last one).
@@ -29,7 +33,8 @@ compare with bf16, torch has no such kernels): eager decode with its dynamic
 KV cache after a CTX-token prefill (a few steps, so the context grows by a
 few tokens; the argmax stays on the GPU and one synchronize ends the loop),
 eager prefill; and `torch.compile(mode="reduce-overhead")` decode with a
-StaticCache at position CTX, run in one subprocess per batch under a time
+StaticCache at position CTX (the argmax fed back on the GPU, one synchronize
+after STEPS steps), run in one subprocess per batch under a time
 limit each (OPDISPATCH_BENCH_COMPILE_S, default 180; OPDISPATCH_BENCH_COMPILE=0
 skips it): a compile that fails or runs past the limit records "n/a" with the
 reason (a device-side assert's own message from the child's stderr) instead
@@ -309,12 +314,12 @@ def _compile_child(batches: list[int]) -> None:
                 pos = torch.full((1,), CTX, dtype=torch.long, device="cuda")
                 position_ids = torch.full((batch, 1), CTX, dtype=torch.long, device="cuda")
 
-                def one() -> None:
+                def one() -> None:  # the greedy token stays on the GPU and feeds the next step, as ours does
                     out = step(input_ids=tok, past_key_values=cache, cache_position=pos, position_ids=position_ids,
                                use_cache=True)
-                    out.logits[:, -1].argmax(-1).cpu()  # the token on the host, as a generation step needs
+                    tok.copy_(out.logits[:, -1:].argmax(-1))
 
-                secs = median_seconds(one, STEPS, 3)
+                secs = device_seconds(one, torch.cuda.synchronize, reps=STEPS, rounds=3)
             print(json.dumps({"batch": batch, "tps": batch / secs}), flush=True)
         except Exception as exc:  # noqa: BLE001 - reported, not raised: the parent records n/a
             print(json.dumps({"batch": batch, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}), flush=True)
@@ -325,19 +330,30 @@ def measure(s: Setup, gen: Any, kind: str, batch: int, copy_bandwidth: float) ->
     vocab = s.model.cfg.vocab
     info: dict[str, Any] = {}
     if kind == "decode":
-        plan, inp = gen.step(1, CTX, batch=batch)
-        toks = [[int(t)] for t in np.random.default_rng(2).integers(0, vocab, batch)]
-        pos = [CTX] * batch
+        first = [int(t) for t in np.random.default_rng(2).integers(0, vocab, batch)]
 
-        def step() -> None:  # a generation step at a fixed position: inputs, run, greedy pick per sequence
-            (logits,) = plan.run(inp.feeds_batch(toks, pos), copy=False)
-            logits.argmax(axis=-1)
+        def step() -> None:  # STEPS greedy steps from position CTX, tokens picked and fed back on the GPU
+            gen.lengths[:batch] = [CTX] * batch
+            gen.decode_greedy(first, STEPS)
 
         step()  # binds (compiles kernels, captures the CUDA graph on the next run)
-        secs = median_seconds(step)
+        secs = device_seconds(step, lambda: None, reps=1, rounds=ROUNDS) / STEPS
+        plan, inp = gen.step(1, CTX, batch=batch, greedy=True)
         device = device_seconds(plan.launch, plan.synchronize, reps=STEPS, rounds=ROUNDS)
+        # A step that brings the logits back and picks on the host (Generator.forward_batch, top-k/top-p).
+        host_plan, host_inp = gen.step(1, CTX, batch=batch)
+        toks = [[t] for t in first]
+
+        def host_pick() -> None:
+            (logits,) = host_plan.run(host_inp.feeds_batch(toks, [CTX] * batch), copy=False)
+            logits.argmax(axis=-1)
+
+        host_pick()
+        host_pick_s = median_seconds(host_pick)
+        gen.lengths[:batch] = [CTX] * batch
         info.update({"tokens/s": batch / secs, "ms/token": secs * 1e3 / batch, "step_ms": secs * 1e3,
                      "device_ms": device * 1e3, "host_ms": (secs - device) * 1e3,
+                     "host_pick_tokens/s": batch / host_pick_s,
                      "weight_bytes": s.weight_bytes, "kv_bytes": batch * s.kv_bytes_per_seq,
                      "roofline": s.weight_bytes / copy_bandwidth / secs,
                      "copy_GB/s": copy_bandwidth / 1e9, "launches": plan.summary()["launches"]})

@@ -144,6 +144,27 @@ def test_decode_across_a_window_boundary_equals_one_prefill() -> None:
     np.testing.assert_allclose(np.concatenate(steps), whole, rtol=0, atol=1e-4 * np.abs(whole).max())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda0", marks=pytest.mark.gpu)])
+def test_greedy_decode_on_the_device_picks_the_host_argmax_across_a_window_boundary(device: str) -> None:
+    cfg = attrs.evolve(TINY_F32, max_ctx=300)
+    w = random_weights(cfg, 3)
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, cfg.vocab, n).tolist() for n in (245, 238)]
+    gen = Generator(LlamaModel(cfg, w, max_seqs=2), device, batch=2)
+    out = gen.generate_batch(prompts, 16)  # decode positions 245..260: windows 256, then 300
+    assert gen.step(1, 250, batch=2, greedy=True)[0] is not gen.step(1, 256, batch=2, greedy=True)[0]
+    assert "tokens" not in [t.name for t in out.decode_plan.graph.inputs]  # the tokens stay on the device
+    alone = LlamaModel(cfg, w)
+    for prompt, tokens in zip(prompts, out.tokens):
+        host = Generator(alone, device)
+        logits, picked = host.forward(prompt)[-1], []
+        for _ in range(16):
+            picked.append(int(np.argmax(logits)))
+            logits = host.forward(picked[-1:])[-1]
+        assert list(tokens) == picked, f"seed-free random prompt of {len(prompt)} tokens"
+    assert gen.lengths == [245 + 15, 238 + 15]
+
+
 def test_generation_reports_timing_and_plans(tiny) -> None:
     _, _, model = tiny
     out = generate(model, PROMPT, 4, "cpu")

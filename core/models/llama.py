@@ -326,7 +326,7 @@ class StepInputs:
     """The inputs of one step's graph: `batch` sequences of n tokens each, sequence b in cache region
     first_seq + b (rows (first_seq + b) * max_ctx ..); `feeds` / `feeds_batch` fill them."""
 
-    tokens: Tensor  # i32 (B * n,): sequence b's tokens at b * n ..
+    tokens: Tensor | None  # i32 (B * n,): sequence b's tokens at b * n ..; None: greedy steps read next_tokens
     pos: Tensor  # i32 (B * n,)
     kv_idx: Tensor  # i64 (B * n,): cache rows written, (first_seq + b) * max_ctx + position
     mask: Tensor  # f16 (B, 1, n, window): per sequence, 0 up to each token's position, -inf beyond
@@ -341,16 +341,22 @@ class StepInputs:
         """One sequence (batch 1): token_ids at positions n_past.."""
         return self.feeds_batch([token_ids], [n_past])
 
-    def feeds_batch(self, token_ids: Sequence[Sequence[int]], n_past: Sequence[int]) -> dict[Tensor, np.ndarray]:
+    def feeds_batch(self, token_ids: Sequence[Sequence[int]] | None,
+                    n_past: Sequence[int]) -> dict[Tensor, np.ndarray]:
         """Sequence b's tokens token_ids[b] (each of the step's n) at positions n_past[b]..
+        (token_ids None for a greedy step, whose tokens are on the device).
 
         Fresh arrays every call (a caller may keep them); the mask rows are cut from a precomputed
         staircase (`_mask_rows`), so a decode step's inputs cost a few small numpy calls.
         """
         b_, n, window = self._dims
-        if len(token_ids) != b_ or len(n_past) != b_ or any(len(t) != n for t in token_ids):
+        if (token_ids is None) != (self.tokens is None):
+            raise ValueError("llama step: token ids are given for a greedy step (or missing for another)")
+        if len(n_past) != b_ or (token_ids is not None and (len(token_ids) != b_
+                                                            or any(len(t) != n for t in token_ids))):
+            got = "no" if token_ids is None else [len(t) for t in token_ids]
             raise ValueError(f"llama step built for {b_} sequence(s) of {n} tokens, got "
-                             f"{[len(t) for t in token_ids]} tokens at {len(n_past)} position(s)")
+                             f"{got} tokens at {len(n_past)} position(s)")
         # Python ints: a decode step has B positions, and numpy's per-call cost dominates at that size
         positions = [int(p) for p in n_past] if n == 1 else [int(p) + i for p in n_past for i in range(n)]
         lo, hi = min(positions), max(positions)
@@ -362,12 +368,14 @@ class StepInputs:
             mask = self._mask_rows[window - 1 - lo].reshape(1, 1, 1, window).copy()
         else:
             mask = self._mask_rows[(window - 1) - pos].reshape(b_, 1, n, window)
-        return {
-            self.tokens: np.array(token_ids, np.int32).reshape(-1),
+        feeds = {
             self.pos: pos,
             self.kv_idx: np.array([r + p for r, p in zip(self._row_base, positions)], np.int64),
             self.mask: mask,
         }
+        if self.tokens is not None:
+            feeds[self.tokens] = np.array(token_ids, np.int32).reshape(-1)
+        return feeds
 
     @property
     def _dims(self) -> tuple[int, int, int]:
@@ -466,6 +474,12 @@ class LlamaModel:
         self.embed = self.params["model.embed_tokens.weight"]
         self.norm = self.params["model.norm.weight"]
         self.lm_head = self.params.get("lm_head.weight", self.embed)
+        # Greedy decode on the device (build(greedy=True)): each sequence's next token, which the next
+        # step embeds; the same as f32 (set_rows writes f32 rows); and every token picked, in the row of
+        # the position it follows (the KV-cache row numbering), for the host to read once at the end.
+        self.next_tokens = state("sample.next", (max_seqs,), "i32")
+        self.next_f32 = state("sample.next_f32", (max_seqs, 1), "f32")
+        self.token_log = state("sample.log", (max_seqs * cfg.max_ctx, 1), "f32")
 
     def _take(self, given: dict[str, Any], name: str, shape: tuple[int, ...]) -> Tensor | None:
         """The weight `name` from `given` (popped), under its own name or an alias of MOE_ALIASES; None if absent."""
@@ -519,7 +533,7 @@ class LlamaModel:
         return [c for layer in self.layers for c in (layer.k_cache, layer.v_cache)]
 
     def build(self, n_tokens: int, n_past: int, *, batch: int = 1, first_seq: int = 0,
-              logits: str = "all") -> tuple[list[Tensor], StepInputs]:
+              logits: str = "all", greedy: bool = False) -> tuple[list[Tensor], StepInputs]:
         """The graph of one step: `batch` sequences (cache regions first_seq ..) of n_tokens tokens each,
         the furthest of them starting at position n_past -> [logits f32 (batch * n_tokens, vocab)],
         sequence b's rows at b * n_tokens ..; logits="last": (batch, vocab), each sequence's last token.
@@ -531,6 +545,12 @@ class LlamaModel:
         between sequences) with a mask per sequence (B, 1, n, window): flash_attn_ext takes a mask with a
         batch axis (broadcast by modulo, OPS.md), so sequences at different positions share the step.
         The window (cache positions read) is window_for(n_past + n_tokens), the same for all of them.
+
+        greedy (decode only, n_tokens 1): the step picks each sequence's next token on the device: it
+        embeds the tokens in `next_tokens` (no token input: StepInputs.tokens is None), and instead of the
+        logits it returns [next_tokens, token_log] updated: argmax of each sequence's logits (ties: the
+        last index, ggml's argmax) into next_tokens and into token_log at its kv_idx row. Steps chained
+        this way need no host work between them but the next positions (Plan.submit).
         """
         cfg = self.cfg
         n, hd, b_ = n_tokens, cfg.head_dim, batch
@@ -541,12 +561,15 @@ class LlamaModel:
                              f"max_seqs {self.max_seqs}")
         if logits not in ("all", "last"):
             raise ValueError(f"llama: logits must be 'all' or 'last', got {logits!r}")
+        if greedy and n != 1:
+            raise ValueError(f"llama: greedy steps decode one token per sequence, got {n}")
         window = window_for(cfg, n_past + n)
         rows = b_ * n
-        inp = StepInputs(input("tokens", (rows,), "i32"), input("pos", (rows,), "i32"),
+        next_tokens = self.next_tokens.view((b_,), (4,), 4 * first_seq)
+        inp = StepInputs(None if greedy else input("tokens", (rows,), "i32"), input("pos", (rows,), "i32"),
                          input("kv_idx", (rows,), "i64"), input("kq_mask", (b_, 1, n, window), "f16"),
                          first_seq, cfg.max_ctx)
-        x = ops.get_rows(self.embed, inp.tokens)  # (B * n, hidden)
+        x = ops.get_rows(self.embed, next_tokens if greedy else inp.tokens)  # (B * n, hidden)
         for layer in self.layers:
             h = ops.mul(ops.rms_norm(x, cfg.rms_eps), layer.attn_norm)
             # RoPE sees the B * n rows as one run of tokens (a position each), then q splits by sequence.
@@ -577,7 +600,11 @@ class LlamaModel:
         if logits == "last" and n > 1:  # each sequence's last row, a strided view: the LM head reads B rows
             x = x.view((b_, cfg.hidden), (n * x.strides[0], x.strides[1]), (n - 1) * x.strides[0])
         out = ops.mul_mat(self.lm_head, ops.mul(ops.rms_norm(x, cfg.rms_eps), self.norm))
-        return [out], inp
+        if not greedy:
+            return [out], inp
+        picked = ops.argmax(out)  # (B,) i32
+        as_f32 = ops.cpy(picked, self.next_f32.view((b_, 1), (4, 4), 4 * first_seq))
+        return [ops.cpy(picked, next_tokens), ops.set_rows(self.token_log, as_f32, inp.kv_idx)], inp
 
     def _moe(self, layer: _Layer, h: Tensor, residual: Tensor) -> Tensor:
         """residual + the mixture of experts on h (n, hidden), as llama.cpp's build_moe_ffn.
@@ -650,7 +677,9 @@ SAMPLING = ("greedy", "top-k", "top-p")
 class Sampler:
     """Picks each next token from a row of logits, on the host, with a seeded numpy RNG.
 
-    greedy: the argmax (the first of equal maxima). top-k: the top_k largest
+    greedy: the argmax (the first of equal maxima here; Generator.generate
+    picks greedy decode tokens on the device instead, where ggml's argmax
+    takes the last of equal maxima). top-k: the top_k largest
     logits, drawn by softmax(logits / temperature) over them (top_k = 1 is
     greedy). top-p (nucleus): softmax(logits / temperature), then the most
     probable tokens until their probability reaches top_p (at least one
@@ -680,6 +709,11 @@ class Sampler:
     def reset(self) -> None:
         self._rng = np.random.default_rng(self.seed)
 
+    @property
+    def greedy(self) -> bool:
+        """Picks the argmax (Generator.generate then picks on the device)."""
+        return self.method == "greedy" or (self.method == "top-k" and self.top_k == 1)
+
     def describe(self) -> str:
         if self.method == "greedy":
             return "greedy"
@@ -696,7 +730,7 @@ class Sampler:
         z = np.asarray(logits).reshape(-1)
         if z.dtype not in (np.float32, np.float64):
             z = z.astype(np.float64)
-        if self.method == "greedy" or (self.method == "top-k" and self.top_k == 1):
+        if self.greedy:
             return np.array([int(np.argmax(z))]), np.ones(1)
         if self.method == "top-k":
             ids = _largest(z, self.top_k)
@@ -855,16 +889,67 @@ class Generator:
         """Start new sequences (the cache rows past a position are masked, not cleared)."""
         self.lengths = [0] * self.batch
 
-    def step(self, n_tokens: int, n_past: int, *, batch: int = 1, logits: str = "all") -> tuple[Plan, StepInputs]:
+    def step(self, n_tokens: int, n_past: int, *, batch: int = 1, logits: str = "all",
+             greedy: bool = False) -> tuple[Plan, StepInputs]:
         """The compiled plan for `batch` sequences (0..) of n_tokens tokens, the furthest at n_past
-        (compiled on first use)."""
-        key = (n_tokens, window_for(self.model.cfg, n_past + n_tokens), batch, "all" if n_tokens == 1 else logits)
+        (compiled on first use); greedy: LlamaModel.build's greedy decode step."""
+        key = (n_tokens, window_for(self.model.cfg, n_past + n_tokens), batch, "all" if n_tokens == 1 else logits,
+               greedy)
         if key not in self._steps:
             t0 = time.perf_counter()
-            outputs, inp = self.model.build(n_tokens, n_past, batch=batch, logits=key[3])
+            outputs, inp = self.model.build(n_tokens, n_past, batch=batch, logits=key[3], greedy=greedy)
             self._steps[key] = (compile(outputs, self.device, fusion=self.fusion), inp)
             self.compile_s += time.perf_counter() - t0
         return self._steps[key]
+
+    def decode_greedy(self, first: Sequence[int], n_steps: int, progress: Progress | None = None) -> list[list[int]]:
+        """n_steps greedy decode steps of sequences 0..len(first) - 1 from their current positions,
+        sequence b starting from token first[b]: each step's tokens are the previous step's argmax,
+        picked on the device (LlamaModel.build(greedy=True)), and the steps are queued without waiting
+        (Plan.submit), so the host prepares step i + 1 while the device runs step i. Returns each
+        sequence's n_steps new tokens, read once at the end; advances each sequence by n_steps.
+        """
+        model, batch = self.model, len(first)
+        vocab = model.cfg.vocab
+        if not 1 <= batch <= self.batch or any(not 0 <= t < vocab for t in first):
+            raise ValueError(f"decode_greedy: needs 1..{self.batch} first tokens in [0, {vocab}), got {list(first)}")
+        start = self.lengths[:batch]
+        if max(start) + n_steps > model.cfg.max_ctx:
+            raise ValueError(f"decode_greedy: {n_steps} steps after position {max(start)} do not fit max_ctx "
+                             f"{model.cfg.max_ctx}")
+        plan: Plan | None = None
+        t0 = time.perf_counter()
+        for i in range(n_steps):
+            nxt, inp = self.step(1, max(self.lengths[:batch]), batch=batch, greedy=True)
+            if nxt is not plan:
+                tokens = first if plan is None else self._read_next(plan, batch)
+                plan = nxt
+                self._write_next(plan, tokens)
+                if plan not in self._bound:  # binding runs the step once: the same token at the same
+                    plan.run(inp.feeds_batch(None, self.lengths[:batch]))  # position, then the token again
+                    self._bound.add(plan)
+                    self._write_next(plan, tokens)
+            plan.submit(inp.feeds_batch(None, self.lengths[:batch]))
+            for b in range(batch):
+                self.lengths[b] += 1
+            if progress is not None:
+                progress.update((i + 1) * batch)
+        self._last = plan
+        if plan is None:
+            return [[] for _ in first]
+        log = plan.read(model.token_log).reshape(-1)
+        self.last_run_s = time.perf_counter() - t0
+        rows = [b * model.cfg.max_ctx + start[b] for b in range(batch)]
+        return [[int(log[r + i]) for i in range(n_steps)] for r in rows]
+
+    def _write_next(self, plan: Plan, tokens: Sequence[int]) -> None:
+        """Sequences 0..len(tokens) - 1's next tokens into the model's next_tokens state."""
+        values = np.zeros(self.model.max_seqs, np.int32)
+        values[:len(tokens)] = tokens
+        plan.write(self.model.next_tokens, values)
+
+    def _read_next(self, plan: Plan, batch: int) -> list[int]:
+        return [int(t) for t in plan.read(self.model.next_tokens)[:batch]]
 
     def forward(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits f32 (len(token_ids), vocab) for tokens of sequence 0 at its next positions; advances it."""
@@ -961,14 +1046,18 @@ class Generator:
         # The prompts' last logits only (the LM head on their last rows) when they are of one length.
         prefill_plan = self.step(max(lens), 0, batch=batch, logits="last" if min(lens) == max(lens) else "all")[0]
         if n_new > 1:
-            self.step(1, max(lens), batch=batch)
+            self.step(1, max(lens), batch=batch, greedy=sampler.greedy)
         bar = Progress(progress, n_new * batch)
         last = self._forward_seqs(prompts, last=True)  # (batch, vocab)
         prefill_s = self.last_run_s
         tokens = [[s(row)] for s, row in zip(samplers, last)]
         bar.update(batch)
         decode_s = 0.0
-        for _ in range(n_new - 1):
+        if sampler.greedy and n_new > 1:
+            for t, more in zip(tokens, self.decode_greedy([t[0] for t in tokens], n_new - 1, bar)):
+                t.extend(more)
+            decode_s = self.last_run_s
+        for _ in range(n_new - 1 if not sampler.greedy else 0):
             # A view, sampled before its plan runs again.
             logits = self._run([t[-1:] for t in tokens], batch=batch, copy=False)  # (batch, vocab)
             decode_s += self.last_run_s
