@@ -3,7 +3,9 @@
 Times come from bench.device_seconds (back-to-back runs, one synchronize).
 Bytes (inputs + output) or FLOPs are counted by each benchmark explicitly and
 stored in `extra_info`, with the derived GB/s, the fraction of the copy
-bandwidth measured here, and the ratio to torch.
+bandwidth measured here (a 1 GiB copy), the fraction a copy of the same
+bytes reaches with the same timing (the ceiling at that size: launch and
+ramp costs weigh on small sizes), and the ratio to torch.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def copy_bandwidth(torch_cuda) -> float:  # noqa: ANN001
 
 @pytest.fixture
 def measure(benchmark, torch_cuda, copy_bandwidth):  # noqa: ANN001, ANN201
-    """measure(plan, nbytes, torch_fn) -> records GB/s, % of copy bandwidth, ratio to torch."""
+    """measure(plan, nbytes, torch_fn) -> records GB/s, % of copy bandwidth, ratio to torch; for byte
+    counts (no flops), also what a copy of that many bytes reaches with the same timing."""
 
     def run(plan, nbytes: int, torch_fn: Callable[[], object] | None, flops: int = 0) -> dict:  # noqa: ANN001
         torch = torch_cuda
@@ -52,6 +55,14 @@ def measure(benchmark, torch_cuda, copy_bandwidth):  # noqa: ANN001, ANN201
                 "copy_fraction": nbytes / ours / copy_bandwidth, "copy_GB/s": copy_bandwidth / 1e9}
         if flops:
             info["TFLOP/s"] = flops / ours / 1e12
+        else:
+            # The ceiling at this size: a device copy moving the same bytes (half read, half written),
+            # timed the same way, as a fraction of the 1 GiB copy's bandwidth.
+            src = torch.empty(nbytes // 8, device="cuda", dtype=torch.float32).uniform_()
+            dst = torch.empty_like(src)
+            same = device_seconds(lambda: dst.copy_(src), torch.cuda.synchronize)
+            info["same_size_copy_fraction"] = 8 * src.numel() / same / copy_bandwidth
+            del src, dst
         if torch_fn is not None:
             theirs = device_seconds(torch_fn, torch.cuda.synchronize)
             info["torch_us"] = theirs * 1e6

@@ -27,8 +27,8 @@ def table(path: str) -> str:
     rows = [f"machine: {machine.get('node', '?')}, {machine.get('cpu', {}).get('brand_raw', '')}"]
     if ops:
         rows += ["",
-                 "| benchmark | us | GB/s | % copy BW | TFLOP/s | torch us | speedup vs torch |",
-                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                 "| benchmark | us | GB/s | % copy BW | same-size copy % | TFLOP/s | torch us | speedup vs torch |",
+                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for b in ops:
         e = b.get("extra_info", {})
 
@@ -36,7 +36,8 @@ def table(path: str) -> str:
             return format(e[key], fmt) if key in e else ""
 
         frac = format(100 * e["copy_fraction"], ".0f") + "%" if "copy_fraction" in e else ""
-        rows.append(f"| {b['name']} | {cell('us', '.1f')} | {cell('GB/s', '.0f')} | {frac} | "
+        same = format(100 * e["same_size_copy_fraction"], ".0f") + "%" if "same_size_copy_fraction" in e else ""
+        rows.append(f"| {b['name']} | {cell('us', '.1f')} | {cell('GB/s', '.0f')} | {frac} | {same} | "
                     f"{cell('TFLOP/s', '.1f')} | {cell('torch_us', '.1f')} | {cell('speedup_vs_torch', '.2f')} |")
     if models:
         rows += ["",
