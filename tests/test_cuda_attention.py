@@ -64,9 +64,9 @@ def fa(d: int = 64, tq: int = 1, tk: int = 113, hq: int = 4, hkv: int = 2, kv: s
 def test_kernels_and_rules_are_for_cuda_devices_only() -> None:
     assert list(ca.kernels(device=CPU)) == [] and list(ca.fusion_rules(device=CPU)) == []
     assert sorted(k.op for k in ca.kernels(device=H200)) == sorted(ATTN_OPS)
-    assert [r.name for r in ca.fusion_rules(device=H200)] == ["rope_qkv_set_rows", "rope_view_set_rows",
-                                                              "rope_reshape_set_rows"]
-    assert all(r.pattern[0] == "rope" and r.pattern[-1] == "set_rows" for r in ca.fusion_rules(device=H200))
+    assert [r.name for r in ca.fusion_rules(device=H200)] == ["rope_qkv_flash_attn_ext", "rope_qkv_set_rows",
+                                                              "rope_view_set_rows", "rope_reshape_set_rows"]
+    assert all(r.pattern[0] == "rope" for r in ca.fusion_rules(device=H200))
 
 
 def _soft_max() -> Tensor:
@@ -307,6 +307,71 @@ def test_no_qkv_fusion_when_the_rotated_k_is_also_an_output() -> None:
     plan = od.compile([*outputs, rope_k], H200)
     assert not plan.fusions
     assert "not fused: rope_qkv_set_rows (an intermediate result is read outside the group)" in plan.explain()
+
+
+def attn_step(inp: Inputs, cache: str = "f16", idx: str = "i64", mode: str = "neox", seqs: int = 3, heads: int = 8,
+              kv_heads: int = 2, d: int = 64, ctx: int = 320) -> list[Tensor]:
+    """LlamaModel.build's decode step from the stacked projection to the attention: `seqs` sequences of one
+    token, sequence b in cache rows b * ctx .., each at a random position of its window (masked past it);
+    outputs the attention (seqs, 1, heads, d) and the two caches, whose other rows start random."""
+    hidden, kv = heads * d, kv_heads * d
+    qkv = inp.uniform((seqs, hidden + 2 * kv))
+    rs, es = qkv.strides
+    q = qkv.view((1, seqs, heads, d), (seqs * rs, rs, d * es, es))
+    k = qkv.view((1, seqs, kv_heads, d), (seqs * rs, rs, d * es, es), hidden * es)
+    v = qkv.view((seqs, kv), (rs, es), (hidden + kv) * es)
+    positions = inp.rng.integers(0, ctx, seqs)
+    pos, ids, mask = od.input("pos", (seqs,), "i32"), od.input("ids", (seqs,), idx), od.input("m", (seqs, 1, 1, ctx),
+                                                                                             "f16")
+    inp.feeds[pos] = positions.astype(np.int32)
+    inp.feeds[ids] = (np.arange(seqs) * ctx + positions).astype(np.int32 if idx == "i32" else np.int64)
+    inp.feeds[mask] = np.where(np.arange(ctx) <= positions[:, None], 0, -np.inf).astype(np.float16).reshape(
+        seqs, 1, 1, ctx)
+    ff = inp.uniform((d // 2,), lo=0.9, hi=1.1)
+    qr, kr = ops.rope(q, pos, d, mode, freq_factors=ff), ops.rope(k, pos, d, mode, freq_factors=ff)
+    caches = [od.state(f"{what}_cache", (seqs * ctx, kv), cache, init=inp.rng.uniform(-1, 1, (seqs * ctx, kv)))
+              for what in ("k", "v")]
+    keys = ops.set_rows(caches[0], kr.reshape(seqs, kv), ids)
+    values = ops.set_rows(caches[1], v, ids)
+
+    def window(c: Tensor) -> Tensor:
+        row = c.strides[0]
+        return c.view((seqs, kv_heads, ctx, d), (ctx * row, c.dtype.row_bytes(d), row, c.dtype.block_bytes))
+
+    out = ops.flash_attn_ext(qr.reshape(seqs, 1, heads, d).permute(0, 2, 1, 3), window(keys), window(values), mask,
+                             d ** -0.5)
+    return [out, keys, values]
+
+
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+@pytest.mark.parametrize("idx", ["i32", "i64"])
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+def test_fuses_the_decode_steps_rope_kv_writes_and_attention(cache: str, idx: str, mode: str) -> None:
+    plan = od.compile(attn_step(Inputs(np.random.default_rng(0)), cache, idx, mode), H200)
+    (step,) = plan.fusions
+    assert (step.plugin, step.kernel) == ("cuda_attention", "rope_qkv_flash_attn_ext"), plan.explain()
+    assert [n.op for n in step.nodes] == list(fusion.ATTN_PATTERN)
+    assert [s.kind for s in plan.steps if s.kind != "view"] == ["fused"]  # one launch
+    fused = ca.FusedQKV.of(step.nodes)
+    assert (fused.row0, fused.rows_b) == (0, 320)
+    (spec,) = ca.flash_plan(step.nodes[-1], 132, fused).specs(fake_ptr, [BASE, BASE, BASE])
+    assert spec.kernel == ca.decode_kernel(64, cache, mode, idx) and spec.kernel in ca.KERNEL_SOURCES[ca.DECODE_CU]
+    assert spec_types(spec) == kernel_param_types(ca.DECODE_CU, "fattn_decode")
+    assert spec.smem == support.decode_smem(64, True) > support.decode_smem(64)
+
+
+@pytest.mark.parametrize(("kw", "reason", "fused"), [
+    (dict(d=80), r"^head size 80 \(fused for 64, 128\)", ["rope_qkv_set_rows"]),
+    (dict(cache="bf16"), r"^k: cache dtype bf16", []),
+])
+def test_attention_fusion_declines_with_the_reason_and_the_smaller_rules_still_fuse(kw: dict, reason: str,
+                                                                                     fused: list) -> None:
+    outputs = attn_step(Inputs(np.random.default_rng(0)), **kw)
+    graph = Graph.build(outputs)
+    first = [n.op for n in graph.nodes].index("rope")
+    answer = fusion.check_attn(H200, graph.nodes[first:first + len(fusion.ATTN_PATTERN)], graph)
+    assert isinstance(answer, str) and re.search(reason, answer), answer
+    assert [s.kernel for s in od.compile(outputs, H200).fusions] == fused
 
 
 # -- launch specs, without a GPU ------------------------------------------------------------------
@@ -864,6 +929,40 @@ def test_fused_rope_qkv_matches_unfused_and_reference(cache: str, idx: str, mode
     _, ref = run("cpu")
     limits = (bound("rope"), bound("set_rows", cache), bound("set_rows", cache))
     for what, got, want, other, limit in zip(("q", "K cache", "V cache"), fused, ref, plain, limits):
+        got = got.astype(np.float64)
+        assert_close(got, want.astype(np.float64), limit, f"fused {what} vs reference ({cache} {idx} {mode})")
+        assert_close(got, other.astype(np.float64), limit, f"fused {what} vs unfused ({cache} {idx} {mode})")
+
+
+@gpu
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+@pytest.mark.parametrize("idx", ["i32", "i64"])
+@pytest.mark.parametrize(("mode", "seqs", "d", "ctx"), [
+    ("neox", 1, 64, 320), ("normal", 3, 128, 320), ("neox", 3, 128, 1100), ("neox", 16, 64, 777),
+])
+def test_fused_decode_attention_matches_unfused_and_reference(cache: str, idx: str, mode: str, seqs: int, d: int,
+                                                              ctx: int, rng) -> None:  # noqa: ANN001
+    inp = Inputs(rng)
+    outputs = attn_step(inp, cache, idx, mode, seqs=seqs, d=d, ctx=ctx)
+    caches = [o.base for o in outputs[1:]]
+
+    def run(device: str, times: int = 1, **kw: object) -> tuple[od.Plan, list[np.ndarray]]:
+        """Runs from the caches' initial rows (plans on one device share their buffers), arenas poisoned."""
+        plan = od.compile(outputs, device, **kw)
+        for _ in range(times):  # more than one: the CUDA-graph replay (split counters reset, rows rewritten)
+            for c in caches:
+                plan.write(c, c.data.view(np.float32 if c.dtype.name == "f32" else np.float16).reshape(c.shape))
+            plan.poison()
+            got = plan.run(inp.feeds)
+        return plan, got
+
+    plan, fused = run("cuda0", times=3)
+    assert "rope_qkv_flash_attn_ext" in [s.kernel for s in plan.fusions], plan.explain()
+    plain_plan, plain = run("cuda0", fusion=False)
+    assert not plain_plan.fusions
+    _, ref = run("cpu")
+    limits = (bound("flash_attn_ext"), bound("set_rows", cache), bound("set_rows", cache))
+    for what, got, want, other, limit in zip(("attention", "K cache", "V cache"), fused, ref, plain, limits):
         got = got.astype(np.float64)
         assert_close(got, want.astype(np.float64), limit, f"fused {what} vs reference ({cache} {idx} {mode})")
         assert_close(got, other.astype(np.float64), limit, f"fused {what} vs unfused ({cache} {idx} {mode})")

@@ -255,14 +255,13 @@ def test_batch_steps_write_each_sequence_in_its_own_cache_region(tiny) -> None:
         Generator(LlamaModel(cfg, w), "cpu", batch=2)
     with pytest.raises(ValueError, match="outside its window"):
         inp.feeds_batch([[5], [6], [7]], [40, 3, 128])
-    # On an H200 (planned without one): a head size its kernels take; every node on the GPU, q rotated and
-    # K/V written by one fused launch a layer, attention read through flash_attn_ext's batch axis.
+    # On an H200 (planned without one): a head size its kernels take; every node on the GPU, q rotated,
+    # K/V written and the attention read through flash_attn_ext's batch axis by one fused launch a layer.
     big = LlamaConfig(vocab=512, hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, max_ctx=512, dtype="bf16")
     plan = compile(LlamaModel(big, random_weights(big), max_seqs=16).build(1, 300, batch=16)[0], H200)
     assert plan.summary()["copies"] == 0 and all(s.device is H200 for s in plan.steps if s.kind != "view")
-    fa = [s for s in plan.steps if s.kind == "kernel" and s.nodes[0].op == "flash_attn_ext"]
-    assert len(fa) == 2 and fa[0].nodes[0].srcs[1].shape == (16, 2, 512, 64)
-    assert [s.kernel for s in plan.fusions].count("rope_qkv_set_rows") == 2
+    fa = [s for s in plan.fusions if s.kernel == "rope_qkv_flash_attn_ext"]
+    assert len(fa) == 2 and fa[0].nodes[-1].srcs[1].shape == (16, 2, 512, 64)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "q4_0"])
@@ -300,11 +299,11 @@ def test_qkv_projections_are_one_mat_vec_a_layer_and_unstacked_when_dtypes_diffe
     for batch in (1, 16):
         plans = [compile(LlamaModel(big, bw, max_seqs=16, stack_qkv=s).build(1, 300, batch=batch)[0], H200)
                  for s in (False, True)]
-        for plan, rule in zip(plans, ("rope_reshape_set_rows", "rope_qkv_set_rows")):
+        for plan, rule in zip(plans, ("rope_reshape_set_rows", "rope_qkv_flash_attn_ext")):
             assert plan.summary()["copies"] == 0 and all(s.device is H200 for s in plan.steps if s.kind != "view")
             assert [s.kernel for s in plan.fusions].count(rule) == big.layers
         saved = 2 * big.layers
-        saved += 2 * big.layers  # stacked: rope(q), rope(k) -> set_rows and set_rows(v) in one launch
+        saved += 3 * big.layers  # stacked: rope(q), rope(k) -> set_rows and set_rows(v) inside the attention
         assert plans[1].summary()["launches"] == plans[0].summary()["launches"] - saved
 
 

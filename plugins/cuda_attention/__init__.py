@@ -1,5 +1,6 @@
 """The cuda_attention plugin: soft_max, rope, flash_attn_ext; rope -> view -> set_rows fused, and the
-decode step's rope(q), rope(k) -> K cache, v -> V cache in one launch (fusion.py).
+decode step's rope(q), rope(k) -> K cache, v -> V cache in one launch, or inside the decode attention
+kernel that reads them (fusion.py).
 
 Kernels (kernels/*.cu, CUDA C++ compiled by NVRTC one template instance at a time):
 
@@ -14,7 +15,8 @@ Kernels (kernels/*.cu, CUDA C++ compiled by NVRTC one template instance at a tim
 - fattn_decode.cu: flash_attn_ext for Tq <= 8 (split-K over the KV on mma.sync,
   16 (query row, head) columns of one KV head a block, K/V tiles streamed
   through cp.async stages; the last split of each group to finish merges the
-  f32 partials in the same launch).
+  f32 partials in the same launch); fused, it also rotates q and writes the
+  step's new K/V rows (rope_common.cuh: the angles rope.cu uses).
 - fattn_prefill.cu: flash_attn_ext for more rows (mma.sync tensor cores, 128
   query rows a block for D <= 128, double-buffered K/V tiles in shared memory,
   online softmax, fully masked tiles skipped through per-tile mask flags
@@ -98,8 +100,11 @@ def rope_qkv_kernel(neox: bool, cache: str, idx: str) -> str:
     return f"rope_qkv_set_rows<{_b(neox)}, {CTYPE[cache]}, {_idx_ctype(idx)}, {ROPE_HEADS_IN_FLIGHT['f32']}>"
 
 
-def decode_kernel(d: int, kv: str) -> str:
-    return f"fattn_decode<{d}, {CTYPE[kv]}>"
+def decode_kernel(d: int, kv: str, rope: str = "", idx: str = "i32") -> str:
+    """The decode kernel; rope "normal"/"neox": fused with the q/k/v rope and cache writes (row ids idx)."""
+    if not rope:
+        return f"fattn_decode<{d}, {CTYPE[kv]}>"
+    return f"fattn_decode<{d}, {CTYPE[kv]}, {1 if rope == 'normal' else 2}, {_idx_ctype(idx)}>"
 
 
 def prefill_kernel(d: int, kv: str) -> str:
@@ -118,7 +123,9 @@ KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {
         + [f(n, c, i) for f in (rope_set_rows_kernel, rope_qkv_kernel) for n in (False, True)
            for c in fusion.CACHE_TYPES for i in ("i32", "i64")]),
     DECODE_CU: tuple(
-        [decode_kernel(d, kv) for d, kv in support.kv_variants()]),
+        [decode_kernel(d, kv) for d, kv in support.kv_variants()]
+        + [decode_kernel(d, kv, r, i) for d in fusion.ATTN_HEAD_SIZES for kv in fusion.CACHE_TYPES
+           for r in ("normal", "neox") for i in ("i32", "i64")]),
     PREFILL_CU: tuple([prefill_kernel(d, kv) for d, kv in support.kv_variants()] + [MASK_FLAGS]),
 }
 
@@ -321,6 +328,43 @@ def decode_blocks_per_sm(d: int) -> int:
 
 
 @attrs.frozen
+class FusedQKV:
+    """The decode step's q/k/v rope and cache writes that fattn_decode does itself (fusion.ATTN_PATTERN):
+    the unrotated q and k rows (f32 views of the projection), v's rows, the rope node (positions, frequency
+    factors, parameters), the K/V caches written (set_rows results), their row ids, and where the window
+    the attention reads starts in the caches (row0 + b * rows_b)."""
+
+    xq: Tensor
+    xk: Tensor
+    xv: Tensor
+    rope: Tensor
+    k_cache: Tensor
+    v_cache: Tensor
+    idx: Tensor
+    row0: int
+    rows_b: int
+
+    @classmethod
+    def of(cls, nodes: Sequence[Tensor]) -> FusedQKV:
+        rope_q, rope_k, k_cache, v_cache = fusion.qkv_parts(nodes)
+        row0, rows_b = fusion.cache_window(nodes[-1].srcs[1], k_cache)
+        return cls(rope_q.srcs[0], rope_k.srcs[0], v_cache.srcs[1], rope_q, k_cache, v_cache, k_cache.srcs[2],
+                   row0, rows_b)
+
+    def args(self, ptr: Ptr) -> tuple[np.generic, ...]:
+        """fattn_decode's fused arguments, after kv_vec."""
+        return (u64(ptr(self.rope.srcs[1])), _ff(self.rope, ptr), u64(ptr(self.xk)), u64(ptr(self.xv)),
+                u64(ptr(self.idx)), u64(ptr(self.k_cache)), u64(ptr(self.v_cache)),
+                i64(self.xk.strides[-3]), i64(self.xk.strides[-2]), i64(self.xv.strides[-2]),
+                i64(self.k_cache.strides[-2]), i64(self.v_cache.strides[-2]), i64(self.row0), i64(self.rows_b),
+                *_rope_params(self.rope))
+
+
+#: fattn_decode's fused arguments when it runs unfused (ROPE 0 ignores them)
+_NO_FUSED = (u64(0),) * 7 + (i64(0),) * 7 + (i32(0), i32(0)) + (f32(0),) * 6
+
+
+@attrs.frozen
 class FlashPlan:
     """How one flash_attn_ext node runs: its launches and the scratch memory they need.
 
@@ -363,8 +407,9 @@ def _fa_common(node: Tensor, ptr: Ptr) -> tuple[np.generic, ...]:
             f32(p["scale"]), f32(p["softcap"]), *alibi_args(hq, p["max_bias"]))
 
 
-def flash_plan(node: Tensor, sm_count: int = 132) -> FlashPlan:
-    """Decode (split-K) for Tq <= DECODE_MAX_TQ, else prefill (tensor cores)."""
+def flash_plan(node: Tensor, sm_count: int = 132, fused: FusedQKV | None = None) -> FlashPlan:
+    """Decode (split-K) for Tq <= DECODE_MAX_TQ, else prefill (tensor cores); `fused`: the decode kernel
+    also rotates q (read from fused.xq) and writes the new K/V rows (fusion.check_attn holds)."""
     q, k, v, mask, sinks = node.srcs
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
@@ -389,11 +434,18 @@ def flash_plan(node: Tensor, sm_count: int = 132) -> FlashPlan:
             # one split (gridDim.x == 1): fattn_decode writes the output without the workspace
             acc, ml, counters = (0, 0, 0) if nsplit == 1 else tuple(wsp)
             common = _fa_common(node, ptr)
-            args = (u64(ptr(q)), u64(ptr(k)), u64(ptr(v)), u64(ptr(mask) if mask is not None else 0),
+            q_ptr, extra, name = u64(ptr(q)), _NO_FUSED, decode_kernel(d, kv)
+            if fused is not None:  # q: the projection's rows (f32), token row b, heads D apart
+                q_ptr, extra = u64(ptr(fused.xq)), fused.args(ptr)
+                qs = fused.xq.strides
+                common = (i32(0), *common[1:5], i64(0), i64(qs[-2]), i64(qs[-3]), *common[8:])
+                name = decode_kernel(d, kv, fused.rope.params["mode"], fused.idx.dtype.name)
+            args = (q_ptr, u64(ptr(k)), u64(ptr(v)), u64(ptr(mask) if mask is not None else 0),
                     u64(acc), u64(ml), u64(counters), u64(ptr(sinks) if sinks is not None else 0),
                     u64(ptr(node)), *common[:4], i32(group), i32(ncg), *common[5:], i32(chunk),
-                    i32(_kv_vec(k, v, ptr)))
-            return [KernelSpec(DECODE_CU, decode_kernel(d, kv), (nsplit, hkv * ncg, b), 128, args, decode_smem(d))]
+                    i32(_kv_vec(k, v, ptr)), *extra)
+            smem = decode_smem(d, fused is not None)
+            return [KernelSpec(DECODE_CU, name, (nsplit, hkv * ncg, b), 128, args, smem)]
 
         return FlashPlan("decode", ws, make_decode, nsplit, chunk)
 
@@ -448,7 +500,15 @@ def bind_rope_qkv_set_rows(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
 
 
 def bind_flash_attn_ext(ctx: CudaContext, node: Tensor) -> Launch:
-    plan = flash_plan(node, int(ctx.device.props.get("sm_count", 132)))
+    return _bind_flash(ctx, node, flash_plan(node, int(ctx.device.props.get("sm_count", 132))))
+
+
+def bind_qkv_flash_attn_ext(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
+    node = nodes[-1]
+    return _bind_flash(ctx, node, flash_plan(node, int(ctx.device.props.get("sm_count", 132)), FusedQKV.of(nodes)))
+
+
+def _bind_flash(ctx: CudaContext, node: Tensor, plan: FlashPlan) -> Launch:
     bufs = tuple(ctx.backend.alloc(w.nbytes, f"{w.what} of {node.describe()}") for w in plan.workspaces)
     for w, buf in zip(plan.workspaces, bufs):
         if w.zeroed:
@@ -483,10 +543,13 @@ def kernels(device: Device) -> Iterator[Kernel]:
 
 @hookimpl
 def fusion_rules(device: Device) -> Iterator[FusionRule]:
-    """The decode step's q rotation and K/V writes (fusion.QKV_PATTERN), asked first; rope -> view (or
-    reshape) -> set_rows: the K-cache write of a decoder layer."""
+    """The decode step's q rotation and K/V writes with the attention after them (fusion.ATTN_PATTERN), asked
+    first; without the attention (fusion.QKV_PATTERN); rope -> view (or reshape) -> set_rows: the K-cache
+    write of a decoder layer."""
     if device.kind != "cuda":
         return
+    yield FusionRule("rope_qkv_flash_attn_ext", fusion.ATTN_PATTERN, bind=bind_qkv_flash_attn_ext,
+                     check=fusion.check_attn, outputs=fusion.ATTN_OUTPUTS)
     yield FusionRule("rope_qkv_set_rows", fusion.QKV_PATTERN, bind=bind_rope_qkv_set_rows, check=fusion.check_qkv,
                      outputs=fusion.QKV_OUTPUTS)
     for view in ("view", "reshape"):

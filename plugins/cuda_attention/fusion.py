@@ -21,8 +21,12 @@ are read outside the group as views of what it writes (can_fuse). q and k
 rotate with the same positions and parameters, K and V rows are written at
 the same row ids into caches of one dtype; the K half is check's rule.
 
-`check` and `check_qkv` decline anything else with a reason, and the nodes
-then run unfused (rope(k) -> view -> set_rows still fused by the smaller rule).
+The same group with the V window view and the flash_attn_ext after it
+(ATTN_PATTERN, one query row a sequence): the decode kernel rotates q and
+writes the new K/V rows itself, a launch fewer per layer.
+
+`check`, `check_qkv` and `check_attn` decline anything else with a reason, and
+the nodes then run unfused or by a smaller rule.
 """
 
 from __future__ import annotations
@@ -121,3 +125,56 @@ def check_qkv(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | s
 def qkv_parts(nodes: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(rope(q), rope(k), K cache (its set_rows result), V cache) of a QKV_PATTERN group."""
     return nodes[0], nodes[4], nodes[6], nodes[9]
+
+
+#: QKV_PATTERN and the attention that reads it: the V window view, flash_attn_ext (the decode kernel
+#: rotates q itself and writes the new K/V rows, module doc of fattn_decode.cu); K and V caches written
+ATTN_PATTERN = (*QKV_PATTERN, "view", "flash_attn_ext")
+ATTN_OUTPUTS = (6, 9)
+#: head sizes with fused decode kernels (Llama-family models), and their cache dtypes
+ATTN_HEAD_SIZES = (64, 128)
+
+
+def cache_window(window: Tensor, cache: Tensor) -> tuple[int, int] | str:
+    """(row0, rows_b): `window` (B, kv_heads, n, D) reads cache rows row0 + b * rows_b + j, or why not."""
+    row = cache.strides[0]
+    es = cache.dtype.block_bytes
+    ws_b, ws_h, ws_t, ws_d = window.strides
+    d = window.shape[-1]
+    if window.base is not cache.base or ws_t != row or ws_h != d * es or ws_d != es:
+        return "the K/V window is not whole cache rows, heads D apart"
+    if window.view_offset % row or ws_b % row:
+        return "the K/V window does not start on a cache row"
+    return window.view_offset // row, ws_b // row
+
+
+def check_attn(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
+    """True if the fused decode kernel computes ATTN_PATTERN (q/k/v rope, cache writes, attention) exactly."""
+    ok = check_qkv(device, nodes[:len(QKV_PATTERN)], graph)
+    if ok is not True:
+        return ok
+    rope_q, rope_k, k_rows, v_rows = qkv_parts(nodes)
+    fa = nodes[-1]
+    q, k, v = fa.srcs[:3]
+    if (q, k, v) != (nodes[2], nodes[7], nodes[10]):
+        return "flash_attn_ext does not read the rotated q and the windows of the caches written"
+    ok = support.flash_attn_ext(device, fa)
+    if ok is not True:
+        return f"flash_attn_ext: {ok}"
+    b, _, tq, d = q.shape
+    if tq != 1:
+        return f"{tq} query rows a sequence (fused for decode, one)"
+    if d not in ATTN_HEAD_SIZES:
+        return f"head size {d} (fused for {', '.join(map(str, ATTN_HEAD_SIZES))})"
+    xq, xk, xv = rope_q.srcs[0], rope_k.srcs[0], v_rows.srcs[1]
+    if pad4(xq.shape)[1] != b:
+        return "q rows are not one token a sequence"
+    if any(x.strides[-1] != 4 for x in (xq, xk, xv)) or xq.strides[-2] != d * 4 or xk.strides[-2] != d * 4:
+        return "q/k/v rows must be contiguous heads of f32 values"
+    kw, vw = cache_window(k, k_rows), cache_window(v, v_rows)
+    for what, w in (("K", kw), ("V", vw)):
+        if isinstance(w, str):
+            return f"{what}: {w}"
+    if kw != vw:
+        return "the K and V windows start at different cache rows"
+    return True

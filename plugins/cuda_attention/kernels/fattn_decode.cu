@@ -22,7 +22,16 @@
 //
 // Strides are in bytes: q (t, h, b), k and v (t, h, b), mask (t, h, b) with
 // mask heads / batches broadcast by modulo (m2, m3).
+//
+// Fused with the decode step's rope and cache writes (ROPE 1 normal, 2 neox; one query row a
+// sequence; the parameters after kv_vec, unused otherwise): q is the projection's f32 rows, rotated by the block into shared memory before its
+// fragments are built; the new K row of sequence b (k_new, rotated) and V row (v_new) are written
+// into the caches at row new_idx[b], and the block whose slice holds that row (key j of the window,
+// j = new_idx[b] - row0 - b * rows_b) puts them into its shared tile in place of the row it loaded,
+// so no block reads the row before it is written (split 0 writes a row outside the window).
+// Angles: rope_common.cuh, as the rope kernels compute them.
 #include "attn_common.cuh"
+#include "rope_common.cuh"
 
 // The factor that turns a column's merged (max, sum, acc) into its output: the sink of head h
 // joins the softmax denominator (ggml's attention sinks); a column with nothing to attend gives 0.
@@ -40,7 +49,25 @@ __device__ __forceinline__ float finish_scale(float mx, float sum, const float* 
     return total > 0.0f ? f / total : 0.0f;
 }
 
-template <int D, typename KT>
+// Dynamic shared memory: the K/V stages (support.decode_smem); the fused variant adds after them q
+// of the block's 16 columns (f32, 16 x D) and the new K and V rows (16-bit, as the tiles hold them).
+template <int D>
+__host__ __device__ constexpr int decode_stage_smem() {
+    return (D > 128 ? 2 : 3) * 2 * 64 * (D + 8) * 2;
+}
+
+// A value of a new K/V row: into the cache as its type stores it, and into `tile` (shared) as the
+// K/V tiles hold that stored value (f16, or bf16 for bf16 K/V), as load_tile would have.
+template <typename KT>
+__device__ __forceinline__ void put_new(KT* cache, unsigned short* tile, float x) {
+    KT stored;
+    od::store(&stored, x);
+    *cache = stored;
+    const float y = od::load(&stored);
+    *tile = od_attn::same_type<KT, od::bf16>::value ? od::f32_to_bf16(y) : od::f32_to_f16(y);
+}
+
+template <int D, typename KT, int ROPE = 0, typename IT = int>
 __global__ void __launch_bounds__(128, 2) fattn_decode(
     const char* __restrict__ q, const char* __restrict__ k, const char* __restrict__ v,
     const char* __restrict__ mask, float* __restrict__ ws_acc, float2* __restrict__ ws_ml,
@@ -51,7 +78,11 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
     long long vs_t, long long vs_h, long long vs_b,
     int m2, int m3, long long ms_t, long long ms_h, long long ms_b,
     float scale, float softcap, int use_alibi, float m0, float m1, int n_head_log2,
-    int chunk, int kv_vec) {
+    int chunk, int kv_vec,
+    const int* __restrict__ rope_pos, const float* __restrict__ rope_ff, const char* __restrict__ k_new,
+    const char* __restrict__ v_new, const IT* __restrict__ new_idx, char* __restrict__ k_cache,
+    char* __restrict__ v_cache, long long kn_b, long long kn_h, long long vn_b, long long kc_t, long long vc_t,
+    long long row0, long long rows_b, ROPE_PARAMS) {
     using namespace od_attn;
     constexpr bool BF = same_type<KT, bf16>::value;
     constexpr int BN = 64;                    // keys a tile, 16 a warp
@@ -60,6 +91,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
     constexpr int KSTEPS = D / 16;
     constexpr int DT = D / 8;
     constexpr int OR = D + 4;                 // row stride of the f32 merge buffer
+    static_assert(decode_stage_smem<D>() == STAGES * 2 * BN * SR * 2, "decode_stage_smem is the stages' size");
     const float NEG_INF = -__int_as_float(0x7f800000);
 
     extern __shared__ __align__(16) unsigned short smem[];
@@ -96,8 +128,63 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         cp_async_commit();
     }
 
+    // Fused: rotate q into shared memory (a thread a pair, all columns: the angle depends on the
+    // pair and the position only) and, in the block that owns it, the new K row; convert the new V
+    // row; write both rows to the caches. own_tile / own_row: where the new row sits in this slice.
+    int own_tile = -1, own_row = 0;
+    const char* q_src = q;  // what the fragments read: q, or the rotated q (f32) in shared memory
+    if constexpr (ROPE != 0) {
+        const od_rope::RopeParams rp = ROPE_STRUCT;
+        char* extra = reinterpret_cast<char*>(smem) + decode_stage_smem<D>();
+        float* q_rot = reinterpret_cast<float*>(extra);                           // [16][D]
+        unsigned short* kv_rows = reinterpret_cast<unsigned short*>(q_rot + 16 * D);  // new K row, new V row
+        const long long cache_row = static_cast<long long>(new_idx[b]);
+        const long long j = cache_row - row0 - b * rows_b;
+        const bool in_window = j >= 0 && j < tk;
+        const bool writes = in_window ? j >= k_begin && j < k_end : split == 0;  // every column group alike
+        if (in_window && writes) {
+            own_tile = static_cast<int>(j - k_begin) / BN;
+            own_row = static_cast<int>(j - k_begin) % BN;
+        }
+        const int pos = rope_pos[b];
+        const int nc = min(16, ncols - cg * 16);
+        const float* kn = reinterpret_cast<const float*>(k_new + b * kn_b + kvh * kn_h);
+        KT* kc = reinterpret_cast<KT*>(k_cache + cache_row * kc_t) + kvh * D;
+        for (int pi = tid; pi < D / 2; pi += 128) {
+            int e0, e1, fi;
+            bool rot;
+            od_rope::pair_of<ROPE == 2>(pi, rp, e0, e1, fi, rot);
+            float c = 1.0f, sn = 0.0f;
+            if (rot) {
+                od_rope::cos_sin_of(fi, pos, rope_ff, rp, c, sn);
+            }
+            for (int cc = 0; cc < nc; ++cc) {
+                const int h = kvh * group + (cg * 16 + cc) % group;
+                const float* x = reinterpret_cast<const float*>(q + b * qs_b + h * qs_h);
+                const float x0 = x[e0], x1 = x[e1];
+                q_rot[cc * D + e0] = rot ? x0 * c - x1 * sn : x0;
+                q_rot[cc * D + e1] = rot ? x0 * sn + x1 * c : x1;
+            }
+            if (writes) {
+                const float x0 = kn[e0], x1 = kn[e1];
+                put_new(kc + e0, kv_rows + e0, rot ? x0 * c - x1 * sn : x0);
+                put_new(kc + e1, kv_rows + e1, rot ? x0 * sn + x1 * c : x1);
+            }
+        }
+        if (writes) {
+            const float* vn = reinterpret_cast<const float*>(v_new + b * vn_b) + kvh * D;
+            KT* vc = reinterpret_cast<KT*>(v_cache + cache_row * vc_t) + kvh * D;
+            for (int e = tid; e < D; e += 128) {
+                put_new(vc + e, kv_rows + D + e, vn[e]);
+            }
+        }
+        __syncthreads();
+        q_src = reinterpret_cast<const char*>(q_rot);
+    }
+
     // This lane's fragment rows g and g + 8 are columns cg*16 + g (+ 8): their mask
-    // row, ALiBi slope and the Q A-fragments, read straight from global memory.
+    // row, ALiBi slope and the Q A-fragments, read straight from global memory (fused: from
+    // the rotated q in shared memory).
     const unsigned short* mrow[2];
     float slope2[2];
     unsigned qa[KSTEPS][4];
@@ -109,7 +196,11 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
             const bool valid = cc < ncols;
             const int h = kvh * group + (valid ? cc % group : 0);
             const int t = valid ? cc / group : 0;
-            qrow[r] = valid ? q + b * qs_b + h * qs_h + t * qs_t : nullptr;
+            if constexpr (ROPE != 0) {
+                qrow[r] = valid ? q_src + (g + 8 * r) * D * 4 : nullptr;
+            } else {
+                qrow[r] = valid ? q_src + b * qs_b + h * qs_h + t * qs_t : nullptr;
+            }
             slope2[r] = alibi_slope(use_alibi, h, n_head_log2, m0, m1) * LOG2E;
             mrow[r] = mask != nullptr && valid
                           ? reinterpret_cast<const unsigned short*>(mask + (b % m3) * ms_b + (h % m2) * ms_h + t * ms_t)
@@ -123,7 +214,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
                 const int e = kk * 16 + (i >> 1) * 8 + 2 * tq4;
                 float x0 = 0.0f, x1 = 0.0f;
                 if (qr != nullptr) {
-                    if (q_f16) {
+                    if (ROPE == 0 && q_f16) {
                         x0 = od::f16_to_f32(reinterpret_cast<const unsigned short*>(qr)[e]);
                         x1 = od::f16_to_f32(reinterpret_cast<const unsigned short*>(qr)[e + 1]);
                     } else {
@@ -155,6 +246,19 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         }
         cp_async_commit();
 
+        if constexpr (ROPE != 0) {
+            if (i == own_tile && warp == own_row / 16) {  // the warp that reads the row replaces it
+                const unsigned short* kv_rows = reinterpret_cast<const unsigned short*>(
+                    reinterpret_cast<const char*>(smem) + decode_stage_smem<D>() + 16 * D * 4);
+                unsigned short* kd = stage_k(i % STAGES) + own_row * SR;
+                unsigned short* vd = stage_v(i % STAGES) + own_row * SR;
+                for (int e = lane; e < D; e += 32) {
+                    kd[e] = kv_rows[e];
+                    vd[e] = kv_rows[D + e];
+                }
+                __syncwarp();
+            }
+        }
         const unsigned short* Ks = stage_k(i % STAGES) + warp * 16 * SR;
         const unsigned short* Vs = stage_v(i % STAGES) + warp * 16 * SR;
         const int kw = k_begin + i * BN + warp * 16;  // this warp's first key
