@@ -354,7 +354,13 @@ def test_fuses_the_decode_steps_rope_kv_writes_and_attention(cache: str, idx: st
     assert [s.kind for s in plan.steps if s.kind != "view"] == ["fused"]  # one launch
     fused = ca.FusedQKV.of(step.nodes)
     assert (fused.row0, fused.rows_b) == (0, 320)
-    (spec,) = ca.flash_plan(step.nodes[-1], 132, fused).specs(fake_ptr, [BASE, BASE, BASE])
+    stored = {step.nodes[-1].base, *(n.base for n in plan.graph.leafs), *(step.nodes[j].base for j in fusion.ATTN_OUTPUTS)}
+
+    def ptr(t: Tensor) -> int:  # only what has storage: rope(q) is computed inside the kernel
+        assert t.base in stored, f"{t.describe()} has no storage"
+        return fake_ptr(t)
+
+    (spec,) = ca.flash_plan(step.nodes[-1], 132, fused).specs(ptr, [BASE, BASE, BASE])
     assert spec.kernel == ca.decode_kernel(64, cache, mode, idx) and spec.kernel in ca.KERNEL_SOURCES[ca.DECODE_CU]
     assert spec_types(spec) == kernel_param_types(ca.DECODE_CU, "fattn_decode")
     assert spec.smem == support.decode_smem(64, True) > support.decode_smem(64)

@@ -434,8 +434,9 @@ def flash_plan(node: Tensor, sm_count: int = 132, fused: FusedQKV | None = None)
             # one split (gridDim.x == 1): fattn_decode writes the output without the workspace
             acc, ml, counters = (0, 0, 0) if nsplit == 1 else tuple(wsp)
             common = _fa_common(node, ptr)
-            q_ptr, extra, name = u64(ptr(q)), _NO_FUSED, decode_kernel(d, kv)
-            if fused is not None:  # q: the projection's rows (f32), token row b, heads D apart
+            if fused is None:
+                q_ptr, extra, name = u64(ptr(q)), _NO_FUSED, decode_kernel(d, kv)
+            else:  # q: the projection's rows (f32), token row b, heads D apart (rope(q) has no storage)
                 q_ptr, extra = u64(ptr(fused.xq)), fused.args(ptr)
                 qs = fused.xq.strides
                 common = (i32(0), *common[1:5], i64(0), i64(qs[-2]), i64(qs[-3]), *common[8:])
