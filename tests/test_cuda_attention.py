@@ -363,7 +363,7 @@ def test_fuses_the_decode_steps_rope_kv_writes_and_attention(cache: str, idx: st
     (spec,) = ca.flash_plan(step.nodes[-1], 132, fused).specs(ptr, [BASE, BASE, BASE])
     assert spec.kernel == ca.decode_kernel(64, cache, mode, idx) and spec.kernel in ca.KERNEL_SOURCES[ca.DECODE_CU]
     assert spec_types(spec) == kernel_param_types(ca.DECODE_CU, "fattn_decode")
-    assert spec.smem == support.decode_smem(64, True) > support.decode_smem(64)
+    assert spec.smem == support.decode_smem(64)  # the rotated q borrows a K/V stage
 
 
 @pytest.mark.parametrize(("kw", "reason", "fused"), [

@@ -445,8 +445,7 @@ def flash_plan(node: Tensor, sm_count: int = 132, fused: FusedQKV | None = None)
                     u64(acc), u64(ml), u64(counters), u64(ptr(sinks) if sinks is not None else 0),
                     u64(ptr(node)), *common[:4], i32(group), i32(ncg), *common[5:], i32(chunk),
                     i32(_kv_vec(k, v, ptr)), *extra)
-            smem = decode_smem(d, fused is not None)
-            return [KernelSpec(DECODE_CU, name, (nsplit, hkv * ncg, b), 128, args, smem)]
+            return [KernelSpec(DECODE_CU, name, (nsplit, hkv * ncg, b), 128, args, decode_smem(d))]
 
         return FlashPlan("decode", ws, make_decode, nsplit, chunk)
 

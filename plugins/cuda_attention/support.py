@@ -47,11 +47,11 @@ def prefill_smem(d: int) -> int:
 DECODE_BN = 64
 
 
-def decode_smem(d: int, fused: bool = False) -> int:
-    """Dynamic shared memory of fattn_decode<d, ...>: its K/V stages (3, or 2 for d > 128), rows padded by 8;
-    fused with the q/k/v rope and cache writes, also q of 16 columns (f32) and the new K and V rows."""
+def decode_smem(d: int) -> int:
+    """Dynamic shared memory of fattn_decode<d, ...>: its K/V stages (3, or 2 for d > 128), rows padded by 8
+    (fused, the rotated q borrows the last stage before the tile loop fills it)."""
     stages = 2 if d > 128 else 3
-    return stages * 2 * DECODE_BN * (d + 8) * 2 + (16 * d * 4 + 2 * d * 2 if fused else 0)
+    return stages * 2 * DECODE_BN * (d + 8) * 2
 
 
 def kv_variants() -> list[tuple[int, str]]:
