@@ -366,6 +366,14 @@ def test_fuses_the_decode_steps_rope_kv_writes_and_attention(cache: str, idx: st
     assert spec.smem == support.decode_smem(64)  # the rotated q borrows a K/V stage
 
 
+def test_fused_decode_blocks_fit_one_wave_of_what_its_registers_allow() -> None:
+    plan = od.compile(attn_step(Inputs(np.random.default_rng(0)), seqs=16, ctx=768), H200)
+    (step,) = plan.fusions
+    fused = ca.FusedQKV.of(step.nodes)
+    (spec,) = ca.flash_plan(step.nodes[-1], 132, fused).specs(fake_ptr, [BASE, BASE, BASE])
+    assert math.prod(spec.grid) <= 132 * ca.FUSED_DECODE_BLOCKS_PER_SM[64] < 132 * ca.decode_blocks_per_sm(64)
+
+
 @pytest.mark.parametrize(("kw", "reason", "fused"), [
     (dict(d=80), r"^head size 80 \(fused for 64, 128\)", ["rope_qkv_set_rows"]),
     (dict(cache="bf16"), r"^k: cache dtype bf16", []),

@@ -322,9 +322,16 @@ SMEM_PER_SM = 228 * 1024
 DECODE_COLS = 16
 
 
-def decode_blocks_per_sm(d: int) -> int:
-    """fattn_decode blocks one SM holds: shared memory bound (1 KiB reserved a block), 2 by launch bounds at least."""
-    return max(1, min(4, SMEM_PER_SM // (decode_smem(d) + 1024)))
+#: fattn_decode fused with the q/k/v rope and cache writes: blocks an SM its registers allow (nvcc sm_90,
+#: 128 threads: 145 registers at D=64, 191 at D=128; the unfused kernel is bound by shared memory alone)
+FUSED_DECODE_BLOCKS_PER_SM = {64: 3, 128: 2}
+
+
+def decode_blocks_per_sm(d: int, fused: bool = False) -> int:
+    """fattn_decode blocks one SM holds: shared memory bound (1 KiB reserved a block), 2 by launch bounds at least;
+    fused, also bound by its registers."""
+    smem_bound = max(1, min(4, SMEM_PER_SM // (decode_smem(d) + 1024)))
+    return min(smem_bound, FUSED_DECODE_BLOCKS_PER_SM[d]) if fused else smem_bound
 
 
 @attrs.frozen
@@ -422,7 +429,7 @@ def flash_plan(node: Tensor, sm_count: int = 132, fused: FusedQKV | None = None)
         # One wave: as many splits as fill the SMs' resident blocks (memory bound: every SM
         # streaming; at short KV down to a tile a block, the last block of each group merges),
         # no ragged second wave.
-        nsplit = max(1, min(sm_count * decode_blocks_per_sm(d) // base, tiles))
+        nsplit = max(1, min(sm_count * decode_blocks_per_sm(d, fused is not None) // base, tiles))
         chunk = -(-tiles // nsplit) * DECODE_BN
         nsplit = max(1, -(-tk // chunk))
         rows = b * tq * hq

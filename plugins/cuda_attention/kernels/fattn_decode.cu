@@ -31,7 +31,7 @@
 // of the window, in the block whose slice holds it (split 0, warp 0 for a row outside the window),
 // which keeps them in registers and puts them into its tile in place of the row the tile loaded:
 // no block reads the row from the cache. Angles: rope_common.cuh, as the rope kernels compute them.
-// Blocks of D = 64 keep to 128 registers (4 an SM, as the stages' shared memory allows).
+
 #include "attn_common.cuh"
 #include "rope_common.cuh"
 
@@ -63,7 +63,7 @@ __device__ __forceinline__ unsigned short put_new(KT* cache, float x) {
 }
 
 template <int D, typename KT, int ROPE = 0, typename IT = int>
-__global__ void __launch_bounds__(128, D == 64 ? 4 : 2) fattn_decode(
+__global__ void __launch_bounds__(128, 2) fattn_decode(
     const char* __restrict__ q, const char* __restrict__ k, const char* __restrict__ v,
     const char* __restrict__ mask, float* __restrict__ ws_acc, float2* __restrict__ ws_ml,
     int* __restrict__ counters, const float* __restrict__ sinks, float* __restrict__ out,
@@ -136,6 +136,25 @@ __global__ void __launch_bounds__(128, D == 64 ? 4 : 2) fattn_decode(
         const od_rope::RopeParams rp = ROPE_STRUCT;
         const int pos = rope_pos[b];
         const long long cache_row = static_cast<long long>(new_idx[b]);
+        // this lane's values of the new K/V rows, loaded by every warp before anything waits on the
+        // row id (which warp stores them is known only then)
+        const float* kn = reinterpret_cast<const float*>(k_new + b * kn_b + kvh * kn_h);
+        const float* vn = reinterpret_cast<const float*>(v_new + b * vn_b) + kvh * D;
+        float kx[NP][2], vx[2 * NP];
+#pragma unroll
+        for (int m = 0; m < NP; ++m) {
+            int e0 = 0, e1 = 0, fi;
+            bool rot;
+            if (lane + 32 * m < D / 2) {
+                od_rope::pair_of<ROPE == 2>(lane + 32 * m, rp, e0, e1, fi, rot);
+            }
+            kx[m][0] = kn[e0];
+            kx[m][1] = kn[e1];
+        }
+#pragma unroll
+        for (int m = 0; m < 2 * NP; ++m) {
+            vx[m] = vn[min(lane + 32 * m, D - 1)];
+        }
         float* q_rot = reinterpret_cast<float*>(stage_k(STAGES - 1));  // [16][D]
         const int nc = min(16, ncols - cg * 16);
         for (int pi = tid; pi < D / 2; pi += 128) {
@@ -176,8 +195,6 @@ __global__ void __launch_bounds__(128, D == 64 ? 4 : 2) fattn_decode(
         }
         // every column group alike (the same values); split 0 writes a row outside the window
         if (in_window ? own_tile >= 0 && warp == own_row / 16 : split == 0 && warp == 0) {
-            const float* kn = reinterpret_cast<const float*>(k_new + b * kn_b + kvh * kn_h);
-            const float* vn = reinterpret_cast<const float*>(v_new + b * vn_b) + kvh * D;
             KT* kc = reinterpret_cast<KT*>(k_cache + cache_row * kc_t) + kvh * D;
             KT* vc = reinterpret_cast<KT*>(v_cache + cache_row * vc_t) + kvh * D;
 #pragma unroll
@@ -187,7 +204,7 @@ __global__ void __launch_bounds__(128, D == 64 ? 4 : 2) fattn_decode(
                     int e0, e1, fi;
                     bool rot;
                     od_rope::pair_of<ROPE == 2>(pi, rp, e0, e1, fi, rot);
-                    const float x0 = kn[e0], x1 = kn[e1];
+                    const float x0 = kx[m][0], x1 = kx[m][1];
                     float c = 1.0f, sn = 0.0f;
                     if (rot) {
                         od_rope::cos_sin_of(fi, pos, rope_ff, rp, c, sn);
@@ -200,7 +217,7 @@ __global__ void __launch_bounds__(128, D == 64 ? 4 : 2) fattn_decode(
             for (int m = 0; m < 2 * NP; ++m) {
                 const int e = lane + 32 * m;
                 if (e < D) {
-                    v_new_bits[m] = put_new(vc + e, vn[e]);
+                    v_new_bits[m] = put_new(vc + e, vx[m]);
                 }
             }
         }
