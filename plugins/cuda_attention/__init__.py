@@ -46,7 +46,8 @@ from opdispatch.reference.attention import rope_yarn_corr_dims
 from opdispatch.tensor import Tensor
 
 from . import fusion, support
-from .support import DECODE_BN, decode_smem, prefill_smem, prefill_tile_m, prefill_tile_n
+from .support import (DECODE_BN, DECODE_COLS, FUSED_DECODE_BLOCKS_PER_SM, decode_blocks_per_sm, decode_smem, decode_splits,
+                      prefill_smem, prefill_tile_m, prefill_tile_n)
 
 if TYPE_CHECKING:
     from opdispatch.backends.cuda.backend import CudaContext
@@ -316,24 +317,6 @@ def rope_qkv_specs(nodes: Sequence[Tensor], ptr: Ptr) -> list[KernelSpec]:
 
 # -- flash_attn_ext --------------------------------------------------------------------------------
 
-#: shared memory of one SM (H100/H200: 228 KiB, 227 KiB of it for one block)
-SMEM_PER_SM = 228 * 1024
-#: decode: columns (query row, head) a block, the M rows of its mma
-DECODE_COLS = 16
-
-
-#: fattn_decode fused with the q/k/v rope and cache writes: blocks an SM its registers allow (nvcc sm_90,
-#: 128 threads: 145 registers at D=64, 191 at D=128; the unfused kernel is bound by shared memory alone)
-FUSED_DECODE_BLOCKS_PER_SM = {64: 3, 128: 2}
-
-
-def decode_blocks_per_sm(d: int, fused: bool = False) -> int:
-    """fattn_decode blocks one SM holds: shared memory bound (1 KiB reserved a block), 2 by launch bounds at least;
-    fused, also bound by its registers."""
-    smem_bound = max(1, min(4, SMEM_PER_SM // (decode_smem(d) + 1024)))
-    return min(smem_bound, FUSED_DECODE_BLOCKS_PER_SM[d]) if fused else smem_bound
-
-
 @attrs.frozen
 class FusedQKV:
     """The decode step's q/k/v rope and cache writes that fattn_decode does itself (fusion.ATTN_PATTERN):
@@ -425,13 +408,7 @@ def flash_plan(node: Tensor, sm_count: int = 132, fused: FusedQKV | None = None)
         group = hq // hkv
         ncg = -(-(group * tq) // DECODE_COLS)
         base = b * hkv * ncg
-        tiles = max(1, -(-tk // DECODE_BN))
-        # One wave: as many splits as fill the SMs' resident blocks (memory bound: every SM
-        # streaming; at short KV down to a tile a block, the last block of each group merges),
-        # no ragged second wave.
-        nsplit = max(1, min(sm_count * decode_blocks_per_sm(d, fused is not None) // base, tiles))
-        chunk = -(-tiles // nsplit) * DECODE_BN
-        nsplit = max(1, -(-tk // chunk))
+        nsplit, chunk = decode_splits(node, sm_count, fused is not None)
         rows = b * tq * hq
         ws = () if nsplit == 1 else (Workspace(nsplit * rows * d * 4, "flash_attn_ext partial sums"),
                                      Workspace(nsplit * rows * 8, "flash_attn_ext partial max/sum"),
@@ -452,7 +429,7 @@ def flash_plan(node: Tensor, sm_count: int = 132, fused: FusedQKV | None = None)
                     u64(acc), u64(ml), u64(counters), u64(ptr(sinks) if sinks is not None else 0),
                     u64(ptr(node)), *common[:4], i32(group), i32(ncg), *common[5:], i32(chunk),
                     i32(_kv_vec(k, v, ptr)), *extra)
-            return [KernelSpec(DECODE_CU, name, (nsplit, hkv * ncg, b), 128, args, decode_smem(d))]
+            return [KernelSpec(DECODE_CU, name, (nsplit, hkv * ncg, b), 128, args, decode_smem(d, fused is not None))]
 
         return FlashPlan("decode", ws, make_decode, nsplit, chunk)
 

@@ -171,6 +171,10 @@ def check_attn(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | 
         return "q rows are not one token a sequence"
     if any(x.strides[-1] != 4 for x in (xq, xk, xv)) or xq.strides[-2] != d * 4 or xk.strides[-2] != d * 4:
         return "q/k/v rows must be contiguous heads of f32 values"
+    sm_count = int(device.props.get("sm_count", 132))
+    if support.decode_splits(fa, sm_count, True) != support.decode_splits(fa, sm_count):
+        return ("the fused kernel holds fewer blocks an SM (registers, shared memory): fewer KV splits than "
+                "the unfused attention at this batch")
     kw, vw = cache_window(k, k_rows), cache_window(v, v_rows)
     for what, w in (("K", kw), ("V", vw)):
         if isinstance(w, str):

@@ -47,11 +47,41 @@ def prefill_smem(d: int) -> int:
 DECODE_BN = 64
 
 
-def decode_smem(d: int) -> int:
-    """Dynamic shared memory of fattn_decode<d, ...>: its K/V stages (3, or 2 for d > 128), rows padded by 8
-    (fused, the rotated q borrows the last stage before the tile loop fills it)."""
+#: decode: columns (query row, head) a block, the M rows of its mma
+DECODE_COLS = 16
+#: shared memory of one SM (H100/H200: 228 KiB, 227 KiB of it for one block)
+SMEM_PER_SM = 228 * 1024
+#: fattn_decode fused with the q/k/v rope and cache writes: blocks an SM its registers allow (nvcc sm_90,
+#: 128 threads: 134 registers at D=64, 182 at D=128; unfused, shared memory bounds it first)
+FUSED_DECODE_BLOCKS_PER_SM = {64: 3, 128: 2}
+
+
+def decode_smem(d: int, fused: bool = False) -> int:
+    """Dynamic shared memory of fattn_decode<d, ...>: its K/V stages (3, or 2 for d > 128), rows padded by 8;
+    fused with the q/k/v rope and cache writes, also q of 16 columns (f32) and the new K and V rows."""
     stages = 2 if d > 128 else 3
-    return stages * 2 * DECODE_BN * (d + 8) * 2
+    return stages * 2 * DECODE_BN * (d + 8) * 2 + (16 * d * 4 + 2 * d * 2 if fused else 0)
+
+
+def decode_blocks_per_sm(d: int, fused: bool = False) -> int:
+    """fattn_decode blocks one SM holds: shared memory bound (1 KiB reserved a block), 2 by launch bounds at least;
+    fused, also bound by its registers."""
+    smem_bound = max(1, min(4, SMEM_PER_SM // (decode_smem(d, fused) + 1024)))
+    return min(smem_bound, FUSED_DECODE_BLOCKS_PER_SM[d]) if fused else smem_bound
+
+
+def decode_splits(node: Tensor, sm_count: int, fused: bool = False) -> tuple[int, int]:
+    """(splits of the KV, keys a split) of flash_attn_ext's decode kernel: one wave, as many splits as fill
+    the SMs' resident blocks (memory bound: every SM streaming; at short KV down to a tile a block, the last
+    block of each group merges), no ragged second wave."""
+    q, k = node.srcs[:2]
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    base = b * hkv * -(-(hq // hkv * tq) // DECODE_COLS)
+    tiles = max(1, -(-tk // DECODE_BN))
+    nsplit = max(1, min(sm_count * decode_blocks_per_sm(d, fused) // base, tiles))
+    chunk = -(-tiles // nsplit) * DECODE_BN
+    return max(1, -(-tk // chunk)), chunk
 
 
 def kv_variants() -> list[tuple[int, str]]:

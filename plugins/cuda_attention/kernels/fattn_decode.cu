@@ -24,14 +24,12 @@
 // mask heads / batches broadcast by modulo (m2, m3).
 //
 // Fused with the decode step's rope and cache writes (ROPE 1 normal, 2 neox; one query row a
-// sequence; the parameters after kv_vec, unused otherwise): q is the projection's f32 rows, rotated
-// by the block into the K half of its last stage (free until the tile loop's first refill) before its
+// sequence; the parameters after kv_vec, unused otherwise): q is the projection's f32 rows, rotated by the block into shared memory before its
 // fragments are built; the new K row of sequence b (k_new, rotated) and V row (v_new) are written
-// into the caches at row new_idx[b] by the warp that reads key j = new_idx[b] - row0 - b * rows_b
-// of the window, in the block whose slice holds it (split 0, warp 0 for a row outside the window),
-// which keeps them in registers and puts them into its tile in place of the row the tile loaded:
-// no block reads the row from the cache. Angles: rope_common.cuh, as the rope kernels compute them.
-
+// into the caches at row new_idx[b], and the block whose slice holds that row (key j of the window,
+// j = new_idx[b] - row0 - b * rows_b) puts them into its shared tile in place of the row it loaded,
+// so no block reads the row before it is written (split 0 writes a row outside the window).
+// Angles: rope_common.cuh, as the rope kernels compute them.
 #include "attn_common.cuh"
 #include "rope_common.cuh"
 
@@ -51,15 +49,22 @@ __device__ __forceinline__ float finish_scale(float mx, float sum, const float* 
     return total > 0.0f ? f / total : 0.0f;
 }
 
-// A value of a new K/V row into the cache as its type stores it; returns that stored value as the
-// K/V tiles hold it (f16, or bf16 for bf16 K/V), as load_tile would have put it there.
+// Dynamic shared memory: the K/V stages (support.decode_smem); the fused variant adds after them q
+// of the block's 16 columns (f32, 16 x D) and the new K and V rows (16-bit, as the tiles hold them).
+template <int D>
+__host__ __device__ constexpr int decode_stage_smem() {
+    return (D > 128 ? 2 : 3) * 2 * 64 * (D + 8) * 2;
+}
+
+// A value of a new K/V row: into the cache as its type stores it, and into `tile` (shared) as the
+// K/V tiles hold that stored value (f16, or bf16 for bf16 K/V), as load_tile would have.
 template <typename KT>
-__device__ __forceinline__ unsigned short put_new(KT* cache, float x) {
+__device__ __forceinline__ void put_new(KT* cache, unsigned short* tile, float x) {
     KT stored;
     od::store(&stored, x);
     *cache = stored;
     const float y = od::load(&stored);
-    return od_attn::same_type<KT, od::bf16>::value ? od::f32_to_bf16(y) : od::f32_to_f16(y);
+    *tile = od_attn::same_type<KT, od::bf16>::value ? od::f32_to_bf16(y) : od::f32_to_f16(y);
 }
 
 template <int D, typename KT, int ROPE = 0, typename IT = int>
@@ -86,6 +91,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
     constexpr int KSTEPS = D / 16;
     constexpr int DT = D / 8;
     constexpr int OR = D + 4;                 // row stride of the f32 merge buffer
+    static_assert(decode_stage_smem<D>() == STAGES * 2 * BN * SR * 2, "decode_stage_smem is the stages' size");
     const float NEG_INF = -__int_as_float(0x7f800000);
 
     extern __shared__ __align__(16) unsigned short smem[];
@@ -122,103 +128,54 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         cp_async_commit();
     }
 
-    // Fused: rotate q into shared memory (a thread a pair of every column: the angle depends on the
-    // pair and the position only), in the K half of the last stage, which no copy fills before the
-    // first tile's barrier below; the warp that will read the new row from its tile (in the block
-    // whose slice holds it) rotates the new K row, converts the new V row, writes both to the
-    // caches and keeps them (as the tiles hold them) for the substitution in the tile loop.
+    // Fused: rotate q into shared memory (a thread a pair, all columns: the angle depends on the
+    // pair and the position only) and, in the block that owns it, the new K row; convert the new V
+    // row; write both rows to the caches. own_tile / own_row: where the new row sits in this slice.
     int own_tile = -1, own_row = 0;
     const char* q_src = q;  // what the fragments read: q, or the rotated q (f32) in shared memory
-    constexpr int NP = (D + 63) / 64;  // pairs of a row a lane (new K row), values a lane / 2 (new V row)
-    unsigned short k_new_bits[NP][2], v_new_bits[2 * NP];
     if constexpr (ROPE != 0) {
-        static_assert(16 * D * 4 <= BN * SR * 2, "the rotated q fits a K stage");
         const od_rope::RopeParams rp = ROPE_STRUCT;
-        const int pos = rope_pos[b];
+        char* extra = reinterpret_cast<char*>(smem) + decode_stage_smem<D>();
+        float* q_rot = reinterpret_cast<float*>(extra);                           // [16][D]
+        unsigned short* kv_rows = reinterpret_cast<unsigned short*>(q_rot + 16 * D);  // new K row, new V row
         const long long cache_row = static_cast<long long>(new_idx[b]);
-        // this lane's values of the new K/V rows, loaded by every warp before anything waits on the
-        // row id (which warp stores them is known only then)
-        const float* kn = reinterpret_cast<const float*>(k_new + b * kn_b + kvh * kn_h);
-        const float* vn = reinterpret_cast<const float*>(v_new + b * vn_b) + kvh * D;
-        float kx[NP][2], vx[2 * NP];
-#pragma unroll
-        for (int m = 0; m < NP; ++m) {
-            int e0 = 0, e1 = 0, fi;
-            bool rot;
-            if (lane + 32 * m < D / 2) {
-                od_rope::pair_of<ROPE == 2>(lane + 32 * m, rp, e0, e1, fi, rot);
-            }
-            kx[m][0] = kn[e0];
-            kx[m][1] = kn[e1];
+        const long long j = cache_row - row0 - b * rows_b;
+        const bool in_window = j >= 0 && j < tk;
+        const bool writes = in_window ? j >= k_begin && j < k_end : split == 0;  // every column group alike
+        if (in_window && writes) {
+            own_tile = static_cast<int>(j - k_begin) / BN;
+            own_row = static_cast<int>(j - k_begin) % BN;
         }
-#pragma unroll
-        for (int m = 0; m < 2 * NP; ++m) {
-            vx[m] = vn[min(lane + 32 * m, D - 1)];
-        }
-        float* q_rot = reinterpret_cast<float*>(stage_k(STAGES - 1));  // [16][D]
+        const int pos = rope_pos[b];
         const int nc = min(16, ncols - cg * 16);
+        const float* kn = reinterpret_cast<const float*>(k_new + b * kn_b + kvh * kn_h);
+        KT* kc = reinterpret_cast<KT*>(k_cache + cache_row * kc_t) + kvh * D;
         for (int pi = tid; pi < D / 2; pi += 128) {
             int e0, e1, fi;
             bool rot;
             od_rope::pair_of<ROPE == 2>(pi, rp, e0, e1, fi, rot);
-            constexpr int CC = 4;  // columns whose loads are in flight together (GQA 4: all of them)
-            float x[CC][2];
             float c = 1.0f, sn = 0.0f;
-            for (int c0 = 0; c0 < nc; c0 += CC) {
-#pragma unroll
-                for (int cc = 0; cc < CC; ++cc) {
-                    if (c0 + cc < nc) {
-                        const int h = kvh * group + (cg * 16 + c0 + cc) % group;
-                        const float* row = reinterpret_cast<const float*>(q + b * qs_b + h * qs_h);
-                        x[cc][0] = row[e0];
-                        x[cc][1] = row[e1];
-                    }
-                }
-                if (rot && c0 == 0) {  // after the first loads: their latency covers the arithmetic
-                    od_rope::cos_sin_of(fi, pos, rope_ff, rp, c, sn);
-                }
-#pragma unroll
-                for (int cc = 0; cc < CC; ++cc) {
-                    if (c0 + cc < nc) {
-                        float* y = q_rot + (c0 + cc) * D;
-                        y[e0] = rot ? x[cc][0] * c - x[cc][1] * sn : x[cc][0];
-                        y[e1] = rot ? x[cc][0] * sn + x[cc][1] * c : x[cc][1];
-                    }
-                }
+            if (rot) {
+                od_rope::cos_sin_of(fi, pos, rope_ff, rp, c, sn);
+            }
+            for (int cc = 0; cc < nc; ++cc) {
+                const int h = kvh * group + (cg * 16 + cc) % group;
+                const float* x = reinterpret_cast<const float*>(q + b * qs_b + h * qs_h);
+                const float x0 = x[e0], x1 = x[e1];
+                q_rot[cc * D + e0] = rot ? x0 * c - x1 * sn : x0;
+                q_rot[cc * D + e1] = rot ? x0 * sn + x1 * c : x1;
+            }
+            if (writes) {
+                const float x0 = kn[e0], x1 = kn[e1];
+                put_new(kc + e0, kv_rows + e0, rot ? x0 * c - x1 * sn : x0);
+                put_new(kc + e1, kv_rows + e1, rot ? x0 * sn + x1 * c : x1);
             }
         }
-        const long long j = cache_row - row0 - b * rows_b;  // the new row's key in this window
-        const bool in_window = j >= 0 && j < tk;
-        if (in_window && j >= k_begin && j < k_end) {
-            own_tile = static_cast<int>(j - k_begin) / BN;
-            own_row = static_cast<int>(j - k_begin) % BN;
-        }
-        // every column group alike (the same values); split 0 writes a row outside the window
-        if (in_window ? own_tile >= 0 && warp == own_row / 16 : split == 0 && warp == 0) {
-            KT* kc = reinterpret_cast<KT*>(k_cache + cache_row * kc_t) + kvh * D;
+        if (writes) {
+            const float* vn = reinterpret_cast<const float*>(v_new + b * vn_b) + kvh * D;
             KT* vc = reinterpret_cast<KT*>(v_cache + cache_row * vc_t) + kvh * D;
-#pragma unroll
-            for (int m = 0; m < NP; ++m) {
-                const int pi = lane + 32 * m;
-                if (pi < D / 2) {
-                    int e0, e1, fi;
-                    bool rot;
-                    od_rope::pair_of<ROPE == 2>(pi, rp, e0, e1, fi, rot);
-                    const float x0 = kx[m][0], x1 = kx[m][1];
-                    float c = 1.0f, sn = 0.0f;
-                    if (rot) {
-                        od_rope::cos_sin_of(fi, pos, rope_ff, rp, c, sn);
-                    }
-                    k_new_bits[m][0] = put_new(kc + e0, rot ? x0 * c - x1 * sn : x0);
-                    k_new_bits[m][1] = put_new(kc + e1, rot ? x0 * sn + x1 * c : x1);
-                }
-            }
-#pragma unroll
-            for (int m = 0; m < 2 * NP; ++m) {
-                const int e = lane + 32 * m;
-                if (e < D) {
-                    v_new_bits[m] = put_new(vc + e, vx[m]);
-                }
+            for (int e = tid; e < D; e += 128) {
+                put_new(vc + e, kv_rows + D + e, vn[e]);
             }
         }
         __syncthreads();
@@ -291,25 +248,13 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
 
         if constexpr (ROPE != 0) {
             if (i == own_tile && warp == own_row / 16) {  // the warp that reads the row replaces it
+                const unsigned short* kv_rows = reinterpret_cast<const unsigned short*>(
+                    reinterpret_cast<const char*>(smem) + decode_stage_smem<D>() + 16 * D * 4);
                 unsigned short* kd = stage_k(i % STAGES) + own_row * SR;
                 unsigned short* vd = stage_v(i % STAGES) + own_row * SR;
-                const od_rope::RopeParams rp = ROPE_STRUCT;
-#pragma unroll
-                for (int m = 0; m < NP; ++m) {
-                    const int pi = lane + 32 * m;
-                    if (pi < D / 2) {
-                        int e0, e1, fi;
-                        bool rot;
-                        od_rope::pair_of<ROPE == 2>(pi, rp, e0, e1, fi, rot);
-                        kd[e0] = k_new_bits[m][0];
-                        kd[e1] = k_new_bits[m][1];
-                    }
-                }
-#pragma unroll
-                for (int m = 0; m < 2 * NP; ++m) {
-                    if (lane + 32 * m < D) {
-                        vd[lane + 32 * m] = v_new_bits[m];
-                    }
+                for (int e = lane; e < D; e += 32) {
+                    kd[e] = kv_rows[e];
+                    vd[e] = kv_rows[D + e];
                 }
                 __syncwarp();
             }
