@@ -463,11 +463,53 @@ __device__ __forceinline__ bool aligned16(const void* p) {
     return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
 }
 
-// The rms_norm -> mul tail of mmv_add_rms_norm, run by its last block: float4 moves where they fit.
+// rms_norm_cols for one column of at most PER * BLOCK units of W floats (batch 1): each thread
+// loads its units of x and g once, all before the reduction, and keeps them in registers: one
+// round trip to L2 where rms_norm_cols makes three (x, then x and g again).
+template <int W, int PER>
+__device__ __forceinline__ void rms_norm_col_kept(const float* x, float* h, const float* g, int M, float eps) {
+    const int units = M / W;
+    float v[PER][W], w[PER][W];
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int u = threadIdx.x + j * BLOCK;
+        if (u < units) {
+            ld_units<W>(x + u * W, v[j]);
+            ld_units<W>(g + u * W, w[j]);
+#pragma unroll
+            for (int i = 0; i < W; ++i) {
+                acc = fmaf(v[j][i], v[j][i], acc);
+            }
+        }
+    }
+    const float scale = rsqrtf(od::block_sum<BLOCK>(acc) / M + eps);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int u = threadIdx.x + j * BLOCK;
+        if (u < units) {
+#pragma unroll
+            for (int i = 0; i < W; ++i) {
+                v[j][i] = v[j][i] * scale * w[j][i];
+            }
+            st_units<W>(h + u * W, v[j]);
+        }
+    }
+}
+
+// float4s a thread of the batch-1 tail keeps in registers: hidden sizes up to 4 * 4 * BLOCK = 2048
+constexpr int TAIL_KEPT = 4;
+
+// The rms_norm -> mul tail of mmv_add_rms_norm, run by its last block: float4 moves where they
+// fit, and x and g held in registers for one column of up to 4 * TAIL_KEPT * BLOCK floats.
 template <int NT>
 __device__ __forceinline__ void rms_norm_tail(const float* x, float* h, const float* g, int M, int N, float eps) {
     if (M % 4 == 0 && aligned16(x) && aligned16(h) && aligned16(g)) {
-        rms_norm_cols<NT, 4>(x, h, g, M, N, eps);
+        if (NT == 1 && M <= 4 * TAIL_KEPT * BLOCK) {
+            rms_norm_col_kept<4, TAIL_KEPT>(x, h, g, M, eps);
+        } else {
+            rms_norm_cols<NT, 4>(x, h, g, M, N, eps);
+        }
     } else {
         rms_norm_cols<NT, 1>(x, h, g, M, N, eps);
     }
