@@ -420,7 +420,7 @@ __device__ __forceinline__ void rms_norm_cols(const float* x, float* h, const fl
     for (int n = 0; n < NT; ++n) {
         acc[n] = 0.0f;
     }
-#pragma unroll 4  // hidden 2048: each thread's 4 float4s of a column in flight at once (2: a spill at NT 1)
+#pragma unroll 4  // the loads of 4 steps in flight at once (unroll 2 spilled a register at NT 1)
     for (int u = threadIdx.x; u < units; u += BLOCK) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
