@@ -41,7 +41,8 @@ class Step:
     declined: tuple[tuple[str, str], ...] = ()  # (plugin, reason), in the order asked
     note: str = ""  # why it is not where the plan's device would put it
     src_device: Device | None = None  # copies: from where
-    #: fusion rules whose pattern matched here but whose check declined: (rule, reason)
+    #: fusion rules whose pattern matched here but which declined (before the one that fused, if any):
+    #: (rule, reason)
     unfused: tuple[tuple[str, str], ...] = ()
     #: fused groups: the nodes besides the last whose outputs the kernel also writes
     writes: tuple[Tensor, ...] = ()
@@ -124,6 +125,7 @@ class Scheduler:
                 continue
             fused, unfused = self._fuse(graph, i, rules)
             if fused is not None:
+                fused.unfused = tuple(unfused)  # longer rules tried first and declined: explain() says why
                 steps.append(fused)
                 for n in fused.nodes:
                     placed[n] = self.device

@@ -37,7 +37,7 @@ import attrs
 import numpy as np
 
 from opdispatch.backends.cuda.devices import warp32_gate
-from opdispatch.backends.cuda.kernels import KernelSpec, chain
+from opdispatch.backends.cuda.kernels import KernelSpec, Workspace, alloc_workspaces, chain
 from opdispatch.backends.base import Device, Launch
 from opdispatch.fusion import FusionRule
 from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
@@ -134,16 +134,6 @@ KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {
 # -- launch specs ---------------------------------------------------------------------------------
 
 
-
-
-@attrs.frozen
-class Workspace:
-    """Device scratch memory a launch needs (partials, tile flags, counters): bytes, what for,
-    and whether it must start zeroed (set once at bind; the kernels leave it so)."""
-
-    nbytes: int
-    what: str
-    zeroed: bool = False
 
 
 def _elem_strides(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -493,10 +483,7 @@ def bind_qkv_flash_attn_ext(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch
 
 
 def _bind_flash(ctx: CudaContext, node: Tensor, plan: FlashPlan) -> Launch:
-    bufs = tuple(ctx.backend.alloc(w.nbytes, f"{w.what} of {node.describe()}") for w in plan.workspaces)
-    for w, buf in zip(plan.workspaces, bufs):
-        if w.zeroed:
-            ctx.backend.fill(buf, 0)
+    bufs = alloc_workspaces(ctx.backend, plan.workspaces, node.describe())
     return _launch(ctx, plan.specs(ctx.ptr, [buf.ptr for buf in bufs]), bufs)
 
 

@@ -60,6 +60,33 @@ __device__ __forceinline__ T block_sum(T v) {
     return v;
 }
 
+// -- "the last block finishes the job" -------------------------------------------
+// A grid whose blocks each write a part of a result, and whose last block to finish then
+// reads all of it (merges split-K partials, normalizes the rows the others wrote), in one
+// launch. Every block calls last_block(counter, blocks) after its writes; it returns true in
+// the one block that counted last, after which that block sees every other block's writes
+// (read them with __ldcg or volatile loads: not through the read-only cache, and not through
+// L1, which may hold stale lines). The last block sets the counter back to 0, so the
+// counter, zeroed once when allocated, is ready for the next launch or CUDA-graph replay.
+// Must be reached by every thread of the block.
+
+__device__ __forceinline__ bool last_block(int* counter, int blocks) {
+    __shared__ bool last;
+    __threadfence();  // this block's writes are visible device-wide before it counts itself done
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(counter, 1) == blocks - 1;
+        if (last) {
+            *counter = 0;  // every block has counted: ready for the next launch
+        }
+    }
+    __syncthreads();
+    if (last) {
+        __threadfence();  // order this block's reads after the other blocks' counted writes
+    }
+    return last;
+}
+
 // -- 16-bit floats as raw storage -------------------------------------------------
 
 struct f16 {

@@ -184,6 +184,27 @@ class KernelSpec:
         return launcher(fn, self.grid, self.block, self.args, self.smem, stream=stream)
 
 
+@attrs.frozen
+class Workspace:
+    """Device scratch memory a launch needs (partials, tile flags, counters): bytes, what for,
+    and whether it must start zeroed (set once at bind; the kernels leave it so: a "last block
+    finishes the job" kernel sets its counter back to 0, so every CUDA-graph replay finds it zeroed)."""
+
+    nbytes: int
+    what: str
+    zeroed: bool = False
+
+
+def alloc_workspaces(backend: Any, spaces: Sequence[Workspace], owner: str) -> tuple[Any, ...]:
+    """A buffer on `backend` for each of `spaces` (named "<what> of <owner>"), zeroed where asked.
+    The caller keeps them alive as long as the launches that use them (`chain(..., keep)`)."""
+    bufs = tuple(backend.alloc(w.nbytes, f"{w.what} of {owner}") for w in spaces)
+    for w, buf in zip(spaces, bufs):
+        if w.zeroed:
+            backend.fill(buf, 0)
+    return bufs
+
+
 @attrs.define(eq=False)
 class LaunchChain:
     """Several pre-bound launches run in order as one node's launch (a conversion

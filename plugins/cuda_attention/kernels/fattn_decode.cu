@@ -404,21 +404,9 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
     }
 
     // Split: the last block of this (batch, KV head, column group) merges every split.
-    __shared__ int s_last;
-    __threadfence();  // this block's partials are visible device-wide before it counts itself done
-    __syncthreads();
-    if (tid == 0) {
-        int* counter = counters + b * gridDim.y + blockIdx.y;
-        s_last = atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1;
-        if (s_last) {
-            *counter = 0;  // every split has counted: ready for the next launch
-        }
-    }
-    __syncthreads();
-    if (!s_last) {
+    if (!od::last_block(counters + b * gridDim.y + blockIdx.y, gridDim.x)) {
         return;
     }
-    __threadfence();
     // Every split's (max, sum) and accumulator slice of this thread's (column, 4 dims) loaded
     // together, MERGE_LOADS splits at a time, so that the merge costs about one L2 round trip
     // (the partials were written by other SMs: __ldcg reads them from L2, past this SM's L1).
