@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Hashable, Iterator, Sequence
 
 import attrs
 import numpy as np
 
 from opdispatch.backends.cuda.devices import warp32_gate
-from opdispatch.backends.cuda.kernels import KernelSpec, chain
+from opdispatch.backends.cuda.kernels import KernelSpec, Workspace, chain, launch_with_workspaces
 from opdispatch.backends.base import Device, Launch
 from opdispatch.fusion import FusionRule
 from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
@@ -126,16 +126,6 @@ KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {
 # -- launch specs ---------------------------------------------------------------------------------
 
 
-
-
-@attrs.frozen
-class Workspace:
-    """Device scratch memory a launch needs (partials, tile flags, counters): bytes, what for,
-    and whether it must start zeroed (set once at bind; the kernels leave it so)."""
-
-    nbytes: int
-    what: str
-    zeroed: bool = False
 
 
 def _elem_strides(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -427,8 +417,8 @@ def flash_plan(node: Tensor, sm_count: int = 132) -> FlashPlan:
 
 
 
-def _launch(ctx: CudaContext, specs: Sequence[KernelSpec], keep: tuple[Any, ...] = ()) -> Launch:
-    return chain((s.launch(ctx.stream) for s in specs), keep)
+def _launch(ctx: CudaContext, specs: Sequence[KernelSpec]) -> Launch:
+    return chain(s.launch(ctx.stream) for s in specs)
 
 
 def bind_soft_max(ctx: CudaContext, node: Tensor) -> Launch:
@@ -449,11 +439,7 @@ def bind_rope_qkv_set_rows(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
 
 def bind_flash_attn_ext(ctx: CudaContext, node: Tensor) -> Launch:
     plan = flash_plan(node, int(ctx.device.props.get("sm_count", 132)))
-    bufs = tuple(ctx.backend.alloc(w.nbytes, f"{w.what} of {node.describe()}") for w in plan.workspaces)
-    for w, buf in zip(plan.workspaces, bufs):
-        if w.zeroed:
-            ctx.backend.fill(buf, 0)
-    return _launch(ctx, plan.specs(ctx.ptr, [buf.ptr for buf in bufs]), bufs)
+    return launch_with_workspaces(ctx, plan.workspaces, lambda ws: plan.specs(ctx.ptr, ws), node.describe())
 
 
 # -- hooks ----------------------------------------------------------------------------------------

@@ -21,13 +21,16 @@ import ctypes
 import functools
 import hashlib
 from pathlib import Path
-from typing import Any, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Sequence
 
 import attrs
 import numpy as np
 
 from ...ops.elementwise import GLU_KINDS
 from ..base import Launch
+
+if TYPE_CHECKING:
+    from .backend import CudaContext
 
 #: Shared headers (common.cuh); on the include path of every module.
 INCLUDE_DIR = Path(__file__).resolve().parent
@@ -210,3 +213,30 @@ def chain(launches: Iterable[Launch], keep: Sequence[Any] = ()) -> Launch:
     if len(kept) == 1 and not keep:
         return kept[0]
     return LaunchChain(tuple(kept), tuple(keep))
+
+
+@attrs.frozen
+class Workspace:
+    """Device scratch memory a launch needs (partials, tile flags, counters): bytes, what for,
+    and whether it must start zeroed (set once at bind; the kernels leave it so)."""
+
+    nbytes: int
+    what: str
+    zeroed: bool = False
+
+
+def launch_with_workspaces(ctx: CudaContext, workspaces: Sequence[Workspace],
+                           make: Callable[[Sequence[int]], Iterable[KernelSpec]], owner: str) -> Launch:
+    """The launch of the specs `make(addresses of the workspaces)` gives, once they are allocated for
+    `owner` (named in out-of-memory errors) and the zeroed ones filled with 0.
+
+    Zeroed here, once: a kernel that counts in a zeroed workspace (the last block of a group to finish
+    merges, "last block" counters) sets its counter back to 0, so every later launch and every replay
+    of a captured CUDA graph finds it zeroed without a memset in the plan. The buffers live as long as
+    the launch.
+    """
+    bufs = tuple(ctx.backend.alloc(w.nbytes, f"{w.what} of {owner}") for w in workspaces)
+    for w, buf in zip(workspaces, bufs):
+        if w.zeroed:
+            ctx.backend.fill(buf, 0)
+    return chain((s.launch(ctx.stream) for s in make([buf.ptr for buf in bufs])), bufs)
