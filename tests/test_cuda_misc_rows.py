@@ -177,6 +177,52 @@ def test_moe_check_reasons() -> None:
     assert "experts" in rows.moe_check(DEV, graph.nodes, graph)
 
 
+# -- argmax's two kernels ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, kernel", [
+    ((1, 32000), "argmax_split"), ((16, 32000), "argmax_split"), ((3, 128256), "argmax_split"),
+    ((200001,), "argmax_split"), ((1, 1024), "argmax_split"),
+    ((3, 31), "argmax_block"), ((1, 1000), "argmax_block"), ((512, 32000), "argmax_block"), ((300, 7), "argmax_block"),
+])
+def test_argmax_kernel_by_shape(shape: tuple[int, ...], kernel: str) -> None:
+    """Few long rows split over blocks, many or short rows one block a row; explain() names which."""
+    out = ops.argmax(od.input("x", shape))
+    plan = od.compile(out, DEV)
+    assert step_of(plan, out).kernel == kernel
+    assert f"cuda_misc:{kernel} " in plan.explain()
+
+
+@pytest.mark.parametrize("rows_, cols", [(1, 1024), (1, 32000), (3, 32000), (16, 32000), (1, 128256), (16, 128256),
+                                         (1, 200001), (3, 200001), (2, 1027)])
+def test_argmax_split_covers_every_column_once(rows_: int, cols: int) -> None:
+    nblk, chunk = rows.split_shape(rows_, cols, 132)
+    assert 1 < nblk and chunk % 4 == 0 and chunk >= min(rows.SPLIT_MIN_COLS, cols)
+    assert (nblk - 1) * chunk < cols <= nblk * chunk  # no empty block: each counts itself in
+    assert nblk * rows_ <= 132 + rows_  # about one wave
+    x = od.input("x", (rows_, cols))
+    node = ops.argmax(x)
+    (s,) = rows.argmax_split_specs(x, node, addresses(), (1 << 30, 1 << 31), 132)
+    assert s.grid == nblk * rows_ and s.block == rows.SPLIT_BLOCK
+    assert [int(a) for a in s.args[7:10]] == [cols, chunk, nblk]
+    ws = rows.argmax_workspaces(rows_, nblk)
+    assert [(w.nbytes, w.zeroed) for w in ws] == [(rows_ * nblk * 8, False), (rows_ * 4, True)]
+
+
+def test_argmax_split_specs_pick_float4_loads() -> None:
+    x = od.input("x", (3, 32000))
+    node = ops.argmax(x)
+    ws = (1 << 30, 1 << 31)
+    assert rows.argmax_split_specs(x, node, addresses(), ws, 132)[0].kernel == "argmax_split<true, int>"
+    assert rows.argmax_split_specs(x, node, addresses(misalign=4), ws, 132)[0].kernel == "argmax_split<false, int>"
+    xt = od.input("xt", (32000, 3)).T
+    assert rows.argmax_split_specs(xt, ops.argmax(xt), addresses(), ws, 132)[0].kernel == "argmax_split<false, int>"
+    odd = od.input("odd", (3, 32001))  # rows 4 bytes past 16-byte boundaries
+    assert rows.argmax_split_specs(odd, ops.argmax(odd), addresses(), ws, 132)[0].kernel == "argmax_split<false, int>"
+    (s,) = rows.argmax_split_specs(x, node, addresses(), ws, 132)
+    assert int(s.args[2]) == int(s.args[3]) == int(s.args[4]) == 0  # not fused: no f32 copy, no log
+
+
 # -- the binds' choices, with made-up addresses ------------------------------------------------------
 
 
@@ -243,6 +289,7 @@ def test_every_kernel_a_bind_names_is_compiled() -> None:
     outs += [ops.argsort(od.input("as", (3, 100003))), ops.top_k(od.input("tk", (3, 100003)), 100)]
     outs += [ops.concat(x, x, 1), ops.concat(od.param("cq", np.ones((2, 64)), "q4_1"),
                                                  od.param("cq2", np.ones((2, 32)), "q4_1"), 1)]
+    outs += [ops.argmax(od.input("am", (3, 32000))), ops.argmax(od.input("amt", (32000, 2)).T)]
     _, _, moe = _router(experts=256)
     graph = od.Graph.build([*outs, moe])
     plan = od.compile(graph, DEV)
@@ -255,6 +302,8 @@ def test_every_kernel_a_bind_names_is_compiled() -> None:
         for ptr in ptrs:
             if step.kind == "fused":
                 _names_in_sources(rows.moe_specs(step.nodes, ptr))
+            elif step.kernel == "argmax_split":
+                _names_in_sources(rows.argmax_split_specs(node.srcs[0], node, ptr, (1 << 30, 1 << 31), 132))
             elif node.op in ("cpy", "dup", "cont"):
                 _names_in_sources(rows.copy_specs(node.srcs[0], node, ptr, 132))
             elif node.op == "get_rows":
@@ -784,6 +833,46 @@ def test_argmax_takes_the_last_of_ties_and_count_equal(rng, seed) -> None:
     for got, ref in both(outs, feeds):
         for k, (gg, rr) in enumerate(zip(got, ref)):
             assert_exact(gg, rr, seed, f"{outs[k].op} #{k}")
+
+
+def last_argmax(x: np.ndarray) -> np.ndarray:
+    """The op's semantics: the LAST index of each row's maximum (np.argmax takes the first)."""
+    rows2 = x.reshape(-1, x.shape[-1])
+    return (rows2.shape[-1] - 1 - np.argmax(rows2[:, ::-1], axis=-1)).astype(np.int32)
+
+
+def tied_rows(rng: np.random.Generator, shape: tuple[int, int], sms: int) -> np.ndarray:
+    """Random rows whose maximum sits in several of argmax_split's block slices (the first one's start,
+    two middle ones, the last column), once twice inside one slice: the merge must keep the last."""
+    rows_, cols = shape
+    x = rng.uniform(-1, 1, shape).astype(np.float32)
+    nblk, chunk = rows.split_shape(rows_, cols, sms)
+    for r in range(rows_):
+        slices = rng.choice(nblk, min(nblk, 2), replace=False)
+        cols_at = [0, cols - 1, *(min(k * chunk + int(rng.integers(chunk)), cols - 1) for k in slices)]
+        cols_at.append(min(cols_at[-1] + 1, cols - 1))  # twice in one slice
+        x[r, rng.permutation(cols_at)[:len(cols_at) - r % 3]] = 2.0 + r % 2  # some rows without the ends
+    return x
+
+
+@gpu
+@pytest.mark.parametrize("cols", [31, 32000, 128256, 200001])
+@pytest.mark.parametrize("rows_", [1, 3, 16])
+def test_argmax_of_few_long_rows_takes_the_last_tie_across_blocks(rows_: int, cols: int, rng, seed) -> None:
+    x = od.input("x", (rows_, cols))
+    xt = od.input("xt", (cols, rows_))  # read through strides: the scalar loads
+    outs = [ops.argmax(x), ops.argmax(xt.T)]
+    plan = od.compile(outs, cuda())
+    sms = rows.sm_count(plan.device)
+    split = rows.split_shape(rows_, cols, sms)[0] > 1
+    for o in outs:
+        assert step_of(plan, o).kernel == ("argmax_split" if split else "argmax_block"), plan.explain()
+    for _ in range(3):  # a captured CUDA graph replayed: the row counters must be back at 0 every time
+        xv, tv = tied_rows(rng, (rows_, cols), sms), tied_rows(rng, (rows_, cols), sms)
+        plan.poison()
+        got = plan.run({x: xv, xt: np.ascontiguousarray(tv.T)})
+        assert_exact(got[0], last_argmax(xv), seed, "argmax")
+        assert_exact(got[1], last_argmax(tv), seed, "argmax of a transposed input")
 
 
 # -- sorting ------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
-from opdispatch.backends.cuda.kernels import KernelSpec, chain
+from opdispatch.backends.cuda.kernels import KernelSpec, Workspace, chain, launch_with_workspaces
 from opdispatch.backends.base import Device, Launch
 from opdispatch.dtypes import DTYPES, DType
 from opdispatch.fusion import FusionRule
@@ -131,6 +131,7 @@ def _reduce_instances() -> tuple[str, ...]:
              for vec in (False, True)]
     names += [tmpl("cumsum", blk) for blk in ROW_REDUCE_BLOCKS]
     names += [tmpl("argmax", blk) for blk in ROW_REDUCE_BLOCKS]
+    names += [tmpl("argmax_split", b(vec), i) for vec in (False, True) for i in ("int", "long long")]
     names += [tmpl("sum_all", VALUE[f], b(c)) for f in FLOATS for c in (False, True)]
     names.append("count_equal")
     return tuple(names)
@@ -736,14 +737,85 @@ def cumsum_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     return [KernelSpec(REDUCE_CU, tmpl("cumsum", blk), rows, blk, (u64(ptr(x)), u64(ptr(node)), *_row_args(x)))]
 
 
+def _argmax_rows(x: Tensor) -> tuple[int, int, int]:
+    """(rows, columns, row stride in bytes) of argmax's f32 (R, C) or (C,) input."""
+    return (x.shape[0], x.shape[1], x.strides[0]) if x.ndim == 2 else (1, x.shape[0], 0)
+
+
 def argmax_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
+    """argmax with one block a row (reduce.cu's argmax): many rows, or short ones."""
     x = node.srcs[0]
-    cols = x.shape[-1]
-    rows = x.shape[0] if x.ndim == 2 else 1
-    s1 = x.strides[0] if x.ndim == 2 else 0
+    rows, cols, s1 = _argmax_rows(x)
     blk = reduce_block(cols)
     return [KernelSpec(REDUCE_CU, tmpl("argmax", blk), rows if cols else 0, blk,
                  (u64(ptr(x)), u64(ptr(node)), np.int32(cols), np.int64(x.strides[-1]), np.int64(s1)))]
+
+
+#: threads per block of reduce.cu's argmax_split (its SPLIT_BLOCK)
+SPLIT_BLOCK = 128
+#: the fewest columns a block of argmax_split takes: a float4 a thread, or its merge costs more than it saves
+SPLIT_MIN_COLS = 4 * SPLIT_BLOCK
+
+
+def split_shape(rows: int, cols: int, sms: int) -> tuple[int, int]:
+    """(blocks a row, columns a block: a multiple of 4) of argmax_split: the rows' blocks together about
+    fill the SMs once (one block cannot keep enough of a long row's loads in flight), each taking at
+    least SPLIT_MIN_COLS columns. (1, cols rounded up to 4) where one block a row is the best it can do."""
+    want = max(1, min(-(-sms // max(rows, 1)), cols // SPLIT_MIN_COLS))
+    chunk = max(4, -(-cols // (4 * want)) * 4)  # cols / want rounded up to 4: float4s never straddle blocks
+    return max(1, -(-cols // chunk)), chunk
+
+
+def argmax_splits(node: Tensor, sms: int) -> bool:
+    """Does argmax_split (several blocks a row) run this argmax, rather than one block a row?"""
+    rows, cols, _ = _argmax_rows(node.srcs[0])
+    return split_shape(rows, cols, sms)[0] > 1
+
+
+def argmax_workspaces(rows: int, nblk: int) -> tuple[Workspace, ...]:
+    """argmax_split's partials (a (value, index) pair per block) and per-row counters (zeroed at bind); none
+    with one block a row."""
+    if nblk == 1:
+        return ()
+    return (Workspace(rows * nblk * 8, "argmax partials"), Workspace(rows * 4, "argmax row counters", zeroed=True))
+
+
+def argmax_split_specs(x: Tensor, out: Tensor, ptr: Ptr, ws: Sequence[int], sms: int,
+                       out_f32: Tensor | None = None, log: Tensor | None = None) -> list[KernelSpec]:
+    """reduce.cu's argmax_split of x's rows into the contiguous i32 `out`; `ws`: the addresses of
+    argmax_workspaces. The fused greedy pick also gives `out_f32` (contiguous f32, the index as a float)
+    and `log`, the set_rows node writing it into rows of one value at log.srcs[2]'s row ids."""
+    rows, cols, s1 = _argmax_rows(x)
+    nblk, chunk = split_shape(rows, cols, sms)
+    partials, counters = ws if nblk > 1 else (0, 0)
+    s0 = x.strides[-1]
+    vec = s0 == 4 and ptr(x) % 16 == 0 and (rows == 1 or s1 % 16 == 0)
+    if log is None:
+        itype, fused = "int", (u64(0), u64(0), u64(0), np.int64(0), np.int64(0), np.int64(0))
+    else:
+        idx = log.srcs[2]
+        itype = "int" if idx.dtype.name == "i32" else "long long"
+        fused = (u64(ptr(out_f32)), u64(ptr(log)), u64(ptr(idx)), np.int64(idx.strides[0]),
+                 np.int64(log.strides[0]), np.int64(log.shape[0]))
+    pf32, plog, pidx, is0, ls1, log_rows = fused
+    args = (u64(ptr(x)), u64(ptr(out)), pf32, plog, pidx, u64(partials), u64(counters), np.int32(cols),
+            np.int32(chunk), np.int32(nblk), np.int64(s0), np.int64(s1), is0, ls1, log_rows)
+    return [KernelSpec(REDUCE_CU, tmpl("argmax_split", b(vec), itype), nblk * rows if cols else 0, SPLIT_BLOCK,
+                       args)]
+
+
+def bind_argmax_split(ctx: CudaContext, node: Tensor) -> Launch:
+    x, sms = node.srcs[0], sm_count(ctx.device)
+    rows, cols, _ = _argmax_rows(x)
+    ws = argmax_workspaces(rows, split_shape(rows, cols, sms)[0])
+    return launch_with_workspaces(ctx, ws, lambda w: argmax_split_specs(x, node, ctx.ptr, w, sms), node.describe())
+
+
+def supports_argmax_split(device: Device, node: Tensor) -> bool | str:
+    ok = supports_row_reduce(device, node)
+    if ok is not True:
+        return ok
+    return argmax_splits(node, sm_count(device)) or "one block a row: many rows or short ones"
 
 
 supports_sum = _rules(
@@ -1014,7 +1086,9 @@ KERNELS: list[Kernel] = [
     Kernel("sum_rows", _binder(sum_rows_specs), supports_row_reduce, name="sum_rows"),
     Kernel("mean", _binder(sum_rows_specs), supports_row_reduce, name="mean"),
     Kernel("cumsum", _binder(cumsum_specs), supports_row_reduce, name="cumsum"),
-    Kernel("argmax", _binder(argmax_specs), supports_row_reduce, name="argmax"),
+    # few long rows (a decode step's logits) split over blocks; the rest one block a row
+    Kernel("argmax", bind_argmax_split, supports_argmax_split, name="argmax_split"),
+    Kernel("argmax", _binder(argmax_specs), supports_row_reduce, name="argmax_block"),
     Kernel("count_equal", _binder(count_equal_specs), supports_count_equal, name="count_equal"),
     Kernel("argsort", bind_argsort, supports_argsort_on, name="bitonic"),
     Kernel("top_k", bind_top_k, supports_top_k_on, name="top_k"),
