@@ -1,13 +1,14 @@
-"""cuda_misc's rows, copies, layout ops, reductions and sorts, and the top-k MoE fusion.
+"""cuda_misc's rows, copies, layout ops, reductions and sorts; the top-k MoE and greedy-pick fusions.
 
 Ops: cpy/dup/cont (every pair of f32, f16, bf16, i32; f32/f16/bf16 to and
 from the block formats, quantized on the device with ggml's rounding; any
 dtype copied as it is), get_rows, set_rows, concat, repeat, pad,
 pad_reflect_1d, roll, arange, fill, diag, tri, set, acc, timestep_embedding
-(kernels/rows.cu); sum, sum_rows, mean, cumsum, argmax, count_equal
-(kernels/reduce.cu); argsort, top_k and the fused MoE router
-(kernels/sort.cu). kernels/quant.cuh holds the device-side block formats,
-bit-exact with opdispatch.dtypes, and the index arithmetic.
+(kernels/rows.cu); sum, sum_rows, mean, cumsum, argmax (one block a row, or
+split over blocks for few long rows), count_equal and the fused greedy pick
+(kernels/reduce.cu); argsort, top_k and the fused MoE router (kernels/sort.cu).
+kernels/quant.cuh holds the device-side block formats, bit-exact with
+opdispatch.dtypes, and the index arithmetic.
 
 Each op has a support predicate: a table of (condition, reason) read top to
 bottom, after ggml's supports_op, looking only at shapes, strides and dtypes
@@ -804,11 +805,18 @@ def argmax_split_specs(x: Tensor, out: Tensor, ptr: Ptr, ws: Sequence[int], sms:
                        args)]
 
 
-def bind_argmax_split(ctx: CudaContext, node: Tensor) -> Launch:
-    x, sms = node.srcs[0], sm_count(ctx.device)
+def launch_split(ctx: CudaContext, x: Tensor, make: Callable[[Sequence[int], int], list[KernelSpec]],
+                 owner: str) -> Launch:
+    """argmax_split over x's rows: its workspaces made at bind, then the specs `make(their addresses, SMs)`."""
+    sms = sm_count(ctx.device)
     rows, cols, _ = _argmax_rows(x)
     ws = argmax_workspaces(rows, split_shape(rows, cols, sms)[0])
-    return launch_with_workspaces(ctx, ws, lambda w: argmax_split_specs(x, node, ctx.ptr, w, sms), node.describe())
+    return launch_with_workspaces(ctx, ws, lambda w: make(w, sms), owner)
+
+
+def bind_argmax_split(ctx: CudaContext, node: Tensor) -> Launch:
+    x = node.srcs[0]
+    return launch_split(ctx, x, lambda w, sms: argmax_split_specs(x, node, ctx.ptr, w, sms), node.describe())
 
 
 def supports_argmax_split(device: Device, node: Tensor) -> bool | str:
@@ -1064,6 +1072,65 @@ def bind_moe(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
 
 
 # ==================================================================================================
+# The greedy pick, fused
+#
+# LlamaModel.build(greedy=True) ends a decode step with picked = argmax(logits) (B, C) -> (B,),
+# cpy(picked, next_tokens view) (i32), cpy(picked, next_f32 view (B, 1)) (f32) and
+# set_rows(token_log, that f32, kv_idx): four launches of about a microsecond of work each, most of
+# it launch and memory latency. Graph.build puts the f32 view between the two copies (the second cpy
+# reads it first). argmax_split's last block of each row writes all three destinations instead.
+
+GREEDY_PATTERN = ("argmax", "cpy", "view", "cpy", "set_rows")
+#: the pattern positions the fused kernel writes besides set_rows: the i32 copy is read outside the
+#: group (a graph output: the next step embeds it); the f32 copy is read only by the set_rows, but it
+#: is a state the kernel writes in place, declared so that the plan records the write
+GREEDY_WRITES = (1, 3)
+
+
+def _distinct_bases(*ts: Tensor) -> bool:
+    return len({t.base for t in ts}) == len(ts)
+
+
+def greedy_check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
+    """True if argmax_split's greedy pick computes `nodes` (GREEDY_PATTERN) exactly; else why not."""
+    picked, tokens, f32_view, as_f32, log = nodes
+    x = picked.srcs[0]
+    ok = supports_row_reduce(device, picked)
+    if ok is not True:
+        return f"argmax: {ok}"
+    dst, src, idx = log.srcs
+    checks = (
+        (x.shape[-1] > 0, "argmax of empty rows"),
+        (tokens.srcs[0] is picked and tokens.dtype.name == "i32", "the first cpy does not copy the argmax into i32"),
+        (tokens.is_contiguous(), "the i32 copy's destination is not contiguous"),
+        (as_f32.srcs[0] is picked and as_f32.srcs[1] is f32_view and as_f32.dtype.name == "f32",
+         "the second cpy does not copy the argmax into the f32 view"),
+        (as_f32.is_contiguous(), "the f32 copy's destination is not contiguous"),
+        (src is as_f32, "set_rows does not write the f32 copy"),
+        (log.dtype.name == "f32", "set_rows must write f32 rows"),
+        (as_f32.ndim == 2 and log.ndim == 2 and idx.ndim == 1,
+         "batch axes: set_rows must take (B, 1) rows into (R, 1) at (B,) row ids"),
+        (as_f32.shape[-1] == 1, "set_rows rows must hold one value"),
+        (all(aligned(t) for t in (tokens, as_f32, log, idx)), "strides or offsets that split an element"),
+        (_distinct_bases(x, tokens, as_f32, dst), "the logits and the three destinations must not share storage"),
+    )
+    for holds, reason in checks:
+        if not holds:
+            return reason
+    return True
+
+
+def greedy_specs(nodes: Sequence[Tensor], ptr: Ptr, ws: Sequence[int], sms: int) -> list[KernelSpec]:
+    picked, tokens, _, as_f32, log = nodes
+    return argmax_split_specs(picked.srcs[0], tokens, ptr, ws, sms, as_f32, log)
+
+
+def bind_greedy_pick(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
+    return launch_split(ctx, nodes[0].srcs[0], lambda w, sms: greedy_specs(nodes, ctx.ptr, w, sms),
+                        nodes[-1].describe())
+
+
+# ==================================================================================================
 # What the plugin yields
 
 KERNELS: list[Kernel] = [
@@ -1095,5 +1162,7 @@ KERNELS: list[Kernel] = [
 ]
 
 #: longest patterns first: dispatch takes the first rule whose check passes
-FUSIONS: list[FusionRule] = [FusionRule(name, pattern, bind=bind_moe, check=moe_check, outputs=(2,))
-                             for name, pattern in MOE_PATTERNS]
+FUSIONS: list[FusionRule] = sorted(
+    [*(FusionRule(name, pattern, bind=bind_moe, check=moe_check, outputs=(2,)) for name, pattern in MOE_PATTERNS),
+     FusionRule("greedy_pick", GREEDY_PATTERN, bind=bind_greedy_pick, check=greedy_check, outputs=GREEDY_WRITES)],
+    key=lambda r: -len(r.pattern))

@@ -1,7 +1,10 @@
-// Reductions of the cuda_misc plugin: sum, sum_rows, mean, cumsum, argmax, count_equal.
+// Reductions of the cuda_misc plugin: sum, sum_rows, mean, cumsum, argmax, count_equal; the
+// fused greedy pick (argmax -> cpy -> cpy -> set_rows) in argmax_split.
 //
 // Row kernels take one row per block: the row's outer indices (i1, i2, i3)
-// come from blockIdx.x with sizes n1, n2, its elements at byte stride s0.
+// come from blockIdx.x with sizes n1, n2, its elements at byte stride s0;
+// argmax_split, for few long rows, takes several blocks a row, their partials
+// and per-row counters in a workspace of the launch (made and zeroed at bind).
 // The whole-tensor reductions (sum, count_equal) run on up to MAX_PARTIALS
 // blocks; each block writes its partial and the last block to finish adds
 // the partials in block order (deterministic) and resets the counter. The
