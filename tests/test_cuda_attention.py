@@ -374,7 +374,7 @@ def test_attention_runs_unfused_where_the_fused_kernel_would_split_the_kv_less()
     answer = fusion.check_attn(H200, graph.nodes[first:first + len(fusion.ATTN_PATTERN)], graph)
     assert isinstance(answer, str) and "fewer KV splits than the unfused attention" in answer, answer
     assert [s.kernel for s in od.compile(outputs, H200).fusions] == ["rope_qkv_set_rows"]
-    assert ca.FUSED_DECODE_BLOCKS_PER_SM[64] < ca.decode_blocks_per_sm(64)
+    assert support.FUSED_DECODE_BLOCKS_PER_SM[64] < support.decode_blocks_per_sm(64)
 
 
 @pytest.mark.parametrize(("kw", "reason", "fused"), [
@@ -576,7 +576,7 @@ def test_decode_plan(d: int, tq: int, tk: int, hq: int, hkv: int, kv: str, ncg: 
     node = fa(d, tq, tk, hq, hkv, kv, mask=True, sinks=od.input("s", (hq,)))
     plan = ca.flash_plan(node, 132)
     assert plan.kind == "decode"
-    assert plan.chunk % ca.DECODE_BN == 0 and (plan.nsplit - 1) * plan.chunk < tk <= plan.nsplit * plan.chunk
+    assert plan.chunk % support.DECODE_BN == 0 and (plan.nsplit - 1) * plan.chunk < tk <= plan.nsplit * plan.chunk
     rows = tq * hq
     specs = plan.specs(fake_ptr, [BASE + 2**20, BASE + 2**21, BASE + 2**22])
     assert len(specs) == 1  # one launch: the last split of a group merges, no combine kernel
@@ -611,7 +611,7 @@ def test_decode_splits_fill_the_gpu_in_one_wave(batch: int) -> None:
     node = ops.flash_attn_ext(od.input("q", (batch, 32, 1, 128)), od.input("k", (batch, 8, 8192, 128), "f16"),
                               od.input("v", (batch, 8, 8192, 128), "f16"))
     plan = ca.flash_plan(node, 132)
-    blocks, slots = plan.nsplit * batch * 8, 132 * ca.decode_blocks_per_sm(128)
+    blocks, slots = plan.nsplit * batch * 8, 132 * support.decode_blocks_per_sm(128)
     assert 0.9 * slots <= blocks <= slots
     assert plan.nsplit == (32 if batch == 1 else 2)
 

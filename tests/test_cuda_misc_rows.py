@@ -177,6 +177,134 @@ def test_moe_check_reasons() -> None:
     assert "experts" in rows.moe_check(DEV, graph.nodes, graph)
 
 
+# -- argmax's two kernels and the fused greedy pick -------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, kernel", [
+    ((1, 32000), "argmax_split"), ((16, 32000), "argmax_split"), ((3, 128256), "argmax_split"),
+    ((200001,), "argmax_split"), ((1, 1024), "argmax_split"),
+    ((3, 31), "argmax_block"), ((1, 1000), "argmax_block"), ((512, 32000), "argmax_block"), ((300, 7), "argmax_block"),
+])
+def test_argmax_kernel_by_shape(shape: tuple[int, ...], kernel: str) -> None:
+    """Few long rows split over blocks, many or short rows one block a row; explain() names which."""
+    out = ops.argmax(od.input("x", shape))
+    plan = od.compile(out, DEV)
+    assert step_of(plan, out).kernel == kernel
+    assert f"cuda_misc:{kernel} " in plan.explain()
+
+
+@pytest.mark.parametrize("rows_, cols", [(1, 1024), (1, 32000), (3, 32000), (16, 32000), (1, 128256), (16, 128256),
+                                         (1, 200001), (3, 200001), (2, 1027)])
+def test_argmax_split_covers_every_column_once(rows_: int, cols: int) -> None:
+    nblk, chunk = rows.split_shape(rows_, cols, 132)
+    assert 1 < nblk and chunk % 4 == 0 and chunk >= min(rows.SPLIT_MIN_COLS, cols)
+    assert (nblk - 1) * chunk < cols <= nblk * chunk  # no empty block: each counts itself in
+    assert nblk * rows_ <= 132 + rows_  # about one wave
+    x = od.input("x", (rows_, cols))
+    node = ops.argmax(x)
+    (s,) = rows.argmax_split_specs(x, node, addresses(), (1 << 30, 1 << 31), 132)
+    assert s.grid == nblk * rows_ and s.block == rows.SPLIT_BLOCK
+    assert [int(a) for a in s.args[7:10]] == [cols, chunk, nblk]
+    ws = rows.argmax_workspaces(rows_, nblk)
+    assert [(w.nbytes, w.zeroed) for w in ws] == [(rows_ * nblk * 8, False), (rows_ * 4, True)]
+
+
+def test_argmax_split_specs_pick_float4_loads() -> None:
+    x = od.input("x", (3, 32000))
+    node = ops.argmax(x)
+    ws = (1 << 30, 1 << 31)
+    assert rows.argmax_split_specs(x, node, addresses(), ws, 132)[0].kernel == "argmax_split<true, int>"
+    assert rows.argmax_split_specs(x, node, addresses(misalign=4), ws, 132)[0].kernel == "argmax_split<false, int>"
+    xt = od.input("xt", (32000, 3)).T
+    assert rows.argmax_split_specs(xt, ops.argmax(xt), addresses(), ws, 132)[0].kernel == "argmax_split<false, int>"
+    odd = od.input("odd", (3, 32001))  # rows 4 bytes past 16-byte boundaries
+    assert rows.argmax_split_specs(odd, ops.argmax(odd), addresses(), ws, 132)[0].kernel == "argmax_split<false, int>"
+    (s,) = rows.argmax_split_specs(x, node, addresses(), ws, 132)
+    assert int(s.args[2]) == int(s.args[3]) == int(s.args[4]) == 0  # not fused: no f32 copy, no log
+
+
+def _greedy_tail(b: int = 3, vocab: int = 1000, *, tokens: str = "i32", log: str = "f32", idx: str = "i64",
+                 cols: int = 1, first: int = 1, seqs: int = 17, ctx: int = 8) -> list[od.Tensor]:
+    """The end of LlamaModel.build(greedy=True)'s step, in its execution order: argmax of (b * cols, vocab)
+    logits -> cpy into an i32 state (b * cols,) -> cpy into a view of an f32 state (sequences first..,
+    as rows of `cols`) -> set_rows of those rows into a log (seqs * ctx, cols) at kv_idx."""
+    logits = od.input("logits", (b * cols, vocab))
+    nf = od.state("next_f32", (seqs * cols, 1), "f32")
+    picked = ops.argmax(logits)
+    as_f32 = ops.cpy(picked, nf.view((b, cols), (4 * cols, 4), 4 * cols * first))
+    return [ops.cpy(picked, od.state("next", (b * cols,), tokens)),
+            ops.set_rows(od.state("log", (seqs * ctx, cols), log), as_f32, od.input("kv_idx", (b,), idx))]
+
+
+def _llama_greedy(batch: int, fusion: bool = True) -> od.Plan:
+    from opdispatch.models.llama import PRESETS, LlamaModel, random_weights
+
+    cfg = PRESETS["tiny"]
+    model = LlamaModel(cfg, random_weights(cfg), max_seqs=4)
+    outs, _ = model.build(1, 5, batch=batch, first_seq=4 - batch, greedy=True)
+    return od.compile(outs, DEV, fusion=fusion)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_pick_fuses_on_the_llama_decode_step(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    fused = _llama_greedy(batch)
+    (pick,) = [f for f in fused.fusions if f.kernel == "greedy_pick"]
+    assert [n.op for n in pick.nodes] == list(rows.GREEDY_PATTERN) and pick.plugin == "cuda_misc"
+    assert [w.op for w in pick.writes] == ["cpy", "cpy"]
+    assert [w.dtype.name for w in pick.writes] == ["i32", "f32"] and pick.out.op == "set_rows"
+    assert "[fused greedy_pick]" in fused.explain()
+    # every other fusion as it was: without the rule (a fresh model, so no cached plan), four launches more
+    monkeypatch.setattr(rows, "FUSIONS", [r for r in rows.FUSIONS if r.name != "greedy_pick"])
+    before = _llama_greedy(batch)
+    assert not any(f.kernel == "greedy_pick" for f in before.fusions)
+    assert fused.summary()["launches"] == before.summary()["launches"] - 3
+    assert len(fused.steps) == len(before.steps) - 4  # the f32 view (no launch) joins the group too
+
+
+@pytest.mark.parametrize("idx", ["i64", "i32"])
+@pytest.mark.parametrize("b", [1, 16])
+def test_greedy_pick_fuses_the_tail(b: int, idx: str) -> None:
+    plan = od.compile(_greedy_tail(b, 32000, idx=idx), DEV)
+    assert [f.kernel for f in plan.fusions] == ["greedy_pick"] and len(kernel_steps(plan)) == 1
+
+
+def _unfused_reason(outs: Sequence[od.Tensor]) -> str:
+    plan = od.compile(list(outs), DEV)
+    assert not plan.fusions, plan.explain()
+    argmax = next(s for s in plan.steps if s.nodes[0].op == "argmax")
+    return dict(argmax.unfused)["greedy_pick"]
+
+
+def test_greedy_pick_variants_do_not_fuse() -> None:
+    assert "into i32" in _unfused_reason(_greedy_tail(tokens="f16"))
+    assert "f32 rows" in _unfused_reason(_greedy_tail(log="f16"))
+    assert "one value" in _unfused_reason(_greedy_tail(b=2, cols=2))
+    tail = _greedy_tail()
+    picked = tail[0].srcs[0]
+    assert "read outside the group" in _unfused_reason([*tail, ops.cpy(picked, od.state("more", (3,), "i32"))])
+    assert "read outside the group" in _unfused_reason([*tail, picked])  # the argmax itself an output
+
+
+def test_greedy_check_reasons() -> None:
+    graph = od.Graph.build(_greedy_tail())
+    assert rows.greedy_check(DEV, graph.nodes, graph) is True
+    picked, tokens, view, as_f32, log = graph.nodes
+    strided = ops.cpy(picked, od.state("wide", (6,), "i32").view((3,), (8,)))
+    assert "not contiguous" in rows.greedy_check(DEV, [picked, strided, view, as_f32, log], graph)
+    other = ops.cpy(picked, od.state("other", (3,), "i32"))
+    assert "second cpy" in rows.greedy_check(DEV, [picked, tokens, view, other, log], graph)
+    log2 = ops.set_rows(od.state("log2", (8, 1)), od.input("b", (3, 1)), od.input("i2", (3,), "i64"))
+    assert "set_rows does not write" in rows.greedy_check(DEV, [picked, tokens, view, as_f32, log2], graph)
+
+
+def test_greedy_pick_takes_the_llama_batch_axes_only() -> None:
+    picked = ops.argmax(od.input("logits", (3, 100)))
+    as_f32 = ops.cpy(picked, od.state("next_f32", (4, 1)).view((1, 3, 1), (12, 4, 4)))
+    outs = [ops.cpy(picked, od.state("next", (3,), "i32")),
+            ops.set_rows(od.state("log", (1, 16, 1)), as_f32, od.input("kv_idx", (3,), "i64"))]
+    assert "batch axes" in _unfused_reason(outs)
+
+
 # -- the binds' choices, with made-up addresses ------------------------------------------------------
 
 
@@ -243,8 +371,9 @@ def test_every_kernel_a_bind_names_is_compiled() -> None:
     outs += [ops.argsort(od.input("as", (3, 100003))), ops.top_k(od.input("tk", (3, 100003)), 100)]
     outs += [ops.concat(x, x, 1), ops.concat(od.param("cq", np.ones((2, 64)), "q4_1"),
                                                  od.param("cq2", np.ones((2, 32)), "q4_1"), 1)]
+    outs += [ops.argmax(od.input("am", (3, 32000))), ops.argmax(od.input("amt", (32000, 2)).T)]
     _, _, moe = _router(experts=256)
-    graph = od.Graph.build([*outs, moe])
+    graph = od.Graph.build([*outs, moe, *_greedy_tail(idx="i32")])
     plan = od.compile(graph, DEV)
     ptrs = (addresses(), addresses(misalign=4))
     binds = {k.op: k for k in rows.KERNELS}
@@ -253,8 +382,12 @@ def test_every_kernel_a_bind_names_is_compiled() -> None:
             continue
         node = step.nodes[-1]
         for ptr in ptrs:
-            if step.kind == "fused":
+            if step.kernel == "greedy_pick":
+                _names_in_sources(rows.greedy_specs(step.nodes, ptr, (1 << 30, 1 << 31), 132))
+            elif step.kind == "fused":
                 _names_in_sources(rows.moe_specs(step.nodes, ptr))
+            elif step.kernel == "argmax_split":
+                _names_in_sources(rows.argmax_split_specs(node.srcs[0], node, ptr, (1 << 30, 1 << 31), 132))
             elif node.op in ("cpy", "dup", "cont"):
                 _names_in_sources(rows.copy_specs(node.srcs[0], node, ptr, 132))
             elif node.op == "get_rows":
@@ -786,6 +919,46 @@ def test_argmax_takes_the_last_of_ties_and_count_equal(rng, seed) -> None:
             assert_exact(gg, rr, seed, f"{outs[k].op} #{k}")
 
 
+def last_argmax(x: np.ndarray) -> np.ndarray:
+    """The op's semantics: the LAST index of each row's maximum (np.argmax takes the first)."""
+    rows2 = x.reshape(-1, x.shape[-1])
+    return (rows2.shape[-1] - 1 - np.argmax(rows2[:, ::-1], axis=-1)).astype(np.int32)
+
+
+def tied_rows(rng: np.random.Generator, shape: tuple[int, int], sms: int) -> np.ndarray:
+    """Random rows whose maximum sits in several of argmax_split's block slices (the first one's start,
+    two middle ones, the last column), once twice inside one slice: the merge must keep the last."""
+    rows_, cols = shape
+    x = rng.uniform(-1, 1, shape).astype(np.float32)
+    nblk, chunk = rows.split_shape(rows_, cols, sms)
+    for r in range(rows_):
+        slices = rng.choice(nblk, min(nblk, 2), replace=False)
+        cols_at = [0, cols - 1, *(min(k * chunk + int(rng.integers(chunk)), cols - 1) for k in slices)]
+        cols_at.append(min(cols_at[-1] + 1, cols - 1))  # twice in one slice
+        x[r, rng.permutation(cols_at)[:len(cols_at) - r % 3]] = 2.0 + r % 2  # some rows without the ends
+    return x
+
+
+@gpu
+@pytest.mark.parametrize("cols", [31, 32000, 128256, 200001])
+@pytest.mark.parametrize("rows_", [1, 3, 16])
+def test_argmax_of_few_long_rows_takes_the_last_tie_across_blocks(rows_: int, cols: int, rng, seed) -> None:
+    x = od.input("x", (rows_, cols))
+    xt = od.input("xt", (cols, rows_))  # read through strides: the scalar loads
+    outs = [ops.argmax(x), ops.argmax(xt.T)]
+    plan = od.compile(outs, cuda())
+    sms = rows.sm_count(plan.device)
+    split = rows.split_shape(rows_, cols, sms)[0] > 1
+    for o in outs:
+        assert step_of(plan, o).kernel == ("argmax_split" if split else "argmax_block"), plan.explain()
+    for _ in range(3):  # a captured CUDA graph replayed: the row counters must be back at 0 every time
+        xv, tv = tied_rows(rng, (rows_, cols), sms), tied_rows(rng, (rows_, cols), sms)
+        plan.poison()
+        got = plan.run({x: xv, xt: np.ascontiguousarray(tv.T)})
+        assert_exact(got[0], last_argmax(xv), seed, "argmax")
+        assert_exact(got[1], last_argmax(tv), seed, "argmax of a transposed input")
+
+
 # -- sorting ------------------------------------------------------------------------------------------------
 
 
@@ -870,6 +1043,42 @@ def test_moe_router_fused_ids_match_the_reference(experts: int, k: int, rng, see
     np.testing.assert_array_equal(np.sort(i, axis=-1), np.sort(ir, axis=-1), str(seed))
     order, order_ref = np.argsort(i, axis=-1), np.argsort(ir, axis=-1)  # weights follow their ids
     assert nmse(np.take_along_axis(w, order, -1), np.take_along_axis(wr, order_ref, -1)) <= 1e-10, seed
+
+
+# -- the greedy pick, fused and not ------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("idx", ["i64", "i32"])
+@pytest.mark.parametrize("b", [1, 3, 16])
+def test_greedy_pick_fused_equals_unfused(b: int, idx: str, rng, seed) -> None:
+    """All three destinations as the unfused chain writes them, other rows of the log untouched, each of
+    three runs of a captured plan with new logits and rows."""
+    outs = _greedy_tail(b, 32000, idx=idx)
+    tokens, log = outs
+    nxt, nf, tlog = tokens.base, log.srcs[1].base, log.base
+    fused, unfused = od.compile(outs, cuda()), od.compile(outs, cuda(), fusion=False)
+    assert [f.kernel for f in fused.fusions] == ["greedy_pick"] and not unfused.fusions, fused.explain()
+    sms = rows.sm_count(fused.device)
+    for _ in range(3):
+        lv = tied_rows(rng, (b, 32000), sms)
+        at = rng.choice(tlog.shape[0], b, replace=False)
+        start = {nxt: rng.integers(-99, -1, nxt.shape).astype(np.int32),
+                 nf: np.full(nf.shape, np.nan, np.float32), tlog: values(rng, tlog.shape, "f32")}
+        got = []
+        for plan in (fused, unfused):
+            for t, v in start.items():
+                plan.write(t, v)
+            plan.run({"logits": lv, "kv_idx": at})
+            got.append([plan.read(t) for t in (nxt, nf, tlog)])
+        want = last_argmax(lv)
+        want_f32, want_log = start[nf].copy(), start[tlog].copy()
+        want_f32[1:1 + b, 0] = want
+        want_log[at, 0] = want
+        for (g_next, g_f32, g_log), what in zip(got, ("fused", "unfused")):
+            assert_exact(g_next, want, seed, f"{what}: next tokens")
+            assert_exact(g_f32, want_f32, seed, f"{what}: next tokens as f32")
+            assert_exact(g_log, want_log, seed, f"{what}: the token log")
 
 
 # -- bandwidth ---------------------------------------------------------------------------------------------

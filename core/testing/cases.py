@@ -1015,8 +1015,29 @@ def _argmax(op: str, full: bool) -> Iterator[Case]:
     def one(shape: tuple[int, ...]) -> Case:
         return Case(op, _s(shape), lambda inp: ops.argmax(inp.uniform(shape)), bound(op))
 
-    for shape in _pick(full, ((5, 13), (3, 100)), ((5, 13), (3, 100), (64, 4096), (6, 32001), (1 << 16,))):
+    # (1, 32000): a decode step's logits, which GPUs split over blocks
+    for shape in _pick(full, ((5, 13), (3, 100), (1, 32000)),
+                       ((5, 13), (3, 100), (1, 32000), (64, 4096), (6, 32001), (16, 128256), (1 << 16,))):
         yield one(shape)
+
+
+@fused("greedy_pick", needs=("argmax", "cpy", "view", "set_rows"))
+def _greedy_pick(name: str, full: bool) -> Iterator[Case]:
+    """LlamaModel.build(greedy=True)'s last nodes: argmax -> cpy (i32) -> cpy (f32, rows of one value in
+    a view) -> set_rows of those into a log, in that execution order."""
+    def one(b: int, vocab: int, idx: str) -> Case:
+        def make(inp: Inputs) -> list[Tensor]:
+            picked = ops.argmax(inp.uniform((b, vocab)))
+            as_f32 = ops.cpy(picked, inp.uniform((b + 1, 1)).view((b, 1), (4, 4), 4))
+            log = ops.set_rows(inp.uniform((4 * b, 1)), as_f32, inp.ids((b,), 4 * b, idx))
+            return [ops.cpy(picked, inp.ints((b,), -9, 0)), log, as_f32]  # every destination compared
+
+        return Case("cpy", f"b={b} vocab={vocab} idx={idx}", make, bound("cpy"), fused=name)
+
+    yield one(1, 32000, "i64")
+    if full:
+        for b, vocab, idx in itertools.product((3, 16), (31, 128256), ("i32", "i64")):
+            yield one(b, vocab, idx)
 
 
 @generator("count_equal")

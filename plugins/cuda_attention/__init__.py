@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -46,8 +46,7 @@ from opdispatch.reference.attention import rope_yarn_corr_dims
 from opdispatch.tensor import Tensor
 
 from . import fusion, support
-from .support import (DECODE_BN, DECODE_COLS, FUSED_DECODE_BLOCKS_PER_SM, decode_blocks_per_sm, decode_smem, decode_splits,
-                      prefill_smem, prefill_tile_m, prefill_tile_n)
+from .support import DECODE_COLS, decode_smem, decode_splits, prefill_smem, prefill_tile_m, prefill_tile_n
 
 if TYPE_CHECKING:
     from opdispatch.backends.cuda.backend import CudaContext

@@ -1,11 +1,13 @@
-"""The cuda_misc plugin: elementwise, unary, glu, copies, rows, reductions, sorting; multi-add, softcap, top-k MoE fusions.
+"""The cuda_misc plugin: elementwise, unary, glu, copies, rows, reductions, sorting; multi-add, softcap, top-k MoE
+and greedy-pick fusions.
 
 Two halves, each a module exposing `KERNELS` (Kernel records), `FUSIONS`
 (FusionRule records) and `KERNEL_SOURCES` ({.cu path: template instances}):
 
 - elementwise.py: add, sub, mul, div, add1, add_id, scale, clamp, leaky_relu,
   sqr, sqrt, log, sin, cos, every unary op, glu; multi-add and softcap fusions.
-- rows.py: copies and conversions, rows, reductions, sorting; top-k MoE fusion.
+- rows.py: copies and conversions, rows, reductions, sorting; top-k MoE and greedy-pick
+  (argmax -> cpy -> cpy -> set_rows of a greedy decode step) fusions.
 
 The hooks below merge them, for CUDA devices only.
 """
@@ -43,7 +45,7 @@ KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {
 def plugin_info() -> PluginInfo:
     return PluginInfo("cuda_misc", "0.1.0", PRIORITY_BUILTIN,
                       "elementwise, unary, glu, copies, rows, reductions, sorting; "
-                      "multi-add, softcap, top-k MoE fusions")
+                      "multi-add, softcap, top-k MoE, greedy-pick fusions")
 
 
 @hookimpl

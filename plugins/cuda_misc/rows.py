@@ -1,13 +1,14 @@
-"""cuda_misc's rows, copies, layout ops, reductions and sorts, and the top-k MoE fusion.
+"""cuda_misc's rows, copies, layout ops, reductions and sorts; the top-k MoE and greedy-pick fusions.
 
 Ops: cpy/dup/cont (every pair of f32, f16, bf16, i32; f32/f16/bf16 to and
 from the block formats, quantized on the device with ggml's rounding; any
 dtype copied as it is), get_rows, set_rows, concat, repeat, pad,
 pad_reflect_1d, roll, arange, fill, diag, tri, set, acc, timestep_embedding
-(kernels/rows.cu); sum, sum_rows, mean, cumsum, argmax, count_equal
-(kernels/reduce.cu); argsort, top_k and the fused MoE router
-(kernels/sort.cu). kernels/quant.cuh holds the device-side block formats,
-bit-exact with opdispatch.dtypes, and the index arithmetic.
+(kernels/rows.cu); sum, sum_rows, mean, cumsum, argmax (one block a row, or
+split over blocks for few long rows), count_equal and the fused greedy pick
+(kernels/reduce.cu); argsort, top_k and the fused MoE router (kernels/sort.cu).
+kernels/quant.cuh holds the device-side block formats, bit-exact with
+opdispatch.dtypes, and the index arithmetic.
 
 Each op has a support predicate: a table of (condition, reason) read top to
 bottom, after ggml's supports_op, looking only at shapes, strides and dtypes
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
-from opdispatch.backends.cuda.kernels import KernelSpec, chain
+from opdispatch.backends.cuda.kernels import KernelSpec, Workspace, alloc_workspaces, chain
 from opdispatch.backends.base import Device, Launch
 from opdispatch.dtypes import DTYPES, DType
 from opdispatch.fusion import FusionRule
@@ -131,6 +132,7 @@ def _reduce_instances() -> tuple[str, ...]:
              for vec in (False, True)]
     names += [tmpl("cumsum", blk) for blk in ROW_REDUCE_BLOCKS]
     names += [tmpl("argmax", blk) for blk in ROW_REDUCE_BLOCKS]
+    names += [tmpl("argmax_split", b(vec), i) for vec in (False, True) for i in ("int", "long long")]
     names += [tmpl("sum_all", VALUE[f], b(c)) for f in FLOATS for c in (False, True)]
     names.append("count_equal")
     return tuple(names)
@@ -736,14 +738,93 @@ def cumsum_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     return [KernelSpec(REDUCE_CU, tmpl("cumsum", blk), rows, blk, (u64(ptr(x)), u64(ptr(node)), *_row_args(x)))]
 
 
+def _argmax_rows(x: Tensor) -> tuple[int, int, int]:
+    """(rows, columns, row stride in bytes) of argmax's f32 (R, C) or (C,) input."""
+    return (x.shape[0], x.shape[1], x.strides[0]) if x.ndim == 2 else (1, x.shape[0], 0)
+
+
 def argmax_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
+    """argmax with one block a row (reduce.cu's argmax): many rows, or short ones."""
     x = node.srcs[0]
-    cols = x.shape[-1]
-    rows = x.shape[0] if x.ndim == 2 else 1
-    s1 = x.strides[0] if x.ndim == 2 else 0
+    rows, cols, s1 = _argmax_rows(x)
     blk = reduce_block(cols)
     return [KernelSpec(REDUCE_CU, tmpl("argmax", blk), rows if cols else 0, blk,
                  (u64(ptr(x)), u64(ptr(node)), np.int32(cols), np.int64(x.strides[-1]), np.int64(s1)))]
+
+
+#: threads per block of reduce.cu's argmax_split (its SPLIT_BLOCK)
+SPLIT_BLOCK = 128
+#: the fewest columns a block of argmax_split takes: a float4 a thread, or its merge costs more than it saves
+SPLIT_MIN_COLS = 4 * SPLIT_BLOCK
+
+
+def split_shape(rows: int, cols: int, sms: int) -> tuple[int, int]:
+    """(blocks a row, columns a block: a multiple of 4) of argmax_split: the rows' blocks together about
+    fill the SMs once (one block cannot keep enough of a long row's loads in flight), each taking at
+    least SPLIT_MIN_COLS columns. (1, cols rounded up to 4) where one block a row is the best it can do."""
+    want = max(1, min(-(-sms // max(rows, 1)), cols // SPLIT_MIN_COLS))
+    chunk = max(4, -(-cols // (4 * want)) * 4)  # cols / want rounded up to 4: float4s never straddle blocks
+    return max(1, -(-cols // chunk)), chunk
+
+
+def argmax_splits(node: Tensor, sms: int) -> bool:
+    """Does argmax_split (several blocks a row) run this argmax, rather than one block a row?"""
+    rows, cols, _ = _argmax_rows(node.srcs[0])
+    return split_shape(rows, cols, sms)[0] > 1
+
+
+def argmax_workspaces(rows: int, nblk: int) -> tuple[Workspace, ...]:
+    """argmax_split's partials (a (value, index) pair per block) and per-row counters (zeroed at bind); none
+    with one block a row."""
+    if nblk == 1:
+        return ()
+    return (Workspace(rows * nblk * 8, "argmax partials"), Workspace(rows * 4, "argmax row counters", zeroed=True))
+
+
+def argmax_split_specs(x: Tensor, out: Tensor, ptr: Ptr, ws: Sequence[int], sms: int,
+                       out_f32: Tensor | None = None, log: Tensor | None = None) -> list[KernelSpec]:
+    """reduce.cu's argmax_split of x's rows into the contiguous i32 `out`; `ws`: the addresses of
+    argmax_workspaces. The fused greedy pick also gives `out_f32` (contiguous f32, the index as a float)
+    and `log`, the set_rows node writing it into rows of one value at log.srcs[2]'s row ids."""
+    rows, cols, s1 = _argmax_rows(x)
+    nblk, chunk = split_shape(rows, cols, sms)
+    partials, counters = ws if nblk > 1 else (0, 0)
+    s0 = x.strides[-1]
+    vec = s0 == 4 and ptr(x) % 16 == 0 and (rows == 1 or s1 % 16 == 0)
+    if log is None:
+        itype, fused = "int", (u64(0), u64(0), u64(0), np.int64(0), np.int64(0), np.int64(0))
+    else:
+        idx = log.srcs[2]
+        itype = "int" if idx.dtype.name == "i32" else "long long"
+        fused = (u64(ptr(out_f32)), u64(ptr(log)), u64(ptr(idx)), np.int64(idx.strides[0]),
+                 np.int64(log.strides[0]), np.int64(log.shape[0]))
+    pf32, plog, pidx, is0, ls1, log_rows = fused
+    args = (u64(ptr(x)), u64(ptr(out)), pf32, plog, pidx, u64(partials), u64(counters), np.int32(cols),
+            np.int32(chunk), np.int32(nblk), np.int64(s0), np.int64(s1), is0, ls1, log_rows)
+    return [KernelSpec(REDUCE_CU, tmpl("argmax_split", b(vec), itype), nblk * rows if cols else 0, SPLIT_BLOCK,
+                       args)]
+
+
+def launch_split(ctx: CudaContext, x: Tensor, make: Callable[[Sequence[int], int], list[KernelSpec]],
+                 owner: str) -> Launch:
+    """argmax_split over x's rows: its workspaces made at bind, then the specs `make(their addresses, SMs)`."""
+    sms = sm_count(ctx.device)
+    rows, cols, _ = _argmax_rows(x)
+    ws = argmax_workspaces(rows, split_shape(rows, cols, sms)[0])
+    bufs = alloc_workspaces(ctx.backend, ws, owner)
+    return chain((s.launch(ctx.stream) for s in make([buf.ptr for buf in bufs], sms)), bufs)
+
+
+def bind_argmax_split(ctx: CudaContext, node: Tensor) -> Launch:
+    x = node.srcs[0]
+    return launch_split(ctx, x, lambda w, sms: argmax_split_specs(x, node, ctx.ptr, w, sms), node.describe())
+
+
+def supports_argmax_split(device: Device, node: Tensor) -> bool | str:
+    ok = supports_row_reduce(device, node)
+    if ok is not True:
+        return ok
+    return argmax_splits(node, sm_count(device)) or "one block a row: many rows or short ones"
 
 
 supports_sum = _rules(
@@ -992,6 +1073,65 @@ def bind_moe(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
 
 
 # ==================================================================================================
+# The greedy pick, fused
+#
+# LlamaModel.build(greedy=True) ends a decode step with picked = argmax(logits) (B, C) -> (B,),
+# cpy(picked, next_tokens view) (i32), cpy(picked, next_f32 view (B, 1)) (f32) and
+# set_rows(token_log, that f32, kv_idx): four launches of about a microsecond of work each, most of
+# it launch and memory latency. Graph.build puts the f32 view between the two copies (the second cpy
+# reads it first). argmax_split's last block of each row writes all three destinations instead.
+
+GREEDY_PATTERN = ("argmax", "cpy", "view", "cpy", "set_rows")
+#: the pattern positions the fused kernel writes besides set_rows: the i32 copy is read outside the
+#: group (a graph output: the next step embeds it); the f32 copy is read only by the set_rows, but it
+#: is a state the kernel writes in place, declared so that the plan records the write
+GREEDY_WRITES = (1, 3)
+
+
+def _distinct_bases(*ts: Tensor) -> bool:
+    return len({t.base for t in ts}) == len(ts)
+
+
+def greedy_check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
+    """True if argmax_split's greedy pick computes `nodes` (GREEDY_PATTERN) exactly; else why not."""
+    picked, tokens, f32_view, as_f32, log = nodes
+    x = picked.srcs[0]
+    ok = supports_row_reduce(device, picked)
+    if ok is not True:
+        return f"argmax: {ok}"
+    dst, src, idx = log.srcs
+    checks = (
+        (x.shape[-1] > 0, "argmax of empty rows"),
+        (tokens.srcs[0] is picked and tokens.dtype.name == "i32", "the first cpy does not copy the argmax into i32"),
+        (tokens.is_contiguous(), "the i32 copy's destination is not contiguous"),
+        (as_f32.srcs[0] is picked and as_f32.srcs[1] is f32_view and as_f32.dtype.name == "f32",
+         "the second cpy does not copy the argmax into the f32 view"),
+        (as_f32.is_contiguous(), "the f32 copy's destination is not contiguous"),
+        (src is as_f32, "set_rows does not write the f32 copy"),
+        (log.dtype.name == "f32", "set_rows must write f32 rows"),
+        (as_f32.ndim == 2 and log.ndim == 2 and idx.ndim == 1,
+         "batch axes: set_rows must take (B, 1) rows into (R, 1) at (B,) row ids"),
+        (as_f32.shape[-1] == 1, "set_rows rows must hold one value"),
+        (all(aligned(t) for t in (tokens, as_f32, log, idx)), "strides or offsets that split an element"),
+        (_distinct_bases(x, tokens, as_f32, dst), "the logits and the three destinations must not share storage"),
+    )
+    for holds, reason in checks:
+        if not holds:
+            return reason
+    return True
+
+
+def greedy_specs(nodes: Sequence[Tensor], ptr: Ptr, ws: Sequence[int], sms: int) -> list[KernelSpec]:
+    picked, tokens, _, as_f32, log = nodes
+    return argmax_split_specs(picked.srcs[0], tokens, ptr, ws, sms, as_f32, log)
+
+
+def bind_greedy_pick(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
+    return launch_split(ctx, nodes[0].srcs[0], lambda w, sms: greedy_specs(nodes, ctx.ptr, w, sms),
+                        nodes[-1].describe())
+
+
+# ==================================================================================================
 # What the plugin yields
 
 KERNELS: list[Kernel] = [
@@ -1014,12 +1154,16 @@ KERNELS: list[Kernel] = [
     Kernel("sum_rows", _binder(sum_rows_specs), supports_row_reduce, name="sum_rows"),
     Kernel("mean", _binder(sum_rows_specs), supports_row_reduce, name="mean"),
     Kernel("cumsum", _binder(cumsum_specs), supports_row_reduce, name="cumsum"),
-    Kernel("argmax", _binder(argmax_specs), supports_row_reduce, name="argmax"),
+    # few long rows (a decode step's logits) split over blocks; the rest one block a row
+    Kernel("argmax", bind_argmax_split, supports_argmax_split, name="argmax_split"),
+    Kernel("argmax", _binder(argmax_specs), supports_row_reduce, name="argmax_block"),
     Kernel("count_equal", _binder(count_equal_specs), supports_count_equal, name="count_equal"),
     Kernel("argsort", bind_argsort, supports_argsort_on, name="bitonic"),
     Kernel("top_k", bind_top_k, supports_top_k_on, name="top_k"),
 ]
 
 #: longest patterns first: dispatch takes the first rule whose check passes
-FUSIONS: list[FusionRule] = [FusionRule(name, pattern, bind=bind_moe, check=moe_check, outputs=(2,))
-                             for name, pattern in MOE_PATTERNS]
+FUSIONS: list[FusionRule] = sorted(
+    [*(FusionRule(name, pattern, bind=bind_moe, check=moe_check, outputs=(2,)) for name, pattern in MOE_PATTERNS),
+     FusionRule("greedy_pick", GREEDY_PATTERN, bind=bind_greedy_pick, check=greedy_check, outputs=GREEDY_WRITES)],
+    key=lambda r: -len(r.pattern))

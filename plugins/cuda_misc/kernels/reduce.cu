@@ -1,7 +1,10 @@
-// Reductions of the cuda_misc plugin: sum, sum_rows, mean, cumsum, argmax, count_equal.
+// Reductions of the cuda_misc plugin: sum, sum_rows, mean, cumsum, argmax, count_equal; the
+// fused greedy pick (argmax -> cpy -> cpy -> set_rows) in argmax_split.
 //
 // Row kernels take one row per block: the row's outer indices (i1, i2, i3)
-// come from blockIdx.x with sizes n1, n2, its elements at byte stride s0.
+// come from blockIdx.x with sizes n1, n2, its elements at byte stride s0;
+// argmax_split, for few long rows, takes several blocks a row, their partials
+// and per-row counters in a workspace of the launch (made and zeroed at bind).
 // The whole-tensor reductions (sum, count_equal) run on up to MAX_PARTIALS
 // blocks; each block writes its partial and the last block to finish adds
 // the partials in block order (deterministic) and resets the counter. The
@@ -31,6 +34,41 @@ __device__ __forceinline__ T warp_add(T v) {
 __device__ __forceinline__ float to_f32(const float v) { return v; }
 __device__ __forceinline__ float to_f32(const f16 v) { return f16_to_f32(v.bits); }
 __device__ __forceinline__ float to_f32(const bf16 v) { return bf16_to_f32(v.bits); }
+
+// Keeps the better of (best, at) and (v, i): the larger value, the larger index of equal values
+// (ggml's argmax keeps the last maximum). NaN never wins. The winner does not depend on the order
+// candidates come in, so blocks and warps may merge in any order.
+__device__ __forceinline__ void take_better(float& best, int& at, const float v, const int i) {
+    if (v > best || (v == best && i > at)) {
+        best = v;
+        at = i;
+    }
+}
+
+// (best, at) over a block of BLOCK threads; thread 0 gets the winner. Every thread must call it.
+template <int BLOCK>
+__device__ __forceinline__ void block_argmax(float& best, int& at) {
+    __shared__ float bests[BLOCK / WARP_SIZE];
+    __shared__ int ats[BLOCK / WARP_SIZE];
+#pragma unroll
+    for (int off = WARP_SIZE / 2; off > 0; off >>= 1) {
+        take_better(best, at, __shfl_xor_sync(FULL_MASK, best, off, WARP_SIZE),
+                    __shfl_xor_sync(FULL_MASK, at, off, WARP_SIZE));
+    }
+    if constexpr (BLOCK > WARP_SIZE) {
+        __syncthreads();  // an earlier call may still be reading bests / ats
+        if (threadIdx.x % WARP_SIZE == 0) {
+            bests[threadIdx.x / WARP_SIZE] = best;
+            ats[threadIdx.x / WARP_SIZE] = at;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int w = 1; w < BLOCK / WARP_SIZE; w++) {
+                take_better(best, at, bests[w], ats[w]);
+            }
+        }
+    }
+}
 
 // Is this block the last of the grid to finish? (after writing its partial)
 __device__ __forceinline__ bool last_block() {
@@ -111,7 +149,8 @@ __global__ void __launch_bounds__(BLOCK) cumsum(const unsigned char* __restrict_
     }
 }
 
-// Index of each row's maximum, the last one on ties (ggml); f32 rows of (R, C).
+// Index of each row's maximum, the last one on ties (ggml); f32 rows of (R, C), one block a row
+// (many rows, or short ones: argmax_split below takes few long rows).
 template <int BLOCK>
 __global__ void __launch_bounds__(BLOCK) argmax(const unsigned char* __restrict__ x, int* __restrict__ out,
                                                 const int ncols, const long long s0, const long long s1) {
@@ -125,31 +164,97 @@ __global__ void __launch_bounds__(BLOCK) argmax(const unsigned char* __restrict_
             at = c;
         }
     }
-    __shared__ float bests[BLOCK / WARP_SIZE];
-    __shared__ int ats[BLOCK / WARP_SIZE];
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-#pragma unroll
-    for (int off = WARP_SIZE / 2; off > 0; off >>= 1) {
-        const float b2 = __shfl_xor_sync(FULL_MASK, best, off, WARP_SIZE);
-        const int a2 = __shfl_xor_sync(FULL_MASK, at, off, WARP_SIZE);
-        if (b2 > best || (b2 == best && a2 > at)) {
-            best = b2;
-            at = a2;
+    block_argmax<BLOCK>(best, at);
+    if (threadIdx.x == 0) {
+        out[blockIdx.x] = at < 0 ? 0 : at;  // a row of NaN: unspecified, 0
+    }
+}
+
+constexpr int SPLIT_BLOCK = 128;
+
+// The same for few long rows (a decode step's logits: 1..16 rows of 32000+): one block cannot
+// keep enough loads in flight for a whole row, so each row is split over `nblk` blocks (grid
+// nblk * rows, block k of a row taking columns [k * chunk, (k + 1) * chunk), chunk a multiple of
+// 4) that together fill the GPU. Each block reduces its slice to a (max, index) partial; the last
+// block of the row to finish (its counter in `counters`, zeroed at bind; that block sets it back
+// to 0 for the next launch or CUDA-graph replay) merges the row's partials and writes out[row].
+// One block a row (nblk 1) skips the workspace. VEC: rows packed and 16-byte aligned (float4 loads).
+//
+// The fused greedy pick (out_f32 not null; cuda_misc's greedy_pick rule: argmax -> cpy i32 ->
+// cpy f32 -> set_rows) also writes the index as f32 into out_f32[row] and into row idx[row] of
+// `token_log` (rows of one f32 value, `ls1` bytes apart; an index outside [0, log_rows) is not
+// written, as set_rows). I is the index type (int or long long).
+template <bool VEC, class I>
+__global__ void __launch_bounds__(SPLIT_BLOCK) argmax_split(
+    const unsigned char* __restrict__ x, int* __restrict__ out, float* __restrict__ out_f32,
+    unsigned char* __restrict__ token_log, const unsigned char* __restrict__ idx, int2* __restrict__ partials,
+    int* __restrict__ counters, const int ncols, const int chunk, const int nblk, const long long s0,
+    const long long s1, const long long is0, const long long ls1, const long long log_rows) {
+    const int row = blockIdx.x / nblk;
+    const unsigned char* xr = x + row * s1;
+    const int lo = (blockIdx.x % nblk) * chunk;
+    const int hi = min(lo + chunk, ncols);
+    float best = -__int_as_float(0x7f800000);
+    int at = -1;
+    // Each thread takes its columns in increasing order, so `>=` keeps the last of its ties.
+    if constexpr (VEC) {
+        const int hi4 = lo + (hi - lo) / 4 * 4;
+        const float4* x4 = reinterpret_cast<const float4*>(xr);
+#pragma unroll 4
+        for (int c = lo + 4 * threadIdx.x; c < hi4; c += 4 * SPLIT_BLOCK) {
+            const float4 v = x4[c / 4];
+            if (v.x >= best) { best = v.x; at = c; }
+            if (v.y >= best) { best = v.y; at = c + 1; }
+            if (v.z >= best) { best = v.z; at = c + 2; }
+            if (v.w >= best) { best = v.w; at = c + 3; }
+        }
+        const int c = hi4 + threadIdx.x;  // the row's last ncols % 4 columns, past every float4
+        if (c < hi) {
+            const float v = reinterpret_cast<const float*>(xr)[c];
+            if (v >= best) { best = v; at = c; }
+        }
+    } else {
+        for (int c = lo + threadIdx.x; c < hi; c += SPLIT_BLOCK) {
+            const float v = *reinterpret_cast<const float*>(xr + c * s0);
+            if (v >= best) { best = v; at = c; }
         }
     }
-    if (lane == 0) {
-        bests[warp] = best;
-        ats[warp] = at;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < BLOCK / WARP_SIZE; w++) {
-            if (bests[w] > best || (bests[w] == best && ats[w] > at)) {
-                best = bests[w];
-                at = ats[w];
+    block_argmax<SPLIT_BLOCK>(best, at);
+    if (nblk > 1) {
+        __shared__ bool last;
+        if (threadIdx.x == 0) {
+            partials[blockIdx.x] = make_int2(__float_as_int(best), at);
+            __threadfence();  // the partial is visible device-wide before this block counts itself done
+            int* counter = counters + row;
+            last = atomicAdd(counter, 1) == nblk - 1;
+            if (last) {
+                *counter = 0;  // every block of the row has counted: ready for the next launch
             }
         }
-        out[blockIdx.x] = at < 0 ? 0 : at;  // a row of NaN: unspecified, 0
+        __syncthreads();
+        if (!last) {
+            return;
+        }
+        __threadfence();
+        best = -__int_as_float(0x7f800000);
+        at = -1;
+        for (int k = threadIdx.x; k < nblk; k += SPLIT_BLOCK) {
+            const int2 p = __ldcg(partials + row * nblk + k);  // written by other SMs: from L2, not L1
+            take_better(best, at, __int_as_float(p.x), p.y);
+        }
+        block_argmax<SPLIT_BLOCK>(best, at);
+    }
+    if (threadIdx.x == 0) {
+        const int pick = at < 0 ? 0 : at;  // a row of NaN: unspecified, 0
+        out[row] = pick;
+        if (out_f32 != nullptr) {
+            const float as_f32 = __int2float_rn(pick);  // cpy's i32 -> f32
+            out_f32[row] = as_f32;
+            const long long r = *reinterpret_cast<const I*>(idx + row * is0);
+            if (r >= 0 && r < log_rows) {
+                *reinterpret_cast<float*>(token_log + r * ls1) = as_f32;
+            }
+        }
     }
 }
 
