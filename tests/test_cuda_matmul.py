@@ -2,15 +2,14 @@
 
 Without a GPU: which path (Kernel name) each shape and dtype takes on a
 device description, the declines and their reasons, which fusions match and
-which do not (and why), the residual add + rms_norm tail on the 1b preset's
-decode graph; the mat-vec launch specs against mmv.cu's kernel signatures; and the cuBLAS call specs (column-major arguments, batching,
+which do not (and why); the mat-vec launch specs against mmv.cu's kernel
+signatures; and the cuBLAS call specs (column-major arguments, batching,
 folded broadcasts, conversions) executed by a numpy emulation of cuBLAS and of
 the conversion kernels, against the numpy reference.
 
 On a GPU: OPS.md's mul_mat sweep (every weight dtype, n in 1..9, 16, 128, 512,
 broadcast batch ratios, permuted / transposed / offset b, odd K), mul_mat_id,
 out_prod, the fused patterns against the reference and against unfused runs,
-the norm tail (both of its outputs, poisoned first, over CUDA-graph replays),
 poisoned outputs, and CUDA-graph replay == direct launches, each by NMSE
 (OPS.md: 5e-4 for the matrix products).
 
@@ -24,7 +23,6 @@ import itertools
 import re
 from typing import Callable
 
-import attrs
 import ml_dtypes
 import numpy as np
 import pytest
@@ -34,10 +32,8 @@ import opdispatch.plugins.cuda_matmul as cm
 from opdispatch import ops
 from opdispatch.backends.base import Device
 from opdispatch.backends.cuda.devices import H200
-from opdispatch.dtypes import dequantize, dtype, from_float
-from opdispatch.fusion import can_fuse
+from opdispatch.dtypes import dequantize, from_float
 from opdispatch.graph import Graph
-from opdispatch.models.llama import PRESETS, LlamaModel, weight_shapes
 from opdispatch.plugins.cuda_matmul import fusion
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
@@ -295,158 +291,6 @@ def test_fusion_parts_orders_gate_first() -> None:
         assert biases[0].name == ("bg" if gate_first else "bu")
 
 
-# -- the residual add's rms_norm at the tail of its mat-vec ------------------------------------------
-
-TAIL = "mul_mat_add_rms_norm"
-
-
-def _add_norm(dt: str = "bf16", n: int = 1, *, m: int = 64, k: int = 64, g: Tensor | None = None,
-              g_first: bool = False, norm_of: str = "x") -> list[Tensor]:
-    """[h, x]: x = r + mul_mat(w, a) (r one row of m values; at n = 1 first, as the Llama builder
-    adds the residual), h = rms_norm(x) * g. norm_of="product": h normalizes the mul_mat result
-    instead, and the outputs come as [x, h] (so that the nodes still come in the rule's order)."""
-    r = od.input("r", (1, m) if n == 1 else (m,))
-    y = ops.mul_mat(weight("w", (m, k), dt), od.input("a", (n, k)))
-    x = ops.add(r, y) if n == 1 else ops.add(y, r)
-    g = od.input("g", (m,)) if g is None else g
-    norm = ops.rms_norm(x if norm_of == "x" else y, 1e-5)
-    h = ops.mul(g, norm) if g_first else ops.mul(norm, g)
-    return [h, x] if norm_of == "x" else [x, h]
-
-
-def test_tail_rule_comes_before_mul_mat_add_and_writes_the_sum() -> None:
-    names = [name for name, _ in fusion.PATTERNS]
-    assert names.index(TAIL) < names.index("mul_mat_add")
-    assert [len(p) for _, p in fusion.PATTERNS] == sorted((len(p) for _, p in fusion.PATTERNS), reverse=True)
-    (rule,) = [r for r in cm.fusion_rules(device=H200) if r.name == TAIL]
-    assert rule.pattern == ("mul_mat", "add", "rms_norm", "mul") and rule.outputs == (1,)
-    assert all(r.outputs == () for r in cm.fusion_rules(device=H200) if r.name != TAIL)
-
-
-@pytest.mark.parametrize(("dt", "n", "g_first"), [("bf16", 1, False), ("f16", 3, False), ("f32", 8, False),
-                                                  ("bf16", 1, True)])
-def test_tail_fuses(dt: str, n: int, g_first: bool) -> None:
-    g = od.input("g", (1, 64)) if g_first else None  # mul(g, norm) keeps the norm's shape: g (1, m)
-    h, x = _add_norm(dt, n, g=g, g_first=g_first)
-    plan = od.compile(h, H200)
-    (step,) = plan.fusions
-    assert (step.plugin, step.kernel, step.device.name) == ("cuda_matmul", TAIL, "cuda0")
-    assert [t.op for t in step.nodes] == ["mul_mat", "add", "rms_norm", "mul"]
-    assert step.writes == (x,) and step.out is h
-    assert plan.summary()["launches"] == 1
-    assert f"cuda_matmul [fused {TAIL}] (also writes '{x.name}') on cuda0" in plan.explain()
-
-
-def test_tail_fuses_with_the_sum_an_output_too() -> None:
-    """x is the group's second output: read outside (by the next residual add, after a product of h as
-    in a decoder layer) or a graph output, it is fine."""
-    h, x = _add_norm()
-    z = ops.add(x, ops.mul_mat(weight("w2", (64, 64), "bf16"), h))
-    for outputs, rules in (([h, x], [TAIL]), ([z], [TAIL, "mul_mat_add"]), ([x, z], [TAIL, "mul_mat_add"])):
-        plan = od.compile(outputs, H200)
-        assert [s.kernel for s in plan.fusions] == rules, plan.explain()
-
-
-def _tail_answers(outputs: list[Tensor]) -> list:
-    """fusion.check's answers for every place the tail pattern matches and can_fuse allows."""
-    graph = Graph.build(outputs)
-    pattern = dict(fusion.PATTERNS)[TAIL]
-    starts = [i for i in range(len(graph.nodes)) if tuple(t.op for t in graph.nodes[i:i + 4]) == pattern]
-    return [fusion.check(H200, graph.nodes[i:i + 4], graph) for i in starts
-            if can_fuse(graph, i, pattern, fusion.OUTPUTS[TAIL])]
-
-
-@pytest.mark.parametrize(("build", "reason", "norm_kernel"), [
-    (lambda: _add_norm("q4_0"), r"q4_0 weights: the norm tail runs in the float mat-vec only", "rms_norm_mul"),
-    (lambda: _add_norm("q8_0", n=3), r"q8_0 weights: the norm tail runs in the float mat-vec only", "rms_norm_mul"),
-    (lambda: _add_norm(n=2, g=od.input("g", (2, 64))), r"the norm weight 'g' \(2, 64\) f32 is not one row of 64",
-     "rms_norm_mul"),  # cuda_norm's kernel broadcasts g by modulo: it takes the pair
-    (lambda: _add_norm(g=od.input("g", (64,), "f16")), r"the norm weight 'g' \(64,\) f16 must be f32",
-     "rms_norm_f32"),
-    (lambda: _add_norm(g=od.input("g", (3, 64)), g_first=True), r"mul broadcasts the rms_norm result into \(3, 64\)",
-     "rms_norm_f32"),
-])
-def test_tail_declines_with_a_reason_and_mul_mat_add_still_fuses(build: Callable[[], list], reason: str,
-                                                                 norm_kernel: str) -> None:
-    outputs = build()
-    answers = _tail_answers(outputs)
-    assert answers and all(isinstance(a, str) for a in answers), answers
-    assert any(re.search(reason, a) for a in answers), answers
-    plan = od.compile(outputs, H200)
-    (step,) = [s for s in plan.fusions if s.plugin == "cuda_matmul"]
-    assert step.kernel == "mul_mat_add", plan.explain()
-    assert re.search(rf"\[fused mul_mat_add\] on cuda0  not fused: {TAIL} \(" + reason, plan.explain()), plan.explain()
-    (norm,) = [s for s in plan.steps if s.nodes[0].op == "rms_norm"]
-    assert (norm.plugin, norm.kernel) == ("cuda_norm", norm_kernel)
-
-
-def test_tail_declines_a_norm_of_another_tensor() -> None:
-    """rms_norm of the product, not of the sum: the product is then read outside mul_mat_add too."""
-    outputs = _add_norm(norm_of="product")
-    assert any(re.search("rms_norm does not read the add before it", a) for a in _tail_answers(outputs))
-    plan = od.compile(outputs, H200)
-    assert [s.kernel for s in plan.fusions] == ["rms_norm_mul"], plan.explain()
-    assert f"not fused: {TAIL} (rms_norm does not read the add before it)" in plan.explain()
-
-
-def _norm_an_output() -> list[Tensor]:
-    h, x = _add_norm()
-    return [h, h.srcs[0]]
-
-
-def _product_an_output() -> list[Tensor]:
-    h, x = _add_norm()
-    return [h, x.srcs[1]]
-
-
-@pytest.mark.parametrize("build", [_norm_an_output, _product_an_output])
-def test_tail_declines_when_an_inner_result_is_read_outside(build: Callable[[], list]) -> None:
-    plan = od.compile(build(), H200)
-    assert TAIL not in [s.kernel for s in plan.fusions], plan.explain()
-    assert f"not fused: {TAIL} (an intermediate result is read outside the group)" in plan.explain()
-
-
-def test_tail_declines_beyond_the_mat_vec_batch() -> None:
-    h, _ = _add_norm("bf16", n=9)
-    assert any(re.search(r"mul_mat takes cublas, not a mat-vec kernel \(batch 9 > 8\)", a)
-               for a in _tail_answers([h]))
-    plan = od.compile(h, H200)
-    assert not [s for s in plan.fusions if s.plugin == "cuda_matmul"], plan.explain()
-
-
-def _zero_weights(cfg: object) -> dict[str, Tensor]:
-    """Params of the model's shapes holding zero bytes (norms f32, the rest cfg.dtype) without
-    touching their memory: enough to plan a 1b-sized model on a device description."""
-    out = {}
-    for name, shape in weight_shapes(cfg).items():
-        dt = "f32" if len(shape) == 1 else cfg.dtype
-        nbytes = int(np.prod(shape[:-1])) * dtype(dt).row_bytes(shape[-1])
-        out[name] = od.param(name, np.zeros(nbytes, np.uint8), dt, shape=shape)
-    return out
-
-
-def _1b_decode_plan(dt: str, batch: int = 1) -> od.Plan:
-    cfg = attrs.evolve(PRESETS["1b"], dtype=dt)
-    return od.compile(LlamaModel(cfg, _zero_weights(cfg), max_seqs=batch).build(1, 100, batch=batch)[0], H200)
-
-
-def test_1b_decode_runs_each_residual_norm_at_the_tail_of_its_mat_vec() -> None:
-    """The 1b preset's decode step at batch 1 (planned on an H200 description): every layer's o and
-    down projections + residual add take the norm after them (the layer's MLP norm, the next layer's
-    attention norm, the final norm): 2 a layer, 32 launches fewer. The first attention norm follows
-    the embedding lookup and stays cuda_norm's. With q8_0 weights (mmvq) the same graph keeps
-    mul_mat_add and rms_norm_mul apart: 115 launches (7 a layer: rms_norm, q/k/v, attention with
-    its rope and cache writes, o + add, rms_norm, gate/up, down + add; then 3)."""
-    layers = PRESETS["1b"].layers
-    plan, quant = _1b_decode_plan("bf16"), _1b_decode_plan("q8_0")
-    fused = plan.summary()["fusions"]
-    assert fused[TAIL] == 2 * layers and "mul_mat_add" not in fused and fused["rms_norm_mul"] == 1
-    assert quant.summary()["fusions"]["mul_mat_add"] == 2 * layers and TAIL not in quant.summary()["fusions"]
-    assert quant.summary()["launches"] == 7 * layers + 3 == 115
-    assert plan.summary()["launches"] == quant.summary()["launches"] - 2 * layers == 83
-    assert "mul_mat+add+rms_norm+mul" in plan.explain()
-
-
 # -- launch specs, without a GPU --------------------------------------------------------------
 
 BASE = 0x7F00_0000_0000  # 256-byte aligned, as arena slots and buffers are
@@ -583,36 +427,6 @@ def test_fused_glu_spec() -> None:
     assert spec.grid == (-(-m // (cm.QROWS // 2)), 1, 1)  # gate and up rows: half as many a block
     check_spec(spec)
     assert int(spec.args[1]) == fake_ptr(prods[1].srcs[0]) and int(spec.args[-3]) == 1  # geglu
-
-
-@pytest.mark.parametrize(("dt", "n", "kernel"), [
-    ("bf16", 1, "mmv_add_rms_norm<W_BF16, B_F32, 1, 2, true>"),
-    ("f16", 3, "mmv_add_rms_norm<W_F16, B_F32, 4, 2, true>"),
-    ("f32", 8, "mmv_add_rms_norm<W_F32, B_F32, 8, 2, true>"),
-])
-def test_norm_tail_spec(dt: str, n: int, kernel: str) -> None:
-    h, x = _add_norm(dt, n, m=100, k=64)
-    nodes = Graph.build(h).nodes
-    body, tail = fusion.split_tail(nodes)
-    assert [t.op for t in body] == ["mul_mat", "add"] and tail.out is h and tail.eps == 1e-5
-    prod, _ = body
-    (mmv,) = cm.mmv_specs(prod, x, fake_ptr, fake_scratch, bias0=fusion.parts(body)[1][0])
-    spec = cm.norm_tail_spec(prod, x, fusion.parts(body)[1][0], tail, fake_ptr, SCRATCH)
-    assert spec.kernel == kernel and spec.grid == (50, 1, 1) == mmv.grid and spec.block == cm.BLOCK
-    check_spec(spec)
-    names = ["a0", "a_row", "a_s2", "a_s3", "r2", "r3", "b", "b_col", "b_es", "b_s2", "b_s3", "out", "M", "K", "N",
-             "bias", "g", "eps", "h", "counters"]
-    args = dict(zip(names, spec.args))
-    assert int(args["out"]) == fake_ptr(x) and int(args["h"]) == fake_ptr(h)
-    assert int(args["bias"]) == fake_ptr(x.srcs[0] if n == 1 else x.srcs[1]) and int(args["g"]) == fake_ptr(tail.g)
-    assert (int(args["M"]), int(args["K"]), int(args["N"])) == (100, 64, n)
-    assert args["eps"] == np.float32(1e-5) and int(args["counters"]) == SCRATCH
-    assert cm.norm_tail_counters(prod) == cm.Workspace(4, "mmv_add_rms_norm block counters", zeroed=True)
-
-
-def test_norm_tail_counters_one_a_batch() -> None:
-    y = ops.mul_mat(weight("w", (2, 16, 64), "f16"), od.input("x", (3, 4, 5, 64)))
-    assert cm.norm_tail_counters(y).nbytes == 4 * 3 * 4
 
 
 def test_cublaslt_structs_and_alignment() -> None:
@@ -993,38 +807,6 @@ def test_fused_matches_reference_and_unfused(build: str, dt: str, n: int, rng) -
     unfused_plan, unfused, _ = run_both(y, feeds, fusion=False)
     assert not unfused_plan.fusions
     assert_close(fused, unfused, f"{build} a={dt} n={n} fused vs unfused")
-
-
-def _tail_layer(dt: str, n: int, m: int, k: int) -> list[Tensor]:
-    """[x, h, y]: the tail group, then a residual add reading x and a mat-vec reading h (as the
-    next layer of a decoder does)."""
-    h, x = _add_norm(dt, n, m=m, k=k)
-    y = ops.add(x, ops.mul_mat(od.input("w2", (m, m), dt), h))
-    return [x, h, y]
-
-
-@gpu
-# m 2048: float4s (at n 1 kept in registers), 4096: float4s read twice, 1001: floats
-@pytest.mark.parametrize(("m", "k"), [(2048, 2048), (2048, 8192), (4096, 2048), (1001, 2048), (1001, 8192)])
-@pytest.mark.parametrize("n", [1, 3, 8])
-@pytest.mark.parametrize("dt", FLOATS)
-def test_norm_tail_matches_reference_and_unfused_on_every_replay(dt: str, n: int, m: int, k: int,
-                                                                 rng) -> None:  # noqa: ANN001
-    """Both outputs of mul_mat_add_rms_norm (x and h), arenas poisoned before each run, new inputs
-    each run: run 0 direct, 1 captured, 2 and 3 replayed (the block counters set back to 0 by the
-    kernel, or the last block would never come and h would stay NaN)."""
-    outputs = _tail_layer(dt, n, m, k)
-    plan = od.compile(outputs, "cuda0")
-    assert [s.kernel for s in plan.fusions].count(TAIL) == 1, plan.explain()
-    unfused = od.compile(outputs, "cuda0", fusion=False)
-    ref_plan = od.compile(outputs, "cpu")
-    for run in range(4):
-        feeds = named_feeds(outputs, rng, 0)
-        poison_arenas(plan)
-        got, plain, ref = plan.run(feeds), unfused.run(feeds), ref_plan.run(feeds)
-        for g, u, r, what in zip(got, plain, ref, ("x", "h", "y")):
-            assert_close(g, r, f"{what} a={dt} n={n} m={m} k={k} run {run}")
-            assert_close(g, u, f"{what} a={dt} n={n} m={m} k={k} run {run}, fused vs unfused", 1e-7)
 
 
 def poison_arenas(plan: od.Plan) -> None:

@@ -1108,23 +1108,6 @@ def _mul_mat_add(name: str, full: bool) -> Iterator[Case]:
             yield one(ta, 64, n, 256)
 
 
-@fused("mul_mat_add_rms_norm", needs=("mul_mat", "add", "rms_norm", "mul"))
-def _mul_mat_add_rms_norm(name: str, full: bool) -> Iterator[Case]:
-    """A decoder layer's residual add (one row, as at batch 1) and the rms_norm -> mul after it."""
-    def one(ta: str, m: int, n: int, k: int) -> Case:
-        def make(inp: Inputs) -> Tensor:
-            x = ops.add(ops.mul_mat(inp.uniform((m, k), ta), inp.uniform((n, k))), inp.uniform((m,)))
-            return ops.mul(ops.rms_norm(x, 1e-5), inp.uniform((m,)))
-
-        return Case("mul", f"a={ta} m={m} n={n} k={k}", make, bound("mul_mat"), 2 * m * n * k, fused=name)
-
-    yield one("bf16", 64, 1, 128)
-    yield one("f32", 13, 3, 80)
-    if full:
-        for ta, n, (m, k) in itertools.product(FLOATS, (1, 8), ((2048, 2048), (1001, 8192))):
-            yield one(ta, m, n, k)
-
-
 @fused("mul_mat_glu", needs=("mul_mat", "glu"))
 def _mul_mat_glu(name: str, full: bool) -> Iterator[Case]:
     def one(ta: str, kind: str, m: int, n: int, k: int) -> Case:

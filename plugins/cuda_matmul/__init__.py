@@ -51,7 +51,7 @@ import attrs
 import numpy as np
 
 from opdispatch.backends.cuda.devices import warp32_gate
-from opdispatch.backends.cuda.kernels import GLU_CODES, KernelSpec, Workspace, alloc_workspaces, chain
+from opdispatch.backends.cuda.kernels import GLU_CODES, KernelSpec, chain
 from opdispatch.backends.base import Device, Launch
 from opdispatch.fusion import FusionRule
 from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
@@ -90,10 +90,6 @@ def _b(flag: bool) -> str:
 
 def mmv_name(wt: str, tb: str, nt: int, vec: bool, epi: str) -> str:
     return f"mmv<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {ROWS}, {_b(vec)}, {epi}>"
-
-
-def norm_tail_name(wt: str, tb: str, nt: int, vec: bool) -> str:
-    return f"mmv_add_rms_norm<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {ROWS}, {_b(vec)}>"
 
 
 def mmv_id_name(wt: str, tb: str, vec: bool, epi: str) -> str:
@@ -166,8 +162,6 @@ MMV_NAMES: tuple[str, ...] = (
     *(mmv_name(wt, "f32", nt, True, epi) for epi in EPIS for wt in FLOAT_NAMES for nt in NTS),
     *(mmv_name(wt, "f32", 8, False, epi) for epi in EPIS for wt in FLOAT_NAMES),
     *(mmv_name(wt, tb, 8, vec, EPI_NONE) for wt in FLOAT_NAMES for tb in ("f16", "bf16") for vec in (False, True)),
-    *(norm_tail_name(wt, "f32", nt, True) for wt in FLOAT_NAMES for nt in NTS),
-    *(norm_tail_name(wt, "f32", 8, False) for wt in FLOAT_NAMES),
     *(quantize_name(tb) for tb in FLOAT_NAMES),
     *(mmvq_name(wt, nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
     *(mmv_id_name(wt, "f32", vec, epi) for wt in FLOAT_NAMES for vec in (False, True) for epi in EPIS),
@@ -286,39 +280,10 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
         grid = (math.ceil(m / rows) if n else 0, b2, b3)
         return [quant, KernelSpec(MMV_CU, mmvq_name(a.dtype.name, nt_for(max(n, 1)), epi), grid, q_threads(k),
                                   qargs)]
-    nt, vec = _mmv_variant(a, b, ptr, a1)
+    vec = (k % 4 == 0 and _b_vec(b, pb) and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0))
+    nt = nt_for(max(n, 1)) if vec and tb == "f32" else 8
     grid = (math.ceil(m / ROWS) if n else 0, b2, b3)
     return [KernelSpec(MMV_CU, mmv_name(a.dtype.name, tb, nt, vec, epi), grid, BLOCK, args)]
-
-
-def _mmv_variant(a: Tensor, b: Tensor, ptr: Ptr, a1: Tensor | None = None) -> tuple[int, bool]:
-    """(columns compiled, 16-byte loads) of the float mat-vec of weights a (and a1) and b."""
-    k, n = a.shape[-1], _geometry(b)[0][2]
-    vec = k % 4 == 0 and _b_vec(b, ptr(b)) and _a_vec(a, ptr(a)) and (a1 is None or ptr(a1) % 16 == 0)
-    return (nt_for(max(n, 1)) if vec and b.dtype.name == "f32" else 8), vec
-
-
-def _no_scratch(role: str, nbytes: int) -> int:
-    raise AssertionError(f"the float mat-vec asked for scratch memory ({role})")
-
-
-def norm_tail_counters(prod: Tensor) -> Workspace:
-    """mmv_add_rms_norm's block counters: one int a batch (i2, i3) of mul_mat `prod`, zero at bind."""
-    (b3, b2, _, _), _ = _geometry(prod.srcs[1])
-    return Workspace(4 * b2 * b3, "mmv_add_rms_norm block counters", zeroed=True)
-
-
-def norm_tail_spec(prod: Tensor, x: Tensor, bias: Tensor, tail: fusion.NormTail, ptr: Ptr,
-                   counters: int) -> KernelSpec:
-    """mmv_add_rms_norm: x = mul_mat `prod` + bias as mmv's EPI_BIAS computes it, then
-    tail.out = rms_norm(x, tail.eps) * tail.g by the last block; `counters`: the address of
-    the norm_tail_counters workspace."""
-    (spec,) = mmv_specs(prod, x, ptr, _no_scratch, bias0=bias)
-    a, b = prod.srcs
-    nt, vec = _mmv_variant(a, b, ptr)
-    # mmv's arguments without a1 (after a0) and without bias1 and the GLU parameters (after bias0)
-    args = (spec.args[0], *spec.args[2:17], U64(ptr(tail.g)), F32(tail.eps), U64(ptr(tail.out)), U64(counters))
-    return attrs.evolve(spec, kernel=norm_tail_name(a.dtype.name, b.dtype.name, nt, vec), args=args)
 
 
 def _id_b(node: Tensor, ptr: Ptr) -> tuple[int, int, int, int, bool]:
@@ -614,8 +579,8 @@ def bind_mmv_id_grouped(ctx: CudaContext, node: Tensor) -> Launch:
 
 
 def fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch) -> list[KernelSpec]:
-    """Any group of fusion.PATTERNS but mul_mat_add_rms_norm (norm_tail_spec): the mat-vec
-    launch (after b's quantization, for block formats) that writes the last node."""
+    """Any group of fusion.PATTERNS: the mat-vec launch (after b's quantization, for block
+    formats) that writes the last node."""
     prods, biases, glu = fusion.parts(nodes)
     out, first = nodes[-1], prods[0]
     if first.op == "mul_mat_id" and glu is None and first.shape[0] > 1:
@@ -627,23 +592,7 @@ def fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch) -> list[Ker
 
 
 def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
-    body, tail = fusion.split_tail(nodes)
-    if tail is None:
-        return _bind(ctx, nodes[-1], lambda scratch: fused_specs(nodes, ctx.ptr, scratch))
-    return bind_norm_tail(ctx, body, tail)
-
-
-def bind_norm_tail(ctx: CudaContext, body: Sequence[Tensor], tail: fusion.NormTail) -> Launch:
-    """mul_mat_add_rms_norm: its counters are this launch's own, zeroed once here (the kernel
-    leaves them zeroed for the next run or CUDA-graph replay) and kept alive with it."""
-    from opdispatch.backends.cuda.kernels import EMPTY
-
-    if _empty(tail.out):
-        return EMPTY
-    prod, add = body
-    bias = fusion.parts(body)[1][0]
-    counters = alloc_workspaces(ctx.backend, (norm_tail_counters(prod),), tail.out.describe())
-    return _realize(ctx, [norm_tail_spec(prod, add, bias, tail, ctx.ptr, counters[0].ptr)], counters)
+    return _bind(ctx, nodes[-1], lambda scratch: fused_specs(nodes, ctx.ptr, scratch))
 
 
 # -- hooks ------------------------------------------------------------------------------------------
@@ -663,8 +612,7 @@ PATHS: tuple[tuple[str, str, Callable], ...] = (
 @hookimpl
 def plugin_info() -> PluginInfo:
     return PluginInfo("cuda_matmul", "0.1.0", PRIORITY_BUILTIN,
-                      "mul_mat, mul_mat_id, out_prod; quantized mat-vec; bias/GLU fusions; rms_norm after a "
-                      "residual add")
+                      "mul_mat, mul_mat_id, out_prod; quantized mat-vec; bias/GLU fusions")
 
 
 @hookimpl
@@ -688,4 +636,4 @@ def fusion_rules(device: Device) -> Iterator[FusionRule]:
     if device.kind != "cuda":
         return
     for name, pattern in fusion.PATTERNS:
-        yield FusionRule(name, pattern, bind=bind_fused, check=fusion.check, outputs=fusion.OUTPUTS.get(name, ()))
+        yield FusionRule(name, pattern, bind=bind_fused, check=fusion.check)

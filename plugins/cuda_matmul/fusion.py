@@ -8,27 +8,15 @@ node but the last is read only inside the group):
   mul_mat_add_glu       the same with a bias after each mul_mat
   mul_mat_id_glu        mul_mat_id(wg, x, ids), mul_mat_id(wu, x, ids) -> glu
   mul_mat_id_add_id_glu the same with add_id biases (gpt-oss)
-  mul_mat_add_rms_norm  mul_mat -> add(bias) -> rms_norm -> mul(g): a decoder layer's residual
-                        add (the residual one row: batch 1) and the norm after it
 The fused kernels are the mat-vec ones, so each product must take a mat-vec
 path (mul_mat with N <= 8; mul_mat_id with one token for the GLU groups),
 with b in f32. GLU groups need both weights of one dtype, shape and strides
 and the same b (and ids). Anything else: a reason, and the nodes run unfused.
-
-mul_mat_add_rms_norm is the norm at the tail of its producer: the float mat-vec
-(mmv.cu's mmv_add_rms_norm) writes x = the add's result as mul_mat_add does, and
-its last block to finish normalizes x into h = the mul's result, saving the
-norm's launch (~2 us on the H200 at hidden 2048). x stays an output (OUTPUTS):
-the next residual add reads it. Float weights only (block formats: mmvq, left
-for later), rms_norm of exactly the add's result, g one f32 row of M values
-broadcast over the columns as mul_mat_add's bias is, f32 results.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
-
-import attrs
 
 from opdispatch.backends.base import Device
 from opdispatch.graph import Graph
@@ -43,38 +31,11 @@ MMV_PATHS = ("mmvf", "mmvq", "mmv_id", "mmv_id_grouped")
 PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mul_mat_add_glu", ("mul_mat", "add", "mul_mat", "add", "glu")),
     ("mul_mat_id_add_id_glu", ("mul_mat_id", "add_id", "mul_mat_id", "add_id", "glu")),
-    ("mul_mat_add_rms_norm", ("mul_mat", "add", "rms_norm", "mul")),
     ("mul_mat_glu", ("mul_mat", "mul_mat", "glu")),
     ("mul_mat_id_glu", ("mul_mat_id", "mul_mat_id", "glu")),
     ("mul_mat_add", ("mul_mat", "add")),
     ("mul_mat_id_add_id", ("mul_mat_id", "add_id")),
 )
-
-#: rule name -> the pattern positions whose results its kernel also writes (FusionRule.outputs)
-OUTPUTS: dict[str, tuple[int, ...]] = {"mul_mat_add_rms_norm": (1,)}
-
-
-@attrs.frozen
-class NormTail:
-    """The rms_norm -> mul(g) after a mul_mat_add group: rms_norm's eps, the weight g (M f32
-    values) and the mul, whose result h the mat-vec's last block writes."""
-
-    eps: float
-    g: Tensor
-    out: Tensor
-
-
-def _other(node: Tensor, src: Tensor) -> Tensor:
-    """The source of a binary `node` that is not `src` (src itself when it reads src twice)."""
-    return node.srcs[1] if node.srcs[0] is src else node.srcs[0]
-
-
-def split_tail(nodes: Sequence[Tensor]) -> tuple[Sequence[Tensor], NormTail | None]:
-    """(the mat-vec group, the NormTail after it or None) of a group of PATTERNS."""
-    if nodes[-1].op != "mul":
-        return nodes, None
-    norm, mul = nodes[-2], nodes[-1]
-    return nodes[:-2], NormTail(norm.params["eps"], _other(mul, norm), mul)
 
 
 def _mmv(node: Tensor) -> str:
@@ -99,58 +60,22 @@ def _bias_ok(prod: Tensor, add: Tensor) -> tuple[Tensor | None, str]:
             return None, "add adds the mul_mat to itself"
         if add.shape != prod.shape:
             return None, f"add broadcasts the mul_mat result into {add.shape}"
-        why = _one_row(bias, prod.shape[-1], "bias")
+        m = prod.shape[-1]
+        if bias.size != m or bias.shape[-1] != m:
+            return None, f"the bias {bias.describe()} is not one row of {m} values"
     else:  # add_id(prod, bias, ids)
         if add.srcs[0] is not prod:
             return None, "add_id does not add to the mul_mat_id before it"
         bias = add.srcs[1]
         if add.srcs[2] is not prod.srcs[2]:
             return None, "add_id reads other ids than the mul_mat_id"
-        why = _f32_rows(bias, "bias")
-    if why:
-        return None, why
+    if bias.dtype.name != "f32":
+        return None, f"the bias {bias.describe()} must be f32"
+    if not bias.rows_contiguous() or not support.elem_strides(bias):
+        return None, f"the bias {bias.describe()} rows must be contiguous"
     if add.dtype.name != "f32" or not add.is_contiguous():
         return None, f"{add.op} must give a contiguous f32 result"
     return bias, ""
-
-
-def _f32_rows(t: Tensor, what: str) -> str:
-    """'' if the kernels can read `t` (the `what`) as f32 rows of packed elements, else why not."""
-    if t.dtype.name != "f32":
-        return f"the {what} {t.describe()} must be f32"
-    if not t.rows_contiguous() or not support.elem_strides(t):
-        return f"the {what} {t.describe()} rows must be contiguous"
-    return ""
-
-
-def _one_row(t: Tensor, m: int, what: str) -> str:
-    """'' if `t` is one f32 row of m values (read at [m], the same for every column), else why not."""
-    if t.size != m or t.shape[-1] != m:
-        return f"the {what} {t.describe()} is not one row of {m} values"
-    return _f32_rows(t, what)
-
-
-def _tail_ok(prod: Tensor, add: Tensor, norm: Tensor, mul: Tensor) -> str:
-    """'' if the last block of the float mat-vec computing `add` can apply rms_norm -> mul to it."""
-    if support.choose(prod).path != "mmvf":
-        return f"{prod.srcs[0].dtype.name} weights: the norm tail runs in the float mat-vec only"
-    if norm.srcs[0] is not add:
-        return "rms_norm does not read the add before it"
-    if norm.dtype.name != "f32":
-        return "rms_norm must give an f32 result"
-    if norm not in mul.srcs:
-        return "mul does not read the rms_norm before it"
-    if mul.shape != norm.shape:
-        return f"mul broadcasts the rms_norm result into {mul.shape}"
-    g = _other(mul, norm)
-    if g is norm:
-        return "mul squares the rms_norm result"
-    why = _one_row(g, add.shape[-1], "norm weight")
-    if why:
-        return why
-    if mul.dtype.name != "f32" or not mul.is_contiguous():
-        return "mul must give a contiguous f32 result"
-    return ""
 
 
 def _bias_of(prod: Tensor, add: Tensor) -> Tensor:
@@ -177,15 +102,6 @@ def parts(nodes: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor | None], T
 
 def check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
     """True if one mat-vec kernel computes `nodes` (see the module docstring); else why not."""
-    body, tail = split_tail(nodes)
-    ok = _check_body(body)
-    if ok is not True or tail is None:
-        return ok
-    return _tail_ok(*nodes) or True
-
-
-def _check_body(nodes: Sequence[Tensor]) -> bool | str:
-    """check() of a group without a norm tail."""
     glu = nodes[-1] if nodes[-1].op == "glu" else None
     body = list(nodes[:-1] if glu is not None else nodes)
     prods = [n for n in body if n.op in ("mul_mat", "mul_mat_id")]

@@ -13,9 +13,6 @@
 //   quantize_q8_1  b rows to int8 codes and per-32 scales for the mmvq* kernels.
 //   mmv, mmvq      mul_mat: grid (row tiles, B2, B3), a's batch repeat-interleaved
 //                  (b batch i2 uses a batch i2 / r2), optional bias or GLU epilogue.
-//   mmv_add_rms_norm
-//                  mmv with a bias (a residual row), then rms_norm -> mul(g) of the result
-//                  by the last block to finish (its tail): x and h from one launch.
 //   mmv_id, mmvq_id
 //                  mul_mat_id, one (token, slot) pair a block: grid (row tiles, U, T),
 //                  the expert read from ids on the device (no host synchronization).
@@ -357,164 +354,6 @@ __device__ __forceinline__ void weight_rows(const u8* a0, const u8* a1, long lon
     }
 }
 
-// One block of mmv (blockIdx: row tile, i2, i3; the kernel's arguments): its R rows of out.
-template <int WT, int TB, int NT, int R, bool VEC, int EPI>
-__device__ __forceinline__ void mmv_block(const u8* a0, const u8* a1, long long a_row, long long a_s2,
-                                          long long a_s3, int r2, int r3, const u8* b, long long b_col,
-                                          long long b_es, long long b_s2, long long b_s3, float* out, int M, int K,
-                                          int N, const float* bias0, const float* bias1, int glu_kind, float alpha,
-                                          float limit) {
-    constexpr int NW = EPI == EPI_GLU ? 2 : 1;
-    __shared__ float res[NW * R * NT];
-    const int i2 = blockIdx.y, i3 = blockIdx.z;
-    const int m0 = blockIdx.x * R;
-    const u8* a[NW];
-    weight_rows<NW>(a0, a1, a_row, a_s2, a_s3, r2, r3, i2, i3, m0, a);
-    const u8* bb = b + i3 * b_s3 + i2 * b_s2;
-    const u8* bcol[NT];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        bcol[n] = bb + (n < N ? n : 0) * b_col;
-    }
-    const int rows = min(R, M - m0);
-    mmv_tile<WT, TB, NT, R, VEC, NW>(a, a_row, rows, bcol, N, b_es, K, res);
-    const int t = threadIdx.x;
-    if (t < R * NT) {
-        const int r = t / NT, n = t % NT, m = m0 + r;
-        if (r < rows && n < N) {
-            float* o = out + ((static_cast<long long>(i3) * gridDim.y + i2) * N + n) * M + m;
-            *o = finish<EPI, R, NT>(res, r, n, bias0, bias1, m, glu_kind, alpha, limit);
-        }
-    }
-}
-
-// W floats (W = 4: one float4 move, 16-byte aligned) read through L2: the x columns of the norm
-// tail were written by other blocks of this launch (__ldcg skips the read-only cache and L1).
-template <int W>
-__device__ __forceinline__ void ld_units(const float* p, float (&v)[W]) {
-    if constexpr (W == 4) {
-        const float4 q = __ldcg(reinterpret_cast<const float4*>(p));
-        v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
-    } else {
-        v[0] = __ldcg(p);
-    }
-}
-
-template <int W>
-__device__ __forceinline__ void st_units(float* p, const float (&v)[W]) {
-    if constexpr (W == 4) {
-        *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
-    } else {
-        p[0] = v[0];
-    }
-}
-
-// h[n, m] = x[n, m] * rsqrt(mean(x[n]^2) + eps) * g[m] for the N <= NT columns of M values at x and h
-// (cuda_norm's rms_norm and mul, in float); the whole block, W floats a move.
-template <int NT, int W>
-__device__ __forceinline__ void rms_norm_cols(const float* x, float* h, const float* g, int M, int N, float eps) {
-    __shared__ float sums[NT];
-    const int units = M / W;
-    float acc[NT];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        acc[n] = 0.0f;
-    }
-#pragma unroll 4  // the loads of 4 steps in flight at once (unroll 2 spilled a register at NT 1)
-    for (int u = threadIdx.x; u < units; u += BLOCK) {
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            if (n < N) {
-                float v[W];
-                ld_units<W>(x + static_cast<long long>(n) * M + u * W, v);
-#pragma unroll
-                for (int j = 0; j < W; ++j) {
-                    acc[n] = fmaf(v[j], v[j], acc[n]);
-                }
-            }
-        }
-    }
-    block_reduce<NT>(acc, sums);
-    float scale[NT];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        scale[n] = rsqrtf(sums[n] / M + eps);
-    }
-    for (int u = threadIdx.x; u < units; u += BLOCK) {
-        float w[W];
-        ld_units<W>(g + u * W, w);
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            if (n < N) {
-                const long long at = static_cast<long long>(n) * M + u * W;
-                float v[W];
-                ld_units<W>(x + at, v);
-#pragma unroll
-                for (int j = 0; j < W; ++j) {
-                    v[j] = v[j] * scale[n] * w[j];
-                }
-                st_units<W>(h + at, v);
-            }
-        }
-    }
-}
-
-__device__ __forceinline__ bool aligned16(const void* p) {
-    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
-}
-
-// rms_norm_cols for one column of at most PER * BLOCK units of W floats (batch 1): each thread
-// loads its units of x and g once, all before the reduction, and keeps them in registers: one
-// round trip to L2 where rms_norm_cols makes three (x, then x and g again).
-template <int W, int PER>
-__device__ __forceinline__ void rms_norm_col_kept(const float* x, float* h, const float* g, int M, float eps) {
-    const int units = M / W;
-    float v[PER][W], w[PER][W];
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-        const int u = threadIdx.x + j * BLOCK;
-        if (u < units) {
-            ld_units<W>(x + u * W, v[j]);
-            ld_units<W>(g + u * W, w[j]);
-#pragma unroll
-            for (int i = 0; i < W; ++i) {
-                acc = fmaf(v[j][i], v[j][i], acc);
-            }
-        }
-    }
-    const float scale = rsqrtf(od::block_sum<BLOCK>(acc) / M + eps);
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-        const int u = threadIdx.x + j * BLOCK;
-        if (u < units) {
-#pragma unroll
-            for (int i = 0; i < W; ++i) {
-                v[j][i] = v[j][i] * scale * w[j][i];
-            }
-            st_units<W>(h + u * W, v[j]);
-        }
-    }
-}
-
-// float4s a thread of the batch-1 tail keeps in registers: hidden sizes up to 4 * 4 * BLOCK = 2048
-constexpr int TAIL_KEPT = 4;
-
-// The rms_norm -> mul tail of mmv_add_rms_norm, run by its last block: float4 moves where they
-// fit, and x and g held in registers for one column of up to 4 * TAIL_KEPT * BLOCK floats.
-template <int NT>
-__device__ __forceinline__ void rms_norm_tail(const float* x, float* h, const float* g, int M, int N, float eps) {
-    if (M % 4 == 0 && aligned16(x) && aligned16(h) && aligned16(g)) {
-        if (NT == 1 && M <= 4 * TAIL_KEPT * BLOCK) {
-            rms_norm_col_kept<4, TAIL_KEPT>(x, h, g, M, eps);
-        } else {
-            rms_norm_cols<NT, 4>(x, h, g, M, N, eps);
-        }
-    } else {
-        rms_norm_cols<NT, 1>(x, h, g, M, N, eps);
-    }
-}
-
 }  // namespace mm
 
 using mm::u8;
@@ -566,29 +405,27 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, lon
                                                  long long b_es, long long b_s2, long long b_s3, float* out, int M,
                                                  int K, int N, const float* bias0, const float* bias1, int glu_kind,
                                                  float alpha, float limit) {
-    mm::mmv_block<WT, TB, NT, R, VEC, EPI>(a0, a1, a_row, a_s2, a_s3, r2, r3, b, b_col, b_es, b_s2, b_s3, out, M, K,
-                                           N, bias0, bias1, glu_kind, alpha, limit);
-}
-
-// mul_mat -> add(bias) -> rms_norm -> mul(g): a decoder layer's residual add and the norm after it,
-// in one launch. The blocks write x = a . b + bias into out as mmv<..., EPI_BIAS> does; then the
-// last block of each batch (i2, i3) to finish (od::last_block on counters[i3 * B2 + i2])
-// normalizes that batch's N columns of x into h: h[n, m] = x[n, m] * rsqrt(mean(x[n]^2) + eps) * g[m].
-// out and h contiguous (B3, B2, N, M); g M f32 values; counters B2 * B3 ints, zero at the first
-// launch and left so.
-template <int WT, int TB, int NT, int R, bool VEC>
-__global__ void __launch_bounds__(mm::BLOCK) mmv_add_rms_norm(const u8* a0, long long a_row, long long a_s2,
-                                                              long long a_s3, int r2, int r3, const u8* b,
-                                                              long long b_col, long long b_es, long long b_s2,
-                                                              long long b_s3, float* out, int M, int K, int N,
-                                                              const float* bias, const float* g, float eps, float* h,
-                                                              int* counters) {
-    mm::mmv_block<WT, TB, NT, R, VEC, EPI_BIAS>(a0, nullptr, a_row, a_s2, a_s3, r2, r3, b, b_col, b_es, b_s2, b_s3,
-                                                out, M, K, N, bias, nullptr, 0, 0.0f, 0.0f);
+    constexpr int NW = EPI == EPI_GLU ? 2 : 1;
+    __shared__ float res[NW * R * NT];
     const int i2 = blockIdx.y, i3 = blockIdx.z;
-    if (od::last_block(counters + i3 * gridDim.y + i2, gridDim.x)) {
-        const long long first = (static_cast<long long>(i3) * gridDim.y + i2) * N * M;
-        mm::rms_norm_tail<NT>(out + first, h + first, g, M, N, eps);
+    const int m0 = blockIdx.x * R;
+    const u8* a[NW];
+    mm::weight_rows<NW>(a0, a1, a_row, a_s2, a_s3, r2, r3, i2, i3, m0, a);
+    const u8* bb = b + i3 * b_s3 + i2 * b_s2;
+    const u8* bcol[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        bcol[n] = bb + (n < N ? n : 0) * b_col;
+    }
+    const int rows = min(R, M - m0);
+    mm::mmv_tile<WT, TB, NT, R, VEC, NW>(a, a_row, rows, bcol, N, b_es, K, res);
+    const int t = threadIdx.x;
+    if (t < R * NT) {
+        const int r = t / NT, n = t % NT, m = m0 + r;
+        if (r < rows && n < N) {
+            float* o = out + ((static_cast<long long>(i3) * gridDim.y + i2) * N + n) * M + m;
+            *o = mm::finish<EPI, R, NT>(res, r, n, bias0, bias1, m, glu_kind, alpha, limit);
+        }
     }
 }
 

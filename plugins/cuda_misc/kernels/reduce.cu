@@ -221,21 +221,12 @@ __global__ void __launch_bounds__(SPLIT_BLOCK) argmax_split(
     }
     block_argmax<SPLIT_BLOCK>(best, at);
     if (nblk > 1) {
-        __shared__ bool last;
         if (threadIdx.x == 0) {
             partials[blockIdx.x] = make_int2(__float_as_int(best), at);
-            __threadfence();  // the partial is visible device-wide before this block counts itself done
-            int* counter = counters + row;
-            last = atomicAdd(counter, 1) == nblk - 1;
-            if (last) {
-                *counter = 0;  // every block of the row has counted: ready for the next launch
-            }
         }
-        __syncthreads();
-        if (!last) {
+        if (!od::last_block(counters + row, nblk)) {
             return;
         }
-        __threadfence();
         best = -__int_as_float(0x7f800000);
         at = -1;
         for (int k = threadIdx.x; k < nblk; k += SPLIT_BLOCK) {
