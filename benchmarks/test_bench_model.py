@@ -10,11 +10,12 @@ Each layer's q/k/v projections are stacked into one (LlamaModel's stack_qkv).
 
 - decode, batch B (1 or 16): every sequence holds CTX (512) prefilled tokens
   (one batched prefill step fills all 16); a timed round is Generator.decode_greedy:
-  STEPS greedy decode steps per sequence from position CTX, each step's token
+  GREEDY_STEPS (128) greedy decode steps per sequence from position CTX (a generation
+  of 128 tokens: the call's fixed costs, ~1 ms, spread as in use), each step's token
   the previous step's argmax, picked and fed back on the GPU, the steps queued
   without waiting (Plan.submit; the host writes each step's positions and
   mask), the tokens read once at the end, as generate() runs greedy decoding.
-  step_ms is a round over STEPS. `device_ms` is the greedy step plan's launches
+  step_ms is a round over GREEDY_STEPS. `device_ms` is the greedy step plan's launches
   alone (back to back, one synchronize), so host_ms = step_ms - device_ms.
   `host_pick_tokens/s`: a step that brings the logits back and picks on the host
   (what top-k/top-p sampling runs): Plan.run (one upload, the CUDA graph replay,
@@ -64,6 +65,7 @@ MAX_CTX = 1024
 MAX_SEQS = 16
 PRESET, DEVICE = "1b", "cuda0"
 STEPS, ROUNDS = 20, 5  # decode steps per timed round, rounds (median)
+GREEDY_STEPS = 128  # steps of one timed decode_greedy call: a generation of 128 tokens after CTX
 HF_STEPS = 5
 COMPILE_S = float(os.environ.get("OPDISPATCH_BENCH_COMPILE_S", "180"))
 HF_DTYPE = {"bf16": "bf16", "f16": "f16", "q8_0": "bf16", "q4_0": "bf16"}
@@ -332,12 +334,12 @@ def measure(s: Setup, gen: Any, kind: str, batch: int, copy_bandwidth: float) ->
     if kind == "decode":
         first = [int(t) for t in np.random.default_rng(2).integers(0, vocab, batch)]
 
-        def step() -> None:  # STEPS greedy steps from position CTX, tokens picked and fed back on the GPU
+        def step() -> None:  # GREEDY_STEPS steps from position CTX, tokens picked and fed back on the GPU
             gen.lengths[:batch] = [CTX] * batch
-            gen.decode_greedy(first, STEPS)
+            gen.decode_greedy(first, GREEDY_STEPS)
 
         step()  # binds (compiles kernels, captures the CUDA graph on the next run)
-        secs = device_seconds(step, lambda: None, reps=1, rounds=ROUNDS) / STEPS
+        secs = device_seconds(step, lambda: None, reps=1, rounds=ROUNDS) / GREEDY_STEPS
         plan, inp = gen.step(1, CTX, batch=batch, greedy=True)
         device = device_seconds(plan.launch, plan.synchronize, reps=STEPS, rounds=ROUNDS)
         # A step that brings the logits back and picks on the host (Generator.forward_batch, top-k/top-p).
