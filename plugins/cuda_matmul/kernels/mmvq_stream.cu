@@ -126,73 +126,94 @@ __device__ __forceinline__ Layout layout(int C, bool glu) {
 
 // -- b to q8_1 in shared memory ----------------------------------------------------------------------
 
-// Columns n < N of b (value k of column n at b + n * b_col + k * b_es) to q8_1 at bs (layout
-// above), one thread a (column, block) pair; every thread of the block takes part. As
+// The 32 values of b block j of column n (at src) as floats: 16-byte loads when `vec`.
+template <int TB>
+__device__ __forceinline__ void load_b32(const u8* src, long long b_es, bool vec, float (&v)[32]) {
+    if (vec) {
+        if constexpr (TB == B_F32) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float4 x = reinterpret_cast<const float4*>(src)[i];
+                v[4 * i] = x.x, v[4 * i + 1] = x.y, v[4 * i + 2] = x.z, v[4 * i + 3] = x.w;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const uint4 x = reinterpret_cast<const uint4*>(src)[i];
+                const unsigned u[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+                for (int t = 0; t < 4; ++t) {
+                    if constexpr (TB == B_F16) {
+                        mm::half2_to_f(u[t], v[8 * i + 2 * t], v[8 * i + 2 * t + 1]);
+                    } else {
+                        mm::bf2_to_f(u[t], v[8 * i + 2 * t], v[8 * i + 2 * t + 1]);
+                    }
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            v[i] = mm::load_elem<TB>(src + i * b_es);
+        }
+    }
+}
+
+// One block of 32 values to q8_1 at dst (its chunk's b bytes), slot jj of the chunk, as
 // quantize_q8_1: amax over the 32 values, d = amax / 127, codes __float2int_rn(v * 127 / amax).
+template <int WT>
+__device__ __forceinline__ void store_q8_1(const float (&v)[32], u8* dst, int jj) {
+    using Gm = Geo<WT>;
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    unsigned w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        unsigned word = 0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const int q = __float2int_rn(v[4 * i + t] * id);
+            sum += q;
+            word |= (static_cast<unsigned>(q) & 0xffu) << (8 * t);
+        }
+        w[i] = word;
+    }
+    uint4* codes = reinterpret_cast<uint4*>(dst + 32 * jj);
+    codes[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    codes[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    reinterpret_cast<float2*>(dst + Gm::BCODES)[jj] = make_float2(d, d * static_cast<float>(sum));
+}
+
+// Columns n < N of b (value k of column n at b + n * b_col + k * b_es) to q8_1 at bs (layout
+// above); every thread of the block takes part, a thread a (column, block) item, two items'
+// loads in flight before either is quantized (the shared stores between them would otherwise
+// keep the compiler from hoisting the second item's loads).
 template <int WT, int TB>
 __device__ __forceinline__ void quantize_b(const u8* b, long long b_col, long long b_es, int N, int K, int C, u8* bs) {
     using Gm = Geo<WT>;
     constexpr int ES = TB == B_F32 ? 4 : 2;
-    const int nb = K / 32;
+    const int nb = K / 32, items = N * nb;
     const bool vec = b_es == ES && ((reinterpret_cast<unsigned long long>(b) | static_cast<unsigned long long>(b_col)) &
                                     15ull) == 0;
-    for (int it = threadIdx.x; it < N * nb; it += blockDim.x) {
-        const int n = it / nb, j = it - n * nb;
-        const u8* src = b + n * b_col + 32ll * j * b_es;
-        float v[32];
-        if (vec) {
-            if constexpr (TB == B_F32) {
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const float4 x = reinterpret_cast<const float4*>(src)[i];
-                    v[4 * i] = x.x, v[4 * i + 1] = x.y, v[4 * i + 2] = x.z, v[4 * i + 3] = x.w;
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const uint4 x = reinterpret_cast<const uint4*>(src)[i];
-                    const unsigned u[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-                    for (int t = 0; t < 4; ++t) {
-                        if constexpr (TB == B_F16) {
-                            mm::half2_to_f(u[t], v[8 * i + 2 * t], v[8 * i + 2 * t + 1]);
-                        } else {
-                            mm::bf2_to_f(u[t], v[8 * i + 2 * t], v[8 * i + 2 * t + 1]);
-                        }
-                    }
-                }
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 32; ++i) {
-                v[i] = mm::load_elem<TB>(src + i * b_es);
-            }
+    for (int it0 = threadIdx.x; it0 < items; it0 += 2 * blockDim.x) {
+        const int it1 = it0 + blockDim.x;
+        float v0[32], v1[32];
+        const int n0 = it0 / nb, j0 = it0 - n0 * nb;
+        load_b32<TB>(b + n0 * b_col + 32ll * j0 * b_es, b_es, vec, v0);
+        const bool two = it1 < items;
+        const int n1 = two ? it1 / nb : 0, j1 = two ? it1 - n1 * nb : 0;
+        if (two) {
+            load_b32<TB>(b + n1 * b_col + 32ll * j1 * b_es, b_es, vec, v1);
         }
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            amax = fmaxf(amax, fabsf(v[i]));
+        store_q8_1<WT>(v0, bs + (static_cast<long long>(n0) * C + j0 / Gm::CB) * Gm::BCHUNK, j0 % Gm::CB);
+        if (two) {
+            store_q8_1<WT>(v1, bs + (static_cast<long long>(n1) * C + j1 / Gm::CB) * Gm::BCHUNK, j1 % Gm::CB);
         }
-        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
-        unsigned w[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            unsigned word = 0;
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                const int q = __float2int_rn(v[4 * i + t] * id);
-                sum += q;
-                word |= (static_cast<unsigned>(q) & 0xffu) << (8 * t);
-            }
-            w[i] = word;
-        }
-        u8* dst = bs + (static_cast<long long>(n) * C + j / Gm::CB) * Gm::BCHUNK;
-        const int jj = j % Gm::CB;
-        uint4* codes = reinterpret_cast<uint4*>(dst + 32 * jj);
-        codes[0] = make_uint4(w[0], w[1], w[2], w[3]);
-        codes[1] = make_uint4(w[4], w[5], w[6], w[7]);
-        reinterpret_cast<float2*>(dst + Gm::BCODES)[jj] = make_float2(d, d * static_cast<float>(sum));
     }
 }
 
