@@ -909,8 +909,11 @@ def _stream_glu(dt: str, m: int, k: int, n: int, bias: bool, kind: str) -> Tenso
 @pytest.mark.parametrize("n", [1, 3, 8])
 @pytest.mark.parametrize("dt", QUANTS)
 def test_mmvq_stream_fused_glu(dt: str, n: int, bias: bool, rng) -> None:  # noqa: ANN001
-    """Gate and up rows in one warp stage (K 4096: R = 2) and one after the other (K 14336: R = 1)."""
-    for k, m, kind in ((4096, 77, "swiglu"), (14336, 45, "swiglu_oai"), (4096, 1001, "geglu")):
+    """Gate and up rows in one warp stage (K 4096: R = 2) and one after the other (K 14336: R = 1).
+    Kinds and row counts keep b's q8_1 rounding alone well under the bound (numpy model, 150 seeds:
+    at most 2.8e-4 for swiglu_oai at K 4096 with 77 rows; swiglu_oai at K 14336 clips often and
+    exceeds 5e-4 in about 1% of 45-row runs)."""
+    for k, m, kind in ((4096, 77, "swiglu_oai"), (14336, 96, "swiglu"), (4096, 1001, "geglu")):
         y = _stream_glu(dt, m, k, n, bias, kind)
         nodes = Graph.build(y).nodes
         prods, biases, glu = fusion.parts(nodes)
