@@ -61,7 +61,7 @@ def test_matvec(measure, torch_cuda, dt: str, shape: tuple) -> None:  # noqa: AN
     a = od.param("a", rand(M, K), dt)
     x = od.input("x", (1, K))
     plan = ready(ops.mul_mat(a, x), {x: rand(1, K)}, MATMUL, ops=MATMUL_OPS,
-                 kernel="mmvq" if dt.startswith("q") else "mmvf")
+                 kernel="mmvq_stream" if dt.startswith("q") else "mmvf")
     tw = torch.randn(M, K, device="cuda", dtype=torch.float16)
     tx = torch.randn(1, K, device="cuda", dtype=torch.float16)
     measure(plan, weight_bytes(a) + 4 * K + 4 * M, lambda: torch.matmul(tx, tw.T))

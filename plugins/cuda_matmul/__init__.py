@@ -12,6 +12,16 @@ Paths (support.py picks one per node; its name shows in `Plan.explain()`):
   dots them with b by dp4a, no shared-memory staging. The rounding of b this adds
   is ggml's too (its CPU and CUDA backends quantize b for these types) and lies
   well inside mul_mat's NMSE bound.
+- mmvq_stream: the block-format mat-vec in one launch (kernels/mmvq_stream.cu)
+  wherever a row is whole 16-byte chunks of blocks (K % 256 == 0 for q4_0, q5_0,
+  q8_0; K % 128 for q4_1, K % 64 for q5_1) and the weights are 16-byte aligned
+  (support.stream_reason says why not; mmvq runs those). Each block quantizes
+  the b columns to q8_1 in shared memory (quantize_q8_1's math) while its warps'
+  first cp.async weight copies are in flight, then each warp streams whole rows
+  through a ring of support.STREAM.stages stage buffers in shared memory and
+  dots them with b by dp4a. A persistent-style grid (about
+  support.STREAM.blocks_per_sm blocks an SM) splits the rows evenly over warps.
+  mul_mat_id stays on mmvq_id / mmvq_id_grouped.
 - cublas: float weights, N > 8: cuBLAS through our own handles
   (core/backends/cuda/cublas.py, usable under CUDA-graph capture): cublasLt
   (algorithm timed once per problem) for one GEMM or strided batches when
@@ -43,6 +53,7 @@ turns specs into pre-bound launches.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
@@ -65,6 +76,7 @@ if TYPE_CHECKING:
 
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 MMV_CU = KERNELS_DIR / "mmv.cu"
+MMVQ_STREAM_CU = KERNELS_DIR / "mmvq_stream.cu"
 CONVERT_CU = KERNELS_DIR / "convert.cu"
 
 #: mm_common.cuh's weight kinds and b/destination kinds
@@ -102,6 +114,10 @@ def grouped_name(wt: str, tb: str, nt: int, vec: bool, epi: str) -> str:
 
 def mmvq_name(wt: str, nt: int, epi: str) -> str:
     return f"mmvq<{W_KIND[wt]}, {nt}, {epi}>"
+
+
+def stream_name(wt: str, tb: str, nt: int, epi: str, stages: int = support.STREAM.stages) -> str:
+    return f"mmvq_stream<{W_KIND[wt]}, {B_KIND[tb]}, {nt}, {epi}, {stages}>"
 
 
 def mmvq_id_name(wt: str, epi: str) -> str:
@@ -175,7 +191,13 @@ CONVERT_NAMES: tuple[str, ...] = (
     *(convert_name(ts, td) for ts in FLOAT_NAMES for td in FLOAT_NAMES),
     *(dequant_name(wt, td) for wt in QUANT_NAMES for td in ("f16", "f32")),
 )
-KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {MMV_CU: MMV_NAMES, CONVERT_CU: CONVERT_NAMES}
+#: mmvq_stream: b f32 for every column count and epilogue; b f16/bf16 (unfused mul_mat only) for 8 columns
+STREAM_NAMES: tuple[str, ...] = (
+    *(stream_name(wt, "f32", nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
+    *(stream_name(wt, tb, 8, EPI_NONE) for tb in ("f16", "bf16") for wt in QUANT_NAMES),
+)
+KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {MMV_CU: MMV_NAMES, CONVERT_CU: CONVERT_NAMES,
+                                               MMVQ_STREAM_CU: STREAM_NAMES}
 
 Ptr = Callable[[Tensor], int]
 #: scratch(role, nbytes) -> device address of a buffer of at least nbytes for `role`
@@ -260,11 +282,39 @@ def _addr(ptr: Ptr, t: Tensor | None) -> np.uint64:
     return U64(ptr(t) if t is not None else 0)
 
 
+def stream_spec(node: Tensor, args: tuple, epi: str, device: Device | None,
+                cfg: support.StreamConfig | None = None) -> KernelSpec | None:
+    """mmvq_stream for mul_mat `node` (mmv's arguments `args`), or None when it does not fit:
+    cfg's warps halved until the block's shared memory fits, the grid from stream_grid."""
+    cfg = cfg or support.STREAM
+    a, b = node.srcs
+    (a3, a2, m, k), _ = _geometry(a)
+    (b3, b2, n, _), _ = _geometry(b)
+    dt, tb = a.dtype.name, b.dtype.name
+    warps = support.stream_warps(dt, k, n, device, cfg)
+    if not warps:
+        return None
+    smem = support.stream_smem(dt, k, n, warps, cfg.stages)
+    layout = support.stream_layout(dt, k, epi == EPI_GLU)
+    sm_count = (device.props if device is not None else {}).get("sm_count", 132)
+    per_sm = support.stream_blocks_per_sm(smem, device, cfg)
+    grid = (support.stream_grid(layout, m, b2 * b3, warps, per_sm, sm_count) if n else 0, b2, b3)
+    nt = nt_for(max(n, 1)) if tb == "f32" else 8
+    return KernelSpec(MMVQ_STREAM_CU, stream_name(dt, tb, nt, epi, cfg.stages), grid, 32 * warps, args, smem=smem)
+
+
 def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tensor | None = None,
-              bias0: Tensor | None = None, bias1: Tensor | None = None, glu: Tensor | None = None
+              bias0: Tensor | None = None, bias1: Tensor | None = None, glu: Tensor | None = None,
+              device: Device | None = None, stream: support.StreamConfig | None = None, path: str | None = None
               ) -> list[KernelSpec]:
-    """mmv (float weights) or mmvq (block formats) for mul_mat `node` writing `out` (node
-    itself, or the last node of a fused group)."""
+    """mmv (float weights), mmvq_stream or mmvq (block formats) for mul_mat `node` writing `out`
+    (node itself, or the last node of a fused group) on `device` (None: an H200's description).
+
+    mmvq_stream where support.choose picks it (and a1, for a fused GLU, is aligned as a is), with
+    `stream` (default support.STREAM) as its configuration; mmvq, quantize_q8_1 first, else, or
+    when `path` is "mmvq" (scratch/mmvq_stream_sweep.py times both on the same weights). The
+    device addresses are checked too (16-byte aligned weights): should an arena ever place a
+    weight otherwise, mmvq runs though explain() says mmvq_stream."""
     a, b = node.srcs
     (a3, a2, m, k), (sa3, sa2, sa1, _) = _geometry(a)
     (b3, b2, n, _), (sb3, sb2, sb1, _) = _geometry(b)
@@ -273,6 +323,12 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     args = (U64(pa), _addr(ptr, a1), I64(sa1), I64(sa2), I64(sa3), I32(b2 // a2), I32(b3 // a3),
             U64(pb), I64(sb1), I64(_elem_stride(b)), I64(sb2), I64(sb3), U64(ptr(out)), I32(m), I32(k), I32(n),
             _addr(ptr, bias0), _addr(ptr, bias1), I32(kind), F32(alpha), F32(limit))
+    streamed = (a.dtype.is_quant and path != "mmvq" and support.choose(node, device).path == "mmvq_stream"
+                and pa % 16 == 0 and (a1 is None or (a1.view_offset % 16 == 0 and ptr(a1) % 16 == 0)))
+    if streamed:
+        spec = stream_spec(node, args, epi, device, stream)
+        if spec is not None:
+            return [spec]
     if a.dtype.is_quant:
         quant, bq, bds, nbp = quantize_spec(b, pb, scratch)
         qargs = (*args[:7], U64(bq), U64(bds), I32(nbp), *args[12:])
@@ -559,7 +615,7 @@ def _bind(ctx: CudaContext, node: Tensor, make: Callable[[Scratch], list]) -> La
 
 
 def bind_mmv(ctx: CudaContext, node: Tensor) -> Launch:
-    return _bind(ctx, node, lambda scratch: mmv_specs(node, node, ctx.ptr, scratch))
+    return _bind(ctx, node, lambda scratch: mmv_specs(node, node, ctx.ptr, scratch, device=ctx.device))
 
 
 def bind_gemm(ctx: CudaContext, node: Tensor) -> Launch:
@@ -578,21 +634,25 @@ def bind_mmv_id_grouped(ctx: CudaContext, node: Tensor) -> Launch:
     return _bind(ctx, node, lambda scratch: grouped_specs(node, node, ctx.ptr, scratch))
 
 
-def fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch) -> list[KernelSpec]:
-    """Any group of fusion.PATTERNS: the mat-vec launch (after b's quantization, for block
-    formats) that writes the last node."""
+def fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch, device: Device | None = None
+                ) -> list[KernelSpec]:
+    """Any group of fusion.PATTERNS: the mat-vec launch (mmvq_stream, or quantize_q8_1 then mmvq,
+    for block formats) that writes the last node."""
     prods, biases, glu = fusion.parts(nodes)
     out, first = nodes[-1], prods[0]
     if first.op == "mul_mat_id" and glu is None and first.shape[0] > 1:
         return grouped_specs(first, out, ptr, scratch, bias=biases[0])
-    make = mmv_specs if first.op == "mul_mat" else mmv_id_specs
+    if first.op == "mul_mat":
+        make = functools.partial(mmv_specs, device=device)
+    else:
+        make = mmv_id_specs
     if glu is None:
         return make(first, out, ptr, scratch, bias0=biases[0])
     return make(first, out, ptr, scratch, a1=prods[1].srcs[0], bias0=biases[0], bias1=biases[1], glu=glu)
 
 
 def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
-    return _bind(ctx, nodes[-1], lambda scratch: fused_specs(nodes, ctx.ptr, scratch))
+    return _bind(ctx, nodes[-1], lambda scratch: fused_specs(nodes, ctx.ptr, scratch, ctx.device))
 
 
 # -- hooks ------------------------------------------------------------------------------------------
@@ -600,6 +660,7 @@ def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
 #: (op, path name, bind) of every Kernel record, in the order they are asked
 PATHS: tuple[tuple[str, str, Callable], ...] = (
     ("mul_mat", "mmvf", bind_mmv),
+    ("mul_mat", "mmvq_stream", bind_mmv),
     ("mul_mat", "mmvq", bind_mmv),
     ("mul_mat", "cublas", bind_gemm),
     ("mul_mat", "dequant_cublas", bind_gemm),

@@ -25,7 +25,7 @@ from opdispatch.tensor import Tensor
 
 from . import support
 
-MMV_PATHS = ("mmvf", "mmvq", "mmv_id", "mmv_id_grouped")
+MMV_PATHS = ("mmvf", "mmvq_stream", "mmvq", "mmv_id", "mmv_id_grouped")
 
 #: (rule name, pattern), longest first: dispatch takes the first rule whose check passes
 PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (

@@ -9,7 +9,11 @@ offsets: plans are made and tested on a device description.
 
 Paths:
   mul_mat      mmvf            float weights (f32/f16/bf16), N <= 8: mat-vec kernel
-               mmvq            block-quantized weights, N <= 8: mat-vec, dequantizing on the fly
+               mmvq_stream     block-quantized weights, N <= 8, rows of whole 16-byte chunks
+                               (stream_reason): one launch, b quantized to q8_1 in shared
+                               memory, weights streamed through shared memory by cp.async
+               mmvq            the other block-quantized mat-vecs (N <= 8): quantize_q8_1, then
+                               the mat-vec reading blocks straight from global memory
                cublas          float weights, N > 8: cuBLAS GEMM (batched when needed)
                dequant_cublas  block-quantized weights, N > 8: dequantize to f16, then cuBLAS
   mul_mat_id   mmv_id          one token (T == 1): a mat-vec block per (token, slot), expert read on the device
@@ -23,6 +27,7 @@ from typing import Callable, Sequence
 
 import attrs
 
+from opdispatch.backends.base import Device
 from opdispatch.ops.base import pad4
 from opdispatch.tensor import Tensor
 
@@ -127,8 +132,131 @@ def batch_n(node: Tensor) -> int:
     return node.shape[-2]
 
 
-def choose(node: Tensor) -> Choice:
-    """The path that runs `node`, or why none does."""
+# -- mmvq_stream: kernels/mmvq_stream.cu's geometry, mirrored -----------------------------------------
+
+#: (block bytes, blocks a chunk) of each format mmvq_stream takes: a chunk is the fewest
+#: consecutive blocks whose bytes are a multiple of 16 (mmvq_stream.cu's Geo)
+STREAM_FORMATS = {"q4_0": (18, 8), "q4_1": (20, 4), "q5_0": (22, 8), "q5_1": (24, 2), "q8_0": (34, 8)}
+#: shared memory of an SM (sm_80: 164 KiB, sm_90: 228 KiB) when the device description lacks it,
+#: and what the driver reserves per block
+SMEM_PER_SM_DEFAULT = 228 * 1024
+SMEM_PER_BLOCK_RESERVED = 1024
+
+
+@attrs.frozen
+class StreamConfig:
+    """mmvq_stream's tunables: cp.async stages a warp (the kernel's NS, 2..4), warps a block
+    (1..8; halved at bind time until the shared memory fits), blocks an SM the grid aims at."""
+
+    stages: int = 3
+    warps: int = 4
+    blocks_per_sm: int = 2
+
+
+#: the configuration binds use (scratch/mmvq_stream_sweep.py passes others explicitly)
+STREAM = StreamConfig()
+
+
+@attrs.frozen
+class StreamLayout:
+    """How mmvq_stream splits a row of K values (mmvq_stream.cu's Layout): C chunks a row, G lanes
+    a row, R rows (slots) a warp stage, S segments a row, RO output rows and UG stages a group."""
+
+    C: int
+    G: int
+    R: int
+    S: int
+    RO: int
+    UG: int
+
+
+def stream_chunk(dt: str) -> tuple[int, int, int]:
+    """(blocks a chunk, weight bytes a chunk, b bytes a chunk in shared memory) of format `dt`:
+    the b chunk holds CB * 32 int8 codes and CB (d, d * sum) float2, padded to an odd number of
+    16-byte granules."""
+    nbytes, cb = STREAM_FORMATS[dt]
+    braw = cb * 40
+    return cb, cb * nbytes, braw if (braw // 16) % 2 == 1 else braw + 16
+
+
+def stream_layout(dt: str, k: int, glu: bool) -> StreamLayout:
+    cb, _, _ = stream_chunk(dt)
+    c = k // (32 * cb)
+    g = 1
+    while g < c and g < 32:
+        g *= 2
+    r, s = 32 // g, -(-c // g)
+    if not glu:
+        return StreamLayout(c, g, r, s, r, s)
+    if r >= 2:
+        return StreamLayout(c, g, r, s, r // 2, 1)
+    return StreamLayout(c, g, r, s, 1, 2 * s)
+
+
+def stream_smem(dt: str, k: int, n: int, warps: int, stages: int) -> int:
+    """Dynamic shared memory of an mmvq_stream block: b's n columns, then each warp's ring."""
+    cb, chunk, bchunk = stream_chunk(dt)
+    return n * (k // (32 * cb)) * bchunk + warps * stages * 32 * chunk
+
+
+def _props(device: Device | None) -> dict:
+    return device.props if device is not None else {}
+
+
+def stream_warps(dt: str, k: int, n: int, device: Device | None, cfg: StreamConfig | None = None) -> int:
+    """The warps a block of mmvq_stream gets: cfg.warps, halved until the block's shared memory
+    fits the device's opt-in limit; 0 when not even one warp fits."""
+    cfg = cfg or STREAM
+    limit = _props(device).get("smem_per_block_optin", 227 * 1024)
+    w = cfg.warps
+    while w >= 1 and stream_smem(dt, k, n, w, cfg.stages) > limit:
+        w //= 2
+    return max(w, 0)
+
+
+def _aligned16(t: Tensor) -> bool:
+    """View offset and every stride of an axis longer than 1 (but the contiguous last) multiples of 16."""
+    return t.view_offset % 16 == 0 and all(s % 16 == 0 for s, n in zip(t.strides[:-1], t.shape[:-1]) if n > 1)
+
+
+def stream_reason(node: Tensor, device: Device | None = None) -> str:
+    """'' if mmvq_stream runs mul_mat `node` (block-format a, N <= 8, checked by the caller),
+    else why the two-launch mmvq runs it instead."""
+    a = _a(node)
+    dt, k = a.dtype.name, a.shape[-1]
+    if dt not in STREAM_FORMATS:
+        return f"{dt} has no streamed mat-vec"
+    cb, chunk, _ = stream_chunk(dt)
+    if k % (32 * cb):
+        return f"K={k} is not a multiple of {32 * cb} (rows of whole {chunk}-byte chunks)"
+    if not _aligned16(a):
+        return "a's offset or row/batch strides are not multiples of 16 bytes"
+    if device is not None and device.kind == "cuda" and tuple(device.props.get("cc", (9, 0))) < (8, 0):
+        return "cp.async needs sm_80"
+    if not stream_warps(dt, k, batch_n(node), device):
+        return f"b's q8_1 copy of {batch_n(node)}x{k} values does not fit in shared memory"
+    return ""
+
+
+def stream_grid(layout: StreamLayout, m: int, batches: int, warps: int, blocks_per_sm: int, sm_count: int) -> int:
+    """Blocks of mmvq_stream along x (one batch): about blocks_per_sm a SM over all batches, then as
+    few as give each warp the same most groups (the kernel splits a batch's groups evenly over its
+    gridDim.x * warps warps, so no warp takes more than the others' count plus one, and the
+    largest count is what the grid aimed at)."""
+    groups = -(-m // layout.RO)
+    target = max(1, blocks_per_sm * sm_count // max(batches, 1))
+    per_warp = -(-groups // (target * warps))
+    return -(-(-(-groups // per_warp)) // warps)
+
+
+def stream_blocks_per_sm(smem: int, device: Device | None, cfg: StreamConfig) -> int:
+    """cfg.blocks_per_sm, fewer when an SM's shared memory holds fewer blocks (at least 1)."""
+    per_sm = _props(device).get("smem_per_sm", SMEM_PER_SM_DEFAULT)
+    return max(1, min(cfg.blocks_per_sm, per_sm // (smem + SMEM_PER_BLOCK_RESERVED)))
+
+
+def choose(node: Tensor, device: Device | None = None) -> Choice:
+    """The path that runs `node` on `device` (None: an sm_90 GPU such as the H200), or why none does."""
     rules = RULES.get(node.op)
     if rules is None:
         return Choice(reason=f"not a matrix product ({node.op})")
@@ -138,6 +266,8 @@ def choose(node: Tensor) -> Choice:
     quant = node.srcs[0].dtype.is_quant
     if node.op == "mul_mat":
         small = batch_n(node) <= MMV_MAX_N
+        if quant and small:
+            return Choice("mmvq" if stream_reason(node, device) else "mmvq_stream")
         return Choice(("mmvq" if small else "dequant_cublas") if quant else ("mmvf" if small else "cublas"))
     if node.op == "mul_mat_id":
         return Choice("mmv_id" if node.shape[0] == 1 else "mmv_id_grouped")
@@ -155,8 +285,8 @@ def gate(node: Tensor) -> bool | str | None:
 def takes(path: str) -> Callable[[object, Tensor], bool | str]:
     """A Kernel's supports: True for the nodes whose path is `path`."""
 
-    def supports(device: object, node: Tensor) -> bool | str:
-        c = choose(node)
+    def supports(device: Device, node: Tensor) -> bool | str:
+        c = choose(node, device)
         if c.reason:
             return c.reason
         return True if c.path == path else f"{c.path} takes it"

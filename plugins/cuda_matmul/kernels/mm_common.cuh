@@ -273,4 +273,23 @@ __device__ __forceinline__ float4 load_b4(const u8* col, int k, long long es) {
     }
 }
 
+// The epilogue of output row m of the mat-vec kernels (mmv.cu, mmvq_stream.cu): v = a0 . b,
+// up = a1 . b (read for EPI_GLU only).
+template <int EPI>
+__device__ __forceinline__ float epilogue(float v, float up, const float* bias0, const float* bias1, int m,
+                                          int glu_kind, float alpha, float limit) {
+    if constexpr (EPI == EPI_BIAS) {
+        v += bias0[m];
+    } else if constexpr (EPI == EPI_GLU) {
+        if (bias0 != nullptr) {
+            v += bias0[m];
+        }
+        if (bias1 != nullptr) {
+            up += bias1[m];
+        }
+        v = od::glu(glu_kind, v, up, alpha, limit);  // activations.cuh
+    }
+    return v;
+}
+
 }  // namespace mm

@@ -146,24 +146,6 @@ __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_r
     block_reduce<NW * R * NT>(acc, res);
 }
 
-// The epilogue of output row m: v = a0 . b, up = a1 . b (read for EPI_GLU only).
-template <int EPI>
-__device__ __forceinline__ float epilogue(float v, float up, const float* bias0, const float* bias1, int m,
-                                          int glu_kind, float alpha, float limit) {
-    if constexpr (EPI == EPI_BIAS) {
-        v += bias0[m];
-    } else if constexpr (EPI == EPI_GLU) {
-        if (bias0 != nullptr) {
-            v += bias0[m];
-        }
-        if (bias1 != nullptr) {
-            up += bias1[m];
-        }
-        v = od::glu(glu_kind, v, up, alpha, limit);  // activations.cuh
-    }
-    return v;
-}
-
 // The epilogue for output (r, n) of a float tile: res holds NW * R * NT sums.
 template <int EPI, int R, int NT>
 __device__ __forceinline__ float finish(const float* res, int r, int n, const float* bias0, const float* bias1, int m,

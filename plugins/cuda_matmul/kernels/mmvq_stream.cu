@@ -1,0 +1,444 @@
+// Quantized mat-vec in one launch, the weights streamed through shared memory (mmvq_stream):
+// out (N, M) = b (N, K) @ a (M, K)^T for block-format weights a and N <= NT (<= 8) float
+// columns b, each weight byte read once with cp.async.
+//
+// mmv.cu's mmvq takes two launches (quantize_q8_1 into a scratch buffer, then the mat-vec
+// reading 2-byte aligned blocks straight from global memory); this kernel is one:
+//
+// 1. Each warp of a block issues the first NS - 1 stages of its weight stream
+//    (cp.async.cg.shared.global, 16 bytes a lane, commit_group), then the whole block
+//    quantizes the N columns of b it needs to q8_1 into shared memory, exactly as
+//    quantize_q8_1 does (per 32 values: d = absmax / 127, codes round(v * 127 / absmax),
+//    and d * sum(codes)), while those copies are in flight. One __syncthreads.
+// 2. Each warp then walks its row groups through a ring of NS stage buffers of its own
+//    (wait_group NS - 1, __syncwarp, compute, __syncwarp, issue the stage NS - 1 ahead).
+//
+// Geometry (mmvq_stream_geometry below; cuda_matmul.support.stream_geometry mirrors it):
+//   chunk   CB consecutive blocks of a row, the fewest whose bytes are a multiple of 16
+//           (Geo: q4_0, q5_0, q8_0 8 blocks = 144, 176, 272 bytes; q4_1 4 = 80; q5_1 2 = 48).
+//           A row is C = K / (32 * CB) chunks: rows of whole chunks (K % (32 * CB) == 0),
+//           the weights 16-byte aligned (base, row and batch strides) are the caller's.
+//   lanes   G = min(32, next_pow2(C)) lanes a row, R = 32 / G rows (slots) a warp stage,
+//           S = ceil(C / G) segments a row (S > 1 only when G = 32). Lane l of a stage takes
+//           slot l / G, chunk seg * G + l % G of that slot's row (idle past C).
+//   stage   the R slot rows' segment, copied contiguously per row: slot r's chunks land at
+//           r * G * CHUNK, so lane l's chunk is at l * CHUNK of the stage buffer (32 * CHUNK
+//           bytes). A lane reads its chunk with 16-byte loads: the chunk stride is an odd
+//           number of 16-byte granules for every format, so the 8 lanes of a quarter warp hit
+//           8 distinct bank groups. Blocks are moved out of the chunk's words at compile-time
+//           offsets (decode_words) and dotted with b's codes by dp4a.
+//   groups  a group is RO output rows: R of them (EPI_NONE/EPI_BIAS), or with EPI_GLU R / 2
+//           gate rows in slots 0 .. R/2 - 1 and the same up rows in slots R/2 .. R - 1
+//           (R >= 2: one shuffle pairs them), or, when R = 1, one row: its S gate segments
+//           then its S up segments. A group is UG units (stages): S, 1 or 2 S.
+//   warps   the warps of the grid (gridDim.x * blockDim.x / 32 for each batch (i2, i3) of
+//           gridDim.y, gridDim.z) split the groups of a batch into even contiguous ranges
+//           (warp w: groups [w * groups / W, (w + 1) * groups / W)).
+//   b       column n's chunk c at bs + (n * C + c) * BCHUNK: CB blocks of 32 int8 codes, then
+//           CB float2 (d, d * sum), padded to an odd number of granules (conflict-free as the
+//           weights); read with 16-byte loads, (d, d * sum) two blocks at a time.
+// Dynamic shared memory: N * C * BCHUNK + (blockDim.x / 32) * NS * 32 * CHUNK bytes.
+//
+// Scaling as q_rows: a block's dot with b's codes (dp4a over raw codes c), then
+// d * (db * dot - zero * db * sum) (+ m * db * sum for q4_1 / q5_1). Rows past M (the last
+// group) read row M - 1 and write nothing. Output (B3, B2, N, M) contiguous, epilogue() as mmvq.
+
+#include "mm_common.cuh"
+
+namespace mms {
+
+using mm::u8;
+
+constexpr int THREADS_MAX = 256;  // launch bound: up to 8 warps a block
+
+constexpr int pow2_of(int x) {
+    return x % 16 == 0 ? 16 : x % 8 == 0 ? 8 : x % 4 == 0 ? 4 : x % 2 == 0 ? 2 : 1;
+}
+
+// Chunk geometry of format WT.
+template <int WT>
+struct Geo {
+    using F = mm::Fmt<WT>;
+    static constexpr int CB = 16 / pow2_of(F::BYTES);  // blocks a chunk: lcm(BYTES, 16) / BYTES
+    static constexpr int CHUNK = CB * F::BYTES;         // weight bytes a chunk
+    static constexpr int GRAN = CHUNK / 16;
+    static constexpr int WORDS = CHUNK / 4;
+    static constexpr int BCODES = CB * 32;              // b: a chunk's codes, then its (d, d * sum)
+    static constexpr int BRAW = CB * 40;
+    static constexpr int BCHUNK = (BRAW / 16) % 2 == 1 ? BRAW : BRAW + 16;
+    static_assert(CHUNK % 16 == 0 && GRAN % 2 == 1, "chunk stride must be an odd number of granules");
+    static_assert(CB % 2 == 0 && BRAW % 16 == 0 && (BCHUNK / 16) % 2 == 1, "b chunk layout");
+};
+
+// -- cp.async -------------------------------------------------------------------------------------
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// -- geometry ---------------------------------------------------------------------------------------
+
+struct Layout {
+    int C;   // chunks a row
+    int G;   // lanes a row
+    int R;   // slots (rows) a stage
+    int S;   // segments a row
+    int RO;  // output rows a group
+    int UG;  // units (stages) a group
+};
+
+__device__ __forceinline__ Layout layout(int C, bool glu) {
+    Layout l;
+    l.C = C;
+    l.G = 1;
+    while (l.G < C && l.G < 32) {
+        l.G <<= 1;
+    }
+    l.R = 32 / l.G;
+    l.S = (C + l.G - 1) / l.G;
+    if (!glu) {
+        l.RO = l.R;
+        l.UG = l.S;
+    } else if (l.R >= 2) {
+        l.RO = l.R / 2;
+        l.UG = 1;
+    } else {
+        l.RO = 1;
+        l.UG = 2 * l.S;
+    }
+    return l;
+}
+
+// -- b to q8_1 in shared memory ----------------------------------------------------------------------
+
+// The 32 values of b block j of column n (at src) as floats: 16-byte loads when `vec`.
+template <int TB>
+__device__ __forceinline__ void load_b32(const u8* src, long long b_es, bool vec, float (&v)[32]) {
+    if (vec) {
+        if constexpr (TB == B_F32) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float4 x = reinterpret_cast<const float4*>(src)[i];
+                v[4 * i] = x.x, v[4 * i + 1] = x.y, v[4 * i + 2] = x.z, v[4 * i + 3] = x.w;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const uint4 x = reinterpret_cast<const uint4*>(src)[i];
+                const unsigned u[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+                for (int t = 0; t < 4; ++t) {
+                    if constexpr (TB == B_F16) {
+                        mm::half2_to_f(u[t], v[8 * i + 2 * t], v[8 * i + 2 * t + 1]);
+                    } else {
+                        mm::bf2_to_f(u[t], v[8 * i + 2 * t], v[8 * i + 2 * t + 1]);
+                    }
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            v[i] = mm::load_elem<TB>(src + i * b_es);
+        }
+    }
+}
+
+// One block of 32 values to q8_1 at dst (its chunk's b bytes), slot jj of the chunk, as
+// quantize_q8_1: amax over the 32 values, d = amax / 127, codes __float2int_rn(v * 127 / amax).
+template <int WT>
+__device__ __forceinline__ void store_q8_1(const float (&v)[32], u8* dst, int jj) {
+    using Gm = Geo<WT>;
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    unsigned w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        unsigned word = 0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const int q = __float2int_rn(v[4 * i + t] * id);
+            sum += q;
+            word |= (static_cast<unsigned>(q) & 0xffu) << (8 * t);
+        }
+        w[i] = word;
+    }
+    uint4* codes = reinterpret_cast<uint4*>(dst + 32 * jj);
+    codes[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    codes[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    reinterpret_cast<float2*>(dst + Gm::BCODES)[jj] = make_float2(d, d * static_cast<float>(sum));
+}
+
+// Columns n < N of b (value k of column n at b + n * b_col + k * b_es) to q8_1 at bs (layout
+// above); every thread of the block takes part, a thread a (column, block) item, two items'
+// loads in flight before either is quantized (the shared stores between them would otherwise
+// keep the compiler from hoisting the second item's loads).
+template <int WT, int TB>
+__device__ __forceinline__ void quantize_b(const u8* b, long long b_col, long long b_es, int N, int K, int C, u8* bs) {
+    using Gm = Geo<WT>;
+    constexpr int ES = TB == B_F32 ? 4 : 2;
+    const int nb = K / 32, items = N * nb;
+    const bool vec = b_es == ES && ((reinterpret_cast<unsigned long long>(b) | static_cast<unsigned long long>(b_col)) &
+                                    15ull) == 0;
+    for (int it0 = threadIdx.x; it0 < items; it0 += 2 * blockDim.x) {
+        const int it1 = it0 + blockDim.x;
+        float v0[32], v1[32];
+        const int n0 = it0 / nb, j0 = it0 - n0 * nb;
+        load_b32<TB>(b + n0 * b_col + 32ll * j0 * b_es, b_es, vec, v0);
+        const bool two = it1 < items;
+        const int n1 = two ? it1 / nb : 0, j1 = two ? it1 - n1 * nb : 0;
+        if (two) {
+            load_b32<TB>(b + n1 * b_col + 32ll * j1 * b_es, b_es, vec, v1);
+        }
+        store_q8_1<WT>(v0, bs + (static_cast<long long>(n0) * C + j0 / Gm::CB) * Gm::BCHUNK, j0 % Gm::CB);
+        if (two) {
+            store_q8_1<WT>(v1, bs + (static_cast<long long>(n1) * C + j1 / Gm::CB) * Gm::BCHUNK, j1 % Gm::CB);
+        }
+    }
+}
+
+// -- the dot products of one chunk ----------------------------------------------------------------
+
+// acc[n] += chunk (CB blocks at `wchunk`, shared) . b column n's chunk (at bchunk + n * bcol_stride).
+template <int WT, int NT>
+__device__ __forceinline__ void dot_chunk(const u8* wchunk, const u8* bchunk, int bcol_stride, int N,
+                                          float (&acc)[NT]) {
+    using Gm = Geo<WT>;
+    using F = mm::Fmt<WT>;
+    constexpr int NWD = (F::BYTES + 1) / 4 + 1;  // words decode_words reads
+    unsigned wd[Gm::WORDS + 2];
+#pragma unroll
+    for (int g = 0; g < Gm::GRAN; ++g) {
+        const uint4 v = reinterpret_cast<const uint4*>(wchunk)[g];
+        wd[4 * g] = v.x, wd[4 * g + 1] = v.y, wd[4 * g + 2] = v.z, wd[4 * g + 3] = v.w;
+    }
+    wd[Gm::WORDS] = 0u;  // read (with a shift of 0) by the last block's decode only
+    wd[Gm::WORDS + 1] = 0u;
+#pragma unroll
+    for (int j = 0; j < Gm::CB; ++j) {
+        const int o = j * F::BYTES;  // a constant once unrolled
+        unsigned bw[NWD];
+#pragma unroll
+        for (int t = 0; t < NWD; ++t) {
+            bw[t] = wd[o / 4 + t];
+        }
+        int q[8];
+        float d, m;
+        mm::decode_words<WT>(bw, (o % 4) * 8, q, d, m);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            if (n < N) {
+                const u8* bc = bchunk + n * bcol_stride;
+                const int4 lo = reinterpret_cast<const int4*>(bc + 32 * j)[0];
+                const int4 hi = reinterpret_cast<const int4*>(bc + 32 * j)[1];
+                const float4 ds2 = reinterpret_cast<const float4*>(bc + Gm::BCODES)[j / 2];
+                const float2 ds = (j % 2 == 0) ? make_float2(ds2.x, ds2.y) : make_float2(ds2.z, ds2.w);
+                const int bq[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+                int dot = 0;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    dot = __dp4a(q[i], bq[i], dot);
+                }
+                float v = ds.x * static_cast<float>(dot);
+                if constexpr (F::ZERO != 0) {
+                    v = fmaf(-static_cast<float>(F::ZERO), ds.y, v);
+                }
+                acc[n] = fmaf(d, v, acc[n]);
+                if constexpr (F::M >= 0) {
+                    acc[n] = fmaf(m, ds.y, acc[n]);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace mms
+
+using mm::u8;
+
+// mul_mat with block-format weights in one launch: out[i3, i2, n, m] = sum_k a[i3 / r3, i2 / r2, m, k]
+// * b[i3, i2, n, k] for n < N <= NT, arguments exactly as mmv's (mmv.cu): a0 (and a1, the up weight
+// of EPI_GLU, a0's strides) rows a_row bytes apart, batch strides a_s2, a_s3; b columns b_col bytes
+// apart, elements b_es apart (16-byte loads when b_es is the element size and b, b_col are 16-byte
+// aligned), batch strides b_s2, b_s3; out contiguous (B3, B2, N, M). NS stages a warp. Grid (blocks,
+// B2, B3), blockDim.x a multiple of 32 (at most THREADS_MAX), dynamic shared memory as above.
+template <int WT, int TB, int NT, int EPI, int NS>
+__global__ void __launch_bounds__(mms::THREADS_MAX, 1)
+    mmvq_stream(const u8* a0, const u8* a1, long long a_row, long long a_s2, long long a_s3, int r2, int r3,
+                const u8* b, long long b_col, long long b_es, long long b_s2, long long b_s3, float* out, int M,
+                int K, int N, const float* bias0, const float* bias1, int glu_kind, float alpha, float limit) {
+    using Gm = mms::Geo<WT>;
+    constexpr int NW = EPI == EPI_GLU ? 2 : 1;
+    static_assert(NS >= 2 && NS <= 4, "2 to 4 stages");
+    extern __shared__ uint4 smem_u4[];
+    u8* const smem = reinterpret_cast<u8*>(smem_u4);
+
+    const int i2 = blockIdx.y, i3 = blockIdx.z;
+    const long long aoff = (i3 / r3) * a_s3 + (i2 / r2) * a_s2;
+    const u8* const wa0 = a0 + aoff;
+    const u8* const wa1 = NW == 2 ? a1 + aoff : wa0;
+    const mms::Layout L = mms::layout(K / (32 * Gm::CB), NW == 2);
+    const int groups = (M + L.RO - 1) / L.RO;
+    const int nwarps = blockDim.x / od::WARP_SIZE, warp = threadIdx.x / od::WARP_SIZE;
+    const int lane = threadIdx.x % od::WARP_SIZE;
+    const long long W = static_cast<long long>(gridDim.x) * nwarps;
+    const long long wi = static_cast<long long>(blockIdx.x) * nwarps + warp;
+    const int g0 = static_cast<int>(wi * groups / W), g1 = static_cast<int>((wi + 1) * groups / W);
+    const int nunits = (g1 - g0) * L.UG;
+    const int bcol_stride = L.C * Gm::BCHUNK;
+    u8* const bs = smem;
+    u8* const ring = smem + static_cast<long long>(N) * bcol_stride +
+                     static_cast<long long>(warp) * NS * od::WARP_SIZE * Gm::CHUNK;
+    constexpr int STAGE = od::WARP_SIZE * Gm::CHUNK;
+
+    // the next unit to issue: group ig, unit iu of it
+    int ig = g0, iu = 0;
+    auto issue = [&](u8* buf) {
+        if (L.R == 1) {
+            const int w = NW == 2 ? iu / L.S : 0;
+            const int seg = iu - w * L.S;
+            const int nch = min(L.G, L.C - seg * L.G);
+            const u8* src = (w ? wa1 : wa0) + static_cast<long long>(min(ig, M - 1)) * a_row +
+                            static_cast<long long>(seg) * L.G * Gm::CHUNK;
+            for (int i = lane; i < nch * Gm::GRAN; i += od::WARP_SIZE) {
+                mms::cp_async16(buf + 16 * i, src + 16 * i);
+            }
+        } else {
+            const int n16 = L.C * Gm::GRAN;
+            for (int rs = 0; rs < L.R; ++rs) {
+                const int w = NW == 2 ? rs / L.RO : 0;
+                const int o = ig * L.RO + rs - w * L.RO;
+                const u8* src = (w ? wa1 : wa0) + static_cast<long long>(min(o, M - 1)) * a_row;
+                u8* dst = buf + rs * L.G * Gm::CHUNK;
+                for (int i = lane; i < n16; i += od::WARP_SIZE) {
+                    mms::cp_async16(dst + 16 * i, src + 16 * i);
+                }
+            }
+        }
+        if (++iu == L.UG) {
+            iu = 0;
+            ++ig;
+        }
+    };
+
+    // 1. the first stages in flight, then b to q8_1 while they land
+#pragma unroll
+    for (int s = 0; s < NS - 1; ++s) {
+        if (s < nunits) {
+            issue(ring + s * STAGE);
+        }
+        mms::cp_async_commit();
+    }
+    const long long bb = i3 * b_s3 + i2 * b_s2;
+    mms::quantize_b<WT, TB>(b + bb, b_col, b_es, N, K, L.C, bs);
+    __syncthreads();
+
+    // 2. the ring
+    const int rs = lane / L.G, lc = lane % L.G;
+    float* const o_base = out + (static_cast<long long>(i3) * gridDim.y + i2) * N * static_cast<long long>(M);
+    float acc[NT], gate[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        acc[n] = 0.0f;
+        gate[n] = 0.0f;
+    }
+    int cg = g0, cu = 0;  // the unit computed
+    for (int i = 0; i < nunits; ++i) {
+        if (i + NS - 1 < nunits) {
+            issue(ring + ((i + NS - 1) % NS) * STAGE);
+        }
+        mms::cp_async_commit();
+        mms::cp_async_wait<NS - 1>();
+        __syncwarp();
+        const int w = (NW == 2 && L.R == 1) ? cu / L.S : 0;
+        const int seg = L.R == 1 ? cu - w * L.S : 0;
+        const int c = seg * L.G + lc;
+        if (c < L.C) {
+            mms::dot_chunk<WT, NT>(ring + (i % NS) * STAGE + lane * Gm::CHUNK, bs + c * Gm::BCHUNK, bcol_stride,
+                                   N, acc);
+        }
+        if (seg == L.S - 1) {  // the end of a row's segments: sums over the row's G lanes
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                for (int off = L.G / 2; off > 0; off >>= 1) {
+                    acc[n] += __shfl_xor_sync(od::FULL_MASK, acc[n], off);
+                }
+            }
+            if (NW == 2 && L.R == 1 && w == 0) {  // the gate row's sums; its up row follows
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    gate[n] = acc[n];
+                    acc[n] = 0.0f;
+                }
+            } else {
+                int m;
+                bool writer;
+                float up[NT];
+                if constexpr (NW == 2) {
+                    if (L.R == 1) {
+                        m = cg;
+                        writer = lane == 0;
+#pragma unroll
+                        for (int n = 0; n < NT; ++n) {
+                            up[n] = acc[n];
+                            acc[n] = gate[n];
+                        }
+                    } else {  // slots RO .. R - 1 (lanes 16 .. 31) hold the up rows of slots 0 .. RO - 1
+#pragma unroll
+                        for (int n = 0; n < NT; ++n) {
+                            up[n] = __shfl_xor_sync(od::FULL_MASK, acc[n], 16);
+                        }
+                        m = cg * L.RO + rs;
+                        writer = lc == 0 && rs < L.RO;
+                    }
+                } else {
+#pragma unroll
+                    for (int n = 0; n < NT; ++n) {
+                        up[n] = 0.0f;
+                    }
+                    m = cg * L.RO + rs;
+                    writer = lc == 0;
+                }
+                if (writer && m < M) {
+#pragma unroll
+                    for (int n = 0; n < NT; ++n) {
+                        if (n < N) {
+                            o_base[static_cast<long long>(n) * M + m] =
+                                mm::epilogue<EPI>(acc[n], up[n], bias0, bias1, m, glu_kind, alpha, limit);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    acc[n] = 0.0f;
+                }
+            }
+        }
+        if (++cu == L.UG) {
+            cu = 0;
+            ++cg;
+        }
+        __syncwarp();  // every lane is done with this stage before the next issue overwrites it
+    }
+    mms::cp_async_wait<0>();  // nothing left in flight at exit (a warp with no units committed empty groups)
+}

@@ -1,0 +1,106 @@
+// Host emulation of the CUDA subset kernels/mmvq_stream.cu uses (tests/test_mmvq_stream_emulated.py):
+// one std::thread per CUDA thread, std::barrier for __syncthreads / __syncwarp / shuffles, and
+// cp.async performed at wait_group time (lazy) or at issue (eager), so that a read of a stage
+// before its wait sees the poisoned (0xFF) shared memory instead of the weights.
+#pragma once
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+#include <algorithm>
+
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __shared__
+#define __launch_bounds__(...)
+
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(16) int4 { int x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
+struct alignas(8) int2 { int x, y; };
+struct alignas(8) uint2 { unsigned x, y; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
+inline int2 make_int2(int a, int b) { return {a, b}; }
+
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+extern thread_local dim3 threadIdx, blockIdx;
+extern dim3 blockDim, gridDim;
+
+inline int min(int a, int b) { return a < b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+
+inline float __int_as_float(int v) { float f; memcpy(&f, &v, 4); return f; }
+inline float __uint_as_float(unsigned v) { float f; memcpy(&f, &v, 4); return f; }
+inline unsigned __float_as_uint(float v) { unsigned u; memcpy(&u, &v, 4); return u; }
+inline float __fdividef(float a, float b) { return a / b; }
+inline int __float2int_rn(float x) { return (int)nearbyintf(x); }
+inline unsigned __funnelshift_rc(unsigned lo, unsigned hi, unsigned sh) {
+    sh = sh > 32 ? 32 : sh;
+    const unsigned long long v = ((unsigned long long)hi << 32) | lo;
+    return (unsigned)(v >> sh);
+}
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+}
+inline float emu_h2f(unsigned short h) { _Float16 v; memcpy(&v, &h, 2); return (float)v; }
+inline unsigned short emu_f2h(float f) { _Float16 v = (_Float16)f; unsigned short h; memcpy(&h, &v, 2); return h; }
+
+struct EmuBlock {
+    std::barrier<>* block_bar;
+    std::vector<std::barrier<>*> warp_bar;
+    std::vector<unsigned> xchg;
+    unsigned char* smem;
+};
+extern thread_local EmuBlock* emu_ctx;
+
+inline void __syncthreads() { emu_ctx->block_bar->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_ctx->warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
+
+template <class T>
+inline T __shfl_xor_sync(unsigned, T v, int off, int = 32) {
+    static_assert(sizeof(T) == 4, "4-byte shuffles");
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    unsigned* x = emu_ctx->xchg.data() + warp * 32;
+    memcpy(&x[lane], &v, 4);
+    __syncwarp();
+    T r;
+    memcpy(&r, &x[lane ^ off], 4);
+    __syncwarp();
+    return r;
+}
+
+// cp.async
+struct EmuCopy { void* dst; const void* src; int group; };
+extern thread_local std::vector<EmuCopy> emu_pending;
+extern thread_local int emu_groups;  // committed groups
+extern bool emu_eager;
+extern unsigned char* emu_gmem_lo;
+extern unsigned char* emu_gmem_hi;
+inline void emu_cp16(void* dst, const void* src) {
+    const unsigned char* s = (const unsigned char*)src;
+    if (s < emu_gmem_lo || s + 16 > emu_gmem_hi || ((uintptr_t)s & 15) || ((uintptr_t)dst & 15)) {
+        fprintf(stderr, "cp.async out of range or misaligned: src %p dst %p\n", src, dst);
+        std::abort();
+    }
+    if (emu_eager) memcpy(dst, src, 16);
+    else emu_pending.push_back({dst, src, emu_groups});
+}
+inline void emu_commit() { ++emu_groups; }
+inline void emu_wait(int n) {
+    std::vector<EmuCopy> keep;
+    for (auto& c : emu_pending) {
+        if (c.group < emu_groups - n) memcpy(c.dst, c.src, 16);
+        else keep.push_back(c);
+    }
+    emu_pending.swap(keep);
+}

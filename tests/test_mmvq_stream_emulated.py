@@ -1,0 +1,251 @@
+"""cuda_matmul's mmvq_stream kernel run on the CPU: its real source, compiled by g++ against a host
+emulation of the CUDA it uses (tests/cuda_emu/shim.h), on the launch specs the plugin binds.
+
+No GPU is needed: every CUDA thread is a std::thread, __syncthreads / __syncwarp / the shuffles go
+through barriers, and cp.async copies land only at the wait_group that covers them ("lazy") or at
+once ("eager"), so a stage read before its wait, a missing __syncwarp before a stage is refilled,
+a wrong lane-to-chunk map, a wrong block decode or a row left unwritten shows as a wrong or NaN
+result (shared memory and outputs start poisoned, 0xFF). The only edits to the source are the
+inline PTX (f16 conversions, cp.async) swapped for host functions. Results are compared with the
+numpy reference by NMSE (OPS.md's 5e-4) and, where b is a plain f32 input, with the reference run
+on b rounded to q8_1 in numpy (quantize_q8_1's float32 math) by NMSE 1e-8: the kernel's only
+departure from the reference is that rounding (ggml's too), so anything else shows. On the H200
+the same shapes run in test_cuda_matmul.py.
+
+Skipped without g++ 12 or newer (C++20 <barrier>, _Float16).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import opdispatch as od
+import opdispatch.plugins.cuda_matmul as cm
+from opdispatch import ops
+from opdispatch.backends.base import Device
+from opdispatch.dtypes import from_float
+from opdispatch.graph import Graph
+from opdispatch.plugins.cuda_matmul import fusion, support
+from opdispatch.tensor import Tensor
+from opdispatch.testing.metrics import nmse
+
+ROOT = Path(__file__).resolve().parent.parent
+INCLUDE = ROOT / "core" / "backends" / "cuda"
+EMU = Path(__file__).resolve().parent / "cuda_emu"
+NMSE_MAX = 5e-4
+NMSE_Q8_1 = 1e-8  # against the reference on b rounded to q8_1 as the kernel rounds it
+VIEWS = ("view", "reshape", "permute", "transpose")
+#: a small GPU, so that the grids have a few blocks and the warps several groups each
+DEVICE = Device("cuda0", "cuda", "an emulated sm_90 GPU of 4 SMs",
+                {"cc": (9, 0), "sm_count": 4, "smem_per_block_optin": 227 * 1024, "warp_size": 32})
+
+
+def _gxx_major() -> int:
+    gxx = shutil.which("g++")
+    if gxx is None:
+        return 0
+    out = subprocess.run([gxx, "-dumpversion"], capture_output=True, text=True).stdout.strip()
+    return int(out.split(".")[0]) if out.split(".")[0].isdigit() else 0
+
+
+pytestmark = pytest.mark.skipif(_gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
+
+
+def _mm(dt: str, m: int, k: int, n: int, tb: str = "f32", batch: tuple = (), bview: str | None = None,
+        a_batch: tuple | None = None) -> Tensor:
+    a = od.input("a", (*(batch if a_batch is None else a_batch), m, k), dt)
+    if bview == "T":
+        b = od.input("x", (*batch, k, n), tb).transpose()
+    elif bview == "offset":
+        x = od.input("x", (*batch, n, k + 1), tb)
+        b = x.view((*batch, n, k), x.strides, x.dtype.block_bytes)
+    else:
+        b = od.input("x", (*batch, n, k), tb)
+    return ops.mul_mat(a, b)
+
+
+def _glu(dt: str, m: int, k: int, n: int, bias: bool, kind: str) -> Tensor:
+    x = od.input("x", (n, k))
+    g, u = ops.mul_mat(od.input("wg", (m, k), dt), x), ops.mul_mat(od.input("wu", (m, k), dt), x)
+    if bias:
+        g, u = ops.add(g, od.input("bg", (m,))), ops.add(u, od.input("bu", (m,)))
+    if kind == "swiglu_oai":
+        return ops.glu_split(g, u, kind, alpha=1.702, limit=7.0)
+    return ops.glu_split(g, u, kind)
+
+
+def _bias(dt: str, m: int, k: int, n: int) -> Tensor:
+    return ops.add(ops.mul_mat(od.input("w", (m, k), dt), od.input("x", (n, k))), od.input("bias", (m,)))
+
+
+DEFAULT = support.STREAM
+#: name: (graph, stream config, eager copies); each covers a part of the layout (support.stream_layout)
+CASES = {
+    "q4_0 K256 one chunk a row (G 1, R 32)": (lambda: _mm("q4_0", 77, 256, 1), DEFAULT, False),
+    "q8_0 K4096 two rows a stage (G 16)": (lambda: _mm("q8_0", 130, 4096, 2), DEFAULT, False),
+    "q8_0 K8192 a warp a row (G 32, S 1)": (lambda: _mm("q8_0", 33, 8192, 1), DEFAULT, False),
+    "q4_1 K4224 a partial second segment": (lambda: _mm("q4_1", 17, 4224, 1), DEFAULT, False),
+    "q5_0 K14336 two segments, 2 stages": (lambda: _mm("q5_0", 21, 14336, 3), support.StreamConfig(2, 2, 1), True),
+    "q5_1 K64 N8, 4 stages 8 warps": (lambda: _mm("q5_1", 19, 64, 8), support.StreamConfig(4, 8, 3), False),
+    "q4_0 broadcast batches": (lambda: _mm("q4_0", 13, 256, 3, batch=(2, 3), a_batch=(1, 3)), DEFAULT, False),
+    "q8_0 b f16 misaligned (scalar loads)": (lambda: _mm("q8_0", 29, 512, 3, tb="f16", bview="offset"), DEFAULT,
+                                             False),
+    "q4_1 b bf16 transposed": (lambda: _mm("q4_1", 29, 512, 3, tb="bf16", bview="T"), DEFAULT, True),
+    "q5_0 bias": (lambda: _bias("q5_0", 45, 512, 5), DEFAULT, False),
+    "glu q4_0 K4096 gate and up in a stage, bias": (lambda: _glu("q4_0", 77, 4096, 2, True, "swiglu_oai"), DEFAULT,
+                                                     False),
+    "glu q8_0 K14336 gate then up segments, bias": (lambda: _glu("q8_0", 64, 14336, 1, True, "swiglu"), DEFAULT,
+                                                     False),
+    "glu q5_1 K64 16 gate rows a stage": (lambda: _glu("q5_1", 41, 64, 3, False, "geglu"), DEFAULT, True),
+}
+
+
+def _transformed(build: Path) -> None:
+    """The kernel and its headers, inline PTX swapped for shim.h's host functions."""
+    common = (INCLUDE / "common.cuh").read_text()
+    for ptx, host in (('asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));', "f = emu_h2f(h);"),
+                      ('asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));', "h = emu_f2h(f);")):
+        assert ptx in common, f"common.cuh changed: update the emulation's swap of {ptx}"
+        common = common.replace(ptx, host)
+    (build / "common.cuh").write_text(common)
+    (build / "activations.cuh").write_text((INCLUDE / "activations.cuh").read_text())
+    (build / "mm_common.cuh").write_text(cm.KERNELS_DIR.joinpath("mm_common.cuh").read_text())
+    src = cm.MMVQ_STREAM_CU.read_text()
+    a, b = src.index("// -- cp.async --"), src.index("// -- geometry --")
+    src = src[:a] + """
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) { emu_cp16(dst, src); }
+__device__ __forceinline__ void cp_async_commit() { emu_commit(); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { emu_wait(N); }
+
+""" + src[b:]
+    shared = "extern __shared__ uint4 smem_u4[];"
+    assert shared in src
+    src = src.replace(shared, "uint4* smem_u4 = reinterpret_cast<uint4*>(emu_ctx->smem);")
+    for text, name in ((common, "common.cuh"), (src, "mmvq_stream.cu")):
+        assert "asm" not in text, f"{name} has inline PTX the emulation does not replace"
+    (build / "mmvq_stream.cu").write_text(src)
+
+
+def q8_1_rounded(x: np.ndarray) -> np.ndarray:
+    """x (f32, last axis a multiple of 32) rounded as quantize_q8_1 does, per 32 values along the
+    last axis: d = amax / 127, codes rint(v * (127 / amax)), values codes * d (float32 math)."""
+    v = x.astype(np.float32).reshape(-1, 32)
+    amax = np.abs(v).max(axis=1, keepdims=True)
+    d = amax / np.float32(127)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0))
+    codes = np.rint(v * inv.astype(np.float32))
+    return (codes * d).astype(np.float32).reshape(x.shape)
+
+
+def _nodes(y: Tensor) -> list[Tensor]:
+    return [n for n in Graph.build(y).nodes if n.op not in VIEWS]
+
+
+class Arena:
+    """Device memory as one byte array: tensors at 256-byte aligned offsets from 256 (0 is nullptr)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.mem = np.zeros(nbytes, np.uint8)
+        self.top = 256
+        self.where: dict[int, int] = {}
+
+    def place(self, t: Tensor, data: np.ndarray | None) -> None:
+        b = t.base
+        if b.uid in self.where:
+            return
+        at = self.where[b.uid] = self.top
+        self.top = (self.top + b.nbytes + 255) // 256 * 256
+        self.mem[at:at + b.nbytes] = np.ascontiguousarray(data).view(np.uint8).reshape(-1) if data is not None else 0xFF
+
+    def ptr(self, t: Tensor) -> int:
+        return self.where[t.base.uid] + t.view_offset
+
+    def scratch(self, role: str, nbytes: int) -> int:
+        raise AssertionError("mmvq_stream takes no scratch buffer")
+
+
+def _specs(y: Tensor, arena: Arena, cfg: support.StreamConfig) -> list[cm.KernelSpec]:
+    nodes = _nodes(y)
+    if len(nodes) == 1:
+        return cm.mmv_specs(nodes[0], nodes[0], arena.ptr, arena.scratch, device=DEVICE, stream=cfg)
+    graph = Graph.build(y)
+    assert fusion.check(DEVICE, nodes, graph) is True
+    prods, biases, glu = fusion.parts(nodes)
+    return cm.mmv_specs(prods[0], nodes[-1], arena.ptr, arena.scratch, a1=prods[1].srcs[0] if glu else None,
+                        bias0=biases[0], bias1=biases[1] if glu else None, glu=glu, device=DEVICE, stream=cfg)
+
+
+def _instance(y: Tensor, cfg: support.StreamConfig) -> str:
+    nodes = _nodes(y)
+    first = nodes[0]
+    epi = cm.EPI_GLU if nodes[-1].op == "glu" else (cm.EPI_BIAS if len(nodes) == 2 else cm.EPI_NONE)
+    tb = first.srcs[1].dtype.name
+    return cm.stream_name(first.srcs[0].dtype.name, tb, cm.nt_for(first.shape[-2]) if tb == "f32" else 8, epi,
+                          cfg.stages)
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    build = tmp_path_factory.mktemp("mmvq_stream_emu")
+    _transformed(build)
+    (build / "shim.h").write_text((EMU / "shim.h").read_text())
+    (build / "main.cpp").write_text((EMU / "main.cpp").read_text())
+    names = sorted({_instance(make(), cfg) for make, cfg, _ in CASES.values()})
+    (build / "instances.inc").write_text("".join(f'    {{"{n}", &{n}}},\n' for n in names))
+    exe = build / "emu"
+    cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-w", "-I", str(build), str(build / "main.cpp"), "-o", str(exe)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
+    return exe
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mmvq_stream_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+    make, cfg, eager = CASES[case]
+    y = make()
+    graph = Graph.build(y)
+    feeds = {t: rng.uniform(-1, 1, t.shape).astype(np.float32) for t in graph.inputs}
+    arena = Arena(sum(t.base.nbytes + 256 for t in (*graph.leafs, *graph.nodes)) + 4096)
+    for leaf in graph.leafs:
+        arena.place(leaf, from_float(leaf.dtype.name, feeds[leaf]) if leaf in feeds else leaf.data)
+    for n in graph.nodes:
+        arena.place(n, None)  # poisoned: NaN floats
+    (spec,) = _specs(y, arena, cfg)
+    assert spec.kernel == _instance(y, cfg)
+    mem_file = tmp_path / "mem.bin"
+    arena.mem.tofile(mem_file)
+    grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
+    cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, grid), str(spec.block), str(spec.smem), str(int(eager)),
+           *(str(a.item()) for a in spec.args)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    mem = np.fromfile(mem_file, np.uint8)
+    out = _nodes(y)[-1]
+    at = arena.ptr(out)
+    got = mem[at:at + out.nbytes].view(np.float32).reshape(out.shape)
+    (ref,) = od.compile(y, "cpu").run(feeds)
+    what = f"{case}: {spec.kernel} grid {spec.grid} block {spec.block} smem {spec.smem}"
+    assert np.isfinite(got).all(), f"{what}: non-finite outputs (unwritten, or read before landing)"
+    assert nmse(got, ref) <= NMSE_MAX, f"{what}: NMSE {nmse(got, ref):.3g}"
+    b = _nodes(y)[0].srcs[1]
+    if b in feeds and b.dtype.name == "f32":  # b a plain f32 input: the kernel's rounding of it, exactly
+        (model,) = od.compile(y, "cpu").run({**feeds, b: q8_1_rounded(feeds[b])})
+        assert nmse(got, model) <= NMSE_Q8_1, f"{what}: NMSE {nmse(got, model):.3g} against b rounded to q8_1"
+
+
+def test_cases_cover_the_layouts() -> None:
+    """The cases above reach every kind of stage: R 32, R 2 and R 1 with 1 and several segments, with
+    and without GLU, and more than one block."""
+    seen = set()
+    for make, cfg, _ in CASES.values():
+        nodes = _nodes(make())
+        a = nodes[0].srcs[0]
+        lay = support.stream_layout(a.dtype.name, a.shape[-1], nodes[-1].op == "glu")
+        seen.add((min(lay.R, 2), min(lay.S, 2), nodes[-1].op == "glu"))
+    assert {(2, 1, False), (1, 1, False), (1, 2, False), (2, 1, True), (1, 2, True)} <= seen, seen
