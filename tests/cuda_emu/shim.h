@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 #include <algorithm>
+#include <atomic>
 
 #define __device__
 #define __global__
@@ -64,6 +65,9 @@ struct EmuBlock {
 extern thread_local EmuBlock* emu_ctx;
 
 inline void __syncthreads() { emu_ctx->block_bar->arrive_and_wait(); }
+// common.cuh's od::last_block (not called by mmvq_stream, but compiled with the header)
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_ctx->warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
 
 template <class T>
