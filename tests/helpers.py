@@ -6,6 +6,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from opdispatch import input as new_input
+from opdispatch import ops
 from opdispatch.dtypes import from_float, to_host_float
 from opdispatch.graph import Graph
 from opdispatch.reference import REFERENCE
@@ -59,3 +61,16 @@ def assert_close(out: np.ndarray, ref: np.ndarray, seed: int, tol: float = 1e-7)
     assert err <= tol, f"nmse {err:.3g} > {tol:g} (seed {seed})"
     # evaluate() starts outputs at zero: every entry the formula makes nonzero must be written.
     assert np.all((out != 0) | (ref == 0)), f"output entries left unwritten (seed {seed})"
+
+
+def gate_up_glu(dt: str, m: int, k: int, n: int, bias: bool, kind: str) -> Tensor:
+    """glu(gate (m, k) . x, up (m, k) . x) for x (n, k), weights of type dt, optional biases: the
+    fused gate/up mat-vec pattern (swiglu_oai with gpt-oss's alpha and limit)."""
+    x = new_input("x", (n, k))
+    g, u = ops.mul_mat(new_input("wg", (m, k), dt), x), ops.mul_mat(new_input("wu", (m, k), dt), x)
+    if bias:
+        g, u = ops.add(g, new_input("bg", (m,))), ops.add(u, new_input("bu", (m,)))
+    if kind == "swiglu_oai":
+        return ops.glu_split(g, u, kind, alpha=1.702, limit=7.0)
+    return ops.glu_split(g, u, kind)
+

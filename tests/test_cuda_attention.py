@@ -929,26 +929,37 @@ def test_fused_rope_qkv_matches_unfused_and_reference(cache: str, idx: str, mode
                                                       n_dims: int, rng) -> None:  # noqa: ANN001
     inp = Inputs(rng)
     outputs = qkv_step(inp, cache, idx, mode, rows=rows, d=d, n_dims=n_dims, ctx=512)
+    plan = check_cache_step(outputs, inp.feeds, {"q": bound("rope"), "K cache": bound("set_rows", cache),
+                                                 "V cache": bound("set_rows", cache)}, f"{cache} {idx} {mode}")
+    assert [(s.plugin, s.kernel) for s in plan.fusions] == [("cuda_attention", "rope_qkv_set_rows")], plan.explain()
+
+
+def check_cache_step(outputs: list[Tensor], feeds: dict, limits: dict[str, float], label: str,
+                     times: int = 1) -> od.Plan:
+    """Runs `outputs` (the last ones: set_rows results into caches) fused on cuda0, unfused on cuda0 and on
+    the CPU, each from the caches' initial rows (plans on one device share their buffers) with arenas
+    poisoned, `times` times on cuda0 fused (more than one: CUDA-graph replays); asserts the outputs, named
+    by `limits`' keys, agree within their bounds. Returns the fused plan."""
     caches = [o.base for o in outputs[1:]]
 
-    def run(device: str, **kw: object) -> tuple[od.Plan, list[np.ndarray]]:
-        """A run from the caches' initial rows (plans on one device share their buffers), arenas poisoned."""
+    def run(device: str, times: int = 1, **kw: object) -> tuple[od.Plan, list[np.ndarray]]:
         plan = od.compile(outputs, device, **kw)
-        for c in caches:
-            plan.write(c, c.data.view(np.float32 if c.dtype.name == "f32" else np.float16).reshape(c.shape))
-        plan.poison()
-        return plan, plan.run(inp.feeds)
+        for _ in range(times):
+            for c in caches:
+                plan.write(c, c.data.view(np.float32 if c.dtype.name == "f32" else np.float16).reshape(c.shape))
+            plan.poison()
+            got = plan.run(feeds)
+        return plan, got
 
-    plan, fused = run("cuda0")
-    assert [(s.plugin, s.kernel) for s in plan.fusions] == [("cuda_attention", "rope_qkv_set_rows")], plan.explain()
+    plan, fused = run("cuda0", times)
     plain_plan, plain = run("cuda0", fusion=False)
     assert not plain_plan.fusions
     _, ref = run("cpu")
-    limits = (bound("rope"), bound("set_rows", cache), bound("set_rows", cache))
-    for what, got, want, other, limit in zip(("q", "K cache", "V cache"), fused, ref, plain, limits):
+    for (what, limit), got, want, other in zip(limits.items(), fused, ref, plain):
         got = got.astype(np.float64)
-        assert_close(got, want.astype(np.float64), limit, f"fused {what} vs reference ({cache} {idx} {mode})")
-        assert_close(got, other.astype(np.float64), limit, f"fused {what} vs unfused ({cache} {idx} {mode})")
+        assert_close(got, want.astype(np.float64), limit, f"fused {what} vs reference ({label})")
+        assert_close(got, other.astype(np.float64), limit, f"fused {what} vs unfused ({label})")
+    return plan
 
 
 @gpu
@@ -961,28 +972,10 @@ def test_fused_decode_attention_matches_unfused_and_reference(cache: str, idx: s
                                                               ctx: int, rng) -> None:  # noqa: ANN001
     inp = Inputs(rng)
     outputs = attn_step(inp, cache, idx, mode, seqs=seqs, d=d, ctx=ctx)
-    caches = [o.base for o in outputs[1:]]
-
-    def run(device: str, times: int = 1, **kw: object) -> tuple[od.Plan, list[np.ndarray]]:
-        """Runs from the caches' initial rows (plans on one device share their buffers), arenas poisoned."""
-        plan = od.compile(outputs, device, **kw)
-        for _ in range(times):  # more than one: the CUDA-graph replay (split counters reset, rows rewritten)
-            for c in caches:
-                plan.write(c, c.data.view(np.float32 if c.dtype.name == "f32" else np.float16).reshape(c.shape))
-            plan.poison()
-            got = plan.run(inp.feeds)
-        return plan, got
-
-    plan, fused = run("cuda0", times=3)
+    limits = {"attention": bound("flash_attn_ext"), "K cache": bound("set_rows", cache),
+              "V cache": bound("set_rows", cache)}
+    plan = check_cache_step(outputs, inp.feeds, limits, f"{cache} {idx} {mode}", times=3)
     assert "rope_qkv_flash_attn_ext" in [s.kernel for s in plan.fusions], plan.explain()
-    plain_plan, plain = run("cuda0", fusion=False)
-    assert not plain_plan.fusions
-    _, ref = run("cpu")
-    limits = (bound("flash_attn_ext"), bound("set_rows", cache), bound("set_rows", cache))
-    for what, got, want, other, limit in zip(("attention", "K cache", "V cache"), fused, ref, plain, limits):
-        got = got.astype(np.float64)
-        assert_close(got, want.astype(np.float64), limit, f"fused {what} vs reference ({cache} {idx} {mode})")
-        assert_close(got, other.astype(np.float64), limit, f"fused {what} vs unfused ({cache} {idx} {mode})")
 
 
 def attention_block(seed: int) -> tuple[list[Tensor], dict]:

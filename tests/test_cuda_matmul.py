@@ -37,6 +37,7 @@ from opdispatch.graph import Graph
 from opdispatch.plugins.cuda_matmul import fusion, support
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
+from helpers import gate_up_glu
 
 gpu = pytest.mark.gpu
 
@@ -894,16 +895,6 @@ def test_mmvq_fallback_misaligned_rows(dt: str, rng) -> None:  # noqa: ANN001
     assert_close(got, ref, f"mmvq a={dt} rows 16-byte misaligned")
 
 
-def _stream_glu(dt: str, m: int, k: int, n: int, bias: bool, kind: str) -> Tensor:
-    x = od.input("x", (n, k))
-    g, u = ops.mul_mat(od.input("wg", (m, k), dt), x), ops.mul_mat(od.input("wu", (m, k), dt), x)
-    if bias:
-        g, u = ops.add(g, od.input("bg", (m,))), ops.add(u, od.input("bu", (m,)))
-    if kind == "swiglu_oai":
-        return ops.glu_split(g, u, kind, alpha=1.702, limit=7.0)
-    return ops.glu_split(g, u, kind)
-
-
 @gpu
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n", [1, 3, 8])
@@ -914,7 +905,7 @@ def test_mmvq_stream_fused_glu(dt: str, n: int, bias: bool, rng) -> None:  # noq
     at most 2.8e-4 for swiglu_oai at K 4096 with 77 rows; swiglu_oai at K 14336 clips often and
     exceeds 5e-4 in about 1% of 45-row runs)."""
     for k, m, kind in ((4096, 77, "swiglu_oai"), (14336, 96, "swiglu"), (4096, 1001, "geglu")):
-        y = _stream_glu(dt, m, k, n, bias, kind)
+        y = gate_up_glu(dt, m, k, n, bias, kind)
         nodes = Graph.build(y).nodes
         prods, biases, glu = fusion.parts(nodes)
         (spec,) = cm.fused_specs(nodes, fake_ptr, fake_scratch)

@@ -33,6 +33,7 @@ from opdispatch.graph import Graph
 from opdispatch.plugins.cuda_matmul import fusion, support
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
+from helpers import gate_up_glu
 
 ROOT = Path(__file__).resolve().parent.parent
 INCLUDE = ROOT / "core" / "backends" / "cuda"
@@ -69,16 +70,6 @@ def _mm(dt: str, m: int, k: int, n: int, tb: str = "f32", batch: tuple = (), bvi
     return ops.mul_mat(a, b)
 
 
-def _glu(dt: str, m: int, k: int, n: int, bias: bool, kind: str) -> Tensor:
-    x = od.input("x", (n, k))
-    g, u = ops.mul_mat(od.input("wg", (m, k), dt), x), ops.mul_mat(od.input("wu", (m, k), dt), x)
-    if bias:
-        g, u = ops.add(g, od.input("bg", (m,))), ops.add(u, od.input("bu", (m,)))
-    if kind == "swiglu_oai":
-        return ops.glu_split(g, u, kind, alpha=1.702, limit=7.0)
-    return ops.glu_split(g, u, kind)
-
-
 def _bias(dt: str, m: int, k: int, n: int) -> Tensor:
     return ops.add(ops.mul_mat(od.input("w", (m, k), dt), od.input("x", (n, k))), od.input("bias", (m,)))
 
@@ -97,11 +88,11 @@ CASES = {
                                              False),
     "q4_1 b bf16 transposed": (lambda: _mm("q4_1", 29, 512, 3, tb="bf16", bview="T"), DEFAULT, True),
     "q5_0 bias": (lambda: _bias("q5_0", 45, 512, 5), DEFAULT, False),
-    "glu q4_0 K4096 gate and up in a stage, bias": (lambda: _glu("q4_0", 77, 4096, 2, True, "swiglu_oai"), DEFAULT,
-                                                     False),
-    "glu q8_0 K14336 gate then up segments, bias": (lambda: _glu("q8_0", 64, 14336, 1, True, "swiglu"), DEFAULT,
-                                                     False),
-    "glu q5_1 K64 16 gate rows a stage": (lambda: _glu("q5_1", 41, 64, 3, False, "geglu"), DEFAULT, True),
+    "glu q4_0 K4096 gate and up in a stage, bias":
+        (lambda: gate_up_glu("q4_0", 77, 4096, 2, True, "swiglu_oai"), DEFAULT, False),
+    "glu q8_0 K14336 gate then up segments, bias":
+        (lambda: gate_up_glu("q8_0", 64, 14336, 1, True, "swiglu"), DEFAULT, False),
+    "glu q5_1 K64 16 gate rows a stage": (lambda: gate_up_glu("q5_1", 41, 64, 3, False, "geglu"), DEFAULT, True),
 }
 
 
