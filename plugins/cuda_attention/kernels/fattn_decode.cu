@@ -24,11 +24,12 @@
 // mask heads / batches broadcast by modulo (m2, m3).
 //
 // Fused with the decode step's rope and cache writes (ROPE 1 normal, 2 neox; one query row a
-// sequence; the parameters after kv_vec, unused otherwise): q is the projection's f32 rows, rotated by the block into shared memory before its
-// fragments are built; the new K row of sequence b (k_new, rotated) and V row (v_new) are written
-// into the caches at row new_idx[b], and the block whose slice holds that row (key j of the window,
-// j = new_idx[b] - row0 - b * rows_b) puts them into its shared tile in place of the row it loaded,
-// so no block reads the row before it is written (split 0 writes a row outside the window).
+// sequence; the parameters after kv_vec, unused otherwise): q is the projection's f32 rows,
+// rotated by the block into shared memory before its fragments are built; the new K row of
+// sequence b (k_new, rotated) and V row (v_new) are written into the caches at row new_idx[b], and
+// the block whose slice holds that row (key j of the window, j = new_idx[b] - row0 - b * rows_b)
+// puts them into its shared tile in place of the row it loaded, so no block reads the row before
+// it is written (split 0 writes a row outside the window).
 // Angles: rope_common.cuh, as the rope kernels compute them.
 #include "attn_common.cuh"
 #include "rope_common.cuh"

@@ -98,6 +98,14 @@ struct Fmt<W_Q5_1> : QFmt<24, 2, 4, 8, 0, 5> {};
 template <>
 struct Fmt<W_Q8_0> : QFmt<34, -1, -1, 2, 0, 8> {};
 
+// ggml's q8_1 scale of 32 values whose largest magnitude is amax: d = amax / 127 (a value is
+// code * d), and id, what a value is multiplied by before rounding to its code (0 for a block of 0s).
+// quantize_q8_1 (mmv.cu) and mmvq_stream's in-block quantization both use it, so they agree bit for bit.
+__device__ __forceinline__ void q8_1_scale(float amax, float& d, float& id) {
+    d = amax / 127.0f;
+    id = amax > 0.0f ? 127.0f / amax : 0.0f;
+}
+
 __device__ __forceinline__ unsigned ld16(const u8* p) {
     return *reinterpret_cast<const unsigned short*>(p);
 }

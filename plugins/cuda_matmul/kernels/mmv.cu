@@ -363,7 +363,8 @@ __global__ void __launch_bounds__(QUANT_BLOCK) quantize_q8_1(const u8* b, long l
     for (int off = 16; off > 0; off >>= 1) {
         amax = fmaxf(amax, __shfl_xor_sync(od::FULL_MASK, amax, off));
     }
-    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    float d, id;
+    mm::q8_1_scale(amax, d, id);
     const int q = __float2int_rn(v * id);
     int sum = q;
 #pragma unroll

@@ -169,7 +169,8 @@ __device__ __forceinline__ void store_q8_1(const float (&v)[32], u8* dst, int jj
     for (int i = 0; i < 32; ++i) {
         amax = fmaxf(amax, fabsf(v[i]));
     }
-    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    float d, id;
+    mm::q8_1_scale(amax, d, id);
     int sum = 0;
     unsigned w[8];
 #pragma unroll

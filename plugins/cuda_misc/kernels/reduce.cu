@@ -20,7 +20,7 @@ constexpr int MAX_PARTIALS = 1024;
 
 __device__ float sum_partials[MAX_PARTIALS];
 __device__ unsigned long long count_partials[MAX_PARTIALS];
-__device__ unsigned blocks_done;
+__device__ int blocks_done;  // od::last_block's counter of sum_all and count_equal
 
 template <class T>
 __device__ __forceinline__ T warp_add(T v) {
@@ -68,18 +68,6 @@ __device__ __forceinline__ void block_argmax(float& best, int& at) {
             }
         }
     }
-}
-
-// Is this block the last of the grid to finish? (after writing its partial)
-__device__ __forceinline__ bool last_block() {
-    __shared__ bool last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(&blocks_done, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    return last;
 }
 
 }  // namespace reduce
@@ -263,7 +251,7 @@ __global__ void __launch_bounds__(256) sum_all(const unsigned char* __restrict__
     if (threadIdx.x == 0) {
         sum_partials[blockIdx.x] = acc;
     }
-    if (last_block()) {
+    if (od::last_block(&blocks_done, gridDim.x)) {
         float total = 0.0f;
         for (unsigned b = threadIdx.x; b < gridDim.x; b += 256) {
             total += __ldcg(&sum_partials[b]);  // written by other blocks: not from L1
@@ -271,7 +259,6 @@ __global__ void __launch_bounds__(256) sum_all(const unsigned char* __restrict__
         total = block_sum<256>(total);
         if (threadIdx.x == 0) {
             store(out, total);
-            blocks_done = 0;
         }
     }
 }
@@ -297,12 +284,11 @@ __global__ void __launch_bounds__(256) count_equal(const unsigned char* __restri
         }
         count_partials[blockIdx.x] = count;
     }
-    if (last_block() && threadIdx.x == 0) {
+    if (od::last_block(&blocks_done, gridDim.x) && threadIdx.x == 0) {
         unsigned long long total = 0;
         for (unsigned k = 0; k < gridDim.x; k++) {
             total += __ldcg(&count_partials[k]);
         }
         *out = static_cast<long long>(total);
-        blocks_done = 0;
     }
 }
