@@ -56,6 +56,48 @@ def test_pack_args_refuses_values_without_an_exact_c_type(bad: object) -> None:
         pack_args((np.int32(1), bad))
 
 
+PDL_SOURCE = r"""
+template <int B>
+__global__ void __launch_bounds__(256, 2) waits_first(float* y, const float* x, int n) {
+    od::grid_enter();
+    y[0] = x[0];
+}
+__global__ void reads_first(float* y, const float* x) {
+    const float v = x[0];
+    od::grid_enter();
+    y[0] = v;
+}
+extern "C" __global__ void commented(float* y) {
+    // a comment first: not recognised, so launched without PDL (the safe default)
+    od::grid_enter();
+}
+"""
+
+
+def test_pdl_kernels_are_those_whose_body_begins_with_the_wait(tmp_path: Path) -> None:
+    from opdispatch.backends.cuda.kernels import KernelSpec, pdl_kernels
+
+    path = tmp_path / "k.cu"
+    path.write_text(PDL_SOURCE)
+    assert pdl_kernels(path) == {"waits_first"}
+    assert KernelSpec(path, "waits_first<3>", 1, 32, ()).pdl
+    assert not KernelSpec(path, "reads_first", 1, 32, ()).pdl
+
+
+def test_the_decode_step_kernels_launch_with_pdl() -> None:
+    from opdispatch.backends.cuda.kernels import pdl_kernels
+
+    plugins = Path(od.__file__).resolve().parent.parent / "plugins"
+    expected = {"cuda_matmul/kernels/mmv.cu": {"mmv", "mmvq", "quantize_q8_1"},
+                "cuda_matmul/kernels/mmvq_stream.cu": {"mmvq_stream"},
+                "cuda_attention/kernels/fattn_decode.cu": {"fattn_decode"},
+                "cuda_norm/kernels/norm.cu": {"norm_rows_f32"},
+                "cuda_misc/kernels/rows.cu": {"get_rows", "set_rows"},
+                "cuda_misc/kernels/reduce.cu": {"argmax_split"}}
+    for source, names in expected.items():
+        assert names <= pdl_kernels((plugins / source).resolve()), source
+
+
 def test_graphs_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OPDISPATCH_DISABLE_CUDA_GRAPHS", raising=False)
     assert graphs.graphs_enabled()
@@ -265,6 +307,54 @@ def test_module_and_prebound_launch(backend, axpb_module, rng) -> None:  # noqa:
     launch()
     got = backend.read(y, 0, 4 * n).view(np.float32)
     assert np.array_equal(got, 2 * values + 3)
+
+
+CHAIN = r"""
+#include "common.cuh"
+
+// dst = src + 1, launched with programmatic dependent launch: each block waits for the kernel
+// before, and block 0 lingers before writing, so that a missing wait would show as a stale read in
+// the next kernel.
+__global__ void chain_step(float* dst, const float* src, int n) {
+    od::grid_enter();
+    if (blockIdx.x == 0) {
+        __nanosleep(20000);
+    }
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        dst[i] = src[i] + 1.0f;
+    }
+}
+"""
+
+
+@gpu
+@pytest.mark.parametrize("captured", [False, True], ids=["direct", "graph"])
+def test_programmatic_dependent_launches_keep_the_stream_order(backend, tmp_path, rng, captured) -> None:  # noqa: ANN001
+    from opdispatch.backends.cuda.graphs import stream_capture
+    from opdispatch.backends.cuda.kernels import launcher, load_module, pdl_enabled
+
+    path = tmp_path / "chain.cu"
+    path.write_text(CHAIN)
+    fn = load_module(path, ("chain_step",)).get_function("chain_step")
+    n, steps = 1 << 16, 40
+    bufs = [backend.alloc(4 * n, "a"), backend.alloc(4 * n, "b")]
+    values = rng.uniform(-1, 1, n).astype(np.float32)
+    backend.write(bufs[0], 0, values)
+    launches = [launcher(fn, 64, 256, (np.uint64(bufs[(i + 1) % 2].ptr), np.uint64(bufs[i % 2].ptr), np.int32(n)),
+                         stream=backend.stream, pdl=True) for i in range(steps)]
+    assert all(launch.signature[-1] == pdl_enabled(backend.stream.device_id) for launch in launches)
+    runner = GraphRunner("chain", [(f"step {i}", f) for i, f in enumerate(launches)],
+                         stream_capture(backend.stream) if captured else None, "cuda")
+    expected = values.copy()
+    for _ in range(steps):
+        expected += np.float32(1)
+    for _ in range(2):  # with capture: the warm-up runs directly, the second run is the graph's replay
+        backend.write(bufs[0], 0, values)
+        with backend.cuda_device, backend.stream:
+            runner("s")
+        got = backend.read(bufs[steps % 2], 0, 4 * n).view(np.float32)
+        assert np.array_equal(got, expected), np.flatnonzero(got != expected)[:8]
+    assert runner.captures == (1 if captured else 0)
 
 
 @gpu

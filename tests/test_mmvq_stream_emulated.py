@@ -103,6 +103,10 @@ def _transformed(build: Path) -> None:
                       ('asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));', "h = emu_f2h(f);")):
         assert ptx in common, f"common.cuh changed: update the emulation's swap of {ptx}"
         common = common.replace(ptx, host)
+    for ptx in ('asm volatile("griddepcontrol.wait;" ::: "memory");',
+                'asm volatile("griddepcontrol.launch_dependents;" ::: "memory");'):  # one kernel at a time here
+        assert ptx in common, f"common.cuh changed: update the emulation's removal of {ptx}"
+        common = common.replace(ptx, "")
     (build / "common.cuh").write_text(common)
     (build / "activations.cuh").write_text((INCLUDE / "activations.cuh").read_text())
     (build / "mm_common.cuh").write_text(cm.KERNELS_DIR.joinpath("mm_common.cuh").read_text())

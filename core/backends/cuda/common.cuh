@@ -87,6 +87,35 @@ __device__ __forceinline__ bool last_block(int* counter, int blocks) {
     return last;
 }
 
+// -- programmatic dependent launch (Hopper) ---------------------------------------
+// A kernel launched with PDL may start while the kernel before it on the stream
+// is still running, so that its launch and setup overlap that kernel's tail. It must call
+// grid_wait() before it reads anything an earlier kernel writes or writes anything an earlier
+// kernel reads: grid_wait() returns once the kernel before it has finished and its writes are
+// visible. grid_release() lets the next kernel start launching (once every block of this one has
+// released or exited). Both are no-ops in a kernel launched without the attribute, and before
+// sm_90. (Prefetching the weights into L2 before the wait was measured: slower on the H200.)
+
+__device__ __forceinline__ void grid_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// grid_wait() then grid_release(): the first statement of a kernel launched with PDL (kernels.py
+// launches a kernel whose body begins with it so). Released after the wait, the overlap stays one
+// kernel deep (releasing first measured slower on the H200: 0.850 against 0.842 ms a 1b decode step).
+__device__ __forceinline__ void grid_enter() {
+    grid_wait();
+    grid_release();
+}
+
 // -- 16-bit floats as raw storage -------------------------------------------------
 
 struct f16 {

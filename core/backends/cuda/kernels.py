@@ -13,6 +13,13 @@ cuLaunchKernel call: no per-call argument conversion, as DESIGN.md's
 measured launch costs demand. Arguments are numpy scalars of the exact C
 type of each kernel parameter (pointers np.uint64, `int` np.int32,
 `long long` np.int64, `float` np.float32): a Python int would be a guess.
+
+A kernel whose body begins with `od::grid_enter();` (common.cuh) launches
+with programmatic dependent launch (Hopper, cuLaunchKernelEx): it may start
+before the kernel ahead of it on the stream has finished, and that first
+statement waits for it before anything touches memory. Its launch and setup
+overlap the previous kernel's tail, inside a captured CUDA graph too (a
+programmatic edge). OPDISPATCH_PDL=0 at bind time turns it off.
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import os
+import re
 from pathlib import Path
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -117,6 +126,69 @@ def _dims(what: str, dims: int | Sequence[int], limits: tuple[int, int, int]) ->
     return (d + (1, 1))[:3]  # type: ignore[return-value]
 
 
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig, the first argument of cuLaunchKernelEx."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_kernel_ex() -> Any:
+    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+#: a kernel's name and a body that begins with od::grid_enter() (launch bounds removed first)
+_PDL_HEAD = re.compile(r"__global__[^{;]*?(\w+)\s*\([^{;]*\)\s*\{\s*od::grid_enter\(\);")
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_kernels(source: Path) -> frozenset[str]:
+    """The kernels of a .cu file whose body begins with od::grid_enter(): those launch with
+    programmatic dependent launch (see the module docstring)."""
+    text = re.sub(r"__launch_bounds__\s*\([^)]*\)", "", Path(source).read_text())
+    return frozenset(m.group(1) for m in _PDL_HEAD.finditer(text))
+
+
+def pdl_enabled(device_id: int) -> bool:
+    """Programmatic dependent launch on this device: compute capability 9.0 or later, and not
+    turned off by OPDISPATCH_PDL=0 (read at bind time, so a process can compare both)."""
+    import cupy
+
+    return os.environ.get("OPDISPATCH_PDL", "1") != "0" and int(cupy.cuda.Device(device_id).compute_capability) >= 90
+
+
+def _pdl_go(fn_ptr: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream_ptr: int,
+            params: Any) -> tuple[Callable[[], None], tuple[Any, ...]]:
+    """A zero-argument cuLaunchKernelEx of `fn_ptr` with the programmatic-serialization attribute,
+    and the C structures it points at (to keep alive)."""
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value = (1).to_bytes(4, "little")  # programmaticStreamSerializationAllowed = 1
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem, stream_ptr,
+                        ctypes.pointer(attr), 1)
+    launch, cfg_ptr, params_ptr = _launch_kernel_ex(), ctypes.addressof(cfg), ctypes.addressof(params)
+
+    def go() -> None:
+        rc = launch(cfg_ptr, fn_ptr, params_ptr, None)
+        if rc:
+            raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {rc}")
+
+    return go, (attr, cfg)
+
+
 def EMPTY() -> None:  # noqa: N802 - a constant, used by identity
     """The launch of an empty grid: nothing to do (executors drop it)."""
 
@@ -126,8 +198,8 @@ class KernelLaunch:
     """One kernel launch with everything fixed: calling it is one cuLaunchKernel."""
 
     name: str
-    signature: tuple[Hashable, ...]  # kernel, grid, block, smem, argument values: graph re-capture key
-    _go: functools.partial
+    signature: tuple[Hashable, ...]  # kernel, grid, block, smem, argument values, PDL: graph re-capture key
+    _go: Callable[[], None]
     _keep: tuple[Any, ...]  # the C argument values and their pointer array, alive as long as the launch
 
     def __call__(self) -> None:
@@ -138,8 +210,10 @@ class KernelLaunch:
 
 
 def launcher(fn: Any, grid: int | Sequence[int], block: int | Sequence[int], args: Sequence[Any],
-             smem: int = 0, *, stream: Any) -> Launch:
-    """A zero-argument launch of `fn` (from `load_module(...).get_function`) on `stream`.
+             smem: int = 0, *, stream: Any, pdl: bool = False) -> Launch:
+    """A zero-argument launch of `fn` (from `load_module(...).get_function`) on `stream`,
+    with programmatic dependent launch if `pdl` (the kernel begins with od::grid_enter()) and
+    the device has it.
 
     An empty grid (a zero dimension) gives a launch that does nothing. More
     than 48 KiB of dynamic shared memory is opted into here.
@@ -158,9 +232,15 @@ def launcher(fn: Any, grid: int | Sequence[int], block: int | Sequence[int], arg
         if smem > _SMEM_DEFAULT_LIMIT:
             fn.max_dynamic_shared_size_bytes = smem
         ptr = int(fn.kernel.ptr)
+        pdl = pdl and pdl_enabled(stream.device_id)
     name = getattr(fn, "name", "kernel")
-    go = functools.partial(driver.launchKernel, ptr, *g, *b, int(smem), int(stream.ptr), ctypes.addressof(params), 0)
-    return KernelLaunch(name, (ptr, g, b, int(smem), described), go, (params, values))
+    if pdl:
+        go, structs = _pdl_go(ptr, g, b, int(smem), int(stream.ptr), params)
+    else:
+        go = functools.partial(driver.launchKernel, ptr, *g, *b, int(smem), int(stream.ptr), ctypes.addressof(params),
+                               0)
+        structs = ()
+    return KernelLaunch(name, (ptr, g, b, int(smem), described, pdl), go, (params, values, *structs))
 
 
 @attrs.frozen
@@ -179,9 +259,14 @@ class KernelSpec:
     args: tuple[Any, ...]
     smem: int = 0
 
+    @property
+    def pdl(self) -> bool:
+        """Whether the kernel begins with od::grid_enter(), and so launches with PDL."""
+        return self.kernel.split("<")[0].strip() in pdl_kernels(Path(self.source).resolve())
+
     def launch(self, stream: Any) -> Launch:
         fn = load_module(self.source, (self.kernel,)).get_function(self.kernel)
-        return launcher(fn, self.grid, self.block, self.args, self.smem, stream=stream)
+        return launcher(fn, self.grid, self.block, self.args, self.smem, stream=stream, pdl=self.pdl)
 
 
 @attrs.frozen

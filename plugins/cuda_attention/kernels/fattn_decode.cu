@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
     const char* __restrict__ v_new, const IT* __restrict__ new_idx, char* __restrict__ k_cache,
     char* __restrict__ v_cache, long long kn_b, long long kn_h, long long vn_b, long long kc_t, long long vc_t,
     long long row0, long long rows_b, ROPE_PARAMS) {
+    od::grid_enter();
     using namespace od_attn;
     constexpr bool BF = same_type<KT, bf16>::value;
     constexpr int BN = 64;                    // keys a tile, 16 a warp

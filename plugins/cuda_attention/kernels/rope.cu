@@ -165,6 +165,7 @@ __global__ void __launch_bounds__(256) rope_kernel(const T* __restrict__ x, cons
                                                    const float* __restrict__ ff, T* __restrict__ out, unsigned total,
                                                    int vec, int heads, int groups, int tokens, long long xs_h,
                                                    long long xs_t, long long xs_b, ROPE_PARAMS) {
+    od::grid_enter();
     const RopeParams p = ROPE_STRUCT;
     const unsigned idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= total) {
@@ -185,6 +186,7 @@ __global__ void __launch_bounds__(256) rope_set_rows(const float* __restrict__ x
                                                      const IT* __restrict__ idx, unsigned total, int vec, int heads,
                                                      int groups, long long xs_h, long long xs_t, long long cs,
                                                      ROPE_PARAMS) {
+    od::grid_enter();
     const RopeParams p = ROPE_STRUCT;
     const unsigned k = blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= total) {
@@ -207,6 +209,7 @@ __global__ void __launch_bounds__(256) rope_qkv_set_rows(
     const float* __restrict__ ff, float* __restrict__ q_out, DT* __restrict__ k_cache, DT* __restrict__ v_cache,
     const IT* __restrict__ idx, int vec, int tokens, int hq, int gq, int hk, int gk, int v_cols, long long qs_h,
     long long qs_t, long long ks_h, long long ks_t, long long vs_t, long long kcs, long long vcs, ROPE_PARAMS) {
+    od::grid_enter();
     const RopeParams p = ROPE_STRUCT;
     const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (blockIdx.y == 2) {

@@ -47,6 +47,7 @@ __global__ void __launch_bounds__(BLOCK) soft_max_f32(
     int ncols, int nrows, int nheads, long long as1, long long as2, long long as3,
     int m2, int m3, long long ms1, long long ms2, long long ms3,
     float scale, int use_alibi, float m0, float m1, int n_head_log2) {
+    od::grid_enter();
     const long long row = blockIdx.x;
     const int i1 = static_cast<int>(row % nrows);
     const int i2 = static_cast<int>((row / nrows) % nheads);

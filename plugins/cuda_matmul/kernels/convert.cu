@@ -38,6 +38,7 @@ using mm::u8;
 template <int TS, int TD>
 __global__ void __launch_bounds__(CONVERT_BLOCK) convert(const u8* src, int n0, int n1, int n2, int n3, long long s0,
                                                          long long s1, long long s2, long long s3, u8* dst) {
+    od::grid_enter();
     constexpr int DS = TD == B_F32 ? 4 : 2;
     const long long rows = static_cast<long long>(n1) * n2 * n3;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -52,6 +53,7 @@ __global__ void __launch_bounds__(CONVERT_BLOCK) convert(const u8* src, int n0, 
 template <int WT, int TD>
 __global__ void __launch_bounds__(CONVERT_BLOCK) dequant(const u8* src, int n0, int n1, int n2, int n3, long long s1,
                                                          long long s2, long long s3, u8* dst) {
+    od::grid_enter();
     using F = mm::Fmt<WT>;
     constexpr int DS = TD == B_F32 ? 4 : 2;
     const long long rows = static_cast<long long>(n1) * n2 * n3;

@@ -349,6 +349,7 @@ template <int TB>
 __global__ void __launch_bounds__(QUANT_BLOCK) quantize_q8_1(const u8* b, long long es, long long s1, long long s2,
                                                              long long s3, int n1, int n2, int K, int nbp, u8* bq,
                                                              u8* bds) {
+    od::grid_enter();
     const int r = blockIdx.x;
     const int j = blockIdx.y * (QUANT_BLOCK / od::WARP_SIZE) + threadIdx.x / od::WARP_SIZE;
     const int lane = threadIdx.x % od::WARP_SIZE;
@@ -388,6 +389,7 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, lon
                                                  long long b_es, long long b_s2, long long b_s3, float* out, int M,
                                                  int K, int N, const float* bias0, const float* bias1, int glu_kind,
                                                  float alpha, float limit) {
+    od::grid_enter();
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
     __shared__ float res[NW * R * NT];
     const int i2 = blockIdx.y, i3 = blockIdx.z;
@@ -420,6 +422,7 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq(const u8* a0, const u8* a1,
                                                      long long a_s3, int r2, int r3, const u8* bq, const u8* bds,
                                                      int nbp, float* out, int M, int K, int N, const float* bias0,
                                                      const float* bias1, int glu_kind, float alpha, float limit) {
+    od::grid_enter();
     constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = mm::QROWS / NW;
     const int i2 = blockIdx.y, i3 = blockIdx.z;
     const int m0 = blockIdx.x * RB;

@@ -288,6 +288,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
     mmvq_stream(const u8* a0, const u8* a1, long long a_row, long long a_s2, long long a_s3, int r2, int r3,
                 const u8* b, long long b_col, long long b_es, long long b_s2, long long b_s3, float* out, int M,
                 int K, int N, const float* bias0, const float* bias1, int glu_kind, float alpha, float limit) {
+    od::grid_enter();
     using Gm = mms::Geo<WT>;
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
     static_assert(NS >= 2 && NS <= 4, "2 to 4 stages");

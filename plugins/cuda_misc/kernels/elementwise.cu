@@ -182,6 +182,7 @@ __device__ __forceinline__ void rows_loop(const Ta* a, long long a_rs, const Tb*
 // y = a op b over n elements, b the same shape as a (b_scalar = 0) or one element (1).
 template <typename Ta, typename Tb>
 __global__ void binary_flat(const Ta* a, const Tb* b, Ta* y, long long n, long long nvec, int b_scalar, int op) {
+    od::grid_enter();
     using namespace ew_binary;
 #define EW_CASE(OPC)                                    \
     case OPC:                                           \
@@ -203,6 +204,7 @@ __global__ void binary_flat(const Ta* a, const Tb* b, Ta* y, long long n, long l
 template <typename Ta, typename Tb>
 __global__ void binary_rows(const Ta* a, long long a_rs, const Tb* b, long long b_rs, Ta* y, long long rows,
                             long long cols, int op) {
+    od::grid_enter();
     using namespace ew_binary;
     constexpr int N = Vec<Ta>::N;
 #define EW_CASE(OPC)                                            \
@@ -226,6 +228,7 @@ template <typename Ta, typename Tb>
 __global__ void binary_bcast(const Ta* a, long long as0, long long as1, long long as2, long long as3, const Tb* b,
                              int m0, int m1, int m2, int m3, long long bs0, long long bs1, long long bs2,
                              long long bs3, Ta* y, int n0, int n1, int n2, int n3, int op) {
+    od::grid_enter();
     using namespace ew_binary;
     const long long rows = (long long)n0 * n1 * n2;
     for (long long r = (long long)blockIdx.y * blockDim.y + threadIdx.y; r < rows;
@@ -257,6 +260,7 @@ template <typename Ta, typename Tb>
 __global__ void add_id(const Ta* a, long long as0, long long as1, long long as2, const Tb* b, long long bs0,
                        long long bs1, const int* ids, long long is0, long long is1, Ta* y, int n_t, int n_u,
                        int n_c, int n_e) {
+    od::grid_enter();
     using namespace ew_binary;
     const long long rows = (long long)n_t * n_u;
     for (long long r = (long long)blockIdx.y * blockDim.y + threadIdx.y; r < rows;
@@ -284,6 +288,7 @@ __global__ void multi_add(const T* s0, const T* s1, const T* s2, const T* s3, co
                           const T* s7, const T* s8, long long rs0, long long rs1, long long rs2, long long rs3,
                           long long rs4, long long rs5, long long rs6, long long rs7, long long rs8, int n, T* y,
                           long long rows, long long cols, int vec) {
+    od::grid_enter();
     using namespace ew_binary;
     const T* src[9] = {s0, s1, s2, s3, s4, s5, s6, s7, s8};
     const long long rs[9] = {rs0, rs1, rs2, rs3, rs4, rs5, rs6, rs7, rs8};

@@ -67,6 +67,7 @@ template <typename T>
 __global__ void glu_rows(const T* g, long long gs0, long long gs1, long long gs2, const T* u, long long us0,
                          long long us1, long long us2, T* y, int n1, int n2, long long rows, int nc, int kind,
                          float alpha, float limit, int vec) {
+    od::grid_enter();
     using namespace ew_glu;
     constexpr int N = 16 / sizeof(T);
 #define EW_CASE(K)                                                                                  \

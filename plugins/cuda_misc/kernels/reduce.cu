@@ -82,6 +82,7 @@ __global__ void __launch_bounds__(BLOCK) sum_rows(const unsigned char* __restric
                                                   const int ncols, const unsigned n1, const unsigned n2,
                                                   const long long s0, const long long s1, const long long s2,
                                                   const long long s3) {
+    od::grid_enter();
     const unsigned char* row = row_start(x, blockIdx.x, n1, n2, s1, s2, s3);
     float acc = 0.0f;
     if constexpr (VEC) {
@@ -112,6 +113,7 @@ __global__ void __launch_bounds__(BLOCK) cumsum(const unsigned char* __restrict_
                                                 const int ncols, const unsigned n1, const unsigned n2,
                                                 const long long s0, const long long s1, const long long s2,
                                                 const long long s3) {
+    od::grid_enter();
     const unsigned char* row = row_start(x, blockIdx.x, n1, n2, s1, s2, s3);
     float* dst = out + static_cast<long long>(blockIdx.x) * ncols;
     float carry = 0.0f;
@@ -142,6 +144,7 @@ __global__ void __launch_bounds__(BLOCK) cumsum(const unsigned char* __restrict_
 template <int BLOCK>
 __global__ void __launch_bounds__(BLOCK) argmax(const unsigned char* __restrict__ x, int* __restrict__ out,
                                                 const int ncols, const long long s0, const long long s1) {
+    od::grid_enter();
     const unsigned char* row = x + blockIdx.x * s1;
     float best = -__int_as_float(0x7f800000);
     int at = -1;
@@ -178,6 +181,7 @@ __global__ void __launch_bounds__(SPLIT_BLOCK) argmax_split(
     unsigned char* __restrict__ token_log, const unsigned char* __restrict__ idx, int2* __restrict__ partials,
     int* __restrict__ counters, const int ncols, const int chunk, const int nblk, const long long s0,
     const long long s1, const long long is0, const long long ls1, const long long log_rows) {
+    od::grid_enter();
     const int row = blockIdx.x / nblk;
     const unsigned char* xr = x + row * s1;
     const int lo = (blockIdx.x % nblk) * chunk;
@@ -242,6 +246,7 @@ __global__ void __launch_bounds__(SPLIT_BLOCK) argmax_split(
 template <class T, bool CONTIG>
 __global__ void __launch_bounds__(256) sum_all(const unsigned char* __restrict__ x, T* __restrict__ out,
                                                const unsigned n, OD_LAYOUT_PARAMS(a)) {
+    od::grid_enter();
     const Layout la = OD_LAYOUT(a);
     float acc = 0.0f;
     for (unsigned i = blockIdx.x * 256 + threadIdx.x; i < n; i += gridDim.x * 256) {
@@ -267,6 +272,7 @@ __global__ void __launch_bounds__(256) sum_all(const unsigned char* __restrict__
 __global__ void __launch_bounds__(256) count_equal(const unsigned char* __restrict__ a,
                                                    const unsigned char* __restrict__ b, long long* __restrict__ out,
                                                    const unsigned n, OD_LAYOUT_PARAMS(a), OD_LAYOUT_PARAMS(b)) {
+    od::grid_enter();
     const Layout la = OD_LAYOUT(a), lb = OD_LAYOUT(b);
     unsigned long long count = 0;
     for (unsigned i = blockIdx.x * 256 + threadIdx.x; i < n; i += gridDim.x * 256) {

@@ -118,6 +118,7 @@ using namespace od::rows;
 template <class U>
 __global__ void copy_contig(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
                             const long long nbytes) {
+    od::grid_enter();
     const long long n = nbytes / static_cast<long long>(sizeof(U));
     const long long id = thread_id();
     for (long long i = id; i < n; i += thread_count()) {
@@ -133,6 +134,7 @@ __global__ void copy_contig(const unsigned char* __restrict__ src, unsigned char
 // pair (both addresses 16-byte aligned).
 template <class S, class D, bool VEC>
 __global__ void convert_contig(const S* __restrict__ src, D* __restrict__ dst, const long long n) {
+    od::grid_enter();
     const long long id = thread_id();
     long long done = 0;
     if constexpr (VEC && sizeof(D) > sizeof(S)) {
@@ -180,6 +182,7 @@ __global__ void convert_contig(const S* __restrict__ src, D* __restrict__ dst, c
 template <class S, class D>
 __global__ void convert_strided(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
                                 const unsigned n, OD_LAYOUT_PARAMS(a), OD_LAYOUT_PARAMS(b)) {
+    od::grid_enter();
     const Layout la = OD_LAYOUT(a), lb = OD_LAYOUT(b);
     for (unsigned i = thread_id(); i < n; i += thread_count()) {
         const S v = *reinterpret_cast<const S*>(src + la.offset(i));
@@ -198,6 +201,7 @@ __global__ void __launch_bounds__(256) convert_tiled(const unsigned char* __rest
                                                      const long long sa, const long long sb, const long long sc,
                                                      const long long d0, const long long da, const long long db,
                                                      const long long dc) {
+    od::grid_enter();
     __shared__ S tile[32][33];
     const unsigned ib = blockIdx.z % nb, ic = blockIdx.z / nb;
     const unsigned char* s = src + ib * sb + ic * sc;
@@ -252,6 +256,7 @@ __device__ __forceinline__ void quantize4(const unsigned char* __restrict__ src,
 template <class Q, class S, bool CONTIG>
 __global__ void quantize(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
                          const unsigned nblocks, OD_LAYOUT_PARAMS(a), OD_LAYOUT_PARAMS(b)) {
+    od::grid_enter();
     const Layout la = OD_LAYOUT(a), lb = OD_LAYOUT(b);
     const int lane = threadIdx.x % WARP_SIZE, r = lane % 8;
     const unsigned warp = thread_id() / WARP_SIZE;
@@ -315,6 +320,7 @@ __global__ void quantize(const unsigned char* __restrict__ src, unsigned char* _
 template <class Q, class D, bool CONTIG>
 __global__ void dequantize(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
                            const unsigned n, OD_LAYOUT_PARAMS(a), OD_LAYOUT_PARAMS(b)) {
+    od::grid_enter();
     const Layout la = OD_LAYOUT(a), lb = OD_LAYOUT(b);
     if constexpr (CONTIG) {
         for (unsigned t = thread_id(); t < n / 4; t += thread_count()) {
@@ -384,6 +390,7 @@ __global__ void __launch_bounds__(ROW_THREADS)
              const int ncols, const unsigned n, const unsigned a2, const long long arows, const unsigned nrows,
              const int tpr_log2, const long long as0, const long long as1, const long long as2, const long long as3,
              const long long is0, const long long is1, const long long is2) {
+    od::grid_enter();
     constexpr int N = row_pack<S, D, VEC>;
     const unsigned row = blockIdx.x * (ROW_THREADS >> tpr_log2) + (threadIdx.x >> tpr_log2);
     if (row >= nrows) {
@@ -427,6 +434,7 @@ __global__ void get_rows_q(const unsigned char* __restrict__ a, const unsigned c
                            float* __restrict__ out, const int ncols, const unsigned n, const unsigned a2,
                            const long long arows, const long long as1, const long long as2, const long long as3,
                            const long long is0, const long long is1, const long long is2) {
+    od::grid_enter();
     const unsigned row = blockIdx.x;
     const unsigned k = row % n, i2 = (row / n) % a2, i3 = row / n / a2;
     const long long r = row_index<int>(idx, k, i2, i3, is0, is1, is2, arows);
@@ -452,6 +460,7 @@ __global__ void __launch_bounds__(ROW_THREADS)
              const long long ss1, const long long ss2, const long long ss3, const long long is0, const long long is1,
              const long long is2, const long long ds0, const long long ds1, const long long ds2,
              const long long ds3) {
+    od::grid_enter();
     constexpr int N = row_pack<float, D, VEC>;
     const unsigned row = blockIdx.x * (ROW_THREADS >> tpr_log2) + (threadIdx.x >> tpr_log2);
     if (row >= nrows) {
@@ -506,6 +515,7 @@ __global__ void set_rows_q(const unsigned char* __restrict__ src, const unsigned
                            const long long ss1, const long long ss2, const long long ss3, const long long is0,
                            const long long is1, const long long is2, const long long ds1, const long long ds2,
                            const long long ds3) {
+    od::grid_enter();
     const unsigned row = blockIdx.x;
     const unsigned k = row % n, j2 = (row / n) % d2, j3 = row / n / d2;
     const long long r = row_index<I>(idx, k, j2 % ni1, j3 % ni2, is0, is1, is2, drows);
@@ -546,6 +556,7 @@ __global__ void concat(const unsigned char* __restrict__ a, const unsigned char*
                        U* __restrict__ out, const unsigned n, OD_LAYOUT_PARAMS(o), const int axis, const unsigned alen,
                        const long long as0, const long long as1, const long long as2, const long long as3,
                        const long long bs0, const long long bs1, const long long bs2, const long long bs3) {
+    od::grid_enter();
     const Layout lo = OD_LAYOUT(o);
     for (unsigned i = thread_id(); i < n; i += thread_count()) {
         Idx4 x = lo.unravel(i);
@@ -568,6 +579,7 @@ template <class U>
 __global__ void repeat(const unsigned char* __restrict__ a, U* __restrict__ out, const unsigned n,
                        OD_LAYOUT_PARAMS(o), const unsigned a0, const unsigned a1, const unsigned a2, const unsigned a3,
                        const long long as0, const long long as1, const long long as2, const long long as3) {
+    od::grid_enter();
     const Layout lo = OD_LAYOUT(o);
     for (unsigned i = thread_id(); i < n; i += thread_count()) {
         const Idx4 x = lo.unravel(i);
@@ -581,6 +593,7 @@ __global__ void pad(const unsigned char* __restrict__ x, float* __restrict__ out
                     OD_LAYOUT_PARAMS(o), const unsigned x0, const unsigned x1, const unsigned x2, const unsigned x3,
                     const unsigned lo0, const unsigned lo1, const unsigned lo2, const unsigned lo3,
                     const long long xs0, const long long xs1, const long long xs2, const long long xs3) {
+    od::grid_enter();
     const Layout lo = OD_LAYOUT(o);
     for (unsigned i = thread_id(); i < n; i += thread_count()) {
         const Idx4 p = lo.unravel(i);
@@ -595,6 +608,7 @@ __global__ void pad(const unsigned char* __restrict__ x, float* __restrict__ out
 __global__ void pad_reflect_1d(const unsigned char* __restrict__ x, float* __restrict__ out, const unsigned n,
                                OD_LAYOUT_PARAMS(o), const int x0, const int p0, const long long xs0,
                                const long long xs1, const long long xs2, const long long xs3) {
+    od::grid_enter();
     const Layout lo = OD_LAYOUT(o);
     for (unsigned i = thread_id(); i < n; i += thread_count()) {
         const Idx4 p = lo.unravel(i);
@@ -610,6 +624,7 @@ __global__ void roll(const unsigned char* __restrict__ x, float* __restrict__ ou
                      OD_LAYOUT_PARAMS(o), const unsigned sh0, const unsigned sh1, const unsigned sh2,
                      const unsigned sh3, const long long xs0, const long long xs1, const long long xs2,
                      const long long xs3) {
+    od::grid_enter();
     const Layout lo = OD_LAYOUT(o);
     const unsigned n0 = lo.n0.d, n1 = lo.n1.d, n2 = lo.n2.d;
     const unsigned n3 = n / (n0 * n1 * n2);
@@ -625,6 +640,7 @@ __global__ void roll(const unsigned char* __restrict__ x, float* __restrict__ ou
 
 // start + step * i in f32, two roundings as ggml (no FMA).
 __global__ void arange(float* __restrict__ out, const unsigned n, const float start, const float step) {
+    od::grid_enter();
     for (unsigned i = thread_id(); i < n; i += thread_count()) {
         out[i] = __fadd_rn(start, __fmul_rn(step, static_cast<float>(i)));
     }
@@ -632,6 +648,7 @@ __global__ void arange(float* __restrict__ out, const unsigned n, const float st
 
 template <class D>
 __global__ void fill(D* __restrict__ out, const long long n, const float value) {
+    od::grid_enter();
     const D v = from_f32<D>(value);
     for (long long i = thread_id(); i < n; i += thread_count()) {
         out[i] = v;
@@ -641,6 +658,7 @@ __global__ void fill(D* __restrict__ out, const long long n, const float value) 
 // out (.., N, N): x[.., 0, i0] on the diagonal, 0 elsewhere (f32).
 __global__ void diag(const unsigned char* __restrict__ x, float* __restrict__ out, const unsigned n,
                      OD_LAYOUT_PARAMS(o), const long long xs0, const long long xs2, const long long xs3) {
+    od::grid_enter();
     const Layout lo = OD_LAYOUT(o);
     for (unsigned i = thread_id(); i < n; i += thread_count()) {
         const Idx4 p = lo.unravel(i);
@@ -652,6 +670,7 @@ __global__ void diag(const unsigned char* __restrict__ x, float* __restrict__ ou
 __global__ void tri(const unsigned char* __restrict__ x, float* __restrict__ out, const unsigned n,
                     OD_LAYOUT_PARAMS(o), const int kind, const long long xs0, const long long xs1,
                     const long long xs2, const long long xs3) {
+    od::grid_enter();
     const Layout lo = OD_LAYOUT(o);
     for (unsigned i = thread_id(); i < n; i += thread_count()) {
         const Idx4 p = lo.unravel(i);
@@ -672,6 +691,7 @@ __global__ void set_window(const unsigned char* __restrict__ a, const unsigned c
                            const long long ws0, const long long ws1, const long long ws2, const long long ws3,
                            const unsigned wn0, const unsigned wn1, const unsigned wn2, const unsigned wn3,
                            const long long bs0, const long long bs1, const long long bs2, const long long bs3) {
+    od::grid_enter();
     const Layout la = OD_LAYOUT(a);
     const long long ws[4] = {ws0, ws1, ws2, ws3};
     const unsigned wn[4] = {wn0, wn1, wn2, wn3};
@@ -706,6 +726,7 @@ __global__ void set_window(const unsigned char* __restrict__ a, const unsigned c
 // 0 for an odd dim's last column; f_j = exp(-ln(max_period) * j / half). In double, like the reference.
 __global__ void timestep_embedding(const unsigned char* __restrict__ t, float* __restrict__ out, const int rows,
                                    const int dim, const long long ts0, const double log_max_period) {
+    od::grid_enter();
     const int half = dim / 2;
     const long long n = static_cast<long long>(rows) * dim;
     for (long long i = thread_id(); i < n; i += thread_count()) {

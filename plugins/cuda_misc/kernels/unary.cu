@@ -174,6 +174,7 @@ __device__ __forceinline__ void apply(int op, float (&v)[N], float p0, float p1)
 // elements as 16-byte vectors (nvec = 0 when x or y is not 16-byte aligned).
 template <typename T>
 __global__ void unary_flat(const T* x, T* y, long long n, long long nvec, int op, float p0, float p1) {
+    od::grid_enter();
     using namespace ew_unary;
     constexpr int N = Vec<T>::N;
     using P = Pack<T, N>;
@@ -230,6 +231,7 @@ __global__ void unary_flat(const T* x, T* y, long long n, long long nvec, int op
 template <typename T>
 __global__ void unary_strided(const T* x, T* y, int n0, int n1, int n2, int n3, long long s0, long long s1,
                               long long s2, long long s3, int op, float p0, float p1) {
+    od::grid_enter();
     using namespace ew_unary;
     const long long rows = (long long)n0 * n1 * n2;
     for (long long r = blockIdx.y * blockDim.y + threadIdx.y; r < rows; r += gridDim.y * blockDim.y) {

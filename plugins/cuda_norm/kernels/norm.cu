@@ -210,6 +210,7 @@ __global__ void __launch_bounds__(BLOCK) norm_rows_f32(
         int n1, int n2, long long xs0, long long xs1, long long xs2,
         const float* w, int w0, int w1, int w2, int wcols, long long ws0, long long ws1, long long ws2,
         const float* r, int r0, int r1, int r2, int rcols, long long rs0, long long rs1, long long rs2) {
+    od::grid_enter();
     static_assert(MODE != NORM_L2 || FUSE == FUSE_NONE, "l2_norm has no fused variants");
     const int row = blockIdx.x;  // grids stay below 2**31 blocks
     const int i2 = row % n2;
