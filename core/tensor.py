@@ -92,6 +92,13 @@ class Tensor:
         return self.view_src is not None
 
     @property
+    def is_constant(self) -> bool:
+        """A param or a view of one: data fixed at build time, which no op writes (ops refuse to
+        write into params), so kernels may read it before the kernel ahead of them has finished."""
+        b = self.base
+        return b.is_leaf and bool(b.flags & Flag.PARAM)
+
+    @property
     def base(self) -> Tensor:
         """The tensor that owns this one's storage."""
         return self.view_src if self.view_src is not None else self

@@ -506,6 +506,10 @@ def test_mmv_spec_batch_geometry() -> None:
     assert (args["a_row"], args["a_s2"], args["a_s3"]) == (128, 16 * 128, 2 * 16 * 128)
     assert (args["b_col"], args["b_s2"], args["b_s3"]) == (256, 5 * 256, 4 * 5 * 256)
     assert (args["M"], args["K"], args["N"]) == (16, 64, 5)
+    assert int(spec.args[-1]) == 1  # params: the first weights are loaded before the PDL wait
+    (spec,) = cm.mmv_specs(ops.mul_mat(od.input("w", (16, 64), "f16"), od.input("x", (5, 64))), y, fake_ptr,
+                           fake_scratch)
+    assert int(spec.args[-1]) == 0  # inputs may be written by the kernel before: loaded after the wait
 
 
 def test_mmv_id_and_grouped_specs() -> None:

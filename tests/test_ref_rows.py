@@ -181,6 +181,15 @@ def test_set_rows_errors():
         set_rows(state("kv3", (3, 8, 32)), input("s", (3, 2, 32)), input("i", (2, 2), "i64"))
 
 
+def test_in_place_writes_into_weights_are_refused():
+    """Params are constant (the CUDA mat-vec reads them before the kernel ahead has finished)."""
+    w = param("w", np.ones((8, 32), np.float32))
+    with pytest.raises(OpError, match=r"set_rows: writes into weights \(a param\): write into a state.*'w' \(8, 32\)"):
+        set_rows(w, input("s", (2, 32)), input("i", (2,), "i64"))
+    with pytest.raises(OpError, match=r"cpy: writes into weights \(a param\)"):
+        cpy(input("s", (4, 32)), w.view((4, 32), w.strides, 0))
+
+
 # ---------------------------------------------------------------------------
 # cpy, dup, cont
 

@@ -115,6 +115,9 @@ def node(
     dt = as_dtype(dtype)
     shape = tuple(int(n) for n in shape)
     if inplace_of is not None:
+        # params are constant (a kernel may read them before the kernel ahead of it has finished)
+        check(not inplace_of.base.is_constant, op_name, "writes into weights (a param): write into a state",
+              inplace_of)
         return Tensor(
             shape, dt, inplace_of.strides, op=op_name, params=dict(params or {}), srcs=srcs,
             view_src=inplace_of, view_offset=0,

@@ -339,7 +339,8 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     vec = (k % 4 == 0 and _b_vec(b, pb) and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0))
     nt = nt_for(max(n, 1)) if vec and tb == "f32" else 8
     grid = (math.ceil(m / ROWS) if n else 0, b2, b3)
-    return [KernelSpec(MMV_CU, mmv_name(a.dtype.name, tb, nt, vec, epi), grid, BLOCK, args)]
+    preload = a.is_constant and (a1 is None or a1.is_constant)  # first weights loaded before the PDL wait
+    return [KernelSpec(MMV_CU, mmv_name(a.dtype.name, tb, nt, vec, epi), grid, BLOCK, (*args, I32(preload)))]
 
 
 def _id_b(node: Tensor, ptr: Ptr) -> tuple[int, int, int, int, bool]:

@@ -116,6 +116,10 @@ __device__ __forceinline__ void grid_enter() {
     grid_release();
 }
 
+// The first statement of a kernel that launches with PDL but calls grid_enter() itself, later:
+// before it, the kernel may only read data no kernel writes (constant weights). Does nothing.
+__device__ __forceinline__ void grid_enter_later() {}
+
 // -- 16-bit floats as raw storage -------------------------------------------------
 
 struct f16 {

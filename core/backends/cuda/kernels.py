@@ -151,14 +151,16 @@ def _launch_kernel_ex() -> Any:
     return fn
 
 
-#: a kernel's name and a body that begins with od::grid_enter() (launch bounds removed first)
-_PDL_HEAD = re.compile(r"__global__[^{;]*?(\w+)\s*\([^{;]*\)\s*\{\s*od::grid_enter\(\);")
+#: a kernel's name and a body that begins with od::grid_enter() or od::grid_enter_later()
+#: (launch bounds removed first)
+_PDL_HEAD = re.compile(r"__global__[^{;]*?(\w+)\s*\([^{;]*\)\s*\{\s*od::grid_enter(?:_later)?\(\);")
 
 
 @functools.lru_cache(maxsize=None)
 def pdl_kernels(source: Path) -> frozenset[str]:
-    """The kernels of a .cu file whose body begins with od::grid_enter(): those launch with
-    programmatic dependent launch (see the module docstring)."""
+    """The kernels of a .cu file whose body begins with od::grid_enter() (or grid_enter_later():
+    the kernel waits itself, after loading constant data): those launch with programmatic
+    dependent launch (see the module docstring)."""
     text = re.sub(r"__launch_bounds__\s*\([^)]*\)", "", Path(source).read_text())
     return frozenset(m.group(1) for m in _PDL_HEAD.finditer(text))
 

@@ -64,9 +64,13 @@ __device__ __forceinline__ void block_reduce(float (&acc)[NV], float* res) {
 // (row r at a[w] + r * a_row; rows past `rows` read the last valid row again,
 // their sums unspecified) and columns n < ncols (columns past ncols give
 // unspecified sums; their pointers must be valid).
+// Waits for the kernel before (od::grid_enter) before reading b; with `preload` (the weights are
+// constant: no kernel writes them) the first unit's weights are loaded before that wait, so that
+// their memory latency overlaps the previous kernel's tail (programmatic dependent launch).
 template <int WT, int TB, int NT, int R, bool VEC, int NW>
 __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_row, int rows,
-                                         const u8* const (&bcol)[NT], int ncols, long long b_es, int K, float* res) {
+                                         const u8* const (&bcol)[NT], int ncols, long long b_es, int K, float* res,
+                                         bool preload = false) {
     const u8* arow[NW][R];
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
@@ -84,8 +88,8 @@ __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_r
     if constexpr (VEC) {
         // Float rows with 16-byte loads (K % 8 == 0, rows 16-byte aligned), b f32/f16/bf16.
         const int units = K / 8;
-#pragma unroll 2
-        for (int u = threadIdx.x; u < units; u += BLOCK) {
+        // acc += the unit's weights c (row w * R + r) times b's values of unit u
+        auto dot_unit = [&](int u, const float (&c)[NW * R][8]) {
             const int2 k = unit_k<WT>(u);
             float bv[NT][8];
 #pragma unroll
@@ -103,24 +107,46 @@ __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_r
                 }
             }
 #pragma unroll
-            for (int w = 0; w < NW; ++w) {
+            for (int i = 0; i < NW * R; ++i) {
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    float c[8];
-                    load_unit_float<WT>(arow[w][r], u, c);
+                for (int n = 0; n < NT; ++n) {
+                    float& s = acc[i * NT + n];
 #pragma unroll
-                    for (int n = 0; n < NT; ++n) {
-                        float& s = acc[(w * R + r) * NT + n];
-#pragma unroll
-                        for (int j = 0; j < 8; ++j) {
-                            s = fmaf(c[j], bv[n][j], s);
-                        }
+                    for (int j = 0; j < 8; ++j) {
+                        s = fmaf(c[i][j], bv[n][j], s);
                     }
                 }
             }
+        };
+        auto load_unit = [&](int u, float (&c)[NW * R][8]) {
+#pragma unroll
+            for (int w = 0; w < NW; ++w) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    load_unit_float<WT>(arow[w][r], u, c[w * R + r]);
+                }
+            }
+        };
+        int u = threadIdx.x;
+        const bool pre = preload && u < units;
+        float first[NW * R][8];
+        if (pre) {
+            load_unit(u, first);
+        }
+        od::grid_enter();
+        if (pre) {
+            dot_unit(u, first);
+            u += BLOCK;
+        }
+#pragma unroll 2
+        for (; u < units; u += BLOCK) {
+            float c[NW * R][8];
+            load_unit(u, c);
+            dot_unit(u, c);
         }
     } else {
         // Scalar float rows: any K, any alignment, b with any element stride.
+        od::grid_enter();
         constexpr int ES = Fmt<WT>::ELEM;
 #pragma unroll 4
         for (int k = threadIdx.x; k < K; k += BLOCK) {
@@ -383,13 +409,14 @@ __global__ void __launch_bounds__(QUANT_BLOCK) quantize_q8_1(const u8* b, long l
 // a0 (and a1, the up weight of EPI_GLU, with a0's strides) rows of a_row bytes,
 // batch strides a_s2, a_s3; b columns b_col bytes apart, elements b_es bytes
 // apart (scalar variants), batch strides b_s2, b_s3; out contiguous (B3, B2, N, M).
+// preload != 0: a0 (and a1) are constant (no kernel writes them), see mmv_tile.
 template <int WT, int TB, int NT, int R, bool VEC, int EPI>
 __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, long long a_row, long long a_s2,
                                                  long long a_s3, int r2, int r3, const u8* b, long long b_col,
                                                  long long b_es, long long b_s2, long long b_s3, float* out, int M,
                                                  int K, int N, const float* bias0, const float* bias1, int glu_kind,
-                                                 float alpha, float limit) {
-    od::grid_enter();
+                                                 float alpha, float limit, int preload) {
+    od::grid_enter_later();  // in mmv_tile, after the preload of constant weights
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
     __shared__ float res[NW * R * NT];
     const int i2 = blockIdx.y, i3 = blockIdx.z;
@@ -403,7 +430,7 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, lon
         bcol[n] = bb + (n < N ? n : 0) * b_col;
     }
     const int rows = min(R, M - m0);
-    mm::mmv_tile<WT, TB, NT, R, VEC, NW>(a, a_row, rows, bcol, N, b_es, K, res);
+    mm::mmv_tile<WT, TB, NT, R, VEC, NW>(a, a_row, rows, bcol, N, b_es, K, res, preload != 0);
     const int t = threadIdx.x;
     if (t < R * NT) {
         const int r = t / NT, n = t % NT, m = m0 + r;
