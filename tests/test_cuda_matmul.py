@@ -470,6 +470,7 @@ def test_mmv_spec_picks_the_variant(dt: str, a_shape: tuple, b_view: str | None,
         assert spec.smem == support.stream_smem(dt, k, n, support.STREAM.warps, support.STREAM.stages)
         assert spec.grid[1:] == (1, 1) and spec.grid[0] >= 1
         assert int(spec.args[7]) == fake_ptr(b)
+        assert int(spec.args[-1]) == 1  # params: the first weight copies go before the PDL wait
     elif dt in QUANTS:  # b quantized to q8_1 first, then QROWS rows a block
         quant = specs[0]
         assert len(specs) == 2 and quant.kernel == f"quantize_q8_1<{cm.B_KIND[b.dtype.name]}>"

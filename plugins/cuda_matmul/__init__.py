@@ -283,9 +283,10 @@ def _addr(ptr: Ptr, t: Tensor | None) -> np.uint64:
 
 
 def stream_spec(node: Tensor, args: tuple, epi: str, device: Device | None,
-                cfg: support.StreamConfig | None = None) -> KernelSpec | None:
-    """mmvq_stream for mul_mat `node` (mmv's arguments `args`), or None when it does not fit:
-    cfg's warps halved until the block's shared memory fits, the grid from stream_grid."""
+                cfg: support.StreamConfig | None = None, a1: Tensor | None = None) -> KernelSpec | None:
+    """mmvq_stream for mul_mat `node` (mmv's arguments `args`; `a1` the GLU's up weight), or None
+    when it does not fit: cfg's warps halved until the block's shared memory fits, the grid from
+    stream_grid."""
     cfg = cfg or support.STREAM
     a, b = node.srcs
     (a3, a2, m, k), _ = _geometry(a)
@@ -300,7 +301,9 @@ def stream_spec(node: Tensor, args: tuple, epi: str, device: Device | None,
     per_sm = support.stream_blocks_per_sm(smem, device, cfg)
     grid = (support.stream_grid(layout, m, b2 * b3, warps, per_sm, sm_count) if n else 0, b2, b3)
     nt = nt_for(max(n, 1)) if tb == "f32" else 8
-    return KernelSpec(MMVQ_STREAM_CU, stream_name(dt, tb, nt, epi, cfg.stages), grid, 32 * warps, args, smem=smem)
+    preload = a.is_constant and (a1 is None or a1.is_constant)  # first weight copies before the PDL wait
+    return KernelSpec(MMVQ_STREAM_CU, stream_name(dt, tb, nt, epi, cfg.stages), grid, 32 * warps,
+                      (*args, I32(preload)), smem=smem)
 
 
 def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tensor | None = None,
@@ -326,7 +329,7 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     streamed = (a.dtype.is_quant and path != "mmvq" and support.choose(node, device).path == "mmvq_stream"
                 and pa % 16 == 0 and (a1 is None or (a1.view_offset % 16 == 0 and ptr(a1) % 16 == 0)))
     if streamed:
-        spec = stream_spec(node, args, epi, device, stream)
+        spec = stream_spec(node, args, epi, device, stream, a1)
         if spec is not None:
             return [spec]
     if a.dtype.is_quant:

@@ -287,8 +287,9 @@ template <int WT, int TB, int NT, int EPI, int NS>
 __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
     mmvq_stream(const u8* a0, const u8* a1, long long a_row, long long a_s2, long long a_s3, int r2, int r3,
                 const u8* b, long long b_col, long long b_es, long long b_s2, long long b_s3, float* out, int M,
-                int K, int N, const float* bias0, const float* bias1, int glu_kind, float alpha, float limit) {
-    od::grid_enter();
+                int K, int N, const float* bias0, const float* bias1, int glu_kind, float alpha, float limit,
+                int preload) {
+    od::grid_enter_later();  // below: after the first weight copies when the weights are constant
     using Gm = mms::Geo<WT>;
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
     static_assert(NS >= 2 && NS <= 4, "2 to 4 stages");
@@ -343,13 +344,20 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
         }
     };
 
-    // 1. the first stages in flight, then b to q8_1 while they land
+    // 1. the first stages in flight, then b to q8_1 while they land. Constant weights (`preload`) are
+    // copied before waiting for the kernel before (programmatic dependent launch), others after.
+    if (!preload) {
+        od::grid_enter();
+    }
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s) {
         if (s < nunits) {
             issue(ring + s * STAGE);
         }
         mms::cp_async_commit();
+    }
+    if (preload) {
+        od::grid_enter();
     }
     const long long bb = i3 * b_s3 + i2 * b_s2;
     mms::quantize_b<WT, TB>(b + bb, b_col, b_es, N, K, L.C, bs);
