@@ -21,8 +21,8 @@ Each layer's q/k/v projections are stacked into one (LlamaModel's stack_qkv).
   `host_pick_tokens/s`: a step that brings the logits back and picks on the host
   (what top-k/top-p sampling runs): Plan.run (one upload, the CUDA graph replay,
   the logits back) and numpy's argmax, at position CTX.
-  Modes: default (fusion and CUDA graphs on), no-fusion, no-graphs (bf16 at
-  batch 1 only).
+  Modes: default (fusion, CUDA graphs and programmatic dependent launch on),
+  no-fusion, no-graphs, no-pdl (OPDISPATCH_PDL=0) (bf16 at batch 1 only).
 - prefill: one sequence of PREFILL (512) tokens (LM head on the last one).
 - roofline: weight bytes read per step (every matrix but the embedding, of
   which a step reads B rows) over the copy bandwidth measured in this run
@@ -74,7 +74,7 @@ HF_DTYPE = {"bf16": "bf16", "f16": "f16", "q8_0": "bf16", "q4_0": "bf16"}
 #: (dtype, kind, batch, mode), in run order: one dtype's model at a time
 CASES = [
     ("bf16", "decode", 1, "default"), ("bf16", "decode", 16, "default"), ("bf16", "prefill", 1, "default"),
-    ("bf16", "decode", 1, "no-fusion"), ("bf16", "decode", 1, "no-graphs"),
+    ("bf16", "decode", 1, "no-fusion"), ("bf16", "decode", 1, "no-graphs"), ("bf16", "decode", 1, "no-pdl"),
     *[(dt, kind, b, "default") for dt in ("f16", "q8_0", "q4_0")
       for kind, b in (("decode", 1), ("decode", 16), ("prefill", 1))],
 ]
@@ -390,6 +390,8 @@ def test_model(benchmark, torch_cuda, copy_bandwidth, monkeypatch, dtype: str, k
     if mode == "no-graphs":
         # read when the plan is compiled (its cache key) and bound (its segments); this generator's plans only
         monkeypatch.setenv("OPDISPATCH_DISABLE_CUDA_GRAPHS", "1")
+    if mode == "no-pdl":  # read when the plan is bound
+        monkeypatch.setenv("OPDISPATCH_PDL", "0")
     if mode not in s.gens:
         s.gens[mode] = Generator(s.model, DEVICE, fusion=mode != "no-fusion", batch=MAX_SEQS)
     t0 = time.perf_counter()

@@ -96,9 +96,10 @@ def compile(  # noqa: A001 - the natural name
     fusion = fusion_from_env() if fusion is None else fusion
     order = mgr.order(prefer, exclude)
     host = frozenset(host_params)
-    # The key holds `dev` itself so that its id stays unique while cached.
+    # The key holds `dev` itself so that its id stays unique while cached, and the switches read at bind.
     key = (graph.key(), dev, id(dev), fusion, tuple(p.name for p in order), tuple(sorted(t.uid for t in host)),
-           offload_min_batch(), os.environ.get("OPDISPATCH_DISABLE_CUDA_GRAPHS", ""))
+           offload_min_batch(), os.environ.get("OPDISPATCH_DISABLE_CUDA_GRAPHS", ""),
+           os.environ.get("OPDISPATCH_PDL", ""))
     cached = mgr.plans.get(key)
     if cached is not None:
         mgr.plans.move_to_end(key)

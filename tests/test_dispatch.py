@@ -257,6 +257,14 @@ def test_plan_cache_reuses_plans_for_equal_graphs() -> None:
     assert od.compile(y3, TOY, plugins=mgr).steps is not p1.steps
 
 
+@pytest.mark.parametrize("switch", ["OPDISPATCH_DISABLE_CUDA_GRAPHS", "OPDISPATCH_PDL"])
+def test_plan_cache_keys_on_the_switches_read_at_bind(monkeypatch: pytest.MonkeyPatch, switch: str) -> None:
+    mgr = manager_with(ToyPlugin())
+    p1 = od.compile(add_mul_graph()[1], TOY, plugins=mgr)
+    monkeypatch.setenv(switch, "0" if switch == "OPDISPATCH_PDL" else "1")
+    assert od.compile(add_mul_graph()[1], TOY, plugins=mgr).steps is not p1.steps
+
+
 def test_run_checks_feeds() -> None:
     a = od.input("a", (2, 3))
     plan = od.compile(ops.neg(a), "cpu")
