@@ -282,6 +282,12 @@ def _addr(ptr: Ptr, t: Tensor | None) -> np.uint64:
     return U64(ptr(t) if t is not None else 0)
 
 
+def _preload(a: Tensor, a1: Tensor | None) -> np.int32:
+    """mmv's and mmvq_stream's `preload` argument: 1 where the weights are constant (params), so the
+    kernel loads its first weights before waiting for the kernel ahead (programmatic dependent launch)."""
+    return I32(a.is_constant and (a1 is None or a1.is_constant))
+
+
 def stream_spec(node: Tensor, args: tuple, epi: str, device: Device | None,
                 cfg: support.StreamConfig | None = None, a1: Tensor | None = None) -> KernelSpec | None:
     """mmvq_stream for mul_mat `node` (mmv's arguments `args`; `a1` the GLU's up weight), or None
@@ -301,9 +307,8 @@ def stream_spec(node: Tensor, args: tuple, epi: str, device: Device | None,
     per_sm = support.stream_blocks_per_sm(smem, device, cfg)
     grid = (support.stream_grid(layout, m, b2 * b3, warps, per_sm, sm_count) if n else 0, b2, b3)
     nt = nt_for(max(n, 1)) if tb == "f32" else 8
-    preload = a.is_constant and (a1 is None or a1.is_constant)  # first weight copies before the PDL wait
     return KernelSpec(MMVQ_STREAM_CU, stream_name(dt, tb, nt, epi, cfg.stages), grid, 32 * warps,
-                      (*args, I32(preload)), smem=smem)
+                      (*args, _preload(a, a1)), smem=smem)
 
 
 def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tensor | None = None,
@@ -342,8 +347,7 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     vec = (k % 4 == 0 and _b_vec(b, pb) and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0))
     nt = nt_for(max(n, 1)) if vec and tb == "f32" else 8
     grid = (math.ceil(m / ROWS) if n else 0, b2, b3)
-    preload = a.is_constant and (a1 is None or a1.is_constant)  # first weights loaded before the PDL wait
-    return [KernelSpec(MMV_CU, mmv_name(a.dtype.name, tb, nt, vec, epi), grid, BLOCK, (*args, I32(preload)))]
+    return [KernelSpec(MMV_CU, mmv_name(a.dtype.name, tb, nt, vec, epi), grid, BLOCK, (*args, _preload(a, a1)))]
 
 
 def _id_b(node: Tensor, ptr: Ptr) -> tuple[int, int, int, int, bool]:
