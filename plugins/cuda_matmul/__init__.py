@@ -22,6 +22,9 @@ Paths (support.py picks one per node; its name shows in `Plan.explain()`):
   dots them with b by dp4a. A persistent-style grid (about
   support.STREAM.blocks_per_sm blocks an SM) splits the rows evenly over warps.
   mul_mat_id stays on mmvq_id / mmvq_id_grouped.
+- Every mul_mat kernel launches with programmatic dependent launch (common.cuh);
+  mmv and mmvq_stream, given constant weights (params: `preload`), load their
+  first weights before waiting for the kernel ahead, so that load overlaps its tail.
 - cublas: float weights, N > 8: cuBLAS through our own handles
   (core/backends/cuda/cublas.py, usable under CUDA-graph capture): cublasLt
   (algorithm timed once per problem) for one GEMM or strided batches when

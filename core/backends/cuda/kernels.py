@@ -19,7 +19,9 @@ with programmatic dependent launch (Hopper, cuLaunchKernelEx): it may start
 before the kernel ahead of it on the stream has finished, and that first
 statement waits for it before anything touches memory. Its launch and setup
 overlap the previous kernel's tail, inside a captured CUDA graph too (a
-programmatic edge). OPDISPATCH_PDL=0 at bind time turns it off.
+programmatic edge). A body that begins with `od::grid_enter_later();` launches
+so too: the kernel loads only constant data (weights) before it calls
+od::grid_enter() itself. OPDISPATCH_PDL=0 at bind time turns it off.
 """
 
 from __future__ import annotations
