@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Sequence
 
@@ -9,6 +10,15 @@ import opdispatch as od
 
 #: runs timed back to back before one synchronize
 REPS = 20
+
+#: bytes the instances of a cold benchmark (conftest.measure_cold) touch in all: five times the
+#: H200's 50 MB L2, so no instance finds its data left in the cache by the ones before it
+COLD_BYTES = 256 << 20
+
+
+def cold_copies(nbytes: int, most: int = 64) -> int:
+    """Instances of an op moving `nbytes` each that together touch COLD_BYTES (at least 2, at most `most`)."""
+    return max(2, min(most, math.ceil(COLD_BYTES / nbytes)))
 
 
 def device_seconds(fn: Callable[[], None], sync: Callable[[], None], reps: int = REPS, rounds: int = 15) -> float:

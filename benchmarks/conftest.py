@@ -6,6 +6,12 @@ stored in `extra_info`, with the derived GB/s, the fraction of the copy
 bandwidth measured here (a 1 GiB copy), the fraction a copy of the same
 bytes reaches with the same timing (the ceiling at that size: launch and
 ramp costs weigh on small sizes), and the ratio to torch.
+
+`measure` times one plan run after another. `measure_cold` is for ops whose data
+fits in the L2 (the mat-vecs, rope at 4096 tokens): its plan holds several
+instances of the op, each on its own buffers, run as one CUDA graph, so each
+instance reads cold data with no host launch before it, as in a decode step;
+torch and the same-size copy run the same way, in a torch CUDA graph.
 """
 
 from __future__ import annotations
@@ -65,6 +71,50 @@ def measure(benchmark, torch_cuda, copy_bandwidth):  # noqa: ANN001, ANN201
             del src, dst
         if torch_fn is not None:
             theirs = device_seconds(torch_fn, torch.cuda.synchronize)
+            info["torch_us"] = theirs * 1e6
+            info["speedup_vs_torch"] = theirs / ours
+        benchmark.extra_info.update(info)
+        benchmark.pedantic(lambda: (plan.launch(), plan.synchronize()), rounds=5, iterations=1)
+        return info
+
+    return run
+
+
+def torch_graph(torch, issue: Callable[[], object]) -> Callable[[], None]:  # noqa: ANN001
+    """`issue` captured once into a torch CUDA graph (after a warm-up run on a side stream, as torch asks):
+    returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        issue()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        issue()
+    return graph.replay
+
+
+@pytest.fixture
+def measure_cold(benchmark, torch_cuda, copy_bandwidth):  # noqa: ANN001, ANN201
+    """measure_cold(plan, copies, nbytes, torch_fn) for a plan computing `copies` instances of one op, each on
+    its own inputs and outputs (together bench.COLD_BYTES or more): `us` is one plan run (one CUDA graph)
+    over `copies`, `nbytes` one instance's bytes. torch_fn(i) issues torch's instance i; torch's `copies`
+    instances and the same-size copies (`copies` source/destination pairs) are timed in a torch CUDA graph."""
+
+    def run(plan, copies: int, nbytes: int, torch_fn: Callable[[int], object] | None) -> dict:  # noqa: ANN001
+        torch = torch_cuda
+        ours = device_seconds(plan.launch, plan.synchronize) / copies
+        info = {"bytes": nbytes, "us": ours * 1e6, "GB/s": nbytes / ours / 1e9, "copies": copies,
+                "copy_fraction": nbytes / ours / copy_bandwidth, "copy_GB/s": copy_bandwidth / 1e9}
+        pairs = [(torch.empty(nbytes // 8, device="cuda").uniform_(), torch.empty(nbytes // 8, device="cuda"))
+                 for _ in range(copies)]
+        copy_all = torch_graph(torch, lambda: [dst.copy_(src) for src, dst in pairs])
+        same = device_seconds(copy_all, torch.cuda.synchronize) / copies
+        info["same_size_copy_fraction"] = 8 * (nbytes // 8) / same / copy_bandwidth
+        del pairs, copy_all
+        if torch_fn is not None:
+            theirs = device_seconds(torch_graph(torch, lambda: [torch_fn(i) for i in range(copies)]),
+                                    torch.cuda.synchronize) / copies
             info["torch_us"] = theirs * 1e6
             info["speedup_vs_torch"] = theirs / ours
         benchmark.extra_info.update(info)

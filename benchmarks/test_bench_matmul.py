@@ -4,12 +4,16 @@
   f16 (so no conversion runs) and an f32 result, against torch.matmul in the
   same type (so torch writes half as many output bytes) on the same values.
   FLOPs 2*M*N*K.
-- mat-vec, batch 1 (mmvf / mmvq): bytes = weight bytes + the f32 vector + the
-  f32 output, against torch's f16 mat-vec of the same shape (for every weight
-  type: torch has no q8_0/q4_0 kernel, and f16 is the usual baseline).
+- mat-vec, batch 1 (mmvf / mmvq_stream): bytes = weight bytes + the f32 vector
+  + the f32 output, against torch's f16 mat-vec of the same shape (for every
+  weight type: torch has no q8_0/q4_0 kernel, and f16 is the usual baseline).
 - gate/up + swiglu at batch 1: the fused plan, with the unfused pair's time
   (same weights, fusion off) in extra_info["unfused_us"] and its ratio.
 - mul_mat_id, one token, 8 of 128 experts: bytes = the 8 experts' weights read.
+
+The mat-vecs, gate/up and MoE are timed cold (conftest.measure_cold): one plan
+holds several instances, each with its own weights (or, for MoE, its own 8
+experts), run as one CUDA graph: what a decode step does.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import numpy as np
 import pytest
 
 import opdispatch as od
-from bench import device_seconds, ready
+from bench import cold_copies, device_seconds, ready
 from opdispatch import ops
 
 pytestmark = pytest.mark.gpu
@@ -31,10 +35,6 @@ MATMUL, MATMUL_OPS = "cuda_matmul", ("mul_mat", "mul_mat_id")
 
 def rand(*shape: int, lo: float = -1, hi: float = 1) -> np.ndarray:
     return np.random.default_rng(0).uniform(lo, hi, shape).astype(np.float32)
-
-
-def weight_bytes(t: od.Tensor) -> int:
-    return t.nbytes
 
 
 @pytest.mark.parametrize("size", [4096, 8192])
@@ -53,42 +53,55 @@ def test_gemm(measure, torch_cuda, dt: str, size: int) -> None:  # noqa: ANN001
     measure(plan, 2 * (M * K + N * K) + 4 * M * N, lambda: torch.matmul(tb, ta.T), flops=2 * M * N * K)
 
 
+def copies_of(name: str, values: np.ndarray, dt: str, copies: int) -> list[od.Tensor]:
+    """`copies` params holding `values` in `dt` (converted once), each its own device buffer."""
+    raw = od.param(name, values, dt)
+    return [od.param(f"{name}{i}", raw.data, dt, shape=raw.shape) for i in range(copies)]
+
+
 @pytest.mark.parametrize("shape", [(4096, 4096), (14336, 4096)], ids=["4096x4096", "14336x4096"])
 @pytest.mark.parametrize("dt", ["f16", "bf16", "q8_0", "q4_0"])
-def test_matvec(measure, torch_cuda, dt: str, shape: tuple) -> None:  # noqa: ANN001
+def test_matvec(measure_cold, torch_cuda, dt: str, shape: tuple) -> None:  # noqa: ANN001
     torch = torch_cuda
     M, K = shape
-    a = od.param("a", rand(M, K), dt)
+    nbytes = od.input("a", (M, K), dt).nbytes + 4 * K + 4 * M
+    copies = cold_copies(nbytes)
+    weights = copies_of("a", rand(M, K), dt, copies)
     x = od.input("x", (1, K))
-    plan = ready(ops.mul_mat(a, x), {x: rand(1, K)}, MATMUL, ops=MATMUL_OPS,
+    plan = ready([ops.mul_mat(a, x) for a in weights], {x: rand(1, K)}, MATMUL, ops=MATMUL_OPS,
                  kernel="mmvq_stream" if dt.startswith("q") else "mmvf")
-    tw = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    tw = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _ in range(copies)]
     tx = torch.randn(1, K, device="cuda", dtype=torch.float16)
-    measure(plan, weight_bytes(a) + 4 * K + 4 * M, lambda: torch.matmul(tx, tw.T))
+    measure_cold(plan, copies, nbytes, lambda i: torch.matmul(tx, tw[i].T))
 
 
 @pytest.mark.parametrize("dt", ["f16", "q4_0"])
-def test_gate_up_swiglu(measure, benchmark, torch_cuda, dt: str) -> None:  # noqa: ANN001
+def test_gate_up_swiglu(measure_cold, benchmark, torch_cuda, dt: str) -> None:  # noqa: ANN001
     M, K = 14336, 4096
-    wg, wu = od.param("wg", rand(M, K), dt), od.param("wu", rand(M, K), dt)
+    nbytes = 2 * od.input("w", (M, K), dt).nbytes + 4 * K + 4 * M
+    copies = cold_copies(nbytes)
+    gates, ups = copies_of("wg", rand(M, K), dt, copies), copies_of("wu", rand(M, K), dt, copies)
     x = od.input("x", (1, K))
-    y = ops.glu_split(ops.mul_mat(wg, x), ops.mul_mat(wu, x), "swiglu")
-    fused = ready(y, {x: rand(1, K)}, MATMUL, ops=MATMUL_OPS)
-    assert [s.kernel for s in fused.fusions] == ["mul_mat_glu"], fused.explain()
-    unfused = od.compile(y, "cuda0", fusion=False)
+    ys = [ops.glu_split(ops.mul_mat(wg, x), ops.mul_mat(wu, x), "swiglu") for wg, wu in zip(gates, ups)]
+    fused = ready(ys, {x: rand(1, K)}, MATMUL, ops=MATMUL_OPS)
+    assert [s.kernel for s in fused.fusions] == ["mul_mat_glu"] * copies, fused.explain()
+    unfused = od.compile(ys, "cuda0", fusion=False)
     unfused.write(x, rand(1, K))
-    unfused_s = device_seconds(unfused.launch, unfused.synchronize)
-    info = measure(fused, 2 * weight_bytes(wg) + 4 * K + 4 * M, None)
+    unfused_s = device_seconds(unfused.launch, unfused.synchronize) / copies
+    info = measure_cold(fused, copies, nbytes, None)
     benchmark.extra_info["unfused_us"] = unfused_s * 1e6
     benchmark.extra_info["speedup_vs_unfused"] = unfused_s * 1e6 / info["us"]
 
 
 @pytest.mark.parametrize("dt", ["f16", "q4_0"])
-def test_moe_8_of_128(measure, torch_cuda, dt: str) -> None:  # noqa: ANN001
+def test_moe_8_of_128(measure_cold, torch_cuda, dt: str) -> None:  # noqa: ANN001
     E, U, M, K = 128, 8, 2048, 2048
     experts = od.param("experts", rand(E, M, K), dt)
-    x, ids = od.input("x", (1, 1, K)), od.input("ids", (1, U), "i32")
-    chosen = np.random.default_rng(1).permutation(E)[:U].astype(np.int32).reshape(1, U)
-    plan = ready(ops.mul_mat_id(experts, x, ids), {x: rand(1, 1, K), ids: chosen}, MATMUL, ops=MATMUL_OPS,
-                 kernel="mmv_id")
-    measure(plan, U * experts.nbytes // E + 4 * K + 4 * U * M, None)
+    nbytes = U * experts.nbytes // E + 4 * K + 4 * U * M
+    copies = cold_copies(nbytes, most=E // U)  # each instance picks its own 8 experts: cold without more weights
+    x = od.input("x", (1, 1, K))
+    ids = [od.input(f"ids{i}", (1, U), "i32") for i in range(copies)]
+    chosen = np.random.default_rng(1).permutation(E).astype(np.int32).reshape(E // U, 1, U)
+    plan = ready([ops.mul_mat_id(experts, x, i) for i in ids], {x: rand(1, 1, K), **dict(zip(ids, chosen))},
+                 MATMUL, ops=MATMUL_OPS, kernel="mmv_id")
+    measure_cold(plan, copies, nbytes, None)
