@@ -228,14 +228,16 @@ def test_stream_grid_splits_evenly(m: int, batches: int, warps: int, per_sm: int
 
 
 def test_stream_spec_shrinks_warps_to_fit() -> None:
-    """8 columns of K 14336 (150 KB of q8_1 b): 4 q8_0 warps of 3 stages do not fit in 227 KB, 2 do."""
+    """8 columns of K 14336 (150 KB of q8_1 b): 4 q8_0 warps of 3 stages do not fit in 227 KB, 2 do;
+    of 2 stages (the default's), 8 do not, 4 do."""
     y = ops.mul_mat(weight("w", (64, 14336), "q8_0"), od.input("x", (8, 14336)))
-    (spec,) = cm.mmv_specs(y, y, fake_ptr, fake_scratch)
+    (spec,) = cm.mmv_specs(y, y, fake_ptr, fake_scratch, stream=support.StreamConfig(3, 4, 2))
     assert spec.kernel == "mmvq_stream<W_Q8_0, B_F32, 8, EPI_NONE, 3>" and spec.block == 64
     assert spec.smem == support.stream_smem("q8_0", 14336, 8, 2, 3) <= 227 * 1024
-    check_spec(spec)
-    (spec,) = cm.mmv_specs(y, y, fake_ptr, fake_scratch, stream=support.StreamConfig(2, 8, 1))
+    (spec,) = cm.mmv_specs(y, y, fake_ptr, fake_scratch)
     assert spec.kernel == "mmvq_stream<W_Q8_0, B_F32, 8, EPI_NONE, 2>" and spec.block == 128
+    assert spec.smem == support.stream_smem("q8_0", 14336, 8, 4, 2) <= 227 * 1024
+    check_spec(spec)
 
 
 def test_stream_fused_glu_spec() -> None:
@@ -243,7 +245,7 @@ def test_stream_fused_glu_spec() -> None:
     nodes = Graph.build(y).nodes
     prods, biases, glu = fusion.parts(nodes)
     (spec,) = cm.fused_specs(nodes, fake_ptr, fake_scratch, H200)
-    assert spec.kernel == "mmvq_stream<W_Q4_0, B_F32, 2, EPI_GLU, 3>"
+    assert spec.kernel == f"mmvq_stream<W_Q4_0, B_F32, 2, EPI_GLU, {support.STREAM.stages}>"
     check_spec(spec)
     m = prods[0].shape[-1]
     args = dict(zip(["a0", "a1", "a_row", "a_s2", "a_s3", "r2", "r3", "b", "b_col", "b_es", "b_s2", "b_s3", "out",
@@ -437,12 +439,12 @@ def check_spec(spec: cm.KernelSpec) -> None:
     ("f16", (64, 4096), None, "mmv<W_F16, B_F32, 1, 2, true, EPI_NONE>"),
     ("f32", (64, 65), None, "mmv<W_F32, B_F32, 8, 2, false, EPI_NONE>"),  # K % 8 != 0: scalar
     ("bf16", (64, 80), None, "mmv<W_BF16, B_F32, 4, 2, true, EPI_NONE>"),
-    ("q4_0", (64, 4096), None, "mmvq_stream<W_Q4_0, B_F32, 1, EPI_NONE, 3>"),
+    ("q4_0", (64, 4096), None, "mmvq_stream<W_Q4_0, B_F32, 1, EPI_NONE, 2>"),
     ("q4_0", (64, 4128), None, "mmvq<W_Q4_0, 4, EPI_NONE>"),  # K % 256 != 0: two launches
     ("q8_0", (64, 96), "offset", "mmvq<W_Q8_0, 4, EPI_NONE>"),  # b read by elements: any layout
-    ("q8_0", (64, 256), "offset", "mmvq_stream<W_Q8_0, B_F32, 4, EPI_NONE, 3>"),  # b misaligned: scalar loads
-    ("q4_1", (64, 128), "T", "mmvq_stream<W_Q4_1, B_F32, 4, EPI_NONE, 3>"),
-    ("q5_1", (64, 64), "f16", "mmvq_stream<W_Q5_1, B_F16, 8, EPI_NONE, 3>"),
+    ("q8_0", (64, 256), "offset", "mmvq_stream<W_Q8_0, B_F32, 4, EPI_NONE, 2>"),  # b misaligned: scalar loads
+    ("q4_1", (64, 128), "T", "mmvq_stream<W_Q4_1, B_F32, 4, EPI_NONE, 2>"),
+    ("q5_1", (64, 64), "f16", "mmvq_stream<W_Q5_1, B_F16, 8, EPI_NONE, 2>"),
     ("f16", (64, 96), "T", "mmv<W_F16, B_F32, 8, 2, false, EPI_NONE>"),  # b's K axis strided
     ("f32", (64, 96), "offset", "mmv<W_F32, B_F32, 8, 2, false, EPI_NONE>"),  # b rows misaligned
     ("q5_1", (64, 96), "f16", "mmvq<W_Q5_1, 4, EPI_NONE>"),

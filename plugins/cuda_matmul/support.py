@@ -146,10 +146,16 @@ SMEM_PER_BLOCK_RESERVED = 1024
 @attrs.frozen
 class StreamConfig:
     """mmvq_stream's tunables: cp.async stages a warp (the kernel's NS, 2..4), warps a block
-    (1..8; halved at bind time until the shared memory fits), blocks an SM the grid aims at."""
+    (1..8; halved at bind time until the shared memory fits), blocks an SM the grid aims at.
 
-    stages: int = 3
-    warps: int = 4
+    The default, 2 stages of 8 warps, was the fastest or within 4% of it (q8_0 14336x4096: 90%
+    of the copy bandwidth against 94%) in an H200 sweep of every q8_0/q4_0 shape of the 1b preset
+    and the benchmark's (scratch/mmvq_stream_sweep.py --preload, cold weights in a CUDA graph):
+    for example q4_0 14336x4096 76% against 62% for 3 stages of 4 warps, the fused gate/up 83%
+    against 54%. More warps an SM hide more of each warp's dot-product latency."""
+
+    stages: int = 2
+    warps: int = 8
     blocks_per_sm: int = 2
 
 
