@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import io
 import math
+import time
 
 import attrs
 import numpy as np
 import pytest
 
+from opdispatch import dispatch
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.dispatch import compile
 from opdispatch.graph import Graph
+from opdispatch.models import llama
 from opdispatch.models.llama import (PRESETS, Generator, LlamaConfig, LlamaModel, Sampler, generate, random_weights,
                                      weight_shapes)
 from opdispatch.tensor import param
@@ -172,6 +175,21 @@ def test_generation_reports_timing_and_plans(tiny) -> None:
     assert out.prefill_tps > 0 and out.decode_tps > 0
     assert out.decode_plan is not out.prefill_plan
     assert out.decode_plan.graph.inputs[0].shape == (1,)
+
+
+def test_decode_time_leaves_out_compiling_and_binding_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A greedy decode across a window boundary compiles and binds a new plan mid-way (and binds its
+    first one on its first write): neither is decoding, so neither is in decode_s."""
+    slow = 0.5
+    compile_, make_bound = llama.compile, dispatch.Plan._make_bound
+    monkeypatch.setattr(llama, "compile", lambda *a, **k: (time.sleep(slow), compile_(*a, **k))[1])
+    monkeypatch.setattr(dispatch.Plan, "_make_bound", lambda self: (time.sleep(slow), make_bound(self))[1])
+    cfg = attrs.evolve(TINY_F32, max_ctx=300)
+    model = LlamaModel(cfg, random_weights(cfg, 5))
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab, 250).tolist()
+    out = generate(model, prompt, 12, "cpu")  # decode positions 250..260: windows 256, then 300
+    assert out.decode_steps == 11 and out.compile_s >= 3 * slow  # prefill, then both decode plans
+    assert out.decode_s < slow, out.decode_s
 
 
 def test_decode_graph_is_the_same_across_tokens(tiny) -> None:
