@@ -425,7 +425,7 @@ def spec_types(spec: ca.Spec) -> list[type]:
 def test_rope_layout_picks_chunks_where_rows_allow_and_fills_the_gpu() -> None:
     chunks = lambda *a: ca.rope_layout(*a)  # noqa: E731 - rows, heads, d, n_dims, bytes of x, 16-byte rows
     assert chunks(4096, 32, 128, 128, 2, True) == ca.RopeLayout(True, 8, chunks(4096, 32, 128, 128, 2, True).groups,
-                                                                4096)  # 8 chunks of 8 f16 pairs (16 values)
+                                                                4096, 4)  # 8 chunks of 8 f16 pairs (16 values)
     assert chunks(4096, 32, 128, 128, 4, True).units == 16  # f32: 4 pairs a chunk
     assert chunks(4096, 32, 128, 128, 4, False) == ca.RopeLayout(False, 64, chunks(4096, 32, 128, 128, 4, True).groups,
                                                                  4096)  # misaligned rows: pairs
@@ -440,6 +440,28 @@ def test_rope_layout_picks_chunks_where_rows_allow_and_fills_the_gpu() -> None:
         hpt = -(-20 // lay.groups)
         assert hpt <= ca.ROPE_HEADS_PER_THREAD and (hpt == 1 or lay.threads >= ca.ROPE_FILL_THREADS)
         assert lay.grid == (-(-lay.threads // ca.ROPE_BLOCK),)
+
+
+@pytest.mark.parametrize(("rows", "heads", "d", "elem", "share"), [
+    (4096, 32, 128, 2, 4), (4096, 32, 128, 4, 2), (16384, 32, 128, 2, 4), (1, 32, 64, 4, 4), (1, 8, 128, 2, 4),
+    (9, 20, 128, 2, 4), (3, 5, 128, 2, 1), (1, 2, 64, 4, 1), (7, 6, 96, 4, 1), (5, 12, 256, 2, 2)])
+def test_rope_lanes_that_share_angles_hold_one_chunk_of_one_token(rows: int, heads: int, d: int, elem: int,
+                                                                  share: int) -> None:
+    """rope.cu's chunk_angles: lane r of a sharing set takes angles from lanes first + f * units (f < share)
+    of its warp, which must be threads of the launch holding the same chunk of the same token, in the
+    set's consecutive head groups."""
+    lay = ca.rope_layout(rows, heads, d, d, elem, True)
+    assert lay.vec and lay.share == share
+    for idx in range(lay.threads):
+        u, g, bt = idx % lay.units, idx // lay.units % lay.groups, idx // (lay.units * lay.groups)
+        r, lane = g % lay.share, idx % 32
+        for f in range(lay.share):
+            src = lane - r * lay.units + f * lay.units
+            assert 0 <= src < 32
+            other = idx - lane + src
+            assert other < lay.threads
+            assert (other % lay.units, other // lay.units % lay.groups, other // (lay.units * lay.groups)) == \
+                (u, g - r + f, bt)
 
 
 def _rope_pairs(d: int, n_dims: int, neox: bool) -> dict:
@@ -736,6 +758,9 @@ ROPE_CASES = [
 ] + [  # launches large enough for several heads a thread, in rounds of ROPE_HEADS_IN_FLIGHT, uneven head groups
     (dt, mode, (1, 6000, 20, 128), n_dims, True, False, "contig")
     for dt, mode, n_dims in [("f32", "normal", 128), ("f16", "neox", 128), ("f16", "normal", 96), ("f32", "neox", 64)]
+] + [  # 32 heads: lanes of 2 (f32) or 4 (f16) head groups share a chunk's angles, several heads a thread
+    (dt, mode, (1, 2048, 32, 128), 128, ff, False, "contig") for dt, mode, ff in [("f32", "neox", False),
+                                                                                  ("f16", "normal", True)]
 ]
 
 

@@ -84,8 +84,12 @@ def softmax_kernel(block: int, cache: int, vec: bool, mask: str) -> str:
 ROPE_HEADS_IN_FLIGHT = {"f32": 2, "f16": 2}
 
 
-def rope_kernel(neox: bool, dt: str) -> str:
-    return f"rope_kernel<{_b(neox)}, {CTYPE[dt]}, {ROPE_HEADS_IN_FLIGHT[dt]}>"
+#: lanes that may share a chunk's angles (rope_kernel's SH; RopeLayout.share picks one of these)
+ROPE_SHARES = (1, 2, 4)
+
+
+def rope_kernel(neox: bool, dt: str, share: int = 1) -> str:
+    return f"rope_kernel<{_b(neox)}, {CTYPE[dt]}, {ROPE_HEADS_IN_FLIGHT[dt]}, {share}>"
 
 
 def _idx_ctype(idx: str) -> str:
@@ -119,7 +123,7 @@ KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {
         [softmax_kernel(b, SOFTMAX_CACHE, v, m) for b in SOFTMAX_BLOCKS for v in (False, True) for m in ("f32", "f16")]
         + [softmax_kernel(1024, 0, v, m) for v in (False, True) for m in ("f32", "f16")]),
     ROPE_CU: tuple(
-        [rope_kernel(n, dt) for n in (False, True) for dt in ("f32", "f16")]
+        [rope_kernel(n, dt, sh) for n in (False, True) for dt in ("f32", "f16") for sh in ROPE_SHARES]
         + [f(n, c, i) for f in (rope_set_rows_kernel, rope_qkv_kernel) for n in (False, True)
            for c in fusion.CACHE_TYPES for i in ("i32", "i64")]),
     DECODE_CU: tuple(
@@ -218,12 +222,15 @@ ROPE_FILL_THREADS = 132 * 1024
 @attrs.frozen
 class RopeLayout:
     """How rope's threads cover `rows` token rows of heads x D: a thread takes one unit of a head row
-    (a chunk of E pairs, two 16-byte packs, when `vec`; else one pair) for heads g, g + groups, ..."""
+    (a chunk of E pairs, two 16-byte packs, when `vec`; else one pair) for heads g, g + groups, ...;
+    `share` lanes (chunks only) holding one chunk of one token in consecutive head groups compute
+    the chunk's angles together (rope.cu's chunk_angles)."""
 
     vec: bool
     units: int  # units of a head row
     groups: int
     rows: int
+    share: int = 1
 
     @property
     def threads(self) -> int:
@@ -243,7 +250,18 @@ def rope_layout(rows: int, heads: int, d: int, n_dims: int, elem_bytes: int, pac
     hpt = min(heads, ROPE_HEADS_PER_THREAD)
     while hpt > 1 and rows * units * -(-heads // hpt) < ROPE_FILL_THREADS:
         hpt = -(-hpt // 2)
-    return RopeLayout(vec, units, -(-heads // hpt), rows)
+    groups = -(-heads // hpt)
+    return RopeLayout(vec, units, groups, rows, rope_share(vec, units, groups, rows))
+
+
+def rope_share(vec: bool, units: int, groups: int, rows: int) -> int:
+    """The most lanes (of ROPE_SHARES) that can share a chunk's angles: each sharing set is `share`
+    consecutive head groups of one token, `units` lanes apart, inside one warp (share * units
+    divides 32, groups a multiple of share), and every lane of every warp is a thread of the launch
+    (threads a multiple of 32), since the angles go round by full-warp shuffles."""
+    if not vec or (rows * groups * units) % 32:
+        return 1
+    return max(s for s in ROPE_SHARES if 32 % (s * units) == 0 and groups % s == 0) if 32 % units == 0 else 1
 
 
 def _ff(rope: Tensor, ptr: Ptr) -> np.uint64:
@@ -258,7 +276,7 @@ def rope_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
     lay = rope_layout(b * t, h, d, node.params["n_dims"], x.dtype.block_bytes, packs)
     args = (u64(ptr(x)), u64(ptr(pos)), _ff(node, ptr), u64(ptr(node)), u32(lay.threads), i32(lay.vec), i32(h),
             i32(lay.groups), i32(t), i64(xs_h), i64(xs_t), i64(xs_b), *_rope_params(node))
-    name = rope_kernel(node.params["mode"] == "neox", x.dtype.name)
+    name = rope_kernel(node.params["mode"] == "neox", x.dtype.name, lay.share)
     return [KernelSpec(ROPE_CU, name, lay.grid, ROPE_BLOCK, args)]
 
 

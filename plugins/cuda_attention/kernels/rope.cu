@@ -11,7 +11,10 @@
 //   from 2cE). It issues the loads of its first NH heads, then reads pos and computes its E
 //   angles (powf, sincosf: their latency overlaps the loads), rotates and stores, NH heads at
 //   a time. Neighbouring threads take neighbouring chunks, so a warp's loads cover whole
-//   128-byte segments of head rows, and every thread moves 16 bytes a load.
+//   128-byte segments of head rows, and every thread moves 16 bytes a load. The lanes of a
+//   warp holding one chunk of one token in SH head groups (rope_kernel's SH, the host's
+//   RopeLayout.share) compute E / SH of the angles each and swap them by shuffles: powf and
+//   sincosf are most of a thread's instructions where it has few heads (f16 at 4096 tokens).
 // - pairs, any other layout: a thread takes one pair (pair_of) of its heads.
 // The angles, and so the results, are the same in both.
 //
@@ -63,10 +66,45 @@ __device__ __forceinline__ void rotate_chunk(const Chunk<TI, E>& x, TO* yr, int 
     *reinterpret_cast<od::Pack<TO, E>*>(yr + o1) = y1;
 }
 
+// The E angles of the chunk whose first pair is jj, at position *pos, into c, s (where `rot`).
+// SH > 1: the SH lanes of this chunk of SH consecutive head groups (group g the lane's, lanes
+// `units` apart in one warp, every lane of the warp here: the host's rope_layout sees to it)
+// compute E / SH angles each and take the others from each other by shuffles.
+template <int SH, int E>
+__device__ __forceinline__ void chunk_angles(int jj, bool rot, unsigned g, int units, const int* pos, const float* ff,
+                                             const RopeParams& p, float (&c)[E], float (&s)[E]) {
+    static_assert(E % SH == 0, "each sharing lane computes E / SH angles");
+    constexpr int PER = E / SH;
+    const int r = static_cast<int>(g % SH);
+    float mc[PER] = {}, ms[PER] = {};
+    if (rot) {
+        const int t = *pos;
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            cos_sin_of(jj + r * PER + k, t, ff, p, mc[k], ms[k]);
+        }
+    }
+    if constexpr (SH == 1) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            c[e] = mc[e];
+            s[e] = ms[e];
+        }
+    } else {
+        const int first = static_cast<int>(threadIdx.x % od::WARP_SIZE) - r * units;  // the lane of group g - r
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            c[e] = __shfl_sync(od::FULL_MASK, mc[e % PER], first + (e / PER) * units);
+            s[e] = __shfl_sync(od::FULL_MASK, ms[e % PER], first + (e / PER) * units);
+        }
+    }
+}
+
 // Chunk c of heads g, g + groups, ... (< heads) of one token: x rows xs_h apart from xb,
 // y rows ys_h apart from yb, position *pos. The first NH heads are loaded before the
-// angles are computed; the rest follow NH at a time, each round's loads before its stores.
-template <bool NEOX, int NH, typename TI, typename TO>
+// angles are computed (SH lanes sharing them: chunk_angles); the rest follow NH at a time,
+// each round's loads before its stores.
+template <bool NEOX, int NH, int SH, typename TI, typename TO>
 __device__ __forceinline__ void rope_chunks(const TI* xb, long long xs_h, TO* yb, long long ys_h, unsigned c,
                                             unsigned g, unsigned groups, unsigned heads, const int* pos,
                                             const float* ff, const RopeParams& p) {
@@ -83,14 +121,8 @@ __device__ __forceinline__ void rope_chunks(const TI* xb, long long xs_h, TO* yb
             x[k] = load_chunk<E>(xb + (h + k * groups) * xs_h, o0, o1);
         }
     }
-    float cc[E] = {}, ss[E] = {};  // read only where `rot`
-    if (rot) {
-        const int t = *pos;
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            cos_sin_of(jj + e, t, ff, p, cc[e], ss[e]);
-        }
-    }
+    float cc[E], ss[E];  // read only where `rot`
+    chunk_angles<SH>(jj, rot, g, p.d / (2 * E), pos, ff, p, cc, ss);
     for (;;) {
 #pragma unroll
         for (int k = 0; k < NH; ++k) {
@@ -139,13 +171,13 @@ __device__ __forceinline__ void rope_pairs(const TI* xb, long long xs_h, TO* yb,
 }
 
 // The slot's unit of its heads, in the layout `vec` picks (chunks of E = 16 / sizeof(TI)
-// pairs, or pairs).
-template <bool NEOX, int NH, typename TI, typename TO>
+// pairs, SH lanes sharing their angles, or pairs).
+template <bool NEOX, int NH, int SH, typename TI, typename TO>
 __device__ __forceinline__ void rope_slot(bool vec, const Slot& s, const TI* xb, long long xs_h, TO* yb,
                                           long long ys_h, unsigned groups, unsigned heads, const int* pos,
                                           const float* ff, const RopeParams& p) {
     if (vec) {
-        rope_chunks<NEOX, NH>(xb, xs_h, yb, ys_h, s.u, s.g, groups, heads, pos, ff, p);
+        rope_chunks<NEOX, NH, SH>(xb, xs_h, yb, ys_h, s.u, s.g, groups, heads, pos, ff, p);
     } else {
         rope_pairs<NEOX>(xb, xs_h, yb, ys_h, s.u, s.g, groups, heads, pos, ff, p);
     }
@@ -159,8 +191,9 @@ __device__ __forceinline__ unsigned row_units(bool vec, int d) {
 
 }  // namespace
 
-// out contiguous (B, T, H, D), x's type. total = B*T * groups * row_units threads (< 2**32).
-template <bool NEOX, typename T, int NH>
+// out contiguous (B, T, H, D), x's type. total = B*T * groups * row_units threads (< 2**32); with
+// SH > 1 (chunks only), a multiple of 32, groups a multiple of SH and SH * row_units dividing 32.
+template <bool NEOX, typename T, int NH, int SH>
 __global__ void __launch_bounds__(256) rope_kernel(const T* __restrict__ x, const int* __restrict__ pos,
                                                    const float* __restrict__ ff, T* __restrict__ out, unsigned total,
                                                    int vec, int heads, int groups, int tokens, long long xs_h,
@@ -174,8 +207,8 @@ __global__ void __launch_bounds__(256) rope_kernel(const T* __restrict__ x, cons
     const Slot s = slot_of(idx, row_units<T>(vec, d), groups);
     const unsigned t = s.bt % static_cast<unsigned>(tokens);
     const unsigned b = s.bt / static_cast<unsigned>(tokens);
-    rope_slot<NEOX, NH>(vec, s, x + t * xs_t + b * xs_b, xs_h, out + static_cast<long long>(s.bt) * heads * d, d,
-                        groups, heads, pos + t, ff, p);
+    rope_slot<NEOX, NH, SH>(vec, s, x + t * xs_t + b * xs_b, xs_h, out + static_cast<long long>(s.bt) * heads * d,
+                            d, groups, heads, pos + t, ff, p);
 }
 
 // Fused rope -> view (T, H*D) -> set_rows: x f32 (1, T, H, D); row t of the rotated
@@ -194,7 +227,7 @@ __global__ void __launch_bounds__(256) rope_set_rows(const float* __restrict__ x
     }
     const Slot s = slot_of(k, row_units<float>(vec, d), groups);
     const unsigned t = s.bt;  // batch 1
-    rope_slot<NEOX, NH>(vec, s, x + t * xs_t, xs_h, cache + static_cast<long long>(idx[t]) * cs, d, groups, heads,
+    rope_slot<NEOX, NH, 1>(vec, s, x + t * xs_t, xs_h, cache + static_cast<long long>(idx[t]) * cs, d, groups, heads,
                         pos + t, ff, p);
 }
 
@@ -242,10 +275,10 @@ __global__ void __launch_bounds__(256) rope_qkv_set_rows(
     const Slot s = slot_of(i, units, groups);
     const unsigned t = s.bt;
     if (is_q) {
-        rope_slot<NEOX, NH>(vec, s, q + t * qs_t, qs_h, q_out + static_cast<long long>(t) * hq * d, d, groups, hq,
-                            pos + t, ff, p);
+        rope_slot<NEOX, NH, 1>(vec, s, q + t * qs_t, qs_h, q_out + static_cast<long long>(t) * hq * d, d, groups,
+                               hq, pos + t, ff, p);
     } else {
-        rope_slot<NEOX, NH>(vec, s, k + t * ks_t, ks_h, k_cache + static_cast<long long>(idx[t]) * kcs, d, groups, hk,
-                            pos + t, ff, p);
+        rope_slot<NEOX, NH, 1>(vec, s, k + t * ks_t, ks_h, k_cache + static_cast<long long>(idx[t]) * kcs, d, groups,
+                               hk, pos + t, ff, p);
     }
 }
