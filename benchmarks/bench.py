@@ -6,19 +6,38 @@ import math
 import time
 from typing import Callable, Sequence
 
+import attrs
+
 import opdispatch as od
 
 #: runs timed back to back before one synchronize
 REPS = 20
 
-#: bytes the instances of a cold benchmark (conftest.measure_cold) touch in all: five times the
+#: bytes the input sets of a cold benchmark (conftest.measure_cold) hold in all: five times the
 #: H200's 50 MB L2, so no instance finds its data left in the cache by the ones before it
 COLD_BYTES = 256 << 20
+#: instances a cold benchmark's CUDA graph holds at least, so that the cost of launching the graph
+#: (and of its first node, which waits for nothing) is spread thin
+COLD_INSTANCES = 32
 
 
-def cold_copies(nbytes: int, most: int = 64) -> int:
-    """Instances of an op moving `nbytes` each that together touch COLD_BYTES (at least 2, at most `most`)."""
-    return max(2, min(most, math.ceil(COLD_BYTES / nbytes)))
+@attrs.frozen
+class Cold:
+    """A cold benchmark's layout: `sets` input sets (COLD_BYTES or more in all), taken in turn by
+    `instances` instances of the op (a multiple of `sets`)."""
+
+    sets: int
+    instances: int
+
+    def of(self, i: int) -> int:
+        """The input set of instance i."""
+        return i % self.sets
+
+
+def cold(nbytes: int, most_sets: int = 64) -> Cold:
+    """The layout for an op moving `nbytes` an instance (at least 2 sets, at most `most_sets`)."""
+    sets = max(2, min(most_sets, math.ceil(COLD_BYTES / nbytes)))
+    return Cold(sets, sets * math.ceil(COLD_INSTANCES / sets))
 
 
 def device_seconds(fn: Callable[[], None], sync: Callable[[], None], reps: int = REPS, rounds: int = 15) -> float:

@@ -8,10 +8,11 @@ bytes reaches with the same timing (the ceiling at that size: launch and
 ramp costs weigh on small sizes), and the ratio to torch.
 
 `measure` times one plan run after another. `measure_cold` is for ops whose data
-fits in the L2 (the mat-vecs, rope at 4096 tokens): its plan holds several
-instances of the op, each on its own buffers, run as one CUDA graph, so each
-instance reads cold data with no host launch before it, as in a decode step;
-torch and the same-size copy run the same way, in a torch CUDA graph.
+fits in the L2 (the mat-vecs, rope at 4096 tokens): its plan holds 32 or more
+instances of the op, taking several input sets in turn (256 MB in all), run as
+one CUDA graph, so each instance reads cold data with no host launch before it,
+as in a decode step; torch and the same-size copy run the same way, in a torch
+CUDA graph.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from typing import Callable
 
 import pytest
-from bench import device_seconds
+from bench import Cold, device_seconds
 
 from opdispatch.backends.cuda.devices import discover
 
@@ -96,25 +97,27 @@ def torch_graph(torch, issue: Callable[[], object]) -> Callable[[], None]:  # no
 
 @pytest.fixture
 def measure_cold(benchmark, torch_cuda, copy_bandwidth):  # noqa: ANN001, ANN201
-    """measure_cold(plan, copies, nbytes, torch_fn) for a plan computing `copies` instances of one op, each on
-    its own inputs and outputs (together bench.COLD_BYTES or more): `us` is one plan run (one CUDA graph)
-    over `copies`, `nbytes` one instance's bytes. torch_fn(i) issues torch's instance i; torch's `copies`
-    instances and the same-size copies (`copies` source/destination pairs) are timed in a torch CUDA graph."""
+    """measure_cold(plan, layout, nbytes, torch_fn) for a plan computing layout.instances instances of one
+    op, instance i on input set layout.of(i) (bench.cold), each with its own output: `us` is one plan run
+    (one CUDA graph) over the instances, `nbytes` one instance's bytes. torch_fn(i) issues torch's
+    instance i; torch's instances and as many same-size copies (layout.sets source/destination pairs
+    in turn) are timed in a torch CUDA graph."""
 
-    def run(plan, copies: int, nbytes: int, torch_fn: Callable[[int], object] | None) -> dict:  # noqa: ANN001
+    def run(plan, layout: Cold, nbytes: int, torch_fn: Callable[[int], object] | None) -> dict:  # noqa: ANN001
         torch = torch_cuda
-        ours = device_seconds(plan.launch, plan.synchronize) / copies
-        info = {"bytes": nbytes, "us": ours * 1e6, "GB/s": nbytes / ours / 1e9, "copies": copies,
-                "copy_fraction": nbytes / ours / copy_bandwidth, "copy_GB/s": copy_bandwidth / 1e9}
+        n = layout.instances
+        ours = device_seconds(plan.launch, plan.synchronize) / n
+        info = {"bytes": nbytes, "us": ours * 1e6, "GB/s": nbytes / ours / 1e9, "sets": layout.sets,
+                "instances": n, "copy_fraction": nbytes / ours / copy_bandwidth, "copy_GB/s": copy_bandwidth / 1e9}
         pairs = [(torch.empty(nbytes // 8, device="cuda").uniform_(), torch.empty(nbytes // 8, device="cuda"))
-                 for _ in range(copies)]
-        copy_all = torch_graph(torch, lambda: [dst.copy_(src) for src, dst in pairs])
-        same = device_seconds(copy_all, torch.cuda.synchronize) / copies
+                 for _ in range(layout.sets)]
+        copy_all = torch_graph(torch, lambda: [pairs[layout.of(i)][1].copy_(pairs[layout.of(i)][0]) for i in range(n)])
+        same = device_seconds(copy_all, torch.cuda.synchronize) / n
         info["same_size_copy_fraction"] = 8 * (nbytes // 8) / same / copy_bandwidth
         del pairs, copy_all
         if torch_fn is not None:
-            theirs = device_seconds(torch_graph(torch, lambda: [torch_fn(i) for i in range(copies)]),
-                                    torch.cuda.synchronize) / copies
+            theirs = device_seconds(torch_graph(torch, lambda: [torch_fn(i) for i in range(n)]),
+                                    torch.cuda.synchronize) / n
             info["torch_us"] = theirs * 1e6
             info["speedup_vs_torch"] = theirs / ours
         benchmark.extra_info.update(info)

@@ -7,7 +7,7 @@ Prefill: causal through the mask, D = 128, 4096 tokens, 32 heads, batch 4,
 FLOPs = 4*B*H*Tq*Tk*D/2 (causal: half the products), against SDPA
 is_causal=True (target: >= 50% of its TFLOP/s). Softmax and rope: bytes
 read + written, against the copy bandwidth (target >= 85%); rope is timed cold
-(conftest.measure_cold: several instances on their own buffers in one CUDA graph),
+(conftest.measure_cold: 32 or more instances over several buffers in one CUDA graph),
 since at 4096 tokens its 67 MB are near the L2's size.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import opdispatch as od
-from bench import cold_copies, ready
+from bench import cold, ready
 from opdispatch import ops
 
 pytestmark = pytest.mark.gpu
@@ -94,20 +94,20 @@ def test_rope(measure_cold, torch_cuda, dt: str, tokens: int) -> None:  # noqa: 
     shape = (1, tokens, 32, 128)
     pos = od.input("pos", (tokens,), "i32")
     nbytes = 2 * od.input("x", shape, dt).nbytes + pos.nbytes
-    copies = cold_copies(nbytes)
-    xs = [od.input(f"x{i}", shape, dt) for i in range(copies)]
+    lay = cold(nbytes)
+    xs = [od.input(f"x{i}", shape, dt) for i in range(lay.sets)]
     fx = rand(rng, *shape)
-    plan = ready([ops.rope(x, pos, 128, "neox") for x in xs],
+    plan = ready([ops.rope(xs[lay.of(i)], pos, 128, "neox") for i in range(lay.instances)],
                  {**{x: fx for x in xs}, pos: np.arange(tokens, dtype=np.int32)}, "cuda_attention")
     tdt = torch.float32 if dt == "f32" else torch.float16
-    txs = [torch.from_numpy(fx).cuda().to(tdt) for _ in range(copies)]
+    txs = [torch.from_numpy(fx).cuda().to(tdt) for _ in range(lay.sets)]
     ang = torch.arange(tokens, device="cuda")[:, None] * 10000.0 ** (-torch.arange(64, device="cuda") / 64)
     cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None, :].to(tdt)
     sin = torch.cat([ang.sin(), ang.sin()], -1)[None, :, None, :].to(tdt)
 
     def torch_rope(i: int):  # noqa: ANN202 - the usual rotate-half formulation
-        tx = txs[i]
+        tx = txs[lay.of(i)]
         x1, x2 = tx[..., :64], tx[..., 64:]
         return tx * cos + torch.cat([-x2, x1], -1) * sin
 
-    measure_cold(plan, copies, nbytes, torch_rope)
+    measure_cold(plan, lay, nbytes, torch_rope)

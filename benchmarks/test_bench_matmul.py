@@ -12,8 +12,8 @@
 - mul_mat_id, one token, 8 of 128 experts: bytes = the 8 experts' weights read.
 
 The mat-vecs, gate/up and MoE are timed cold (conftest.measure_cold): one plan
-holds several instances, each with its own weights (or, for MoE, its own 8
-experts), run as one CUDA graph: what a decode step does.
+holds 32 or more instances taking several weight sets in turn (for MoE, sets of
+8 experts), run as one CUDA graph: what a decode step does.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import opdispatch as od
-from bench import cold_copies, device_seconds, ready
+from bench import cold, device_seconds, ready
 from opdispatch import ops
 
 pytestmark = pytest.mark.gpu
@@ -53,10 +53,10 @@ def test_gemm(measure, torch_cuda, dt: str, size: int) -> None:  # noqa: ANN001
     measure(plan, 2 * (M * K + N * K) + 4 * M * N, lambda: torch.matmul(tb, ta.T), flops=2 * M * N * K)
 
 
-def copies_of(name: str, values: np.ndarray, dt: str, copies: int) -> list[od.Tensor]:
-    """`copies` params holding `values` in `dt` (converted once), each its own device buffer."""
+def param_sets(name: str, values: np.ndarray, dt: str, sets: int) -> list[od.Tensor]:
+    """`sets` params holding `values` in `dt` (converted once), each its own device buffer."""
     raw = od.param(name, values, dt)
-    return [od.param(f"{name}{i}", raw.data, dt, shape=raw.shape) for i in range(copies)]
+    return [od.param(f"{name}{i}", raw.data, dt, shape=raw.shape) for i in range(sets)]
 
 
 @pytest.mark.parametrize("shape", [(4096, 4096), (14336, 4096)], ids=["4096x4096", "14336x4096"])
@@ -65,30 +65,31 @@ def test_matvec(measure_cold, torch_cuda, dt: str, shape: tuple) -> None:  # noq
     torch = torch_cuda
     M, K = shape
     nbytes = od.input("a", (M, K), dt).nbytes + 4 * K + 4 * M
-    copies = cold_copies(nbytes)
-    weights = copies_of("a", rand(M, K), dt, copies)
+    lay = cold(nbytes)
+    weights = param_sets("a", rand(M, K), dt, lay.sets)
     x = od.input("x", (1, K))
-    plan = ready([ops.mul_mat(a, x) for a in weights], {x: rand(1, K)}, MATMUL, ops=MATMUL_OPS,
-                 kernel="mmvq_stream" if dt.startswith("q") else "mmvf")
-    tw = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _ in range(copies)]
+    plan = ready([ops.mul_mat(weights[lay.of(i)], x) for i in range(lay.instances)], {x: rand(1, K)}, MATMUL,
+                 ops=MATMUL_OPS, kernel="mmvq_stream" if dt.startswith("q") else "mmvf")
+    tw = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _ in range(lay.sets)]
     tx = torch.randn(1, K, device="cuda", dtype=torch.float16)
-    measure_cold(plan, copies, nbytes, lambda i: torch.matmul(tx, tw[i].T))
+    measure_cold(plan, lay, nbytes, lambda i: torch.matmul(tx, tw[lay.of(i)].T))
 
 
 @pytest.mark.parametrize("dt", ["f16", "q4_0"])
 def test_gate_up_swiglu(measure_cold, benchmark, torch_cuda, dt: str) -> None:  # noqa: ANN001
     M, K = 14336, 4096
     nbytes = 2 * od.input("w", (M, K), dt).nbytes + 4 * K + 4 * M
-    copies = cold_copies(nbytes)
-    gates, ups = copies_of("wg", rand(M, K), dt, copies), copies_of("wu", rand(M, K), dt, copies)
+    lay = cold(nbytes)
+    gates, ups = param_sets("wg", rand(M, K), dt, lay.sets), param_sets("wu", rand(M, K), dt, lay.sets)
     x = od.input("x", (1, K))
-    ys = [ops.glu_split(ops.mul_mat(wg, x), ops.mul_mat(wu, x), "swiglu") for wg, wu in zip(gates, ups)]
+    ys = [ops.glu_split(ops.mul_mat(gates[lay.of(i)], x), ops.mul_mat(ups[lay.of(i)], x), "swiglu")
+          for i in range(lay.instances)]
     fused = ready(ys, {x: rand(1, K)}, MATMUL, ops=MATMUL_OPS)
-    assert [s.kernel for s in fused.fusions] == ["mul_mat_glu"] * copies, fused.explain()
+    assert [s.kernel for s in fused.fusions] == ["mul_mat_glu"] * lay.instances, fused.explain()
     unfused = od.compile(ys, "cuda0", fusion=False)
     unfused.write(x, rand(1, K))
-    unfused_s = device_seconds(unfused.launch, unfused.synchronize) / copies
-    info = measure_cold(fused, copies, nbytes, None)
+    unfused_s = device_seconds(unfused.launch, unfused.synchronize) / lay.instances
+    info = measure_cold(fused, lay, nbytes, None)
     benchmark.extra_info["unfused_us"] = unfused_s * 1e6
     benchmark.extra_info["speedup_vs_unfused"] = unfused_s * 1e6 / info["us"]
 
@@ -98,10 +99,10 @@ def test_moe_8_of_128(measure_cold, torch_cuda, dt: str) -> None:  # noqa: ANN00
     E, U, M, K = 128, 8, 2048, 2048
     experts = od.param("experts", rand(E, M, K), dt)
     nbytes = U * experts.nbytes // E + 4 * K + 4 * U * M
-    copies = cold_copies(nbytes, most=E // U)  # each instance picks its own 8 experts: cold without more weights
+    lay = cold(nbytes, most_sets=E // U)  # a set is 8 experts of the 128: cold without more weights
     x = od.input("x", (1, 1, K))
-    ids = [od.input(f"ids{i}", (1, U), "i32") for i in range(copies)]
+    ids = [od.input(f"ids{i}", (1, U), "i32") for i in range(lay.sets)]
     chosen = np.random.default_rng(1).permutation(E).astype(np.int32).reshape(E // U, 1, U)
-    plan = ready([ops.mul_mat_id(experts, x, i) for i in ids], {x: rand(1, 1, K), **dict(zip(ids, chosen))},
-                 MATMUL, ops=MATMUL_OPS, kernel="mmv_id")
-    measure_cold(plan, copies, nbytes, None)
+    plan = ready([ops.mul_mat_id(experts, x, ids[lay.of(i)]) for i in range(lay.instances)],
+                 {x: rand(1, 1, K), **dict(zip(ids, chosen))}, MATMUL, ops=MATMUL_OPS, kernel="mmv_id")
+    measure_cold(plan, lay, nbytes, None)
