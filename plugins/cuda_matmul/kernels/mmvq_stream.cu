@@ -248,7 +248,7 @@ __device__ __forceinline__ void dot_chunk(const u8* wchunk, const u8* bchunk, in
         mm::decode_words<WT>(bw, (o % 4) * 8, q, d, m);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            if (n < N) {
+            if (NT == 1 || n < N) {  // no branch between the blocks of a one-column chunk
                 const u8* bc = bchunk + n * bcol_stride;
                 const int4 lo = reinterpret_cast<const int4*>(bc + 32 * j)[0];
                 const int4 hi = reinterpret_cast<const int4*>(bc + 32 * j)[1];
