@@ -9,7 +9,8 @@
 //    (cp.async.cg.shared.global, 16 bytes a lane, commit_group), then the whole block
 //    quantizes the N columns of b it needs to q8_1 into shared memory, exactly as
 //    quantize_q8_1 does (per 32 values: d = absmax / 127, codes round(v * 127 / absmax),
-//    and d * sum(codes)), while those copies are in flight. One __syncthreads.
+//    and d * sum(codes)), two threads a block of 32, while those copies are in flight.
+//    One __syncthreads.
 // 2. Each warp then walks its row groups through a ring of NS stage buffers of its own
 //    (wait_group NS - 1, __syncwarp, compute, __syncwarp, issue the stage NS - 1 ahead).
 //
@@ -126,19 +127,19 @@ __device__ __forceinline__ Layout layout(int C, bool glu) {
 
 // -- b to q8_1 in shared memory ----------------------------------------------------------------------
 
-// The 32 values of b block j of column n (at src) as floats: 16-byte loads when `vec`.
-template <int TB>
-__device__ __forceinline__ void load_b32(const u8* src, long long b_es, bool vec, float (&v)[32]) {
+// V (16 or 32) consecutive values of a column of b (at src) as floats: 16-byte loads when `vec`.
+template <int TB, int V>
+__device__ __forceinline__ void load_b(const u8* src, long long b_es, bool vec, float (&v)[V]) {
     if (vec) {
         if constexpr (TB == B_F32) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
+            for (int i = 0; i < V / 4; ++i) {
                 const float4 x = reinterpret_cast<const float4*>(src)[i];
                 v[4 * i] = x.x, v[4 * i + 1] = x.y, v[4 * i + 2] = x.z, v[4 * i + 3] = x.w;
             }
         } else {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
+            for (int i = 0; i < V / 8; ++i) {
                 const uint4 x = reinterpret_cast<const uint4*>(src)[i];
                 const unsigned u[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
@@ -153,28 +154,31 @@ __device__ __forceinline__ void load_b32(const u8* src, long long b_es, bool vec
         }
     } else {
 #pragma unroll
-        for (int i = 0; i < 32; ++i) {
+        for (int i = 0; i < V; ++i) {
             v[i] = mm::load_elem<TB>(src + i * b_es);
         }
     }
 }
 
-// One block of 32 values to q8_1 at dst (its chunk's b bytes), slot jj of the chunk, as
+// Half h of a block of 32 values to q8_1 at dst (its chunk's b bytes), slot jj of the chunk, as
 // quantize_q8_1: amax over the 32 values, d = amax / 127, codes __float2int_rn(v * 127 / amax).
+// The two halves are lanes l and l ^ 1 of one warp, which meet by shuffles (every lane of the warp
+// calls this; `store` false: a lane with no block this round, whose partner has none either).
 template <int WT>
-__device__ __forceinline__ void store_q8_1(const float (&v)[32], u8* dst, int jj) {
+__device__ __forceinline__ void store_q8_1_half(const float (&v)[16], int h, bool store, u8* dst, int jj) {
     using Gm = Geo<WT>;
     float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
+    for (int i = 0; i < 16; ++i) {
         amax = fmaxf(amax, fabsf(v[i]));
     }
+    amax = fmaxf(amax, __shfl_xor_sync(od::FULL_MASK, amax, 1));
     float d, id;
     mm::q8_1_scale(amax, d, id);
     int sum = 0;
-    unsigned w[8];
+    unsigned w[4];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 4; ++i) {
         unsigned word = 0;
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
@@ -184,37 +188,33 @@ __device__ __forceinline__ void store_q8_1(const float (&v)[32], u8* dst, int jj
         }
         w[i] = word;
     }
-    uint4* codes = reinterpret_cast<uint4*>(dst + 32 * jj);
-    codes[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    codes[1] = make_uint4(w[4], w[5], w[6], w[7]);
-    reinterpret_cast<float2*>(dst + Gm::BCODES)[jj] = make_float2(d, d * static_cast<float>(sum));
+    sum += __shfl_xor_sync(od::FULL_MASK, sum, 1);
+    if (store) {
+        reinterpret_cast<uint4*>(dst + 32 * jj)[h] = make_uint4(w[0], w[1], w[2], w[3]);
+        if (h == 0) {
+            reinterpret_cast<float2*>(dst + Gm::BCODES)[jj] = make_float2(d, d * static_cast<float>(sum));
+        }
+    }
 }
 
 // Columns n < N of b (value k of column n at b + n * b_col + k * b_es) to q8_1 at bs (layout
-// above); every thread of the block takes part, a thread a (column, block) item, two items'
-// loads in flight before either is quantized (the shared stores between them would otherwise
-// keep the compiler from hoisting the second item's loads).
+// above). Two threads (lanes 2i, 2i + 1) take a (column, block) item, 16 values each, so that every
+// thread of the block takes part; every thread runs the same rounds, so whole warps shuffle.
 template <int WT, int TB>
 __device__ __forceinline__ void quantize_b(const u8* b, long long b_col, long long b_es, int N, int K, int C, u8* bs) {
     using Gm = Geo<WT>;
     constexpr int ES = TB == B_F32 ? 4 : 2;
-    const int nb = K / 32, items = N * nb;
+    const int nb = K / 32, items = N * nb, pairs = static_cast<int>(blockDim.x / 2);
     const bool vec = b_es == ES && ((reinterpret_cast<unsigned long long>(b) | static_cast<unsigned long long>(b_col)) &
                                     15ull) == 0;
-    for (int it0 = threadIdx.x; it0 < items; it0 += 2 * blockDim.x) {
-        const int it1 = it0 + blockDim.x;
-        float v0[32], v1[32];
-        const int n0 = it0 / nb, j0 = it0 - n0 * nb;
-        load_b32<TB>(b + n0 * b_col + 32ll * j0 * b_es, b_es, vec, v0);
-        const bool two = it1 < items;
-        const int n1 = two ? it1 / nb : 0, j1 = two ? it1 - n1 * nb : 0;
-        if (two) {
-            load_b32<TB>(b + n1 * b_col + 32ll * j1 * b_es, b_es, vec, v1);
-        }
-        store_q8_1<WT>(v0, bs + (static_cast<long long>(n0) * C + j0 / Gm::CB) * Gm::BCHUNK, j0 % Gm::CB);
-        if (two) {
-            store_q8_1<WT>(v1, bs + (static_cast<long long>(n1) * C + j1 / Gm::CB) * Gm::BCHUNK, j1 % Gm::CB);
-        }
+    const int h = static_cast<int>(threadIdx.x & 1);
+    for (int round = 0; round < items; round += pairs) {
+        const int it = round + static_cast<int>(threadIdx.x / 2);
+        const bool live = it < items;
+        const int n = live ? it / nb : 0, j = live ? it - n * nb : 0;  // not live: item 0, read, not stored
+        float v[16];
+        load_b<TB>(b + n * b_col + (32ll * j + 16 * h) * b_es, b_es, vec, v);
+        store_q8_1_half<WT>(v, h, live, bs + (static_cast<long long>(n) * C + j / Gm::CB) * Gm::BCHUNK, j % Gm::CB);
     }
 }
 
