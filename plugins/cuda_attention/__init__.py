@@ -8,7 +8,8 @@ Kernels (kernels/*.cu, CUDA C++ compiled by NVRTC one template instance at a tim
   aligned) up to 32768 values, else two passes; f16/f32 mask broadcast by
   modulo, ALiBi, sinks.
 - rope.cu: a thread rotates one chunk of E pairs (two 16-byte packs) of one token
-  for up to 8 heads with one set of angles, NH heads' loads in flight (pairs, one
+  for up to 8 heads with one set of angles (computed together by the 2 or 4 lanes
+  of a warp holding that chunk in other heads), NH heads' loads in flight (pairs, one
   a thread, where rows are not 16-byte aligned or D, n_dims not multiples of 2E);
   normal/neox, partial rotation, frequency factors, YaRN, f32/f16, strided input;
   the fused rope -> set_rows and rope_qkv_set_rows (q, k, v in one launch).
