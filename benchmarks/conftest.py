@@ -58,8 +58,7 @@ def measure(benchmark, torch_cuda, copy_bandwidth):  # noqa: ANN001, ANN201
     def run(plan, nbytes: int, torch_fn: Callable[[], object] | None, flops: int = 0) -> dict:  # noqa: ANN001
         torch = torch_cuda
         ours = device_seconds(plan.launch, plan.synchronize)
-        info = {"bytes": nbytes, "us": ours * 1e6, "GB/s": nbytes / ours / 1e9,
-                "copy_fraction": nbytes / ours / copy_bandwidth, "copy_GB/s": copy_bandwidth / 1e9}
+        info = _bandwidth(nbytes, ours, copy_bandwidth)
         if flops:
             info["TFLOP/s"] = flops / ours / 1e12
         else:
@@ -70,15 +69,27 @@ def measure(benchmark, torch_cuda, copy_bandwidth):  # noqa: ANN001, ANN201
             same = device_seconds(lambda: dst.copy_(src), torch.cuda.synchronize)
             info["same_size_copy_fraction"] = 8 * src.numel() / same / copy_bandwidth
             del src, dst
-        if torch_fn is not None:
-            theirs = device_seconds(torch_fn, torch.cuda.synchronize)
-            info["torch_us"] = theirs * 1e6
-            info["speedup_vs_torch"] = theirs / ours
-        benchmark.extra_info.update(info)
-        benchmark.pedantic(lambda: (plan.launch(), plan.synchronize()), rounds=5, iterations=1)
-        return info
+        theirs = None if torch_fn is None else device_seconds(torch_fn, torch.cuda.synchronize)
+        return _record(benchmark, plan, info, ours, theirs)
 
     return run
+
+
+def _bandwidth(nbytes: int, secs: float, copy_bandwidth: float) -> dict:
+    """The figures of `nbytes` moved in `secs`: GB/s and the fraction of the copy bandwidth."""
+    return {"bytes": nbytes, "us": secs * 1e6, "GB/s": nbytes / secs / 1e9,
+            "copy_fraction": nbytes / secs / copy_bandwidth, "copy_GB/s": copy_bandwidth / 1e9}
+
+
+def _record(benchmark, plan, info: dict, ours: float, theirs: float | None) -> dict:  # noqa: ANN001
+    """`info` with the ratio to torch (when `theirs`, torch's seconds, was measured) into the benchmark's
+    extra_info, then pytest-benchmark's own rounds of `plan`."""
+    if theirs is not None:
+        info["torch_us"] = theirs * 1e6
+        info["speedup_vs_torch"] = theirs / ours
+    benchmark.extra_info.update(info)
+    benchmark.pedantic(lambda: (plan.launch(), plan.synchronize()), rounds=5, iterations=1)
+    return info
 
 
 def torch_graph(torch, issue: Callable[[], object]) -> Callable[[], None]:  # noqa: ANN001
@@ -107,21 +118,15 @@ def measure_cold(benchmark, torch_cuda, copy_bandwidth):  # noqa: ANN001, ANN201
         torch = torch_cuda
         n = layout.instances
         ours = device_seconds(plan.launch, plan.synchronize) / n
-        info = {"bytes": nbytes, "us": ours * 1e6, "GB/s": nbytes / ours / 1e9, "sets": layout.sets,
-                "instances": n, "copy_fraction": nbytes / ours / copy_bandwidth, "copy_GB/s": copy_bandwidth / 1e9}
+        info = {**_bandwidth(nbytes, ours, copy_bandwidth), "sets": layout.sets, "instances": n}
         pairs = [(torch.empty(nbytes // 8, device="cuda").uniform_(), torch.empty(nbytes // 8, device="cuda"))
                  for _ in range(layout.sets)]
         copy_all = torch_graph(torch, lambda: [pairs[layout.of(i)][1].copy_(pairs[layout.of(i)][0]) for i in range(n)])
         same = device_seconds(copy_all, torch.cuda.synchronize) / n
         info["same_size_copy_fraction"] = 8 * (nbytes // 8) / same / copy_bandwidth
         del pairs, copy_all
-        if torch_fn is not None:
-            theirs = device_seconds(torch_graph(torch, lambda: [torch_fn(i) for i in range(n)]),
-                                    torch.cuda.synchronize) / n
-            info["torch_us"] = theirs * 1e6
-            info["speedup_vs_torch"] = theirs / ours
-        benchmark.extra_info.update(info)
-        benchmark.pedantic(lambda: (plan.launch(), plan.synchronize()), rounds=5, iterations=1)
-        return info
+        theirs = None if torch_fn is None else device_seconds(
+            torch_graph(torch, lambda: [torch_fn(i) for i in range(n)]), torch.cuda.synchronize) / n
+        return _record(benchmark, plan, info, ours, theirs)
 
     return run
