@@ -226,12 +226,8 @@ def qkv_step(inp: Inputs, cache: str = "f16", idx: str = "i64", mode: str = "neo
     projection output (rows, (heads + 2 kv_heads) * d): outputs q as flash_attn_ext reads it (rows, heads,
     1, d) and the K and V windows (1, kv_heads, ctx, d) of the caches, whose rows start random.
     own_pos / own_ids: q rotated at other positions, V written at other rows (the fusion declines)."""
-    hidden, kv, n = heads * d, kv_heads * d, n_dims or d
-    qkv = inp.uniform((rows, hidden + 2 * kv))
-    rs, es = qkv.strides
-    q = qkv.view((1, rows, heads, d), (rows * rs, rs, d * es, es))
-    k = qkv.view((1, rows, kv_heads, d), (rows * rs, rs, d * es, es), hidden * es)
-    v = qkv.view((rows, kv), (rs, es), (hidden + kv) * es)
+    kv, n = kv_heads * d, n_dims or d
+    q, k, v = split_qkv(inp, rows, heads, kv_heads, d)
     pos, ff = inp.ints((rows,), 0, 512), inp.uniform((n // 2,), lo=0.9, hi=1.1)
     qr = ops.rope(q, inp.ints((rows,), 0, 512) if own_pos else pos, n, mode, freq_base=q_base, freq_factors=ff)
     kr = ops.rope(k, pos, n, mode, freq_factors=ff)
@@ -240,12 +236,26 @@ def qkv_step(inp: Inputs, cache: str = "f16", idx: str = "i64", mode: str = "neo
               for what, dt in (("k", cache), ("v", v_cache or cache))]
     keys = ops.set_rows(caches[0], kr.reshape(rows, kv), ids)
     values = ops.set_rows(caches[1], v, inp.ids((rows,), ctx, idx) if own_ids else ids)
+    return [qr.reshape(rows, 1, heads, d).permute(0, 2, 1, 3), kv_window(keys, 1, kv_heads, ctx, d),
+            kv_window(values, 1, kv_heads, ctx, d)]
 
-    def window(c: Tensor) -> Tensor:
-        row = c.strides[0]
-        return c.view((1, kv_heads, ctx, d), (ctx * row, c.dtype.row_bytes(d), row, c.dtype.block_bytes))
 
-    return [qr.reshape(rows, 1, heads, d).permute(0, 2, 1, 3), window(keys), window(values)]
+def split_qkv(inp: Inputs, rows: int, heads: int, kv_heads: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A random stacked q/k/v projection output (rows, (heads + 2 kv_heads) * d), as LlamaModel.build
+    splits it: q (1, rows, heads, d) and k (1, rows, kv_heads, d) views, v (rows, kv_heads * d)."""
+    hidden, kv = heads * d, kv_heads * d
+    qkv = inp.uniform((rows, hidden + 2 * kv))
+    rs, es = qkv.strides
+    q = qkv.view((1, rows, heads, d), (rows * rs, rs, d * es, es))
+    k = qkv.view((1, rows, kv_heads, d), (rows * rs, rs, d * es, es), hidden * es)
+    return q, k, qkv.view((rows, kv), (rs, es), (hidden + kv) * es)
+
+
+def kv_window(cache: Tensor, seqs: int, kv_heads: int, ctx: int, d: int) -> Tensor:
+    """The (seqs, kv_heads, ctx, d) attention window of a cache (rows of kv_heads * d): sequence b reads
+    rows b * ctx .., as LlamaModel.build's windows do."""
+    row = cache.strides[0]
+    return cache.view((seqs, kv_heads, ctx, d), (ctx * row, cache.dtype.row_bytes(d), row, cache.dtype.block_bytes))
 
 
 def test_qkv_step_emits_the_fused_pattern_consecutively() -> None:
@@ -314,12 +324,8 @@ def attn_step(inp: Inputs, cache: str = "f16", idx: str = "i64", mode: str = "ne
     """LlamaModel.build's decode step from the stacked projection to the attention: `seqs` sequences of one
     token, sequence b in cache rows b * ctx .., each at a random position of its window (masked past it);
     outputs the attention (seqs, 1, heads, d) and the two caches, whose other rows start random."""
-    hidden, kv = heads * d, kv_heads * d
-    qkv = inp.uniform((seqs, hidden + 2 * kv))
-    rs, es = qkv.strides
-    q = qkv.view((1, seqs, heads, d), (seqs * rs, rs, d * es, es))
-    k = qkv.view((1, seqs, kv_heads, d), (seqs * rs, rs, d * es, es), hidden * es)
-    v = qkv.view((seqs, kv), (rs, es), (hidden + kv) * es)
+    kv = kv_heads * d
+    q, k, v = split_qkv(inp, seqs, heads, kv_heads, d)
     positions = inp.rng.integers(0, ctx, seqs)
     pos, ids, mask = od.input("pos", (seqs,), "i32"), od.input("ids", (seqs,), idx), od.input("m", (seqs, 1, 1, ctx),
                                                                                              "f16")
@@ -333,13 +339,8 @@ def attn_step(inp: Inputs, cache: str = "f16", idx: str = "i64", mode: str = "ne
               for what in ("k", "v")]
     keys = ops.set_rows(caches[0], kr.reshape(seqs, kv), ids)
     values = ops.set_rows(caches[1], v, ids)
-
-    def window(c: Tensor) -> Tensor:
-        row = c.strides[0]
-        return c.view((seqs, kv_heads, ctx, d), (ctx * row, c.dtype.row_bytes(d), row, c.dtype.block_bytes))
-
-    out = ops.flash_attn_ext(qr.reshape(seqs, 1, heads, d).permute(0, 2, 1, 3), window(keys), window(values), mask,
-                             d ** -0.5)
+    keys_w, values_w = (kv_window(c, seqs, kv_heads, ctx, d) for c in (keys, values))
+    out = ops.flash_attn_ext(qr.reshape(seqs, 1, heads, d).permute(0, 2, 1, 3), keys_w, values_w, mask, d ** -0.5)
     return [out, keys, values]
 
 
@@ -354,7 +355,8 @@ def test_fuses_the_decode_steps_rope_kv_writes_and_attention(cache: str, idx: st
     assert [s.kind for s in plan.steps if s.kind != "view"] == ["fused"]  # one launch
     fused = ca.FusedQKV.of(step.nodes)
     assert (fused.row0, fused.rows_b) == (0, 320)
-    stored = {step.nodes[-1].base, *(n.base for n in plan.graph.leafs), *(step.nodes[j].base for j in fusion.ATTN_OUTPUTS)}
+    stored = {step.nodes[-1].base, *(n.base for n in plan.graph.leafs),
+              *(step.nodes[j].base for j in fusion.ATTN_OUTPUTS)}
 
     def ptr(t: Tensor) -> int:  # only what has storage: rope(q) is computed inside the kernel
         assert t.base in stored, f"{t.describe()} has no storage"
