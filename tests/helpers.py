@@ -73,4 +73,3 @@ def gate_up_glu(dt: str, m: int, k: int, n: int, bias: bool, kind: str) -> Tenso
     if kind == "swiglu_oai":
         return ops.glu_split(g, u, kind, alpha=1.702, limit=7.0)
     return ops.glu_split(g, u, kind)
-

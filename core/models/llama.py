@@ -1066,17 +1066,19 @@ class Generator:
         tokens = [[s(row)] for s, row in zip(samplers, last)]
         bar.update(batch)
         decode_s = 0.0
-        if sampler.greedy and n_new > 1:
-            for t, more in zip(tokens, self.decode_greedy([t[0] for t in tokens], n_new - 1, bar)):
-                t.extend(more)
-            decode_s = self.last_run_s
-        for _ in range(n_new - 1 if not sampler.greedy else 0):
-            # A view, sampled before its plan runs again.
-            logits = self._run([t[-1:] for t in tokens], batch=batch, copy=False)  # (batch, vocab)
-            decode_s += self.last_run_s
-            for t, s, row in zip(tokens, samplers, logits):
-                t.append(s(row))
-            bar.update(len(tokens[0]) * batch)
+        if sampler.greedy:
+            if n_new > 1:
+                for t, more in zip(tokens, self.decode_greedy([t[0] for t in tokens], n_new - 1, bar)):
+                    t.extend(more)
+                decode_s = self.last_run_s
+        else:
+            for _ in range(n_new - 1):
+                # A view, sampled before its plan runs again.
+                logits = self._run([t[-1:] for t in tokens], batch=batch, copy=False)  # (batch, vocab)
+                decode_s += self.last_run_s
+                for t, s, row in zip(tokens, samplers, logits):
+                    t.append(s(row))
+                bar.update(len(tokens[0]) * batch)
         bar.close(len(tokens[0]) * batch)
         timing = dict(compile_s=self.compile_s - compile_before, prefill_s=prefill_s, decode_s=decode_s,
                       decode_steps=n_new - 1, prefill_plan=prefill_plan,

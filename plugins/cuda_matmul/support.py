@@ -252,7 +252,8 @@ def stream_grid(layout: StreamLayout, m: int, batches: int, warps: int, blocks_p
     groups = -(-m // layout.RO)
     target = max(1, blocks_per_sm * sm_count // max(batches, 1))
     per_warp = -(-groups // (target * warps))
-    return -(-(-(-groups // per_warp)) // warps)
+    busy_warps = -(-groups // per_warp)
+    return -(-busy_warps // warps)
 
 
 def stream_blocks_per_sm(smem: int, device: Device | None, cfg: StreamConfig) -> int:
