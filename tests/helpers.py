@@ -63,6 +63,20 @@ def assert_close(out: np.ndarray, ref: np.ndarray, seed: int, tol: float = 1e-7)
     assert np.all((out != 0) | (ref == 0)), f"output entries left unwritten (seed {seed})"
 
 
+def moe(dt: str, n_exp: int, m: int, k: int, n_tok: int, used: int, glu: bool, bias: bool) -> Tensor:
+    """mul_mat_id of (n_exp, m, k) experts of type dt for x (n_tok, 1, k) and ids (n_tok, used), with
+    add_id biases if `bias`, and if `glu` the gate/up pair under swiglu_oai (gpt-oss's alpha and limit):
+    the fused MoE patterns."""
+    x = new_input("x", (n_tok, 1, k))
+    ids = new_input("ids", (n_tok, used), "i32")
+
+    def proj(name: str) -> Tensor:
+        y = ops.mul_mat_id(new_input(f"w{name}", (n_exp, m, k), dt), x, ids)
+        return ops.add_id(y, new_input(f"b{name}", (n_exp, m)), ids) if bias else y
+
+    return ops.glu_split(proj("g"), proj("u"), "swiglu_oai", alpha=1.702, limit=7.0) if glu else proj("g")
+
+
 def gate_up_glu(dt: str, m: int, k: int, n: int, bias: bool, kind: str) -> Tensor:
     """glu(gate (m, k) . x, up (m, k) . x) for x (n, k), weights of type dt, optional biases: the
     fused gate/up mat-vec pattern (swiglu_oai with gpt-oss's alpha and limit)."""

@@ -37,7 +37,7 @@ from opdispatch.graph import Graph
 from opdispatch.plugins.cuda_matmul import fusion, support
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
-from helpers import gate_up_glu
+from helpers import gate_up_glu, moe
 
 gpu = pytest.mark.gpu
 
@@ -421,12 +421,17 @@ def fake_scratch(role: str, nbytes: int) -> int:
     return SCRATCH
 
 
-def kernel_param_types(source, name: str) -> list[type]:  # noqa: ANN001
-    """numpy scalar types of a kernel's parameters, read from its source."""
+def kernel_params(source, name: str) -> list[tuple[str, type]]:  # noqa: ANN001
+    """(name, numpy scalar type) of each of a kernel's parameters, read from its source."""
     src = source.read_text()
     m = re.search(rf"__global__ void __launch_bounds__\([\w:, ]+\)\s+{name}\((.*?)\)\s*\{{", src, re.S)
     assert m, f"{name} not found in {source}"
-    return [C_TYPES[re.sub(r"\s+\w+$", "", p.strip())] for p in m.group(1).split(",")]
+    params = [re.fullmatch(r"(.*?)\s*(\w+)", p.strip()).groups() for p in m.group(1).split(",")]
+    return [(pname, C_TYPES[ctype]) for ctype, pname in params]
+
+
+def kernel_param_types(source, name: str) -> list[type]:  # noqa: ANN001
+    return [t for _, t in kernel_params(source, name)]
 
 
 def check_spec(spec: cm.KernelSpec) -> None:
@@ -540,6 +545,28 @@ def test_mmv_id_and_grouped_specs() -> None:
     assert route.kernel == "moe_route" and route.grid == (1,) and route.smem == 2 * 4 * 8
     assert grouped.kernel == "mmv_id_grouped<W_F16, B_F32, 8, 2, true, EPI_NONE>"  # 128 pairs on 8 experts
     assert grouped.grid == (16, 8)
+
+
+@pytest.mark.parametrize("b_rows", [1, 4])
+def test_mmv_id_streams_block_formats(b_rows: int) -> None:
+    """Whole-chunk rows of q4_0 experts take mmvq_stream, a grid batch a slot: the expert stride as a's
+    batch stride, the ids and the number of experts passed, b's slot stride 0 when one b row serves all
+    slots; preloaded only when the ids, not just the experts, are constant."""
+    experts = weight("e", (8, 32, 256), "q4_0")
+    x = od.input("x", (1, b_rows, 256))
+    for ids, preload in ((od.input("ids", (1, 4), "i32"), 0), (od.param("ids", np.array([[3, 1, 7, 0]]), "i32"), 1)):
+        y = ops.mul_mat_id(experts, x, ids)
+        (spec,) = cm.mmv_id_specs(y, y, fake_ptr, fake_scratch)
+        check_spec(spec)
+        assert spec.kernel == "mmvq_stream<W_Q4_0, B_F32, 1, EPI_NONE, 2>" and spec.grid[1:] == (4, 1)
+        args = {name: int(v) for (name, _), v in zip(kernel_params(cm.MMVQ_STREAM_CU, "mmvq_stream"), spec.args)
+                if not isinstance(v, np.floating)}
+        assert (args["a_row"], args["a_s2"], args["N"]) == (8 * 18, 32 * 8 * 18, 1)
+        assert args["b_s2"] == (256 * 4 if b_rows > 1 else 0)
+        assert (args["ids"], args["E"], args["preload"]) == (fake_ptr(ids), 8, preload)
+    y = ops.mul_mat_id(weight("e", (8, 32, 96), "q4_0"), od.input("x", (1, 1, 96)), od.input("ids", (1, 4), "i32"))
+    assert [s.kernel.split("<")[0] for s in cm.mmv_id_specs(y, y, fake_ptr, fake_scratch)] == [
+        "quantize_q8_1", "mmvq_id"]  # K % 256 != 0: two launches
 
 
 def test_fused_glu_spec() -> None:
@@ -933,12 +960,26 @@ def test_mmvq_stream_fused_glu(dt: str, n: int, bias: bool, rng) -> None:  # noq
 @pytest.mark.parametrize(("n_exp", "used", "n_tok"), list(itertools.product((4, 8), (1, 2, 4), (1, 4, 32))))
 @pytest.mark.parametrize("dt", FLOATS + QUANTS)
 def test_mul_mat_id(dt: str, n_exp: int, used: int, n_tok: int, rng) -> None:  # noqa: ANN001
-    k = 96 if dt in QUANTS else 80
-    for b_rows in sorted({1, used}):
+    # block formats: K 96 takes the two-launch mmvq_id, K 256 (whole chunks) mmvq_stream at one token
+    for k, b_rows in itertools.product((96, 256) if dt in QUANTS else (80,), sorted({1, used})):
         experts = od.input("experts", (n_exp, 16, k), dt)
         y = ops.mul_mat_id(experts, od.input("b", (n_tok, b_rows, k)), od.input("ids", (n_tok, used), "i32"))
         plan, got, ref = run_both(y, feeds_for(y, rng, n_exp), "mmv_id" if n_tok == 1 else "mmv_id_grouped")
         assert_close(got, ref, f"mul_mat_id as={dt} e={n_exp} used={used} t={n_tok} b_rows={b_rows}")
+
+
+@gpu
+@pytest.mark.parametrize("k", [96, 256])
+@pytest.mark.parametrize("dt", ["f16", "q4_0", "q8_0"])
+def test_mul_mat_id_expert_out_of_range_writes_nan(dt: str, k: int, rng) -> None:  # noqa: ANN001
+    """One token: an id outside [0, E) gives its slot NaN rows (the reference raises), the others are right."""
+    y = ops.mul_mat_id(od.input("experts", (8, 40, k), dt), od.input("b", (1, 1, k)), od.input("ids", (1, 3), "i32"))
+    feeds = feeds_for(y, rng, 8)
+    ids = next(t for t in feeds if t.dtype.name == "i32")
+    _, got, ref = run_both(y, {**feeds, ids: np.array([[5, 0, 2]], np.int32)}, "mmv_id")
+    (bad,) = od.compile(y, "cuda0").run({**feeds, ids: np.array([[5, -1, 2]], np.int32)})
+    assert np.isnan(bad[0, 1]).all(), f"mul_mat_id as={dt} k={k}: slot 1 (expert -1) not NaN"
+    assert_close(bad[0, [0, 2]], ref[0, [0, 2]], f"mul_mat_id as={dt} k={k}: the valid slots")
 
 
 @gpu
@@ -975,6 +1016,7 @@ FUSED_BUILDS: dict[str, Callable[[str, int], Tensor]] = {
     "mul_mat_id_add_id": lambda dt, n: _moe_inputs(dt, n, False, True),
     "mul_mat_id_glu": lambda dt, n: _moe_inputs(dt, 1, True, False),
     "mul_mat_id_add_id_glu": lambda dt, n: _moe_inputs(dt, 1, True, True),
+    "mul_mat_id_add_id_glu K256": lambda dt, n: moe(dt, 8, 40, 256, 1, 4, True, True),  # mmvq_stream
 }
 
 
@@ -987,17 +1029,7 @@ def _glu_inputs(dt: str, n: int, kind: str, bias: bool) -> Tensor:
 
 
 def _moe_inputs(dt: str, n_tok: int, glu: bool, bias: bool) -> Tensor:
-    x = od.input("x", (n_tok, 1, 128))
-    ids = od.input("ids", (n_tok, 4), "i32")
-    g = ops.mul_mat_id(od.input("wg", (8, 40, 128), dt), x, ids)
-    if bias:
-        g = ops.add_id(g, od.input("bg", (8, 40)), ids)
-    if not glu:
-        return g
-    u = ops.mul_mat_id(od.input("wu", (8, 40, 128), dt), x, ids)
-    if bias:
-        u = ops.add_id(u, od.input("bu", (8, 40)), ids)
-    return ops.glu_split(g, u, "swiglu_oai", alpha=1.702, limit=7.0)
+    return moe(dt, 8, 40, 128, n_tok, 4, glu, bias)
 
 
 @gpu
@@ -1028,13 +1060,14 @@ def poison_arenas(plan: od.Plan) -> None:
 
 
 def _chain(dt: str, n: int) -> tuple[Tensor, Tensor]:
-    """A graph with every path: mat-vec, cuBLAS, fused GLU, MoE (direct and grouped), out_prod.
+    """A graph with every path: mat-vec, cuBLAS, fused GLU, MoE (direct and grouped), out_prod; for
+    block formats at one token the two-launch mmvq (K 128) and mmvq_stream (K 256: the GLU, the MoE).
     Its out_prod weight is a new param each call, so each call plans (and binds) anew."""
     x = od.input("x", (n, 128))
-    h = ops.mul_mat(od.input("w1", (96, 128), dt), x)
-    g = ops.glu_split(ops.mul_mat(od.input("wg", (64, 96), dt), h), ops.mul_mat(od.input("wu", (64, 96), dt), h),
+    h = ops.mul_mat(od.input("w1", (256, 128), dt), x)
+    g = ops.glu_split(ops.mul_mat(od.input("wg", (256, 256), dt), h), ops.mul_mat(od.input("wu", (256, 256), dt), h),
                       "swiglu")
-    y = ops.mul_mat_id(od.input("experts", (4, 32, 64), dt), g.reshape(n, 1, 64), od.input("ids", (n, 2), "i32"))
+    y = ops.mul_mat_id(od.input("experts", (4, 32, 256), dt), g.reshape(n, 1, 256), od.input("ids", (n, 2), "i32"))
     a = od.param("a", np.linspace(-1, 1, n * 24, dtype=np.float32).reshape(n, 24), "f16")
     return y, ops.out_prod(a, y.reshape(n, 64))
 

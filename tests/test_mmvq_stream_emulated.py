@@ -33,7 +33,7 @@ from opdispatch.graph import Graph
 from opdispatch.plugins.cuda_matmul import fusion, support
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
-from helpers import gate_up_glu
+from helpers import gate_up_glu, moe
 
 ROOT = Path(__file__).resolve().parent.parent
 INCLUDE = ROOT / "core" / "backends" / "cuda"
@@ -93,6 +93,10 @@ CASES = {
     "glu q8_0 K14336 gate then up segments, bias":
         (lambda: gate_up_glu("q8_0", 64, 14336, 1, True, "swiglu"), DEFAULT, False),
     "glu q5_1 K64 16 gate rows a stage": (lambda: gate_up_glu("q5_1", 41, 64, 3, False, "geglu"), DEFAULT, True),
+    "mul_mat_id q4_0 3 of 8 experts": (lambda: moe("q4_0", 8, 45, 512, 1, 3, False, False), DEFAULT, False),
+    "mul_mat_id q8_0 add_id, 2 stages 2 warps": (lambda: moe("q8_0", 4, 33, 4096, 1, 2, False, True),
+                                                 support.StreamConfig(2, 2, 1), False),
+    "mul_mat_id glu q5_1 add_id": (lambda: moe("q5_1", 6, 19, 128, 1, 4, True, True), DEFAULT, True),
 }
 
 
@@ -167,13 +171,14 @@ class Arena:
 
 def _specs(y: Tensor, arena: Arena, cfg: support.StreamConfig) -> list[cm.KernelSpec]:
     nodes = _nodes(y)
+    make = cm.mmv_specs if nodes[0].op == "mul_mat" else cm.mmv_id_specs
     if len(nodes) == 1:
-        return cm.mmv_specs(nodes[0], nodes[0], arena.ptr, arena.scratch, device=DEVICE, stream=cfg)
+        return make(nodes[0], nodes[0], arena.ptr, arena.scratch, device=DEVICE, stream=cfg)
     graph = Graph.build(y)
     assert fusion.check(DEVICE, nodes, graph) is True
     prods, biases, glu = fusion.parts(nodes)
-    return cm.mmv_specs(prods[0], nodes[-1], arena.ptr, arena.scratch, a1=prods[1].srcs[0] if glu else None,
-                        bias0=biases[0], bias1=biases[1] if glu else None, glu=glu, device=DEVICE, stream=cfg)
+    return make(prods[0], nodes[-1], arena.ptr, arena.scratch, a1=prods[1].srcs[0] if glu else None,
+                bias0=biases[0], bias1=biases[1] if glu else None, glu=glu, device=DEVICE, stream=cfg)
 
 
 def _instance(y: Tensor, cfg: support.StreamConfig) -> str:
@@ -181,8 +186,8 @@ def _instance(y: Tensor, cfg: support.StreamConfig) -> str:
     first = nodes[0]
     epi = cm.EPI_GLU if nodes[-1].op == "glu" else (cm.EPI_BIAS if len(nodes) == 2 else cm.EPI_NONE)
     tb = first.srcs[1].dtype.name
-    return cm.stream_name(first.srcs[0].dtype.name, tb, cm.nt_for(first.shape[-2]) if tb == "f32" else 8, epi,
-                          cfg.stages)
+    n = 1 if first.op == "mul_mat_id" else first.shape[-2]  # mul_mat_id: one column a (token, slot)
+    return cm.stream_name(first.srcs[0].dtype.name, tb, cm.nt_for(n) if tb == "f32" else 8, epi, cfg.stages)
 
 
 @pytest.fixture(scope="module")
@@ -200,15 +205,25 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return exe
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_mmvq_stream_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
-    make, cfg, eager = CASES[case]
-    y = make()
+def _feeds(y: Tensor, rng: np.random.Generator) -> dict[Tensor, np.ndarray]:
+    """Random inputs: floats in [-1, 1), mul_mat_id's ids valid expert numbers."""
     graph = Graph.build(y)
-    feeds = {t: rng.uniform(-1, 1, t.shape).astype(np.float32) for t in graph.inputs}
+    n_exp = next((n.srcs[0].shape[0] for n in graph.nodes if n.op == "mul_mat_id"), 0)
+    return {t: rng.integers(0, n_exp, t.shape).astype(np.int32) if t.dtype.is_int
+            else rng.uniform(-1, 1, t.shape).astype(np.float32) for t in graph.inputs}
+
+
+def _emulate(y: Tensor, feeds: dict, cfg: support.StreamConfig, eager: bool, emulator: Path, tmp_path: Path
+             ) -> tuple[np.ndarray, str]:
+    """The output of the one mmvq_stream launch the plugin binds for `y` (its memory poisoned first), run
+    by the emulator, and a description of the launch."""
+    graph = Graph.build(y)
     arena = Arena(sum(t.base.nbytes + 256 for t in (*graph.leafs, *graph.nodes)) + 4096)
     for leaf in graph.leafs:
-        arena.place(leaf, from_float(leaf.dtype.name, feeds[leaf]) if leaf in feeds else leaf.data)
+        if leaf in feeds:
+            arena.place(leaf, feeds[leaf] if leaf.dtype.is_int else from_float(leaf.dtype.name, feeds[leaf]))
+        else:
+            arena.place(leaf, leaf.data)
     for n in graph.nodes:
         arena.place(n, None)  # poisoned: NaN floats
     (spec,) = _specs(y, arena, cfg)
@@ -224,14 +239,35 @@ def test_mmvq_stream_emulated(case: str, emulator: Path, tmp_path: Path, rng) ->
     out = _nodes(y)[-1]
     at = arena.ptr(out)
     got = mem[at:at + out.nbytes].view(np.float32).reshape(out.shape)
+    return got, f"{spec.kernel} grid {spec.grid} block {spec.block} smem {spec.smem}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mmvq_stream_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+    make, cfg, eager = CASES[case]
+    y = make()
+    feeds = _feeds(y, rng)
+    got, launch = _emulate(y, feeds, cfg, eager, emulator, tmp_path)
     (ref,) = od.compile(y, "cpu").run(feeds)
-    what = f"{case}: {spec.kernel} grid {spec.grid} block {spec.block} smem {spec.smem}"
+    what = f"{case}: {launch}"
     assert np.isfinite(got).all(), f"{what}: non-finite outputs (unwritten, or read before landing)"
     assert nmse(got, ref) <= NMSE_MAX, f"{what}: NMSE {nmse(got, ref):.3g}"
     b = _nodes(y)[0].srcs[1]
     if b in feeds and b.dtype.name == "f32":  # b a plain f32 input: the kernel's rounding of it, exactly
         (model,) = od.compile(y, "cpu").run({**feeds, b: q8_1_rounded(feeds[b])})
         assert nmse(got, model) <= NMSE_Q8_1, f"{what}: NMSE {nmse(got, model):.3g} against b rounded to q8_1"
+
+
+def test_mul_mat_id_expert_out_of_range_writes_nan(emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+    """An id outside [0, E) gives its slot NaN rows (the CPU reference raises); the other slots are right."""
+    y = moe("q4_0", 8, 45, 512, 1, 3, False, False)
+    feeds = _feeds(y, rng)
+    ids = next(t for t in feeds if t.dtype.is_int)
+    feeds[ids] = np.array([[5, 8, 2]], np.int32)
+    got, launch = _emulate(y, feeds, DEFAULT, False, emulator, tmp_path)
+    (ref,) = od.compile(y, "cpu").run({**feeds, ids: np.array([[5, 0, 2]], np.int32)})
+    assert np.isnan(got[0, 1]).all(), f"{launch}: slot 1 (expert 8 of 8) not NaN"
+    assert nmse(got[0, [0, 2]], ref[0, [0, 2]]) <= NMSE_MAX, f"{launch}: the valid slots"
 
 
 def test_cases_cover_the_layouts() -> None:

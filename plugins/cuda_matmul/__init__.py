@@ -21,7 +21,9 @@ Paths (support.py picks one per node; its name shows in `Plan.explain()`):
   through a ring of support.STREAM.stages stage buffers in shared memory and
   dots them with b by dp4a. A persistent-style grid (about
   support.STREAM.blocks_per_sm blocks an SM) splits the rows evenly over warps.
-  mul_mat_id stays on mmvq_id / mmvq_id_grouped.
+  mul_mat_id at one token (its mmv_id path, fused bias and gate/up included)
+  takes it too, a grid batch a slot, the expert read from ids on the device;
+  rows that are not whole chunks take mmvq_id, more tokens mmvq_id_grouped.
 - Every mul_mat kernel launches with programmatic dependent launch (common.cuh);
   mmv and mmvq_stream, given constant weights (params: `preload`), load their
   first weights before waiting for the kernel ahead, so that load overlaps its tail.
@@ -285,21 +287,31 @@ def _addr(ptr: Ptr, t: Tensor | None) -> np.uint64:
     return U64(ptr(t) if t is not None else 0)
 
 
-def _preload(a: Tensor, a1: Tensor | None) -> np.int32:
-    """mmv's and mmvq_stream's `preload` argument: 1 where the weights are constant (params), so the
-    kernel loads its first weights before waiting for the kernel ahead (programmatic dependent launch)."""
-    return I32(a.is_constant and (a1 is None or a1.is_constant))
+def _preload(a: Tensor, a1: Tensor | None, ids: Tensor | None = None) -> np.int32:
+    """mmv's and mmvq_stream's `preload` argument: 1 where the weights (and mul_mat_id's ids, which
+    pick them) are constant (params), so the kernel loads its first weights before waiting for the
+    kernel ahead (programmatic dependent launch)."""
+    return I32(all(t is None or t.is_constant for t in (a, a1, ids)))
+
+
+#: mmvq_stream's mul_mat_id arguments (ids, ids_t, ids_u, E, bias_e) for a mul_mat
+NO_IDS = (U64(0), I64(0), I64(0), I32(0), I64(0))
 
 
 def stream_spec(node: Tensor, args: tuple, epi: str, device: Device | None,
-                cfg: support.StreamConfig | None = None, a1: Tensor | None = None) -> KernelSpec | None:
-    """mmvq_stream for mul_mat `node` (mmv's arguments `args`; `a1` the GLU's up weight), or None
-    when it does not fit: cfg's warps halved until the block's shared memory fits, the grid from
-    stream_grid."""
+                cfg: support.StreamConfig | None = None, a1: Tensor | None = None,
+                id_args: tuple = NO_IDS) -> KernelSpec | None:
+    """mmvq_stream for mul_mat or mul_mat_id `node` (mmv's arguments `args`, then mul_mat_id's
+    `id_args`; `a1` the GLU's up weight), or None when it does not fit: cfg's warps halved until the
+    block's shared memory fits, the grid from stream_grid (a mul_mat_id batch a (token, slot))."""
     cfg = cfg or support.STREAM
-    a, b = node.srcs
-    (a3, a2, m, k), _ = _geometry(a)
-    (b3, b2, n, _), _ = _geometry(b)
+    a, b = node.srcs[:2]
+    if node.op == "mul_mat_id":
+        (_, m, k), (t, _, _) = a.shape, b.shape
+        b3, b2, n = t, node.srcs[2].shape[1], 1
+    else:
+        (_, _, m, k), _ = _geometry(a)
+        (b3, b2, n, _), _ = _geometry(b)
     dt, tb = a.dtype.name, b.dtype.name
     warps = support.stream_warps(dt, k, n, device, cfg)
     if not warps:
@@ -310,8 +322,9 @@ def stream_spec(node: Tensor, args: tuple, epi: str, device: Device | None,
     per_sm = support.stream_blocks_per_sm(smem, device, cfg)
     grid = (support.stream_grid(layout, m, b2 * b3, warps, per_sm, sm_count) if n else 0, b2, b3)
     nt = nt_for(max(n, 1)) if tb == "f32" else 8
+    ids = node.srcs[2] if node.op == "mul_mat_id" else None
     return KernelSpec(MMVQ_STREAM_CU, stream_name(dt, tb, nt, epi, cfg.stages), grid, 32 * warps,
-                      (*args, _preload(a, a1)), smem=smem)
+                      (*args, *id_args, _preload(a, a1, ids)), smem=smem)
 
 
 def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tensor | None = None,
@@ -362,9 +375,12 @@ def _id_b(node: Tensor, ptr: Ptr) -> tuple[int, int, int, int, bool]:
 
 
 def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tensor | None = None,
-                 bias0: Tensor | None = None, bias1: Tensor | None = None, glu: Tensor | None = None
-                 ) -> list[KernelSpec]:
-    """mmv_id / mmvq_id for mul_mat_id `node` (a grid z index a token) writing `out`."""
+                 bias0: Tensor | None = None, bias1: Tensor | None = None, glu: Tensor | None = None,
+                 device: Device | None = None, stream: support.StreamConfig | None = None) -> list[KernelSpec]:
+    """mmvq_stream, mmv_id or mmvq_id for mul_mat_id `node` (a grid z index a token) writing `out`:
+    mmvq_stream (configuration `stream`, default support.STREAM) for block formats where
+    support.stream_reason allows (and a1 is aligned as the experts are), mmvq_id, quantize_q8_1
+    first, for the others."""
     as_, b, ids = node.srcs
     e, m, k = as_.shape
     t, ub, _ = b.shape
@@ -373,6 +389,15 @@ def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: T
     vec = vec and (a1 is None or ptr(a1) % 16 == 0)
     epi, kind, alpha, limit = _epilogue(glu, bias0)
     bias_e = bias0.strides[0] if bias0 is not None else 0
+    if (as_.dtype.is_quant and not support.stream_reason(node, device) and ptr(as_) % 16 == 0
+            and (a1 is None or (a1.view_offset % 16 == 0 and ptr(a1) % 16 == 0))):
+        sargs = (U64(ptr(as_)), _addr(ptr, a1), I64(as_.strides[1]), I64(as_.strides[0]), I64(0), I32(1), I32(1),
+                 U64(pb), I64(0), I64(b_es), I64(b_u if ub > 1 else 0), I64(b_t), U64(ptr(out)), I32(m), I32(k), I32(1),
+                 _addr(ptr, bias0), _addr(ptr, bias1), I32(kind), F32(alpha), F32(limit))
+        id_args = (U64(ptr(ids)), I64(ids.strides[0]), I64(ids.strides[1]), I32(e), I64(bias_e // 4))
+        spec = stream_spec(node, sargs, epi, device, stream, a1, id_args)
+        if spec is not None:
+            return [spec]
     args = (U64(ptr(as_)), _addr(ptr, a1), I64(as_.strides[1]), I64(as_.strides[0]), I32(e),
             U64(ptr(ids)), I64(ids.strides[0]), I64(ids.strides[1]),
             U64(pb), I64(b_t), I64(b_u), I32(ub), I64(b_es), U64(ptr(out)), I32(m), I32(k),
@@ -638,7 +663,7 @@ def bind_out_prod(ctx: CudaContext, node: Tensor) -> Launch:
 
 
 def bind_mmv_id(ctx: CudaContext, node: Tensor) -> Launch:
-    return _bind(ctx, node, lambda scratch: mmv_id_specs(node, node, ctx.ptr, scratch))
+    return _bind(ctx, node, lambda scratch: mmv_id_specs(node, node, ctx.ptr, scratch, device=ctx.device))
 
 
 def bind_mmv_id_grouped(ctx: CudaContext, node: Tensor) -> Launch:
@@ -653,10 +678,7 @@ def fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch, device: Dev
     out, first = nodes[-1], prods[0]
     if first.op == "mul_mat_id" and glu is None and first.shape[0] > 1:
         return grouped_specs(first, out, ptr, scratch, bias=biases[0])
-    if first.op == "mul_mat":
-        make = functools.partial(mmv_specs, device=device)
-    else:
-        make = mmv_id_specs
+    make = functools.partial(mmv_specs if first.op == "mul_mat" else mmv_id_specs, device=device)
     if glu is None:
         return make(first, out, ptr, scratch, bias0=biases[0])
     return make(first, out, ptr, scratch, a1=prods[1].srcs[0], bias0=biases[0], bias1=biases[1], glu=glu)

@@ -226,9 +226,10 @@ def _aligned16(t: Tensor) -> bool:
 
 
 def stream_reason(node: Tensor, device: Device | None = None) -> str:
-    """'' if mmvq_stream runs mul_mat `node` (block-format a, N <= 8, checked by the caller),
-    else why the two-launch mmvq runs it instead."""
+    """'' if mmvq_stream runs mul_mat `node` (block-format a, N <= 8, checked by the caller) or
+    mul_mat_id `node` (one b column a (token, slot)), else why the two-launch mmvq / mmvq_id runs it."""
     a = _a(node)
+    n = 1 if node.op == "mul_mat_id" else batch_n(node)
     dt, k = a.dtype.name, a.shape[-1]
     if dt not in STREAM_FORMATS:
         return f"{dt} has no streamed mat-vec"
@@ -239,8 +240,8 @@ def stream_reason(node: Tensor, device: Device | None = None) -> str:
         return "a's offset or row/batch strides are not multiples of 16 bytes"
     if device is not None and device.kind == "cuda" and tuple(device.props.get("cc", (9, 0))) < (8, 0):
         return "cp.async needs sm_80"
-    if not stream_warps(dt, k, batch_n(node), device):
-        return f"b's q8_1 copy of {batch_n(node)}x{k} values does not fit in shared memory"
+    if not stream_warps(dt, k, n, device):
+        return f"b's q8_1 copy of {n}x{k} values does not fit in shared memory"
     return ""
 
 

@@ -283,12 +283,17 @@ using mm::u8;
 // apart, elements b_es apart (16-byte loads when b_es is the element size and b, b_col are 16-byte
 // aligned), batch strides b_s2, b_s3; out contiguous (B3, B2, N, M). NS stages a warp. Grid (blocks,
 // B2, B3), blockDim.x a multiple of 32 (at most THREADS_MAX), dynamic shared memory as above.
+//
+// mul_mat_id (ids not null; grid y a slot u, z a token t, N = 1): a0 / a1 are the experts, a_s2 the
+// expert stride (a_s3, r2, r3 unused); batch (t, u) uses expert e = ids[t * ids_t + u * ids_u] (an int
+// read on the device, after the wait unless `preload`) and b at t * b_s3 + u * b_s2 (b_s2 0 when b
+// has one row a token), bias0 / bias1 + e * bias_e. An id outside [0, E) writes NaN rows.
 template <int WT, int TB, int NT, int EPI, int NS>
 __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
     mmvq_stream(const u8* a0, const u8* a1, long long a_row, long long a_s2, long long a_s3, int r2, int r3,
                 const u8* b, long long b_col, long long b_es, long long b_s2, long long b_s3, float* out, int M,
                 int K, int N, const float* bias0, const float* bias1, int glu_kind, float alpha, float limit,
-                int preload) {
+                const u8* ids, long long ids_t, long long ids_u, int E, long long bias_e, int preload) {
     od::grid_enter_later();  // below: after the first weight copies when the weights are constant
     using Gm = mms::Geo<WT>;
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
@@ -297,9 +302,6 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
     u8* const smem = reinterpret_cast<u8*>(smem_u4);
 
     const int i2 = blockIdx.y, i3 = blockIdx.z;
-    const long long aoff = (i3 / r3) * a_s3 + (i2 / r2) * a_s2;
-    const u8* const wa0 = a0 + aoff;
-    const u8* const wa1 = NW == 2 ? a1 + aoff : wa0;
     const mms::Layout L = mms::layout(K / (32 * Gm::CB), NW == 2);
     const int groups = (M + L.RO - 1) / L.RO;
     const int nwarps = blockDim.x / od::WARP_SIZE, warp = threadIdx.x / od::WARP_SIZE;
@@ -309,6 +311,31 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
     const int g0 = static_cast<int>(wi * groups / W), g1 = static_cast<int>((wi + 1) * groups / W);
     const int nunits = (g1 - g0) * L.UG;
     const int bcol_stride = L.C * Gm::BCHUNK;
+    float* const o_base = out + (static_cast<long long>(i3) * gridDim.y + i2) * N * static_cast<long long>(M);
+
+    // the weights of this batch: mul_mat's broadcast, or mul_mat_id's expert (ids may be the kernel
+    // before's output: read after the wait unless constant)
+    if (!preload) {
+        od::grid_enter();
+    }
+    int e = 0;
+    if (ids != nullptr) {
+        e = *reinterpret_cast<const int*>(ids + i3 * ids_t + i2 * ids_u);
+        if (e < 0 || e >= E) {  // the whole block: this warp's output rows are NaN
+            for (int i = lane; i < (g1 - g0) * L.RO; i += od::WARP_SIZE) {
+                const int m = g0 * L.RO + i;
+                if (m < M) {
+                    o_base[m] = __int_as_float(0x7fc00000);
+                }
+            }
+            return;
+        }
+    }
+    const long long aoff = ids != nullptr ? e * a_s2 : (i3 / r3) * a_s3 + (i2 / r2) * a_s2;
+    const u8* const wa0 = a0 + aoff;
+    const u8* const wa1 = NW == 2 ? a1 + aoff : wa0;
+    const float* const bias0_e = bias0 != nullptr ? bias0 + e * bias_e : nullptr;
+    const float* const bias1_e = bias1 != nullptr ? bias1 + e * bias_e : nullptr;
     u8* const bs = smem;
     u8* const ring = smem + static_cast<long long>(N) * bcol_stride +
                      static_cast<long long>(warp) * NS * od::WARP_SIZE * Gm::CHUNK;
@@ -346,9 +373,6 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
 
     // 1. the first stages in flight, then b to q8_1 while they land. Constant weights (`preload`) are
     // copied before waiting for the kernel before (programmatic dependent launch), others after.
-    if (!preload) {
-        od::grid_enter();
-    }
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s) {
         if (s < nunits) {
@@ -365,7 +389,6 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
 
     // 2. the ring
     const int rs = lane / L.G, lc = lane % L.G;
-    float* const o_base = out + (static_cast<long long>(i3) * gridDim.y + i2) * N * static_cast<long long>(M);
     float acc[NT], gate[NT];
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
@@ -434,7 +457,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
                     for (int n = 0; n < NT; ++n) {
                         if (n < N) {
                             o_base[static_cast<long long>(n) * M + m] =
-                                mm::epilogue<EPI>(acc[n], up[n], bias0, bias1, m, glu_kind, alpha, limit);
+                                mm::epilogue<EPI>(acc[n], up[n], bias0_e, bias1_e, m, glu_kind, alpha, limit);
                         }
                     }
                 }
