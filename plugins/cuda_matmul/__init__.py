@@ -16,8 +16,9 @@ Paths (support.py picks one per node; its name shows in `Plan.explain()`):
   wherever a row is whole 16-byte chunks of blocks (K % 256 == 0 for q4_0, q5_0,
   q8_0; K % 128 for q4_1, K % 64 for q5_1) and the weights are 16-byte aligned
   (support.stream_reason says why not; mmvq runs those). Each block quantizes
-  the b columns to q8_1 in shared memory (quantize_q8_1's math) while its warps'
-  first cp.async weight copies are in flight, then each warp streams whole rows
+  the b columns to q8_1 in shared memory (quantize_q8_1's math) and issues its
+  warps' first cp.async weight copies (b first, unless the weights are params
+  whose copies go out before the PDL wait), then each warp streams whole rows
   through a ring of support.STREAM.stages stage buffers in shared memory and
   dots them with b by dp4a. A persistent-style grid (about
   support.STREAM.blocks_per_sm blocks an SM) splits the rows evenly over warps.
