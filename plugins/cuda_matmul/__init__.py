@@ -295,6 +295,13 @@ def _preload(a: Tensor, a1: Tensor | None, ids: Tensor | None = None) -> np.int3
     return I32(all(t is None or t.is_constant for t in (a, a1, ids)))
 
 
+def _stream_addresses(ptr: Ptr, a: Tensor, a1: Tensor | None) -> bool:
+    """The device addresses mmvq_stream needs (support.stream_reason checks the strides): the weights,
+    and a fused GLU's up weight, 16-byte aligned. Should an arena ever place one otherwise, the
+    two-launch kernel runs though explain() names the stream path."""
+    return ptr(a) % 16 == 0 and (a1 is None or (a1.view_offset % 16 == 0 and ptr(a1) % 16 == 0))
+
+
 #: mmvq_stream's mul_mat_id arguments (ids, ids_t, ids_u, E, bias_e) for a mul_mat
 NO_IDS = (U64(0), I64(0), I64(0), I32(0), I64(0))
 
@@ -337,9 +344,8 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
 
     mmvq_stream where support.choose picks it (and a1, for a fused GLU, is aligned as a is), with
     `stream` (default support.STREAM) as its configuration; mmvq, quantize_q8_1 first, else, or
-    when `path` is "mmvq" (scratch/mmvq_stream_sweep.py times both on the same weights). The
-    device addresses are checked too (16-byte aligned weights): should an arena ever place a
-    weight otherwise, mmvq runs though explain() says mmvq_stream."""
+    when `path` is "mmvq" (scratch/mmvq_stream_sweep.py times both on the same weights), or when
+    the device addresses do not suit it (_stream_addresses)."""
     a, b = node.srcs
     (a3, a2, m, k), (sa3, sa2, sa1, _) = _geometry(a)
     (b3, b2, n, _), (sb3, sb2, sb1, _) = _geometry(b)
@@ -349,7 +355,7 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
             U64(pb), I64(sb1), I64(_elem_stride(b)), I64(sb2), I64(sb3), U64(ptr(out)), I32(m), I32(k), I32(n),
             _addr(ptr, bias0), _addr(ptr, bias1), I32(kind), F32(alpha), F32(limit))
     streamed = (a.dtype.is_quant and path != "mmvq" and support.choose(node, device).path == "mmvq_stream"
-                and pa % 16 == 0 and (a1 is None or (a1.view_offset % 16 == 0 and ptr(a1) % 16 == 0)))
+                and _stream_addresses(ptr, a, a1))
     if streamed:
         spec = stream_spec(node, args, epi, device, stream, a1)
         if spec is not None:
@@ -390,8 +396,7 @@ def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: T
     vec = vec and (a1 is None or ptr(a1) % 16 == 0)
     epi, kind, alpha, limit = _epilogue(glu, bias0)
     bias_e = bias0.strides[0] if bias0 is not None else 0
-    if (as_.dtype.is_quant and not support.stream_reason(node, device) and ptr(as_) % 16 == 0
-            and (a1 is None or (a1.view_offset % 16 == 0 and ptr(a1) % 16 == 0))):
+    if as_.dtype.is_quant and not support.stream_reason(node, device) and _stream_addresses(ptr, as_, a1):
         sargs = (U64(ptr(as_)), _addr(ptr, a1), I64(as_.strides[1]), I64(as_.strides[0]), I64(0), I32(1), I32(1),
                  U64(pb), I64(0), I64(b_es), I64(b_u if ub > 1 else 0), I64(b_t), U64(ptr(out)), I32(m), I32(k), I32(1),
                  _addr(ptr, bias0), _addr(ptr, bias1), I32(kind), F32(alpha), F32(limit))
