@@ -983,6 +983,28 @@ def test_mul_mat_id_expert_out_of_range_writes_nan(dt: str, k: int, rng) -> None
 
 
 @gpu
+@pytest.mark.parametrize("k", [96, 256])
+@pytest.mark.parametrize("dt", ["q4_0", "q8_0"])
+def test_nan_in_b_reaches_the_quantized_mat_vec_outputs(dt: str, k: int, rng) -> None:  # noqa: ANN001
+    """b's q8_1 quantization (quantize_q8_1 at K 96, mmvq_stream's own at K 256) carries a NaN of b
+    into its scale, so the outputs that use it are NaN (as the reference's), the rest right."""
+    y = ops.mul_mat(od.input("a", (40, k), dt), od.input("b", (2, k)))
+    feeds = feeds_for(y, rng)
+    b = next(t for t in feeds if t.name == "b")
+    feeds[b][1, k // 3] = np.nan
+    _, got, ref = run_both(y, feeds, "mmvq" if k == 96 else "mmvq_stream")
+    assert np.isnan(got[1]).all(), f"mul_mat a={dt} k={k}: {np.isfinite(got[1]).sum()} finite outputs of b's NaN row"
+    assert_close(got[0], ref[0], f"mul_mat a={dt} k={k}: the other row")
+    y = ops.mul_mat_id(od.input("experts", (4, 40, k), dt), od.input("b", (1, 2, k)), od.input("ids", (1, 2), "i32"))
+    feeds = feeds_for(y, rng, 4)
+    b = next(t for t in feeds if t.name == "b")
+    feeds[b][0, 1, k // 3] = np.nan
+    _, got, ref = run_both(y, feeds, "mmv_id")
+    assert np.isnan(got[0, 1]).all(), f"mul_mat_id as={dt} k={k}: slot 1 (b NaN) has finite outputs"
+    assert_close(got[0, 0], ref[0, 0], f"mul_mat_id as={dt} k={k}: slot 0")
+
+
+@gpu
 @pytest.mark.parametrize(("n_exp", "used", "n_tok"), [(128, 8, 1), (128, 8, 129), (32, 4, 512)])
 @pytest.mark.parametrize("dt", ["f16", "q4_0"])
 def test_mul_mat_id_many_experts(dt: str, n_exp: int, used: int, n_tok: int, rng) -> None:  # noqa: ANN001

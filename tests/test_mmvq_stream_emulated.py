@@ -104,7 +104,9 @@ def _transformed(build: Path) -> None:
     """The kernel and its headers, inline PTX swapped for shim.h's host functions."""
     common = (INCLUDE / "common.cuh").read_text()
     for ptx, host in (('asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));', "f = emu_h2f(h);"),
-                      ('asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));', "h = emu_f2h(f);")):
+                      ('asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));', "h = emu_f2h(f);"),
+                      ('asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));',
+                       "r = a != a || b != b ? NAN : fmaxf(a, b);")):
         assert ptx in common, f"common.cuh changed: update the emulation's swap of {ptx}"
         common = common.replace(ptx, host)
     for ptx in ('asm volatile("griddepcontrol.wait;" ::: "memory");',
@@ -199,7 +201,9 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     names = sorted({_instance(make(), cfg) for make, cfg, _ in CASES.values()})
     (build / "instances.inc").write_text("".join(f'    {{"{n}", &{n}}},\n' for n in names))
     exe = build / "emu"
-    cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-w", "-I", str(build), str(build / "main.cpp"), "-o", str(exe)]
+    # no contraction: mm::q8_1_code's product and add round separately, as __fmul_rn makes nvcc keep them
+    cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-w", "-I", str(build),
+           str(build / "main.cpp"), "-o", str(exe)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
     return exe
@@ -268,6 +272,20 @@ def test_mul_mat_id_expert_out_of_range_writes_nan(emulator: Path, tmp_path: Pat
     (ref,) = od.compile(y, "cpu").run({**feeds, ids: np.array([[5, 0, 2]], np.int32)})
     assert np.isnan(got[0, 1]).all(), f"{launch}: slot 1 (expert 8 of 8) not NaN"
     assert nmse(got[0, [0, 2]], ref[0, [0, 2]]) <= NMSE_MAX, f"{launch}: the valid slots"
+
+
+def test_nan_in_b_gives_its_column_nan_rows(emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+    """A NaN in one column of b reaches every row of that column's output (its q8_1 block's scale is
+    NaN), not a code of 0; the other column is right."""
+    y = _mm("q8_0", 130, 4096, 2)  # an instance CASES builds
+    feeds = _feeds(y, rng)
+    b = _nodes(y)[0].srcs[1]
+    feeds[b][1, 1000] = np.nan
+    got, launch = _emulate(y, feeds, DEFAULT, False, emulator, tmp_path)
+    (ref,) = od.compile(y, "cpu").run(feeds)
+    assert np.isnan(ref[1]).all()
+    assert np.isnan(got[1]).all(), f"{launch}: {np.isfinite(got[1]).sum()} finite outputs in b's NaN column"
+    assert nmse(got[0], ref[0]) <= NMSE_MAX, f"{launch}: the other column"
 
 
 def test_cases_cover_the_layouts() -> None:

@@ -142,6 +142,14 @@ __device__ __forceinline__ unsigned short f32_to_f16(float f) {
     return h;
 }
 
+// max(a, b), NaN when either is (fmaxf returns the other operand): a block maximum that carries a
+// NaN input through to its scale.
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) {
     return __uint_as_float(static_cast<unsigned>(b) << 16);
 }

@@ -100,10 +100,21 @@ struct Fmt<W_Q8_0> : QFmt<34, -1, -1, 2, 0, 8> {};
 
 // ggml's q8_1 scale of 32 values whose largest magnitude is amax: d = amax / 127 (a value is
 // code * d), and id, what a value is multiplied by before rounding to its code (0 for a block of 0s).
-// quantize_q8_1 (mmv.cu) and mmvq_stream's in-block quantization both use it, so they agree bit for bit.
+// quantize_q8_1 (mmv.cu) and mmvq_stream's in-block quantization both use it and q8_1_code, so they
+// agree bit for bit. amax is NaN when a value is (od::fmax_nan): d is then NaN, and so is every dot
+// product the block enters.
 __device__ __forceinline__ void q8_1_scale(float amax, float& d, float& id) {
     d = amax / 127.0f;
     id = amax > 0.0f ? 127.0f / amax : 0.0f;
+}
+
+// The q8_1 code of value v: v * id rounded half to even, as __float2int_rn(v * id), but by an add on
+// the FMA pipe instead of F2I, which issues at a quarter of the rate (sm_90) on the path from the
+// PDL wait to the dot products: 1.5 * 2^23 + x holds x's rounded integer in its low mantissa bits
+// (|x| <= 127 here). __fmul_rn: the product rounded first, never contracted with the add into one
+// fma, which would round differently at ties.
+__device__ __forceinline__ int q8_1_code(float v, float id) {
+    return static_cast<int>(__float_as_uint(__fmul_rn(v, id) + 12582912.0f) - 0x4B400000u);
 }
 
 __device__ __forceinline__ unsigned ld16(const u8* p) {

@@ -388,11 +388,11 @@ __global__ void __launch_bounds__(QUANT_BLOCK) quantize_q8_1(const u8* b, long l
     float amax = fabsf(v);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(od::FULL_MASK, amax, off));
+        amax = od::fmax_nan(amax, __shfl_xor_sync(od::FULL_MASK, amax, off));
     }
     float d, id;
     mm::q8_1_scale(amax, d, id);
-    const int q = __float2int_rn(v * id);
+    const int q = mm::q8_1_code(v, id);
     int sum = q;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {

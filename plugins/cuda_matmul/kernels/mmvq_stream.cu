@@ -162,7 +162,8 @@ __device__ __forceinline__ void load_b(const u8* src, long long b_es, bool vec, 
 }
 
 // Half h of a block of 32 values to q8_1 at dst (its chunk's b bytes), slot jj of the chunk, as
-// quantize_q8_1: amax over the 32 values, d = amax / 127, codes __float2int_rn(v * 127 / amax).
+// quantize_q8_1: amax over the 32 values (NaN if one is), d = amax / 127, codes v * 127 / amax
+// rounded half to even (mm::q8_1_code).
 // The two halves are lanes l and l ^ 1 of one warp, which meet by shuffles (every lane of the warp
 // calls this; `store` false: a lane with no block this round, whose partner has none either).
 template <int WT>
@@ -171,9 +172,9 @@ __device__ __forceinline__ void store_q8_1_half(const float (&v)[16], int h, boo
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-        amax = fmaxf(amax, fabsf(v[i]));
+        amax = od::fmax_nan(amax, fabsf(v[i]));
     }
-    amax = fmaxf(amax, __shfl_xor_sync(od::FULL_MASK, amax, 1));
+    amax = od::fmax_nan(amax, __shfl_xor_sync(od::FULL_MASK, amax, 1));
     float d, id;
     mm::q8_1_scale(amax, d, id);
     int sum = 0;
@@ -183,7 +184,7 @@ __device__ __forceinline__ void store_q8_1_half(const float (&v)[16], int h, boo
         unsigned word = 0;
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-            const int q = __float2int_rn(v[4 * i + t] * id);
+            const int q = mm::q8_1_code(v[4 * i + t], id);
             sum += q;
             word |= (static_cast<unsigned>(q) & 0xffu) << (8 * t);
         }
