@@ -1118,10 +1118,17 @@ def test_copies_run_near_copy_bandwidth() -> None:
     assert ceiling is not None
     slow = []
     for case, strict in _perf_cases():
-        res = run_perf(case, cuda(), plugin="cuda_misc", min_time=0.3)
-        assert res.status is Status.PASS, res.describe()
-        ratio = res.rate / ceiling
-        print(f"{res.describe()}  {ratio:.0%} of dup's {ceiling / 1e9:.0f} GB/s")
-        if strict and ratio < 0.85:
+        # a case under the line is timed again with a fresh ceiling: other tests (pytest -n) share the
+        # GPU, and one unlucky timing of either side is not the kernel's speed; a slow kernel fails twice
+        for attempt in range(2 if strict else 1):
+            if attempt:
+                ceiling = copy_bandwidth(cuda(), min_time=0.3)
+            res = run_perf(case, cuda(), plugin="cuda_misc", min_time=0.3)
+            assert res.status is Status.PASS, res.describe()
+            ratio = res.rate / ceiling
+            print(f"{res.describe()}  {ratio:.0%} of dup's {ceiling / 1e9:.0f} GB/s")
+            if not strict or ratio >= 0.85:
+                break
+        else:
             slow.append(f"{case.name}: {ratio:.0%}")
-    assert not slow, f"below 85% of the copy bandwidth: {slow}"
+    assert not slow, f"below 85% of the copy bandwidth (timed twice): {slow}"
