@@ -46,17 +46,29 @@ def device_seconds(fn: Callable[[], None], sync: Callable[[], None], reps: int =
     The launch and sync overheads of one call are amortised the same way for
     opdispatch and for the torch baseline.
     """
-    fn()
-    sync()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
+    return interleaved_seconds([(fn, sync)], reps, rounds)[0]
+
+
+def interleaved_seconds(timed: Sequence[tuple[Callable[[], object], Callable[[], None]]], reps: int = REPS,
+                        rounds: int = 15) -> list[float]:
+    """device_seconds of each (fn, sync) pair, their rounds taken in turn.
+
+    Figures compared with one another are timed this way: clock and power drift
+    over the measurement (a tensor-core GEMM at full speed is power-limited)
+    then weighs on all of them alike, not on whichever ran last.
+    """
+    for fn, sync in timed:
+        fn()
         sync()
-        times.append((time.perf_counter() - t0) / reps)
-    times.sort()
-    return times[len(times) // 2]
+    times: list[list[float]] = [[] for _ in timed]
+    for _ in range(rounds):
+        for (fn, sync), t in zip(timed, times):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            sync()
+            t.append((time.perf_counter() - t0) / reps)
+    return [sorted(t)[len(t) // 2] for t in times]
 
 
 def ready(outputs, feeds: dict, plugin: str, *, ops: Sequence[str] = (), kernel: str | None = None) -> od.Plan:  # noqa: ANN001

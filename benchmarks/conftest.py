@@ -1,6 +1,8 @@
 """Benchmark fixtures: GPU-only, each figure a ratio against a baseline measured in the same run.
 
-Times come from bench.device_seconds (back-to-back runs, one synchronize).
+Times come from bench.device_seconds (back-to-back runs, one synchronize); the
+figures of one benchmark that are compared (ours, torch's, the same-size copy)
+are timed in interleaved rounds (bench.interleaved_seconds).
 Bytes (inputs + output) or FLOPs are counted by each benchmark explicitly and
 stored in `extra_info`, with the derived GB/s, the fraction of the copy
 bandwidth measured here (a 1 GiB copy), the fraction a copy of the same
@@ -20,7 +22,7 @@ from __future__ import annotations
 from typing import Callable
 
 import pytest
-from bench import Cold, device_seconds
+from bench import Cold, device_seconds, interleaved_seconds
 
 from opdispatch.backends.cuda.devices import discover
 
@@ -57,20 +59,23 @@ def measure(benchmark, torch_cuda, copy_bandwidth):  # noqa: ANN001, ANN201
 
     def run(plan, nbytes: int, torch_fn: Callable[[], object] | None, flops: int = 0) -> dict:  # noqa: ANN001
         torch = torch_cuda
-        ours = device_seconds(plan.launch, plan.synchronize)
-        info = _bandwidth(nbytes, ours, copy_bandwidth)
-        if flops:
-            info["TFLOP/s"] = flops / ours / 1e12
-        else:
+        timed = [(plan.launch, plan.synchronize)]
+        if not flops:
             # The ceiling at this size: a device copy moving the same bytes (half read, half written),
             # timed the same way, as a fraction of the 1 GiB copy's bandwidth.
             src = torch.empty(nbytes // 8, device="cuda", dtype=torch.float32).uniform_()
             dst = torch.empty_like(src)
-            same = device_seconds(lambda: dst.copy_(src), torch.cuda.synchronize)
-            info["same_size_copy_fraction"] = 8 * src.numel() / same / copy_bandwidth
+            timed.append((lambda: dst.copy_(src), torch.cuda.synchronize))
+        if torch_fn is not None:
+            timed.append((torch_fn, torch.cuda.synchronize))
+        ours, *rest = interleaved_seconds(timed)
+        info = _bandwidth(nbytes, ours, copy_bandwidth)
+        if flops:
+            info["TFLOP/s"] = flops / ours / 1e12
+        else:
+            info["same_size_copy_fraction"] = 8 * src.numel() / rest.pop(0) / copy_bandwidth
             del src, dst
-        theirs = None if torch_fn is None else device_seconds(torch_fn, torch.cuda.synchronize)
-        return _record(benchmark, plan, info, ours, theirs)
+        return _record(benchmark, plan, info, ours, rest[0] if rest else None)
 
     return run
 
@@ -117,16 +122,17 @@ def measure_cold(benchmark, torch_cuda, copy_bandwidth):  # noqa: ANN001, ANN201
     def run(plan, layout: Cold, nbytes: int, torch_fn: Callable[[int], object] | None) -> dict:  # noqa: ANN001
         torch = torch_cuda
         n = layout.instances
-        ours = device_seconds(plan.launch, plan.synchronize) / n
-        info = {**_bandwidth(nbytes, ours, copy_bandwidth), "sets": layout.sets, "instances": n}
         pairs = [(torch.empty(nbytes // 8, device="cuda").uniform_(), torch.empty(nbytes // 8, device="cuda"))
                  for _ in range(layout.sets)]
-        copy_all = torch_graph(torch, lambda: [pairs[layout.of(i)][1].copy_(pairs[layout.of(i)][0]) for i in range(n)])
-        same = device_seconds(copy_all, torch.cuda.synchronize) / n
-        info["same_size_copy_fraction"] = 8 * (nbytes // 8) / same / copy_bandwidth
-        del pairs, copy_all
-        theirs = None if torch_fn is None else device_seconds(
-            torch_graph(torch, lambda: [torch_fn(i) for i in range(n)]), torch.cuda.synchronize) / n
-        return _record(benchmark, plan, info, ours, theirs)
+        timed = [(plan.launch, plan.synchronize),
+                 (torch_graph(torch, lambda: [pairs[layout.of(i)][1].copy_(pairs[layout.of(i)][0]) for i in range(n)]),
+                  torch.cuda.synchronize)]
+        if torch_fn is not None:
+            timed.append((torch_graph(torch, lambda: [torch_fn(i) for i in range(n)]), torch.cuda.synchronize))
+        ours, same, *theirs = (s / n for s in interleaved_seconds(timed))
+        info = {**_bandwidth(nbytes, ours, copy_bandwidth), "sets": layout.sets, "instances": n,
+                "same_size_copy_fraction": 8 * (nbytes // 8) / same / copy_bandwidth}
+        del pairs, timed
+        return _record(benchmark, plan, info, ours, theirs[0] if theirs else None)
 
     return run
