@@ -1,7 +1,7 @@
 """Benchmark fixtures: GPU-only, each figure a ratio against a baseline measured in the same run.
 
 Times come from bench.device_seconds (back-to-back runs, one synchronize); the
-figures of one benchmark that are compared (ours, torch's, the same-size copy)
+figures of one benchmark that are compared (ours, torch's, the same-size copy, an unfused plan)
 are timed in interleaved rounds (bench.interleaved_seconds).
 Bytes (inputs + output) or FLOPs are counted by each benchmark explicitly and
 stored in `extra_info`, with the derived GB/s, the fraction of the copy
@@ -19,7 +19,8 @@ CUDA graph.
 
 from __future__ import annotations
 
-from typing import Callable
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import pytest
 from bench import Cold, device_seconds, interleaved_seconds
@@ -113,13 +114,15 @@ def torch_graph(torch, issue: Callable[[], object]) -> Callable[[], None]:  # no
 
 @pytest.fixture
 def measure_cold(benchmark, torch_cuda, copy_bandwidth):  # noqa: ANN001, ANN201
-    """measure_cold(plan, layout, nbytes, torch_fn) for a plan computing layout.instances instances of one
-    op, instance i on input set layout.of(i) (bench.cold), each with its own output: `us` is one plan run
-    (one CUDA graph) over the instances, `nbytes` one instance's bytes. torch_fn(i) issues torch's
+    """measure_cold(plan, layout, nbytes, torch_fn, also) for a plan computing layout.instances instances of
+    one op, instance i on input set layout.of(i) (bench.cold), each with its own output: `us` is one plan
+    run (one CUDA graph) over the instances, `nbytes` one instance's bytes. torch_fn(i) issues torch's
     instance i; torch's instances and as many same-size copies (layout.sets source/destination pairs
-    in turn) are timed in a torch CUDA graph."""
+    in turn) are timed in a torch CUDA graph. `also` names other plans of ours over the same instances
+    (the unfused pair of a fusion), timed in the same rounds: f"{name}_us" an instance."""
 
-    def run(plan, layout: Cold, nbytes: int, torch_fn: Callable[[int], object] | None) -> dict:  # noqa: ANN001
+    def run(plan, layout: Cold, nbytes: int, torch_fn: Callable[[int], object] | None,  # noqa: ANN001
+            also: Mapping[str, Any] = MappingProxyType({})) -> dict:
         torch = torch_cuda
         n = layout.instances
         pairs = [(torch.empty(nbytes // 8, device="cuda").uniform_(), torch.empty(nbytes // 8, device="cuda"))
@@ -127,11 +130,14 @@ def measure_cold(benchmark, torch_cuda, copy_bandwidth):  # noqa: ANN001, ANN201
         timed = [(plan.launch, plan.synchronize),
                  (torch_graph(torch, lambda: [pairs[layout.of(i)][1].copy_(pairs[layout.of(i)][0]) for i in range(n)]),
                   torch.cuda.synchronize)]
+        timed += [(other.launch, other.synchronize) for other in also.values()]
         if torch_fn is not None:
             timed.append((torch_graph(torch, lambda: [torch_fn(i) for i in range(n)]), torch.cuda.synchronize))
-        ours, same, *theirs = (s / n for s in interleaved_seconds(timed))
+        ours, same, *rest = (s / n for s in interleaved_seconds(timed))
         info = {**_bandwidth(nbytes, ours, copy_bandwidth), "sets": layout.sets, "instances": n,
-                "same_size_copy_fraction": 8 * (nbytes // 8) / same / copy_bandwidth}
+                "same_size_copy_fraction": 8 * (nbytes // 8) / same / copy_bandwidth,
+                **{f"{name}_us": secs * 1e6 for name, secs in zip(also, rest)}}
+        theirs = rest[len(also):]
         del pairs, timed
         return _record(benchmark, plan, info, ours, theirs[0] if theirs else None)
 

@@ -1,6 +1,6 @@
 """Print markdown tables from a pytest-benchmark JSON written by the benchmarks.
 
-Op benchmarks go in the first table; model benchmarks (benchmarks/test_bench_model.py, whose
+Op benchmarks go in the first table (fused plans against their unfused one after it); model benchmarks (benchmarks/test_bench_model.py, whose
 extra_info names a "preset") in a second: tokens/s, % of the HBM roofline, the transformers
 baselines and the speedup over them.
 """
@@ -39,6 +39,11 @@ def table(path: str) -> str:
         same = format(100 * e["same_size_copy_fraction"], ".0f") + "%" if "same_size_copy_fraction" in e else ""
         rows.append(f"| {b['name']} | {cell('us', '.1f')} | {cell('GB/s', '.0f')} | {frac} | {same} | "
                     f"{cell('TFLOP/s', '.1f')} | {cell('torch_us', '.1f')} | {cell('speedup_vs_torch', '.2f')} |")
+    fused = [b for b in ops if "unfused_us" in b.get("extra_info", {})]
+    if fused:
+        rows += ["", "fused against the unfused plan, same run:"]
+        rows += [f"- {b['name']}: {b['extra_info']['us']:.1f} us, unfused {b['extra_info']['unfused_us']:.1f} us "
+                 f"({b['extra_info']['unfused_us'] / b['extra_info']['us']:.2f}x)" for b in fused]
     if models:
         rows += ["",
                  "| preset | dtype | kind | batch | mode | tokens/s | ms/step | device ms | host ms | % roofline | "
