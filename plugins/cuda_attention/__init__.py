@@ -38,7 +38,8 @@ import attrs
 import numpy as np
 
 from opdispatch.backends.cuda.devices import warp32_gate
-from opdispatch.backends.cuda.kernels import KernelSpec, Workspace, alloc_workspaces, chain
+from opdispatch.backends.cuda.kernels import KernelSpec, chain
+from opdispatch.backends.cuda.scratch import Workspace
 from opdispatch.backends.base import Device, Launch
 from opdispatch.fusion import FusionRule
 from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
@@ -501,7 +502,7 @@ def bind_qkv_flash_attn_ext(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch
 
 
 def _bind_flash(ctx: CudaContext, node: Tensor, plan: FlashPlan) -> Launch:
-    bufs = alloc_workspaces(ctx.backend, plan.workspaces, node.describe())
+    bufs = ctx.backend.scratch.take_all(plan.workspaces)
     return _launch(ctx, plan.specs(ctx.ptr, [buf.ptr for buf in bufs]), bufs)
 
 

@@ -43,13 +43,8 @@ Paths (support.py picks one per node; its name shows in `Plan.explain()`):
   host synchronization, so both live inside a captured CUDA graph.
 - cublas_out_prod: cuBLAS, a converted to f32 first unless it is f32.
 
-Scratch buffers (converted b, dequantized a, the routing table) come from
-`scratch()`: one buffer per backend and role, grown when a node needs more and
-shared by every node on that backend. Sharing is safe because a backend runs
-every plan on its one stream, so a node's conversion and its GEMM finish before
-the next node's conversion overwrites the buffer (also inside a CUDA graph,
-which keeps the stream's order). A grown buffer replaces the old one only for
-later binds; launches bound earlier keep theirs alive.
+Scratch buffers (converted b, dequantized a, the routing table) come from the
+backend's `ScratchPool` (core/backends/cuda/scratch.py), by role.
 
 A bind is split in two, as in cuda_norm: pure spec functions (`mmv_specs`,
 `gemm_specs`, ...) compute kernel instances, grids, arguments and cuBLAS calls
@@ -69,6 +64,7 @@ import numpy as np
 
 from opdispatch.backends.cuda.devices import warp32_gate
 from opdispatch.backends.cuda.kernels import GLU_CODES, KernelSpec, chain
+from opdispatch.backends.cuda.scratch import Workspace
 from opdispatch.backends.base import Device, Launch
 from opdispatch.fusion import FusionRule
 from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
@@ -604,19 +600,12 @@ def out_prod_specs(node: Tensor, ptr: Ptr, scratch: Scratch) -> list[Spec]:
 
 
 
-_scratch: dict[tuple[int, str], Any] = {}
-
-
-def scratch_for(ctx: CudaContext, what: str, kept: list) -> Scratch:
-    """scratch(role, nbytes) for one bind: the backend's shared buffer of that role, grown as
-    needed (see the module docstring); every buffer handed out is appended to `kept`."""
+def scratch_for(ctx: CudaContext, kept: list) -> Scratch:
+    """scratch(role, nbytes) for one bind: the backend's scratch buffer of that role
+    (`ScratchPool`); every buffer handed out is appended to `kept`."""
 
     def get(role: str, nbytes: int) -> int:
-        key = (id(ctx.backend), role)
-        buf = _scratch.get(key)
-        if buf is None or buf.nbytes < nbytes:
-            buf = ctx.backend.alloc(max(nbytes, 1 << 20), f"cuda_matmul scratch '{role}' (for {what})")
-            _scratch[key] = buf
+        buf = ctx.backend.scratch.take(Workspace(nbytes, f"cuda_matmul {role}"))
         kept.append(buf)
         return buf.ptr
 
@@ -653,7 +642,7 @@ def _bind(ctx: CudaContext, node: Tensor, make: Callable[[Scratch], list]) -> La
     if _empty(node):
         return EMPTY
     kept: list = []
-    return _realize(ctx, make(scratch_for(ctx, node.describe(), kept)), kept)
+    return _realize(ctx, make(scratch_for(ctx, kept)), kept)
 
 
 def bind_mmv(ctx: CudaContext, node: Tensor) -> Launch:

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
-from opdispatch.backends.cuda.kernels import KernelSpec, Workspace, alloc_workspaces, chain
+from opdispatch.backends.cuda.kernels import KernelSpec, chain
+from opdispatch.backends.cuda.scratch import Workspace
 from opdispatch.backends.base import Device, Launch
 from opdispatch.dtypes import DTYPES, DType
 from opdispatch.fusion import FusionRule
@@ -811,7 +812,7 @@ def launch_split(ctx: CudaContext, x: Tensor, make: Callable[[Sequence[int], int
     sms = sm_count(ctx.device)
     rows, cols, _ = _argmax_rows(x)
     ws = argmax_workspaces(rows, split_shape(rows, cols, sms)[0])
-    bufs = alloc_workspaces(ctx.backend, ws, owner)
+    bufs = ctx.backend.scratch.take_all(ws)
     return chain((s.launch(ctx.stream) for s in make([buf.ptr for buf in bufs], sms)), bufs)
 
 

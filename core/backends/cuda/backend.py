@@ -23,6 +23,7 @@ from ...tensor import Tensor
 from ..base import Device, Launch, LaunchError
 from .graphs import GraphRunner, graphs_enabled, stream_capture
 from .kernels import EMPTY
+from .scratch import ScratchPool
 
 _CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 
@@ -104,6 +105,8 @@ class CudaBackend:
     stream: Any = attrs.field(init=False)  # cupy.cuda.Stream, non-blocking
     #: names of the segments run since the last synchronize (an ordered set)
     pending: dict[str, None] = attrs.field(init=False, factory=dict)
+    #: scratch buffers shared by every launch on this GPU, by role
+    scratch: ScratchPool = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         import cupy
@@ -112,6 +115,7 @@ class CudaBackend:
         self.cuda_device = cupy.cuda.Device(self.index)
         with self.cuda_device:
             self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.scratch = ScratchPool(self.alloc, self.fill)
 
     # -- memory --------------------------------------------------------------------
     def alloc(self, nbytes: int, what: str) -> CudaBuffer:

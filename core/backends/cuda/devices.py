@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
+import attrs
+
 from ..base import Device
 
 if TYPE_CHECKING:
@@ -36,6 +38,7 @@ def discover() -> tuple[tuple[Device, ...], str]:
             "sm_count": int(p["multiProcessorCount"]),
             "smem_per_block": int(p["sharedMemPerBlock"]),
             "smem_per_block_optin": int(p.get("sharedMemPerBlockOptin", p["sharedMemPerBlock"])),
+            "smem_per_sm": int(p.get("sharedMemPerMultiprocessor", H200.props["smem_per_sm"])),
             "warp_size": int(p["warpSize"]),
             "total_memory": int(total),
             "free_memory": int(free),
@@ -50,8 +53,28 @@ def discover() -> tuple[tuple[Device, ...], str]:
 #: predicates for it are computed (and tested) where no GPU is.
 H200 = Device("cuda0", "cuda", "NVIDIA H200 (description: no GPU here)", {
     "cc": (9, 0), "sm_count": 132, "smem_per_block": 48 * 1024, "smem_per_block_optin": 227 * 1024,
-    "warp_size": 32, "total_memory": 143771 * 2**20, "free_memory": 143771 * 2**20, "pci_bus_id": "", "index": 0,
+    "smem_per_sm": 228 * 1024, "warp_size": 32, "total_memory": 143771 * 2**20, "free_memory": 143771 * 2**20, "pci_bus_id": "", "index": 0,
 })
+
+
+@attrs.frozen
+class DeviceFacts:
+    """What kernels are sized by, read from a device's description: where the description
+    lacks a fact (a hand-made test device), the H200's is taken, the one fallback."""
+
+    cc: tuple[int, int]
+    sm_count: int
+    smem_per_block: int  # dynamic shared memory a block gets without opting in
+    smem_per_block_optin: int  # the most a block may opt into
+    smem_per_sm: int
+    warp_size: int
+
+
+def facts(device: Device) -> DeviceFacts:
+    """The `DeviceFacts` of `device` (see there for the fallback)."""
+    props = {**H200.props, **device.props}
+    return DeviceFacts(tuple(props["cc"]), int(props["sm_count"]), int(props["smem_per_block"]),  # type: ignore[arg-type]
+                       int(props["smem_per_block_optin"]), int(props["smem_per_sm"]), int(props["warp_size"]))
 
 
 def warp32_gate(device: Device) -> str | None:

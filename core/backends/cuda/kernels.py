@@ -39,6 +39,7 @@ import numpy as np
 
 from ...ops.elementwise import GLU_KINDS
 from ..base import Launch
+from .args import KernelArgs
 
 #: Shared headers (common.cuh); on the include path of every module.
 INCLUDE_DIR = Path(__file__).resolve().parent
@@ -167,6 +168,56 @@ def pdl_kernels(source: Path) -> frozenset[str]:
     return frozenset(m.group(1) for m in _PDL_HEAD.finditer(text))
 
 
+#: the start of a kernel head (comments and launch bounds removed first); its parameter list follows
+_KERNEL_NAME = re.compile(r"__global__\s+void\s+(\w+)\s*\(")
+#: a one-parameter macro (`#define OD_LAYOUT_PARAMS(p) unsigned p##d0, ...`), as kernels declare
+#: repeated parameter groups
+_MACRO = re.compile(r"^#define\s+(\w+)\((\w+)\)((?:[^\n]*\\\n)*[^\n]*)", re.M)
+
+
+def _strip(text: str) -> str:
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+    return re.sub(r"__launch_bounds__\s*\([^)]*\)", "", text)
+
+
+@functools.lru_cache(maxsize=None)
+def _macros(folder: Path) -> dict[str, tuple[str, str]]:
+    """The one-parameter macros of the headers a module in `folder` can include: name -> (parameter, body)."""
+    found = {}
+    for path in sorted({*INCLUDE_DIR.glob("*.cuh"), *folder.glob("*.cuh"), *folder.glob("*.cu")}):
+        for m in _MACRO.finditer(_strip(path.read_text())):
+            found[m.group(1)] = (m.group(2), m.group(3).replace("\\\n", " "))
+    return found
+
+
+def _expand(params: str, macros: dict[str, tuple[str, str]]) -> str:
+    """`params` with each one-parameter macro call replaced by its body (token pasting by ##)."""
+    def one(m: re.Match) -> str:
+        param, body = macros[m.group(1)]
+        return re.sub(rf"\b{param}\s*##|##\s*{param}\b", m.group(2).strip(), body)
+
+    names = "|".join(map(re.escape, macros))
+    return re.sub(rf"\b({names})\s*\(([^()]*)\)", one, params) if names else params
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_params(source: Path) -> dict[str, tuple[str, ...]]:
+    """The parameter names, in order, of every `__global__` kernel of a .cu file (what each
+    kernel's `KernelArgs` record lists), macros of parameter groups expanded."""
+    text = _strip(Path(source).read_text())
+    macros = _macros(Path(source).parent)
+    found = {}
+    for m in _KERNEL_NAME.finditer(text):
+        depth, end = 1, m.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            end += 1
+        params = _expand(text[m.end():end - 1], macros)
+        found[m.group(1)] = tuple(re.findall(r"(\w+)\s*(?:\[[^\]]*\])?\s*$", p)[0]
+                                  for p in params.split(",") if p.strip())
+    return found
+
+
 def pdl_enabled(device_id: int) -> bool:
     """Programmatic dependent launch on this device: compute capability 9.0 or later, and not
     turned off by OPDISPATCH_PDL=0 (read at bind time, so a process can compare both)."""
@@ -260,8 +311,13 @@ class KernelSpec:
     kernel: str
     grid: int | tuple[int, ...]
     block: int | tuple[int, ...]
-    args: tuple[Any, ...]
+    args: KernelArgs | tuple[Any, ...]
     smem: int = 0
+
+    @property
+    def arg_values(self) -> tuple[Any, ...]:
+        """The arguments as numpy scalars in C order."""
+        return self.args.values() if isinstance(self.args, KernelArgs) else tuple(self.args)
 
     @property
     def pdl(self) -> bool:
@@ -270,28 +326,7 @@ class KernelSpec:
 
     def launch(self, stream: Any) -> Launch:
         fn = load_module(self.source, (self.kernel,)).get_function(self.kernel)
-        return launcher(fn, self.grid, self.block, self.args, self.smem, stream=stream, pdl=self.pdl)
-
-
-@attrs.frozen
-class Workspace:
-    """Device scratch memory a launch needs (partials, tile flags, counters): bytes, what for,
-    and whether it must start zeroed (set once at bind; the kernels leave it so: a "last block
-    finishes the job" kernel sets its counter back to 0, so every CUDA-graph replay finds it zeroed)."""
-
-    nbytes: int
-    what: str
-    zeroed: bool = False
-
-
-def alloc_workspaces(backend: Any, spaces: Sequence[Workspace], owner: str) -> tuple[Any, ...]:
-    """A buffer on `backend` for each of `spaces` (named "<what> of <owner>"), zeroed where asked.
-    The caller keeps them alive as long as the launches that use them (`chain(..., keep)`)."""
-    bufs = tuple(backend.alloc(w.nbytes, f"{w.what} of {owner}") for w in spaces)
-    for w, buf in zip(spaces, bufs):
-        if w.zeroed:
-            backend.fill(buf, 0)
-    return bufs
+        return launcher(fn, self.grid, self.block, self.arg_values, self.smem, stream=stream, pdl=self.pdl)
 
 
 @attrs.define(eq=False)
@@ -320,3 +355,8 @@ def chain(launches: Iterable[Launch], keep: Sequence[Any] = ()) -> Launch:
     if len(kept) == 1 and not keep:
         return kept[0]
     return LaunchChain(tuple(kept), tuple(keep))
+
+
+def launch_specs(stream: Any, specs: Iterable[KernelSpec], keep: Sequence[Any] = ()) -> Launch:
+    """One launch running `specs` in order on `stream`, keeping `keep` (scratch buffers) alive with it."""
+    return chain((s.launch(stream) for s in specs), keep)

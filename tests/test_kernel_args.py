@@ -1,0 +1,55 @@
+"""Every kernel's argument record against the kernel's own parameter list, and every launched kernel has one.
+
+A plugin's `KernelArgs` subclasses name the `__global__` functions they serve (`KERNELS`);
+the parameter names, in order, are read from the plugin's kernels/*.cu (macros of parameter
+groups expanded) and must equal the record's fields (ArgGroup fields expanded).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+from opdispatch.backends.cuda.args import KernelArgs
+from opdispatch.backends.cuda.kernels import kernel_params
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGINS = sorted(p.name for p in (ROOT / "plugins").iterdir() if (p / "kernels").is_dir())
+
+
+def modules(plugin: str) -> list:
+    package = importlib.import_module(f"opdispatch.plugins.{plugin}")
+    return [package] + [importlib.import_module(m.name)
+                        for m in pkgutil.walk_packages(package.__path__, f"{package.__name__}.")]
+
+
+def records(plugin: str) -> list[type[KernelArgs]]:
+    """The KernelArgs subclasses defined in the plugin's modules."""
+    found = {cls for module in modules(plugin) for _, cls in inspect.getmembers(module, inspect.isclass)
+             if issubclass(cls, KernelArgs) and cls.__module__.startswith(f"opdispatch.plugins.{plugin}")}
+    return sorted(found, key=lambda c: c.__qualname__)
+
+
+def heads(plugin: str) -> dict[str, list[tuple[str, tuple[str, ...]]]]:
+    """kernel name -> [(file, parameter names)] over the plugin's .cu files."""
+    out: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
+    for cu in sorted((ROOT / "plugins" / plugin / "kernels").glob("*.cu")):
+        for name, params in kernel_params(cu.resolve()).items():
+            out.setdefault(name, []).append((cu.name, params))
+    return out
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_records_follow_the_kernel_heads(plugin: str) -> None:
+    kernels = heads(plugin)
+    for cls in records(plugin):
+        assert cls.KERNELS, f"{cls.__qualname__} names no kernel (KERNELS)"
+        for kernel in cls.KERNELS:
+            assert kernel in kernels, f"{cls.__qualname__}: no __global__ {kernel} in {plugin}/kernels"
+            for cu, params in kernels[kernel]:
+                assert cls.names() == params, (f"{cls.__qualname__} fields {cls.names()} differ from {cu}'s "
+                                               f"{kernel} parameters {params}")
