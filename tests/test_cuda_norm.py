@@ -4,7 +4,7 @@ Without a GPU: plans for a device description (who takes each norm, the
 fused groups, declines with their reasons), fusion checks, and the launch
 specs (kernel instance, block, arguments) against norm.cu's own kernel
 signatures. On a GPU: every op and fused pattern against the numpy
-reference by NMSE (OPS.md: <= 1e-7, inputs in [-10, 10]), odd and long rows,
+reference by NMSE (docs/conformance.md: <= 1e-7, inputs in [-10, 10]), odd and long rows,
 strided and misaligned views, fused == unfused, poisoned outputs, aliasing,
 and CUDA-graph replay == direct launches.
 
@@ -22,12 +22,14 @@ import numpy as np
 import pytest
 
 import opdispatch as od
-import opdispatch.plugins.cuda_norm as cn
+import opdispatch.plugins.cuda_norm as plugin
 from opdispatch import ops
 from opdispatch.backends.base import Device
 from opdispatch.backends.cuda.devices import H200
+from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.graph import Graph
-from opdispatch.plugins.cuda_norm import fusion
+from opdispatch.plugins.cuda_norm import fusion, support
+from opdispatch.plugins.cuda_norm import specs as cn
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
 
@@ -36,7 +38,7 @@ gpu = pytest.mark.gpu
 CPU = Device("cpu", "cpu")
 NORM_OPS = ("norm", "rms_norm", "l2_norm", "group_norm")
 EPS = {"norm": 1e-5, "rms_norm": 1e-6, "l2_norm": 1e-12}
-NMSE_MAX = 1e-7  # OPS.md: the default bound, norms included
+NMSE_MAX = 1e-7  # docs/conformance.md: the default bound, norms included
 
 
 def row_norm(op: str, x: Tensor) -> Tensor:
@@ -51,9 +53,9 @@ def steps_of(plan: od.Plan, op: str) -> list:
 
 
 def test_kernels_and_rules_are_for_cuda_devices_only() -> None:
-    assert list(cn.kernels(device=CPU)) == [] and list(cn.fusion_rules(device=CPU)) == []
-    assert sorted(k.op for k in cn.kernels(device=H200)) == sorted(NORM_OPS)
-    assert [r.name for r in cn.fusion_rules(device=H200)] == ["rms_norm_mul_add", "rms_norm_mul", "norm_mul_add",
+    assert list(plugin.kernels(device=CPU)) == [] and list(plugin.fusion_rules(device=CPU)) == []
+    assert sorted(k.op for k in plugin.kernels(device=H200)) == sorted(NORM_OPS)
+    assert [r.name for r in plugin.fusion_rules(device=H200)] == ["rms_norm_mul_add", "rms_norm_mul", "norm_mul_add",
                                                                "norm_mul"]
 
 
@@ -99,6 +101,17 @@ def test_declines_strided_rows_with_the_reason_and_falls_back_to_cpu() -> None:
     assert step.device.name == "cpu" and step.plugin == "cpu"
     assert ("cuda_norm", "rows must be contiguous") in step.declined
     assert "cuda_norm (rows must be contiguous)" in plan.explain()
+
+
+@pytest.mark.parametrize("op", NORM_OPS)
+def test_declines_a_view_at_an_odd_byte_offset(op: str) -> None:
+    """An f32 view starting 2 bytes into its storage: its strides are whole floats, its offset is not."""
+    x = od.input("x", (4, 2, 4, 8))
+    v = x.view((2, 2, 4, 8), offset=2)
+    node = ops.group_norm(v, 2) if op == "group_norm" else row_norm(op, v)
+    check = support.group_norm if op == "group_norm" else support.row_norm
+    assert check(H200, node) == "strides and the view offset must be whole elements"
+    assert check(H200, ops.group_norm(x, 2) if op == "group_norm" else row_norm(op, x)) is True
 
 
 def test_declines_group_norm_over_permuted_channels() -> None:
@@ -177,8 +190,8 @@ def kernel_param_types(name: str) -> list[type]:
     return [C_TYPES[re.sub(r"\s+\w+$", "", p.strip())] for p in m.group(1).split(",")]
 
 
-def spec_types(spec: cn.Spec) -> list[type]:
-    return [type(a) for a in spec.args]
+def spec_types(spec: KernelSpec) -> list[type]:
+    return [type(a) for a in spec.arg_values]
 
 
 @pytest.mark.parametrize(("shape", "view", "kernel", "grid"), [
@@ -209,9 +222,9 @@ def test_row_spec_picks_the_variant(shape: tuple, view: Callable | None, kernel:
 def test_row_spec_passes_outer_geometry_in_elements() -> None:
     x = od.input("x", (3, 5, 7, 40)).permute(1, 0, 2, 3)
     spec = cn.row_spec("norm", x, ops.norm(x), 1e-5, fake_ptr)
-    ncols, eps, n1, n2, xs0, xs1, xs2 = spec.args[2:9]
-    assert (ncols, n1, n2) == (40, 3, 7) and eps == np.float32(1e-5)
-    assert (xs0, xs1, xs2) == (7 * 40, 5 * 7 * 40, 40)
+    a = spec.args
+    assert (a.ncols, a.n1, a.n2) == (40, 3, 7) and a.eps == np.float32(1e-5)
+    assert (a.xs0, a.xs1, a.xs2) == (7 * 40, 5 * 7 * 40, 40)
 
 
 @pytest.mark.parametrize(("op", "w_shape", "r_shape", "kernel"), [
@@ -232,8 +245,9 @@ def test_fused_spec(op: str, w_shape: tuple, r_shape: tuple | None, kernel: str)
     spec = cn.row_spec(op, x, nodes[-1], EPS[op], fake_ptr, *fusion.operands(nodes))
     assert spec.kernel == kernel and spec.kernel in cn.NAME_EXPRESSIONS
     assert spec_types(spec) == kernel_param_types("norm_rows_f32")
-    w_args = spec.args[9:17]
-    assert tuple(int(a) for a in w_args[1:5]) == (1,) * (4 - len(w_shape)) + w_shape
+    a = spec.args
+    assert (a.w0, a.w1, a.w2, a.wcols) == (1,) * (4 - len(w_shape)) + w_shape
+    assert (a.r == 0) == (r_shape is None)
 
 
 @pytest.mark.parametrize(("shape", "groups", "kernel", "grid", "per_group"), [
@@ -246,7 +260,7 @@ def test_fused_spec(op: str, w_shape: tuple, r_shape: tuple | None, kernel: str)
 def test_group_spec(shape: tuple, groups: int, kernel: str, grid: int, per_group: int) -> None:
     x = od.input("x", shape)
     spec = cn.group_spec(x, ops.group_norm(x, groups), groups, 1e-6, fake_ptr)
-    assert (spec.kernel, spec.grid, int(spec.args[4])) == (kernel, grid, per_group)
+    assert (spec.kernel, spec.grid, spec.args.per_group) == (kernel, grid, per_group)
     assert spec.kernel in cn.NAME_EXPRESSIONS
     assert spec_types(spec) == kernel_param_types("group_norm_f32")
 
@@ -421,7 +435,7 @@ def test_output_may_alias_the_input(op: str, ncols: int, rng) -> None:  # noqa: 
     spec = (cn.group_spec(x, y, 2, 1e-6, ctx.ptr) if op == "group_norm"
             else cn.row_spec(op, x, y, EPS[op], ctx.ptr))
     with backend.cuda_device:
-        cn.launch_spec(ctx, spec)()
+        spec.launch(ctx.stream)()
     got = backend.read(buf, 0, x.nbytes).view(np.float32).reshape(x.shape)
     assert_close(got, reference(y, {x: values}), f"{op} in place")
 

@@ -14,6 +14,7 @@ from typing import Sequence
 
 from opdispatch.backends.base import Device
 from opdispatch.graph import Graph
+from opdispatch.support import first_failure
 from opdispatch.tensor import Tensor
 
 from . import support
@@ -41,7 +42,7 @@ def check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
             return f"{node.op} broadcasts the {norm.op} result into {node.shape}"
         if other in inside:
             return f"the {role} of {node.op} is computed inside the group"
-        ok = support.first_failure(other, support.operand_rules(norm))
+        ok = first_failure(other, support.operand_rules(norm))
         if ok is not True:
             return f"the {role} {other.describe()} {ok}"
         if node.dtype.name != "f32" or not node.is_contiguous():
