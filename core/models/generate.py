@@ -23,6 +23,7 @@ from .llama.inputs import StepInputs
 from .llama.model import LlamaModel
 from .sampling import Sampler
 
+
 class Progress:
     """Tokens generated so far: a bar redrawn with \\r on a terminal, else one summary line at the end."""
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from ...tensor import Tensor
 
+
 @attrs.frozen
 class StepInputs:
     """The inputs of one step's graph: `batch` sequences of n tokens each, sequence b in cache region

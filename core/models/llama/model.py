@@ -18,6 +18,7 @@ from .config import LlamaConfig, window_for
 from .inputs import StepInputs
 from .names import LAYER_NAME, MOE_ALIASES, weight_shapes
 
+
 @attrs.define(eq=False)
 class _Layer:
     attn_norm: Tensor

@@ -15,6 +15,7 @@ import numpy as np
 from ...dtypes import dtype as as_dtype
 from ...tensor import Tensor, param
 
+
 def _host_array(name: str, value: Any) -> np.ndarray:
     """A numpy array of a torch tensor (bf16 bit for bit, any device) or an array-like."""
     if type(value).__module__.split(".")[0] == "torch":
