@@ -87,7 +87,7 @@ def random_params(cfg: Any, seed: int = 0) -> dict[str, Any]:
     """Every weight of `cfg` as an opdispatch param in cfg.dtype, cut from one random pool (see the module doc)."""
     from opdispatch import param
     from opdispatch.dtypes import dtype as as_dtype
-    from opdispatch.models.llama import weight_shapes
+    from opdispatch.models.llama.names import weight_shapes
 
     rng = np.random.default_rng(seed)
     dt = as_dtype(cfg.dtype)
@@ -134,7 +134,9 @@ _SETUPS: dict[str, Setup] = {}
 
 
 def setup_for(dtype: str) -> Setup:
-    from opdispatch.models.llama import PRESETS, Generator, LlamaModel
+    from opdispatch.models.generate import Generator
+    from opdispatch.models.llama.config import PRESETS
+    from opdispatch.models.llama.model import LlamaModel
 
     if dtype in _SETUPS:
         return _SETUPS[dtype]
@@ -383,7 +385,7 @@ def measure(s: Setup, gen: Any, kind: str, batch: int, copy_bandwidth: float) ->
                          ids=[f"{d}-{k}-b{b}-{m}" for d, k, b, m in CASES])
 def test_model(benchmark, torch_cuda, copy_bandwidth, monkeypatch, dtype: str, kind: str, batch: int,  # noqa: ANN001
                mode: str) -> None:
-    from opdispatch.models.llama import Generator
+    from opdispatch.models.generate import Generator
 
     torch = torch_cuda
     s = setup_for(dtype)

@@ -23,8 +23,11 @@ from .backends.base import Device
 from .backends.cuda.devices import H200
 from .dispatch import Plan, resolve_device
 from .manager import PluginManager, manager
-from .models.llama import (CACHE_DTYPES, PRESETS, SAMPLING, WEIGHT_DTYPES, WINDOW_STEP, Generator, LlamaConfig,
-                           LlamaModel, Sampler, generate, random_weights)
+from .models.generate import Generator, generate
+from .models.llama.config import CACHE_DTYPES, PRESETS, WEIGHT_DTYPES, WINDOW_STEP, LlamaConfig
+from .models.llama.model import LlamaModel
+from .models.llama.names import random_weights
+from .models.sampling import SAMPLING, Sampler
 from .ops import OPS
 from .tensor import Tensor
 
@@ -315,12 +318,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _load_weights(args: argparse.Namespace) -> tuple[LlamaConfig, dict[str, Tensor], str]:
     """(config, params, a name for them) from --gguf or --safetensors; the loaders import lazily."""
     try:
-        from .models import weights as loaders
+        from .models.weights.gguf import load_gguf
+        from .models.weights.safetensors import load_safetensors
     except ImportError as exc:
         raise UsageError(f"weight loading is unavailable ({type(exc).__name__}: {exc})") from None
     try:
         if args.gguf:
-            cfg, params = loaders.load_gguf(args.gguf)
+            cfg, params = load_gguf(args.gguf)
             return cfg, params, f"gguf {args.gguf}"
         root = Path(args.safetensors)
         config = (root if root.is_dir() else root.parent) / "config.json"
@@ -330,7 +334,7 @@ def _load_weights(args: argparse.Namespace) -> tuple[LlamaConfig, dict[str, Tens
             cfg = LlamaConfig.from_hf(json.loads(config.read_text()))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise UsageError(f"{config}: not JSON ({exc})") from None
-        params = loaders.load_safetensors(root)
+        params = load_safetensors(root)
         common = Counter(t.dtype.name for name, t in params.items() if t.ndim >= 2).most_common(1)
         if common and common[0][0] in WEIGHT_DTYPES:  # what describe() says the weights are in
             try:

@@ -15,9 +15,12 @@ from opdispatch import dispatch
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.dispatch import compile
 from opdispatch.graph import Graph
-from opdispatch.models import llama
-from opdispatch.models.llama import (PRESETS, Generator, LlamaConfig, LlamaModel, Sampler, generate, random_weights,
-                                     weight_shapes)
+from opdispatch.models import generate as generation
+from opdispatch.models.generate import Generator, generate
+from opdispatch.models.llama.config import PRESETS, LlamaConfig
+from opdispatch.models.llama.model import LlamaModel
+from opdispatch.models.llama.names import random_weights, weight_shapes
+from opdispatch.models.sampling import Sampler
 from opdispatch.tensor import param
 
 TINY_F32 = attrs.evolve(PRESETS["tiny"], dtype="f32", cache_dtype="f32")
@@ -181,8 +184,8 @@ def test_decode_time_leaves_out_compiling_and_binding_plans(monkeypatch: pytest.
     """A greedy decode across a window boundary compiles and binds a new plan mid-way (and binds its
     first one on its first write): neither is decoding, so neither is in decode_s."""
     slow = 0.5
-    compile_, make_bound = llama.compile, dispatch.Plan._make_bound
-    monkeypatch.setattr(llama, "compile", lambda *a, **k: (time.sleep(slow), compile_(*a, **k))[1])
+    compile_, make_bound = generation.compile, dispatch.Plan._make_bound
+    monkeypatch.setattr(generation, "compile", lambda *a, **k: (time.sleep(slow), compile_(*a, **k))[1])
     monkeypatch.setattr(dispatch.Plan, "_make_bound", lambda self: (time.sleep(slow), make_bound(self))[1])
     cfg = attrs.evolve(TINY_F32, max_ctx=300)
     model = LlamaModel(cfg, random_weights(cfg, 5))

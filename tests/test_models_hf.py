@@ -2,7 +2,7 @@
 
 A transformers model (LlamaForCausalLM, MixtralForCausalLM) is built from a
 small config with seeded random weights, its config goes through
-LlamaConfig.from_hf and its state_dict through weights.state_dict_arrays into
+LlamaConfig.from_hf and its state_dict through weights.state_dict.state_dict_arrays into
 opdispatch's LlamaModel, and opdispatch's Generator runs a prompt (prefill)
 and greedy decode steps on cuda0. transformers runs the whole token sequence
 in one forward (eager attention, on the GPU): its logits at every position
@@ -37,8 +37,10 @@ transformers = pytest.importorskip("transformers",
 
 torch.set_float32_matmul_precision("highest")  # transformers' f32 reference in f32, not TF32
 
-from opdispatch.models.llama import Generator, LlamaConfig, LlamaModel  # noqa: E402
-from opdispatch.models.weights import state_dict_arrays  # noqa: E402
+from opdispatch.models.generate import Generator  # noqa: E402
+from opdispatch.models.llama.config import LlamaConfig  # noqa: E402
+from opdispatch.models.llama.model import LlamaModel  # noqa: E402
+from opdispatch.models.weights.state_dict import state_dict_arrays  # noqa: E402
 
 DEVICE, TORCH_DEVICE = "cuda0", "cuda"
 PROMPT_LEN, DECODE_STEPS = 16, 32

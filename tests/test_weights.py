@@ -1,4 +1,4 @@
-"""Weight loaders (opdispatch.models.weights) on files written by the gguf and safetensors packages.
+"""Weight loaders (opdispatch.models.weights.*) on files written by the gguf and safetensors packages.
 
 The GGUF files are written by gguf's own GGUFWriter, quantized by gguf's own
 quantizer and named through gguf's own TensorNameMap: implementations nobody
@@ -24,9 +24,14 @@ from gguf import GGMLQuantizationType as GT
 from opdispatch import dtypes
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.dispatch import compile
-from opdispatch.models.llama import Generator, LlamaConfig, LlamaModel, random_weights
-from opdispatch.models.weights import (GGUF_LAYER_TO_HF, GGUF_TO_HF, gguf_name_to_hf, load_gguf, load_safetensors,
-                                       load_state_dict, read_gguf, state_dict_arrays, unpermute_qk)
+from opdispatch.models.generate import Generator
+from opdispatch.models.llama.config import LlamaConfig
+from opdispatch.models.llama.model import LlamaModel
+from opdispatch.models.llama.names import random_weights
+from opdispatch.models.weights.gguf import load_gguf, read_gguf, unpermute_qk
+from opdispatch.models.weights.names import GGUF_LAYER_TO_HF, GGUF_TO_HF, gguf_name_to_hf
+from opdispatch.models.weights.safetensors import load_safetensors
+from opdispatch.models.weights.state_dict import load_state_dict, state_dict_arrays
 from opdispatch.testing.metrics import nmse
 from opdispatch.tensor import Tensor
 

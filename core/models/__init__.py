@@ -1,13 +1,7 @@
-"""Graph builders for real workloads."""
+"""Graph builders for real workloads: llama/ (a Llama decoder), sampling, generate, weights/ (loaders).
 
-from .llama import (  # noqa: F401
-    PRESETS,
-    Generation,
-    Generator,
-    LlamaConfig,
-    LlamaModel,
-    Sampler,
-    generate,
-    random_weights,
-    weight_shapes,
-)
+The llama package is imported first: its API includes opdispatch.models.sampling
+and .generate, which import its modules, so it must load before either does.
+"""
+
+from . import llama  # noqa: F401
