@@ -13,7 +13,7 @@ from .registry import fused, generator
 
 
 def soft_max_case(shape: tuple[int, ...], mask: str | None = None, scale: float = 1.0, max_bias: float = 0.0,
-                   sinks: bool = False, mask_shape: tuple[int, ...] | None = None) -> Case:
+                  sinks: bool = False, mask_shape: tuple[int, ...] | None = None) -> Case:
     def make(inp: Inputs) -> Tensor:
         m = inp.mask(mask_shape or (1, 1, *shape[-2:]), mask) if mask else None
         s = inp.uniform((shape[-3],)) if sinks else None
@@ -43,7 +43,7 @@ def _soft_max(op: str, full: bool) -> Iterator[Case]:
 
 
 def rope_case(dt: str, mode: str, shape: tuple[int, ...], n_dims: int, freq_factors: bool = False,
-               yarn: bool = False, layout: str = "contig") -> Case:
+              yarn: bool = False, layout: str = "contig") -> Case:
     b, t, h, d = shape
     params = dict(freq_base=10000.0, freq_scale=1.0, ext_factor=0.0, attn_factor=1.0, beta_fast=32.0,
                   beta_slow=1.0, n_ctx_orig=0)
@@ -73,8 +73,8 @@ def _rope(op: str, full: bool) -> Iterator[Case]:
 
 
 def fa_case(d: int, n_kv: int, hq: int, hkv: int, n_q: int, kv: str = "f16", mask: bool = True,
-             batch: int = 1, sinks: bool = False, max_bias: float = 0.0, softcap: float = 0.0,
-             q_dtype: str = "f32", dv: int | None = None, empty_rows: bool = False, mask_batch: bool = False) -> Case:
+            batch: int = 1, sinks: bool = False, max_bias: float = 0.0, softcap: float = 0.0,
+            q_dtype: str = "f32", dv: int | None = None, empty_rows: bool = False, mask_batch: bool = False) -> Case:
     dv = dv or d
     pad = -(-n_q // 16) * 16  # mask rows padded, as ggml pads them to GGML_KQ_MASK_PAD
 

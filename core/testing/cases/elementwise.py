@@ -16,7 +16,7 @@ BINARY = ("add", "sub", "mul", "div")
 
 
 def binary_case(op: str, dt: str, b_shape: Sequence[int], nr: Sequence[int], layout: str = "contig",
-                 b_dtype: str | None = None) -> Case:
+                b_dtype: str | None = None) -> Case:
     a_shape = tuple(x * r for x, r in zip((1,) * (len(nr) - len(b_shape)) + tuple(b_shape), nr))
     lo, hi = (0.9, 1.1) if op in ("mul", "div") else (-1.0, 1.0)
 

@@ -13,7 +13,7 @@ from .registry import fused, generator
 
 
 def mul_mat_case(ta: str, m: int, n: int, k: int, bs: tuple[int, int] = (1, 1), nr: tuple[int, int] = (1, 1),
-                  tb: str = "f32", layout: str = "contig", weights: bool = False) -> Case:
+                 tb: str = "f32", layout: str = "contig", weights: bool = False) -> Case:
     a_shape = (*bs, m, k)
     b_shape = (bs[0] * nr[0], bs[1] * nr[1], n, k)
 

@@ -43,7 +43,7 @@ def _group_norm(op: str, full: bool) -> Iterator[Case]:
 
 
 def rms_norm_mul_case(with_add: bool, shape: tuple[int, ...], w_shape: tuple[int, ...],
-                       layout: str = "contig") -> Case:
+                      layout: str = "contig") -> Case:
     def make(inp: Inputs) -> Tensor:
         out = ops.mul(ops.rms_norm(inp.uniform(shape, "f32", *NORM_RANGE, layout), 1e-6), inp.uniform(w_shape))
         return ops.add(out, inp.uniform(shape)) if with_add else out

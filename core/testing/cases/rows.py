@@ -37,7 +37,7 @@ def _get_rows(op: str, full: bool) -> Iterator[Case]:
 
 
 def set_rows_case(dst_dt: str, dst_shape: tuple[int, ...], n: int, idx_dt: str = "i64",
-                   idx_batch: tuple[int, ...] = (), layout: str = "contig") -> Case:
+                  idx_batch: tuple[int, ...] = (), layout: str = "contig") -> Case:
     *batch, rows, cols = dst_shape
 
     def make(inp: Inputs) -> Tensor:
