@@ -8,7 +8,8 @@ different inputs, so that a value the device left equal to its previous run
 where the reference changed fails the case too (outputs written in place,
 into a state, are not in the arena). A case whose node under test the device's plan
 sends to another device, or to another plugin than the one under test, is
-reported unsupported, as ggml's test-backend-ops does.
+reported unsupported, as ggml's test-backend-ops does. The standard these checks
+hold kernels to is docs/conformance.md.
 """
 
 from __future__ import annotations

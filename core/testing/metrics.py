@@ -1,4 +1,4 @@
-"""Error metrics of the conformance standard."""
+"""Error metrics of the conformance standard (docs/conformance.md)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,161 @@
+"""What a conformance case is: `Case`, the `Inputs` that draw its values, and the NMSE `bound`.
+
+Bounds and input layouts are the standard of docs/conformance.md. Building a
+case touches no device: it only makes tensors and numpy values.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import attrs
+import numpy as np
+
+from ...dtypes import DType, dtype as as_dtype
+from ...tensor import Tensor, input as new_input, param
+
+#: ops whose bound is not the 1e-7 default (docs/conformance.md)
+OP_BOUNDS: dict[str, float] = {
+    "mul_mat": 5e-4, "mul_mat_id": 5e-4, "out_prod": 5e-4, "flash_attn_ext": 5e-4, "soft_max": 1e-6,
+}
+HALF_BOUND = 1e-4  # f16/bf16 results
+#: the source layouts of `Inputs.uniform`
+LAYOUTS = ("contig", "perm", "T", "strided")
+
+
+def bound(op: str, out: str | DType = "f32", n: int = 1, src: str | DType = "f32") -> float:
+    """The NMSE bound of `op` writing `out`; `n` values quantized from `src` for block formats.
+
+    Quantized results: ggml's estimate of one code off by one in n values
+    uniform in [-1, 1] (test_cpy), since a last-place tie may round either way.
+    """
+    base = OP_BOUNDS.get(op, 1e-7)
+    dt = as_dtype(out)
+    if dt.is_quant:
+        step = {"q4_0": 1 / 8, "q4_1": 1 / 8, "q5_0": 1 / 16, "q5_1": 1 / 16, "q8_0": 1 / 64}[dt.name]
+        err = step * step * (16 if as_dtype(src).name == "f16" else 1)
+        return max(base, err / (0.25 * max(n, 1)))
+    if dt.name in ("f16", "bf16"):
+        return max(base, HALF_BOUND)
+    return base
+
+
+def dims(shape: Sequence[int]) -> str:
+    """A shape as labels write it: 2x3x5."""
+    return "x".join(str(n) for n in shape)
+
+
+@attrs.define
+class Inputs:
+    """Makes a case's input tensors and draws their values; `feeds` maps each leaf to them."""
+
+    rng: np.random.Generator
+    feeds: dict[Tensor, np.ndarray] = attrs.field(factory=dict)
+
+    def _leaf(self, shape: Sequence[int], dt: str, values: np.ndarray) -> Tensor:
+        t = new_input(f"in{len(self.feeds)}", shape, dt)
+        self.feeds[t] = values
+        return t
+
+    def uniform(self, shape: Sequence[int], dtype: str = "f32", lo: float = -1.0, hi: float = 1.0,
+                layout: str = "contig") -> Tensor:
+        """A tensor of `shape` with values uniform in [lo, hi), laid out as `layout`:
+
+        contig; perm: axes -3 and -2 of the storage swapped (rows contiguous, out
+        of order); T: the last two axes swapped (rows not contiguous); strided: a
+        window on rows padded by a block at each end, at a byte offset.
+        """
+        shape, dt = tuple(shape), as_dtype(dtype)
+        draw = lambda s: self.rng.uniform(lo, hi, s)  # noqa: E731
+        if layout == "contig":
+            return self._leaf(shape, dt.name, draw(shape))
+        if layout == "perm" and len(shape) >= 3:
+            axes = list(range(len(shape)))
+            axes[-3], axes[-2] = axes[-2], axes[-3]
+            leaf_shape = tuple(shape[a] for a in axes)
+            return self._leaf(leaf_shape, dt.name, draw(leaf_shape)).permute(*axes)
+        if layout == "T" and len(shape) >= 2 and not dt.is_quant:
+            leaf_shape = shape[:-2] + (shape[-1], shape[-2])
+            return self._leaf(leaf_shape, dt.name, draw(leaf_shape)).transpose()
+        if layout == "strided":
+            leaf_shape = shape[:-1] + (shape[-1] + 2 * dt.block_size,)
+            leaf = self._leaf(leaf_shape, dt.name, draw(leaf_shape))
+            return leaf.view(shape, leaf.strides, dt.block_bytes)
+        raise ValueError(f"layout {layout!r} does not apply to {dt.name} {shape} (layouts: {', '.join(LAYOUTS)})")
+
+    def ints(self, shape: Sequence[int], lo: int, hi: int, dtype: str = "i32") -> Tensor:
+        """Integers uniform in [lo, hi)."""
+        return self._leaf(shape, dtype, self.rng.integers(lo, hi, tuple(shape)))
+
+    def ids(self, shape: Sequence[int], n: int, dtype: str = "i32") -> Tensor:
+        """Indices in [0, n), distinct along the last axis (set_rows rows, experts per token)."""
+        shape = tuple(shape)
+        if shape[-1] > n:
+            raise ValueError(f"{shape[-1]} distinct indices out of {n}")
+        order = np.argsort(self.rng.random(shape[:-1] + (n,)), axis=-1)
+        return self._leaf(shape, dtype, order[..., : shape[-1]])
+
+    def mask(self, shape: Sequence[int], dtype: str = "f16", empty_rows: bool = False) -> Tensor:
+        """An attention mask: values in [-1, 1) with a random block of -inf in each row.
+
+        Column 0 stays finite so no row is fully masked, unless `empty_rows`
+        masks every other row completely (their result is defined as 0).
+        """
+        shape = tuple(shape)
+        values = self.rng.uniform(-1.0, 1.0, shape)
+        cols = shape[-1]
+        start = self.rng.integers(1, max(cols, 2), shape[:-1])[..., None]
+        end = self.rng.integers(start, cols + 1)
+        c = np.arange(cols)
+        values[(c >= start) & (c < end)] = -np.inf
+        if empty_rows:
+            values[..., ::2, :] = -np.inf
+        return self._leaf(shape, dtype, values)
+
+    def weight(self, shape: Sequence[int], dtype: str, lo: float = -1.0, hi: float = 1.0) -> Tensor:
+        """A param (weights fixed at build time), for plugins that prepare weights when binding."""
+        return param(f"w{len(self.feeds)}", self.rng.uniform(lo, hi, tuple(shape)), dtype)
+
+
+Make = Callable[[Inputs], "Tensor | Sequence[Tensor]"]
+
+
+@attrs.frozen
+class Case:
+    """One conformance case: `make` builds the graph, its first output is the node under test."""
+
+    op: str
+    label: str
+    make: Make = attrs.field(repr=False)
+    bound: float = 1e-7
+    #: FLOPs of one run for compute-bound ops; 0: perf mode counts bytes
+    flops: int = 0
+    #: bytes one run moves, where inputs + outputs overstate it (a gather reads only its rows); 0: those
+    nbytes: int = 0
+    #: name of the fused pattern this case exercises ("" for a single op)
+    fused: str = ""
+    #: maps an output's values to a comparable form (top_k returns its k indices in any order)
+    canon: Callable[[np.ndarray], np.ndarray] | None = attrs.field(default=None, repr=False)
+
+    @property
+    def group(self) -> str:
+        """What the summary lists it under: the op, or 'fused:<pattern>'."""
+        return f"fused:{self.fused}" if self.fused else self.op
+
+    @property
+    def name(self) -> str:
+        return f"{self.group}[{self.label}]"
+
+    def build(self, rng: np.random.Generator | None = None) -> tuple[list[Tensor], dict[Tensor, np.ndarray]]:
+        """(outputs, feeds): a fresh graph and fresh random values for each of its inputs."""
+        inp = Inputs(rng if rng is not None else np.random.default_rng())
+        got = self.make(inp)
+        outputs = [got] if isinstance(got, Tensor) else list(got)
+        if outputs[0].op != self.op:
+            raise ValueError(f"case {self.name}: first output is a {outputs[0].op} node, not {self.op}")
+        return outputs, inp.feeds
+
+
+def pick(full: bool, default: Iterable, every: Iterable) -> Iterable:
+    """The whole sweep's variants with `full`, else the default set's."""
+    return every if full else default

@@ -1,0 +1,138 @@
+"""Cases of the matrix products (mul_mat, mul_mat_id, out_prod) and the fused mul_mat patterns."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator
+
+from ... import ops
+from ...ops.base import FLOATS, QUANTS
+from ...tensor import Tensor
+from .base import Case, Inputs, bound, dims
+from .registry import fused, generator
+
+
+def mul_mat_case(ta: str, m: int, n: int, k: int, bs: tuple[int, int] = (1, 1), nr: tuple[int, int] = (1, 1),
+                 tb: str = "f32", layout: str = "contig", weights: bool = False) -> Case:
+    a_shape = (*bs, m, k)
+    b_shape = (bs[0] * nr[0], bs[1] * nr[1], n, k)
+
+    def make(inp: Inputs) -> Tensor:
+        a = inp.weight(a_shape, ta) if weights else inp.uniform(a_shape, ta)
+        return ops.mul_mat(a, inp.uniform(b_shape, tb, layout=layout))
+
+    label = f"a={ta} b={tb} m={m} n={n} k={k} bs={dims(bs)} nr={dims(nr)}"
+    label += f" b:{layout}" if layout != "contig" else ""
+    batch = b_shape[0] * b_shape[1]
+    return Case("mul_mat", label + (" param" if weights else ""), make, bound("mul_mat"), 2 * m * n * k * batch)
+
+
+@generator("mul_mat")
+def _mul_mat(op: str, full: bool) -> Iterator[Case]:
+    if not full:
+        yield mul_mat_case("f32", 16, 1, 65)
+        yield mul_mat_case("f16", 13, 9, 80, bs=(2, 3), nr=(1, 2))
+        yield mul_mat_case("bf16", 7, 16, 64, bs=(1, 2), layout="perm")
+        yield mul_mat_case("q4_0", 16, 1, 64, weights=True)
+        yield mul_mat_case("q8_0", 11, 8, 96)
+        return
+    for ta in FLOATS + QUANTS:
+        for k in ((32, 96, 576) if ta in QUANTS else (65, 80, 588)):
+            for n in (*range(1, 10), 16, 128, 512):
+                yield mul_mat_case(ta, 16, n, k)
+    for ta, bs, nr, n in itertools.product(("f32", "f16", "q4_0", "q8_0"), ((1, 1), (1, 3), (2, 1), (2, 3)),
+                                           ((1, 1), (1, 2), (2, 1), (2, 2)), (1, 9)):
+        yield mul_mat_case(ta, 13, n, 64, bs, nr)
+    for ta, layout, n in itertools.product(("f32", "f16", "q8_0"), ("perm", "T", "strided"), (1, 16)):
+        yield mul_mat_case(ta, 16, n, 64, (1, 2), (2, 1), layout=layout)
+    for ta, tb, n in itertools.product(("f32", "f16", "bf16"), ("f16", "bf16"), (1, 16)):
+        yield mul_mat_case(ta, 16, n, 80, tb=tb)
+    for ta in ("f16", "q4_0", "q5_1"):
+        yield mul_mat_case(ta, 16, 4, 64, weights=True)
+
+
+def _mul_mat_id_case(ta: str, n_exp: int, n_used: int, n_tok: int, m: int, k: int, b_rows: int) -> Case:
+    def make(inp: Inputs) -> Tensor:
+        experts = inp.uniform((n_exp, m, k), ta)
+        b = inp.uniform((n_tok, b_rows, k))
+        return ops.mul_mat_id(experts, b, inp.ids((n_tok, n_used), n_exp))
+
+    label = f"as={ta} e={n_exp} used={n_used} t={n_tok} m={m} k={k} b_rows={b_rows}"
+    return Case("mul_mat_id", label, make, bound("mul_mat_id"), 2 * m * k * n_tok * n_used)
+
+
+@generator("mul_mat_id")
+def _mul_mat_id(op: str, full: bool) -> Iterator[Case]:
+    if not full:
+        yield _mul_mat_id_case("f32", 4, 2, 5, 16, 65, 2)
+        yield _mul_mat_id_case("q4_0", 8, 4, 3, 16, 64, 1)
+        yield _mul_mat_id_case("f16", 8, 2, 9, 13, 80, 2)
+        return
+    for ta in FLOATS + QUANTS:
+        k = 96 if ta in QUANTS else 80
+        for (n_exp, used), n_tok in itertools.product(((4, 2), (8, 4), (32, 4)), (1, 4, 32, 129)):
+            for b_rows in (1, used):
+                yield _mul_mat_id_case(ta, n_exp, used, n_tok, 16, k, b_rows)
+
+
+def _out_prod_case(ta: str, k: int, m: int, n: int, bs: tuple[int, int] = (1, 1), nr: tuple[int, int] = (1, 1),
+                   layout: str = "contig") -> Case:
+    def make(inp: Inputs) -> Tensor:
+        a = inp.uniform((*bs, k, m), ta)
+        return ops.out_prod(a, inp.uniform((bs[0] * nr[0], bs[1] * nr[1], k, n), layout=layout))
+
+    label = f"a={ta} k={k} m={m} n={n} bs={dims(bs)} nr={dims(nr)}" + (f" b:{layout}" if layout != "contig" else "")
+    return Case("out_prod", label, make, bound("out_prod"), 2 * m * n * k * bs[0] * bs[1] * nr[0] * nr[1])
+
+
+@generator("out_prod")
+def _out_prod(op: str, full: bool) -> Iterator[Case]:
+    if not full:
+        yield _out_prod_case("f32", 13, 7, 5)
+        yield _out_prod_case("f16", 16, 11, 9, (2, 3), (1, 2))
+        yield _out_prod_case("q8_0", 11, 64, 5)
+        yield _out_prod_case("f32", 7, 13, 16, layout="T")
+        return
+    for ta in FLOATS + QUANTS:
+        m = 64 if ta in QUANTS else 13
+        for k, n in itertools.product((1, 7, 65), (1, 5, 16)):
+            yield _out_prod_case(ta, k, m, n)
+        for bs, nr in itertools.product(((1, 1), (2, 3)), ((1, 1), (2, 2))):
+            yield _out_prod_case(ta, 16, m, 9, bs, nr)
+        yield _out_prod_case(ta, 16, m, 9, layout="T")
+
+
+# -- fused patterns -------------------------------------------------------------------------
+
+
+@fused("mul_mat_add", needs=("mul_mat", "add"))
+def _mul_mat_add(name: str, full: bool) -> Iterator[Case]:
+    def one(ta: str, m: int, n: int, k: int) -> Case:
+        def make(inp: Inputs) -> Tensor:
+            return ops.add(ops.mul_mat(inp.uniform((m, k), ta), inp.uniform((n, k))), inp.uniform((m,)))
+
+        return Case("add", f"a={ta} m={m} n={n} k={k}", make, bound("mul_mat"), 2 * m * n * k, fused=name)
+
+    yield one("f16", 16, 1, 64)
+    yield one("q8_0", 13, 7, 96)
+    if full:
+        for ta, n in itertools.product(FLOATS + QUANTS, (1, 8, 64)):
+            yield one(ta, 64, n, 256)
+
+
+@fused("mul_mat_glu", needs=("mul_mat", "glu"))
+def _mul_mat_glu(name: str, full: bool) -> Iterator[Case]:
+    def one(ta: str, kind: str, m: int, n: int, k: int) -> Case:
+        def make(inp: Inputs) -> Tensor:
+            x = inp.uniform((n, k))
+            gate, up = (ops.mul_mat(inp.uniform((m, k), ta), x) for _ in range(2))
+            return ops.glu_split(gate, up, kind)
+
+        return Case("glu", f"{kind} a={ta} m={m} n={n} k={k}", make, bound("mul_mat"), 4 * m * n * k, fused=name)
+
+    yield one("f16", "swiglu", 16, 1, 64)
+    yield one("q4_0", "geglu", 13, 3, 96)
+    if full:
+        for ta, kind, n in itertools.product(("f32", "f16", "bf16", "q4_0", "q8_0"), ("swiglu", "geglu"), (1, 8)):
+            yield one(ta, kind, 64, n, 256)
+
