@@ -24,9 +24,9 @@ import pytest
 import opdispatch as od
 import opdispatch.plugins.cuda_norm as cn
 from opdispatch import ops
-from opdispatch.backends.base import Device
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.graph import Graph
+from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_norm import fusion
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as GT
 
 from opdispatch import dtypes
 from opdispatch.backends.cuda.devices import H200
-from opdispatch.dispatch import compile
+from opdispatch.compiler import compile
 from opdispatch.models.llama import Generator, LlamaConfig, LlamaModel, random_weights
 from opdispatch.models.weights import (GGUF_LAYER_TO_HF, GGUF_TO_HF, gguf_name_to_hf, load_gguf, load_safetensors,
                                        load_state_dict, read_gguf, state_dict_arrays, unpermute_qk)

@@ -38,10 +38,11 @@ import attrs
 import numpy as np
 
 from .. import ops
-from ..backends.base import Device
-from ..dispatch import Plan, compile, resolve_device
+from ..compiler import compile
 from ..dtypes import dtype as as_dtype
+from ..hookspecs import Device
 from ..manager import manager
+from ..plan import Plan
 from ..tensor import Flag, Tensor, input, param, state  # noqa: A004
 
 __all__ = ["LlamaConfig", "PRESETS", "MOE_ALIASES", "weight_shapes", "random_weights", "LlamaModel", "StepInputs",
@@ -865,7 +866,7 @@ class Generator:
             raise ValueError(f"llama: batch {batch} must be in 1..max_seqs of the model ({model.max_seqs}): "
                              "LlamaModel(..., max_seqs=N) sizes the KV cache")
         self.model = model
-        self.device = resolve_device(device, manager())
+        self.device = manager().device(device)
         self.fusion = fusion
         self.batch = batch
         #: cache positions filled, per sequence

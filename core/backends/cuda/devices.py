@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-from ..base import Device
+from ...hookspecs import Device
 
 if TYPE_CHECKING:
     from .backend import CudaBackend
