@@ -19,9 +19,7 @@ import attrs
 import numpy as np
 
 from . import __version__
-from .backends.base import Device
-from .backends.cuda.devices import H200
-from .dispatch import Plan, resolve_device
+from .hookspecs import Device
 from .manager import PluginManager, manager
 from .models.generate import Generator, generate
 from .models.llama.config import CACHE_DTYPES, PRESETS, WEIGHT_DTYPES, WINDOW_STEP, LlamaConfig
@@ -29,6 +27,7 @@ from .models.llama.model import LlamaModel
 from .models.llama.names import random_weights
 from .models.sampling import SAMPLING, Sampler
 from .ops import OPS
+from .plan import Plan
 from .tensor import Tensor
 
 if TYPE_CHECKING:
@@ -60,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_info)
 
     p = sub.add_parser("ops", help="support matrix: op x dtype x device -> the plugin that runs it")
-    p.add_argument("--device", help="one device (default: every device; cuda0 is an H200 description without a GPU)")
+    p.add_argument("--device", help="one device (default: every device, and a description of each kind a plugin "
+                                    "brings but found none of: cuda0 is an H200 description without a GPU)")
     p.add_argument("--markdown", nargs="?", const="docs/support-matrix.md", metavar="PATH",
                    help="write the matrix as a markdown table (default path: docs/support-matrix.md)")
     p.set_defaults(handler=cmd_ops)
@@ -119,16 +119,13 @@ def _unavailable(reason: str) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .backends.cuda.devices import discover
-
     mgr = manager()
     print(f"opdispatch {__version__}")
     print("devices:")
     for dev in mgr.devices():
         print(f"  {dev.name:8s} {dev.kind:6s} {dev.description}{_cuda_facts(dev)}")
-    why = discover()[1]
-    if why:
-        print(f"  (no CUDA device: {why})")
+    for absent in mgr.absent_devices():
+        print(f"  (no {absent.stand_in.kind.upper()} device: {absent.why})")
     print("plugins, in dispatch order:")
     for i, p in enumerate(mgr.order(), 1):
         print(f"  {i}. {p.name:16s} {p.info.version or '-':8s} priority {p.priority:<4d} {p.origin}"
@@ -172,10 +169,9 @@ def cmd_ops(args: argparse.Namespace) -> int:
 
 
 def _matrix_devices(mgr: PluginManager, name: str | None) -> list[Device]:
-    """The devices here, plus an H200 description when no GPU is (so the CUDA column is never empty)."""
-    devices = mgr.devices()
-    if not any(d.kind == "cuda" for d in devices):
-        devices = [*devices, H200]
+    """The devices here, plus the plugins' descriptions of those they found none of (an H200 when no
+    GPU is here), so a column of every kind is there."""
+    devices = [*mgr.devices(), *(absent.stand_in for absent in mgr.absent_devices())]
     if name is None:
         return devices
     for d in devices:
@@ -251,7 +247,7 @@ def _markdown(table: list[list[str]], devices: Sequence[Device]) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     try:
-        device = resolve_device(args.device, manager())
+        device = manager().device(args.device)
         sampler = Sampler(args.sample, args.top_k, args.top_p, args.temperature, args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -1,54 +1,50 @@
-"""Fusion rules: a pattern of consecutive ops run by one kernel.
+"""Matching fusion rules: patterns against the graph, rules indexed by their first op.
 
-A rule is data (name, op pattern, check, bind), after tinygrad's pattern
-matcher; plugins yield rules through the `fusion_rules` hook. `can_fuse`
-is ggml's structural condition; the rule's `check` adds its own.
+A rule is data (hookspecs.FusionRule: name, op pattern, check, bind), after
+tinygrad's pattern matcher; plugins yield rules through the `fusion_rules`
+hook. `can_fuse` is ggml's structural condition; the rule's `check` adds its own.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
-
-import attrs
+from typing import TYPE_CHECKING, Iterable, Sequence, TypeVar
 
 from .tensor import VIEW_OPS
 
 if TYPE_CHECKING:
-    from .backends.base import BindContext, Device, Launch
     from .graph import Graph
-    from .tensor import Tensor
+    from .hookspecs import FusionRule, PatternOp
+
+R = TypeVar("R")
 
 
-def _accept(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
-    return True
+def op_matches(op: str, at: PatternOp) -> bool:
+    """Does `op` fit a pattern position: that op, or one of a set of them?"""
+    return op == at if isinstance(at, str) else op in at
 
 
-@attrs.frozen
-class FusionRule:
-    """`pattern` ops, consecutive in execution order, run by one `bind`-ed launch.
-
-    `check(device, nodes, graph)` returns True or a reason not to fuse (types,
-    shapes, broadcasting the fused kernel cannot handle). `bind(ctx, nodes)`
-    returns one launch that writes the last node's output, and the outputs of
-    the nodes at the pattern positions in `outputs`: those may be read outside
-    the group (ggml's top-k MoE router also writes the expert ids).
-    """
-
-    name: str
-    pattern: tuple[str, ...] = attrs.field(converter=tuple)
-    bind: Callable[[BindContext, Sequence[Tensor]], Launch]
-    check: Callable[[Device, Sequence[Tensor], Graph], bool | str] = _accept
-    outputs: tuple[int, ...] = attrs.field(default=(), converter=tuple)
-
-    def __attrs_post_init__(self) -> None:
-        if len(self.pattern) < 2:
-            raise ValueError(f"fusion rule '{self.name}': a pattern needs at least two ops")
-        if any(not 0 <= j < len(self.pattern) - 1 for j in self.outputs):
-            raise ValueError(f"fusion rule '{self.name}': outputs {self.outputs} must be positions "
-                             f"before the last of its {len(self.pattern)} ops")
+def pattern_matches(ops: Sequence[str], pattern: Sequence[PatternOp]) -> bool:
+    """Do `ops` fit `pattern`, position by position (and in number)?"""
+    return len(ops) == len(pattern) and all(op_matches(o, p) for o, p in zip(ops, pattern))
 
 
-def can_fuse(graph: Graph, start: int, pattern: Sequence[str], outputs: Sequence[int] = ()) -> bool:
+def first_ops(pattern: Sequence[PatternOp]) -> frozenset[str]:
+    """The ops a node may have for `pattern` to start at it."""
+    head = pattern[0]
+    return frozenset((head,)) if isinstance(head, str) else head
+
+
+def index_by_first_op(rules: Iterable[tuple[R, FusionRule]]) -> dict[str, list[tuple[R, FusionRule]]]:
+    """(owner, rule) pairs by the ops their patterns start with, each list in the given order:
+    trying fusions at a node looks only at the rules that can start there."""
+    index: dict[str, list[tuple[R, FusionRule]]] = {}
+    for owner, rule in rules:
+        for op in sorted(first_ops(rule.pattern)):
+            index.setdefault(op, []).append((owner, rule))
+    return index
+
+
+def can_fuse(graph: Graph, start: int, pattern: Sequence[PatternOp], outputs: Sequence[int] = ()) -> bool:
     """ggml's can_fuse: nodes start.. match `pattern` in order, and every node
     but the last is read only inside the group and is not a graph output,
     except those at the positions in `outputs`, which the fused kernel writes,
@@ -59,7 +55,7 @@ def can_fuse(graph: Graph, start: int, pattern: Sequence[str], outputs: Sequence
     if end > len(nodes):
         return False
     group = nodes[start:end]
-    if any(n.op != p for n, p in zip(group, pattern)):
+    if not pattern_matches([n.op for n in group], pattern):
         return False
     members = set(group)
     written = {group[-1].base, *(group[j].base for j in outputs)}
@@ -75,4 +71,3 @@ def can_fuse(graph: Graph, start: int, pattern: Sequence[str], outputs: Sequence
         if not readers or any(r not in members for r in readers):
             return False
     return True
-

@@ -1,42 +1,25 @@
-"""The plugin contract: the hooks a plugin implements and the records they yield.
+"""The plugin contract: the hooks a plugin implements and every record they yield.
 
 A plugin is a module (or object) registered under the entry-point group
-``opdispatch``; it implements some of the hooks below, each marked with
-``@opdispatch.hookimpl``. The manager asks plugins one by one, in a visible
-order (priority, then `prefer`/`exclude`), never through pluggy's own
-last-registered-first call order.
-
-A minimal plugin that runs `neg` on the CPU with its own numpy kernel::
-
-    # my_plugin.py  (pyproject: [project.entry-points.opdispatch] my = "my_plugin")
-    import opdispatch
-    from opdispatch import Kernel, PluginInfo
-
-    @opdispatch.hookimpl
-    def plugin_info():
-        return PluginInfo(name="my", version="1.0")       # priority 200 by default
-
-    def bind_neg(ctx, node):
-        out, x = ctx.array(node), ctx.array(node.srcs[0])
-        return lambda: opdispatch.reference.store(out, -x, node)
-
-    @opdispatch.hookimpl
-    def kernels(device):
-        if device.kind == "cpu":
-            yield Kernel(op="neg", bind=bind_neg,
-                         supports=lambda dev, n: n.dtype.name == "f32" or "f32 only")
+``opdispatch`` that implements some of the hooks of `Hooks`, each marked with
+``@opdispatch.hookimpl``; README.md and docs/plugins.md show one. The records
+live here, beside the hooks, and this module imports nothing of the
+dispatcher at run time: a plugin depends on the contract, not on how dispatch
+asks it. The manager asks plugins one by one in a visible order (priority,
+then `prefer`/`exclude`), never through pluggy's last-registered-first calls.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 import attrs
 import pluggy
 
-from .backends.base import BindContext, Device, Launch
-from .fusion import FusionRule
-from .tensor import Tensor
+if TYPE_CHECKING:
+    from .backends.base import Backend, BindContext
+    from .graph import Graph
+    from .tensor import Tensor
 
 PROJECT = "opdispatch"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -48,8 +31,42 @@ PRIORITY_THIRD_PARTY = 200
 PRIORITY_REFERENCE = 0
 
 
-def always(device: Device, node: Tensor) -> bool | str:
-    return True
+@attrs.frozen
+class Device:
+    """A place to run kernels: 'cpu', 'cuda0', or a plugin's own kind.
+
+    A plain description, so that plans and support predicates can be computed
+    and tested without the hardware; `backend_factory` makes the Backend that
+    allocates and runs, on first use.
+    """
+
+    name: str
+    kind: str  # "cpu", "cuda", or a plugin's kind
+    description: str = ""
+    #: facts support predicates read: compute capability, smem per block, ...
+    props: dict[str, Any] = attrs.field(factory=dict, hash=False, eq=False)
+    #: makes the Backend; None for a description only (planning, tests)
+    backend_factory: Callable[[Device], Backend] | None = attrs.field(default=None, hash=False, eq=False, repr=False)
+    #: host-memory devices share numpy storage with the CPU (no copies needed)
+    host_memory: bool = False
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@attrs.frozen
+class AbsentDevice:
+    """A device a plugin brings but found none of here: why, and a description of one
+    (no backend) that plans and the support matrix can still be made for."""
+
+    stand_in: Device
+    why: str
+
+
+class Launch(Protocol):
+    """A pre-bound kernel launch: all buffers, sizes and arguments fixed at plan time."""
+
+    def __call__(self) -> None: ...
 
 
 @attrs.frozen
@@ -60,6 +77,10 @@ class PluginInfo:
     version: str = ""
     priority: int = PRIORITY_THIRD_PARTY
     description: str = ""
+
+
+def always(device: Device, node: Tensor) -> bool | str:
+    return True
 
 
 @attrs.frozen
@@ -81,6 +102,48 @@ class Kernel:
         return self.name or self.op
 
 
+#: One position of a fusion pattern: an op, or a set of ops any of which matches there.
+PatternOp = str | frozenset[str]
+
+
+def _pattern(ops: Iterable[str | Iterable[str]]) -> tuple[PatternOp, ...]:
+    """Positions as given: a string stays one op, any other collection becomes a frozenset."""
+    return tuple(p if isinstance(p, str) else frozenset(p) for p in ops)
+
+
+def _accept(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
+    return True
+
+
+@attrs.frozen
+class FusionRule:
+    """`pattern` ops, consecutive in execution order, run by one `bind`-ed launch.
+
+    A position of `pattern` is an op name or a set of them (`("rope", {"view",
+    "reshape"}, "set_rows")`). `check(device, nodes, graph)` returns True or a
+    reason not to fuse (types, shapes, broadcasting the fused kernel cannot
+    handle). `bind(ctx, nodes)` returns one launch that writes the last node's
+    output, and the outputs of the nodes at the pattern positions in `outputs`:
+    those may be read outside the group (ggml's top-k MoE router also writes
+    the expert ids). Names are unique among the plugins asked.
+    """
+
+    name: str
+    pattern: tuple[PatternOp, ...] = attrs.field(converter=_pattern)
+    bind: Callable[[BindContext, Sequence[Tensor]], Launch]
+    check: Callable[[Device, Sequence[Tensor], Graph], bool | str] = _accept
+    outputs: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.pattern) < 2:
+            raise ValueError(f"fusion rule '{self.name}': a pattern needs at least two ops")
+        if any(isinstance(p, frozenset) and (not p or not all(isinstance(o, str) for o in p)) for p in self.pattern):
+            raise ValueError(f"fusion rule '{self.name}': a set in the pattern needs one or more op names")
+        if any(not 0 <= j < len(self.pattern) - 1 for j in self.outputs):
+            raise ValueError(f"fusion rule '{self.name}': outputs {self.outputs} must be positions "
+                             f"before the last of its {len(self.pattern)} ops")
+
+
 class Hooks:
     """Hook specifications; every hook is optional for a plugin."""
 
@@ -96,6 +159,17 @@ class Hooks:
             @hookimpl
             def devices():
                 return [Device("toy0", "toy", backend_factory=ToyBackend, host_memory=True)]
+        """
+
+    @hookspec
+    def absent_devices(self) -> Iterable[AbsentDevice]:
+        """Devices this plugin brings but did not find here, each with why and a
+        description to plan for (`opdispatch info` and `opdispatch ops` show them)::
+
+            @hookimpl
+            def absent_devices():
+                if not found:
+                    yield AbsentDevice(Device("toy0", "toy", "a toy (description)"), "no toy plugged in")
         """
 
     @hookspec
@@ -127,30 +201,25 @@ class Hooks:
                 return device.props.get("cc", (0, 0)) >= (8, 0) or "needs sm_80"
         """
 
-    @hookspec
-    def offload_op(self, device: Device, node: Tensor) -> bool | None:
-        """Is `node` worth running on `device` although its weights live on the
-        host (copying them over)? ggml's rule: batch >= 32. None: no opinion::
+    @hookspec(firstresult=True)
+    def offload_op(self, device: Device, node: Tensor) -> bool | str | None:
+        """Is `node` worth running on `device` although weights it reads live on the
+        host (copying them over)? True, False or a reason not to, None for no
+        opinion; the first plugin in order with an opinion decides, and without
+        one the node stays on the host. The CUDA plugin answers ggml's rule::
 
             @hookimpl
             def offload_op(device, node):
                 if device.kind == "cuda":
-                    return batch_size(node) >= 32
+                    return batch_size(node) >= 32 or "batch below offload threshold"
         """
 
 
-def flatten(records: object, kind: type, plugin: str) -> list:
-    """A hook's answer as a list of `kind` records; a wrong type names the plugin."""
-    if records is None:
-        return []
-    items = [records] if isinstance(records, kind) else list(records)  # type: ignore[call-overload]
-    for r in items:
-        if not isinstance(r, kind):
-            raise TypeError(f"plugin '{plugin}' returned {type(r).__name__}, expected {kind.__name__}")
-    return items
+#: every hook of the contract, read off the specs
+HOOK_NAMES: tuple[str, ...] = tuple(name for name, fn in vars(Hooks).items() if hasattr(fn, f"{PROJECT}_spec"))
 
 
 __all__: Sequence[str] = [
-    "Hooks", "hookimpl", "hookspec", "Kernel", "PluginInfo", "FusionRule", "always",
-    "PRIORITY_BUILTIN", "PRIORITY_THIRD_PARTY", "PRIORITY_REFERENCE", "flatten",
+    "Hooks", "HOOK_NAMES", "hookimpl", "hookspec", "Device", "AbsentDevice", "Launch", "Kernel", "PluginInfo",
+    "FusionRule", "PatternOp", "always", "PRIORITY_BUILTIN", "PRIORITY_THIRD_PARTY", "PRIORITY_REFERENCE",
 ]

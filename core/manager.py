@@ -6,23 +6,22 @@ whose hooks do not match the specs is named in a warning and left out
 (``OPDISPATCH_STRICT_PLUGINS=1`` raises instead). Dispatch asks plugins one
 by one in `order()`: priority (higher first), then name; `prefer` moves
 plugins to the front, `exclude` drops them, and ``OPDISPATCH_PLUGINS`` does
-both from the environment ("mine,cuda_norm,-cuda_misc").
+both from the environment ("mine,cuda_norm,-cuda_misc"). The manager also
+answers what is asked of the plugins as a whole: the devices, the device a
+name means, a plugin's kernels, the fusion rules (names unique among them).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections import OrderedDict
 from importlib.metadata import entry_points
 from typing import Any, Callable, Iterable, Sequence
 
 import attrs
 import pluggy
 
-from .backends.base import Device
-from .fusion import FusionRule
-from .hookspecs import PROJECT, Hooks, Kernel, PluginInfo, flatten
+from .hookspecs import HOOK_NAMES, PROJECT, AbsentDevice, Device, FusionRule, Hooks, Kernel, PluginInfo
 from .tensor import Tensor
 
 ENTRY_POINT_GROUP = "opdispatch"
@@ -64,10 +63,10 @@ class PluginManager:
     plugins: dict[str, Plugin] = attrs.field(init=False, factory=dict)
     #: (name, reason) of plugins left out at load time
     skipped: list[tuple[str, str]] = attrs.field(init=False, factory=list)
+    #: bumped whenever plugins are registered or unregistered: caches of their answers
+    #: (the compiler's plans) keep the generation they were made in
+    generation: int = attrs.field(init=False, default=0)
     _kernels: dict[tuple[str, str], dict[str, list[Kernel]]] = attrs.field(init=False, factory=dict)
-    #: compiled plans by structural key, least recently used first (see dispatch.compile);
-    #: cleared when plugins change
-    plans: OrderedDict[tuple, Any] = attrs.field(init=False, factory=OrderedDict)
 
     def __attrs_post_init__(self) -> None:
         self.pm = pluggy.PluginManager(PROJECT)
@@ -105,7 +104,7 @@ class PluginManager:
             return None
         hooks = {
             hook_name: impl.function
-            for hook_name in ("plugin_info", "devices", "kernels", "fusion_rules", "supports_op", "offload_op")
+            for hook_name in HOOK_NAMES
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls()
             if impl.plugin_name == name
         }
@@ -121,15 +120,17 @@ class PluginManager:
                 return None
         plugin = Plugin(info.name if info.name else name, obj, info, origin, hooks)
         self.plugins[plugin.name] = plugin
-        self._kernels.clear()
-        self.plans.clear()
+        self._changed()
         return plugin
 
     def unregister(self, name: str) -> None:
         plugin = self.plugins.pop(name)
         self.pm.unregister(plugin.obj)
+        self._changed()
+
+    def _changed(self) -> None:
         self._kernels.clear()
-        self.plans.clear()
+        self.generation += 1
 
     def _reject(self, name: str, reason: str) -> None:
         if self.strict:
@@ -177,6 +178,18 @@ class PluginManager:
             warnings.warn(f"opdispatch: {exc}", PluginWarning, stacklevel=3)
             return default, str(exc)
 
+    def first_result(self, plugins: Sequence[Plugin], hook: str, **kwargs: Any) -> tuple[Any, Plugin | None]:
+        """The first answer that is not None of `plugins`, in order, to a `firstresult` hook, and who
+        gave it ((None, None): no opinion); the plugins after it are not asked."""
+        if not getattr(self.pm.hook, hook).spec.opts["firstresult"]:
+            raise TypeError(f"hook {hook} is not declared firstresult: ask plugins one by one")
+        for plugin in plugins:
+            answer, _ = self.guarded(plugin, hook, None, **kwargs)
+            if answer is not None:
+                return answer, plugin
+        return None, None
+
+    # -- devices --------------------------------------------------------------------
     def devices(self) -> list[Device]:
         """Every device the plugins bring, in plugin order, names unique."""
         found: dict[str, Device] = {}
@@ -186,6 +199,40 @@ class PluginManager:
                 found.setdefault(dev.name, dev)
         return list(found.values())
 
+    def absent_devices(self) -> list[AbsentDevice]:
+        """Devices the plugins bring but did not find here (why, and a description to plan for)."""
+        absent = []
+        for plugin in self.order():
+            got, _ = self.guarded(plugin, "absent_devices", None)
+            absent += flatten(got, AbsentDevice, plugin.name)
+        return absent
+
+    def device(self, which: str | Device | None = None) -> Device:
+        """A device by name ('cpu', 'cuda0') or kind ('cuda': the first of that kind); None: the
+        best there is, the first GPU, else the CPU."""
+        if isinstance(which, Device):
+            return which
+        devices = self.devices()
+        if which is None:
+            gpus = [d for d in devices if d.kind == "cuda"]
+            return gpus[0] if gpus else self.cpu()
+        for d in devices:
+            if d.name == which:
+                return d
+        of_kind = [d for d in devices if d.kind == which]
+        if of_kind:
+            return of_kind[0]
+        raise ValueError(f"unknown device '{which}' (known: {', '.join(d.name for d in devices)})")
+
+    def cpu(self) -> Device:
+        """The CPU device: where a node that no plugin takes elsewhere runs."""
+        devices = self.devices()
+        for d in devices:
+            if d.name == "cpu":
+                return d
+        raise ValueError(f"no 'cpu' device: is the cpu plugin installed? (known: {', '.join(d.name for d in devices)})")
+
+    # -- kernels and fusion rules -----------------------------------------------------
     def kernels(self, plugin: Plugin, device: Device) -> dict[str, list[Kernel]]:
         """A plugin's kernels for `device`, by op (cached)."""
         key = (plugin.name, device.name)
@@ -198,13 +245,32 @@ class PluginManager:
         return self._kernels[key]
 
     def fusion_rules(self, plugins: Sequence[Plugin], device: Device) -> list[tuple[Plugin, FusionRule]]:
-        """Fusion rules of `plugins` for `device`, in plugin order."""
-        rules = []
+        """Fusion rules of `plugins` for `device`, in plugin order.
+
+        A rule name is what explain() and the plan say fused a group, so it must name one rule:
+        a second rule of a name already yielded is rejected, the error naming both plugins
+        (strict mode raises; otherwise a warning, and the first rule stays).
+        """
+        rules: list[tuple[Plugin, FusionRule]] = []
+        owner: dict[str, Plugin] = {}
         for plugin in plugins:
             got, _ = self.guarded(plugin, "fusion_rules", None, device=device)
-            rules += [(plugin, r) for r in flatten(got, FusionRule, plugin.name)]
+            for rule in flatten(got, FusionRule, plugin.name):
+                first = owner.get(rule.name)
+                if first is not None:
+                    self._conflict(f"fusion rule '{rule.name}' of plugin '{plugin.name}' is rejected: plugin "
+                                   f"'{first.name}' already yields a rule of that name")
+                    continue
+                owner[rule.name] = plugin
+                rules.append((plugin, rule))
         return rules
 
+    def _conflict(self, msg: str) -> None:
+        if self.strict:
+            raise PluginError(msg)
+        warnings.warn(f"opdispatch: {msg}", PluginWarning, stacklevel=3)
+
+    # -- per node -------------------------------------------------------------------------
     def supports(self, plugin: Plugin, device: Device, node: Tensor) -> tuple[Kernel | None, str]:
         """(kernel, "") if `plugin` accepts `node` on `device`, else (None, reason)."""
         gate, err = self.guarded(plugin, "supports_op", False, device=device, node=node)
@@ -231,13 +297,16 @@ class PluginManager:
             reasons.append(answer if isinstance(answer, str) and answer else "declined")
         return None, "; ".join(dict.fromkeys(reasons))  # several kernels may give one reason
 
-    def offload_op(self, plugins: Sequence[Plugin], device: Device, node: Tensor) -> bool | None:
-        """The first non-None answer of `plugins` to offload_op."""
-        for plugin in plugins:
-            answer, _ = self.guarded(plugin, "offload_op", None, device=device, node=node)
-            if answer is not None:
-                return bool(answer)
-        return None
+
+def flatten(records: object, kind: type, plugin: str) -> list:
+    """A hook's answer as a list of `kind` records; a wrong type names the plugin."""
+    if records is None:
+        return []
+    items = [records] if isinstance(records, kind) else list(records)  # type: ignore[call-overload]
+    for r in items:
+        if not isinstance(r, kind):
+            raise TypeError(f"plugin '{plugin}' returned {type(r).__name__}, expected {kind.__name__}")
+    return items
 
 
 _default: PluginManager | None = None

@@ -2,7 +2,7 @@
 
 After ggml's scheduler: a node no plugin accepts on the main device runs on
 the CPU reference; a node reading weights that stay in host memory runs on
-the CPU unless `offload_op` says the batch is worth copying the weights over.
+the CPU unless a plugin's `offload_op` says it is worth copying them over.
 Copies are inserted where a value is read on a device that does not hold its
 current version, and an in-place write (set_rows into a KV cache) made away
 from the buffer's home is copied back.
@@ -10,16 +10,14 @@ from the buffer's home is copied back.
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Callable, Sequence
 
 import attrs
 
-from .backends.base import Device
-from .fusion import can_fuse
+from .fusion import can_fuse, index_by_first_op, pattern_matches
 from .graph import Graph
-from .hookspecs import Kernel
+from .hookspecs import Device, FusionRule, Kernel
 from .manager import Plugin, PluginError, PluginManager, PluginWarning
 from .tensor import VIEW_OPS, Flag, Tensor
 
@@ -62,19 +60,6 @@ class Step:
         return f"{what} {n.describe()}"
 
 
-def offload_min_batch() -> int:
-    return int(os.environ.get("OPDISPATCH_OFFLOAD_MIN_BATCH", "32"))
-
-
-def batch_size(node: Tensor) -> int:
-    """Rows processed per weight, in ggml's sense (ggml's ne[1], ne[2] for MoE/rope)."""
-    if node.op == "get_rows":
-        return 0  # an embedding lookup never pays for copying the table
-    if node.op in ("mul_mat_id", "rope"):
-        return node.shape[-3] if node.ndim >= 3 else 1
-    return node.shape[-2] if node.ndim >= 2 else 1
-
-
 def select(mgr: PluginManager, plugins: Sequence[Plugin], device: Device, node: Tensor
            ) -> tuple[Plugin | None, Kernel | None, list[tuple[str, str]]]:
     """The first plugin, in order, that accepts `node` on `device`, and who declined before it."""
@@ -110,7 +95,7 @@ class Scheduler:
 
     # -- devices and kernels ------------------------------------------------------
     def _assign(self, graph: Graph) -> list[Step]:
-        rules = self.mgr.fusion_rules(self.plugins, self.device) if self.fusion else []
+        rules = index_by_first_op(self.mgr.fusion_rules(self.plugins, self.device) if self.fusion else [])
         nodes = graph.nodes
         steps: list[Step] = []
         placed: dict[Tensor, Device] = {}
@@ -123,7 +108,7 @@ class Scheduler:
                 placed[node] = dev
                 i += 1
                 continue
-            fused, unfused = self._fuse(graph, i, rules)
+            fused, unfused = self._fuse(graph, i, rules.get(node.op, ()))
             if fused is not None:
                 fused.unfused = tuple(unfused)  # longer rules tried first and declined: explain() says why
                 steps.append(fused)
@@ -138,13 +123,14 @@ class Scheduler:
             i += 1
         return steps
 
-    def _fuse(self, graph: Graph, i: int, rules: list) -> tuple[Step | None, list[tuple[str, str]]]:
-        """The first rule, in plugin order, that fuses the nodes from i; and the
-        (rule, reason) of those whose pattern matched but whose check declined."""
+    def _fuse(self, graph: Graph, i: int, rules: Sequence[tuple[Plugin, FusionRule]]
+              ) -> tuple[Step | None, list[tuple[str, str]]]:
+        """The first of `rules` (those starting with node i's op, in plugin order) that fuses
+        the nodes from i; and the (rule, reason) of those whose pattern matched but declined."""
         declined: list[tuple[str, str]] = []
         for plugin, rule in rules:
             group = tuple(graph.nodes[i:i + len(rule.pattern)])
-            if tuple(n.op for n in group) != rule.pattern:
+            if not pattern_matches([n.op for n in group], rule.pattern):
                 continue
             if not can_fuse(graph, i, rule.pattern, rule.outputs):
                 declined.append((rule.name, "an intermediate result is read outside the group"))
@@ -180,10 +166,11 @@ class Scheduler:
             host_weights = [s for s in node.srcs if s is not None and s in self.host_params]
             offload = True
             if host_weights:
-                answer = self.mgr.offload_op(self.plugins, self.device, node)
-                offload = answer if answer is not None else batch_size(node) >= offload_min_batch()
-                if not offload:
-                    note = f"weights on host, batch {batch_size(node)} below offload threshold"
+                answer, who = self.mgr.first_result(self.plugins, "offload_op", device=self.device, node=node)
+                if isinstance(answer, str) or not answer:  # a reason, False, or no plugin has an opinion
+                    offload = False
+                    why = answer or (f"{who.name} keeps it on the host" if who else "no plugin offloads it")
+                    note = f"weights on host, {why}"
             if offload:
                 plugin, kernel, declined = select(self.mgr, self.plugins, self.device, node)
                 if kernel is not None:

@@ -29,9 +29,9 @@ import pytest
 import opdispatch as od
 import opdispatch.plugins.cuda_attention as ca
 from opdispatch import ops
-from opdispatch.backends.base import Device
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.graph import Graph
+from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_attention import fusion, support
 from opdispatch.tensor import Tensor
 from opdispatch.testing.cases import Inputs, bound

@@ -30,10 +30,10 @@ import pytest
 import opdispatch as od
 import opdispatch.plugins.cuda_matmul as cm
 from opdispatch import ops
-from opdispatch.backends.base import Device
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.dtypes import dequantize, from_float
 from opdispatch.graph import Graph
+from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_matmul import fusion, support
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse

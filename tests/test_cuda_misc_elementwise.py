@@ -25,10 +25,10 @@ import pytest
 import opdispatch as od
 import opdispatch.plugins.cuda_misc as cm
 from opdispatch import ops
-from opdispatch.backends.base import Device
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.backends.cuda.kernels import INCLUDE_DIR
 from opdispatch.graph import Graph
+from opdispatch.hookspecs import Device
 from opdispatch.ops.elementwise import GLU_KINDS, UNARY_OPS
 from opdispatch.plugins.cuda_misc import elementwise as ew
 from opdispatch.tensor import Tensor

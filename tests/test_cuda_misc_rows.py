@@ -18,8 +18,8 @@ import pytest
 
 import opdispatch as od
 from opdispatch import ops
-from opdispatch.backends.base import Device
 from opdispatch.dtypes import DTYPES, dequantize, from_float, quantize, to_host_float
+from opdispatch.hookspecs import Device
 from opdispatch.ops.base import FLOATS, QUANTS
 from opdispatch.plugins.cuda_misc import rows
 from opdispatch.testing.metrics import nmse

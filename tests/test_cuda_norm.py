@@ -24,10 +24,10 @@ import pytest
 import opdispatch as od
 import opdispatch.plugins.cuda_norm as plugin
 from opdispatch import ops
-from opdispatch.backends.base import Device
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.graph import Graph
+from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_norm import fusion, support
 from opdispatch.plugins.cuda_norm import specs as cn
 from opdispatch.tensor import Tensor

@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 import opdispatch as od
-from opdispatch import ops
+from opdispatch import compiler, ops, sched
+from opdispatch.backends.base import StagedTransfers
 from opdispatch.backends.cpu import HostBackend
-from opdispatch.fusion import FusionRule, can_fuse
+from opdispatch.fusion import can_fuse, index_by_first_op, pattern_matches
 from opdispatch.graph import Graph
-from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
+from opdispatch.hookspecs import (HOOK_NAMES, PRIORITY_BUILTIN, AbsentDevice, FusionRule, Hooks, Kernel, PluginInfo,
+                                  hookimpl)
 from opdispatch.reference import load, store
 from opdispatch.manager import PluginError, PluginManager, PluginWarning
 from opdispatch.sched import DispatchError
@@ -360,19 +362,17 @@ def test_fusion_rule_outputs_are_checked() -> None:
 
 
 def test_plan_cache_keeps_the_most_recently_used_plans(monkeypatch: pytest.MonkeyPatch) -> None:
-    from opdispatch import dispatch
-
-    monkeypatch.setattr(dispatch, "PLAN_CACHE_SIZE", 2)
+    monkeypatch.setattr(compiler, "PLAN_CACHE_SIZE", 2)
     mgr = manager_with()
     plans = [od.compile(ops.neg(od.input("x", (n,))), "cpu", plugins=mgr) for n in (1, 2)]
     assert od.compile(ops.neg(od.input("x", (1,))), "cpu", plugins=mgr).steps is plans[0].steps  # now most recent
     od.compile(ops.neg(od.input("x", (3,))), "cpu", plugins=mgr)  # evicts the plan for (2,)
-    assert len(mgr.plans) == 2
+    assert len(compiler.plan_cache(mgr).plans) == 2
     assert od.compile(ops.neg(od.input("x", (1,))), "cpu", plugins=mgr).steps is plans[0].steps
     assert od.compile(ops.neg(od.input("x", (2,))), "cpu", plugins=mgr).steps is not plans[1].steps
 
 
-# -- Plan.run's staged transfers (dispatch._Feeder) ------------------------------------------
+# -- Plan.run's staged transfers (bind.Feeder) -----------------------------------------------
 
 
 class Counting(HostBackend):
@@ -490,3 +490,144 @@ def test_can_fuse_lets_views_be_read_outside_when_the_group_writes_their_bytes()
     graph = Graph.build([ops.mul(ops.add(c, c), e), ops.neg(e)])
     assert [n.op for n in graph.nodes] == ["add", "reshape", "mul", "neg"]
     assert can_fuse(graph, 0, ("add", "reshape", "mul"))
+
+
+# -- the contract: hooks read off the specs, unique rule names, pattern sets, the rule index ----------
+
+
+def test_hook_names_are_read_off_the_spec_class() -> None:
+    specs = {name for name in dir(Hooks) if not name.startswith("_")}
+    assert set(HOOK_NAMES) == specs and "absent_devices" in HOOK_NAMES
+    mgr = manager_with(ToyPlugin())
+    assert set(PluginManager().pm.hook.__dict__) >= specs
+    assert set(mgr.plugins["toy"].hooks) == {"plugin_info", "devices", "kernels", "fusion_rules"}
+
+
+class Rules:
+    """Yields the given fusion rules for the toy device (and nothing else)."""
+
+    def __init__(self, name: str, *rules: FusionRule, priority: int = 200) -> None:
+        self.name, self.rules, self.priority = name, rules, priority
+
+    @hookimpl
+    def plugin_info(self) -> PluginInfo:
+        return PluginInfo(self.name, priority=self.priority)
+
+    @hookimpl
+    def fusion_rules(self, device):  # noqa: ANN001, ANN202
+        return list(self.rules) if device.kind == "toy" else []
+
+
+def test_a_fusion_rule_name_two_plugins_yield_is_rejected_naming_both() -> None:
+    toy = ToyPlugin()  # yields add_mul
+    twin = Rules("twin", FusionRule("add_mul", ("add", "mul"), bind=toy._bind_add_mul), priority=100)
+    mgr = manager_with(toy, twin)
+    with pytest.warns(PluginWarning, match="fusion rule 'add_mul' of plugin 'twin' is rejected: plugin 'toy' "
+                                           "already yields a rule of that name"):
+        rules = mgr.fusion_rules(mgr.order(), TOY)
+    assert [(p.name, r.name) for p, r in rules] == [("toy", "add_mul")]  # the first plugin's rule stays
+    (a, b, c), y = add_mul_graph()
+    with pytest.warns(PluginWarning, match="'twin'.*'toy'"):
+        assert od.compile(y, TOY, plugins=mgr).fusions[0].plugin == "toy"
+    strict = manager_with(ToyPlugin(), Rules("twin", *twin.rules, priority=100), strict=True)
+    with pytest.raises(PluginError, match="fusion rule 'add_mul' of plugin 'twin' is rejected: plugin 'toy'"):
+        od.compile(y, TOY, plugins=strict)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # distinct names from several plugins are fine
+        both = manager_with(ToyPlugin(), Rules("other", FusionRule("add_mul_2", ("add", "mul"), bind=toy._bind_add_mul),
+                                               priority=100))
+        assert [r.name for _, r in both.fusion_rules(both.order(), TOY)] == ["add_mul", "add_mul_2"]
+
+
+def test_a_set_in_a_pattern_matches_each_of_its_ops_and_nothing_else() -> None:
+    rule = FusionRule("either_then_mul", ({"add", "sub"}, "mul"), bind=lambda ctx, nodes: None)
+    assert rule.pattern == (frozenset({"add", "sub"}), "mul")
+    a, b, c = (od.input(n, (2, 3)) for n in "abc")
+    for first, fits in ((ops.add, True), (ops.sub, True), (ops.div, False)):
+        graph = Graph.build(ops.mul(first(a, b), c))
+        assert pattern_matches([n.op for n in graph.nodes], rule.pattern) is fits
+        assert can_fuse(graph, 0, rule.pattern) is fits
+    assert not pattern_matches(["add"], rule.pattern)  # and in number
+    with pytest.raises(ValueError, match="a set in the pattern needs one or more op names"):
+        FusionRule("empty", (set(), "mul"), bind=lambda ctx, nodes: None)
+
+
+def bind_add_view_mul(ctx, nodes):  # noqa: ANN001, ANN201 - (a + b) * c through a view of the sum
+    add, mul = nodes[0], nodes[-1]
+    out, a, b, c = ctx.array(mul), ctx.array(add.srcs[0]), ctx.array(add.srcs[1]), ctx.array(mul.srcs[1])
+    return lambda: store(out, (load(a, "f32") + load(b, "f32")) * load(c, "f32"), mul)
+
+
+@pytest.mark.parametrize("view, fused", [(lambda t: t.reshape(2, 3), True), (lambda t: t.view((2, 3), (12, 4)), True),
+                                         (lambda t: t.permute(0, 1), False)])
+def test_a_set_pattern_fuses_each_member_through_the_scheduler(view, fused: bool) -> None:  # noqa: ANN001
+    rng = np.random.default_rng()
+    rule = FusionRule("add_view_mul", ("add", {"view", "reshape"}, "mul"), bind=bind_add_view_mul)
+    mgr = manager_with(Rules("sets", rule), ToyPlugin())
+    a, b, c = (od.input(n, (2, 3)) for n in "abc")
+    plan = od.compile(ops.mul(view(ops.add(a, b)), c), TOY, plugins=mgr)
+    assert [s.kernel for s in plan.fusions] == (["add_view_mul"] if fused else [])
+    feeds = {a: rand(rng, 2, 3), b: rand(rng, 2, 3), c: rand(rng, 2, 3)}
+    np.testing.assert_allclose(plan.run(feeds)[0], (feeds[a] + feeds[b]) * feeds[c], rtol=1e-6)
+
+
+def test_rules_are_indexed_by_their_first_op_and_only_those_are_tried(monkeypatch: pytest.MonkeyPatch) -> None:
+    bind = ToyPlugin()._bind_add_mul
+    add_mul = FusionRule("r_add_mul", ("add", "mul"), bind=bind)
+    neg_mul = FusionRule("r_neg_mul", ("neg", "mul"), bind=bind)
+    either = FusionRule("r_either", ({"add", "neg"}, "mul", "mul"), bind=bind)
+    index = index_by_first_op([("p", add_mul), ("p", neg_mul), ("q", either)])
+    assert {op: [r.name for _, r in rules] for op, rules in index.items()} == {
+        "add": ["r_add_mul", "r_either"], "neg": ["r_neg_mul", "r_either"]}
+    tried: list[tuple[str, str]] = []
+    real = sched.pattern_matches
+    monkeypatch.setattr(sched, "pattern_matches", lambda ops_, pattern: (tried.append((ops_[0], pattern)),
+                                                                         real(ops_, pattern))[1])
+    mgr = manager_with(Rules("rules", add_mul, neg_mul, either))
+    a, b, c = (od.input(n, (2, 3)) for n in "abc")
+    od.compile(ops.mul(ops.sub(ops.add(a, b), c), c), TOY, plugins=mgr)  # add, sub, mul
+    assert tried == [("add", add_mul.pattern), ("add", either.pattern)]  # nothing at sub or mul
+
+
+# -- devices: the manager's queries -----------------------------------------------------------------
+
+
+class Absent:
+    @hookimpl
+    def absent_devices(self):  # noqa: ANN202
+        return [AbsentDevice(toy_device("toy9"), "no toy plugged in")]
+
+
+def test_devices_by_name_kind_or_the_best_and_absent_ones() -> None:
+    mgr = manager_with(ToyPlugin(), Absent())
+    assert mgr.device("toy0") is TOY and mgr.device("toy") is TOY and mgr.device(TOY) is TOY
+    assert mgr.device().name == "cpu" and mgr.cpu().name == "cpu"  # no GPU among them
+    with pytest.raises(ValueError, match=r"unknown device 'tpu' \(known: toy0, cpu\)"):
+        mgr.device("tpu")
+    assert [(a.stand_in.name, a.why) for a in mgr.absent_devices()] == [("toy9", "no toy plugged in")]
+    bare = PluginManager()
+    bare.register(ToyPlugin(), "toy")
+    with pytest.raises(ValueError, match="no 'cpu' device: is the cpu plugin installed"):
+        bare.cpu()
+
+
+def test_the_plan_cache_is_emptied_when_plugins_change() -> None:
+    mgr = manager_with(ToyPlugin())
+    first = od.compile(add_mul_graph()[1], TOY, plugins=mgr)
+    assert od.compile(add_mul_graph()[1], TOY, plugins=mgr).steps is first.steps
+    mgr.register(Rules("more"), "more")
+    assert compiler.plan_cache(mgr).plans == {}
+    assert od.compile(add_mul_graph()[1], TOY, plugins=mgr).steps is not first.steps
+
+
+def test_staging_is_a_declared_capability_checked_by_isinstance() -> None:
+    from opdispatch.backends.cuda.backend import CudaBackend
+
+    assert issubclass(HostBackend, StagedTransfers) and issubclass(CudaBackend, StagedTransfers)
+    assert isinstance(HostBackend(TOY), StagedTransfers)
+    assert not isinstance(NoStaging(TOY), StagedTransfers)  # staging = None: not staged
+
+    class NoMark(HostBackend):
+        mark = None
+
+    assert not isinstance(NoMark(TOY), StagedTransfers)

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from opdispatch import ops
-from opdispatch.backends.base import Device
-from opdispatch.hookspecs import Kernel, PluginInfo, hookimpl
+from opdispatch.hookspecs import Device, Kernel, PluginInfo, hookimpl
 from opdispatch.ops import OPS
 from opdispatch.ops.base import OpDef
 from opdispatch.reference import load

@@ -11,9 +11,9 @@ import attrs
 import numpy as np
 import pytest
 
-from opdispatch import dispatch
+from opdispatch import plan as plan_module
 from opdispatch.backends.cuda.devices import H200
-from opdispatch.dispatch import compile
+from opdispatch.compiler import compile
 from opdispatch.graph import Graph
 from opdispatch.models import generate as generation
 from opdispatch.models.generate import Generator, generate
@@ -184,9 +184,9 @@ def test_decode_time_leaves_out_compiling_and_binding_plans(monkeypatch: pytest.
     """A greedy decode across a window boundary compiles and binds a new plan mid-way (and binds its
     first one on its first write): neither is decoding, so neither is in decode_s."""
     slow = 0.5
-    compile_, make_bound = generation.compile, dispatch.Plan._make_bound
+    compile_, bind_plan = generation.compile, plan_module.bind_plan
     monkeypatch.setattr(generation, "compile", lambda *a, **k: (time.sleep(slow), compile_(*a, **k))[1])
-    monkeypatch.setattr(dispatch.Plan, "_make_bound", lambda self: (time.sleep(slow), make_bound(self))[1])
+    monkeypatch.setattr(plan_module, "bind_plan", lambda plan: (time.sleep(slow), bind_plan(plan))[1])
     cfg = attrs.evolve(TINY_F32, max_ctx=300)
     model = LlamaModel(cfg, random_weights(cfg, 5))
     prompt = np.random.default_rng(0).integers(0, cfg.vocab, 250).tolist()

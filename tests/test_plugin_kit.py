@@ -8,7 +8,7 @@ import pytest
 
 import opdispatch as od
 from opdispatch import support
-from opdispatch.backends.base import Device
+from opdispatch.hookspecs import Device
 from opdispatch.backends.cuda.args import ArgGroup, KernelArgs, boolean, f32, i32, i64, instance, ptr, u32
 from opdispatch.backends.cuda.devices import H200, facts
 from opdispatch.backends.cuda.kernels import KernelSpec, kernel_params

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
 import opdispatch as od
 from opdispatch import ops
 from opdispatch.alloc import overlapping
+from opdispatch.backends.cuda import plugin as cuda_plugin
+from opdispatch.backends.cuda.devices import H200
+from opdispatch.backends.cuda.plugin import batch_size
 from opdispatch.hookspecs import PluginInfo, hookimpl
-from opdispatch.sched import batch_size
+from opdispatch.ops import OPS
+from opdispatch.plugins import cuda_misc
 from toy import TOY, ToyPlugin, manager_with, toy_device
 
 
@@ -46,10 +51,28 @@ def test_host_memory_devices_share_buffers_without_copies() -> None:
     np.testing.assert_allclose(plan.run({a: fa, b: fb})[0], np.tanh(fa + fb) * fb, rtol=1e-6, atol=1e-7)
 
 
+class OffloadFrom:
+    """Offloads a toy-device node reading host weights from `rows` rows on (a rule like the CUDA plugin's)."""
+
+    def __init__(self, rows: int, name: str = "offload", priority: int = 300) -> None:
+        self.rows, self.name, self.priority, self.asked = rows, name, priority, 0
+
+    @hookimpl
+    def plugin_info(self) -> PluginInfo:
+        return PluginInfo(self.name, priority=self.priority)
+
+    @hookimpl
+    def offload_op(self, device, node):  # noqa: ANN001, ANN202
+        self.asked += 1
+        if device.kind == "toy":
+            return node.shape[-2] >= self.rows or f"{node.shape[-2]} rows, fewer than {self.rows}"
+        return None
+
+
 @pytest.mark.parametrize("rows, offloaded", [(31, False), (32, True)])
-def test_offload_default_threshold_for_host_weights(rows: int, offloaded: bool) -> None:
+def test_offload_answer_moves_host_weights_and_results_agree(rows: int, offloaded: bool) -> None:
     rng = np.random.default_rng()
-    mgr = manager_with(ToyPlugin())
+    mgr = manager_with(OffloadFrom(32), ToyPlugin())
     w = od.param("w", rand(rng, rows, 8))
     x = od.input("x", (rows, 8))
     y = ops.add(x, w)
@@ -60,9 +83,28 @@ def test_offload_default_threshold_for_host_weights(rows: int, offloaded: bool) 
         assert step.note == "offloaded"
         assert any(s.kind == "copy" and s.note == "bind" for s in plan.steps)  # weights copied once
     else:
-        assert "below offload threshold" in step.note
+        assert step.note == "weights on host, 31 rows, fewer than 32"
     fx = rand(rng, rows, 8)
     np.testing.assert_allclose(plan.run({x: fx})[0], fx + w.data.view(np.float32).reshape(rows, 8), rtol=1e-6)
+
+
+def test_without_an_offload_answer_host_weights_stay_on_the_host() -> None:
+    w = od.param("w", np.ones((64, 8), np.float32))
+    x = od.input("x", (64, 8))
+    plan = od.compile(ops.add(x, w), TOY, plugins=manager_with(ToyPlugin()), host_params=[w])
+    (step,) = [s for s in plan.steps if s.kind == "kernel"]
+    assert step.device.name == "cpu" and step.note == "weights on host, no plugin offloads it"
+
+
+@pytest.mark.parametrize("rows, offloaded", [(31, False), (32, True)])
+def test_cuda_plugin_offloads_host_weights_from_a_batch_of_32(rows: int, offloaded: bool) -> None:
+    """ggml's rule, the CUDA backend plugin's offload_op, planned on an H200's description."""
+    w = od.param("w", np.ones((rows, 8), np.float32))
+    x = od.input("x", (rows, 8))
+    plan = od.compile(ops.add(x, w), H200, host_params=[w])
+    (step,) = [s for s in plan.steps if s.kind == "kernel"]
+    assert step.device.name == ("cuda0" if offloaded else "cpu")
+    assert step.note == ("offloaded" if offloaded else "weights on host, batch 31 below offload threshold")
 
 
 def test_offload_env_threshold_and_plugin_answer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,8 +113,8 @@ def test_offload_env_threshold_and_plugin_answer(monkeypatch: pytest.MonkeyPatch
     x = od.input("x", (4, 8))
     y = ops.add(x, w)
     monkeypatch.setenv("OPDISPATCH_OFFLOAD_MIN_BATCH", "4")
-    plan = od.compile(y, TOY, plugins=manager_with(ToyPlugin()), host_params=[w])
-    assert [s.device.name for s in plan.steps if s.kind == "kernel"] == ["toy0"]
+    plan = od.compile(y, H200, host_params=[w])
+    assert [s.device.name for s in plan.steps if s.kind == "kernel"] == ["cuda0"]
 
     class NeverOffload:
         @hookimpl
@@ -83,8 +125,25 @@ def test_offload_env_threshold_and_plugin_answer(monkeypatch: pytest.MonkeyPatch
         def offload_op(self, device, node):  # noqa: ANN001, ANN202
             return False
 
-    plan = od.compile(y, TOY, plugins=manager_with(NeverOffload(), ToyPlugin()), host_params=[w])
-    assert [s.device.name for s in plan.steps if s.kind == "kernel"] == ["cpu"]
+    mgr = manager_with(NeverOffload(), cuda_plugin, cuda_misc)  # asked before the CUDA plugin's rule
+    plan = od.compile(y, H200, plugins=mgr, host_params=[w])
+    (step,) = [s for s in plan.steps if s.kind == "kernel"]
+    assert step.device.name == "cpu" and step.note == "weights on host, never keeps it on the host"
+
+
+def test_offload_op_is_firstresult_the_first_opinion_decides_and_later_plugins_are_not_asked() -> None:
+    first, second = OffloadFrom(1, "first", 300), OffloadFrom(1000, "second", 250)
+    mgr = manager_with(first, second, ToyPlugin())
+    assert mgr.pm.hook.offload_op.spec.opts["firstresult"] is True
+    w = od.param("w", np.ones((8, 8), np.float32))
+    x = od.input("x", (8, 8))
+    plan = od.compile(ops.add(x, w), TOY, plugins=mgr, host_params=[w])
+    assert [s.device.name for s in plan.steps if s.kind == "kernel"] == ["toy0"]  # first's yes, not second's no
+    assert (first.asked, second.asked) == (1, 0)
+    answer, who = mgr.first_result(mgr.order(prefer=["second"]), "offload_op", device=TOY, node=plan.graph.nodes[0])
+    assert (answer, who.name) == ("8 rows, fewer than 1000", "second")
+    with pytest.raises(TypeError, match="supports_op is not declared firstresult"):
+        mgr.first_result(mgr.order(), "supports_op", device=TOY, node=plan.graph.nodes[0])
 
 
 def test_batch_size_follows_ggml() -> None:
@@ -179,3 +238,17 @@ def test_no_in_place_reuse_when_another_source_views_the_same_bytes() -> None:
     assert all(len(slot.keys) == 1 for slot in plan.memory["cpu"].slots)
     fa = rand(rng, 8, 8)
     np.testing.assert_allclose(plan.run({a: fa})[0], -fa - fa.T, rtol=1e-6)
+
+
+def test_in_place_reuse_is_read_off_the_op_definition(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert OPS["exp"].reuses_src0 and OPS["rms_norm"].reuses_src0 and OPS["add"].reuses_src0
+    assert not OPS["glu"].reuses_src0 and not OPS["add_id"].reuses_src0 and not OPS["soft_max"].reuses_src0
+    a = od.input("a", (16, 16))
+    y = ops.exp(ops.neg(a))  # exp reads neg's result for the last time: it may write over it
+    plan = od.compile(y, "cpu", plugins=manager_with())
+    assert [len(slot.keys) for slot in plan.memory["cpu"].slots] == [2]
+    monkeypatch.setitem(OPS, "exp", attrs.evolve(OPS["exp"], reuses_src0=False))
+    plan = od.compile(y, "cpu", plugins=manager_with())  # a fresh manager: a plan cache of its own
+    assert [len(slot.keys) for slot in plan.memory["cpu"].slots] == [1, 1]
+    fa = np.random.default_rng().uniform(-1, 1, (16, 16)).astype(np.float32)
+    np.testing.assert_allclose(plan.run({a: fa})[0], np.exp(-fa), rtol=1e-6)

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as GT
 
 from opdispatch import dtypes
 from opdispatch.backends.cuda.devices import H200
-from opdispatch.dispatch import compile
+from opdispatch.compiler import compile
 from opdispatch.models.generate import Generator
 from opdispatch.models.llama.config import LlamaConfig
 from opdispatch.models.llama.model import LlamaModel

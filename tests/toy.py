@@ -10,10 +10,8 @@ from typing import Iterator
 
 import numpy as np
 
-from opdispatch.backends.base import Device
 from opdispatch.backends.cpu import HostBackend
-from opdispatch.fusion import FusionRule
-from opdispatch.hookspecs import Kernel, PluginInfo, hookimpl
+from opdispatch.hookspecs import Device, FusionRule, Kernel, PluginInfo, hookimpl
 from opdispatch.manager import PluginManager
 from opdispatch.reference import load, store
 from opdispatch.reference import plugin as cpu_plugin

@@ -1,36 +1,19 @@
-"""Device, Buffer, Backend: where tensors live and how launches run.
+"""Buffer, BindContext, Backend: where tensors live and how launches run on a device.
 
-A `Device` is a plain description (name, kind, properties) so that plans and
-support predicates can be computed and tested without the hardware. Its
-`backend` factory makes the `Backend` that allocates and runs, on first use.
+The records a backend plugin yields (`Device`, `Launch`) are the contract's
+(hookspecs.py); these are the backend's side: what a kernel's bind sees and
+what dispatch allocates, transfers and runs through. `StagedTransfers` is an
+optional capability, declared so that binding checks it by isinstance.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, runtime_checkable
 
-import attrs
 import numpy as np
 
+from ..hookspecs import Device, Launch
 from ..tensor import Tensor
-
-
-@attrs.frozen
-class Device:
-    """A place to run kernels: 'cpu', 'cuda0', or a plugin's own kind."""
-
-    name: str
-    kind: str  # "cpu", "cuda", or a plugin's kind
-    description: str = ""
-    #: facts support predicates read: compute capability, smem per block, ...
-    props: dict[str, Any] = attrs.field(factory=dict, hash=False, eq=False)
-    #: makes the Backend; None for a description only (planning, tests)
-    backend_factory: Callable[[Device], Backend] | None = attrs.field(default=None, hash=False, eq=False, repr=False)
-    #: host-memory devices share numpy storage with the CPU (no copies needed)
-    host_memory: bool = False
-
-    def __str__(self) -> str:
-        return self.name
 
 
 class LaunchError(RuntimeError):
@@ -51,12 +34,6 @@ class Buffer(Protocol):
     """A block of device memory."""
 
     nbytes: int
-
-
-class Launch(Protocol):
-    """A pre-bound kernel launch: all buffers, sizes and arguments fixed at plan time."""
-
-    def __call__(self) -> None: ...
 
 
 class BindContext(Protocol):
@@ -92,24 +69,6 @@ class Backend(Protocol):
     def fill(self, buf: Buffer, byte: int) -> None:
         """Set every byte of `buf` (tests poison outputs with it)."""
 
-    # Optional: staged transfers. A backend with all five lets Plan.run upload a plan's
-    # inputs in one copy and wait once per run (dispatch._Feeder); without them, run uses
-    # write/read, one synchronous transfer each.
-    #
-    # def staging(self, nbytes: int) -> np.ndarray:
-    #     """A host uint8 buffer that upload/download may use asynchronously (CUDA: pinned)."""
-    # def sub(self, buf: Buffer, offset: int, nbytes: int, what: str) -> Buffer:
-    #     """Bytes offset..offset+nbytes of `buf` as a buffer of their own (sharing its memory)."""
-    # def upload(self, buf: Buffer, offset: int, host: np.ndarray, host_offset: int, nbytes: int) -> None:
-    #     """Queue a copy host -> buf, ordered before launches queued after it; `host` stays
-    #     unchanged until the next synchronize."""
-    # def download(self, host: np.ndarray, host_offset: int, buf: Buffer, offset: int, nbytes: int) -> None:
-    #     """Queue a copy buf -> host, ordered after launches queued before it; the bytes are
-    #     there once synchronize returns."""
-    # def mark(self) -> Callable[[], None]:
-    #     """A point in the work queued so far: the returned function waits (on the host) until
-    #     the device has reached it (Plan.submit: the device has taken an upload)."""
-
     def bind_context(self, where: Callable[[Tensor], tuple[Buffer, int]]) -> BindContext:
         """A context that resolves tensors to (buffer, byte offset) through `where`."""
 
@@ -121,3 +80,32 @@ class Backend(Protocol):
         """
 
     def synchronize(self) -> None: ...
+
+
+@runtime_checkable
+class StagedTransfers(Protocol):
+    """The optional transfers of a backend that stages them: with all five, Plan.run
+    uploads a plan's inputs in one copy and waits once per run (bind.Feeder); a
+    backend without them gets write/read, one synchronous transfer each."""
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        """A host uint8 buffer that upload/download may use asynchronously (CUDA: pinned)."""
+
+    def sub(self, buf: Buffer, offset: int, nbytes: int, what: str) -> Buffer:
+        """Bytes offset..offset+nbytes of `buf` as a buffer of their own (sharing its memory)."""
+
+    def upload(self, buf: Buffer, offset: int, host: np.ndarray, host_offset: int, nbytes: int) -> None:
+        """Queue a copy host -> buf, ordered before launches queued after it; `host` stays
+        unchanged until the next synchronize."""
+
+    def download(self, host: np.ndarray, host_offset: int, buf: Buffer, offset: int, nbytes: int) -> None:
+        """Queue a copy buf -> host, ordered after launches queued before it; the bytes are
+        there once synchronize returns."""
+
+    def mark(self) -> Callable[[], None]:
+        """A point in the work queued so far: the returned function waits (on the host) until
+        the device has reached it (Plan.submit: the device has taken an upload)."""
+
+
+class StagingBackend(Backend, StagedTransfers, Protocol):
+    """A backend with staged transfers: what a bind.Feeder drives."""

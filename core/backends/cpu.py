@@ -10,8 +10,9 @@ from typing import Callable
 import attrs
 import numpy as np
 
+from ..hookspecs import Device, Launch
 from ..tensor import Tensor
-from .base import Device, Launch, run_launches
+from .base import run_launches
 
 
 @attrs.define(eq=False)

@@ -14,9 +14,10 @@ from typing import Any, Mapping, Sequence, TextIO
 import attrs
 import numpy as np
 
-from ..backends.base import Device
-from ..dispatch import Plan, compile, resolve_device
+from ..compiler import compile
+from ..hookspecs import Device
 from ..manager import manager
+from ..plan import Plan
 from ..tensor import Tensor
 from .llama.config import window_for
 from .llama.inputs import StepInputs
@@ -124,7 +125,7 @@ class Generator:
             raise ValueError(f"llama: batch {batch} must be in 1..max_seqs of the model ({model.max_seqs}): "
                              "LlamaModel(..., max_seqs=N) sizes the KV cache")
         self.model = model
-        self.device = resolve_device(device, manager())
+        self.device = manager().device(device)
         self.fusion = fusion
         self.batch = batch
         #: cache positions filled, per sequence

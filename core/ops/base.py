@@ -24,6 +24,10 @@ class OpDef:
     family: str  # matmul | elementwise | unary | glu | norm | attention | rows | shape | reduce | view
     #: index of the source whose storage the result aliases (set_rows, cpy), or None
     inplace: int | None = None
+    #: kernels must be correct when the output aliases source 0 (same layout), so the memory
+    #: plan may write the result over source 0's bytes when it reads them for the last time
+    #: (ggml's in-place rule: elementwise maps and norms)
+    reuses_src0: bool = False
 
     @property
     def doc(self) -> str:
@@ -33,14 +37,14 @@ class OpDef:
 OPS: dict[str, OpDef] = {}
 
 
-def op(family: str, name: str | None = None, inplace: int | None = None) -> Callable:
+def op(family: str, name: str | None = None, inplace: int | None = None, reuses_src0: bool = False) -> Callable:
     """Register a builder in `OPS` under `name` (default: the function's name)."""
 
     def register(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         key = name or fn.__name__
         if key in OPS:
             raise RuntimeError(f"op '{key}' registered twice")
-        OPS[key] = OpDef(key, fn, family, inplace)
+        OPS[key] = OpDef(key, fn, family, inplace, reuses_src0)
         return fn
 
     return register

@@ -44,7 +44,7 @@ def _binary(op_name: str, a: Tensor, b: Tensor) -> Tensor:
     return node(op_name, (a, b), a.shape, a.dtype)
 
 
-@op("elementwise")
+@op("elementwise", reuses_src0=True)
 def add(a: Tensor, b: Tensor) -> Tensor:
     """a + b, b repeated into a by modulo in every axis (ggml_add); a's shape and dtype.
 
@@ -54,19 +54,19 @@ def add(a: Tensor, b: Tensor) -> Tensor:
     return _binary("add", a, b)
 
 
-@op("elementwise")
+@op("elementwise", reuses_src0=True)
 def sub(a: Tensor, b: Tensor) -> Tensor:
     """a - b, b repeated into a by modulo in every axis (ggml_sub); a's shape and dtype."""
     return _binary("sub", a, b)
 
 
-@op("elementwise")
+@op("elementwise", reuses_src0=True)
 def mul(a: Tensor, b: Tensor) -> Tensor:
     """a * b, b repeated into a by modulo in every axis (ggml_mul); a's shape and dtype."""
     return _binary("mul", a, b)
 
 
-@op("elementwise")
+@op("elementwise", reuses_src0=True)
 def div(a: Tensor, b: Tensor) -> Tensor:
     """a / b, b repeated into a by modulo in every axis (ggml_div); a's shape and dtype."""
     return _binary("div", a, b)
@@ -104,21 +104,21 @@ def add_id(a: Tensor, b: Tensor, ids: Tensor) -> Tensor:
 # -- maps with parameters -------------------------------------------------------
 
 
-@op("elementwise")
+@op("elementwise", reuses_src0=True)
 def scale(x: Tensor, s: float, bias: float = 0.0) -> Tensor:
     """x * s + bias (ggml_scale / ggml_scale_bias); x's shape and dtype."""
     _float_source("scale", x)
     return node("scale", (x,), x.shape, x.dtype, {"s": float(s), "bias": float(bias)})
 
 
-@op("elementwise")
+@op("elementwise", reuses_src0=True)
 def clamp(x: Tensor, min: float, max: float) -> Tensor:  # noqa: A002 - ggml's parameter names
     """max(min(x, max), min) (ggml_clamp, in its order: min wins when min > max)."""
     _float_source("clamp", x)
     return node("clamp", (x,), x.shape, x.dtype, {"min": float(min), "max": float(max)})
 
 
-@op("elementwise")
+@op("elementwise", reuses_src0=True)
 def leaky_relu(x: Tensor, negative_slope: float = 0.01) -> Tensor:
     """x where x > 0, else negative_slope * x (ggml_leaky_relu)."""
     _float_source("leaky_relu", x)
@@ -137,7 +137,7 @@ def _map_op(family: str, name: str, formula: str) -> Callable[[Tensor], Tensor]:
 
     build.__name__ = build.__qualname__ = name
     build.__doc__ = f"{formula}, elementwise (ggml_{name}); f32/f16/bf16, any strides, same shape and dtype out."
-    return op(family, name)(build)
+    return op(family, name, reuses_src0=True)(build)
 
 
 sqr = _map_op("elementwise", "sqr", "x * x")

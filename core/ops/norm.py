@@ -31,7 +31,7 @@ def _norm_node(op_name: str, x: Tensor, eps: float, groups: object = None) -> Te
     return node(op_name, (x,), x.shape, "f32", params)
 
 
-@op("norm")
+@op("norm", reuses_src0=True)
 def norm(x: Tensor, eps: float = 1e-5) -> Tensor:
     """Layer norm without affine terms, per row: (x - mean) / sqrt(var + eps) (ggml_norm).
 
@@ -40,19 +40,19 @@ def norm(x: Tensor, eps: float = 1e-5) -> Tensor:
     return _norm_node("norm", x, eps)
 
 
-@op("norm")
+@op("norm", reuses_src0=True)
 def rms_norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     """RMS norm per row: x / sqrt(mean(x**2) + eps) over the last axis (ggml_rms_norm)."""
     return _norm_node("rms_norm", x, eps)
 
 
-@op("norm")
+@op("norm", reuses_src0=True)
 def l2_norm(x: Tensor, eps: float = 1e-12) -> Tensor:
     """L2 normalization per row: x / max(||x||_2, eps) over the last axis (ggml_l2_norm)."""
     return _norm_node("l2_norm", x, eps)
 
 
-@op("norm")
+@op("norm", reuses_src0=True)
 def group_norm(x: Tensor, groups: int, eps: float = 1e-6) -> Tensor:
     """Group norm without affine terms: x (N, C, H, W) normalized over (C/groups, H, W) slices (ggml_group_norm).
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from ..backends.base import BindContext, Device, Launch
+from ..backends.base import BindContext
 from ..backends.cpu import HostBackend
-from ..hookspecs import PRIORITY_REFERENCE, Kernel, PluginInfo, hookimpl
+from ..hookspecs import PRIORITY_REFERENCE, Device, Kernel, Launch, PluginInfo, hookimpl
 from ..tensor import Tensor
 from . import REFERENCE
 

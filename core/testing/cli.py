@@ -17,8 +17,7 @@ import math
 import sys
 from typing import Any, Callable, TextIO
 
-from ..backends.base import Device
-from ..dispatch import resolve_device
+from ..hookspecs import Device
 from ..manager import PluginManager, manager
 from .cases import Case, sweep
 from .harness import Result, Status, copy_bandwidth, format_rate, run_case, run_perf, support
@@ -129,7 +128,7 @@ def test_ops_main(args: argparse.Namespace, plugins: PluginManager | None = None
     mgr = plugins or manager()
     selected = [name for item in args.op for name in item.split(",") if name]
     try:
-        device = resolve_device(args.device, mgr)
+        device = mgr.device(args.device)
         by_case = sweep(selected, args.full, perf=args.mode == "perf")
     except (KeyError, ValueError) as exc:
         print(f"opdispatch test-ops: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)

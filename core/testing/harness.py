@@ -24,11 +24,12 @@ import attrs
 import numpy as np
 
 from .. import ops
-from ..backends.base import Device
-from ..dispatch import Plan, compile, resolve_device
+from ..compiler import compile
 from ..dtypes import to_host_float
 from ..graph import Graph
+from ..hookspecs import Device
 from ..manager import PluginManager, manager
+from ..plan import Plan
 from ..sched import Step
 from ..tensor import Tensor
 from .cases import Case
@@ -112,7 +113,7 @@ def _place(case: Case, device: str | Device | None, mgr: PluginManager, prefer: 
            exclude: Iterable[str], fusion: bool, plugin: str | None, rng: np.random.Generator) -> _Placed:
     outputs, feeds = case.build(rng)
     graph = Graph.build(outputs)
-    dev = resolve_device(device, mgr)
+    dev = mgr.device(device)
     order = (plugin, *(p for p in prefer if p != plugin)) if plugin else tuple(prefer)
     plan = compile(graph, dev, prefer=order, exclude=exclude, fusion=fusion, plugins=mgr)
     step = _step_of(plan)

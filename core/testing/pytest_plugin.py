@@ -19,7 +19,6 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from ..dispatch import resolve_device
 from ..manager import manager
 from .cases import Case, sweep
 from .harness import Result, Status, run_case
@@ -64,7 +63,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     opt = metafunc.config.getoption
     selected = [name for item in opt("--opdispatch-op") for name in item.split(",") if name]
-    marks = [pytest.mark.gpu] if resolve_device(opt("--opdispatch-device"), manager()).kind == "cuda" else []
+    marks = [pytest.mark.gpu] if manager().device(opt("--opdispatch-device")).kind == "cuda" else []
     params = []
     for group, group_cases in sweep(selected, opt("--opdispatch-full")).items():
         if not group_cases:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from opdispatch.backends.base import Device
+from opdispatch.hookspecs import Device
 from opdispatch.ops.base import pad4
 from opdispatch.tensor import Tensor
 

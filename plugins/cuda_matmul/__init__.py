@@ -65,9 +65,7 @@ import numpy as np
 from opdispatch.backends.cuda.devices import warp32_gate
 from opdispatch.backends.cuda.kernels import GLU_CODES, KernelSpec, chain
 from opdispatch.backends.cuda.scratch import Workspace
-from opdispatch.backends.base import Device, Launch
-from opdispatch.fusion import FusionRule
-from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
+from opdispatch.hookspecs import PRIORITY_BUILTIN, Device, FusionRule, Kernel, Launch, PluginInfo, hookimpl
 from opdispatch.ops.base import pad4
 from opdispatch.tensor import Tensor
 

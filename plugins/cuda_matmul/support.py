@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import attrs
 
-from opdispatch.backends.base import Device
+from opdispatch.hookspecs import Device
 from opdispatch.ops.base import pad4
 from opdispatch.tensor import Tensor
 

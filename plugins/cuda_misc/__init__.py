@@ -19,9 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from opdispatch.backends.cuda.devices import warp32_gate
-from opdispatch.backends.base import Device
-from opdispatch.fusion import FusionRule
-from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
+from opdispatch.hookspecs import PRIORITY_BUILTIN, Device, FusionRule, Kernel, PluginInfo, hookimpl
 from opdispatch.tensor import Tensor
 
 from . import elementwise

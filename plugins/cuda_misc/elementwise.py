@@ -41,9 +41,7 @@ import attrs
 import numpy as np
 
 from opdispatch.backends.cuda.kernels import GLU_CODES, KernelSpec
-from opdispatch.backends.base import Device, Launch
-from opdispatch.fusion import FusionRule
-from opdispatch.hookspecs import Kernel
+from opdispatch.hookspecs import Device, FusionRule, Kernel, Launch
 from opdispatch.ops.base import FLOATS, pad4
 from opdispatch.ops.elementwise import UNARY_OPS
 from opdispatch.tensor import Tensor

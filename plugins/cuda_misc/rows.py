@@ -29,11 +29,9 @@ import numpy as np
 
 from opdispatch.backends.cuda.kernels import KernelSpec, chain
 from opdispatch.backends.cuda.scratch import Workspace
-from opdispatch.backends.base import Device, Launch
 from opdispatch.dtypes import DTYPES, DType
-from opdispatch.fusion import FusionRule
 from opdispatch.graph import Graph
-from opdispatch.hookspecs import Kernel
+from opdispatch.hookspecs import Device, FusionRule, Kernel, Launch
 from opdispatch.ops.base import FLOATS, QUANTS, pad4
 from opdispatch.tensor import Tensor
 

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from opdispatch.backends.base import Device
 from opdispatch.backends.cuda.devices import warp32_gate
-from opdispatch.fusion import FusionRule
-from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
+from opdispatch.hookspecs import PRIORITY_BUILTIN, Device, FusionRule, Kernel, PluginInfo, hookimpl
 from opdispatch.tensor import Tensor
 
 from . import bind, fusion, support

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from opdispatch.backends.base import Device
+from opdispatch.hookspecs import Device
 from opdispatch.graph import Graph
 from opdispatch.support import first_failure
 from opdispatch.tensor import Tensor

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from opdispatch.backends.base import Device
+from opdispatch.hookspecs import Device
 from opdispatch.ops.base import can_repeat, pad4
 from opdispatch.support import INT_MAX, Rule, first_failure, inner_packed, outer_rows, whole_elements
 from opdispatch.tensor import Tensor

@@ -19,8 +19,9 @@ from typing import Any, Callable, Hashable
 import attrs
 import numpy as np
 
+from ...hookspecs import Device, Launch
 from ...tensor import Tensor
-from ..base import Device, Launch, LaunchError
+from ..base import LaunchError
 from .graphs import GraphRunner, graphs_enabled, stream_capture
 from .kernels import EMPTY
 from .scratch import ScratchPool
@@ -155,7 +156,7 @@ class CudaBackend:
             self.synchronize()
         return out
 
-    # -- staged transfers (Plan.run's feeder, dispatch._Feeder) -------------------------
+    # -- staged transfers (StagedTransfers: Plan.run's bind.Feeder) ---------------------
     # A decode step's host work must stay far below a millisecond: one H2D copy of all inputs
     # from pinned memory, the graph replay and the D2H copies of the outputs are all queued on
     # our one stream (so they run in that order on the GPU), and the caller waits once. Pinned

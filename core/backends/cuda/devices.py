@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from ..base import Device
+from ...hookspecs import Device
 
 if TYPE_CHECKING:
     from .backend import CudaBackend

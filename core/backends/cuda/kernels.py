@@ -37,8 +37,8 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 import attrs
 import numpy as np
 
+from ...hookspecs import Launch
 from ...ops.elementwise import GLU_KINDS
-from ..base import Launch
 from .args import KernelArgs
 
 #: Shared headers (common.cuh); on the include path of every module.

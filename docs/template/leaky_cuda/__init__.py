@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from opdispatch.backends.base import Device
-from opdispatch.fusion import FusionRule
-from opdispatch.hookspecs import Kernel, PluginInfo, hookimpl
+from opdispatch.hookspecs import Device, FusionRule, Kernel, PluginInfo, hookimpl
 
 from . import bind, fusion, support
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from opdispatch.backends.base import Launch
+from opdispatch.hookspecs import Launch
 from opdispatch.tensor import Tensor
 
 from .specs import leaky_spec

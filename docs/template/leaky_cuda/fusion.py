@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from opdispatch.backends.base import Device
+from opdispatch.hookspecs import Device
 from opdispatch.graph import Graph
 from opdispatch.tensor import Tensor
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from opdispatch.backends.base import Device
+from opdispatch.hookspecs import Device
 from opdispatch.support import INT_MAX, Rule, first_failure
 from opdispatch.tensor import Tensor
 

@@ -1,0 +1,95 @@
+"""compile(): fusion, kernel selection, device split and memory plan -> Plan, and the plan cache.
+
+Plans are cached per plugin manager by the graph's structural key and the
+compile options, so a decode loop that rebuilds its graph every step gets the
+same (already bound) plan back. The cache belongs to dispatch; it keeps the
+manager's `generation` and drops every plan once plugins change.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+import attrs
+
+from .alloc import plan_memory
+from .graph import Graph
+from .hookspecs import Device
+from .manager import PluginManager, manager
+from .plan import Plan
+from .sched import Scheduler
+from .tensor import Tensor
+
+#: plans kept per plugin manager (each holds its arenas once bound)
+PLAN_CACHE_SIZE = 64
+
+
+def fusion_from_env() -> bool:
+    return os.environ.get("OPDISPATCH_DISABLE_FUSION", "") in ("", "0")
+
+
+@attrs.define(eq=False)
+class PlanCache:
+    """One manager's compiled plans by key, least recently used first."""
+
+    generation: int
+    plans: OrderedDict[tuple, Plan] = attrs.field(factory=OrderedDict)
+
+
+_CACHES: weakref.WeakKeyDictionary[PluginManager, PlanCache] = weakref.WeakKeyDictionary()
+
+
+def plan_cache(mgr: PluginManager) -> PlanCache:
+    """`mgr`'s plan cache, emptied if its plugins changed since the cache was filled."""
+    cache = _CACHES.get(mgr)
+    if cache is None or cache.generation != mgr.generation:
+        cache = _CACHES[mgr] = PlanCache(mgr.generation)
+    return cache
+
+
+def compile(  # noqa: A001 - the natural name
+    outputs: Graph | Tensor | Sequence[Tensor],
+    device: str | Device | None = None,
+    *,
+    prefer: Sequence[str] = (),
+    exclude: Iterable[str] = (),
+    fusion: bool | None = None,
+    host_params: Iterable[Tensor] = (),
+    plugins: PluginManager | None = None,
+) -> Plan:
+    """Plan `outputs` for `device` (default: the first GPU, else the CPU).
+
+    `prefer`/`exclude` reorder the plugins (see manager.py); `fusion=False`
+    (or OPDISPATCH_DISABLE_FUSION=1) turns fusion off; `host_params` are
+    weights that stay in host memory (run on the CPU unless offloaded).
+    Plans are cached by the graph's structural key and these options
+    (registering a plugin empties the cache).
+    """
+    graph = outputs if isinstance(outputs, Graph) else Graph.build(outputs)
+    mgr = plugins or manager()
+    dev = mgr.device(device)
+    fusion = fusion_from_env() if fusion is None else fusion
+    order = mgr.order(prefer, exclude)
+    host = frozenset(host_params)
+    # The key holds `dev` itself so that its id stays unique while cached, and the OPDISPATCH_ switches,
+    # which plugins may read when asked (the offload threshold) and backends when binding (CUDA graphs, PDL).
+    switches = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("OPDISPATCH_")))
+    key = (graph.key(), dev, id(dev), fusion, tuple(p.name for p in order), tuple(sorted(t.uid for t in host)),
+           switches)
+    cache = plan_cache(mgr).plans
+    cached = cache.get(key)
+    if cached is not None:
+        cache.move_to_end(key)
+        return cached.for_graph(graph)
+    fallback = dev if dev.kind == "cpu" else mgr.cpu()
+    sched = Scheduler(mgr, order, dev, fallback, fusion, host)
+    steps = sched.schedule(graph)
+    memory = plan_memory(graph, steps, sched.homes)
+    plan = Plan(graph, dev, steps, sched.homes, memory, fusion, [p.name for p in order])
+    cache[key] = plan
+    while len(cache) > PLAN_CACHE_SIZE:  # a sweep must not hold every plan's buffers
+        cache.popitem(last=False)
+    return plan
