@@ -1,7 +1,7 @@
 """cuBLAS under CUDA-graph capture: our own handle, reached through ctypes.
 
 CuPy refuses cuBLAS calls while its stream captures ("calling cuBLAS API
-during stream capture is currently unsupported"). DESIGN.md's measured way
+during stream capture is currently unsupported"). The measured way (docs/design.md)
 around it: a cuBLAS handle of our own, created with `cublasCreate_v2` on the
 libcublas CuPy loads, its stream (`cublasSetStream_v2`) and a preallocated
 workspace (`cublasSetWorkspace_v2`, after the stream: setting a stream resets

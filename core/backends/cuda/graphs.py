@@ -1,6 +1,6 @@
 """Running a segment of launches: directly, or captured once into a CUDA graph and replayed.
 
-DESIGN.md measured ~9 us to launch a kernel from Python and ~0.9 us per
+docs/design.md gives ~9 us to launch a kernel from Python and ~0.9 us per
 kernel replayed from a CUDA graph, so a segment is captured and replayed.
 The rule is ggml's: every run comes with a signature describing all its
 launches (kernels, grids, addresses, shapes, params); a changed signature

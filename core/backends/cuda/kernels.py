@@ -9,7 +9,7 @@ bind time::
     return launcher(fn, rows, 128, (np.uint64(ctx.ptr(x)), np.int32(n), ...), stream=ctx.stream)
 
 `launcher` converts the arguments once and returns a launch that is one
-cuLaunchKernel call: no per-call argument conversion, as DESIGN.md's
+cuLaunchKernel call: no per-call argument conversion, as the
 measured launch costs demand. Arguments are numpy scalars of the exact C
 type of each kernel parameter (pointers np.uint64, `int` np.int32,
 `long long` np.int64, `float` np.float32): a Python int would be a guess.
