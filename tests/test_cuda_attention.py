@@ -575,7 +575,7 @@ def test_rope_spec(mode: str, dt: str) -> None:
     theta_scale, freq_scale, ext, mscale, lo, hi = (float(a) for a in spec.args[14:])
     assert theta_scale == pytest.approx(500000.0 ** (-2 / 64), rel=1e-6)
     assert mscale == pytest.approx(1.2 * (1 + 0.1 * math.log(4)), rel=1e-6)
-    from opdispatch.reference.attention import rope_yarn_corr_dims
+    from opdispatch.ops.attention import rope_yarn_corr_dims
     assert (lo, hi) == rope_yarn_corr_dims(64, 4096, 500000.0, 32.0, 1.0)
     assert spec.grid == (-(-total // ca.ROPE_BLOCK),) and spec.block == ca.ROPE_BLOCK
     # a row of x one element off 16 bytes: pairs

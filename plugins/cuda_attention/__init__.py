@@ -44,7 +44,7 @@ from opdispatch.backends.base import Device, Launch
 from opdispatch.fusion import FusionRule
 from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo, hookimpl
 from opdispatch.ops.base import pad4
-from opdispatch.reference.attention import rope_yarn_corr_dims
+from opdispatch.ops.attention import rope_yarn_corr_dims
 from opdispatch.tensor import Tensor
 
 from . import fusion, support
