@@ -2,7 +2,7 @@
 
 Decode: 1 query, 8192 keys, 32 query / 8 KV heads, D = 128, batch 1 and 16,
 f16 and bf16 K/V, against F.scaled_dot_product_attention(enable_gqa=True)
-(DESIGN.md target: <= 20 us at batch 1; torch 47.5 us). Bytes: K, V, q, out.
+(target: <= 20 us at batch 1; torch 47.5 us). Bytes: K, V, q, out.
 Prefill: causal through the mask, D = 128, 4096 tokens, 32 heads, batch 4,
 FLOPs = 4*B*H*Tq*Tk*D/2 (causal: half the products), against SDPA
 is_causal=True (target: >= 50% of its TFLOP/s). Softmax and rope: bytes
