@@ -3,7 +3,7 @@ decode step's q/k/v rope + KV-cache writes in one launch.
 
 Without a GPU: plans for a device description (who takes each node, declines
 with their reasons), fusion matching, and the launch specs (kernel instance,
-grid, arguments) against the kernels' own signatures. On a GPU: OPS.md's
+grid, arguments, one named record a kernel) against the kernels' own signatures. On a GPU: a
 sweep against the numpy reference by NMSE (soft_max <= 1e-6, rope 1e-7 / the
 f16 bound, flash_attn_ext <= 5e-4): masks f16/f32 with -inf blocks, fully
 masked rows, sinks, ALiBi, softcap, head sizes 64..256, GQA 1/4/8, KV types
@@ -29,10 +29,13 @@ import pytest
 import opdispatch as od
 import opdispatch.plugins.cuda_attention as ca
 from opdispatch import ops
-from opdispatch.backends.cuda.devices import H200
+from opdispatch.backends.cuda.args import KernelArgs
+from opdispatch.backends.cuda.devices import H200, facts
+from opdispatch.backends.cuda.kernels import KernelSpec, kernel_params
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
-from opdispatch.plugins.cuda_attention import fusion, support
+from opdispatch.plugins.cuda_attention import fusion, specs
+from opdispatch.plugins.cuda_attention.specs import flash, rope, softmax
 from opdispatch.tensor import Tensor
 from opdispatch.testing.cases import Inputs, bound
 from opdispatch.testing.metrics import nmse
@@ -42,6 +45,7 @@ gpu = pytest.mark.gpu
 TURING = Device("cuda0", "cuda", "sm_75 (description)",
                 {"cc": (7, 5), "sm_count": 40, "smem_per_block": 49152, "warp_size": 32})
 CPU = Device("cpu", "cpu")
+DEV = facts(H200)  # what the specs are sized by: 132 SMs, 228 KiB of shared memory an SM
 ATTN_OPS = ("soft_max", "rope", "flash_attn_ext")
 
 
@@ -136,7 +140,7 @@ def test_flash_attn_ext_declines_what_does_not_fit_shared_memory(d: int, tq: int
     (step,) = steps_of(od.compile(fa(d, tq, 113), SM86), "flash_attn_ext")
     assert (step.plugin == "cuda_attention") == runs_on_gpu, step.declined
     if not runs_on_gpu:
-        need = ca.decode_smem(d) if tq <= support.DECODE_MAX_TQ else ca.prefill_smem(d)
+        need = flash.decode_smem(d) if tq <= flash.DECODE_MAX_TQ else flash.prefill_smem(d)
         reason = f"the kernel for head size {d} needs {need} bytes of shared memory a block, cuda0 has 101376"
         assert ("cuda_attention", reason) in step.declined
 
@@ -181,9 +185,9 @@ def test_fuses_rope_view_set_rows(cache: str, idx: str, how: str) -> None:
     assert [n.op for n in step.nodes] == ["rope", how, "set_rows"]
     assert len([s for s in plan.steps if s.kind in ("kernel", "fused")]) == 1
     assert f"cuda_attention [fused rope_{how}_set_rows] on cuda0" in plan.explain()
-    spec, = ca.rope_set_rows_specs(step.nodes, fake_ptr)
-    assert spec.kernel in ca.KERNEL_SOURCES[ca.ROPE_CU]
-    assert spec_types(spec) == kernel_param_types(ca.ROPE_CU, "rope_set_rows")
+    spec, = rope.rope_set_rows_specs(*fusion.parts(step.nodes), fake_ptr, DEV)
+    assert spec.kernel in specs.KERNEL_SOURCES[rope.ROPE_CU]
+    assert spec_types(spec) == kernel_param_types(rope.ROPE_CU, "rope_set_rows")
 
 
 @pytest.mark.parametrize(("build", "reason"), [
@@ -274,23 +278,26 @@ def test_fuses_the_decode_steps_rope_and_kv_writes(cache: str, idx: str, mode: s
     rope_q, _, k_rows, v_rows = fusion.qkv_parts(step.nodes)
     assert step.writes == (rope_q, k_rows) and step.out is v_rows
     assert [s.kind for s in plan.steps if s.kind != "view"] == ["fused"]  # one launch, no copies
-    (spec,) = ca.rope_qkv_specs(step.nodes, fake_ptr)
-    assert spec.kernel in ca.KERNEL_SOURCES[ca.ROPE_CU] and spec.kernel == ca.rope_qkv_kernel(mode == "neox", cache, idx)
-    assert spec_types(spec) == kernel_param_types(ca.ROPE_CU, "rope_qkv_set_rows")
-    vec, tokens, hq, gq, hk, gk, v_cols, qs_h, qs_t, ks_h, ks_t, vs_t, kcs, vcs = (int(a) for a in spec.args[9:23])
+    (spec,) = rope.rope_qkv_specs(*fusion.qkv_parts(step.nodes), fake_ptr, DEV)
+    assert spec.kernel in specs.KERNEL_SOURCES[rope.ROPE_CU]
+    assert spec.kernel == rope.rope_qkv_kernel(mode == "neox", cache, idx)
+    assert spec_types(spec) == kernel_param_types(rope.ROPE_CU, "rope_qkv_set_rows")
+    a = spec.args
+    vec, tokens, hq, gq, hk, gk, v_cols, qs_h, qs_t, ks_h, ks_t, vs_t, kcs, vcs = (int(v) for v in (
+        a.vec, a.tokens, a.hq, a.gq, a.hk, a.gk, a.v_cols, a.qs_h, a.qs_t, a.ks_h, a.ks_t, a.vs_t, a.kcs, a.vcs))
     row = (8 + 2 * 2) * 64
     assert (vec, tokens, hq, gq, hk, gk, v_cols) == (1, 3, 8, 8, 2, 2, 128)  # 16-byte rows; a head a thread
     assert (qs_h, qs_t, ks_h, ks_t, vs_t, kcs, vcs) == (64, row, 64, row, row, 128, 128)
     units = 64 // 8  # f32 chunks of 4 pairs
-    assert spec.grid == (-(-max(3 * 8 * units, 3 * 2 * units, 3 * 128 // 4) // ca.ROPE_BLOCK), 3)
+    assert spec.grid == (-(-max(3 * 8 * units, 3 * 2 * units, 3 * 128 // 4) // rope.ROPE_BLOCK), 3)
 
 
 def test_fused_qkv_takes_pairs_where_rows_do_not_tile() -> None:
     plan = od.compile(qkv_step(Inputs(np.random.default_rng(0)), d=66, n_dims=40), H200)
     (step,) = plan.fusions
-    (spec,) = ca.rope_qkv_specs(step.nodes, fake_ptr)
-    assert int(spec.args[9]) == 0  # vec
-    assert spec.grid == (-(-max(3 * 8 * 33, 3 * 2 * 132) // ca.ROPE_BLOCK), 3)
+    (spec,) = rope.rope_qkv_specs(*fusion.qkv_parts(step.nodes), fake_ptr, DEV)
+    assert int(spec.args.vec) == 0
+    assert spec.grid == (-(-max(3 * 8 * 33, 3 * 2 * 132) // rope.ROPE_BLOCK), 3)
 
 
 @pytest.mark.parametrize(("kw", "reason"), [
@@ -353,7 +360,7 @@ def test_fuses_the_decode_steps_rope_kv_writes_and_attention(cache: str, idx: st
     assert (step.plugin, step.kernel) == ("cuda_attention", "rope_qkv_flash_attn_ext"), plan.explain()
     assert [n.op for n in step.nodes] == list(fusion.ATTN_PATTERN)
     assert [s.kind for s in plan.steps if s.kind != "view"] == ["fused"]  # one launch
-    fused = ca.FusedQKV.of(step.nodes)
+    fused = fusion.fused_qkv(step.nodes)
     assert (fused.row0, fused.rows_b) == (0, 320)
     stored = {step.nodes[-1].base, *(n.base for n in plan.graph.leafs),
               *(step.nodes[j].base for j in fusion.ATTN_OUTPUTS)}
@@ -362,10 +369,11 @@ def test_fuses_the_decode_steps_rope_kv_writes_and_attention(cache: str, idx: st
         assert t.base in stored, f"{t.describe()} has no storage"
         return fake_ptr(t)
 
-    (spec,) = ca.flash_plan(step.nodes[-1], 132, fused).specs(ptr, [BASE, BASE, BASE])
-    assert spec.kernel == ca.decode_kernel(64, cache, mode, idx) and spec.kernel in ca.KERNEL_SOURCES[ca.DECODE_CU]
-    assert spec_types(spec) == kernel_param_types(ca.DECODE_CU, "fattn_decode")
-    assert spec.smem == support.decode_smem(64, True) > support.decode_smem(64)
+    (spec,) = flash.flash_plan(step.nodes[-1], DEV, fused).specs(ptr, [BASE, BASE, BASE])
+    assert spec.kernel == flash.decode_kernel(64, cache, mode, idx)
+    assert spec.kernel in specs.KERNEL_SOURCES[flash.DECODE_CU]
+    assert spec_types(spec) == kernel_param_types(flash.DECODE_CU, "fattn_decode")
+    assert spec.smem == flash.decode_smem(64, True) > flash.decode_smem(64)
 
 
 def test_attention_runs_unfused_where_the_fused_kernel_would_split_the_kv_less() -> None:
@@ -376,7 +384,7 @@ def test_attention_runs_unfused_where_the_fused_kernel_would_split_the_kv_less()
     answer = fusion.check_attn(H200, graph.nodes[first:first + len(fusion.ATTN_PATTERN)], graph)
     assert isinstance(answer, str) and "fewer KV splits than the unfused attention" in answer, answer
     assert [s.kernel for s in od.compile(outputs, H200).fusions] == ["rope_qkv_set_rows"]
-    assert support.FUSED_DECODE_BLOCKS_PER_SM[64] < support.decode_blocks_per_sm(64)
+    assert flash.FUSED_DECODE_BLOCKS_PER_SM[64] < flash.decode_blocks_per_sm(64, DEV.smem_per_sm)
 
 
 @pytest.mark.parametrize(("kw", "reason", "fused"), [
@@ -420,28 +428,35 @@ def kernel_param_types(source: Path, name: str) -> list[type]:
     return types
 
 
-def spec_types(spec: ca.Spec) -> list[type]:
-    return [type(a) for a in spec.args]
+def spec_types(spec: KernelSpec) -> list[type]:
+    """The argument types of a spec, whose arguments are the named record of its kernel."""
+    assert isinstance(spec.args, KernelArgs) and spec.kernel.split("<")[0] in type(spec.args).KERNELS, spec.kernel
+    return [type(a) for a in spec.arg_values]
 
 
 def test_rope_layout_picks_chunks_where_rows_allow_and_fills_the_gpu() -> None:
-    chunks = lambda *a: ca.rope_layout(*a)  # noqa: E731 - rows, heads, d, n_dims, bytes of x, 16-byte rows
-    assert chunks(4096, 32, 128, 128, 2, True) == ca.RopeLayout(True, 8, chunks(4096, 32, 128, 128, 2, True).groups,
-                                                                4096, 4)  # 8 chunks of 8 f16 pairs (16 values)
+    # rows, heads, d, n_dims, bytes of x, 16-byte rows; the H200's SM count
+    chunks = lambda *a: rope.rope_layout(*a, DEV.sm_count)  # noqa: E731
+    assert chunks(4096, 32, 128, 128, 2, True) == rope.RopeLayout(True, 8, chunks(4096, 32, 128, 128, 2, True).groups,
+                                                                  4096, 4)  # 8 chunks of 8 f16 pairs (16 values)
     assert chunks(4096, 32, 128, 128, 4, True).units == 16  # f32: 4 pairs a chunk
-    assert chunks(4096, 32, 128, 128, 4, False) == ca.RopeLayout(False, 64, chunks(4096, 32, 128, 128, 4, True).groups,
-                                                                 4096)  # misaligned rows: pairs
+    assert chunks(4096, 32, 128, 128, 4, False) == rope.RopeLayout(False, 64,
+                                                                   chunks(4096, 32, 128, 128, 4, True).groups,
+                                                                   4096)  # misaligned rows: pairs
     assert not chunks(9, 2, 96, 40, 2, True).vec and chunks(9, 2, 96, 40, 4, True).vec  # 40 % 16, 40 % 8
     assert not chunks(9, 2, 66, 66, 4, True).vec
     # heads a thread: ROPE_HEADS_PER_THREAD on large launches, fewer (down to one) while the grid is small
     big = chunks(1 << 20, 32, 128, 128, 2, True)
-    assert big.groups == 32 // ca.ROPE_HEADS_PER_THREAD and big.threads == (1 << 20) * 8 * big.groups
+    assert big.groups == 32 // rope.ROPE_HEADS_PER_THREAD and big.threads == (1 << 20) * 8 * big.groups
     assert chunks(1, 32, 64, 64, 4, True).groups == 32  # a decode step: a head a thread
+    # the fill is the device's: a GPU of one SM is filled by 8 heads a thread at 64 rows, the H200 is not
+    assert (rope.rope_layout(64, 32, 128, 128, 2, True, 1).groups, chunks(64, 32, 128, 128, 2, True).groups) == (4, 32)
+    fill = DEV.sm_count * rope.ROPE_FILL_THREADS_PER_SM
     for rows in (1, 64, 1024, 4096, 16384):
         lay = chunks(rows, 20, 128, 128, 2, True)
         hpt = -(-20 // lay.groups)
-        assert hpt <= ca.ROPE_HEADS_PER_THREAD and (hpt == 1 or lay.threads >= ca.ROPE_FILL_THREADS)
-        assert lay.grid == (-(-lay.threads // ca.ROPE_BLOCK),)
+        assert hpt <= rope.ROPE_HEADS_PER_THREAD and (hpt == 1 or lay.threads >= fill)
+        assert lay.grid == (-(-lay.threads // rope.ROPE_BLOCK),)
 
 
 @pytest.mark.parametrize(("rows", "heads", "d", "elem", "share"), [
@@ -452,7 +467,7 @@ def test_rope_lanes_that_share_angles_hold_one_chunk_of_one_token(rows: int, hea
     """rope.cu's chunk_angles: lane r of a sharing set takes angles from lanes first + f * units (f < share)
     of its warp, which must be threads of the launch holding the same chunk of the same token, in the
     set's consecutive head groups."""
-    lay = ca.rope_layout(rows, heads, d, d, elem, True)
+    lay = rope.rope_layout(rows, heads, d, d, elem, True, DEV.sm_count)
     assert lay.vec and lay.share == share
     for idx in range(lay.threads):
         u, g, bt = idx % lay.units, idx // lay.units % lay.groups, idx // (lay.units * lay.groups)
@@ -476,7 +491,7 @@ def _rope_pairs(d: int, n_dims: int, neox: bool) -> dict:
     return out
 
 
-def _rope_layout_pairs(lay: ca.RopeLayout, d: int, n_dims: int, neox: bool, e: int, heads: int) -> dict:
+def _rope_layout_pairs(lay: rope.RopeLayout, d: int, n_dims: int, neox: bool, e: int, heads: int) -> dict:
     """What rope.cu's threads do (slot_of, then rope_chunks or rope_pairs) for one token row:
     (head, element) -> (partner, angle index or None)."""
     out = {}
@@ -507,7 +522,7 @@ def _rope_layout_pairs(lay: ca.RopeLayout, d: int, n_dims: int, neox: bool, e: i
 def test_rope_threads_rotate_every_pair_of_every_head_once(neox: bool, elem: int, packs: bool) -> None:
     for d, n_dims, heads, rows in [(64, 64, 1, 1), (128, 96, 3, 9), (128, 32, 8, 1), (256, 128, 5, 4096),
                                    (80, 80, 20, 1), (128, 128, 32, 4096), (66, 40, 3, 2)]:
-        lay = ca.rope_layout(rows, heads, d, n_dims, elem, packs)
+        lay = rope.rope_layout(rows, heads, d, n_dims, elem, packs, DEV.sm_count)
         got, pairs = _rope_layout_pairs(lay, d, n_dims, neox, 16 // elem, heads), _rope_pairs(d, n_dims, neox)
         assert len(got) == heads * d
         for (h, x), (y, i) in got.items():
@@ -515,10 +530,22 @@ def test_rope_threads_rotate_every_pair_of_every_head_once(neox: bool, elem: int
 
 
 def test_every_kernel_signature_is_readable() -> None:
-    for source, name in ((ca.SOFTMAX_CU, "soft_max_f32"), (ca.ROPE_CU, "rope_kernel"), (ca.ROPE_CU, "rope_set_rows"),
-                         (ca.DECODE_CU, "fattn_decode"),
-                         (ca.PREFILL_CU, "fattn_prefill"), (ca.PREFILL_CU, "fattn_mask_flags")):
+    for source, name in ((softmax.SOFTMAX_CU, "soft_max_f32"), (rope.ROPE_CU, "rope_kernel"),
+                         (rope.ROPE_CU, "rope_set_rows"), (flash.DECODE_CU, "fattn_decode"),
+                         (flash.PREFILL_CU, "fattn_prefill"), (flash.PREFILL_CU, "fattn_mask_flags")):
         assert kernel_param_types(source, name)
+
+
+def test_every_launched_kernel_has_a_record_following_its_head() -> None:
+    records = {kernel: cls for module in (softmax, rope, flash) for cls in vars(module).values()
+               if isinstance(cls, type) and issubclass(cls, KernelArgs) and cls is not KernelArgs
+               for kernel in cls.KERNELS}
+    assert sorted(records) == ["fattn_decode", "fattn_mask_flags", "fattn_prefill", "rope_kernel", "rope_qkv_set_rows",
+                               "rope_set_rows", "soft_max_f32"]
+    for source, names in specs.KERNEL_SOURCES.items():
+        heads = kernel_params(source)
+        for kernel in {name.split("<")[0] for name in names}:
+            assert records[kernel].names() == heads[kernel], kernel
 
 
 @pytest.mark.parametrize(("shape", "mask", "view", "kernel", "grid"), [
@@ -538,10 +565,10 @@ def test_soft_max_spec_picks_the_variant(shape: tuple, mask: str | None, view: C
     a = view(a) if view else a
     m = od.input("m", (1, 1, *pad2(a.shape)), mask) if mask else None
     node = ops.soft_max(a, m)
-    (spec,) = ca.softmax_specs(node, fake_ptr)
+    (spec,) = softmax.softmax_specs(node, fake_ptr)
     assert (spec.kernel, spec.grid) == (kernel, (grid,))
-    assert spec.kernel in ca.KERNEL_SOURCES[ca.SOFTMAX_CU]
-    assert spec_types(spec) == kernel_param_types(ca.SOFTMAX_CU, "soft_max_f32")
+    assert spec.kernel in specs.KERNEL_SOURCES[softmax.SOFTMAX_CU]
+    assert spec_types(spec) == kernel_param_types(softmax.SOFTMAX_CU, "soft_max_f32")
 
 
 def pad2(shape: tuple) -> tuple:
@@ -551,8 +578,13 @@ def pad2(shape: tuple) -> tuple:
 def test_soft_max_spec_passes_strides_and_alibi() -> None:
     a = od.input("a", (3, 5, 7, 40)).permute(1, 0, 2, 3)  # (5, 3, 7, 40)
     m = od.input("m", (1, 3, 9, 40), "f16")
-    (spec,) = ca.softmax_specs(ops.soft_max(a, m, 0.5, 8.0), fake_ptr)
-    ncols, nrows, nheads, as1, as2, as3, m2, m3, ms1, ms2, ms3, scale, alibi, m0, m1, nlog2 = spec.args[4:]
+    (spec,) = softmax.softmax_specs(ops.soft_max(a, m, 0.5, 8.0), fake_ptr)
+    s = spec.args
+    ncols, nrows, nheads, as1, as2, as3 = s.ncols, s.nrows, s.nheads, s.as1, s.as2, s.as3
+    m2, m3, ms1, ms2, ms3, scale, alibi, m0, m1, nlog2 = (s.m2, s.m3, s.ms1, s.ms2, s.ms3, s.scale, s.use_alibi,
+                                                          s.m0, s.m1, s.n_head_log2)
+    assert spec.arg_values[4:] == (ncols, nrows, nheads, as1, as2, as3, m2, m3, ms1, ms2, ms3, scale, alibi, m0, m1,
+                                   nlog2)  # C order
     assert (ncols, nrows, nheads, as1, as2, as3) == (40, 7, 3, 40, 5 * 7 * 40, 7 * 40)
     assert (m2, m3, ms1, ms2, ms3) == (3, 1, 40, 9 * 40, 3 * 9 * 40)
     assert (scale, alibi, nlog2) == (np.float32(0.5), 1, 2)
@@ -565,22 +597,23 @@ def test_rope_spec(mode: str, dt: str) -> None:
     x = od.input("x", (2, 5, 3, 80), dt).permute(0, 2, 1, 3)  # (2, 3, 5, 80): tokens 3, heads 5
     node = ops.rope(x, od.input("p", (3,), "i32"), 64, mode, freq_base=500000.0, freq_scale=0.25, ext_factor=1.0,
                     attn_factor=1.2, n_ctx_orig=4096)
-    (spec,) = ca.rope_specs(node, fake_ptr)
-    assert spec.kernel == ca.rope_kernel(mode == "neox", dt) and spec.kernel in ca.KERNEL_SOURCES[ca.ROPE_CU]
-    assert spec_types(spec) == kernel_param_types(ca.ROPE_CU, "rope_kernel")
-    total, vec, heads, groups, tokens, xs_h, xs_t, xs_b, d, n_dims = (int(a) for a in spec.args[4:14])
+    (spec,) = rope.rope_specs(node, fake_ptr, DEV)
+    assert spec.kernel == rope.rope_kernel(mode == "neox", dt) and spec.kernel in specs.KERNEL_SOURCES[rope.ROPE_CU]
+    assert spec_types(spec) == kernel_param_types(rope.ROPE_CU, "rope_kernel")
+    assert spec.arg_values[:4] == (BASE, BASE, 0, BASE)  # x, positions, no frequency factors, output
+    total, vec, heads, groups, tokens, xs_h, xs_t, xs_b, d, n_dims = (int(a) for a in spec.arg_values[4:14])
     units = 80 // (32 // node.dtype.block_bytes)  # chunks of two 16-byte packs: rows of x 16-byte aligned
     assert (total, vec, heads, groups, tokens) == (2 * 3 * 5 * units, 1, 5, 5, 3)  # small: a head a thread
     assert (xs_h, xs_t, xs_b, d, n_dims) == (3 * 80, 80, 15 * 80, 80, 64)
-    theta_scale, freq_scale, ext, mscale, lo, hi = (float(a) for a in spec.args[14:])
+    theta_scale, freq_scale, ext, mscale, lo, hi = (float(a) for a in spec.arg_values[14:])
     assert theta_scale == pytest.approx(500000.0 ** (-2 / 64), rel=1e-6)
     assert mscale == pytest.approx(1.2 * (1 + 0.1 * math.log(4)), rel=1e-6)
-    from opdispatch.reference.attention import rope_yarn_corr_dims
+    from opdispatch.ops.attention import rope_yarn_corr_dims
     assert (lo, hi) == rope_yarn_corr_dims(64, 4096, 500000.0, 32.0, 1.0)
-    assert spec.grid == (-(-total // ca.ROPE_BLOCK),) and spec.block == ca.ROPE_BLOCK
+    assert spec.grid == (-(-total // rope.ROPE_BLOCK),) and spec.block == rope.ROPE_BLOCK
     # a row of x one element off 16 bytes: pairs
-    (spec,) = ca.rope_specs(node, lambda t: fake_ptr(t) + (2 if t is x else 0))
-    assert (int(spec.args[4]), int(spec.args[5])) == (2 * 3 * 5 * 40, 0)
+    (spec,) = rope.rope_specs(node, lambda t: fake_ptr(t) + (2 if t is x else 0), DEV)
+    assert (int(spec.args.total), int(spec.args.vec)) == (2 * 3 * 5 * 40, 0)
 
 
 @pytest.mark.parametrize(("d", "tq", "tk", "hq", "hkv", "kv", "ncg"), [
@@ -598,24 +631,26 @@ def test_rope_spec(mode: str, dt: str) -> None:
 ])
 def test_decode_plan(d: int, tq: int, tk: int, hq: int, hkv: int, kv: str, ncg: int) -> None:
     node = fa(d, tq, tk, hq, hkv, kv, mask=True, sinks=od.input("s", (hq,)))
-    plan = ca.flash_plan(node, 132)
+    plan = flash.flash_plan(node, DEV)
     assert plan.kind == "decode"
-    assert plan.chunk % support.DECODE_BN == 0 and (plan.nsplit - 1) * plan.chunk < tk <= plan.nsplit * plan.chunk
+    assert plan.chunk % flash.DECODE_BN == 0 and (plan.nsplit - 1) * plan.chunk < tk <= plan.nsplit * plan.chunk
     rows = tq * hq
-    specs = plan.specs(fake_ptr, [BASE + 2**20, BASE + 2**21, BASE + 2**22])
-    assert len(specs) == 1  # one launch: the last split of a group merges, no combine kernel
-    main = specs[0]
-    assert main.kernel == ca.decode_kernel(d, kv) and main.kernel in ca.KERNEL_SOURCES[ca.DECODE_CU]
+    launches = plan.specs(fake_ptr, [BASE + 2**20, BASE + 2**21, BASE + 2**22])
+    assert len(launches) == 1  # one launch: the last split of a group merges, no combine kernel
+    main = launches[0]
+    assert main.kernel == flash.decode_kernel(d, kv) and main.kernel in specs.KERNEL_SOURCES[flash.DECODE_CU]
     assert main.grid == (plan.nsplit, hkv * ncg, 1) and main.block == 128
-    assert main.smem == ca.decode_smem(d) <= H200.props["smem_per_block_optin"]
-    assert spec_types(main) == kernel_param_types(ca.DECODE_CU, "fattn_decode")
-    assert int(main.args[7]) == BASE and int(main.args[8]) == BASE  # sinks and output (fake_ptr)
+    assert main.smem == flash.decode_smem(d) <= DEV.smem_per_block_optin
+    assert spec_types(main) == kernel_param_types(flash.DECODE_CU, "fattn_decode")
+    args = main.args
+    assert int(args.sinks) == BASE and int(args.out) == BASE  # fake_ptr
     if plan.nsplit == 1:  # the block finishes the softmax: no workspace
-        assert plan.workspaces == () and int(main.args[4]) == int(main.args[5]) == int(main.args[6]) == 0
+        assert plan.workspaces == () and int(args.ws_acc) == int(args.ws_ml) == int(args.counters) == 0
         return
     assert [(w.nbytes, w.zeroed) for w in plan.workspaces] == [
         (plan.nsplit * rows * d * 4, False), (plan.nsplit * rows * 8, False), (hkv * ncg * 4, True)]
-    assert tuple(int(a) for a in main.args[4:7]) == (BASE + 2**20, BASE + 2**21, BASE + 2**22)
+    assert tuple(int(a) for a in (args.ws_acc, args.ws_ml, args.counters)) == (BASE + 2**20, BASE + 2**21,
+                                                                                BASE + 2**22)
 
 
 @pytest.mark.parametrize(("tk", "batch", "nsplit"), [(1, 1, 1), (64, 1, 1), (512, 1, 8), (768, 1, 12),
@@ -625,7 +660,7 @@ def test_decode_splits_short_kv_down_to_a_tile(tk: int, batch: int, nsplit: int)
     # head) streaming 12 tiles alone took 17.4 us on the H200, so short KV splits too
     node = ops.flash_attn_ext(od.input("q", (batch, 32, 1, 64)), od.input("k", (batch, 8, tk, 64), "f16"),
                               od.input("v", (batch, 8, tk, 64), "f16"))
-    plan = ca.flash_plan(node, 132)
+    plan = flash.flash_plan(node, DEV)
     assert plan.nsplit == nsplit
     assert len(plan.specs(fake_ptr, [BASE] * len(plan.workspaces))) == 1
 
@@ -634,10 +669,12 @@ def test_decode_splits_short_kv_down_to_a_tile(tk: int, batch: int, nsplit: int)
 def test_decode_splits_fill_the_gpu_in_one_wave(batch: int) -> None:
     node = ops.flash_attn_ext(od.input("q", (batch, 32, 1, 128)), od.input("k", (batch, 8, 8192, 128), "f16"),
                               od.input("v", (batch, 8, 8192, 128), "f16"))
-    plan = ca.flash_plan(node, 132)
-    blocks, slots = plan.nsplit * batch * 8, 132 * support.decode_blocks_per_sm(128)
+    plan = flash.flash_plan(node, DEV)
+    blocks, slots = plan.nsplit * batch * 8, 132 * flash.decode_blocks_per_sm(128, DEV.smem_per_sm)
     assert 0.9 * slots <= blocks <= slots
     assert plan.nsplit == (32 if batch == 1 else 2)
+    half = facts(Device("cuda0", "cuda", "a GPU of 66 SMs", {**H200.props, "sm_count": 66}))
+    assert flash.flash_plan(node, half).nsplit == plan.nsplit // 2
 
 
 @pytest.mark.parametrize(("d", "kv", "mask", "bn"), [
@@ -646,32 +683,32 @@ def test_decode_splits_fill_the_gpu_in_one_wave(batch: int) -> None:
 ])
 def test_prefill_plan(d: int, kv: str, mask: bool, bn: int) -> None:
     node = fa(d, 300, 1000, 8, 2, kv, mask=mask)
-    plan = ca.flash_plan(node, 132)
+    plan = flash.flash_plan(node, DEV)
     assert plan.kind == "prefill"
-    bm = ca.prefill_tile_m(d)
+    bm = flash.prefill_tile_m(d)
     n_qt, n_kt = -(-300 // bm), -(-1000 // bn)
     assert [w.nbytes for w in plan.workspaces] == ([n_qt * n_kt] if mask else [])
-    specs = plan.specs(fake_ptr, [BASE + 2**20] if mask else [])
-    main = specs[-1]
-    assert main.kernel == ca.prefill_kernel(d, kv) and main.kernel in ca.KERNEL_SOURCES[ca.PREFILL_CU]
+    launches = plan.specs(fake_ptr, [BASE + 2**20] if mask else [])
+    main = launches[-1]
+    assert main.kernel == flash.prefill_kernel(d, kv) and main.kernel in specs.KERNEL_SOURCES[flash.PREFILL_CU]
     assert main.grid == (n_qt, 8, 1) and main.block == 128
-    assert main.smem == ca.prefill_smem(d) <= H200.props["smem_per_block_optin"]
-    assert spec_types(main) == kernel_param_types(ca.PREFILL_CU, "fattn_prefill")
-    assert int(main.args[-1]) == n_kt
+    assert main.smem == flash.prefill_smem(d) <= DEV.smem_per_block_optin
+    assert spec_types(main) == kernel_param_types(flash.PREFILL_CU, "fattn_prefill")
+    assert int(main.args.n_kv_tiles) == n_kt
     if mask:
-        flags = specs[0]
-        assert (flags.kernel, flags.grid) == (ca.MASK_FLAGS, (n_kt, n_qt, 1))
-        assert spec_types(flags) == kernel_param_types(ca.PREFILL_CU, "fattn_mask_flags")
-        assert (int(flags.args[4]), int(flags.args[5])) == (bm, bn)
+        flags = launches[0]
+        assert (flags.kernel, flags.grid) == (flash.MASK_FLAGS, (n_kt, n_qt, 1))
+        assert spec_types(flags) == kernel_param_types(flash.PREFILL_CU, "fattn_mask_flags")
+        assert (int(flags.args.bm), int(flags.args.bn)) == (bm, bn)
 
 
 def test_every_name_expression_is_declared_for_the_compile_test() -> None:
-    assert set(ca.KERNEL_SOURCES) == set((Path(ca.__file__).parent / "kernels").glob("*.cu"))
-    for d, kv, tq in itertools.product(support.HEAD_SIZES, support.KV_TYPES, (1, 2, 5, 8, 9, 64)):
+    assert set(specs.KERNEL_SOURCES) == set((Path(ca.__file__).parent / "kernels").glob("*.cu"))
+    for d, kv, tq in itertools.product(flash.HEAD_SIZES, flash.KV_TYPES, (1, 2, 5, 8, 9, 64)):
         if kv.startswith("q") and d % 32:
             continue  # block formats need rows of whole blocks
-        for spec in ca.flash_plan(fa(d, tq, 200, 8, 2, kv, mask=True), 132).specs(fake_ptr, [BASE] * 3):
-            assert spec.kernel in ca.KERNEL_SOURCES[spec.source]
+        for spec in flash.flash_plan(fa(d, tq, 200, 8, 2, kv, mask=True), DEV).specs(fake_ptr, [BASE] * 3):
+            assert spec.kernel in specs.KERNEL_SOURCES[spec.source]
 
 
 # -- on a GPU ------------------------------------------------------------------------------------------
@@ -814,7 +851,7 @@ def fa_graph(inp: Inputs, d: int, tq: int, tk: int, hq: int, hkv: int, kv: str =
 
 FA_CASES: dict[str, dict] = {}
 # head sizes x query rows (decode 1/4, prefill 128/35) x GQA 1/4/8 x kv 113/512/1024, with and without mask
-for _d in support.HEAD_SIZES:
+for _d in flash.HEAD_SIZES:
     for _tq, _gqa, _tk, _mask in [(1, 1, 113, "random"), (1, 4, 1024, ""), (1, 8, 512, "random"), (4, 4, 113, "random"),
                                   (4, 1, 512, ""), (4, 8, 1024, "random"), (128, 1, 113, "random"), (128, 4, 512, ""),
                                   (128, 8, 1024, "random"), (35, 4, 1024, "causal"), (8, 2, 300, "random")]:
@@ -910,7 +947,7 @@ def test_split_decode_counters_reset_between_runs(rng) -> None:  # noqa: ANN001
     inp = Inputs(rng)
     y = fa_graph(inp, 64, 1, 768, 32, 8, mask="random", sinks=True)
     plan, (first,) = run_on_gpu(y, inp.feeds)
-    assert ca.flash_plan(y, 132).nsplit > 1
+    assert flash.flash_plan(y, DEV).nsplit > 1
     (ref,) = reference(y, inp.feeds)
     assert_close(first, ref, FA_BOUND, "split decode, first run")
     for i in range(3):

@@ -19,13 +19,13 @@ import opdispatch as od
 from opdispatch.dtypes import from_float
 from opdispatch.ops import OPS, OpError, diag_mask_inf, flash_attn_ext, rope, soft_max
 from opdispatch.reference import REFERENCE
-from opdispatch.reference.attention import alibi_slopes, rope_yarn_corr_dims
+from opdispatch.ops.attention import alibi_bases, alibi_slopes, rope_yarn, rope_yarn_corr_dims
 
 from helpers import assert_close, evaluate, stored, uniform
 
 
 def slope_formula(h: int, n_head: int, max_bias: float) -> float:
-    """ALiBi slope of head h, written from OPS.md with math (not the module's helper)."""
+    """ALiBi slope of head h, ggml's formula written out with math (not the op module's helpers)."""
     if max_bias == 0:
         return 1.0
     n_log2 = 2 ** math.floor(math.log2(n_head))
@@ -73,6 +73,21 @@ def test_rope_yarn_corr_dims():
                                                                  min(63, math.ceil(corr(1))))
     # by hand: corr(32) = 10.47, corr(1) = 22.5
     assert rope_yarn_corr_dims(64, 4096, 10000.0, 32.0, 1.0) == (10.0, 23.0)
+
+
+def test_alibi_bases():
+    assert alibi_bases(12, 8.0) == (8, 2.0 ** -1, 2.0 ** -0.5)  # L = 8 for 12 heads
+    assert alibi_bases(1, 4.0) == (1, 2.0 ** -4, 2.0 ** -2)
+    assert alibi_bases(8, 0.0) is None and alibi_bases(0, 8.0) is None
+
+
+def test_rope_yarn():
+    params = dict(n_dims=64, n_ctx_orig=4096, freq_base=10000.0, freq_scale=0.25, ext_factor=1.0, attn_factor=1.2,
+                  beta_fast=32.0, beta_slow=1.0)
+    lo, hi, mscale = rope_yarn(params)
+    assert (lo, hi) == (10.0, 23.0)
+    assert mscale == pytest.approx(1.2 * (1 + 0.1 * math.log(4)), rel=1e-15)
+    assert rope_yarn({**params, "ext_factor": 0.0}) == (0.0, 0.0, 1.2)  # no YaRN: attn_factor alone
 
 
 # ---------------------------------------------------------------------------- soft_max

@@ -1,9 +1,16 @@
 """Attention pieces: soft_max, rope, flash_attn_ext, diag_mask_inf.
 
-ALiBi slopes (`max_bias`) follow ggml: see `opdispatch.reference.attention.alibi_slopes`.
+The host-side parameters ggml computes once per op (ALiBi's slopes, YaRN's
+correction dims and magnitude) are here too: they are op semantics, which the
+reference and the device plugins both import rather than restate.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
 
 from ..tensor import Tensor
 from .base import check, check_dtype, check_rank, check_tensor, node, op
@@ -84,7 +91,7 @@ def rope(x: Tensor, pos: Tensor, n_dims: int, mode: str = "normal", freq_base: f
     freq_scale*theta_ext. With ext_factor != 0 (YaRN): corr(r) =
     n_dims*ln(n_ctx_orig/(2*pi*r)) / (2*ln(freq_base)), lo = max(0,
     floor(corr(beta_fast))), hi = min(n_dims - 1, ceil(corr(beta_slow)))
-    (ggml_rope_yarn_corr_dims, in float32: `reference.attention.rope_yarn_corr_dims`),
+    (ggml_rope_yarn_corr_dims, in float32: `rope_yarn_corr_dims`),
     mix = ext_factor*(1 - clip((i - lo)/max(0.001, hi - lo), 0, 1)),
     theta = theta_int*(1 - mix) + theta_ext*mix, mscale = attn_factor*(1 +
     0.1*ln(1/freq_scale)); else theta = theta_int, mscale = attn_factor.
@@ -175,3 +182,59 @@ def diag_mask_inf(x: Tensor, n_past: int) -> Tensor:
     check_dtype(name, x, ("f32",), "x")
     check(int(n_past) >= 0, name, f"n_past must be >= 0, got {n_past}", x)
     return node(name, (x,), x.shape, "f32", {"n_past": int(n_past)})
+
+
+# -- parameters the kernels take, computed on the host as ggml does ------------------------------------
+
+
+def alibi_bases(n_head: int, max_bias: float) -> tuple[int, float, float] | None:
+    """ALiBi's (L, m0, m1): L = 2**floor(log2(n_head)), m0 = 2**(-max_bias/L), m1 = 2**(-max_bias/2/L),
+    from which head h's slope is m0**(h+1) for h < L, else m1**(2*(h-L)+1) (what kernels take). None
+    when max_bias <= 0 or there are no heads: every slope is 1 (ggml tests max_bias > 0)."""
+    n_head = int(n_head)
+    if max_bias <= 0 or n_head < 1:
+        return None
+    n_log2 = 1 << (n_head.bit_length() - 1)  # exact 2**floor(log2(n_head))
+    return n_log2, 2.0 ** (-max_bias / n_log2), 2.0 ** (-max_bias / 2.0 / n_log2)
+
+
+def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
+    """ALiBi slope of each head, float64 `(n_head,)`, as ggml's soft_max and flash_attn_ext use them
+    (`alibi_bases`); all ones when max_bias <= 0."""
+    bases = alibi_bases(n_head, max_bias)
+    if bases is None:
+        return np.ones(max(int(n_head), 0))
+    n_log2, m0, m1 = bases
+    h = np.arange(int(n_head))
+    return np.where(h < n_log2, m0 ** (h + 1), m1 ** (2 * (h - n_log2) + 1))
+
+
+def rope_yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float,
+                        beta_slow: float) -> tuple[float, float]:
+    """YaRN's (lo, hi) correction dims, in float32 like ggml_rope_yarn_corr_dims.
+
+    corr(r) = n_dims*ln(n_ctx_orig/(2*pi*r)) / (2*ln(freq_base));
+    lo = max(0, floor(corr(beta_fast))), hi = min(n_dims - 1, ceil(corr(beta_slow))).
+    float32 so that floor/ceil land where ggml's land. n_ctx_orig = 0 gives
+    log(0) = -inf, hence (0, -inf), as in C.
+    """
+    f32 = np.float32
+
+    def corr(n_rot: float) -> np.float32:
+        with np.errstate(divide="ignore"):
+            ratio = f32(n_ctx_orig) / (f32(n_rot) * f32(2) * f32(np.pi))
+            return f32(n_dims) * np.log(ratio) / (f32(2) * np.log(f32(freq_base)))
+
+    lo = max(0.0, float(np.floor(corr(beta_fast))))
+    hi = min(float(n_dims - 1), float(np.ceil(corr(beta_slow))))
+    return lo, hi
+
+
+def rope_yarn(params: Mapping[str, Any]) -> tuple[float, float, float]:
+    """(corr_lo, corr_hi, mscale) of a rope node's params: with ext_factor != 0 YaRN's correction dims
+    and mscale = attn_factor*(1 + 0.1*ln(1/freq_scale)), else (0, 0, attn_factor)."""
+    if params["ext_factor"] == 0.0:
+        return 0.0, 0.0, params["attn_factor"]
+    lo, hi = rope_yarn_corr_dims(params["n_dims"], params["n_ctx_orig"], params["freq_base"], params["beta_fast"],
+                                 params["beta_slow"])
+    return lo, hi, params["attn_factor"] * (1.0 + 0.1 * math.log(1.0 / params["freq_scale"]))

@@ -1,54 +1,17 @@
 """Reference kernels of the attention pieces: soft_max, rope, flash_attn_ext, diag_mask_inf.
 
-`alibi_slopes` and `rope_yarn_corr_dims` are the host-side parameter helpers
-ggml computes once per op; device plugins reuse them rather than restate them.
+ALiBi's slopes and YaRN's terms come from the op definitions (`opdispatch.ops.attention`),
+which the device plugins import too.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..ops.attention import alibi_slopes, rope_yarn
 from ..ops.base import pad4
 from ..tensor import Tensor
 from . import load, reference, store
-
-
-def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
-    """ALiBi slope of each head, float64 `(n_head,)`, as ggml's soft_max and flash_attn_ext use them.
-
-    L = 2**floor(log2(n_head)), m0 = 2**(-max_bias/L), m1 = 2**(-max_bias/2/L);
-    slope_h = m0**(h+1) for h < L, else m1**(2*(h-L)+1). All ones when
-    max_bias <= 0 (ggml tests max_bias > 0).
-    """
-    n_head = int(n_head)
-    if max_bias <= 0 or n_head < 1:
-        return np.ones(max(n_head, 0))
-    n_log2 = 1 << (n_head.bit_length() - 1)  # exact 2**floor(log2(n_head))
-    h = np.arange(n_head)
-    m0 = 2.0 ** (-max_bias / n_log2)
-    m1 = 2.0 ** (-max_bias / 2.0 / n_log2)
-    return np.where(h < n_log2, m0 ** (h + 1), m1 ** (2 * (h - n_log2) + 1))
-
-
-def rope_yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float,
-                        beta_slow: float) -> tuple[float, float]:
-    """YaRN's (lo, hi) correction dims, in float32 like ggml_rope_yarn_corr_dims.
-
-    corr(r) = n_dims*ln(n_ctx_orig/(2*pi*r)) / (2*ln(freq_base));
-    lo = max(0, floor(corr(beta_fast))), hi = min(n_dims - 1, ceil(corr(beta_slow))).
-    float32 so that floor/ceil land where ggml's land. n_ctx_orig = 0 gives
-    log(0) = -inf, hence (0, -inf), as in C.
-    """
-    f32 = np.float32
-
-    def corr(n_rot: float) -> np.float32:
-        with np.errstate(divide="ignore"):
-            ratio = f32(n_ctx_orig) / (f32(n_rot) * f32(2) * f32(np.pi))
-            return f32(n_dims) * np.log(ratio) / (f32(2) * np.log(f32(freq_base)))
-
-    lo = max(0.0, float(np.floor(corr(beta_fast))))
-    hi = min(float(n_dims - 1), float(np.ceil(corr(beta_slow))))
-    return lo, hi
 
 
 def _outer_mask(arr: np.ndarray, t: Tensor, outer: tuple[int, int], rows: int) -> np.ndarray:
@@ -99,12 +62,10 @@ def _rope(node: Tensor, out: np.ndarray, x: np.ndarray, pos: np.ndarray, freq_fa
         inv_freq = inv_freq / load(freq_factors, tff)[:half].astype(np.float64)
     theta_ext = load(pos, tpos).astype(np.float64)[:, None] * inv_freq  # (T, half)
     theta = p["freq_scale"] * theta_ext
-    mscale = p["attn_factor"]
+    lo, hi, mscale = rope_yarn(p)
     if p["ext_factor"] != 0.0:
-        lo, hi = rope_yarn_corr_dims(n_dims, p["n_ctx_orig"], p["freq_base"], p["beta_fast"], p["beta_slow"])
         mix = p["ext_factor"] * (1.0 - np.clip((i - lo) / max(0.001, hi - lo), 0.0, 1.0))
         theta = theta * (1.0 - mix) + theta_ext * mix
-        mscale *= 1.0 + 0.1 * np.log(1.0 / p["freq_scale"])
     c = (np.cos(theta) * mscale)[None, :, None, :]
     s = (np.sin(theta) * mscale)[None, :, None, :]
     i0, i1 = (2 * i, 2 * i + 1) if p["mode"] == "normal" else (i, i + half)

@@ -1,47 +1,26 @@
-"""Fusions of rope with the KV-cache writes of a decoder layer.
+"""Fusions of rope with the KV-cache writes of a decoder layer, and of those with the decode attention.
 
-rope -> view -> set_rows as one kernel: rotated K rows written straight into
-the KV cache. ggml's rule (ggml_cuda_should_fuse_rope_set_rows), restated in
-numpy order: the rope input has no batch axis beyond 1 (ggml: ne[3] == 1),
-the view is contiguous and flattens each token's (H, D) into one row of H*D
-values (ggml: view ne[0] == rope ne[0]*ne[1]), the cache is f32 or f16, modes
-normal or neox. ggml takes i64 row ids only; our kernel takes i32 as well.
-The group is consecutive in execution order because Graph.build visits rope's
-sources, rope, the view, then set_rows (can_fuse checks that rope and the view
-are read only inside the group).
-
-The decode step's q/k/v (QKV_PATTERN), one launch for what is otherwise
-three (rope(q); rope(k) -> view -> set_rows; set_rows(v)): the nodes
-Llama's layer emits with q, k, v views of one stacked projection, in
-Graph.build's order: rope(q), the two views flash_attn_ext reads q through,
-k's view of the projection, rope(k), its flattening, set_rows(K cache), the
-K window attention reads, v's view, set_rows(V cache). rope(q) and
-set_rows(K cache) are the group's extra outputs; the views cost nothing and
-are read outside the group as views of what it writes (can_fuse). q and k
-rotate with the same positions and parameters, K and V rows are written at
-the same row ids into caches of one dtype; the K half is check's rule.
-
-The same group with the V window view and the flash_attn_ext after it
-(ATTN_PATTERN, one query row a sequence): the decode kernel rotates q and
-writes the new K/V rows itself, a launch fewer per layer.
-
-`check`, `check_qkv` and `check_attn` decline anything else with a reason, and
-the nodes then run unfused or by a smaller rule.
+rope -> view -> set_rows (ggml's ggml_cuda_should_fuse_rope_set_rows, restated in numpy order);
+the decode step's q/k/v rope and cache writes as one launch (QKV_PATTERN); the same with the attention
+that reads them (ATTN_PATTERN), which the decode kernel then does itself. Each check declines anything
+else with a reason, and the nodes run unfused or by a smaller rule. The patterns, the group orders they
+rely on and ggml's conditions: docs/cuda_attention.md.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from opdispatch.backends.base import Device
+from opdispatch.backends.cuda.devices import facts
 from opdispatch.graph import Graph
+from opdispatch.hookspecs import Device
 from opdispatch.ops.base import pad4
+from opdispatch.support import whole_elements
 from opdispatch.tensor import Tensor
 
 from . import support
-
-#: cache dtypes the fused kernel writes (ggml: f32, f16)
-CACHE_TYPES = ("f32", "f16")
+from .specs.flash import ATTN_HEAD_SIZES, FusedQKV, decode_splits
+from .specs.rope import CACHE_TYPES
 
 
 def check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
@@ -71,7 +50,7 @@ def check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
         return f"cache dtype {set_rows.dtype.name} (fused for {', '.join(CACHE_TYPES)})"
     if idx.dtype.name not in ("i32", "i64") or idx.size != t or not idx.is_contiguous():
         return "row ids must be a contiguous i32/i64 vector, one per token"
-    if not set_rows.rows_contiguous() or not support.whole_elements(set_rows):
+    if not set_rows.rows_contiguous() or not whole_elements(set_rows):
         return "cache rows must be contiguous, strides whole elements"
     return True
 
@@ -115,9 +94,9 @@ def check_qkv(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | s
         return f"the K cache is {k_rows.dtype.name}, the V cache {v_rows.dtype.name}"
     if pad4(v.shape)[:2] != (1, 1) or pad4(dst.shape)[:2] != (1, 1):
         return "set_rows of v with batch axes"
-    if not v.rows_contiguous() or not support.whole_elements(v):
+    if not v.rows_contiguous() or not whole_elements(v):
         return "v rows must be contiguous, strides whole elements"
-    if not v_rows.rows_contiguous() or not support.whole_elements(v_rows):
+    if not v_rows.rows_contiguous() or not whole_elements(v_rows):
         return "V cache rows must be contiguous, strides whole elements"
     return True
 
@@ -131,8 +110,6 @@ def qkv_parts(nodes: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 #: rotates q itself and writes the new K/V rows, module doc of fattn_decode.cu); K and V caches written
 ATTN_PATTERN = (*QKV_PATTERN, "view", "flash_attn_ext")
 ATTN_OUTPUTS = (6, 9)
-#: head sizes with fused decode kernels (Llama-family models), and their cache dtypes
-ATTN_HEAD_SIZES = (64, 128)
 
 
 def cache_window(window: Tensor, cache: Tensor) -> tuple[int, int] | str:
@@ -171,8 +148,8 @@ def check_attn(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | 
         return "q rows are not one token a sequence"
     if any(x.strides[-1] != 4 for x in (xq, xk, xv)) or xq.strides[-2] != d * 4 or xk.strides[-2] != d * 4:
         return "q/k/v rows must be contiguous heads of f32 values"
-    sm_count = int(device.props.get("sm_count", 132))
-    if support.decode_splits(fa, sm_count, True) != support.decode_splits(fa, sm_count):
+    dev = facts(device)
+    if decode_splits(fa, dev, True) != decode_splits(fa, dev):
         return ("the fused kernel holds fewer blocks an SM (registers, shared memory): fewer KV splits than "
                 "the unfused attention at this batch")
     kw, vw = cache_window(k, k_rows), cache_window(v, v_rows)
@@ -182,3 +159,14 @@ def check_attn(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | 
     if kw != vw:
         return "the K and V windows start at different cache rows"
     return True
+
+
+def fused_qkv(nodes: Sequence[Tensor]) -> FusedQKV:
+    """What the fused decode kernel reads and writes besides the attention's own operands (an
+    ATTN_PATTERN group that check_attn accepted)."""
+    rope_q, rope_k, k_cache, v_cache = qkv_parts(nodes)
+    window = cache_window(nodes[-1].srcs[1], k_cache)
+    assert not isinstance(window, str), window  # check_attn declined such groups
+    row0, rows_b = window
+    return FusedQKV(rope_q.srcs[0], rope_k.srcs[0], v_cache.srcs[1], rope_q, k_cache, v_cache, k_cache.srcs[2],
+                    row0, rows_b)

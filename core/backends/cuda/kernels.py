@@ -171,8 +171,8 @@ def pdl_kernels(source: Path) -> frozenset[str]:
 #: the start of a kernel head (comments and launch bounds removed first); its parameter list follows
 _KERNEL_NAME = re.compile(r"__global__\s+void\s+(\w+)\s*\(")
 #: a one-parameter macro (`#define OD_LAYOUT_PARAMS(p) unsigned p##d0, ...`), as kernels declare
-#: repeated parameter groups
-_MACRO = re.compile(r"^#define\s+(\w+)\((\w+)\)((?:[^\n]*\\\n)*[^\n]*)", re.M)
+#: repeated parameter groups, or one without parameters (`#define ROPE_PARAMS int d, ...`)
+_MACRO = re.compile(r"^#define\s+(\w+)(?:\((\w+)\)|(?=\s))((?:[^\n]*\\\n)*[^\n]*)", re.M)
 
 
 def _strip(text: str) -> str:
@@ -181,8 +181,9 @@ def _strip(text: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _macros(folder: Path) -> dict[str, tuple[str, str]]:
-    """The one-parameter macros of the headers a module in `folder` can include: name -> (parameter, body)."""
+def _macros(folder: Path) -> dict[str, tuple[str | None, str]]:
+    """The one-parameter and parameterless macros of the headers a module in `folder` can include:
+    name -> (parameter or None, body)."""
     found = {}
     for path in sorted({*INCLUDE_DIR.glob("*.cuh"), *folder.glob("*.cuh"), *folder.glob("*.cu")}):
         for m in _MACRO.finditer(_strip(path.read_text())):
@@ -190,14 +191,16 @@ def _macros(folder: Path) -> dict[str, tuple[str, str]]:
     return found
 
 
-def _expand(params: str, macros: dict[str, tuple[str, str]]) -> str:
-    """`params` with each one-parameter macro call replaced by its body (token pasting by ##)."""
+def _expand(params: str, macros: dict[str, tuple[str | None, str]]) -> str:
+    """`params` with each macro replaced by its body (a one-parameter call's token pasting by ##)."""
     def one(m: re.Match) -> str:
         param, body = macros[m.group(1)]
         return re.sub(rf"\b{param}\s*##|##\s*{param}\b", m.group(2).strip(), body)
 
-    names = "|".join(map(re.escape, macros))
-    return re.sub(rf"\b({names})\s*\(([^()]*)\)", one, params) if names else params
+    plain = "|".join(re.escape(n) for n, (p, _) in macros.items() if p is None)
+    params = re.sub(rf"\b({plain})\b", lambda m: macros[m.group(1)][1], params) if plain else params
+    calls = "|".join(re.escape(n) for n, (p, _) in macros.items() if p is not None)
+    return re.sub(rf"\b({calls})\s*\(([^()]*)\)", one, params) if calls else params
 
 
 @functools.lru_cache(maxsize=None)
