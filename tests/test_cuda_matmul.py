@@ -7,11 +7,11 @@ signatures; and the cuBLAS call specs (column-major arguments, batching,
 folded broadcasts, conversions) executed by a numpy emulation of cuBLAS and of
 the conversion kernels, against the numpy reference.
 
-On a GPU: OPS.md's mul_mat sweep (every weight dtype, n in 1..9, 16, 128, 512,
+On a GPU: the mul_mat sweep (every weight dtype, n in 1..9, 16, 128, 512,
 broadcast batch ratios, permuted / transposed / offset b, odd K), mul_mat_id,
 out_prod, the fused patterns against the reference and against unfused runs,
 poisoned outputs, and CUDA-graph replay == direct launches, each by NMSE
-(OPS.md: 5e-4 for the matrix products).
+(docs/conformance.md: 5e-4 for the matrix products).
 
 Random inputs come from a fresh seed each run, printed on failure; set
 OPDISPATCH_TEST_SEED to replay one.
@@ -23,6 +23,7 @@ import itertools
 import re
 from typing import Callable
 
+import attrs
 import ml_dtypes
 import numpy as np
 import pytest
@@ -31,10 +32,14 @@ import opdispatch as od
 import opdispatch.plugins.cuda_matmul as cm
 from opdispatch import ops
 from opdispatch.backends.cuda.devices import H200
+from opdispatch.backends.cuda.args import KernelArgs
+from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.dtypes import dequantize, from_float
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
-from opdispatch.plugins.cuda_matmul import fusion, support
+from opdispatch.plugins.cuda_matmul import bind, fusion, specs, support
+from opdispatch.plugins.cuda_matmul.specs import gemm, mmv, stream
+from opdispatch.plugins.cuda_matmul.specs.gemm import GemmSpec
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
 from helpers import gate_up_glu, moe
@@ -42,7 +47,7 @@ from helpers import gate_up_glu, moe
 gpu = pytest.mark.gpu
 
 CPU = Device("cpu", "cpu")
-NMSE_MAX = 5e-4  # OPS.md: mul_mat, mul_mat_id, out_prod
+NMSE_MAX = 5e-4  # docs/conformance.md: mul_mat, mul_mat_id, out_prod
 FLOATS = ("f32", "f16", "bf16")
 QUANTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 MATMUL_OPS = ("mul_mat", "mul_mat_id", "out_prod")
@@ -62,7 +67,7 @@ def weight(name: str, shape: tuple, dtype: str, seed: int = 0) -> Tensor:
 def test_kernels_and_rules_are_for_cuda_devices_only() -> None:
     assert list(cm.kernels(device=CPU)) == [] and list(cm.fusion_rules(device=CPU)) == []
     names = [(k.op, k.name) for k in cm.kernels(device=H200)]
-    assert names == [(op, path) for op, path, _ in cm.PATHS]
+    assert names == [(op, path) for op, path, _ in bind.PATHS]
     assert [r.name for r in cm.fusion_rules(device=H200)] == [name for name, _ in fusion.PATTERNS]
 
 
@@ -164,34 +169,34 @@ def _misaligned_rows(dt: str) -> Tensor:
 
 def test_stream_path_reasons() -> None:
     """mmvq_stream takes rows of whole 16-byte chunks of 16-byte aligned weights; mmvq the rest,
-    and support.stream_reason says why."""
+    and support.stream_ok says why."""
     def node(dt: str, k: int, n: int = 1) -> Tensor:
         return ops.mul_mat(weight("w", (64, k), dt), od.input("x", (n, k)))
 
-    assert support.stream_reason(node("q4_0", 4096)) == ""
-    assert support.stream_reason(node("q4_0", 4128)) == "K=4128 is not a multiple of 256 (rows of whole 144-byte chunks)"
-    assert support.stream_reason(node("q4_1", 4160)) == "K=4160 is not a multiple of 128 (rows of whole 80-byte chunks)"
-    assert support.stream_reason(node("q5_1", 96)) == "K=96 is not a multiple of 64 (rows of whole 48-byte chunks)"
+    assert support.stream_ok(node("q4_0", 4096)) is True
+    assert support.stream_ok(node("q4_0", 4128)) == "K=4128 is not a multiple of 256 (rows of whole 144-byte chunks)"
+    assert support.stream_ok(node("q4_1", 4160)) == "K=4160 is not a multiple of 128 (rows of whole 80-byte chunks)"
+    assert support.stream_ok(node("q5_1", 96)) == "K=96 is not a multiple of 64 (rows of whole 48-byte chunks)"
     misaligned = ops.mul_mat(_misaligned_rows("q4_0"), od.input("x", (1, 512)))
-    assert support.stream_reason(misaligned) == "a's offset or row/batch strides are not multiples of 16 bytes"
+    assert support.stream_ok(misaligned) == "a's offset or row/batch strides are not multiples of 16 bytes"
     (step,) = steps_of(od.compile(misaligned, H200), "mul_mat")
     assert step.kernel == "mmvq"
-    assert "q8_1 copy of 8x65536 values does not fit" in support.stream_reason(node("q8_0", 65536, 8))
+    assert "q8_1 copy of 8x65536 values does not fit" in support.stream_ok(node("q8_0", 65536, 8))
     old = Device("cuda0", "cuda", "an sm_75 GPU", {**H200.props, "cc": (7, 5)})
-    assert support.stream_reason(node("q4_0", 4096), old) == "cp.async needs sm_80"
+    assert support.stream_ok(node("q4_0", 4096), old) == "cp.async needs sm_80"
     (step,) = steps_of(od.compile(node("q4_0", 4096), old), "mul_mat")
     assert step.kernel == "mmvq"
 
 
 def test_stream_chunks_mirror_the_kernel() -> None:
-    """support.STREAM_FORMATS: the fewest blocks whose bytes are a multiple of 16, an odd number of
+    """stream.STREAM_FORMATS: the fewest blocks whose bytes are a multiple of 16, an odd number of
     16-byte granules (conflict-free 16-byte shared loads at a chunk stride), as mmvq_stream.cu's Geo."""
-    for dt, (nbytes, cb) in support.STREAM_FORMATS.items():
+    for dt, (nbytes, cb) in stream.STREAM_FORMATS.items():
         assert nbytes == dtypes_block_bytes(dt)
         assert cb * nbytes % 16 == 0 and all(c * nbytes % 16 for c in range(1, cb))
-        _, chunk, bchunk = support.stream_chunk(dt)
+        _, chunk, bchunk = stream.stream_chunk(dt)
         assert (chunk // 16) % 2 == 1 and (bchunk // 16) % 2 == 1 and bchunk >= cb * 40
-    src = cm.MMVQ_STREAM_CU.read_text()
+    src = specs.MMVQ_STREAM_CU.read_text()
     assert "static constexpr int CB = 16 / pow2_of(F::BYTES);" in src
     assert "static constexpr int BCHUNK = (BRAW / 16) % 2 == 1 ? BRAW : BRAW + 16;" in src
 
@@ -208,7 +213,7 @@ def test_stream_chunks_mirror_the_kernel() -> None:
     ("q4_0", 768, True, (3, 4, 8, 1, 4, 1)),
 ])
 def test_stream_layout(dt: str, k: int, glu: bool, layout: tuple) -> None:
-    assert support.stream_layout(dt, k, glu) == support.StreamLayout(*layout)
+    assert stream.stream_layout(dt, k, glu) == stream.StreamLayout(*layout)
 
 
 @pytest.mark.parametrize(("m", "batches", "warps", "per_sm", "sms"), [
@@ -218,8 +223,8 @@ def test_stream_layout(dt: str, k: int, glu: bool, layout: tuple) -> None:
 def test_stream_grid_splits_evenly(m: int, batches: int, warps: int, per_sm: int, sms: int) -> None:
     """No more blocks than aimed at, and no warp with more groups than the grid aimed at needs."""
     groups = m  # RO = 1
-    lay = support.StreamLayout(1, 32, 1, 1, 1, 1)
-    blocks = support.stream_grid(lay, m, batches, warps, per_sm, sms)
+    lay = stream.StreamLayout(1, 32, 1, 1, 1, 1)
+    blocks = stream.stream_grid(lay, m, batches, warps, per_sm, sms)
     target = max(1, per_sm * sms // batches)
     w = blocks * warps
     counts = [(i + 1) * groups // w - i * groups // w for i in range(w)]
@@ -231,12 +236,12 @@ def test_stream_spec_shrinks_warps_to_fit() -> None:
     """8 columns of K 14336 (150 KB of q8_1 b): 4 q8_0 warps of 3 stages do not fit in 227 KB, 2 do;
     of 2 stages (the default's), 8 do not, 4 do."""
     y = ops.mul_mat(weight("w", (64, 14336), "q8_0"), od.input("x", (8, 14336)))
-    (spec,) = cm.mmv_specs(y, y, fake_ptr, fake_scratch, stream=support.StreamConfig(3, 4, 2))
+    (spec,) = mmv.mmv_specs(y, y, fake_ptr, fake_scratch, stream=specs.StreamConfig(3, 4, 2))
     assert spec.kernel == "mmvq_stream<W_Q8_0, B_F32, 8, EPI_NONE, 3>" and spec.block == 64
-    assert spec.smem == support.stream_smem("q8_0", 14336, 8, 2, 3) <= 227 * 1024
-    (spec,) = cm.mmv_specs(y, y, fake_ptr, fake_scratch)
+    assert spec.smem == stream.stream_smem("q8_0", 14336, 8, 2, 3) <= 227 * 1024
+    (spec,) = mmv.mmv_specs(y, y, fake_ptr, fake_scratch)
     assert spec.kernel == "mmvq_stream<W_Q8_0, B_F32, 8, EPI_NONE, 2>" and spec.block == 128
-    assert spec.smem == support.stream_smem("q8_0", 14336, 8, 4, 2) <= 227 * 1024
+    assert spec.smem == stream.stream_smem("q8_0", 14336, 8, 4, 2) <= 227 * 1024
     check_spec(spec)
 
 
@@ -244,19 +249,18 @@ def test_stream_fused_glu_spec() -> None:
     y = _glu_graph("q4_0", n=2, kind="geglu", bias=True, k=4096)
     nodes = Graph.build(y).nodes
     prods, biases, glu = fusion.parts(nodes)
-    (spec,) = cm.fused_specs(nodes, fake_ptr, fake_scratch, H200)
-    assert spec.kernel == f"mmvq_stream<W_Q4_0, B_F32, 2, EPI_GLU, {support.STREAM.stages}>"
+    (spec,) = mmv.fused_specs(nodes, fake_ptr, fake_scratch, H200)
+    assert spec.kernel == f"mmvq_stream<W_Q4_0, B_F32, 2, EPI_GLU, {specs.STREAM.stages}>"
     check_spec(spec)
     m = prods[0].shape[-1]
-    args = dict(zip(["a0", "a1", "a_row", "a_s2", "a_s3", "r2", "r3", "b", "b_col", "b_es", "b_s2", "b_s3", "out",
-                     "M", "K", "N", "bias0", "bias1", "glu_kind"], spec.args))
-    assert int(args["a0"]) == fake_ptr(prods[0].srcs[0]) and int(args["a1"]) == fake_ptr(prods[1].srcs[0])
-    assert int(args["bias0"]) == fake_ptr(biases[0]) and int(args["bias1"]) == fake_ptr(biases[1])
-    assert (int(args["M"]), int(args["K"]), int(args["N"]), int(args["glu_kind"])) == (m, 4096, 2, 1)
-    assert int(args["out"]) == fake_ptr(nodes[-1])
+    args = spec.args
+    assert int(args.a0) == fake_ptr(prods[0].srcs[0]) and int(args.a1) == fake_ptr(prods[1].srcs[0])
+    assert int(args.bias0) == fake_ptr(biases[0]) and int(args.bias1) == fake_ptr(biases[1])
+    assert (int(args.M), int(args.K), int(args.N), int(args.glu_kind)) == (m, 4096, 2, 1)
+    assert int(args.out) == fake_ptr(nodes[-1])
     # R = 2 at K 4096: one gate and one up row a stage, so as many groups as rows
-    lay = support.stream_layout("q4_0", 4096, True)
-    assert spec.grid == (support.stream_grid(lay, m, 1, support.STREAM.warps, support.STREAM.blocks_per_sm, 132), 1, 1)
+    lay = stream.stream_layout("q4_0", 4096, True)
+    assert spec.grid == (stream.stream_grid(lay, m, 1, specs.STREAM.warps, specs.STREAM.blocks_per_sm, 132), 1, 1)
 
 
 def test_gate_declines_devices_without_32_lane_warps() -> None:
@@ -434,10 +438,10 @@ def kernel_param_types(source, name: str) -> list[type]:  # noqa: ANN001
     return [t for _, t in kernel_params(source, name)]
 
 
-def check_spec(spec: cm.KernelSpec) -> None:
-    assert spec.kernel in cm.KERNEL_SOURCES[spec.source], spec.kernel
+def check_spec(spec: KernelSpec) -> None:
+    assert spec.kernel in specs.KERNEL_SOURCES[spec.source], spec.kernel
     base = spec.kernel.split("<")[0]
-    assert [type(a) for a in spec.args] == kernel_param_types(spec.source, base)
+    assert [type(a) for a in spec.arg_values] == kernel_param_types(spec.source, base)
 
 
 @pytest.mark.parametrize(("dt", "a_shape", "b_view", "kernel"), [
@@ -466,28 +470,28 @@ def test_mmv_spec_picks_the_variant(dt: str, a_shape: tuple, b_view: str | None,
     else:
         b = od.input("x", (n, k), "f16" if b_view == "f16" else "f32")
     y = ops.mul_mat(weight("w", a_shape, dt), b)
-    specs = cm.mmv_specs(y, y, fake_ptr, fake_scratch)
-    spec = specs[-1]
+    launches = mmv.mmv_specs(y, y, fake_ptr, fake_scratch)
+    spec = launches[-1]
     assert spec.kernel == kernel
-    for sp in specs:
+    for sp in launches:
         check_spec(sp)
     if kernel.startswith("mmvq_stream"):  # one launch, b quantized in shared memory
-        assert len(specs) == 1
-        assert spec.block == 32 * support.STREAM.warps
-        assert spec.smem == support.stream_smem(dt, k, n, support.STREAM.warps, support.STREAM.stages)
+        assert len(launches) == 1
+        assert spec.block == 32 * specs.STREAM.warps
+        assert spec.smem == stream.stream_smem(dt, k, n, specs.STREAM.warps, specs.STREAM.stages)
         assert spec.grid[1:] == (1, 1) and spec.grid[0] >= 1
-        assert int(spec.args[7]) == fake_ptr(b)
-        assert int(spec.args[-1]) == 1  # params: the first weight copies go before the PDL wait
+        assert int(spec.args.b) == fake_ptr(b)
+        assert int(spec.args.preload) == 1  # params: the first weight copies go before the PDL wait
     elif dt in QUANTS:  # b quantized to q8_1 first, then QROWS rows a block
-        quant = specs[0]
-        assert len(specs) == 2 and quant.kernel == f"quantize_q8_1<{cm.B_KIND[b.dtype.name]}>"
+        quant = launches[0]
+        assert len(launches) == 2 and quant.kernel == f"quantize_q8_1<{specs.B_KIND[b.dtype.name]}>"
         nbp = -(-k // 32 // 32) * 32
-        assert quant.grid == (n, -(-k // 32 // 8)) and int(quant.args[0]) == fake_ptr(b)
-        assert int(quant.args[-2]) == SCRATCH and int(quant.args[-1]) == SCRATCH + n * nbp * 32
-        assert spec.grid == (a_shape[0] // cm.QROWS, 1, 1) and spec.block == cm.q_threads(k) and spec.smem == 0
-        assert (int(spec.args[7]), int(spec.args[8]), int(spec.args[9])) == (SCRATCH, SCRATCH + n * nbp * 32, nbp)
+        assert quant.grid == (n, -(-k // 32 // 8)) and int(quant.args.b) == fake_ptr(b)
+        assert int(quant.args.bq) == SCRATCH and int(quant.args.bds) == SCRATCH + n * nbp * 32
+        assert spec.grid == (a_shape[0] // specs.QROWS, 1, 1) and spec.block == mmv.q_threads(k) and spec.smem == 0
+        assert (int(spec.args.bq), int(spec.args.bds), int(spec.args.nbp)) == (SCRATCH, SCRATCH + n * nbp * 32, nbp)
     else:
-        assert spec.grid == (a_shape[0] // 2, 1, 1) and spec.block == cm.BLOCK and spec.smem == 0
+        assert spec.grid == (a_shape[0] // 2, 1, 1) and spec.block == specs.BLOCK and spec.smem == 0
 
 
 def dtypes_block_bytes(dt: str) -> int:
@@ -496,42 +500,41 @@ def dtypes_block_bytes(dt: str) -> int:
 
 def test_q_constants_mirror_the_kernel() -> None:
     """QROWS, QWARPS_MAX, QUANT_BLOCK as mmv.cu has them; threads a block from K."""
-    src = cm.MMV_CU.read_text()
-    for name, value in (("QROWS", cm.QROWS), ("QWARPS_MAX", cm.QWARPS_MAX), ("QUANT_BLOCK", cm.QUANT_BLOCK)):
+    src = specs.MMV_CU.read_text()
+    for name, value in (("QROWS", specs.QROWS), ("QWARPS_MAX", specs.QWARPS_MAX), ("QUANT_BLOCK", specs.QUANT_BLOCK)):
         assert re.search(rf"constexpr int {name} = {value};", src), name
-    assert [cm.q_threads(k) for k in (32, 1024, 2048, 4096, 5632, 14336)] == [32, 32, 64, 128, 128, 128]
-    assert [cm.q8_padded(k) for k in (32, 1024, 1056, 4096)] == [32, 32, 64, 128]
+    assert [mmv.q_threads(k) for k in (32, 1024, 2048, 4096, 5632, 14336)] == [32, 32, 64, 128, 128, 128]
+    assert [mmv.q8_padded(k) for k in (32, 1024, 1056, 4096)] == [32, 32, 64, 128]
 
 
 def test_mmv_spec_batch_geometry() -> None:
     a = weight("w", (3, 2, 16, 64), "f16")
     y = ops.mul_mat(a, od.input("x", (6, 4, 5, 64)))
-    (spec,) = cm.mmv_specs(y, y, fake_ptr, fake_scratch)
-    args = dict(zip(["a0", "a1", "a_row", "a_s2", "a_s3", "r2", "r3", "b", "b_col", "b_es", "b_s2", "b_s3", "out",
-                     "M", "K", "N"], spec.args))
+    (spec,) = mmv.mmv_specs(y, y, fake_ptr, fake_scratch)
+    args = spec.args
     assert spec.grid == (8, 4, 6)
-    assert (args["r2"], args["r3"]) == (2, 2)
-    assert (args["a_row"], args["a_s2"], args["a_s3"]) == (128, 16 * 128, 2 * 16 * 128)
-    assert (args["b_col"], args["b_s2"], args["b_s3"]) == (256, 5 * 256, 4 * 5 * 256)
-    assert (args["M"], args["K"], args["N"]) == (16, 64, 5)
-    assert int(spec.args[-1]) == 1  # params: the first weights are loaded before the PDL wait
-    (spec,) = cm.mmv_specs(ops.mul_mat(od.input("w", (16, 64), "f16"), od.input("x", (5, 64))), y, fake_ptr,
+    assert (args.r2, args.r3) == (2, 2)
+    assert (args.a_row, args.a_s2, args.a_s3) == (128, 16 * 128, 2 * 16 * 128)
+    assert (args.b_col, args.b_s2, args.b_s3) == (256, 5 * 256, 4 * 5 * 256)
+    assert (args.M, args.K, args.N) == (16, 64, 5)
+    assert int(args.preload) == 1  # params: the first weights are loaded before the PDL wait
+    (spec,) = mmv.mmv_specs(ops.mul_mat(od.input("w", (16, 64), "f16"), od.input("x", (5, 64))), y, fake_ptr,
                            fake_scratch)
-    assert int(spec.args[-1]) == 0  # inputs may be written by the kernel before: loaded after the wait
+    assert int(spec.args.preload) == 0  # inputs may be written by the kernel before: loaded after the wait
 
 
 def test_mmv_id_and_grouped_specs() -> None:
     experts = weight("e", (8, 32, 64), "q4_0")
     ids = od.input("ids", (1, 4), "i32")
     y = ops.mul_mat_id(experts, od.input("x", (1, 1, 64)), ids)
-    quant, spec = cm.mmv_id_specs(y, y, fake_ptr, fake_scratch)
+    quant, spec = mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch)
     assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (1, 1)
     assert spec.kernel == "mmvq_id<W_Q4_0, EPI_NONE>" and spec.grid == (8, 4, 1)
     assert spec.block == 32 and spec.smem == 0
     check_spec(quant)
     check_spec(spec)
     y = ops.mul_mat_id(experts, od.input("x", (32, 1, 64)), od.input("ids", (32, 4), "i32"))
-    route, quant, grouped = cm.grouped_specs(y, y, fake_ptr, fake_scratch)
+    route, quant, grouped = mmv.grouped_specs(y, y, fake_ptr, fake_scratch)
     assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (32, 1)  # 32 tokens x 1 b row
     assert grouped.kernel == "mmvq_id_grouped<W_Q4_0, 8, EPI_NONE>" and grouped.grid == (8, 8)
     assert grouped.smem == 0
@@ -539,7 +542,7 @@ def test_mmv_id_and_grouped_specs() -> None:
     check_spec(grouped)
     ids = od.input("ids", (32, 4), "i32")
     y = ops.mul_mat_id(weight("e16", (8, 32, 64), "f16"), od.input("x", (32, 4, 64)), ids)
-    route, grouped = cm.grouped_specs(y, y, fake_ptr, fake_scratch)
+    route, grouped = mmv.grouped_specs(y, y, fake_ptr, fake_scratch)
     check_spec(route)
     check_spec(grouped)
     assert route.kernel == "moe_route" and route.grid == (1,) and route.smem == 2 * 4 * 8
@@ -556,16 +559,15 @@ def test_mmv_id_streams_block_formats(b_rows: int) -> None:
     x = od.input("x", (1, b_rows, 256))
     for ids, preload in ((od.input("ids", (1, 4), "i32"), 0), (od.param("ids", np.array([[3, 1, 7, 0]]), "i32"), 1)):
         y = ops.mul_mat_id(experts, x, ids)
-        (spec,) = cm.mmv_id_specs(y, y, fake_ptr, fake_scratch)
+        (spec,) = mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch)
         check_spec(spec)
         assert spec.kernel == "mmvq_stream<W_Q4_0, B_F32, 1, EPI_NONE, 2>" and spec.grid[1:] == (4, 1)
-        args = {name: int(v) for (name, _), v in zip(kernel_params(cm.MMVQ_STREAM_CU, "mmvq_stream"), spec.args)
-                if not isinstance(v, np.floating)}
-        assert (args["a_row"], args["a_s2"], args["N"]) == (8 * 18, 32 * 8 * 18, 1)
-        assert args["b_s2"] == (256 * 4 if b_rows > 1 else 0)
-        assert (args["ids"], args["E"], args["preload"]) == (fake_ptr(ids), 8, preload)
+        args = spec.args
+        assert (args.a_row, args.a_s2, args.N) == (8 * 18, 32 * 8 * 18, 1)
+        assert args.b_s2 == (256 * 4 if b_rows > 1 else 0)
+        assert (args.ids, args.E, args.preload) == (fake_ptr(ids), 8, preload)
     y = ops.mul_mat_id(weight("e", (8, 32, 96), "q4_0"), od.input("x", (1, 1, 96)), od.input("ids", (1, 4), "i32"))
-    assert [s.kernel.split("<")[0] for s in cm.mmv_id_specs(y, y, fake_ptr, fake_scratch)] == [
+    assert [s.kernel.split("<")[0] for s in mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch)] == [
         "quantize_q8_1", "mmvq_id"]  # K % 256 != 0: two launches
 
 
@@ -573,14 +575,14 @@ def test_fused_glu_spec() -> None:
     y = _glu_graph("q4_0", n=2, kind="geglu", bias=True)
     nodes = Graph.build(y).nodes
     prods, biases, glu = fusion.parts(nodes)
-    quant, spec = cm.mmv_specs(prods[0], nodes[-1], fake_ptr, fake_scratch, a1=prods[1].srcs[0],
+    quant, spec = mmv.mmv_specs(prods[0], nodes[-1], fake_ptr, fake_scratch, a1=prods[1].srcs[0],
                                bias0=biases[0], bias1=biases[1], glu=glu)
     assert quant.kernel == "quantize_q8_1<B_F32>"  # b quantized once for both weights
     assert spec.kernel == "mmvq<W_Q4_0, 2, EPI_GLU>"
     m = prods[0].shape[-1]
-    assert spec.grid == (-(-m // (cm.QROWS // 2)), 1, 1)  # gate and up rows: half as many a block
+    assert spec.grid == (-(-m // (specs.QROWS // 2)), 1, 1)  # gate and up rows: half as many a block
     check_spec(spec)
-    assert int(spec.args[1]) == fake_ptr(prods[1].srcs[0]) and int(spec.args[-3]) == 1  # geglu
+    assert int(spec.args.a1) == fake_ptr(prods[1].srcs[0]) and int(spec.args.glu_kind) == 1  # geglu
 
 
 def test_cublaslt_structs_and_alignment() -> None:
@@ -597,17 +599,32 @@ def test_cublaslt_structs_and_alignment() -> None:
 
 
 def test_every_kernel_instance_is_a_template_of_the_sources() -> None:
-    for source, names in cm.KERNEL_SOURCES.items():
+    for source, names in specs.KERNEL_SOURCES.items():
         text = source.read_text()
         for name in names:
             assert re.search(rf"\b{name.split('<')[0]}\(", text), name
 
 
+def test_every_launched_kernel_has_an_argument_record() -> None:
+    """One KernelArgs record per kernel named in KERNEL_SOURCES, its fields the kernel's parameters
+    and their converters the C types' numpy scalars."""
+    records = {kernel: cls for module in (mmv, stream, gemm) for cls in vars(module).values()
+               if isinstance(cls, type) and issubclass(cls, KernelArgs) and cls is not KernelArgs
+               for kernel in cls.KERNELS}
+    for source, names in specs.KERNEL_SOURCES.items():
+        for kernel in {name.split("<")[0] for name in names}:
+            assert kernel in records, f"{kernel} of {source.name} has no KernelArgs record"
+            params = kernel_params(source, kernel)
+            assert records[kernel].names() == tuple(name for name, _ in params)
+            values = records[kernel](**{f.name: 1 for f in attrs.fields(records[kernel])}).values()
+            assert [type(v) for v in values] == [t for _, t in params], kernel
+
+
 # -- cuBLAS call specs, emulated with numpy ----------------------------------------------------------
 
 NP = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
-B_OF = {v: k for k, v in cm.B_KIND.items()}
-W_OF = {v: k for k, v in cm.W_KIND.items()}
+B_OF = {v: k for k, v in specs.B_KIND.items()}
+W_OF = {v: k for k, v in specs.W_KIND.items()}
 
 
 class Memory:
@@ -640,16 +657,16 @@ class Memory:
     def array(self, ptr: int, shape: tuple, strides: tuple, dt: np.dtype) -> np.ndarray:
         return np.ndarray(shape, dt, self.mem, offset=ptr, strides=strides)
 
-    def run(self, spec: cm.KernelSpec | cm.GemmSpec) -> None:
-        if isinstance(spec, cm.GemmSpec):
+    def run(self, spec: KernelSpec | GemmSpec) -> None:
+        if isinstance(spec, GemmSpec):
             self.gemm(spec)
         else:
             self.convert(spec)
 
-    def convert(self, spec: cm.KernelSpec) -> None:
+    def convert(self, spec: KernelSpec) -> None:
         kind, types = spec.kernel.split("<")
         ts, td = (x.strip() for x in types.rstrip(">").split(","))
-        args = [int(a) for a in spec.args]
+        args = [int(a) for a in spec.arg_values]
         if kind == "convert":
             src, n0, n1, n2, n3, s0, s1, s2, s3, dst = args
             vals = self.array(src, (n3, n2, n1, n0), (s3, s2, s1, s0), NP[B_OF[ts]]).astype(np.float32)
@@ -663,7 +680,7 @@ class Memory:
         flat = np.ascontiguousarray(out).view(np.uint8).reshape(-1)
         self.mem[dst:dst + flat.size] = flat
 
-    def gemm(self, g: cm.GemmSpec) -> None:
+    def gemm(self, g: GemmSpec) -> None:
         if g.kind == "gemm":
             trips = [(g.a, g.b, g.c)]
         elif g.kind == "strided":
@@ -692,12 +709,12 @@ def _emulate(y: Tensor, make_specs: Callable) -> tuple[np.ndarray, np.ndarray, l
     for leaf in graph.leafs:
         memory.place(leaf, leaf.data)
     memory.place(y)
-    specs = make_specs(y, memory.ptr, memory.scratch)
-    for spec in specs:
+    launches = make_specs(y, memory.ptr, memory.scratch)
+    for spec in launches:
         memory.run(spec)
     got = np.array(memory.array(memory.ptr(y), y.shape, y.strides, np.dtype(np.float32)))
     (ref,) = od.compile(y, "cpu").run({})
-    return got, ref, specs
+    return got, ref, launches
 
 
 def _param(shape: tuple, dt: str, rng: np.random.Generator) -> Tensor:
@@ -728,11 +745,11 @@ def test_gemm_specs_compute_mul_mat(case: str, rng) -> None:  # noqa: ANN001
     ta, a_shape, tb, b_shape, view, kinds = GEMM_CASES[case]
     b = _param(b_shape, tb, rng)
     y = ops.mul_mat(_param(a_shape, ta, rng), view(b) if view else b)
-    got, ref, specs = _emulate(y, cm.gemm_specs)
-    for s in specs:
-        if isinstance(s, cm.KernelSpec):
+    got, ref, launches = _emulate(y, gemm.gemm_specs)
+    for s in launches:
+        if isinstance(s, KernelSpec):
             check_spec(s)
-    got_kinds = [s.kind if isinstance(s, cm.GemmSpec) else s.kernel.split("<")[0] for s in specs]
+    got_kinds = [s.kind if isinstance(s, GemmSpec) else s.kernel.split("<")[0] for s in launches]
     assert got_kinds == kinds
     assert nmse(got, ref) <= NMSE_MAX, nmse(got, ref)
 
@@ -753,11 +770,11 @@ def test_out_prod_specs_compute_out_prod(case: str, rng) -> None:  # noqa: ANN00
     ta, a_shape, b_shape, view, kinds = OUT_PROD_CASES[case]
     b = _param(b_shape, "f32", rng)
     y = ops.out_prod(_param(a_shape, ta, rng), view(b) if view else b)
-    got, ref, specs = _emulate(y, cm.out_prod_specs)
-    for s in specs:
-        if isinstance(s, cm.KernelSpec):
+    got, ref, launches = _emulate(y, gemm.out_prod_specs)
+    for s in launches:
+        if isinstance(s, KernelSpec):
             check_spec(s)
-    assert [s.kind if isinstance(s, cm.GemmSpec) else s.kernel.split("<")[0] for s in specs] == kinds
+    assert [s.kind if isinstance(s, GemmSpec) else s.kernel.split("<")[0] for s in launches] == kinds
     assert nmse(got, ref) <= 1e-10, nmse(got, ref)
 
 
@@ -942,7 +959,7 @@ def test_mmvq_stream_fused_glu(dt: str, n: int, bias: bool, rng) -> None:  # noq
         y = gate_up_glu(dt, m, k, n, bias, kind)
         nodes = Graph.build(y).nodes
         prods, biases, glu = fusion.parts(nodes)
-        (spec,) = cm.fused_specs(nodes, fake_ptr, fake_scratch)
+        (spec,) = mmv.fused_specs(nodes, fake_ptr, fake_scratch)
         assert spec.kernel.startswith("mmvq_stream<") and "EPI_GLU" in spec.kernel, spec.kernel
         feeds = feeds_for(y, rng)
         plan = od.compile(y, "cuda0")

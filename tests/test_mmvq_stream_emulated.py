@@ -7,7 +7,7 @@ once ("eager"), so a stage read before its wait, a missing __syncwarp before a s
 a wrong lane-to-chunk map, a wrong block decode or a row left unwritten shows as a wrong or NaN
 result (shared memory and outputs start poisoned, 0xFF). The only edits to the source are the
 inline PTX (f16 conversions, cp.async) swapped for host functions. Results are compared with the
-numpy reference by NMSE (OPS.md's 5e-4) and, where b is a plain f32 input, with the reference run
+numpy reference by NMSE (docs/conformance.md's 5e-4) and, where b is a plain f32 input, with the reference run
 on b rounded to q8_1 in numpy (quantize_q8_1's float32 math) by NMSE 1e-8: the kernel's only
 departure from the reference is that rounding (ggml's too), so anything else shows. On the H200
 the same shapes run in test_cuda_matmul.py.
@@ -25,12 +25,13 @@ import numpy as np
 import pytest
 
 import opdispatch as od
-import opdispatch.plugins.cuda_matmul as cm
 from opdispatch import ops
+from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.dtypes import from_float
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
-from opdispatch.plugins.cuda_matmul import fusion, support
+from opdispatch.plugins.cuda_matmul import fusion, specs
+from opdispatch.plugins.cuda_matmul.specs import mmv, stream
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
 from helpers import gate_up_glu, moe
@@ -74,15 +75,15 @@ def _bias(dt: str, m: int, k: int, n: int) -> Tensor:
     return ops.add(ops.mul_mat(od.input("w", (m, k), dt), od.input("x", (n, k))), od.input("bias", (m,)))
 
 
-DEFAULT = support.STREAM
-#: name: (graph, stream config, eager copies); each covers a part of the layout (support.stream_layout)
+DEFAULT = specs.STREAM
+#: name: (graph, stream config, eager copies); each covers a part of the layout (stream.stream_layout)
 CASES = {
     "q4_0 K256 one chunk a row (G 1, R 32)": (lambda: _mm("q4_0", 77, 256, 1), DEFAULT, False),
     "q8_0 K4096 two rows a stage (G 16)": (lambda: _mm("q8_0", 130, 4096, 2), DEFAULT, False),
     "q8_0 K8192 a warp a row (G 32, S 1)": (lambda: _mm("q8_0", 33, 8192, 1), DEFAULT, False),
     "q4_1 K4224 a partial second segment": (lambda: _mm("q4_1", 17, 4224, 1), DEFAULT, False),
-    "q5_0 K14336 two segments, 2 stages": (lambda: _mm("q5_0", 21, 14336, 3), support.StreamConfig(2, 2, 1), True),
-    "q5_1 K64 N8, 4 stages 8 warps": (lambda: _mm("q5_1", 19, 64, 8), support.StreamConfig(4, 8, 3), False),
+    "q5_0 K14336 two segments, 2 stages": (lambda: _mm("q5_0", 21, 14336, 3), specs.StreamConfig(2, 2, 1), True),
+    "q5_1 K64 N8, 4 stages 8 warps": (lambda: _mm("q5_1", 19, 64, 8), specs.StreamConfig(4, 8, 3), False),
     "q4_0 broadcast batches": (lambda: _mm("q4_0", 13, 256, 3, batch=(2, 3), a_batch=(1, 3)), DEFAULT, False),
     "q8_0 b f16 misaligned (scalar loads)": (lambda: _mm("q8_0", 29, 512, 3, tb="f16", bview="offset"), DEFAULT,
                                              False),
@@ -95,7 +96,7 @@ CASES = {
     "glu q5_1 K64 16 gate rows a stage": (lambda: gate_up_glu("q5_1", 41, 64, 3, False, "geglu"), DEFAULT, True),
     "mul_mat_id q4_0 3 of 8 experts": (lambda: moe("q4_0", 8, 45, 512, 1, 3, False, False), DEFAULT, False),
     "mul_mat_id q8_0 add_id, 2 stages 2 warps": (lambda: moe("q8_0", 4, 33, 4096, 1, 2, False, True),
-                                                 support.StreamConfig(2, 2, 1), False),
+                                                 specs.StreamConfig(2, 2, 1), False),
     "mul_mat_id glu q5_1 add_id": (lambda: moe("q5_1", 6, 19, 128, 1, 4, True, True), DEFAULT, True),
 }
 
@@ -115,8 +116,8 @@ def _transformed(build: Path) -> None:
         common = common.replace(ptx, "")
     (build / "common.cuh").write_text(common)
     (build / "activations.cuh").write_text((INCLUDE / "activations.cuh").read_text())
-    (build / "mm_common.cuh").write_text(cm.KERNELS_DIR.joinpath("mm_common.cuh").read_text())
-    src = cm.MMVQ_STREAM_CU.read_text()
+    (build / "mm_common.cuh").write_text(specs.KERNELS_DIR.joinpath("mm_common.cuh").read_text())
+    src = specs.MMVQ_STREAM_CU.read_text()
     a, b = src.index("// -- cp.async --"), src.index("// -- geometry --")
     src = src[:a] + """
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) { emu_cp16(dst, src); }
@@ -171,9 +172,9 @@ class Arena:
         raise AssertionError("mmvq_stream takes no scratch buffer")
 
 
-def _specs(y: Tensor, arena: Arena, cfg: support.StreamConfig) -> list[cm.KernelSpec]:
+def _specs(y: Tensor, arena: Arena, cfg: specs.StreamConfig) -> list[KernelSpec]:
     nodes = _nodes(y)
-    make = cm.mmv_specs if nodes[0].op == "mul_mat" else cm.mmv_id_specs
+    make = mmv.mmv_specs if nodes[0].op == "mul_mat" else mmv.mmv_id_specs
     if len(nodes) == 1:
         return make(nodes[0], nodes[0], arena.ptr, arena.scratch, device=DEVICE, stream=cfg)
     graph = Graph.build(y)
@@ -183,13 +184,13 @@ def _specs(y: Tensor, arena: Arena, cfg: support.StreamConfig) -> list[cm.Kernel
                 bias0=biases[0], bias1=biases[1] if glu else None, glu=glu, device=DEVICE, stream=cfg)
 
 
-def _instance(y: Tensor, cfg: support.StreamConfig) -> str:
+def _instance(y: Tensor, cfg: specs.StreamConfig) -> str:
     nodes = _nodes(y)
     first = nodes[0]
-    epi = cm.EPI_GLU if nodes[-1].op == "glu" else (cm.EPI_BIAS if len(nodes) == 2 else cm.EPI_NONE)
+    epi = specs.EPI_GLU if nodes[-1].op == "glu" else (specs.EPI_BIAS if len(nodes) == 2 else specs.EPI_NONE)
     tb = first.srcs[1].dtype.name
     n = 1 if first.op == "mul_mat_id" else first.shape[-2]  # mul_mat_id: one column a (token, slot)
-    return cm.stream_name(first.srcs[0].dtype.name, tb, cm.nt_for(n) if tb == "f32" else 8, epi, cfg.stages)
+    return specs.stream_name(first.srcs[0].dtype.name, tb, specs.nt_for(n) if tb == "f32" else 8, epi, cfg.stages)
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +218,7 @@ def _feeds(y: Tensor, rng: np.random.Generator) -> dict[Tensor, np.ndarray]:
             else rng.uniform(-1, 1, t.shape).astype(np.float32) for t in graph.inputs}
 
 
-def _emulate(y: Tensor, feeds: dict, cfg: support.StreamConfig, eager: bool, emulator: Path, tmp_path: Path
+def _emulate(y: Tensor, feeds: dict, cfg: specs.StreamConfig, eager: bool, emulator: Path, tmp_path: Path
              ) -> tuple[np.ndarray, str]:
     """The output of the one mmvq_stream launch the plugin binds for `y` (its memory poisoned first), run
     by the emulator, and a description of the launch."""
@@ -236,7 +237,7 @@ def _emulate(y: Tensor, feeds: dict, cfg: support.StreamConfig, eager: bool, emu
     arena.mem.tofile(mem_file)
     grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
     cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, grid), str(spec.block), str(spec.smem), str(int(eager)),
-           *(str(a.item()) for a in spec.args)]
+           *(str(a.item()) for a in spec.arg_values)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     mem = np.fromfile(mem_file, np.uint8)
@@ -295,6 +296,6 @@ def test_cases_cover_the_layouts() -> None:
     for make, cfg, _ in CASES.values():
         nodes = _nodes(make())
         a = nodes[0].srcs[0]
-        lay = support.stream_layout(a.dtype.name, a.shape[-1], nodes[-1].op == "glu")
+        lay = stream.stream_layout(a.dtype.name, a.shape[-1], nodes[-1].op == "glu")
         seen.add((min(lay.R, 2), min(lay.S, 2), nodes[-1].op == "glu"))
     assert {(2, 1, False), (1, 1, False), (1, 2, False), (2, 1, True), (1, 2, True)} <= seen, seen

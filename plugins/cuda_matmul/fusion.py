@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from opdispatch.backends.base import Device
 from opdispatch.graph import Graph
+from opdispatch.hookspecs import Device
 from opdispatch.ops.elementwise import GLU_KINDS
+from opdispatch.support import whole_elements
 from opdispatch.tensor import Tensor
 
 from . import support
@@ -38,8 +39,8 @@ PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def _mmv(node: Tensor) -> str:
-    """'' if `node` runs on a mat-vec path with an f32 b, else why not."""
+def _mmv(node: Tensor) -> bool | str:
+    """True if `node` runs on a mat-vec path with an f32 b, else why not."""
     c = support.choose(node)
     if c.reason:
         return f"{node.op}: {c.reason}"
@@ -47,35 +48,35 @@ def _mmv(node: Tensor) -> str:
         return f"{node.op} takes {c.path}, not a mat-vec kernel (batch {support.batch_n(node)} > {support.MMV_MAX_N})"
     if node.srcs[1].dtype.name != "f32":
         return f"{node.op}: b must be f32 to fuse, got {node.srcs[1].dtype.name}"
-    return ""
+    return True
 
 
-def _bias_ok(prod: Tensor, add: Tensor) -> tuple[Tensor | None, str]:
-    """The bias an add/add_id after `prod` adds, or why the kernel cannot add it."""
+def _bias_ok(prod: Tensor, add: Tensor) -> bool | str:
+    """True if the kernel can add the bias that an add/add_id after `prod` adds, else why not."""
     if add.op == "add":
         if prod not in add.srcs:
-            return None, "add does not read the mul_mat before it"
+            return "add does not read the mul_mat before it"
         bias = _bias_of(prod, add)
         if bias is prod:
-            return None, "add adds the mul_mat to itself"
+            return "add adds the mul_mat to itself"
         if add.shape != prod.shape:
-            return None, f"add broadcasts the mul_mat result into {add.shape}"
+            return f"add broadcasts the mul_mat result into {add.shape}"
         m = prod.shape[-1]
         if bias.size != m or bias.shape[-1] != m:
-            return None, f"the bias {bias.describe()} is not one row of {m} values"
+            return f"the bias {bias.describe()} is not one row of {m} values"
     else:  # add_id(prod, bias, ids)
         if add.srcs[0] is not prod:
-            return None, "add_id does not add to the mul_mat_id before it"
+            return "add_id does not add to the mul_mat_id before it"
         bias = add.srcs[1]
         if add.srcs[2] is not prod.srcs[2]:
-            return None, "add_id reads other ids than the mul_mat_id"
+            return "add_id reads other ids than the mul_mat_id"
     if bias.dtype.name != "f32":
-        return None, f"the bias {bias.describe()} must be f32"
-    if not bias.rows_contiguous() or not support.elem_strides(bias):
-        return None, f"the bias {bias.describe()} rows must be contiguous"
+        return f"the bias {bias.describe()} must be f32"
+    if not bias.rows_contiguous() or not whole_elements(bias):
+        return f"the bias {bias.describe()} rows must be contiguous"
     if add.dtype.name != "f32" or not add.is_contiguous():
-        return None, f"{add.op} must give a contiguous f32 result"
-    return bias, ""
+        return f"{add.op} must give a contiguous f32 result"
+    return True
 
 
 def _bias_of(prod: Tensor, add: Tensor) -> Tensor:
@@ -107,13 +108,13 @@ def check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
     prods = [n for n in body if n.op in ("mul_mat", "mul_mat_id")]
     for p in prods:
         why = _mmv(p)
-        if why:
+        if why is not True:
             return why
     ends = []
     for i, n in enumerate(body):
         if n.op in ("add", "add_id"):
-            _, why = _bias_ok(body[i - 1], n)
-            if why:
+            why = _bias_ok(body[i - 1], n)
+            if why is not True:
                 return why
             ends.append(n)
     if glu is None:

@@ -1,0 +1,96 @@
+"""cuda_matmul's binds: specs (specs/) to pre-bound launches, and the Kernel records' paths.
+
+The only module that touches a `CudaContext`: each bind computes its specs once, with the
+backend's scratch buffers (`ScratchPool`, by role) kept alive with the launch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from opdispatch.backends.cuda import cublas
+from opdispatch.backends.cuda.kernels import EMPTY, KernelSpec, chain
+from opdispatch.backends.cuda.scratch import Workspace
+from opdispatch.hookspecs import Launch
+from opdispatch.tensor import Tensor
+
+from .specs import Scratch
+from .specs.gemm import GemmSpec, Spec, gemm_specs, out_prod_specs
+from .specs.mmv import fused_specs, grouped_specs, mmv_id_specs, mmv_specs
+
+if TYPE_CHECKING:
+    from opdispatch.backends.cuda.backend import CudaContext
+
+
+def scratch_for(ctx: CudaContext, kept: list) -> Scratch:
+    """scratch(role, nbytes) for one bind: the backend's scratch buffer of that role
+    (`ScratchPool`); every buffer handed out is appended to `kept`."""
+
+    def get(role: str, nbytes: int) -> int:
+        buf = ctx.backend.scratch.take(Workspace(nbytes, f"cuda_matmul {role}"))
+        kept.append(buf)
+        return buf.ptr
+
+    return get
+
+
+def _gemm_launch(ctx: CudaContext, g: GemmSpec) -> Launch:
+    h = cublas.for_backend(ctx.backend)
+    at, bt = cublas.DATA_TYPES[g.a_type], cublas.DATA_TYPES[g.b_type]
+    ct = cublas.CUDA_R_32F
+    if g.kind in ("gemm", "strided"):
+        return h.matmul(g.transa, g.transb, g.m, g.n, g.k, g.a, at, g.lda, g.b, bt, g.ldb, g.c, ct, g.ldc, g.strides,
+                        g.batch)
+    pa, pb, pc = zip(*g.ptrs)
+    return h.gemm_batched(g.transa, g.transb, g.m, g.n, g.k, pa, at, g.lda, pb, bt, g.ldb, pc, ct, g.ldc)
+
+
+def _realize(ctx: CudaContext, specs: Sequence[Spec], kept: Sequence[Any] = ()) -> Launch:
+    with ctx.backend.cuda_device:
+        parts = [(s.launch(ctx.stream) if isinstance(s, KernelSpec) else _gemm_launch(ctx, s)) for s in specs]
+    return chain(parts, kept)
+
+
+def _bind(ctx: CudaContext, node: Tensor, make: Callable[[Scratch], list]) -> Launch:
+    """Specs from `make(scratch)` (with this bind's scratch buffers kept alive) as one launch."""
+    if node.size == 0:
+        return EMPTY
+    kept: list = []
+    return _realize(ctx, make(scratch_for(ctx, kept)), kept)
+
+
+def bind_mmv(ctx: CudaContext, node: Tensor) -> Launch:
+    return _bind(ctx, node, lambda scratch: mmv_specs(node, node, ctx.ptr, scratch, device=ctx.device))
+
+
+def bind_gemm(ctx: CudaContext, node: Tensor) -> Launch:
+    return _bind(ctx, node, lambda scratch: gemm_specs(node, ctx.ptr, scratch))
+
+
+def bind_out_prod(ctx: CudaContext, node: Tensor) -> Launch:
+    return _bind(ctx, node, lambda scratch: out_prod_specs(node, ctx.ptr, scratch))
+
+
+def bind_mmv_id(ctx: CudaContext, node: Tensor) -> Launch:
+    return _bind(ctx, node, lambda scratch: mmv_id_specs(node, node, ctx.ptr, scratch, device=ctx.device))
+
+
+def bind_mmv_id_grouped(ctx: CudaContext, node: Tensor) -> Launch:
+    return _bind(ctx, node, lambda scratch: grouped_specs(node, node, ctx.ptr, scratch))
+
+
+def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
+    return _bind(ctx, nodes[-1], lambda scratch: fused_specs(nodes, ctx.ptr, scratch, ctx.device))
+
+
+#: (op, path name, bind) of every Kernel record, in the order they are asked
+PATHS: tuple[tuple[str, str, Callable], ...] = (
+    ("mul_mat", "mmvf", bind_mmv),
+    ("mul_mat", "mmvq_stream", bind_mmv),
+    ("mul_mat", "mmvq", bind_mmv),
+    ("mul_mat", "cublas", bind_gemm),
+    ("mul_mat", "dequant_cublas", bind_gemm),
+    ("mul_mat_id", "mmv_id", bind_mmv_id),
+    ("mul_mat_id", "mmv_id_grouped", bind_mmv_id_grouped),
+    ("out_prod", "cublas_out_prod", bind_out_prod),
+)

@@ -1,0 +1,155 @@
+"""What cuda_matmul compiles: its kernel sources, the template instances launched from each, and the
+constants and tuned configuration that fix them; the helpers every family of specs shares.
+
+The launch specs are per .cu family: `mmv` (kernels/mmv.cu: the mat-vecs, the q8_1 quantizer, the MoE
+routing), `stream` (kernels/mmvq_stream.cu's geometry) and `gemm` (kernels/convert.cu and the cuBLAS
+calls). Column counts are compiled for the common case only: b f32 (and 16-byte loads for float
+weights) takes NTS (the grouped MoE kernels GROUPED_NTS); the rarer variants (scalar loads, b f16/bf16,
+which only unfused mul_mat takes) are compiled for 8 columns and run fewer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+import attrs
+
+from opdispatch.backends.cuda.args import instance
+from opdispatch.ops.base import pad4
+from opdispatch.tensor import Tensor
+
+KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+MMV_CU = KERNELS_DIR / "mmv.cu"
+MMVQ_STREAM_CU = KERNELS_DIR / "mmvq_stream.cu"
+CONVERT_CU = KERNELS_DIR / "convert.cu"
+
+#: mm_common.cuh's weight kinds and b/destination kinds
+W_KIND = {"f32": "W_F32", "f16": "W_F16", "bf16": "W_BF16", "q4_0": "W_Q4_0", "q4_1": "W_Q4_1",
+          "q5_0": "W_Q5_0", "q5_1": "W_Q5_1", "q8_0": "W_Q8_0"}
+B_KIND = {"f32": "B_F32", "f16": "B_F16", "bf16": "B_BF16"}
+EPI_NONE, EPI_BIAS, EPI_GLU = "EPI_NONE", "EPI_BIAS", "EPI_GLU"
+EPIS = (EPI_NONE, EPI_BIAS, EPI_GLU)
+FLOAT_NAMES = ("f32", "f16", "bf16")
+QUANT_NAMES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+
+BLOCK = 128  # mmv.cu's mm::BLOCK
+ROWS = 2  # rows of a a mat-vec block computes (the kernels' R)
+NTS = (1, 2, 4, 8)  # column counts the mat-vec kernels are compiled for
+GROUPED_NTS = (1, 4, 8)  # ... and the grouped MoE kernels
+ROUTE_BLOCK = 1024  # mmv.cu's ROUTE_BLOCK
+CONVERT_BLOCK = 256  # convert.cu's CONVERT_BLOCK
+# mmv.cu's block-format mat-vec: weight rows (streams) a block, warps a block at most,
+# quantize_q8_1's threads
+QROWS, QWARPS_MAX, QUANT_BLOCK = 4, 4, 256
+CONVERT_GRID_MAX = 65536  # blocks of a conversion (grid-stride over rows beyond)
+
+
+@attrs.frozen
+class StreamConfig:
+    """mmvq_stream's tunables: cp.async stages a warp (the kernel's NS, 2..4), warps a block
+    (1..8; halved at bind time until the shared memory fits), blocks an SM the grid aims at.
+    The default was the fastest, or within 4% of it, on the H200 (docs/cuda_matmul.md, tuning)."""
+
+    stages: int = 2
+    warps: int = 8
+    blocks_per_sm: int = 2
+
+
+#: the configuration binds use, and the stage count the instances are compiled for
+STREAM = StreamConfig()
+
+
+def mmv_name(wt: str, tb: str, nt: int, vec: bool, epi: str) -> str:
+    return instance("mmv", W_KIND[wt], B_KIND[tb], nt, ROWS, vec, epi)
+
+
+def mmv_id_name(wt: str, tb: str, vec: bool, epi: str) -> str:
+    return instance("mmv_id", W_KIND[wt], B_KIND[tb], ROWS, vec, epi)
+
+
+def grouped_name(wt: str, tb: str, nt: int, vec: bool, epi: str) -> str:
+    return instance("mmv_id_grouped", W_KIND[wt], B_KIND[tb], nt, ROWS, vec, epi)
+
+
+def mmvq_name(wt: str, nt: int, epi: str) -> str:
+    return instance("mmvq", W_KIND[wt], nt, epi)
+
+
+def stream_name(wt: str, tb: str, nt: int, epi: str, stages: int = STREAM.stages) -> str:
+    return instance("mmvq_stream", W_KIND[wt], B_KIND[tb], nt, epi, stages)
+
+
+def mmvq_id_name(wt: str, epi: str) -> str:
+    return instance("mmvq_id", W_KIND[wt], epi)
+
+
+def qgrouped_name(wt: str, nt: int, epi: str) -> str:
+    return instance("mmvq_id_grouped", W_KIND[wt], nt, epi)
+
+
+def quantize_name(tb: str) -> str:
+    return instance("quantize_q8_1", B_KIND[tb])
+
+
+def convert_name(ts: str, td: str) -> str:
+    return instance("convert", B_KIND[ts], B_KIND[td])
+
+
+def dequant_name(wt: str, td: str) -> str:
+    return instance("dequant", W_KIND[wt], B_KIND[td])
+
+
+ROUTE_NAME = "moe_route"
+
+MMV_NAMES: tuple[str, ...] = (
+    *(mmv_name(wt, "f32", nt, True, epi) for epi in EPIS for wt in FLOAT_NAMES for nt in NTS),
+    *(mmv_name(wt, "f32", 8, False, epi) for epi in EPIS for wt in FLOAT_NAMES),
+    *(mmv_name(wt, tb, 8, vec, EPI_NONE) for wt in FLOAT_NAMES for tb in ("f16", "bf16") for vec in (False, True)),
+    *(quantize_name(tb) for tb in FLOAT_NAMES),
+    *(mmvq_name(wt, nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
+    *(mmv_id_name(wt, "f32", vec, epi) for wt in FLOAT_NAMES for vec in (False, True) for epi in EPIS),
+    *(mmvq_id_name(wt, epi) for wt in QUANT_NAMES for epi in EPIS),
+    *(grouped_name(wt, "f32", nt, True, epi) for wt in FLOAT_NAMES for nt in GROUPED_NTS for epi in EPIS[:2]),
+    *(grouped_name(wt, "f32", 8, False, epi) for wt in FLOAT_NAMES for epi in EPIS[:2]),
+    *(qgrouped_name(wt, nt, epi) for wt in QUANT_NAMES for nt in GROUPED_NTS for epi in EPIS[:2]),
+    ROUTE_NAME,
+)
+CONVERT_NAMES: tuple[str, ...] = (
+    *(convert_name(ts, td) for ts in FLOAT_NAMES for td in FLOAT_NAMES),
+    *(dequant_name(wt, td) for wt in QUANT_NAMES for td in ("f16", "f32")),
+)
+#: mmvq_stream: b f32 for every column count and epilogue; b f16/bf16 (unfused mul_mat only) for 8 columns
+STREAM_NAMES: tuple[str, ...] = (
+    *(stream_name(wt, "f32", nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
+    *(stream_name(wt, tb, 8, EPI_NONE) for tb in ("f16", "bf16") for wt in QUANT_NAMES),
+)
+#: every instance the specs can name, per source (tests/test_kernels_compile.py compiles them all)
+KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {MMV_CU: MMV_NAMES, CONVERT_CU: CONVERT_NAMES,
+                                               MMVQ_STREAM_CU: STREAM_NAMES}
+
+#: a tensor's device address (a bind's `ctx.ptr`; tests pass fakes)
+Ptr = Callable[[Tensor], int]
+#: scratch(role, nbytes) -> device address of a buffer of at least nbytes for `role`
+Scratch = Callable[[str, int], int]
+
+
+def nt_for(n: int, choices: Sequence[int] = NTS) -> int:
+    """The fewest compiled columns that hold n (n <= 8)."""
+    return next(nt for nt in choices if nt >= n)
+
+
+def geometry(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and byte strides padded to 4 dims (missing outer dims: size 1, stride 0)."""
+    pad = 4 - t.ndim
+    return pad4(t.shape), (0,) * pad + tuple(t.strides)
+
+
+def elem_stride(t: Tensor) -> int:
+    """Byte stride of t's last axis (any value when it has one element)."""
+    return t.strides[-1] if t.shape[-1] > 1 else t.dtype.block_bytes
+
+
+def addr(ptr: Ptr, t: Tensor | None) -> int:
+    """t's address, 0 (a null pointer) for an absent operand."""
+    return ptr(t) if t is not None else 0

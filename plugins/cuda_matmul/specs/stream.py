@@ -1,0 +1,167 @@
+"""kernels/mmvq_stream.cu's launch: its argument record, the geometry it mirrors (chunks, the row
+layout, shared memory) and the grid, sized by the device's facts.
+
+The Python mirror of the kernel's geometry is what lets support.py say, on a device description,
+whether a node's b copy fits in shared memory, and what the tests check against the source.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from opdispatch.backends.cuda.args import KernelArgs, f32, i32, i64, ptr
+from opdispatch.backends.cuda.devices import H200, DeviceFacts, facts
+from opdispatch.backends.cuda.kernels import KernelSpec
+from opdispatch.hookspecs import Device
+from opdispatch.tensor import Tensor
+
+from . import EPI_GLU, MMVQ_STREAM_CU, STREAM, Ptr, StreamConfig, geometry, nt_for, stream_name
+
+#: (block bytes, blocks a chunk) of each format mmvq_stream takes: a chunk is the fewest
+#: consecutive blocks whose bytes are a multiple of 16 (mmvq_stream.cu's Geo)
+STREAM_FORMATS = {"q4_0": (18, 8), "q4_1": (20, 4), "q5_0": (22, 8), "q5_1": (24, 2), "q8_0": (34, 8)}
+#: shared memory the driver reserves per block (sm_80 and sm_90)
+SMEM_PER_BLOCK_RESERVED = 1024
+
+
+@attrs.frozen
+class StreamArgs(KernelArgs):
+    """mmvq_stream's arguments: mmv's, then mul_mat_id's (ids 0 for a mul_mat), then `preload`."""
+
+    KERNELS = ("mmvq_stream",)
+    a0: np.uint64 = ptr()
+    a1: np.uint64 = ptr()
+    a_row: np.int64 = i64()
+    a_s2: np.int64 = i64()
+    a_s3: np.int64 = i64()
+    r2: np.int32 = i32()
+    r3: np.int32 = i32()
+    b: np.uint64 = ptr()
+    b_col: np.int64 = i64()
+    b_es: np.int64 = i64()
+    b_s2: np.int64 = i64()
+    b_s3: np.int64 = i64()
+    out: np.uint64 = ptr()
+    M: np.int32 = i32()
+    K: np.int32 = i32()
+    N: np.int32 = i32()
+    bias0: np.uint64 = ptr()
+    bias1: np.uint64 = ptr()
+    glu_kind: np.int32 = i32()
+    alpha: np.float32 = f32()
+    limit: np.float32 = f32()
+    ids: np.uint64 = ptr()
+    ids_t: np.int64 = i64()
+    ids_u: np.int64 = i64()
+    E: np.int32 = i32()
+    bias_e: np.int64 = i64()
+    preload: np.int32 = i32()
+
+
+@attrs.frozen
+class StreamLayout:
+    """How mmvq_stream splits a row of K values (mmvq_stream.cu's Layout): C chunks a row, G lanes
+    a row, R rows (slots) a warp stage, S segments a row, RO output rows and UG stages a group."""
+
+    C: int
+    G: int
+    R: int
+    S: int
+    RO: int
+    UG: int
+
+
+def device_facts(device: Device | None) -> DeviceFacts:
+    """The facts kernels are sized by; None stands for an H200's description."""
+    return facts(device if device is not None else H200)
+
+
+def stream_chunk(dt: str) -> tuple[int, int, int]:
+    """(blocks a chunk, weight bytes a chunk, b bytes a chunk in shared memory) of format `dt`:
+    the b chunk holds CB * 32 int8 codes and CB (d, d * sum) float2, padded to an odd number of
+    16-byte granules."""
+    nbytes, cb = STREAM_FORMATS[dt]
+    braw = cb * 40
+    return cb, cb * nbytes, braw if (braw // 16) % 2 == 1 else braw + 16
+
+
+def stream_layout(dt: str, k: int, glu: bool) -> StreamLayout:
+    cb, _, _ = stream_chunk(dt)
+    c = k // (32 * cb)
+    g = 1
+    while g < c and g < 32:
+        g *= 2
+    r, s = 32 // g, -(-c // g)
+    if not glu:
+        return StreamLayout(c, g, r, s, r, s)
+    if r >= 2:
+        return StreamLayout(c, g, r, s, r // 2, 1)
+    return StreamLayout(c, g, r, s, 1, 2 * s)
+
+
+def stream_smem(dt: str, k: int, n: int, warps: int, stages: int) -> int:
+    """Dynamic shared memory of an mmvq_stream block: b's n columns, then each warp's ring."""
+    cb, chunk, bchunk = stream_chunk(dt)
+    return n * (k // (32 * cb)) * bchunk + warps * stages * 32 * chunk
+
+
+def stream_warps(dt: str, k: int, n: int, device: Device | None, cfg: StreamConfig | None = None) -> int:
+    """The warps a block of mmvq_stream gets: cfg.warps, halved until the block's shared memory
+    fits the device's opt-in limit; 0 when not even one warp fits."""
+    cfg = cfg or STREAM
+    limit = device_facts(device).smem_per_block_optin
+    w = cfg.warps
+    while w >= 1 and stream_smem(dt, k, n, w, cfg.stages) > limit:
+        w //= 2
+    return max(w, 0)
+
+
+def stream_grid(layout: StreamLayout, m: int, batches: int, warps: int, blocks_per_sm: int, sm_count: int) -> int:
+    """Blocks of mmvq_stream along x (one batch): about blocks_per_sm a SM over all batches, then as
+    few as give each warp the same most groups (the kernel splits a batch's groups evenly over its
+    gridDim.x * warps warps, so no warp takes more than the others' count plus one, and the
+    largest count is what the grid aimed at)."""
+    groups = -(-m // layout.RO)
+    target = max(1, blocks_per_sm * sm_count // max(batches, 1))
+    per_warp = -(-groups // (target * warps))
+    busy_warps = -(-groups // per_warp)
+    return -(-busy_warps // warps)
+
+
+def stream_blocks_per_sm(smem: int, device: Device | None, cfg: StreamConfig) -> int:
+    """cfg.blocks_per_sm, fewer when an SM's shared memory holds fewer blocks (at least 1)."""
+    per_sm = device_facts(device).smem_per_sm
+    return max(1, min(cfg.blocks_per_sm, per_sm // (smem + SMEM_PER_BLOCK_RESERVED)))
+
+
+def stream_addresses(ptr: Ptr, a: Tensor, a1: Tensor | None) -> bool:
+    """The device addresses mmvq_stream needs (support.stream_ok checks the strides): the weights,
+    and a fused GLU's up weight, 16-byte aligned. Should an arena ever place one otherwise, the
+    two-launch kernel runs though explain() names the stream path."""
+    return ptr(a) % 16 == 0 and (a1 is None or (a1.view_offset % 16 == 0 and ptr(a1) % 16 == 0))
+
+
+def stream_spec(node: Tensor, args: StreamArgs, epi: str, device: Device | None,
+                cfg: StreamConfig | None = None) -> KernelSpec | None:
+    """mmvq_stream with `args` for mul_mat or mul_mat_id `node`, or None when it does not fit:
+    cfg's warps halved until the block's shared memory fits, the grid from stream_grid (a
+    mul_mat_id batch a (token, slot))."""
+    cfg = cfg or STREAM
+    a, b = node.srcs[:2]
+    if node.op == "mul_mat_id":
+        (_, m, k), (t, _, _) = a.shape, b.shape
+        b3, b2, n = t, node.srcs[2].shape[1], 1
+    else:
+        (_, _, m, k), _ = geometry(a)
+        (b3, b2, n, _), _ = geometry(b)
+    dt, tb = a.dtype.name, b.dtype.name
+    warps = stream_warps(dt, k, n, device, cfg)
+    if not warps:
+        return None
+    smem = stream_smem(dt, k, n, warps, cfg.stages)
+    layout = stream_layout(dt, k, epi == EPI_GLU)
+    per_sm = stream_blocks_per_sm(smem, device, cfg)
+    grid = (stream_grid(layout, m, b2 * b3, warps, per_sm, device_facts(device).sm_count) if n else 0, b2, b3)
+    nt = nt_for(max(n, 1)) if tb == "f32" else 8
+    return KernelSpec(MMVQ_STREAM_CU, stream_name(dt, tb, nt, epi, cfg.stages), grid, 32 * warps, args, smem=smem)
