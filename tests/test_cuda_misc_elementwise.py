@@ -1,4 +1,5 @@
-"""The elementwise half of cuda_misc: binary ops with broadcasting, maps and unary ops, glu; multi-add, softcap.
+"""cuda_misc's elementwise.cu, unary.cu and glu.cu families: binary ops with broadcasting, maps and unary
+ops, glu; multi-add, softcap.
 
 Without a GPU: plans for a device description (which ops and dtypes the
 plugin takes, its declines with their reasons), the fusion checks (matching
@@ -26,11 +27,13 @@ import opdispatch as od
 import opdispatch.plugins.cuda_misc as cm
 from opdispatch import ops
 from opdispatch.backends.cuda.devices import H200
-from opdispatch.backends.cuda.kernels import INCLUDE_DIR
+from opdispatch.backends.cuda.kernels import INCLUDE_DIR, KernelSpec
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
 from opdispatch.ops.elementwise import GLU_KINDS, UNARY_OPS
-from opdispatch.plugins.cuda_misc import elementwise as ew
+from opdispatch.plugins.cuda_misc import fusion
+from opdispatch.plugins.cuda_misc.specs import KERNEL_SOURCES, unary
+from opdispatch.plugins.cuda_misc.specs import elementwise as ew
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
 
@@ -38,9 +41,9 @@ gpu = pytest.mark.gpu
 
 CPU = Device("cpu", "cpu")
 FLOATS = ("f32", "f16", "bf16")
-#: NMSE bounds: f32 the default (OPS.md); f16/bf16 results differ from the reference
+#: NMSE bounds: f32 the default (docs/conformance.md); f16/bf16 results differ from the reference
 #: (float64 rounded once) only where a float32 result falls on the other side of a
-#: 16-bit rounding tie, far below DESIGN.md's 1e-4
+#: 16-bit rounding tie, far below the 1e-4 docs/conformance.md allows them
 BOUND = {"f32": 1e-7, "f16": 1e-6, "bf16": 1e-5}
 ULP = {"f32": 2.0**-23, "f16": 2.0**-10, "bf16": 2.0**-7}
 MAPS_WITH_PARAMS = {"scale": (0.37, -0.25), "clamp": (-0.5, 0.75), "leaky_relu": (0.1,)}
@@ -89,14 +92,11 @@ def test_kernels_and_rules_are_for_cuda_devices_only() -> None:
     assert "softcap" in names
 
 
-def test_the_plugin_merges_both_halves() -> None:
-    assert all(k in list(cm.kernels(device=H200)) for k in ew.KERNELS)
-    assert all(r in list(cm.fusion_rules(device=H200)) for r in ew.FUSIONS)
-    for path, names in ew.KERNEL_SOURCES.items():
-        assert cm.KERNEL_SOURCES[path] == names
-    if cm.rows is not None:
-        assert all(k in list(cm.kernels(device=H200)) for k in cm.rows.KERNELS)
-        assert all(r in list(cm.fusion_rules(device=H200)) for r in cm.rows.FUSIONS)
+def test_the_plugin_yields_every_record_and_declares_every_source() -> None:
+    assert list(cm.kernels(device=H200)) == cm.KERNELS
+    assert list(cm.fusion_rules(device=H200)) == fusion.FUSIONS
+    assert set(KERNEL_SOURCES) == set((Path(cm.__file__).parent / "kernels").resolve().glob("*.cu"))
+    assert all(KERNEL_SOURCES.values())
 
 
 def _codes(cu: Path, prefix: str) -> dict[str, int]:
@@ -106,17 +106,17 @@ def _codes(cu: Path, prefix: str) -> dict[str, int]:
 
 def test_op_codes_match_the_kernel_sources() -> None:
     assert _codes(ew.ELEMENTWISE_CU, "OP_") == ew.BINARY_CODES
-    assert _codes(ew.UNARY_CU, "OP_") == ew.UNARY_CODES
-    assert _codes(INCLUDE_DIR / "activations.cuh", "GLU_") == ew.GLU_CODES
-    assert set(ew.MAP_OPS) | {"softcap"} == set(ew.UNARY_CODES)
-    assert set(GLU_KINDS) == set(ew.GLU_CODES)
+    assert _codes(unary.UNARY_CU, "OP_") == unary.UNARY_CODES
+    assert _codes(INCLUDE_DIR / "activations.cuh", "GLU_") == unary.GLU_CODES
+    assert set(unary.MAP_OPS) | {"softcap"} == set(unary.UNARY_CODES)
+    assert set(GLU_KINDS) == set(unary.GLU_CODES)
 
 
 # -- who takes what, on the device description --------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("op", [*ew.MAP_OPS])
+@pytest.mark.parametrize("op", [*unary.MAP_OPS])
 def test_plans_every_map_op_and_dtype(op: str, dtype: str) -> None:
     x = od.input("x", (4, 8, 33), dtype)
     y = map_op(op, x.permute(1, 0, 2))  # any strides
@@ -172,7 +172,8 @@ def test_gate_declines_devices_without_32_lane_warps() -> None:
 
 
 def test_ops_of_the_other_half_are_not_taken_by_this_one() -> None:
-    assert not {"cpy", "dup", "get_rows", "set_rows", "sum_rows", "argsort"} & {k.op for k in ew.KERNELS}
+    elementwise = {k.op for k in cm.KERNELS if k.name in ("binary", "add_id", "unary", "glu")}
+    assert not {"cpy", "dup", "get_rows", "set_rows", "sum_rows", "argsort"} & elementwise
 
 
 # -- fusions: multi-add ---------------------------------------------------------------------------------
@@ -257,7 +258,7 @@ def test_multi_add_check_declines_what_the_kernel_cannot_compute(build: Callable
     y = build()
     graph = Graph.build(y)
     adds = [n for n in graph.nodes if n.op == "add"]
-    answer = ew.multi_add_check(H200, adds, graph)
+    answer = fusion.multi_add_check(H200, adds, graph)
     assert isinstance(answer, str) and reason in answer, answer
     plan = od.compile(y, H200)
     assert not plan.fusions
@@ -308,7 +309,7 @@ def test_softcap_fuses_scale_tanh_scale(dtype: str) -> None:
 def test_softcap_does_not_fuse_a_scale_with_bias(bias1: float, bias2: float) -> None:
     y = softcap(od.input("x", (4, 100)), bias1=bias1, bias2=bias2)
     graph = Graph.build(y)
-    assert ew.softcap_check(H200, graph.nodes, graph) == "a scale has a bias"
+    assert fusion.softcap_check(H200, graph.nodes, graph) == "a scale has a bias"
     plan = od.compile(y, H200)
     assert not plan.fusions and [s.plugin for s in work_steps(plan)] == ["cuda_misc"] * 3
     assert "not fused: softcap (a scale has a bias)" in plan.explain()
@@ -329,7 +330,7 @@ def test_softcap_check_wants_each_op_reading_the_one_before() -> None:
     y = ops.scale(t, 2.0)
     graph = Graph.build([s1, y])
     assert [n.op for n in graph.nodes] == ["scale", "tanh", "scale"]
-    assert ew.softcap_check(H200, graph.nodes, graph) == "the ops do not read each other in order"
+    assert fusion.softcap_check(H200, graph.nodes, graph) == "the ops do not read each other in order"
     assert not od.compile(graph, H200).fusions
 
 
@@ -356,15 +357,20 @@ def kernel_param_types(source: Path, name: str) -> list[type]:
     return types
 
 
-def check_spec(spec: ew.Spec) -> None:
+def fields(spec: KernelSpec, *names: str) -> list[int]:
+    """The named kernel arguments of a spec, as ints."""
+    return [int(getattr(spec.args, name)) for name in names]
+
+
+def check_spec(spec: KernelSpec) -> None:
     """The instance is compiled and the arguments have the kernel's parameter types."""
-    assert spec.kernel in ew.KERNEL_SOURCES[spec.source]
+    assert spec.kernel in KERNEL_SOURCES[spec.source]
     name = spec.kernel.split("<")[0]
-    assert [type(a) for a in spec.args] == kernel_param_types(spec.source, name), spec.kernel
+    assert [type(a) for a in spec.arg_values] == kernel_param_types(spec.source, name), spec.kernel
     assert 1 <= np.prod(spec.block) <= 1024 or not all(spec.grid)
 
 
-def binary_spec(a: Tensor, b: Tensor, op: str = "add") -> ew.Spec:
+def binary_spec(a: Tensor, b: Tensor, op: str = "add") -> KernelSpec:
     y = getattr(ops, op)(a, b)
     spec = ew.binary_spec(op, a, b, y, fake_ptr, 132)
     check_spec(spec)
@@ -394,25 +400,25 @@ def test_binary_spec_picks_the_path(a_shape: tuple, b_shape: tuple, view: Callab
 def test_binary_flat_vectors_and_misaligned_fallback() -> None:
     a, b = od.input("a", (1001,)), od.input("b", (1001,))
     spec = binary_spec(a, b)
-    n, nvec, scalar = (int(x) for x in spec.args[3:6])
+    n, nvec, scalar = fields(spec, "n", "nvec", "b_scalar")
     assert (n, nvec, scalar) == (1001, 250, 0)
     big = od.input("big", (1002,))
     shifted = big.view((1001,), (4,), 4)  # 4 bytes past an aligned start
     spec = ew.binary_spec("add", shifted, b, ops.add(shifted, b), fake_ptr, 132)
-    assert spec.kernel == "binary_flat<float, float>" and int(spec.args[4]) == 0  # all as the tail
+    assert spec.kernel == "binary_flat<float, float>" and int(spec.args.nvec) == 0  # all as the tail
     spec = binary_spec(od.input("h", (64,), "f16"), od.input("f", (64,), "f32"))
-    assert spec.kernel == "binary_flat<od::f16, float>" and int(spec.args[4]) == 8  # 8 halves a vector
+    assert spec.kernel == "binary_flat<od::f16, float>" and int(spec.args.nvec) == 8  # 8 halves a vector
     spec = binary_spec(od.input("x", (5, 8)), od.input("s", (1,)))
-    assert int(spec.args[5]) == 1  # b as one element
+    assert int(spec.args.b_scalar) == 1  # b as one element
 
 
 def test_binary_rows_args_and_misaligned_fallback() -> None:
     a = od.input("a", (2, 3, 64))
     spec = binary_spec(a, od.input("b", (64,)))
-    a_rs, b_rs, rows, cols = int(spec.args[1]), int(spec.args[3]), int(spec.args[5]), int(spec.args[6])
+    a_rs, b_rs, rows, cols = fields(spec, "a_rs", "b_rs", "rows", "cols")
     assert (a_rs, b_rs, rows, cols) == (64, 0, 6, 64)
     spec = binary_spec(a, od.input("b", (3, 64)))
-    assert [int(spec.args[i]) for i in (1, 3, 5, 6)] == [192, 0, 2, 192]
+    assert fields(spec, "a_rs", "b_rs", "rows", "cols") == [192, 0, 2, 192]
     wide = od.input("w", (4, 72))
     v = wide.view((4, 64), (288, 4), 16)  # rows 16-byte aligned: vectors
     assert binary_spec(v, od.input("b", (64,))).kernel.startswith("binary_rows")
@@ -424,10 +430,10 @@ def test_bcast_folds_axes_and_passes_b_by_modulo() -> None:
     a = od.input("a", (2, 3, 4, 5))
     spec = binary_spec(a, od.input("b", (3, 1, 5)))
     # (2, 3, 4, 5) with b (1, 3, 1, 5): axes 2, 3 fold (b 1 along 2), then 0, 1 (b 1 along 0)
-    assert [int(x) for x in spec.args[15:19]] == [1, 1, 6, 20]  # the result
-    assert [int(x) for x in spec.args[1:5]] == [0, 0, 20, 1]  # a
-    assert [int(x) for x in spec.args[6:10]] == [1, 1, 3, 5]  # b: index i % 3, j % 5
-    assert [int(x) for x in spec.args[10:14]] == [0, 0, 5, 1]
+    assert fields(spec, "n0", "n1", "n2", "n3") == [1, 1, 6, 20]  # the result
+    assert fields(spec, "as0", "as1", "as2", "as3") == [0, 0, 20, 1]  # a
+    assert fields(spec, "m0", "m1", "m2", "m3") == [1, 1, 3, 5]  # b: index i % 3, j % 5
+    assert fields(spec, "bs0", "bs1", "bs2", "bs3") == [0, 0, 5, 1]
     # a row broadcast over contiguous rows folds to one axis read by modulo
     assert ew.fold((6, 5), [((6, 5), (5, 1)), ((5,), (1,))]) == ((1, 1, 1, 30), [((1, 1, 1, 30), (0, 0, 0, 1)),
                                                                                 ((1, 1, 1, 5), (0, 0, 0, 1))])
@@ -446,25 +452,25 @@ def test_unary_spec_picks_the_path(shape: tuple, view: Callable | None, path: st
     x = od.input("x", shape, dtype)
     x = view(x) if view else x
     y = ops.gelu(x)
-    spec = ew.unary_spec(ew.UNARY_CODES["gelu"], x, y, 0.0, 0.0, fake_ptr, 132)
+    spec = unary.unary_spec(unary.UNARY_CODES["gelu"], x, y, 0.0, 0.0, fake_ptr, 132)
     check_spec(spec)
     assert spec.kernel == f"{path}<{ew.CTYPES[dtype]}>"
     if path == "unary_flat":
         vec = 16 // ew.ITEMSIZE[dtype]
-        assert int(spec.args[3]) == y.size // vec
+        assert int(spec.args.nvec) == y.size // vec
 
 
 def test_unary_flat_misaligned_runs_as_the_tail() -> None:
     x = od.input("x", (101,)).view((100,), (4,), 4)
-    spec = ew.unary_spec(0, x, ops.abs(x), 0.0, 0.0, fake_ptr, 132)
-    assert spec.kernel == "unary_flat<float>" and int(spec.args[3]) == 0 and spec.grid[0] >= 1
+    spec = unary.unary_spec(0, x, ops.abs(x), 0.0, 0.0, fake_ptr, 132)
+    assert spec.kernel == "unary_flat<float>" and int(spec.args.nvec) == 0 and spec.grid[0] >= 1
 
 
 def test_map_params_reach_the_kernel() -> None:
     x = od.input("x", (4, 8))
     for y, p in ((ops.scale(x, 2.5, -1.0), (2.5, -1.0)), (ops.clamp(x, -0.5, 0.5), (-0.5, 0.5)),
                  (ops.leaky_relu(x, 0.2), (0.2, 0.0)), (ops.exp(x), (0.0, 0.0))):
-        assert ew.map_params(y) == p
+        assert unary.map_params(y) == p
 
 
 @pytest.mark.parametrize("swapped", [False, True])
@@ -472,23 +478,23 @@ def test_map_params_reach_the_kernel() -> None:
 def test_glu_spec_points_at_the_halves(swapped: bool, dtype: str) -> None:
     x = od.input("x", (3, 5, 128), dtype)
     y = ops.glu(x, "swiglu", swapped)
-    spec = ew.glu_spec(y, fake_ptr, 132)
+    spec = unary.glu_spec(y, fake_ptr, 132)
     check_spec(spec)
     size = ew.ITEMSIZE[dtype]
-    g, u = int(spec.args[0]), int(spec.args[4])
+    g, u = fields(spec, "g", "u")
     assert (g - BASE, u - BASE) == ((64 * size, 0) if swapped else (0, 64 * size))
-    assert [int(s) for s in spec.args[1:4]] == [0, 0, 128]  # rows folded into one axis
-    assert int(spec.args[-1]) == 1  # vectors
+    assert fields(spec, "gs0", "gs1", "gs2") == [0, 0, 128]  # rows folded into one axis
+    assert int(spec.args.vec) == 1  # vectors
 
 
 def test_glu_spec_split_form_and_unaligned_rows() -> None:
     a, b = od.input("a", (4, 6, 36)), od.input("b", (6, 4, 36)).permute(1, 0, 2)
     y = ops.glu_split(a, b, "geglu")
-    spec = ew.glu_spec(y, fake_ptr, 132)
+    spec = unary.glu_spec(y, fake_ptr, 132)
     check_spec(spec)
-    assert int(spec.args[-1]) == 1 and [int(s) for s in spec.args[5:8]] == [0, 36, 144]
+    assert int(spec.args.vec) == 1 and fields(spec, "us0", "us1", "us2") == [0, 36, 144]
     odd = ops.glu(od.input("x", (4, 10)), "reglu")  # rows of 5: no vectors
-    assert int(ew.glu_spec(odd, fake_ptr, 132).args[-1]) == 0
+    assert int(unary.glu_spec(odd, fake_ptr, 132).args.vec) == 0
 
 
 @pytest.mark.parametrize("n_adds", [2, 5, 8])
@@ -496,12 +502,12 @@ def test_multi_add_spec(n_adds: int) -> None:
     y, xs = chain(n_adds, (6, 64), b_shapes=[(64,) if i % 2 else (6, 64) for i in range(n_adds)])
     graph = Graph.build(y)
     nodes = [n for n in graph.nodes if n.op == "add"]
-    assert ew.multi_add_check(H200, nodes, graph) is True
+    assert fusion.multi_add_check(H200, nodes, graph) is True
     spec = ew.multi_add_spec(nodes, fake_ptr, 132)
     check_spec(spec)
-    strides = [int(s) for s in spec.args[9:9 + len(xs)]]
+    strides = fields(spec, *(f"rs{i}" for i in range(len(xs))))
     assert strides == [64] + [0 if i % 2 else 64 for i in range(n_adds)]
-    assert int(spec.args[18]) == n_adds + 1 and int(spec.args[-1]) == 1
+    assert int(spec.args.n) == n_adds + 1 and int(spec.args.vec) == 1
 
 
 def test_add_id_spec() -> None:
@@ -510,12 +516,12 @@ def test_add_id_spec() -> None:
     spec = ew.add_id_spec(y, fake_ptr, 132)
     check_spec(spec)
     assert spec.kernel == "add_id<float, od::f16>"
-    assert [int(x) for x in spec.args[-4:]] == [3, 2, 16, 5]
+    assert fields(spec, "n_t", "n_u", "n_c", "n_e") == [3, 2, 16, 5]
 
 
 def test_empty_tensors_launch_nothing() -> None:
     x = od.input("x", (0, 8))
-    assert ew.unary_spec(0, x, ops.abs(x), 0, 0, fake_ptr, 132).grid == (0,)
+    assert unary.unary_spec(0, x, ops.abs(x), 0, 0, fake_ptr, 132).grid == (0,)
     assert 0 in ew.binary_spec("add", x, od.input("b", (8,)), ops.add(x, od.input("b", (8,))), fake_ptr, 132).grid
 
 
@@ -571,7 +577,8 @@ def run_checked(outputs: Tensor | Sequence[Tensor], draw: Callable[[], dict], bo
 
 
 def input_range(op: str, dtype: str) -> tuple[float, float]:
-    """OPS.md's ranges: unary [-150, 150], exp-like f16/bf16 [-10, 10]; log/sqrt positive."""
+    """The conformance ranges (docs/conformance.md): unary [-150, 150], exp-like f16/bf16 [-10, 10];
+    log/sqrt positive."""
     if op in ("log", "sqrt"):
         return 0.01, 100.0
     if op in ("scale", "clamp", "leaky_relu", "sqr", "sin", "cos"):
@@ -595,7 +602,7 @@ LAYOUTS: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Tensor] | None]] = 
 @gpu
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("op", list(ew.MAP_OPS))
+@pytest.mark.parametrize("op", list(unary.MAP_OPS))
 def test_map_ops_match_the_reference(op: str, dtype: str, layout: str, rng) -> None:  # noqa: ANN001
     shape, view = LAYOUTS[layout]
     x = od.input("x", shape, dtype)
@@ -613,7 +620,7 @@ def test_map_ops_on_special_values(dtype: str) -> None:
     special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 0.5, -0.5, 1.5, -2.5, 20.0, 20.5, 19.5, 3.0, -3.0,
                         1e-3, -1e-3, 4.0, -4.0])
     x = od.input("x", special.shape, dtype)
-    for op in ew.MAP_OPS:
+    for op in unary.MAP_OPS:
         y = map_op(op, x)
         (got,) = od.compile(y, "cuda0").run({x: special})
         (want,) = od.compile(y, "cpu").run({x: special})
@@ -833,13 +840,13 @@ def test_output_may_alias_source_a(build: str, rng) -> None:  # noqa: ANN001
     backend.write(buf_b, 0, bv.astype(np.float32))
     ctx = backend.bind_context(lambda t: (buf_b, 0) if t is b else (buf_a, 0))  # y on a's bytes
     if build.startswith("unary"):
-        spec = ew.unary_spec(ew.UNARY_CODES["exp"], a, y, 0.0, 0.0, ctx.ptr, 132)
+        spec = unary.unary_spec(unary.UNARY_CODES["exp"], a, y, 0.0, 0.0, ctx.ptr, 132)
     elif build == "binary bcast":
         spec = ew.binary_bcast_spec("sub", a, b, y, ctx.ptr, 132)
     else:
         spec = ew.binary_spec("sub", a, b, y, ctx.ptr, 132)
     with backend.cuda_device:
-        ew.launch(ctx, spec)()
+        spec.launch(ctx.stream)()
     got = backend.read(buf_a, 0, a.nbytes).view(np.float32).reshape(a.shape)
     (want,) = od.compile(y, "cpu").run({a: av, b: bv} if not build.startswith("unary") else {a: av})
     assert nmse(got, want) <= BOUND["f32"], build

@@ -1,4 +1,5 @@
-"""cuda_misc's rows half: copies, get_rows/set_rows, layout ops, reductions, sorts, the MoE fusion.
+"""cuda_misc's rows.cu, reduce.cu and sort.cu families: copies, get_rows/set_rows, layout ops, reductions, sorts;
+the MoE and greedy-pick fusions.
 
 CPU-only tests plan graphs for a CUDA device description (what the plugin
 takes and declines, which fusions match, which kernel instances the binds
@@ -18,13 +19,19 @@ import pytest
 
 import opdispatch as od
 from opdispatch import ops
+import opdispatch.plugins.cuda_misc as cm
+from opdispatch.backends.cuda.devices import facts
+from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.dtypes import DTYPES, dequantize, from_float, quantize, to_host_float
 from opdispatch.hookspecs import Device
 from opdispatch.ops.base import FLOATS, QUANTS
-from opdispatch.plugins.cuda_misc import rows
+from opdispatch.plugins.cuda_misc import fusion
+from opdispatch.plugins.cuda_misc.specs import KERNEL_SOURCES, layout, reduce, rows, sort
 from opdispatch.testing.metrics import nmse
 
-DEV = Device("cuda0", "cuda", props={"cc": (9, 0), "sm_count": 132, "smem_per_block": 49152, "warp_size": 32})
+#: a GPU whose blocks get 48 KiB of shared memory, opted in or not: sort chunks of 4096 keys
+DEV = Device("cuda0", "cuda", props={"cc": (9, 0), "sm_count": 132, "smem_per_block": 49152,
+                                    "smem_per_block_optin": 49152, "warp_size": 32})
 PLAIN = ("f32", "f16", "bf16", "i32")
 
 gpu = pytest.mark.gpu
@@ -150,8 +157,8 @@ def test_moe_router_fused_writes_the_ids_others_read() -> None:
     plan = od.compile([out, moe], DEV)
     (fused,) = plan.fusions
     assert fused.writes == (ids,) and fused.plugin == "cuda_misc"
-    specs = rows.moe_specs(fused.nodes, lambda t: 1000 + t.uid)
-    assert int(specs[0].args[2]) == 1000 + ids.uid  # the kernel is given the ids' address
+    specs = sort.moe_specs(fused.nodes, lambda t: 1000 + t.uid)
+    assert int(specs[0].args.ids) == 1000 + ids.uid  # the kernel is given the ids' address
 
 
 def test_moe_router_variants_do_not_fuse() -> None:
@@ -174,7 +181,7 @@ def test_moe_router_variants_do_not_fuse() -> None:
 def test_moe_check_reasons() -> None:
     logits, _, out = _router(experts=2048, k=4)
     graph = od.Graph.build(out)
-    assert "experts" in rows.moe_check(DEV, graph.nodes, graph)
+    assert "experts" in fusion.moe_check(DEV, graph.nodes, graph)
 
 
 # -- argmax's two kernels and the fused greedy pick -------------------------------------------------
@@ -196,16 +203,16 @@ def test_argmax_kernel_by_shape(shape: tuple[int, ...], kernel: str) -> None:
 @pytest.mark.parametrize("rows_, cols", [(1, 1024), (1, 32000), (3, 32000), (16, 32000), (1, 128256), (16, 128256),
                                          (1, 200001), (3, 200001), (2, 1027)])
 def test_argmax_split_covers_every_column_once(rows_: int, cols: int) -> None:
-    nblk, chunk = rows.split_shape(rows_, cols, 132)
-    assert 1 < nblk and chunk % 4 == 0 and chunk >= min(rows.SPLIT_MIN_COLS, cols)
+    nblk, chunk = reduce.split_shape(rows_, cols, 132)
+    assert 1 < nblk and chunk % 4 == 0 and chunk >= min(reduce.SPLIT_MIN_COLS, cols)
     assert (nblk - 1) * chunk < cols <= nblk * chunk  # no empty block: each counts itself in
     assert nblk * rows_ <= 132 + rows_  # about one wave
     x = od.input("x", (rows_, cols))
     node = ops.argmax(x)
-    (s,) = rows.argmax_split_specs(x, node, addresses(), (1 << 30, 1 << 31), 132)
-    assert s.grid == nblk * rows_ and s.block == rows.SPLIT_BLOCK
-    assert [int(a) for a in s.args[7:10]] == [cols, chunk, nblk]
-    ws = rows.argmax_workspaces(rows_, nblk)
+    (s,) = reduce.argmax_split_specs(x, node, addresses(), (1 << 30, 1 << 31), 132)
+    assert s.grid == nblk * rows_ and s.block == reduce.SPLIT_BLOCK
+    assert [int(s.args.ncols), int(s.args.chunk), int(s.args.nblk)] == [cols, chunk, nblk]
+    ws = reduce.argmax_workspaces(rows_, nblk)
     assert [(w.nbytes, w.zeroed) for w in ws] == [(rows_ * nblk * 8, False), (rows_ * 4, True)]
 
 
@@ -213,14 +220,14 @@ def test_argmax_split_specs_pick_float4_loads() -> None:
     x = od.input("x", (3, 32000))
     node = ops.argmax(x)
     ws = (1 << 30, 1 << 31)
-    assert rows.argmax_split_specs(x, node, addresses(), ws, 132)[0].kernel == "argmax_split<true, int>"
-    assert rows.argmax_split_specs(x, node, addresses(misalign=4), ws, 132)[0].kernel == "argmax_split<false, int>"
+    assert reduce.argmax_split_specs(x, node, addresses(), ws, 132)[0].kernel == "argmax_split<true, int>"
+    assert reduce.argmax_split_specs(x, node, addresses(misalign=4), ws, 132)[0].kernel == "argmax_split<false, int>"
     xt = od.input("xt", (32000, 3)).T
-    assert rows.argmax_split_specs(xt, ops.argmax(xt), addresses(), ws, 132)[0].kernel == "argmax_split<false, int>"
+    assert reduce.argmax_split_specs(xt, ops.argmax(xt), addresses(), ws, 132)[0].kernel == "argmax_split<false, int>"
     odd = od.input("odd", (3, 32001))  # rows 4 bytes past 16-byte boundaries
-    assert rows.argmax_split_specs(odd, ops.argmax(odd), addresses(), ws, 132)[0].kernel == "argmax_split<false, int>"
-    (s,) = rows.argmax_split_specs(x, node, addresses(), ws, 132)
-    assert int(s.args[2]) == int(s.args[3]) == int(s.args[4]) == 0  # not fused: no f32 copy, no log
+    assert reduce.argmax_split_specs(odd, ops.argmax(odd), addresses(), ws, 132)[0].kernel == "argmax_split<false, int>"
+    (s,) = reduce.argmax_split_specs(x, node, addresses(), ws, 132)
+    assert int(s.args.out_f32) == int(s.args.token_log) == int(s.args.idx) == 0  # not fused: no f32 copy, no log
 
 
 def _greedy_tail(b: int = 3, vocab: int = 1000, *, tokens: str = "i32", log: str = "f32", idx: str = "i64",
@@ -249,12 +256,12 @@ def _llama_greedy(batch: int, fusion: bool = True) -> od.Plan:
 def test_greedy_pick_fuses_on_the_llama_decode_step(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
     fused = _llama_greedy(batch)
     (pick,) = [f for f in fused.fusions if f.kernel == "greedy_pick"]
-    assert [n.op for n in pick.nodes] == list(rows.GREEDY_PATTERN) and pick.plugin == "cuda_misc"
+    assert [n.op for n in pick.nodes] == list(fusion.GREEDY_PATTERN) and pick.plugin == "cuda_misc"
     assert [w.op for w in pick.writes] == ["cpy", "cpy"]
     assert [w.dtype.name for w in pick.writes] == ["i32", "f32"] and pick.out.op == "set_rows"
     assert "[fused greedy_pick]" in fused.explain()
     # every other fusion as it was: without the rule (a fresh model, so no cached plan), four launches more
-    monkeypatch.setattr(rows, "FUSIONS", [r for r in rows.FUSIONS if r.name != "greedy_pick"])
+    monkeypatch.setattr(fusion, "FUSIONS", [r for r in fusion.FUSIONS if r.name != "greedy_pick"])
     before = _llama_greedy(batch)
     assert not any(f.kernel == "greedy_pick" for f in before.fusions)
     assert fused.summary()["launches"] == before.summary()["launches"] - 3
@@ -287,14 +294,14 @@ def test_greedy_pick_variants_do_not_fuse() -> None:
 
 def test_greedy_check_reasons() -> None:
     graph = od.Graph.build(_greedy_tail())
-    assert rows.greedy_check(DEV, graph.nodes, graph) is True
+    assert fusion.greedy_check(DEV, graph.nodes, graph) is True
     picked, tokens, view, as_f32, log = graph.nodes
     strided = ops.cpy(picked, od.state("wide", (6,), "i32").view((3,), (8,)))
-    assert "not contiguous" in rows.greedy_check(DEV, [picked, strided, view, as_f32, log], graph)
+    assert "not contiguous" in fusion.greedy_check(DEV, [picked, strided, view, as_f32, log], graph)
     other = ops.cpy(picked, od.state("other", (3,), "i32"))
-    assert "second cpy" in rows.greedy_check(DEV, [picked, tokens, view, other, log], graph)
+    assert "second cpy" in fusion.greedy_check(DEV, [picked, tokens, view, other, log], graph)
     log2 = ops.set_rows(od.state("log2", (8, 1)), od.input("b", (3, 1)), od.input("i2", (3,), "i64"))
-    assert "set_rows does not write" in rows.greedy_check(DEV, [picked, tokens, view, as_f32, log2], graph)
+    assert "set_rows does not write" in fusion.greedy_check(DEV, [picked, tokens, view, as_f32, log2], graph)
 
 
 def test_greedy_pick_takes_the_llama_batch_axes_only() -> None:
@@ -319,9 +326,9 @@ def addresses(*tensors: od.Tensor, misalign: int = 0) -> Callable[[od.Tensor], i
     return ptr
 
 
-def _names_in_sources(specs: Sequence[rows.Spec]) -> None:
+def _names_in_sources(specs: Sequence[KernelSpec]) -> None:
     for s in specs:
-        assert s.kernel in rows.KERNEL_SOURCES[s.source], f"{s.kernel} is not compiled for {s.source.name}"
+        assert s.kernel in KERNEL_SOURCES[s.source], f"{s.kernel} is not compiled for {s.source.name}"
 
 
 def test_copy_specs_pick_the_fast_paths() -> None:
@@ -376,18 +383,18 @@ def test_every_kernel_a_bind_names_is_compiled() -> None:
     graph = od.Graph.build([*outs, moe, *_greedy_tail(idx="i32")])
     plan = od.compile(graph, DEV)
     ptrs = (addresses(), addresses(misalign=4))
-    binds = {k.op: k for k in rows.KERNELS}
+    binds = {k.op: k for k in cm.KERNELS}
     for step in kernel_steps(plan):
         if step.plugin != "cuda_misc":
             continue
         node = step.nodes[-1]
         for ptr in ptrs:
             if step.kernel == "greedy_pick":
-                _names_in_sources(rows.greedy_specs(step.nodes, ptr, (1 << 30, 1 << 31), 132))
+                _names_in_sources(reduce.greedy_specs(step.nodes, ptr, (1 << 30, 1 << 31), 132))
             elif step.kind == "fused":
-                _names_in_sources(rows.moe_specs(step.nodes, ptr))
+                _names_in_sources(sort.moe_specs(step.nodes, ptr))
             elif step.kernel == "argmax_split":
-                _names_in_sources(rows.argmax_split_specs(node.srcs[0], node, ptr, (1 << 30, 1 << 31), 132))
+                _names_in_sources(reduce.argmax_split_specs(node.srcs[0], node, ptr, (1 << 30, 1 << 31), 132))
             elif node.op in ("cpy", "dup", "cont"):
                 _names_in_sources(rows.copy_specs(node.srcs[0], node, ptr, 132))
             elif node.op == "get_rows":
@@ -395,19 +402,19 @@ def test_every_kernel_a_bind_names_is_compiled() -> None:
             elif node.op == "set_rows":
                 _names_in_sources(rows.set_rows_specs(node, ptr))
             elif node.op == "argsort":
-                _names_in_sources(rows.argsort_specs(node, ptr, rows.chunk_limit(DEV)))
+                _names_in_sources(sort.argsort_specs(node, ptr, sort.chunk_limit(DEV)))
             elif node.op == "top_k":
-                _names_in_sources(rows.top_k_specs(node, ptr, rows.chunk_limit(DEV)))
+                _names_in_sources(sort.top_k_specs(node, ptr, sort.chunk_limit(DEV)))
             else:
                 assert node.op in binds
                 specs_fn = {
-                    "concat": rows.concat_specs, "repeat": rows.repeat_specs, "pad": rows.pad_specs,
-                    "pad_reflect_1d": rows.pad_reflect_specs, "roll": rows.roll_specs, "diag": rows.diag_specs,
-                    "tri": rows.tri_specs, "arange": rows.arange_specs, "fill": rows.fill_specs,
-                    "set": rows.set_acc_specs, "acc": rows.set_acc_specs,
-                    "timestep_embedding": rows.timestep_specs, "sum": rows.sum_specs,
-                    "sum_rows": rows.sum_rows_specs, "mean": rows.sum_rows_specs, "cumsum": rows.cumsum_specs,
-                    "argmax": rows.argmax_specs, "count_equal": rows.count_equal_specs,
+                    "concat": layout.concat_specs, "repeat": layout.repeat_specs, "pad": layout.pad_specs,
+                    "pad_reflect_1d": layout.pad_reflect_specs, "roll": layout.roll_specs, "diag": layout.diag_specs,
+                    "tri": layout.tri_specs, "arange": layout.arange_specs, "fill": layout.fill_specs,
+                    "set": layout.set_acc_specs, "acc": layout.set_acc_specs,
+                    "timestep_embedding": layout.timestep_specs, "sum": reduce.sum_specs,
+                    "sum_rows": reduce.sum_rows_specs, "mean": reduce.sum_rows_specs, "cumsum": reduce.cumsum_specs,
+                    "argmax": reduce.argmax_specs, "count_equal": reduce.count_equal_specs,
                 }[node.op]
                 _names_in_sources(specs_fn(node, ptr, 132))
 
@@ -443,7 +450,7 @@ def test_row_specs_pick_vector_packs() -> None:
     node = ops.get_rows(table, od.input("i", (7,), "i32"))
     (s,) = rows.get_rows_specs(node, addresses())
     assert s.kernel == "get_rows<od::f16, float, true>" and s.block == rows.ROW_THREADS
-    assert s.grid == (1, 1) and int(s.args[8]) == 3  # 24 packs of 4: 8 threads per row, 32 rows per block
+    assert s.grid == (1, 1) and int(s.args.tpr_log2) == 3  # 24 packs of 4: 8 threads per row, 32 rows per block
     (s,) = rows.get_rows_specs(node, addresses(misalign=2))
     assert s.kernel == "get_rows<od::f16, float, false>"
     strided = ops.get_rows(od.input("a", (64, 10), "f16").T, od.input("j", (3,), "i32"))
@@ -451,7 +458,7 @@ def test_row_specs_pick_vector_packs() -> None:
     cache = od.state("kv", (64, 1024), "f16")
     put = ops.set_rows(cache, od.input("s", (8, 1024)), od.input("r", (8,), "i64"))
     (s,) = rows.set_rows_specs(put, addresses())
-    assert s.kernel == "set_rows<od::f16, long long, true>" and s.grid == (2, 1) and int(s.args[10]) == 6
+    assert s.kernel == "set_rows<od::f16, long long, true>" and s.grid == (2, 1) and int(s.args.tpr_log2) == 6
     odd = ops.set_rows(od.state("kv2", (64, 1022), "f16"), od.input("s2", (8, 1022)), od.input("r2", (8,), "i32"))
     assert rows.set_rows_specs(odd, addresses())[0].kernel == "set_rows<od::f16, int, false>"
 
@@ -459,19 +466,19 @@ def test_row_specs_pick_vector_packs() -> None:
 def test_long_argsort_merges_level_by_level() -> None:
     x = od.input("x", (2, 2**20))
     node = ops.argsort(x)
-    specs = rows.argsort_specs(node, addresses(), 4096)
+    specs = sort.argsort_specs(node, addresses(), 4096)
     # sort 256 chunks, then per level k = 2**13 .. 2**20: the flip, the global
     # half-cleaners down to the chunk, and the chunk merge
     levels = range(13, 21)
     assert len(specs) == 1 + sum(2 + (lv - 13) for lv in levels)
     assert specs[0].grid == (2, 256) and specs[0].smem == 4096 * 8
-    assert rows.chunk_limit(DEV) == 4096
-    assert rows.chunk_limit(Device("g", "cuda", props={"smem_per_block_optin": 232448})) == 16384
-    small = rows.argsort_specs(ops.argsort(od.input("s", (3, 5000))), addresses(), 8192)
+    assert sort.chunk_limit(DEV) == 4096
+    assert sort.chunk_limit(Device("g", "cuda", props={"smem_per_block_optin": 232448})) == 16384
+    small = sort.argsort_specs(ops.argsort(od.input("s", (3, 5000))), addresses(), 8192)
     assert len(small) == 1 and small[0].kernel == "sort_chunks<1024>" and small[0].smem == 8192 * 8
-    warp = rows.argsort_specs(ops.argsort(od.input("w", (9, 1000))), addresses(), 4096)
+    warp = sort.argsort_specs(ops.argsort(od.input("w", (9, 1000))), addresses(), 4096)
     assert len(warp) == 1 and warp[0].kernel == "sort_rows_warp<16, 2>" and (warp[0].grid, warp[0].block) == (9, 64)
-    short = rows.top_k_specs(ops.top_k(od.input("t", (5, 40)), 3), addresses(), 4096)
+    short = sort.top_k_specs(ops.top_k(od.input("t", (5, 40)), 3), addresses(), 4096)
     assert short[0].kernel == "sort_rows_warp<2, 1>" and (short[0].grid, short[0].block) == (2, 128)
 
 
@@ -524,7 +531,7 @@ def _emulate_warp_sort(keys: np.ndarray, k: int, warps: int) -> np.ndarray:
     return v.reshape(-1)
 
 
-@pytest.mark.parametrize(("k", "warps"), rows.WARP_SORTS)
+@pytest.mark.parametrize(("k", "warps"), sort.WARP_SORTS)
 def test_warp_sort_network_sorts(k: int, warps: int) -> None:
     rng = np.random.default_rng()
     size = 32 * k * warps
@@ -533,7 +540,7 @@ def test_warp_sort_network_sorts(k: int, warps: int) -> None:
         np.testing.assert_array_equal(_emulate_warp_sort(keys, k, warps)[:n], np.sort(keys))
 
 
-def _emulate_sort(specs: Sequence[rows.Spec], keys: np.ndarray) -> np.ndarray:
+def _emulate_sort(specs: Sequence[KernelSpec], keys: np.ndarray) -> np.ndarray:
     """Run argsort_specs' launches on the host: the network sort.cu runs, on (key, index) pairs."""
     n = len(keys)
     order = np.arange(n)
@@ -545,18 +552,18 @@ def _emulate_sort(specs: Sequence[rows.Spec], keys: np.ndarray) -> np.ndarray:
 
     for s in specs:
         if s.kernel.startswith("sort_chunks"):
-            chunk = int(s.args[3])
+            chunk = int(s.args.chunk)
             for start in range(0, n, chunk):
                 part = order[start:start + chunk]
                 order[start:start + chunk] = sorted(part, key=lambda i: (keys[i], i))
         elif s.kernel == "merge_step":
-            npad, mask, half = (int(v) for v in s.args[3:6])
+            npad, mask, half = int(s.args.npad), int(s.args.mask), int(s.args.half)
             for t in range(npad // 2):
                 i = 2 * t - (t & (half - 1))
                 if (i ^ mask) < n:
                     swap_if(i, i ^ mask)
         else:  # merge_chunks: the half-cleaners inside each chunk
-            chunk = int(s.args[3])
+            chunk = int(s.args.chunk)
             for start in range(0, n, chunk):
                 j = chunk // 2
                 while j:
@@ -573,7 +580,7 @@ def test_long_argsort_network_sorts(n: int) -> None:
     """The chunk sort and merge launches, emulated with 8-key chunks, give the stable order."""
     rng = np.random.default_rng()
     keys = rng.integers(0, n // 3 + 1, n)
-    specs = rows.argsort_specs(ops.argsort(od.input("x", (1, n))), addresses(), 8)
+    specs = sort.argsort_specs(ops.argsort(od.input("x", (1, n))), addresses(), 8)
     np.testing.assert_array_equal(_emulate_sort(specs, keys), np.argsort(keys, kind="stable"))
 
 
@@ -593,7 +600,7 @@ def test_fastdiv_matches_integer_division() -> None:
 def test_window_decomposition() -> None:
     a = od.input("a", (6, 10))
     node = ops.set(a, od.input("b", (3, 4)), 4 * 12)
-    sizes, wstrides, bstrides = rows.window(node)
+    sizes, wstrides, bstrides = layout.window(node)
     assert sizes == [1, 1, 3, 4] and wstrides == [1 << 40, 1 << 40, 10, 1] and bstrides == [0, 0, 16, 4]
 
 
@@ -930,7 +937,7 @@ def tied_rows(rng: np.random.Generator, shape: tuple[int, int], sms: int) -> np.
     two middle ones, the last column), once twice inside one slice: the merge must keep the last."""
     rows_, cols = shape
     x = rng.uniform(-1, 1, shape).astype(np.float32)
-    nblk, chunk = rows.split_shape(rows_, cols, sms)
+    nblk, chunk = reduce.split_shape(rows_, cols, sms)
     for r in range(rows_):
         slices = rng.choice(nblk, min(nblk, 2), replace=False)
         cols_at = [0, cols - 1, *(min(k * chunk + int(rng.integers(chunk)), cols - 1) for k in slices)]
@@ -947,8 +954,8 @@ def test_argmax_of_few_long_rows_takes_the_last_tie_across_blocks(rows_: int, co
     xt = od.input("xt", (cols, rows_))  # read through strides: the scalar loads
     outs = [ops.argmax(x), ops.argmax(xt.T)]
     plan = od.compile(outs, cuda())
-    sms = rows.sm_count(plan.device)
-    split = rows.split_shape(rows_, cols, sms)[0] > 1
+    sms = facts(plan.device).sm_count
+    split = reduce.split_shape(rows_, cols, sms)[0] > 1
     for o in outs:
         assert step_of(plan, o).kernel == ("argmax_split" if split else "argmax_block"), plan.explain()
     for _ in range(3):  # a captured CUDA graph replayed: the row counters must be back at 0 every time
@@ -1059,7 +1066,7 @@ def test_greedy_pick_fused_equals_unfused(b: int, idx: str, rng, seed) -> None:
     nxt, nf, tlog = tokens.base, log.srcs[1].base, log.base
     fused, unfused = od.compile(outs, cuda()), od.compile(outs, cuda(), fusion=False)
     assert [f.kernel for f in fused.fusions] == ["greedy_pick"] and not unfused.fusions, fused.explain()
-    sms = rows.sm_count(fused.device)
+    sms = facts(fused.device).sm_count
     for _ in range(3):
         lv = tied_rows(rng, (b, 32000), sms)
         at = rng.choice(tlog.shape[0], b, replace=False)
