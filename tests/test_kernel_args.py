@@ -53,3 +53,13 @@ def test_records_follow_the_kernel_heads(plugin: str) -> None:
             for cu, params in kernels[kernel]:
                 assert cls.names() == params, (f"{cls.__qualname__} fields {cls.names()} differ from {cu}'s "
                                                f"{kernel} parameters {params}")
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_every_kernel_has_a_record(plugin: str) -> None:
+    """Each `__global__` kernel of the plugin's .cu files, and so each one it launches, has its record."""
+    covered = {kernel for cls in records(plugin) for kernel in cls.KERNELS}
+    assert set(heads(plugin)) - covered == set(), f"{plugin}: kernels without a KernelArgs record"
+    specs = importlib.import_module(f"opdispatch.plugins.{plugin}.specs")
+    launched = {name.split("<")[0].strip() for names in specs.KERNEL_SOURCES.values() for name in names}
+    assert launched <= set(heads(plugin)), f"{plugin}: KERNEL_SOURCES names kernels the .cu files lack"

@@ -2,7 +2,7 @@
 
 A plugin declares, for each `__global__` kernel it launches, a subclass of
 `KernelArgs` whose fields carry the C parameter names in order and whose
-converters (`ptr`, `i32`, `i64`, `f32`, ...) make the exact numpy scalar the
+converters (`ptr`, `i32`, `i64`, `f32`, `f64`, ...) make the exact numpy scalar the
 launcher passes, refusing a value the C type cannot hold (a silent wrap would
 index the wrong memory). Variants are `attrs.evolve(args, field=...)`, never
 slices of positional tuples. tests/test_kernel_args.py parses every kernel's
@@ -82,6 +82,11 @@ def f32() -> Any:
     return attrs.field(converter=_float(np.float32))
 
 
+def f64() -> Any:
+    """A C `double`."""
+    return attrs.field(converter=_float(np.float64))
+
+
 def boolean() -> Any:
     """A C `bool`."""
     return attrs.field(converter=_bool)
@@ -133,4 +138,5 @@ def instance(kernel: str, *params: bool | int | str) -> str:
     return f"{kernel}<{', '.join(cpp(p) for p in params)}>" if params else kernel
 
 
-__all__: Sequence[str] = ["ArgGroup", "KernelArgs", "ptr", "i32", "u32", "i64", "u64", "f32", "boolean", "cpp", "instance"]
+__all__: Sequence[str] = ["ArgGroup", "KernelArgs", "ptr", "i32", "u32", "i64", "u64", "f32", "f64", "boolean", "cpp",
+                          "instance"]

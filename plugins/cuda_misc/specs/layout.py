@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, f32, i32, i64, instance, u32
+from opdispatch.backends.cuda.args import KernelArgs, f32, f64, i32, i64, instance, u32
 from opdispatch.backends.cuda.args import ptr as pointer
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.dtypes import DTYPES
@@ -22,11 +22,6 @@ from opdispatch.tensor import Tensor
 
 from . import Ptr
 from .rows import BLOCK, RAW, RAW_DTYPES, ROWS_CU, VALUE, Layout, layout, padded, raw, shape_layout, stride_grid, units
-
-
-def f64() -> Any:
-    """A C `double` (timestep_embedding's log of the period): the argument kit has no converter for it."""
-    return attrs.field(converter=np.float64)
 
 
 #: tri's kind codes (rows.cu)
