@@ -69,7 +69,7 @@ def test_kernels_and_rules_are_for_cuda_devices_only() -> None:
     assert list(ca.kernels(device=CPU)) == [] and list(ca.fusion_rules(device=CPU)) == []
     assert sorted(k.op for k in ca.kernels(device=H200)) == sorted(ATTN_OPS)
     assert [r.name for r in ca.fusion_rules(device=H200)] == ["rope_qkv_flash_attn_ext", "rope_qkv_set_rows",
-                                                              "rope_view_set_rows", "rope_reshape_set_rows"]
+                                                              "rope_set_rows"]
     assert all(r.pattern[0] == "rope" for r in ca.fusion_rules(device=H200))
 
 
@@ -181,10 +181,10 @@ def test_graph_order_puts_rope_view_set_rows_next_to_each_other() -> None:
 def test_fuses_rope_view_set_rows(cache: str, idx: str, how: str) -> None:
     plan = od.compile(k_cache_write(cache, idx, how=how), H200)
     (step,) = plan.fusions
-    assert (step.plugin, step.kernel, step.device.name) == ("cuda_attention", f"rope_{how}_set_rows", "cuda0")
+    assert (step.plugin, step.kernel, step.device.name) == ("cuda_attention", "rope_set_rows", "cuda0")
     assert [n.op for n in step.nodes] == ["rope", how, "set_rows"]
     assert len([s for s in plan.steps if s.kind in ("kernel", "fused")]) == 1
-    assert f"cuda_attention [fused rope_{how}_set_rows] on cuda0" in plan.explain()
+    assert "cuda_attention [fused rope_set_rows] on cuda0" in plan.explain()
     spec, = rope.rope_set_rows_specs(*fusion.parts(step.nodes), fake_ptr, DEV)
     assert spec.kernel in specs.KERNEL_SOURCES[rope.ROPE_CU]
     assert spec_types(spec) == kernel_param_types(rope.ROPE_CU, "rope_set_rows")
@@ -313,7 +313,7 @@ def test_qkv_fusion_declines_with_the_reason_and_k_still_fuses(kw: dict, reason:
     answer = fusion.check_qkv(H200, graph.nodes[1:11], graph)
     assert isinstance(answer, str) and re.search(reason, answer), answer
     plan = od.compile(outputs, H200)
-    k_part = [] if kw.get("cache") == "bf16" else ["rope_reshape_set_rows"]  # ggml fuses f32/f16 caches only
+    k_part = [] if kw.get("cache") == "bf16" else ["rope_set_rows"]  # ggml fuses f32/f16 caches only
     assert [s.kernel for s in plan.fusions] == k_part
     assert re.search(r"not fused: rope_qkv_set_rows \(" + reason.lstrip("^"), plan.explain())
 

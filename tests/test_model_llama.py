@@ -320,7 +320,7 @@ def test_qkv_projections_are_one_mat_vec_a_layer_and_unstacked_when_dtypes_diffe
     for batch in (1, 16):
         plans = [compile(LlamaModel(big, bw, max_seqs=16, stack_qkv=s).build(1, 300, batch=batch)[0], H200)
                  for s in (False, True)]
-        for plan, rule in zip(plans, ("rope_reshape_set_rows", "rope_qkv_flash_attn_ext")):
+        for plan, rule in zip(plans, ("rope_set_rows", "rope_qkv_flash_attn_ext")):
             assert plan.summary()["copies"] == 0 and all(s.device is H200 for s in plan.steps if s.kind != "view")
             assert [s.kernel for s in plan.fusions].count(rule) == big.layers
         saved = 2 * big.layers

@@ -9,7 +9,7 @@ import pytest
 import opdispatch as od
 from opdispatch import support
 from opdispatch.hookspecs import Device
-from opdispatch.backends.cuda.args import ArgGroup, KernelArgs, boolean, f32, i32, i64, instance, ptr, u32
+from opdispatch.backends.cuda.args import ArgGroup, KernelArgs, Shape4, boolean, f32, i32, i64, instance, ptr, u32
 from opdispatch.backends.cuda.devices import H200, facts
 from opdispatch.backends.cuda.kernels import KernelSpec, kernel_params
 from opdispatch.backends.cuda.scratch import MIN_BYTES, ScratchPool, Workspace
@@ -131,3 +131,16 @@ def test_scratch_pool_shares_a_role_and_grows_it() -> None:
     assert c1 is c2 and c1.filled == 0 and len(made) == 3
     with pytest.raises(ValueError, match="counters"):
         pool.take(Workspace(8, "counters"))
+
+
+@attrs.frozen
+class _Strided(KernelArgs):
+    KERNELS = ("strided",)
+    x: np.uint64 = ptr()
+    _shape: Shape4 = attrs.field()
+
+
+def test_a_group_field_named_with_an_underscore_adds_no_prefix() -> None:
+    args = _Strided(x=8, shape=Shape4(1, 2, 3, 4, 40, 30, 20, 10))
+    assert _Strided.names() == ("x", "n0", "n1", "n2", "n3", "s0", "s1", "s2", "s3")
+    assert [int(v) for v in args.values()] == [8, 1, 2, 3, 4, 40, 30, 20, 10]

@@ -8,40 +8,27 @@ are described in docs/cuda_matmul.md.
 
 from __future__ import annotations
 
-from typing import Iterator
-
 from opdispatch.backends.cuda.devices import warp32_gate
-from opdispatch.hookspecs import PRIORITY_BUILTIN, Device, FusionRule, Kernel, PluginInfo, hookimpl
+from opdispatch.backends.cuda.hooks import cuda_op_hooks
+from opdispatch.hookspecs import PRIORITY_BUILTIN, Device, FusionRule, Kernel, PluginInfo
 from opdispatch.tensor import Tensor
 
 from . import bind, fusion, support
 
+KERNELS: tuple[Kernel, ...] = tuple(Kernel(op, launch, support.takes(path), name=path)
+                                    for op, path, launch in bind.PATHS)
+FUSION_RULES: tuple[FusionRule, ...] = tuple(FusionRule(name, pattern, bind=bind.bind_fused, check=fusion.check)
+                                             for name, pattern in fusion.PATTERNS)
 
-@hookimpl
-def plugin_info() -> PluginInfo:
-    return PluginInfo("cuda_matmul", "0.1.0", PRIORITY_BUILTIN,
-                      "mul_mat, mul_mat_id, out_prod; quantized mat-vec; bias/GLU fusions")
 
-
-@hookimpl
-def supports_op(device: Device, node: Tensor) -> bool | str | None:
-    """Plugin-wide gate: 32-lane warps, then the matrix products' shared conditions (said once)."""
+def _gate(device: Device, node: Tensor) -> bool | str | None:
+    """Plugin-wide: 32-lane warps, then the matrix products' shared conditions (said once)."""
     if device.kind != "cuda" or node.op not in support.MATMUL_OPS:
         return None
     return warp32_gate(device) or support.gate(node)
 
 
-@hookimpl
-def kernels(device: Device) -> Iterator[Kernel]:
-    if device.kind != "cuda":
-        return
-    for op, path, launch in bind.PATHS:
-        yield Kernel(op, launch, support.takes(path), name=path)
-
-
-@hookimpl
-def fusion_rules(device: Device) -> Iterator[FusionRule]:
-    if device.kind != "cuda":
-        return
-    for name, pattern in fusion.PATTERNS:
-        yield FusionRule(name, pattern, bind=bind.bind_fused, check=fusion.check)
+plugin_info, supports_op, kernels, fusion_rules = cuda_op_hooks(
+    PluginInfo("cuda_matmul", "0.1.0", PRIORITY_BUILTIN,
+               "mul_mat, mul_mat_id, out_prod; quantized mat-vec; bias/GLU fusions"),
+    lambda: KERNELS, lambda: FUSION_RULES, gate=_gate)

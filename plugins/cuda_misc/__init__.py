@@ -8,18 +8,15 @@ work in docs/cuda_misc.md.
 
 from __future__ import annotations
 
-from typing import Iterator
-
-from opdispatch.backends.cuda.devices import warp32_gate
-from opdispatch.hookspecs import PRIORITY_BUILTIN, Device, FusionRule, Kernel, PluginInfo, hookimpl
-from opdispatch.tensor import Tensor
+from opdispatch.backends.cuda.hooks import cuda_op_hooks
+from opdispatch.hookspecs import PRIORITY_BUILTIN, Kernel, PluginInfo
 
 from . import bind, fusion, support
 from .specs import layout, reduce
 from .specs.elementwise import BINARY_OPS
 from .specs.unary import MAP_OPS
 
-KERNELS: list[Kernel] = [
+KERNELS: tuple[Kernel, ...] = (
     *(Kernel(op, bind.bind_copy, support.copy_ok, name="copy") for op in ("cpy", "dup", "cont")),
     Kernel("get_rows", bind.bind_get_rows, support.get_rows_ok, name="get_rows"),
     Kernel("set_rows", bind.bind_set_rows, support.set_rows_ok, name="set_rows"),
@@ -49,29 +46,11 @@ KERNELS: list[Kernel] = [
     Kernel("add_id", bind.bind_add_id, support.add_id_ok, name="add_id"),
     *(Kernel(op, bind.bind_map, support.map_ok, name="unary") for op in MAP_OPS),
     Kernel("glu", bind.bind_glu, support.glu_ok, name="glu"),
-]
+)
 
 
-@hookimpl
-def plugin_info() -> PluginInfo:
-    return PluginInfo("cuda_misc", "0.1.0", PRIORITY_BUILTIN,
-                      "elementwise, unary, glu, copies, rows, reductions, sorting; "
-                      "multi-add, softcap, top-k MoE, greedy-pick fusions")
-
-
-@hookimpl
-def supports_op(device: Device, node: Tensor) -> bool | str | None:
-    """Plugin-wide gate: the kernels assume 32-lane warps."""
-    return warp32_gate(device)
-
-
-@hookimpl
-def kernels(device: Device) -> Iterator[Kernel]:
-    if device.kind == "cuda":
-        yield from KERNELS
-
-
-@hookimpl
-def fusion_rules(device: Device) -> Iterator[FusionRule]:
-    if device.kind == "cuda":
-        yield from fusion.FUSIONS
+plugin_info, supports_op, kernels, fusion_rules = cuda_op_hooks(
+    PluginInfo("cuda_misc", "0.1.0", PRIORITY_BUILTIN,
+               "elementwise, unary, glu, copies, rows, reductions, sorting; "
+               "multi-add, softcap, top-k MoE, greedy-pick fusions"),
+    lambda: KERNELS, lambda: fusion.FUSIONS)

@@ -70,11 +70,9 @@ def softcap_check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool
 # puts the view of probs before top_k (get_rows reads it first):
 #   soft_max, reshape|view, top_k, get_rows [, reshape|view, sum_rows, div]
 
-VIEWS = ("reshape", "view")
-MOE_PATTERNS = tuple(
-    (f"topk_moe_norm_{v1}_{v2}", ("soft_max", v1, "top_k", "get_rows", v2, "sum_rows", "div"))
-    for v1 in VIEWS for v2 in VIEWS
-) + tuple((f"topk_moe_{v}", ("soft_max", v, "top_k", "get_rows")) for v in VIEWS)
+VIEWS = frozenset({"reshape", "view"})
+MOE_PATTERNS = (("topk_moe_norm", ("soft_max", VIEWS, "top_k", "get_rows", VIEWS, "sum_rows", "div")),
+                ("topk_moe", ("soft_max", VIEWS, "top_k", "get_rows")))
 
 
 def _is_plain_view(v: Tensor, of: Tensor, shape: tuple[int, ...]) -> bool:

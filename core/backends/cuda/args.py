@@ -95,7 +95,8 @@ def boolean() -> Any:
 @attrs.frozen
 class ArgGroup:
     """A run of parameters several kernels declare alike (a macro such as `OD_LAYOUT_PARAMS(a)`):
-    as a field `a` of a record, its fields stand for the C parameters `a` + their names."""
+    as a field `a` of a record, its fields stand for the C parameters `a` + their names; as a
+    field whose name begins with `_` (`_shape: Shape4`), for their names alone."""
 
     def values(self) -> tuple[np.generic, ...]:
         return tuple(v for f in attrs.fields(type(self)) for v in _values(getattr(self, f.name)))
@@ -107,10 +108,25 @@ class ArgGroup:
         for f in attrs.fields(attrs.resolve_types(cls)):
             kind = f.type if isinstance(f.type, type) else None
             if kind is not None and issubclass(kind, ArgGroup):
-                out += kind.names(prefix + f.name)
+                out += kind.names(prefix if f.name.startswith("_") else prefix + f.name)
             else:
                 out.append(prefix + f.name.rstrip("_"))  # a trailing _ spells a Python keyword (`in_`)
         return tuple(out)
+
+
+@attrs.frozen
+class Shape4(ArgGroup):
+    """Four dims (`int n0..n3`) and four strides (`long long s0..s3`), outermost first: the
+    geometry a strided kernel walks."""
+
+    n0: np.int32 = i32()
+    n1: np.int32 = i32()
+    n2: np.int32 = i32()
+    n3: np.int32 = i32()
+    s0: np.int64 = i64()
+    s1: np.int64 = i64()
+    s2: np.int64 = i64()
+    s3: np.int64 = i64()
 
 
 def _values(v: Any) -> tuple[np.generic, ...]:
@@ -138,5 +154,5 @@ def instance(kernel: str, *params: bool | int | str) -> str:
     return f"{kernel}<{', '.join(cpp(p) for p in params)}>" if params else kernel
 
 
-__all__: Sequence[str] = ["ArgGroup", "KernelArgs", "ptr", "i32", "u32", "i64", "u64", "f32", "f64", "boolean", "cpp",
+__all__: Sequence[str] = ["ArgGroup", "KernelArgs", "Shape4", "ptr", "i32", "u32", "i64", "u64", "f32", "f64", "boolean", "cpp",
                           "instance"]

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Iterator
-
-from opdispatch.hookspecs import Device, FusionRule, Kernel, PluginInfo, hookimpl
+from opdispatch.backends.cuda.hooks import cuda_op_hooks
+from opdispatch.hookspecs import FusionRule, Kernel, PluginInfo
 
 from . import bind, fusion, support
 
+KERNELS = (Kernel("leaky_relu", bind.bind_leaky, support.leaky, name="leaky_f32"),)
+FUSION_RULES = (FusionRule("scale_leaky_relu", ("scale", "leaky_relu"), bind=bind.bind_scale_leaky,
+                           check=fusion.check),)
 
-@hookimpl
-def plugin_info() -> PluginInfo:
-    return PluginInfo("leaky_cuda", "0.1.0", description="leaky_relu on f32, scale -> leaky_relu fused")
-
-
-@hookimpl
-def kernels(device: Device) -> Iterator[Kernel]:
-    if device.kind == "cuda":
-        yield Kernel("leaky_relu", bind.bind_leaky, support.leaky, name="leaky_f32")
-
-
-@hookimpl
-def fusion_rules(device: Device) -> Iterator[FusionRule]:
-    if device.kind == "cuda":
-        yield FusionRule("scale_leaky_relu", ("scale", "leaky_relu"), bind=bind.bind_scale_leaky, check=fusion.check)
+# the four hooks, on CUDA devices only, with the 32-lane-warp gate (see hooks.py)
+plugin_info, supports_op, kernels, fusion_rules = cuda_op_hooks(
+    PluginInfo("leaky_cuda", "0.1.0", description="leaky_relu on f32, scale -> leaky_relu fused"),
+    lambda: KERNELS, lambda: FUSION_RULES)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, i32, i64, ptr
+from opdispatch.backends.cuda.args import KernelArgs, Shape4, i32, i64, ptr
 from opdispatch.backends.cuda.cublas import CUBLAS_OP_N, CUBLAS_OP_T
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.tensor import Tensor
@@ -22,14 +22,7 @@ from . import CONVERT_BLOCK, CONVERT_CU, CONVERT_GRID_MAX, Ptr, Scratch, convert
 class ConvertArgs(KernelArgs):
     KERNELS = ("convert",)
     src: np.uint64 = ptr()
-    n0: np.int32 = i32()
-    n1: np.int32 = i32()
-    n2: np.int32 = i32()
-    n3: np.int32 = i32()
-    s0: np.int64 = i64()
-    s1: np.int64 = i64()
-    s2: np.int64 = i64()
-    s3: np.int64 = i64()
+    _shape: Shape4 = attrs.field()  # src's dims and element strides
     dst: np.uint64 = ptr()
 
 
@@ -86,7 +79,7 @@ def conversion(src: Tensor, dst_type: str, src_ptr: int, dst: int) -> KernelSpec
         return KernelSpec(CONVERT_CU, dequant_name(src.dtype.name, dst_type), grid, CONVERT_BLOCK,
                           DequantArgs(src=src_ptr, n0=n0, n1=n1, n2=n2, n3=n3, s1=s1, s2=s2, s3=s3, dst=dst))
     return KernelSpec(CONVERT_CU, convert_name(src.dtype.name, dst_type), grid, CONVERT_BLOCK,
-                      ConvertArgs(src=src_ptr, n0=n0, n1=n1, n2=n2, n3=n3, s0=s0, s1=s1, s2=s2, s3=s3, dst=dst))
+                      ConvertArgs(src=src_ptr, shape=Shape4(n0, n1, n2, n3, s0, s1, s2, s3), dst=dst))
 
 
 @attrs.frozen

@@ -12,7 +12,7 @@ import math
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, f32, i32, i64
+from opdispatch.backends.cuda.args import KernelArgs, Shape4, f32, i32, i64
 from opdispatch.backends.cuda.args import ptr as pointer
 from opdispatch.backends.cuda.kernels import GLU_CODES, KernelSpec
 from opdispatch.ops.base import FLOATS, pad4
@@ -57,14 +57,7 @@ class UnaryStridedArgs(KernelArgs):
     KERNELS = ("unary_strided",)
     x: np.uint64 = pointer()
     y: np.uint64 = pointer()
-    n0: np.int32 = i32()
-    n1: np.int32 = i32()
-    n2: np.int32 = i32()
-    n3: np.int32 = i32()
-    s0: np.int64 = i64()
-    s1: np.int64 = i64()
-    s2: np.int64 = i64()
-    s3: np.int64 = i64()
+    _shape: Shape4 = attrs.field()  # x's dims and element strides
     op: np.int32 = i32()
     p0: np.float32 = f32()
     p1: np.float32 = f32()
@@ -118,7 +111,7 @@ def unary_spec(code: int, x: Tensor, out: Tensor, p0: float, p1: float, ptr: Ptr
         return KernelSpec(UNARY_CU, typed_kernel("unary_flat", t), (grid,), (THREADS,), args)
     n, ((_, sx),) = fold(out.shape, [elements(x)])
     grid, block = grid_2d(n[3], n[0] * n[1] * n[2], sm_count)
-    args = UnaryStridedArgs(ptr(x), ptr(out), *n, *sx, op=code, p0=p0, p1=p1)
+    args = UnaryStridedArgs(ptr(x), ptr(out), Shape4(*n, *sx), op=code, p0=p0, p1=p1)
     return KernelSpec(UNARY_CU, typed_kernel("unary_strided", t), grid, block, args)
 
 
