@@ -21,14 +21,11 @@ from typing import Any, Callable, Iterable, Sequence
 import attrs
 import pluggy
 
+from .errors import PluginError
 from .hookspecs import HOOK_NAMES, PROJECT, AbsentDevice, Device, FusionRule, Hooks, Kernel, PluginInfo
 from .tensor import Tensor
 
 ENTRY_POINT_GROUP = "opdispatch"
-
-
-class PluginError(RuntimeError):
-    """A plugin failed to load or raised in a hook; the message names it."""
 
 
 class PluginWarning(UserWarning):

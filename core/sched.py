@@ -15,15 +15,12 @@ from typing import Callable, Sequence
 
 import attrs
 
+from .errors import DispatchError, PluginError
 from .fusion import can_fuse, index_by_first_op, pattern_matches
 from .graph import Graph
 from .hookspecs import Device, FusionRule, Kernel
-from .manager import Plugin, PluginError, PluginManager, PluginWarning
+from .manager import Plugin, PluginManager, PluginWarning
 from .tensor import VIEW_OPS, Flag, Tensor
-
-
-class DispatchError(RuntimeError):
-    """No plugin accepts a node on any device; the message lists who declined and why."""
 
 
 @attrs.define(eq=False)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import opdispatch as od
-from opdispatch.backends.base import LaunchError
+from opdispatch.errors import LaunchError
 from opdispatch.backends.cuda import graphs
 from opdispatch.backends.cuda.graphs import MAX_CONSECUTIVE_RECAPTURES, GraphRunner
 from opdispatch.backends.cuda.kernels import pack_args

@@ -19,8 +19,8 @@ from opdispatch.graph import Graph
 from opdispatch.hookspecs import (HOOK_NAMES, PRIORITY_BUILTIN, AbsentDevice, FusionRule, Hooks, Kernel, PluginInfo,
                                   hookimpl)
 from opdispatch.reference import load, store
-from opdispatch.manager import PluginError, PluginManager, PluginWarning
-from opdispatch.sched import DispatchError
+from opdispatch.errors import DispatchError, PluginError
+from opdispatch.manager import PluginManager, PluginWarning
 from toy import TOY, ToyPlugin, manager_with, toy_device
 
 

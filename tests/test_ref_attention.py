@@ -17,7 +17,8 @@ import pytest
 
 import opdispatch as od
 from opdispatch.dtypes import from_float
-from opdispatch.ops import OPS, OpError, diag_mask_inf, flash_attn_ext, rope, soft_max
+from opdispatch.errors import OpError
+from opdispatch.ops import OPS, diag_mask_inf, flash_attn_ext, rope, soft_max
 from opdispatch.reference import REFERENCE
 from opdispatch.ops.attention import alibi_bases, alibi_slopes, rope_yarn, rope_yarn_corr_dims
 

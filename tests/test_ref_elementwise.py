@@ -22,7 +22,7 @@ from helpers import evaluate, nmse
 
 import opdispatch as od
 from opdispatch import ops
-from opdispatch.ops import OpError
+from opdispatch.errors import OpError
 from opdispatch.tensor import Tensor
 
 NP_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import opdispatch as od
-from opdispatch.ops import OPS, OpError, mul_mat, mul_mat_id, out_prod
+from opdispatch.errors import OpError
+from opdispatch.ops import OPS, mul_mat, mul_mat_id, out_prod
 from opdispatch.reference import REFERENCE
 
 from helpers import assert_close, evaluate, stored, uniform

@@ -16,7 +16,7 @@ from test_ref_elementwise import LAYOUTS, assert_close, source, stored
 
 import opdispatch as od
 from opdispatch import ops
-from opdispatch.ops import OpError
+from opdispatch.errors import OpError
 
 BOUND = 1e-12
 

@@ -16,7 +16,8 @@ import pytest
 
 from helpers import evaluate, nmse
 from opdispatch import ops
-from opdispatch.ops import OpError, argmax, argsort, count_equal, cumsum, mean, sum_rows, top_k
+from opdispatch.errors import OpError
+from opdispatch.ops import argmax, argsort, count_equal, cumsum, mean, sum_rows, top_k
 from opdispatch.tensor import Tensor, input
 
 HOST = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}

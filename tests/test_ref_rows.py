@@ -17,7 +17,8 @@ import pytest
 from helpers import evaluate
 from opdispatch import dtypes as D
 from opdispatch import ops
-from opdispatch.ops import OpError, cont, cpy, dup, get_rows, set_rows
+from opdispatch.errors import OpError
+from opdispatch.ops import cont, cpy, dup, get_rows, set_rows
 from opdispatch.tensor import Tensor, input, param, state
 
 QUANTS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]

@@ -9,7 +9,7 @@ import opdispatch as od
 from opdispatch import ops
 from opdispatch.dtypes import quantize
 from opdispatch.graph import Graph
-from opdispatch.ops import OpError
+from opdispatch.errors import OpError
 from opdispatch.tensor import contiguous_strides
 
 

@@ -12,12 +12,9 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
+from ..errors import LaunchError
 from ..hookspecs import Device, Launch
 from ..tensor import Tensor
-
-
-class LaunchError(RuntimeError):
-    """A launch failed; the message names the node, its op and the plugin."""
 
 
 def run_launches(device: str, launches: list[tuple[str, Launch]]) -> None:

@@ -4,7 +4,7 @@ Semantics are ggml's, restated in numpy order (see docs/ops.md and each
 builder's docstring). `OPS` maps op names to their definitions.
 """
 
-from .base import OPS, OpDef, OpError  # noqa: F401
+from .base import OPS, OpDef  # noqa: F401
 from .views import permute, reshape, transpose, view  # noqa: F401
 from .matmul import *  # noqa: F401,F403
 from .elementwise import *  # noqa: F401,F403

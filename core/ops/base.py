@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import attrs
 
+from ..errors import OpError
 from ..dtypes import DType, dtype as as_dtype
 from ..tensor import Shape, Tensor, contiguous_strides
 
@@ -48,10 +49,6 @@ def op(family: str, name: str | None = None, inplace: int | None = None, reuses_
         return fn
 
     return register
-
-
-class OpError(ValueError):
-    """Invalid op at graph-build time; the message names op, tensors, shapes, dtypes."""
 
 
 def fail(op_name: str, msg: str, *tensors: Tensor) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from ...hookspecs import Device, Launch
 from ...tensor import Tensor
-from ..base import LaunchError
+from ...errors import LaunchError
 from .graphs import GraphRunner, graphs_enabled, stream_capture
 from .kernels import EMPTY
 from .scratch import ScratchPool

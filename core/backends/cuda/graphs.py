@@ -20,7 +20,8 @@ from typing import Any, Callable, Hashable, Sequence
 import attrs
 
 from ...hookspecs import Launch
-from ..base import LaunchError, run_launches
+from ...errors import LaunchError
+from ..base import run_launches
 
 #: Consecutive re-captures after which capture is turned off (ggml's number).
 MAX_CONSECUTIVE_RECAPTURES = 4

@@ -1,0 +1,25 @@
+"""The errors opdispatch raises, one family: each names what it is about (the op, the node, the
+tensors with their shapes and dtypes, the device, the plugin), so a caller can catch them all as
+`OpdispatchError` and a message is enough to find the cause."""
+
+from __future__ import annotations
+
+
+class OpdispatchError(Exception):
+    """The base of every error the library raises about its input, its plugins or its devices."""
+
+
+class OpError(OpdispatchError, ValueError):
+    """Invalid op at graph-build time; the message names op, tensors, shapes, dtypes."""
+
+
+class DispatchError(OpdispatchError, RuntimeError):
+    """No plugin accepts a node on any device; the message lists who declined and why."""
+
+
+class LaunchError(OpdispatchError, RuntimeError):
+    """A launch failed; the message names the node, its op and the plugin."""
+
+
+class PluginError(OpdispatchError, RuntimeError):
+    """A plugin failed to load or raised in a hook; the message names it."""
