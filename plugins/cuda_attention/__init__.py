@@ -69,7 +69,8 @@ def _b(x: bool) -> str:
 # -- template instances ---------------------------------------------------------------------------
 
 #: C++ type of each K/V (and cache) dtype in the kernels
-CTYPE = {"f32": "float", "f16": "od::f16", "bf16": "od::bf16", "q8_0": "od_attn::q8_0", "q4_0": "od_attn::q4_0"}
+CTYPE = {"f32": "float", "f16": "od::f16", "bf16": "od::bf16", "q8_0": "od::quant::q8_0",
+         "q4_0": "od::quant::q4_0"}
 SOFTMAX_BLOCKS = (32, 64, 128, 256, 512, 1024)
 SOFTMAX_CACHE = 8  # loads a thread keeps in registers
 

@@ -7,8 +7,8 @@ pad_reflect_1d, roll, arange, fill, diag, tri, set, acc, timestep_embedding
 (kernels/rows.cu); sum, sum_rows, mean, cumsum, argmax (one block a row, or
 split over blocks for few long rows), count_equal and the fused greedy pick
 (kernels/reduce.cu); argsort, top_k and the fused MoE router (kernels/sort.cu).
-kernels/quant.cuh holds the device-side block formats, bit-exact with
-opdispatch.dtypes, and the index arithmetic.
+The device-side block formats, bit-exact with opdispatch.dtypes, are the
+shared quant.cuh (opdispatch.backends.cuda); kernels/index.cuh holds the index arithmetic.
 
 Each op has a support predicate: a table of (condition, reason) read top to
 bottom, after ggml's supports_op, looking only at shapes, strides and dtypes
@@ -61,7 +61,7 @@ Rule = tuple[Callable[[Tensor], bool], str]
 
 #: the C++ type a kernel reads each plain dtype's values as
 VALUE = {"f32": "float", "f16": "od::f16", "bf16": "od::bf16", "i32": "int"}
-#: the format tag of each block format (quant.cuh)
+#: the format traits of each block format (quant.cuh)
 QUANT = {q: f"od::quant::{q}" for q in QUANTS}
 #: conversions through f32 between these
 PLAIN = ("f32", "f16", "bf16", "i32")
@@ -157,7 +157,7 @@ KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {
 
 
 def fastdiv(d: int) -> tuple[int, int, int]:
-    """(d, m, l) for quant.cuh's fdiv: n // d == (umulhi(n, m) + n) >> l for 0 <= n < 2**31.
+    """(d, m, l) for index.cuh's fdiv: n // d == (umulhi(n, m) + n) >> l for 0 <= n < 2**31.
 
     l = ceil(log2(d)), m = floor(2**32 * (2**l - d) / d) + 1 (Granlund and
     Montgomery's division by invariant integers). d = 0 (an empty axis) is
