@@ -32,16 +32,74 @@ COMMON_PROBE = r"""
 #include "common.cuh"
 
 template <int BLOCK>
-__global__ void probe(const od::f16* h, const od::bf16* b, od::f16* ho, od::bf16* bo, float* out) {
+__global__ void probe(const od::f16* h, const od::bf16* b, od::f16* ho, od::bf16* bo, float* out,
+                      unsigned char* raw) {
+    od::grid_enter();
     const int i = threadIdx.x;
     float v = od::load(h + i) + od::load(b + i) + od::load(reinterpret_cast<const float*>(out) + i);
+    v += od::to_f32(h[i]) + od::to_f32(b[i]) + od::to_f32(i) + od::to_f32(v);
+    float lo, hi, blo, bhi;
+    od::unpack_f16x2(od::ld32_2(raw + 2 * i), lo, hi);
+    od::unpack_bf16x2(od::ld16(raw) | 0u, blo, bhi);
+    v += lo + hi + blo + bhi + od::fmax_nan(v, lo);
     od::store(ho + i, v);
     od::store(bo + i, v);
     const float2 s = od::block_sum<BLOCK>(float2{v, v * v});
-    od::store(out + i, od::block_sum<BLOCK>(s.x) + s.y + od::warp_max(v));
+    int total;
+    const int scan = od::block_scan<BLOCK>(i, total) + total;
+    const unsigned long long n = od::warp_sum(static_cast<unsigned long long>(i));
+    od::store(out + i, od::block_sum<BLOCK>(s.x) + s.y + od::warp_max(v) + od::block_max<BLOCK>(v) + scan + n);
+    od::st16(raw + 2 * i, od::f32_to_f16(v));
+    od::st32_2(raw + 4 * i + 2, od::same_v<od::f16, od::bf16> ? 0u : 1u);
+    __shared__ alignas(16) unsigned char stage[16 * BLOCK];
+    od::cp_async16(od::smem_addr(stage + 16 * i), raw + 16 * i);
+    od::cp_async_commit();
+    od::cp_async_wait<0>();
+    if (od::last_block(reinterpret_cast<int*>(raw), gridDim.x)) {
+        out[i] += stage[16 * i];
+    }
 }
 
 void* const instances[] = {(void*)&probe<32>, (void*)&probe<1024>};
+"""
+
+# Uses every accessor of quant.cuh for every format: kernels instantiate only the ones they use.
+QUANT_PROBE = r"""
+#include "quant.cuh"
+
+template <class Q>
+__global__ void probe(const unsigned char* row, unsigned char* dst, float* out, int* codes) {
+    const int i = threadIdx.x;
+    const unsigned char* blk = row + i * Q::BYTES;
+    float y[32], f[8], c[8], d, m;
+    od::quant::decode_block<Q>(blk, y);
+    const float2 p = od::quant::decode_pair<Q>(blk, i % 16);
+    od::quant::Raw8<Q> r;
+    od::quant::fetch8<Q>(row, 8 * i, r);
+    od::quant::decode8<Q>(r, 8 * i, f);
+    od::quant::load_unit<Q>(row, i, c, d, m);
+    unsigned w[(Q::BYTES + 1) / 4 + 1];
+    for (int k = 0; k < (Q::BYTES + 1) / 4 + 1; ++k) {
+        w[k] = reinterpret_cast<const unsigned*>(row)[i + k];
+    }
+    int q[8];
+    float d2, m2;
+    od::quant::decode_words<Q>(w, 16, q, d2, m2);
+    float v = od::quant::decode<Q>(blk, i % 32) + p.x + p.y + d + m + d2 + m2;
+    for (int k = 0; k < 8; ++k) {
+        v += y[k] + y[31 - k] + f[k] + c[k] + q[k];
+    }
+    out[i] = v;
+    const float x[4] = {v, y[0], y[1], y[2]};
+    od::quant::encode8<Q>(x, i % 8, dst + (i / 8) * Q::BYTES, i < 16);
+    float qd, qid;
+    od::quant::q8_1::scale(fabsf(v), qd, qid);
+    codes[i] = od::quant::q8_1::code(y[3], qid) + static_cast<int>(qd);
+}
+
+void* const instances[] = {(void*)&probe<od::quant::q4_0>, (void*)&probe<od::quant::q4_1>,
+                           (void*)&probe<od::quant::q5_0>, (void*)&probe<od::quant::q5_1>,
+                           (void*)&probe<od::quant::q8_0>};
 """
 
 
@@ -84,7 +142,8 @@ def test_compiles_with_every_instance(cu: Path, tmp_path: Path) -> None:
 
 
 @needs_nvcc
-def test_common_header_compiles(tmp_path: Path) -> None:
-    probe = tmp_path / "probe.cu"
-    probe.write_text(COMMON_PROBE)
-    nvcc(probe, tmp_path, INCLUDE)
+@pytest.mark.parametrize("probe", [COMMON_PROBE, QUANT_PROBE], ids=["common.cuh", "quant.cuh"])
+def test_shared_header_compiles(probe: str, tmp_path: Path) -> None:
+    source = tmp_path / "probe.cu"
+    source.write_text(probe)
+    nvcc(source, tmp_path, INCLUDE)

@@ -6,18 +6,17 @@ through barriers, and cp.async copies land only at the wait_group that covers th
 once ("eager"), so a stage read before its wait, a missing __syncwarp before a stage is refilled,
 a wrong lane-to-chunk map, a wrong block decode or a row left unwritten shows as a wrong or NaN
 result (shared memory and outputs start poisoned, 0xFF). The only edits to the source are the
-inline PTX (f16 conversions, cp.async) swapped for host functions. Results are compared with the
-numpy reference by NMSE (docs/conformance.md's 5e-4) and, where b is a plain f32 input, with the reference run
-on b rounded to q8_1 in numpy (quantize_q8_1's float32 math) by NMSE 1e-8: the kernel's only
-departure from the reference is that rounding (ggml's too), so anything else shows. On the H200
-the same shapes run in test_cuda_matmul.py.
+inline PTX (f16 conversions, cp.async) swapped for host functions (tests/cuda_emu/hostcode.py).
+Results are compared with the numpy reference by NMSE (mul_mat's bound, 5e-4) and, where b is a
+plain f32 input, with the reference run on b rounded to q8_1 in numpy (quantize_q8_1's float32
+math) by NMSE 1e-8: the kernel's only departure from the reference is that rounding (ggml's too),
+so anything else shows. On the H200 the same shapes run in test_cuda_matmul.py.
 
 Skipped without g++ 12 or newer (C++20 <barrier>, _Float16).
 """
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -34,11 +33,9 @@ from opdispatch.plugins.cuda_matmul import fusion, specs
 from opdispatch.plugins.cuda_matmul.specs import mmv, stream
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
+from cuda_emu.hostcode import EMU, gxx_major, q8_1_reference, write_headers
 from helpers import gate_up_glu, moe
 
-ROOT = Path(__file__).resolve().parent.parent
-INCLUDE = ROOT / "core" / "backends" / "cuda"
-EMU = Path(__file__).resolve().parent / "cuda_emu"
 NMSE_MAX = 5e-4
 NMSE_Q8_1 = 1e-8  # against the reference on b rounded to q8_1 as the kernel rounds it
 VIEWS = ("view", "reshape", "permute", "transpose")
@@ -47,15 +44,7 @@ DEVICE = Device("cuda0", "cuda", "an emulated sm_90 GPU of 4 SMs",
                 {"cc": (9, 0), "sm_count": 4, "smem_per_block_optin": 227 * 1024, "warp_size": 32})
 
 
-def _gxx_major() -> int:
-    gxx = shutil.which("g++")
-    if gxx is None:
-        return 0
-    out = subprocess.run([gxx, "-dumpversion"], capture_output=True, text=True).stdout.strip()
-    return int(out.split(".")[0]) if out.split(".")[0].isdigit() else 0
-
-
-pytestmark = pytest.mark.skipif(_gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
+pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
 
 
 def _mm(dt: str, m: int, k: int, n: int, tb: str = "f32", batch: tuple = (), bview: str | None = None,
@@ -102,47 +91,24 @@ CASES = {
 
 
 def _transformed(build: Path) -> None:
-    """The kernel and its headers, inline PTX swapped for shim.h's host functions."""
-    common = (INCLUDE / "common.cuh").read_text()
-    for ptx, host in (('asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));', "f = emu_h2f(h);"),
-                      ('asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));', "h = emu_f2h(f);"),
-                      ('asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));',
-                       "r = a != a || b != b ? NAN : fmaxf(a, b);")):
-        assert ptx in common, f"common.cuh changed: update the emulation's swap of {ptx}"
-        common = common.replace(ptx, host)
-    for ptx in ('asm volatile("griddepcontrol.wait;" ::: "memory");',
-                'asm volatile("griddepcontrol.launch_dependents;" ::: "memory");'):  # one kernel at a time here
-        assert ptx in common, f"common.cuh changed: update the emulation's removal of {ptx}"
-        common = common.replace(ptx, "")
-    (build / "common.cuh").write_text(common)
-    (build / "activations.cuh").write_text((INCLUDE / "activations.cuh").read_text())
+    """The kernel and its headers, inline PTX swapped for shim.h's host functions (the shared
+    headers' by hostcode.write_headers; the kernel and mm_common.cuh have none)."""
+    write_headers(build)
     (build / "mm_common.cuh").write_text(specs.KERNELS_DIR.joinpath("mm_common.cuh").read_text())
     src = specs.MMVQ_STREAM_CU.read_text()
-    a, b = src.index("// -- cp.async --"), src.index("// -- geometry --")
-    src = src[:a] + """
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) { emu_cp16(dst, src); }
-__device__ __forceinline__ void cp_async_commit() { emu_commit(); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { emu_wait(N); }
-
-""" + src[b:]
     shared = "extern __shared__ uint4 smem_u4[];"
     assert shared in src
     src = src.replace(shared, "uint4* smem_u4 = reinterpret_cast<uint4*>(emu_ctx->smem);")
-    for text, name in ((common, "common.cuh"), (src, "mmvq_stream.cu")):
+    for name, text in (("mm_common.cuh", (build / "mm_common.cuh").read_text()), ("mmvq_stream.cu", src)):
         assert "asm" not in text, f"{name} has inline PTX the emulation does not replace"
     (build / "mmvq_stream.cu").write_text(src)
 
 
 def q8_1_rounded(x: np.ndarray) -> np.ndarray:
     """x (f32, last axis a multiple of 32) rounded as quantize_q8_1 does, per 32 values along the
-    last axis: d = amax / 127, codes rint(v * (127 / amax)), values codes * d (float32 math)."""
-    v = x.astype(np.float32).reshape(-1, 32)
-    amax = np.abs(v).max(axis=1, keepdims=True)
-    d = amax / np.float32(127)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0))
-    codes = np.rint(v * inv.astype(np.float32))
-    return (codes * d).astype(np.float32).reshape(x.shape)
+    last axis: the q8_1 codes times their block's d (float32 math)."""
+    codes, d = q8_1_reference(x)
+    return (codes.astype(np.float32) * d[..., None]).reshape(x.shape)
 
 
 def _nodes(y: Tensor) -> list[Tensor]:
@@ -197,12 +163,11 @@ def _instance(y: Tensor, cfg: specs.StreamConfig) -> str:
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build = tmp_path_factory.mktemp("mmvq_stream_emu")
     _transformed(build)
-    (build / "shim.h").write_text((EMU / "shim.h").read_text())
     (build / "main.cpp").write_text((EMU / "main.cpp").read_text())
     names = sorted({_instance(make(), cfg) for make, cfg, _ in CASES.values()})
     (build / "instances.inc").write_text("".join(f'    {{"{n}", &{n}}},\n' for n in names))
     exe = build / "emu"
-    # no contraction: mm::q8_1_code's product and add round separately, as __fmul_rn makes nvcc keep them
+    # no contraction: q8_1::code's product and add round separately, as __fmul_rn makes nvcc keep them
     cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-w", "-I", str(build),
            str(build / "main.cpp"), "-o", str(exe)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -4,14 +4,6 @@
 // MEM_FILE holds device memory (pointer arguments are byte offsets into it, 0 = nullptr) and gets
 // it back after the run. Exit status 1 if copies were left pending or shared memory overrun.
 #include "shim.h"
-thread_local dim3 threadIdx, blockIdx;
-dim3 blockDim, gridDim;
-thread_local EmuBlock* emu_ctx;
-thread_local std::vector<EmuCopy> emu_pending;
-thread_local int emu_groups;
-bool emu_eager;
-unsigned char* emu_gmem_lo;
-unsigned char* emu_gmem_hi;
 #include "mmvq_stream.cu"
 using Fn = void (*)(const u8*, const u8*, long long, long long, long long, int, int, const u8*, long long,
                    long long, long long, long long, float*, int, int, int, const float*, const float*, int, float,

@@ -1,7 +1,9 @@
-// Host emulation of the CUDA subset kernels/mmvq_stream.cu uses (tests/test_mmvq_stream_emulated.py):
+// Host emulation of the CUDA subset that cuda_matmul's mmvq_stream.cu and the shared headers
+// (common.cuh, quant.cuh) use, for tests/test_mmvq_stream_emulated.py and tests/test_quant_header.py:
 // one std::thread per CUDA thread, std::barrier for __syncthreads / __syncwarp / shuffles, and
 // cp.async performed at wait_group time (lazy) or at issue (eager), so that a read of a stage
-// before its wait sees the poisoned (0xFF) shared memory instead of the weights.
+// before its wait sees the poisoned (0xFF) shared memory instead of the weights. Shared addresses
+// (common.cuh's smem_addr) are offsets into the block's dynamic shared memory.
 #pragma once
 #include <barrier>
 #include <cmath>
@@ -32,8 +34,8 @@ inline float2 make_float2(float a, float b) { return {a, b}; }
 inline int2 make_int2(int a, int b) { return {a, b}; }
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
-extern thread_local dim3 threadIdx, blockIdx;
-extern dim3 blockDim, gridDim;
+inline thread_local dim3 threadIdx, blockIdx;
+inline dim3 blockDim, gridDim;
 
 inline int min(int a, int b) { return a < b ? a : b; }
 inline long long min(long long a, long long b) { return a < b ? a : b; }
@@ -43,8 +45,13 @@ inline float __int_as_float(int v) { float f; memcpy(&f, &v, 4); return f; }
 inline float __uint_as_float(unsigned v) { float f; memcpy(&f, &v, 4); return f; }
 inline unsigned __float_as_uint(float v) { unsigned u; memcpy(&u, &v, 4); return u; }
 inline float __fdividef(float a, float b) { return a / b; }
+// IEEE single operations, one rounding each (the test compiles with -ffp-contract=off)
 inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 inline int __float2int_rn(float x) { return (int)nearbyintf(x); }
+inline float __int2float_rn(int x) { return (float)x; }
 inline unsigned __funnelshift_rc(unsigned lo, unsigned hi, unsigned sh) {
     sh = sh > 32 ? 32 : sh;
     const unsigned long long v = ((unsigned long long)hi << 32) | lo;
@@ -63,7 +70,7 @@ struct EmuBlock {
     std::vector<unsigned> xchg;
     unsigned char* smem;
 };
-extern thread_local EmuBlock* emu_ctx;
+inline thread_local EmuBlock* emu_ctx;
 
 inline void __syncthreads() { emu_ctx->block_bar->arrive_and_wait(); }
 // common.cuh's od::last_block (not called by mmvq_stream, but compiled with the header)
@@ -86,12 +93,14 @@ inline T __shfl_xor_sync(unsigned, T v, int off, int = 32) {
 
 // cp.async
 struct EmuCopy { void* dst; const void* src; int group; };
-extern thread_local std::vector<EmuCopy> emu_pending;
-extern thread_local int emu_groups;  // committed groups
-extern bool emu_eager;
-extern unsigned char* emu_gmem_lo;
-extern unsigned char* emu_gmem_hi;
-inline void emu_cp16(void* dst, const void* src) {
+inline thread_local std::vector<EmuCopy> emu_pending;
+inline thread_local int emu_groups;  // committed groups
+inline bool emu_eager;
+inline unsigned char* emu_gmem_lo;
+inline unsigned char* emu_gmem_hi;
+inline unsigned emu_smem_addr(const void* p) { return (unsigned)((const unsigned char*)p - emu_ctx->smem); }
+inline void emu_cp16(unsigned saddr, const void* src) {
+    void* dst = emu_ctx->smem + saddr;
     const unsigned char* s = (const unsigned char*)src;
     if (s < emu_gmem_lo || s + 16 > emu_gmem_hi || ((uintptr_t)s & 15) || ((uintptr_t)dst & 15)) {
         fprintf(stderr, "cp.async out of range or misaligned: src %p dst %p\n", src, dst);

@@ -1,5 +1,6 @@
-// Device helpers shared by every opdispatch kernel: warp and block reductions,
-// f16/bf16 loads and stores.
+// Device helpers shared by every opdispatch kernel: warp and block reductions and
+// scans, f16/bf16 loads, stores and conversions, 2-byte aligned raw accesses,
+// programmatic dependent launch and cp.async. Block formats: quant.cuh.
 //
 // Compiled both by NVRTC (through cupy.RawModule, with this folder on the
 // include path) and by nvcc in CI, so it includes no system header: f16 and
@@ -13,10 +14,17 @@ namespace od {
 constexpr int WARP_SIZE = 32;
 constexpr unsigned FULL_MASK = 0xffffffffu;
 
-// -- reductions -----------------------------------------------------------------
-// Every lane of the warp gets the result (xor butterfly).
+// same_v<A, B>: A and B are one type (no system header, so no <type_traits>).
+template <class A, class B>
+constexpr bool same_v = false;
+template <class A>
+constexpr bool same_v<A, A> = true;
 
-__device__ __forceinline__ float warp_sum(float v) {
+// -- reductions -----------------------------------------------------------------
+// Every lane of the warp gets the result (xor butterfly). T: any type the shuffles take.
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
     for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
         v += __shfl_xor_sync(FULL_MASK, v, offset, WARP_SIZE);
@@ -58,6 +66,52 @@ __device__ __forceinline__ T block_sum(T v) {
         v = warp_sum(v);
     }
     return v;
+}
+
+// Maximum over a one-dimensional block of BLOCK threads, as block_sum (fmaxf: a NaN is dropped).
+template <int BLOCK>
+__device__ __forceinline__ float block_max(float v) {
+    static_assert(BLOCK % WARP_SIZE == 0 && BLOCK <= 1024, "BLOCK must be a multiple of 32, at most 1024");
+    v = warp_max(v);
+    if constexpr (BLOCK > WARP_SIZE) {
+        __shared__ float partial[BLOCK / WARP_SIZE];
+        const int lane = threadIdx.x % WARP_SIZE;
+        const int warp = threadIdx.x / WARP_SIZE;
+        __syncthreads();
+        if (lane == 0) {
+            partial[warp] = v;
+        }
+        __syncthreads();
+        v = lane < BLOCK / WARP_SIZE ? partial[lane] : -__int_as_float(0x7f800000);
+        v = warp_max(v);
+    }
+    return v;
+}
+
+// Inclusive scan over the block (BLOCK threads), every thread gets its prefix
+// and `total` the block's sum. Must be reached by every thread.
+template <int BLOCK, class T>
+__device__ __forceinline__ T block_scan(T v, T& total) {
+    __shared__ T warp_sums[BLOCK / WARP_SIZE];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+#pragma unroll
+    for (int off = 1; off < WARP_SIZE; off <<= 1) {
+        const T u = __shfl_up_sync(FULL_MASK, v, off, WARP_SIZE);
+        v += lane >= off ? u : T(0);
+    }
+    __syncthreads();  // a previous call may still read warp_sums
+    if (lane == WARP_SIZE - 1) {
+        warp_sums[warp] = v;
+    }
+    __syncthreads();
+    T before = T(0);
+    total = T(0);
+#pragma unroll
+    for (int w = 0; w < BLOCK / WARP_SIZE; w++) {
+        before += w < warp ? warp_sums[w] : T(0);
+        total += warp_sums[w];
+    }
+    return v + before;
 }
 
 // -- "the last block finishes the job" -------------------------------------------
@@ -162,6 +216,23 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
     return static_cast<unsigned short>((u + (0x7fffu + ((u >> 16) & 1u))) >> 16);
 }
 
+// Two 16-bit floats packed in a word (the first in the low half) as floats.
+__device__ __forceinline__ void unpack_f16x2(unsigned w, float& lo, float& hi) {
+    lo = f16_to_f32(static_cast<unsigned short>(w & 0xffffu));
+    hi = f16_to_f32(static_cast<unsigned short>(w >> 16));
+}
+
+__device__ __forceinline__ void unpack_bf16x2(unsigned w, float& lo, float& hi) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xffff0000u);
+}
+
+// to_f32(v): an element's value as float (i32 rounded to nearest, as cpy's i32 -> f32).
+__device__ __forceinline__ float to_f32(const float v) { return v; }
+__device__ __forceinline__ float to_f32(const f16 v) { return f16_to_f32(v.bits); }
+__device__ __forceinline__ float to_f32(const bf16 v) { return bf16_to_f32(v.bits); }
+__device__ __forceinline__ float to_f32(const int v) { return __int2float_rn(v); }
+
 // load(p) reads one element as float; store(p, v) writes v converted to *p's type.
 __device__ __forceinline__ float load(const float* p) { return *p; }
 __device__ __forceinline__ float load(const f16* p) { return f16_to_f32(p->bits); }
@@ -176,5 +247,49 @@ template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
     T v[N];
 };
+
+// -- raw accesses at 2-byte aligned addresses --------------------------------------
+// Block formats of 18, 22 or 34 bytes leave their fields only 2-byte aligned: one 16-bit
+// access, or two for 32 bits.
+
+__device__ __forceinline__ unsigned ld16(const unsigned char* p) {
+    return *reinterpret_cast<const unsigned short*>(p);
+}
+
+__device__ __forceinline__ unsigned ld32_2(const unsigned char* p) {
+    return ld16(p) | (ld16(p + 2) << 16);
+}
+
+__device__ __forceinline__ void st16(unsigned char* p, unsigned v) {
+    *reinterpret_cast<unsigned short*>(p) = static_cast<unsigned short>(v);
+}
+
+__device__ __forceinline__ void st32_2(unsigned char* p, unsigned v) {
+    st16(p, v & 0xffffu);
+    st16(p + 2, v >> 16);
+}
+
+// -- cp.async (sm_80+): global -> shared copies that bypass the registers -------------
+// cp_async16(saddr, src) copies 16 bytes (both 16-byte aligned) to the shared address saddr
+// (smem_addr); commit closes a group of copies, wait<N> returns once at most N groups are in flight.
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async16(unsigned saddr, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(saddr), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 }  // namespace od

@@ -1,11 +1,12 @@
-// Helpers of the cuda_attention kernels: block reductions, ALiBi slopes, row
-// loaders for every K/V type (f32, f16, bf16, q8_0, q4_0) and the sm_80+
-// instructions both flash kernels use (ldmatrix, mma.sync, cp.async), written
-// in PTX so that no system header is needed (NVRTC and nvcc alike), and the
-// K/V tile loader they share.
+// Helpers of the cuda_attention kernels: ALiBi slopes, row loaders for every K/V
+// type (f32, f16, bf16, and the block formats q8_0, q4_0 through quant.cuh) and the
+// sm_80+ instructions both flash kernels use (ldmatrix, mma.sync; cp.async is
+// common.cuh's), written in PTX so that no system header is needed (NVRTC and nvcc
+// alike), and the K/V tile loader they share.
 #pragma once
 
 #include "common.cuh"
+#include "quant.cuh"
 
 namespace od_attn {
 
@@ -16,39 +17,6 @@ constexpr float LOG2E = 1.4426950408889634f;
 // The running maximum starts here rather than at -inf, so that exp(m_old - m_new)
 // and exp(s - m) stay finite (0 or 1) while every logit so far was -inf.
 constexpr float NEG_BIG = -1e30f;
-
-// Type tags of the block formats (32 values a block, f16 scale first).
-struct q8_0 {};
-struct q4_0 {};
-
-template <class A, class B>
-struct same_type {
-    static constexpr bool value = false;
-};
-template <class A>
-struct same_type<A, A> {
-    static constexpr bool value = true;
-};
-
-// -- reductions ---------------------------------------------------------------------
-
-template <int BLOCK>
-__device__ __forceinline__ float block_max(float v) {
-    v = od::warp_max(v);
-    if constexpr (BLOCK > od::WARP_SIZE) {
-        __shared__ float partial[BLOCK / od::WARP_SIZE];
-        const int lane = threadIdx.x % od::WARP_SIZE;
-        const int warp = threadIdx.x / od::WARP_SIZE;
-        __syncthreads();
-        if (lane == 0) {
-            partial[warp] = v;
-        }
-        __syncthreads();
-        v = lane < BLOCK / od::WARP_SIZE ? partial[lane] : -__int_as_float(0x7f800000);
-        v = od::warp_max(v);
-    }
-    return v;
-}
 
 // ALiBi slope of head h (ggml_soft_max / flash_attn_ext); 1 when max_bias <= 0 (use_alibi 0).
 __device__ __forceinline__ float alibi_slope(int use_alibi, int h, int n_head_log2, float m0, float m1) {
@@ -64,21 +32,25 @@ __device__ __forceinline__ bool is_neg_inf(float x) { return x == -__int_as_floa
 // Row8<T>::load(row, e0, vec, f): values e0 .. e0+7 (e0 a multiple of 8) of the row
 // starting at byte address `row`. `vec`: the row start is 16-byte aligned (16-byte
 // loads for f16/bf16/f32); block formats are read in 2-byte words (blocks of 34 or 18
-// bytes are only 2-byte aligned). In two steps where registers matter: fetch(...)
-// loads the raw bytes into a Raw, decode(raw, e0, f) converts them.
+// bytes are only 2-byte aligned). Float rows also in two steps, where registers matter:
+// fetch(...) loads the raw bytes into a Raw, decode(raw, e0, f) converts them.
 
-__device__ __forceinline__ void unpack_f16x2(unsigned w, float& lo, float& hi) {
-    lo = od::f16_to_f32(static_cast<unsigned short>(w & 0xffffu));
-    hi = od::f16_to_f32(static_cast<unsigned short>(w >> 16));
-}
-
-__device__ __forceinline__ void unpack_bf16x2(unsigned w, float& lo, float& hi) {
-    lo = __uint_as_float(w << 16);
-    hi = __uint_as_float(w & 0xffff0000u);
-}
-
-template <typename T>
-struct Row8;
+// A block format Q (od::quant::q8_0, q4_0): quant.cuh's fetch8 and decode8.
+template <typename Q>
+struct Row8 {
+    using Raw = od::quant::Raw8<Q>;
+    static __device__ __forceinline__ void fetch(const char* row, int e0, bool, Raw& r) {
+        od::quant::fetch8<Q>(reinterpret_cast<const unsigned char*>(row), e0, r);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int e0, float (&f)[8]) {
+        od::quant::decode8<Q>(r, e0, f);
+    }
+    static __device__ __forceinline__ void load(const char* row, int e0, bool vec, float (&f)[8]) {
+        Raw r;
+        fetch(row, e0, vec, r);
+        decode(r, e0, f);
+    }
+};
 
 template <>
 struct Row8<float> {
@@ -133,9 +105,9 @@ struct Row8Half {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             if constexpr (BF) {
-                unpack_bf16x2(r.w[i], f[2 * i], f[2 * i + 1]);
+                od::unpack_bf16x2(r.w[i], f[2 * i], f[2 * i + 1]);
             } else {
-                unpack_f16x2(r.w[i], f[2 * i], f[2 * i + 1]);
+                od::unpack_f16x2(r.w[i], f[2 * i], f[2 * i + 1]);
             }
         }
     }
@@ -152,70 +124,7 @@ struct Row8<f16> : Row8Half<false> {};
 template <>
 struct Row8<bf16> : Row8Half<true> {};
 
-template <>
-struct Row8<q8_0> {
-    // block: f16 d, int8 qs[32]; value = qs[j] * d
-    struct Raw {
-        unsigned w[2];
-        float d;
-    };
-    static __device__ __forceinline__ void fetch(const char* row, int e0, bool, Raw& r) {
-        const char* blk = row + (e0 >> 5) * 34;
-        r.d = od::f16_to_f32(*reinterpret_cast<const unsigned short*>(blk));
-        const unsigned short* qs = reinterpret_cast<const unsigned short*>(blk + 2 + (e0 & 31));
-        r.w[0] = static_cast<unsigned>(qs[0]) | (static_cast<unsigned>(qs[1]) << 16);
-        r.w[1] = static_cast<unsigned>(qs[2]) | (static_cast<unsigned>(qs[3]) << 16);
-    }
-    static __device__ __forceinline__ void decode(const Raw& r, int, float (&f)[8]) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int q = static_cast<int>(r.w[i / 4] << (24 - 8 * (i % 4))) >> 24;  // sign-extended byte i
-            f[i] = static_cast<float>(q) * r.d;
-        }
-    }
-    static __device__ __forceinline__ void load(const char* row, int e0, bool vec, float (&f)[8]) {
-        Raw r;
-        fetch(row, e0, vec, r);
-        decode(r, e0, f);
-    }
-};
-
-template <>
-struct Row8<q4_0> {
-    // block: f16 d, qs[16]: byte j = q[j] | q[j+16] << 4; value = (q - 8) * d
-    struct Raw {
-        unsigned w[2];
-        float d;
-    };
-    static __device__ __forceinline__ void fetch(const char* row, int e0, bool, Raw& r) {
-        const char* blk = row + (e0 >> 5) * 18;
-        r.d = od::f16_to_f32(*reinterpret_cast<const unsigned short*>(blk));
-        const unsigned short* qs = reinterpret_cast<const unsigned short*>(blk + 2 + (e0 & 15));
-        r.w[0] = static_cast<unsigned>(qs[0]) | (static_cast<unsigned>(qs[1]) << 16);
-        r.w[1] = static_cast<unsigned>(qs[2]) | (static_cast<unsigned>(qs[3]) << 16);
-    }
-    static __device__ __forceinline__ void decode(const Raw& r, int e0, float (&f)[8]) {
-        const int shift = (e0 & 31) < 16 ? 0 : 4;  // values 16..31 sit in the high nibbles
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int q = static_cast<int>((r.w[i / 4] >> (8 * (i % 4) + shift)) & 0xfu);
-            f[i] = static_cast<float>(q - 8) * r.d;
-        }
-    }
-    static __device__ __forceinline__ void load(const char* row, int e0, bool vec, float (&f)[8]) {
-        Raw r;
-        fetch(row, e0, vec, r);
-        decode(r, e0, f);
-    }
-};
-
 // -- sm_80+ instructions -------------------------------------------------------------------
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
 
 __device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -259,17 +168,6 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     return r;
 }
 
-__device__ __forceinline__ void cp_async16(unsigned saddr, const void* gptr) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(gptr));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-
 __device__ __forceinline__ void st_shared16(unsigned saddr, unsigned a, unsigned b, unsigned c, unsigned d) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(saddr), "r"(a), "r"(b), "r"(c), "r"(d));
 }
@@ -284,8 +182,8 @@ __device__ __forceinline__ void st_shared16(unsigned saddr, unsigned a, unsigned
 template <int D, int ROWS, int THREADS, typename KT>
 __device__ __forceinline__ void load_tile(unsigned short* dst, const char* base, long long rs, int kb, int end, bool vec,
                                           int tid) {
-    constexpr bool BF = same_type<KT, bf16>::value;
-    constexpr bool NATIVE = same_type<KT, f16>::value || BF;
+    constexpr bool BF = od::same_v<KT, bf16>;
+    constexpr bool NATIVE = od::same_v<KT, f16> || BF;
     constexpr int CPR = D / 8;
     constexpr int TOTAL = ROWS * CPR;
     constexpr bool EVEN = THREADS % CPR == 0;
@@ -296,7 +194,7 @@ __device__ __forceinline__ void load_tile(unsigned short* dst, const char* base,
         const int c = tid + it * THREADS;
         const int row = EVEN ? tid / CPR + it * (THREADS / CPR) : c / CPR;
         const int col = EVEN ? tid % CPR : c % CPR;
-        const unsigned sa = smem_addr(dst + row * (D + 8) + col * 8);
+        const unsigned sa = od::smem_addr(dst + row * (D + 8) + col * 8);
         if (kb + row >= end) {
             st_shared16(sa, 0u, 0u, 0u, 0u);
             continue;
@@ -304,7 +202,7 @@ __device__ __forceinline__ void load_tile(unsigned short* dst, const char* base,
         const char* src = EVEN ? src0 + it * (THREADS / CPR) * rs : base + (kb + row) * rs;
         if constexpr (NATIVE) {
             if (vec) {
-                cp_async16(sa, src + col * 16);
+                od::cp_async16(sa, src + col * 16);
             } else {
                 typename Row8Half<BF>::Raw r;
                 Row8Half<BF>::fetch(src, col * 8, false, r);
@@ -334,7 +232,7 @@ __device__ __forceinline__ void store_q8(unsigned short* dst, const char* row, i
     } else {
         Row8<float>::load(row, e0, false, f);
     }
-    st_shared16(smem_addr(dst), pack2<BF>(f[0], f[1]), pack2<BF>(f[2], f[3]), pack2<BF>(f[4], f[5]),
+    st_shared16(od::smem_addr(dst), pack2<BF>(f[0], f[1]), pack2<BF>(f[2], f[3]), pack2<BF>(f[4], f[5]),
                 pack2<BF>(f[6], f[7]));
 }
 

@@ -65,7 +65,7 @@ __device__ __forceinline__ void put_new(KT* cache, unsigned short* tile, float x
     od::store(&stored, x);
     *cache = stored;
     const float y = od::load(&stored);
-    *tile = od_attn::same_type<KT, od::bf16>::value ? od::f32_to_bf16(y) : od::f32_to_f16(y);
+    *tile = od::same_v<KT, od::bf16> ? od::f32_to_bf16(y) : od::f32_to_f16(y);
 }
 
 template <int D, typename KT, int ROPE = 0, typename IT = int>
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
     long long row0, long long rows_b, ROPE_PARAMS) {
     od::grid_enter();
     using namespace od_attn;
-    constexpr bool BF = same_type<KT, bf16>::value;
+    constexpr bool BF = od::same_v<KT, bf16>;
     constexpr int BN = 64;                    // keys a tile, 16 a warp
     constexpr int STAGES = D > 128 ? 2 : 3;   // tiles in flight (shared memory: STAGES * 2 * BN * SR * 2 bytes)
     constexpr int SR = D + 8;                 // shared row stride in 16-bit units (conflict-free ldmatrix)
@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         if (i < n_tiles) {
             load_kv(i);
         }
-        cp_async_commit();
+        od::cp_async_commit();
     }
 
     // Fused: rotate q into shared memory (a thread a pair, all columns: the angle depends on the
@@ -241,12 +241,12 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
     float lrun[2] = {0.0f, 0.0f};
 
     for (int i = 0; i < n_tiles; ++i) {
-        cp_async_wait<STAGES - 2>();  // tile i has landed (this thread's copies) ...
+        od::cp_async_wait<STAGES - 2>();  // tile i has landed (this thread's copies) ...
         __syncthreads();              // ... everyone's, and everyone is done with tile i - 1
         if (i + STAGES - 1 < n_tiles) {
             load_kv(i + STAGES - 1);  // into the stage tile i - 1 used
         }
-        cp_async_commit();
+        od::cp_async_commit();
 
         if constexpr (ROPE != 0) {
             if (i == own_tile && warp == own_row / 16) {  // the warp that reads the row replaces it
@@ -282,8 +282,8 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
             unsigned r0, r1, r2, r3;
-            ldsm_x4(smem_addr(Ks + ((lane >> 4) * 8 + (lane & 7)) * SR + kk * 16 + ((lane >> 3) & 1) * 8), r0, r1, r2,
-                    r3);
+            ldsm_x4(od::smem_addr(Ks + ((lane >> 4) * 8 + (lane & 7)) * SR + kk * 16 + ((lane >> 3) & 1) * 8), r0,
+                    r1, r2, r3);
             mma_16816<BF>(s[0], qa[kk], r0, r1);
             mma_16816<BF>(s[1], qa[kk], r2, r3);
         }
@@ -342,14 +342,14 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
             unsigned r0, r1, r2, r3;
-            ldsm_x4_trans(smem_addr(Vs + (lane & 15) * SR + dp * 16 + (lane >> 4) * 8), r0, r1, r2, r3);
+            ldsm_x4_trans(od::smem_addr(Vs + (lane & 15) * SR + dp * 16 + (lane >> 4) * 8), r0, r1, r2, r3);
             mma_16816<BF>(o[2 * dp], pa, r0, r1);
             mma_16816<BF>(o[2 * dp + 1], pa, r2, r3);
         }
     }
 
     // Merge the 4 warps through shared memory (the K/V stages are free now).
-    cp_async_wait<0>();
+    od::cp_async_wait<0>();
     __syncthreads();
     float* s_o = reinterpret_cast<float*>(smem);  // [warp][column][OR]
     float* s_ml = s_o + 4 * 16 * OR;              // [warp][column] (max, sum)

@@ -48,10 +48,10 @@ __device__ __forceinline__ void load_tile_full(unsigned short* dst, const char* 
     const int r0 = tid / CPR;
     const int c0 = tid % CPR;
     const char* src = base + static_cast<long long>(kb + r0) * rs + c0 * 16;
-    const unsigned sa = od_attn::smem_addr(dst + r0 * (D + 8) + c0 * 8);
+    const unsigned sa = od::smem_addr(dst + r0 * (D + 8) + c0 * 8);
 #pragma unroll
     for (int it = 0; it < ROWS / RPP; ++it) {
-        od_attn::cp_async16(sa + it * RPP * (D + 8) * 2, src + it * RPP * rs);
+        od::cp_async16(sa + it * RPP * (D + 8) * 2, src + it * RPP * rs);
     }
 }
 
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
     float scale, float softcap, int use_alibi, float m0, float m1, int n_head_log2,
     int kv_vec, int n_kv_tiles) {
     using namespace od_attn;
-    constexpr bool BF = same_type<KT, bf16>::value;
+    constexpr bool BF = od::same_v<KT, bf16>;
     constexpr int MT = D > 128 ? 1 : 2;  // m16 tiles a warp
     constexpr int BM = 4 * 16 * MT;
     constexpr int BN = D > 128 ? 32 : 64;
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
         return n_kv_tiles;
     };
     auto stage_k = [&](int st) { return smem + BM * SR + st * 2 * BN * SR; };
-    constexpr bool NATIVE = same_type<KT, f16>::value || BF;
+    constexpr bool NATIVE = od::same_v<KT, f16> || BF;
     constexpr bool FULL_OK = NATIVE && 128 % (D / 8) == 0;
     auto load_kv = [&](int j, int st) {
         if constexpr (FULL_OK) {
@@ -185,8 +185,8 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
     // Byte addresses in shared memory of what this lane hands ldmatrix: Q rows wrow + (lane & 15),
     // column half lane >> 4; K (non-transposed B operand) rows (lane >> 4) * 8 + (lane & 7), column
     // half (lane >> 3) & 1; V (transposed) rows lane & 15, column half lane >> 4.
-    const unsigned q_sa = smem_addr(sQ) + ((wrow + (lane & 15)) * SR + (lane >> 4) * 8) * 2;
-    const unsigned kv_sa = smem_addr(smem) + BM * SR * 2;
+    const unsigned q_sa = od::smem_addr(sQ) + ((wrow + (lane & 15)) * SR + (lane >> 4) * 8) * 2;
+    const unsigned kv_sa = od::smem_addr(smem) + BM * SR * 2;
     const unsigned k_lane = (((lane >> 4) * 8 + (lane & 7)) * SR + ((lane >> 3) & 1) * 8) * 2;
     const unsigned v_lane = ((lane & 15) * SR + (lane >> 4) * 8) * 2;
 
@@ -194,16 +194,16 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
     if (j < n_kv_tiles) {
         load_kv(j, 0);
     }
-    cp_async_commit();
+    od::cp_async_commit();
     int st = 0;
     while (j < n_kv_tiles) {
         const int jn = next_tile(j);
-        cp_async_wait<0>();  // tile j has landed (this thread's copies) ...
+        od::cp_async_wait<0>();  // tile j has landed (this thread's copies) ...
         __syncthreads();     // ... everyone's (and Q), and everyone is done with the other stage
         if (jn < n_kv_tiles) {
             load_kv(jn, st ^ 1);
         }
-        cp_async_commit();
+        od::cp_async_commit();
 
         // ldmatrix addresses (32-bit shared): this lane's row/column offsets plus compile-time steps
         const unsigned k_sa = kv_sa + st * (2 * BN * SR * 2) + k_lane;
@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
         j = jn;
         st ^= 1;
     }
-    cp_async_wait<0>();
+    od::cp_async_wait<0>();
 
     // finish: sum the quad's partial sums, add the sink, normalize, write (B, Tq, Hq, D)
 #pragma unroll

@@ -14,7 +14,7 @@
 namespace {
 
 using od_attn::alibi_slope;
-using od_attn::block_max;
+using od::block_max;
 
 template <typename MT>
 struct MaskLoad;
@@ -33,8 +33,8 @@ struct MaskLoad<od::f16> {
     static __device__ __forceinline__ float4 four(const od::f16* p, long long i) {
         const uint2 u = *reinterpret_cast<const uint2*>(p + i);
         float4 r;
-        od_attn::unpack_f16x2(u.x, r.x, r.y);
-        od_attn::unpack_f16x2(u.y, r.z, r.w);
+        od::unpack_f16x2(u.x, r.x, r.y);
+        od::unpack_f16x2(u.y, r.z, r.w);
         return r;
     }
 };

@@ -16,7 +16,8 @@ KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 Ptr = Callable[[Tensor], int]
 
 #: C++ type of each K/V (and cache) dtype in the kernels
-CTYPE = {"f32": "float", "f16": "od::f16", "bf16": "od::bf16", "q8_0": "od_attn::q8_0", "q4_0": "od_attn::q4_0"}
+CTYPE = {"f32": "float", "f16": "od::f16", "bf16": "od::bf16", "q8_0": "od::quant::q8_0",
+         "q4_0": "od::quant::q4_0"}
 
 
 def idx_ctype(idx: str) -> str:

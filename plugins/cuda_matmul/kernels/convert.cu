@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(CONVERT_BLOCK) dequant(const u8* src, int n0, 
         u8* d = dst + row * n0 * DS;
         for (int u = threadIdx.x; u < units; u += CONVERT_BLOCK) {
             float c[8], scale, offset;
-            mm::load_unit_quant<WT>(s, u, c, scale, offset);
+            od::quant::load_unit<F>(s, u, c, scale, offset);
             const int2 k = mm::unit_k<WT>(u);
 #pragma unroll
             for (int j = 0; j < 8; ++j) {

@@ -239,7 +239,7 @@ __device__ __forceinline__ void load_block(const u8* blk, int (&q)[8], float& d,
     for (int k = 0; k < NWD; ++k) {
         w[k] = (o & 4) ? t[k + 1] : t[k];
     }
-    decode_words<WT>(w, (o & 2) * 8, q, d, m);
+    od::quant::decode_words<F>(w, (o & 2) * 8, q, d, m);
 }
 
 // acc[s][n] (every thread's partial) = stream s . b column n over the blocks j this thread takes.
@@ -391,8 +391,8 @@ __global__ void __launch_bounds__(QUANT_BLOCK) quantize_q8_1(const u8* b, long l
         amax = od::fmax_nan(amax, __shfl_xor_sync(od::FULL_MASK, amax, off));
     }
     float d, id;
-    mm::q8_1_scale(amax, d, id);
-    const int q = mm::q8_1_code(v, id);
+    od::quant::q8_1::scale(amax, d, id);
+    const int q = od::quant::q8_1::code(v, id);
     int sum = q;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {

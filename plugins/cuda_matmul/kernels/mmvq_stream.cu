@@ -72,27 +72,6 @@ struct Geo {
     static_assert(CB % 2 == 0 && BRAW % 16 == 0 && (BCHUNK / 16) % 2 == 1, "b chunk layout");
 };
 
-// -- cp.async -------------------------------------------------------------------------------------
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 // -- geometry ---------------------------------------------------------------------------------------
 
 struct Layout {
@@ -146,9 +125,9 @@ __device__ __forceinline__ void load_b(const u8* src, long long b_es, bool vec, 
 #pragma unroll
                 for (int t = 0; t < 4; ++t) {
                     if constexpr (TB == B_F16) {
-                        mm::half2_to_f(u[t], v[8 * i + 2 * t], v[8 * i + 2 * t + 1]);
+                        od::unpack_f16x2(u[t], v[8 * i + 2 * t], v[8 * i + 2 * t + 1]);
                     } else {
-                        mm::bf2_to_f(u[t], v[8 * i + 2 * t], v[8 * i + 2 * t + 1]);
+                        od::unpack_bf16x2(u[t], v[8 * i + 2 * t], v[8 * i + 2 * t + 1]);
                     }
                 }
             }
@@ -163,7 +142,7 @@ __device__ __forceinline__ void load_b(const u8* src, long long b_es, bool vec, 
 
 // Half h of a block of 32 values to q8_1 at dst (its chunk's b bytes), slot jj of the chunk, as
 // quantize_q8_1: amax over the 32 values (NaN if one is), d = amax / 127, codes v * 127 / amax
-// rounded half to even (mm::q8_1_code).
+// rounded half to even (od::quant::q8_1::code).
 // The two halves are lanes l and l ^ 1 of one warp, which meet by shuffles (every lane of the warp
 // calls this; `store` false: a lane with no block this round, whose partner has none either).
 template <int WT>
@@ -176,7 +155,7 @@ __device__ __forceinline__ void store_q8_1_half(const float (&v)[16], int h, boo
     }
     amax = od::fmax_nan(amax, __shfl_xor_sync(od::FULL_MASK, amax, 1));
     float d, id;
-    mm::q8_1_scale(amax, d, id);
+    od::quant::q8_1::scale(amax, d, id);
     int sum = 0;
     unsigned w[4];
 #pragma unroll
@@ -184,7 +163,7 @@ __device__ __forceinline__ void store_q8_1_half(const float (&v)[16], int h, boo
         unsigned word = 0;
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-            const int q = mm::q8_1_code(v[4 * i + t], id);
+            const int q = od::quant::q8_1::code(v[4 * i + t], id);
             sum += q;
             word |= (static_cast<unsigned>(q) & 0xffu) << (8 * t);
         }
@@ -247,7 +226,7 @@ __device__ __forceinline__ void dot_chunk(const u8* wchunk, const u8* bchunk, in
         }
         int q[8];
         float d, m;
-        mm::decode_words<WT>(bw, (o % 4) * 8, q, d, m);
+        od::quant::decode_words<F>(bw, (o % 4) * 8, q, d, m);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             if (NT == 1 || n < N) {  // no branch between the blocks of a one-column chunk
@@ -353,7 +332,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
             const u8* src = (w ? wa1 : wa0) + static_cast<long long>(min(ig, M - 1)) * a_row +
                             static_cast<long long>(seg) * L.G * Gm::CHUNK;
             for (int i = lane; i < nch * Gm::GRAN; i += od::WARP_SIZE) {
-                mms::cp_async16(buf + 16 * i, src + 16 * i);
+                od::cp_async16(od::smem_addr(buf + 16 * i), src + 16 * i);
             }
         } else {
             const int n16 = L.C * Gm::GRAN;
@@ -363,7 +342,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
                 const u8* src = (w ? wa1 : wa0) + static_cast<long long>(min(o, M - 1)) * a_row;
                 u8* dst = buf + rs * L.G * Gm::CHUNK;
                 for (int i = lane; i < n16; i += od::WARP_SIZE) {
-                    mms::cp_async16(dst + 16 * i, src + 16 * i);
+                    od::cp_async16(od::smem_addr(dst + 16 * i), src + 16 * i);
                 }
             }
         }
@@ -386,7 +365,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
         if (s < nunits) {
             issue(ring + s * STAGE);
         }
-        mms::cp_async_commit();
+        od::cp_async_commit();
     }
     if (preload) {
         od::grid_enter();
@@ -407,8 +386,8 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
         if (i + NS - 1 < nunits) {
             issue(ring + ((i + NS - 1) % NS) * STAGE);
         }
-        mms::cp_async_commit();
-        mms::cp_async_wait<NS - 1>();
+        od::cp_async_commit();
+        od::cp_async_wait<NS - 1>();
         __syncwarp();
         const int w = (NW == 2 && L.R == 1) ? cu / L.S : 0;
         const int seg = L.R == 1 ? cu - w * L.S : 0;
@@ -480,5 +459,5 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
         }
         __syncwarp();  // every lane is done with this stage before the next issue overwrites it
     }
-    mms::cp_async_wait<0>();  // nothing left in flight at exit (a warp with no units committed empty groups)
+    od::cp_async_wait<0>();  // nothing left in flight at exit (a warp with no units committed empty groups)
 }

@@ -35,6 +35,8 @@
 namespace ew_binary {
 
 using ew::put;
+using ew::round_to;
+using ew::Vec;  // elements of the result type a vector; b moves the same count
 using od::Pack;
 
 // Op codes: must match BINARY_CODES in plugins/cuda_misc/elementwise.py.
@@ -72,19 +74,6 @@ __device__ __forceinline__ void split_row(long long r, int n1, int n2, long long
 
 // i % m for i >= 0, without the division where it is not needed (m = 1, or i < m).
 __device__ __forceinline__ int wrap(int i, int m) { return m == 1 ? 0 : (i < m ? i : i % m); }
-
-// Elements of the result type per 16-byte vector; b moves the same count.
-template <typename T>
-struct Vec {
-    static constexpr int N = 16 / sizeof(T);
-};
-
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-    T t;
-    put(&t, v);
-    return od::load(&t);
-}
 
 template <typename T, int N>
 __device__ __forceinline__ void unpack(const Pack<T, N>& p, float (&v)[N]) {

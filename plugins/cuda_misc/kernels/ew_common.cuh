@@ -17,4 +17,17 @@ __device__ __forceinline__ void put(od::bf16* p, float v) {
     p->bits = h;
 }
 
+// v rounded to T and back (identity for float): what storing a result in T keeps.
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+    T t;
+    put(&t, v);
+    return od::load(&t);
+}
+
+template <typename T>
+struct Vec {
+    static constexpr int N = 16 / sizeof(T);  // elements per 16-byte vector
+};
+
 }  // namespace ew

@@ -11,7 +11,7 @@
 // partials live in this module's own global memory: launches on one stream
 // run one after another, so they never share them.
 #include "common.cuh"
-#include "quant.cuh"
+#include "index.cuh"
 
 namespace od {
 namespace reduce {
@@ -21,19 +21,6 @@ constexpr int MAX_PARTIALS = 1024;
 __device__ float sum_partials[MAX_PARTIALS];
 __device__ unsigned long long count_partials[MAX_PARTIALS];
 __device__ int blocks_done;  // od::last_block's counter of sum_all and count_equal
-
-template <class T>
-__device__ __forceinline__ T warp_add(T v) {
-#pragma unroll
-    for (int off = WARP_SIZE / 2; off > 0; off >>= 1) {
-        v += __shfl_xor_sync(FULL_MASK, v, off, WARP_SIZE);
-    }
-    return v;
-}
-
-__device__ __forceinline__ float to_f32(const float v) { return v; }
-__device__ __forceinline__ float to_f32(const f16 v) { return f16_to_f32(v.bits); }
-__device__ __forceinline__ float to_f32(const bf16 v) { return bf16_to_f32(v.bits); }
 
 // Keeps the better of (best, at) and (v, i): the larger value, the larger index of equal values
 // (ggml's argmax keeps the last maximum). NaN never wins. The winner does not depend on the order
@@ -279,7 +266,7 @@ __global__ void __launch_bounds__(256) count_equal(const unsigned char* __restri
         count += *reinterpret_cast<const int*>(a + la.offset(i)) == *reinterpret_cast<const int*>(b + lb.offset(i));
     }
     __shared__ unsigned long long warp_counts[256 / WARP_SIZE];
-    count = warp_add(count);
+    count = warp_sum(count);
     if (threadIdx.x % WARP_SIZE == 0) {
         warp_counts[threadIdx.x / WARP_SIZE] = count;
     }

@@ -5,21 +5,17 @@
 // Conventions: byte pointers and byte strides; 4-d shapes innermost first
 // (n0 = the last numpy axis); flat indices in row-major order. Contiguous
 // paths move 16 bytes per access; the strided paths unravel a flat index with
-// the multiply-high divisions of quant.cuh. Values are converted through f32:
+// the multiply-high divisions of index.cuh. Values are converted through f32:
 // f16 and bf16 round to nearest even (bf16 with ggml's formula), f32 -> i32
 // truncates toward zero, block formats round as ggml's reference quantizers.
 #include "common.cuh"
+#include "index.cuh"
 #include "quant.cuh"
 
 namespace od {
 namespace rows {
 
 // -- element conversions ---------------------------------------------------------------
-
-__device__ __forceinline__ float to_f32(const float v) { return v; }
-__device__ __forceinline__ float to_f32(const f16 v) { return f16_to_f32(v.bits); }
-__device__ __forceinline__ float to_f32(const bf16 v) { return bf16_to_f32(v.bits); }
-__device__ __forceinline__ float to_f32(const int v) { return __int2float_rn(v); }
 
 template <class D>
 __device__ __forceinline__ D from_f32(float v);
@@ -31,11 +27,6 @@ template <>
 __device__ __forceinline__ bf16 from_f32<bf16>(const float v) { return bf16{f32_to_bf16(v)}; }
 template <>
 __device__ __forceinline__ int from_f32<int>(const float v) { return __float2int_rz(v); }
-
-template <class A, class B>
-constexpr bool same_v = false;
-template <class A>
-constexpr bool same_v<A, A> = true;
 
 // Same type: the bits, untouched (NaN payloads, large integers, raw units).
 template <class S, class D>
@@ -247,7 +238,7 @@ __device__ __forceinline__ void quantize4(const unsigned char* __restrict__ src,
     float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     unsigned char* blk = dst;
     if (active) {
-        load4(reinterpret_cast<const S*>(src) + b * quant::QK + 4 * r, x);
+        load4(reinterpret_cast<const S*>(src) + b * Q::QK + 4 * r, x);
         blk = dst + static_cast<long long>(b) * Q::BYTES;
     }
     quant::encode8<Q>(x, r, blk, active);
@@ -276,7 +267,7 @@ __global__ void quantize(const unsigned char* __restrict__ src, unsigned char* _
 #pragma unroll
             for (int k = 0; k < QUANT_GROUP / 4; k++) {
                 const unsigned b = first + 4 * k + lane / 8;
-                load4(reinterpret_cast<const S*>(src) + b * quant::QK + 4 * r, x[k]);
+                load4(reinterpret_cast<const S*>(src) + b * Q::QK + 4 * r, x[k]);
             }
             __syncwarp();  // the previous group's stores have read the stage
 #pragma unroll
@@ -302,7 +293,7 @@ __global__ void quantize(const unsigned char* __restrict__ src, unsigned char* _
             float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             unsigned char* blk = dst;
             if (active) {
-                const unsigned e = b * quant::QK + 4 * r;
+                const unsigned e = b * Q::QK + 4 * r;
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     x[i] = to_f32(*reinterpret_cast<const S*>(src + la.offset(e + i)));
@@ -325,14 +316,14 @@ __global__ void dequantize(const unsigned char* __restrict__ src, unsigned char*
     if constexpr (CONTIG) {
         for (unsigned t = thread_id(); t < n / 4; t += thread_count()) {
             const unsigned e = 4 * t;
-            const unsigned char* blk = src + static_cast<long long>(e / quant::QK) * Q::BYTES;
+            const unsigned char* blk = src + static_cast<long long>(e / Q::QK) * Q::BYTES;
             D* out = reinterpret_cast<D*>(dst) + e;
             if constexpr (same_v<D, float>) {
                 float4 v;
-                v.x = quant::decode<Q>(blk, e % quant::QK);
-                v.y = quant::decode<Q>(blk, e % quant::QK + 1);
-                v.z = quant::decode<Q>(blk, e % quant::QK + 2);
-                v.w = quant::decode<Q>(blk, e % quant::QK + 3);
+                v.x = quant::decode<Q>(blk, e % Q::QK);
+                v.y = quant::decode<Q>(blk, e % Q::QK + 1);
+                v.z = quant::decode<Q>(blk, e % Q::QK + 2);
+                v.w = quant::decode<Q>(blk, e % Q::QK + 3);
                 *reinterpret_cast<float4*>(out) = v;
             } else {
                 union {
@@ -341,14 +332,14 @@ __global__ void dequantize(const unsigned char* __restrict__ src, unsigned char*
                 } u;
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    u.v[i] = from_f32<D>(quant::decode<Q>(blk, e % quant::QK + i));
+                    u.v[i] = from_f32<D>(quant::decode<Q>(blk, e % Q::QK + i));
                 }
                 *reinterpret_cast<uint2*>(out) = u.raw;
             }
         }
     } else {
         for (unsigned i = thread_id(); i < n; i += thread_count()) {
-            const float y = quant::decode<Q>(src + la.offset(i / quant::QK), i % quant::QK);
+            const float y = quant::decode<Q>(src + la.offset(i / Q::QK), i % Q::QK);
             *reinterpret_cast<D*>(dst + lb.offset(i)) = from_f32<D>(y);
         }
     }
@@ -445,7 +436,7 @@ __global__ void get_rows_q(const unsigned char* __restrict__ a, const unsigned c
         const int c = (blockIdx.y * 4 + u) * blockDim.x + threadIdx.x;
         if (c < ncols) {
             dst[c] = r < 0 ? __int_as_float(0x7fc00000)
-                           : quant::decode<Q>(src + (c / quant::QK) * Q::BYTES, c % quant::QK);
+                           : quant::decode<Q>(src + (c / Q::QK) * Q::BYTES, c % Q::QK);
         }
     }
 }
@@ -529,7 +520,7 @@ __global__ void set_rows_q(const unsigned char* __restrict__ src, const unsigned
     const bool active = b < nblocks;
     float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (active) {
-        const int c = b * quant::QK + 4 * q;
+        const int c = b * Q::QK + 4 * q;
         if constexpr (VEC) {
             load4(reinterpret_cast<const float*>(s) + c, x);
         } else {

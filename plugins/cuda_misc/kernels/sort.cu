@@ -19,7 +19,7 @@
 // longer ones select the k-th key by a radix select (four 8-bit passes), gather
 // the k winners (ties at the threshold by lowest index) and sort only those.
 #include "common.cuh"
-#include "quant.cuh"
+#include "index.cuh"
 
 namespace od {
 namespace sort {

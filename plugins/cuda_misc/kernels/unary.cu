@@ -37,6 +37,8 @@
 namespace ew_unary {
 
 using ew::put;
+using ew::round_to;
+using ew::Vec;
 using od::GELU_QUICK_COEF;
 using od::gelu;
 using od::gelu_erf;
@@ -74,21 +76,6 @@ constexpr int OP_SCALE = 26;       // x * p0 + p1
 constexpr int OP_CLAMP = 27;       // p0 = min, p1 = max
 constexpr int OP_LEAKY_RELU = 28;  // p0 = negative slope
 constexpr int OP_SOFTCAP = 29;     // p1 * tanh(p0 * x), rounded to T between steps as the unfused ops do
-
-// -- 16-byte vectors ----------------------------------------------------------------
-
-template <typename T>
-struct Vec {
-    static constexpr int N = 16 / sizeof(T);  // elements per 16-byte vector
-};
-
-// v rounded to T and back (identity for float): what storing a result in T keeps.
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-    T t;
-    put(&t, v);
-    return od::load(&t);
-}
 
 // -- the maps ---------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """rows.cu's copies and conversions (cpy, dup, cont) and get_rows / set_rows; the layout-argument
 record and index arithmetic that rows.cu, reduce.cu and sort.cu share.
 
-A layout is 13 kernel parameters (`OD_LAYOUT_PARAMS(p)` of quant.cuh): three sizes as divisors
+A layout is 13 kernel parameters (`OD_LAYOUT_PARAMS(p)` of kernels/index.cuh): three sizes as divisors
 for the kernels' multiply-shift division (`fastdiv`), then four byte strides, innermost first.
 """
 
@@ -35,7 +35,7 @@ QUANT_BLOCKS_PER_SM = 4
 
 #: the C++ type a kernel reads each plain dtype's values as
 VALUE = {"f32": "float", "f16": "od::f16", "bf16": "od::bf16", "i32": "int"}
-#: the format tag of each block format (quant.cuh)
+#: the format traits of each block format (quant.cuh)
 QUANT = {q: f"od::quant::{q}" for q in QUANTS}
 #: conversions through f32 between these
 PLAIN = ("f32", "f16", "bf16", "i32")
@@ -88,7 +88,7 @@ KERNEL_SOURCES = {ROWS_CU: _instances()}
 
 
 def fastdiv(d: int) -> tuple[int, int, int]:
-    """(d, m, l) for quant.cuh's fdiv: n // d == (umulhi(n, m) + n) >> l for 0 <= n < 2**31.
+    """(d, m, l) for index.cuh's fdiv: n // d == (umulhi(n, m) + n) >> l for 0 <= n < 2**31.
 
     l = ceil(log2(d)), m = floor(2**32 * (2**l - d) / d) + 1 (Granlund and
     Montgomery's division by invariant integers). d = 0 (an empty axis) is

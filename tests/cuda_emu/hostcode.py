@@ -1,0 +1,72 @@
+"""The shared CUDA headers as host C++ for the emulated tests, and what those tests share.
+
+common.cuh's inline PTX is swapped for shim.h's host functions, each swap asserted, so that an
+edit of the PTX fails here by name instead of compiling something else; the other shared headers
+(activations.cuh, quant.cuh) hold no PTX and are copied as they are. q8_1_reference is quant.cuh's
+q8_1 rounding in numpy float32, which both the header test and the mmvq_stream emulation check.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+INCLUDE = ROOT / "core" / "backends" / "cuda"
+EMU = Path(__file__).resolve().parent
+
+#: (inline PTX in common.cuh, its host replacement from shim.h)
+_SWAPS = (
+    ('asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));', "f = emu_h2f(h);"),
+    ('asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));', "h = emu_f2h(f);"),
+    ('asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));', "r = a != a || b != b ? NAN : fmaxf(a, b);"),
+    ('asm volatile("griddepcontrol.wait;" ::: "memory");', ""),  # one kernel at a time here
+    ('asm volatile("griddepcontrol.launch_dependents;" ::: "memory");', ""),
+    ('asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));',
+     "a = emu_smem_addr(p);"),
+    ('asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" ::"r"(saddr), "l"(src) : "memory");',
+     "emu_cp16(saddr, src);"),
+    ('asm volatile("cp.async.commit_group;\\n" ::: "memory");', "emu_commit();"),
+    ('asm volatile("cp.async.wait_group %0;\\n" ::"n"(N) : "memory");', "emu_wait(N);"),
+)
+
+
+def gxx_major() -> int:
+    """g++'s major version, 0 without g++."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        return 0
+    out = subprocess.run([gxx, "-dumpversion"], capture_output=True, text=True).stdout.strip()
+    return int(out.split(".")[0]) if out.split(".")[0].isdigit() else 0
+
+
+def host_common() -> str:
+    """common.cuh with every inline PTX statement replaced by its host emulation."""
+    text = (INCLUDE / "common.cuh").read_text()
+    for ptx, host in _SWAPS:
+        assert ptx in text, f"common.cuh changed: update the emulation's swap of {ptx}"
+        text = text.replace(ptx, host)
+    assert "asm" not in text, "common.cuh has inline PTX the emulation does not replace"
+    return text
+
+
+def write_headers(build: Path) -> None:
+    """The shared headers, host-ready, and shim.h into `build` (to go first on the include path)."""
+    for header in INCLUDE.glob("*.cuh"):
+        text = host_common() if header.name == "common.cuh" else header.read_text()
+        assert "asm" not in text, f"{header.name} has inline PTX the emulation does not replace"
+        (build / header.name).write_text(text)
+    (build / "shim.h").write_text((EMU / "shim.h").read_text())
+
+
+def q8_1_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, d) of ggml's q8_1 for each 32 values along the last axis of x (float32 math):
+    d = amax / 127, codes rint(v * (127 / amax)), 0 for a block of zeros."""
+    v = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    amax = np.abs(v).max(axis=-1, keepdims=True)
+    d = amax / np.float32(127)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0))
+    return np.rint(v * inv.astype(np.float32)).astype(np.int32), d[..., 0]

@@ -1,0 +1,197 @@
+// The driver of tests/test_quant_header.py: quant.cuh's accessors compiled for the host against
+// shim.h, run on blocks from files (raw little-endian arrays), results to files.
+//   quant layout                  one line a format: name QK BYTES BITS SCALE DIV ZERO D M QH QS QMAX
+//   quant decode FORMAT IN OUT    IN n raw blocks; OUT 7 * n * 32 f32: the row decoded by decode,
+//                                 decode_pair, decode_block, fetch8 + decode8, load_unit, and
+//                                 decode_words with the block at byte 0 and at byte 2 of its words
+//   quant encode FORMAT IN OUT    IN n * 32 f32; OUT n raw blocks by encode8, 8 lanes a block, one
+//                                 warp of 32 threads for 4 blocks (lanes of blocks past n inactive)
+//   quant q8_1 IN OUT             IN n * 32 f32; OUT n * 32 i32 codes, n f32 d, n f32 d * sum
+// Exit status 1 when an inactive lane of encode8 wrote.
+#include "shim.h"
+#include "quant.cuh"
+
+#include <string>
+
+using namespace od::quant;
+
+static std::vector<unsigned char> read_file(const char* path) {
+    FILE* f = fopen(path, "rb");
+    std::vector<unsigned char> b;
+    for (int c; (c = fgetc(f)) != EOF;) b.push_back((unsigned char)c);
+    fclose(f);
+    return b;
+}
+
+static void write_file(const char* path, const void* p, size_t n) {
+    FILE* f = fopen(path, "wb");
+    fwrite(p, 1, n, f);
+    fclose(f);
+}
+
+// value = (code - ZERO) * d (+ m), dequantize's two roundings
+template <class Q>
+static float value(int code, float d, float m) {
+    const float y = __fmul_rn(static_cast<float>(code - Q::ZERO), d);
+    return Q::M >= 0 ? __fadd_rn(y, m) : y;
+}
+
+template <class Q>
+static void decode_words_at(const unsigned char* blk, int at, float* y) {
+    constexpr int NWD = (Q::BYTES + 1) / 4 + 1;  // as the mat-vecs give it
+    unsigned char bytes[4 * NWD];
+    memset(bytes, 0xa5, sizeof bytes);            // bytes past the block: not read into values
+    memcpy(bytes + at, blk, Q::BYTES);
+    unsigned w[NWD];
+    memcpy(w, bytes, sizeof w);
+    int q[8];
+    float d, m;
+    decode_words<Q>(w, 8 * at, q, d, m);
+    for (int i = 0; i < 8; ++i) {
+        for (int t = 0; t < 4; ++t) {
+            const unsigned b = (static_cast<unsigned>(q[i]) >> (8 * t)) & 0xffu;
+            y[4 * i + t] = value<Q>(Q::BITS == 8 ? static_cast<signed char>(b) : static_cast<int>(b), d, m);
+        }
+    }
+}
+
+template <class Q>
+static void decode_all(const std::vector<unsigned char>& raw, std::vector<float>& out) {
+    const int n = static_cast<int>(raw.size()) / Q::BYTES, nv = n * 32;
+    out.assign(7 * static_cast<size_t>(nv), NAN);
+    float* y = out.data();
+    for (int b = 0; b < n; ++b) {
+        const unsigned char* blk = raw.data() + b * Q::BYTES;
+        for (int j = 0; j < 32; ++j) y[b * 32 + j] = decode<Q>(blk, j);
+        for (int p = 0; p < 16; ++p) {
+            const float2 v = decode_pair<Q>(blk, p);
+            y[nv + b * 32 + (Q::BITS == 8 ? 2 * p : p)] = v.x;
+            y[nv + b * 32 + (Q::BITS == 8 ? 2 * p + 1 : p + 16)] = v.y;
+        }
+        float blockv[32];
+        decode_block<Q>(blk, blockv);
+        memcpy(y + 2 * nv + b * 32, blockv, sizeof blockv);
+        decode_words_at<Q>(blk, 0, y + 5 * nv + b * 32);
+        decode_words_at<Q>(blk, 2, y + 6 * nv + b * 32);
+    }
+    for (int e0 = 0; e0 < nv; e0 += 8) {
+        Raw8<Q> r;
+        float f[8];
+        fetch8<Q>(raw.data(), e0, r);
+        decode8<Q>(r, e0, f);
+        memcpy(y + 3 * nv + e0, f, sizeof f);
+    }
+    for (int u = 0; u < 4 * n; ++u) {
+        float c[8], d, m;
+        load_unit<Q>(raw.data(), u, c, d, m);
+        // the value indices of the unit's codes, as cuda_matmul's unit_k
+        const int k0 = Q::BITS < 8 ? (u >> 2) * 32 + (u & 3) * 4 : 8 * u, k1 = Q::BITS < 8 ? k0 + 16 : k0 + 4;
+        for (int j = 0; j < 8; ++j) {
+            const float v = Q::M >= 0 ? __fadd_rn(__fmul_rn(c[j], d), m) : __fmul_rn(c[j], d);
+            y[4 * nv + (j < 4 ? k0 + j : k1 + j - 4)] = v;
+        }
+    }
+}
+
+template <class Q>
+static int encode_all(const std::vector<unsigned char>& in, std::vector<unsigned char>& out) {
+    const int n = static_cast<int>(in.size() / (32 * sizeof(float)));
+    std::vector<float> x(in.size() / sizeof(float));
+    memcpy(x.data(), in.data(), in.size());
+    out.assign(static_cast<size_t>(n) * Q::BYTES, 0xee);
+    unsigned char spare[64];  // where inactive lanes point: must stay untouched
+    memset(spare, 0xee, sizeof spare);
+    blockDim.x = 32;
+    for (int g = 0; 4 * g < n; ++g) {
+        EmuBlock blk;
+        std::barrier<> bb(32), wb(32);
+        blk.block_bar = &bb;
+        blk.warp_bar = {&wb};
+        blk.xchg.assign(32, 0u);
+        blk.smem = nullptr;
+        std::vector<std::thread> th;
+        for (unsigned t = 0; t < 32; ++t) {
+            th.emplace_back([&, t] {
+                threadIdx.x = t;
+                emu_ctx = &blk;
+                const int b = 4 * g + static_cast<int>(t) / 8, r = static_cast<int>(t) % 8;
+                const bool active = b < n;
+                float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                if (active) memcpy(v, x.data() + 32 * b + 4 * r, sizeof v);
+                encode8<Q>(v, r, active ? out.data() + b * Q::BYTES : spare, active);
+            });
+        }
+        for (auto& t : th) t.join();
+    }
+    for (unsigned char c : spare) {
+        if (c != 0xee) return 1;
+    }
+    return 0;
+}
+
+static void q8_1_all(const std::vector<unsigned char>& in, const char* path) {
+    const int n = static_cast<int>(in.size() / (32 * sizeof(float)));
+    std::vector<float> x(in.size() / sizeof(float));
+    memcpy(x.data(), in.data(), in.size());
+    std::vector<int> codes(32 * static_cast<size_t>(n));
+    std::vector<float> ds(2 * static_cast<size_t>(n));
+    for (int b = 0; b < n; ++b) {
+        float amax = 0.0f;  // as quantize_q8_1
+        for (int j = 0; j < 32; ++j) amax = od::fmax_nan(amax, fabsf(x[32 * b + j]));
+        float d, id;
+        q8_1::scale(amax, d, id);
+        int sum = 0;
+        for (int j = 0; j < 32; ++j) sum += codes[32 * b + j] = q8_1::code(x[32 * b + j], id);
+        ds[b] = d;
+        ds[n + b] = d * static_cast<float>(sum);
+    }
+    FILE* f = fopen(path, "wb");
+    fwrite(codes.data(), sizeof(int), codes.size(), f);
+    fwrite(ds.data(), sizeof(float), ds.size(), f);
+    fclose(f);
+}
+
+template <class Q>
+static void layout(const char* name) {
+    printf("%s %d %d %d %d %d %d %d %d %d %d %d\n", name, Q::QK, Q::BYTES, Q::BITS, static_cast<int>(Q::SCALE), Q::DIV,
+           Q::ZERO, Q::D, Q::M, Q::QH, Q::QS, Q::QMAX);
+}
+
+template <class Q>
+static int run(const std::string& cmd, const char* in, const char* out) {
+    const std::vector<unsigned char> data = read_file(in);
+    if (cmd == "decode") {
+        std::vector<float> y;
+        decode_all<Q>(data, y);
+        write_file(out, y.data(), y.size() * sizeof(float));
+        return 0;
+    }
+    std::vector<unsigned char> blocks;
+    const int bad = encode_all<Q>(data, blocks);
+    write_file(out, blocks.data(), blocks.size());
+    return bad;
+}
+
+int main(int argc, char** argv) {
+    const std::string cmd = argv[1];
+    if (cmd == "layout") {
+        layout<q4_0>("q4_0");
+        layout<q4_1>("q4_1");
+        layout<q5_0>("q5_0");
+        layout<q5_1>("q5_1");
+        layout<q8_0>("q8_0");
+        return 0;
+    }
+    if (cmd == "q8_1") {
+        q8_1_all(read_file(argv[2]), argv[3]);
+        return 0;
+    }
+    const std::string fmt = argv[2];
+    if (fmt == "q4_0") return run<q4_0>(cmd, argv[3], argv[4]);
+    if (fmt == "q4_1") return run<q4_1>(cmd, argv[3], argv[4]);
+    if (fmt == "q5_0") return run<q5_0>(cmd, argv[3], argv[4]);
+    if (fmt == "q5_1") return run<q5_1>(cmd, argv[3], argv[4]);
+    if (fmt == "q8_0") return run<q8_0>(cmd, argv[3], argv[4]);
+    fprintf(stderr, "unknown format %s\n", fmt.c_str());
+    return 2;
+}

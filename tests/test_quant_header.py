@@ -1,0 +1,151 @@
+"""core/backends/cuda/quant.cuh, the device's one definition of the block formats, against
+opdispatch.dtypes: each format's geometry (block size, bytes, field offsets, code bits, zero,
+scale rule), every way the kernels decode a block (one value, a pair, a block, 8 values of a row,
+cuda_matmul's units and register words) bit-equal in f32 with `dtypes.dequantize` on random valid
+blocks, encode8 byte-equal with `dtypes.quantize`, and the q8_1 rounding equal to its numpy model.
+
+The header's real source runs on the CPU: compiled by g++ against tests/cuda_emu/shim.h
+(common.cuh's inline PTX swapped by tests/cuda_emu/hostcode.py), encode8's warp of 32 threads as
+std::threads. Skipped without g++ 12 or newer (C++20 <barrier>, _Float16).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from opdispatch import dtypes
+from cuda_emu.hostcode import EMU, gxx_major, q8_1_reference, write_headers
+
+pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
+
+FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+#: quant.cuh's enum class Scale, in order
+SCALES = ("signed_absmax", "absmax", "range")
+#: the decodes the driver runs, in its output order
+DECODES = ("decode", "decode_pair", "decode_block", "fetch8+decode8", "load_unit", "decode_words at 0",
+           "decode_words at 2")
+NBLOCKS = 257
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    build = tmp_path_factory.mktemp("quant_header")
+    write_headers(build)
+    exe = build / "quant"
+    # no contraction: the header's __fmul_rn / __fadd_rn are plain operations here, each rounded
+    cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-w", "-I", str(build),
+           str(EMU / "quant_main.cpp"), "-o", str(exe)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
+    return exe
+
+
+def _run(driver: Path, *args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(driver), *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"quant {' '.join(args)}: exit {done.returncode}\n{done.stderr}"
+    return done
+
+
+def _finite_halves(rng: np.random.Generator, n: int) -> np.ndarray:
+    """n random f16 bit patterns that are finite (zeros and subnormals included), as bytes."""
+    bits = rng.integers(0, 1 << 16, n, dtype=np.uint32).astype(np.uint16)
+    bits = np.where((bits & 0x7C00) == 0x7C00, bits & 0x83FF, bits)  # inf/NaN exponent -> subnormal
+    return bits.astype("<u2").view(np.uint8).reshape(n, 2)
+
+
+def random_blocks(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """n valid blocks of format `name`: any code bytes, finite scales and offsets."""
+    fields = dict(_offsets(name))
+    raw = rng.integers(0, 256, (n, dtypes.dtype(name).block_bytes), dtype=np.uint8)
+    for f in ("d", "m"):
+        if f in fields:
+            raw[:, fields[f]:fields[f] + 2] = _finite_halves(rng, n)
+    return raw
+
+
+def _offsets(name: str) -> list[tuple[str, int]]:
+    """(field, byte offset) of a block of `name`, from opdispatch.dtypes' field list."""
+    out, at = [], 0
+    for field, size in dtypes._CODECS[name].fields:
+        out.append((field, at))
+        at += size
+    return out
+
+
+def test_layout_matches_dtypes(driver: Path) -> None:
+    lines = _run(driver, "layout").stdout.split("\n")
+    got = {ln.split()[0]: [int(v) for v in ln.split()[1:]] for ln in lines if ln}
+    assert sorted(got) == sorted(FORMATS)
+    for name in FORMATS:
+        qk, nbytes, bits, scale, div, zero, d, m, qh, qs, qmax = got[name]
+        dt, codec = dtypes.dtype(name), dtypes._CODECS[name]
+        offsets = dict(_offsets(name))
+        assert (qk, nbytes) == (dt.block_size, dt.block_bytes), name
+        assert (bits, SCALES[scale], div, zero, qmax) == (codec.bits, codec.scale_from, codec.divisor, codec.zero,
+                                                           2 ** codec.bits - 1), name
+        assert {"d": d, "m": m, "qh": qh, "qs": qs} == {f: offsets.get(f, -1) for f in ("d", "m", "qh", "qs")}, name
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_decodes_are_dequantize(name: str, driver: Path, tmp_path: Path, rng: np.random.Generator) -> None:
+    raw = random_blocks(name, NBLOCKS, rng)
+    raw.tofile(tmp_path / "in.bin")
+    _run(driver, "decode", name, str(tmp_path / "in.bin"), str(tmp_path / "out.bin"))
+    got = np.fromfile(tmp_path / "out.bin", np.float32).reshape(len(DECODES), NBLOCKS * 32)
+    ref = dtypes.dequantize(name, raw.reshape(-1))
+    for how, values in zip(DECODES, got):
+        bad = np.flatnonzero(values.view(np.uint32) != ref.view(np.uint32))
+        assert bad.size == 0, (f"{name} {how}: {bad.size} values differ from dtypes.dequantize, the first at "
+                               f"{bad[0]} (block {bad[0] // 32}): {values[bad[0]]!r} != {ref[bad[0]]!r}")
+
+
+def _encode_cases(rng: np.random.Generator) -> np.ndarray:
+    """Blocks of values (n, 32) that reach encode8's corners, then random ones: zeros of both signs
+    (the sign of a zero d or m), ties of the largest magnitude, values on a coarse grid (codes next
+    to a half-integer), a constant block, and a count not a multiple of 4 (inactive lanes)."""
+    zero = np.zeros(32, np.float32)
+    negzero = np.full(32, -0.0, np.float32)
+    ties = np.where(np.arange(32) % 2 == 0, np.float32(3.0), np.float32(-3.0))
+    grid = (rng.integers(-16, 17, 32) / np.float32(4)).astype(np.float32)
+    const = np.full(32, np.float32(0.7))
+    special = np.stack([zero, negzero, ties, -ties, grid, const])
+    grids = (rng.integers(-8, 9, (40, 32)) / np.float32(2)).astype(np.float32)
+    scales = rng.choice(np.float32([1e-3, 1.0, 1e3]), (151, 1))
+    randoms = (rng.standard_normal((151, 32)) * scales).astype(np.float32)
+    return np.concatenate([special, grids, randoms]).astype(np.float32)  # 197 blocks
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_encode8_is_quantize(name: str, driver: Path, tmp_path: Path, rng: np.random.Generator) -> None:
+    x = _encode_cases(rng)
+    assert len(x) % 4 != 0  # the last warp has inactive lanes
+    x.tofile(tmp_path / "in.bin")
+    _run(driver, "encode", name, str(tmp_path / "in.bin"), str(tmp_path / "out.bin"))
+    got = np.fromfile(tmp_path / "out.bin", np.uint8).reshape(len(x), -1)
+    ref = dtypes.quantize(name, x).reshape(len(x), -1)
+    bad = np.flatnonzero((got != ref).any(axis=1))
+    assert bad.size == 0, f"{name}: {bad.size} blocks differ from dtypes.quantize, the first {bad[0]}: {x[bad[0]]}"
+
+
+def test_q8_1_rounding(driver: Path, tmp_path: Path, rng: np.random.Generator) -> None:
+    """q8_1::scale and q8_1::code: the codes and d of the numpy model, d * sum(codes) as the mat-vecs
+    use it, and a NaN value makes its block's d NaN (so every dot product with it is NaN)."""
+    x = np.concatenate([np.zeros((1, 32), np.float32), (rng.integers(-254, 255, (20, 32)) / np.float32(2)),
+                        rng.standard_normal((100, 32)) * np.float32(3)]).astype(np.float32)
+    nan_block = rng.standard_normal((1, 32)).astype(np.float32)
+    nan_block[0, 5] = np.nan
+    np.concatenate([x, nan_block]).tofile(tmp_path / "in.bin")
+    _run(driver, "q8_1", str(tmp_path / "in.bin"), str(tmp_path / "out.bin"))
+    n = len(x) + 1
+    out = np.fromfile(tmp_path / "out.bin", np.uint8)
+    codes = out[:n * 32 * 4].view(np.int32).reshape(n, 32)
+    d, s = out[n * 32 * 4:].view(np.float32).reshape(2, n)
+    ref_codes, ref_d = q8_1_reference(x.reshape(-1))
+    assert np.array_equal(codes[:-1], ref_codes)
+    assert np.array_equal(d[:-1].view(np.uint32), ref_d.view(np.uint32))
+    assert np.array_equal(s[:-1], ref_d * ref_codes.sum(axis=1).astype(np.float32))
+    assert np.isnan(d[-1]) and np.isnan(s[-1])
