@@ -499,8 +499,8 @@ def dtypes_block_bytes(dt: str) -> int:
 
 
 def test_q_constants_mirror_the_kernel() -> None:
-    """QROWS, QWARPS_MAX, QUANT_BLOCK as mmv.cu has them; threads a block from K."""
-    src = specs.MMV_CU.read_text()
+    """QROWS, QWARPS_MAX, QUANT_BLOCK as mmv.cu and mmv_common.cuh have them; threads a block from K."""
+    src = specs.MMV_CU.read_text() + specs.KERNELS_DIR.joinpath("mmv_common.cuh").read_text()
     for name, value in (("QROWS", specs.QROWS), ("QWARPS_MAX", specs.QWARPS_MAX), ("QUANT_BLOCK", specs.QUANT_BLOCK)):
         assert re.search(rf"constexpr int {name} = {value};", src), name
     assert [mmv.q_threads(k) for k in (32, 1024, 2048, 4096, 5632, 14336)] == [32, 32, 64, 128, 128, 128]

@@ -154,5 +154,5 @@ def instance(kernel: str, *params: bool | int | str) -> str:
     return f"{kernel}<{', '.join(cpp(p) for p in params)}>" if params else kernel
 
 
-__all__: Sequence[str] = ["ArgGroup", "KernelArgs", "Shape4", "ptr", "i32", "u32", "i64", "u64", "f32", "f64", "boolean", "cpp",
-                          "instance"]
+__all__: Sequence[str] = ["ArgGroup", "KernelArgs", "Shape4", "ptr", "i32", "u32", "i64", "u64", "f32", "f64",
+                          "boolean", "cpp", "instance"]

@@ -53,7 +53,8 @@ def discover() -> tuple[tuple[Device, ...], str]:
 #: predicates for it are computed (and tested) where no GPU is.
 H200 = Device("cuda0", "cuda", "NVIDIA H200 (description: no GPU here)", {
     "cc": (9, 0), "sm_count": 132, "smem_per_block": 48 * 1024, "smem_per_block_optin": 227 * 1024,
-    "smem_per_sm": 228 * 1024, "warp_size": 32, "total_memory": 143771 * 2**20, "free_memory": 143771 * 2**20, "pci_bus_id": "", "index": 0,
+    "smem_per_sm": 228 * 1024, "warp_size": 32, "total_memory": 143771 * 2**20, "free_memory": 143771 * 2**20,
+    "pci_bus_id": "", "index": 0,
 })
 
 
@@ -73,7 +74,8 @@ class DeviceFacts:
 def facts(device: Device) -> DeviceFacts:
     """The `DeviceFacts` of `device` (see there for the fallback)."""
     props = {**H200.props, **device.props}
-    return DeviceFacts(tuple(props["cc"]), int(props["sm_count"]), int(props["smem_per_block"]),  # type: ignore[arg-type]
+    cc = tuple(props["cc"])
+    return DeviceFacts(cc, int(props["sm_count"]), int(props["smem_per_block"]),  # type: ignore[arg-type]
                        int(props["smem_per_block_optin"]), int(props["smem_per_sm"]), int(props["warp_size"]))
 
 

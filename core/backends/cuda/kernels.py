@@ -1,27 +1,18 @@
 """NVRTC modules and pre-bound kernel launches: how a plugin runs CUDA C++.
 
-A plugin keeps its kernels in `kernels/*.cu`, includes "common.cuh" (this
-folder is on the include path, and so is the .cu file's own folder) and, at
-bind time::
+A plugin keeps its kernels in `kernels/*.cu`, including "common.cuh" and "quant.cuh" (this
+folder and the .cu file's own are on the include path). Its specs are `KernelSpec`s (source,
+template instance, grid, block, a `KernelArgs` record: args.py) and `spec.launch(stream)`
+compiles the instance once and returns a launch that is one cuLaunchKernel call, its
+arguments converted once at bind: the measured launch costs (docs/design.md) leave no room
+for per-call conversion.
 
-    module = load_module(KERNELS / "norm.cu", NAME_EXPRESSIONS)    # the instances it launches
-    fn = module.get_function("norm_rows_f32<1, 128, true, 0>")     # one of NAME_EXPRESSIONS
-    return launcher(fn, rows, 128, (np.uint64(ctx.ptr(x)), np.int32(n), ...), stream=ctx.stream)
-
-`launcher` converts the arguments once and returns a launch that is one
-cuLaunchKernel call: no per-call argument conversion, as the
-measured launch costs demand. Arguments are numpy scalars of the exact C
-type of each kernel parameter (pointers np.uint64, `int` np.int32,
-`long long` np.int64, `float` np.float32): a Python int would be a guess.
-
-A kernel whose body begins with `od::grid_enter();` (common.cuh) launches
-with programmatic dependent launch (Hopper, cuLaunchKernelEx): it may start
-before the kernel ahead of it on the stream has finished, and that first
-statement waits for it before anything touches memory. Its launch and setup
-overlap the previous kernel's tail, inside a captured CUDA graph too (a
-programmatic edge). A body that begins with `od::grid_enter_later();` launches
-so too: the kernel loads only constant data (weights) before it calls
-od::grid_enter() itself. OPDISPATCH_PDL=0 at bind time turns it off.
+A kernel whose body begins with `od::grid_enter();` (common.cuh) launches with programmatic
+dependent launch (Hopper, cuLaunchKernelEx): it may start before the kernel ahead of it has
+finished, and that first statement waits for it before anything touches memory (a
+programmatic edge inside a CUDA graph). One that begins with `od::grid_enter_later();` loads
+only constant data (weights) before it calls od::grid_enter() itself. OPDISPATCH_PDL=0 at bind
+time turns it off.
 """
 
 from __future__ import annotations
@@ -41,7 +32,7 @@ from ...hookspecs import Launch
 from ...ops.elementwise import GLU_KINDS
 from .args import KernelArgs
 
-#: Shared headers (common.cuh); on the include path of every module.
+#: Shared headers (common.cuh, activations.cuh, quant.cuh); on the include path of every module.
 INCLUDE_DIR = Path(__file__).resolve().parent
 
 #: The C type each numpy scalar type is passed as.

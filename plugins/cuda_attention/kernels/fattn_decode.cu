@@ -50,7 +50,7 @@ __device__ __forceinline__ float finish_scale(float mx, float sum, const float* 
     return total > 0.0f ? f / total : 0.0f;
 }
 
-// Dynamic shared memory: the K/V stages (support.decode_smem); the fused variant adds after them q
+// Dynamic shared memory: the K/V stages (specs/flash.py decode_smem); the fused variant adds after them q
 // of the block's 16 columns (f32, 16 x D) and the new K and V rows (16-bit, as the tiles hold them).
 template <int D>
 __host__ __device__ constexpr int decode_stage_smem() {

@@ -1,8 +1,8 @@
 """What cuda_matmul compiles: its kernel sources, the template instances launched from each, and the
 constants and tuned configuration that fix them; the helpers every family of specs shares.
 
-The launch specs are per .cu family: `mmv` (kernels/mmv.cu: the mat-vecs, the q8_1 quantizer, the MoE
-routing), `stream` (kernels/mmvq_stream.cu's geometry) and `gemm` (kernels/convert.cu and the cuBLAS
+The launch specs are per .cu family: `mmv` (kernels/mmv.cu: the mat-vecs and the q8_1 quantizer;
+kernels/mmv_id.cu: the MoE mat-vecs and routing), `stream` (kernels/mmvq_stream.cu's geometry) and `gemm` (kernels/convert.cu and the cuBLAS
 calls). Column counts are compiled for the common case only: b f32 (and 16-byte loads for float
 weights) takes NTS (the grouped MoE kernels GROUPED_NTS); the rarer variants (scalar loads, b f16/bf16,
 which only unfused mul_mat takes) are compiled for 8 columns and run fewer.
@@ -21,6 +21,7 @@ from opdispatch.tensor import Tensor
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 MMV_CU = KERNELS_DIR / "mmv.cu"
+MMV_ID_CU = KERNELS_DIR / "mmv_id.cu"
 MMVQ_STREAM_CU = KERNELS_DIR / "mmvq_stream.cu"
 CONVERT_CU = KERNELS_DIR / "convert.cu"
 
@@ -33,13 +34,13 @@ EPIS = (EPI_NONE, EPI_BIAS, EPI_GLU)
 FLOAT_NAMES = ("f32", "f16", "bf16")
 QUANT_NAMES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 
-BLOCK = 128  # mmv.cu's mm::BLOCK
+BLOCK = 128  # mmv_common.cuh's mm::BLOCK
 ROWS = 2  # rows of a a mat-vec block computes (the kernels' R)
 NTS = (1, 2, 4, 8)  # column counts the mat-vec kernels are compiled for
 GROUPED_NTS = (1, 4, 8)  # ... and the grouped MoE kernels
-ROUTE_BLOCK = 1024  # mmv.cu's ROUTE_BLOCK
+ROUTE_BLOCK = 1024  # mmv_id.cu's ROUTE_BLOCK
 CONVERT_BLOCK = 256  # convert.cu's CONVERT_BLOCK
-# mmv.cu's block-format mat-vec: weight rows (streams) a block, warps a block at most,
+# mmv_common.cuh's block-format mat-vec: weight rows (streams) a block, warps a block at most,
 # quantize_q8_1's threads
 QROWS, QWARPS_MAX, QUANT_BLOCK = 4, 4, 256
 CONVERT_GRID_MAX = 65536  # blocks of a conversion (grid-stride over rows beyond)
@@ -108,6 +109,8 @@ MMV_NAMES: tuple[str, ...] = (
     *(mmv_name(wt, tb, 8, vec, EPI_NONE) for wt in FLOAT_NAMES for tb in ("f16", "bf16") for vec in (False, True)),
     *(quantize_name(tb) for tb in FLOAT_NAMES),
     *(mmvq_name(wt, nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
+)
+MMV_ID_NAMES: tuple[str, ...] = (
     *(mmv_id_name(wt, "f32", vec, epi) for wt in FLOAT_NAMES for vec in (False, True) for epi in EPIS),
     *(mmvq_id_name(wt, epi) for wt in QUANT_NAMES for epi in EPIS),
     *(grouped_name(wt, "f32", nt, True, epi) for wt in FLOAT_NAMES for nt in GROUPED_NTS for epi in EPIS[:2]),
@@ -125,8 +128,8 @@ STREAM_NAMES: tuple[str, ...] = (
     *(stream_name(wt, tb, 8, EPI_NONE) for tb in ("f16", "bf16") for wt in QUANT_NAMES),
 )
 #: every instance the specs can name, per source (tests/test_kernels_compile.py compiles them all)
-KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {MMV_CU: MMV_NAMES, CONVERT_CU: CONVERT_NAMES,
-                                               MMVQ_STREAM_CU: STREAM_NAMES}
+KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {MMV_CU: MMV_NAMES, MMV_ID_CU: MMV_ID_NAMES,
+                                               CONVERT_CU: CONVERT_NAMES, MMVQ_STREAM_CU: STREAM_NAMES}
 
 #: a tensor's device address (a bind's `ctx.ptr`; tests pass fakes)
 Ptr = Callable[[Tensor], int]

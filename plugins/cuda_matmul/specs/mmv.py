@@ -1,4 +1,4 @@
-"""kernels/mmv.cu's launches (mat-vecs, quantize_q8_1, the MoE routing) and the choice, per node, between
+"""kernels/mmv.cu's and mmv_id.cu's launches (mat-vecs, quantize_q8_1, the MoE routing) and the choice, per node, between
 them and mmvq_stream: argument records and pure spec functions of shapes, strides and addresses.
 
 A block-format node whose path is mmvq_stream still gets the two-launch mmvq when the device
@@ -20,8 +20,8 @@ from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
 
 from .. import fusion, support
-from . import (BLOCK, EPI_BIAS, EPI_GLU, EPI_NONE, GROUPED_NTS, MMV_CU, QROWS, QUANT_BLOCK, QWARPS_MAX, ROUTE_BLOCK,
-               ROUTE_NAME, ROWS, Ptr, Scratch, StreamConfig, addr, elem_stride, geometry, grouped_name,
+from . import (BLOCK, EPI_BIAS, EPI_GLU, EPI_NONE, GROUPED_NTS, MMV_CU, MMV_ID_CU, QROWS, QUANT_BLOCK, QWARPS_MAX,
+               ROUTE_BLOCK, ROUTE_NAME, ROWS, Ptr, Scratch, StreamConfig, addr, elem_stride, geometry, grouped_name,
                mmv_id_name, mmv_name, mmvq_id_name, mmvq_name, nt_for, qgrouped_name, quantize_name)
 from .stream import StreamArgs, stream_addresses, stream_spec
 
@@ -331,10 +331,10 @@ def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: T
         quant = quantize_spec(b, pb, scratch)
         q = quant.args
         grid = (math.ceil(m / (QROWS // (2 if epi == EPI_GLU else 1))), u, t)
-        return [quant, KernelSpec(MMV_CU, mmvq_id_name(as_.dtype.name, epi), grid, q_threads(k),
+        return [quant, KernelSpec(MMV_ID_CU, mmvq_id_name(as_.dtype.name, epi), grid, q_threads(k),
                                   MmvqIdArgs(**experts, bq=q.bq, bds=q.bds, nbp=q.nbp, Ub=ub, **sizes,
                                              bias_e=bias_e, **tail))]
-    return [KernelSpec(MMV_CU, mmv_id_name(as_.dtype.name, "f32", vec, epi), (math.ceil(m / ROWS), u, t), BLOCK,
+    return [KernelSpec(MMV_ID_CU, mmv_id_name(as_.dtype.name, "f32", vec, epi), (math.ceil(m / ROWS), u, t), BLOCK,
                        MmvIdArgs(**experts, b=pb, b_t=b_t, b_u=b_u, Ub=ub, b_es=b_es, **sizes, bias_e=bias_e,
                                  **tail))]
 
@@ -354,7 +354,7 @@ def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, bias
     pairs = t * u
     route = scratch("route", 4 * route_words(e, pairs))
     pb, b_t, b_u, b_es, vec = _id_b(node, ptr)
-    specs = [KernelSpec(MMV_CU, ROUTE_NAME, (1,), ROUTE_BLOCK,
+    specs = [KernelSpec(MMV_ID_CU, ROUTE_NAME, (1,), ROUTE_BLOCK,
                         RouteArgs(ids=ptr(ids), ids_t=ids.strides[0], ids_u=ids.strides[1], T=t, U=u, E=e,
                                   route=route, out=ptr(out), M=m),
                         smem=2 * 4 * e)]
@@ -367,11 +367,11 @@ def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, bias
     if quant:
         qspec = quantize_spec(b, pb, scratch)
         q = qspec.args
-        specs += [qspec, KernelSpec(MMV_CU, qgrouped_name(as_.dtype.name, nt, epi),
+        specs += [qspec, KernelSpec(MMV_ID_CU, qgrouped_name(as_.dtype.name, nt, epi),
                                     (math.ceil(m / QROWS), min(e, pairs)), q_threads(k),
                                     QGroupedArgs(**experts, bq=q.bq, bds=q.bds, nbp=q.nbp, Ub=ub, **rest))]
     else:
-        specs.append(KernelSpec(MMV_CU, grouped_name(as_.dtype.name, "f32", nt, vec, epi),
+        specs.append(KernelSpec(MMV_ID_CU, grouped_name(as_.dtype.name, "f32", nt, vec, epi),
                                 (math.ceil(m / ROWS), min(e, pairs)), BLOCK,
                                 GroupedArgs(**experts, b=pb, b_t=b_t, b_u=b_u, Ub=ub, b_es=b_es, **rest)))
     return specs

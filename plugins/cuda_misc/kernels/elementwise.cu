@@ -39,7 +39,7 @@ using ew::round_to;
 using ew::Vec;  // elements of the result type a vector; b moves the same count
 using od::Pack;
 
-// Op codes: must match BINARY_CODES in plugins/cuda_misc/elementwise.py.
+// Op codes: must match BINARY_CODES in plugins/cuda_misc/specs/elementwise.py.
 constexpr int OP_ADD = 0;
 constexpr int OP_SUB = 1;
 constexpr int OP_MUL = 2;

@@ -10,7 +10,7 @@ namespace od {
 
 // n / d for n < 2**31: q = (umulhi(n, m) + n) >> l, with l = ceil(log2(d)) and
 // m = floor(2**32 * (2**l - d) / d) + 1 computed on the host (opdispatch's
-// cuda_misc/rows.py, `fastdiv`).
+// cuda_misc/specs/rows.py, `fastdiv`).
 struct Div {
     unsigned d, m, l;
 };

@@ -14,7 +14,7 @@
 //                     axes, split per row) across blockDim.y and the grid.
 //
 // The op is a run-time code (OP_* below, the table UNARY_CODES of
-// elementwise.py): one switch per group of vectors, uniform across the grid,
+// specs/unary.py): one switch per group of vectors, uniform across the grid,
 // keeps each instance small (NVRTC: 0.2-0.9 s) at no cost to bandwidth; the
 // long-code ops (erf, sin, ...) are one out-of-line call per element. On the
 // H200 (64 Mi elements, copy 4.2 TB/s): relu, scale, softcap 92-94% of copy
@@ -45,7 +45,7 @@ using od::gelu_erf;
 using od::sigmoid;
 using od::Pack;
 
-// Op codes: must match UNARY_CODES in plugins/cuda_misc/elementwise.py.
+// Op codes: must match UNARY_CODES in plugins/cuda_misc/specs/unary.py.
 constexpr int OP_ABS = 0;
 constexpr int OP_SGN = 1;
 constexpr int OP_NEG = 2;

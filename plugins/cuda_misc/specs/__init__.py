@@ -2,7 +2,7 @@
 
 `elementwise` (elementwise.cu), `unary` (unary.cu and glu.cu), `rows` (rows.cu's
 copies, conversions, get_rows/set_rows and the layout-argument record), `layout`
-(rows.cu's layout ops), `reduce` (reduce.cu), `sort` (sort.cu). Each `*_spec(s)`
+(layout.cu), `reduce` (reduce.cu), `sort` (sort.cu). Each `*_spec(s)`
 function picks kernel instances, grids, blocks and `KernelArgs` records from shapes,
 strides and addresses only, so tests check them without a GPU.
 """

@@ -1,4 +1,4 @@
-"""rows.cu's layout ops: concat, repeat, pad, pad_reflect_1d, roll, arange, fill, diag, tri, set / acc
+"""layout.cu's layout ops: concat, repeat, pad, pad_reflect_1d, roll, arange, fill, diag, tri, set / acc
 (set_window) and timestep_embedding.
 
 Results are contiguous: a grid-stride kernel walks the result's flat indices, unravelled over its
@@ -20,16 +20,18 @@ from opdispatch.dtypes import DTYPES
 from opdispatch.ops.base import pad4
 from opdispatch.tensor import Tensor
 
-from . import Ptr
-from .rows import BLOCK, RAW, RAW_DTYPES, ROWS_CU, VALUE, Layout, layout, padded, raw, shape_layout, stride_grid, units
+from . import KERNELS_DIR, Ptr
+from .rows import BLOCK, RAW, RAW_DTYPES, VALUE, Layout, layout, padded, raw, shape_layout, stride_grid, units
 
 
-#: tri's kind codes (rows.cu)
+LAYOUT_CU = KERNELS_DIR / "layout.cu"
+
+#: tri's kind codes (layout.cu)
 TRI_CODES = {"lower": 0, "lower_diag": 1, "upper": 2, "upper_diag": 3}
 #: a window axis set_window never steps: padding up to 4 axes
 NO_AXIS_STRIDE = 1 << 40
 
-KERNEL_SOURCES = {ROWS_CU: (
+KERNEL_SOURCES = {LAYOUT_CU: (
     *(instance("concat", raw(DTYPES[t])) for t in RAW_DTYPES),
     *(instance("repeat", RAW[n]) for n in (2, 4)),
     "pad", "pad_reflect_1d", "roll", "arange", "diag", "tri", "timestep_embedding",
@@ -223,7 +225,7 @@ def flat_spec(node: Tensor, kernel: str, record: type[KernelArgs], srcs: Sequenc
     if blocks:
         shape[-1] //= node.dtype.block_size
     args = record(*(ptr(s) for s in srcs), ptr(node), n, shape_layout(shape), *extra)
-    return KernelSpec(ROWS_CU, kernel, stride_grid(n, sms), BLOCK, args)
+    return KernelSpec(LAYOUT_CU, kernel, stride_grid(n, sms), BLOCK, args)
 
 
 def strides(t: Tensor) -> tuple[int, ...]:
@@ -289,17 +291,17 @@ def tri_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
 def arange_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     p = node.params
     n = node.shape[0]
-    return [KernelSpec(ROWS_CU, "arange", stride_grid(n, sms), BLOCK,
+    return [KernelSpec(LAYOUT_CU, "arange", stride_grid(n, sms), BLOCK,
                        ArangeArgs(out=ptr(node), n=n, start=p["start"], step=p["step"]))]
 
 
 def fill_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
-    return [KernelSpec(ROWS_CU, instance("fill", VALUE[node.dtype.name]), stride_grid(node.size, sms), BLOCK,
+    return [KernelSpec(LAYOUT_CU, instance("fill", VALUE[node.dtype.name]), stride_grid(node.size, sms), BLOCK,
                        FillArgs(out=ptr(node), n=node.size, value=node.params["value"]))]
 
 
 def window(node: Tensor) -> tuple[list[int], list[int], list[int]] | None:
-    """set/acc's window as rows.cu's set_window takes it: (sizes, element strides,
+    """set/acc's window as layout.cu's set_window takes it: (sizes, element strides,
     b's byte strides), axes of size > 1 sorted by window stride, largest first, padded
     to 4 with (1, NO_AXIS_STRIDE, 0). None if two window positions share an element."""
     a, bt = node.srcs
@@ -323,7 +325,7 @@ def set_acc_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     n = node.size
     args = SetWindowArgs(ptr(a), ptr(bt), ptr(node), n, layout(a), node.params["offset"] // a.dtype.block_bytes,
                          *wstrides, *sizes, *bstrides)
-    return [KernelSpec(ROWS_CU, name, stride_grid(n, sms), BLOCK, args)]
+    return [KernelSpec(LAYOUT_CU, name, stride_grid(n, sms), BLOCK, args)]
 
 
 def timestep_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
@@ -331,4 +333,4 @@ def timestep_specs(node: Tensor, ptr: Ptr, sms: int) -> list[KernelSpec]:
     rows, dim = node.shape
     args = TimestepArgs(t=ptr(t), out=ptr(node), rows=rows, dim=dim, ts0=t.strides[0],
                         log_max_period=math.log(node.params["max_period"]))
-    return [KernelSpec(ROWS_CU, "timestep_embedding", stride_grid(node.size, sms), BLOCK, args)]
+    return [KernelSpec(LAYOUT_CU, "timestep_embedding", stride_grid(node.size, sms), BLOCK, args)]

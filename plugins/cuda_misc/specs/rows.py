@@ -1,5 +1,5 @@
 """rows.cu's copies and conversions (cpy, dup, cont) and get_rows / set_rows; the layout-argument
-record and index arithmetic that rows.cu, reduce.cu and sort.cu share.
+record and index arithmetic that rows.cu, layout.cu, reduce.cu and sort.cu share.
 
 A layout is 13 kernel parameters (`OD_LAYOUT_PARAMS(p)` of kernels/index.cuh): three sizes as divisors
 for the kernels' multiply-shift division (`fastdiv`), then four byte strides, innermost first.
@@ -81,7 +81,7 @@ def _instances() -> tuple[str, ...]:
     return tuple(names)
 
 
-#: rows.cu's copies and row instances (layout.py adds the layout ops')
+#: rows.cu's copies and row instances
 KERNEL_SOURCES = {ROWS_CU: _instances()}
 
 # -- index arithmetic and the layout record ----------------------------------------------------
