@@ -294,14 +294,19 @@ def _bind_copy(bound: Bound, s: Step) -> Callable[[], None]:
 
 def fill_slot(slot: InputSlot, t: Tensor, value: Any) -> bool:
     """Copy `value` into its staging slot when it is a numpy array of the input's shape that needs no
-    conversion beyond Plan._host_bytes' integer cast; False: the caller converts it (_host_bytes)."""
+    conversion beyond an integer cast that keeps every value; False: the caller converts it, or refuses it
+    naming the input (Plan._host_bytes)."""
     dst = slot.dst
     if dst is None or value.__class__ is not np.ndarray or value.shape != dst.shape:
         return False
     if value.dtype == dst.dtype:
         np.copyto(dst, value)
-    elif slot.is_int:
-        np.copyto(dst, value, casting="unsafe")  # _host_bytes' astype
+    elif slot.is_int and value.dtype.kind in "iu":
+        if not np.can_cast(value.dtype, dst.dtype) and value.size:
+            info = np.iinfo(dst.dtype)
+            if value.min() < info.min or value.max() > info.max:
+                return False
+        np.copyto(dst, value, casting="unsafe")  # every value fits
     else:
         return False
     return True

@@ -15,9 +15,8 @@ import pytest
 
 from helpers import evaluate, nmse
 from opdispatch import dtypes as D
-from opdispatch.ops import (
-    OpError, arange, concat, diag, fill, pad, pad_reflect_1d, repeat, roll, timestep_embedding, tri,
-)
+from opdispatch.errors import OpError
+from opdispatch.ops import arange, concat, diag, fill, pad, pad_reflect_1d, repeat, roll, timestep_embedding, tri
 from opdispatch.tensor import Tensor, input, param
 
 HOST = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "i16": np.int16}
