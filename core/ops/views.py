@@ -8,7 +8,8 @@ from ..tensor import Tensor, check_extent, contiguous_strides
 from .base import check, check_tensor, fail, int_param, ints_param, op, shape_param
 
 
-def _view_node(op_name: str, a: Tensor, shape: Sequence[int], strides: Sequence[int], offset: int, params: dict) -> Tensor:
+def _view_node(op_name: str, a: Tensor, shape: Sequence[int], strides: Sequence[int], offset: int,
+               params: dict) -> Tensor:
     return check_extent(op_name, Tensor(
         tuple(shape), a.dtype, tuple(strides), op=op_name, params=params, srcs=(a,),
         view_src=a.base, view_offset=a.view_offset + offset,
