@@ -208,7 +208,7 @@ class Plan:
         (with `download`) the outputs' download; wait for nothing but an earlier submit's upload."""
         alias = self._alias
         given: dict[Tensor, Any] = {}
-        if feeds is not None and not isinstance(feeds, Mapping):
+        if feeds is not None and feeds.__class__ is not dict and not isinstance(feeds, Mapping):
             raise FeedError(f"feeds must be a mapping of inputs (tensors or names) to values, got "
                             f"{type(feeds).__name__}")
         for k, v in (feeds or {}).items():
@@ -282,10 +282,11 @@ class Plan:
         arr = host_array(who, value, FeedError)
         raw_shape = t.array_layout()[0]
         if t.dtype.is_quant and arr.dtype == np.uint8 and tuple(arr.shape) == raw_shape:
-            host = arr  # raw blocks, as `read` returns them
-        elif tuple(arr.shape) != t.shape:
+            return arr.reshape(-1)  # raw blocks, as `read` returns them
+        check_values(who, t, arr, FeedError)
+        if tuple(arr.shape) != t.shape:
             raise FeedError(f"{who}: got shape {tuple(arr.shape)}")
-        elif check_values(who, t, arr, FeedError).dtype == t.dtype.numpy and not t.dtype.is_quant:
+        if arr.dtype == t.dtype.numpy and not t.dtype.is_quant:
             host = arr  # already stored as t stores it: from_float would round-trip it through f32 unchanged
         elif t.dtype.is_int:
             host = arr.astype(t.dtype.numpy)
