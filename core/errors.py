@@ -33,3 +33,7 @@ class FeedError(OpdispatchError, ValueError):
 class OutOfMemory(OpdispatchError, MemoryError):
     """Memory a plan needs that its device (or the host) does not have; the message names the tensor or
     buffer, the bytes asked and the bytes free. Raised before the allocation: the backend stays usable."""
+
+
+class PlanKeyError(OpdispatchError, KeyError):
+    """A tensor or name a plan does not have (fed, written or read), or an input given no value."""

@@ -23,7 +23,7 @@ import numpy as np
 from .alloc import MemoryPlan
 from .bind import Bound, bind_plan, fill_slot
 from .dtypes import from_float
-from .errors import FeedError, OpdispatchError
+from .errors import FeedError, OpdispatchError, PlanKeyError
 from .graph import Graph
 from .hookspecs import Device
 from .sched import Step
@@ -73,18 +73,10 @@ class Plan:
             for leaf in (self._caller or self.graph).leafs:
                 if leaf.name == t:
                     return self._alias.get(leaf, leaf)
-            raise KeyError(f"no leaf named '{t}' in the graph")
+            raise PlanKeyError(f'no input or state is named "{t}" in the graph')  # not quoted as tensors are
         if not isinstance(t, Tensor):
             raise FeedError(f"feeds are keyed by input tensors or their names, got {t!r} ({type(t).__name__})")
         return self._alias.get(t, t)
-
-    def _describe(self, t: Tensor) -> str:
-        """`t` described as the caller's graph names it."""
-        if self._caller is not None:
-            for mine, theirs in zip(self.graph.leafs, self._caller.leafs):
-                if mine is t:
-                    return theirs.describe()
-        return t.describe()
 
     def _rename(self, exc: OpdispatchError) -> None:
         """Reword `exc` in place to name the caller's tensors (`_in_caller_names`)."""
@@ -216,8 +208,8 @@ class Plan:
         ready = self._shared.bound
         inputs = ready.plumbing.inputs if ready is not None else self.graph.inputs
         if len(given) < len(inputs) or any(t not in given for t in inputs):
-            missing = [self._describe(t) for t in inputs if t not in given]
-            raise KeyError(f"no value for input {', '.join(missing)}")
+            missing = [t.describe() for t in inputs if t not in given]
+            raise PlanKeyError(f"no value for input {', '.join(missing)}")
         bound = ready if ready is not None else self._bind()
         pl = bound.plumbing
         slots = pl.slots
@@ -269,7 +261,7 @@ class Plan:
 
     def _writable(self, t: Tensor) -> None:
         if not t.is_leaf or not t.flags & (Flag.INPUT | Flag.STATE) or t not in self.homes:
-            raise KeyError(f"{self._describe(t)} is not an input or state of this plan")
+            raise PlanKeyError(f"{t.describe()} is not an input or state of this plan")
 
     def _write_bytes(self, bound: Bound, t: Tensor, raw: np.ndarray) -> None:
         dev = self.homes[t]
@@ -278,7 +270,7 @@ class Plan:
 
     def _host_bytes(self, t: Tensor, value: Any) -> np.ndarray:
         """`value` as the bytes `t` stores (flat uint8), its shape and numbers checked (FeedError)."""
-        who = f"{'state' if t.flags & Flag.STATE else 'input'} {self._describe(t)}"
+        who = f"{'state' if t.flags & Flag.STATE else 'input'} {t.describe()}"
         arr = host_array(who, value, FeedError)
         raw_shape = t.array_layout()[0]
         if t.dtype.is_quant and arr.dtype == np.uint8 and tuple(arr.shape) == raw_shape:
@@ -333,7 +325,7 @@ class Plan:
         b = t.base
         dev = self.homes.get(b)
         if dev is None:
-            raise KeyError(f"{t.describe()} is not a tensor of this plan")
+            raise PlanKeyError(f"{t.describe()} is not a tensor of this plan")
         buf, off = bound.where(b, dev)
         raw = bound.backends[dev.name].read(buf, off, b.nbytes)
         return np.array(t.host_view(raw, t.view_offset))

@@ -14,7 +14,7 @@ import pytest
 import opdispatch as od
 from opdispatch import ops
 from opdispatch.backends.cpu import HostBackend
-from opdispatch.errors import FeedError, LaunchError, OpdispatchError, OpError, OutOfMemory
+from opdispatch.errors import FeedError, LaunchError, OpdispatchError, OpError, OutOfMemory, PlanKeyError
 from opdispatch.hookspecs import Device
 from opdispatch.ops import OPS
 from opdispatch.tensor import MAX_EXTENT
@@ -265,9 +265,9 @@ def test_feeds_are_checked_before_any_is_written() -> None:
         plan.run([np.zeros((5, 4))])  # type: ignore[arg-type]
     with pytest.raises(FeedError, match=r"feeds are keyed by input tensors or their names, got 3 \(int\)"):
         plan.submit({3: np.zeros((5, 4))})  # type: ignore[dict-item]
-    with pytest.raises(KeyError, match=r"'w' \(2,\) f32 is not an input or state of this plan"):
+    with pytest.raises(PlanKeyError, match=r"'w' \(2,\) f32 is not an input or state of this plan"):
         plan.write(od.input("w", (2,)), np.zeros(2))  # another graph's input
-    with pytest.raises(KeyError, match=r"is not a tensor of this plan"):
+    with pytest.raises(PlanKeyError, match=r"is not a tensor of this plan"):
         plan.read(od.input("w", (2,)))
     plan.submit({table: np.ones((5, 4)), idx: np.array([1, 1, 1], np.int32), kv: np.ones((2, 4))})
     np.testing.assert_array_equal(plan.read(kv), np.ones((2, 4)))  # usable after every refusal
@@ -284,13 +284,13 @@ def test_a_cached_plan_names_the_tensors_of_the_graph_it_was_asked_for() -> None
     t2, i2, y2 = _gather("second")
     p1, p2 = od.compile(y1, "cpu"), od.compile(y2, "cpu")
     assert p2.steps is p1.steps  # one plan, shared
-    with pytest.raises(KeyError, match=r"no value for input 'table_second' \(4, 2\) f32, 'idx_second'"):
+    with pytest.raises(PlanKeyError, match=r"no value for input 'table_second' \(4, 2\) f32, 'idx_second'"):
         p2.run({})
     with pytest.raises(FeedError, match=r"^input 'idx_second' \(2,\) i32: i32 takes integer values"):
         p2.run({t2: np.zeros((4, 2)), i2: np.zeros(2)})
     table = np.arange(8, dtype=np.float32).reshape(4, 2)
     np.testing.assert_array_equal(p2.run({"table_second": table, "idx_second": np.array([3, 1])})[0], -table[[3, 1]])
-    with pytest.raises(KeyError, match="no leaf named 'idx_first'"):
+    with pytest.raises(PlanKeyError, match='no input or state is named "idx_first"'):
         p2.run({"table_second": table, "idx_first": np.array([3, 1])})  # the first graph's names are not this one's
     with pytest.raises(LaunchError) as err:
         p2.run({t2: table, i2: np.array([0, 9])})  # a row index past the table: the reference raises
@@ -301,6 +301,21 @@ def test_a_cached_plan_names_the_tensors_of_the_graph_it_was_asked_for() -> None
     with pytest.raises(LaunchError, match="'table_first'"):
         p1.run({t1: table, i1: np.array([0, 9])})  # the first graph's plan keeps its own names
     np.testing.assert_array_equal(p1.run({t1: table, i1: np.array([2, 0])})[0], -table[[2, 0]])  # still usable
+
+
+def test_renaming_is_one_pass_when_the_graphs_trade_names() -> None:
+    def build(table: str, idx: str) -> tuple[od.Tensor, od.Tensor, od.Tensor]:
+        t, i = od.input(table, (4, 2)), od.input(idx, (2,), "i32")
+        return t, i, ops.get_rows(t, i)
+
+    *_, y1 = build("p", "q")
+    t2, i2, y2 = build("q", "r")  # the second graph's table is named as the first's idx
+    od.compile(y1, "cpu")
+    plan = od.compile(y2, "cpu")
+    with pytest.raises(PlanKeyError, match=r"no value for input 'q' \(4, 2\) f32, 'r' \(2,\) i32"):
+        plan.run({})
+    with pytest.raises(FeedError, match=r"^input 'r' \(2,\) i32: got shape \(3,\)"):
+        plan.run({"q": np.zeros((4, 2)), "r": np.zeros(3, np.int32)})
 
 
 # -- memory ----------------------------------------------------------------------------------------
