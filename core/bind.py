@@ -230,8 +230,8 @@ def check_memory(plan: Plan, backends: dict[str, Backend]) -> None:
         biggest = max(mem.slots, key=lambda sl: sl.nbytes, default=None)
         top = f", its largest slot {biggest.keys[0][0].describe()}" if biggest is not None else ""
         ask(name, mem.peak, f"the arena of {name}{top}")
-    leafs = {(leaf, plan.homes[leaf].name) for leaf in plan.graph.leafs}
-    leafs |= {(s.out, s.device.name) for s in plan.steps if s.kind == "copy" and s.note == "bind"}
+    leafs = dict.fromkeys([(leaf, plan.homes[leaf].name) for leaf in plan.graph.leafs]
+                          + [(s.out, s.device.name) for s in plan.steps if s.kind == "copy" and s.note == "bind"])
     for t, name in leafs:
         if name not in _RESIDENT.get(t, {}):
             ask(name, _aligned(t.nbytes), t.describe())

@@ -299,7 +299,11 @@ class Plan:
     def poison(self, byte: int = 0xFF) -> None:
         """Fill every arena with `byte` (0xFF: NaN in every float type), so that a
         test can prove each output element is written by the next run."""
-        bound = self._bind()
+        try:
+            bound = self._bind()
+        except OpdispatchError as e:
+            self._rename(e)
+            raise
         for name, arena in bound.arenas.items():
             bound.backends[name].fill(arena, byte)
 

@@ -49,32 +49,43 @@ def is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def as_shape(who: str, shape: Any) -> Shape:
-    """`shape` as a tuple of Python ints in [0, MAX_EXTENT]; anything else (a float, a bool, a negative or
-    larger dim, not a sequence) raises OpError naming `who` ("reshape", "tensor 'x'")."""
+def op_error(who: str, msg: str, *tensors: Tensor) -> OpError:
+    """OpError `who: msg ['x' (2, 3) f32, ...]`: what raised, what is wrong, the tensors concerned."""
+    described = ", ".join(t.describe() for t in tensors)
+    return OpError(f"{who}: {msg}" + (f" [{described}]" if described else ""))
+
+
+def as_ints(who: str, what: str, values: Any, *tensors: Tensor) -> tuple[int, ...]:
+    """`values` (a sequence) as a tuple of Python ints; a float (2.0 too), a bool, a str or a non-sequence
+    raise OpError naming `who` and `what`."""
     try:
-        if isinstance(shape, (str, bytes)):
+        if isinstance(values, (str, bytes)):
             raise TypeError
-        given = tuple(shape)
+        given = tuple(values)
     except TypeError:
-        raise OpError(f"{who}: a shape must be a sequence of integers, got {shape!r}") from None
-    bad = [n for n in given if not is_int(n)]
+        raise op_error(who, f"{what} must be a sequence of integers, got {values!r}", *tensors) from None
+    bad = [v for v in given if not is_int(v)]
     if bad:
-        raise OpError(f"{who}: dimensions must be integers, got {bad[0]!r} ({type(bad[0]).__name__}) in shape "
-                      f"{given!r}")
-    dims = tuple(int(n) for n in given)
+        raise op_error(who, f"{what} must hold integers, got {bad[0]!r} ({type(bad[0]).__name__}) in {given!r}",
+                       *tensors)
+    return tuple(int(v) for v in given)
+
+
+def as_shape(who: str, shape: Any, what: str = "shape", *tensors: Tensor) -> Shape:
+    """`shape` as a tuple of Python ints in [0, MAX_EXTENT] (`as_ints`, then each dim's range)."""
+    dims = as_ints(who, what, shape, *tensors)
     if any(n < 0 for n in dims):
-        raise OpError(f"{who}: negative dimension in shape {dims}")
+        raise op_error(who, f"negative dimension in {what} {dims}", *tensors)
     if any(n > MAX_EXTENT for n in dims):
-        raise OpError(f"{who}: a dimension of shape {dims} is 2**63 or more (a device addresses less)")
+        raise op_error(who, f"a dimension of {what} {dims} is 2**63 or more (a device addresses less)", *tensors)
     return dims
 
 
 def check_extent(who: str, t: Tensor) -> Tensor:
     """`t` itself, if its element count and byte span stay within MAX_EXTENT; else OpError naming `who`."""
     if t.size > MAX_EXTENT or t.nbytes > MAX_EXTENT:
-        raise OpError(f"{who}: shape {t.shape} {t.dtype.name} holds {t.size} elements in {t.nbytes} bytes, "
-                      "2**63 or more (a device addresses less)")
+        raise op_error(who, f"shape {t.shape} {t.dtype.name} holds {t.size} elements in {t.nbytes} bytes, "
+                       "2**63 or more (a device addresses less)")
     return t
 
 

@@ -46,9 +46,10 @@ def test_sizes_are_python_ints_and_bounded_by_2_63() -> None:
 
 
 def test_leaf_shapes_dtypes_and_values_are_named() -> None:
-    for shape, match in (((2.0, 3), r"dimensions must be integers, got 2\.0 \(float\)"),
-                         ((True, 3), r"dimensions must be integers, got True \(bool\)"), (8, "a shape must be a sequence of integers, got 8"),
-                         ("ab", "a shape must be a sequence"), ((2, -1), r"negative dimension in shape \(2, -1\)")):
+    for shape, match in (((2.0, 3), r"shape must hold integers, got 2\.0 \(float\) in \(2\.0, 3\)"),
+                         ((True, 3), r"shape must hold integers, got True \(bool\)"),
+                         (8, "shape must be a sequence of integers, got 8"), ("ab", "shape must be a sequence"),
+                         ((2, -1), r"negative dimension in shape \(2, -1\)")):
         with pytest.raises(OpError, match=rf"^tensor 'x': {match}"):
             od.input("x", shape)
     with pytest.raises(OpError, match=r"^tensor 'u': unknown dtype 'f64'"):
@@ -271,6 +272,12 @@ def test_feeds_are_checked_before_any_is_written() -> None:
         plan.read(od.input("w", (2,)))
     plan.submit({table: np.ones((5, 4)), idx: np.array([1, 1, 1], np.int32), kv: np.ones((2, 4))})
     np.testing.assert_array_equal(plan.read(kv), np.ones((2, 4)))  # usable after every refusal
+
+
+def test_compile_refuses_host_params_that_are_not_tensors() -> None:
+    x = od.input("x", (2,))
+    with pytest.raises(OpError, match=r"compile: host_params must be tensors \(params\), got \(\[1\],\)"):
+        od.compile(ops.neg(x), "cpu", host_params=[[1]])
 
 
 # -- a cached plan names the caller's graph -----------------------------------------------------

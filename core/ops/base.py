@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import OpError
 from ..dtypes import DType, dtype as as_dtype
-from ..tensor import Shape, Tensor, as_shape, check_extent, contiguous_strides, is_int
+from ..tensor import Shape, Tensor, as_ints, as_shape, check_extent, contiguous_strides, is_int, op_error
 
 
 @attrs.frozen
@@ -57,9 +57,8 @@ def op(family: str, name: str | None = None, inplace: int | None = None, reuses_
 
 
 def fail(op_name: str, msg: str, *tensors: Tensor) -> NoReturn:
-    """Raise OpError: `op: msg (a 'x' (2, 3) f32, b ...)`."""
-    described = ", ".join(t.describe() for t in tensors)
-    raise OpError(f"{op_name}: {msg}" + (f" [{described}]" if described else ""))
+    """Raise OpError: `op: msg ['x' (2, 3) f32, ...]`."""
+    raise op_error(op_name, msg, *tensors)
 
 
 def check(cond: bool, op_name: str, msg: str, *tensors: Tensor) -> None:
@@ -114,26 +113,10 @@ def choice_param(op_name: str, name: str, value: Any, choices: Sequence[str], *t
 
 def ints_param(op_name: str, name: str, values: Any, n: int | None = None, *tensors: Tensor) -> tuple[int, ...]:
     """`values` as a tuple of Python ints (`n` of them if given): one per axis, a shape, strides."""
-    try:
-        if isinstance(values, (str, bytes)):
-            raise TypeError
-        given = tuple(values)
-    except TypeError:
-        fail(op_name, f"{name} must be a sequence of integers, got {values!r}", *tensors)
-    bad = [v for v in given if not is_int(v)]
-    if bad:
-        fail(op_name, f"{name} must hold integers, got {bad[0]!r} ({type(bad[0]).__name__}) in {given!r}", *tensors)
+    given = as_ints(op_name, name, values, *tensors)
     if n is not None and len(given) != n:
         fail(op_name, f"{name} needs {n} entries, one per axis, got {len(given)}: {given!r}", *tensors)
-    return tuple(int(v) for v in given)
-
-
-def shape_param(op_name: str, name: str, values: Any, *tensors: Tensor) -> Shape:
-    """`values` as a shape: integers in [0, 2**63)."""
-    try:
-        return as_shape(op_name, values)
-    except OpError as e:
-        fail(op_name, f"{name}: {str(e).removeprefix(op_name + ': ')}", *tensors)
+    return given
 
 
 def _range(lo: int | None, hi: int | None) -> str:

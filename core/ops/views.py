@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..tensor import Tensor, check_extent, contiguous_strides
-from .base import check, check_tensor, fail, int_param, ints_param, op, shape_param
+from ..tensor import Tensor, as_shape, check_extent, contiguous_strides
+from .base import check, check_tensor, fail, int_param, ints_param, op
 
 
 def _view_node(op_name: str, a: Tensor, shape: Sequence[int], strides: Sequence[int], offset: int,
@@ -24,7 +24,7 @@ def view(a: Tensor, shape: Sequence[int], strides: Sequence[int] | None = None, 
     non-negative integers. The window must lie inside `a`'s bytes.
     """
     check_tensor("view", a)
-    shape = shape_param("view", "shape", shape, a)
+    shape = as_shape("view", shape, "shape", a)
     offset = int_param("view", "offset", offset, a, lo=0)
     if a.dtype.is_quant:
         check(bool(shape) and shape[-1] % a.dtype.block_size == 0, "view",
