@@ -278,4 +278,3 @@ class CudaBackend:
 def _check_range(buf: CudaBuffer, offset: int, nbytes: int, what: str) -> None:
     if offset < 0 or nbytes < 0 or offset + nbytes > buf.nbytes:
         raise ValueError(f"{what} {nbytes} bytes at offset {offset}: outside the {buf.nbytes}-byte buffer for {buf.what}")
-
