@@ -71,8 +71,9 @@ def test_a_tensor_enlarged_into_its_neighbour_is_refused(good: Path) -> None:
 
 
 def test_a_gap_is_not_the_packed_layout(good: Path) -> None:
-    with pytest.raises(ValueError, match=r"tensor 'b': data offset 2080, expected 2048: each tensor's data follows "
-                                         r"the previous one's \('a', data bytes 0\.\.2048\) padded to the alignment 32"):
+    with pytest.raises(ValueError, match=r"tensor 'b': data offset 2080, expected 2048: each tensor's data "
+                                         r"follows the previous one's \('a', data bytes 0\.\.2048\) padded to "
+                                         r"the alignment 32"):
         read_gguf(_patched(good, "b", OFFSET, 2080))
     with pytest.raises(ValueError, match=r"tensor 'a': data offset 32, expected 0: the first tensor's data starts"):
         read_gguf(_patched(good, "a", OFFSET, 32))
