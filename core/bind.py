@@ -6,7 +6,9 @@ CUDA: a captured graph). The inputs of a plan on a device whose backend
 stages transfers are packed into one block there, so that `Plan.run` uploads
 them all with one asynchronous copy from one staging buffer (pinned on CUDA)
 and the outputs come back by asynchronous copies into another; the run waits
-once, at its end (see `Feeder`).
+once, at its end (see `Feeder`). Before anything is allocated, what binding
+will allocate is held against what each memory (a GPU's, the host's) has free
+(`check_memory`): a plan too large raises OutOfMemory and allocates nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import attrs
 import numpy as np
 
 from .alloc import MemoryPlan
-from .backends.base import Backend, StagedTransfers, StagingBackend
+from .backends.base import (Backend, ReportsFreeMemory, StagedTransfers, StagingBackend, bytes_text,
+                            host_free_memory)
+from .errors import OutOfMemory
 from .hookspecs import Device
 from .tensor import Tensor
 
@@ -166,6 +170,7 @@ def bind_plan(plan: Plan) -> Bound:
         dev = plan.homes[leaf]
         if dev.name not in backends:
             backends[dev.name] = dev.backend_factory(dev)
+    check_memory(plan, backends)
     arenas = {name: backends[name].alloc(mem.peak, f"the arena of {name}") for name, mem in plan.memory.items()}
     bound = Bound(backends, arenas, {}, [], plan.memory, plan.homes)
     for name, backend in backends.items():
@@ -204,6 +209,48 @@ def bind_plan(plan: Plan) -> Bound:
         _feed_outputs(plan, bound, name, feeder)
     bound.plumbing = _plumbing(plan, bound)
     return bound
+
+
+def check_memory(plan: Plan, backends: dict[str, Backend]) -> None:
+    """Raise OutOfMemory if what binding `plan` will allocate exceeds what is free, per memory: the arenas,
+    the leafs' buffers not made yet, and (host memory) the staging buffers. The message names the memory,
+    the bytes asked and free, and the largest asks (the arena by its largest node). Memories whose backend
+    does not report (`ReportsFreeMemory`) are not checked."""
+    asks: dict[str, list[tuple[int, str]]] = {}  # memory -> (bytes, what)
+    spaces: dict[str, tuple[str, int | None]] = {}
+    for name, backend in backends.items():
+        if isinstance(backend, ReportsFreeMemory):
+            spaces[name] = backend.free_memory()
+
+    def ask(device: str, nbytes: int, what: str) -> None:
+        if device in spaces and nbytes:
+            asks.setdefault(spaces[device][0], []).append((nbytes, what))
+
+    for name, mem in plan.memory.items():
+        biggest = max(mem.slots, key=lambda sl: sl.nbytes, default=None)
+        top = f", its largest slot {biggest.keys[0][0].describe()}" if biggest is not None else ""
+        ask(name, mem.peak, f"the arena of {name}{top}")
+    leafs = dict.fromkeys([(leaf, plan.homes[leaf].name) for leaf in plan.graph.leafs]
+                          + [(s.out, s.device.name) for s in plan.steps if s.kind == "copy" and s.note == "bind"])
+    for t, name in leafs:
+        if name not in _RESIDENT.get(t, {}):
+            ask(name, _aligned(t.nbytes), t.describe())
+    for name in (name for name, backend in backends.items() if isinstance(backend, StagedTransfers)):
+        ins = sum(_aligned(t.nbytes) for t in plan.graph.inputs if plan.homes[t].name == name)
+        outs = sum(_aligned(b.nbytes) for b in {o.base for o in plan.graph.outputs} if plan.homes[b].name == name)
+        if ins + outs:
+            asks.setdefault("host", []).append((ins + outs, f"the staging buffers of {name}'s inputs and outputs"))
+    free_of = {space: free for space, free in spaces.values()}
+    if "host" in asks and "host" not in free_of:
+        free_of["host"] = host_free_memory()
+    for space, wanted in asks.items():
+        free = free_of.get(space)
+        total = sum(n for n, _ in wanted)
+        if free is not None and total > free:
+            wanted.sort(key=lambda a: -a[0])
+            largest = "; ".join(f"{what}: {bytes_text(n)}" for n, what in wanted[:3])
+            raise OutOfMemory(f"{space}: the plan needs {bytes_text(total)} of {space} memory and "
+                              f"{bytes_text(free)} are free; the largest: {largest}")
 
 
 def _plumbing(plan: Plan, bound: Bound) -> Plumbing:
@@ -294,14 +341,19 @@ def _bind_copy(bound: Bound, s: Step) -> Callable[[], None]:
 
 def fill_slot(slot: InputSlot, t: Tensor, value: Any) -> bool:
     """Copy `value` into its staging slot when it is a numpy array of the input's shape that needs no
-    conversion beyond Plan._host_bytes' integer cast; False: the caller converts it (_host_bytes)."""
+    conversion beyond an integer cast that keeps every value; False: the caller converts it, or refuses it
+    naming the input (Plan._host_bytes)."""
     dst = slot.dst
     if dst is None or value.__class__ is not np.ndarray or value.shape != dst.shape:
         return False
     if value.dtype == dst.dtype:
         np.copyto(dst, value)
-    elif slot.is_int:
-        np.copyto(dst, value, casting="unsafe")  # _host_bytes' astype
+    elif slot.is_int and value.dtype.kind in "iu":
+        if not np.can_cast(value.dtype, dst.dtype) and value.size:
+            info = np.iinfo(dst.dtype)
+            if value.min() < info.min or value.max() > info.max:
+                return False
+        np.copyto(dst, value, casting="unsafe")  # every value fits
     else:
         return False
     return True

@@ -16,6 +16,7 @@ from typing import Iterable, Sequence
 import attrs
 
 from .alloc import plan_memory
+from .errors import OpError
 from .graph import Graph
 from .hookspecs import Device
 from .manager import PluginManager, manager
@@ -73,7 +74,10 @@ def compile(  # noqa: A001 - the natural name
     dev = mgr.device(device)
     fusion = fusion_from_env() if fusion is None else fusion
     order = mgr.order(prefer, exclude)
-    host = frozenset(host_params)
+    given = tuple(host_params)
+    if not all(isinstance(t, Tensor) for t in given):
+        raise OpError(f"compile: host_params must be tensors (params), got {given!r}")
+    host = frozenset(given)
     # The key holds `dev` itself so that its id stays unique while cached, and the OPDISPATCH_ switches,
     # which plugins may read when asked (the offload threshold) and backends when binding (CUDA graphs, PDL).
     switches = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("OPDISPATCH_")))

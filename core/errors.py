@@ -23,3 +23,17 @@ class LaunchError(OpdispatchError, RuntimeError):
 
 class PluginError(OpdispatchError, RuntimeError):
     """A plugin failed to load or raised in a hook; the message names it."""
+
+
+class FeedError(OpdispatchError, ValueError):
+    """A value given for a plan's input or state (`Plan.run`/`submit`/`write`) that the tensor cannot take:
+    not a mapping of tensors or names, a wrong shape, a dtype of the wrong kind, integers out of range."""
+
+
+class OutOfMemory(OpdispatchError, MemoryError):
+    """Memory a plan needs that its device (or the host) does not have; the message names the tensor or
+    buffer, the bytes asked and the bytes free. Raised before the allocation: the backend stays usable."""
+
+
+class PlanKeyError(OpdispatchError, KeyError):
+    """A tensor or name a plan does not have (fed, written or read), or an input given no value."""

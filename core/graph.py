@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 import attrs
 
+from .errors import OpError
 from .tensor import Flag, Tensor
 
 
@@ -28,16 +29,19 @@ class Graph:
 
     @classmethod
     def build(cls, outputs: Tensor | Sequence[Tensor]) -> Graph:
-        outs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
+        try:
+            outs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
+        except TypeError:
+            raise OpError(f"Graph: outputs must be a Tensor or a sequence of Tensors, got {outputs!r}") from None
         if not outs:
-            raise ValueError("Graph: no outputs given")
+            raise OpError("Graph: no outputs given")
         nodes: list[Tensor] = []
         leafs: list[Tensor] = []
         seen: set[Tensor] = set()
         users: dict[Tensor, list[Tensor]] = {}
         for out in outs:
             if not isinstance(out, Tensor):
-                raise TypeError(f"Graph: outputs must be Tensors, got {type(out).__name__}")
+                raise OpError(f"Graph: outputs must be Tensors, got {type(out).__name__}")
             # Iterative DFS: decoder graphs are deeper than Python's recursion limit.
             stack: list[tuple[Tensor, int]] = [(out, 0)]
             while stack:
@@ -112,4 +116,6 @@ def _freeze(v: Any) -> Any:
         return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
     if isinstance(v, (list, tuple)):
         return tuple(_freeze(x) for x in v)
+    if isinstance(v, float):
+        return v.hex()  # -0.0 == 0.0, yet x * -0.0 is not x * 0.0: graphs differing so must not share a plan
     return v

@@ -13,14 +13,22 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from typing import Any, Sequence
 
 import attrs
+import ml_dtypes
 import numpy as np
 
 from .dtypes import DType, dtype as as_dtype, from_float
+from .errors import OpError
 
 Shape = tuple[int, ...]
+
+#: The bound on every dim, element count and byte span of a tensor: sizes and offsets are signed 64-bit on
+#: every device (ggml's int64_t ne, CUDA's ptrdiff_t). Sizes are Python ints, which never wrap, so a larger
+#: tensor is refused at build time instead of wrapping to a small one.
+MAX_EXTENT = 2**63 - 1
 
 #: Ops that only reinterpret storage; they need no kernel.
 VIEW_OPS = frozenset({"view", "reshape", "permute", "transpose"})
@@ -34,6 +42,51 @@ class Flag(enum.Flag):
 
 
 _ids = itertools.count()
+
+
+def is_int(value: Any) -> bool:
+    """A Python or numpy integer, not a bool (True is not a dimension, an axis or a count)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def op_error(who: str, msg: str, *tensors: Tensor) -> OpError:
+    """OpError `who: msg ['x' (2, 3) f32, ...]`: what raised, what is wrong, the tensors concerned."""
+    described = ", ".join(t.describe() for t in tensors)
+    return OpError(f"{who}: {msg}" + (f" [{described}]" if described else ""))
+
+
+def as_ints(who: str, what: str, values: Any, *tensors: Tensor) -> tuple[int, ...]:
+    """`values` (a sequence) as a tuple of Python ints; a float (2.0 too), a bool, a str or a non-sequence
+    raise OpError naming `who` and `what`."""
+    try:
+        if isinstance(values, (str, bytes)):
+            raise TypeError
+        given = tuple(values)
+    except TypeError:
+        raise op_error(who, f"{what} must be a sequence of integers, got {values!r}", *tensors) from None
+    bad = [v for v in given if not is_int(v)]
+    if bad:
+        raise op_error(who, f"{what} must hold integers, got {bad[0]!r} ({type(bad[0]).__name__}) in {given!r}",
+                       *tensors)
+    return tuple(int(v) for v in given)
+
+
+def as_shape(who: str, shape: Any, what: str = "shape", *tensors: Tensor) -> Shape:
+    """`shape` as a tuple of Python ints in [0, MAX_EXTENT] (`as_ints`, then each dim's range)."""
+    dims = as_ints(who, what, shape, *tensors)
+    if any(n < 0 for n in dims):
+        raise op_error(who, f"negative dimension in {what} {dims}", *tensors)
+    if any(n > MAX_EXTENT for n in dims):
+        raise op_error(who, f"a dimension of {what} {dims} is 2**63 or more (a device addresses less)", *tensors)
+    return dims
+
+
+def check_extent(who: str, t: Tensor) -> Tensor:
+    """`t` itself, if its element count and byte span stay within MAX_EXTENT; else OpError naming `who`."""
+    if t.size > MAX_EXTENT or t.nbytes > MAX_EXTENT:
+        raise op_error(who, f"shape {t.shape} {t.dtype.name} holds {t.size} elements in {t.nbytes} bytes, "
+                       "2**63 or more (a device addresses less)")
+    return t
 
 
 def contiguous_strides(shape: Shape, dt: DType) -> Shape:
@@ -81,7 +134,7 @@ class Tensor:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)  # Python ints: no int64 wrap
 
     @property
     def is_leaf(self) -> bool:
@@ -178,15 +231,21 @@ class Tensor:
 
 
 def _leaf(name: str, shape: Sequence[int], dt: str | DType, flags: Flag, data: np.ndarray | None = None) -> Tensor:
-    dt = as_dtype(dt)
-    shape = tuple(int(n) for n in shape)
-    if any(n < 0 for n in shape):
-        raise ValueError(f"tensor '{name}': negative dimension in shape {shape}")
+    if not isinstance(name, str):
+        raise OpError(f"a tensor's name must be a str, got {name!r} ({type(name).__name__})")
+    who = f"tensor '{name}'"
+    dt = _dtype(who, dt)
+    shape = as_shape(who, shape)
     if dt.is_quant and (not shape or shape[-1] % dt.block_size):
-        raise ValueError(
-            f"tensor '{name}': {dt.name} needs a last axis that is a multiple of {dt.block_size}, got shape {shape}"
-        )
-    return Tensor(shape, dt, contiguous_strides(shape, dt), name=name, flags=flags, data=data)
+        raise OpError(f"{who}: {dt.name} needs a last axis that is a multiple of {dt.block_size}, got shape {shape}")
+    return check_extent(who, Tensor(shape, dt, contiguous_strides(shape, dt), name=name, flags=flags, data=data))
+
+
+def _dtype(who: str, dt: Any) -> DType:
+    try:
+        return as_dtype(dt)
+    except (TypeError, ValueError) as e:
+        raise OpError(f"{who}: {e}") from None
 
 
 def input(name: str, shape: Sequence[int], dtype: str | DType = "f32") -> Tensor:  # noqa: A001
@@ -208,18 +267,24 @@ def param(name: str, values: Any, dtype: str | DType | None = None, *, shape: Se
     `values` are converted to `dtype` (quantized for block formats). With
     `shape`, `values` are the raw storage bytes instead (e.g. a GGUF tensor).
     """
+    who = f"param '{name}'"
     if shape is not None:
         if dtype is None:
-            raise ValueError(f"param '{name}': raw data needs a dtype")
+            raise OpError(f"{who}: raw data needs a dtype")
         t = _leaf(name, shape, dtype, Flag.PARAM)
-        raw = np.ascontiguousarray(values).view(np.uint8).reshape(-1)
+        try:
+            raw = np.ascontiguousarray(values).view(np.uint8).reshape(-1)
+        except (TypeError, ValueError) as e:
+            raise OpError(f"{who}: raw data must be an array of plain bytes ({type(e).__name__}: {e})") from None
         want = t.nbytes
         if raw.size != want:
-            raise ValueError(f"param '{name}': {dtype} {tuple(shape)} needs {want} bytes, got {raw.size}")
+            raise OpError(f"{who}: {t.dtype.name} {t.shape} needs {want} bytes, got {raw.size}")
         t.data = raw
         return t
-    arr = np.asarray(values)
-    dt = as_dtype(dtype if dtype is not None else (arr.dtype if arr.dtype != np.float64 else "f32"))
+    arr = host_array(who, values, OpError)
+    if dtype is None and arr.dtype.kind not in "fiuV":
+        raise OpError(f"{who}: values must be numbers, got {arr.dtype} values")
+    dt = _dtype(who, dtype if dtype is not None else (arr.dtype if arr.dtype != np.float64 else "f32"))
     t = _leaf(name, arr.shape, dt, Flag.PARAM)
     t.data = _storage(t, arr)
     return t
@@ -227,10 +292,44 @@ def param(name: str, values: Any, dtype: str | DType | None = None, *, shape: Se
 
 def _storage(t: Tensor, values: Any) -> np.ndarray:
     """Contiguous uint8 storage of `t` holding `values` (broadcast to its shape)."""
-    arr = np.broadcast_to(np.asarray(values), t.shape)
+    who = f"tensor '{t.name}'"
+    arr = check_values(who, t, host_array(who, values, OpError), OpError)
+    try:
+        arr = np.broadcast_to(arr, t.shape)
+    except ValueError:
+        raise OpError(f"{who}: values of shape {arr.shape} do not broadcast to {t.shape}") from None
     host = from_float(t.dtype, arr) if not t.dtype.is_int else arr.astype(t.dtype.numpy)
     # Always copy: the caller may mutate its array after building the graph.
     return np.array(host, order="C", copy=True).view(np.uint8).reshape(-1)
+
+
+def host_array(who: str, value: Any, error: type[Exception]) -> np.ndarray:
+    """`value` as a host numpy array (`to_numpy`); `error` naming `who` when it is not one (a ragged list)."""
+    try:
+        return to_numpy(value)
+    except (TypeError, ValueError, BufferError, RuntimeError) as e:
+        raise error(f"{who}: cannot be read as an array ({type(e).__name__}: {e})") from None
+
+
+def check_values(who: str, t: Tensor, arr: np.ndarray, error: type[Exception]) -> np.ndarray:
+    """`arr` itself if `t` can hold its numbers, else `error` naming `who`.
+
+    Float and block dtypes take float and integer arrays; integer dtypes take integer arrays whose values
+    fit (a float array is refused rather than truncated, a value out of range rather than wrapped).
+    Strings, objects, bools and complex numbers are refused: none is a number these tensors store.
+    """
+    kind = arr.dtype.kind
+    if t.dtype.is_int:
+        if kind not in "iu":
+            raise error(f"{who}: {t.dtype.name} takes integer values, got {arr.dtype} values")
+        if arr.size and not np.can_cast(arr.dtype, t.dtype.numpy):
+            info = np.iinfo(t.dtype.numpy)
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < info.min or hi > info.max:
+                raise error(f"{who}: values {lo}..{hi} do not fit {t.dtype.name} ({info.min}..{info.max})")
+    elif kind not in "fiuV" or (kind == "V" and arr.dtype != np.dtype(ml_dtypes.bfloat16)):
+        raise error(f"{who}: {t.dtype.name} takes float or integer values, got {arr.dtype} values")
+    return arr
 
 
 def to_numpy(obj: Any) -> np.ndarray:

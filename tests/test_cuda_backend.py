@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import opdispatch as od
-from opdispatch.errors import LaunchError
+from opdispatch.errors import LaunchError, OutOfMemory
 from opdispatch.backends.cuda import graphs
 from opdispatch.backends.cuda.graphs import MAX_CONSECUTIVE_RECAPTURES, GraphRunner
 from opdispatch.backends.cuda.kernels import pack_args
@@ -251,8 +251,9 @@ def test_alloc_write_read_and_device_copy_round_trip(backend, rng) -> None:  # n
 
 @gpu
 def test_out_of_memory_names_the_request_and_leaves_the_backend_usable(backend, rng) -> None:  # noqa: ANN001
-    with pytest.raises(MemoryError) as info:
+    with pytest.raises(OutOfMemory) as info:
         backend.alloc(10**15, "a buffer far too large")
+    assert isinstance(info.value, MemoryError)
     msg = str(info.value)
     assert f"{backend.device.name}: cannot allocate {10**15} bytes" in msg
     assert "a buffer far too large" in msg and "free of" in msg

@@ -132,7 +132,7 @@ def test_structural_key_ignores_data_and_names_but_not_structure() -> None:
 def test_graph_needs_tensors() -> None:
     with pytest.raises(ValueError, match="no outputs"):
         Graph.build([])
-    with pytest.raises(TypeError, match="outputs must be Tensors"):
+    with pytest.raises(OpError, match="outputs must be Tensors"):
         Graph.build([np.zeros(3)])  # type: ignore[list-item]
 
 

@@ -2,12 +2,15 @@
 
 The records a backend plugin yields (`Device`, `Launch`) are the contract's
 (hookspecs.py); these are the backend's side: what a kernel's bind sees and
-what dispatch allocates, transfers and runs through. `StagedTransfers` is an
-optional capability, declared so that binding checks it by isinstance.
+what dispatch allocates, transfers and runs through. `StagedTransfers` and
+`ReportsFreeMemory` are optional capabilities, declared so that binding checks
+them by isinstance. `host_free_memory` is what the host can still give.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
@@ -106,3 +109,67 @@ class StagedTransfers(Protocol):
 
 class StagingBackend(Backend, StagedTransfers, Protocol):
     """A backend with staged transfers: what a bind.Feeder drives."""
+
+
+@runtime_checkable
+class ReportsFreeMemory(Protocol):
+    """The optional memory report of a backend: binding checks a plan's allocations against it before it
+    makes any, so that a plan too large raises OutOfMemory instead of failing halfway (or, for host memory
+    the kernel overcommits, getting the process killed when the pages are touched)."""
+
+    def free_memory(self) -> tuple[str, int | None]:
+        """(the memory `alloc` draws from: "host" for host RAM, else the device's name; the bytes free there,
+        None if unknown)."""
+
+
+def bytes_text(n: int) -> str:
+    """'N bytes (x.xx GiB)': memory errors give both, the exact count and one a reader takes in."""
+    return f"{n} bytes ({n / 2**30:.2f} GiB)"
+
+
+#: a cgroup memory limit at or above this is "no limit" (cgroup v1 writes one near 2**63)
+_NO_LIMIT = 1 << 60
+
+
+def host_free_memory() -> int | None:
+    """Bytes of RAM the host can still give this process, or None if unknown.
+
+    /proc/meminfo's MemAvailable, lowered to the headroom under the memory limit of the process's cgroup
+    (a container's limit: past it the kernel kills the process, whatever the host has free); reclaimable
+    page cache (inactive_file) counts as free there. Without /proc, the free pages of os.sysconf.
+    """
+    free = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    if free is None:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            return None
+    for limit, usage, stat in (("memory.max", "memory.current", "memory.stat"),  # cgroup v2
+                               ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat")):
+        headroom = _cgroup_headroom(Path("/sys/fs/cgroup"), limit, usage, stat)
+        if headroom is not None:
+            free = min(free, headroom)
+    return free
+
+
+def _cgroup_headroom(root: Path, limit: str, usage: str, stat: str) -> int | None:
+    try:
+        text = (root / limit).read_text().strip()
+        if text == "max" or int(text) >= _NO_LIMIT:
+            return None
+        used = int((root / usage).read_text())
+        for line in (root / stat).read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key in ("inactive_file", "total_inactive_file"):
+                used -= int(value)
+                break
+        return max(int(text) - used, 0)
+    except (OSError, ValueError):
+        return None

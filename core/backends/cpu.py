@@ -1,6 +1,9 @@
 """The host backend: numpy buffers; launches run in order on the calling thread.
 
 Used by the CPU device and by any plugin device that computes in host memory.
+An allocation larger than the host can give raises OutOfMemory before numpy
+is asked: Linux overcommits, so np.zeros of too much succeeds and the process
+is killed later, when the pages are written.
 """
 
 from __future__ import annotations
@@ -10,9 +13,10 @@ from typing import Callable
 import attrs
 import numpy as np
 
+from ..errors import OutOfMemory
 from ..hookspecs import Device, Launch
 from ..tensor import Tensor
-from .base import run_launches
+from .base import bytes_text, host_free_memory, run_launches
 
 
 @attrs.define(eq=False)
@@ -45,10 +49,17 @@ class HostBackend:
     device: Device
 
     def alloc(self, nbytes: int, what: str) -> HostBuffer:
+        """Zeroed host memory; OutOfMemory naming `what`, the bytes asked and free, when the host lacks it."""
+        free = host_free_memory()
+        if free is not None and nbytes > free:
+            raise OutOfMemory(_no_room(self.device.name, nbytes, what, free))
         try:
             return HostBuffer(np.zeros(max(int(nbytes), 1), np.uint8), what)
-        except MemoryError as exc:
-            raise MemoryError(f"{self.device.name}: cannot allocate {nbytes} bytes for {what}") from exc
+        except (MemoryError, ValueError) as exc:  # ValueError: beyond what numpy can index
+            raise OutOfMemory(_no_room(self.device.name, nbytes, what, host_free_memory())) from exc
+
+    def free_memory(self) -> tuple[str, int | None]:
+        return "host", host_free_memory()
 
     def write(self, buf: HostBuffer, offset: int, data: np.ndarray) -> None:
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
@@ -59,7 +70,7 @@ class HostBackend:
 
     # Staged transfers (Plan.run's feeder): on the host they are plain copies, done at once.
     def staging(self, nbytes: int) -> np.ndarray:
-        return np.zeros(max(int(nbytes), 1), np.uint8)
+        return self.alloc(nbytes, "staging").data
 
     def sub(self, buf: HostBuffer, offset: int, nbytes: int, what: str) -> HostBuffer:
         return HostBuffer(buf.data[offset:offset + nbytes], what)
@@ -85,3 +96,8 @@ class HostBackend:
 
     def synchronize(self) -> None:
         pass
+
+
+def _no_room(device: str, nbytes: int, what: str, free: int | None) -> str:
+    have = f"{bytes_text(free)} of host memory free" if free is not None else "the free host memory is unknown"
+    return f"{device}: cannot allocate {bytes_text(nbytes)} for {what}: {have}"

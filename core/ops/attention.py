@@ -13,8 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..tensor import Tensor
-from .base import check, check_dtype, check_rank, check_tensor, node, op
-from .base import pad4
+from .base import check, check_dtype, check_rank, check_tensor, choice_param, float_param, int_param, node, op, pad4
 
 __all__ = ["soft_max", "rope", "flash_attn_ext", "diag_mask_inf"]
 
@@ -57,7 +56,7 @@ def soft_max(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, max_bias
     i3 % M3, i2 % M2). slope_h = alibi_slopes(A2, max_bias)[h] (1 when
     max_bias <= 0; max_bias > 0 needs a mask, as in ggml). sinks f32 `(A2,)`:
     one extra logit per head, counted in the max and the sum, with no output
-    entry. Result f32, a's shape.
+    entry. scale and max_bias are finite. Result f32, a's shape.
 
     A row whose every logit is -inf (and no sink) gives zeros (ggml leaves
     it NaN; the reference decides: the limit of a sink at -inf).
@@ -67,13 +66,13 @@ def soft_max(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, max_bias
     check_rank(name, a, 1)
     check_dtype(name, a, ("f32",), "a")
     _check_rows(name, a, "a")
+    params = {"scale": float_param(name, "scale", scale, a), "max_bias": float_param(name, "max_bias", max_bias, a)}
     pa = pad4(a.shape)
     if mask is not None:
         _check_mask(name, mask, ("f16", "f32"), pa[2], pa[3], (pa[0], pa[1]), a)
-    check(max_bias <= 0 or mask is not None, name, f"max_bias {max_bias} (ALiBi) needs a mask", a)
+    check(params["max_bias"] <= 0 or mask is not None, name, f"max_bias {max_bias} (ALiBi) needs a mask", a)
     if sinks is not None:
         _check_sinks(name, sinks, pa[1], a)
-    params = {"scale": float(scale), "max_bias": float(max_bias)}
     return node(name, (a, mask, sinks), a.shape, "f32", params)
 
 
@@ -98,7 +97,9 @@ def rope(x: Tensor, pos: Tensor, n_dims: int, mode: str = "normal", freq_base: f
     c = cos(theta)*mscale, s = sin(theta)*mscale; (x0, x1) -> (x0*c - x1*s,
     x0*s + x1*c) for the pair (2i, 2i+1) in mode "normal" (ggml mode 0) or
     (i, i + n_dims/2) in mode "neox" (ggml mode 2). Dims >= n_dims pass
-    through. Result: x's shape and dtype.
+    through. Result: x's shape and dtype. The float params are finite,
+    freq_base > 0 (its log is taken), freq_scale > 0 with YaRN (ext_factor
+    != 0: ln(1/freq_scale)); n_ctx_orig >= 0.
     """
     name = "rope"
     check_tensor(name, x, "x")
@@ -108,20 +109,23 @@ def rope(x: Tensor, pos: Tensor, n_dims: int, mode: str = "normal", freq_base: f
     check_dtype(name, pos, ("i32",), "pos")
     n_tok = pad4(x.shape)[1]
     check(pos.shape == (n_tok,), name, f"pos must have shape ({n_tok},), one per token (axis -3 of x)", pos, x)
-    check(mode in ROPE_MODES, name, f"mode {mode!r} is not one of {', '.join(ROPE_MODES)}", x)
-    n_dims = int(n_dims)
+    choice_param(name, "mode", mode, ROPE_MODES, x)
+    n_dims = int_param(name, "n_dims", n_dims, x)
     check(0 < n_dims <= x.shape[-1] and n_dims % 2 == 0, name,
           f"n_dims {n_dims} must be even and in 1..{x.shape[-1]}", x)
+    floats = {k: float_param(name, k, v, x) for k, v in (
+        ("freq_base", freq_base), ("freq_scale", freq_scale), ("ext_factor", ext_factor),
+        ("attn_factor", attn_factor), ("beta_fast", beta_fast), ("beta_slow", beta_slow))}
+    check(floats["freq_base"] > 0, name, f"freq_base must be > 0, got {freq_base}", x)
+    check(floats["ext_factor"] == 0 or floats["freq_scale"] > 0, name,
+          f"freq_scale must be > 0 with YaRN (ext_factor {ext_factor}), got {freq_scale}", x)
     if freq_factors is not None:
         check_tensor(name, freq_factors, "freq_factors")
         check_dtype(name, freq_factors, ("f32",), "freq_factors")
         check(freq_factors.ndim == 1 and freq_factors.shape[0] >= n_dims // 2, name,
               f"freq_factors must be a vector of at least n_dims/2 = {n_dims // 2} values", freq_factors)
-    params = {
-        "n_dims": n_dims, "mode": mode, "freq_base": float(freq_base), "freq_scale": float(freq_scale),
-        "ext_factor": float(ext_factor), "attn_factor": float(attn_factor), "beta_fast": float(beta_fast),
-        "beta_slow": float(beta_slow), "n_ctx_orig": int(n_ctx_orig),
-    }
+    n_ctx_orig = int_param(name, "n_ctx_orig", n_ctx_orig, x, lo=0)
+    params = {"n_dims": n_dims, "mode": mode, **floats, "n_ctx_orig": n_ctx_orig}
     return node(name, (x, pos, freq_factors), x.shape, x.dtype, params)
 
 
@@ -142,6 +146,8 @@ def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, 
     Result f32 `(B, Tq, Hq, Dv)`: heads and tokens swapped relative to q
     (ggml ne = [Dv, Hq, Tq, B]), ready for the output projection.
 
+    scale, max_bias and softcap are finite.
+
     The reference dequantizes K/V and accumulates in float64; ggml's CPU
     rounds q to K's dot type (f16/q8_0) and accumulates f16 V in f16.
     """
@@ -153,6 +159,8 @@ def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, 
     check_dtype(name, q, ("f32", "f16"), "q")
     check_dtype(name, k, KV_DTYPES, "k")
     check_dtype(name, v, KV_DTYPES, "v")
+    params = {k: float_param(name, k, val, q) for k, val in (("scale", scale), ("max_bias", max_bias),
+                                                              ("softcap", softcap))}
     b_, hq, tq, dk = q.shape
     check(k.shape[3] == dk, name, f"head size differs: q has {dk}, k has {k.shape[3]}", q, k)
     check(k.shape[:3] == v.shape[:3], name,
@@ -162,10 +170,9 @@ def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, 
           f"q heads {hq} are not a multiple of kv heads {k.shape[1]}", q, k)
     if mask is not None:
         _check_mask(name, mask, ("f16",), tq, k.shape[2], (b_, hq), q)
-    check(max_bias <= 0 or mask is not None, name, f"max_bias {max_bias} (ALiBi) needs a mask", q)
+    check(params["max_bias"] <= 0 or mask is not None, name, f"max_bias {max_bias} (ALiBi) needs a mask", q)
     if sinks is not None:
         _check_sinks(name, sinks, hq, q)
-    params = {"scale": float(scale), "max_bias": float(max_bias), "softcap": float(softcap)}
     return node(name, (q, k, v, mask, sinks), (b_, tq, hq, v.shape[3]), "f32", params)
 
 
@@ -180,8 +187,7 @@ def diag_mask_inf(x: Tensor, n_past: int) -> Tensor:
     check_tensor(name, x, "x")
     check_rank(name, x, 1)
     check_dtype(name, x, ("f32",), "x")
-    check(int(n_past) >= 0, name, f"n_past must be >= 0, got {n_past}", x)
-    return node(name, (x,), x.shape, "f32", {"n_past": int(n_past)})
+    return node(name, (x,), x.shape, "f32", {"n_past": int_param(name, "n_past", n_past, x, lo=0)})
 
 
 # -- parameters the kernels take, computed on the host as ggml does ------------------------------------

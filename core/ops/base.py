@@ -1,19 +1,24 @@
 """The op registry and the helpers every op builder uses.
 
-An op builder validates its sources at graph-build time, infers the result's
-shape and dtype and returns a new node. `OPS` maps each op name to its
+An op builder validates its sources and params at graph-build time, infers the
+result's shape and dtype and returns a new node. `OPS` maps each op name to its
 `OpDef`, so the CLI, the conformance harness and plugins can enumerate ops.
+Params go through the `*_param` checks: a wrong type or range raises OpError
+naming the op and the param here, not a TypeError from a kernel later, and a
+float is never truncated to an int (nor a bool taken for one).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+import math
+from typing import Any, Callable, Iterable, NoReturn, Sequence
 
 import attrs
+import numpy as np
 
 from ..errors import OpError
 from ..dtypes import DType, dtype as as_dtype
-from ..tensor import Shape, Tensor, contiguous_strides
+from ..tensor import Shape, Tensor, as_ints, as_shape, check_extent, contiguous_strides, is_int, op_error
 
 
 @attrs.frozen
@@ -51,10 +56,9 @@ def op(family: str, name: str | None = None, inplace: int | None = None, reuses_
     return register
 
 
-def fail(op_name: str, msg: str, *tensors: Tensor) -> None:
-    """Raise OpError: `op: msg (a 'x' (2, 3) f32, b ...)`."""
-    described = ", ".join(t.describe() for t in tensors)
-    raise OpError(f"{op_name}: {msg}" + (f" [{described}]" if described else ""))
+def fail(op_name: str, msg: str, *tensors: Tensor) -> NoReturn:
+    """Raise OpError: `op: msg ['x' (2, 3) f32, ...]`."""
+    raise op_error(op_name, msg, *tensors)
 
 
 def check(cond: bool, op_name: str, msg: str, *tensors: Tensor) -> None:
@@ -66,6 +70,57 @@ def check_tensor(op_name: str, t: Any, what: str = "source") -> Tensor:
     if not isinstance(t, Tensor):
         raise OpError(f"{op_name}: {what} must be a Tensor, got {type(t).__name__}")
     return t
+
+
+def int_param(op_name: str, name: str, value: Any, *tensors: Tensor, lo: int | None = None,
+              hi: int | None = None) -> int:
+    """`value` as a Python int in [lo, hi] (either bound optional); a float, a bool or anything else raises."""
+    if not is_int(value):
+        fail(op_name, f"{name} must be an integer, got {value!r} ({type(value).__name__})", *tensors)
+    v = int(value)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        fail(op_name, f"{name} must be {_range(lo, hi)}, got {v}", *tensors)
+    return v
+
+
+def float_param(op_name: str, name: str, value: Any, *tensors: Tensor, finite: bool = True,
+                lo: float | None = None) -> float:
+    """`value` (a real number: ints are fine) as a Python float, never NaN, finite unless `finite=False`,
+    >= `lo` if given; a str, None, a bool, a list raise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        fail(op_name, f"{name} must be a real number, got {value!r} ({type(value).__name__})", *tensors)
+    v = float(value)
+    if math.isnan(v) or (finite and math.isinf(v)):
+        fail(op_name, f"{name} must be {'finite' if finite else 'a number, not NaN'}, got {v}", *tensors)
+    if lo is not None and v < lo:
+        fail(op_name, f"{name} must be >= {lo}, got {v}", *tensors)
+    return v
+
+
+def bool_param(op_name: str, name: str, value: Any, *tensors: Tensor) -> bool:
+    """`value` as a bool; only True and False (numpy's included) are."""
+    if not isinstance(value, (bool, np.bool_)):
+        fail(op_name, f"{name} must be True or False, got {value!r} ({type(value).__name__})", *tensors)
+    return bool(value)
+
+
+def choice_param(op_name: str, name: str, value: Any, choices: Sequence[str], *tensors: Tensor) -> str:
+    """`value`, one of the strings `choices`."""
+    if not isinstance(value, str) or value not in choices:
+        fail(op_name, f"{name} {value!r} is not one of {', '.join(choices)}", *tensors)
+    return value
+
+
+def ints_param(op_name: str, name: str, values: Any, n: int | None = None, *tensors: Tensor) -> tuple[int, ...]:
+    """`values` as a tuple of Python ints (`n` of them if given): one per axis, a shape, strides."""
+    given = as_ints(op_name, name, values, *tensors)
+    if n is not None and len(given) != n:
+        fail(op_name, f"{name} needs {n} entries, one per axis, got {len(given)}: {given!r}", *tensors)
+    return given
+
+
+def _range(lo: int | None, hi: int | None) -> str:
+    return f"in {lo}..{hi}" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
 
 
 def check_dtype(op_name: str, t: Tensor, allowed: Iterable[str], what: str = "") -> None:
@@ -114,7 +169,7 @@ def node(
     index means the same thing for every node of an op.
     """
     dt = as_dtype(dtype)
-    shape = tuple(int(n) for n in shape)
+    shape = as_shape(op_name, shape)
     if inplace_of is not None:
         # params are constant (a kernel may read them before the kernel ahead of it has finished)
         check(not inplace_of.base.is_constant, op_name, "writes into weights (a param): write into a state",
@@ -123,4 +178,5 @@ def node(
             shape, dt, inplace_of.strides, op=op_name, params=dict(params or {}), srcs=srcs,
             view_src=inplace_of, view_offset=0,
         )
-    return Tensor(shape, dt, contiguous_strides(shape, dt), op=op_name, params=dict(params or {}), srcs=srcs)
+    return check_extent(op_name, Tensor(shape, dt, contiguous_strides(shape, dt), op=op_name,
+                                        params=dict(params or {}), srcs=srcs))

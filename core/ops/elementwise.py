@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Callable
 
 from ..tensor import Tensor
-from .base import FLOATS, can_repeat, check, check_dtype, check_rank, check_tensor, node, op
+from .base import (FLOATS, bool_param, can_repeat, check, check_dtype, check_rank, check_tensor, choice_param,
+                   float_param, node, op)
 
 __all__ = [
     "add", "sub", "mul", "div", "add1", "add_id", "scale", "clamp", "leaky_relu",
@@ -106,23 +107,27 @@ def add_id(a: Tensor, b: Tensor, ids: Tensor) -> Tensor:
 
 @op("elementwise", reuses_src0=True)
 def scale(x: Tensor, s: float, bias: float = 0.0) -> Tensor:
-    """x * s + bias (ggml_scale / ggml_scale_bias); x's shape and dtype."""
+    """x * s + bias (ggml_scale / ggml_scale_bias); x's shape and dtype. s and bias are finite."""
     _float_source("scale", x)
-    return node("scale", (x,), x.shape, x.dtype, {"s": float(s), "bias": float(bias)})
+    params = {"s": float_param("scale", "s", s, x), "bias": float_param("scale", "bias", bias, x)}
+    return node("scale", (x,), x.shape, x.dtype, params)
 
 
 @op("elementwise", reuses_src0=True)
 def clamp(x: Tensor, min: float, max: float) -> Tensor:  # noqa: A002 - ggml's parameter names
-    """max(min(x, max), min) (ggml_clamp, in its order: min wins when min > max)."""
+    """max(min(x, max), min) (ggml_clamp, in its order: min wins when min > max); either bound may be infinite."""
     _float_source("clamp", x)
-    return node("clamp", (x,), x.shape, x.dtype, {"min": float(min), "max": float(max)})
+    params = {"min": float_param("clamp", "min", min, x, finite=False),
+              "max": float_param("clamp", "max", max, x, finite=False)}
+    return node("clamp", (x,), x.shape, x.dtype, params)
 
 
 @op("elementwise", reuses_src0=True)
 def leaky_relu(x: Tensor, negative_slope: float = 0.01) -> Tensor:
     """x where x > 0, else negative_slope * x (ggml_leaky_relu)."""
     _float_source("leaky_relu", x)
-    return node("leaky_relu", (x,), x.shape, x.dtype, {"negative_slope": float(negative_slope)})
+    params = {"negative_slope": float_param("leaky_relu", "negative_slope", negative_slope, x)}
+    return node("leaky_relu", (x,), x.shape, x.dtype, params)
 
 
 # -- maps without parameters: one builder per op name ---------------------------------
@@ -183,9 +188,12 @@ GLU_KINDS: tuple[str, ...] = ("reglu", "geglu", "swiglu", "geglu_erf", "geglu_qu
 
 
 def _glu_params(kind: str, swapped: bool, alpha: float, limit: float, *srcs: Tensor) -> dict:
-    check(kind in GLU_KINDS, "glu", f"unknown kind {kind!r} (expected one of {', '.join(GLU_KINDS)})", *srcs)
-    # alpha and limit are kept for every kind so that all glu nodes carry the same params.
-    return {"kind": kind, "swapped": bool(swapped), "alpha": float(alpha), "limit": float(limit)}
+    """alpha finite; limit may be +inf (no clipping); alpha and limit are kept for every kind so that all
+    glu nodes carry the same params."""
+    return {"kind": choice_param("glu", "kind", kind, GLU_KINDS, *srcs),
+            "swapped": bool_param("glu", "swapped", swapped, *srcs),
+            "alpha": float_param("glu", "alpha", alpha, *srcs),
+            "limit": float_param("glu", "limit", limit, *srcs, finite=False)}
 
 
 def _glu_source(t: Tensor, what: str) -> None:

@@ -8,7 +8,8 @@ from typing import Sequence
 import numpy as np
 
 from ..tensor import Tensor
-from .base import can_repeat, check, check_dtype, check_rank, check_tensor, fail, node, op
+from .base import (can_repeat, check, check_dtype, check_rank, check_tensor, choice_param, fail, float_param, int_param,
+                   ints_param, node, op)
 
 __all__ = [
     "concat", "repeat", "pad", "pad_reflect_1d", "roll", "arange", "fill", "diag", "tri",
@@ -16,13 +17,6 @@ __all__ = [
 ]
 
 TRI_KINDS = ("lower", "upper", "lower_diag", "upper_diag")
-
-
-def _ints(op_name: str, values: Sequence[int], n: int, what: str, t: Tensor) -> tuple[int, ...]:
-    """values as a tuple of n ints, one per axis of t."""
-    values = tuple(int(v) for v in values)
-    check(len(values) == n, op_name, f"{what} needs {n} entries, one per axis, got {values}", t)
-    return values
 
 
 @op("shape")
@@ -33,8 +27,9 @@ def concat(a: Tensor, b: Tensor, axis: int) -> Tensor:
     check_rank("concat", a, 1)
     check(a.dtype == b.dtype, "concat", f"dtypes differ: {a.dtype.name} vs {b.dtype.name}", a, b)
     check(a.ndim == b.ndim, "concat", f"ranks differ: {a.ndim} vs {b.ndim}", a, b)
+    axis = int_param("concat", "axis", axis, a, b)
     check(-a.ndim <= axis < a.ndim, "concat", f"axis {axis} out of range for {a.ndim} axes", a, b)
-    axis = int(axis) % a.ndim
+    axis %= a.ndim
     same = all(na == nb for i, (na, nb) in enumerate(zip(a.shape, b.shape)) if i != axis)
     check(same, "concat", f"shapes differ outside axis {axis}", a, b)
     shape = tuple(na + nb if i == axis else na for i, (na, nb) in enumerate(zip(a.shape, b.shape)))
@@ -50,7 +45,7 @@ def repeat(a: Tensor, shape: Sequence[int]) -> Tensor:
     check_tensor("repeat", a)
     check_dtype("repeat", a, ("f32", "f16", "bf16", "i16", "i32"))
     check_rank("repeat", a, 1)
-    shape = tuple(int(n) for n in shape)
+    shape = ints_param("repeat", "shape", shape, None, a)
     check(a.ndim <= len(shape) <= 4, "repeat", f"target shape {shape} needs {a.ndim}..4 axes", a)
     check(can_repeat(a.shape, shape), "repeat", f"target shape {shape} is not a multiple of a's shape", a)
     return node("repeat", (a,), shape, a.dtype, {"shape": shape})
@@ -63,8 +58,8 @@ def pad(x: Tensor, pads: Sequence[Sequence[int]]) -> Tensor:
     check_dtype("pad", x, ("f32",))
     check_rank("pad", x, 1)
     try:
-        pairs = tuple((int(lo), int(hi)) for lo, hi in pads)
-    except (TypeError, ValueError):
+        pairs = tuple(ints_param("pad", "pads", pair, 2, x) for pair in pads)
+    except TypeError:
         fail("pad", f"pads must be (before, after) pairs, got {pads!r}", x)
     check(len(pairs) == x.ndim, "pad", f"{len(pairs)} (before, after) pairs for {x.ndim} axes", x)
     check(all(lo >= 0 and hi >= 0 for lo, hi in pairs), "pad", f"negative padding in {pairs}", x)
@@ -81,7 +76,7 @@ def pad_reflect_1d(x: Tensor, p0: int, p1: int) -> Tensor:
     check_tensor("pad_reflect_1d", x)
     check_dtype("pad_reflect_1d", x, ("f32",))
     check_rank("pad_reflect_1d", x, 1)
-    p0, p1 = int(p0), int(p1)
+    p0, p1 = int_param("pad_reflect_1d", "p0", p0, x), int_param("pad_reflect_1d", "p1", p1, x)
     n = x.shape[-1]
     check(0 <= p0 < n and 0 <= p1 < n, "pad_reflect_1d",
           f"padding ({p0}, {p1}) must be non-negative and less than the last axis {n}", x)
@@ -97,7 +92,7 @@ def roll(x: Tensor, shifts: Sequence[int]) -> Tensor:
     check_tensor("roll", x)
     check_dtype("roll", x, ("f32",))
     check_rank("roll", x, 1)
-    shifts = _ints("roll", shifts, x.ndim, "shifts", x)
+    shifts = ints_param("roll", "shifts", shifts, x.ndim, x)
     check(all(abs(s) < max(n, 1) for s, n in zip(shifts, x.shape)), "roll",
           f"each |shift| must be less than its axis length, got {shifts}", x)
     return node("roll", (x,), x.shape, x.dtype, {"shifts": shifts})
@@ -108,22 +103,30 @@ def arange(start: float, stop: float, step: float = 1.0) -> Tensor:
     """f32 [start, start + step, ...] below stop: ceil((stop - start) / step) values start + step*i.
 
     Computed in float32 as ggml does (start, stop, step are rounded to f32);
-    stop > start and step > 0. A node without sources.
+    finite, stop > start and step > 0. A node without sources.
     """
-    start32, stop32, step32 = (np.float32(v) for v in (start, stop, step))
+    given = [float_param("arange", k, v) for k, v in (("start", start), ("stop", stop), ("step", step))]
+    with np.errstate(over="ignore"):  # a finite float64 beyond f32's range rounds to inf: refused below
+        start32, stop32, step32 = (np.float32(v) for v in given)
+    check(all(np.isfinite(v) for v in (start32, stop32, step32)), "arange",
+          f"start, stop and step must be finite in float32, got ({start}, {stop}, {step})")
     check(stop32 > start32 and step32 > 0, "arange", f"needs stop > start and step > 0, got ({start}, {stop}, {step})")
-    n = int(np.ceil((stop32 - start32) / step32))
+    with np.errstate(over="ignore"):
+        count = np.ceil((stop32 - start32) / step32)
+    check(bool(np.isfinite(count)), "arange", f"({start}, {stop}, {step}) gives more values than float32 counts")
+    n = int(count)
     params = {"start": float(start32), "stop": float(stop32), "step": float(step32)}
     return node("arange", (), (n,), "f32", params)
 
 
 @op("shape")
 def fill(x: Tensor, value: float) -> Tensor:
-    """A tensor of x's shape and dtype (f32 or f16) with every element `value` (ggml_fill); x is not read."""
+    """A tensor of x's shape and dtype (f32 or f16) with every element `value` (ggml_fill; +-inf too, not
+    NaN); x is not read."""
     check_tensor("fill", x)
     check_dtype("fill", x, ("f32", "f16"))
     check_rank("fill", x, 1)
-    return node("fill", (x,), x.shape, x.dtype, {"value": float(value)})
+    return node("fill", (x,), x.shape, x.dtype, {"value": float_param("fill", "value", value, x, finite=False)})
 
 
 @op("shape")
@@ -152,7 +155,7 @@ def tri(x: Tensor, kind: str) -> Tensor:
     check_tensor("tri", x)
     check_dtype("tri", x, ("f32",))
     check_rank("tri", x, 2)
-    check(kind in TRI_KINDS, "tri", f"kind {kind!r} is not one of {', '.join(TRI_KINDS)}", x)
+    choice_param("tri", "kind", kind, TRI_KINDS, x)
     check(x.shape[-1] == x.shape[-2], "tri", f"matrices must be square, got {x.shape[-2:]}", x)
     return node("tri", (x,), x.shape, x.dtype, {"kind": kind})
 
@@ -168,7 +171,8 @@ def timestep_embedding(t: Tensor, dim: int, max_period: int = 10000) -> Tensor:
     check_tensor("timestep_embedding", t)
     check_dtype("timestep_embedding", t, ("f32",))
     check_rank("timestep_embedding", t, 1, 1)
-    dim, max_period = int(dim), int(max_period)
+    dim = int_param("timestep_embedding", "dim", dim, t)
+    max_period = int_param("timestep_embedding", "max_period", max_period, t)
     check(dim >= 1 and max_period >= 1, "timestep_embedding",
           f"dim and max_period must be positive, got {dim}, {max_period}", t)
     return node("timestep_embedding", (t,), (t.shape[0], dim), "f32", {"dim": dim, "max_period": max_period})

@@ -1,33 +1,27 @@
 """Normalizations over rows (the last axis) and over channel groups.
 
 All take f32 `x` of 1..4 dims with any strides and return a contiguous f32
-tensor of x's shape. `eps` must be >= 0 (ggml asserts it in the kernel; we
-check at build time).
+tensor of x's shape. `eps` must be finite and >= 0 (ggml asserts eps >= 0 in
+the kernel; we check at build time).
 """
 
 from __future__ import annotations
 
-import operator
-
 from ..tensor import Tensor
-from .base import check, check_dtype, check_rank, check_tensor, fail, node, op
+from .base import check_dtype, check_rank, check_tensor, float_param, int_param, node, op
 
 __all__ = ["norm", "rms_norm", "l2_norm", "group_norm"]
 
 
-def _norm_node(op_name: str, x: Tensor, eps: float, groups: object = None) -> Tensor:
-    """Validate x, eps (and group_norm's groups); the f32 result node of x's shape."""
+def _norm_node(op_name: str, x: Tensor, eps: float, *groups: object) -> Tensor:
+    """Validate x, eps (and group_norm's groups, given as the one extra argument); the f32 result node of
+    x's shape."""
     check_tensor(op_name, x, "x")
     check_dtype(op_name, x, ("f32",), "x")
     check_rank(op_name, x, 1, 4)
-    check(eps >= 0, op_name, f"eps must be >= 0, got {eps}", x)
-    params: dict = {"eps": float(eps)}
-    if groups is not None:
-        try:
-            params["groups"] = operator.index(groups)
-        except TypeError:
-            fail(op_name, f"groups must be an integer, got {groups!r}", x)
-        check(params["groups"] >= 1, op_name, f"groups must be >= 1, got {groups}", x)
+    params: dict = {"eps": float_param(op_name, "eps", eps, x, lo=0.0)}
+    if groups:
+        params["groups"] = int_param(op_name, "groups", groups[0], x, lo=1)
     return node(op_name, (x,), x.shape, "f32", params)
 
 

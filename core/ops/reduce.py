@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..tensor import Tensor
-from .base import FLOATS, check, check_dtype, check_rank, check_tensor, node, op
+from .base import FLOATS, check, check_dtype, check_rank, check_tensor, choice_param, int_param, node, op
 
 __all__ = ["sum", "sum_rows", "mean", "cumsum", "argmax", "count_equal", "argsort", "top_k"]
 
@@ -80,7 +80,7 @@ def argsort(x: Tensor, order: str = "asc") -> Tensor:
     "asc" = np.argsort(x, -1, kind="stable"), "desc" = np.argsort(-x, -1, kind="stable").
     """
     _f32_rows("argsort", x)
-    check(order in SORT_ORDERS, "argsort", f"order {order!r} is not one of {', '.join(SORT_ORDERS)}", x)
+    choice_param("argsort", "order", order, SORT_ORDERS, x)
     return node("argsort", (x,), x.shape, "i32", {"order": order})
 
 
@@ -93,6 +93,6 @@ def top_k(x: Tensor, k: int) -> Tensor:
     order, ties by index.
     """
     _f32_rows("top_k", x)
-    k = int(k)
+    k = int_param("top_k", "k", k, x)
     check(1 <= k <= x.shape[-1], "top_k", f"k = {k} must be in 1..{x.shape[-1]} (the row length)", x)
     return node("top_k", (x,), x.shape[:-1] + (k,), "i32", {"k": k})

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..tensor import Shape, Tensor, contiguous_strides
-from .base import FLOATS, QUANTS, check, check_dtype, check_rank, check_tensor, node, op
+from .base import FLOATS, QUANTS, check, check_dtype, check_rank, check_tensor, int_param, ints_param, node, op
 
 __all__ = ["get_rows", "set_rows", "cpy", "dup", "cont", "set", "acc"]
 
@@ -132,7 +132,7 @@ def cont(a: Tensor, shape: Sequence[int] | None = None) -> Tensor:
     """
     check_tensor("cont", a)
     check_rank("cont", a, 1)
-    shape = a.shape if shape is None else tuple(int(n) for n in shape)
+    shape = a.shape if shape is None else ints_param("cont", "shape", shape, None, a)
     check(1 <= len(shape) <= 4 and all(n >= 0 for n in shape), "cont", f"invalid shape {shape}", a)
     size = 1
     for n in shape:
@@ -147,10 +147,10 @@ def cont(a: Tensor, shape: Sequence[int] | None = None) -> Tensor:
 def _window(op_name: str, a: Tensor, b: Tensor, offset: int, strides: Sequence[int] | None) -> tuple[int, Shape]:
     """Check the byte window (offset, strides) of b's shape inside a's contiguous layout."""
     size = a.dtype.block_bytes
-    offset = int(offset)
+    offset = int_param(op_name, "offset", offset, a, b)
     if strides is None:
         strides = contiguous_strides(_padded(a.shape, max(a.ndim, b.ndim)), a.dtype)[-b.ndim:]
-    strides = tuple(int(s) for s in strides)
+    strides = ints_param(op_name, "strides", strides, None, a, b)
     check(len(strides) == b.ndim, op_name, f"{len(strides)} strides for {b.ndim} axes of b", a, b)
     check(strides[-1] == size, op_name,
           f"the last stride must be the element size {size} (ggml's nb0), got {strides[-1]}", a, b)

@@ -4,42 +4,47 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..tensor import Tensor, contiguous_strides
-from .base import check, check_tensor, fail, op
+from ..tensor import Tensor, as_shape, check_extent, contiguous_strides
+from .base import check, check_tensor, fail, int_param, ints_param, op
 
 
-def _view_node(op_name: str, a: Tensor, shape: Sequence[int], strides: Sequence[int], offset: int, params: dict) -> Tensor:
-    return Tensor(
+def _view_node(op_name: str, a: Tensor, shape: Sequence[int], strides: Sequence[int], offset: int,
+               params: dict) -> Tensor:
+    return check_extent(op_name, Tensor(
         tuple(shape), a.dtype, tuple(strides), op=op_name, params=params, srcs=(a,),
         view_src=a.base, view_offset=a.view_offset + offset,
-    )
+    ))
 
 
 @op("view")
 def view(a: Tensor, shape: Sequence[int], strides: Sequence[int] | None = None, offset: int = 0) -> Tensor:
     """A window on `a`'s storage: `shape`, byte `strides` (default contiguous), byte `offset` into `a`.
 
-    Like ggml_view_Nd. The window must lie inside `a`'s bytes.
+    Like ggml_view_Nd (whose strides are unsigned): strides and offset are
+    non-negative integers. The window must lie inside `a`'s bytes.
     """
     check_tensor("view", a)
-    shape = tuple(int(n) for n in shape)
-    check(all(n >= 0 for n in shape), "view", f"negative dimension in shape {shape}", a)
+    shape = as_shape("view", shape, "shape", a)
+    offset = int_param("view", "offset", offset, a, lo=0)
     if a.dtype.is_quant:
         check(bool(shape) and shape[-1] % a.dtype.block_size == 0, "view",
               f"{a.dtype.name} views need a last axis that is a multiple of {a.dtype.block_size}, got {shape}", a)
-    strides = tuple(int(s) for s in strides) if strides is not None else contiguous_strides(shape, a.dtype)
+    strides = ints_param("view", "strides", strides, None, a) if strides is not None else \
+        contiguous_strides(shape, a.dtype)
     check(len(strides) == len(shape), "view", f"shape {shape} and strides {strides} differ in rank", a)
+    check(all(st >= 0 for st in strides), "view", f"strides {strides} must be >= 0", a)
     probe = Tensor(shape, a.dtype, strides)
     check(offset >= 0 and offset + probe.nbytes <= a.nbytes, "view",
           f"window of {probe.nbytes} bytes at offset {offset} exceeds the source's {a.nbytes} bytes", a)
-    return _view_node("view", a, shape, strides, offset, {"shape": shape, "strides": strides, "offset": int(offset)})
+    return _view_node("view", a, shape, strides, offset, {"shape": shape, "strides": strides, "offset": offset})
 
 
 @op("view")
 def reshape(a: Tensor, shape: Sequence[int]) -> Tensor:
     """`a` with a new shape (one -1 allowed); `a` must be contiguous, as in ggml."""
     check_tensor("reshape", a)
-    shape = tuple(int(n) for n in shape)
+    shape = ints_param("reshape", "shape", shape, None, a)
+    check(all(n >= -1 for n in shape), "reshape", f"negative dimension in shape {shape}", a)
     if shape.count(-1) > 1:
         fail("reshape", f"more than one -1 in {shape}", a)
     if -1 in shape:
@@ -66,8 +71,10 @@ def permute(a: Tensor, axes: Sequence[int]) -> Tensor:
     (ggml_permute's argument is the inverse mapping; we use numpy's meaning.)
     """
     check_tensor("permute", a)
-    axes = tuple(int(x) % max(a.ndim, 1) for x in axes)
-    check(sorted(axes) == list(range(a.ndim)), "permute", f"axes {axes} are not a permutation of {a.ndim} axes", a)
+    given = ints_param("permute", "axes", axes, a.ndim, a)
+    check(all(-a.ndim <= x < a.ndim for x in given), "permute", f"axes {given} out of range for {a.ndim} axes", a)
+    axes = tuple(x % a.ndim for x in given)
+    check(sorted(axes) == list(range(a.ndim)), "permute", f"axes {given} are not a permutation of {a.ndim} axes", a)
     if a.dtype.is_quant:
         check(axes[-1] == a.ndim - 1, "permute", f"{a.dtype.name} blocks must stay on the last axis", a)
     shape = tuple(a.shape[i] for i in axes)

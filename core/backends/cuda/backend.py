@@ -21,7 +21,8 @@ import numpy as np
 
 from ...hookspecs import Device, Launch
 from ...tensor import Tensor
-from ...errors import LaunchError
+from ...errors import LaunchError, OutOfMemory
+from ..base import bytes_text, host_free_memory
 from .graphs import GraphRunner, graphs_enabled, stream_capture
 from .kernels import EMPTY
 from .scratch import ScratchPool
@@ -120,8 +121,8 @@ class CudaBackend:
 
     # -- memory --------------------------------------------------------------------
     def alloc(self, nbytes: int, what: str) -> CudaBuffer:
-        """Device memory from CuPy's pool, tied to our stream; out of memory raises
-        MemoryError naming `what` and the free memory, and leaves the backend usable."""
+        """Device memory from CuPy's pool, tied to our stream; out of memory raises OutOfMemory
+        naming `what`, the bytes asked and free, and leaves the backend usable."""
         import cupy
         from cupy.cuda import runtime
 
@@ -129,15 +130,24 @@ class CudaBackend:
         with self.cuda_device, self.stream:
             try:
                 mem = cupy.cuda.alloc(n)
-            except (MemoryError, runtime.CUDARuntimeError) as exc:
-                if not isinstance(exc, MemoryError) and getattr(exc, "status", None) != _CUDA_ERROR_MEMORY_ALLOCATION:
+            except (MemoryError, OverflowError, runtime.CUDARuntimeError) as exc:
+                if isinstance(exc, runtime.CUDARuntimeError) and getattr(exc, "status", None) != \
+                        _CUDA_ERROR_MEMORY_ALLOCATION:
                     raise
                 free, total = runtime.memGetInfo()
-                raise MemoryError(
-                    f"{self.device.name}: cannot allocate {nbytes} bytes ({_gib(nbytes)}) for {what}: "
-                    f"{free} bytes ({_gib(free)}) free of {total} ({_gib(total)})"
+                raise OutOfMemory(
+                    f"{self.device.name}: cannot allocate {bytes_text(nbytes)} for {what}: {bytes_text(free)} "
+                    f"free of {bytes_text(total)}"
                 ) from exc
         return CudaBuffer(mem, n, what)
+
+    def free_memory(self) -> tuple[str, int | None]:
+        """The GPU's free bytes, with those CuPy's pool holds free for reuse."""
+        import cupy
+        from cupy.cuda import runtime
+
+        with self.cuda_device:
+            return self.device.name, int(runtime.memGetInfo()[0]) + int(cupy.get_default_memory_pool().free_bytes())
 
     def write(self, buf: CudaBuffer, offset: int, data: np.ndarray) -> None:
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
@@ -163,11 +173,24 @@ class CudaBackend:
     # host memory makes the copies truly asynchronous (from pageable memory CUDA stages them
     # through a driver buffer and blocks); the caller keeps `host` unchanged until it synchronizes.
     def staging(self, nbytes: int) -> np.ndarray:
-        """Pinned (page-locked) host memory as a uint8 array, from CuPy's pinned pool."""
+        """Pinned (page-locked) host memory as a uint8 array, from CuPy's pinned pool; OutOfMemory when the
+        host cannot give it (page-locking too much starves, or kills, the process)."""
         import cupyx
+        from cupy.cuda import runtime
 
+        free = host_free_memory()
+        if free is not None and nbytes > free:
+            raise OutOfMemory(f"{self.device.name}: cannot allocate {bytes_text(nbytes)} of pinned staging "
+                              f"memory: {bytes_text(free)} of host memory free")
         with self.cuda_device:
-            return cupyx.empty_pinned((max(int(nbytes), 1),), np.uint8)
+            try:
+                return cupyx.empty_pinned((max(int(nbytes), 1),), np.uint8)
+            except (MemoryError, runtime.CUDARuntimeError) as exc:
+                if isinstance(exc, runtime.CUDARuntimeError) and getattr(exc, "status", None) != \
+                        _CUDA_ERROR_MEMORY_ALLOCATION:
+                    raise
+                raise OutOfMemory(f"{self.device.name}: cannot allocate {bytes_text(nbytes)} of pinned staging "
+                                  f"memory: {type(exc).__name__}: {exc}") from exc
 
     def sub(self, buf: CudaBuffer, offset: int, nbytes: int, what: str) -> CudaBuffer:
         """A sub-range of `buf` (its MemoryPointer keeps the whole allocation alive)."""
@@ -255,7 +278,3 @@ class CudaBackend:
 def _check_range(buf: CudaBuffer, offset: int, nbytes: int, what: str) -> None:
     if offset < 0 or nbytes < 0 or offset + nbytes > buf.nbytes:
         raise ValueError(f"{what} {nbytes} bytes at offset {offset}: outside the {buf.nbytes}-byte buffer for {buf.what}")
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"

@@ -1,7 +1,8 @@
 """load_gguf: a llama GGUF file -> (LlamaConfig, params); read_gguf: any GGUF file, nothing renamed.
 
 Reads through the `gguf` package (pip install 'opdispatch[models]'), imported
-when a file is read, with every read and tensor extent bounds-checked first.
+when a file is read, with every read and tensor extent bounds-checked first
+and the tensors' data held to ggml's packed layout (no gaps, no overlaps).
 GGUF's ``ne`` lists dimensions innermost first: ``ne = [K, M]`` is shape (M, K).
 llama.cpp's converter permutes the Q/K rows of each head for ggml's "normal"
 RoPE; load_gguf keeps them (rope_mode "normal") or undoes it (docs/models.md).
@@ -63,7 +64,10 @@ def _reader_class(gguf: Any) -> type:
     overrides: `_get` refuses any read that would end past the file; and
     `_build_tensors` checks each tensor's type, shape and extent, naming it,
     before the reader maps it (it unpacks `field.parts` exactly as the reader's
-    own `_build_tensors` does).
+    own `_build_tensors` does). The data must follow ggml's packed layout, as
+    ggml's loader requires: each tensor's offset is the running size of those
+    before it, each padded to the alignment; so no two tensors share bytes,
+    which the reader alone would map without complaint.
     """
     sizes = gguf.GGML_QUANT_SIZES
     types = gguf.GGMLQuantizationType
@@ -80,6 +84,8 @@ def _reader_class(gguf: Any) -> type:
 
         def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
             seen: set[str] = set()
+            packed = 0  # where the next tensor's data must start (relative to the data section)
+            placed: list[tuple[int, int, str]] = []  # (first byte, end, name) of the tensors checked so far
             for field in fields:
                 _len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
                 name = bytes(name_data).decode("utf-8", errors="replace")
@@ -95,18 +101,40 @@ def _reader_class(gguf: Any) -> type:
                 if ne and ne[0] % block:
                     raise _GGUFFormatError(f"tensor '{name}' ({qtype.name}, ne {ne}): ne[0] is not a multiple of "
                                            f"its block size {block}")
-                n_bytes = math.prod(ne) * type_size // block
-                begin = int(start_offs) + int(offset[0])
-                if int(offset[0]) % self.alignment:
-                    raise _GGUFFormatError(f"tensor '{name}': data offset {int(offset[0])} is not a multiple of "
+                n_bytes = math.prod(ne) * type_size // block  # Python ints: a huge ne cannot wrap
+                off = int(offset[0])
+                begin = int(start_offs) + off
+                if off % self.alignment:
+                    raise _GGUFFormatError(f"tensor '{name}': data offset {off} is not a multiple of "
                                            f"the alignment {self.alignment}")
                 if begin + n_bytes > self.data.size:
                     raise _GGUFFormatError(
                         f"tensor '{name}' ({qtype.name}, ne {ne}, {n_bytes} bytes at byte {begin}) runs past the "
                         f"end of the file ({self.data.size} bytes): truncated?")
+                if off != packed:
+                    _refuse_unpacked(name, off, n_bytes, packed, placed, self.alignment)
+                placed.append((off, off + n_bytes, name))
+                packed = off + -(-n_bytes // self.alignment) * self.alignment
             super()._build_tensors(start_offs, fields)
 
     return Reader
+
+
+def _refuse_unpacked(name: str, off: int, n_bytes: int, packed: int, placed: list[tuple[int, int, str]],
+                     alignment: int) -> None:
+    """Raise for tensor `name` at data offset `off` where the packed layout puts it at `packed`, naming the
+    tensor whose bytes it overlaps if one does."""
+    for first, end, other in placed:
+        if first < off + n_bytes and off < end:
+            raise _GGUFFormatError(f"tensor '{name}' (data bytes {off}..{off + n_bytes}) overlaps tensor '{other}' "
+                                   f"(data bytes {first}..{end})")
+    if not placed:
+        raise _GGUFFormatError(f"tensor '{name}': data offset {off}, expected 0: the first tensor's data starts the "
+                               "data section, as ggml's loader requires")
+    first, end, prev = placed[-1]
+    raise _GGUFFormatError(f"tensor '{name}': data offset {off}, expected {packed}: each tensor's data follows the "
+                           f"previous one's ('{prev}', data bytes {first}..{end}) padded to the alignment {alignment}, "
+                           "as ggml's loader requires")
 
 
 def _open_gguf(path: str | os.PathLike[str]) -> Any:
