@@ -17,10 +17,7 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
-import opdispatch
-import opdispatch.plugins
-
-from ... import ops
+from ... import ops, plugins
 from ...compiler import compile, plan_cache
 from ...errors import OpdispatchError
 from ...graph import Graph
@@ -32,7 +29,7 @@ from .case import Built, FuzzCase, Outcome
 from .mutation import reachable
 
 #: the source trees of opdispatch and its built-in plugins; origins are given from the folder above them
-_TREES = tuple(Path(m.__file__).resolve().parent for m in (opdispatch, opdispatch.plugins))
+_TREES = (Path(__file__).resolve().parents[2], Path(plugins.__file__).resolve().parent)
 #: where this package's own code lives: an error raised there is a fault of the fuzzer, not of the library
 FUZZ_ORIGIN = str(Path(__file__).resolve().parent.relative_to(_TREES[0].parent))
 #: what the first graph's tensors are renamed with, so an error naming them is seen for what it is

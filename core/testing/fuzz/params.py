@@ -61,8 +61,8 @@ def param_type(rng: np.random.Generator, base: Base) -> Mutation | None:
     return set_param("param-type", True, a.name, value, why)
 
 
-def _rows(call: Call, name: str) -> int:
-    """The length of the last axis of tensor `name`."""
+def _cols(call: Call, name: str) -> int:
+    """The length of tensor `name`'s last axis."""
     return call.t(name).shape[-1]
 
 
@@ -81,17 +81,17 @@ def _ranges(call: Call) -> list[Choice]:
     elif op == "group_norm":
         out += [("groups", 0, "no groups"), ("groups", -2, "negative groups")]
     elif op == "top_k":
-        c = _rows(call, "x")
+        c = _cols(call, "x")
         out += [("k", 0, "k = 0"), ("k", c + 1, "k past the row length"), ("k", -1, "negative k")]
     elif op == "rope":
         out += [("n_dims", 0, "n_dims = 0"), ("n_dims", p["n_dims"] - 1, "odd n_dims"),
-                ("n_dims", _rows(call, "x") + 2, "n_dims past the head size")]
+                ("n_dims", _cols(call, "x") + 2, "n_dims past the head size")]
     elif op == "diag_mask_inf":
         out += [("n_past", -1, "negative n_past")]
     elif op == "timestep_embedding":
         out += [("dim", 0, "dim = 0"), ("dim", -4, "negative dim"), ("max_period", 0, "max_period = 0")]
     elif op == "pad_reflect_1d":
-        out += [("p0", -1, "negative padding"), ("p1", _rows(call, "x"), "padding = the axis length")]
+        out += [("p0", -1, "negative padding"), ("p1", _cols(call, "x"), "padding = the axis length")]
     elif op == "roll":
         s = p["shifts"]
         out += [("shifts", s[:-1] + (call.t("x").shape[-1],), "|shift| = the axis length")]
@@ -152,8 +152,8 @@ def _valid_spellings(a: Arg, v: Any) -> list[tuple[Any, str]]:
     if a.kind == "int":
         return [(np.int64(v), "a numpy int64"), (np.int32(v), "a numpy int32")]
     if a.kind == "float":
-        out = [(np.float64(v), "a numpy float64")]
-        return out + [(int(v), "an int for an integral float")] if float(v).is_integer() else out
+        integral = [(int(v), "an int for an integral float")] if float(v).is_integer() else []
+        return [(np.float64(v), "a numpy float64"), *integral]
     if a.kind == "ints":
         return [(list(v), "a list for a tuple"), (np.asarray(v, np.int64), "a numpy array of ints"),
                 (tuple(np.int64(n) for n in v), "numpy ints")]

@@ -26,9 +26,8 @@ from .draw import case_seeds
 from .worker import load
 
 DEFAULT_SOURCE = "opdispatch.testing.fuzz.draw:draw"
-#: per case, seconds: a GPU's first run of a kernel compiles it (NVRTC)
-TIMEOUT = {"cpu": 20.0}
-GPU_TIMEOUT = 120.0
+#: seconds per case; a GPU's first run of a kernel compiles it (NVRTC)
+CPU_TIMEOUT, GPU_TIMEOUT = 20.0, 120.0
 CPU_MEMORY_LIMIT = 4 << 30
 #: seconds a worker may take to start (import, find the device, build the base cases)
 STARTUP = 300.0
@@ -117,16 +116,12 @@ class Runner:
 
     device: str = "cpu"
     source: str = DEFAULT_SOURCE
-    timeout: float = attrs.field(default=attrs.Factory(lambda self: TIMEOUT.get(self.device, GPU_TIMEOUT),
-                                                       takes_self=True))
+    timeout: float = attrs.field(default=attrs.Factory(
+        lambda self: CPU_TIMEOUT if self.device == "cpu" else GPU_TIMEOUT, takes_self=True))
     #: the worker's address-space limit in bytes (None: none; CUDA maps more than it allocates)
     memory_limit: int | None = attrs.field(default=attrs.Factory(
         lambda self: CPU_MEMORY_LIMIT if self.device == "cpu" else None, takes_self=True))
-    _draw: Callable[[int], FuzzCase] = attrs.field(init=False, default=None)
     _worker: _Worker | None = attrs.field(init=False, default=None)
-
-    def __attrs_post_init__(self) -> None:
-        self._draw = load(self.source)
 
     def __enter__(self) -> Runner:
         return self
@@ -166,8 +161,9 @@ class Runner:
 
     def run(self, seeds: Iterable[int]) -> Iterator[Result]:
         """The result of each case, in order."""
+        draw = load(self.source)
         for seed in seeds:
-            case = self._draw(seed)
+            case = draw(seed)
             if self._worker is None:
                 self._worker = self._start()
             yield self._one(case)

@@ -209,8 +209,8 @@ def _huge_axis(c: Call) -> tuple[str, int] | None:
     return got
 
 
-#: regimes of huge: the factor an axis of `size` elements of `itemsize` bytes (of `total` in all) is scaled by
-_REGIMES: dict[str, Callable[[int, int], int]] = {
+#: regimes of huge: the factor one axis of a tensor of `total` elements of `itemsize` bytes is scaled by
+_REGIMES: dict[str, Callable[[int, float], int]] = {
     "4 TiB or more": lambda total, itemsize: 1 << max(0, math.ceil(math.log2(2**42 / (total * itemsize)))),
     "just over 2**63 elements": lambda total, itemsize: 2**63 // total + 1,
     "a product that wraps to 0 in int64": lambda total, itemsize: 2**64 >> ((total & -total).bit_length() - 1),
@@ -232,7 +232,7 @@ def huge(rng: np.random.Generator, base: Base) -> Mutation | None:
     t = c.t(name)
     regime = pick(rng, list(_REGIMES))
     total = max(t.size, 1)
-    factor = _REGIMES[regime](total, max(t.dtype.block_bytes // t.dtype.block_size, 1))
+    factor = _REGIMES[regime](total, t.dtype.block_bytes / t.dtype.block_size)
     new = tuple(n * factor if i == axis % t.ndim else n for i, n in enumerate(t.shape))
     dt = t.dtype.name
 
