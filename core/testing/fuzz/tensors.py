@@ -187,11 +187,13 @@ _HUGE_AXIS: dict[str, tuple[str, int]] = {
     **{op: ("x", 0) for op in (*MAPS, "norm", "rms_norm", "l2_norm", "group_norm", "diag_mask_inf", "pad",
                                "pad_reflect_1d", "roll", "fill", "sum", "sum_rows", "mean", "cumsum", "argmax",
                                "argsort", "top_k", "tri")},
-    **{op: ("a", 0) for op in (*BINARY, "add1", "dup", "set", "acc", "permute", "transpose", "view")},
+    **{op: ("a", 0) for op in (*BINARY, "add1", "dup", "set", "acc", "permute", "transpose", "view", "reshape")},
     "glu": ("x", 0), "soft_max": ("a", 0), "rope": ("x", -2), "get_rows": ("a", -2), "set_rows": ("dst", -2),
     "diag": ("x", -1), "timestep_embedding": ("t", 0), "mul_mat": ("b", -2), "out_prod": ("b", -1),
     "add_id": ("b", 0), "mul_mat_id": ("as_", 0), "cont": ("a", 0), "concat": ("a", 0),
 }
+#: params that follow a huge source: cont keeps a's shape; reshape asks for the count an int64 product gives
+_HUGE_PARAMS = {"cont": {"shape": None}, "reshape": {"shape": (0,)}}
 
 
 def _huge_axis(c: Call) -> tuple[str, int] | None:
@@ -201,7 +203,7 @@ def _huge_axis(c: Call) -> tuple[str, int] | None:
     if (c.op == "glu" and c.split) or (c.op == "soft_max" and (c.tensors["mask"] or c.tensors["sinks"])):
         return None
     if c.op == "cont" and c.params["shape"] != c.t("a").shape:
-        return None  # a new shape is tied to a's count (a kept one follows a: it is dropped)
+        return None  # a new shape is tied to a's count
     if c.op == "tri" and c.t("x").ndim < 3:
         return None
     if c.op == "concat":
@@ -209,17 +211,18 @@ def _huge_axis(c: Call) -> tuple[str, int] | None:
     return got
 
 
+WRAPS = "a product that wraps to 0 in int64"
 #: regimes of huge: the factor one axis of a tensor of `total` elements of `itemsize` bytes is scaled by
 _REGIMES: dict[str, Callable[[int, float], int]] = {
     "4 TiB or more": lambda total, itemsize: 1 << max(0, math.ceil(math.log2(2**42 / (total * itemsize)))),
     "just over 2**63 elements": lambda total, itemsize: 2**63 // total + 1,
-    "a product that wraps to 0 in int64": lambda total, itemsize: 2**64 >> ((total & -total).bit_length() - 1),
+    WRAPS: lambda total, itemsize: 2**64 >> ((total & -total).bit_length() - 1),
 }
 
 
 def huge(rng: np.random.Generator, base: Base) -> Mutation | None:
     """A source of terabytes or of more than 2**63 elements (a state, never fed), or params asking for a
-    result that large."""
+    result that large. A reshape gets a source whose element count wraps to 0, reshaped to (0,)."""
     c = base.call
     placed = _huge_axis(c)
     choices = huge_choices(c)
@@ -230,14 +233,17 @@ def huge(rng: np.random.Generator, base: Base) -> Mutation | None:
         return set_param("huge", True, name, value, why)
     name, axis = placed
     t = c.t(name)
-    regime = pick(rng, list(_REGIMES))
-    total = max(t.size, 1)
-    factor = _REGIMES[regime](total, t.dtype.block_bytes / t.dtype.block_size)
+    regime = WRAPS if c.op == "reshape" else pick(rng, list(_REGIMES))
+    factor = _REGIMES[regime](max(t.size, 1), t.dtype.block_bytes / t.dtype.block_size)
     new = tuple(n * factor if i == axis % t.ndim else n for i, n in enumerate(t.shape))
     dt = t.dtype.name
+    follow = _HUGE_PARAMS.get(c.op, {})
 
     def apply(built: Built, call: Call, rng: np.random.Generator) -> Built:
         call = call.with_tensor(name, state("fz_huge", new, dt))
-        return rebuilt(built, (call.with_param("shape", None) if call.op == "cont" else call).invoke())
+        for k, v in follow.items():
+            call = call.with_param(k, v)
+        return rebuilt(built, call.invoke())
 
-    return Mutation("huge", True, f"{name} a state {new} {dt} ({regime})", apply, ("fz_huge",))
+    then = "".join(f", {k} = {v}" for k, v in follow.items() if v is not None)
+    return Mutation("huge", True, f"{name} a state {new} {dt} ({regime}){then}", apply, ("fz_huge",))
