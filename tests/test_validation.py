@@ -142,7 +142,7 @@ def _junk(p: inspect.Parameter) -> list[Any]:
     if p.default is not None:
         junk.append(None)
     if kind == "int":
-        junk += [1.5, 2.0, np.float64(1.0), True, np.True_]
+        junk += [1.5, 2.0, np.float64(1.0), True, np.True_, 2**64, -2**63 - 1]
     elif kind == "float":
         junk += [True, math.nan, np.float32("nan"), 1j]
     elif kind == "bool":

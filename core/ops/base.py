@@ -74,10 +74,13 @@ def check_tensor(op_name: str, t: Any, what: str = "source") -> Tensor:
 
 def int_param(op_name: str, name: str, value: Any, *tensors: Tensor, lo: int | None = None,
               hi: int | None = None) -> int:
-    """`value` as a Python int in [lo, hi] (either bound optional); a float, a bool or anything else raises."""
+    """`value` as a Python int in [lo, hi] (either bound optional) and in int64's range (op params are
+    64-bit at most, as ggml's); a float, a bool or anything else raises."""
     if not is_int(value):
         fail(op_name, f"{name} must be an integer, got {value!r} ({type(value).__name__})", *tensors)
     v = int(value)
+    if not -2**63 <= v < 2**63:
+        fail(op_name, f"{name} must fit in 64 bits, got {v}", *tensors)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         fail(op_name, f"{name} must be {_range(lo, hi)}, got {v}", *tensors)
     return v
