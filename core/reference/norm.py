@@ -30,7 +30,8 @@ def _rms_norm(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
 def _l2_norm(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     v = _rows(x, node.srcs[0])
     length = np.sqrt(np.sum(v * v, axis=-1, keepdims=True))
-    store(out, v / np.maximum(length, node.params["eps"]), node)
+    # ggml's 1 / fmaxf(sqrtf(sum), eps): fmax, as C's fmaxf, drops a NaN length (the row is x / eps)
+    store(out, v / np.fmax(length, node.params["eps"]), node)
 
 
 @reference("group_norm")

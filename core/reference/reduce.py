@@ -35,8 +35,12 @@ def _cumsum(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
 @reference("argmax")
 def _argmax(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     rows = x.reshape(-1, x.shape[-1])
-    # ggml keeps the last index of the maximum: take numpy's first on the reversed rows.
-    out[...] = rows.shape[-1] - 1 - np.argmax(rows[:, ::-1], axis=-1)
+    # NaN is never the maximum (a row of NaN gives 0); ggml keeps the last index of the maximum.
+    valid = ~np.isnan(rows)
+    top = np.where(valid, rows, -np.inf).max(axis=-1, keepdims=True)
+    hit = valid & (rows == top)
+    last = rows.shape[-1] - 1 - np.argmax(hit[:, ::-1], axis=-1)
+    out[...] = np.where(hit.any(axis=-1), last, 0)
 
 
 @reference("count_equal")
