@@ -1,4 +1,8 @@
-"""Reference kernels of the norm ops: statistics and scaling in float64."""
+"""Reference kernels of the norm ops: statistics and scaling in float64.
+
+Rows with inf or NaN give NaN where C's arithmetic does (docs/ops.md, "Edge values"): numpy's
+warnings about them are silenced.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ def _rows(arr: np.ndarray, t: Tensor) -> np.ndarray:
 
 
 @reference("norm")
+@np.errstate(invalid="ignore", divide="ignore")
 def _norm(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     v = _rows(x, node.srcs[0])
     d = v - v.mean(axis=-1, keepdims=True)
@@ -21,12 +26,14 @@ def _norm(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
 
 
 @reference("rms_norm")
+@np.errstate(invalid="ignore", divide="ignore")
 def _rms_norm(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     v = _rows(x, node.srcs[0])
     store(out, v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + node.params["eps"]), node)
 
 
 @reference("l2_norm")
+@np.errstate(invalid="ignore", divide="ignore")
 def _l2_norm(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     v = _rows(x, node.srcs[0])
     length = np.sqrt(np.sum(v * v, axis=-1, keepdims=True))
@@ -35,6 +42,7 @@ def _l2_norm(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
 
 
 @reference("group_norm")
+@np.errstate(invalid="ignore", divide="ignore")
 def _group_norm(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     v = _rows(x, node.srcs[0])
     v = v.reshape((1,) * (4 - v.ndim) + v.shape)  # (N, C, H, W)

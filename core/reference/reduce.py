@@ -13,21 +13,25 @@ def _f64(arr: np.ndarray, t: Tensor) -> np.ndarray:
 
 
 @reference("sum")
+@np.errstate(invalid="ignore")  # inf - inf: NaN as C gives it
 def _sum(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     store(out, _f64(x, node.srcs[0]).sum(), node)
 
 
 @reference("sum_rows")
+@np.errstate(invalid="ignore")  # inf - inf: NaN as C gives it
 def _sum_rows(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     store(out, _f64(x, node.srcs[0]).sum(-1, keepdims=True), node)
 
 
 @reference("mean")
+@np.errstate(invalid="ignore")  # inf - inf: NaN as C gives it
 def _mean(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     store(out, _f64(x, node.srcs[0]).mean(-1, keepdims=True), node)
 
 
 @reference("cumsum")
+@np.errstate(invalid="ignore")  # inf - inf: NaN as C gives it
 def _cumsum(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     store(out, np.cumsum(_f64(x, node.srcs[0]), -1), node)
 
