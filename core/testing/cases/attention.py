@@ -176,7 +176,7 @@ def _rope_set_rows(name: str, full: bool) -> Iterator[Case]:
 
 def fa_edge_case(d: int, n_kv: int, hq: int, hkv: int, n_q: int, sinks: bool = False) -> Case:
     """flash_attn_ext with keys 5..11 hidden from every query by the mask and NaN in their K rows
-    (garbage under the mask is skipped), every other query row fully masked (zeros, or the sink's)."""
+    (garbage under the mask is skipped); with several query rows, every other one fully masked (zeros)."""
     pad = -(-n_q // 16) * 16
 
     def make(inp: Inputs) -> Tensor:
@@ -184,12 +184,13 @@ def fa_edge_case(d: int, n_kv: int, hq: int, hkv: int, n_q: int, sinks: bool = F
         keys = inp.rng.uniform(-1.0, 1.0, (1, hkv, n_kv, d))
         keys[:, :, 5:12, :] = np.nan
         v = inp.uniform((1, hkv, n_kv, d), "f16", layout="perm")
-        m = inp.mask((1, 1, pad, n_kv), "f16", empty_rows=True, hidden=(5, 12))
+        m = inp.mask((1, 1, pad, n_kv), "f16", empty_rows=n_q > 1, hidden=(5, 12))
         s = inp.uniform((hq,)) if sinks else None
         return ops.flash_attn_ext(q, inp.given(keys, "f16"), v, m, 1.0 / math.sqrt(d), 0.0, 0.0, s)
 
-    return Case("flash_attn_ext", f"edges d={d} kv={n_kv} h={hq}/{hkv} q={n_q} NaN K under the mask, "
-                f"empty rows, sinks={sinks}", make, bound("flash_attn_ext"), 4 * hq * n_q * n_kv * d)
+    return Case("flash_attn_ext", f"edges d={d} kv={n_kv} h={hq}/{hkv} q={n_q} NaN K under the mask"
+                f"{', empty rows' if n_q > 1 else ''} sinks={sinks}", make, bound("flash_attn_ext"),
+                4 * hq * n_q * n_kv * d)
 
 
 @generator("flash_attn_ext")
