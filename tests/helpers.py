@@ -14,7 +14,7 @@ from opdispatch.reference import REFERENCE
 from opdispatch.tensor import VIEW_OPS, Flag, Tensor
 from opdispatch.testing.metrics import nmse
 
-__all__ = ["assert_close", "evaluate", "nmse", "stored", "uniform"]
+__all__ = ["assert_close", "edge_cases", "evaluate", "nmse", "stored", "uniform"]
 
 
 def evaluate(outputs: Tensor | Sequence[Tensor], feeds: dict[Tensor, Any] | None = None) -> list[np.ndarray]:
@@ -44,6 +44,15 @@ def evaluate(outputs: Tensor | Sequence[Tensor], feeds: dict[Tensor, Any] | None
             continue
         REFERENCE[n.op](n, arr(n), *[arr(s) if s is not None else None for s in n.srcs])
     return [np.array(arr(o)) for o in graph.outputs]
+
+
+def edge_cases(*groups: str, full: bool = False) -> list[Any]:
+    """pytest params of the sweep's edge-value cases (label "edges ...") of `groups`, named by case."""
+    import pytest
+
+    from opdispatch.testing.cases import cases
+
+    return [pytest.param(c, id=c.name) for g in groups for c in cases(g, full) if c.label.startswith("edges")]
 
 
 def uniform(gen: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:

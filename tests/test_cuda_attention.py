@@ -38,7 +38,9 @@ from opdispatch.plugins.cuda_attention import fusion, specs
 from opdispatch.plugins.cuda_attention.specs import flash, rope, softmax
 from opdispatch.tensor import Tensor
 from opdispatch.testing.cases import Inputs, bound
+from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
+from helpers import edge_cases
 
 gpu = pytest.mark.gpu
 
@@ -1078,3 +1080,13 @@ def test_cuda_graph_replay_matches_direct_launches(monkeypatch: pytest.MonkeyPat
     for direct, replayed in zip(results["1"], results["0"]):
         for a, b in zip(direct, replayed):
             assert np.array_equal(a, b)
+
+
+@gpu
+@pytest.mark.parametrize("case", edge_cases("soft_max", "flash_attn_ext"))
+def test_edge_values_match_the_reference(case, seed: int) -> None:  # noqa: ANN001
+    """The sweep's edge-value cases (docs/ops.md, "Edge values") on cuda_attention, NaN positions included:
+    soft_max rows of -inf (zeros), with a NaN or +inf (NaN); flash_attn_ext with NaN K rows under the mask
+    (skipped) and fully masked rows (zeros), in the decode and the prefill kernel."""
+    res = run_case(case, "cuda0", plugin="cuda_attention", seed=seed)
+    assert res.status is Status.PASS, res.describe()

@@ -41,8 +41,9 @@ from opdispatch.plugins.cuda_matmul import bind, fusion, specs, support
 from opdispatch.plugins.cuda_matmul.specs import gemm, mmv, stream
 from opdispatch.plugins.cuda_matmul.specs.gemm import GemmSpec
 from opdispatch.tensor import Tensor
+from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
-from helpers import gate_up_glu, moe
+from helpers import edge_cases, gate_up_glu, moe
 
 gpu = pytest.mark.gpu
 
@@ -1166,3 +1167,12 @@ def test_cuda_graph_replay_matches_direct_launches(monkeypatch: pytest.MonkeyPat
         for d_run, r_run in zip(direct, replayed):
             for d, r in zip(d_run, r_run):
                 assert np.array_equal(d, r)
+
+
+@gpu
+@pytest.mark.parametrize("case", edge_cases("mul_mat"))
+def test_edge_values_match_the_reference(case, seed: int) -> None:  # noqa: ANN001
+    """The sweep's edge-value cases (docs/ops.md, "Edge values") on cuda_matmul, NaN positions included:
+    float weights with infinities and b with NaN: infinities and NaN where the reference has them."""
+    res = run_case(case, "cuda0", plugin="cuda_matmul", seed=seed)
+    assert res.status is Status.PASS, res.describe()

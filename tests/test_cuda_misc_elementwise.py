@@ -35,7 +35,9 @@ from opdispatch.plugins.cuda_misc import fusion
 from opdispatch.plugins.cuda_misc.specs import KERNEL_SOURCES, unary
 from opdispatch.plugins.cuda_misc.specs import elementwise as ew
 from opdispatch.tensor import Tensor
+from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
+from helpers import edge_cases
 
 gpu = pytest.mark.gpu
 
@@ -850,3 +852,16 @@ def test_output_may_alias_source_a(build: str, rng) -> None:  # noqa: ANN001
     got = backend.read(buf_a, 0, a.nbytes).view(np.float32).reshape(a.shape)
     (want,) = od.compile(y, "cpu").run({a: av, b: bv} if not build.startswith("unary") else {a: av})
     assert nmse(got, want) <= BOUND["f32"], build
+
+
+@gpu
+@pytest.mark.parametrize("case", edge_cases(
+    "sqr", "sqrt", "log", "sin", "cos", "abs", "sgn", "neg", "step", "tanh", "elu", "relu", "sigmoid", "gelu",
+    "gelu_erf", "gelu_quick", "silu", "hardswish", "hardsigmoid", "exp", "expm1", "softplus", "floor", "ceil",
+    "round", "trunc", "leaky_relu", "scale", "clamp", "add", "sub", "mul", "div", "glu"))
+def test_edge_values_match_the_reference(case, seed: int) -> None:  # noqa: ANN001
+    """The sweep's edge-value cases (docs/ops.md, "Edge values") on cuda_misc, NaN positions included:
+    infinities, NaN, signed zeros and subnormals through every map, the binary ops and glu: sgn/step/floor/
+    ceil/sqrt/log of a subnormal as the reference gives them despite -ftz=true."""
+    res = run_case(case, "cuda0", plugin="cuda_misc", seed=seed)
+    assert res.status is Status.PASS, res.describe()

@@ -28,7 +28,9 @@ from opdispatch.hookspecs import Device
 from opdispatch.ops.base import FLOATS, QUANTS
 from opdispatch.plugins.cuda_misc import fusion
 from opdispatch.plugins.cuda_misc.specs import KERNEL_SOURCES, layout, reduce, rows, sort
+from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
+from helpers import edge_cases
 
 #: a GPU whose blocks get 48 KiB of shared memory, opted in or not: sort chunks of 4096 keys
 DEV = Device("cuda0", "cuda", props={"cc": (9, 0), "sm_count": 132, "smem_per_block": 49152,
@@ -1120,7 +1122,7 @@ def _perf_cases() -> list[tuple[object, bool]]:
 
 @gpu
 def test_copies_run_near_copy_bandwidth() -> None:
-    from opdispatch.testing.harness import Status, copy_bandwidth, run_perf
+    from opdispatch.testing.harness import copy_bandwidth, run_perf
 
     ceiling = copy_bandwidth(cuda(), min_time=0.3)
     assert ceiling is not None
@@ -1140,3 +1142,14 @@ def test_copies_run_near_copy_bandwidth() -> None:
         else:
             slow.append(f"{case.name}: {ratio:.0%}")
     assert not slow, f"below 85% of the copy bandwidth (timed twice): {slow}"
+
+
+@gpu
+@pytest.mark.parametrize("case", edge_cases("sum", "sum_rows", "mean", "cumsum", "argmax", "argsort", "top_k",
+                                            "fused:topk_moe"))
+def test_edge_values_match_the_reference(case, seed: int) -> None:  # noqa: ANN001
+    """The sweep's edge-value cases (docs/ops.md, "Edge values") on cuda_misc, NaN positions included:
+    sums with inf and NaN, argmax with NaN and ties (short rows and rows split over blocks), argsort and
+    top_k with NaN, infinities, signed zeros and subnormals, the fused MoE router with -inf and NaN logits."""
+    res = run_case(case, "cuda0", plugin="cuda_misc", seed=seed)
+    assert res.status is Status.PASS, res.describe()

@@ -31,7 +31,9 @@ from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_norm import fusion, support
 from opdispatch.plugins.cuda_norm import specs as cn
 from opdispatch.tensor import Tensor
+from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
+from helpers import edge_cases
 
 gpu = pytest.mark.gpu
 
@@ -464,3 +466,12 @@ def test_cuda_graph_replay_matches_direct_launches(monkeypatch: pytest.MonkeyPat
                 assert s.runner.captures == 1 and not s.runner.disabled
     for direct, replayed in zip(results["1"], results["0"]):
         assert np.array_equal(direct, replayed)
+
+
+@gpu
+@pytest.mark.parametrize("case", edge_cases("norm", "rms_norm", "l2_norm", "group_norm"))
+def test_edge_values_match_the_reference(case, seed: int) -> None:  # noqa: ANN001
+    """The sweep's edge-value cases (docs/ops.md, "Edge values") on cuda_norm, NaN positions included:
+    zero rows (zeros, l2_norm with eps 1e-30 too), rows with inf or NaN (NaN where the reference has it)."""
+    res = run_case(case, "cuda0", plugin="cuda_norm", seed=seed)
+    assert res.status is Status.PASS, res.describe()

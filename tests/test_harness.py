@@ -161,7 +161,7 @@ def _cli(*argv: str, **kwargs: object) -> tuple[int, str]:
 def test_cli_summary_and_exit_status(monkeypatch: pytest.MonkeyPatch) -> None:
     code, out = _cli("-o", "add,rms_norm", "--device", "cpu")
     assert code == 0
-    assert "[1/2] add: 4 cases, 4 passed, 0 failed, 0 unsupported" in out
+    assert "[1/2] add: 5 cases, 5 passed, 0 failed, 0 unsupported" in out
     assert "worst nmse/bound" in out and "total" in out
 
     monkeypatch.setitem(OPS, "fake_op", OpDef("fake_op", ops.neg, "unary"))

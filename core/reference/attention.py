@@ -23,28 +23,33 @@ def _outer_mask(arr: np.ndarray, t: Tensor, outer: tuple[int, int], rows: int) -
 def _softmax(w: np.ndarray, sink: np.ndarray | None) -> np.ndarray:
     """Softmax over the last axis; `sink` (broadcastable, last axis 1) is an extra logit.
 
-    A row with no finite logit and no sink gives zeros rather than NaN.
+    A row with nothing to weigh (every logit -inf and no sink, or no logits)
+    gives zeros rather than NaN; a NaN or +inf logit (or sink) makes the row NaN.
     """
+    if w.shape[-1] == 0:
+        return np.zeros_like(w)
     top = w.max(axis=-1, keepdims=True)
     if sink is not None:
         top = np.maximum(top, sink)
     top = np.where(np.isneginf(top), 0.0, top)  # all -inf: exp gives 0s, not NaN
-    e = np.exp(w - top)
-    total = e.sum(axis=-1, keepdims=True)
-    if sink is not None:
-        total = total + np.exp(sink - top)
-    return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    with np.errstate(invalid="ignore"):  # inf - inf: the row is NaN, as ggml's
+        e = np.exp(w - top)
+        total = e.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            total = total + np.exp(sink - top)
+        return np.divide(e, total, out=np.zeros_like(e), where=total != 0)
 
 
 @reference("soft_max")
 def _soft_max(node: Tensor, out: np.ndarray, a: np.ndarray, mask: np.ndarray | None,
               sinks: np.ndarray | None) -> None:
     ta, tmask, tsinks = node.srcs
-    w = load(a, ta).astype(np.float64).reshape(pad4(ta.shape)) * node.params["scale"]
-    n3, n_head, rows, _ = w.shape
-    if tmask is not None:
-        slopes = alibi_slopes(n_head, node.params["max_bias"])
-        w = w + slopes[:, None, None] * _outer_mask(mask, tmask, (n3, n_head), rows)
+    with np.errstate(invalid="ignore"):  # -inf * 0, inf - inf: NaN as C gives them
+        w = load(a, ta).astype(np.float64).reshape(pad4(ta.shape)) * node.params["scale"]
+        n3, n_head, rows, _ = w.shape
+        if tmask is not None:
+            slopes = alibi_slopes(n_head, node.params["max_bias"])
+            w = w + slopes[:, None, None] * _outer_mask(mask, tmask, (n3, n_head), rows)
     sink = load(sinks, tsinks).astype(np.float64)[:, None, None] if tsinks is not None else None
     store(out, _softmax(w, sink).reshape(ta.shape), node)
 
@@ -85,13 +90,22 @@ def _flash_attn_ext(node: Tensor, out: np.ndarray, q: np.ndarray, k: np.ndarray,
     kv = load(k, tk).astype(np.float64)
     vv = load(v, tv).astype(np.float64)
     n_b, n_head, n_q, _ = qv.shape
-    group = n_head // kv.shape[1]
     bias = None
     if tmask is not None:
         slopes = alibi_slopes(n_head, p["max_bias"])
         bias = slopes[:, None, None] * _outer_mask(mask, tmask, (n_b, n_head), n_q)
     sink = load(sinks, tsinks).astype(np.float64) if tsinks is not None else None
     res = np.empty(node.shape, np.float64)  # (B, Tq, Hq, Dv)
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite inputs: NaN/inf as C gives them
+        _attend(p, qv, kv, vv, bias, sink, res)
+    store(out, res, node)
+
+
+def _attend(p: dict, qv: np.ndarray, kv: np.ndarray, vv: np.ndarray, bias: np.ndarray | None,
+            sink: np.ndarray | None, res: np.ndarray) -> None:
+    """res[b, :, h] = softmax(logits + bias) @ v for every batch b and query head h."""
+    n_b, n_head = qv.shape[:2]
+    group = n_head // kv.shape[1]
     # One head at a time: memory stays O(Tq*Tk), not O(Hq*Tk*D) for repeated kv heads.
     for b in range(n_b):
         for h in range(n_head):
@@ -103,7 +117,6 @@ def _flash_attn_ext(node: Tensor, out: np.ndarray, q: np.ndarray, k: np.ndarray,
                 s = np.where(np.isneginf(bias[b, h]), -np.inf, s + bias[b, h])
             w = _softmax(s, sink[h] if sink is not None else None)
             res[b, :, h, :] = w @ vv[b, h // group]
-    store(out, res, node)
 
 
 @reference("diag_mask_inf")

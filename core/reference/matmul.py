@@ -24,6 +24,7 @@ def _repeat_batch(a: np.ndarray, like: tuple[int, ...]) -> np.ndarray:
 
 
 @reference("mul_mat")
+@np.errstate(invalid="ignore")  # inf * 0, inf - inf: NaN as C gives it
 def _mul_mat(node: Tensor, out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
     ta, tb = node.srcs
     bv = _f64(b, tb)
@@ -32,6 +33,7 @@ def _mul_mat(node: Tensor, out: np.ndarray, a: np.ndarray, b: np.ndarray) -> Non
 
 
 @reference("mul_mat_id")
+@np.errstate(invalid="ignore")  # inf * 0, inf - inf: NaN as C gives it
 def _mul_mat_id(node: Tensor, out: np.ndarray, as_: np.ndarray, b: np.ndarray, ids: np.ndarray) -> None:
     tas, tb, tids = node.srcs
     experts = load(as_, tas).astype(np.float64)  # (E, M, K)
@@ -54,6 +56,7 @@ def _mul_mat_id(node: Tensor, out: np.ndarray, as_: np.ndarray, b: np.ndarray, i
 
 
 @reference("out_prod")
+@np.errstate(invalid="ignore")  # inf * 0, inf - inf: NaN as C gives it
 def _out_prod(node: Tensor, out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
     ta, tb = node.srcs
     bv = _f64(b, tb)  # (B3, B2, K, N)

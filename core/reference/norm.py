@@ -1,4 +1,8 @@
-"""Reference kernels of the norm ops: statistics and scaling in float64."""
+"""Reference kernels of the norm ops: statistics and scaling in float64.
+
+Rows with inf or NaN give NaN where C's arithmetic does (docs/ops.md, "Edge values"): numpy's
+warnings about them are silenced.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ def _rows(arr: np.ndarray, t: Tensor) -> np.ndarray:
 
 
 @reference("norm")
+@np.errstate(invalid="ignore", divide="ignore")
 def _norm(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     v = _rows(x, node.srcs[0])
     d = v - v.mean(axis=-1, keepdims=True)
@@ -21,19 +26,23 @@ def _norm(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
 
 
 @reference("rms_norm")
+@np.errstate(invalid="ignore", divide="ignore")
 def _rms_norm(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     v = _rows(x, node.srcs[0])
     store(out, v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + node.params["eps"]), node)
 
 
 @reference("l2_norm")
+@np.errstate(invalid="ignore", divide="ignore")
 def _l2_norm(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     v = _rows(x, node.srcs[0])
     length = np.sqrt(np.sum(v * v, axis=-1, keepdims=True))
-    store(out, v / np.maximum(length, node.params["eps"]), node)
+    # ggml's 1 / fmaxf(sqrtf(sum), eps): fmax, as C's fmaxf, drops a NaN length (the row is x / eps)
+    store(out, v / np.fmax(length, node.params["eps"]), node)
 
 
 @reference("group_norm")
+@np.errstate(invalid="ignore", divide="ignore")
 def _group_norm(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     v = _rows(x, node.srcs[0])
     v = v.reshape((1,) * (4 - v.ndim) + v.shape)  # (N, C, H, W)

@@ -13,21 +13,25 @@ def _f64(arr: np.ndarray, t: Tensor) -> np.ndarray:
 
 
 @reference("sum")
+@np.errstate(invalid="ignore")  # inf - inf: NaN as C gives it
 def _sum(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     store(out, _f64(x, node.srcs[0]).sum(), node)
 
 
 @reference("sum_rows")
+@np.errstate(invalid="ignore")  # inf - inf: NaN as C gives it
 def _sum_rows(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     store(out, _f64(x, node.srcs[0]).sum(-1, keepdims=True), node)
 
 
 @reference("mean")
+@np.errstate(invalid="ignore")  # inf - inf: NaN as C gives it
 def _mean(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     store(out, _f64(x, node.srcs[0]).mean(-1, keepdims=True), node)
 
 
 @reference("cumsum")
+@np.errstate(invalid="ignore")  # inf - inf: NaN as C gives it
 def _cumsum(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     store(out, np.cumsum(_f64(x, node.srcs[0]), -1), node)
 
@@ -35,8 +39,12 @@ def _cumsum(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
 @reference("argmax")
 def _argmax(node: Tensor, out: np.ndarray, x: np.ndarray) -> None:
     rows = x.reshape(-1, x.shape[-1])
-    # ggml keeps the last index of the maximum: take numpy's first on the reversed rows.
-    out[...] = rows.shape[-1] - 1 - np.argmax(rows[:, ::-1], axis=-1)
+    # NaN is never the maximum (a row of NaN gives 0); ggml keeps the last index of the maximum.
+    valid = ~np.isnan(rows)
+    top = np.where(valid, rows, -np.inf).max(axis=-1, keepdims=True)
+    hit = valid & (rows == top)
+    last = rows.shape[-1] - 1 - np.argmax(hit[:, ::-1], axis=-1)
+    out[...] = np.where(hit.any(axis=-1), last, 0)
 
 
 @reference("count_equal")

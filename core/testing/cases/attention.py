@@ -6,9 +6,11 @@ import itertools
 import math
 from typing import Iterator
 
+import numpy as np
+
 from ... import ops
 from ...tensor import Tensor
-from .base import Case, Inputs, bound, dims
+from .base import NON_FINITE, Case, Inputs, bound, dims
 from .registry import fused, generator
 
 
@@ -40,6 +42,33 @@ def _soft_max(op: str, full: bool) -> Iterator[Case]:
         yield soft_max_case((2, 4, 3, 33), "f16", 0.1, 8.0, True, mask_shape)
     yield soft_max_case((1, 3, 2, 200001))
     yield soft_max_case((1, 3, 2, 200001), "f32", 0.1, 8.0, True)
+
+
+#: soft_max edge rows: all -inf (zeros), a NaN, a +inf (the row NaN), mostly -inf
+SOFTMAX_EDGE_ROWS = ((-np.inf,), (0.3, np.nan, -0.2), (0.1, np.inf, -0.5), (-np.inf, 0.5, -np.inf, -np.inf))
+
+
+def soft_max_edge_case(shape: tuple[int, ...], scale: float = 1.0, masked: bool = False, sinks: bool = False) -> Case:
+    """soft_max over rows of edge values (SOFTMAX_EDGE_ROWS first, then values in [-1, 1) with some
+    infinities and NaN); `masked`: an f16 mask that empties every other row."""
+    def make(inp: Inputs) -> Tensor:
+        a = inp.special(shape, "f32", NON_FINITE, 0.05, rows=SOFTMAX_EDGE_ROWS)
+        m = inp.mask((1, 1, *shape[-2:]), "f16", empty_rows=True) if masked else None
+        s = inp.uniform((shape[-3],)) if sinks else None
+        return ops.soft_max(a, m, scale, 0.0, s)
+
+    return Case("soft_max", f"edges {dims(shape)} scale={scale:g} masked={masked} sinks={sinks}", make,
+                bound("soft_max"))
+
+
+@generator("soft_max")
+def _soft_max_edges(op: str, full: bool) -> Iterator[Case]:
+    yield soft_max_edge_case((1, 2, 6, 13))
+    yield soft_max_edge_case((1, 2, 6, 64), -1.0, masked=True)
+    yield soft_max_edge_case((1, 1, 4, 40000), sinks=True)  # rows read twice (the online pass)
+    if full:
+        for cols, scale, masked, sinks in itertools.product((13, 64, 1023), (1.0, -1.0), (False, True), (False, True)):
+            yield soft_max_edge_case((2, 2, 6, cols), scale, masked, sinks)
 
 
 def rope_case(dt: str, mode: str, shape: tuple[int, ...], n_dims: int, freq_factors: bool = False,
@@ -143,3 +172,31 @@ def _rope_set_rows(name: str, full: bool) -> Iterator[Case]:
     if full:
         for cache, mode, n_tok in itertools.product(("f32", "f16", "bf16", "q8_0"), ("normal", "neox"), (1, 7, 64)):
             yield one(cache, mode, n_tok, 8, 128, 256, "i64")
+
+
+def fa_edge_case(d: int, n_kv: int, hq: int, hkv: int, n_q: int, sinks: bool = False) -> Case:
+    """flash_attn_ext with keys 5..11 hidden from every query by the mask and NaN in their K rows
+    (garbage under the mask is skipped); with several query rows, every other one fully masked (zeros)."""
+    pad = -(-n_q // 16) * 16
+
+    def make(inp: Inputs) -> Tensor:
+        q = inp.uniform((1, hq, n_q, d), layout="perm")
+        keys = inp.rng.uniform(-1.0, 1.0, (1, hkv, n_kv, d))
+        keys[:, :, 5:12, :] = np.nan
+        v = inp.uniform((1, hkv, n_kv, d), "f16", layout="perm")
+        m = inp.mask((1, 1, pad, n_kv), "f16", empty_rows=n_q > 1, hidden=(5, 12))
+        s = inp.uniform((hq,)) if sinks else None
+        return ops.flash_attn_ext(q, inp.given(keys, "f16"), v, m, 1.0 / math.sqrt(d), 0.0, 0.0, s)
+
+    return Case("flash_attn_ext", f"edges d={d} kv={n_kv} h={hq}/{hkv} q={n_q} NaN K under the mask"
+                f"{', empty rows' if n_q > 1 else ''} sinks={sinks}", make, bound("flash_attn_ext"),
+                4 * hq * n_q * n_kv * d)
+
+
+@generator("flash_attn_ext")
+def _flash_attn_ext_edges(op: str, full: bool) -> Iterator[Case]:
+    yield fa_edge_case(64, 113, 4, 2, 1)  # the split-K decode kernel
+    yield fa_edge_case(64, 113, 4, 2, 40, sinks=True)  # the tensor-core prefill
+    if full:
+        for d, n_q, sinks in itertools.product((128, 256), (3, 70), (False, True)):
+            yield fa_edge_case(d, 512, 8, 2, n_q, sinks)

@@ -21,6 +21,12 @@ OP_BOUNDS: dict[str, float] = {
 HALF_BOUND = 1e-4  # f16/bf16 results
 #: the source layouts of `Inputs.uniform`
 LAYOUTS = ("contig", "perm", "T", "strided")
+#: edge values the sweep mixes into inputs (docs/ops.md, "Edge values")
+NON_FINITE = (float("inf"), float("-inf"), float("nan"))
+ZEROS = (0.0, -0.0)
+#: f32 subnormals (bf16 keeps most of them; f16 rounds them to zero)
+SUBNORMALS = (2.0**-149, -(2.0**-149), 1e-40, -1e-40, 1.1e-38, -1.1e-38)
+EDGES = NON_FINITE + ZEROS + SUBNORMALS
 
 
 def bound(op: str, out: str | DType = "f32", n: int = 1, src: str | DType = "f32") -> float:
@@ -83,6 +89,25 @@ class Inputs:
             return leaf.view(shape, leaf.strides, dt.block_bytes)
         raise ValueError(f"layout {layout!r} does not apply to {dt.name} {shape} (layouts: {', '.join(LAYOUTS)})")
 
+    def special(self, shape: Sequence[int], dtype: str = "f32", values: Sequence[float] = (), share: float = 0.25,
+                lo: float = -1.0, hi: float = 1.0, rows: Sequence[Sequence[float]] = ()) -> Tensor:
+        """Edge values: uniform in [lo, hi) with a `share` of the elements drawn from `values` (zeros,
+        infinities, NaN, subnormals) at random places; row i (of the last axis) is `rows[i]`
+        repeated to fill it, where given (a zero row, a row of -inf)."""
+        shape = tuple(shape)
+        draw = self.rng.uniform(lo, hi, shape)
+        if values:
+            hit = self.rng.random(shape) < share
+            draw[hit] = self.rng.choice(np.asarray(values, np.float64), int(hit.sum()))
+        flat = draw.reshape(-1, shape[-1]) if shape else draw.reshape(1, 1)
+        for i, row in enumerate(rows):
+            flat[i] = np.resize(np.asarray(row, np.float64), shape[-1])
+        return self.given(flat.reshape(shape), dtype)
+
+    def given(self, values: np.ndarray, dtype: str = "f32") -> Tensor:
+        """A tensor of `values`' shape holding them (converted to `dtype` when fed)."""
+        return self._leaf(values.shape, as_dtype(dtype).name, values)
+
     def ints(self, shape: Sequence[int], lo: int, hi: int, dtype: str = "i32") -> Tensor:
         """Integers uniform in [lo, hi)."""
         return self._leaf(shape, dtype, self.rng.integers(lo, hi, tuple(shape)))
@@ -95,11 +120,13 @@ class Inputs:
         order = np.argsort(self.rng.random(shape[:-1] + (n,)), axis=-1)
         return self._leaf(shape, dtype, order[..., : shape[-1]])
 
-    def mask(self, shape: Sequence[int], dtype: str = "f16", empty_rows: bool = False) -> Tensor:
+    def mask(self, shape: Sequence[int], dtype: str = "f16", empty_rows: bool = False,
+             hidden: tuple[int, int] = (0, 0)) -> Tensor:
         """An attention mask: values in [-1, 1) with a random block of -inf in each row.
 
         Column 0 stays finite so no row is fully masked, unless `empty_rows`
         masks every other row completely (their result is defined as 0).
+        Columns [hidden[0], hidden[1]) are -inf in every row: keys no query sees.
         """
         shape = tuple(shape)
         values = self.rng.uniform(-1.0, 1.0, shape)
@@ -108,6 +135,7 @@ class Inputs:
         end = self.rng.integers(start, cols + 1)
         c = np.arange(cols)
         values[(c >= start) & (c < end)] = -np.inf
+        values[..., hidden[0]:hidden[1]] = -np.inf
         if empty_rows:
             values[..., ::2, :] = -np.inf
         return self._leaf(shape, dtype, values)

@@ -9,7 +9,7 @@ from ... import ops
 from ...ops.base import FLOATS
 from ...ops.elementwise import GLU_KINDS, UNARY_OPS
 from ...tensor import Tensor
-from .base import LAYOUTS, Case, Inputs, bound, dims, pick
+from .base import EDGES, LAYOUTS, NON_FINITE, ZEROS, Case, Inputs, bound, dims, pick
 from .registry import fused, generator
 
 BINARY = ("add", "sub", "mul", "div")
@@ -168,3 +168,56 @@ def _glu(op: str, full: bool) -> Iterator[Case]:
         yield glu_case(kind, dt, split, swapped, layout, (2, 7), 13)
     for kind in GLU_KINDS:
         yield glu_case(kind, "f32", False, False, "contig", (32,), 4096)
+
+
+# -- edge values (docs/ops.md, "Edge values") --------------------------------------------------------
+
+EDGE_RANGE = (-10.0, 10.0)
+
+
+def edge_map_case(op: str, dt: str, **params: float) -> Case:
+    """A map over values in [-10, 10) with a third of them infinities, NaN, signed zeros and subnormals."""
+    lo, hi = EDGE_RANGE
+    extra = "".join(f" {k}={v:g}" for k, v in params.items())
+    return Case(op, f"edges {dt} 7x33{extra}",
+                lambda inp: getattr(ops, op)(inp.special((7, 33), dt, EDGES, 1 / 3, lo, hi), **params), bound(op, dt))
+
+
+@generator("sqr", "sqrt", "log", "sin", "cos", *UNARY_OPS, "leaky_relu")
+def _map_edges(op: str, full: bool) -> Iterator[Case]:
+    for dt in pick(full, ("f32", "bf16"), FLOATS):
+        yield edge_map_case(op, dt, **({"negative_slope": 0.1} if op == "leaky_relu" else {}))
+
+
+@generator("scale", "clamp")
+def _param_map_edges(op: str, full: bool) -> Iterator[Case]:
+    params = {"s": -2.0, "bias": 0.5} if op == "scale" else {"min": -0.5, "max": 0.5}
+    for dt in pick(full, ("f32",), FLOATS):
+        yield edge_map_case(op, dt, **params)
+
+
+@generator(*BINARY)
+def _binary_edges(op: str, full: bool) -> Iterator[Case]:
+    # x / subnormal is left out: the GPUs flush the divisor to zero (docs/ops.md, "Edge values")
+    values = NON_FINITE + ZEROS if op == "div" else EDGES
+
+    def one(dt: str) -> Case:
+        def make(inp: Inputs) -> Tensor:
+            return getattr(ops, op)(inp.special((3, 5, 33), dt, values, 0.25), inp.special((5, 33), dt, values, 0.25))
+
+        return Case(op, f"edges {dt} a=3x5x33 b=5x33", make, bound(op, dt))
+
+    for dt in pick(full, ("f32",), FLOATS):
+        yield one(dt)
+
+
+@generator("glu")
+def _glu_edges(op: str, full: bool) -> Iterator[Case]:
+    def one(kind: str, dt: str) -> Case:
+        def make(inp: Inputs) -> Tensor:
+            return ops.glu(inp.special((5, 2 * 33), dt, EDGES, 0.25, *EDGE_RANGE), kind)
+
+        return Case(op, f"edges {kind} {dt} 5x33", make, bound(op, dt))
+
+    for kind, dt in pick(full, (("swiglu", "f32"), ("swiglu_oai", "f32")), itertools.product(GLU_KINDS, FLOATS)):
+        yield one(kind, dt)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 from typing import Iterator
 
+import numpy as np
+
 from ... import ops
 from ...ops.base import FLOATS, QUANTS
 from ...tensor import Tensor
-from .base import Case, Inputs, bound, dims
+from .base import Case, Inputs, bound, dims, pick
 from .registry import fused, generator
 
 
@@ -49,6 +51,21 @@ def _mul_mat(op: str, full: bool) -> Iterator[Case]:
         yield mul_mat_case(ta, 16, n, 80, tb=tb)
     for ta in ("f16", "q4_0", "q5_1"):
         yield mul_mat_case(ta, 16, 4, 64, weights=True)
+
+
+@generator("mul_mat")
+def _mul_mat_edges(op: str, full: bool) -> Iterator[Case]:
+    """Float weights with some +-inf (rows of +-inf, or NaN where they meet), b with some NaN (its rows NaN).
+    Block-format weights take no edge values: b is rounded to q8_1, which makes an infinite b NaN."""
+    def one(ta: str, m: int, n: int, k: int) -> Case:
+        def make(inp: Inputs) -> Tensor:
+            a = inp.special((m, k), ta, (np.inf, -np.inf), 0.01)
+            return ops.mul_mat(a, inp.special((n, k), "f32", (np.nan,), 0.005))
+
+        return Case(op, f"edges a={ta} m={m} n={n} k={k} inf weights, NaN in b", make, bound(op), 2 * m * n * k)
+
+    for ta, n in pick(full, (("f32", 1), ("f16", 1), ("bf16", 9)), itertools.product(FLOATS, (1, 4, 9, 64))):
+        yield one(ta, 33, n, 160)
 
 
 def _mul_mat_id_case(ta: str, n_exp: int, n_used: int, n_tok: int, m: int, k: int, b_rows: int) -> Case:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from typing import Iterator
 
+import numpy as np
+
 from ... import ops
 from ...tensor import Tensor
 from .base import LAYOUTS, Case, Inputs, bound, dims
@@ -40,6 +42,35 @@ def _group_norm(op: str, full: bool) -> Iterator[Case]:
     if full:
         for shape, groups, layout in itertools.product(((2, 320, 8, 8), (1, 13, 11, 7)), (1, 4, 32), LAYOUTS):
             yield one(shape, groups, layout)
+
+
+#: norm edge rows: zeros, some +inf, a NaN, all -inf; then values in [-10, 10)
+NORM_EDGE_ROWS = ((0.0,), (0.5, -0.3, np.inf, 0.7), (np.nan, 1.0), (-np.inf,))
+
+
+@generator("norm", "rms_norm", "l2_norm")
+def _norm_edges(op: str, full: bool) -> Iterator[Case]:
+    def one(cols: int, eps: float) -> Case:
+        return Case(op, f"edges 6x{cols} eps={eps:g}",
+                    lambda inp: getattr(ops, op)(inp.special((6, cols), "f32", rows=NORM_EDGE_ROWS, lo=-10.0,
+                                                             hi=10.0), eps), bound(op))
+
+    # l2_norm's tiny eps: ggml's 1 / max(norm, eps), whose eps * eps would underflow
+    eps = 1e-30 if op == "l2_norm" else 1e-6
+    yield one(37, eps)
+    yield one(64, eps)  # float4 rows
+    if full:
+        for cols, e in itertools.product((5, 1024, 4096), (eps, 1e-5)):
+            yield one(cols, e)
+
+
+@generator("group_norm")
+def _group_norm_edges(op: str, full: bool) -> Iterator[Case]:
+    # (2, 4, 3, 5), 2 groups: sample 0's group 0 (rows 0..5) zeros, its group 1 with +inf (NaN)
+    rows = ((0.0,),) * 6 + ((0.5, np.inf, -0.25),)
+    yield Case(op, "edges 2x4x3x5 groups=2 zero and inf groups",
+               lambda inp: ops.group_norm(inp.special((2, 4, 3, 5), "f32", rows=rows, lo=-10.0, hi=10.0), 2),
+               bound(op))
 
 
 def rms_norm_mul_case(with_add: bool, shape: tuple[int, ...], w_shape: tuple[int, ...],

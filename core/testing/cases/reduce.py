@@ -9,7 +9,7 @@ import numpy as np
 
 from ... import ops
 from ...tensor import Tensor
-from .base import LAYOUTS, Case, Inputs, bound, dims, pick
+from .base import LAYOUTS, NON_FINITE, SUBNORMALS, ZEROS, Case, Inputs, bound, dims, pick
 from .registry import fused, generator
 
 
@@ -31,6 +31,59 @@ def _sums(op: str, full: bool) -> Iterator[Case]:
     if op == "sum":
         for dt in ("f16", "bf16"):
             yield one((13, 11, 7, 5), "perm", dt)
+
+
+# -- edge values (docs/ops.md, "Edge values") --------------------------------------------------------
+
+#: sum edge rows: +inf (inf), +inf and -inf (NaN), a NaN; then values in [0.1, 1)
+SUM_EDGE_ROWS = ((0.5, np.inf, 0.25), (0.5, np.inf, -np.inf), (0.3, np.nan))
+
+
+@generator("sum", "sum_rows", "mean", "cumsum")
+def _sum_edges(op: str, full: bool) -> Iterator[Case]:
+    if op == "sum":  # one number: a +inf in it, no -inf or NaN
+        make = lambda inp: ops.sum(inp.special((3, 5, 37), "f32", (np.inf,), 0.01, 0.1, 1.0))  # noqa: E731
+    else:
+        make = lambda inp: getattr(ops, op)(inp.special((5, 37), "f32", rows=SUM_EDGE_ROWS, lo=0.1, hi=1.0))  # noqa: E731
+    yield Case(op, "edges", make, bound(op))
+
+
+def tied(inp: Inputs, shape: tuple[int, ...], share: float = 0.2) -> np.ndarray:
+    """Small integers (many ties) with a `share` of NaN, infinities, signed zeros and subnormals."""
+    values = inp.rng.integers(-3, 4, shape).astype(np.float64)
+    hit = inp.rng.random(shape) < share
+    values[hit] = inp.rng.choice(np.asarray(NON_FINITE + ZEROS + SUBNORMALS), int(hit.sum()))
+    return values
+
+
+@generator("argmax")
+def _argmax_edges(op: str, full: bool) -> Iterator[Case]:
+    def one(shape: tuple[int, ...]) -> Case:
+        def make(inp: Inputs) -> Tensor:
+            values = tied(inp, shape)
+            values[0] = np.nan  # a row of NaN: 0
+            values[1, ::2] = np.nan  # NaN and -inf: the last -inf
+            values[1, 1::2] = -np.inf
+            values[(values != 0) & (np.abs(values) < 1e-30)] = 2.0  # no subnormals: the GPUs compare them as 0
+            return ops.argmax(inp.given(values))
+
+        return Case(op, f"edges {dims(shape)} ties, NaN, -inf", make, bound(op))
+
+    yield one((6, 13))
+    yield one((2, 32000))  # rows split over blocks
+
+
+@generator("argsort")
+def _argsort_edges(op: str, full: bool) -> Iterator[Case]:
+    for n, order in itertools.product((33, 1000) if full else (33,), ("asc", "desc")):
+        yield Case(op, f"edges 3x{n} {order} ties, NaN, inf, zeros, subnormals",
+                   lambda inp, n=n, order=order: ops.argsort(inp.given(tied(inp, (3, n))), order), bound(op))
+
+
+@generator("top_k")
+def _top_k_edges(op: str, full: bool) -> Iterator[Case]:
+    yield Case(op, "edges 3x100 k=10 ties, NaN, inf, zeros, subnormals",
+               lambda inp: ops.top_k(inp.given(tied(inp, (3, 100))), 10), bound(op), canon=lambda v: np.sort(v, axis=-1))
 
 
 @generator("argmax")
@@ -111,3 +164,11 @@ def _topk_moe(name: str, full: bool) -> Iterator[Case]:
     if full:
         for n_tok, (n_exp, k) in itertools.product((1, 7, 512), ((8, 2), (32, 4), (128, 8))):
             yield one(n_tok, n_exp, k)
+
+    def edges(inp: Inputs) -> Tensor:
+        # a row of -inf (probabilities 0), a row with a NaN (every probability NaN), then finite logits
+        probs = ops.soft_max(inp.special((5, 8), "f32", rows=((-np.inf,), (0.5, np.nan))))
+        return ops.get_rows(probs.reshape(5, 8, 1), ops.top_k(probs, 2))
+
+    yield Case("get_rows", "edges t=5 e=8 k=2 -inf and NaN rows", edges, bound("soft_max"), fused=name,
+               canon=lambda v: np.sort(v, axis=-2))

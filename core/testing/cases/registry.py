@@ -8,8 +8,8 @@ from ...ops.base import OPS
 from .base import Case
 
 Generator = Callable[[str, bool], Iterable[Case]]
-#: op name -> generator(op, full)
-GENERATORS: dict[str, Generator] = {}
+#: op name -> its generators(op, full), in registration order (an op's edge-value cases come from a second one)
+GENERATORS: dict[str, list[Generator]] = {}
 #: fused pattern name -> (ops it needs, generator(name, full))
 FUSED: dict[str, tuple[tuple[str, ...], Generator]] = {}
 
@@ -17,7 +17,7 @@ FUSED: dict[str, tuple[tuple[str, ...], Generator]] = {}
 def generator(*op_names: str) -> Callable[[Generator], Generator]:
     def register(fn: Generator) -> Generator:
         for name in op_names:
-            GENERATORS[name] = fn
+            GENERATORS.setdefault(name, []).append(fn)
         return fn
 
     return register
@@ -47,8 +47,7 @@ def cases(group: str, full: bool = False) -> list[Case]:
     if group.startswith("fused:"):
         name = group[len("fused:"):]
         return list(FUSED[name][1](name, full)) if available(group) else []
-    gen = GENERATORS.get(group)
-    return list(gen(group, full)) if gen is not None else []
+    return [case for gen in GENERATORS.get(group, ()) for case in gen(group, full)]
 
 
 def available(group: str) -> bool:

@@ -28,6 +28,12 @@ __device__ __forceinline__ float alibi_slope(int use_alibi, int h, int n_head_lo
 
 __device__ __forceinline__ bool is_neg_inf(float x) { return x == -__int_as_float(0x7f800000); }
 
+// A logit x (log2 units) plus slope2 * its f16 mask value m: -inf where m is -inf, even where x is
+// not finite (a key the mask hides is skipped outright, as in ggml: garbage K rows do not matter).
+__device__ __forceinline__ float masked(unsigned short m, float slope2, float x) {
+    return m == 0xfc00u ? -__int_as_float(0x7f800000) : fmaf(slope2, od::f16_to_f32(m), x);
+}
+
 // -- loaders: 8 consecutive values of a row as floats ----------------------------------
 // Row8<T>::load(row, e0, vec, f): values e0 .. e0+7 (e0 a multiple of 8) of the row
 // starting at byte address `row`. `vec`: the row start is 16-byte aligned (16-byte

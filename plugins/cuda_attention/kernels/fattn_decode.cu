@@ -47,7 +47,7 @@ __device__ __forceinline__ float finish_scale(float mx, float sum, const float* 
     if (sinks != nullptr) {
         total += exp2f(sink - m);
     }
-    return total > 0.0f ? f / total : 0.0f;
+    return total == 0.0f ? 0.0f : f / total;  // a NaN total (a NaN or +inf logit or sink): the row NaN
 }
 
 // Dynamic shared memory: the K/V stages (specs/flash.py decode_smem); the fused variant adds after them q
@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
                 if (key >= k_end) {
                     x = NEG_INF;
                 } else if (mrow[e >> 1] != nullptr) {
-                    x = fmaf(slope2[e >> 1], od::f16_to_f32(mk[nt][e]), x);  // -inf stays -inf
+                    x = masked(mk[nt][e], slope2[e >> 1], x);
                 }
                 s[nt][e] = x;
             }

@@ -261,10 +261,10 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
 #pragma unroll
                         for (int nt = 0; nt < NT; ++nt) {
                             const unsigned mv = mrow[nt * 4];  // keys kb + nt * 8 + 2 * tq4 + {0, 1}
-                            s[mt][nt][2 * r] = fmaf(slope2, od::f16_to_f32(static_cast<unsigned short>(mv & 0xffffu)),
-                                                    s[mt][nt][2 * r] * mul2);
-                            s[mt][nt][2 * r + 1] = fmaf(slope2, od::f16_to_f32(static_cast<unsigned short>(mv >> 16)),
-                                                        s[mt][nt][2 * r + 1] * mul2);
+                            s[mt][nt][2 * r] =
+                                masked(static_cast<unsigned short>(mv & 0xffffu), slope2, s[mt][nt][2 * r] * mul2);
+                            s[mt][nt][2 * r + 1] =
+                                masked(static_cast<unsigned short>(mv >> 16), slope2, s[mt][nt][2 * r + 1] * mul2);
                         }
                     }
                 }
@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
                             if (key >= tk) {
                                 x = NEG_INF;
                             } else if (mrow != nullptr) {
-                                x = fmaf(slope2, od::f16_to_f32(mrow[key]), x);  // -inf stays -inf
+                                x = masked(mrow[key], slope2, x);
                             }
                             s[mt][nt][2 * r + e2] = x;
                         }
@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
                 sc = exp2f(mrun[mt][r] - mf);
                 l = l * sc + exp2f(sk - mf);
             }
-            const float inv = l > 0.0f ? sc / l : 0.0f;
+            const float inv = l == 0.0f ? 0.0f : sc / l;  // a NaN l (a NaN or +inf logit or sink): the row NaN
             const int row = q0 + wrow + mt * 16 + g + 8 * r;
             if (row < tq) {
                 float* y = out + ((static_cast<long long>(b) * tq + row) * hq + h) * D + 2 * tq4;

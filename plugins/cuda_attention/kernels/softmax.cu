@@ -3,7 +3,8 @@
 //
 // a f32 (A3, A2, R, C), rows contiguous, outer strides in elements; mask (f16 or
 // f32, MT) (M3, M2, >= R, C), row r of a reads mask row r, outer indices by
-// modulo; out contiguous f32. A row with no finite logit (and no sink) gives 0s.
+// modulo; out contiguous f32. A row with no finite logit (and no sink) gives 0s;
+// a NaN or +inf logit or sink makes its row NaN (docs/ops.md, "Edge values").
 //
 // NC > 0: each thread keeps up to NC loads of the row in registers (one read of
 // the row); NC == 0: rows longer than BLOCK*8 loads are read twice (an online
@@ -108,7 +109,7 @@ __global__ void __launch_bounds__(BLOCK) soft_max_f32(
         if (sinks != nullptr) {
             sum += expf(sink - mx);
         }
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;  // a NaN sum: the row NaN
 #pragma unroll
         for (int k = 0; k < NC; ++k) {
             const int u = tid + k * BLOCK;
@@ -162,11 +163,12 @@ __global__ void __launch_bounds__(BLOCK) soft_max_f32(
         if (gmx == NEG_INF) {
             gmx = 0.0f;
         }
-        sum = od::block_sum<BLOCK>(mx == NEG_INF ? 0.0f : sum * expf(mx - gmx));
+        // a thread that saw no finite logit holds 0, or NaN if it met one: keep it as it is
+        sum = od::block_sum<BLOCK>(mx == NEG_INF ? sum : sum * expf(mx - gmx));
         if (sinks != nullptr) {
             sum += expf(sink - gmx);
         }
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;  // a NaN sum: the row NaN
         if constexpr (VEC) {
             for (int u = tid; u < ncols / 4; u += BLOCK) {
                 const float4 xa = reinterpret_cast<const float4*>(x)[u];

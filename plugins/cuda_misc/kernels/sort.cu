@@ -399,6 +399,19 @@ __global__ void __launch_bounds__(128) topk_moe(const float* __restrict__ logits
         sum += p[i];
     }
     sum = warp_sum(sum);
+    float* w = weights + static_cast<long long>(row) * k;
+    int* id = ids != nullptr ? ids + static_cast<long long>(row) * k : nullptr;
+    if (sum != sum) {
+        // a NaN or +inf logit: every probability is NaN, and NaNs rank in expert order (the reference's
+        // stable sort), so the row takes experts 0 .. k-1, each weighing NaN
+        for (int j = lane; j < k; j += WARP_SIZE) {
+            w[j] = __int_as_float(0x7fc00000);
+            if (id != nullptr) {
+                id[j] = j;
+            }
+        }
+        return;
+    }
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
 #pragma unroll
     for (int i = 0; i < NPL; i++) {
@@ -406,8 +419,6 @@ __global__ void __launch_bounds__(128) topk_moe(const float* __restrict__ logits
         p[i] = lane + WARP_SIZE * i < E ? p[i] * inv : -1.0f;
     }
 
-    float* w = weights + static_cast<long long>(row) * k;
-    int* id = ids != nullptr ? ids + static_cast<long long>(row) * k : nullptr;
     float total = 0.0f;
     for (int j = 0; j < k; j++) {
         float best = p[0];

@@ -79,6 +79,46 @@ constexpr int OP_SOFTCAP = 29;     // p1 * tanh(p0 * x), rounded to T between st
 
 // -- the maps ---------------------------------------------------------------------------
 
+// Subnormal inputs. CuPy compiles every module with -ftz=true, so arithmetic and comparisons
+// read a subnormal as a zero of its sign. Where that would change a result by more than a
+// subnormal (sgn, step, floor, ceil, sqrt, log), these read the bits instead, as the reference
+// and ggml's CPU (which does not flush) compute them (docs/ops.md, "Edge values").
+__device__ __forceinline__ unsigned magnitude_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+__device__ __forceinline__ bool sign_bit(float x) { return (__float_as_uint(x) >> 31) != 0u; }
+__device__ __forceinline__ bool is_subnormal(float x) {
+    const unsigned a = magnitude_bits(x);
+    return a != 0u && a < 0x00800000u;
+}
+// 1 for x > 0, -1 for x < 0, 0 for a zero or NaN
+__device__ __forceinline__ float sgn(float x) {
+    const unsigned a = magnitude_bits(x);
+    return a == 0u || a > 0x7f800000u ? 0.0f : (sign_bit(x) ? -1.0f : 1.0f);
+}
+__device__ __forceinline__ float step(float x) {
+    const unsigned a = magnitude_bits(x);
+    return !sign_bit(x) && a != 0u && a <= 0x7f800000u ? 1.0f : 0.0f;
+}
+__device__ __forceinline__ float floor_exact(float x) {
+    return is_subnormal(x) ? (sign_bit(x) ? -1.0f : 0.0f) : floorf(x);
+}
+__device__ __forceinline__ float ceil_exact(float x) {
+    return is_subnormal(x) ? (sign_bit(x) ? -0.0f : 1.0f) : ceilf(x);
+}
+// x = m * 2^-149 with m < 2^23 an exact float: sqrt(x) = sqrt(2m) * 2^-75 (one rounding, a normal
+// result), log(x) = log(m) - 149 ln 2; a negative subnormal gives NaN, as any negative value.
+__device__ __forceinline__ float sqrt_exact(float x) {
+    if (!is_subnormal(x)) {
+        return sqrtf(x);
+    }
+    return sign_bit(x) ? __int_as_float(0x7fc00000) : sqrtf(2.0f * static_cast<float>(magnitude_bits(x))) * 0x1p-75f;
+}
+__device__ __forceinline__ float log_exact(float x) {
+    if (!is_subnormal(x)) {
+        return logf(x);
+    }
+    return sign_bit(x) ? __int_as_float(0x7fc00000) : logf(static_cast<float>(magnitude_bits(x))) - 103.27892990343184f;
+}
+
 // Ops whose code is large (argument reduction, long polynomials) run through
 // one out-of-line function per T, called once per element: inlining them for
 // every element of a vector would multiply the module's size (and NVRTC's
@@ -90,7 +130,7 @@ __device__ __noinline__ float map_large(int op, float x, float p0, float p1) {
         case OP_GELU_ERF: return gelu_erf(x);
         case OP_EXPM1: return expm1f(x);
         case OP_SOFTPLUS: return x > 20.0f ? x : log1pf(expf(x));
-        case OP_LOG: return logf(x);
+        case OP_LOG: return log_exact(x);
         case OP_SIN: return sinf(x);
         case OP_COS: return cosf(x);
         default: return x;
@@ -122,9 +162,9 @@ __device__ __forceinline__ void apply(int op, float (&v)[N], float p0, float p1)
         }                                                   \
         break;
         EW_MAP(OP_ABS, fabsf(x))
-        EW_MAP(OP_SGN, x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f))
+        EW_MAP(OP_SGN, sgn(x))
         EW_MAP(OP_NEG, -x)
-        EW_MAP(OP_STEP, x > 0.0f ? 1.0f : 0.0f)
+        EW_MAP(OP_STEP, step(x))
         EW_MAP(OP_TANH, tanhf(x))
         EW_MAP(OP_RELU, x > 0.0f ? x : 0.0f)
         EW_MAP(OP_SIGMOID, sigmoid(x))
@@ -134,12 +174,12 @@ __device__ __forceinline__ void apply(int op, float (&v)[N], float p0, float p1)
         EW_MAP(OP_HARDSWISH, x * hardsigmoid(x))
         EW_MAP(OP_HARDSIGMOID, hardsigmoid(x))
         EW_MAP(OP_EXP, expf(x))
-        EW_MAP(OP_FLOOR, floorf(x))
-        EW_MAP(OP_CEIL, ceilf(x))
+        EW_MAP(OP_FLOOR, floor_exact(x))
+        EW_MAP(OP_CEIL, ceil_exact(x))
         EW_MAP(OP_ROUND, roundf(x))
         EW_MAP(OP_TRUNC, truncf(x))
         EW_MAP(OP_SQR, x * x)
-        EW_MAP(OP_SQRT, sqrtf(x))
+        EW_MAP(OP_SQRT, sqrt_exact(x))
         EW_MAP(OP_SCALE, fmaf(x, p0, p1))
         EW_MAP(OP_CLAMP, clamp(x, p0, p1))
         EW_MAP(OP_LEAKY_RELU, (x > 0.0f ? x : 0.0f) + p0 * (x < 0.0f ? x : 0.0f))

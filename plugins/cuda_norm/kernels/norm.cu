@@ -34,12 +34,14 @@ template <int MODE>
 __device__ __forceinline__ Affine norm_affine(float2 sums, int n, float k, float eps) {
     if constexpr (MODE == NORM_MEAN_VAR) {
         const float m = sums.x / n;  // mean of x - k
-        const float var = fmaxf(sums.y / n - m * m, 0.0f);
+        float var = sums.y / n - m * m;
+        var = var < 0.0f ? 0.0f : var;  // not fmaxf: an inf in the row (inf - inf) keeps the row NaN
         return {k + m, rsqrtf(var + eps)};
     } else if constexpr (MODE == NORM_RMS) {
         return {0.0f, rsqrtf(sums.y / n + eps)};
     } else {
-        return {0.0f, rsqrtf(fmaxf(sums.y, eps * eps))};
+        // ggml's 1 / max(sqrt(sum), eps): eps * eps would underflow to 0 for eps < 1e-19 (a zero row NaN)
+        return {0.0f, 1.0f / fmaxf(sqrtf(sums.y), eps)};
     }
 }
 
