@@ -23,3 +23,8 @@ class LaunchError(OpdispatchError, RuntimeError):
 
 class PluginError(OpdispatchError, RuntimeError):
     """A plugin failed to load or raised in a hook; the message names it."""
+
+
+class DeviceIndexError(OpdispatchError, IndexError):
+    """A kernel met an index outside its range; recorded on the device, raised where the plan synchronizes.
+    The message names the op, the node, the index tensor, the bad value, its position and the valid range."""

@@ -19,6 +19,7 @@
 #define __device__
 #define __global__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
 #define __shared__
 #define __launch_bounds__(...)
 
@@ -76,6 +77,12 @@ inline void __syncthreads() { emu_ctx->block_bar->arrive_and_wait(); }
 // common.cuh's od::last_block (not called by mmvq_stream, but compiled with the header)
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+// common.cuh's od::index_ok: the error word, set once
+inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long expected, unsigned long long v) {
+    std::atomic_ref<unsigned long long>(*p).compare_exchange_strong(expected, v);
+    return expected;  // the old value, whether swapped or not
+}
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_ctx->warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
 
 template <class T>
