@@ -27,7 +27,6 @@ import pytest
 
 import opdispatch as od
 from opdispatch import ops
-from opdispatch.backends.cuda.args import IndexCheck
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.dtypes import from_float
 from opdispatch.graph import Graph
@@ -36,7 +35,7 @@ from opdispatch.plugins.cuda_matmul import fusion, specs
 from opdispatch.plugins.cuda_matmul.specs import mmv, stream
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, gxx_major, q8_1_reference, write_headers
+from cuda_emu.hostcode import EMU, Arena, gxx_major, q8_1_reference, write_headers
 from helpers import gate_up_glu, moe
 
 NMSE_MAX = 5e-4
@@ -118,41 +117,6 @@ def _nodes(y: Tensor) -> list[Tensor]:
     return [n for n in Graph.build(y).nodes if n.op not in VIEWS]
 
 
-#: the tag the emulated launches' expert ids are checked under
-TAG = 7
-
-
-class Arena:
-    """Device memory as one byte array: tensors at 256-byte aligned offsets from 256 (0 is nullptr), and an
-    error word (4 u64, zeroed) at 256."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.mem = np.zeros(nbytes + 256, np.uint8)
-        self.word_at = 256
-        self.top = 512
-        self.where: dict[int, int] = {}
-
-    def word(self) -> np.ndarray:
-        return self.mem[self.word_at:self.word_at + 32].view(np.uint64)
-
-    def guard(self, node: Tensor, index: Tensor, bound: int, what: str, instead: str) -> IndexCheck:
-        return IndexCheck(self.word_at, TAG)
-
-    def place(self, t: Tensor, data: np.ndarray | None) -> None:
-        b = t.base
-        if b.uid in self.where:
-            return
-        at = self.where[b.uid] = self.top
-        self.top = (self.top + b.nbytes + 255) // 256 * 256
-        self.mem[at:at + b.nbytes] = np.ascontiguousarray(data).view(np.uint8).reshape(-1) if data is not None else 0xFF
-
-    def ptr(self, t: Tensor) -> int:
-        return self.where[t.base.uid] + t.view_offset
-
-    def scratch(self, role: str, nbytes: int) -> int:
-        raise AssertionError("mmvq_stream takes no scratch buffer")
-
-
 def _specs(y: Tensor, arena: Arena, cfg: specs.StreamConfig) -> list[KernelSpec]:
     nodes = _nodes(y)
     make = (mmv.mmv_specs if nodes[0].op == "mul_mat"
@@ -225,7 +189,7 @@ def _emulate(y: Tensor, feeds: dict, cfg: specs.StreamConfig, eager: bool, emula
     out = _nodes(y)[-1]
     at = arena.ptr(out)
     got = mem[at:at + out.nbytes].view(np.float32).reshape(out.shape)
-    word = mem[arena.word_at:arena.word_at + 32].view(np.uint64)
+    word = np.array(arena.word(mem))
     return got, f"{spec.kernel} grid {spec.grid} block {spec.block} smem {spec.smem}", word
 
 
@@ -261,7 +225,7 @@ def test_mul_mat_id_expert_out_of_range_writes_nan(bad: list[int], slot: int, em
     assert np.isnan(got[0, slot]).all(), f"{launch}: slot {slot} (expert {bad[slot]} of 8) not NaN"
     others = [i for i in range(3) if i != slot]
     assert nmse(got[0, others], ref[0, others]) <= NMSE_MAX, f"{launch}: the valid slots"
-    assert [int(word[0]), int(word[1]), int(word[2:3].view(np.int64)[0]), int(word[3])] == [TAG + 1, slot, bad[slot], 0]
+    assert list(word) == [Arena.TAG + 1, slot, bad[slot], 0]
 
 
 def test_nan_in_b_gives_its_column_nan_rows(emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001

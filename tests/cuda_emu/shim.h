@@ -1,5 +1,6 @@
-// Host emulation of the CUDA subset that cuda_matmul's mmvq_stream.cu and the shared headers
-// (common.cuh, quant.cuh) use, for tests/test_mmvq_stream_emulated.py and tests/test_quant_header.py:
+// Host emulation of the CUDA subset that cuda_matmul's mmvq_stream.cu, cuda_misc's row kernels and the
+// shared headers (common.cuh, quant.cuh) use, for tests/test_mmvq_stream_emulated.py,
+// tests/test_rows_emulated.py and tests/test_quant_header.py:
 // one std::thread per CUDA thread, std::barrier for __syncthreads / __syncwarp / shuffles, and
 // cp.async performed at wait_group time (lazy) or at issue (eager), so that a read of a stage
 // before its wait sees the poisoned (0xFF) shared memory instead of the weights. Shared addresses
@@ -52,6 +53,8 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline int __float2int_rn(float x) { return (int)nearbyintf(x); }
+inline int __float2int_rz(float x) { return x != x ? 0 : (int)x; }  // NaN: 0, as cvt.rzi
+inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 inline float __int2float_rn(int x) { return (float)x; }
 inline unsigned __funnelshift_rc(unsigned lo, unsigned hi, unsigned sh) {
     sh = sh > 32 ? 32 : sh;
