@@ -41,8 +41,8 @@ class IndexUse:
         at = (f"{self.index.name}{list(int(i) for i in np.unravel_index(position, self.index.shape))}"
               if 0 <= position < self.index.size else f"position {position} of {self.index.name}")
         return (f"{self.node.op} {self.node.describe()} on {device}: index {value} at {at} (index tensor "
-                f"{self.index.describe()}) is outside [0, {self.bound}), {self.what}; {self.instead}. The first "
-                "bad index the device met is reported; the plan stays usable.")
+                f"{self.index.describe()}) is outside [0, {self.bound}): it picks {self.what}; {self.instead}. "
+                "The first bad index the device met is reported; the plan stays usable.")
 
 
 @attrs.define(eq=False)

@@ -1,5 +1,6 @@
 """cuda_misc's binds: a node's (or fused group's) specs made into one pre-bound launch on the context's
-stream, with the device's facts and, for argmax_split, scratch from the backend's pool.
+stream, with the device's facts, the plan's index checks (`ctx.index_check`: get_rows, set_rows, add_id,
+the greedy pick) and, for argmax_split, scratch from the backend's pool.
 
 The only module of the plugin that touches a `CudaContext`; what each launch is, is decided by the
 pure functions of `specs`.
