@@ -23,6 +23,7 @@ from .alloc import MemoryPlan
 from .backends.base import (Backend, ReportsFreeMemory, StagedTransfers, StagingBackend, bytes_text,
                             host_free_memory)
 from .errors import OutOfMemory
+from .errorword import IndexTable
 from .hookspecs import Device
 from .tensor import Tensor
 
@@ -118,6 +119,8 @@ class Bound:
     feeders: dict[str, Feeder] = attrs.field(factory=dict)
     #: what Plan.run needs on every run, computed once at the end of binding (`Plumbing`)
     plumbing: Plumbing | None = None
+    #: the index uses of the plan's kernels and their error words (checked where the plan synchronizes)
+    checks: IndexTable = attrs.field(factory=IndexTable)
 
     def where(self, b: Tensor, dev: Device) -> tuple[Any, int]:
         """(buffer, byte offset) of base `b` on `dev`."""
@@ -201,7 +204,7 @@ def bind_plan(plan: Plan) -> Bound:
         if seg_dev is not None and seg_dev is not s.device:
             flush()
         seg_dev = s.device
-        ctx = backends[s.device.name].bind_context(_resolver(bound, s.device))
+        ctx = backends[s.device.name].bind_context(_resolver(bound, s.device), bound.checks)
         launch = s.bind(ctx, s.nodes[0]) if s.kind == "kernel" else s.bind(ctx, s.nodes)
         segment.append((f"{s.describe()} by {s.plugin}:{s.kernel}", launch))
     flush()

@@ -37,3 +37,8 @@ class OutOfMemory(OpdispatchError, MemoryError):
 
 class PlanKeyError(OpdispatchError, KeyError):
     """A tensor or name a plan does not have (fed, written or read), or an input given no value."""
+
+
+class DeviceIndexError(OpdispatchError, IndexError):
+    """A kernel met an index outside its range; recorded on the device, raised where the plan synchronizes.
+    The message names the op, the node, the index tensor, the bad value, its position and the valid range."""

@@ -166,6 +166,7 @@ class Plan:
             bound = self._queue(feeds, download=True)
             for backend in bound.backends.values():
                 backend.synchronize()
+            bound.checks.check()
             out = []
             for o, view in zip(self.graph.outputs, bound.plumbing.outputs):
                 if view is None:
@@ -187,7 +188,8 @@ class Plan:
         the host prepares step i + 1 while the device runs step i. The next
         `submit` or `run` of this plan first waits, on the host, until the
         device has taken this one's inputs (the staging buffer is then free),
-        not until the device has finished it.
+        not until the device has finished it. A bad index a kernel met is
+        raised by the next `run`, `read` or `check`.
         """
         try:
             self._queue(feeds, download=False)
@@ -316,6 +318,16 @@ class Plan:
             self._rename(e)
             raise
 
+    def check(self) -> None:
+        """Wait for the devices, then raise DeviceIndexError if a kernel met an index outside its range
+        since the last check (`run` and `read` check too); the plan stays usable."""
+        self.synchronize()
+        try:
+            self._bind().checks.check()
+        except OpdispatchError as e:
+            self._rename(e)
+            raise
+
     def read(self, t: Tensor | str) -> np.ndarray:
         """The current value of an output, input or state, as a host array."""
         try:
@@ -332,6 +344,7 @@ class Plan:
             raise PlanKeyError(f"{t.describe()} is not a tensor of this plan")
         buf, off = bound.where(b, dev)
         raw = bound.backends[dev.name].read(buf, off, b.nbytes)
+        bound.checks.check(dev.name)  # the device the read waited for
         return np.array(t.host_view(raw, t.view_offset))
 
     def _bind(self) -> Bound:

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any, Sequence
 
+import attrs
 import numpy as np
 
 from opdispatch import input as new_input
 from opdispatch import ops
+from opdispatch.backends.cuda.args import IndexCheck
 from opdispatch.dtypes import from_float, to_host_float
 from opdispatch.graph import Graph
 from opdispatch.reference import REFERENCE
 from opdispatch.tensor import VIEW_OPS, Flag, Tensor
 from opdispatch.testing.metrics import nmse
 
-__all__ = ["assert_close", "edge_cases", "evaluate", "nmse", "stored", "uniform"]
+__all__ = ["FAKE_WORD", "FakeGuard", "assert_close", "edge_cases", "evaluate", "nmse", "stored", "uniform",
+           "with_index_check_params"]
 
 
 def evaluate(outputs: Tensor | Sequence[Tensor], feeds: dict[Tensor, Any] | None = None) -> list[np.ndarray]:
@@ -96,3 +101,27 @@ def gate_up_glu(dt: str, m: int, k: int, n: int, bias: bool, kind: str) -> Tenso
     if kind == "swiglu_oai":
         return ops.glu_split(g, u, kind, alpha=1.702, limit=7.0)
     return ops.glu_split(g, u, kind)
+
+
+#: the error word's device address a FakeGuard hands out
+FAKE_WORD = 0x7E00_0000_0000
+
+
+@attrs.define
+class FakeGuard:
+    """A bind's `ctx.index_check` for spec tests without a GPU: call k gets IndexCheck(FAKE_WORD, k), and
+    `uses` records each call's (node, index tensor, bound, what, instead)."""
+
+    uses: list[tuple[Tensor, Tensor, int, str, str]] = attrs.field(factory=list)
+
+    def __call__(self, node: Tensor, index: Tensor, bound: int, what: str, instead: str) -> IndexCheck:
+        self.uses.append((node, index, bound, what, instead))
+        return IndexCheck(FAKE_WORD, len(self.uses) - 1)
+
+
+def with_index_check_params(source: str) -> str:
+    """Kernel source text with common.cuh's OD_INDEX_CHECK_PARAMS spelled out, for tests that read
+    kernel heads' parameter types."""
+    common = (Path(__file__).resolve().parent.parent / "core" / "backends" / "cuda" / "common.cuh").read_text()
+    body = re.search(r"^#define OD_INDEX_CHECK_PARAMS (.*)$", common, re.M).group(1)
+    return source.replace("OD_INDEX_CHECK_PARAMS", body)

@@ -40,7 +40,7 @@ from opdispatch.tensor import Tensor
 from opdispatch.testing.cases import Inputs, bound
 from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
-from helpers import edge_cases
+from helpers import FAKE_WORD, FakeGuard, edge_cases, with_index_check_params
 
 gpu = pytest.mark.gpu
 
@@ -187,9 +187,14 @@ def test_fuses_rope_view_set_rows(cache: str, idx: str, how: str) -> None:
     assert [n.op for n in step.nodes] == ["rope", how, "set_rows"]
     assert len([s for s in plan.steps if s.kind in ("kernel", "fused")]) == 1
     assert "cuda_attention [fused rope_set_rows] on cuda0" in plan.explain()
-    spec, = rope.rope_set_rows_specs(*fusion.parts(step.nodes), fake_ptr, DEV)
+    guard = FakeGuard()
+    spec, = rope.rope_set_rows_specs(*fusion.parts(step.nodes), fake_ptr, guard, DEV)
     assert spec.kernel in specs.KERNEL_SOURCES[rope.ROPE_CU]
     assert spec_types(spec) == kernel_param_types(rope.ROPE_CU, "rope_set_rows")
+    set_rows = step.nodes[-1]
+    dst, _, ids = set_rows.srcs
+    assert guard.uses == [(set_rows, ids, dst.shape[0], f"a row of {dst.describe()}", "that row is not written")]
+    assert (int(spec.args.rows), int(spec.args.err_.word), int(spec.args.err_.tag)) == (dst.shape[0], FAKE_WORD, 0)
 
 
 @pytest.mark.parametrize(("build", "reason"), [
@@ -280,10 +285,15 @@ def test_fuses_the_decode_steps_rope_and_kv_writes(cache: str, idx: str, mode: s
     rope_q, _, k_rows, v_rows = fusion.qkv_parts(step.nodes)
     assert step.writes == (rope_q, k_rows) and step.out is v_rows
     assert [s.kind for s in plan.steps if s.kind != "view"] == ["fused"]  # one launch, no copies
-    (spec,) = rope.rope_qkv_specs(*fusion.qkv_parts(step.nodes), fake_ptr, DEV)
+    guard = FakeGuard()
+    (spec,) = rope.rope_qkv_specs(*fusion.qkv_parts(step.nodes), fake_ptr, guard, DEV)
     assert spec.kernel in specs.KERNEL_SOURCES[rope.ROPE_CU]
     assert spec.kernel == rope.rope_qkv_kernel(mode == "neox", cache, idx)
     assert spec_types(spec) == kernel_param_types(rope.ROPE_CU, "rope_qkv_set_rows")
+    rows = min(k_rows.shape[0], v_rows.shape[0])
+    (use,) = guard.uses
+    assert use[:3] == (k_rows, k_rows.srcs[2], rows) and "K cache" in use[3] and "V cache" in use[3]
+    assert (int(spec.args.rows), int(spec.args.err_.word), int(spec.args.err_.tag)) == (rows, FAKE_WORD, 0)
     a = spec.args
     vec, tokens, hq, gq, hk, gk, v_cols, qs_h, qs_t, ks_h, ks_t, vs_t, kcs, vcs = (int(v) for v in (
         a.vec, a.tokens, a.hq, a.gq, a.hk, a.gk, a.v_cols, a.qs_h, a.qs_t, a.ks_h, a.ks_t, a.vs_t, a.kcs, a.vcs))
@@ -297,7 +307,7 @@ def test_fuses_the_decode_steps_rope_and_kv_writes(cache: str, idx: str, mode: s
 def test_fused_qkv_takes_pairs_where_rows_do_not_tile() -> None:
     plan = od.compile(qkv_step(Inputs(np.random.default_rng(0)), d=66, n_dims=40), H200)
     (step,) = plan.fusions
-    (spec,) = rope.rope_qkv_specs(*fusion.qkv_parts(step.nodes), fake_ptr, DEV)
+    (spec,) = rope.rope_qkv_specs(*fusion.qkv_parts(step.nodes), fake_ptr, FakeGuard(), DEV)
     assert int(spec.args.vec) == 0
     assert spec.grid == (-(-max(3 * 8 * 33, 3 * 2 * 132) // rope.ROPE_BLOCK), 3)
 
@@ -371,10 +381,14 @@ def test_fuses_the_decode_steps_rope_kv_writes_and_attention(cache: str, idx: st
         assert t.base in stored, f"{t.describe()} has no storage"
         return fake_ptr(t)
 
-    (spec,) = flash.flash_plan(step.nodes[-1], DEV, fused).specs(ptr, [BASE, BASE, BASE])
+    guard = FakeGuard()
+    (spec,) = flash.flash_plan(step.nodes[-1], DEV, fused).specs(ptr, [BASE, BASE, BASE], guard)
     assert spec.kernel == flash.decode_kernel(64, cache, mode, idx)
     assert spec.kernel in specs.KERNEL_SOURCES[flash.DECODE_CU]
     assert spec_types(spec) == kernel_param_types(flash.DECODE_CU, "fattn_decode")
+    rows = min(fused.k_cache.shape[0], fused.v_cache.shape[0])
+    assert [u[:3] for u in guard.uses] == [(fused.k_cache, fused.idx, rows)]
+    assert (int(spec.args.new_rows), int(spec.args.err_.word), int(spec.args.err_.tag)) == (rows, FAKE_WORD, 0)
     assert spec.smem == flash.decode_smem(64, True) > flash.decode_smem(64)
 
 
@@ -408,7 +422,8 @@ def test_attention_fusion_declines_with_the_reason_and_the_smaller_rules_still_f
 BASE = 0x7F00_0000_0000
 C_TYPES = {"char*": np.uint64, "float*": np.uint64, "float2*": np.uint64, "int*": np.uint64, "MT*": np.uint64,
            "T*": np.uint64, "DT*": np.uint64, "IT*": np.uint64, "unsigned char*": np.uint64,
-           "int": np.int32, "unsigned": np.uint32, "long long": np.int64, "float": np.float32}
+           "unsigned long long*": np.uint64, "int": np.int32, "unsigned": np.uint32, "long long": np.int64,
+           "float": np.float32}
 ROPE_PARAMS = ("int d, int n_dims, float theta_scale, float freq_scale, float ext_factor, float mscale, "
                "float corr_lo, float corr_hi")
 
@@ -419,7 +434,7 @@ def fake_ptr(t: Tensor) -> int:
 
 def kernel_param_types(source: Path, name: str) -> list[type]:
     """numpy scalar types of a kernel's parameters, read from its source."""
-    src = source.read_text().replace("ROPE_PARAMS", ROPE_PARAMS)
+    src = with_index_check_params(source.read_text().replace("ROPE_PARAMS", ROPE_PARAMS))
     m = re.search(rf"__global__ void (?:__launch_bounds__\([^)]*\) )?{name}\((.*?)\)\s*\{{", src, re.S)
     assert m, f"{name} not found in {source}"
     types = []
@@ -637,8 +652,10 @@ def test_decode_plan(d: int, tq: int, tk: int, hq: int, hkv: int, kv: str, ncg: 
     assert plan.kind == "decode"
     assert plan.chunk % flash.DECODE_BN == 0 and (plan.nsplit - 1) * plan.chunk < tk <= plan.nsplit * plan.chunk
     rows = tq * hq
-    launches = plan.specs(fake_ptr, [BASE + 2**20, BASE + 2**21, BASE + 2**22])
+    guard = FakeGuard()
+    launches = plan.specs(fake_ptr, [BASE + 2**20, BASE + 2**21, BASE + 2**22], guard)
     assert len(launches) == 1  # one launch: the last split of a group merges, no combine kernel
+    assert guard.uses == [] and int(launches[0].args.err_.word) == 0  # unfused: no row ids
     main = launches[0]
     assert main.kernel == flash.decode_kernel(d, kv) and main.kernel in specs.KERNEL_SOURCES[flash.DECODE_CU]
     assert main.grid == (plan.nsplit, hkv * ncg, 1) and main.block == 128
@@ -664,7 +681,7 @@ def test_decode_splits_short_kv_down_to_a_tile(tk: int, batch: int, nsplit: int)
                               od.input("v", (batch, 8, tk, 64), "f16"))
     plan = flash.flash_plan(node, DEV)
     assert plan.nsplit == nsplit
-    assert len(plan.specs(fake_ptr, [BASE] * len(plan.workspaces))) == 1
+    assert len(plan.specs(fake_ptr, [BASE] * len(plan.workspaces), FakeGuard())) == 1
 
 
 @pytest.mark.parametrize("batch", [1, 16])
@@ -690,7 +707,7 @@ def test_prefill_plan(d: int, kv: str, mask: bool, bn: int) -> None:
     bm = flash.prefill_tile_m(d)
     n_qt, n_kt = -(-300 // bm), -(-1000 // bn)
     assert [w.nbytes for w in plan.workspaces] == ([n_qt * n_kt] if mask else [])
-    launches = plan.specs(fake_ptr, [BASE + 2**20] if mask else [])
+    launches = plan.specs(fake_ptr, [BASE + 2**20] if mask else [], FakeGuard())
     main = launches[-1]
     assert main.kernel == flash.prefill_kernel(d, kv) and main.kernel in specs.KERNEL_SOURCES[flash.PREFILL_CU]
     assert main.grid == (n_qt, 8, 1) and main.block == 128
@@ -709,7 +726,8 @@ def test_every_name_expression_is_declared_for_the_compile_test() -> None:
     for d, kv, tq in itertools.product(flash.HEAD_SIZES, flash.KV_TYPES, (1, 2, 5, 8, 9, 64)):
         if kv.startswith("q") and d % 32:
             continue  # block formats need rows of whole blocks
-        for spec in flash.flash_plan(fa(d, tq, 200, 8, 2, kv, mask=True), DEV).specs(fake_ptr, [BASE] * 3):
+        for spec in flash.flash_plan(fa(d, tq, 200, 8, 2, kv, mask=True), DEV).specs(fake_ptr, [BASE] * 3,
+                                                                                     FakeGuard()):
             assert spec.kernel in specs.KERNEL_SOURCES[spec.source]
 
 

@@ -35,6 +35,7 @@ from opdispatch.backends.cuda.devices import H200
 from opdispatch.backends.cuda.args import ArgGroup, KernelArgs
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.dtypes import dequantize, from_float
+from opdispatch.errors import DeviceIndexError
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_matmul import bind, fusion, specs, support
@@ -43,7 +44,7 @@ from opdispatch.plugins.cuda_matmul.specs.gemm import GemmSpec
 from opdispatch.tensor import Tensor
 from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
-from helpers import edge_cases, gate_up_glu, moe
+from helpers import FAKE_WORD, FakeGuard, edge_cases, gate_up_glu, moe, with_index_check_params
 
 gpu = pytest.mark.gpu
 
@@ -250,7 +251,7 @@ def test_stream_fused_glu_spec() -> None:
     y = _glu_graph("q4_0", n=2, kind="geglu", bias=True, k=4096)
     nodes = Graph.build(y).nodes
     prods, biases, glu = fusion.parts(nodes)
-    (spec,) = mmv.fused_specs(nodes, fake_ptr, fake_scratch, H200)
+    (spec,) = mmv.fused_specs(nodes, fake_ptr, fake_scratch, FakeGuard(), H200)
     assert spec.kernel == f"mmvq_stream<W_Q4_0, B_F32, 2, EPI_GLU, {specs.STREAM.stages}>"
     check_spec(spec)
     m = prods[0].shape[-1]
@@ -412,7 +413,8 @@ def test_fusion_parts_orders_gate_first() -> None:
 
 BASE = 0x7F00_0000_0000  # 256-byte aligned, as arena slots and buffers are
 C_TYPES = {"const u8*": np.uint64, "const float*": np.uint64, "const int*": np.uint64, "float*": np.uint64,
-           "int*": np.uint64, "u8*": np.uint64, "int": np.int32, "long long": np.int64, "float": np.float32}
+           "int*": np.uint64, "u8*": np.uint64, "unsigned long long*": np.uint64, "int": np.int32,
+           "unsigned": np.uint32, "long long": np.int64, "float": np.float32}
 
 
 SCRATCH = BASE + 2**40
@@ -428,7 +430,7 @@ def fake_scratch(role: str, nbytes: int) -> int:
 
 def kernel_params(source, name: str) -> list[tuple[str, type]]:  # noqa: ANN001
     """(name, numpy scalar type) of each of a kernel's parameters, read from its source."""
-    src = source.read_text()
+    src = with_index_check_params(source.read_text())
     m = re.search(rf"__global__ void __launch_bounds__\([\w:, ]+\)\s+{name}\((.*?)\)\s*\{{", src, re.S)
     assert m, f"{name} not found in {source}"
     params = [re.fullmatch(r"(.*?)\s*(\w+)", p.strip()).groups() for p in m.group(1).split(",")]
@@ -476,8 +478,8 @@ def test_mmv_spec_picks_the_variant(dt: str, a_shape: tuple, b_view: str | None,
     assert spec.kernel == kernel
     for sp in launches:
         check_spec(sp)
-    if kernel.startswith("mmvq_stream"):  # one launch, b quantized in shared memory
-        assert len(launches) == 1
+    if kernel.startswith("mmvq_stream"):  # one launch, b quantized in shared memory, no ids to check
+        assert len(launches) == 1 and int(spec.args.err_.word) == 0
         assert spec.block == 32 * specs.STREAM.warps
         assert spec.smem == stream.stream_smem(dt, k, n, specs.STREAM.warps, specs.STREAM.stages)
         assert spec.grid[1:] == (1, 1) and spec.grid[0] >= 1
@@ -528,14 +530,19 @@ def test_mmv_id_and_grouped_specs() -> None:
     experts = weight("e", (8, 32, 64), "q4_0")
     ids = od.input("ids", (1, 4), "i32")
     y = ops.mul_mat_id(experts, od.input("x", (1, 1, 64)), ids)
-    quant, spec = mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch)
+    guard = FakeGuard()
+    quant, spec = mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch, guard)
+    assert guard.uses == [(y, ids, 8, f"an expert of {experts.describe()}", "its output row is filled with NaN")]
+    assert (int(spec.args.err_.word), int(spec.args.err_.tag)) == (FAKE_WORD, 0)
     assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (1, 1)
     assert spec.kernel == "mmvq_id<W_Q4_0, EPI_NONE>" and spec.grid == (8, 4, 1)
     assert spec.block == 32 and spec.smem == 0
     check_spec(quant)
     check_spec(spec)
     y = ops.mul_mat_id(experts, od.input("x", (32, 1, 64)), od.input("ids", (32, 4), "i32"))
-    route, quant, grouped = mmv.grouped_specs(y, y, fake_ptr, fake_scratch)
+    route, quant, grouped = mmv.grouped_specs(y, y, fake_ptr, fake_scratch, guard)
+    assert (int(route.args.err_.word), int(route.args.err_.tag), int(route.args.E)) == (FAKE_WORD, 1, 8)
+    assert guard.uses[1][:3] == (y, y.srcs[2], 8)  # the route checks the ids; the grouped kernels read its table
     assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (32, 1)  # 32 tokens x 1 b row
     assert grouped.kernel == "mmvq_id_grouped<W_Q4_0, 8, EPI_NONE>" and grouped.grid == (8, 8)
     assert grouped.smem == 0
@@ -543,7 +550,7 @@ def test_mmv_id_and_grouped_specs() -> None:
     check_spec(grouped)
     ids = od.input("ids", (32, 4), "i32")
     y = ops.mul_mat_id(weight("e16", (8, 32, 64), "f16"), od.input("x", (32, 4, 64)), ids)
-    route, grouped = mmv.grouped_specs(y, y, fake_ptr, fake_scratch)
+    route, grouped = mmv.grouped_specs(y, y, fake_ptr, fake_scratch, FakeGuard())
     check_spec(route)
     check_spec(grouped)
     assert route.kernel == "moe_route" and route.grid == (1,) and route.smem == 2 * 4 * 8
@@ -560,15 +567,18 @@ def test_mmv_id_streams_block_formats(b_rows: int) -> None:
     x = od.input("x", (1, b_rows, 256))
     for ids, preload in ((od.input("ids", (1, 4), "i32"), 0), (od.param("ids", np.array([[3, 1, 7, 0]]), "i32"), 1)):
         y = ops.mul_mat_id(experts, x, ids)
-        (spec,) = mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch)
+        guard = FakeGuard()
+        (spec,) = mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch, guard)
         check_spec(spec)
         assert spec.kernel == "mmvq_stream<W_Q4_0, B_F32, 1, EPI_NONE, 2>" and spec.grid[1:] == (4, 1)
+        assert [u[:3] for u in guard.uses] == [(y, ids, 8)]
+        assert (int(spec.args.err_.word), int(spec.args.err_.tag)) == (FAKE_WORD, 0)
         args = spec.args
         assert (args.a_row, args.a_s2, args.N) == (8 * 18, 32 * 8 * 18, 1)
         assert args.b_s2 == (256 * 4 if b_rows > 1 else 0)
         assert (args.ids, args.E, args.preload) == (fake_ptr(ids), 8, preload)
     y = ops.mul_mat_id(weight("e", (8, 32, 96), "q4_0"), od.input("x", (1, 1, 96)), od.input("ids", (1, 4), "i32"))
-    assert [s.kernel.split("<")[0] for s in mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch)] == [
+    assert [s.kernel.split("<")[0] for s in mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch, FakeGuard())] == [
         "quantize_q8_1", "mmvq_id"]  # K % 256 != 0: two launches
 
 
@@ -966,7 +976,7 @@ def test_mmvq_stream_fused_glu(dt: str, n: int, bias: bool, rng) -> None:  # noq
         y = gate_up_glu(dt, m, k, n, bias, kind)
         nodes = Graph.build(y).nodes
         prods, biases, glu = fusion.parts(nodes)
-        (spec,) = mmv.fused_specs(nodes, fake_ptr, fake_scratch)
+        (spec,) = mmv.fused_specs(nodes, fake_ptr, fake_scratch, FakeGuard())
         assert spec.kernel.startswith("mmvq_stream<") and "EPI_GLU" in spec.kernel, spec.kernel
         feeds = feeds_for(y, rng)
         plan = od.compile(y, "cuda0")
@@ -996,12 +1006,16 @@ def test_mul_mat_id(dt: str, n_exp: int, used: int, n_tok: int, rng) -> None:  #
 @pytest.mark.parametrize("k", [96, 256])
 @pytest.mark.parametrize("dt", ["f16", "q4_0", "q8_0"])
 def test_mul_mat_id_expert_out_of_range_writes_nan(dt: str, k: int, rng) -> None:  # noqa: ANN001
-    """One token: an id outside [0, E) gives its slot NaN rows (the reference raises), the others are right."""
+    """One token: an id outside [0, E) gives its slot NaN rows and raises DeviceIndexError at the run (the
+    reference raises IndexError), the other slots are right."""
     y = ops.mul_mat_id(od.input("experts", (8, 40, k), dt), od.input("b", (1, 1, k)), od.input("ids", (1, 3), "i32"))
     feeds = feeds_for(y, rng, 8)
     ids = next(t for t in feeds if t.dtype.name == "i32")
     _, got, ref = run_both(y, {**feeds, ids: np.array([[5, 0, 2]], np.int32)}, "mmv_id")
-    (bad,) = od.compile(y, "cuda0").run({**feeds, ids: np.array([[5, -1, 2]], np.int32)})
+    plan = od.compile(y, "cuda0")
+    with pytest.raises(DeviceIndexError, match=r"index -1 at ids\[0, 1\] .* outside \[0, 8\)"):
+        plan.run({**feeds, ids: np.array([[5, -1, 2]], np.int32)})
+    bad = plan.read(y)
     assert np.isnan(bad[0, 1]).all(), f"mul_mat_id as={dt} k={k}: slot 1 (expert -1) not NaN"
     assert_close(bad[0, [0, 2]], ref[0, [0, 2]], f"mul_mat_id as={dt} k={k}: the valid slots")
 

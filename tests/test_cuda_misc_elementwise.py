@@ -37,7 +37,7 @@ from opdispatch.plugins.cuda_misc.specs import elementwise as ew
 from opdispatch.tensor import Tensor
 from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
-from helpers import edge_cases
+from helpers import FAKE_WORD, FakeGuard, edge_cases, with_index_check_params
 
 gpu = pytest.mark.gpu
 
@@ -345,12 +345,12 @@ def fake_ptr(t: Tensor) -> int:
     return BASE + t.view_offset
 
 
-C_TYPES = {"int": np.int32, "long long": np.int64, "float": np.float32}
+C_TYPES = {"int": np.int32, "unsigned": np.uint32, "long long": np.int64, "float": np.float32}
 
 
 def kernel_param_types(source: Path, name: str) -> list[type]:
     """numpy scalar types of a kernel's parameters, read from its .cu source (pointers: np.uint64)."""
-    m = re.search(rf"__global__ void {name}\((.*?)\)\s*\{{", source.read_text(), re.S)
+    m = re.search(rf"__global__ void {name}\((.*?)\)\s*\{{", with_index_check_params(source.read_text()), re.S)
     assert m, f"{name} not found in {source}"
     types = []
     for p in m.group(1).split(","):
@@ -514,11 +514,15 @@ def test_multi_add_spec(n_adds: int) -> None:
 
 def test_add_id_spec() -> None:
     a = od.input("a", (3, 2, 16))
-    y = ops.add_id(a, od.input("b", (5, 16), "f16"), od.input("ids", (3, 2), "i32"))
-    spec = ew.add_id_spec(y, fake_ptr, 132)
+    b, ids = od.input("b", (5, 16), "f16"), od.input("ids", (3, 2), "i32")
+    y = ops.add_id(a, b, ids)
+    guard = FakeGuard()
+    spec = ew.add_id_spec(y, fake_ptr, guard, 132)
     check_spec(spec)
     assert spec.kernel == "add_id<float, od::f16>"
     assert fields(spec, "n_t", "n_u", "n_c", "n_e") == [3, 2, 16, 5]
+    assert guard.uses == [(y, ids, 5, f"a bias row of {b.describe()}", "its output row is filled with NaN")]
+    assert (int(spec.args.err_.word), int(spec.args.err_.tag)) == (FAKE_WORD, 0)
 
 
 def test_empty_tensors_launch_nothing() -> None:

@@ -30,7 +30,7 @@ from opdispatch.plugins.cuda_misc import fusion
 from opdispatch.plugins.cuda_misc.specs import KERNEL_SOURCES, layout, reduce, rows, sort
 from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
-from helpers import edge_cases
+from helpers import FAKE_WORD, FakeGuard, edge_cases
 
 #: a GPU whose blocks get 48 KiB of shared memory, opted in or not: sort chunks of 4096 keys
 DEV = Device("cuda0", "cuda", props={"cc": (9, 0), "sm_count": 132, "smem_per_block": 49152,
@@ -278,6 +278,19 @@ def test_greedy_pick_fuses_the_tail(b: int, idx: str) -> None:
     assert [f.kernel for f in plan.fusions] == ["greedy_pick"] and len(kernel_steps(plan)) == 1
 
 
+def test_greedy_pick_spec_checks_the_log_rows() -> None:
+    """The fused pick's set_rows row ids are checked against the log's rows; the unfused argmax reads none."""
+    graph = od.Graph.build(_greedy_tail(3, 32000))
+    log = graph.nodes[-1]
+    guard = FakeGuard()
+    (s,) = reduce.greedy_specs(graph.nodes, addresses(), guard, (1 << 30, 1 << 31), 132)
+    assert guard.uses == [(log, log.srcs[2], 17 * 8, f"a row of {log.srcs[0].describe()}", "that row is not written")]
+    assert (int(s.args.err_.word), int(s.args.err_.tag), int(s.args.log_rows)) == (FAKE_WORD, 0, 17 * 8)
+    picked = graph.nodes[0]
+    (s,) = reduce.argmax_split_specs(picked.srcs[0], picked, addresses(), (1 << 30, 1 << 31), 132)
+    assert int(s.args.err_.word) == 0
+
+
 def _unfused_reason(outs: Sequence[od.Tensor]) -> str:
     plan = od.compile(list(outs), DEV)
     assert not plan.fusions, plan.explain()
@@ -393,7 +406,7 @@ def test_every_kernel_a_bind_names_is_compiled() -> None:
         node = step.nodes[-1]
         for ptr in ptrs:
             if step.kernel == "greedy_pick":
-                _names_in_sources(reduce.greedy_specs(step.nodes, ptr, (1 << 30, 1 << 31), 132))
+                _names_in_sources(reduce.greedy_specs(step.nodes, ptr, FakeGuard(), (1 << 30, 1 << 31), 132))
             elif step.kind == "fused":
                 _names_in_sources(sort.moe_specs(step.nodes, ptr))
             elif step.kernel == "argmax_split":
@@ -401,9 +414,9 @@ def test_every_kernel_a_bind_names_is_compiled() -> None:
             elif node.op in ("cpy", "dup", "cont"):
                 _names_in_sources(rows.copy_specs(node.srcs[0], node, ptr, 132))
             elif node.op == "get_rows":
-                _names_in_sources(rows.get_rows_specs(node, ptr))
+                _names_in_sources(rows.get_rows_specs(node, ptr, FakeGuard()))
             elif node.op == "set_rows":
-                _names_in_sources(rows.set_rows_specs(node, ptr))
+                _names_in_sources(rows.set_rows_specs(node, ptr, FakeGuard()))
             elif node.op == "argsort":
                 _names_in_sources(sort.argsort_specs(node, ptr, sort.chunk_limit(DEV)))
             elif node.op == "top_k":
@@ -451,19 +464,46 @@ def test_row_tiling_writes_every_value_once(rows_: int, cols: int, pack: int) ->
 def test_row_specs_pick_vector_packs() -> None:
     table = od.input("t", (100, 96), "f16")
     node = ops.get_rows(table, od.input("i", (7,), "i32"))
-    (s,) = rows.get_rows_specs(node, addresses())
+    (s,) = rows.get_rows_specs(node, addresses(), FakeGuard())
     assert s.kernel == "get_rows<od::f16, float, true>" and s.block == rows.ROW_THREADS
     assert s.grid == (1, 1) and int(s.args.tpr_log2) == 3  # 24 packs of 4: 8 threads per row, 32 rows per block
-    (s,) = rows.get_rows_specs(node, addresses(misalign=2))
+    (s,) = rows.get_rows_specs(node, addresses(misalign=2), FakeGuard())
     assert s.kernel == "get_rows<od::f16, float, false>"
     strided = ops.get_rows(od.input("a", (64, 10), "f16").T, od.input("j", (3,), "i32"))
-    assert rows.get_rows_specs(strided, addresses())[0].kernel == "get_rows<od::f16, float, false>"
+    assert rows.get_rows_specs(strided, addresses(), FakeGuard())[0].kernel == "get_rows<od::f16, float, false>"
     cache = od.state("kv", (64, 1024), "f16")
     put = ops.set_rows(cache, od.input("s", (8, 1024)), od.input("r", (8,), "i64"))
-    (s,) = rows.set_rows_specs(put, addresses())
+    (s,) = rows.set_rows_specs(put, addresses(), FakeGuard())
     assert s.kernel == "set_rows<od::f16, long long, true>" and s.grid == (2, 1) and int(s.args.tpr_log2) == 6
     odd = ops.set_rows(od.state("kv2", (64, 1022), "f16"), od.input("s2", (8, 1022)), od.input("r2", (8,), "i32"))
-    assert rows.set_rows_specs(odd, addresses())[0].kernel == "set_rows<od::f16, int, false>"
+    assert rows.set_rows_specs(odd, addresses(), FakeGuard())[0].kernel == "set_rows<od::f16, int, false>"
+
+
+@pytest.mark.parametrize("table", ["f16", "i32", "q8_0"])
+def test_get_rows_specs_check_the_row_ids(table: str) -> None:
+    """The spec passes the error word and a tag registered for (node, idx, the table's rows); the kernel's
+    bound is the same row count."""
+    a = od.input("t", (2, 100, 64), table)
+    idx = od.input("i", (2, 7), "i32")
+    node = ops.get_rows(a, idx)
+    guard = FakeGuard()
+    (s,) = rows.get_rows_specs(node, addresses(), guard)
+    (use,) = guard.uses
+    assert use[:3] == (node, idx, 100) and "'t'" in use[3]
+    assert use[4] == ("its output row is filled with 0" if table == "i32" else "its output row is filled with NaN")
+    assert (int(s.args.err_.word), int(s.args.err_.tag), int(s.args.arows)) == (FAKE_WORD, 0, 100)
+    assert s.arg_values[-2:] == (np.uint64(FAKE_WORD), np.uint32(0))  # the kernels' last two parameters
+
+
+@pytest.mark.parametrize("dst", ["f32", "q8_0"])
+def test_set_rows_specs_check_the_row_ids(dst: str) -> None:
+    cache = od.state("kv", (2, 64, 64), dst)
+    idx = od.input("r", (1, 8), "i64")  # tiles over dst's 2 batches
+    put = ops.set_rows(cache, od.input("s", (2, 8, 64)), idx)
+    guard = FakeGuard()
+    (s,) = rows.set_rows_specs(put, addresses(), guard)
+    assert guard.uses == [(put, idx, 64, f"a row of {cache.describe()}", "that row is not written")]
+    assert (int(s.args.err_.word), int(s.args.err_.tag), int(s.args.drows)) == (FAKE_WORD, 0, 64)
 
 
 def test_long_argsort_merges_level_by_level() -> None:

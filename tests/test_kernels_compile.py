@@ -33,10 +33,11 @@ COMMON_PROBE = r"""
 
 template <int BLOCK>
 __global__ void probe(const od::f16* h, const od::bf16* b, od::f16* ho, od::bf16* bo, float* out,
-                      unsigned char* raw) {
+                      unsigned char* raw, OD_INDEX_CHECK_PARAMS) {
     od::grid_enter();
     const int i = threadIdx.x;
     float v = od::load(h + i) + od::load(b + i) + od::load(reinterpret_cast<const float*>(out) + i);
+    v += od::index_ok(i - 1, 32, err_word, err_tag, i) ? 0.0f : 1.0f;
     v += od::to_f32(h[i]) + od::to_f32(b[i]) + od::to_f32(i) + od::to_f32(v);
     float lo, hi, blo, bhi;
     od::unpack_f16x2(od::ld32_2(raw + 2 * i), lo, hi);

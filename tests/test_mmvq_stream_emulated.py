@@ -10,7 +10,9 @@ inline PTX (f16 conversions, cp.async) swapped for host functions (tests/cuda_em
 Results are compared with the numpy reference by NMSE (mul_mat's bound, 5e-4) and, where b is a
 plain f32 input, with the reference run on b rounded to q8_1 in numpy (quantize_q8_1's float32
 math) by NMSE 1e-8: the kernel's only departure from the reference is that rounding (ggml's too),
-so anything else shows. On the H200 the same shapes run in test_cuda_matmul.py.
+so anything else shows. mul_mat_id's expert ids are checked against an error word in the emulated
+memory (common.cuh's od::index_ok): zero after good ids, the first bad id's tag, position and value
+after a bad one. On the H200 the same shapes run in test_cuda_matmul.py.
 
 Skipped without g++ 12 or newer (C++20 <barrier>, _Float16).
 """
@@ -33,7 +35,7 @@ from opdispatch.plugins.cuda_matmul import fusion, specs
 from opdispatch.plugins.cuda_matmul.specs import mmv, stream
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, gxx_major, q8_1_reference, write_headers
+from cuda_emu.hostcode import EMU, Arena, gxx_major, q8_1_reference, write_headers
 from helpers import gate_up_glu, moe
 
 NMSE_MAX = 5e-4
@@ -115,32 +117,10 @@ def _nodes(y: Tensor) -> list[Tensor]:
     return [n for n in Graph.build(y).nodes if n.op not in VIEWS]
 
 
-class Arena:
-    """Device memory as one byte array: tensors at 256-byte aligned offsets from 256 (0 is nullptr)."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.mem = np.zeros(nbytes, np.uint8)
-        self.top = 256
-        self.where: dict[int, int] = {}
-
-    def place(self, t: Tensor, data: np.ndarray | None) -> None:
-        b = t.base
-        if b.uid in self.where:
-            return
-        at = self.where[b.uid] = self.top
-        self.top = (self.top + b.nbytes + 255) // 256 * 256
-        self.mem[at:at + b.nbytes] = np.ascontiguousarray(data).view(np.uint8).reshape(-1) if data is not None else 0xFF
-
-    def ptr(self, t: Tensor) -> int:
-        return self.where[t.base.uid] + t.view_offset
-
-    def scratch(self, role: str, nbytes: int) -> int:
-        raise AssertionError("mmvq_stream takes no scratch buffer")
-
-
 def _specs(y: Tensor, arena: Arena, cfg: specs.StreamConfig) -> list[KernelSpec]:
     nodes = _nodes(y)
-    make = mmv.mmv_specs if nodes[0].op == "mul_mat" else mmv.mmv_id_specs
+    make = (mmv.mmv_specs if nodes[0].op == "mul_mat"
+            else lambda *a, **kw: mmv.mmv_id_specs(*a, arena.guard, **kw))
     if len(nodes) == 1:
         return make(nodes[0], nodes[0], arena.ptr, arena.scratch, device=DEVICE, stream=cfg)
     graph = Graph.build(y)
@@ -184,9 +164,9 @@ def _feeds(y: Tensor, rng: np.random.Generator) -> dict[Tensor, np.ndarray]:
 
 
 def _emulate(y: Tensor, feeds: dict, cfg: specs.StreamConfig, eager: bool, emulator: Path, tmp_path: Path
-             ) -> tuple[np.ndarray, str]:
+             ) -> tuple[np.ndarray, str, np.ndarray]:
     """The output of the one mmvq_stream launch the plugin binds for `y` (its memory poisoned first), run
-    by the emulator, and a description of the launch."""
+    by the emulator, a description of the launch and the error word after it."""
     graph = Graph.build(y)
     arena = Arena(sum(t.base.nbytes + 256 for t in (*graph.leafs, *graph.nodes)) + 4096)
     for leaf in graph.leafs:
@@ -209,7 +189,8 @@ def _emulate(y: Tensor, feeds: dict, cfg: specs.StreamConfig, eager: bool, emula
     out = _nodes(y)[-1]
     at = arena.ptr(out)
     got = mem[at:at + out.nbytes].view(np.float32).reshape(out.shape)
-    return got, f"{spec.kernel} grid {spec.grid} block {spec.block} smem {spec.smem}"
+    word = np.array(arena.word(mem))
+    return got, f"{spec.kernel} grid {spec.grid} block {spec.block} smem {spec.smem}", word
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -217,9 +198,10 @@ def test_mmvq_stream_emulated(case: str, emulator: Path, tmp_path: Path, rng) ->
     make, cfg, eager = CASES[case]
     y = make()
     feeds = _feeds(y, rng)
-    got, launch = _emulate(y, feeds, cfg, eager, emulator, tmp_path)
+    got, launch, word = _emulate(y, feeds, cfg, eager, emulator, tmp_path)
     (ref,) = od.compile(y, "cpu").run(feeds)
     what = f"{case}: {launch}"
+    assert not word.any(), f"{what}: error word {word} set by valid ids"
     assert np.isfinite(got).all(), f"{what}: non-finite outputs (unwritten, or read before landing)"
     assert nmse(got, ref) <= NMSE_MAX, f"{what}: NMSE {nmse(got, ref):.3g}"
     b = _nodes(y)[0].srcs[1]
@@ -228,16 +210,22 @@ def test_mmvq_stream_emulated(case: str, emulator: Path, tmp_path: Path, rng) ->
         assert nmse(got, model) <= NMSE_Q8_1, f"{what}: NMSE {nmse(got, model):.3g} against b rounded to q8_1"
 
 
-def test_mul_mat_id_expert_out_of_range_writes_nan(emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
-    """An id outside [0, E) gives its slot NaN rows (the CPU reference raises); the other slots are right."""
+@pytest.mark.parametrize(("bad", "slot"), [([5, 8, 2], 1), ([-1, 3, 2], 0), ([5, 0, -2**31], 2)])
+def test_mul_mat_id_expert_out_of_range_writes_nan(bad: list[int], slot: int, emulator: Path, tmp_path: Path,
+                                                   rng) -> None:  # noqa: ANN001
+    """An id outside [0, E) gives its slot NaN rows (the CPU reference raises) and sets the error word to
+    (tag + 1, its position, its value); the other slots are right."""
     y = moe("q4_0", 8, 45, 512, 1, 3, False, False)
     feeds = _feeds(y, rng)
     ids = next(t for t in feeds if t.dtype.is_int)
-    feeds[ids] = np.array([[5, 8, 2]], np.int32)
-    got, launch = _emulate(y, feeds, DEFAULT, False, emulator, tmp_path)
-    (ref,) = od.compile(y, "cpu").run({**feeds, ids: np.array([[5, 0, 2]], np.int32)})
-    assert np.isnan(got[0, 1]).all(), f"{launch}: slot 1 (expert 8 of 8) not NaN"
-    assert nmse(got[0, [0, 2]], ref[0, [0, 2]]) <= NMSE_MAX, f"{launch}: the valid slots"
+    feeds[ids] = np.array([bad], np.int32)
+    got, launch, word = _emulate(y, feeds, DEFAULT, False, emulator, tmp_path)
+    good = [e if i != slot else 0 for i, e in enumerate(bad)]
+    (ref,) = od.compile(y, "cpu").run({**feeds, ids: np.array([good], np.int32)})
+    assert np.isnan(got[0, slot]).all(), f"{launch}: slot {slot} (expert {bad[slot]} of 8) not NaN"
+    others = [i for i in range(3) if i != slot]
+    assert nmse(got[0, others], ref[0, others]) <= NMSE_MAX, f"{launch}: the valid slots"
+    assert list(word) == [Arena.TAG + 1, slot, bad[slot], 0]
 
 
 def test_nan_in_b_gives_its_column_nan_rows(emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
@@ -247,7 +235,7 @@ def test_nan_in_b_gives_its_column_nan_rows(emulator: Path, tmp_path: Path, rng)
     feeds = _feeds(y, rng)
     b = _nodes(y)[0].srcs[1]
     feeds[b][1, 1000] = np.nan
-    got, launch = _emulate(y, feeds, DEFAULT, False, emulator, tmp_path)
+    got, launch, _ = _emulate(y, feeds, DEFAULT, False, emulator, tmp_path)
     (ref,) = od.compile(y, "cpu").run(feeds)
     assert np.isnan(ref[1]).all()
     assert np.isnan(got[1]).all(), f"{launch}: {np.isfinite(got[1]).sum()} finite outputs in b's NaN column"

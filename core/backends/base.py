@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import LaunchError
+from ..errorword import IndexTable
 from ..hookspecs import Device, Launch
 from ..tensor import Tensor
 
@@ -69,8 +70,9 @@ class Backend(Protocol):
     def fill(self, buf: Buffer, byte: int) -> None:
         """Set every byte of `buf` (tests poison outputs with it)."""
 
-    def bind_context(self, where: Callable[[Tensor], tuple[Buffer, int]]) -> BindContext:
-        """A context that resolves tensors to (buffer, byte offset) through `where`."""
+    def bind_context(self, where: Callable[[Tensor], tuple[Buffer, int]], checks: IndexTable) -> BindContext:
+        """A context that resolves tensors to (buffer, byte offset) through `where`; device kernels that
+        read indices register them in `checks`, the plan's table (opdispatch.errorword)."""
 
     def executor(self, launches: list[tuple[str, Launch]]) -> Callable[[], None]:
         """Something that runs the launches in order (CUDA: captured and replayed).

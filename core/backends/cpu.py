@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 
 from ..errors import OutOfMemory
+from ..errorword import IndexTable
 from ..hookspecs import Device, Launch
 from ..tensor import Tensor
 from .base import bytes_text, host_free_memory, run_launches
@@ -87,8 +88,8 @@ class HostBackend:
     def fill(self, buf: HostBuffer, byte: int) -> None:
         buf.data.fill(byte)
 
-    def bind_context(self, where: Callable[[Tensor], tuple[HostBuffer, int]]) -> HostContext:
-        return HostContext(self.device, self, where)
+    def bind_context(self, where: Callable[[Tensor], tuple[HostBuffer, int]], checks: IndexTable) -> HostContext:
+        return HostContext(self.device, self, where)  # the reference kernels check indices themselves
 
     def executor(self, launches: list[tuple[str, Launch]]) -> Callable[[], None]:
         launches = list(launches)

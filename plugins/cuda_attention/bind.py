@@ -28,11 +28,13 @@ def bind_rope(ctx: CudaContext, node: Tensor) -> Launch:
 
 
 def bind_rope_set_rows(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
-    return launch_specs(ctx.stream, rope_set_rows_specs(*fusion.parts(nodes), ctx.ptr, facts(ctx.device)))
+    return launch_specs(ctx.stream, rope_set_rows_specs(*fusion.parts(nodes), ctx.ptr, ctx.index_check,
+                                                        facts(ctx.device)))
 
 
 def bind_rope_qkv_set_rows(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
-    return launch_specs(ctx.stream, rope_qkv_specs(*fusion.qkv_parts(nodes), ctx.ptr, facts(ctx.device)))
+    return launch_specs(ctx.stream, rope_qkv_specs(*fusion.qkv_parts(nodes), ctx.ptr, ctx.index_check,
+                                                   facts(ctx.device)))
 
 
 def bind_flash_attn_ext(ctx: CudaContext, node: Tensor) -> Launch:
@@ -45,4 +47,4 @@ def bind_qkv_flash_attn_ext(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch
 
 def _bind_flash(ctx: CudaContext, plan: FlashPlan) -> Launch:
     bufs = ctx.backend.scratch.take_all(plan.workspaces)
-    return launch_specs(ctx.stream, plan.specs(ctx.ptr, [buf.ptr for buf in bufs]), bufs)
+    return launch_specs(ctx.stream, plan.specs(ctx.ptr, [buf.ptr for buf in bufs], ctx.index_check), bufs)

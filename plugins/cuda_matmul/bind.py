@@ -72,15 +72,16 @@ def bind_out_prod(ctx: CudaContext, node: Tensor) -> Launch:
 
 
 def bind_mmv_id(ctx: CudaContext, node: Tensor) -> Launch:
-    return _bind(ctx, node, lambda scratch: mmv_id_specs(node, node, ctx.ptr, scratch, device=ctx.device))
+    return _bind(ctx, node, lambda scratch: mmv_id_specs(node, node, ctx.ptr, scratch, ctx.index_check,
+                                                         device=ctx.device))
 
 
 def bind_mmv_id_grouped(ctx: CudaContext, node: Tensor) -> Launch:
-    return _bind(ctx, node, lambda scratch: grouped_specs(node, node, ctx.ptr, scratch))
+    return _bind(ctx, node, lambda scratch: grouped_specs(node, node, ctx.ptr, scratch, ctx.index_check))
 
 
 def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
-    return _bind(ctx, nodes[-1], lambda scratch: fused_specs(nodes, ctx.ptr, scratch, ctx.device))
+    return _bind(ctx, nodes[-1], lambda scratch: fused_specs(nodes, ctx.ptr, scratch, ctx.index_check, ctx.device))
 
 
 #: (op, path name, bind) of every Kernel record, in the order they are asked

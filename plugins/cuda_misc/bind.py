@@ -1,5 +1,6 @@
 """cuda_misc's binds: a node's (or fused group's) specs made into one pre-bound launch on the context's
-stream, with the device's facts and, for argmax_split, scratch from the backend's pool.
+stream, with the device's facts, the plan's index checks (`ctx.index_check`: get_rows, set_rows, add_id,
+the greedy pick) and, for argmax_split, scratch from the backend's pool.
 
 The only module of the plugin that touches a `CudaContext`; what each launch is, is decided by the
 pure functions of `specs`.
@@ -48,7 +49,7 @@ def bind_binary(ctx: CudaContext, node: Tensor) -> Launch:
 
 
 def bind_add_id(ctx: CudaContext, node: Tensor) -> Launch:
-    return launch_specs(ctx.stream, [add_id_spec(node, ctx.ptr, facts(ctx.device).sm_count)])
+    return launch_specs(ctx.stream, [add_id_spec(node, ctx.ptr, ctx.index_check, facts(ctx.device).sm_count)])
 
 
 def bind_map(ctx: CudaContext, node: Tensor) -> Launch:
@@ -82,11 +83,11 @@ def bind_copy(ctx: CudaContext, node: Tensor) -> Launch:
 
 
 def bind_get_rows(ctx: CudaContext, node: Tensor) -> Launch:
-    return launch_specs(ctx.stream, get_rows_specs(node, ctx.ptr))
+    return launch_specs(ctx.stream, get_rows_specs(node, ctx.ptr, ctx.index_check))
 
 
 def bind_set_rows(ctx: CudaContext, node: Tensor) -> Launch:
-    return launch_specs(ctx.stream, set_rows_specs(node, ctx.ptr))
+    return launch_specs(ctx.stream, set_rows_specs(node, ctx.ptr, ctx.index_check))
 
 
 # -- argmax_split: scratch from the pool ------------------------------------------------------------------
@@ -106,7 +107,7 @@ def bind_argmax_split(ctx: CudaContext, node: Tensor) -> Launch:
 
 
 def bind_greedy_pick(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
-    return _split(ctx, nodes[0].srcs[0], lambda ws, sms: greedy_specs(nodes, ctx.ptr, ws, sms))
+    return _split(ctx, nodes[0].srcs[0], lambda ws, sms: greedy_specs(nodes, ctx.ptr, ctx.index_check, ws, sms))
 
 
 # -- sorting -------------------------------------------------------------------------------------------------

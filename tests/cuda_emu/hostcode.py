@@ -4,6 +4,7 @@ common.cuh's inline PTX is swapped for shim.h's host functions, each swap assert
 edit of the PTX fails here by name instead of compiling something else; the other shared headers
 (activations.cuh, quant.cuh) hold no PTX and are copied as they are. q8_1_reference is quant.cuh's
 q8_1 rounding in numpy float32, which both the header test and the mmvq_stream emulation check.
+`Arena` is the emulated device memory the kernel emulations share, with an error word.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+
+from opdispatch.backends.cuda.args import IndexCheck
+from opdispatch.tensor import Tensor
 
 ROOT = Path(__file__).resolve().parents[2]
 INCLUDE = ROOT / "core" / "backends" / "cuda"
@@ -70,3 +74,43 @@ def q8_1_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d = amax / np.float32(127)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0))
     return np.rint(v * inv.astype(np.float32)).astype(np.int32), d[..., 0]
+
+
+class Arena:
+    """Device memory as one byte array: tensors at 256-byte aligned offsets from 512 (0 is nullptr), and an
+    error word (4 u64, zeroed) at 256, which `guard` (a spec's Guard) hands out under tag TAG."""
+
+    TAG = 7
+
+    def __init__(self, nbytes: int) -> None:
+        self.mem = np.zeros(nbytes + 512, np.uint8)
+        self.word_at = 256
+        self.top = 512
+        self.where: dict[int, int] = {}
+
+    def place(self, t: Tensor, data: np.ndarray | None) -> None:
+        """t's base at the next free offset, holding `data` (raw or typed), or poisoned (0xFF) without."""
+        b = t.base
+        if b.uid in self.where:
+            return
+        at = self.where[b.uid] = self.top
+        self.top = (self.top + b.nbytes + 255) // 256 * 256
+        self.mem[at:at + b.nbytes] = np.ascontiguousarray(data).view(np.uint8).reshape(-1) if data is not None else 0xFF
+
+    def ptr(self, t: Tensor) -> int:
+        return self.where[t.base.uid] + t.view_offset
+
+    def bytes_of(self, t: Tensor, mem: np.ndarray | None = None) -> np.ndarray:
+        """t's base's bytes in `mem` (the arena's own by default)."""
+        at = self.where[t.base.uid]
+        return (self.mem if mem is None else mem)[at:at + t.base.nbytes]
+
+    def word(self, mem: np.ndarray | None = None) -> list[int]:
+        """The error word in `mem` (the arena's own by default): [tag + 1, position, value, spare], signed."""
+        return [int(v) for v in (self.mem if mem is None else mem)[self.word_at:self.word_at + 32].view(np.int64)]
+
+    def guard(self, node: Tensor, index: Tensor, bound: int, what: str, instead: str) -> IndexCheck:
+        return IndexCheck(self.word_at, self.TAG)
+
+    def scratch(self, role: str, nbytes: int) -> int:
+        raise AssertionError("the emulated kernels take no scratch buffer")

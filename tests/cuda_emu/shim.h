@@ -1,5 +1,6 @@
-// Host emulation of the CUDA subset that cuda_matmul's mmvq_stream.cu and the shared headers
-// (common.cuh, quant.cuh) use, for tests/test_mmvq_stream_emulated.py and tests/test_quant_header.py:
+// Host emulation of the CUDA subset that cuda_matmul's mmvq_stream.cu, cuda_misc's row kernels and the
+// shared headers (common.cuh, quant.cuh) use, for tests/test_mmvq_stream_emulated.py,
+// tests/test_rows_emulated.py and tests/test_quant_header.py:
 // one std::thread per CUDA thread, std::barrier for __syncthreads / __syncwarp / shuffles, and
 // cp.async performed at wait_group time (lazy) or at issue (eager), so that a read of a stage
 // before its wait sees the poisoned (0xFF) shared memory instead of the weights. Shared addresses
@@ -19,6 +20,7 @@
 #define __device__
 #define __global__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
 #define __shared__
 #define __launch_bounds__(...)
 
@@ -51,6 +53,8 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline int __float2int_rn(float x) { return (int)nearbyintf(x); }
+inline int __float2int_rz(float x) { return x != x ? 0 : (int)x; }  // NaN: 0, as cvt.rzi
+inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 inline float __int2float_rn(int x) { return (float)x; }
 inline unsigned __funnelshift_rc(unsigned lo, unsigned hi, unsigned sh) {
     sh = sh > 32 ? 32 : sh;
@@ -76,6 +80,12 @@ inline void __syncthreads() { emu_ctx->block_bar->arrive_and_wait(); }
 // common.cuh's od::last_block (not called by mmvq_stream, but compiled with the header)
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+// common.cuh's od::index_ok: the error word, set once
+inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long expected, unsigned long long v) {
+    std::atomic_ref<unsigned long long>(*p).compare_exchange_strong(expected, v);
+    return expected;  // the old value, whether swapped or not
+}
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_ctx->warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
 
 template <class T>

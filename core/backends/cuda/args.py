@@ -18,10 +18,13 @@ parameter list and checks each record against it.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 import attrs
 import numpy as np
+
+if TYPE_CHECKING:
+    from ...tensor import Tensor
 
 
 def _checked(dtype: type[np.generic], c_name: str) -> Any:
@@ -129,6 +132,28 @@ class Shape4(ArgGroup):
     s3: np.int64 = i64()
 
 
+@attrs.frozen
+class IndexCheck(ArgGroup):
+    """`OD_INDEX_CHECK_PARAMS` (common.cuh), the last parameters of a kernel that reads indices from data:
+    the plan's error word on the device (0: checking off) and the tag of this use of an index tensor
+    (opdispatch.errorword). A record declares it as its field `err_` (C names `err_word`, `err_tag`)."""
+
+    word: np.uint64 = ptr()
+    tag: np.uint32 = u32()
+
+
+#: a kernel launched in a mode that reads no index (mmvq_stream for mul_mat), or with checking off
+UNCHECKED = IndexCheck(0, 0)
+
+#: guard(node, index, bound, what, instead): the IndexCheck of a launch of `node` whose kernel reads
+#: `index`'s values as indices into [0, bound) (`what` they pick, what it does `instead` with a bad
+#: one): a bind's `ctx.index_check`, which registers the use in the plan's table; tests pass fakes.
+Guard = Callable[["Tensor", "Tensor", int, str, str], IndexCheck]
+#: what the kernels do `instead` with a bad index
+NOT_WRITTEN = "that row is not written"
+NAN_ROW = "its output row is filled with NaN"
+
+
 def _values(v: Any) -> tuple[np.generic, ...]:
     return v.values() if isinstance(v, ArgGroup) else (v,)
 
@@ -154,5 +179,6 @@ def instance(kernel: str, *params: bool | int | str) -> str:
     return f"{kernel}<{', '.join(cpp(p) for p in params)}>" if params else kernel
 
 
-__all__: Sequence[str] = ["ArgGroup", "KernelArgs", "Shape4", "ptr", "i32", "u32", "i64", "u64", "f32", "f64",
+__all__: Sequence[str] = ["ArgGroup", "KernelArgs", "Shape4", "IndexCheck", "UNCHECKED", "Guard", "NOT_WRITTEN",
+                          "NAN_ROW", "ptr", "i32", "u32", "i64", "u64", "f32", "f64",
                           "boolean", "cpp", "instance"]

@@ -8,7 +8,8 @@ returns once the bytes are on the device, `read` sees all work queued before
 it. Kernel failures are asynchronous; `synchronize` (and `read`) name the
 segments that ran since the last wait. `upload` / `download` (with pinned
 `staging` memory) are the asynchronous transfers Plan.run uses instead: see
-the comment above them.
+the comment above them. Kernels that read indices from data record the first
+bad one in their plan's `error_word` (host-mapped memory: opdispatch.errorword).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from typing import Any, Callable, Hashable
 import attrs
 import numpy as np
 
+from ...errors import LaunchError, OutOfMemory
+from ...errorword import ErrorWord, IndexTable, IndexUse
 from ...hookspecs import Device, Launch
 from ...tensor import Tensor
-from ...errors import LaunchError, OutOfMemory
 from ..base import bytes_text, host_free_memory
+from .args import UNCHECKED, IndexCheck
 from .graphs import GraphRunner, graphs_enabled, stream_capture
 from .kernels import EMPTY
 from .scratch import ScratchPool
@@ -56,15 +59,26 @@ class CudaBuffer:
 
 @attrs.define(eq=False)
 class CudaContext:
-    """What a kernel's bind sees on a GPU: addresses, CuPy views, the stream to launch on."""
+    """What a kernel's bind sees on a GPU: addresses, CuPy views, the stream to launch on, the
+    plan's table of index checks."""
 
     device: Device
     backend: CudaBackend
     where: Callable[[Tensor], tuple[CudaBuffer, int]]
+    checks: IndexTable
 
     @property
     def stream(self) -> Any:
         return self.backend.stream
+
+    def index_check(self, node: Tensor, index: Tensor, bound: int, what: str, instead: str) -> IndexCheck:
+        """The IndexCheck of a launch of `node` whose kernel reads `index`'s values as indices into
+        [0, bound) (args.Guard): the plan's error word on this GPU and the tag of this use, registered
+        in the plan's table; UNCHECKED where OPDISPATCH_CHECK_INDICES=0."""
+        if not self.checks.enabled:
+            return UNCHECKED
+        word = self.checks.word(self.device.name, self.backend.error_word)
+        return IndexCheck(word.device_ptr, self.checks.register(IndexUse(node, index, bound, what, instead)))
 
     def ptr(self, t: Tensor) -> int:
         buf, offset = self.where(t)
@@ -218,6 +232,19 @@ class CudaBackend:
                 (buf.mem + offset).copy_to_host_async(ctypes.c_void_p(host.ctypes.data + host_offset), nbytes,
                                                       self.stream)
 
+    def error_word(self) -> ErrorWord:
+        """A new error word (opdispatch.errorword): 4 u64 of pinned, host-mapped memory, zeroed, that
+        kernels on this GPU write and the host reads without a copy."""
+        import cupy
+        from cupy.cuda import runtime
+
+        with self.cuda_device:
+            mem = cupy.cuda.PinnedMemory(32, runtime.hostAllocMapped | runtime.hostAllocPortable)
+            device_ptr = int(runtime.pointerGetAttributes(mem.ptr).devicePointer)
+        host = np.frombuffer((ctypes.c_uint64 * 4).from_address(int(mem.ptr)), np.uint64)
+        host[:] = 0
+        return ErrorWord(host, device_ptr, mem)
+
     def mark(self) -> Callable[[], None]:
         """An event recorded on the stream now; the returned function waits for it."""
         import cupy
@@ -241,8 +268,11 @@ class CudaBackend:
                 (dst.mem + dst_offset).copy_from_device_async(src.mem + src_offset, nbytes, self.stream)
 
     # -- execution -------------------------------------------------------------------
-    def bind_context(self, where: Callable[[Tensor], tuple[CudaBuffer, int]]) -> CudaContext:
-        return CudaContext(self.device, self, where)
+    def bind_context(self, where: Callable[[Tensor], tuple[CudaBuffer, int]],
+                     checks: IndexTable | None = None) -> CudaContext:
+        """A context resolving tensors through `where`, registering index uses in `checks` (the plan's;
+        a bind outside a plan, as tests make, gets a table of its own)."""
+        return CudaContext(self.device, self, where, checks if checks is not None else IndexTable())
 
     def executor(self, launches: list[tuple[str, Launch]]) -> Segment:
         """A Segment running `launches` through a GraphRunner (captured unless

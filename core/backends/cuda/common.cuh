@@ -1,6 +1,6 @@
 // Device helpers shared by every opdispatch kernel: warp and block reductions and
-// scans, f16/bf16 loads, stores and conversions, 2-byte aligned raw accesses,
-// programmatic dependent launch and cp.async. Block formats: quant.cuh.
+// scans, f16/bf16 loads, stores and conversions, 2-byte aligned raw accesses, index
+// checks, programmatic dependent launch and cp.async. Block formats: quant.cuh.
 //
 // Compiled both by NVRTC (through cupy.RawModule, with this folder on the
 // include path) and by nvcc in CI, so it includes no system header: f16 and
@@ -139,6 +139,41 @@ __device__ __forceinline__ bool last_block(int* counter, int blocks) {
         __threadfence();  // order this block's reads after the other blocks' counted writes
     }
     return last;
+}
+
+// -- index checks -------------------------------------------------------------------
+// A kernel that reads indices from data (row ids, expert ids) ends its parameters with
+// OD_INDEX_CHECK_PARAMS: the plan's error word, 4 u64 in host-mapped memory ([tag + 1, position,
+// value, spare], zero while all is well), and the tag of this use of an index tensor, by which the
+// host names the node, the tensor and the valid range (opdispatch.errorword). index_ok(i, n, ...)
+// is 0 <= i < n; a bad index is recorded (the first one only: the word is set once, by
+// compare-and-swap; the host clears it) and the caller must not dereference it. A null word
+// (OPDISPATCH_CHECK_INDICES=0) trusts every index: true without comparing, a uniform branch.
+// The recording is out of line, so that it costs the kernel's hot path no registers, as long as
+// nothing is live across it: a kernel that has work left for a bad index (a NaN row to write)
+// tests in_range, does that work, then calls record_bad_index last.
+#define OD_INDEX_CHECK_PARAMS unsigned long long* err_word, unsigned err_tag
+
+__device__ __forceinline__ bool in_range(const long long i, const long long n, const unsigned long long* word) {
+    return word == nullptr || static_cast<unsigned long long>(i) < static_cast<unsigned long long>(n);
+}
+
+__device__ __noinline__ void record_bad_index(unsigned long long* word, const unsigned tag, const long long position,
+                                              const long long i) {
+    if (atomicCAS(word, 0ull, tag + 1ull) == 0ull) {
+        word[1] = static_cast<unsigned long long>(position);
+        word[2] = static_cast<unsigned long long>(i);
+        __threadfence_system();
+    }
+}
+
+__device__ __forceinline__ bool index_ok(const long long i, const long long n, unsigned long long* word,
+                                         const unsigned tag, const long long position) {
+    if (in_range(i, n, word)) {
+        return true;
+    }
+    record_bad_index(word, tag, position, i);
+    return false;
 }
 
 // -- programmatic dependent launch (Hopper) ---------------------------------------

@@ -29,7 +29,9 @@
 // sequence b (k_new, rotated) and V row (v_new) are written into the caches at row new_idx[b], and
 // the block whose slice holds that row (key j of the window, j = new_idx[b] - row0 - b * rows_b)
 // puts them into its shared tile in place of the row it loaded, so no block reads the row before
-// it is written (split 0 writes a row outside the window).
+// it is written (split 0 writes a row outside the window). A row id outside [0, new_rows) (the rows
+// both caches have) is written in neither and is recorded in the error word (od::index_ok); the
+// unfused kernel is passed a null word.
 // Angles: rope_common.cuh, as the rope kernels compute them.
 #include "attn_common.cuh"
 #include "rope_common.cuh"
@@ -83,7 +85,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
     const int* __restrict__ rope_pos, const float* __restrict__ rope_ff, const char* __restrict__ k_new,
     const char* __restrict__ v_new, const IT* __restrict__ new_idx, char* __restrict__ k_cache,
     char* __restrict__ v_cache, long long kn_b, long long kn_h, long long vn_b, long long kc_t, long long vc_t,
-    long long row0, long long rows_b, ROPE_PARAMS) {
+    long long row0, long long rows_b, long long new_rows, ROPE_PARAMS, OD_INDEX_CHECK_PARAMS) {
     od::grid_enter();
     using namespace od_attn;
     constexpr bool BF = od::same_v<KT, bf16>;
@@ -141,9 +143,11 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         float* q_rot = reinterpret_cast<float*>(extra);                           // [16][D]
         unsigned short* kv_rows = reinterpret_cast<unsigned short*>(q_rot + 16 * D);  // new K row, new V row
         const long long cache_row = static_cast<long long>(new_idx[b]);
+        const bool row_ok = od::index_ok(cache_row, new_rows, err_word, err_tag, b);
         const long long j = cache_row - row0 - b * rows_b;
-        const bool in_window = j >= 0 && j < tk;
-        const bool writes = in_window ? j >= k_begin && j < k_end : split == 0;  // every column group alike
+        const bool in_window = row_ok && j >= 0 && j < tk;
+        // every column group alike; a bad row id: no block
+        const bool writes = row_ok && (in_window ? j >= k_begin && j < k_end : split == 0);
         if (in_window && writes) {
             own_tile = static_cast<int>(j - k_begin) / BN;
             own_row = static_cast<int>(j - k_begin) % BN;

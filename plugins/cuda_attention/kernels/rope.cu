@@ -212,13 +212,14 @@ __global__ void __launch_bounds__(256) rope_kernel(const T* __restrict__ x, cons
 }
 
 // Fused rope -> view (T, H*D) -> set_rows: x f32 (1, T, H, D); row t of the rotated
-// values goes to cache row idx[t] (cache row stride cs in elements), converted to DT.
+// values goes to cache row idx[t] (cache row stride cs in elements, `rows` rows), converted to DT.
+// A row id outside [0, rows) is not written and is recorded in the error word (od::index_ok).
 template <bool NEOX, typename DT, typename IT, int NH>
 __global__ void __launch_bounds__(256) rope_set_rows(const float* __restrict__ x, const int* __restrict__ pos,
                                                      const float* __restrict__ ff, DT* __restrict__ cache,
                                                      const IT* __restrict__ idx, unsigned total, int vec, int heads,
                                                      int groups, long long xs_h, long long xs_t, long long cs,
-                                                     ROPE_PARAMS) {
+                                                     long long rows, ROPE_PARAMS, OD_INDEX_CHECK_PARAMS) {
     od::grid_enter();
     const RopeParams p = ROPE_STRUCT;
     const unsigned k = blockIdx.x * blockDim.x + threadIdx.x;
@@ -227,8 +228,11 @@ __global__ void __launch_bounds__(256) rope_set_rows(const float* __restrict__ x
     }
     const Slot s = slot_of(k, row_units<float>(vec, d), groups);
     const unsigned t = s.bt;  // batch 1
-    rope_slot<NEOX, NH, 1>(vec, s, x + t * xs_t, xs_h, cache + static_cast<long long>(idx[t]) * cs, d, groups, heads,
-                        pos + t, ff, p);
+    const long long row = static_cast<long long>(idx[t]);
+    if (!od::index_ok(row, rows, err_word, err_tag, t)) {
+        return;
+    }
+    rope_slot<NEOX, NH, 1>(vec, s, x + t * xs_t, xs_h, cache + row * cs, d, groups, heads, pos + t, ff, p);
 }
 
 // A decode step's K/V write and q rotation in one launch (blockIdx.y: 0 q, 1 k, 2 v), tokens
@@ -236,12 +240,15 @@ __global__ void __launch_bounds__(256) rope_set_rows(const float* __restrict__ x
 // into K cache row idx[t] (row stride kcs elements, heads D apart); v (T, v_cols) f32 copied
 // into V cache row idx[t] (stride vcs). q, k: rope_kernel's layouts and head groups (gq, gk);
 // v: 4 values a thread where `vec` (16-byte rows, 4*sizeof(DT)-aligned cache rows), else one.
+// A row id outside [0, rows) (the rows both caches have) is written in neither and is recorded in
+// the error word (od::index_ok).
 template <bool NEOX, typename DT, typename IT, int NH>
 __global__ void __launch_bounds__(256) rope_qkv_set_rows(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, const int* __restrict__ pos,
     const float* __restrict__ ff, float* __restrict__ q_out, DT* __restrict__ k_cache, DT* __restrict__ v_cache,
     const IT* __restrict__ idx, int vec, int tokens, int hq, int gq, int hk, int gk, int v_cols, long long qs_h,
-    long long qs_t, long long ks_h, long long ks_t, long long vs_t, long long kcs, long long vcs, ROPE_PARAMS) {
+    long long qs_t, long long ks_h, long long ks_t, long long vs_t, long long kcs, long long vcs, long long rows,
+    ROPE_PARAMS, OD_INDEX_CHECK_PARAMS) {
     od::grid_enter();
     const RopeParams p = ROPE_STRUCT;
     const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -251,8 +258,12 @@ __global__ void __launch_bounds__(256) rope_qkv_set_rows(
             return;
         }
         const unsigned t = i / per_row, u = i - t * per_row;
+        const long long row = static_cast<long long>(idx[t]);
+        if (!od::index_ok(row, rows, err_word, err_tag, t)) {
+            return;
+        }
         const float* src = v + t * vs_t;
-        DT* dst = v_cache + static_cast<long long>(idx[t]) * vcs;
+        DT* dst = v_cache + row * vcs;
         if (vec) {
             const od::Pack<float, 4> a = reinterpret_cast<const od::Pack<float, 4>*>(src)[u];
             od::Pack<DT, 4> y;
@@ -278,7 +289,10 @@ __global__ void __launch_bounds__(256) rope_qkv_set_rows(
         rope_slot<NEOX, NH, 1>(vec, s, q + t * qs_t, qs_h, q_out + static_cast<long long>(t) * hq * d, d, groups,
                                hq, pos + t, ff, p);
     } else {
-        rope_slot<NEOX, NH, 1>(vec, s, k + t * ks_t, ks_h, k_cache + static_cast<long long>(idx[t]) * kcs, d, groups,
-                               hk, pos + t, ff, p);
+        const long long row = static_cast<long long>(idx[t]);
+        if (!od::index_ok(row, rows, err_word, err_tag, t)) {
+            return;
+        }
+        rope_slot<NEOX, NH, 1>(vec, s, k + t * ks_t, ks_h, k_cache + row * kcs, d, groups, hk, pos + t, ff, p);
     }
 }

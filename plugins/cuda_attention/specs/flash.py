@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, f32, i32, i64, instance, ptr
+from opdispatch.backends.cuda.args import (NOT_WRITTEN, UNCHECKED, Guard, IndexCheck, KernelArgs, f32, i32, i64,
+                                           instance, ptr)
 from opdispatch.backends.cuda.devices import DeviceFacts
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.backends.cuda.scratch import Workspace
@@ -22,7 +23,7 @@ from opdispatch.ops.base import pad4
 from opdispatch.tensor import Tensor
 
 from .common import CTYPE, KERNELS_DIR, Ptr, alibi_fields, aligned, byte_strides, idx_ctype
-from .rope import CACHE_TYPES, ff_ptr, rope_fields
+from .rope import CACHE_TYPES, cache_rows, ff_ptr, rope_fields
 
 DECODE_CU = KERNELS_DIR / "fattn_decode.cu"
 PREFILL_CU = KERNELS_DIR / "fattn_prefill.cu"
@@ -122,8 +123,8 @@ def decode_splits(node: Tensor, dev: DeviceFacts, fused: bool = False) -> tuple[
 
 @attrs.frozen
 class DecodeArgs(KernelArgs):
-    """Strides in bytes (_t rows, _h heads, _b batches); rope_pos .. corr_hi: the fused q/k/v rope and cache
-    writes (ROPE 0, unfused, ignores them)."""
+    """Strides in bytes (_t rows, _h heads, _b batches); rope_pos .. err_: the fused q/k/v rope and cache
+    writes, new_rows the caches' rows (ROPE 0, unfused, ignores them)."""
 
     KERNELS = ("fattn_decode",)
     q: np.uint64 = ptr()
@@ -177,6 +178,7 @@ class DecodeArgs(KernelArgs):
     vc_t: np.int64 = i64()
     row0: np.int64 = i64()
     rows_b: np.int64 = i64()
+    new_rows: np.int64 = i64()
     d: np.int32 = i32()
     n_dims: np.int32 = i32()
     theta_scale: np.float32 = f32()
@@ -185,13 +187,14 @@ class DecodeArgs(KernelArgs):
     mscale: np.float32 = f32()
     corr_lo: np.float32 = f32()
     corr_hi: np.float32 = f32()
+    err_: IndexCheck
 
 
 #: DecodeArgs' fused fields, unfused
-NOT_FUSED: dict[str, Any] = dict.fromkeys(
+NOT_FUSED: dict[str, Any] = {**dict.fromkeys(
     ("rope_pos", "rope_ff", "k_new", "v_new", "new_idx", "k_cache", "v_cache", "kn_b", "kn_h", "vn_b", "kc_t",
-     "vc_t", "row0", "rows_b", "d", "n_dims", "theta_scale", "freq_scale", "ext_factor", "mscale", "corr_lo",
-     "corr_hi"), 0)
+     "vc_t", "row0", "rows_b", "new_rows", "d", "n_dims", "theta_scale", "freq_scale", "ext_factor", "mscale",
+     "corr_lo", "corr_hi"), 0), "err_": UNCHECKED}
 
 
 @attrs.frozen
@@ -303,13 +306,15 @@ class FusedQKV:
         qs = self.xq.strides
         return {"q": ptr(self.xq), "q_f16": 0, "qs_t": 0, "qs_h": qs[-2], "qs_b": qs[-3]}
 
-    def fields(self, ptr: Ptr) -> dict[str, Any]:
-        """DecodeArgs' fused fields (those of NOT_FUSED)."""
+    def fields(self, ptr: Ptr, guard: Guard) -> dict[str, Any]:
+        """DecodeArgs' fused fields (those of NOT_FUSED), the row ids checked by `guard`'s IndexCheck."""
+        rows, what = cache_rows(self.k_cache, self.v_cache)
         return {"rope_pos": ptr(self.rope.srcs[1]), "rope_ff": ff_ptr(self.rope, ptr), "k_new": ptr(self.xk),
                 "v_new": ptr(self.xv), "new_idx": ptr(self.idx), "k_cache": ptr(self.k_cache),
                 "v_cache": ptr(self.v_cache), "kn_b": self.xk.strides[-3], "kn_h": self.xk.strides[-2],
                 "vn_b": self.xv.strides[-2], "kc_t": self.k_cache.strides[-2], "vc_t": self.v_cache.strides[-2],
-                "row0": self.row0, "rows_b": self.rows_b, **rope_fields(self.rope)}
+                "row0": self.row0, "rows_b": self.rows_b, "new_rows": rows, **rope_fields(self.rope),
+                "err_": guard(self.k_cache, self.idx, rows, what, NOT_WRITTEN)}
 
 
 # -- plans ---------------------------------------------------------------------------------------
@@ -319,18 +324,18 @@ class FusedQKV:
 class FlashPlan:
     """How one flash_attn_ext node runs: its launches and the scratch memory they need.
 
-    `specs(ptr, ws)` gives the launches once the workspaces (addresses, in the
-    order of `workspaces`) exist.
+    `specs(ptr, ws, guard)` gives the launches once the workspaces (addresses, in the
+    order of `workspaces`) exist; `guard` checks the fused cache writes' row ids.
     """
 
     kind: str  # "decode" | "prefill"
     workspaces: tuple[Workspace, ...]
-    make: Callable[[Ptr, Sequence[int]], list[KernelSpec]] = attrs.field(repr=False)
+    make: Callable[[Ptr, Sequence[int], Guard], list[KernelSpec]] = attrs.field(repr=False)
     nsplit: int = 1
     chunk: int = 0
 
-    def specs(self, ptr: Ptr, ws: Sequence[int]) -> list[KernelSpec]:
-        return self.make(ptr, ws)
+    def specs(self, ptr: Ptr, ws: Sequence[int], guard: Guard) -> list[KernelSpec]:
+        return self.make(ptr, ws, guard)
 
 
 def flash_plan(node: Tensor, dev: DeviceFacts, fused: FusedQKV | None = None) -> FlashPlan:
@@ -349,7 +354,7 @@ def flash_plan(node: Tensor, dev: DeviceFacts, fused: FusedQKV | None = None) ->
         m3, m2 = pad4(mask.shape)[:2]
         ws = (Workspace(m3 * m2 * n_qt * n_kt, "flash_attn_ext mask tile flags"),)
 
-    def make_prefill(ptr: Ptr, wsp: Sequence[int]) -> list[KernelSpec]:
+    def make_prefill(ptr: Ptr, wsp: Sequence[int], guard: Guard) -> list[KernelSpec]:
         flags = wsp[0] if mask is not None else 0
         args = PrefillArgs(**_q_fields(q, ptr), **_shared_fields(node, ptr), flags=flags, n_kv_tiles=n_kt)
         main = KernelSpec(PREFILL_CU, prefill_kernel(d, kv), (n_qt, hq, b), 128, args, prefill_smem(d))
@@ -375,13 +380,13 @@ def _decode_plan(node: Tensor, dev: DeviceFacts, fused: FusedQKV | None) -> Flas
                                  Workspace(nsplit * rows * 8, "flash_attn_ext partial max/sum"),
                                  Workspace(base * 4, "flash_attn_ext split counters", zeroed=True))
 
-    def make_decode(ptr: Ptr, wsp: Sequence[int]) -> list[KernelSpec]:
+    def make_decode(ptr: Ptr, wsp: Sequence[int], guard: Guard) -> list[KernelSpec]:
         # one split (gridDim.x == 1): fattn_decode writes the output without the workspace
         acc, ml, counters = (0, 0, 0) if nsplit == 1 else tuple(wsp)
         if fused is None:
             own, name = {**_q_fields(q, ptr), **NOT_FUSED}, decode_kernel(d, k.dtype.name)
         else:
-            own = {**fused.q_fields(ptr), **fused.fields(ptr)}
+            own = {**fused.q_fields(ptr), **fused.fields(ptr, guard)}
             name = decode_kernel(d, k.dtype.name, fused.rope.params["mode"], fused.idx.dtype.name)
         args = DecodeArgs(**own, **_shared_fields(node, ptr), ws_acc=acc, ws_ml=ml, counters=counters, ncg=ncg,
                           chunk=chunk)

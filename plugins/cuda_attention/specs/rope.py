@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, f32, i32, i64, instance, ptr, u32
+from opdispatch.backends.cuda.args import NOT_WRITTEN, Guard, IndexCheck, KernelArgs, f32, i32, i64, instance, ptr, u32
 from opdispatch.backends.cuda.devices import DeviceFacts
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.ops.attention import rope_yarn
@@ -162,6 +162,7 @@ class RopeSetRowsArgs(KernelArgs):
     xs_h: np.int64 = i64()
     xs_t: np.int64 = i64()
     cs: np.int64 = i64()
+    rows: np.int64 = i64()
     d: np.int32 = i32()
     n_dims: np.int32 = i32()
     theta_scale: np.float32 = f32()
@@ -170,11 +171,13 @@ class RopeSetRowsArgs(KernelArgs):
     mscale: np.float32 = f32()
     corr_lo: np.float32 = f32()
     corr_hi: np.float32 = f32()
+    err_: IndexCheck
 
 
 @attrs.frozen
 class RopeQkvArgs(KernelArgs):
-    """blockIdx.y = 0, 1, 2: q rotated, k rotated into its cache rows, v copied into its rows."""
+    """blockIdx.y = 0, 1, 2: q rotated, k rotated into its cache rows, v copied into its rows (`rows`: the rows
+    both caches have, the row ids' range)."""
 
     KERNELS = ("rope_qkv_set_rows",)
     q: np.uint64 = ptr()
@@ -200,6 +203,7 @@ class RopeQkvArgs(KernelArgs):
     vs_t: np.int64 = i64()
     kcs: np.int64 = i64()
     vcs: np.int64 = i64()
+    rows: np.int64 = i64()
     d: np.int32 = i32()
     n_dims: np.int32 = i32()
     theta_scale: np.float32 = f32()
@@ -208,6 +212,7 @@ class RopeQkvArgs(KernelArgs):
     mscale: np.float32 = f32()
     corr_lo: np.float32 = f32()
     corr_hi: np.float32 = f32()
+    err_: IndexCheck
 
 
 def rope_specs(node: Tensor, ptr: Ptr, dev: DeviceFacts) -> list[KernelSpec]:
@@ -228,24 +233,36 @@ def _cache_packs(cache: Tensor, ptr: Ptr) -> bool:
     return aligned(cache, ptr, 4 * cache.dtype.block_bytes)
 
 
-def rope_set_rows_specs(rope: Tensor, x: Tensor, cache: Tensor, idx: Tensor, ptr: Ptr,
+def cache_rows(k_cache: Tensor, v_cache: Tensor | None = None) -> tuple[int, str]:
+    """(rows, what a row id picks) of the caches a fused kernel writes (set_rows results, their rows the
+    row ids' range: both caches' where a row id picks a K and a V row)."""
+    if v_cache is None:
+        return k_cache.shape[-2], f"a row of {k_cache.srcs[0].describe()}"
+    return (min(k_cache.shape[-2], v_cache.shape[-2]),
+            f"a row of the K cache {k_cache.srcs[0].describe()} and of the V cache {v_cache.srcs[0].describe()}")
+
+
+def rope_set_rows_specs(rope: Tensor, x: Tensor, cache: Tensor, idx: Tensor, ptr: Ptr, guard: Guard,
                         dev: DeviceFacts) -> list[KernelSpec]:
-    """rope(x) written into the cache (the set_rows result) at rows `idx` (fusion.parts of the group)."""
+    """rope(x) written into the cache (the set_rows result) at rows `idx` (fusion.parts of the group), the
+    row ids checked by `guard`'s IndexCheck."""
     _, t, h, d = pad4(x.shape)
     _, (_, xs_t, xs_h, _) = elem_strides(x)
     lay = rope_layout(t, h, d, rope.params["n_dims"], 4, aligned(x, ptr, 16) and _cache_packs(cache, ptr),
                       dev.sm_count)
+    rows, what = cache_rows(cache)
     args = RopeSetRowsArgs(x=ptr(x), pos=ptr(rope.srcs[1]), ff=ff_ptr(rope, ptr), cache=ptr(cache), idx=ptr(idx),
                            total=lay.threads, vec=int(lay.vec), heads=h, groups=lay.groups, xs_h=xs_h, xs_t=xs_t,
-                           cs=cache.strides[-2] // cache.dtype.block_bytes, **rope_fields(rope))
+                           cs=cache.strides[-2] // cache.dtype.block_bytes, rows=rows, **rope_fields(rope),
+                           err_=guard(cache, idx, rows, what, NOT_WRITTEN))
     name = rope_set_rows_kernel(rope.params["mode"] == "neox", cache.dtype.name, idx.dtype.name)
     return [KernelSpec(ROPE_CU, name, lay.grid, ROPE_BLOCK, args)]
 
 
-def rope_qkv_specs(rope_q: Tensor, rope_k: Tensor, k_cache: Tensor, v_cache: Tensor, ptr: Ptr,
+def rope_qkv_specs(rope_q: Tensor, rope_k: Tensor, k_cache: Tensor, v_cache: Tensor, ptr: Ptr, guard: Guard,
                    dev: DeviceFacts) -> list[KernelSpec]:
     """One launch for the decode step's q/k/v (fusion.qkv_parts of the group); the layouts of q and k,
-    and v's units, follow one `vec`."""
+    and v's units, follow one `vec`; the row ids checked by `guard`'s IndexCheck."""
     xq, xk, v, idx = rope_q.srcs[0], rope_k.srcs[0], v_cache.srcs[1], k_cache.srcs[2]
     _, t, hq, d = pad4(xq.shape)
     hk = xk.shape[-2]
@@ -259,12 +276,14 @@ def rope_qkv_specs(rope_q: Tensor, rope_k: Tensor, k_cache: Tensor, v_cache: Ten
     lk = rope_layout(t, hk, d, n_dims, 4, packs, dev.sm_count)
     vec = lq.vec  # the same for q and k (same D, n_dims, packs); v follows it
     v_threads = t * (v_cols // 4 if vec else v_cols)
+    rows, what = cache_rows(k_cache, v_cache)
     args = RopeQkvArgs(q=ptr(xq), k=ptr(xk), v=ptr(v), pos=ptr(rope_q.srcs[1]), ff=ff_ptr(rope_q, ptr),
                        q_out=ptr(rope_q), k_cache=ptr(k_cache), v_cache=ptr(v_cache), idx=ptr(idx), vec=int(vec),
                        tokens=t, hq=hq, gq=lq.groups, hk=hk, gk=lk.groups, v_cols=v_cols, qs_h=qs_h, qs_t=qs_t,
                        ks_h=ks_h, ks_t=ks_t, vs_t=v.strides[-2] // 4 if v.ndim >= 2 else 0,
                        kcs=k_cache.strides[-2] // k_cache.dtype.block_bytes,
-                       vcs=v_cache.strides[-2] // v_cache.dtype.block_bytes, **rope_fields(rope_q))
+                       vcs=v_cache.strides[-2] // v_cache.dtype.block_bytes, rows=rows, **rope_fields(rope_q),
+                       err_=guard(k_cache, idx, rows, what, NOT_WRITTEN))
     name = rope_qkv_kernel(rope_q.params["mode"] == "neox", k_cache.dtype.name, idx.dtype.name)
     blocks = -(-max(lq.threads, lk.threads, v_threads) // ROPE_BLOCK)
     return [KernelSpec(ROPE_CU, name, (blocks, 3), ROPE_BLOCK, args)]

@@ -12,7 +12,8 @@
 //                  min(E, T*U)); each block runs its expert's pairs NT at a time.
 //
 // Sizes are ints, byte strides long long. Rows past M (the last tile) read the
-// tile's last row again and write nothing. An expert id outside [0, E) writes NaN rows.
+// tile's last row again and write nothing. An expert id outside [0, E) writes NaN rows and is
+// recorded in the error word (od::index_ok, OD_INDEX_CHECK_PARAMS last: mmv_id, mmvq_id, moe_route).
 
 #include "mmv_common.cuh"
 
@@ -25,7 +26,8 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv_id(const u8* as0, const u8* as1
                                                     int E, const u8* ids, long long ids_t, long long ids_u,
                                                     const u8* b, long long b_t, long long b_u, int Ub, long long b_es,
                                                     float* out, int M, int K, const float* bias0, const float* bias1,
-                                                    long long bias_e, int glu_kind, float alpha, float limit) {
+                                                    long long bias_e, int glu_kind, float alpha, float limit,
+                                                    OD_INDEX_CHECK_PARAMS) {
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
     __shared__ float res[NW * R];
     const int u = blockIdx.y, t = blockIdx.z, U = gridDim.y;
@@ -33,7 +35,7 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv_id(const u8* as0, const u8* as1
     const int rows = min(R, M - m0);
     const int e = *reinterpret_cast<const int*>(ids + t * ids_t + u * ids_u);
     float* o = out + (static_cast<long long>(t) * U + u) * M + m0;
-    if (e < 0 || e >= E) {
+    if (!od::index_ok(e, E, err_word, err_tag, static_cast<long long>(t) * U + u)) {
         if (threadIdx.x < rows) {
             o[threadIdx.x] = __int_as_float(0x7fc00000);  // NaN: the id is out of range
         }
@@ -63,14 +65,15 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id(const u8* as0, const u8*
                                                         int E, const u8* ids, long long ids_t, long long ids_u,
                                                         const u8* bq, const u8* bds, int nbp, int Ub, float* out,
                                                         int M, int K, const float* bias0, const float* bias1,
-                                                        long long bias_e, int glu_kind, float alpha, float limit) {
+                                                        long long bias_e, int glu_kind, float alpha, float limit,
+                                                        OD_INDEX_CHECK_PARAMS) {
     constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = mm::QROWS / NW;
     const int u = blockIdx.y, t = blockIdx.z, U = gridDim.y;
     const int m0 = blockIdx.x * RB;
     const int rows = min(RB, M - m0);
     const int e = *reinterpret_cast<const int*>(ids + t * ids_t + u * ids_u);
     float* const ocol[1] = {out + (static_cast<long long>(t) * U + u) * M};
-    if (e < 0 || e >= E) {
+    if (!od::index_ok(e, E, err_word, err_tag, static_cast<long long>(t) * U + u)) {
         if (threadIdx.x < rows) {
             ocol[0][m0 + threadIdx.x] = __int_as_float(0x7fc00000);  // NaN: the id is out of range
         }
@@ -105,7 +108,7 @@ constexpr int ROUTE_PER_THREAD = 4;  // experts a thread scans: E <= ROUTE_BLOCK
 
 extern "C" __global__ void __launch_bounds__(ROUTE_BLOCK) moe_route(const u8* ids, long long ids_t, long long ids_u,
                                                                     int T, int U, int E, int* route, float* out,
-                                                                    int M) {
+                                                                    int M, OD_INDEX_CHECK_PARAMS) {
     extern __shared__ int smem[];
     int* count = smem;
     int* cursor = smem + E;
@@ -119,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_BLOCK) moe_route(const u8* id
     for (int p = tid; p < pairs; p += ROUTE_BLOCK) {
         const int t = p / U, u = p % U;
         const int e = *reinterpret_cast<const int*>(ids + t * ids_t + u * ids_u);
-        if (e >= 0 && e < E) {
+        if (od::index_ok(e, E, err_word, err_tag, p)) {
             atomicAdd(&count[e], 1);
         } else {
             for (int m = 0; m < M; ++m) {
@@ -184,7 +187,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_BLOCK) moe_route(const u8* id
     for (int p = tid; p < pairs; p += ROUTE_BLOCK) {
         const int t = p / U, u = p % U;
         const int e = *reinterpret_cast<const int*>(ids + t * ids_t + u * ids_u);
-        if (e >= 0 && e < E) {
+        if (od::index_ok(e, E, err_word, err_tag, p)) {  // as counted above (a bad id is recorded already)
             list[atomicAdd(&cursor[e], 1)] = p;
         }
     }

@@ -268,13 +268,15 @@ using mm::u8;
 // mul_mat_id (ids not null; grid y a slot u, z a token t, N = 1): a0 / a1 are the experts, a_s2 the
 // expert stride (a_s3, r2, r3 unused); batch (t, u) uses expert e = ids[t * ids_t + u * ids_u] (an int
 // read on the device, after the wait unless `preload`) and b at t * b_s3 + u * b_s2 (b_s2 0 when b
-// has one row a token), bias0 / bias1 + e * bias_e. An id outside [0, E) writes NaN rows.
+// has one row a token), bias0 / bias1 + e * bias_e. An id outside [0, E) writes NaN rows and is
+// recorded in the error word (od::index_ok; a null word for mul_mat).
 template <int WT, int TB, int NT, int EPI, int NS>
 __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
     mmvq_stream(const u8* a0, const u8* a1, long long a_row, long long a_s2, long long a_s3, int r2, int r3,
                 const u8* b, long long b_col, long long b_es, long long b_s2, long long b_s3, float* out, int M,
                 int K, int N, const float* bias0, const float* bias1, int glu_kind, float alpha, float limit,
-                const u8* ids, long long ids_t, long long ids_u, int E, long long bias_e, int preload) {
+                const u8* ids, long long ids_t, long long ids_u, int E, long long bias_e, int preload,
+                OD_INDEX_CHECK_PARAMS) {
     od::grid_enter_later();  // below: after the first weight copies when the weights are constant
     using Gm = mms::Geo<WT>;
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
@@ -302,7 +304,8 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
     int e = 0;
     if (ids != nullptr) {
         e = *reinterpret_cast<const int*>(ids + i3 * ids_t + i2 * ids_u);
-        if (e < 0 || e >= E) {  // the whole block: this warp's output rows are NaN
+        if (!od::index_ok(e, E, err_word, err_tag, static_cast<long long>(i3) * gridDim.y + i2)) {
+            // the whole block: this warp's output rows are NaN
             for (int i = lane; i < (g1 - g0) * L.RO; i += od::WARP_SIZE) {
                 const int m = g0 * L.RO + i;
                 if (m < M) {

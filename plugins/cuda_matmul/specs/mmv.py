@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, f32, i32, i64, ptr
+from opdispatch.backends.cuda.args import NAN_ROW, UNCHECKED, Guard, IndexCheck, KernelArgs, f32, i32, i64, ptr
 from opdispatch.backends.cuda.kernels import GLU_CODES, KernelSpec
 from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
@@ -118,6 +118,7 @@ class MmvIdArgs(KernelArgs):
     glu_kind: np.int32 = i32()
     alpha: np.float32 = f32()
     limit: np.float32 = f32()
+    err_: IndexCheck
 
 
 @attrs.frozen
@@ -144,6 +145,7 @@ class MmvqIdArgs(KernelArgs):
     glu_kind: np.int32 = i32()
     alpha: np.float32 = f32()
     limit: np.float32 = f32()
+    err_: IndexCheck
 
 
 @attrs.frozen
@@ -158,6 +160,7 @@ class RouteArgs(KernelArgs):
     route: np.uint64 = ptr()
     out: np.uint64 = ptr()
     M: np.int32 = i32()
+    err_: IndexCheck
 
 
 @attrs.frozen
@@ -276,7 +279,7 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     if (a.dtype.is_quant and support.choose(node, device).path == "mmvq_stream"
             and stream_addresses(ptr, a, a1)):
         args = StreamArgs(**rows, **cols, **sizes, **tail, ids=0, ids_t=0, ids_u=0, E=0, bias_e=0,
-                          preload=_preload(a, a1))
+                          preload=_preload(a, a1), err_=UNCHECKED)
         spec = stream_spec(node, args, epi, device, stream)
         if spec is not None:
             return [spec]
@@ -302,13 +305,13 @@ def _id_b(node: Tensor, ptr: Ptr) -> tuple[int, int, int, int, bool]:
     return ptr(b), b.strides[0], b.strides[1], elem_stride(b), vec
 
 
-def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tensor | None = None,
+def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard: Guard, *, a1: Tensor | None = None,
                  bias0: Tensor | None = None, bias1: Tensor | None = None, glu: Tensor | None = None,
                  device: Device | None = None, stream: StreamConfig | None = None) -> list[KernelSpec]:
     """mmvq_stream, mmv_id or mmvq_id for mul_mat_id `node` (a grid z index a token) writing `out`:
     mmvq_stream (configuration `stream`, default STREAM) for block formats where
     support.stream_ok allows (and a1 is aligned as the experts are), mmvq_id, quantize_q8_1
-    first, for the others."""
+    first, for the others. The expert ids are checked by `guard`'s IndexCheck."""
     as_, b, ids = node.srcs
     e, m, k = as_.shape
     t, ub, _ = b.shape
@@ -318,10 +321,12 @@ def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: T
     epi, tail = _epilogue(ptr, glu, bias0, bias1)
     bias_e = bias0.strides[0] if bias0 is not None else 0
     picks = dict(ids=ptr(ids), ids_t=ids.strides[0], ids_u=ids.strides[1])
+    check = guard(node, ids, e, experts_of(as_), NAN_ROW)
     if as_.dtype.is_quant and support.stream_ok(node, device) is True and stream_addresses(ptr, as_, a1):
         args = StreamArgs(a0=ptr(as_), a1=addr(ptr, a1), a_row=as_.strides[1], a_s2=as_.strides[0], a_s3=0, r2=1,
                           r3=1, b=pb, b_col=0, b_es=b_es, b_s2=b_u if ub > 1 else 0, b_s3=b_t, out=ptr(out), M=m,
-                          K=k, N=1, **tail, **picks, E=e, bias_e=bias_e // 4, preload=_preload(as_, a1, ids))
+                          K=k, N=1, **tail, **picks, E=e, bias_e=bias_e // 4, preload=_preload(as_, a1, ids),
+                          err_=check)
         spec = stream_spec(node, args, epi, device, stream)
         if spec is not None:
             return [spec]
@@ -333,10 +338,15 @@ def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: T
         grid = (math.ceil(m / (QROWS // (2 if epi == EPI_GLU else 1))), u, t)
         return [quant, KernelSpec(MMV_ID_CU, mmvq_id_name(as_.dtype.name, epi), grid, q_threads(k),
                                   MmvqIdArgs(**experts, bq=q.bq, bds=q.bds, nbp=q.nbp, Ub=ub, **sizes,
-                                             bias_e=bias_e, **tail))]
+                                             bias_e=bias_e, **tail, err_=check))]
     return [KernelSpec(MMV_ID_CU, mmv_id_name(as_.dtype.name, "f32", vec, epi), (math.ceil(m / ROWS), u, t), BLOCK,
                        MmvIdArgs(**experts, b=pb, b_t=b_t, b_u=b_u, Ub=ub, b_es=b_es, **sizes, bias_e=bias_e,
-                                 **tail))]
+                                 **tail, err_=check))]
+
+
+def experts_of(as_: Tensor) -> str:
+    """What a mul_mat_id's expert id picks, for the error a bad one raises."""
+    return f"an expert of {as_.describe()}"
 
 
 def route_words(n_experts: int, pairs: int) -> int:
@@ -344,9 +354,10 @@ def route_words(n_experts: int, pairs: int) -> int:
     return 1 + 3 * n_experts + pairs
 
 
-def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, bias: Tensor | None = None
-                  ) -> list[KernelSpec]:
-    """moe_route, then mmv_id_grouped / mmvq_id_grouped for mul_mat_id `node`."""
+def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard: Guard, *,
+                  bias: Tensor | None = None) -> list[KernelSpec]:
+    """moe_route (checking the expert ids by `guard`'s IndexCheck), then mmv_id_grouped / mmvq_id_grouped
+    for mul_mat_id `node`."""
     as_, b, ids = node.srcs
     e, m, k = as_.shape
     t, ub, _ = b.shape
@@ -356,7 +367,7 @@ def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, bias
     pb, b_t, b_u, b_es, vec = _id_b(node, ptr)
     specs = [KernelSpec(MMV_ID_CU, ROUTE_NAME, (1,), ROUTE_BLOCK,
                         RouteArgs(ids=ptr(ids), ids_t=ids.strides[0], ids_u=ids.strides[1], T=t, U=u, E=e,
-                                  route=route, out=ptr(out), M=m),
+                                  route=route, out=ptr(out), M=m, err_=guard(node, ids, e, experts_of(as_), NAN_ROW)),
                         smem=2 * 4 * e)]
     quant = as_.dtype.is_quant
     nt = nt_for(min(support.MMV_MAX_N, max(1, math.ceil(pairs / min(e, pairs)))), GROUPED_NTS)
@@ -377,15 +388,16 @@ def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, bias
     return specs
 
 
-def fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch, device: Device | None = None
+def fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch, guard: Guard, device: Device | None = None
                 ) -> list[KernelSpec]:
     """Any group of fusion.PATTERNS: the mat-vec launch (mmvq_stream, or quantize_q8_1 then mmvq,
-    for block formats) that writes the last node."""
+    for block formats) that writes the last node; a mul_mat_id's expert ids checked by `guard`."""
     prods, biases, glu = fusion.parts(nodes)
     out, first = nodes[-1], prods[0]
     if first.op == "mul_mat_id" and glu is None and first.shape[0] > 1:
-        return grouped_specs(first, out, ptr, scratch, bias=biases[0])
-    make = functools.partial(mmv_specs if first.op == "mul_mat" else mmv_id_specs, device=device)
+        return grouped_specs(first, out, ptr, scratch, guard, bias=biases[0])
+    make = (functools.partial(mmv_specs, device=device) if first.op == "mul_mat"
+            else functools.partial(mmv_id_specs, guard=guard, device=device))
     if glu is None:
         return make(first, out, ptr, scratch, bias0=biases[0])
     return make(first, out, ptr, scratch, a1=prods[1].srcs[0], bias0=biases[0], bias1=biases[1], glu=glu)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, f32, i32, i64, ptr
+from opdispatch.backends.cuda.args import IndexCheck, KernelArgs, f32, i32, i64, ptr
 from opdispatch.backends.cuda.devices import H200, DeviceFacts, facts
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.hookspecs import Device
@@ -27,7 +27,8 @@ SMEM_PER_BLOCK_RESERVED = 1024
 
 @attrs.frozen
 class StreamArgs(KernelArgs):
-    """mmvq_stream's arguments: mmv's, then mul_mat_id's (ids 0 for a mul_mat), then `preload`."""
+    """mmvq_stream's arguments: mmv's, then mul_mat_id's (ids 0 for a mul_mat), `preload`, the ids' check
+    (UNCHECKED for a mul_mat)."""
 
     KERNELS = ("mmvq_stream",)
     a0: np.uint64 = ptr()
@@ -57,6 +58,7 @@ class StreamArgs(KernelArgs):
     E: np.int32 = i32()
     bias_e: np.int64 = i64()
     preload: np.int32 = i32()
+    err_: IndexCheck
 
 
 @attrs.frozen

@@ -244,11 +244,11 @@ __global__ void binary_bcast(const Ta* a, long long as0, long long as1, long lon
 
 // y[t, u, :] = a[t, u, :] + b[ids[t, u], :]: a (T, U, C) with element strides
 // as0..as2, b (E, C) with bs0, bs1, ids (T, U) i32 with is0, is1; y contiguous.
-// An id outside [0, E) gives NaN (the reference raises instead).
+// An id outside [0, E) gives a NaN row and is recorded in the error word (od::index_ok).
 template <typename Ta, typename Tb>
 __global__ void add_id(const Ta* a, long long as0, long long as1, long long as2, const Tb* b, long long bs0,
                        long long bs1, const int* ids, long long is0, long long is1, Ta* y, int n_t, int n_u,
-                       int n_c, int n_e) {
+                       int n_c, int n_e, OD_INDEX_CHECK_PARAMS) {
     od::grid_enter();
     using namespace ew_binary;
     const long long rows = (long long)n_t * n_u;
@@ -257,7 +257,7 @@ __global__ void add_id(const Ta* a, long long as0, long long as1, long long as2,
         const int t = (int)r / n_u;
         const int u = (int)r - t * n_u;
         const int e = ids[t * is0 + u * is1];
-        const bool ok = e >= 0 && e < n_e;
+        const bool ok = od::index_ok(e, n_e, err_word, err_tag, r);
         const Ta* ar = a + t * as0 + u * as1;
         const Tb* br = b + (ok ? e : 0) * bs0;
         Ta* yr = y + r * n_c;

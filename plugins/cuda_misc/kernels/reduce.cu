@@ -160,14 +160,14 @@ constexpr int SPLIT_BLOCK = 128;
 //
 // The fused greedy pick (out_f32 not null; cuda_misc's greedy_pick rule: argmax -> cpy i32 ->
 // cpy f32 -> set_rows) also writes the index as f32 into out_f32[row] and into row idx[row] of
-// `token_log` (rows of one f32 value, `ls1` bytes apart; an index outside [0, log_rows) is not
-// written, as set_rows). I is the index type (int or long long).
+// `token_log` (rows of one f32 value, `ls1` bytes apart; a row id outside [0, log_rows) is not
+// written, as set_rows, and is recorded in the error word). I is the index type (int or long long).
 template <bool VEC, class I>
 __global__ void __launch_bounds__(SPLIT_BLOCK) argmax_split(
     const unsigned char* __restrict__ x, int* __restrict__ out, float* __restrict__ out_f32,
     unsigned char* __restrict__ token_log, const unsigned char* __restrict__ idx, int2* __restrict__ partials,
     int* __restrict__ counters, const int ncols, const int chunk, const int nblk, const long long s0,
-    const long long s1, const long long is0, const long long ls1, const long long log_rows) {
+    const long long s1, const long long is0, const long long ls1, const long long log_rows, OD_INDEX_CHECK_PARAMS) {
     od::grid_enter();
     const int row = blockIdx.x / nblk;
     const unsigned char* xr = x + row * s1;
@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(SPLIT_BLOCK) argmax_split(
             const float as_f32 = __int2float_rn(pick);  // cpy's i32 -> f32
             out_f32[row] = as_f32;
             const long long r = *reinterpret_cast<const I*>(idx + row * is0);
-            if (r >= 0 && r < log_rows) {
+            if (od::index_ok(r, log_rows, err_word, err_tag, row)) {
                 *reinterpret_cast<float*>(token_log + r * ls1) = as_f32;
             }
         }

@@ -275,23 +275,23 @@ constexpr int ROW_UNROLL = 4;
 template <class S, class D, bool VEC>
 constexpr int row_pack = VEC ? 16 / static_cast<int>(sizeof(S) > sizeof(D) ? sizeof(S) : sizeof(D)) : 1;
 
-// Row `row` of the index grid (i3, i2, k): the index value, or -1 when out of range.
+// Element (i3, i2, k) of the index tensor: a row id, checked by the caller (od::index_ok).
 template <class I>
 __device__ __forceinline__ long long row_index(const unsigned char* idx, const unsigned k, const unsigned i2,
                                                const unsigned i3, const long long is0, const long long is1,
-                                               const long long is2, const long long nrows) {
-    const long long r = *reinterpret_cast<const I*>(idx + i3 * is2 + i2 * is1 + k * is0);
-    return r >= 0 && r < nrows ? r : -1;
+                                               const long long is2) {
+    return *reinterpret_cast<const I*>(idx + i3 * is2 + i2 * is1 + k * is0);
 }
 
 // out (A3, A2, n, C) contiguous = a[i3, i2, idx[i3, i2, k]], nrows = A3 * A2 * n
-// rows. A row index out of range gives NaN (0 for i32) instead of reading outside a.
+// rows. A row index out of range gives NaN (0 for i32) instead of reading outside a, and is
+// recorded in the error word once the row is written (od::record_bad_index, last).
 template <class S, class D, bool VEC>
 __global__ void __launch_bounds__(ROW_THREADS)
     get_rows(const unsigned char* __restrict__ a, const unsigned char* __restrict__ idx, D* __restrict__ out,
              const int ncols, const unsigned n, const unsigned a2, const long long arows, const unsigned nrows,
              const int tpr_log2, const long long as0, const long long as1, const long long as2, const long long as3,
-             const long long is0, const long long is1, const long long is2) {
+             const long long is0, const long long is1, const long long is2, OD_INDEX_CHECK_PARAMS) {
     od::grid_enter();
     constexpr int N = row_pack<S, D, VEC>;
     const unsigned row = blockIdx.x * (ROW_THREADS >> tpr_log2) + (threadIdx.x >> tpr_log2);
@@ -301,7 +301,9 @@ __global__ void __launch_bounds__(ROW_THREADS)
     const int tpr = 1 << tpr_log2;
     const int c0 = (blockIdx.y * ROW_UNROLL * tpr + (threadIdx.x & (tpr - 1))) * N;
     const unsigned k = row % n, i2 = (row / n) % a2, i3 = row / n / a2;
-    const long long r = row_index<int>(idx, k, i2, i3, is0, is1, is2, arows);
+    const long long i = row_index<int>(idx, k, i2, i3, is0, is1, is2);
+    const bool ok = od::in_range(i, arows, err_word);
+    const long long r = ok ? i : -1;
     const unsigned char* src = a + i3 * as3 + i2 * as2 + r * as1;
     D* dst = out + static_cast<long long>(row) * ncols;
     Pack<S, N> v[ROW_UNROLL];
@@ -328,6 +330,9 @@ __global__ void __launch_bounds__(ROW_THREADS)
             *reinterpret_cast<Pack<D, N>*>(dst + c) = w;
         }
     }
+    if (!ok) {
+        od::record_bad_index(err_word, err_tag, row, i);
+    }
 }
 
 // The same from a block format (rows of packed blocks), dequantized to f32.
@@ -335,11 +340,13 @@ template <class Q>
 __global__ void get_rows_q(const unsigned char* __restrict__ a, const unsigned char* __restrict__ idx,
                            float* __restrict__ out, const int ncols, const unsigned n, const unsigned a2,
                            const long long arows, const long long as1, const long long as2, const long long as3,
-                           const long long is0, const long long is1, const long long is2) {
+                           const long long is0, const long long is1, const long long is2, OD_INDEX_CHECK_PARAMS) {
     od::grid_enter();
     const unsigned row = blockIdx.x;
     const unsigned k = row % n, i2 = (row / n) % a2, i3 = row / n / a2;
-    const long long r = row_index<int>(idx, k, i2, i3, is0, is1, is2, arows);
+    const long long i = row_index<int>(idx, k, i2, i3, is0, is1, is2);
+    const bool ok = od::in_range(i, arows, err_word);
+    const long long r = ok ? i : -1;
     const unsigned char* src = a + i3 * as3 + i2 * as2 + r * as1;
     float* dst = out + static_cast<long long>(row) * ncols;
 #pragma unroll
@@ -350,18 +357,22 @@ __global__ void get_rows_q(const unsigned char* __restrict__ a, const unsigned c
                            : quant::decode<Q>(src + (c / Q::QK) * Q::BYTES, c % Q::QK);
         }
     }
+    if (!ok) {
+        od::record_bad_index(err_word, err_tag, row, i);
+    }
 }
 
 // dst[j3, j2, idx[j3 % I2, j2 % I1, k]] = src[j3, j2, k] (f32 rows), nrows = D3 * D2 * n
-// source rows, tiled as get_rows. Rows whose index is out of range are not written.
+// source rows, tiled as get_rows. Rows whose index is out of range are not written (and are recorded
+// in the error word).
 template <class D, class I, bool VEC>
 __global__ void __launch_bounds__(ROW_THREADS)
     set_rows(const unsigned char* __restrict__ src, const unsigned char* __restrict__ idx,
              unsigned char* __restrict__ dst, const int ncols, const unsigned n, const unsigned d2, const unsigned ni1,
              const unsigned ni2, const long long drows, const unsigned nrows, const int tpr_log2, const long long ss0,
              const long long ss1, const long long ss2, const long long ss3, const long long is0, const long long is1,
-             const long long is2, const long long ds0, const long long ds1, const long long ds2,
-             const long long ds3) {
+             const long long is2, const long long ds0, const long long ds1, const long long ds2, const long long ds3,
+             OD_INDEX_CHECK_PARAMS) {
     od::grid_enter();
     constexpr int N = row_pack<float, D, VEC>;
     const unsigned row = blockIdx.x * (ROW_THREADS >> tpr_log2) + (threadIdx.x >> tpr_log2);
@@ -369,8 +380,9 @@ __global__ void __launch_bounds__(ROW_THREADS)
         return;
     }
     const unsigned k = row % n, j2 = (row / n) % d2, j3 = row / n / d2;
-    // the source loads do not depend on the index: issued before it is read, so both latencies overlap
-    const long long r = row_index<I>(idx, k, j2 % ni1, j3 % ni2, is0, is1, is2, drows);
+    // the source loads do not depend on the index: issued before it is checked, so both latencies overlap
+    const unsigned i1 = j2 % ni1, i2 = j3 % ni2;  // the index tensor's (I2, I1, n) element read
+    const long long r = row_index<I>(idx, k, i1, i2, is0, is1, is2);
     const int tpr = 1 << tpr_log2;
     const int c0 = (blockIdx.y * ROW_UNROLL * tpr + (threadIdx.x & (tpr - 1))) * N;
     const unsigned char* s = src + j3 * ss3 + j2 * ss2 + k * ss1;
@@ -386,7 +398,7 @@ __global__ void __launch_bounds__(ROW_THREADS)
             }
         }
     }
-    if (r < 0) {
+    if (!od::index_ok(r, drows, err_word, err_tag, (static_cast<long long>(i2) * ni1 + i1) * n + k)) {
         return;
     }
     unsigned char* d = dst + j3 * ds3 + j2 * ds2 + r * ds1;
@@ -416,12 +428,13 @@ __global__ void set_rows_q(const unsigned char* __restrict__ src, const unsigned
                            const unsigned ni1, const unsigned ni2, const long long drows, const long long ss0,
                            const long long ss1, const long long ss2, const long long ss3, const long long is0,
                            const long long is1, const long long is2, const long long ds1, const long long ds2,
-                           const long long ds3) {
+                           const long long ds3, OD_INDEX_CHECK_PARAMS) {
     od::grid_enter();
     const unsigned row = blockIdx.x;
     const unsigned k = row % n, j2 = (row / n) % d2, j3 = row / n / d2;
-    const long long r = row_index<I>(idx, k, j2 % ni1, j3 % ni2, is0, is1, is2, drows);
-    if (r < 0) {
+    const unsigned i1 = j2 % ni1, i2 = j3 % ni2;  // the index tensor's (I2, I1, n) element read
+    const long long r = row_index<I>(idx, k, i1, i2, is0, is1, is2);
+    if (!od::index_ok(r, drows, err_word, err_tag, (static_cast<long long>(i2) * ni1 + i1) * n + k)) {
         return;  // uniform over the block: no lane is left waiting in a shuffle
     }
     const unsigned char* s = src + j3 * ss3 + j2 * ss2 + k * ss1;

@@ -14,7 +14,7 @@ from typing import Sequence
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, i32, i64, instance
+from opdispatch.backends.cuda.args import NAN_ROW, Guard, IndexCheck, KernelArgs, i32, i64, instance
 from opdispatch.backends.cuda.args import ptr as pointer
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.ops.base import FLOATS, pad4
@@ -135,6 +135,7 @@ class AddIdArgs(KernelArgs):
     n_u: np.int32 = i32()
     n_c: np.int32 = i32()
     n_e: np.int32 = i32()
+    err_: IndexCheck
 
 
 @attrs.frozen
@@ -356,14 +357,15 @@ def binary_bcast_spec(op: str, a: Tensor, b: Tensor, out: Tensor, ptr: Ptr, sm_c
     return KernelSpec(ELEMENTWISE_CU, binary_kernel("binary_bcast", a.dtype.name, b.dtype.name), grid, block, args)
 
 
-def add_id_spec(node: Tensor, ptr: Ptr, sm_count: int) -> KernelSpec:
+def add_id_spec(node: Tensor, ptr: Ptr, guard: Guard, sm_count: int) -> KernelSpec:
     a, b, ids = node.srcs
     (_, n_t, n_u, n_c), (_, as0, as1, as2) = elements(a)
     (_, _, n_e, _), (_, _, bs0, bs1) = elements(b)
     (_, _, _, _), (_, _, is0, is1) = elements(ids)
     grid, block = grid_2d(n_c, n_t * n_u, sm_count)
     args = AddIdArgs(a=ptr(a), as0=as0, as1=as1, as2=as2, b=ptr(b), bs0=bs0, bs1=bs1, ids=ptr(ids), is0=is0,
-                     is1=is1, y=ptr(node), n_t=n_t, n_u=n_u, n_c=n_c, n_e=n_e)
+                     is1=is1, y=ptr(node), n_t=n_t, n_u=n_u, n_c=n_c, n_e=n_e,
+                     err_=guard(node, ids, n_e, f"a bias row of {b.describe()}", NAN_ROW))
     return KernelSpec(ELEMENTWISE_CU, binary_kernel("add_id", a.dtype.name, b.dtype.name), grid, block, args)
 
 

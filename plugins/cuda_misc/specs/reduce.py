@@ -13,7 +13,7 @@ from typing import Sequence
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, i32, i64, instance, u32
+from opdispatch.backends.cuda.args import NOT_WRITTEN, UNCHECKED, Guard, IndexCheck, KernelArgs, i32, i64, instance, u32
 from opdispatch.backends.cuda.args import ptr as pointer
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.backends.cuda.scratch import Workspace
@@ -79,7 +79,7 @@ class ArgmaxArgs(KernelArgs):
 
 @attrs.frozen
 class ArgmaxSplitArgs(KernelArgs):
-    """Unfused, out_f32, token_log and idx are 0 (and is0, ls1, log_rows unused)."""
+    """Unfused, out_f32, token_log and idx are 0 (and is0, ls1, log_rows, err_ unused)."""
 
     KERNELS = ("argmax_split",)
     x: np.uint64 = pointer()
@@ -97,6 +97,7 @@ class ArgmaxSplitArgs(KernelArgs):
     is0: np.int64 = i64()
     ls1: np.int64 = i64()
     log_rows: np.int64 = i64()
+    err_: IndexCheck
 
 
 @attrs.frozen
@@ -212,10 +213,12 @@ def split_workspaces(x: Tensor, sms: int) -> tuple[Workspace, ...]:
 
 
 def argmax_split_specs(x: Tensor, out: Tensor, ptr: Ptr, ws: Sequence[int], sms: int,
-                       out_f32: Tensor | None = None, log: Tensor | None = None) -> list[KernelSpec]:
+                       out_f32: Tensor | None = None, log: Tensor | None = None,
+                       log_check: IndexCheck = UNCHECKED) -> list[KernelSpec]:
     """reduce.cu's argmax_split of x's rows into the contiguous i32 `out`; `ws`: the addresses of
     argmax_workspaces. The fused greedy pick also gives `out_f32` (contiguous f32, the index as a float)
-    and `log`, the set_rows node writing it into rows of one value at log.srcs[2]'s row ids."""
+    and `log`, the set_rows node writing it into rows of one value at log.srcs[2]'s row ids, checked
+    by `log_check`."""
     rows, cols, s1 = argmax_rows(x)
     nblk, chunk = split_shape(rows, cols, sms)
     partials, counters = ws if nblk > 1 else (0, 0)
@@ -223,21 +226,23 @@ def argmax_split_specs(x: Tensor, out: Tensor, ptr: Ptr, ws: Sequence[int], sms:
     vec = s0 == 4 and ptr(x) % 16 == 0 and (rows == 1 or s1 % 16 == 0)
     args = ArgmaxSplitArgs(x=ptr(x), out=ptr(out), out_f32=0, token_log=0, idx=0, partials=partials,
                            counters=counters, ncols=cols, chunk=chunk, nblk=nblk, s0=s0, s1=s1, is0=0, ls1=0,
-                           log_rows=0)
+                           log_rows=0, err_=UNCHECKED)
     itype = "int"
     if log is not None:
         idx = log.srcs[2]
         itype = index_type(idx)
         args = attrs.evolve(args, out_f32=ptr(out_f32), token_log=ptr(log), idx=ptr(idx), is0=idx.strides[0],
-                            ls1=log.strides[0], log_rows=log.shape[0])
+                            ls1=log.strides[0], log_rows=log.shape[0], err_=log_check)
     return [KernelSpec(REDUCE_CU, instance("argmax_split", vec, itype), nblk * rows if cols else 0, SPLIT_BLOCK,
                        args)]
 
 
-def greedy_specs(nodes: Sequence[Tensor], ptr: Ptr, ws: Sequence[int], sms: int) -> list[KernelSpec]:
+def greedy_specs(nodes: Sequence[Tensor], ptr: Ptr, guard: Guard, ws: Sequence[int], sms: int) -> list[KernelSpec]:
     """The fused greedy pick (fusion.GREEDY_PATTERN: argmax, cpy, view, cpy, set_rows) as argmax_split."""
     picked, tokens, _, as_f32, log = nodes
-    return argmax_split_specs(picked.srcs[0], tokens, ptr, ws, sms, as_f32, log)
+    dst, _, idx = log.srcs
+    check = guard(log, idx, log.shape[0], f"a row of {dst.describe()}", NOT_WRITTEN)
+    return argmax_split_specs(picked.srcs[0], tokens, ptr, ws, sms, as_f32, log, check)
 
 
 # -- whole-tensor reductions ---------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from typing import Sequence
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import ArgGroup, KernelArgs, i32, i64, instance, u32
+from opdispatch.backends.cuda.args import (NAN_ROW, NOT_WRITTEN, ArgGroup, Guard, IndexCheck, KernelArgs, i32, i64,
+                                           instance, u32)
 from opdispatch.backends.cuda.args import ptr as pointer
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.dtypes import DTYPES, DType
@@ -244,6 +245,7 @@ class GetRowsArgs(KernelArgs):
     is0: np.int64 = i64()
     is1: np.int64 = i64()
     is2: np.int64 = i64()
+    err_: IndexCheck
 
 
 @attrs.frozen
@@ -262,6 +264,7 @@ class GetRowsQArgs(KernelArgs):
     is0: np.int64 = i64()
     is1: np.int64 = i64()
     is2: np.int64 = i64()
+    err_: IndexCheck
 
 
 @attrs.frozen
@@ -289,6 +292,7 @@ class SetRowsArgs(KernelArgs):
     ds1: np.int64 = i64()
     ds2: np.int64 = i64()
     ds3: np.int64 = i64()
+    err_: IndexCheck
 
 
 @attrs.frozen
@@ -313,6 +317,7 @@ class SetRowsQArgs(KernelArgs):
     ds1: np.int64 = i64()
     ds2: np.int64 = i64()
     ds3: np.int64 = i64()
+    err_: IndexCheck
 
 
 # -- copies: cpy, dup, cont ----------------------------------------------------------------------
@@ -448,17 +453,18 @@ def _pad3(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 MAX_ROW = ROW_UNROLL * ROW_THREADS * GRID_YZ_MAX
 
 
-def get_rows_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
+def get_rows_specs(node: Tensor, ptr: Ptr, guard: Guard) -> list[KernelSpec]:
     a, idx = node.srcs
     (a3, a2, arows, cols), (as3, as2, as1, as0) = padded(a)
     (_, _, n), (is2, is1, is0) = _pad3(idx)
     rows = a3 * a2 * n
     head = dict(a=ptr(a), idx=ptr(idx), out=ptr(node), ncols=cols, n=n, a2=a2, arows=arows)
-    index_strides = dict(is0=is0, is1=is1, is2=is2)
+    instead = "its output row is filled with 0" if node.dtype.name == "i32" else NAN_ROW
+    tail = dict(is0=is0, is1=is1, is2=is2, err_=guard(node, idx, arows, f"a row of {a.describe()}", instead))
     if a.dtype.is_quant:
         blk = row_block(cols)
         return [KernelSpec(ROWS_CU, instance("get_rows_q", QUANT[a.dtype.name]), (rows, -(-cols // (4 * blk))), blk,
-                           GetRowsQArgs(**head, as1=as1, as2=as2, as3=as3, **index_strides))]
+                           GetRowsQArgs(**head, as1=as1, as2=as2, as3=as3, **tail))]
     pack = row_pack(a.dtype, node.dtype)
     vec = (cols % pack == 0 and ptr(node) % 16 == 0
            and packed_rows_aligned(a, ptr(a), pack * a.dtype.block_bytes))
@@ -466,10 +472,10 @@ def get_rows_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
     s = VALUE[a.dtype.name]
     return [KernelSpec(ROWS_CU, instance("get_rows", s, "int" if s == "int" else "float", vec), grid, ROW_THREADS,
                        GetRowsArgs(**head, nrows=rows, tpr_log2=tpr_log2, as0=as0, as1=as1, as2=as2, as3=as3,
-                                   **index_strides))]
+                                   **tail))]
 
 
-def set_rows_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
+def set_rows_specs(node: Tensor, ptr: Ptr, guard: Guard) -> list[KernelSpec]:
     dst, src, idx = node.srcs
     (d3, d2, drows, cols), (ds3, ds2, ds1, ds0) = padded(node)
     (_, _, n, _), ss = padded(src)
@@ -477,7 +483,8 @@ def set_rows_specs(node: Tensor, ptr: Ptr) -> list[KernelSpec]:
     itype = index_type(idx)
     psrc = ptr(src)
     common = dict(src=psrc, idx=ptr(idx), dst=ptr(node), n=n, d2=d2, ni1=i1, ni2=i2, drows=drows,
-                  ss0=ss[3], ss1=ss[2], ss2=ss[1], ss3=ss[0], is0=is0, is1=is1, is2=is2, ds1=ds1, ds2=ds2, ds3=ds3)
+                  ss0=ss[3], ss1=ss[2], ss2=ss[1], ss3=ss[0], is0=is0, is1=is1, is2=is2, ds1=ds1, ds2=ds2, ds3=ds3,
+                  err_=guard(node, idx, drows, f"a row of {dst.describe()}", NOT_WRITTEN))
     rows = d3 * d2 * n
     if node.dtype.is_quant:
         nblocks = cols // node.dtype.block_size

@@ -1,0 +1,76 @@
+// A driver for any kernel of one .cu file (copied as kernel.cu by the test): runs one instance over a
+// grid of one-dimensional blocks, block after block, every block's threads as std::threads.
+//   emu MEM_FILE INSTANCE GX GY GZ BLOCK ARG...
+// MEM_FILE holds device memory (pointer arguments are byte offsets into it, 0 = nullptr) and gets
+// it back after the run. instances.inc lists {name, call}: each call passes its kernel's arguments as
+// `Arg`s, which convert to the parameter's type (a pointer into the memory, or an integer).
+#include "shim.h"
+#include "kernel.cu"
+
+#include <string>
+
+struct Arg {
+    const char* text;
+    unsigned char* mem;
+    template <class T>
+    operator T*() const {
+        const long long v = atoll(text);
+        return v ? reinterpret_cast<T*>(mem + v) : nullptr;
+    }
+    operator int() const { return atoi(text); }
+    operator unsigned() const { return static_cast<unsigned>(strtoull(text, nullptr, 10)); }
+    operator long long() const { return atoll(text); }
+};
+
+struct Entry {
+    const char* name;
+    void (*call)(const Arg*);
+};
+
+static const Entry table[] = {
+#include "instances.inc"
+};
+
+int main(int argc, char** argv) {
+    FILE* f = fopen(argv[1], "rb");
+    fseek(f, 0, SEEK_END);
+    const long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char* mem = (unsigned char*)aligned_alloc(256, (size + 255) / 256 * 256);
+    if (fread(mem, 1, size, f) != (size_t)size) return 2;
+    fclose(f);
+    const Entry* entry = nullptr;
+    for (const Entry& e : table) if (!strcmp(e.name, argv[2])) entry = &e;
+    if (!entry) { fprintf(stderr, "no instance %s\n", argv[2]); return 2; }
+    gridDim.x = atoi(argv[3]); gridDim.y = atoi(argv[4]); gridDim.z = atoi(argv[5]);
+    blockDim.x = atoi(argv[6]);
+    std::vector<Arg> args;
+    for (int i = 7; i < argc; ++i) args.push_back({argv[i], mem});
+    for (unsigned bz = 0; bz < gridDim.z; ++bz)
+    for (unsigned by = 0; by < gridDim.y; ++by)
+    for (unsigned bx = 0; bx < gridDim.x; ++bx) {
+        EmuBlock blk;
+        std::barrier<> bb(blockDim.x);
+        std::vector<std::barrier<>*> wb;
+        for (unsigned w = 0; w < (blockDim.x + 31) / 32; ++w) wb.push_back(new std::barrier<>(32));
+        blk.block_bar = &bb;
+        blk.warp_bar = wb;
+        blk.xchg.assign(blockDim.x, 0u);
+        blk.smem = nullptr;
+        std::vector<std::thread> th;
+        for (unsigned t = 0; t < blockDim.x; ++t) {
+            th.emplace_back([&, t] {
+                threadIdx.x = t;
+                blockIdx.x = bx; blockIdx.y = by; blockIdx.z = bz;
+                emu_ctx = &blk;
+                entry->call(args.data());
+            });
+        }
+        for (auto& x : th) x.join();
+        for (auto* w : wb) delete w;
+    }
+    f = fopen(argv[1], "wb");
+    fwrite(mem, 1, size, f);
+    fclose(f);
+    return 0;
+}
