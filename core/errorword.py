@@ -38,8 +38,8 @@ class IndexUse:
     instead: str  # what the kernel does for a bad one: "that row is not written"
 
     def message(self, device: str, position: int, value: int) -> str:
-        at = (f"{self.index.name}{list(int(i) for i in np.unravel_index(position, self.index.shape))}"
-              if 0 <= position < self.index.size else f"position {position} of {self.index.name}")
+        at = (f"'{self.index.name}'{list(int(i) for i in np.unravel_index(position, self.index.shape))}"
+              if 0 <= position < self.index.size else f"position {position} of '{self.index.name}'")
         return (f"{self.node.op} {self.node.describe()} on {device}: index {value} at {at} (index tensor "
                 f"{self.index.describe()}) is outside [0, {self.bound}): it picks {self.what}; {self.instead}. "
                 "The first bad index the device met is reported; the plan stays usable.")

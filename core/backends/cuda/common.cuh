@@ -89,15 +89,22 @@ __device__ __forceinline__ float block_max(float v) {
 }
 
 // Inclusive scan over the block (BLOCK threads), every thread gets its prefix
-// and `total` the block's sum. Must be reached by every thread.
+// and `total` the block's sum; with `exclusive`, also the sum of the threads before
+// it, added up rather than taken as prefix - v (inf - inf would make it NaN).
+// Must be reached by every thread.
 template <int BLOCK, class T>
-__device__ __forceinline__ T block_scan(T v, T& total) {
+__device__ __forceinline__ T block_scan(T v, T& total, T* exclusive = nullptr) {
     __shared__ T warp_sums[BLOCK / WARP_SIZE];
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
 #pragma unroll
     for (int off = 1; off < WARP_SIZE; off <<= 1) {
         const T u = __shfl_up_sync(FULL_MASK, v, off, WARP_SIZE);
         v += lane >= off ? u : T(0);
+    }
+    T up = T(0);  // the inclusive sum of the lane before, within the warp
+    if (exclusive != nullptr) {
+        up = __shfl_up_sync(FULL_MASK, v, 1, WARP_SIZE);
+        up = lane >= 1 ? up : T(0);
     }
     __syncthreads();  // a previous call may still read warp_sums
     if (lane == WARP_SIZE - 1) {
@@ -110,6 +117,9 @@ __device__ __forceinline__ T block_scan(T v, T& total) {
     for (int w = 0; w < BLOCK / WARP_SIZE; w++) {
         before += w < warp ? warp_sums[w] : T(0);
         total += warp_sums[w];
+    }
+    if (exclusive != nullptr) {
+        *exclusive = up + before;
     }
     return v + before;
 }

@@ -198,8 +198,9 @@ def _param_map_edges(op: str, full: bool) -> Iterator[Case]:
 
 @generator(*BINARY)
 def _binary_edges(op: str, full: bool) -> Iterator[Case]:
-    # x / subnormal is left out: the GPUs flush the divisor to zero (docs/ops.md, "Edge values")
-    values = NON_FINITE + ZEROS if op == "div" else EDGES
+    # x / subnormal and subnormal * inf are left out: the GPUs flush a subnormal operand to zero
+    # (docs/ops.md, "Edge values")
+    values = NON_FINITE + ZEROS if op in ("div", "mul") else EDGES
 
     def one(dt: str) -> Case:
         def make(inp: Inputs) -> Tensor:
@@ -215,7 +216,8 @@ def _binary_edges(op: str, full: bool) -> Iterator[Case]:
 def _glu_edges(op: str, full: bool) -> Iterator[Case]:
     def one(kind: str, dt: str) -> Case:
         def make(inp: Inputs) -> Tensor:
-            return ops.glu(inp.special((5, 2 * 33), dt, EDGES, 0.25, *EDGE_RANGE), kind)
+            # no subnormals: the product flushes them (subnormal * inf; docs/ops.md, "Edge values")
+            return ops.glu(inp.special((5, 2 * 33), dt, NON_FINITE + ZEROS, 0.25, *EDGE_RANGE), kind)
 
         return Case(op, f"edges {kind} {dt} 5x33", make, bound(op, dt))
 

@@ -115,7 +115,9 @@ __global__ void __launch_bounds__(BLOCK) cumsum(const unsigned char* __restrict_
         v[2] += v[1];
         v[3] += v[2];
         float total;
-        const float before = block_scan<BLOCK>(v[3], total) - v[3] + carry;
+        float exclusive;
+        block_scan<BLOCK>(v[3], total, &exclusive);
+        const float before = exclusive + carry;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             if (c + i < ncols) {
