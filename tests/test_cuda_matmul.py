@@ -1013,7 +1013,7 @@ def test_mul_mat_id_expert_out_of_range_writes_nan(dt: str, k: int, rng) -> None
     ids = next(t for t in feeds if t.dtype.name == "i32")
     _, got, ref = run_both(y, {**feeds, ids: np.array([[5, 0, 2]], np.int32)}, "mmv_id")
     plan = od.compile(y, "cuda0")
-    with pytest.raises(DeviceIndexError, match=r"index -1 at ids\[0, 1\] .* outside \[0, 8\)"):
+    with pytest.raises(DeviceIndexError, match=r"index -1 at 'ids'\[0, 1\] .* outside \[0, 8\)"):
         plan.run({**feeds, ids: np.array([[5, -1, 2]], np.int32)})
     bad = plan.read(y)
     assert np.isnan(bad[0, 1]).all(), f"mul_mat_id as={dt} k={k}: slot 1 (expert -1) not NaN"
