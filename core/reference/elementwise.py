@@ -178,7 +178,7 @@ def _glu(node: Tensor, out: np.ndarray, a: np.ndarray, b: np.ndarray | None) -> 
             gate, up = up, gate
     else:
         gate, up = _f64(a, node.srcs[0]), _f64(b, node.srcs[1])
-    with np.errstate(over="ignore"):  # exp(-x) of a very negative gate: sigmoid 0
+    with np.errstate(over="ignore", invalid="ignore"):  # sigmoid of a very negative gate 0; inf * 0 NaN, as C
         if p["kind"] == "swiglu_oai":
             g = np.minimum(gate, p["limit"])
             u = np.clip(up, -p["limit"], p["limit"])
