@@ -18,6 +18,7 @@ bit formula (round to nearest even, NaN made quiet) so even NaN payloads match.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import attrs
@@ -27,9 +28,11 @@ import numpy as np
 __all__ = [
     "DType", "DTYPES", "dtype", "quantize", "dequantize", "to_host_float", "from_float",
     "F32", "F16", "BF16", "I8", "I16", "I32", "I64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 ]
 
-QK = 32  # values per block, for every format here
+QK = 32  # values per block of the legacy formats (q4_0 .. q8_0)
+QK_K = 256  # values per super-block of the K-quants
 _F16 = np.dtype("<f2")  # d and m are little-endian IEEE halves inside a block
 
 
@@ -87,9 +90,15 @@ Q4_1 = DType("q4_1", QK, 20, "quant", _U8)
 Q5_0 = DType("q5_0", QK, 22, "quant", _U8)
 Q5_1 = DType("q5_1", QK, 24, "quant", _U8)
 Q8_0 = DType("q8_0", QK, 34, "quant", _U8)
+Q2_K = DType("q2_K", QK_K, 84, "quant", _U8)
+Q3_K = DType("q3_K", QK_K, 110, "quant", _U8)
+Q4_K = DType("q4_K", QK_K, 144, "quant", _U8)
+Q5_K = DType("q5_K", QK_K, 176, "quant", _U8)
+Q6_K = DType("q6_K", QK_K, 210, "quant", _U8)
 
 DTYPES: dict[str, DType] = {
-    t.name: t for t in (F32, F16, BF16, I8, I16, I32, I64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+    t.name: t
+    for t in (F32, F16, BF16, I8, I16, I32, I64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 }
 # Quantized data is raw uint8, so a numpy dtype only ever names a plain type.
 _BY_NUMPY: dict[np.dtype, DType] = {t.numpy: t for t in DTYPES.values() if not t.is_quant}
@@ -162,11 +171,12 @@ _CODECS: dict[str, _Codec] = {
 }
 
 
-def _quant(dt: DType | str) -> tuple[DType, _Codec]:
+def _quant(dt: DType | str) -> DType:
     dt = dtype(dt)
     if not dt.is_quant:
-        raise ValueError(f"{dt} is not a block-quantized dtype (one of {', '.join(_CODECS)})")
-    return dt, _CODECS[dt.name]
+        quants = ", ".join(t.name for t in DTYPES.values() if t.is_quant)
+        raise ValueError(f"{dt} is not a block-quantized dtype (one of {quants})")
+    return dt
 
 
 def _first(x: np.ndarray, where: np.ndarray) -> np.ndarray:
@@ -233,12 +243,131 @@ def _decode(c: _Codec, raw: np.ndarray) -> np.ndarray:
     return y
 
 
+# ---------------------------------------------------------------------------
+# K-quants: super-blocks of 256 values in sub-blocks of 16 (q2_K, q3_K, q6_K)
+# or 32 (q4_K, q5_K), each sub-block with its own integer scale (and min) times
+# the super-block's f16 d (and dmin). Layouts as ggml-common.h's block_q*_K;
+# the decoders evaluate ggml's dequantize_row_q*_K float32 expressions in its
+# order: (d*sc)*q - (dmin*m), so the values match bit for bit.
+
+_SHIFT2 = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]  # four 2-bit fields of a byte, low first
+_SHIFT1 = np.arange(8, dtype=np.uint8)[:, None]  # eight 1-bit fields of a byte, low first
+
+
+def _split(raw: np.ndarray, sizes: tuple[int, ...]) -> list[np.ndarray]:
+    """Consecutive fields of each block, by byte count."""
+    return np.split(raw, np.cumsum(sizes)[:-1], axis=-1)
+
+
+def _halves(b: np.ndarray) -> np.ndarray:
+    return b.view(_F16).astype(np.float32)
+
+
+def _crumbs(b: np.ndarray) -> np.ndarray:
+    """2-bit fields of (..., 2, 32) bytes -> (..., 256): value 128n + 32j + l is bits 2j of byte (n, l)."""
+    return ((b[..., :, None, :] >> _SHIFT2) & 3).reshape(*b.shape[:-2], QK_K)
+
+
+def _bits(b: np.ndarray) -> np.ndarray:
+    """1-bit fields of (..., 32) bytes -> (..., 256): value 32j + l is bit j of byte l."""
+    return ((b[..., None, :] >> _SHIFT1) & 1).reshape(*b.shape[:-1], QK_K)
+
+
+def _per_sub(scale: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Scale (..., S) times codes (..., 256), each scale covering 256 // S consecutive values."""
+    s = scale.shape[-1]
+    return (scale[..., None] * q.reshape(*q.shape[:-1], s, QK_K // s)).reshape(q.shape)
+
+
+def _scale_min_k4(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """q4_K/q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins (ggml's get_scale_min_k4).
+
+    Sub-blocks 0-3 hold scale and min in the low 6 bits of bytes 0-3 and 4-7;
+    sub-blocks 4-7 take their low 4 bits from the nibbles of bytes 8-11 and
+    their top 2 bits from the top bits of bytes 0-3 (scales) and 4-7 (mins).
+    """
+    lo, mid, top = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
+    scale = np.concatenate([lo & 63, (top & 0x0F) | ((lo >> 6) << 4)], axis=-1)
+    mins = np.concatenate([mid & 63, (top >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return scale.astype(np.float32), mins.astype(np.float32)
+
+
+def _nibbles_k4(qs: np.ndarray) -> np.ndarray:
+    """q4_K/q5_K's 128 bytes -> 256 4-bit codes: chunk c's 32 bytes give values 64c + l (low) and 64c + 32 + l (high)."""
+    b = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return np.concatenate([b & 0x0F, b >> 4], axis=-2).reshape(*qs.shape[:-1], QK_K)
+
+
+def _decode_q2_k(raw: np.ndarray) -> np.ndarray:
+    """scales[16] (low nibble scale, high nibble min), qs[64] (2-bit codes), d, dmin."""
+    scales, qs, d, dmin = _split(raw, (16, 64, 2, 2))
+    q = _crumbs(qs.reshape(*qs.shape[:-1], 2, 32)).astype(np.float32)
+    dl = _halves(d) * (scales & 0x0F).astype(np.float32)
+    ml = _halves(dmin) * (scales >> 4).astype(np.float32)
+    return _per_sub(dl, q) - np.repeat(ml, 16, axis=-1)
+
+
+def _decode_q3_k(raw: np.ndarray) -> np.ndarray:
+    """hmask[32] (3rd bits), qs[64] (low 2 bits), scales[12] (16 six-bit scales, offset 32), d.
+
+    A code is its low 2 bits minus 4 where its hmask bit is clear. Scale i has
+    its low 4 bits in nibble i // 8 of byte i % 8 and its top 2 bits in
+    crumb i // 4 of byte 8 + i % 4.
+    """
+    hmask, qs, sc, d = _split(raw, (32, 64, 12, 2))
+    low = _crumbs(qs.reshape(*qs.shape[:-1], 2, 32)).astype(np.int8)
+    q = (low - 4 * (1 - _bits(hmask)).astype(np.int8)).astype(np.float32)
+    lo4 = np.concatenate([sc[..., :8] & 0x0F, sc[..., :8] >> 4], axis=-1)
+    hi2 = ((sc[..., None, 8:12] >> _SHIFT2) & 3).reshape(*sc.shape[:-1], 16)
+    scale = ((lo4 | (hi2 << 4)).astype(np.int8) - np.int8(32)).astype(np.float32)
+    return _per_sub(_halves(d) * scale, q)
+
+
+def _decode_q4_k(raw: np.ndarray) -> np.ndarray:
+    """d, dmin, scales[12] (8 six-bit scales and mins, see _scale_min_k4), qs[128] (4-bit codes)."""
+    d, dmin, sc, qs = _split(raw, (2, 2, 12, 128))
+    scale, mins = _scale_min_k4(sc)
+    q = _nibbles_k4(qs).astype(np.float32)
+    return _per_sub(_halves(d) * scale, q) - np.repeat(_halves(dmin) * mins, 32, axis=-1)
+
+
+def _decode_q5_k(raw: np.ndarray) -> np.ndarray:
+    """q4_K's fields plus qh[32] before qs: the 5th bit of value 32s + l is bit s of qh[l]."""
+    d, dmin, sc, qh, qs = _split(raw, (2, 2, 12, 32, 128))
+    scale, mins = _scale_min_k4(sc)
+    q = (_nibbles_k4(qs) | (_bits(qh) << 4)).astype(np.float32)
+    return _per_sub(_halves(d) * scale, q) - np.repeat(_halves(dmin) * mins, 32, axis=-1)
+
+
+def _decode_q6_k(raw: np.ndarray) -> np.ndarray:
+    """ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8), d; codes offset 32.
+
+    In half n, ql's 64 bytes give values 128n + m (low nibble) and 128n + 64 + m
+    (high nibble); qh's 32 bytes give values 128n + 32j + l their top bits as
+    crumb j of byte l.
+    """
+    ql, qh, sc, d = _split(raw, (128, 64, 16, 2))
+    b = ql.reshape(*ql.shape[:-1], 2, 1, 64)
+    low = np.concatenate([b & 0x0F, b >> 4], axis=-2).reshape(*ql.shape[:-1], QK_K)
+    q = ((low | (_crumbs(qh.reshape(*qh.shape[:-1], 2, 32)) << 4)).astype(np.int8) - np.int8(32))
+    return _per_sub(_halves(d) * sc.view(np.int8).astype(np.float32), q.astype(np.float32))
+
+
+_K_DECODERS = {
+    "q2_K": _decode_q2_k, "q3_K": _decode_q3_k, "q4_K": _decode_q4_k, "q5_K": _decode_q5_k, "q6_K": _decode_q6_k,
+}
+
+
 def quantize(dt: DType | str, x: np.ndarray) -> np.ndarray:
     """float (..., K) -> uint8 (..., K // 32 * block_bytes), byte-exact with ggml's quantize_row_*_ref.
 
-    x is rounded to float32 first, the type ggml quantizes from.
+    x is rounded to float32 first, the type ggml quantizes from. The K-quants
+    have no quantizer here yet (dequantize only).
     """
-    dt, c = _quant(dt)
+    dt = _quant(dt)
+    if dt.name not in _CODECS:
+        raise NotImplementedError(f"quantize to {dt}: not implemented (opdispatch only dequantizes it)")
+    c = _CODECS[dt.name]
     x = np.asarray(x, dtype=np.float32)
     if x.ndim == 0 or x.shape[-1] % QK:
         raise ValueError(
@@ -257,7 +386,7 @@ def dequantize(dt: DType | str, raw: np.ndarray, n: int | None = None) -> np.nda
     first row_bytes(n) bytes of each row are decoded and any bytes after them
     ignored. Without n the whole last axis is decoded and must be whole blocks.
     """
-    dt, c = _quant(dt)
+    dt = _quant(dt)
     raw = np.asarray(raw)
     if raw.dtype != np.uint8:
         raise TypeError(f"dequantize {dt}: expected raw uint8 blocks, got {raw.dtype} of shape {raw.shape}")
@@ -268,15 +397,16 @@ def dequantize(dt: DType | str, raw: np.ndarray, n: int | None = None) -> np.nda
                 f"dequantize {dt}: the last axis must be whole {dt.block_bytes}-byte blocks, "
                 f"got shape {raw.shape}"
             )
-        n = nbytes // dt.block_bytes * QK
+        n = nbytes // dt.block_bytes * dt.block_size
     elif dt.row_bytes(n) > nbytes:
         raise ValueError(
             f"dequantize {dt}: {n} values take {dt.row_bytes(n)} bytes a row, got shape {raw.shape}"
         )
-    lead, nb = raw.shape[:-1], n // QK
+    lead, nb = raw.shape[:-1], n // dt.block_size
     blocks = np.ascontiguousarray(raw[..., : nb * dt.block_bytes]).reshape(*lead, nb, dt.block_bytes)
+    decode = _K_DECODERS.get(dt.name) or functools.partial(_decode, _CODECS[dt.name])
     with np.errstate(all="ignore"):  # inf/NaN scales decode to inf/NaN, as in ggml
-        return _decode(c, blocks).reshape(*lead, n)
+        return decode(blocks).reshape(*lead, n)
 
 
 # ---------------------------------------------------------------------------

@@ -86,6 +86,11 @@ TABLE = [
     ("q5_0", 32, 22, "quant", np.uint8),
     ("q5_1", 32, 24, "quant", np.uint8),
     ("q8_0", 32, 34, "quant", np.uint8),
+    ("q2_K", 256, 84, "quant", np.uint8),
+    ("q3_K", 256, 110, "quant", np.uint8),
+    ("q4_K", 256, 144, "quant", np.uint8),
+    ("q5_K", 256, 176, "quant", np.uint8),
+    ("q6_K", 256, 210, "quant", np.uint8),
 ]
 
 
