@@ -1,12 +1,13 @@
 """Dtype table and ggml's block-quantized formats, on the host (numpy only).
 
 Quantized tensors are stored exactly as ggml stores them (so GGUF weights load
-without conversion): a row of K values is K // 32 blocks of `block_bytes` raw
-bytes, held on the host as ``np.uint8`` arrays of shape ``(..., K // 32 *
-block_bytes)``. `quantize` reproduces ggml's reference quantizers
-(``quantize_row_*_ref`` in ggml-quants.c) byte for byte, and `dequantize` its
-``dequantize_row_*``: both evaluate ggml's float32 expressions one IEEE
-operation at a time, as the C source reads. A build that fuses ``x*id + 8.5f``
+without conversion): a row of K values is K // block_size blocks of
+`block_bytes` raw bytes (32 values a block, 256 for the K-quants), held on the
+host as ``np.uint8`` arrays of shape ``(..., K // block_size * block_bytes)``.
+`quantize` reproduces ggml's reference quantizers (``quantize_row_*_ref`` in
+ggml-quants.c) byte for byte for the 32-value formats (the K-quants have none
+here yet), and `dequantize` its ``dequantize_row_*`` for all: both evaluate
+ggml's float32 expressions one IEEE operation at a time, as the C source reads. A build that fuses ``x*id + 8.5f``
 into one FMA (GCC with -march=native does) writes other q4_0/q5_0 codes where
 x*id sits next to a half-integer: common for values on a coarse grid, rare for
 real weights; gguf-py's quants.py notes the same. Non-finite inputs give

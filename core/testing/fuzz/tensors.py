@@ -164,8 +164,9 @@ def negative_dim(rng: np.random.Generator, base: Base) -> Mutation | None:
 
 
 def _wrong_dtypes(t: Tensor, allowed: tuple[str, ...]) -> list[str]:
-    fits_blocks = bool(t.shape) and t.shape[-1] % 32 == 0
-    return [d for d in DTYPES if d not in allowed and (fits_blocks or not as_dtype(d).is_quant)]
+    last = t.shape[-1] if t.shape else None  # a block format needs whole blocks on the last axis
+    return [d for d in DTYPES if d not in allowed
+            and (not as_dtype(d).is_quant or (last is not None and last % as_dtype(d).block_size == 0))]
 
 
 def dtype(rng: np.random.Generator, base: Base) -> Mutation | None:
