@@ -15,7 +15,10 @@ import gguf
 import numpy as np
 import pytest
 
+import opdispatch as od
 from opdispatch import dtypes as D
+from opdispatch import ops
+from opdispatch.plugins.cuda_misc import support
 
 # name: byte offsets of the block's f16 fields (d, and dmin where there is one), from block_q*_K
 HALVES = {"q2_K": (80, 82), "q3_K": (108,), "q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,)}
@@ -96,3 +99,13 @@ def test_quantize_is_not_offered(name):
         D.quantize(name, np.zeros(256, np.float32))
     with pytest.raises(NotImplementedError):
         D.from_float(name, np.zeros(256, np.float32))
+
+
+@pytest.mark.parametrize("name", list(HALVES))
+def test_cuda_copies_decline_k_quants(name):
+    """Ops that take any dtype (concat, the copies) reach the CUDA plugin, which has no K-quant blocks."""
+    a, b = od.input("a", (2, 256), name), od.input("b", (3, 256), name)
+    for ok, node in ((support.concat_ok, ops.concat(a, b, 0)), (support.copy_ok, ops.cont(a))):
+        assert ok(None, node) == "no kernel moves this block format (the K-quants are host only)"
+    q = od.input("q", (2, 32), "q4_0")
+    assert support.concat_ok(None, ops.concat(q, q, 0)) is True and support.copy_ok(None, ops.cont(q)) is True

@@ -125,7 +125,13 @@ def _packed_blocks(t: Tensor) -> bool:
     return not t.dtype.is_quant or t.rows_contiguous()
 
 
+def _blocks_compiled(n: Tensor) -> bool:
+    """Kernels move the 32-value block formats only; the K-quants are host-only dtypes so far."""
+    return all(not t.dtype.is_quant or t.dtype.name in QUANTS for t in (n, *n.srcs))
+
+
 copy_ok = table(
+    (_blocks_compiled, "no kernel moves this block format (the K-quants are host only)"),
     (lambda n: copy_kind(n.srcs[0].dtype, n.dtype) is not None, "no kernel converts this pair of dtypes"),
     (lambda n: whole_elements(n.srcs[0]) and whole_elements(n), "strides or offsets that split an element"),
     (lambda n: elements_fit(n) or (_contiguous_pair(n) and not (n.dtype.is_quant or n.srcs[0].dtype.is_quant)),
@@ -152,6 +158,7 @@ set_rows_ok = table(
 )
 
 concat_ok = table(
+    (_blocks_compiled, "no kernel moves this block format (the K-quants are host only)"),
     (_all_whole, "strides or offsets that split an element"),
     (elements_fit, "2**31 elements or more"),
 )
