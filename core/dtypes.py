@@ -7,11 +7,12 @@ host as ``np.uint8`` arrays of shape ``(..., K // block_size * block_bytes)``.
 `quantize` reproduces ggml's reference quantizers (``quantize_row_*_ref`` in
 ggml-quants.c) byte for byte for the 32-value formats (the K-quants have none
 here yet), and `dequantize` its ``dequantize_row_*`` for all: both evaluate
-ggml's float32 expressions one IEEE operation at a time, as the C source reads. A build that fuses ``x*id + 8.5f``
-into one FMA (GCC with -march=native does) writes other q4_0/q5_0 codes where
-x*id sits next to a half-integer: common for values on a coarse grid, rare for
-real weights; gguf-py's quants.py notes the same. Non-finite inputs give
-unspecified codes, as in ggml, where they are undefined behaviour.
+ggml's float32 expressions one IEEE operation at a time, as the C source reads.
+A build that fuses ``x*id + 8.5f`` into one FMA (GCC with -march=native does)
+writes other q4_0/q5_0 codes where x*id sits next to a half-integer: common for
+values on a coarse grid, rare for real weights; gguf-py's quants.py notes the
+same. Non-finite inputs give unspecified codes, as in ggml, where they are
+undefined behaviour.
 
 bf16 values live in ``ml_dtypes.bfloat16`` arrays; f32 -> bf16 uses ggml's own
 bit formula (round to nearest even, NaN made quiet) so even NaN payloads match.
@@ -294,7 +295,10 @@ def _scale_min_k4(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _nibbles_k4(qs: np.ndarray) -> np.ndarray:
-    """q4_K/q5_K's 128 bytes -> 256 4-bit codes: chunk c's 32 bytes give values 64c + l (low) and 64c + 32 + l (high)."""
+    """q4_K/q5_K's 128 bytes -> 256 4-bit codes.
+
+    Byte l of 32-byte chunk c holds value 64c + l (low nibble) and 64c + 32 + l (high).
+    """
     b = qs.reshape(*qs.shape[:-1], 4, 1, 32)
     return np.concatenate([b & 0x0F, b >> 4], axis=-2).reshape(*qs.shape[:-1], QK_K)
 
