@@ -7,7 +7,7 @@ spare]`, zero while all is well. The word lies in host-mapped memory, so the hos
 after a synchronize at no cost: no copy is queued. The tag is an `IndexUse` registered at bind
 (`IndexTable.register`: the node, the index tensor, the valid range); `IndexTable.check`, called
 where the plan synchronizes, clears a set word and raises DeviceIndexError naming them.
-OPDISPATCH_CHECK_INDICES=0 at bind time passes a null word: nothing is checked.
+OPDISPATCH_CHECK_INDICES=0 at bind time passes a null word: bad indices are still skipped, not recorded.
 """
 
 from __future__ import annotations

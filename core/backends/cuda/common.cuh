@@ -158,19 +158,19 @@ __device__ __forceinline__ bool last_block(int* counter, int blocks) {
 // host names the node, the tensor and the valid range (opdispatch.errorword). index_ok(i, n, ...)
 // is 0 <= i < n; a bad index is recorded (the first one only: the word is set once, by
 // compare-and-swap; the host clears it) and the caller must not dereference it. A null word
-// (OPDISPATCH_CHECK_INDICES=0) trusts every index: true without comparing, a uniform branch.
+// (OPDISPATCH_CHECK_INDICES=0) records nothing: a bad index is still skipped, only not reported.
 // The recording is out of line, so that it costs the kernel's hot path no registers, as long as
 // nothing is live across it: a kernel that has work left for a bad index (a NaN row to write)
 // tests in_range, does that work, then calls record_bad_index last.
 #define OD_INDEX_CHECK_PARAMS unsigned long long* err_word, unsigned err_tag
 
-__device__ __forceinline__ bool in_range(const long long i, const long long n, const unsigned long long* word) {
-    return word == nullptr || static_cast<unsigned long long>(i) < static_cast<unsigned long long>(n);
+__device__ __forceinline__ bool in_range(const long long i, const long long n) {
+    return static_cast<unsigned long long>(i) < static_cast<unsigned long long>(n);
 }
 
 __device__ __noinline__ void record_bad_index(unsigned long long* word, const unsigned tag, const long long position,
                                               const long long i) {
-    if (atomicCAS(word, 0ull, tag + 1ull) == 0ull) {
+    if (word != nullptr && atomicCAS(word, 0ull, tag + 1ull) == 0ull) {
         word[1] = static_cast<unsigned long long>(position);
         word[2] = static_cast<unsigned long long>(i);
         __threadfence_system();
@@ -179,7 +179,7 @@ __device__ __noinline__ void record_bad_index(unsigned long long* word, const un
 
 __device__ __forceinline__ bool index_ok(const long long i, const long long n, unsigned long long* word,
                                          const unsigned tag, const long long position) {
-    if (in_range(i, n, word)) {
+    if (in_range(i, n)) {
         return true;
     }
     record_bad_index(word, tag, position, i);

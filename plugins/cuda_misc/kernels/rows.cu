@@ -302,7 +302,7 @@ __global__ void __launch_bounds__(ROW_THREADS)
     const int c0 = (blockIdx.y * ROW_UNROLL * tpr + (threadIdx.x & (tpr - 1))) * N;
     const unsigned k = row % n, i2 = (row / n) % a2, i3 = row / n / a2;
     const long long i = row_index<int>(idx, k, i2, i3, is0, is1, is2);
-    const bool ok = od::in_range(i, arows, err_word);
+    const bool ok = od::in_range(i, arows);
     const long long r = ok ? i : -1;
     const unsigned char* src = a + i3 * as3 + i2 * as2 + r * as1;
     D* dst = out + static_cast<long long>(row) * ncols;
@@ -345,7 +345,7 @@ __global__ void get_rows_q(const unsigned char* __restrict__ a, const unsigned c
     const unsigned row = blockIdx.x;
     const unsigned k = row % n, i2 = (row / n) % a2, i3 = row / n / a2;
     const long long i = row_index<int>(idx, k, i2, i3, is0, is1, is2);
-    const bool ok = od::in_range(i, arows, err_word);
+    const bool ok = od::in_range(i, arows);
     const long long r = ok ? i : -1;
     const unsigned char* src = a + i3 * as3 + i2 * as2 + r * as1;
     float* dst = out + static_cast<long long>(row) * ncols;
