@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from opdispatch import dtypes
+from opdispatch.quants import legacy
 from cuda_emu.hostcode import EMU, gxx_major, q8_1_reference, write_headers
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
@@ -70,7 +71,7 @@ def random_blocks(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
 def _offsets(name: str) -> list[tuple[str, int]]:
     """(field, byte offset) of a block of `name`, from opdispatch.dtypes' field list."""
     out, at = [], 0
-    for field, size in dtypes._CODECS[name].fields:
+    for field, size in legacy.CODECS[name].fields:
         out.append((field, at))
         at += size
     return out
@@ -82,7 +83,7 @@ def test_layout_matches_dtypes(driver: Path) -> None:
     assert sorted(got) == sorted(FORMATS)
     for name in FORMATS:
         qk, nbytes, bits, scale, div, zero, d, m, qh, qs, qmax = got[name]
-        dt, codec = dtypes.dtype(name), dtypes._CODECS[name]
+        dt, codec = dtypes.dtype(name), legacy.CODECS[name]
         offsets = dict(_offsets(name))
         assert (qk, nbytes) == (dt.block_size, dt.block_bytes), name
         assert (bits, SCALES[scale], div, zero, qmax) == (codec.bits, codec.scale_from, codec.divisor, codec.zero,
