@@ -11,19 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import F16, QK_K, Format, halves, split
+from . import kquants_encode as encode
+from .common import QK_K, Format, halves, split
 
 _SHIFT2 = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]  # four 2-bit fields of a byte, low first
 _SHIFT1 = np.arange(8, dtype=np.uint8)[:, None]  # eight 1-bit fields of a byte, low first
-
-
-def split(raw: np.ndarray, sizes: tuple[int, ...]) -> list[np.ndarray]:
-    """Consecutive fields of each block, by byte count."""
-    return np.split(raw, np.cumsum(sizes)[:-1], axis=-1)
-
-
-def halves(b: np.ndarray) -> np.ndarray:
-    return b.view(F16).astype(np.float32)
 
 
 def _crumbs(b: np.ndarray) -> np.ndarray:
@@ -119,10 +111,20 @@ def _decode_q6_k(raw: np.ndarray) -> np.ndarray:
     return _per_sub(halves(d) * sc.view(np.int8).astype(np.float32), q.astype(np.float32))
 
 
-_DECODERS = {
-    "q2_K": _decode_q2_k, "q3_K": _decode_q3_k, "q4_K": _decode_q4_k, "q5_K": _decode_q5_k, "q6_K": _decode_q6_k,
-}
+def _decode_q8_k(raw: np.ndarray) -> np.ndarray:
+    """d (f32), qs[256] (int8), bsums[16] (int16, unused here): d * q, as dequantize_row_q8_K."""
+    d, qs, _ = split(raw, (4, QK_K, 32))
+    return np.ascontiguousarray(d).view("<f4") * qs.view(np.int8).astype(np.float32)
 
 
-_BYTES = {"q2_K": 84, "q3_K": 110, "q4_K": 144, "q5_K": 176, "q6_K": 210}
-FORMATS = tuple(Format(name, QK_K, _BYTES[name], decode) for name, decode in _DECODERS.items())
+FORMATS = tuple(
+    Format(name, QK_K, block_bytes, decode, encode.chunked(encoder, block_bytes))
+    for name, block_bytes, decode, encoder in (
+        ("q2_K", 84, _decode_q2_k, encode.encode_q2_k),
+        ("q3_K", 110, _decode_q3_k, encode.encode_q3_k),
+        ("q4_K", 144, _decode_q4_k, encode.encode_q4_k),
+        ("q5_K", 176, _decode_q5_k, encode.encode_q5_k),
+        ("q6_K", 210, _decode_q6_k, encode.encode_q6_k),
+        ("q8_K", 292, _decode_q8_k, encode.encode_q8_k),
+    )
+)
