@@ -40,8 +40,8 @@ def _values(codes: np.ndarray, nblocks: int) -> np.ndarray:
 
 
 def _positive_max(s: np.ndarray) -> np.ndarray:
-    """ggml's ``float m = 0; if (s[j] > m) m = s[j];`` over the last axis: +0 unless some s > 0."""
-    m = s.max(axis=-1)
+    """ggml's ``float m = 0; if (s[j] > m) m = s[j];`` over the last axis: +0 unless some s > 0; NaNs never win."""
+    m = np.fmax.reduce(s, axis=-1)
     return np.where(m > 0, m, F32(0))
 
 

@@ -42,9 +42,11 @@ def first_absmax(x: np.ndarray, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(amax, max): the largest |x| along `axis` and the first value with it, sign kept.
 
     ggml scans with ``if (ax > amax)`` from amax = 0, so the first of tied
-    values wins, and an all-zero line gives max = +0.
+    values wins, a NaN never does (a search's overflowed scale can be one),
+    and a line of zeros gives max = +0.
     """
     ax = np.abs(x)
+    ax = np.where(np.isnan(ax), F32(0), ax)
     amax = ax.max(axis=axis, keepdims=True)
     at = np.argmax(ax == amax, axis=axis)
     mx = np.take_along_axis(x, np.expand_dims(at, axis), axis=axis)
@@ -75,8 +77,9 @@ def make_qkx2_quants(
     A sub-block whose values are all equal and <= 0 gets codes 0, scale 0,
     the_min = -that value.
     """
-    mn0 = x.min(axis=0)
-    mx = x.max(axis=0)
+    # ggml: min = max = x[0], then strict compares, so a NaN counts only as the first value
+    mn0 = np.where(np.isnan(x[0]), x[0], np.fmin.reduce(x, axis=0))
+    mx = np.where(np.isnan(x[0]), x[0], np.fmax.reduce(x, axis=0))
     sum_w = chain_sum(w)
     sum_x = chain_sum(w * x)
     mn0 = np.where(mn0 > 0, F32(0), mn0)
