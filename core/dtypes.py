@@ -24,7 +24,7 @@ from .quants import FORMATS
 __all__ = [
     "DType", "DTYPES", "dtype", "quantize", "dequantize", "to_host_float", "from_float",
     "F32", "F16", "BF16", "I8", "I16", "I32", "I64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K",
 ]
 
 
@@ -79,7 +79,7 @@ I32 = DType("i32", 1, 4, "int", np.dtype(np.int32))
 I64 = DType("i64", 1, 8, "int", np.dtype(np.int64))
 _QUANTS = {name: DType(name, f.block_size, f.block_bytes, "quant", _U8) for name, f in FORMATS.items()}
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (_QUANTS[n] for n in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"))
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (_QUANTS[n] for n in ("q2_K", "q3_K", "q4_K", "q5_K", "q6_K"))
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = (_QUANTS[n] for n in ("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "q8_K"))
 
 DTYPES: dict[str, DType] = {t.name: t for t in (F32, F16, BF16, I8, I16, I32, I64)} | _QUANTS
 # Quantized data is raw uint8, so a numpy dtype only ever names a plain type.

@@ -149,7 +149,8 @@ def main() -> None:
         keep = np.concatenate([np.flatnonzero(kinds == k)[:ROWS_PER_KIND] for k in range(len(NAMES))])
         for name, ftype in FTYPES.items():
             out = Path(tmp) / f"m-{name}.gguf"
-            run = subprocess.run([a.llama_quantize, "--pure", str(src), str(out), ftype], capture_output=True, text=True)
+            cmd = [a.llama_quantize, "--pure", str(src), str(out), ftype]
+            run = subprocess.run(cmd, capture_output=True, text=True)
             if run.returncode:
                 sys.exit(f"llama-quantize {ftype} failed:\n{run.stdout[-3000:]}{run.stderr[-3000:]}")
             bb, blocks, bad_blocks, bad_bytes = D.dtype(name).block_bytes, 0, 0, 0
@@ -159,7 +160,8 @@ def main() -> None:
                 assert t.tensor_type == gguf.GGMLQuantizationType[name.upper()], (name, t.name, t.tensor_type)
                 theirs = np.array(t.data).reshape(-1, bb)
                 diff = D.quantize(name, values[t.name]).reshape(-1, bb) != theirs
-                blocks, bad_blocks, bad_bytes = blocks + len(diff), bad_blocks + diff.any(1).sum(), bad_bytes + diff.sum()
+                blocks, bad_blocks = blocks + len(diff), bad_blocks + diff.any(1).sum()
+                bad_bytes += diff.sum()
                 if t.name == "token_embd.weight":
                     raw = theirs[keep]
             print(f"{name}: {bad_blocks} of {blocks} blocks and {bad_bytes} bytes differ from llama-quantize's")

@@ -9,7 +9,8 @@ without conversion; docs/ops.md lists them. `opdispatch.dtypes` builds its
 dtype table and its `quantize` / `dequantize` from `FORMATS`.
 
 - `legacy`: the 32-value formats q4_0, q4_1, q5_0, q5_1, q8_0.
-- `kquants`: the 256-value K-quants q2_K .. q6_K.
+- `kquants`: the 256-value K-quants q2_K .. q6_K and q8_K (decoders; their
+  encoders are in `kquants_encode`, ggml's scale searches in `kquants_search`).
 
 A new format is a `Format` in its family's module and a line in `_FAMILIES`.
 """

@@ -1,10 +1,12 @@
-"""ggml's K-quants: super-blocks of 256 values, q2_K .. q6_K (dequantize only, for now).
+"""ggml's K-quants: super-blocks of 256 values, q2_K .. q6_K, and q8_K.
 
 Each super-block holds sub-blocks of 16 (q2_K, q3_K, q6_K) or 32 (q4_K, q5_K)
 values, each sub-block with its own integer scale (and min) times the
-super-block's f16 d (and dmin). Layouts as ggml-common.h's block_q*_K; the
-decoders evaluate ggml's dequantize_row_q*_K float32 expressions in its order:
-(d*sc)*q - (dmin*m), so the values match bit for bit.
+super-block's f16 d (and dmin); q8_K (ggml's 8-bit dot-product operand) is a
+float32 d, 256 int8 codes and their sums by 16. Layouts as ggml-common.h's
+block_q*_K; the decoders evaluate ggml's dequantize_row_q*_K float32
+expressions in its order: (d*sc)*q - (dmin*m), so the values match bit for
+bit. The encoders (`kquants_encode`) are byte for byte ggml's quantize_row_*_ref.
 """
 
 from __future__ import annotations
