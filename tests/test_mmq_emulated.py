@@ -36,11 +36,13 @@ NMSE_Q8_1 = 1e-8  # against the reference on b rounded to q8_1 as quantize_q8_1 
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
 
-#: mmq.cu's inline PTX and its host replacement
-MMA_PTX = ('''    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%10, %10, %10, %10};\\n"
-                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));''',
+#: mmq.cu's inline PTX (the mma statement, whole) and its host replacement
+MMA_PTX = ("    asm volatile(\"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
+           "{%4, %5, %6, %7}, {%8, %9}, \"\n"
+           "                 \"{%10, %10, %10, %10};\\n\"\n"
+           "                 : \"=r\"(d[0]), \"=r\"(d[1]), \"=r\"(d[2]), \"=r\"(d[3])\n"
+           "                 : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"r\"(b0), \"r\"(b1), "
+           "\"r\"(0));",
            "    emu_mma_s8(d, a, b0, b1);")
 SHARED = "extern __shared__ uint4 smem_u4[];"
 
@@ -97,7 +99,8 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (build / header).write_text(specs.KERNELS_DIR.joinpath(header).read_text())
     src = specs.MMQ_CU.read_text()
     assert MMA_PTX[0] in src and SHARED in src, "mmq.cu changed: update the emulation's swaps"
-    src = src.replace(MMA_PTX[0], MMA_PTX[1]).replace(SHARED, "uint4* smem_u4 = reinterpret_cast<uint4*>(emu_ctx->smem);")
+    src = src.replace(MMA_PTX[0], MMA_PTX[1])
+    src = src.replace(SHARED, "uint4* smem_u4 = reinterpret_cast<uint4*>(emu_ctx->smem);")
     (build / "mmq.cu").write_text(src)
     for name in ("mm_common.cuh", "mmv_common.cuh", "mmv.cu", "mmq.cu"):
         assert "asm" not in (build / name).read_text(), f"{name} has inline PTX the emulation does not replace"

@@ -114,4 +114,5 @@ def mmq_specs(node: Tensor, ptr: Ptr, scratch: Scratch) -> list[KernelSpec]:
                    out=ptr(node), M=m, K=k, N=n, tiles_m=tiles_m)
     grid = (tiles_m * math.ceil(n / tile.bn), b2, b3)
     dt = a.dtype.name
-    return [quant, KernelSpec(MMQ_CU, mmq_name(dt, attrs.astuple(tile)), grid, tile.threads, args, smem=mmq_smem(dt, tile))]
+    name = mmq_name(dt, attrs.astuple(tile))
+    return [quant, KernelSpec(MMQ_CU, name, grid, tile.threads, args, smem=mmq_smem(dt, tile))]
