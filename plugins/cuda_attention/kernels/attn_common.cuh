@@ -30,8 +30,11 @@ __device__ __forceinline__ bool is_neg_inf(float x) { return x == -__int_as_floa
 
 // A logit x (log2 units) plus slope2 * its f16 mask value m: -inf where m is -inf, even where x is
 // not finite (a key the mask hides is skipped outright, as in ggml: garbage K rows do not matter).
+// The sum is computed whatever m is and then selected: a conditional conversion (inline PTX, which the
+// compiler does not speculate) became a branch per score, 1.7% of the 1b decode step on the H200.
 __device__ __forceinline__ float masked(unsigned short m, float slope2, float x) {
-    return m == 0xfc00u ? -__int_as_float(0x7f800000) : fmaf(slope2, od::f16_to_f32(m), x);
+    const float y = fmaf(slope2, od::f16_to_f32(m), x);
+    return m == 0xfc00u ? -__int_as_float(0x7f800000) : y;
 }
 
 // -- loaders: 8 consecutive values of a row as floats ----------------------------------
