@@ -30,7 +30,8 @@ from opdispatch.compiler import compile
 from opdispatch.models.generate import Generator
 from opdispatch.models.llama.config import LlamaConfig
 from opdispatch.models.llama.model import LlamaModel
-from opdispatch.models.llama.names import random_weights
+from opdispatch.models.llama.names import random_weights, weight_shapes
+from opdispatch.models.mixture import ModelFacts, tensor_type
 from opdispatch.models.weights.gguf import gguf_dtype, load_gguf, read_gguf, unpermute_qk
 from opdispatch.models.weights.names import GGUF_LAYER_TO_HF, GGUF_TO_HF, gguf_name_to_hf
 from opdispatch.models.weights.safetensors import load_safetensors
@@ -505,6 +506,45 @@ def test_quantized_gguf_runs_on_cuda_like_the_cpu_reference(matrix_type: str, tm
     assert np.isfinite(gpu).all() and err <= 1e-3
     plan = Generator(gpu_model, "cuda0").step(1, len(prompt))[0]
     assert {(dt, kind) for _, dt, kind in block_matmuls(plan)} == {(matrix_type, "cuda")}
+
+
+def test_tiny_llama_in_the_q4_k_m_mixture_runs_like_its_values(tmp_path: Path, rng: np.random.Generator) -> None:
+    """A file as llama-quantize's Q4_K_M lays one out (q4_K, q6_K for output and the use_more_bits layers' attn_v
+    and ffn_down, f32 norms), random blocks: each matrix loads in its own type and the model runs like the
+    same values as f32 (decoded by gguf, HF rows)."""
+    cfg = tiny_cfg(hidden=256, ffn=512)
+    facts = ModelFacts(cfg.layers, cfg.heads, cfg.kv_heads)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.layers)
+    tensors, held = {}, {}
+    for hf, shape in weight_shapes(cfg).items():
+        name = names.get_name(hf, try_suffixes=(".weight",))
+        dt = tensor_type("Q4_K_M", name, shape, facts)
+        if dt == "f32":
+            data = rng.uniform(0.8, 1.2, shape).astype(np.float32)
+            tensors[name], held[hf] = ("F32", data), data
+            continue
+        raw = block_rows(rng, dt, *shape)
+        tensors[name] = (dt.upper(), raw)
+        x = np.asarray(gguf.quants.dequantize(raw, GT[dt.upper()]), np.float32)
+        held[hf] = unpermute_qk(x, cfg.heads if ".q_proj." in hf else cfg.kv_heads) if (
+            ".q_proj." in hf or ".k_proj." in hf) else x
+    path = tmp_path / "q4_k_m.gguf"
+    write_raw_gguf(path, tensors, {"block_count": cfg.layers, "context_length": cfg.max_ctx,
+                                   "embedding_length": cfg.hidden, "feed_forward_length": cfg.ffn,
+                                   "head_count": cfg.heads, "head_count_kv": cfg.kv_heads,
+                                   "rope_freq_base": cfg.rope_base, "layer_norm_rms_eps": cfg.rms_eps})
+    loaded_cfg, params = load_gguf(path)
+    assert loaded_cfg.dtype == "q4_K"  # the commonest type of the layer matrices
+    types = {n: t.dtype.name for n, t in params.items()}
+    assert types["lm_head.weight"] == "q6_K" and types["model.embed_tokens.weight"] == "q4_K"
+    assert [types[f"model.layers.{i}.self_attn.v_proj.weight"] for i in range(2)] == ["q4_K", "q6_K"]
+    assert [types[f"model.layers.{i}.mlp.down_proj.weight"] for i in range(2)] == ["q4_K", "q6_K"]
+    model = LlamaModel(attrs.evolve(loaded_cfg, cache_dtype="f32"), params)
+    assert model.layers[0].wqkv is not None and model.layers[1].wqkv is None  # q4_K q/k with a q6_K v: apart
+    prompt = rng.integers(0, cfg.vocab, 9).tolist()
+    ref = logits(LlamaModel(cfg, held), prompt)
+    assert np.isfinite(ref).all() and np.abs(ref).max() > 0
+    assert_same_logits(logits(model, prompt), ref)
 
 
 def test_gguf_neox_mode_unpermutes_to_hf_rows(tmp_path: Path, rng: np.random.Generator) -> None:
