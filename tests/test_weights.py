@@ -167,9 +167,11 @@ def block_rows(rng: np.random.Generator, dt: str, rows: int, cols: int) -> np.nd
     random K-quant blocks with modest f16 scales (test_kquants.HALVES), else random bytes."""
     if FORMATS[dt].encode is not None:
         return dtypes.quantize(dt, values(rng, (rows, cols), cols ** -0.5))
-    raw = rng.integers(0, 256, (rows * cols // dtypes.dtype(dt).block_size, dtypes.dtype(dt).block_bytes), np.uint8)
+    d = dtypes.dtype(dt)
+    raw = rng.integers(0, 256, (rows * cols // d.block_size, d.block_bytes), np.uint8)
     for at in HALVES.get(dt, ()):
-        raw[:, at:at + 2] = (rng.uniform(-1, 1, len(raw)) * 2e-3 / cols ** 0.5).astype("<f2").view(np.uint8).reshape(-1, 2)
+        scale = rng.uniform(-1, 1, len(raw)) * 2e-3 / cols ** 0.5
+        raw[:, at:at + 2] = scale.astype("<f2").view(np.uint8).reshape(-1, 2)
     return raw.reshape(rows, -1)
 
 
@@ -180,7 +182,8 @@ def write_raw_gguf(path: Path, tensors: dict[str, tuple[str, np.ndarray]], meta:
         getattr(w, f"add_{key}")(value)
     for name, (type_name, data) in tensors.items():
         raw = data.dtype == np.uint8 or type_name == "BF16"
-        w.add_tensor(name, data.view(np.uint8) if type_name == "BF16" else data, raw_dtype=GT[type_name] if raw else None)
+        w.add_tensor(name, data.view(np.uint8) if type_name == "BF16" else data,
+                     raw_dtype=GT[type_name] if raw else None)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
 
 

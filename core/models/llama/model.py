@@ -48,7 +48,8 @@ class LlamaModel:
     `weights` maps HF names (see weight_shapes) to float arrays, converted to
     cfg.dtype (norm weights and the MoE router stay f32, as llama.cpp keeps
     them), or to opdispatch params (e.g. GGUF blocks from a loader), used as
-    they are: each matrix in its own type, as a Q4_K_M file mixes q4_K and q6_K. Expert weights come stacked or one per expert (MOE_ALIASES).
+    they are: each matrix in its own type, as a Q4_K_M file mixes q4_K and
+    q6_K. Expert weights come stacked or one per expert (MOE_ALIASES).
     Without "lm_head.weight" the LM head is the embedding (tied).
     A missing weight, a wrong shape or a weight the model would not use
     raises ValueError naming it.

@@ -173,6 +173,27 @@ def _field_value(field: Any) -> Any:
     return one(field.data[0], main)
 
 
+def permute_qk(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter permutation of q_proj/k_proj rows (HF order -> GGUF order), a new array; the inverse
+    of `unpermute_qk`."""
+    n = rows.shape[0]
+    if n % (2 * n_head):
+        raise ValueError(f"permute_qk: {n} rows do not split into {n_head} heads of even size")
+    return np.ascontiguousarray(
+        rows.reshape(n_head, 2, n // n_head // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape))
+
+
+def read_gguf_fields(path: str | os.PathLike[str]) -> list[tuple[str, Any, Any, Any]]:
+    """The metadata of a GGUF file as written: [(key, value, GGUFValueType, element type of an array or None)],
+    to copy it into another file with the same types (llama.cpp checks them). Values as `read_gguf` gives them."""
+    reader = _open_gguf(path)
+    try:
+        return [(name, _field_value(f), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+                for name, f in reader.fields.items() if not name.startswith("GGUF.")]
+    except (IndexError, ValueError, TypeError) as e:
+        raise ValueError(f"{path}: unreadable metadata ({type(e).__name__}: {e})") from e
+
+
 def _unpermuted(t: Tensor, n_head: int) -> Tensor:
     rows = t.data.reshape(t.shape[0], -1)
     return param(t.name, unpermute_qk(rows, n_head), t.dtype, shape=t.shape)
