@@ -32,7 +32,7 @@ from ..tensor import Tensor, param
 from .llama.config import LlamaConfig
 from .mixture import PRESETS, ModelFacts, tensor_type
 from .weights.gguf import _import_gguf, permute_qk, read_gguf, read_gguf_fields
-from .weights.names import GGUF_LAYER_TO_HF, GGUF_TO_HF
+from .weights.names import hf_name_to_gguf
 from .weights.safetensors import load_safetensors
 
 #: metadata keys not copied: written anew (file type, quantization version) or meaningless in one file (splits)
@@ -74,20 +74,6 @@ def read_source(path: str | os.PathLike[str]) -> Source:
     return Source(arch, meta, tensors, facts)
 
 
-_HF_TO_GGUF = {hf: g for g, hf in GGUF_TO_HF.items()}
-
-
-def _gguf_name(hf: str) -> str | None:
-    """The GGUF name of an HF Llama weight name (the inverse of weights.names.gguf_name_to_hf), or None."""
-    if hf in _HF_TO_GGUF:
-        return _HF_TO_GGUF[hf]
-    for g, h in GGUF_LAYER_TO_HF.items():
-        prefix, sep, rest = hf.partition(f".{h}.weight")
-        if sep and not rest and prefix.startswith("model.layers.") and prefix[13:].isdigit():
-            return f"blk.{prefix[13:]}.{g}.weight"
-    return None
-
-
 def _safetensors_source(p: Path) -> Source:
     root = p if p.is_dir() else p.parent
     config_path = root / "config.json"
@@ -119,7 +105,7 @@ def _safetensors_source(p: Path) -> Source:
     tensors: dict[str, Tensor] = {}
     unknown = []
     for hf, t in load_safetensors(p).items():
-        name = _gguf_name(hf)
+        name = hf_name_to_gguf(hf)
         if name is None:
             if not hf.endswith(_NOT_WEIGHTS):
                 unknown.append(hf)
