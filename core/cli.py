@@ -1,4 +1,4 @@
-"""The `opdispatch` command: info, ops, test-ops, run.
+"""The `opdispatch` command: info, ops, test-ops, run, quantize.
 
 Errors a user can fix (an unknown device, a prompt longer than the context)
 print one line on stderr and exit with status 2, like argparse's own.
@@ -22,9 +22,10 @@ from . import __version__
 from .hookspecs import Device
 from .manager import PluginManager, manager
 from .models.generate import Generator, generate
-from .models.llama.config import CACHE_DTYPES, PRESETS, WEIGHT_DTYPES, WINDOW_STEP, LlamaConfig
+from .models.llama.config import CACHE_DTYPES, CONVERTIBLE_DTYPES, PRESETS, WEIGHT_DTYPES, WINDOW_STEP, LlamaConfig
 from .models.llama.model import LlamaModel
 from .models.llama.names import random_weights
+from .models.mixture import PRESETS as MIXTURE_PRESETS
 from .models.sampling import SAMPLING, Sampler
 from .ops import OPS
 from .plan import Plan
@@ -80,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--gguf", metavar="PATH", help="weights and config from a llama GGUF file")
     src.add_argument("--safetensors", metavar="DIR",
                      help="weights from the *.safetensors files in DIR (or one file), config from config.json there")
-    p.add_argument("--dtype", choices=WEIGHT_DTYPES,
+    p.add_argument("--dtype", choices=CONVERTIBLE_DTYPES,
                    help="dtype of random weights (default: the preset's: tiny f32, 1b bf16); loaded weights keep "
                         "their stored types")
     p.add_argument("--cache-dtype", choices=CACHE_DTYPES, help="KV cache dtype (default: f16)")
@@ -96,6 +97,20 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: 1)")
     p.add_argument("--no-fusion", action="store_true", help="compile without fusion rules")
     p.set_defaults(handler=cmd_run)
+
+    p = sub.add_parser(
+        "quantize", help="write a Llama GGUF in a block format or a llama-quantize file type (Q4_K_M, ...)",
+        description="Read a GGUF file (any types it loads) or a directory of HF Llama safetensors (with its "
+                    "config.json) and write a GGUF file whose tensors are quantized by opdispatch (byte-exact with "
+                    "ggml). TYPE is a llama-quantize file type, its mixture of types per tensor included ("
+                    "uppercase: " + ", ".join(MIXTURE_PRESETS) + "), or one opdispatch dtype for every tensor "
+                    "llama-quantize would quantize (lowercase, as llama-quantize --pure: q4_0, q8_0, ...). Norms "
+                    "stay f32; a row that is not whole blocks of its type falls back as llama-quantize's does "
+                    "(docs/models.md). A progress bar goes to stderr.")
+    p.add_argument("input", metavar="IN", help="a GGUF file, or a safetensors directory with config.json")
+    p.add_argument("output", metavar="OUT", help="the GGUF file to write")
+    p.add_argument("type", metavar="TYPE", help="a file type (Q4_K_M, Q8_0, ...) or a dtype (q4_0, q8_0, ...)")
+    p.set_defaults(handler=cmd_quantize)
     return parser
 
 
@@ -280,7 +295,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     size = sum(t.nbytes for t in {id(t): t for t in model.params.values()}.values())
     cache = sum(t.nbytes for t in model.states)
-    source = f"random, seed {args.seed}" if weights is None else f"{len(model.params)} tensors ({_dtypes(model)})"
+    source = f"random, seed {args.seed}" if weights is None else _type_counts(model)
     print(f"weights: {source}, {_size(size)}, {'built' if weights is None else 'loaded'} in "
           f"{time.perf_counter() - t0:.2f} s; KV cache {_size(cache)}")
     prompts = np.random.default_rng(args.seed).integers(0, cfg.vocab, (args.batch, args.prompt_len)).tolist()
@@ -309,6 +324,32 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"decode: {made} tokens{seqs} in {out.decode_s * 1e3:.2f} ms = {out.decode_tps:.1f} tokens/s "
               f"({out.decode_s / out.decode_steps * 1e3:.3f} ms/{'token' if args.batch == 1 else 'step'})")
     return 0
+
+
+# -- quantize -------------------------------------------------------------------------
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from .models.quantize import file_type, quantize_model
+
+    t0 = time.perf_counter()
+    try:
+        types = quantize_model(args.input, args.output, args.type, progress=sys.stderr)
+    except OSError as exc:
+        raise UsageError(f"{exc.strerror or exc}: {exc.filename}") from None
+    except (ValueError, ImportError) as exc:
+        raise UsageError(str(exc)) from None
+    counts = ", ".join(f"{dt} x {n}" for dt, n in Counter(types.values()).most_common())
+    print(f"wrote {args.output}: {args.type} (general.file_type {file_type(args.type)}), {counts}; "
+          f"{_size(os.path.getsize(args.output))} from {_size(_input_size(Path(args.input)))} in "
+          f"{time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+def _input_size(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return path.stat().st_size
 
 
 def _load_weights(args: argparse.Namespace) -> tuple[LlamaConfig, dict[str, Tensor], str]:
@@ -344,12 +385,9 @@ def _load_weights(args: argparse.Namespace) -> tuple[LlamaConfig, dict[str, Tens
         raise UsageError(str(exc)) from None
 
 
-def _dtypes(model: LlamaModel) -> str:
-    """'bf16 2.0 GiB, f32 1.1 MiB': the model's weight bytes by dtype."""
-    by: Counter[str] = Counter()
-    for t in {id(t): t for t in model.params.values()}.values():
-        by[t.dtype.name] += t.nbytes
-    return ", ".join(f"{dt} {_size(n)}" for dt, n in by.most_common())
+def _type_counts(model: LlamaModel) -> str:
+    """'q4_K x 97, q6_K x 17, f32 x 33': the model's weights by storage type, commonest first."""
+    return ", ".join(f"{dt} x {n}" for dt, n in Counter(t.dtype.name for t in model.params.values()).most_common())
 
 
 def _print_plan(what: str, plan: Plan) -> None:

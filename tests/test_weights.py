@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +23,22 @@ import pytest
 from gguf import GGMLQuantizationType as GT
 
 from opdispatch import dtypes
+from opdispatch.dtypes import from_float
+from opdispatch.quants import FORMATS
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.compiler import compile
 from opdispatch.models.generate import Generator
 from opdispatch.models.llama.config import LlamaConfig
 from opdispatch.models.llama.model import LlamaModel
-from opdispatch.models.llama.names import random_weights
-from opdispatch.models.weights.gguf import load_gguf, read_gguf, unpermute_qk
+from opdispatch.models.llama.names import random_weights, weight_shapes
+from opdispatch.models.mixture import ModelFacts, tensor_type
+from opdispatch.models.weights.gguf import gguf_dtype, load_gguf, read_gguf, unpermute_qk
 from opdispatch.models.weights.names import GGUF_LAYER_TO_HF, GGUF_TO_HF, gguf_name_to_hf
 from opdispatch.models.weights.safetensors import load_safetensors
 from opdispatch.models.weights.state_dict import load_state_dict, state_dict_arrays
 from opdispatch.testing.metrics import nmse
 from opdispatch.tensor import Tensor
+from test_kquants import HALVES
 
 QUANTS = {"q4_0": GT.Q4_0, "q4_1": GT.Q4_1, "q5_0": GT.Q5_0, "q5_1": GT.Q5_1, "q8_0": GT.Q8_0}
 GGUF_TYPE = {"f32": GT.F32, "f16": GT.F16, "bf16": GT.BF16, **QUANTS}
@@ -157,21 +162,99 @@ def test_gguf_tensors_load_as_stored(dt: str, tmp_path: Path, rng: np.random.Gen
             np.testing.assert_array_equal(host, x.astype(dtypes.dtype(dt).numpy).astype(np.float32))
 
 
-def test_gguf_refuses_other_types_naming_the_tensor(tmp_path: Path, rng: np.random.Generator) -> None:
-    # Q6_K: gguf has no quantizer for it, so write 2 rows of 256 values as random 210-byte blocks.
-    path = tmp_path / "q6k.gguf"
+def block_rows(rng: np.random.Generator, dt: str, rows: int, cols: int) -> np.ndarray:
+    """rows x cols values of block format dt as raw blocks: quantized by opdispatch where it has an encoder, else
+    random K-quant blocks with modest f16 scales (test_kquants.HALVES), else random bytes."""
+    if FORMATS[dt].encode is not None:
+        return dtypes.quantize(dt, values(rng, (rows, cols), cols ** -0.5))
+    d = dtypes.dtype(dt)
+    raw = rng.integers(0, 256, (rows * cols // d.block_size, d.block_bytes), np.uint8)
+    for at in HALVES.get(dt, ()):
+        scale = rng.uniform(-1, 1, len(raw)) * 2e-3 / cols ** 0.5
+        raw[:, at:at + 2] = scale.astype("<f2").view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+def write_raw_gguf(path: Path, tensors: dict[str, tuple[str, np.ndarray]], meta: dict[str, Any] | None = None) -> None:
+    """A GGUF of {name: (ggml type name, data)}: float/int arrays as they are, block formats as raw bytes."""
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tensor("token_embd.weight", values(rng, (4, 32)))
-    w.add_tensor("blk.0.attn_q.weight", rng.integers(0, 256, (2, 210), dtype=np.uint8), raw_dtype=GT.Q6_K)
+    for key, value in (meta or {}).items():
+        getattr(w, f"add_{key}")(value)
+    for name, (type_name, data) in tensors.items():
+        raw = data.dtype == np.uint8 or type_name == "BF16"
+        w.add_tensor(name, data.view(np.uint8) if type_name == "BF16" else data,
+                     raw_dtype=GT[type_name] if raw else None)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(ValueError, match=r"q6k\.gguf: tensor 'blk\.0\.attn_q\.weight' has type Q6_K; opdispatch "
-                                         r"loads F32, F16, BF16, Q4_0"):
-        read_gguf(path)
-    path = tmp_path / "i32.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tensor("ids", rng.integers(1, 9, (8,), dtype=np.int32))
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(ValueError, match=r"tensor 'ids' has type I32"):
+
+
+def test_gguf_every_table_type_loads_as_stored_in_one_file(tmp_path: Path, rng: np.random.Generator) -> None:
+    """One file mixing every type of the dtype table (floats, integers, each block format): each loads as stored."""
+    tensors: dict[str, tuple[str, np.ndarray]] = {}
+    for name, dt in dtypes.DTYPES.items():
+        if dt.is_quant:
+            data = block_rows(rng, name, 3, 512)
+        elif dt.is_int:
+            data = rng.integers(-100, 100, (3, 7)).astype(dt.numpy)
+        else:
+            data = from_float(name, values(rng, (3, 7)))
+        tensors[f"t.{name}"] = (name.upper(), data)
+    path = tmp_path / "mixed.gguf"
+    write_raw_gguf(path, tensors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is converted
+        _, loaded = read_gguf(path)
+    for name, (type_name, data) in tensors.items():
+        t = loaded[name]
+        assert t.dtype.name == name[2:] == gguf_dtype(type_name)
+        np.testing.assert_array_equal(t.data, np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+        assert not t.data.flags.owndata  # a view of the memory map: no conversion
+
+
+def test_gguf_foreign_types_are_dequantized_at_load_with_one_warning(tmp_path: Path,
+                                                                     rng: np.random.Generator) -> None:
+    """Types gguf knows and the dtype table lacks become f16, or bf16 where a value is past f16's range (MXFP4's
+    power-of-two scales reach that; once the table holds mxfp4 it loads as stored instead), in one warning."""
+    foreign = [t for t in (GT.TQ1_0, GT.TQ2_0) if gguf_dtype(t.name) is None]
+    assert foreign, "the dtype table holds the ternary formats now: pick other foreign types for this test"
+    small, large = values(rng, (4, 256)), values(rng, (2, 256), 1e6)
+    big_type = gguf_dtype("MXFP4") or "bf16"  # stored as mxfp4 if the table has it, else dequantized to bf16
+    tensors = {"a.weight": ("F32", small), "big.weight": ("MXFP4", gguf.quants.quantize(large, GT.MXFP4))}
+    for t in foreign:
+        tensors[f"{t.name.lower()}.weight"] = (t.name, gguf.quants.quantize(small, t))
+    path = tmp_path / "foreign.gguf"
+    write_raw_gguf(path, tensors)
+    with pytest.warns(UserWarning) as record:
+        _, loaded = read_gguf(path)
+    assert len(record) == 1
+    msg = str(record[0].message)
+    n = len(foreign) + (big_type == "bf16")
+    assert f": {n} tensors of types opdispatch does not hold, dequantized at load: " in msg
+    assert ("big.weight (MXFP4 -> bf16)" in msg) == (big_type == "bf16") and "a.weight" not in msg
+    assert all(f"{t.name.lower()}.weight ({t.name} -> f16)" in msg for t in foreign)
+    for name, (type_name, raw) in tensors.items():
+        t = loaded[name]
+        want_type = {"F32": "f32", "MXFP4": big_type}.get(type_name, "f16")
+        assert t.dtype.name == want_type
+        want = np.asarray(gguf.quants.dequantize(raw, GT[type_name]), np.float32)
+        assert t.shape == want.shape
+        if t.dtype.is_quant:  # held as stored
+            np.testing.assert_array_equal(t.data, raw.reshape(-1))
+            continue
+        np.testing.assert_array_equal(dtypes.to_host_float(t.dtype, t.host_view(t.data)),
+                                      dtypes.to_host_float(t.dtype, from_float(t.dtype, want)))
+    assert np.abs(dtypes.to_host_float(loaded["big.weight"].dtype, loaded["big.weight"].host_view(
+        loaded["big.weight"].data))).max() > 65504  # the bf16 case is one: f16 would overflow
+
+
+def test_gguf_type_gguf_cannot_dequantize_is_refused_naming_the_tensor(tmp_path: Path,
+                                                                       rng: np.random.Generator) -> None:
+    assert gguf_dtype("Q1_0") is None
+    block, size = gguf.GGML_QUANT_SIZES[GT.Q1_0]
+    path = tmp_path / "q1.gguf"
+    write_raw_gguf(path, {"token_embd.weight": ("F32", values(rng, (4, 32))),
+                          "blk.0.attn_q.weight": ("Q1_0", rng.integers(0, 256, (2, 2 * size), dtype=np.uint8))})
+    with pytest.raises(ValueError, match=r"q1\.gguf: tensor 'blk\.0\.attn_q\.weight' has type Q1_0, which opdispatch "
+                                         r"does not hold and gguf cannot dequantize"):
         read_gguf(path)
 
 
@@ -426,6 +509,45 @@ def test_quantized_gguf_runs_on_cuda_like_the_cpu_reference(matrix_type: str, tm
     assert np.isfinite(gpu).all() and err <= 1e-3
     plan = Generator(gpu_model, "cuda0").step(1, len(prompt))[0]
     assert {(dt, kind) for _, dt, kind in block_matmuls(plan)} == {(matrix_type, "cuda")}
+
+
+def test_tiny_llama_in_the_q4_k_m_mixture_runs_like_its_values(tmp_path: Path, rng: np.random.Generator) -> None:
+    """A file as llama-quantize's Q4_K_M lays one out (q4_K, q6_K for output and the use_more_bits layers' attn_v
+    and ffn_down, f32 norms), random blocks: each matrix loads in its own type and the model runs like the
+    same values as f32 (decoded by gguf, HF rows)."""
+    cfg = tiny_cfg(hidden=256, ffn=512)
+    facts = ModelFacts(cfg.layers, cfg.heads, cfg.kv_heads)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.layers)
+    tensors, held = {}, {}
+    for hf, shape in weight_shapes(cfg).items():
+        name = names.get_name(hf, try_suffixes=(".weight",))
+        dt = tensor_type("Q4_K_M", name, shape, facts)
+        if dt == "f32":
+            data = rng.uniform(0.8, 1.2, shape).astype(np.float32)
+            tensors[name], held[hf] = ("F32", data), data
+            continue
+        raw = block_rows(rng, dt, *shape)
+        tensors[name] = (dt.upper(), raw)
+        x = np.asarray(gguf.quants.dequantize(raw, GT[dt.upper()]), np.float32)
+        held[hf] = unpermute_qk(x, cfg.heads if ".q_proj." in hf else cfg.kv_heads) if (
+            ".q_proj." in hf or ".k_proj." in hf) else x
+    path = tmp_path / "q4_k_m.gguf"
+    write_raw_gguf(path, tensors, {"block_count": cfg.layers, "context_length": cfg.max_ctx,
+                                   "embedding_length": cfg.hidden, "feed_forward_length": cfg.ffn,
+                                   "head_count": cfg.heads, "head_count_kv": cfg.kv_heads,
+                                   "rope_freq_base": cfg.rope_base, "layer_norm_rms_eps": cfg.rms_eps})
+    loaded_cfg, params = load_gguf(path)
+    assert loaded_cfg.dtype == "q4_K"  # the commonest type of the layer matrices
+    types = {n: t.dtype.name for n, t in params.items()}
+    assert types["lm_head.weight"] == "q6_K" and types["model.embed_tokens.weight"] == "q4_K"
+    assert [types[f"model.layers.{i}.self_attn.v_proj.weight"] for i in range(2)] == ["q4_K", "q6_K"]
+    assert [types[f"model.layers.{i}.mlp.down_proj.weight"] for i in range(2)] == ["q4_K", "q6_K"]
+    model = LlamaModel(attrs.evolve(loaded_cfg, cache_dtype="f32"), params)
+    assert model.layers[0].wqkv is not None and model.layers[1].wqkv is None  # q4_K q/k with a q6_K v: apart
+    prompt = rng.integers(0, cfg.vocab, 9).tolist()
+    ref = logits(LlamaModel(cfg, held), prompt)
+    assert np.isfinite(ref).all() and np.abs(ref).max() > 0
+    assert_same_logits(logits(model, prompt), ref)
 
 
 def test_gguf_neox_mode_unpermutes_to_hf_rows(tmp_path: Path, rng: np.random.Generator) -> None:

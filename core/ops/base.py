@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 
 from ..errors import OpError
-from ..dtypes import DType, dtype as as_dtype
+from ..dtypes import DTYPES, DType, dtype as as_dtype
 from ..tensor import Shape, Tensor, as_ints, as_shape, check_extent, contiguous_strides, is_int, op_error
 
 
@@ -155,6 +155,8 @@ def pad4(shape: Shape) -> Shape:
 
 FLOATS = ("f32", "f16", "bf16")
 QUANTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+#: every block format of the dtype table: what ops that only read blocks (mul_mat, mul_mat_id, get_rows) take
+BLOCK_FORMATS = tuple(name for name, t in DTYPES.items() if t.is_quant)
 
 
 def node(

@@ -7,7 +7,7 @@ rule): with ratio r = B2 // A2, b's batch i uses a's batch i // r, not i % A2.
 from __future__ import annotations
 
 from ..tensor import Shape, Tensor
-from .base import FLOATS, QUANTS, check, pad4, check_dtype, check_rank, check_tensor, node, op
+from .base import BLOCK_FORMATS, FLOATS, QUANTS, check, pad4, check_dtype, check_rank, check_tensor, node, op
 
 __all__ = ["mul_mat", "mul_mat_id", "out_prod"]
 
@@ -48,7 +48,7 @@ def mul_mat(a: Tensor, b: Tensor) -> Tensor:
     check_tensor(name, b, "b")
     check_rank(name, a, 2)
     check_rank(name, b, 2)
-    check_dtype(name, a, FLOATS + QUANTS, "a")
+    check_dtype(name, a, FLOATS + BLOCK_FORMATS, "a")
     check_dtype(name, b, FLOATS, "b")
     check(a.shape[-1] == b.shape[-1], name, f"K differs: a has {a.shape[-1]}, b has {b.shape[-1]}", a, b)
     _check_not_transposed(name, a)
@@ -74,7 +74,7 @@ def mul_mat_id(as_: Tensor, b: Tensor, ids: Tensor) -> Tensor:
     check(as_.ndim == 3, name, f"as_ must be 3-D (E, M, K), got {as_.ndim} dims", as_)
     check(b.ndim == 3, name, f"b must be 3-D (T, U, K), got {b.ndim} dims", b)
     check(ids.ndim == 2, name, f"ids must be 2-D (T, U), got {ids.ndim} dims", ids)
-    check_dtype(name, as_, FLOATS + QUANTS, "as_")
+    check_dtype(name, as_, FLOATS + BLOCK_FORMATS, "as_")
     check_dtype(name, b, ("f32",), "b")
     check_dtype(name, ids, ("i32",), "ids")
     check(as_.shape[-1] == b.shape[-1], name,

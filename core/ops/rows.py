@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..tensor import Shape, Tensor, contiguous_strides
-from .base import FLOATS, QUANTS, check, check_dtype, check_rank, check_tensor, int_param, ints_param, node, op
+from .base import BLOCK_FORMATS, FLOATS, QUANTS, check, check_dtype, check_rank, check_tensor, int_param, ints_param, node, op
 
 __all__ = ["get_rows", "set_rows", "cpy", "dup", "cont", "set", "acc"]
 
@@ -36,7 +36,7 @@ def get_rows(a: Tensor, idx: Tensor) -> Tensor:
     """
     check_tensor("get_rows", a, "a")
     check_tensor("get_rows", idx, "idx")
-    check_dtype("get_rows", a, FLOATS + ("i32",) + QUANTS, "a")
+    check_dtype("get_rows", a, FLOATS + ("i32",) + BLOCK_FORMATS, "a")
     check_dtype("get_rows", idx, ("i32",), "idx")
     check_rank("get_rows", a, 2)
     check_rank("get_rows", idx, 1, 3)

@@ -12,9 +12,15 @@ from typing import Any, Mapping, Sequence
 
 import attrs
 
+from ...dtypes import DTYPES
 from ...dtypes import dtype as as_dtype
+from ...quants import FORMATS
 
-WEIGHT_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+#: what cfg.dtype may name: every float type and block format of the dtype table. Params given to
+#: LlamaModel keep their own types (a GGUF file mixes them); float arrays are converted to cfg.dtype.
+WEIGHT_DTYPES = tuple(name for name, t in DTYPES.items() if t.is_float or t.is_quant)
+#: the weight dtypes float arrays can be converted to: floats, and block formats opdispatch can quantize to
+CONVERTIBLE_DTYPES = tuple(name for name in WEIGHT_DTYPES if name not in FORMATS or FORMATS[name].encode is not None)
 CACHE_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 ROPE_MODES = ("neox", "normal")
 #: the attention window grows in steps of this many positions (or up to max_ctx)
@@ -30,6 +36,11 @@ def _factors(v: Sequence[float] | None) -> tuple[float, ...] | None:
 @attrs.frozen
 class LlamaConfig:
     """Shape of a Llama decoder, and the dtypes its weights and KV cache are stored in.
+
+    dtype: what LlamaModel converts float weight arrays to (norms and the
+    router stay f32). Weights given as params keep their own types, mixed or
+    not: for a loaded file (load_gguf) dtype names the commonest storage type
+    of its layer matrices, what `describe` reports.
 
     rope_mode: "neox" (HF weights) or "normal" (GGUF llama weights, Q/K rows
     permuted by llama.cpp's converter). rope_freq_scale: linear RoPE scaling

@@ -14,7 +14,7 @@ import numpy as np
 
 from ... import ops
 from ...tensor import Flag, Tensor, input, param, state  # noqa: A004
-from .config import LlamaConfig, window_for
+from .config import CONVERTIBLE_DTYPES, LlamaConfig, window_for
 from .inputs import StepInputs
 from .names import LAYER_NAME, MOE_ALIASES, weight_shapes
 
@@ -48,7 +48,8 @@ class LlamaModel:
     `weights` maps HF names (see weight_shapes) to float arrays, converted to
     cfg.dtype (norm weights and the MoE router stay f32, as llama.cpp keeps
     them), or to opdispatch params (e.g. GGUF blocks from a loader), used as
-    they are. Expert weights come stacked or one per expert (MOE_ALIASES).
+    they are: each matrix in its own type, as a Q4_K_M file mixes q4_K and
+    q6_K. Expert weights come stacked or one per expert (MOE_ALIASES).
     Without "lm_head.weight" the LM head is the embedding (tied).
     A missing weight, a wrong shape or a weight the model would not use
     raises ValueError naming it.
@@ -126,6 +127,10 @@ class LlamaModel:
         if isinstance(w, Tensor):
             return w
         keep_f32 = w.ndim == 1 or name.endswith(".mlp.gate.weight")
+        if not keep_f32 and self.cfg.dtype not in CONVERTIBLE_DTYPES:
+            raise ValueError(f"llama: weight {name} is a float array and opdispatch cannot quantize to cfg.dtype "
+                             f"{self.cfg.dtype}: give it as a param in its stored format, or use one of "
+                             f"{', '.join(CONVERTIBLE_DTYPES)}")
         return param(name, w, "f32" if keep_f32 else self.cfg.dtype)
 
     def _stack(self, name: str, parts: list[np.ndarray | Tensor], shape: tuple[int, ...]) -> Tensor:

@@ -19,15 +19,23 @@ from typing import Any
 import attrs
 import numpy as np
 
+from ...dtypes import DTYPES, from_float
 from ...tensor import Tensor, param
 from ..llama.config import LlamaConfig
 from .names import gguf_name_to_hf
 
-#: ggml type names (gguf.GGMLQuantizationType) loaded, -> opdispatch dtype names. Others are refused.
-GGUF_TYPES: dict[str, str] = {
-    "F32": "f32", "F16": "f16", "BF16": "bf16",
-    "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0",
-}
+
+
+def gguf_dtype(type_name: str) -> str | None:
+    """The opdispatch dtype that holds ggml type `type_name` (gguf.GGMLQuantizationType's name) as stored, or None.
+
+    The dtype table is the list: a ggml type loads as stored when its name,
+    lowercased, is a dtype's name lowercased (Q4_K -> q4_K, IQ4_XS -> iq4_xs).
+    """
+    return _BY_LOWER_NAME.get(type_name.lower())
+
+
+_BY_LOWER_NAME: dict[str, str] = {name.lower(): name for name in DTYPES}
 
 
 def unpermute_qk(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -165,6 +173,27 @@ def _field_value(field: Any) -> Any:
     return one(field.data[0], main)
 
 
+def permute_qk(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter permutation of q_proj/k_proj rows (HF order -> GGUF order), a new array; the inverse
+    of `unpermute_qk`."""
+    n = rows.shape[0]
+    if n % (2 * n_head):
+        raise ValueError(f"permute_qk: {n} rows do not split into {n_head} heads of even size")
+    return np.ascontiguousarray(
+        rows.reshape(n_head, 2, n // n_head // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape))
+
+
+def read_gguf_fields(path: str | os.PathLike[str]) -> list[tuple[str, Any, Any, Any]]:
+    """The metadata of a GGUF file as written: [(key, value, GGUFValueType, element type of an array or None)],
+    to copy it into another file with the same types (llama.cpp checks them). Values as `read_gguf` gives them."""
+    reader = _open_gguf(path)
+    try:
+        return [(name, _field_value(f), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+                for name, f in reader.fields.items() if not name.startswith("GGUF.")]
+    except (IndexError, ValueError, TypeError) as e:
+        raise ValueError(f"{path}: unreadable metadata ({type(e).__name__}: {e})") from e
+
+
 def _unpermuted(t: Tensor, n_head: int) -> Tensor:
     rows = t.data.reshape(t.shape[0], -1)
     return param(t.name, unpermute_qk(rows, n_head), t.dtype, shape=t.shape)
@@ -173,9 +202,13 @@ def _unpermuted(t: Tensor, n_head: int) -> Tensor:
 def read_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """Any GGUF file -> (metadata {key: value}, {GGUF name: param}): no renaming, no architecture check.
 
-    Tensors keep their stored format (raw bytes of the memory map); a type
-    outside `GGUF_TYPES` is refused naming the tensor. Values of the metadata
-    are ints, floats, bools, strs or lists of them.
+    Tensors whose type is in opdispatch's dtype table (`gguf_dtype`) keep it
+    (raw bytes of the memory map), whatever the mix of types in the file. A
+    tensor of a type gguf knows but the table lacks (TQ2_0, NVFP4, ...) is
+    dequantized here by gguf.quants to f16 (bf16 where a value exceeds f16's
+    range; f32 for F64), with one warning naming every such tensor and its
+    type; a type gguf cannot dequantize either is refused naming the tensor.
+    Values of the metadata are ints, floats, bools, strs or lists of them.
     """
     reader = _open_gguf(path)
     try:
@@ -183,17 +216,41 @@ def read_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, T
     except (IndexError, ValueError, TypeError) as e:
         raise ValueError(f"{path}: unreadable metadata ({type(e).__name__}: {e})") from e
     tensors: dict[str, Tensor] = {}
+    converted: list[str] = []
     for rt in reader.tensors:
         type_name = rt.tensor_type.name
-        if type_name not in GGUF_TYPES:
-            raise ValueError(f"{path}: tensor '{rt.name}' has type {type_name}; opdispatch loads "
-                             f"{', '.join(GGUF_TYPES)} (requantize the file, e.g. with llama-quantize)")
         shape = tuple(int(d) for d in reversed(rt.shape.tolist()))
+        dt = gguf_dtype(type_name)
+        data = rt.data
+        if dt is None:
+            dt, data = _dequantized(path, rt)
+            converted.append(f"{rt.name} ({type_name} -> {dt})")
         try:
-            tensors[rt.name] = param(rt.name, rt.data, GGUF_TYPES[type_name], shape=shape)
+            tensors[rt.name] = param(rt.name, data, dt, shape=shape)
         except ValueError as e:
             raise ValueError(f"{path}: tensor '{rt.name}': {e}") from e
+    if converted:
+        warnings.warn(f"{path}: {len(converted)} tensors of types opdispatch does not hold, dequantized at load: "
+                      f"{', '.join(converted)}", stacklevel=2)
     return meta, tensors
+
+
+def _dequantized(path: Any, rt: Any) -> tuple[str, np.ndarray]:
+    """(dtype, values) of a tensor whose ggml type the dtype table lacks: gguf's dequantization, rounded to f16,
+    or to bf16 where f16 would overflow (an F64 tensor becomes f32)."""
+    gguf = _import_gguf()
+    if rt.data.dtype.kind == "f":  # a plain float type (F64): no blocks to decode
+        return "f32", rt.data.astype(np.float32)
+    try:
+        values = np.asarray(gguf.quants.dequantize(rt.data, rt.tensor_type), dtype=np.float32)
+    except NotImplementedError:
+        raise ValueError(f"{path}: tensor '{rt.name}' has type {rt.tensor_type.name}, which opdispatch does not "
+                         "hold and gguf cannot dequantize (requantize the file, e.g. with llama-quantize)") from None
+    with np.errstate(over="ignore"):
+        half = values.astype(np.float16)
+    if np.count_nonzero(np.isinf(half)) > np.count_nonzero(np.isinf(values)):
+        return "bf16", from_float("bf16", values)
+    return "f16", half
 
 
 def load_gguf(path: str | os.PathLike[str], *, rope_mode: str | None = None) -> tuple[LlamaConfig, dict[str, Tensor]]:

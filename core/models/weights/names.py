@@ -1,4 +1,4 @@
-"""GGUF tensor names -> the HF Llama names LlamaModel takes."""
+"""GGUF tensor names <-> the HF Llama names LlamaModel takes."""
 
 from __future__ import annotations
 
@@ -51,4 +51,19 @@ def gguf_name_to_hf(name: str) -> str | None:
     m = _BLK.fullmatch(name)
     if m and m.group(2) in GGUF_LAYER_TO_HF:
         return f"model.layers.{m.group(1)}.{GGUF_LAYER_TO_HF[m.group(2)]}.weight"
+    return None
+
+
+_HF_TO_GGUF = {hf: g for g, hf in GGUF_TO_HF.items()}
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
+_HF_LAYER_TO_GGUF = {hf: g for g, hf in GGUF_LAYER_TO_HF.items()}
+
+
+def hf_name_to_gguf(name: str) -> str | None:
+    """The GGUF name of an HF Llama weight name (the inverse of `gguf_name_to_hf`), or None."""
+    if name in _HF_TO_GGUF:
+        return _HF_TO_GGUF[name]
+    m = _HF_LAYER.fullmatch(name)
+    if m and m.group(2) in _HF_LAYER_TO_GGUF:
+        return f"blk.{m.group(1)}.{_HF_LAYER_TO_GGUF[m.group(2)]}.weight"
     return None
