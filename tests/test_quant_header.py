@@ -23,6 +23,7 @@ import pytest
 from opdispatch import dtypes
 from opdispatch.quants import legacy
 from cuda_emu.hostcode import EMU, gxx_major, q8_1_reference, write_headers
+from helpers import SUBSCALED_HALVES, SUBSCALED_SIZES, subscaled_blocks
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
 
@@ -158,10 +159,7 @@ def test_q8_1_rounding(driver: Path, tmp_path: Path, rng: np.random.Generator) -
 # -- quant_k.cuh: the K-quants, iq4_nl, iq4_xs, mxfp4 ----------------------------------------------
 
 #: quant_k.cuh's formats; iq4_nl, iq4_xs and mxfp4 are checked against gguf-py's decoders directly
-KFORMATS = ("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl", "iq4_xs", "mxfp4")
-#: byte offsets of each format's f16 fields (d, dmin) and of its code bytes (ggml-common.h)
-KHALVES = {"q2_K": (80, 82), "q3_K": (108,), "q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,), "iq4_nl": (0,),
-           "iq4_xs": (0,), "mxfp4": ()}
+KFORMATS = tuple(SUBSCALED_SIZES)
 KCODES = {"q2_K": (16, 80), "q4_K": (16, 144), "q5_K": (16, 176)}  # the formats with mins
 
 
@@ -176,28 +174,16 @@ def kreference(name: str, raw: np.ndarray) -> np.ndarray:
     return np.asarray(gguf.quants.dequantize(raw.reshape(-1), _ktype(name)), np.float32).reshape(-1)
 
 
-def krandom_blocks(name: str, n: int, rng: np.random.Generator, e_range: tuple[int, int] = (0, 256)) -> np.ndarray:
-    """n valid blocks of quant_k.cuh's format `name`: any code and scale bytes, finite f16 d and dmin
-    (mxfp4: exponent bytes drawn from e_range)."""
-    qk, nbytes = gguf.GGML_QUANT_SIZES[_ktype(name)]
-    raw = rng.integers(0, 256, (n, nbytes), dtype=np.uint8)
-    for at in KHALVES[name]:
-        raw[:, at:at + 2] = _finite_halves(rng, n)
-    if name == "mxfp4":
-        raw[:, 0] = rng.integers(*e_range, n)
-    return raw
-
-
 def test_klayout_matches_ggml(driver: Path) -> None:
     lines = _run(driver, "klayout").stdout.split("\n")
     got = {ln.split()[0]: [int(v) for v in ln.split()[1:]] for ln in lines if ln}
     assert sorted(got) == sorted(KFORMATS)
     for name, (qk, nbytes, sub, m) in got.items():
-        assert (qk, nbytes) == gguf.GGML_QUANT_SIZES[_ktype(name)], name
+        assert (qk, nbytes) == gguf.GGML_QUANT_SIZES[_ktype(name)] == SUBSCALED_SIZES[name], name
         if name in dtypes.DTYPES:
             assert (qk, nbytes) == (dtypes.dtype(name).block_size, dtypes.dtype(name).block_bytes), name
         assert (m >= 0) == (name in KCODES), f"{name}: M marks the formats with mins"
-        assert m < 0 or m == KHALVES[name][1], name
+        assert m < 0 or m == SUBSCALED_HALVES[name][1], name
         assert qk % sub == 0 and sub in (16, 32), name
 
 
@@ -205,7 +191,7 @@ def test_klayout_matches_ggml(driver: Path) -> None:
 @pytest.mark.parametrize("name", KFORMATS)
 def test_kdecodes_are_dequantize(name: str, driver: Path, tmp_path: Path, rng: np.random.Generator) -> None:
     """decode and load_unit equal the host's dequantize bit for bit (gguf-py's where opdispatch has none)."""
-    raw = krandom_blocks(name, NBLOCKS, rng)
+    raw = subscaled_blocks(rng, name, NBLOCKS)
     raw.tofile(tmp_path / "in.bin")
     _run(driver, "kdecode", name, str(tmp_path / "in.bin"), str(tmp_path / "out.bin"))
     ref = kreference(name, raw)
@@ -224,7 +210,7 @@ def test_kdot32_is_the_dot_of_the_values(name: str, driver: Path, tmp_path: Path
     rounding of its few products: within 4e-6 of the sum of the magnitudes of the terms it adds
     (each value's scaled code and min separately, as the cancellation between them is the format's)."""
     nb = 97
-    raw = krandom_blocks(name, nb, rng, e_range=(100, 150))
+    raw = subscaled_blocks(rng, name, nb, e_range=(100, 150))
     values = kreference(name, raw).astype(np.float64)
     units = values.size // 32
     codes = rng.integers(-127, 128, (units, 32)).astype(np.int32)
