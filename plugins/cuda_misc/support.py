@@ -12,14 +12,14 @@ from typing import Callable, Sequence
 from opdispatch.backends.cuda.devices import facts
 from opdispatch.backends.cuda.kernels import GLU_CODES
 from opdispatch.hookspecs import Device
-from opdispatch.ops.base import FLOATS, QUANTS
+from opdispatch.ops.base import FLOATS
 from opdispatch.support import GRID_YZ_MAX, Rule, first_failure, fits_int, outer_rows, rows_packed, whole_elements
 from opdispatch.tensor import Tensor
 
 from .specs.elementwise import BINARY_PAIRS
 from .specs.layout import window
 from .specs.reduce import argmax_splits
-from .specs.rows import DECODE_ONLY, MAX_ROW, PLAIN, RAW_DTYPES, copy_kind, pow2
+from .specs.rows import DECODE_ONLY, ENCODED, MAX_ROW, PLAIN, RAW_DTYPES, copy_kind, pow2
 from .specs.sort import MAX_SORT, chunk_limit, sort_rows
 
 
@@ -127,12 +127,12 @@ def _packed_blocks(t: Tensor) -> bool:
 
 def _blocks_compiled(n: Tensor) -> bool:
     """Kernels move the 32-value block formats only (concat)."""
-    return all(not t.dtype.is_quant or t.dtype.name in QUANTS for t in (n, *n.srcs))
+    return all(not t.dtype.is_quant or t.dtype.name in ENCODED for t in (n, *n.srcs))
 
 
 def _moved(n: Tensor) -> bool:
     """rows.cu has traits for every block format involved (quant.cuh's and quant_k.cuh's)."""
-    return all(not t.dtype.is_quant or t.dtype.name in QUANTS + DECODE_ONLY for t in (n, *n.srcs))
+    return all(not t.dtype.is_quant or t.dtype.name in ENCODED + DECODE_ONLY for t in (n, *n.srcs))
 
 
 def _not_encoding(n: Tensor) -> bool:
@@ -158,7 +158,7 @@ copy_ok = table(
 )
 
 get_rows_ok = table(
-    (dtype_in(PLAIN + QUANTS + DECODE_ONLY, _src(0)), "a must be f32, f16, bf16, i32 or a block format"),
+    (dtype_in(PLAIN + ENCODED + DECODE_ONLY, _src(0)), "a must be f32, f16, bf16, i32 or a block format"),
     (dtype_in(("i32",), _src(1)), "indices must be i32"),
     (lambda n: _packed_blocks(n.srcs[0]), "quantized rows must be packed"),
     (lambda n: whole_elements(n.srcs[0]) and whole_elements(n.srcs[1]), "strides or offsets that split an element"),
@@ -167,7 +167,7 @@ get_rows_ok = table(
 )
 
 set_rows_ok = table(
-    (dtype_in(FLOATS + QUANTS), "dst must be f32, f16, bf16 or a block format"),
+    (dtype_in(FLOATS + ENCODED), "dst must be f32, f16, bf16 or a 32-value block format (q4_0 .. q8_0)"),
     (dtype_in(("f32",), _src(1)), "src must be f32"),
     (dtype_in(("i32", "i64"), _src(2)), "indices must be i32 or i64"),
     (_packed_blocks, "quantized rows must be packed"),
