@@ -18,8 +18,8 @@ from opdispatch.reference import REFERENCE
 from opdispatch.tensor import VIEW_OPS, Flag, Tensor
 from opdispatch.testing.metrics import nmse
 
-__all__ = ["FAKE_WORD", "FakeGuard", "assert_close", "edge_cases", "evaluate", "nmse", "stored", "uniform",
-           "with_index_check_params"]
+__all__ = ["FAKE_WORD", "FakeGuard", "SUBSCALED_HALVES", "assert_close", "edge_cases", "evaluate", "nmse",
+           "SUBSCALED_SIZES", "stored", "subscaled_blocks", "uniform", "with_index_check_params"]
 
 
 def evaluate(outputs: Tensor | Sequence[Tensor], feeds: dict[Tensor, Any] | None = None) -> list[np.ndarray]:
@@ -125,3 +125,30 @@ def with_index_check_params(source: str) -> str:
     common = (Path(__file__).resolve().parent.parent / "core" / "backends" / "cuda" / "common.cuh").read_text()
     body = re.search(r"^#define OD_INDEX_CHECK_PARAMS (.*)$", common, re.M).group(1)
     return source.replace("OD_INDEX_CHECK_PARAMS", body)
+
+
+#: byte offsets of the f16 fields (d, dmin) of each quant_k.cuh format's block (ggml-common.h); mxfp4 has
+#: none (its scale is an e8m0 byte)
+SUBSCALED_HALVES = {"q2_K": (80, 82), "q3_K": (108,), "q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,),
+                    "iq4_nl": (0,), "iq4_xs": (0,), "mxfp4": ()}
+#: block (values, bytes) of quant_k.cuh's formats, as ggml
+SUBSCALED_SIZES = {"q2_K": (256, 84), "q3_K": (256, 110), "q4_K": (256, 144), "q5_K": (256, 176), "q6_K": (256, 210),
+                   "iq4_nl": (32, 18), "iq4_xs": (256, 136), "mxfp4": (32, 17)}
+
+
+def subscaled_blocks(rng: np.random.Generator, name: str, nblocks: int, e_range: tuple[int, int] = (0, 256),
+                  scale: float = 1.0) -> np.ndarray:
+    """nblocks random valid blocks (nblocks, block bytes) of quant_k.cuh's format `name` (the K-quants, iq4_nl,
+    iq4_xs, mxfp4): any code and sub-scale bytes, f16 d and dmin finite (zeros and subnormals among them;
+    magnitudes about `scale` when it is not 1, else any finite half), mxfp4's exponent bytes from e_range."""
+    raw = rng.integers(0, 256, (nblocks, SUBSCALED_SIZES[name][1]), dtype=np.uint8)
+    for at in SUBSCALED_HALVES[name]:
+        if scale == 1.0:
+            bits = rng.integers(0, 1 << 16, nblocks, dtype=np.uint32).astype(np.uint16)
+            bits = np.where((bits & 0x7C00) == 0x7C00, bits & 0x83FF, bits)  # inf/NaN exponent -> subnormal
+        else:
+            bits = (rng.uniform(-1, 1, nblocks) * scale).astype(np.float16).view(np.uint16)
+        raw[:, at:at + 2] = bits.astype("<u2").view(np.uint8).reshape(nblocks, 2)
+    if name == "mxfp4":
+        raw[:, 0] = rng.integers(*e_range, nblocks)
+    return raw

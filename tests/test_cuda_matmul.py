@@ -34,7 +34,8 @@ from opdispatch import ops
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.backends.cuda.args import ArgGroup, KernelArgs
 from opdispatch.backends.cuda.kernels import KernelSpec
-from opdispatch.dtypes import dequantize, from_float
+from opdispatch.dtypes import DTYPES, dequantize, from_float
+from opdispatch.ops.base import BLOCK_FORMATS
 from opdispatch.errors import DeviceIndexError
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
@@ -44,7 +45,7 @@ from opdispatch.plugins.cuda_matmul.specs.gemm import GemmSpec
 from opdispatch.tensor import Tensor
 from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
-from helpers import FAKE_WORD, FakeGuard, edge_cases, gate_up_glu, moe, with_index_check_params
+from helpers import FAKE_WORD, FakeGuard, edge_cases, gate_up_glu, moe, subscaled_blocks, with_index_check_params
 
 gpu = pytest.mark.gpu
 
@@ -1239,3 +1240,106 @@ def test_edge_values_match_the_reference(case, seed: int) -> None:  # noqa: ANN0
     float weights with infinities and b with NaN: infinities and NaN where the reference has them."""
     res = run_case(case, "cuda0", plugin="cuda_matmul", seed=seed)
     assert res.status is Status.PASS, res.describe()
+
+
+# -- quant_k.cuh's formats: K-quants (iq4_nl, iq4_xs, mxfp4 once opdispatch.dtypes has them) -------------
+
+#: the sub-scaled formats the plugin multiplies by; opdispatch does not quantize to them, so the weights
+#: are random valid blocks (helpers.subscaled_blocks)
+SUBSCALED = tuple(q for q in specs.SUBSCALED_NAMES if q in BLOCK_FORMATS)  # those the op builders take too
+#: their NMSE bound against the reference (b rounded to q8_1, dequant_cublas's a and b rounded to f16):
+#: random blocks and uniform b give about 1.5e-5 (q8_1's step amax / 127 over b's spread), so the
+#: conformance bound NMSE_MAX holds with room; the same for every format and path
+SUBSCALED_NMSE = NMSE_MAX
+
+
+def subscaled_feeds(y: Tensor | list, rng: np.random.Generator, n_experts: int = 0) -> dict:
+    """feeds_for, with the block-format inputs as random valid blocks (scales about 0.01: values well
+    inside f16, which dequant_cublas rounds the weights to)."""
+    feeds = feeds_for(y, rng, n_experts)
+    for t in list(feeds):
+        if t.dtype.is_quant:
+            qk = t.dtype.block_size
+            nb = t.size // qk
+            raw = subscaled_blocks(rng, t.dtype.name, nb, e_range=(110, 125), scale=0.01)
+            feeds[t] = raw.reshape(*t.shape[:-1], t.shape[-1] // qk * t.dtype.block_bytes)
+    return feeds
+
+
+@pytest.mark.parametrize("dt", SUBSCALED)
+@pytest.mark.parametrize(("n", "path"), [(1, "mmvq"), (8, "mmvq"), (9, "dequant_cublas"), (64, "dequant_cublas")])
+def test_subscaled_mul_mat_path(dt: str, n: int, path: str) -> None:
+    """Every batch runs on the GPU: the mat-vec through dot32 up to 8 columns, dequant_cublas beyond."""
+    k = 2 * DTYPES[dt].block_size
+    y = ops.mul_mat(od.input("w", (3, 13, k), dt), od.input("x", (3, n, k)))
+    (step,) = steps_of(od.compile(y, H200), "mul_mat")
+    assert (step.plugin, step.kernel) == ("cuda_matmul", path)
+    assert "no streamed mat-vec" in str(support.stream_ok(y, H200))
+
+
+@pytest.mark.parametrize("dt", SUBSCALED)
+def test_subscaled_mul_mat_id_glu_and_out_prod_paths(dt: str) -> None:
+    k = DTYPES[dt].block_size
+    for n_tok, path in ((1, "mmv_id"), (5, "mmv_id_grouped")):
+        (step,) = steps_of(od.compile(moe(dt, 4, 16, k, n_tok, 2, False, False), H200), "mul_mat_id")
+        assert (step.plugin, step.kernel) == ("cuda_matmul", path)
+    for build, rule in ((lambda: gate_up_glu(dt, 16, k, 3, True, "swiglu"), "mul_mat_add_glu"),
+                        (lambda: moe(dt, 4, 16, k, 1, 2, True, True), "mul_mat_id_add_id_glu")):
+        (step,) = od.compile(build(), H200).fusions
+        assert (step.plugin, step.kernel) == ("cuda_matmul", rule)
+    y = ops.out_prod(od.input("a", (7, k), dt), od.input("b", (7, 5)))
+    (step,) = steps_of(od.compile(y, H200), "out_prod")
+    assert (step.plugin, step.kernel) == ("cuda_matmul", "cublas_out_prod")
+
+
+def test_subscaled_instances_are_compiled() -> None:
+    """Every launchable sub-scaled instance is declared (tests/test_kernels_compile.py builds them), none streamed."""
+    for dt in specs.SUBSCALED_NAMES:
+        assert all(specs.mmvq_name(dt, nt, epi) in specs.MMV_NAMES for nt in specs.NTS for epi in specs.EPIS)
+        assert all(specs.mmvq_id_name(dt, epi) in specs.MMV_ID_NAMES for epi in specs.EPIS)
+        assert all(specs.dequant_name(dt, td) in specs.CONVERT_NAMES for td in ("f16", "f32"))
+        assert not any(specs.W_KIND[dt] in name for name in specs.STREAM_NAMES)
+
+
+@gpu
+@pytest.mark.parametrize("n", (*range(1, 10), 16, 33))
+@pytest.mark.parametrize("dt", SUBSCALED)
+def test_subscaled_mul_mat_sweep(dt: str, n: int, rng) -> None:  # noqa: ANN001
+    qk = DTYPES[dt].block_size
+    for m, k, batch in ((13, qk, ()), (31, 3 * qk, (2,)), (64, 16 * qk, ())):  # odd M, several K, a batch axis
+        a, b = od.input("a", (*batch, m, k), dt), od.input("b", (*batch, n, k))
+        y = ops.mul_mat(a, b)
+        plan, got, ref = run_both(y, subscaled_feeds(y, rng), "mmvq" if n <= 8 else "dequant_cublas")
+        assert_close(got, ref, f"mul_mat a={dt} m={m} k={k} n={n}", SUBSCALED_NMSE)
+
+
+@gpu
+@pytest.mark.parametrize(("n", "bias", "kind"), [(1, False, "swiglu"), (1, True, "swiglu_oai"), (5, True, "geglu"),
+                                                 (8, False, "swiglu")])
+@pytest.mark.parametrize("dt", SUBSCALED)
+def test_subscaled_fused_glu(dt: str, n: int, bias: bool, kind: str, rng) -> None:  # noqa: ANN001
+    y = gate_up_glu(dt, 37, 4 * DTYPES[dt].block_size, n, bias, kind)
+    feeds = subscaled_feeds(y, rng)
+    plan = od.compile(y, "cuda0")
+    assert [s.plugin for s in plan.fusions] == ["cuda_matmul"], plan.explain()
+    (fused,) = plan.run(feeds)
+    (ref,) = od.compile(y, "cpu").run(feeds)
+    assert_close(fused, ref, f"fused {kind} a={dt} n={n} bias={bias}", SUBSCALED_NMSE)
+
+
+@gpu
+@pytest.mark.parametrize(("n_tok", "glu", "bias"), [(1, False, False), (1, True, True), (1, False, True),
+                                                    (6, False, False), (6, False, True)])
+@pytest.mark.parametrize("dt", SUBSCALED)
+def test_subscaled_mul_mat_id(dt: str, n_tok: int, glu: bool, bias: bool, rng) -> None:  # noqa: ANN001
+    y = moe(dt, 4, 24, 2 * DTYPES[dt].block_size, n_tok, 2, glu, bias)
+    plan, got, ref = run_both(y, subscaled_feeds(y, rng, 4))
+    assert_close(got, ref, f"mul_mat_id as={dt} t={n_tok} glu={glu} bias={bias}", SUBSCALED_NMSE)
+
+
+@gpu
+@pytest.mark.parametrize("dt", SUBSCALED)
+def test_subscaled_out_prod(dt: str, rng) -> None:  # noqa: ANN001
+    y = ops.out_prod(od.input("a", (7, DTYPES[dt].block_size), dt), od.input("b", (7, 5)))
+    _, got, ref = run_both(y, subscaled_feeds(y, rng), "cublas_out_prod")
+    assert_close(got, ref, f"out_prod a={dt}", SUBSCALED_NMSE)

@@ -380,7 +380,11 @@ def test_every_kernel_a_bind_names_is_compiled() -> None:
         for d in PLAIN:
             for src in (od.input(f"c{s}{d}", (5, 64), s), od.input(f"t{s}{d}", (64, 5), s).T):
                 outs.append(ops.cpy(src, od.state(f"o{s}{d}{src.name}", (5, 64), d)))
-    for q in QUANTS:
+    for q in (q for q in rows.DECODE_ONLY if q in QUANTS):  # decoded and copied only: inputs, not params
+        w = od.input(f"p{q}", (3, 5, 256), q)
+        outs += [ops.cont(w.permute(1, 0, 2)), ops.dup(w), ops.get_rows(w, od.input(f"g{q}", (3, 2), "i32"))]
+        outs += [ops.cpy(w.permute(1, 0, 2), od.state(f"d{q}{f}", (5, 3, 256), f)) for f in FLOATS]
+    for q in rows.ENCODED:
         for f in FLOATS:
             outs.append(ops.cpy(od.input(f"f{q}{f}", (64, 5), f).T, od.state(f"s{q}{f}", (5, 64), q)))
             w = od.param(f"p{q}{f}", np.ones((3, 5, 64)), q)

@@ -101,14 +101,22 @@ def test_non_finite_scales_match_gguf_bits(name, seed):
     np.testing.assert_array_equal(ours[ok], theirs[ok])
 
 
-@pytest.mark.parametrize("name", [*HALVES, "q8_K"])
-def test_cuda_copies_decline_k_quants(name):
-    """Ops that take any dtype (concat, the copies) reach the CUDA plugin, which has no K-quant blocks."""
+@pytest.mark.parametrize("name", list(HALVES))
+def test_cuda_copies_take_k_quants_and_concat_declines(name):
+    """Ops that take any dtype reach the CUDA plugin: its copies move K-quant blocks (same dtype, any
+    layout), its concat moves the 32-value formats only."""
     a, b = od.input("a", (2, 256), name), od.input("b", (3, 256), name)
-    for ok, node in ((support.concat_ok, ops.concat(a, b, 0)), (support.copy_ok, ops.cont(a))):
-        assert ok(None, node) == "no kernel moves this block format (the K-quants are host only)"
+    assert support.concat_ok(None, ops.concat(a, b, 0)) == "concat moves the 32-value block formats only"
+    assert support.copy_ok(None, ops.cont(a)) is True
+    assert support.copy_ok(None, ops.cont(od.input("c", (3, 2, 256), name).permute(1, 0, 2))) is True
     q = od.input("q", (2, 32), "q4_0")
     assert support.concat_ok(None, ops.concat(q, q, 0)) is True and support.copy_ok(None, ops.cont(q)) is True
+
+
+def test_cuda_copies_decline_q8_k():
+    """q8_K (an activation format, no device traits) is moved by no CUDA kernel."""
+    a = od.input("a", (2, 256), "q8_K")
+    assert support.copy_ok(None, ops.cont(a)) == "no kernel moves this block format"
 
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kquants"

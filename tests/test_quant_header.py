@@ -2,7 +2,9 @@
 opdispatch.dtypes: each format's geometry (block size, bytes, field offsets, code bits, zero,
 scale rule), every way the kernels decode a block (one value, a pair, a block, 8 values of a row,
 cuda_matmul's units and register words) bit-equal in f32 with `dtypes.dequantize` on random valid
-blocks, encode8 byte-equal with `dtypes.quantize`, and the q8_1 rounding equal to its numpy model.
+blocks, encode8 byte-equal with `dtypes.quantize`, and the q8_1 rounding equal to its numpy model;
+quant_k.cuh's formats (K-quants, iq4_nl, iq4_xs, mxfp4): decode and load_unit bit-equal with the host's
+decoders (gguf-py's for the formats opdispatch.dtypes lacks), dot32 equal to the dot of the values.
 
 The header's real source runs on the CPU: compiled by g++ against tests/cuda_emu/shim.h
 (common.cuh's inline PTX swapped by tests/cuda_emu/hostcode.py), encode8's warp of 32 threads as
@@ -14,12 +16,14 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
 from opdispatch import dtypes
 from opdispatch.quants import legacy
 from cuda_emu.hostcode import EMU, gxx_major, q8_1_reference, write_headers
+from helpers import SUBSCALED_HALVES, SUBSCALED_SIZES, subscaled_blocks
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
 
@@ -150,3 +154,85 @@ def test_q8_1_rounding(driver: Path, tmp_path: Path, rng: np.random.Generator) -
     assert np.array_equal(d[:-1].view(np.uint32), ref_d.view(np.uint32))
     assert np.array_equal(s[:-1], ref_d * ref_codes.sum(axis=1).astype(np.float32))
     assert np.isnan(d[-1]) and np.isnan(s[-1])
+
+
+# -- quant_k.cuh: the K-quants, iq4_nl, iq4_xs, mxfp4 ----------------------------------------------
+
+#: quant_k.cuh's formats; iq4_nl, iq4_xs and mxfp4 are checked against gguf-py's decoders directly
+KFORMATS = tuple(SUBSCALED_SIZES)
+KCODES = {"q2_K": (16, 80), "q4_K": (16, 144), "q5_K": (16, 176)}  # the formats with mins
+
+
+def _ktype(name: str) -> "gguf.GGMLQuantizationType":
+    return gguf.GGMLQuantizationType[name.upper()]
+
+
+def kreference(name: str, raw: np.ndarray) -> np.ndarray:
+    """The host's values of raw blocks: opdispatch.dtypes where it has the format, else gguf-py."""
+    if name in dtypes.DTYPES:
+        return dtypes.dequantize(name, raw.reshape(-1))
+    return np.asarray(gguf.quants.dequantize(raw.reshape(-1), _ktype(name)), np.float32).reshape(-1)
+
+
+def test_klayout_matches_ggml(driver: Path) -> None:
+    lines = _run(driver, "klayout").stdout.split("\n")
+    got = {ln.split()[0]: [int(v) for v in ln.split()[1:]] for ln in lines if ln}
+    assert sorted(got) == sorted(KFORMATS)
+    for name, (qk, nbytes, sub, m) in got.items():
+        assert (qk, nbytes) == gguf.GGML_QUANT_SIZES[_ktype(name)] == SUBSCALED_SIZES[name], name
+        if name in dtypes.DTYPES:
+            assert (qk, nbytes) == (dtypes.dtype(name).block_size, dtypes.dtype(name).block_bytes), name
+        assert (m >= 0) == (name in KCODES), f"{name}: M marks the formats with mins"
+        assert m < 0 or m == SUBSCALED_HALVES[name][1], name
+        assert qk % sub == 0 and sub in (16, 32), name
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # mxfp4's largest scales: inf
+@pytest.mark.parametrize("name", KFORMATS)
+def test_kdecodes_are_dequantize(name: str, driver: Path, tmp_path: Path, rng: np.random.Generator) -> None:
+    """decode and load_unit equal the host's dequantize bit for bit (gguf-py's where opdispatch has none)."""
+    raw = subscaled_blocks(rng, name, NBLOCKS)
+    raw.tofile(tmp_path / "in.bin")
+    _run(driver, "kdecode", name, str(tmp_path / "in.bin"), str(tmp_path / "out.bin"))
+    ref = kreference(name, raw)
+    got = np.fromfile(tmp_path / "out.bin", np.float32).reshape(2, ref.size)
+    assert name == "mxfp4" or np.isfinite(ref).all()
+    for how, values in zip(("decode", "load_unit"), got):
+        bad = np.flatnonzero(values.view(np.uint32) != ref.view(np.uint32))
+        qk = ref.size // NBLOCKS
+        assert bad.size == 0, (f"{name} {how}: {bad.size} values differ from the host's, the first at {bad[0]} "
+                               f"(block {bad[0] // qk}): {values[bad[0]]!r} != {ref[bad[0]]!r}")
+
+
+@pytest.mark.parametrize("name", KFORMATS)
+def test_kdot32_is_the_dot_of_the_values(name: str, driver: Path, tmp_path: Path, rng: np.random.Generator) -> None:
+    """dot32 of each 32 values with q8_1 codes (d, d * sum) is sum(value * code * d) up to float32
+    rounding of its few products: within 4e-6 of the sum of the magnitudes of the terms it adds
+    (each value's scaled code and min separately, as the cancellation between them is the format's)."""
+    nb = 97
+    raw = subscaled_blocks(rng, name, nb, e_range=(100, 150))
+    values = kreference(name, raw).astype(np.float64)
+    units = values.size // 32
+    codes = rng.integers(-127, 128, (units, 32)).astype(np.int32)
+    codes[0] = 127  # the extremes of the dp4a sums
+    codes[1] = -127
+    db = (rng.uniform(0.5, 2, units) * 10.0 ** rng.integers(-4, 2, units)).astype(np.float32)
+    ds = np.stack([db, db * codes.sum(axis=1).astype(np.float32)], axis=1).astype(np.float32)
+    raw.tofile(tmp_path / "in.bin")
+    with open(tmp_path / "b.bin", "wb") as f:
+        codes.tofile(f)
+        ds.tofile(f)
+    _run(driver, "kdot", name, str(tmp_path / "in.bin"), str(tmp_path / "b.bin"), str(tmp_path / "out.bin"))
+    got = np.fromfile(tmp_path / "out.bin", np.float32).astype(np.float64)
+    terms = values.reshape(units, 32) * codes * db[:, None].astype(np.float64)
+    scale = np.abs(terms).sum(axis=1)
+    if name in KCODES:  # a block with all codes 0 decodes to minus its mins
+        lo, hi = KCODES[name]
+        zeroed = raw.copy()
+        zeroed[:, lo:hi] = 0
+        mins = kreference(name, zeroed).astype(np.float64).reshape(units, 32)
+        scale += 2 * np.abs(mins * codes * db[:, None].astype(np.float64)).sum(axis=1)
+    err = np.abs(got - terms.sum(axis=1))
+    bad = np.flatnonzero(~(err <= 4e-6 * scale + 1e-30))
+    assert bad.size == 0, (f"{name}: {bad.size} of {units} dot32s off, the first unit {bad[0]}: {got[bad[0]]!r} != "
+                           f"{terms[bad[0]].sum()!r} (scale {scale[bad[0]]!r})")

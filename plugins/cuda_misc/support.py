@@ -12,14 +12,14 @@ from typing import Callable, Sequence
 from opdispatch.backends.cuda.devices import facts
 from opdispatch.backends.cuda.kernels import GLU_CODES
 from opdispatch.hookspecs import Device
-from opdispatch.ops.base import FLOATS, QUANTS
+from opdispatch.ops.base import FLOATS
 from opdispatch.support import GRID_YZ_MAX, Rule, first_failure, fits_int, outer_rows, rows_packed, whole_elements
 from opdispatch.tensor import Tensor
 
 from .specs.elementwise import BINARY_PAIRS
 from .specs.layout import window
 from .specs.reduce import argmax_splits
-from .specs.rows import MAX_ROW, PLAIN, copy_kind, pow2
+from .specs.rows import DECODE_ONLY, ENCODED, MAX_ROW, PLAIN, RAW_DTYPES, copy_kind, pow2
 from .specs.sort import MAX_SORT, chunk_limit, sort_rows
 
 
@@ -126,12 +126,31 @@ def _packed_blocks(t: Tensor) -> bool:
 
 
 def _blocks_compiled(n: Tensor) -> bool:
-    """Kernels move the 32-value block formats only; the K-quants are host-only dtypes so far."""
-    return all(not t.dtype.is_quant or t.dtype.name in QUANTS for t in (n, *n.srcs))
+    """Kernels move the 32-value block formats only (concat)."""
+    return all(not t.dtype.is_quant or t.dtype.name in ENCODED for t in (n, *n.srcs))
+
+
+def _moved(n: Tensor) -> bool:
+    """rows.cu has traits for every block format involved (quant.cuh's and quant_k.cuh's)."""
+    return all(not t.dtype.is_quant or t.dtype.name in ENCODED + DECODE_ONLY for t in (n, *n.srcs))
+
+
+def _not_encoding(n: Tensor) -> bool:
+    """quant_k.cuh's formats are decoded and copied, never encoded."""
+    return n.dtype.name not in DECODE_ONLY or n.srcs[0].dtype == n.dtype
+
+
+def _raw_unit(n: Tensor) -> bool:
+    """A strided same-dtype copy moves Block<N> units of 16-bit words: blocks of an odd size (mxfp4) only
+    go contiguously (copy_contig's bytes)."""
+    src = n.srcs[0].dtype
+    return not (src == n.dtype and src.is_quant and src.name not in RAW_DTYPES) or _contiguous_pair(n)
 
 
 copy_ok = table(
-    (_blocks_compiled, "no kernel moves this block format (the K-quants are host only)"),
+    (_moved, "no kernel moves this block format"),
+    (_not_encoding, "no kernel quantizes to the K-quants, iq4_nl, iq4_xs or mxfp4 (they are decoded and copied)"),
+    (_raw_unit, "blocks of an odd size (mxfp4) are copied between contiguous tensors only"),
     (lambda n: copy_kind(n.srcs[0].dtype, n.dtype) is not None, "no kernel converts this pair of dtypes"),
     (lambda n: whole_elements(n.srcs[0]) and whole_elements(n), "strides or offsets that split an element"),
     (lambda n: elements_fit(n) or (_contiguous_pair(n) and not (n.dtype.is_quant or n.srcs[0].dtype.is_quant)),
@@ -139,7 +158,7 @@ copy_ok = table(
 )
 
 get_rows_ok = table(
-    (dtype_in(PLAIN + QUANTS, _src(0)), "a must be f32, f16, bf16, i32 or a block format"),
+    (dtype_in(PLAIN + ENCODED + DECODE_ONLY, _src(0)), "a must be f32, f16, bf16, i32 or a block format"),
     (dtype_in(("i32",), _src(1)), "indices must be i32"),
     (lambda n: _packed_blocks(n.srcs[0]), "quantized rows must be packed"),
     (lambda n: whole_elements(n.srcs[0]) and whole_elements(n.srcs[1]), "strides or offsets that split an element"),
@@ -148,7 +167,7 @@ get_rows_ok = table(
 )
 
 set_rows_ok = table(
-    (dtype_in(FLOATS + QUANTS), "dst must be f32, f16, bf16 or a block format"),
+    (dtype_in(FLOATS + ENCODED), "dst must be f32, f16, bf16 or a 32-value block format (q4_0 .. q8_0)"),
     (dtype_in(("f32",), _src(1)), "src must be f32"),
     (dtype_in(("i32", "i64"), _src(2)), "indices must be i32 or i64"),
     (_packed_blocks, "quantized rows must be packed"),
@@ -158,7 +177,7 @@ set_rows_ok = table(
 )
 
 concat_ok = table(
-    (_blocks_compiled, "no kernel moves this block format (the K-quants are host only)"),
+    (_blocks_compiled, "concat moves the 32-value block formats only"),
     (_all_whole, "strides or offsets that split an element"),
     (elements_fit, "2**31 elements or more"),
 )

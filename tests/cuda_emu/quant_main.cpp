@@ -7,6 +7,11 @@
 //   quant encode FORMAT IN OUT    IN n * 32 f32; OUT n raw blocks by encode8, 8 lanes a block, one
 //                                 warp of 32 threads for 4 blocks (lanes of blocks past n inactive)
 //   quant q8_1 IN OUT             IN n * 32 f32; OUT n * 32 i32 codes, n f32 d, n f32 d * sum
+//   quant klayout                 one line a quant_k.cuh format: name QK BYTES SUB M
+//   quant kdecode FORMAT IN OUT   (quant_k.cuh's formats) IN n raw blocks; OUT 2 * n * QK f32: the row
+//                                 decoded by decode and by load_unit (value c * d + m, as convert.cu)
+//   quant kdot FORMAT IN B OUT    IN n raw blocks; B n * QK i32 q8_1 codes, then n * QK / 32 f32 pairs
+//                                 (d, d * sum); OUT n * QK / 32 f32: dot32 of each 32 values
 // Exit status 1 when an inactive lane of encode8 wrote.
 #include "shim.h"
 #include "quant.cuh"
@@ -152,6 +157,57 @@ static void q8_1_all(const std::vector<unsigned char>& in, const char* path) {
 }
 
 template <class Q>
+static void kdecode(const std::vector<unsigned char>& raw, const char* path) {
+    const int n = static_cast<int>(raw.size()) / Q::BYTES, nv = n * Q::QK;
+    std::vector<float> y(2 * static_cast<size_t>(nv), NAN);
+    for (int b = 0; b < n; ++b) {
+        for (int j = 0; j < Q::QK; ++j) y[b * Q::QK + j] = decode<Q>(raw.data() + b * Q::BYTES, j);
+    }
+    for (int u = 0; u < nv / 8; ++u) {
+        float c[8], d, m;
+        load_unit<Q>(raw.data(), u, c, d, m);
+        for (int i = 0; i < 8; ++i) {
+            const float v = __fmul_rn(c[i], d);
+            y[nv + 8 * u + i] = Q::M >= 0 ? __fadd_rn(v, m) : v;
+        }
+    }
+    write_file(path, y.data(), y.size() * sizeof(float));
+}
+
+template <class Q>
+static void kdot(const std::vector<unsigned char>& raw, const std::vector<unsigned char>& bfile, const char* path) {
+    const int n = static_cast<int>(raw.size()) / Q::BYTES, units = n * Q::QK / 32;
+    const int* codes = reinterpret_cast<const int*>(bfile.data());
+    const float2* ds = reinterpret_cast<const float2*>(bfile.data() + sizeof(int) * 32 * static_cast<size_t>(units));
+    std::vector<float> out(units);
+    for (int t = 0; t < units; ++t) {
+        int b[8];
+        for (int i = 0; i < 8; ++i) {
+            b[i] = 0;
+            for (int k = 0; k < 4; ++k) b[i] |= (codes[32 * t + 4 * i + k] & 0xff) << (8 * k);
+        }
+        constexpr int PER = Q::QK / 32;
+        out[t] = Q::dot32(raw.data() + (t / PER) * Q::BYTES, t % PER, b, ds[t]);
+    }
+    write_file(path, out.data(), out.size() * sizeof(float));
+}
+
+template <class Q>
+static void klayout(const char* name) {
+    printf("%s %d %d %d %d\n", name, Q::QK, Q::BYTES, Q::SUB, Q::M);
+}
+
+template <class Q>
+static int krun(const std::string& cmd, char** argv) {
+    if (cmd == "kdecode") {
+        kdecode<Q>(read_file(argv[3]), argv[4]);
+    } else {
+        kdot<Q>(read_file(argv[3]), read_file(argv[4]), argv[5]);
+    }
+    return 0;
+}
+
+template <class Q>
 static void layout(const char* name) {
     printf("%s %d %d %d %d %d %d %d %d %d %d %d\n", name, Q::QK, Q::BYTES, Q::BITS, static_cast<int>(Q::SCALE), Q::DIV,
            Q::ZERO, Q::D, Q::M, Q::QH, Q::QS, Q::QMAX);
@@ -182,11 +238,34 @@ int main(int argc, char** argv) {
         layout<q8_0>("q8_0");
         return 0;
     }
+    if (cmd == "klayout") {
+        klayout<q2_K>("q2_K");
+        klayout<q3_K>("q3_K");
+        klayout<q4_K>("q4_K");
+        klayout<q5_K>("q5_K");
+        klayout<q6_K>("q6_K");
+        klayout<iq4_nl>("iq4_nl");
+        klayout<iq4_xs>("iq4_xs");
+        klayout<mxfp4>("mxfp4");
+        return 0;
+    }
     if (cmd == "q8_1") {
         q8_1_all(read_file(argv[2]), argv[3]);
         return 0;
     }
     const std::string fmt = argv[2];
+    if (cmd == "kdecode" || cmd == "kdot") {
+        if (fmt == "q2_K") return krun<q2_K>(cmd, argv);
+        if (fmt == "q3_K") return krun<q3_K>(cmd, argv);
+        if (fmt == "q4_K") return krun<q4_K>(cmd, argv);
+        if (fmt == "q5_K") return krun<q5_K>(cmd, argv);
+        if (fmt == "q6_K") return krun<q6_K>(cmd, argv);
+        if (fmt == "iq4_nl") return krun<iq4_nl>(cmd, argv);
+        if (fmt == "iq4_xs") return krun<iq4_xs>(cmd, argv);
+        if (fmt == "mxfp4") return krun<mxfp4>(cmd, argv);
+        fprintf(stderr, "unknown format %s\n", fmt.c_str());
+        return 2;
+    }
     if (fmt == "q4_0") return run<q4_0>(cmd, argv[3], argv[4]);
     if (fmt == "q4_1") return run<q4_1>(cmd, argv[3], argv[4]);
     if (fmt == "q5_0") return run<q5_0>(cmd, argv[3], argv[4]);

@@ -66,6 +66,13 @@ inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
     return c;
 }
+// prmt's default mode: byte i of the result is byte (s >> 4i) & 7 of {y, x} (x bytes 0..3)
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long v = ((unsigned long long)y << 32) | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+    return r;
+}
 inline float emu_h2f(unsigned short h) { _Float16 v; memcpy(&v, &h, 2); return (float)v; }
 inline unsigned short emu_f2h(float f) { _Float16 v = (_Float16)f; unsigned short h; memcpy(&h, &v, 2); return h; }
 

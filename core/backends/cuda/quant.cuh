@@ -22,11 +22,14 @@
 // follow ggml's reference C one float32 operation at a time: every multiply and add that ggml
 // writes as separate C operations is spelled __fmul_rn / __fadd_rn, so that the compiler cannot
 // contract them into an FMA (one rounding instead of two); divisions are __fdiv_rn (IEEE,
-// whatever the division flags). A new format (K-quants: 256 values a block) is a traits struct
-// here and the accessors its kernels need.
+// whatever the division flags). The sub-scaled formats (K-quants, iq4_nl, iq4_xs, mxfp4) are
+// quant_k.cuh's traits, each with its own scale / code / dot32; of the accessors here they take
+// decode and load_unit (the others are the 32-value legacy formats' only). A new format is a
+// traits struct and the accessors its kernels need.
 #pragma once
 
 #include "common.cuh"
+#include "quant_k.cuh"
 
 namespace od {
 namespace quant {
@@ -38,6 +41,7 @@ enum class Scale { signed_absmax, absmax, range };
 // code bits, d = (the scale's source) / DIV, decode (q - ZERO) * d (+ m).
 template <int BYTES_, int BITS_, Scale SCALE_, int DIV_, int ZERO_, int M_, int QH_, int QS_>
 struct Block32 {
+    static constexpr bool LEGACY = true;  // quant_k.cuh's formats: false
     static constexpr int QK = 32;  // values a block
     static constexpr int BYTES = BYTES_;
     static constexpr int BITS = BITS_;
@@ -85,25 +89,36 @@ struct q8_1 {
 
 // -- decode: values as floats, exactly as opdispatch.dtypes.dequantize -------------------------
 
-// Value j (0..31) of a block.
+// Value j (0 .. QK-1) of a block.
 template <class Q>
 __device__ __forceinline__ float decode(const unsigned char* blk, const int j) {
-    const float d = f16_to_f32(static_cast<unsigned short>(ld16(blk + Q::D)));
-    int q;
-    if constexpr (Q::BITS == 8) {
-        q = static_cast<signed char>(blk[Q::QS + j]);
-    } else {
-        const unsigned b = blk[Q::QS + (j & 15)];
-        q = static_cast<int>(j < 16 ? b & 0x0fu : b >> 4);
-        if constexpr (Q::BITS == 5) {
-            q |= ((blk[Q::QH + (j >> 3)] >> (j & 7)) & 1) << 4;
+    if constexpr (!Q::LEGACY) {  // quant_k.cuh: d * code - m, ggml's order
+        float d, m;
+        Q::scale(blk, j / Q::SUB, d, m);
+        const float y = __fmul_rn(d, static_cast<float>(Q::code(blk, j)));
+        if constexpr (Q::M >= 0) {
+            return __fsub_rn(y, m);
+        } else {
+            return y;
         }
-    }
-    const float y = __fmul_rn(static_cast<float>(q - Q::ZERO), d);
-    if constexpr (Q::M >= 0) {
-        return __fadd_rn(y, f16_to_f32(static_cast<unsigned short>(ld16(blk + Q::M))));
     } else {
-        return y;
+        const float d = f16_to_f32(static_cast<unsigned short>(ld16(blk + Q::D)));
+        int q;
+        if constexpr (Q::BITS == 8) {
+            q = static_cast<signed char>(blk[Q::QS + j]);
+        } else {
+            const unsigned b = blk[Q::QS + (j & 15)];
+            q = static_cast<int>(j < 16 ? b & 0x0fu : b >> 4);
+            if constexpr (Q::BITS == 5) {
+                q |= ((blk[Q::QH + (j >> 3)] >> (j & 7)) & 1) << 4;
+            }
+        }
+        const float y = __fmul_rn(static_cast<float>(q - Q::ZERO), d);
+        if constexpr (Q::M >= 0) {
+            return __fadd_rn(y, f16_to_f32(static_cast<unsigned short>(ld16(blk + Q::M))));
+        } else {
+            return y;
+        }
     }
 }
 
@@ -204,44 +219,57 @@ __device__ __forceinline__ unsigned spread4(unsigned h) {
     return ((h & 1u) << 4) | ((h & 2u) << 11) | ((h & 4u) << 18) | ((h & 8u) << 25);
 }
 
-// Unit u of a row of blocks, 4 units a block: block u / 4, part s = u % 4: q8_0 codes 8s .. 8s+7;
+// Unit u of a row of blocks. quant_k.cuh's formats: values 8u .. 8u+7, one scale (m = minus the min).
+// The legacy formats: 4 units a block, block u / 4, part s = u % 4: q8_0 codes 8s .. 8s+7;
 // 4- and 5-bit: qs bytes 4s .. 4s+3, codes 4s .. 4s+3 (low nibbles) and 16+4s .. 16+4s+3 (high).
 // c: its 8 codes minus the zero, as floats; d the block's scale, m its offset (0 unless q4_1/q5_1).
 // Value = c * d + m rounded twice (__fmul_rn, __fadd_rn) is dequantize's.
 template <class Q>
 __device__ __forceinline__ void load_unit(const unsigned char* row, int u, float (&c)[8], float& d, float& m) {
-    const unsigned char* blk = row + (u >> 2) * Q::BYTES;
-    const int s = u & 3;
-    d = f16_to_f32(ld16(blk + Q::D));
-    if constexpr (Q::M >= 0) {
-        m = f16_to_f32(ld16(blk + Q::M));
-    } else {
-        m = 0.0f;
-    }
-    if constexpr (Q::BITS == 8) {
-        const unsigned char* q = blk + Q::QS + 8 * s;
+    if constexpr (!Q::LEGACY) {  // quant_k.cuh: unit u = values 8u .. 8u+7 of the row, one scale
+        constexpr int UNITS = Q::QK / 8;  // a block
+        const unsigned char* blk = row + (u / UNITS) * Q::BYTES;
+        const int j0 = 8 * (u % UNITS);
+        Q::scale(blk, j0 / Q::SUB, d, m);
+        m = -m;  // + (-m) rounds as ggml's - m
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const unsigned v = ld16(q + 2 * i);
-            c[2 * i] = static_cast<float>(static_cast<signed char>(v & 0xffu));
-            c[2 * i + 1] = static_cast<float>(static_cast<signed char>(v >> 8));
+        for (int i = 0; i < 8; ++i) {
+            c[i] = static_cast<float>(Q::code(blk, j0 + i));
         }
     } else {
-        const unsigned q = ld32_2(blk + Q::QS + 4 * s);
-        unsigned hl = 0, hh = 0;  // 5th bits, moved to bit 4 of each byte
-        if constexpr (Q::BITS == 5) {
-            const unsigned qh = ld32_2(blk + Q::QH);
-            const unsigned lo = (qh >> (4 * s)) & 0xfu;         // bits of codes 4s .. 4s+3
-            const unsigned hi = (qh >> (16 + 4 * s)) & 0xfu;    // bits of codes 16+4s ..
-            hl = spread4(lo);
-            hh = spread4(hi);
+        const unsigned char* blk = row + (u >> 2) * Q::BYTES;
+        const int s = u & 3;
+        d = f16_to_f32(ld16(blk + Q::D));
+        if constexpr (Q::M >= 0) {
+            m = f16_to_f32(ld16(blk + Q::M));
+        } else {
+            m = 0.0f;
         }
-        const unsigned lo4 = (q & 0x0f0f0f0fu) | hl;
-        const unsigned hi4 = ((q >> 4) & 0x0f0f0f0fu) | hh;
+        if constexpr (Q::BITS == 8) {
+            const unsigned char* q = blk + Q::QS + 8 * s;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            c[j] = static_cast<float>(static_cast<int>((lo4 >> (8 * j)) & 0xffu) - Q::ZERO);
-            c[4 + j] = static_cast<float>(static_cast<int>((hi4 >> (8 * j)) & 0xffu) - Q::ZERO);
+            for (int i = 0; i < 4; ++i) {
+                const unsigned v = ld16(q + 2 * i);
+                c[2 * i] = static_cast<float>(static_cast<signed char>(v & 0xffu));
+                c[2 * i + 1] = static_cast<float>(static_cast<signed char>(v >> 8));
+            }
+        } else {
+            const unsigned q = ld32_2(blk + Q::QS + 4 * s);
+            unsigned hl = 0, hh = 0;  // 5th bits, moved to bit 4 of each byte
+            if constexpr (Q::BITS == 5) {
+                const unsigned qh = ld32_2(blk + Q::QH);
+                const unsigned lo = (qh >> (4 * s)) & 0xfu;         // bits of codes 4s .. 4s+3
+                const unsigned hi = (qh >> (16 + 4 * s)) & 0xfu;    // bits of codes 16+4s ..
+                hl = spread4(lo);
+                hh = spread4(hi);
+            }
+            const unsigned lo4 = (q & 0x0f0f0f0fu) | hl;
+            const unsigned hi4 = ((q >> 4) & 0x0f0f0f0fu) | hh;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                c[j] = static_cast<float>(static_cast<int>((lo4 >> (8 * j)) & 0xffu) - Q::ZERO);
+                c[4 + j] = static_cast<float>(static_cast<int>((hi4 >> (8 * j)) & 0xffu) - Q::ZERO);
+            }
         }
     }
 }

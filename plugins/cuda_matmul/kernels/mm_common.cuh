@@ -9,9 +9,9 @@
 //   VEC: unit u = values 8u .. 8u+7, one 16-byte load (f16/bf16) or two (f32);
 //     b indices 8u .. 8u+3 and 8u+4 .. 8u+7.
 //   scalar: unit u = value u alone (any K, any alignment).
-// Block-format rows are read in quant.cuh's units (load_unit, 4 a block) by the
-// dequantizing copy (convert.cu), and as whole blocks in registers (decode_words)
-// by the quantized mat-vecs.
+// Block-format rows are read in quant.cuh's units (load_unit) by the dequantizing copy
+// (convert.cu); the quantized mat-vecs read the legacy formats as whole blocks in registers
+// (decode_words) and quant_k.cuh's formats 32 values at a time (dot32).
 #pragma once
 
 #include "activations.cuh"
@@ -27,6 +27,14 @@ constexpr int W_Q4_1 = 4;
 constexpr int W_Q5_0 = 5;
 constexpr int W_Q5_1 = 6;
 constexpr int W_Q8_0 = 7;
+constexpr int W_Q2_K = 8;  // quant_k.cuh's formats
+constexpr int W_Q3_K = 9;
+constexpr int W_Q4_K = 10;
+constexpr int W_Q5_K = 11;
+constexpr int W_Q6_K = 12;
+constexpr int W_IQ4_NL = 13;
+constexpr int W_IQ4_XS = 14;
+constexpr int W_MXFP4 = 15;
 
 // b (and destination) element kinds.
 constexpr int B_F32 = 0;
@@ -89,6 +97,20 @@ template <>
 struct Fmt<W_Q8_0> : od::quant::q8_0 {
     static constexpr bool QUANT = true;
 };
+#define MM_SUBSCALED(KIND, TRAITS)                  \
+    template <>                                     \
+    struct Fmt<KIND> : od::quant::TRAITS {          \
+        static constexpr bool QUANT = true;         \
+    };
+MM_SUBSCALED(W_Q2_K, q2_K)
+MM_SUBSCALED(W_Q3_K, q3_K)
+MM_SUBSCALED(W_Q4_K, q4_K)
+MM_SUBSCALED(W_Q5_K, q5_K)
+MM_SUBSCALED(W_Q6_K, q6_K)
+MM_SUBSCALED(W_IQ4_NL, iq4_nl)
+MM_SUBSCALED(W_IQ4_XS, iq4_xs)
+MM_SUBSCALED(W_MXFP4, mxfp4)
+#undef MM_SUBSCALED
 
 // Element loads of any kind as float.
 template <int K>
@@ -102,10 +124,22 @@ __device__ __forceinline__ float load_elem(const u8* p) {
     }
 }
 
-// The first b index of each half (4 values) of unit u, for block formats and vector float rows.
+// The first b index of each half (4 values) of unit u, for block formats and vector float rows:
+// the legacy 4- and 5-bit formats' units take 4 values from each half of a block, the others'
+// (q8_0, quant_k.cuh's formats, float rows) are 8 consecutive values.
+template <int WT>
+__device__ __forceinline__ constexpr bool split_unit() {
+    if constexpr (Fmt<WT>::QUANT) {
+        if constexpr (Fmt<WT>::LEGACY) {
+            return Fmt<WT>::BITS < 8;
+        }
+    }
+    return false;
+}
+
 template <int WT>
 __device__ __forceinline__ int2 unit_k(int u) {
-    if constexpr (Fmt<WT>::QUANT && Fmt<WT>::BITS < 8) {
+    if constexpr (split_unit<WT>()) {
         const int k = (u >> 2) * 32 + (u & 3) * 4;
         return make_int2(k, k + 16);
     } else {

@@ -218,6 +218,31 @@ __device__ __forceinline__ void load_block(const u8* blk, int (&q)[8], float& d,
     od::quant::decode_words<F>(w, (o & 2) * 8, q, d, m);
 }
 
+// q_rows for quant_k.cuh's formats: thread t takes the 32-value units j = t, t + blockDim.x, ... (the
+// q8_1 blocks of b), unit j % PER of weight block j / PER, and adds the format's dot32 of it (read
+// from global memory: the weights' bytes a warp reads are contiguous; no shared memory).
+template <int WT, int NT>
+__device__ __forceinline__ void q_rows_subscaled(const u8* const (&row)[QROWS], const u8* const (&bq)[NT],
+                                                 const float2* const (&bd)[NT], int nb, float (&acc)[QROWS][NT]) {
+    using F = Fmt<WT>;
+    constexpr int PER = F::QK / 32;  // units a block
+    for (int j = threadIdx.x; j < nb; j += blockDim.x) {
+        const long long blk = static_cast<long long>(j / PER) * F::BYTES;
+        const long long h0 = QB8::half(j, 0), h1 = QB8::half(j, 1);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const int4 lo = __ldg(reinterpret_cast<const int4*>(bq[n] + h0));
+            const int4 hi = __ldg(reinterpret_cast<const int4*>(bq[n] + h1));
+            const float2 ds = __ldg(bd[n] + j);
+            const int bw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+            for (int s = 0; s < QROWS; ++s) {
+                acc[s][n] += F::dot32(row[s] + blk, j % PER, bw, ds);
+            }
+        }
+    }
+}
+
 // acc[s][n] (every thread's partial) = stream s . b column n over the blocks j this thread takes.
 // row[s]: stream s's weight row; bq[n], bd[n]: column n's codes and (d, d * sum) (QB8 layout).
 template <int WT, int NT>
@@ -231,35 +256,39 @@ __device__ __forceinline__ void q_rows(const u8* const (&row)[QROWS], const u8* 
             acc[s][n] = 0.0f;
         }
     }
-    for (int j = threadIdx.x; j < nb; j += blockDim.x) {
-        int q[QROWS][8];
-        float d[QROWS], m[QROWS];
-#pragma unroll
-        for (int s = 0; s < QROWS; ++s) {
-            load_block<WT>(row[s] + static_cast<long long>(j) * F::BYTES, q[s], d[s], m[s]);
-        }
-        const long long h0 = QB8::half(j, 0), h1 = QB8::half(j, 1);
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            const int4 lo = __ldg(reinterpret_cast<const int4*>(bq[n] + h0));
-            const int4 hi = __ldg(reinterpret_cast<const int4*>(bq[n] + h1));
-            const float2 ds = __ldg(bd[n] + j);
-            const int bw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    if constexpr (!F::LEGACY) {
+        q_rows_subscaled<WT, NT>(row, bq, bd, nb, acc);
+    } else {
+        for (int j = threadIdx.x; j < nb; j += blockDim.x) {
+            int q[QROWS][8];
+            float d[QROWS], m[QROWS];
 #pragma unroll
             for (int s = 0; s < QROWS; ++s) {
-                int dot = 0;
+                load_block<WT>(row[s] + static_cast<long long>(j) * F::BYTES, q[s], d[s], m[s]);
+            }
+            const long long h0 = QB8::half(j, 0), h1 = QB8::half(j, 1);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    dot = __dp4a(q[s][i], bw[i], dot);
-                }
-                // sum_j (c_j - zero) * d * qb_j * db + m * qb_j * db
-                float v = ds.x * static_cast<float>(dot);
-                if constexpr (F::ZERO != 0) {
-                    v = fmaf(-static_cast<float>(F::ZERO), ds.y, v);
-                }
-                acc[s][n] = fmaf(d[s], v, acc[s][n]);
-                if constexpr (F::M >= 0) {
-                    acc[s][n] = fmaf(m[s], ds.y, acc[s][n]);
+            for (int n = 0; n < NT; ++n) {
+                const int4 lo = __ldg(reinterpret_cast<const int4*>(bq[n] + h0));
+                const int4 hi = __ldg(reinterpret_cast<const int4*>(bq[n] + h1));
+                const float2 ds = __ldg(bd[n] + j);
+                const int bw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+                for (int s = 0; s < QROWS; ++s) {
+                    int dot = 0;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        dot = __dp4a(q[s][i], bw[i], dot);
+                    }
+                    // sum_j (c_j - zero) * d * qb_j * db + m * qb_j * db
+                    float v = ds.x * static_cast<float>(dot);
+                    if constexpr (F::ZERO != 0) {
+                        v = fmaf(-static_cast<float>(F::ZERO), ds.y, v);
+                    }
+                    acc[s][n] = fmaf(d[s], v, acc[s][n]);
+                    if constexpr (F::M >= 0) {
+                        acc[s][n] = fmaf(m[s], ds.y, acc[s][n]);
+                    }
                 }
             }
         }

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import attrs
 
 from opdispatch.backends.cuda.args import instance
+from opdispatch.dtypes import DTYPES
 from opdispatch.ops.base import pad4
 from opdispatch.tensor import Tensor
 
@@ -26,14 +27,20 @@ MMVQ_STREAM_CU = KERNELS_DIR / "mmvq_stream.cu"
 MMQ_CU = KERNELS_DIR / "mmq.cu"
 CONVERT_CU = KERNELS_DIR / "convert.cu"
 
+#: quant_k.cuh's formats (K-quants, iq4_nl, iq4_xs, mxfp4) that opdispatch.dtypes knows: the mat-vecs
+#: dot them 32 values at a time (dot32), the dequantizing copy decodes them; no streamed mat-vec
+SUBSCALED_NAMES = tuple(q for q in ("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl", "iq4_xs", "mxfp4")
+                        if q in DTYPES)
 #: mm_common.cuh's weight kinds and b/destination kinds
 W_KIND = {"f32": "W_F32", "f16": "W_F16", "bf16": "W_BF16", "q4_0": "W_Q4_0", "q4_1": "W_Q4_1",
-          "q5_0": "W_Q5_0", "q5_1": "W_Q5_1", "q8_0": "W_Q8_0"}
+          "q5_0": "W_Q5_0", "q5_1": "W_Q5_1", "q8_0": "W_Q8_0",
+          **{q: f"W_{q.upper()}" for q in SUBSCALED_NAMES}}
 B_KIND = {"f32": "B_F32", "f16": "B_F16", "bf16": "B_BF16"}
 EPI_NONE, EPI_BIAS, EPI_GLU = "EPI_NONE", "EPI_BIAS", "EPI_GLU"
 EPIS = (EPI_NONE, EPI_BIAS, EPI_GLU)
 FLOAT_NAMES = ("f32", "f16", "bf16")
-QUANT_NAMES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+LEGACY_NAMES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")  # quant.cuh's 32-value formats: the streamed mat-vec's
+QUANT_NAMES = (*LEGACY_NAMES, *SUBSCALED_NAMES)
 
 BLOCK = 128  # mmv_common.cuh's mm::BLOCK
 ROWS = 2  # rows of a a mat-vec block computes (the kernels' R)
@@ -134,8 +141,8 @@ CONVERT_NAMES: tuple[str, ...] = (
 )
 #: mmvq_stream: b f32 for every column count and epilogue; b f16/bf16 (unfused mul_mat only) for 8 columns
 STREAM_NAMES: tuple[str, ...] = (
-    *(stream_name(wt, "f32", nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
-    *(stream_name(wt, tb, 8, EPI_NONE) for tb in ("f16", "bf16") for wt in QUANT_NAMES),
+    *(stream_name(wt, "f32", nt, epi) for epi in EPIS for wt in LEGACY_NAMES for nt in NTS),
+    *(stream_name(wt, tb, 8, EPI_NONE) for tb in ("f16", "bf16") for wt in LEGACY_NAMES),
 )
 MMQ_NAMES: tuple[str, ...] = tuple(mmq_name(wt, tile) for wt in QUANT_NAMES for _, tile in MMQ_TILES)
 #: every instance the specs can name, per source (tests/test_kernels_compile.py compiles them all)

@@ -36,8 +36,14 @@ QUANT_BLOCKS_PER_SM = 4
 
 #: the C++ type a kernel reads each plain dtype's values as
 VALUE = {"f32": "float", "f16": "od::f16", "bf16": "od::bf16", "i32": "int"}
-#: the format traits of each block format (quant.cuh)
-QUANT = {q: f"od::quant::{q}" for q in QUANTS}
+#: block formats rows.cu decodes but does not encode: quant_k.cuh's (K-quants, iq4_nl, iq4_xs, mxfp4),
+#: those opdispatch.dtypes knows
+SUBSCALED = ("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl", "iq4_xs", "mxfp4")
+DECODE_ONLY = tuple(q for q in SUBSCALED if q in DTYPES)
+#: block formats rows.cu encodes too (quant.cuh's encode8): the legacy 32-value ones the ops take
+ENCODED = tuple(q for q in QUANTS if q not in SUBSCALED)
+#: the format traits of each block format (quant.cuh, quant_k.cuh)
+QUANT = {q: f"od::quant::{q}" for q in ENCODED + DECODE_ONLY}
 #: conversions through f32 between these
 PLAIN = ("f32", "f16", "bf16", "i32")
 #: raw copy units by element size
@@ -45,7 +51,8 @@ RAW = {1: "unsigned char", 2: "unsigned short", 4: "unsigned", 8: "unsigned long
 #: copy_contig's units by the alignment both addresses share
 CONTIG_UNITS = {16: "uint4", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
 #: dtypes whose raw units cover every same-dtype copy: one per element size, and every block format
-RAW_DTYPES = ("i8", "i16", "f32", "i64", *QUANTS)
+#: of an even size (Block<N> moves 16-bit words; mxfp4's 17-byte blocks are copied contiguously only)
+RAW_DTYPES = ("i8", "i16", "f32", "i64", *ENCODED, *(q for q in DECODE_ONLY if DTYPES[q].block_bytes % 2 == 0))
 ROW_BLOCKS = (32, 64, 128, 256)  # get_rows_q threads per block: any, one module
 ROW_THREADS = 256  # rows.cu's ROW_THREADS: threads per block of get_rows / set_rows
 ROW_UNROLL = 4  # rows.cu's ROW_UNROLL: packs per thread
@@ -70,15 +77,16 @@ def _instances() -> tuple[str, ...]:
                 names += [instance(k, VALUE[s], VALUE[d]) for k in ("convert_strided", "convert_tiled")]
     names += [instance("convert_strided", raw(DTYPES[t]), raw(DTYPES[t])) for t in RAW_DTYPES]
     names += [instance("convert_tiled", u, u) for u in RAW.values()]
-    for q in QUANTS:
+    for q in ENCODED:
         for f in FLOATS:
             names += [instance("quantize", QUANT[q], VALUE[f], c) for c in (False, True)]
             names += [instance("dequantize", QUANT[q], VALUE[f], c) for c in (False, True)]
     names += [instance("get_rows", VALUE[s], "int" if s == "i32" else "float", v) for s in PLAIN for v in (False, True)]
-    names += [instance("get_rows_q", QUANT[q]) for q in QUANTS]
+    names += [instance("dequantize", QUANT[q], VALUE[f], c) for q in DECODE_ONLY for f in FLOATS for c in (False, True)]
+    names += [instance("get_rows_q", QUANT[q]) for q in QUANT]
     names += [instance("set_rows", VALUE[d], i, v) for d in FLOATS for i in ("int", "long long") for v in (False, True)]
     names += [instance("set_rows_q", QUANT[q], i, v)
-              for q in QUANTS for i in ("int", "long long") for v in (False, True)]
+              for q in ENCODED for i in ("int", "long long") for v in (False, True)]
     return tuple(names)
 
 

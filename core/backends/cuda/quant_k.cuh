@@ -1,0 +1,330 @@
+// ggml's sub-scaled block formats on the device, defined once (included by quant.cuh, whose
+// generic accessors decode<Q> and load_unit<Q> reach them): the K-quants q2_K .. q6_K (256 values
+// a super-block), iq4_nl (32), iq4_xs (256) and mxfp4 (32). Each traits struct gives
+//
+//   scale(blk, s, d, m)   sub-block s's scale d (ggml's d * sc as one float product) and, where
+//                         the format has mins (M >= 0), its min m (dmin * min), subtracted
+//   code(blk, j)          value j's integer code: signed (offset applied) or its table entry
+//   dot32(blk, u, b, ds)  values 32u .. 32u+31 dotted with their q8_1 codes: b[i] holds the codes
+//                         of values 4i .. 4i+3, ds = (q8_1 d, d * sum(codes)) (the mat-vecs)
+//
+// so that value j = d * code - m, ggml's dequantize_row_* one float32 operation at a time
+// ((d*sc)*q - (dmin*m)), bit-exact with opdispatch.dtypes.dequantize (and gguf-py's quants).
+// Block layouts (bytes; d, dmin IEEE halves, little-endian):
+//   q2_K   84: scales[16] (low nibble sc, high nibble min, 16 values each), qs[64], d, dmin
+//              code of value 128n + 32c + l: crumb c (bits 2c) of qs[32n + l]
+//   q3_K  110: hmask[32], qs[64], scales[12] (16 six-bit scales, offset 32), d
+//              code = crumb as q2_K, minus 4 where bit (j / 32) of hmask[j % 32] is clear
+//   q4_K  144: d, dmin, scales[12] (8 six-bit scales and mins, 32 values each), qs[128]
+//              code of value 64c + 32h + l: nibble h of qs[32c + l]
+//   q5_K  176: d, dmin, scales[12], qh[32], qs[128]: q4_K's code | bit (j / 32) of qh[l] << 4
+//   q6_K  210: ql[128], qh[64], scales[16] (int8, 16 values each), d; code offset 32:
+//              value 128n + r: nibble r / 64 of ql[64n + r % 64] | crumb r / 32 of qh[32n + r % 32] << 4
+//   iq4_nl 18: d, qs[16]; value j = d * kvalues_iq4nl[nibble], nibbles as q4_0's (j low, j+16 high)
+//   iq4_xs 136: d, scales_h (u16), scales_l[4], qs[128]; sub-block s (32 values): 6-bit scale
+//              (nibble s % 2 of scales_l[s / 2] | crumb s of scales_h << 4) - 32, qs[16s ..] as iq4_nl
+//   mxfp4  17: e (e8m0), qs[16]; value j = (2^(e-127) / 2) * kvalues_mxfp4 (doubled e2m1), nibbles
+//              as q4_0's. 17 bytes: blocks sit at any address, so mxfp4 reads bytes only.
+// Blocks of the other formats start at even addresses (buffers aligned, sizes even): 16-bit loads.
+// The dot products follow ggml's vec_dot_*_q8_1 (integer dp4a sums per scale, then floats); their
+// float order is not dequantize's (they are compared by NMSE).
+#pragma once
+
+namespace od {
+namespace quant {
+
+// What the sub-scaled formats share: no legacy Block32 fields; SUB values a scale.
+template <int QK_, int BYTES_, int SUB_, int M_>
+struct SubScaled {
+    static constexpr bool LEGACY = false;
+    static constexpr int QK = QK_;
+    static constexpr int BYTES = BYTES_;
+    static constexpr int SUB = SUB_;  // values sharing one scale (and min)
+    static constexpr int M = M_;      // byte offset of dmin, -1 without mins
+};
+
+__device__ __forceinline__ float half_at(const unsigned char* p) {
+    return f16_to_f32(static_cast<unsigned short>(ld16(p)));
+}
+
+// Crumb c (bits 2c, 2c+1) of each byte of w, and 1-bit field b of each byte, as bytes.
+__device__ __forceinline__ unsigned crumbs4(unsigned w, int c) { return (w >> (2 * c)) & 0x03030303u; }
+__device__ __forceinline__ unsigned bits4(unsigned w, int b) { return (w >> b) & 0x01010101u; }
+
+// Bytes of w holding B-bit two's complement codes (B = 3 or 6), sign-extended to int8 each (no
+// carry crosses a byte: the sign bit times 2^(8-B) - 2 fills the bits above it).
+template <int B>
+__device__ __forceinline__ unsigned sext4(unsigned w) {
+    constexpr unsigned sign = 0x01010101u << (B - 1);
+    return w | (w & sign) * ((1u << (8 - B + 1)) - 2u);
+}
+
+// Raw codes 0 .. 2^B - 1 of each byte minus 2^(B-1), as int8 bytes (q3_K's - 4, q6_K's - 32).
+template <int B>
+__device__ __forceinline__ unsigned centre4(unsigned w) {
+    return sext4<B>(w ^ (0x01010101u << (B - 1)));
+}
+
+__device__ __forceinline__ int dot4(unsigned a, unsigned b, int c) {
+    return __dp4a(static_cast<int>(a), static_cast<int>(b), c);
+}
+
+// A 16-entry int8 table as 4 words (entry i is byte i % 4 of word i / 4).
+struct Table16 {
+    unsigned w[4];
+};
+
+__device__ __forceinline__ constexpr unsigned pack4(int a, int b, int c, int d) {
+    return (static_cast<unsigned>(a) & 0xffu) | ((static_cast<unsigned>(b) & 0xffu) << 8)
+        | ((static_cast<unsigned>(c) & 0xffu) << 16) | ((static_cast<unsigned>(d) & 0xffu) << 24);
+}
+
+// ggml's kvalues_iq4nl, and kvalues_mxfp4 (e2m1 values doubled).
+__device__ __forceinline__ constexpr Table16 iq4nl_table() {
+    return {{pack4(-127, -104, -83, -65), pack4(-49, -35, -22, -10), pack4(1, 13, 25, 38), pack4(53, 69, 89, 113)}};
+}
+__device__ __forceinline__ constexpr Table16 mxfp4_table() {
+    return {{pack4(0, 1, 2, 3), pack4(4, 6, 8, 12), pack4(0, -1, -2, -3), pack4(-4, -6, -8, -12)}};
+}
+
+// The table entries of 4 indices (0..15, one a byte of x), as the bytes of a word: two byte
+// permutes (entries 0..7, 8..15) and a per-byte select on each index's bit 3.
+__device__ __forceinline__ unsigned lookup4(const Table16& t, unsigned x) {
+    const unsigned sel = (x & 0x7u) | ((x >> 4) & 0x70u) | ((x >> 8) & 0x700u) | ((x >> 12) & 0x7000u);
+    const unsigned lo = __byte_perm(t.w[0], t.w[1], sel), hi = __byte_perm(t.w[2], t.w[3], sel);
+    const unsigned take_hi = ((x >> 3) & 0x01010101u) * 0xffu;
+    return (lo & ~take_hi) | (hi & take_hi);
+}
+
+__device__ __forceinline__ int entry(const Table16& t, unsigned i) {
+    return static_cast<signed char>(lookup4(t, i) & 0xffu);
+}
+
+// Bytes at any address (mxfp4) as a little-endian word.
+__device__ __forceinline__ unsigned ld32_1(const unsigned char* p) {
+    return p[0] | (p[1] << 8) | (p[2] << 16) | (static_cast<unsigned>(p[3]) << 24);
+}
+
+// The dot of 8 code words with b, in two halves of 16 values (the formats with 16-value scales).
+__device__ __forceinline__ int2 dot_halves(const unsigned (&q)[8], const int (&b)[8]) {
+    int lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        lo = dot4(q[i], b[i], lo);
+        hi = dot4(q[i + 4], b[i + 4], hi);
+    }
+    return make_int2(lo, hi);
+}
+
+// The q4_0-style nibbles of 16 bytes at qs (value i low nibble of byte i, value 16 + i high) through
+// table t: q[i] = the entries of values 4i .. 4i+3.
+template <bool ANY_ADDRESS>
+__device__ __forceinline__ void table_words(const unsigned char* qs, const Table16& t, unsigned (&q)[8]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned w = ANY_ADDRESS ? ld32_1(qs + 4 * i) : ld32_2(qs + 4 * i);
+        q[i] = lookup4(t, w & 0x0f0f0f0fu);
+        q[i + 4] = lookup4(t, (w >> 4) & 0x0f0f0f0fu);
+    }
+}
+
+__device__ __forceinline__ int dot8(const unsigned (&q)[8], const int (&b)[8]) {
+    const int2 h = dot_halves(q, b);
+    return h.x + h.y;
+}
+
+// -- the K-quants -------------------------------------------------------------------------------
+
+struct q2_K : SubScaled<256, 84, 16, 82> {
+    static constexpr int SC = 0, QS = 16, D = 80;
+    static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
+        const unsigned sc = blk[SC + s];
+        d = __fmul_rn(half_at(blk + D), static_cast<float>(sc & 15u));
+        m = __fmul_rn(half_at(blk + M), static_cast<float>(sc >> 4));
+    }
+    static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
+        return (blk[QS + 32 * (j >> 7) + (j & 31)] >> (2 * ((j >> 5) & 3))) & 3;
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        const unsigned char* qs = blk + QS + 32 * (u >> 2);
+        unsigned q[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            q[i] = crumbs4(ld32_2(qs + 4 * i), u & 3);
+        }
+        const int2 h = dot_halves(q, b);
+        const unsigned s0 = blk[SC + 2 * u], s1 = blk[SC + 2 * u + 1];
+        // the mins times the sums of b's codes over each half
+        const unsigned ones[8] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u,
+                                  0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
+        const int2 sb = dot_halves(ones, b);
+        const int mins = static_cast<int>(s0 >> 4) * sb.x + static_cast<int>(s1 >> 4) * sb.y;
+        const int dots = static_cast<int>(s0 & 15u) * h.x + static_cast<int>(s1 & 15u) * h.y;
+        return ds.x * (half_at(blk + D) * static_cast<float>(dots) - half_at(blk + M) * static_cast<float>(mins));
+    }
+};
+
+struct q3_K : SubScaled<256, 110, 16, -1> {
+    static constexpr int HM = 0, QS = 32, SC = 96, D = 108;
+    static __device__ __forceinline__ int sc6(const unsigned char* blk, int s) {
+        const unsigned lo4 = (blk[SC + (s & 7)] >> (4 * (s >> 3))) & 15u;
+        const unsigned hi2 = (blk[SC + 8 + (s & 3)] >> (2 * (s >> 2))) & 3u;
+        return static_cast<int>(lo4 | (hi2 << 4)) - 32;
+    }
+    static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
+        d = __fmul_rn(half_at(blk + D), static_cast<float>(sc6(blk, s)));
+        m = 0.0f;
+    }
+    static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
+        const int low = (blk[QS + 32 * (j >> 7) + (j & 31)] >> (2 * ((j >> 5) & 3))) & 3;
+        return ((blk[HM + (j & 31)] >> (j >> 5)) & 1) ? low : low - 4;
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        const unsigned char* qs = blk + QS + 32 * (u >> 2);
+        unsigned q[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            q[i] = centre4<3>(crumbs4(ld32_2(qs + 4 * i), u & 3) | (bits4(ld32_2(blk + HM + 4 * i), u) << 2));
+        }
+        const int2 h = dot_halves(q, b);
+        return ds.x * half_at(blk + D) * static_cast<float>(sc6(blk, 2 * u) * h.x + sc6(blk, 2 * u + 1) * h.y);
+    }
+};
+
+// q4_K and q5_K's 12 bytes of six-bit scales and mins (ggml's get_scale_min_k4).
+__device__ __forceinline__ void scale_min_k4(const unsigned char* sc, int s, unsigned& scale, unsigned& min) {
+    if (s < 4) {
+        scale = sc[s] & 63u;
+        min = sc[s + 4] & 63u;
+    } else {
+        scale = (sc[s + 4] & 15u) | ((sc[s - 4] >> 6) << 4);
+        min = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+    }
+}
+
+template <int BYTES_, int QH_, int QS_>
+struct K4 : SubScaled<256, BYTES_, 32, 2> {
+    static constexpr int D = 0, SC = 4, QH = QH_, QS = QS_;
+    static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
+        unsigned sc, mn;
+        scale_min_k4(blk + SC, s, sc, mn);
+        d = __fmul_rn(half_at(blk + D), static_cast<float>(sc));
+        m = __fmul_rn(half_at(blk + 2), static_cast<float>(mn));
+    }
+    static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
+        int q = (blk[QS + 32 * (j >> 6) + (j & 31)] >> (4 * ((j >> 5) & 1))) & 15;
+        if constexpr (QH >= 0) {
+            q |= ((blk[QH + (j & 31)] >> (j >> 5)) & 1) << 4;
+        }
+        return q;
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        const unsigned char* qs = blk + QS + 32 * (u >> 1);
+        int dot = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            unsigned q = (ld32_2(qs + 4 * i) >> (4 * (u & 1))) & 0x0f0f0f0fu;
+            if constexpr (QH >= 0) {
+                q |= bits4(ld32_2(blk + QH + 4 * i), u) << 4;
+            }
+            dot = dot4(q, b[i], dot);
+        }
+        unsigned sc, mn;
+        scale_min_k4(blk + SC, u, sc, mn);
+        return half_at(blk + D) * static_cast<float>(sc) * (ds.x * static_cast<float>(dot))
+            - half_at(blk + 2) * static_cast<float>(mn) * ds.y;
+    }
+};
+
+struct q4_K : K4<144, -1, 16> {};
+struct q5_K : K4<176, 16, 48> {};
+
+struct q6_K : SubScaled<256, 210, 16, -1> {
+    static constexpr int QL = 0, QH = 128, SC = 192, D = 208;
+    static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
+        d = __fmul_rn(half_at(blk + D), static_cast<float>(static_cast<signed char>(blk[SC + s])));
+        m = 0.0f;
+    }
+    static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
+        const int n = j >> 7, r = j & 127;
+        const int low = (blk[QL + 64 * n + (r & 63)] >> (4 * (r >> 6))) & 15;
+        const int high = (blk[QH + 32 * n + (r & 31)] >> (2 * (r >> 5))) & 3;
+        return (low | (high << 4)) - 32;
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        const int n = u >> 2, c = u & 3;  // values 128n + 32c ..
+        const unsigned char* ql = blk + QL + 64 * n + 32 * (c & 1);
+        const unsigned char* qh = blk + QH + 32 * n;
+        unsigned q[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const unsigned low = (ld32_2(ql + 4 * i) >> (4 * (c >> 1))) & 0x0f0f0f0fu;
+            q[i] = centre4<6>(low | (crumbs4(ld32_2(qh + 4 * i), c) << 4));
+        }
+        const int2 h = dot_halves(q, b);
+        const int s0 = static_cast<signed char>(blk[SC + 2 * u]), s1 = static_cast<signed char>(blk[SC + 2 * u + 1]);
+        return ds.x * half_at(blk + D) * static_cast<float>(s0 * h.x + s1 * h.y);
+    }
+};
+
+// -- the 4-bit table formats --------------------------------------------------------------------
+
+struct iq4_nl : SubScaled<32, 18, 32, -1> {
+    static constexpr int D = 0, QS = 2;
+    static __device__ __forceinline__ void scale(const unsigned char* blk, int, float& d, float& m) {
+        d = half_at(blk + D);
+        m = 0.0f;
+    }
+    static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
+        return entry(iq4nl_table(), (blk[QS + (j & 15)] >> (4 * (j >> 4))) & 15u);
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int, const int (&b)[8], float2 ds) {
+        unsigned q[8];
+        table_words<false>(blk + QS, iq4nl_table(), q);
+        return ds.x * half_at(blk + D) * static_cast<float>(dot8(q, b));
+    }
+};
+
+struct iq4_xs : SubScaled<256, 136, 32, -1> {
+    static constexpr int D = 0, SH = 2, SL = 4, QS = 8;
+    static __device__ __forceinline__ int ls(const unsigned char* blk, int s) {
+        const unsigned lo = (blk[SL + (s >> 1)] >> (4 * (s & 1))) & 15u;
+        const unsigned hi = (ld16(blk + SH) >> (2 * s)) & 3u;
+        return static_cast<int>(lo | (hi << 4)) - 32;
+    }
+    static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
+        d = __fmul_rn(half_at(blk + D), static_cast<float>(ls(blk, s)));
+        m = 0.0f;
+    }
+    static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
+        return entry(iq4nl_table(), (blk[QS + 16 * (j >> 5) + (j & 15)] >> (4 * ((j >> 4) & 1))) & 15u);
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        unsigned q[8];
+        table_words<false>(blk + QS + 16 * u, iq4nl_table(), q);
+        return ds.x * half_at(blk + D) * static_cast<float>(ls(blk, u) * dot8(q, b));
+    }
+};
+
+struct mxfp4 : SubScaled<32, 17, 32, -1> {
+    static constexpr int E = 0, QS = 1;
+    // ggml's e8m0_to_fp32_half: 2^(e - 128) (half the block scale, kvalues being doubled)
+    static __device__ __forceinline__ float half_scale(unsigned e) {
+        return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+    }
+    static __device__ __forceinline__ void scale(const unsigned char* blk, int, float& d, float& m) {
+        d = half_scale(blk[E]);
+        m = 0.0f;
+    }
+    static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
+        return entry(mxfp4_table(), (blk[QS + (j & 15)] >> (4 * (j >> 4))) & 15u);
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int, const int (&b)[8], float2 ds) {
+        unsigned q[8];
+        table_words<true>(blk + QS, mxfp4_table(), q);
+        return ds.x * half_scale(blk[E]) * static_cast<float>(dot8(q, b));
+    }
+};
+
+}  // namespace quant
+}  // namespace od
