@@ -45,7 +45,7 @@ def best_index(x: np.ndarray) -> np.ndarray:
     Its binary search ends at the first level above x (searchsorted), then
     compares the two distances in float32; NaN ends on the last level, as in C.
     """
-    mu = np.clip(np.searchsorted(KVALUES_IQ4NL, x, side="right"), 1, 15)
+    mu = np.clip(np.searchsorted(_LEVELS, x, side="right"), 1, 15)
     lower = (x - _LEVELS[mu - 1]) < (_LEVELS[mu] - x)
     idx = np.where(lower, mu - 1, mu)
     return np.where(x <= _LEVELS[0], 0, np.where(x >= _LEVELS[15], 15, idx))
