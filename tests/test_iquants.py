@@ -64,7 +64,7 @@ def ref(name: str, raw: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("name", list(D_AT))
 def test_table_matches_gguf(name):
     dt = D.DTYPES[name]
-    assert dt.is_quant and dt.numpy == np.uint8 and FORMATS[name].name == name
+    assert getattr(D, name.upper()) is dt and dt.is_quant and dt.numpy == np.uint8 and FORMATS[name].name == name
     assert (dt.block_size, dt.block_bytes) == gguf.GGML_QUANT_SIZES[qtype(name)]
 
 

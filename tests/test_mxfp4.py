@@ -22,7 +22,7 @@ MX = gguf.GGMLQuantizationType.MXFP4
 
 def test_table_matches_gguf():
     dt = D.DTYPES["mxfp4"]
-    assert dt.is_quant and (dt.block_size, dt.block_bytes) == gguf.GGML_QUANT_SIZES[MX] == (32, 17)
+    assert D.MXFP4 is dt and dt.is_quant and (dt.block_size, dt.block_bytes) == gguf.GGML_QUANT_SIZES[MX] == (32, 17)
 
 
 def test_e8m0_half_is_ggml_bits():
