@@ -30,14 +30,14 @@ def _le(b: np.ndarray, n: int) -> np.ndarray:
     return sum((b[..., i] << np.uint32(8 * i) for i in range(1, n)), b[..., 0])
 
 
-def _sign(bits: np.ndarray, count: int = 8) -> np.ndarray:
-    """Sign bytes (...) -> (..., count) float32: -1.0 where bit j is set, else 1.0 (ggml's kmask_iq2xs test)."""
-    on = (bits[..., None] & G.KMASK_IQ2XS[:count]) != 0
+def _sign(bits: np.ndarray) -> np.ndarray:
+    """Sign bytes (...) -> (..., 8) float32: -1.0 where bit j is set, else 1.0 (ggml's kmask_iq2xs test)."""
+    on = (bits[..., None] & G.KMASK_IQ2XS) != 0
     return np.where(on, _F32(-1), _F32(1))
 
 
 def _groups(db: np.ndarray, per: int) -> np.ndarray:
-    """Per-group scales (..., g) -> (..., g, 1) broadcast over `per` groups of 8 each: (..., g*per, 1)."""
+    """Scales (..., s), each for `per` consecutive groups of 8 values -> (..., s*per, 1), against (..., s*per, 8)."""
     return np.repeat(db, per, axis=-1)[..., None]
 
 
