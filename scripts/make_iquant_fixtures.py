@@ -15,6 +15,8 @@ Needs llama.cpp's peer build (`. /work/peer/env.sh`: llama-quantize, libggml-bas
 The .npz holds the input rows x_file (the GGUF's, first --rows) and x_ref (3 extreme rows, then
 x_file), float32 (rows, 256), and per producer the rows' bytes (rows, row bytes) uint8:
 iq4_nl_file, iq4_xs, mxfp4_file (llama-quantize) of x_file; iq4_nl, mxfp4 (the *_ref rows) of x_ref.
+Reruns give the same bytes except iq4_nl's codes in blocks whose |x| < 1e-15: quantize_row_iq4_nl_ref
+leaves them as its uninitialised stack array held (the tests compare only d there).
 
 Usage: . /work/peer/env.sh && python scripts/make_iquant_fixtures.py [--rows 48]
 """
