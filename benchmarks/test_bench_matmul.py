@@ -10,6 +10,9 @@
 - gate/up + swiglu at batch 1: the fused plan, with the unfused pair's time
   (same weights, fusion off) in extra_info["unfused_us"] and its ratio.
 - mul_mat_id, one token, 8 of 128 experts: bytes = the 8 experts' weights read.
+- mmq (q4_0 / q8_0 weights (M, K) = (4096, 14336), N 16 and 512): N 16 timed cold with bytes = the
+  weight bytes (the goal: 80% of the copy bandwidth); N 512 hot with FLOPs 2*M*N*K (the goal: no
+  slower than torch's bf16 GEMM of the same shape, its time in extra_info["torch_us"]).
 
 The mat-vecs, gate/up and MoE are timed cold (conftest.measure_cold): one plan
 holds 32 or more instances taking several weight sets in turn (for MoE, sets of
@@ -104,3 +107,26 @@ def test_moe_8_of_128(measure_cold, torch_cuda, dt: str) -> None:  # noqa: ANN00
     plan = ready([ops.mul_mat_id(experts, x, ids[lay.of(i)]) for i in range(lay.instances)],
                  {x: rand(1, 1, K), **dict(zip(ids, chosen))}, MATMUL, ops=MATMUL_OPS, kernel="mmv_id")
     measure_cold(plan, lay, nbytes, None)
+
+
+@pytest.mark.parametrize("n", [16, 512])
+@pytest.mark.parametrize("dt", ["q4_0", "q8_0"])
+def test_mmq(measure, measure_cold, torch_cuda, dt: str, n: int) -> None:  # noqa: ANN001
+    torch = torch_cuda
+    M, K = 4096, 14336
+    vx = rand(n, K)
+    x = od.input("x", (n, K))
+    tx = torch.from_numpy(vx).to("cuda", torch.bfloat16)
+    if n == 16:
+        nbytes = od.input("a", (M, K), dt).nbytes
+        lay = cold(nbytes)
+        weights = param_sets("a", rand(M, K), dt, lay.sets)
+        plan = ready([ops.mul_mat(weights[lay.of(i)], x) for i in range(lay.instances)], {x: vx}, MATMUL,
+                     ops=MATMUL_OPS, kernel="mmq")
+        tw = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(lay.sets)]
+        measure_cold(plan, lay, nbytes, lambda i: torch.matmul(tx, tw[lay.of(i)].T))
+    else:
+        va = rand(M, K)
+        plan = ready(ops.mul_mat(od.param("a", va, dt), x), {x: vx}, MATMUL, ops=MATMUL_OPS, kernel="mmq")
+        ta = torch.from_numpy(va).to("cuda", torch.bfloat16)
+        measure(plan, od.input("a", (M, K), dt).nbytes, lambda: torch.matmul(tx, ta.T), flops=2 * M * n * K)

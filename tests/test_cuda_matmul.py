@@ -39,7 +39,7 @@ from opdispatch.errors import DeviceIndexError
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_matmul import bind, fusion, specs, support
-from opdispatch.plugins.cuda_matmul.specs import gemm, mmv, stream
+from opdispatch.plugins.cuda_matmul.specs import gemm, mmq, mmv, stream
 from opdispatch.plugins.cuda_matmul.specs.gemm import GemmSpec
 from opdispatch.tensor import Tensor
 from opdispatch.testing.harness import Status, run_case
@@ -91,9 +91,21 @@ PATH_CASES = [
     ("q4_0", (64, 4128), (1, 4128), "mmvq"),  # K % 256 != 0
     ("q4_1", (64, 4160), (1, 4160), "mmvq"),  # K % 128 != 0
     ("q8_0", (64, 65536), (8, 65536), "mmvq"),  # b's q8_1 copy does not fit in shared memory
-    ("q8_0", (64, 96), (9, 96), "dequant_cublas"),
-    ("q4_1", (64, 96), (512, 96), "dequant_cublas"),
+    ("q8_0", (64, 96), (9, 96), "dequant_cublas"),  # K % 256 != 0: mmq declines
+    ("q4_1", (64, 96), (512, 96), "dequant_cublas"),  # K % 128 != 0
+    ("q4_0", (64, 4096), (9, 4096), "mmq"),
+    ("q8_0", (2, 64, 14336), (2, 512, 14336), "mmq"),
+    ("q4_1", (64, 128), (16, 128), "mmq"),
+    ("q5_1", (64, 64), (70, 64), "mmq"),
 ]
+
+
+def test_mmq_decline_reason_is_explained() -> None:
+    """A block-format node mmq declines runs dequant_cublas, and the mmq kernel says why."""
+    node = ops.mul_mat(weight("w", (64, 96), "q8_0"), od.input("x", (16, 96)))
+    (k,) = [k for k in cm.kernels(device=H200) if k.name == "mmq"]
+    assert k.supports(H200, node) == "dequant_cublas takes it (mmq: K=96 is not a multiple of 256 (rows of whole " \
+        "272-byte chunks))"
 
 
 @pytest.mark.parametrize(("dt", "a_shape", "b_shape", "path"), PATH_CASES)
@@ -431,7 +443,7 @@ def fake_scratch(role: str, nbytes: int) -> int:
 def kernel_params(source, name: str) -> list[tuple[str, type]]:  # noqa: ANN001
     """(name, numpy scalar type) of each of a kernel's parameters, read from its source."""
     src = with_index_check_params(source.read_text())
-    m = re.search(rf"__global__ void __launch_bounds__\([\w:, ]+\)\s+{name}\((.*?)\)\s*\{{", src, re.S)
+    m = re.search(rf"__global__ void __launch_bounds__\([\w:, *]+\)\s+{name}\((.*?)\)\s*\{{", src, re.S)
     assert m, f"{name} not found in {source}"
     params = [re.fullmatch(r"(.*?)\s*(\w+)", p.strip()).groups() for p in m.group(1).split(",")]
     return [(pname, C_TYPES[ctype]) for ctype, pname in params]
@@ -625,7 +637,7 @@ def ones(record: type) -> object:
 def test_every_launched_kernel_has_an_argument_record() -> None:
     """One KernelArgs record per kernel named in KERNEL_SOURCES, its fields the kernel's parameters
     and their converters the C types' numpy scalars."""
-    records = {kernel: cls for module in (mmv, stream, gemm) for cls in vars(module).values()
+    records = {kernel: cls for module in (mmv, stream, gemm, mmq) for cls in vars(module).values()
                if isinstance(cls, type) and issubclass(cls, KernelArgs) and cls is not KernelArgs
                for kernel in cls.KERNELS}
     for source, names in specs.KERNEL_SOURCES.items():
@@ -834,6 +846,43 @@ def run_both(y: Tensor, feeds: dict, path: str | None = None, **kw: object) -> t
 
 
 SWEEP_N = (*range(1, 10), 16, 128, 512)
+MMQ_N = (9, 16, 32, 64, 512, 33, 70, 513)  # every tile (specs/mmq.TILES), full and partial column tiles
+
+
+@gpu
+@pytest.mark.parametrize("n", MMQ_N)
+@pytest.mark.parametrize("dt", QUANTS)
+def test_mmq(dt: str, n: int, rng) -> None:  # noqa: ANN001
+    """The quantized GEMM against the reference: odd M (partial row tiles), K tails (q4_1 K 384: a 4-block
+    K tile; q5_1 K 1088: 2 blocks), a long K; three runs of the plan (warm-up, CUDA-graph capture,
+    replay), its arenas poisoned before each."""
+    tail = {"q4_1": 384, "q5_1": 1088}.get(dt, 768)
+    for m, k in ((77, 256), (130, tail), (61, 14336)):
+        y = ops.mul_mat(od.input("a", (m, k), dt), od.input("b", (n, k)))
+        plan = od.compile(y, "cuda0")
+        (step,) = steps_of(plan, "mul_mat")
+        assert step.kernel == "mmq", plan.explain()
+        for run in range(3):
+            feeds = feeds_for(y, rng)
+            poison_arenas(plan)
+            (got,) = plan.run(feeds)
+            (ref,) = od.compile(y, "cpu").run(feeds)
+            assert_close(got, ref, f"mmq a={dt} m={m} k={k} n={n}, run {run}")
+
+
+@gpu
+@pytest.mark.parametrize(("bs", "nr"), [((1, 1), (2, 3)), ((2, 3), (1, 1)), ((3, 2), (2, 2))])
+@pytest.mark.parametrize("dt", QUANTS)
+@pytest.mark.parametrize("n", [9, 64, 130])
+def test_mmq_broadcast_batches(dt: str, n: int, bs: tuple, nr: tuple, rng) -> None:  # noqa: ANN001
+    """Batched mmq, a's batches repeat-interleaved over b's (r2, r3), b f32 / f16 / transposed."""
+    a = od.input("a", (*bs, 45, 256), dt)
+    for b in (od.input("b", (bs[0] * nr[0], bs[1] * nr[1], n, 256)),
+              od.input("b", (bs[0] * nr[0], bs[1] * nr[1], n, 256), "f16"),
+              od.input("b", (bs[0] * nr[0], bs[1] * nr[1], 256, n)).transpose()):
+        y = ops.mul_mat(a, b)
+        _, got, ref = run_both(y, feeds_for(y, rng), path="mmq")
+        assert_close(got, ref, f"mmq a={dt} bs={bs} nr={nr} n={n} b {b.describe()}")
 
 
 @gpu
@@ -1144,7 +1193,7 @@ def test_every_output_element_is_written_on_each_run(n: int, rng) -> None:  # no
     plan = od.compile([y, z], "cuda0")
     assert {s.kernel for s in plan.steps if s.plugin == "cuda_matmul"} == (
         {"mmvq", "mul_mat_glu", "mmv_id", "cublas_out_prod"} if n == 1 else
-        {"dequant_cublas", "mmv_id_grouped", "cublas_out_prod"}), plan.explain()
+        {"dequant_cublas", "mmq", "mmv_id_grouped", "cublas_out_prod"}), plan.explain()
     for run in range(3):  # warm-up, capture, replay
         feeds = named_feeds([y, z], rng, 4)
         poison_arenas(plan)

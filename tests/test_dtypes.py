@@ -91,6 +91,7 @@ TABLE = [
     ("q4_K", 256, 144, "quant", np.uint8),
     ("q5_K", 256, 176, "quant", np.uint8),
     ("q6_K", 256, 210, "quant", np.uint8),
+    ("q8_K", 256, 292, "quant", np.uint8),
     ("iq4_nl", 32, 18, "quant", np.uint8),
     ("iq4_xs", 256, 136, "quant", np.uint8),
     ("iq2_xxs", 256, 66, "quant", np.uint8),

@@ -9,7 +9,8 @@ without conversion; docs/ops.md lists them. `opdispatch.dtypes` builds its
 dtype table and its `quantize` / `dequantize` from `FORMATS`.
 
 - `legacy`: the 32-value formats q4_0, q4_1, q5_0, q5_1, q8_0.
-- `kquants`: the 256-value K-quants q2_K .. q6_K.
+- `kquants`: the 256-value K-quants q2_K .. q6_K and q8_K (decoders; their
+  encoders are in `kquants_encode`, ggml's scale searches in `kquants_search`).
 - `iquants`: the non-linear 4-bit I-quants iq4_nl (32 values) and iq4_xs (256).
 - `iquants_grid`: the grid I-quants iq2_xxs, iq2_xs, iq3_xxs, iq1_s, iq3_s,
   iq2_s, iq1_m (dequantize only: ggml quantizes them with an importance matrix).

@@ -57,3 +57,26 @@ def split(raw: np.ndarray, sizes: tuple[int, ...]) -> list[np.ndarray]:
 def halves(b: np.ndarray) -> np.ndarray:
     """Little-endian f16 fields (..., 2n bytes) -> their float32 values (..., n)."""
     return b.view(F16).astype(np.float32)
+
+
+_ROUND_MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: adding it leaves round-to-nearest-even(v) in the low mantissa
+
+
+def nearest_int(v: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int, bit for bit: float32 v + 1.5*2**23, low 23 bits of the sum, minus 2**22 (int32).
+
+    It is round half to even for |v| <= 4194303 (ggml asserts that only in
+    debug builds); beyond, it wraps as the C does, so huge inputs get ggml's codes.
+    """
+    bits = (np.asarray(v, np.float32) + _ROUND_MAGIC).view(np.int32)
+    return (bits & np.int32(0x007FFFFF)) - np.int32(0x00400000)
+
+
+def f16_round(v: np.ndarray) -> np.ndarray:
+    """float32 -> nearest f16 -> float32: GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(v)), what a stored d reads back as."""
+    return np.asarray(v, np.float32).astype(F16).astype(np.float32)
+
+
+def f16_bytes(v: np.ndarray) -> np.ndarray:
+    """float32 (...,) -> the little-endian f16 bytes (..., 2) ggml stores for it (round to nearest even)."""
+    return np.asarray(v, np.float32).astype(F16)[..., None].view(np.uint8)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import F16, QK, QK_K, Format, first, halves, split
+from .common import F16, QK, QK_K, Format, first, halves, nearest_int, split
 from .iq_grids import KVALUES_IQ4NL
 
 _F32 = np.float32
@@ -63,12 +63,6 @@ def _fit(x: np.ndarray, w: np.ndarray, inv: np.ndarray) -> tuple[np.ndarray, np.
     q = _LEVELS[codes]
     wq = w * q
     return codes, _sum(wq * x), _sum(wq * q)
-
-
-def _nearest_int(v: np.ndarray) -> np.ndarray:
-    """ggml's nearest_int: add 1.5 * 2**23 and read the mantissa (round half to even for |v| < 2**22)."""
-    bits = (v + _F32(12582912)).view(np.int32)
-    return (bits & 0x007FFFFF) - 0x00400000
 
 
 def _sub_scales(x: np.ndarray, ntry: int) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +117,7 @@ def encode_iq4_xs(x: np.ndarray) -> np.ndarray:
     max_scale = np.where(amax > 0, first(scales, np.abs(scales) == amax), _F32(0))
     d = -max_scale / _F32(32)  # an all-zero block keeps -0.0, as in ggml
     inv = np.where(d != 0, _F32(1) / np.where(d != 0, d, _F32(1)), _F32(0))
-    ls = np.clip(_nearest_int(inv * scales), -32, 31)
+    ls = np.clip(nearest_int(inv * scales), -32, 31)
     dl = d * ls.astype(_F32)
     idl = np.where(dl != 0, _F32(1) / np.where(dl != 0, dl, _F32(1)), _F32(0))
     codes = best_index(idl[..., None] * xs).reshape(x.shape)

@@ -1,29 +1,23 @@
-"""ggml's K-quants: super-blocks of 256 values, q2_K .. q6_K (dequantize only, for now).
+"""ggml's K-quants: super-blocks of 256 values, q2_K .. q6_K, and q8_K.
 
 Each super-block holds sub-blocks of 16 (q2_K, q3_K, q6_K) or 32 (q4_K, q5_K)
 values, each sub-block with its own integer scale (and min) times the
-super-block's f16 d (and dmin). Layouts as ggml-common.h's block_q*_K; the
-decoders evaluate ggml's dequantize_row_q*_K float32 expressions in its order:
-(d*sc)*q - (dmin*m), so the values match bit for bit.
+super-block's f16 d (and dmin); q8_K (ggml's 8-bit dot-product operand) is a
+float32 d, 256 int8 codes and their sums by 16. Layouts as ggml-common.h's
+block_q*_K; the decoders evaluate ggml's dequantize_row_q*_K float32
+expressions in its order: (d*sc)*q - (dmin*m), so the values match bit for
+bit. The encoders (`kquants_encode`) are byte for byte ggml's quantize_row_*_ref.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .common import F16, QK_K, Format, halves, split
+from . import kquants_encode as encode
+from .common import QK_K, Format, halves, split
 
 _SHIFT2 = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]  # four 2-bit fields of a byte, low first
 _SHIFT1 = np.arange(8, dtype=np.uint8)[:, None]  # eight 1-bit fields of a byte, low first
-
-
-def split(raw: np.ndarray, sizes: tuple[int, ...]) -> list[np.ndarray]:
-    """Consecutive fields of each block, by byte count."""
-    return np.split(raw, np.cumsum(sizes)[:-1], axis=-1)
-
-
-def halves(b: np.ndarray) -> np.ndarray:
-    return b.view(F16).astype(np.float32)
 
 
 def _crumbs(b: np.ndarray) -> np.ndarray:
@@ -119,10 +113,20 @@ def _decode_q6_k(raw: np.ndarray) -> np.ndarray:
     return _per_sub(halves(d) * sc.view(np.int8).astype(np.float32), q.astype(np.float32))
 
 
-_DECODERS = {
-    "q2_K": _decode_q2_k, "q3_K": _decode_q3_k, "q4_K": _decode_q4_k, "q5_K": _decode_q5_k, "q6_K": _decode_q6_k,
-}
+def _decode_q8_k(raw: np.ndarray) -> np.ndarray:
+    """d (f32), qs[256] (int8), bsums[16] (int16, unused here): d * q, as dequantize_row_q8_K."""
+    d, qs, _ = split(raw, (4, QK_K, 32))
+    return np.ascontiguousarray(d).view("<f4") * qs.view(np.int8).astype(np.float32)
 
 
-_BYTES = {"q2_K": 84, "q3_K": 110, "q4_K": 144, "q5_K": 176, "q6_K": 210}
-FORMATS = tuple(Format(name, QK_K, _BYTES[name], decode) for name, decode in _DECODERS.items())
+FORMATS = tuple(
+    Format(name, QK_K, block_bytes, decode, encode.chunked(encoder, block_bytes))
+    for name, block_bytes, decode, encoder in (
+        ("q2_K", 84, _decode_q2_k, encode.encode_q2_k),
+        ("q3_K", 110, _decode_q3_k, encode.encode_q3_k),
+        ("q4_K", 144, _decode_q4_k, encode.encode_q4_k),
+        ("q5_K", 176, _decode_q5_k, encode.encode_q5_k),
+        ("q6_K", 210, _decode_q6_k, encode.encode_q6_k),
+        ("q8_K", 292, _decode_q8_k, encode.encode_q8_k),
+    )
+)

@@ -16,6 +16,7 @@ from opdispatch.tensor import Tensor
 
 from .specs import Scratch
 from .specs.gemm import GemmSpec, Spec, gemm_specs, out_prod_specs
+from .specs.mmq import mmq_addresses, mmq_specs
 from .specs.mmv import fused_specs, grouped_specs, mmv_id_specs, mmv_specs
 
 if TYPE_CHECKING:
@@ -67,6 +68,13 @@ def bind_gemm(ctx: CudaContext, node: Tensor) -> Launch:
     return _bind(ctx, node, lambda scratch: gemm_specs(node, ctx.ptr, scratch))
 
 
+def bind_mmq(ctx: CudaContext, node: Tensor) -> Launch:
+    """mmq; dequant_cublas should an arena place the weights off a 16-byte boundary."""
+    if mmq_addresses(ctx.ptr, node.srcs[0]):
+        return _bind(ctx, node, lambda scratch: mmq_specs(node, ctx.ptr, scratch))
+    return bind_gemm(ctx, node)
+
+
 def bind_out_prod(ctx: CudaContext, node: Tensor) -> Launch:
     return _bind(ctx, node, lambda scratch: out_prod_specs(node, ctx.ptr, scratch))
 
@@ -89,6 +97,7 @@ PATHS: tuple[tuple[str, str, Callable], ...] = (
     ("mul_mat", "mmvf", bind_mmv),
     ("mul_mat", "mmvq_stream", bind_mmv),
     ("mul_mat", "mmvq", bind_mmv),
+    ("mul_mat", "mmq", bind_mmq),
     ("mul_mat", "cublas", bind_gemm),
     ("mul_mat", "dequant_cublas", bind_gemm),
     ("mul_mat_id", "mmv_id", bind_mmv_id),

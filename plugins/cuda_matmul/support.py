@@ -19,6 +19,7 @@ from opdispatch.ops.base import pad4
 from opdispatch.support import GRID_YZ_MAX, Rule, first_failure, fits_int, rows_apart, whole_elements
 from opdispatch.tensor import Tensor
 
+from .specs import mmq
 from .specs.stream import STREAM_FORMATS, device_facts, stream_chunk, stream_warps
 
 #: most columns (batch N) the mat-vec kernels take; larger batches go to cuBLAS
@@ -33,6 +34,7 @@ MATMUL_OPS = ("mul_mat", "mul_mat_id", "out_prod")
 class Choice:
     path: str = ""
     reason: str = ""
+    note: str = ""  # why a faster path declined the node (dequant_cublas: mmq's reason)
 
 
 def _a(n: Tensor) -> Tensor:
@@ -117,6 +119,25 @@ def stream_ok(node: Tensor, device: Device | None = None) -> bool | str:
     return True
 
 
+def mmq_ok(node: Tensor, device: Device | None = None) -> bool | str:
+    """True if mmq runs mul_mat `node` (block-format a, N > 8, checked by the caller), else why
+    dequant_cublas runs it: rows of whole 16-byte granules (stream_chunk's), a 16-byte aligned."""
+    a = _a(node)
+    dt, k = a.dtype.name, a.shape[-1]
+    if dt not in mmq.MMQ_FORMATS:
+        return f"{dt} has no quantized GEMM"
+    cb, chunk, _ = stream_chunk(dt)
+    if k % (32 * cb):
+        return f"K={k} is not a multiple of {32 * cb} (rows of whole {chunk}-byte chunks)"
+    if not _aligned16(a):
+        return "a's offset or row/batch strides are not multiples of 16 bytes"
+    if device is not None and device.kind == "cuda" and device_facts(device).cc < (8, 0):
+        return "int8 mma.sync m16n8k32 needs sm_80"
+    if not mmq.mmq_fits(dt, batch_n(node), device):
+        return "the tile's stages do not fit in shared memory"
+    return True
+
+
 def choose(node: Tensor, device: Device | None = None) -> Choice:
     """The path that runs `node` on `device` (None: an sm_90 GPU such as the H200), or why none does."""
     rules = RULES.get(node.op)
@@ -130,7 +151,10 @@ def choose(node: Tensor, device: Device | None = None) -> Choice:
         small = batch_n(node) <= MMV_MAX_N
         if quant and small:
             return Choice("mmvq_stream" if stream_ok(node, device) is True else "mmvq")
-        return Choice(("mmvq" if small else "dequant_cublas") if quant else ("mmvf" if small else "cublas"))
+        if quant and not small:
+            ok = mmq_ok(node, device)
+            return Choice("mmq") if ok is True else Choice("dequant_cublas", note=f"mmq: {ok}")
+        return Choice("mmvf" if small else "cublas")
     if node.op == "mul_mat_id":
         return Choice("mmv_id" if node.shape[0] == 1 else "mmv_id_grouped")
     return Choice("cublas_out_prod")
@@ -151,7 +175,9 @@ def takes(path: str) -> Callable[[object, Tensor], bool | str]:
         c = choose(node, device)
         if c.reason:
             return c.reason
-        return True if c.path == path else f"{c.path} takes it"
+        if c.path == path:
+            return True
+        return f"{c.path} takes it ({c.note})" if c.note else f"{c.path} takes it"
 
     supports.__name__ = f"takes_{path}"
     return supports

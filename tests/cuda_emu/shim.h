@@ -1,6 +1,7 @@
-// Host emulation of the CUDA subset that cuda_matmul's mmvq_stream.cu, cuda_misc's row kernels and the
-// shared headers (common.cuh, quant.cuh) use, for tests/test_mmvq_stream_emulated.py,
-// tests/test_rows_emulated.py and tests/test_quant_header.py:
+// Host emulation of the CUDA subset that cuda_matmul's mmvq_stream.cu and mmq.cu (with mmv.cu's
+// quantize_q8_1), cuda_misc's row kernels and the shared headers (common.cuh, quant.cuh) use, for
+// tests/test_mmvq_stream_emulated.py, tests/test_mmq_emulated.py, tests/test_rows_emulated.py and
+// tests/test_quant_header.py:
 // one std::thread per CUDA thread, std::barrier for __syncthreads / __syncwarp / shuffles, and
 // cp.async performed at wait_group time (lazy) or at issue (eager), so that a read of a stage
 // before its wait sees the poisoned (0xFF) shared memory instead of the weights. Shared addresses
@@ -73,6 +74,7 @@ struct EmuBlock {
     std::vector<std::barrier<>*> warp_bar;
     std::vector<unsigned> xchg;
     unsigned char* smem;
+    std::vector<unsigned> frag;  // emu_mma_s8's exchange: 6 words a thread (drivers that use it size it)
 };
 inline thread_local EmuBlock* emu_ctx;
 
@@ -87,6 +89,9 @@ inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long ex
 }
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_ctx->warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
+
+template <class T>
+inline T __ldg(const T* p) { return *p; }
 
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int off, int = 32) {
@@ -127,4 +132,38 @@ inline void emu_wait(int n) {
         else keep.push_back(c);
     }
     emu_pending.swap(keep);
+}
+
+// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 with a zero accumulator, warp-collective: every lane
+// posts its fragments (PTX ISA layout, groupID g = lane / 4, t = lane % 4: a[0] A row g k 4t..4t+3,
+// a[1] row g+8 k 4t.., a[2] row g k 16+4t.., a[3] row g+8 k 16+4t..; b0 B column g k 4t.., b1 column g
+// k 16+4t..), the 16 x 32 A and 32 x 8 B are gathered from all 32, and each lane computes its own
+// results d[0..1] (row g, columns 2t, 2t+1) and d[2..3] (row g+8).
+inline void emu_mma_s8(int* d, const unsigned* a, unsigned b0, unsigned b1) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    unsigned* x = emu_ctx->frag.data() + warp * 32 * 6;
+    for (int i = 0; i < 4; ++i) x[lane * 6 + i] = a[i];
+    x[lane * 6 + 4] = b0;
+    x[lane * 6 + 5] = b1;
+    __syncwarp();
+    signed char A[16][32], B[32][8];
+    for (int l = 0; l < 32; ++l) {
+        const int g = l / 4, t = l % 4;
+        for (int i = 0; i < 4; ++i) {
+            A[g][4 * t + i] = (signed char)(x[l * 6 + 0] >> (8 * i));
+            A[g + 8][4 * t + i] = (signed char)(x[l * 6 + 1] >> (8 * i));
+            A[g][16 + 4 * t + i] = (signed char)(x[l * 6 + 2] >> (8 * i));
+            A[g + 8][16 + 4 * t + i] = (signed char)(x[l * 6 + 3] >> (8 * i));
+            B[4 * t + i][g] = (signed char)(x[l * 6 + 4] >> (8 * i));
+            B[16 + 4 * t + i][g] = (signed char)(x[l * 6 + 5] >> (8 * i));
+        }
+    }
+    __syncwarp();
+    const int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+        const int r = g + 8 * (i / 2), c = 2 * t + i % 2;
+        int s = 0;
+        for (int k = 0; k < 32; ++k) s += A[r][k] * B[k][c];
+        d[i] = s;
+    }
 }

@@ -2,7 +2,7 @@
 constants and tuned configuration that fix them; the helpers every family of specs shares.
 
 The launch specs are per .cu family: `mmv` (kernels/mmv.cu: the mat-vecs and the q8_1 quantizer;
-kernels/mmv_id.cu: the MoE mat-vecs and routing), `stream` (kernels/mmvq_stream.cu's geometry) and `gemm` (kernels/convert.cu and the cuBLAS
+kernels/mmv_id.cu: the MoE mat-vecs and routing), `stream` (kernels/mmvq_stream.cu's geometry), `mmq` (kernels/mmq.cu) and `gemm` (kernels/convert.cu and the cuBLAS
 calls). Column counts are compiled for the common case only: b f32 (and 16-byte loads for float
 weights) takes NTS (the grouped MoE kernels GROUPED_NTS); the rarer variants (scalar loads, b f16/bf16,
 which only unfused mul_mat takes) are compiled for 8 columns and run fewer.
@@ -23,6 +23,7 @@ KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 MMV_CU = KERNELS_DIR / "mmv.cu"
 MMV_ID_CU = KERNELS_DIR / "mmv_id.cu"
 MMVQ_STREAM_CU = KERNELS_DIR / "mmvq_stream.cu"
+MMQ_CU = KERNELS_DIR / "mmq.cu"
 CONVERT_CU = KERNELS_DIR / "convert.cu"
 
 #: mm_common.cuh's weight kinds and b/destination kinds
@@ -44,6 +45,11 @@ CONVERT_BLOCK = 256  # convert.cu's CONVERT_BLOCK
 # quantize_q8_1's threads
 QROWS, QWARPS_MAX, QUANT_BLOCK = 4, 4, 256
 CONVERT_GRID_MAX = 65536  # blocks of a conversion (grid-stride over rows beyond)
+
+
+#: mmq's tiles, (most columns, (fm, fn, wm, wn, wk)) read top to bottom (specs/mmq.py's MmqTile)
+MMQ_TILES: tuple[tuple[int, tuple[int, int, int, int, int]], ...] = (
+    (16, (1, 2, 2, 1, 4)), (64, (2, 4, 2, 2, 2)), (2**31, (2, 4, 4, 2, 1)))
 
 
 @attrs.frozen
@@ -79,6 +85,10 @@ def mmvq_name(wt: str, nt: int, epi: str) -> str:
 
 def stream_name(wt: str, tb: str, nt: int, epi: str, stages: int = STREAM.stages) -> str:
     return instance("mmvq_stream", W_KIND[wt], B_KIND[tb], nt, epi, stages)
+
+
+def mmq_name(wt: str, tile: Sequence[int]) -> str:
+    return instance("mmq", W_KIND[wt], *tile)
 
 
 def mmvq_id_name(wt: str, epi: str) -> str:
@@ -127,9 +137,11 @@ STREAM_NAMES: tuple[str, ...] = (
     *(stream_name(wt, "f32", nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
     *(stream_name(wt, tb, 8, EPI_NONE) for tb in ("f16", "bf16") for wt in QUANT_NAMES),
 )
+MMQ_NAMES: tuple[str, ...] = tuple(mmq_name(wt, tile) for wt in QUANT_NAMES for _, tile in MMQ_TILES)
 #: every instance the specs can name, per source (tests/test_kernels_compile.py compiles them all)
 KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {MMV_CU: MMV_NAMES, MMV_ID_CU: MMV_ID_NAMES,
-                                               CONVERT_CU: CONVERT_NAMES, MMVQ_STREAM_CU: STREAM_NAMES}
+                                               CONVERT_CU: CONVERT_NAMES, MMVQ_STREAM_CU: STREAM_NAMES,
+                                               MMQ_CU: MMQ_NAMES}
 
 #: a tensor's device address (a bind's `ctx.ptr`; tests pass fakes)
 Ptr = Callable[[Tensor], int]

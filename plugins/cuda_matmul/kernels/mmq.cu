@@ -1,0 +1,284 @@
+// Quantized GEMM (mmq): out (B3, B2, N, M) f32 = b (N, K) @ a (M, K)^T for block-format weights a
+// (q4_0, q4_1, q5_0, q5_1, q8_0) and more columns than the mat-vecs take (N > 8), on the int8
+// tensor cores (mma.sync m16n8k32 s8 -> s32), ggml's "mmq" idea. Two launches: quantize_q8_1
+// (mmv.cu) turns b into int8 codes with a scale per 32 values (QB8 layout, mmv_common.cuh), then
+// this kernel. A K step of 32 values is one weight block: its int32 dot products are scaled by the
+// block's weight scale dw and b's scale db in f32 (plus the offset m times db * sum(b codes) for
+// q4_1 / q5_1); q4_0 / q5_0 codes have their zero subtracted when they are read, so that they
+// need no such term.
+//
+// Tiling (template FM, FN, WM, WN, WK): a warp computes 16 FM weight rows x 8 FN columns (FM x FN
+// mma tiles); a block's WM x WN x WK warps cover BM = 16 FM WM rows and BN = 8 FN WN columns, the
+// WK warps of one (row, column) tile taking turns over the KB = 8 blocks of each K tile and adding
+// their sums up through shared memory at the end (split-K inside the block, for small N: more
+// warps an SM to hide latency with the same few columns). Grid (tiles_m * tiles_n, B2, B3).
+//
+// Stages (NS, cp.async 16 bytes a thread, one __syncthreads a K tile): a stage holds the K tile of
+//   weights  BM rows of KB raw blocks as they are in memory (KB * BYTES bytes: 144 to 272, a multiple
+//            of 16), RS bytes apart: an odd number of 16-byte granules, so that the 8 rows a
+//            fragment load reads (lanes 4g .. 4g+3 read row g) fall in 8 distinct bank groups;
+//   b codes  BN columns, BROW bytes apart (odd granules): the KB blocks' first 16 codes, then
+//            their last 16 (QB8's two half-runs, copied as they are);
+//   b scales BN columns of KB (d, d * sum) float2, BDS bytes apart.
+// A fragments are read straight from the raw blocks (frag_codes below: one 32-bit read gives a
+// lane its codes 4t .. 4t+3 and, for the 4- and 5-bit formats, 16+4t .. 16+4t+3 in the high
+// nibbles), so no weight is ever written back dequantized.
+//
+// Requirements (support.mmq_ok): a's rows a multiple of 16 bytes (K % 256 for q4_0, q5_0, q8_0,
+// K % 128 for q4_1, K % 64 for q5_1), a 16-byte aligned (base, row and batch strides), K % 32 == 0.
+// The last K tile may hold fewer than KB blocks (always an even number of them); rows past M and
+// columns past N read row M - 1 and column N - 1 and write nothing.
+
+#include "mmv_common.cuh"
+
+namespace mq {
+
+using mm::u8;
+
+constexpr int NS = 3;                   // cp.async stages
+constexpr int KB = 8;                   // weight blocks a K tile
+constexpr int BROW = 2 * KB * 16 + 16;  // bytes of a b column's codes in a stage (17 granules)
+constexpr int BDS = KB * 8 + 16;        // bytes of a b column's scales in a stage (5 granules)
+
+// Bytes of a weight row's K tile in a stage: KB raw blocks, padded to an odd number of granules.
+template <class Q>
+struct Tile {
+    static constexpr int RAW = KB * Q::BYTES;
+    static constexpr int RS = (RAW / 16) % 2 == 1 ? RAW : RAW + 16;
+    static_assert(RAW % 16 == 0, "a K tile of every format is whole granules");
+};
+
+// -- the per-format trait: a block's codes as int8 mma fragments ------------------------------------
+
+// Each byte of x (a code 0 .. 2**BITS - 1) minus Q::ZERO, as int8: no borrow crosses a byte, since
+// every byte is at least 0x80 - ZERO before the subtraction.
+template <class Q>
+__device__ __forceinline__ unsigned sub_zero(unsigned x) {
+    if constexpr (Q::ZERO == 0) {
+        return x;
+    } else {
+        return ((x | 0x80808080u) - 0x01010101u * static_cast<unsigned>(Q::ZERO)) ^ 0x80808080u;
+    }
+}
+
+// Lane t's (t = lane % 4) codes of the block at blk (shared, 2-byte aligned), as int8 minus the
+// zero: lo = codes 4t .. 4t+3, hi = codes 16+4t .. 16+4t+3 (the fragment layout of m16n8k32's A
+// and B: registers 0 / 1 hold k 4t .. 4t+3, registers 2 / 3 k 16+4t ..).
+template <class Q>
+__device__ __forceinline__ void frag_codes(const u8* blk, int t, unsigned& lo, unsigned& hi) {
+    if constexpr (Q::BITS == 8) {
+        lo = od::ld32_2(blk + Q::QS + 4 * t);
+        hi = od::ld32_2(blk + Q::QS + 16 + 4 * t);
+    } else {
+        const unsigned qs = od::ld32_2(blk + Q::QS + 4 * t);  // codes 4t.. low nibbles, 16+4t.. high
+        lo = qs & 0x0f0f0f0fu;
+        hi = (qs >> 4) & 0x0f0f0f0fu;
+        if constexpr (Q::BITS == 5) {
+            const unsigned qh = od::ld32_2(blk + Q::QH);
+            lo |= od::quant::spread4((qh >> (4 * t)) & 0xfu);
+            hi |= od::quant::spread4((qh >> (16 + 4 * t)) & 0xfu);
+        }
+        lo = sub_zero<Q>(lo);
+        hi = sub_zero<Q>(hi);
+    }
+}
+
+// The block's scale d and offset m (0 without one).
+template <class Q>
+__device__ __forceinline__ void block_scales(const u8* blk, float& d, float& m) {
+    d = od::f16_to_f32(static_cast<unsigned short>(od::ld16(blk + Q::D)));
+    m = 0.0f;
+    if constexpr (Q::M >= 0) {
+        m = od::f16_to_f32(static_cast<unsigned short>(od::ld16(blk + Q::M)));
+    }
+}
+
+// d = a (16 x 32, row) . b (32 x 8, col), int8 in, int32 out, from zero: one warp-collective mma.
+// a[0] row g k 4t.., a[1] row g+8 k 4t.., a[2] row g k 16+4t.., a[3] row g+8 k 16+4t..;
+// b[0] column g k 4t.., b[1] column g k 16+4t..; d[0..1] row g columns 2t, 2t+1, d[2..3] row g+8.
+__device__ __forceinline__ void mma_s8(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%10, %10, %10, %10};\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+}
+
+}  // namespace mq
+
+using mm::u8;
+
+// mul_mat with block-format weights: out[i3, i2, n, m] = sum_k a[i3 / r3, i2 / r2, m, k] * b[i3, i2, n, k].
+// a rows a_row bytes apart, batch strides a_s2, a_s3 (16-byte multiples, a 16-byte aligned); b
+// quantized by quantize_q8_1 (column n of batch (i3, i2) is its row (i3 * B2 + i2) * N + n, nbp
+// blocks a row: codes at bq, (d, d * sum) at bds); out contiguous (B3, B2, N, M). Grid (tiles_m *
+// ceil(N / BN), B2, B3), WM * WN * WK warps, dynamic shared memory mmq_smem (specs/mmq.py).
+template <int WT, int FM, int FN, int WM, int WN, int WK>
+__global__ void __launch_bounds__(32 * WM * WN * WK, 1)
+    mmq(const u8* a, long long a_row, long long a_s2, long long a_s3, int r2, int r3, const u8* bq, const u8* bds,
+        int nbp, float* out, int M, int K, int N, int tiles_m) {
+    od::grid_enter();
+    using Q = mm::Fmt<WT>;
+    constexpr int BM = 16 * FM * WM, BN = 8 * FN * WN, THREADS = 32 * WM * WN * WK;
+    constexpr int RS = mq::Tile<Q>::RS, BCODES = BM * RS, BSCALES = BCODES + BN * mq::BROW;
+    constexpr int STAGE = BSCALES + BN * mq::BDS;
+    extern __shared__ uint4 smem_u4[];
+    u8* const smem = reinterpret_cast<u8*>(smem_u4);
+
+    const int tm = static_cast<int>(blockIdx.x % tiles_m), tn = static_cast<int>(blockIdx.x / tiles_m);
+    const int i2 = blockIdx.y, i3 = blockIdx.z;
+    const int m0 = tm * BM, n0 = tn * BN;
+    const u8* const wa = a + (i3 / r3) * a_s3 + (i2 / r2) * a_s2;
+    const long long brow0 = (static_cast<long long>(i3) * gridDim.y + i2) * N;
+    const int nb = K / 32, ntiles = (nb + mq::KB - 1) / mq::KB;
+    const int tid = threadIdx.x;
+
+    // K tile kt into stage st: the weights' KB blocks of each row, b's codes (two half-runs) and scales
+    auto issue = [&](int kt, u8* st) {
+        const int j0 = kt * mq::KB, kb = min(mq::KB, nb - j0);
+        const int wg = kb * Q::BYTES / 16;
+        for (int i = tid; i < BM * wg; i += THREADS) {
+            const int r = i / wg, x = i - r * wg;
+            const u8* src = wa + static_cast<long long>(min(m0 + r, M - 1)) * a_row + j0 * Q::BYTES + 16 * x;
+            od::cp_async16(od::smem_addr(st + r * RS + 16 * x), src);
+        }
+        const int bg = 2 * kb + kb / 2;  // granules a column: codes, then scales (kb is even)
+        for (int i = tid; i < BN * bg; i += THREADS) {
+            const int c = i / bg, x = i - c * bg;
+            const long long row = brow0 + min(n0 + c, N - 1);
+            const u8* src;
+            u8* dst;
+            if (x < 2 * kb) {
+                const int h = x / kb, y = x - h * kb;
+                src = bq + row * nbp * 32 + mm::QB8::half(j0, h) + 16 * y;
+                dst = st + BCODES + c * mq::BROW + h * mq::KB * 16 + 16 * y;
+            } else {
+                const int y = x - 2 * kb;
+                src = bds + (row * nbp + j0) * 8 + 16 * y;
+                dst = st + BSCALES + c * mq::BDS + 16 * y;
+            }
+            od::cp_async16(od::smem_addr(dst), src);
+        }
+    };
+
+    const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int wk = warp % WK, wn = (warp / WK) % WN, wm = warp / (WK * WN);
+    const int row0 = wm * 16 * FM, col0 = wn * 8 * FN;  // the warp's tile in the block's
+    float acc[FM][FN][4];
+#pragma unroll
+    for (int fm = 0; fm < FM; ++fm) {
+#pragma unroll
+        for (int fn = 0; fn < FN; ++fn) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                acc[fm][fn][i] = 0.0f;
+            }
+        }
+    }
+
+#pragma unroll
+    for (int s = 0; s < mq::NS - 1; ++s) {
+        if (s < ntiles) {
+            issue(s, smem + s * STAGE);
+        }
+        od::cp_async_commit();
+    }
+    for (int kt = 0; kt < ntiles; ++kt) {
+        od::cp_async_wait<mq::NS - 2>();
+        __syncthreads();  // tile kt landed for every thread; every warp is done with tile kt - 1's stage
+        if (kt + mq::NS - 1 < ntiles) {
+            issue(kt + mq::NS - 1, smem + ((kt + mq::NS - 1) % mq::NS) * STAGE);
+        }
+        od::cp_async_commit();
+        const u8* const st = smem + (kt % mq::NS) * STAGE;
+        const int kb = min(mq::KB, nb - kt * mq::KB);
+        for (int j = wk; j < kb; j += WK) {
+            unsigned af[FM][4];
+            float dw[FM][2], mw[FM][2];
+#pragma unroll
+            for (int fm = 0; fm < FM; ++fm) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const u8* blk = st + (row0 + 16 * fm + g + 8 * h) * RS + j * Q::BYTES;
+                    mq::frag_codes<Q>(blk, t, af[fm][h], af[fm][2 + h]);
+                    mq::block_scales<Q>(blk, dw[fm][h], mw[fm][h]);
+                }
+            }
+#pragma unroll
+            for (int fn = 0; fn < FN; ++fn) {
+                const int c = col0 + 8 * fn;
+                const u8* bc = st + BCODES + (c + g) * mq::BROW + 16 * j + 4 * t;
+                const unsigned b0 = *reinterpret_cast<const unsigned*>(bc);
+                const unsigned b1 = *reinterpret_cast<const unsigned*>(bc + mq::KB * 16);
+                const u8* bs = st + BSCALES + (c + 2 * t) * mq::BDS + 8 * j;
+                const float2 s0 = *reinterpret_cast<const float2*>(bs);
+                const float2 s1 = *reinterpret_cast<const float2*>(bs + mq::BDS);
+#pragma unroll
+                for (int fm = 0; fm < FM; ++fm) {
+                    int dot[4];
+                    mq::mma_s8(dot, af[fm], b0, b1);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float2 s = i % 2 == 0 ? s0 : s1;
+                        float v = fmaf(dw[fm][i / 2] * s.x, static_cast<float>(dot[i]), acc[fm][fn][i]);
+                        if constexpr (Q::M >= 0) {
+                            v = fmaf(mw[fm][i / 2], s.y, v);
+                        }
+                        acc[fm][fn][i] = v;
+                    }
+                }
+            }
+        }
+    }
+    od::cp_async_wait<0>();  // only empty groups can be left
+
+    if constexpr (WK > 1) {  // the WK warps of a tile add up their sums: warps wk > 0 through shared memory
+        constexpr int PER = FM * FN * 4;
+        float* const red = reinterpret_cast<float*>(smem);
+        __syncthreads();  // every warp is done with the stages
+        if (wk > 0) {
+#pragma unroll
+            for (int fm = 0; fm < FM; ++fm) {
+#pragma unroll
+                for (int fn = 0; fn < FN; ++fn) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        red[(warp * PER + (fm * FN + fn) * 4 + i) * 32 + lane] = acc[fm][fn][i];
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        if (wk > 0) {
+            return;
+        }
+#pragma unroll
+        for (int w = 1; w < WK; ++w) {
+#pragma unroll
+            for (int fm = 0; fm < FM; ++fm) {
+#pragma unroll
+                for (int fn = 0; fn < FN; ++fn) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        acc[fm][fn][i] += red[((warp + w) * PER + (fm * FN + fn) * 4 + i) * 32 + lane];
+                    }
+                }
+            }
+        }
+    }
+
+    float* const o = out + brow0 * M;
+#pragma unroll
+    for (int fm = 0; fm < FM; ++fm) {
+#pragma unroll
+        for (int fn = 0; fn < FN; ++fn) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int m = m0 + row0 + 16 * fm + g + 8 * (i / 2);
+                const int n = n0 + col0 + 8 * fn + 2 * t + i % 2;
+                if (m < M && n < N) {
+                    o[static_cast<long long>(n) * M + m] = acc[fm][fn][i];
+                }
+            }
+        }
+    }
+}

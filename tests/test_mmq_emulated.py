@@ -1,0 +1,170 @@
+"""cuda_matmul's quantized GEMM (mmq.cu, after mmv.cu's quantize_q8_1) run on the CPU: the real sources,
+compiled by g++ against tests/cuda_emu/shim.h, on the launch specs the plugin binds (specs/mmq.py).
+
+Every CUDA thread is a std::thread; __syncthreads / __syncwarp / shuffles go through barriers; cp.async
+copies land at the wait_group that covers them ("lazy") or at once ("eager"), so a stage read before its
+wait or refilled while a warp still reads it gives a wrong or NaN result (shared memory and outputs start
+poisoned, 0xFF); mma.sync m16n8k32 is emulated warp-collectively from the PTX ISA's fragment layout
+(shim.h's emu_mma_s8), so a wrong fragment map shows too. The only edits to the sources are the inline
+PTX swapped for host functions. Results are compared with the numpy reference by NMSE (mul_mat's bound,
+5e-4) and with the reference run on b rounded to q8_1 in numpy by NMSE 1e-8: the kernel's only departure
+from the reference is that rounding, so anything else shows. On the H200 the same paths run in
+test_cuda_matmul.py. Skipped without g++ 12 or newer (C++20 <barrier>, _Float16).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import opdispatch as od
+from opdispatch import ops
+from opdispatch.dtypes import from_float
+from opdispatch.graph import Graph
+from opdispatch.plugins.cuda_matmul import specs, support
+from opdispatch.plugins.cuda_matmul.specs import mmq
+from opdispatch.tensor import Tensor
+from opdispatch.testing.metrics import nmse
+from cuda_emu.hostcode import EMU, Arena, gxx_major, write_headers
+from test_mmvq_stream_emulated import q8_1_rounded
+
+NMSE_MAX = 5e-4
+NMSE_Q8_1 = 1e-8  # against the reference on b rounded to q8_1 as quantize_q8_1 rounds it
+
+pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
+
+#: mmq.cu's inline PTX (the mma statement, whole) and its host replacement
+MMA_PTX = ("    asm volatile(\"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
+           "{%4, %5, %6, %7}, {%8, %9}, \"\n"
+           "                 \"{%10, %10, %10, %10};\\n\"\n"
+           "                 : \"=r\"(d[0]), \"=r\"(d[1]), \"=r\"(d[2]), \"=r\"(d[3])\n"
+           "                 : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"r\"(b0), \"r\"(b1), "
+           "\"r\"(0));",
+           "    emu_mma_s8(d, a, b0, b1);")
+SHARED = "extern __shared__ uint4 smem_u4[];"
+
+
+def _mm(dt: str, m: int, k: int, n: int, tb: str = "f32", batch: tuple = (), a_batch: tuple | None = None,
+        bview: str | None = None) -> Tensor:
+    a = od.input("a", (*(batch if a_batch is None else a_batch), m, k), dt)
+    b = od.input("x", (*batch, k, n), tb).transpose() if bview == "T" else od.input("x", (*batch, n, k), tb)
+    return ops.mul_mat(a, b)
+
+
+#: name: (graph, eager copies); between them: every tile, K tails, M / N edges, ring wrap-around, batches
+CASES = {
+    "q4_0 N9 M77 (tile 32x16, split-K 4)": (lambda: _mm("q4_0", 77, 512, 9), False),
+    "q8_0 N16 K768 (3 K tiles, the ring wraps)": (lambda: _mm("q8_0", 40, 768, 16), True),
+    "q4_1 N20 K384 (tile 64x64, a 4-block K tail)": (lambda: _mm("q4_1", 33, 384, 20), False),
+    "q5_1 N70 K1088 (tile 128x64, a 2-block K tail, 2 column tiles)": (lambda: _mm("q5_1", 19, 1088, 70), False),
+    "q5_0 broadcast batches": (lambda: _mm("q5_0", 21, 256, 11, batch=(3, 4), a_batch=(1, 2)), True),
+    "q8_0 b bf16 transposed": (lambda: _mm("q8_0", 35, 256, 13, tb="bf16", bview="T"), False),
+    "q4_0 N64 M64 exact tiles": (lambda: _mm("q4_0", 64, 256, 64), False),
+}
+
+
+class ScratchArena(Arena):
+    """An Arena whose scratch buffers are carved from the same memory (quantize_q8_1's b copy)."""
+
+    def scratch(self, role: str, nbytes: int) -> int:
+        at = self.top
+        self.top = (self.top + nbytes + 255) // 256 * 256
+        assert self.top <= self.mem.size, "arena too small for the scratch buffer"
+        return at
+
+
+def _node(y: Tensor) -> Tensor:
+    return next(n for n in Graph.build(y).nodes if n.op == "mul_mat")
+
+
+def _names(y: Tensor) -> list[str]:
+    node = _node(y)
+    a = ScratchArena(1 << 24)
+    return [s.kernel for s in mmq.mmq_specs(node, lambda t: 512, a.scratch)]
+
+
+def _call(name: str, nargs: int) -> str:
+    args = ", ".join(f"a[{i}]" for i in range(nargs))
+    return f'    {{"{name}", [](const Arg* a) {{ {name}({args}); }}}},\n'
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    build = tmp_path_factory.mktemp("mmq_emu")
+    write_headers(build)
+    for header in ("mm_common.cuh", "mmv_common.cuh", "mmv.cu"):
+        (build / header).write_text(specs.KERNELS_DIR.joinpath(header).read_text())
+    src = specs.MMQ_CU.read_text()
+    assert MMA_PTX[0] in src and SHARED in src, "mmq.cu changed: update the emulation's swaps"
+    src = src.replace(MMA_PTX[0], MMA_PTX[1])
+    src = src.replace(SHARED, "uint4* smem_u4 = reinterpret_cast<uint4*>(emu_ctx->smem);")
+    (build / "mmq.cu").write_text(src)
+    for name in ("mm_common.cuh", "mmv_common.cuh", "mmv.cu", "mmq.cu"):
+        assert "asm" not in (build / name).read_text(), f"{name} has inline PTX the emulation does not replace"
+    (build / "kernels.cu").write_text('#include "mmv.cu"\n#include "mmq.cu"\n')
+    (build / "main.cpp").write_text((EMU / "smem_main.cpp").read_text())
+    names = sorted({n for make, _ in CASES.values() for n in _names(make())})
+    arity = {"quantize_q8_1": len(mmq.mmv.QuantizeArgs.__attrs_attrs__), "mmq": len(mmq.MmqArgs.__attrs_attrs__)}
+    (build / "instances.inc").write_text("".join(_call(n, arity[n.split("<")[0]]) for n in names))
+    exe = build / "emu"
+    cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-w", "-I", str(build),
+           str(build / "main.cpp"), "-o", str(exe)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
+    return exe
+
+
+def _emulate(y: Tensor, feeds: dict, eager: bool, emulator: Path, tmp_path: Path) -> tuple[np.ndarray, str]:
+    """The output of the launches the plugin binds for mul_mat `y` (quantize_q8_1, then mmq), run in turn
+    by the emulator on one memory, the output poisoned first; and a description of the launches."""
+    graph = Graph.build(y)
+    node = _node(y)
+    b = node.srcs[1]
+    arena = ScratchArena(sum(t.base.nbytes + 256 for t in (*graph.leafs, *graph.nodes))
+                         + 40 * b.base.nbytes + (1 << 16))
+    for leaf in graph.leafs:
+        arena.place(leaf, from_float(leaf.dtype.name, feeds[leaf]))
+    for n in graph.nodes:
+        arena.place(n, None)
+    launches = mmq.mmq_specs(node, arena.ptr, arena.scratch)
+    assert [s.kernel.split("<")[0] for s in launches] == ["quantize_q8_1", "mmq"]
+    mem_file = tmp_path / "mem.bin"
+    arena.mem.tofile(mem_file)
+    for spec in launches:
+        grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
+        cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, grid), str(spec.block), str(spec.smem),
+               str(int(eager)), *(str(v.item()) for v in spec.arg_values)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{spec.kernel}: {done.stderr}"
+    mem = np.fromfile(mem_file, np.uint8)
+    at = arena.ptr(node)
+    got = mem[at:at + node.nbytes].view(np.float32).reshape(node.shape)
+    what = "; ".join(f"{s.kernel} grid {s.grid} block {s.block} smem {s.smem}" for s in launches)
+    return got, what
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mmq_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+    make, eager = CASES[case]
+    y = make()
+    assert support.choose(_node(y)).path == "mmq"
+    graph = Graph.build(y)
+    feeds = {t: rng.uniform(-1, 1, t.shape).astype(np.float32) for t in graph.inputs}
+    got, launch = _emulate(y, feeds, eager, emulator, tmp_path)
+    (ref,) = od.compile(y, "cpu").run(feeds)
+    what = f"{case}: {launch}"
+    assert np.isfinite(got).all(), f"{what}: non-finite outputs (unwritten, or read before landing)"
+    assert nmse(got, ref) <= NMSE_MAX, f"{what}: NMSE {nmse(got, ref):.3g}"
+    b = _node(y).srcs[1]
+    if b in feeds and b.dtype.name == "f32":  # a plain f32 b: the kernel's rounding of it, exactly
+        (model,) = od.compile(y, "cpu").run({**feeds, b: q8_1_rounded(feeds[b])})
+        assert nmse(got, model) <= NMSE_Q8_1, f"{what}: NMSE {nmse(got, model):.3g} against b rounded to q8_1"
+
+
+def test_cases_cover_the_tiles() -> None:
+    """The cases reach every compiled tile, with a K tail and with the M and N edges."""
+    tiles = {mmq.mmq_tile(_node(make()).shape[-2]) for make, _ in CASES.values()}
+    assert tiles == {t for _, t in mmq.TILES}
