@@ -2,7 +2,7 @@
 
 Quantized tensors are stored exactly as ggml stores them (so GGUF weights load
 without conversion): a row of K values is K // block_size blocks of
-`block_bytes` raw bytes (32 values a block, 256 for the K-quants), held on the
+`block_bytes` raw bytes (32 or 256 values a block, by format), held on the
 host as ``np.uint8`` arrays of shape ``(..., K // block_size * block_bytes)``.
 Each format is defined once, in `opdispatch.quants` (its layout, its decoder
 and, where opdispatch has one, its encoder); `quantize` and `dequantize` here
@@ -25,6 +25,7 @@ __all__ = [
     "DType", "DTYPES", "dtype", "quantize", "dequantize", "to_host_float", "from_float",
     "F32", "F16", "BF16", "I8", "I16", "I32", "I64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K",
+    "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ3_S", "IQ2_S", "IQ1_M", "MXFP4",
 ]
 
 
@@ -80,6 +81,9 @@ I64 = DType("i64", 1, 8, "int", np.dtype(np.int64))
 _QUANTS = {name: DType(name, f.block_size, f.block_bytes, "quant", _U8) for name, f in FORMATS.items()}
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (_QUANTS[n] for n in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"))
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = (_QUANTS[n] for n in ("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "q8_K"))
+IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M, MXFP4 = (
+    _QUANTS[n] for n in ("iq4_nl", "iq4_xs", "iq2_xxs", "iq2_xs", "iq3_xxs", "iq1_s", "iq3_s", "iq2_s", "iq1_m", "mxfp4")
+)
 
 DTYPES: dict[str, DType] = {t.name: t for t in (F32, F16, BF16, I8, I16, I32, I64)} | _QUANTS
 # Quantized data is raw uint8, so a numpy dtype only ever names a plain type.

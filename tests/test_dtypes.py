@@ -92,6 +92,16 @@ TABLE = [
     ("q5_K", 256, 176, "quant", np.uint8),
     ("q6_K", 256, 210, "quant", np.uint8),
     ("q8_K", 256, 292, "quant", np.uint8),
+    ("iq4_nl", 32, 18, "quant", np.uint8),
+    ("iq4_xs", 256, 136, "quant", np.uint8),
+    ("iq2_xxs", 256, 66, "quant", np.uint8),
+    ("iq2_xs", 256, 74, "quant", np.uint8),
+    ("iq3_xxs", 256, 98, "quant", np.uint8),
+    ("iq1_s", 256, 50, "quant", np.uint8),
+    ("iq3_s", 256, 110, "quant", np.uint8),
+    ("iq2_s", 256, 82, "quant", np.uint8),
+    ("iq1_m", 256, 56, "quant", np.uint8),
+    ("mxfp4", 32, 17, "quant", np.uint8),
 ]
 
 
