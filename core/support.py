@@ -33,8 +33,11 @@ def first_failure(t: Tensor, rules: Sequence[Rule]) -> bool | str:
 
 def access_unit(t: Tensor) -> int:
     """Bytes of one access of `t`'s data: an element of a plain type, a 16-bit word of a block
-    format (block fields are read with 16-bit loads, so blocks need only 2-byte alignment)."""
-    return 2 if t.dtype.is_quant else t.dtype.block_bytes
+    format (block fields are read with 16-bit loads, so blocks need only 2-byte alignment), a byte
+    of a format whose blocks have an odd size (mxfp4's 17: its traits read bytes)."""
+    if not t.dtype.is_quant:
+        return t.dtype.block_bytes
+    return 2 if t.dtype.block_bytes % 2 == 0 else 1
 
 
 def whole_elements(t: Tensor | None) -> bool:

@@ -194,10 +194,14 @@ def test_quantize_shapes_and_zeros(name, rng):
 
 
 @pytest.mark.parametrize("name", list(D_AT) + ["mxfp4"])
-def test_cuda_copies_decline_host_only_formats(name):
-    """concat and the copies take any dtype and reach cuda_misc, which has no kernel for these blocks."""
+def test_cuda_copies_and_concat(name):
+    """concat and the copies take any dtype and reach cuda_misc: it copies the formats its device traits
+    decode (quant_k.cuh: iq4_nl, iq4_xs, mxfp4), declines the grid I-quants, and concats none of them."""
     bs = D.dtype(name).block_size
     a, b = od.input("a", (2, bs), name), od.input("b", (3, bs), name)
-    for ok, node in ((support.concat_ok, ops.concat(a, b, 0)), (support.copy_ok, ops.cont(a))):
-        reason = ok(None, node)
-        assert isinstance(reason, str) and reason.startswith("no kernel moves this block format")
+    assert support.concat_ok(None, ops.concat(a, b, 0)) == "concat moves the 32-value block formats only"
+    copied = support.copy_ok(None, ops.cont(a))
+    if name in ("iq4_nl", "iq4_xs", "mxfp4"):
+        assert copied is True
+    else:
+        assert copied == "no kernel moves this block format"

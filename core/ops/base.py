@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import OpError
 from ..dtypes import DTYPES, DType, dtype as as_dtype
+from ..quants import FORMATS
 from ..tensor import Shape, Tensor, as_ints, as_shape, check_extent, contiguous_strides, is_int, op_error
 
 
@@ -154,9 +155,13 @@ def pad4(shape: Shape) -> Shape:
 
 
 FLOATS = ("f32", "f16", "bf16")
+#: ggml's 32-value block formats (the conformance sweep's quantized cases)
 QUANTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
-#: every block format of the dtype table: what ops that only read blocks (mul_mat, mul_mat_id, get_rows) take
+#: every block format of the dtype table: what ops that only read blocks take (mul_mat, mul_mat_id,
+#: out_prod, get_rows, copies to a float)
 BLOCK_FORMATS = tuple(name for name, t in DTYPES.items() if t.is_quant)
+#: the block formats opdispatch can write (an encoder in opdispatch.quants): copies from a float, set_rows
+ENCODABLE = tuple(name for name in BLOCK_FORMATS if FORMATS[name].encode is not None)
 
 
 def node(

@@ -7,7 +7,7 @@ rule): with ratio r = B2 // A2, b's batch i uses a's batch i // r, not i % A2.
 from __future__ import annotations
 
 from ..tensor import Shape, Tensor
-from .base import BLOCK_FORMATS, FLOATS, QUANTS, check, pad4, check_dtype, check_rank, check_tensor, node, op
+from .base import BLOCK_FORMATS, FLOATS, check, pad4, check_dtype, check_rank, check_tensor, node, op
 
 __all__ = ["mul_mat", "mul_mat_id", "out_prod"]
 
@@ -106,7 +106,7 @@ def out_prod(a: Tensor, b: Tensor) -> Tensor:
     check_tensor(name, b, "b")
     check_rank(name, a, 2)
     check_rank(name, b, 2)
-    check_dtype(name, a, FLOATS + QUANTS, "a")
+    check_dtype(name, a, FLOATS + BLOCK_FORMATS, "a")
     check_dtype(name, b, ("f32",), "b")
     check(a.shape[-2] == b.shape[-2], name, f"K differs: a has {a.shape[-2]}, b has {b.shape[-2]}", a, b)
     _check_not_transposed(name, a)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..tensor import Shape, Tensor, contiguous_strides
-from .base import BLOCK_FORMATS, FLOATS, QUANTS, check, check_dtype, check_rank, check_tensor, int_param, ints_param, node, op
+from .base import BLOCK_FORMATS, ENCODABLE, FLOATS, check, check_dtype, check_rank, check_tensor, int_param, ints_param, node, op
 
 __all__ = ["get_rows", "set_rows", "cpy", "dup", "cont", "set", "acc"]
 
@@ -64,7 +64,7 @@ def set_rows(dst: Tensor, src: Tensor, idx: Tensor) -> Tensor:
     """
     for t, what in ((dst, "dst"), (src, "src"), (idx, "idx")):
         check_tensor("set_rows", t, what)
-    check_dtype("set_rows", dst, FLOATS + QUANTS, "dst")
+    check_dtype("set_rows", dst, FLOATS + ENCODABLE, "dst")
     check_dtype("set_rows", src, ("f32",), "src")
     check_dtype("set_rows", idx, ("i64", "i32"), "idx")
     check_rank("set_rows", dst, 2)
@@ -83,13 +83,14 @@ def set_rows(dst: Tensor, src: Tensor, idx: Tensor) -> Tensor:
 
 
 def _check_conversion(op_name: str, a: Tensor, to: str) -> None:
-    """ggml's copy pairs: same dtype (bytes), any pair of f32/f16/bf16/i32, floats to and from block formats."""
+    """ggml's copy pairs: same dtype (bytes), any pair of f32/f16/bf16/i32, any block format to a float,
+    a float to a block format opdispatch can encode."""
     frm = a.dtype.name
     ok = (
         frm == to
         or (frm in _CONVERTIBLE and to in _CONVERTIBLE)
-        or (frm in FLOATS and to in QUANTS)
-        or (frm in QUANTS and to in FLOATS)
+        or (frm in FLOATS and to in ENCODABLE)
+        or (frm in BLOCK_FORMATS and to in FLOATS)
     )
     check(ok, op_name, f"cannot convert {frm} to {to}", a)
 

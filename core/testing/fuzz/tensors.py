@@ -16,7 +16,7 @@ import numpy as np
 
 from ...dtypes import DTYPES, dtype as as_dtype
 from ...ops.attention import KV_DTYPES
-from ...ops.base import FLOATS, QUANTS, pad4
+from ...ops.base import BLOCK_FORMATS, ENCODABLE, FLOATS, pad4
 from ...ops.elementwise import UNARY_OPS
 from ...tensor import Shape, Tensor, state
 from .calls import Call
@@ -30,7 +30,7 @@ MAPS = (*UNARY_OPS, "sqr", "sqrt", "log", "sin", "cos", "scale", "clamp", "leaky
 BINARY = ("add", "sub", "mul", "div")
 F32_ROWS = ("norm", "rms_norm", "l2_norm", "group_norm", "diag_mask_inf", "pad", "pad_reflect_1d", "roll", "diag",
             "tri", "sum_rows", "mean", "cumsum", "argmax", "argsort", "top_k")
-F, Q = FLOATS, QUANTS
+F, Q, W = FLOATS, BLOCK_FORMATS, ENCODABLE  # W: the block formats opdispatch writes
 
 #: op -> tensor argument -> the dtypes it takes (arguments of any dtype are left out)
 ALLOWED: dict[str, dict[str, tuple[str, ...]]] = {
@@ -44,8 +44,8 @@ ALLOWED: dict[str, dict[str, tuple[str, ...]]] = {
     "rope": {"x": ("f32", "f16"), "pos": ("i32",), "freq_factors": ("f32",)},
     "flash_attn_ext": {"q": ("f32", "f16"), "k": KV_DTYPES, "v": KV_DTYPES, "mask": ("f16",), "sinks": ("f32",)},
     "get_rows": {"a": F + ("i32",) + Q, "idx": ("i32",)},
-    "set_rows": {"dst": F + Q, "src": ("f32",), "idx": ("i32", "i64")},
-    "cpy": {"a": F + ("i32",) + Q, "b": F + ("i32",) + Q},
+    "set_rows": {"dst": F + W, "src": ("f32",), "idx": ("i32", "i64")},
+    "cpy": {"a": F + ("i32",) + Q, "b": F + ("i32",) + W},
     "set": {"a": ("f32", "i32"), "b": ("f32", "i32")}, "acc": {"a": ("f32",), "b": ("f32",)},
     "repeat": {"a": ("f32", "f16", "bf16", "i16", "i32")}, "fill": {"x": ("f32", "f16")},
     "timestep_embedding": {"t": ("f32",)}, "sum": {"x": F}, "count_equal": {"a": ("i32",), "b": ("i32",)},
