@@ -39,7 +39,7 @@ from opdispatch.errors import DeviceIndexError
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_matmul import bind, fusion, specs, support
-from opdispatch.plugins.cuda_matmul.specs import gemm, mmv, stream
+from opdispatch.plugins.cuda_matmul.specs import gemm, mmf, mmv, stream
 from opdispatch.plugins.cuda_matmul.specs.gemm import GemmSpec
 from opdispatch.tensor import Tensor
 from opdispatch.testing.harness import Status, run_case
@@ -78,7 +78,11 @@ PATH_CASES = [
     ("f32", (64, 96), (1, 96), "mmvf"),
     ("f16", (64, 96), (8, 96), "mmvf"),
     ("bf16", (64, 65), (3, 65), "mmvf"),
-    ("f16", (64, 96), (9, 96), "cublas"),
+    ("f16", (64, 96), (9, 96), "mmf"),
+    ("bf16", (2, 64, 96), (2, 16, 96), "mmf"),
+    ("bf16", (64, 100), (16, 100), "cublas"),  # K % 8 != 0: mmf declines
+    ("f16", (64, 96), (17, 96), "cublas"),
+    ("f32", (64, 96), (12, 96), "cublas"),  # mmf takes f16/bf16 weights
     ("bf16", (2, 64, 96), (2, 512, 96), "cublas"),
     ("f32", (64, 80), (128, 80), "cublas"),
     ("q4_0", (64, 96), (1, 96), "mmvq"),
@@ -337,7 +341,7 @@ def _moe_add_id(n_tok: int) -> Tensor:
 
 
 def _bias_add_of_large_batch() -> Tensor:
-    return ops.add(ops.mul_mat(weight("w", (32, 64), "f16"), od.input("x", (16, 64))), od.input("b", (32,)))
+    return ops.add(ops.mul_mat(weight("w", (32, 64), "f16"), od.input("x", (17, 64))), od.input("b", (32,)))
 
 
 def _full_add() -> Tensor:
@@ -363,14 +367,14 @@ def _glu_of_other_weight_dtypes() -> Tensor:
 
 
 @pytest.mark.parametrize(("build", "reason"), [
-    (_bias_add_of_large_batch, r"mul_mat takes cublas, not a mat-vec kernel \(batch 16 > 8\)"),
+    (_bias_add_of_large_batch, r"mul_mat takes cublas, not a mat-vec kernel or mmf \(batch 17\)"),
     (_full_add, r"the bias .* is not one row of 32 values"),
     (_f16_bias, r"the bias .* must be f32"),
     (_f16_b, r"mul_mat: b must be f32 to fuse, got f16"),
     (lambda: _glu_graph(same_x=False), r"the two products read different inputs"),
     (_moe_glu_several_tokens, r"4 tokens: the fused GLU is for one token"),
     (_glu_of_other_weight_dtypes, r"the weights differ in dtype, shape or strides"),
-    (lambda: _glu_graph(n=9), r"mul_mat takes cublas, not a mat-vec kernel \(batch 9 > 8\)"),
+    (lambda: _glu_graph(n=17), r"mul_mat takes cublas, not a mat-vec kernel or mmf \(batch 17\)"),
 ])
 def test_fusion_check_declines_with_a_reason(build: Callable[[], Tensor], reason: str) -> None:
     y = build()
@@ -424,7 +428,7 @@ def fake_ptr(t: Tensor) -> int:
     return BASE + (t.base.uid % 997) * 2**20 + t.view_offset
 
 
-def fake_scratch(role: str, nbytes: int) -> int:
+def fake_scratch(role: str, nbytes: int, zeroed: bool = False) -> int:
     return SCRATCH
 
 
@@ -625,7 +629,7 @@ def ones(record: type) -> object:
 def test_every_launched_kernel_has_an_argument_record() -> None:
     """One KernelArgs record per kernel named in KERNEL_SOURCES, its fields the kernel's parameters
     and their converters the C types' numpy scalars."""
-    records = {kernel: cls for module in (mmv, stream, gemm) for cls in vars(module).values()
+    records = {kernel: cls for module in (mmv, stream, gemm, mmf) for cls in vars(module).values()
                if isinstance(cls, type) and issubclass(cls, KernelArgs) and cls is not KernelArgs
                for kernel in cls.KERNELS}
     for source, names in specs.KERNEL_SOURCES.items():
@@ -668,7 +672,7 @@ class Memory:
     def ptr(self, t: Tensor) -> int:
         return self.where[t.base] + t.view_offset
 
-    def scratch(self, role: str, nbytes: int) -> int:
+    def scratch(self, role: str, nbytes: int, zeroed: bool = False) -> int:
         return self.alloc(nbytes)
 
     def array(self, ptr: int, shape: tuple, strides: tuple, dt: np.dtype) -> np.ndarray:

@@ -24,6 +24,7 @@ MMV_CU = KERNELS_DIR / "mmv.cu"
 MMV_ID_CU = KERNELS_DIR / "mmv_id.cu"
 MMVQ_STREAM_CU = KERNELS_DIR / "mmvq_stream.cu"
 CONVERT_CU = KERNELS_DIR / "convert.cu"
+MMF_CU = KERNELS_DIR / "mmf.cu"
 
 #: mm_common.cuh's weight kinds and b/destination kinds
 W_KIND = {"f32": "W_F32", "f16": "W_F16", "bf16": "W_BF16", "q4_0": "W_Q4_0", "q4_1": "W_Q4_1",
@@ -89,6 +90,10 @@ def qgrouped_name(wt: str, nt: int, epi: str) -> str:
     return instance("mmvq_id_grouped", W_KIND[wt], nt, epi)
 
 
+def mmf_name(wt: str, n_tiles: int, epi: str) -> str:
+    return instance("mmf", W_KIND[wt], n_tiles, epi)
+
+
 def quantize_name(tb: str) -> str:
     return instance("quantize_q8_1", B_KIND[tb])
 
@@ -127,14 +132,19 @@ STREAM_NAMES: tuple[str, ...] = (
     *(stream_name(wt, "f32", nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
     *(stream_name(wt, tb, 8, EPI_NONE) for tb in ("f16", "bf16") for wt in QUANT_NAMES),
 )
+#: mmf: f16/bf16 weights, b f32, one or two 8-column tiles, every epilogue
+MMF_TYPES = ("f16", "bf16")
+MMF_NAMES: tuple[str, ...] = tuple(mmf_name(wt, nt, epi) for wt in MMF_TYPES for nt in (1, 2) for epi in EPIS)
 #: every instance the specs can name, per source (tests/test_kernels_compile.py compiles them all)
 KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {MMV_CU: MMV_NAMES, MMV_ID_CU: MMV_ID_NAMES,
-                                               CONVERT_CU: CONVERT_NAMES, MMVQ_STREAM_CU: STREAM_NAMES}
+                                               CONVERT_CU: CONVERT_NAMES, MMVQ_STREAM_CU: STREAM_NAMES,
+                                               MMF_CU: MMF_NAMES}
 
 #: a tensor's device address (a bind's `ctx.ptr`; tests pass fakes)
 Ptr = Callable[[Tensor], int]
-#: scratch(role, nbytes) -> device address of a buffer of at least nbytes for `role`
-Scratch = Callable[[str, int], int]
+#: scratch(role, nbytes[, zeroed]) -> device address of a buffer of at least nbytes for `role` (zeroed when
+#: allocated if asked: counters the kernels set back to 0)
+Scratch = Callable[..., int]
 
 
 def nt_for(n: int, choices: Sequence[int] = NTS) -> int:
