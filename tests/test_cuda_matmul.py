@@ -929,6 +929,66 @@ def run_poisoned(y: Tensor, rng: np.random.Generator, path: str) -> tuple[od.Pla
     return plan, got, ref
 
 
+#: (M, K) of the mmf tests: odd M, a partial unit of 32 k, one split and several (split_k on the H200)
+MMF_SHAPES = ((77, 40), (1001, 2056), (2048, 2048), (300, 8192))
+
+
+@gpu
+@pytest.mark.parametrize("n", range(1, 17))
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_mmf_sweep(dt: str, n: int, monkeypatch: pytest.MonkeyPatch, rng) -> None:  # noqa: ANN001
+    """mmf for 1..16 columns (MMF_MIN_N lowered to 1 so that it takes the mat-vec's too), every output
+    written (arenas poisoned)."""
+    monkeypatch.setattr(support, "MMF_MIN_N", 1)
+    for m, k in MMF_SHAPES:
+        y = ops.mul_mat(od.input("a", (m, k), dt), od.input("b", (n, k)))
+        _, got, ref = run_poisoned(y, rng, "mmf")
+        assert_close(got, ref, f"mmf a={dt} n={n} m={m} k={k}")
+
+
+@gpu
+@pytest.mark.parametrize(("bs", "nr"), [((1, 1), (1, 2)), ((3, 1), (1, 1)), ((3, 2), (2, 2))])
+@pytest.mark.parametrize("k", [64, 1024])
+def test_mmf_broadcast_batches(bs: tuple, nr: tuple, k: int, rng) -> None:  # noqa: ANN001
+    for n in (9, 16):
+        y = ops.mul_mat(od.input("a", (*bs, 45, k), "bf16"), od.input("b", (bs[0] * nr[0], bs[1] * nr[1], n, k)))
+        _, got, ref = run_poisoned(y, rng, "mmf")
+        assert_close(got, ref, f"mmf bs={bs} nr={nr} n={n} k={k}")
+
+
+@gpu
+@pytest.mark.parametrize("n", [9, 16])
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+@pytest.mark.parametrize("build", ["mul_mat_add", "mul_mat_glu swiglu", "mul_mat_add_glu swiglu_oai"])
+def test_mmf_fused(build: str, dt: str, n: int, rng) -> None:  # noqa: ANN001
+    """The bias and gate/up GLU fusions on mmf, against the reference and the unfused nodes (mmf each)."""
+    y = FUSED_BUILDS[build](dt, n)
+    feeds = feeds_for(y, rng)
+    plan, fused, ref = run_both(y, feeds)
+    assert [s.kernel for s in plan.fusions] == [build.split()[0]], plan.explain()
+    assert_close(fused, ref, f"{build} a={dt} n={n} fused")
+    unfused_plan, unfused, _ = run_both(y, feeds, path="mmf", fusion=False)
+    assert_close(fused, unfused, f"{build} a={dt} n={n} fused vs unfused")
+
+
+@gpu
+def test_mmf_split_k_in_cuda_graph_replays(rng) -> None:  # noqa: ANN001
+    """Split K (the last block of a row block sums the partials and sets its counter back to 0) over a
+    captured CUDA graph's replays, fused gate/up included: every run right, every output written."""
+    x = od.input("x", (16, 2048))
+    wg, wu = od.input("wg", (2048, 2048), "bf16"), od.input("wu", (2048, 2048), "bf16")
+    y = ops.glu_split(ops.mul_mat(wg, x), ops.mul_mat(wu, x), "swiglu")
+    z = ops.mul_mat(od.input("wd", (512, 2048), "bf16"), y)
+    plan = od.compile(z, "cuda0")
+    assert sorted(s.kernel for s in plan.steps if s.plugin == "cuda_matmul") == ["mmf", "mul_mat_glu"], plan.explain()
+    for run in range(4):  # warm-up, capture, replays
+        feeds = named_feeds([z], rng, 0)
+        poison_arenas(plan)
+        (got,) = plan.run(feeds)
+        (ref,) = od.compile(z, "cpu").run(feeds)
+        assert_close(got, ref, f"mmf chain, run {run}")
+
+
 #: (K, M) of the mmvq_stream sweep: M not a multiple of the rows a warp stage holds (R = 2 at
 #: K 4096 for q4_0/q5_0/q8_0, R = 1 with 2 segments at 14336), K 14336 = 56 chunks for 8-block
 #: chunks, 112 for q4_1, 224 for q5_1
