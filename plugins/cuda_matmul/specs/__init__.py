@@ -2,7 +2,8 @@
 constants and tuned configuration that fix them; the helpers every family of specs shares.
 
 The launch specs are per .cu family: `mmv` (kernels/mmv.cu: the mat-vecs and the q8_1 quantizer;
-kernels/mmv_id.cu: the MoE mat-vecs and routing), `stream` (kernels/mmvq_stream.cu's geometry) and `gemm` (kernels/convert.cu and the cuBLAS
+kernels/mmv_id.cu: the MoE mat-vecs and routing), `stream` (kernels/mmvq_stream.cu's geometry), `mmf`
+(kernels/mmf.cu, the tensor-core mat-mul for few columns) and `gemm` (kernels/convert.cu and the cuBLAS
 calls). Column counts are compiled for the common case only: b f32 (and 16-byte loads for float
 weights) takes NTS (the grouped MoE kernels GROUPED_NTS); the rarer variants (scalar loads, b f16/bf16,
 which only unfused mul_mat takes) are compiled for 8 columns and run fewer.
