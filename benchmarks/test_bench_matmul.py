@@ -7,6 +7,8 @@
 - mat-vec, batch 1 (mmvf / mmvq_stream): bytes = weight bytes + the f32 vector
   + the f32 output, against torch's f16 mat-vec of the same shape (for every
   weight type: torch has no q8_0/q4_0 kernel, and f16 is the usual baseline).
+- mmf, 16 columns (bf16): bytes = the weight bytes, against torch.matmul of the
+  same shape in bf16.
 - gate/up + swiglu at batch 1: the fused plan, with the unfused pair's time
   (same weights, fusion off) in extra_info["unfused_us"] and its ratio.
 - mul_mat_id, one token, 8 of 128 experts: bytes = the 8 experts' weights read.
@@ -14,7 +16,7 @@
   weight bytes (the goal: 80% of the copy bandwidth); N 512 hot with FLOPs 2*M*N*K (the goal: no
   slower than torch's bf16 GEMM of the same shape, its time in extra_info["torch_us"]).
 
-The mat-vecs, gate/up and MoE are timed cold (conftest.measure_cold): one plan
+The mat-vecs, mmf, gate/up and MoE are timed cold (conftest.measure_cold): one plan
 holds 32 or more instances taking several weight sets in turn (for MoE, sets of
 8 experts), run as one CUDA graph: what a decode step does.
 """
@@ -75,6 +77,23 @@ def test_matvec(measure_cold, torch_cuda, dt: str, shape: tuple) -> None:  # noq
                  ops=MATMUL_OPS, kernel="mmvq_stream" if dt.startswith("q") else "mmvf")
     tw = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _ in range(lay.sets)]
     tx = torch.randn(1, K, device="cuda", dtype=torch.float16)
+    measure_cold(plan, lay, nbytes, lambda i: torch.matmul(tx, tw[lay.of(i)].T))
+
+
+@pytest.mark.parametrize("shape", [(2048, 2048), (8192, 2048), (2048, 8192)], ids=["2048x2048", "8192x2048",
+                                                                                    "2048x8192"])
+def test_mmf_16_columns(measure_cold, torch_cuda, shape: tuple) -> None:  # noqa: ANN001
+    """mmf (tensor cores, bf16 weights) at 16 columns, the 1b preset's shapes at batch 16."""
+    torch = torch_cuda
+    M, K, N = *shape, 16
+    nbytes = od.input("a", (M, K), "bf16").nbytes
+    lay = cold(nbytes)
+    weights = param_sets("a", rand(M, K), "bf16", lay.sets)
+    x = od.input("x", (N, K))
+    plan = ready([ops.mul_mat(weights[lay.of(i)], x) for i in range(lay.instances)], {x: rand(N, K)}, MATMUL,
+                 ops=MATMUL_OPS, kernel="mmf")
+    tw = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(lay.sets)]
+    tx = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
     measure_cold(plan, lay, nbytes, lambda i: torch.matmul(tx, tw[lay.of(i)].T))
 
 

@@ -40,7 +40,7 @@ from opdispatch.errors import DeviceIndexError
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_matmul import bind, fusion, specs, support
-from opdispatch.plugins.cuda_matmul.specs import gemm, mmq, mmv, stream
+from opdispatch.plugins.cuda_matmul.specs import gemm, mmf, mmq, mmv, stream
 from opdispatch.plugins.cuda_matmul.specs.gemm import GemmSpec
 from opdispatch.tensor import Tensor
 from opdispatch.testing.harness import Status, run_case
@@ -79,7 +79,11 @@ PATH_CASES = [
     ("f32", (64, 96), (1, 96), "mmvf"),
     ("f16", (64, 96), (8, 96), "mmvf"),
     ("bf16", (64, 65), (3, 65), "mmvf"),
-    ("f16", (64, 96), (9, 96), "cublas"),
+    ("f16", (64, 96), (9, 96), "mmf"),
+    ("bf16", (2, 64, 96), (2, 16, 96), "mmf"),
+    ("bf16", (64, 100), (16, 100), "cublas"),  # K % 8 != 0: mmf declines
+    ("f16", (64, 96), (17, 96), "cublas"),
+    ("f32", (64, 96), (12, 96), "cublas"),  # mmf takes f16/bf16 weights
     ("bf16", (2, 64, 96), (2, 512, 96), "cublas"),
     ("f32", (64, 80), (128, 80), "cublas"),
     ("q4_0", (64, 96), (1, 96), "mmvq"),
@@ -350,7 +354,7 @@ def _moe_add_id(n_tok: int) -> Tensor:
 
 
 def _bias_add_of_large_batch() -> Tensor:
-    return ops.add(ops.mul_mat(weight("w", (32, 64), "f16"), od.input("x", (16, 64))), od.input("b", (32,)))
+    return ops.add(ops.mul_mat(weight("w", (32, 64), "f16"), od.input("x", (17, 64))), od.input("b", (32,)))
 
 
 def _full_add() -> Tensor:
@@ -376,14 +380,14 @@ def _glu_of_other_weight_dtypes() -> Tensor:
 
 
 @pytest.mark.parametrize(("build", "reason"), [
-    (_bias_add_of_large_batch, r"mul_mat takes cublas, not a mat-vec kernel \(batch 16 > 8\)"),
+    (_bias_add_of_large_batch, r"mul_mat takes cublas, not a mat-vec kernel or mmf \(batch 17\)"),
     (_full_add, r"the bias .* is not one row of 32 values"),
     (_f16_bias, r"the bias .* must be f32"),
     (_f16_b, r"mul_mat: b must be f32 to fuse, got f16"),
     (lambda: _glu_graph(same_x=False), r"the two products read different inputs"),
     (_moe_glu_several_tokens, r"4 tokens: the fused GLU is for one token"),
     (_glu_of_other_weight_dtypes, r"the weights differ in dtype, shape or strides"),
-    (lambda: _glu_graph(n=9), r"mul_mat takes cublas, not a mat-vec kernel \(batch 9 > 8\)"),
+    (lambda: _glu_graph(n=17), r"mul_mat takes cublas, not a mat-vec kernel or mmf \(batch 17\)"),
 ])
 def test_fusion_check_declines_with_a_reason(build: Callable[[], Tensor], reason: str) -> None:
     y = build()
@@ -437,7 +441,7 @@ def fake_ptr(t: Tensor) -> int:
     return BASE + (t.base.uid % 997) * 2**20 + t.view_offset
 
 
-def fake_scratch(role: str, nbytes: int) -> int:
+def fake_scratch(role: str, nbytes: int, zeroed: bool = False) -> int:
     return SCRATCH
 
 
@@ -638,7 +642,7 @@ def ones(record: type) -> object:
 def test_every_launched_kernel_has_an_argument_record() -> None:
     """One KernelArgs record per kernel named in KERNEL_SOURCES, its fields the kernel's parameters
     and their converters the C types' numpy scalars."""
-    records = {kernel: cls for module in (mmv, stream, gemm, mmq) for cls in vars(module).values()
+    records = {kernel: cls for module in (mmv, stream, gemm, mmq, mmf) for cls in vars(module).values()
                if isinstance(cls, type) and issubclass(cls, KernelArgs) and cls is not KernelArgs
                for kernel in cls.KERNELS}
     for source, names in specs.KERNEL_SOURCES.items():
@@ -681,7 +685,7 @@ class Memory:
     def ptr(self, t: Tensor) -> int:
         return self.where[t.base] + t.view_offset
 
-    def scratch(self, role: str, nbytes: int) -> int:
+    def scratch(self, role: str, nbytes: int, zeroed: bool = False) -> int:
         return self.alloc(nbytes)
 
     def array(self, ptr: int, shape: tuple, strides: tuple, dt: np.dtype) -> np.ndarray:
@@ -973,6 +977,66 @@ def run_poisoned(y: Tensor, rng: np.random.Generator, path: str) -> tuple[od.Pla
     (got,) = plan.run(feeds)
     (ref,) = od.compile(y, "cpu").run(feeds)
     return plan, got, ref
+
+
+#: (M, K) of the mmf tests: odd M, a partial unit of 32 k, one split and several (split_k on the H200)
+MMF_SHAPES = ((77, 40), (1001, 2056), (2048, 2048), (300, 8192))
+
+
+@gpu
+@pytest.mark.parametrize("n", range(1, 17))
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_mmf_sweep(dt: str, n: int, monkeypatch: pytest.MonkeyPatch, rng) -> None:  # noqa: ANN001
+    """mmf for 1..16 columns (MMF_MIN_N lowered to 1 so that it takes the mat-vec's too), every output
+    written (arenas poisoned)."""
+    monkeypatch.setattr(support, "MMF_MIN_N", 1)
+    for m, k in MMF_SHAPES:
+        y = ops.mul_mat(od.input("a", (m, k), dt), od.input("b", (n, k)))
+        _, got, ref = run_poisoned(y, rng, "mmf")
+        assert_close(got, ref, f"mmf a={dt} n={n} m={m} k={k}")
+
+
+@gpu
+@pytest.mark.parametrize(("bs", "nr"), [((1, 1), (1, 2)), ((3, 1), (1, 1)), ((3, 2), (2, 2))])
+@pytest.mark.parametrize("k", [64, 1024])
+def test_mmf_broadcast_batches(bs: tuple, nr: tuple, k: int, rng) -> None:  # noqa: ANN001
+    for n in (9, 16):
+        y = ops.mul_mat(od.input("a", (*bs, 45, k), "bf16"), od.input("b", (bs[0] * nr[0], bs[1] * nr[1], n, k)))
+        _, got, ref = run_poisoned(y, rng, "mmf")
+        assert_close(got, ref, f"mmf bs={bs} nr={nr} n={n} k={k}")
+
+
+@gpu
+@pytest.mark.parametrize("n", [9, 16])
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+@pytest.mark.parametrize("build", ["mul_mat_add", "mul_mat_glu swiglu", "mul_mat_add_glu swiglu_oai"])
+def test_mmf_fused(build: str, dt: str, n: int, rng) -> None:  # noqa: ANN001
+    """The bias and gate/up GLU fusions on mmf, against the reference and the unfused nodes (mmf each)."""
+    y = FUSED_BUILDS[build](dt, n)
+    feeds = feeds_for(y, rng)
+    plan, fused, ref = run_both(y, feeds)
+    assert [s.kernel for s in plan.fusions] == [build.split()[0]], plan.explain()
+    assert_close(fused, ref, f"{build} a={dt} n={n} fused")
+    unfused_plan, unfused, _ = run_both(y, feeds, path="mmf", fusion=False)
+    assert_close(fused, unfused, f"{build} a={dt} n={n} fused vs unfused")
+
+
+@gpu
+def test_mmf_split_k_in_cuda_graph_replays(rng) -> None:  # noqa: ANN001
+    """Split K (the last block of a row block sums the partials and sets its counter back to 0) over a
+    captured CUDA graph's replays, fused gate/up included: every run right, every output written."""
+    x = od.input("x", (16, 2048))
+    wg, wu = od.input("wg", (2048, 2048), "bf16"), od.input("wu", (2048, 2048), "bf16")
+    y = ops.glu_split(ops.mul_mat(wg, x), ops.mul_mat(wu, x), "swiglu")
+    z = ops.mul_mat(od.input("wd", (512, 2048), "bf16"), y)
+    plan = od.compile(z, "cuda0")
+    assert sorted(s.kernel for s in plan.steps if s.plugin == "cuda_matmul") == ["mmf", "mul_mat_glu"], plan.explain()
+    for run in range(4):  # warm-up, capture, replays
+        feeds = named_feeds([z], rng, 0)
+        poison_arenas(plan)
+        (got,) = plan.run(feeds)
+        (ref,) = od.compile(z, "cpu").run(feeds)
+        assert_close(got, ref, f"mmf chain, run {run}")
 
 
 #: (K, M) of the mmvq_stream sweep: M not a multiple of the rows a warp stage holds (R = 2 at

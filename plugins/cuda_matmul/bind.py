@@ -14,8 +14,10 @@ from opdispatch.backends.cuda.scratch import Workspace
 from opdispatch.hookspecs import Launch
 from opdispatch.tensor import Tensor
 
+from . import support
 from .specs import Scratch
 from .specs.gemm import GemmSpec, Spec, gemm_specs, out_prod_specs
+from .specs.mmf import addresses_ok, mmf_fused_specs, mmf_specs
 from .specs.mmq import mmq_addresses, mmq_specs
 from .specs.mmv import fused_specs, grouped_specs, mmv_id_specs, mmv_specs
 
@@ -27,8 +29,8 @@ def scratch_for(ctx: CudaContext, kept: list) -> Scratch:
     """scratch(role, nbytes) for one bind: the backend's scratch buffer of that role
     (`ScratchPool`); every buffer handed out is appended to `kept`."""
 
-    def get(role: str, nbytes: int) -> int:
-        buf = ctx.backend.scratch.take(Workspace(nbytes, f"cuda_matmul {role}"))
+    def get(role: str, nbytes: int, zeroed: bool = False) -> int:
+        buf = ctx.backend.scratch.take(Workspace(nbytes, f"cuda_matmul {role}", zeroed))
         kept.append(buf)
         return buf.ptr
 
@@ -64,6 +66,13 @@ def bind_mmv(ctx: CudaContext, node: Tensor) -> Launch:
     return _bind(ctx, node, lambda scratch: mmv_specs(node, node, ctx.ptr, scratch, device=ctx.device))
 
 
+def bind_mmf(ctx: CudaContext, node: Tensor) -> Launch:
+    """mmf, or cuBLAS should the weights' address not be 16-byte aligned (an arena aligns to 256 bytes)."""
+    if not addresses_ok(ctx.ptr, node.srcs[0], None):
+        return bind_gemm(ctx, node)
+    return _bind(ctx, node, lambda scratch: mmf_specs(node, node, ctx.ptr, scratch, device=ctx.device))
+
+
 def bind_gemm(ctx: CudaContext, node: Tensor) -> Launch:
     return _bind(ctx, node, lambda scratch: gemm_specs(node, ctx.ptr, scratch))
 
@@ -89,6 +98,8 @@ def bind_mmv_id_grouped(ctx: CudaContext, node: Tensor) -> Launch:
 
 
 def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
+    if nodes[0].op == "mul_mat" and support.choose(nodes[0], ctx.device).path == "mmf":
+        return _bind(ctx, nodes[-1], lambda scratch: mmf_fused_specs(nodes, ctx.ptr, scratch, ctx.device))
     return _bind(ctx, nodes[-1], lambda scratch: fused_specs(nodes, ctx.ptr, scratch, ctx.index_check, ctx.device))
 
 
@@ -98,6 +109,7 @@ PATHS: tuple[tuple[str, str, Callable], ...] = (
     ("mul_mat", "mmvq_stream", bind_mmv),
     ("mul_mat", "mmvq", bind_mmv),
     ("mul_mat", "mmq", bind_mmq),
+    ("mul_mat", "mmf", bind_mmf),
     ("mul_mat", "cublas", bind_gemm),
     ("mul_mat", "dequant_cublas", bind_gemm),
     ("mul_mat_id", "mmv_id", bind_mmv_id),

@@ -8,10 +8,11 @@ node but the last is read only inside the group):
   mul_mat_add_glu       the same with a bias after each mul_mat
   mul_mat_id_glu        mul_mat_id(wg, x, ids), mul_mat_id(wu, x, ids) -> glu
   mul_mat_id_add_id_glu the same with add_id biases (gpt-oss)
-The fused kernels are the mat-vec ones, so each product must take a mat-vec
-path (mul_mat with N <= 8; mul_mat_id with one token for the GLU groups),
-with b in f32. GLU groups need both weights of one dtype, shape and strides
-and the same b (and ids). Anything else: a reason, and the nodes run unfused.
+The fused kernels are the mat-vec ones and mmf, so each product must take a
+mat-vec path (mul_mat with N <= 8; mul_mat_id with one token for the GLU
+groups) or mmf (mul_mat, f16/bf16 weights, up to 16 columns), with b in f32.
+GLU groups need both weights of one dtype, shape and strides and the same b
+(and ids). Anything else: a reason, and the nodes run unfused.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from opdispatch.tensor import Tensor
 from . import support
 
 MMV_PATHS = ("mmvf", "mmvq_stream", "mmvq", "mmv_id", "mmv_id_grouped")
+#: the paths whose kernels take the epilogues: the mat-vecs and the tensor-core mmf
+FUSED_PATHS = (*MMV_PATHS, "mmf")
 
 #: (rule name, pattern), longest first: dispatch takes the first rule whose check passes
 PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -40,12 +43,12 @@ PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def _mmv(node: Tensor) -> bool | str:
-    """True if `node` runs on a mat-vec path with an f32 b, else why not."""
+    """True if `node` runs on a path that fuses (a mat-vec or mmf) with an f32 b, else why not."""
     c = support.choose(node)
     if c.reason:
         return f"{node.op}: {c.reason}"
-    if c.path not in MMV_PATHS:
-        return f"{node.op} takes {c.path}, not a mat-vec kernel (batch {support.batch_n(node)} > {support.MMV_MAX_N})"
+    if c.path not in FUSED_PATHS:
+        return f"{node.op} takes {c.path}, not a mat-vec kernel or mmf (batch {support.batch_n(node)})"
     if node.srcs[1].dtype.name != "f32":
         return f"{node.op}: b must be f32 to fuse, got {node.srcs[1].dtype.name}"
     return True

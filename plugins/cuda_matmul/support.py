@@ -19,11 +19,17 @@ from opdispatch.ops.base import pad4
 from opdispatch.support import GRID_YZ_MAX, Rule, first_failure, fits_int, rows_apart, whole_elements
 from opdispatch.tensor import Tensor
 
-from .specs import mmq
+from .specs import MMF_TYPES, mmq
 from .specs.stream import STREAM_FORMATS, device_facts, stream_chunk, stream_warps
 
-#: most columns (batch N) the mat-vec kernels take; larger batches go to cuBLAS
+#: most columns (batch N) the mat-vec kernels take; larger batches go to mmf (float weights) or cuBLAS
 MMV_MAX_N = 8
+#: mmf (tensor cores, f16/bf16 weights) takes MMF_MIN_N..MMF_MAX_N columns where mmf_ok allows.
+#: MMF_MIN_N is the crossover with the mat-vec mmvf (2..9; above MMV_MAX_N, mmvf never runs past
+#: MMV_MAX_N): the fewest columns at which mmf beats mmvf on the H200; set from measurements.
+MMF_MIN_N = MMV_MAX_N + 1
+#: most columns mmf takes (the kernel's two 8-column tiles); more go to cuBLAS
+MMF_MAX_N = 16
 #: most experts the routing kernel of mmv_id_grouped takes (shared memory: 2 ints an expert)
 ROUTE_MAX_EXPERTS = 4096
 
@@ -138,6 +144,20 @@ def mmq_ok(node: Tensor, device: Device | None = None) -> bool | str:
     return True
 
 
+def mmf_ok(node: Tensor) -> bool | str:
+    """True if mmf runs mul_mat `node` (MMF_MIN_N..MMF_MAX_N columns, checked by the caller), else why not."""
+    a, b = node.srcs
+    if a.dtype.name not in MMF_TYPES:
+        return f"mmf takes f16/bf16 weights, not {a.dtype.name}"
+    if b.dtype.name != "f32":
+        return f"mmf takes an f32 b, not {b.dtype.name}"
+    if a.shape[-1] % 8:
+        return f"K={a.shape[-1]} is not a multiple of 8 (mmf reads rows in 16-byte pieces)"
+    if not _aligned16(a):
+        return "a's offset or row/batch strides are not multiples of 16 bytes"
+    return True
+
+
 def choose(node: Tensor, device: Device | None = None) -> Choice:
     """The path that runs `node` on `device` (None: an sm_90 GPU such as the H200), or why none does."""
     rules = RULES.get(node.op)
@@ -154,6 +174,8 @@ def choose(node: Tensor, device: Device | None = None) -> Choice:
         if quant and not small:
             ok = mmq_ok(node, device)
             return Choice("mmq") if ok is True else Choice("dequant_cublas", note=f"mmq: {ok}")
+        if not quant and MMF_MIN_N <= batch_n(node) <= MMF_MAX_N and mmf_ok(node) is True:
+            return Choice("mmf")
         return Choice("mmvf" if small else "cublas")
     if node.op == "mul_mat_id":
         return Choice("mmv_id" if node.shape[0] == 1 else "mmv_id_grouped")

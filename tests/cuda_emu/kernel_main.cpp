@@ -1,9 +1,9 @@
 // A driver for any kernel of one .cu file (copied as kernel.cu by the test): runs one instance over a
 // grid of one-dimensional blocks, block after block, every block's threads as std::threads.
-//   emu MEM_FILE INSTANCE GX GY GZ BLOCK ARG...
+//   emu MEM_FILE INSTANCE GX GY GZ BLOCK ARG...     (EMU_SMEM=bytes: dynamic shared memory, poisoned 0xFF)
 // MEM_FILE holds device memory (pointer arguments are byte offsets into it, 0 = nullptr) and gets
 // it back after the run. instances.inc lists {name, call}: each call passes its kernel's arguments as
-// `Arg`s, which convert to the parameter's type (a pointer into the memory, or an integer).
+// `Arg`s, which convert to the parameter's type (a pointer into the memory, an integer or a float).
 #include "shim.h"
 #include "kernel.cu"
 
@@ -20,6 +20,7 @@ struct Arg {
     operator int() const { return atoi(text); }
     operator unsigned() const { return static_cast<unsigned>(strtoull(text, nullptr, 10)); }
     operator long long() const { return atoll(text); }
+    operator float() const { return static_cast<float>(atof(text)); }
 };
 
 struct Entry {
@@ -44,6 +45,8 @@ int main(int argc, char** argv) {
     if (!entry) { fprintf(stderr, "no instance %s\n", argv[2]); return 2; }
     gridDim.x = atoi(argv[3]); gridDim.y = atoi(argv[4]); gridDim.z = atoi(argv[5]);
     blockDim.x = atoi(argv[6]);
+    const char* smem_env = getenv("EMU_SMEM");  // dynamic shared memory bytes a block (emu_ctx->smem)
+    const int smem = smem_env ? atoi(smem_env) : 0;
     std::vector<Arg> args;
     for (int i = 7; i < argc; ++i) args.push_back({argv[i], mem});
     for (unsigned bz = 0; bz < gridDim.z; ++bz)
@@ -56,7 +59,8 @@ int main(int argc, char** argv) {
         blk.block_bar = &bb;
         blk.warp_bar = wb;
         blk.xchg.assign(blockDim.x, 0u);
-        blk.smem = nullptr;
+        blk.smem = smem ? (unsigned char*)aligned_alloc(16, smem + 16) : nullptr;  // poisoned, a guard after
+        if (smem) memset(blk.smem, 0xff, smem + 16);
         std::vector<std::thread> th;
         for (unsigned t = 0; t < blockDim.x; ++t) {
             th.emplace_back([&, t] {
@@ -67,6 +71,11 @@ int main(int argc, char** argv) {
             });
         }
         for (auto& x : th) x.join();
+        if (smem && memcmp(blk.smem + smem, "\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", 16)) {
+            fprintf(stderr, "shared memory written past its end\n");
+            return 1;
+        }
+        free(blk.smem);
         for (auto* w : wb) delete w;
     }
     f = fopen(argv[1], "wb");

@@ -22,7 +22,8 @@
 #define __global__
 #define __forceinline__ inline
 #define __noinline__ __attribute__((noinline))
-#define __shared__
+// blocks run one after another: a block-scope __shared__ variable is one static for all its threads
+#define __shared__ static
 #define __launch_bounds__(...)
 
 struct alignas(16) uint4 { unsigned x, y, z, w; };
@@ -34,6 +35,7 @@ struct alignas(8) uint2 { unsigned x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline float2 make_float2(float a, float b) { return {a, b}; }
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 inline int2 make_int2(int a, int b) { return {a, b}; }
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
@@ -94,6 +96,8 @@ inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long ex
     std::atomic_ref<unsigned long long>(*p).compare_exchange_strong(expected, v);
     return expected;  // the old value, whether swapped or not
 }
+template <class T>
+inline T __ldcg(const T* p) { return *p; }  // od::last_block's readers (no cache here)
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_ctx->warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
 
@@ -173,4 +177,53 @@ inline void emu_mma_s8(int* d, const unsigned* a, unsigned b0, unsigned b1) {
         for (int k = 0; k < 32; ++k) s += A[r][k] * B[k][c];
         d[i] = s;
     }
+}
+
+// -- mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 (mmf.cu), a warp collective -----------
+// The PTX ISA's fragments, lane l = 4 g + t: A (16 x 16, row-major) words a0 = A[g][2t, 2t+1],
+// a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9] (low half first); B (16 x 8,
+// k x n) words b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g]; D = A B + C (16 x 8) d0, d1 = D[g][2t, 2t+1],
+// d2, d3 = D[g+8][2t, 2t+1]. Products exact, each sum in double, rounded to float once.
+inline unsigned emu_mma16_frags[32][32][6];  // [warp][lane][a0..a3, b0, b1]
+
+inline float emu_mma16_half(unsigned w, int hi, bool bf16) {
+    const unsigned short h = (unsigned short)(hi ? w >> 16 : w & 0xffffu);
+    return bf16 ? __uint_as_float((unsigned)h << 16) : emu_h2f(h);
+}
+
+inline void emu_mma_m16n8k16(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1,
+                             bool bf16) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const unsigned mine[6] = {a0, a1, a2, a3, b0, b1};
+    memcpy(emu_mma16_frags[warp][lane], mine, sizeof mine);
+    __syncwarp();
+    float A[16][16], B[16][8];
+    for (int l = 0; l < 32; ++l) {
+        const int g = l / 4, t = l % 4;
+        const unsigned* f = emu_mma16_frags[warp][l];
+        for (int e = 0; e < 2; ++e) {
+            A[g][2 * t + e] = emu_mma16_half(f[0], e, bf16);
+            A[g + 8][2 * t + e] = emu_mma16_half(f[1], e, bf16);
+            A[g][2 * t + 8 + e] = emu_mma16_half(f[2], e, bf16);
+            A[g + 8][2 * t + 8 + e] = emu_mma16_half(f[3], e, bf16);
+            B[2 * t + e][g] = emu_mma16_half(f[4], e, bf16);
+            B[2 * t + 8 + e][g] = emu_mma16_half(f[5], e, bf16);
+        }
+    }
+    __syncwarp();  // every lane has read the fragments before the next call overwrites them
+    const int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+        double s = d[i];
+        for (int k = 0; k < 16; ++k) s += (double)A[row][k] * (double)B[k][col];
+        d[i] = (float)s;
+    }
+}
+inline void emu_mma_m16n8k16_bf16(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                  unsigned b1) {
+    emu_mma_m16n8k16(d, a0, a1, a2, a3, b0, b1, true);
+}
+inline void emu_mma_m16n8k16_f16(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                 unsigned b1) {
+    emu_mma_m16n8k16(d, a0, a1, a2, a3, b0, b1, false);
 }

@@ -2,7 +2,9 @@
 constants and tuned configuration that fix them; the helpers every family of specs shares.
 
 The launch specs are per .cu family: `mmv` (kernels/mmv.cu: the mat-vecs and the q8_1 quantizer;
-kernels/mmv_id.cu: the MoE mat-vecs and routing), `stream` (kernels/mmvq_stream.cu's geometry), `mmq` (kernels/mmq.cu) and `gemm` (kernels/convert.cu and the cuBLAS
+kernels/mmv_id.cu: the MoE mat-vecs and routing), `stream` (kernels/mmvq_stream.cu's geometry), `mmq`
+(kernels/mmq.cu, the quantized GEMM), `mmf` (kernels/mmf.cu, the tensor-core mat-mul for few columns) and
+`gemm` (kernels/convert.cu and the cuBLAS
 calls). Column counts are compiled for the common case only: b f32 (and 16-byte loads for float
 weights) takes NTS (the grouped MoE kernels GROUPED_NTS); the rarer variants (scalar loads, b f16/bf16,
 which only unfused mul_mat takes) are compiled for 8 columns and run fewer.
@@ -26,6 +28,7 @@ MMV_ID_CU = KERNELS_DIR / "mmv_id.cu"
 MMVQ_STREAM_CU = KERNELS_DIR / "mmvq_stream.cu"
 MMQ_CU = KERNELS_DIR / "mmq.cu"
 CONVERT_CU = KERNELS_DIR / "convert.cu"
+MMF_CU = KERNELS_DIR / "mmf.cu"
 
 #: quant_k.cuh's formats (K-quants, iq4_nl, iq4_xs, mxfp4) that opdispatch.dtypes knows: the mat-vecs
 #: dot them 32 values at a time (dot32), the dequantizing copy decodes them; no streamed mat-vec
@@ -106,6 +109,10 @@ def qgrouped_name(wt: str, nt: int, epi: str) -> str:
     return instance("mmvq_id_grouped", W_KIND[wt], nt, epi)
 
 
+def mmf_name(wt: str, n_tiles: int, epi: str) -> str:
+    return instance("mmf", W_KIND[wt], n_tiles, epi)
+
+
 def quantize_name(tb: str) -> str:
     return instance("quantize_q8_1", B_KIND[tb])
 
@@ -144,16 +151,20 @@ STREAM_NAMES: tuple[str, ...] = (
     *(stream_name(wt, "f32", nt, epi) for epi in EPIS for wt in LEGACY_NAMES for nt in NTS),
     *(stream_name(wt, tb, 8, EPI_NONE) for tb in ("f16", "bf16") for wt in LEGACY_NAMES),
 )
-MMQ_NAMES: tuple[str, ...] = tuple(mmq_name(wt, tile) for wt in QUANT_NAMES for _, tile in MMQ_TILES)
+MMQ_NAMES: tuple[str, ...] = tuple(mmq_name(wt, tile) for wt in LEGACY_NAMES for _, tile in MMQ_TILES)
+#: mmf: f16/bf16 weights, b f32, one or two 8-column tiles, every epilogue
+MMF_TYPES = ("f16", "bf16")
+MMF_NAMES: tuple[str, ...] = tuple(mmf_name(wt, nt, epi) for wt in MMF_TYPES for nt in (1, 2) for epi in EPIS)
 #: every instance the specs can name, per source (tests/test_kernels_compile.py compiles them all)
 KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {MMV_CU: MMV_NAMES, MMV_ID_CU: MMV_ID_NAMES,
                                                CONVERT_CU: CONVERT_NAMES, MMVQ_STREAM_CU: STREAM_NAMES,
-                                               MMQ_CU: MMQ_NAMES}
+                                               MMQ_CU: MMQ_NAMES, MMF_CU: MMF_NAMES}
 
 #: a tensor's device address (a bind's `ctx.ptr`; tests pass fakes)
 Ptr = Callable[[Tensor], int]
-#: scratch(role, nbytes) -> device address of a buffer of at least nbytes for `role`
-Scratch = Callable[[str, int], int]
+#: scratch(role, nbytes[, zeroed]) -> device address of a buffer of at least nbytes for `role` (zeroed when
+#: allocated if asked: counters the kernels set back to 0)
+Scratch = Callable[..., int]
 
 
 def nt_for(n: int, choices: Sequence[int] = NTS) -> int:
