@@ -4,7 +4,7 @@
   f16 (so no conversion runs) and an f32 result, against torch.matmul in the
   same type (so torch writes half as many output bytes) on the same values.
   FLOPs 2*M*N*K.
-- mat-vec, batch 1 (mmvf / mmvq_stream): bytes = weight bytes + the f32 vector
+- mat-vec, batch 1 (mmvf / mmvq_stream / mmvq, every weight format that has one): bytes = weight bytes + the f32 vector
   + the f32 output, against torch's f16 mat-vec of the same shape (for every
   weight type: torch has no q8_0/q4_0 kernel, and f16 is the usual baseline).
 - mmf, 16 columns (bf16): bytes = the weight bytes, against torch.matmul of the
@@ -29,6 +29,7 @@ import pytest
 import opdispatch as od
 from bench import cold, ready
 from opdispatch import ops
+from opdispatch.plugins.cuda_matmul import support
 
 pytestmark = pytest.mark.gpu
 MATMUL, MATMUL_OPS = "cuda_matmul", ("mul_mat", "mul_mat_id")
@@ -58,14 +59,29 @@ def test_gemm(measure, torch_cuda, dt: str, size: int) -> None:  # noqa: ANN001
     measure(plan, 2 * (M * K + N * K) + 4 * M * N, lambda: torch.matmul(tb, ta.T), flops=2 * M * N * K)
 
 
+#: rows a block-format weight is quantized from: its speed does not depend on the values, and the numpy
+#: quantizers of the K-quants take seconds a matrix, so a benchmark weight repeats this many quantized rows
+QUANT_ROWS = 64
+
+
 def param_sets(name: str, values: np.ndarray, dt: str, sets: int) -> list[od.Tensor]:
-    """`sets` params holding `values` in `dt` (converted once), each its own device buffer."""
+    """`sets` params holding `values` in `dt` (converted once; a block format's rows repeat its first
+    QUANT_ROWS quantized), each its own device buffer."""
+    if od.dtype(dt).is_quant and values.shape[-2] > QUANT_ROWS:
+        rows = od.param(name, values[..., :QUANT_ROWS, :], dt).data.reshape(QUANT_ROWS, -1)
+        raw = np.resize(rows, (*values.shape[:-1], rows.shape[-1]))  # np.resize repeats the rows in order
+        return [od.param(f"{name}{i}", raw, dt, shape=values.shape) for i in range(sets)]
     raw = od.param(name, values, dt)
     return [od.param(f"{name}{i}", raw.data, dt, shape=raw.shape) for i in range(sets)]
 
 
+#: every weight format with a batch-1 mat-vec: floats (mmvf), the streamed block formats (mmvq_stream), the
+#: sub-scaled ones (mmvq)
+MATVEC_TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_K", "q5_K", "q6_K", "q2_K", "q3_K", "iq4_xs", "iq4_nl", "mxfp4")
+
+
 @pytest.mark.parametrize("shape", [(4096, 4096), (14336, 4096)], ids=["4096x4096", "14336x4096"])
-@pytest.mark.parametrize("dt", ["f16", "bf16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("dt", MATVEC_TYPES)
 def test_matvec(measure_cold, torch_cuda, dt: str, shape: tuple) -> None:  # noqa: ANN001
     torch = torch_cuda
     M, K = shape
@@ -73,8 +89,9 @@ def test_matvec(measure_cold, torch_cuda, dt: str, shape: tuple) -> None:  # noq
     lay = cold(nbytes)
     weights = param_sets("a", rand(M, K), dt, lay.sets)
     x = od.input("x", (1, K))
+    kernel = support.choose(ops.mul_mat(weights[0], x)).path  # the path the table gives: mmvf, mmvq_stream, mmvq
     plan = ready([ops.mul_mat(weights[lay.of(i)], x) for i in range(lay.instances)], {x: rand(1, K)}, MATMUL,
-                 ops=MATMUL_OPS, kernel="mmvq_stream" if dt.startswith("q") else "mmvf")
+                 ops=MATMUL_OPS, kernel=kernel)
     tw = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _ in range(lay.sets)]
     tx = torch.randn(1, K, device="cuda", dtype=torch.float16)
     measure_cold(plan, lay, nbytes, lambda i: torch.matmul(tx, tw[lay.of(i)].T))
