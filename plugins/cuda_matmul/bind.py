@@ -24,11 +24,11 @@ if TYPE_CHECKING:
 
 
 def scratch_for(ctx: CudaContext, kept: list) -> Scratch:
-    """scratch(role, nbytes) for one bind: the backend's scratch buffer of that role
+    """scratch(role, nbytes, zeroed=False) for one bind: the backend's scratch buffer of that role
     (`ScratchPool`); every buffer handed out is appended to `kept`."""
 
-    def get(role: str, nbytes: int) -> int:
-        buf = ctx.backend.scratch.take(Workspace(nbytes, f"cuda_matmul {role}"))
+    def get(role: str, nbytes: int, zeroed: bool = False) -> int:
+        buf = ctx.backend.scratch.take(Workspace(nbytes, f"cuda_matmul {role}", zeroed))
         kept.append(buf)
         return buf.ptr
 

@@ -47,11 +47,6 @@ QROWS, QWARPS_MAX, QUANT_BLOCK = 4, 4, 256
 CONVERT_GRID_MAX = 65536  # blocks of a conversion (grid-stride over rows beyond)
 
 
-#: mmq's tiles, (most columns, (fm, fn, wm, wn, wk)) read top to bottom (specs/mmq.py's MmqTile)
-MMQ_TILES: tuple[tuple[int, tuple[int, int, int, int, int]], ...] = (
-    (16, (1, 2, 2, 1, 4)), (64, (2, 4, 2, 2, 2)), (2**31, (2, 4, 4, 2, 1)))
-
-
 @attrs.frozen
 class StreamConfig:
     """mmvq_stream's tunables: cp.async stages a warp (the kernel's NS, 2..4), warps a block
@@ -137,16 +132,15 @@ STREAM_NAMES: tuple[str, ...] = (
     *(stream_name(wt, "f32", nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
     *(stream_name(wt, tb, 8, EPI_NONE) for tb in ("f16", "bf16") for wt in QUANT_NAMES),
 )
-MMQ_NAMES: tuple[str, ...] = tuple(mmq_name(wt, tile) for wt in QUANT_NAMES for _, tile in MMQ_TILES)
 #: every instance the specs can name, per source (tests/test_kernels_compile.py compiles them all)
 KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {MMV_CU: MMV_NAMES, MMV_ID_CU: MMV_ID_NAMES,
-                                               CONVERT_CU: CONVERT_NAMES, MMVQ_STREAM_CU: STREAM_NAMES,
-                                               MMQ_CU: MMQ_NAMES}
+                                               CONVERT_CU: CONVERT_NAMES, MMVQ_STREAM_CU: STREAM_NAMES}
 
 #: a tensor's device address (a bind's `ctx.ptr`; tests pass fakes)
 Ptr = Callable[[Tensor], int]
-#: scratch(role, nbytes) -> device address of a buffer of at least nbytes for `role`
-Scratch = Callable[[str, int], int]
+#: scratch(role, nbytes, zeroed=False) -> device address of a buffer of at least nbytes for `role` (zeroed
+#: once when allocated, if asked: counters the kernels set back to 0)
+Scratch = Callable[..., int]
 
 
 def nt_for(n: int, choices: Sequence[int] = NTS) -> int:
@@ -168,3 +162,8 @@ def elem_stride(t: Tensor) -> int:
 def addr(ptr: Ptr, t: Tensor | None) -> int:
     """t's address, 0 (a null pointer) for an absent operand."""
     return ptr(t) if t is not None else 0
+
+
+from . import mmq  # noqa: E402 - last: specs/mmq.py imports the names above; its TABLE names the instances
+
+KERNEL_SOURCES[MMQ_CU] = mmq.NAMES
