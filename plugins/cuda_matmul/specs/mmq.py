@@ -87,7 +87,7 @@ CANDIDATES: dict[int, tuple[MmqConfig, ...]] = {
     32: (*_variants(1, 4, 4, 1, (4, 6), (8,), (4, 8, 16)), *_variants(1, 2, 4, 2, (4,), (8,), (8,))),
     64: (*_variants(1, 4, 4, 2, (3, 4), (8,), (2, 4, 8)), *_variants(2, 4, 4, 2, (3,), (8,), (2, 4))),
     128: (*_variants(2, 4, 4, 2, (2, 3), (8,), (1, 2)), *_variants(4, 4, 2, 4, (2,), (8,), (1, 2))),
-    2**31: (*_variants(2, 4, 4, 2, (2, 3), (8,), (1,)), *_variants(4, 4, 2, 4, (2,), (8,), (1,)),
+    2**31: (*_variants(2, 4, 4, 2, (2, 3), (8,), (1,)), *_variants(4, 4, 2, 4, (2, 3), (8,), (1,)),
             *_variants(2, 8, 4, 1, (2,), (8,), (1,))),
 }
 #: the formats the sweep times (the compile test builds every candidate for them)
