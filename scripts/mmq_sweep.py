@@ -118,6 +118,8 @@ class Sweep:
         for role, buf in self.scratch_bufs.items():  # a failed configuration may have left counters set
             if "counters" in role:
                 buf.fill(0)
+        # the weights, outputs and counters were written on CuPy's default stream; ours does not wait for it
+        self.cp.cuda.Device().synchronize()
         launches = []
         for i in range(len(outs)):
             w = self.weights[i % self.copies]
