@@ -851,7 +851,7 @@ def run_both(y: Tensor, feeds: dict, path: str | None = None, **kw: object) -> t
 
 
 SWEEP_N = (*range(1, 10), 16, 128, 512)
-MMQ_N = (9, 16, 32, 64, 512, 33, 70, 513)  # every tile (specs/mmq.TILES), full and partial column tiles
+MMQ_N = (9, 16, 32, 64, 128, 512, 33, 70, 513)  # every entry of specs/mmq.TABLE, full and partial column tiles
 
 
 @gpu
@@ -873,6 +873,24 @@ def test_mmq(dt: str, n: int, rng) -> None:  # noqa: ANN001
             (got,) = plan.run(feeds)
             (ref,) = od.compile(y, "cpu").run(feeds)
             assert_close(got, ref, f"mmq a={dt} m={m} k={k} n={n}, run {run}")
+
+
+@gpu
+@pytest.mark.parametrize("n", [16, 64, 128])
+def test_mmq_split_k_is_deterministic(n: int, rng) -> None:  # noqa: ANN001
+    """Split K (the last block of a tile adds the slices in order): the same inputs give the same bits,
+    run after run and replay after replay, whichever block finishes last."""
+    y = ops.mul_mat(od.input("a", (300, 14336), "q4_0"), od.input("b", (n, 14336)))
+    plan = od.compile(y, "cuda0")
+    (step,) = steps_of(plan, "mul_mat")
+    assert step.kernel == "mmq", plan.explain()
+    feeds = feeds_for(y, rng)
+    (first,) = plan.run(feeds)
+    (ref,) = od.compile(y, "cpu").run(feeds)
+    assert_close(first, ref, f"mmq split K n={n}")
+    for run in range(3):
+        (got,) = plan.run(feeds)
+        assert np.array_equal(got, first), f"mmq split K n={n}: run {run + 1} differs from the first"
 
 
 @gpu

@@ -45,6 +45,7 @@ MMA_PTX = ("    asm volatile(\"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {
            "\"r\"(0));",
            "    emu_mma_s8(d, a, b0, b1);")
 SHARED = "extern __shared__ uint4 smem_u4[];"
+LAST_FLAG = ("    __shared__ bool last;", "    static bool last;")
 
 
 def _mm(dt: str, m: int, k: int, n: int, tb: str = "f32", batch: tuple = (), a_batch: tuple | None = None,
@@ -54,25 +55,47 @@ def _mm(dt: str, m: int, k: int, n: int, tb: str = "f32", batch: tuple = (), a_b
     return ops.mul_mat(a, b)
 
 
-#: name: (graph, eager copies); between them: every tile, K tails, M / N edges, ring wrap-around, batches
+Cfg = mmq.MmqConfig
+#: name: (graph, eager copies, configuration or None for TABLE's); between them: every TABLE entry, split-K
+#: (even and uneven slices, with a K tail, over batches), K tails, M / N edges, ring wrap-around, batches,
+#: and the other tile shapes the sweep times
 CASES = {
-    "q4_0 N9 M77 (tile 32x16, split-K 4)": (lambda: _mm("q4_0", 77, 512, 9), False),
-    "q8_0 N16 K768 (3 K tiles, the ring wraps)": (lambda: _mm("q8_0", 40, 768, 16), True),
-    "q4_1 N20 K384 (tile 64x64, a 4-block K tail)": (lambda: _mm("q4_1", 33, 384, 20), False),
-    "q5_1 N70 K1088 (tile 128x64, a 2-block K tail, 2 column tiles)": (lambda: _mm("q5_1", 19, 1088, 70), False),
-    "q5_0 broadcast batches": (lambda: _mm("q5_0", 21, 256, 11, batch=(3, 4), a_batch=(1, 2)), True),
-    "q8_0 b bf16 transposed": (lambda: _mm("q8_0", 35, 256, 13, tb="bf16", bview="T"), False),
-    "q4_0 N64 M64 exact tiles": (lambda: _mm("q4_0", 64, 256, 64), False),
+    "q4_0 N9 M77 K2048 (64x16, 4 slices)": (lambda: _mm("q4_0", 77, 2048, 9), False, None),
+    "q8_0 N16 K768 (3 K tiles in a 4-stage ring)": (lambda: _mm("q8_0", 40, 768, 16), True, None),
+    "q4_1 N20 K384 (64x32, a 4-block K tail)": (lambda: _mm("q4_1", 33, 384, 20), False, None),
+    "q5_1 N70 K1088 (128x64, 2 slices, a 2-block K tail, 2 column tiles)": (lambda: _mm("q5_1", 19, 1088, 70), False,
+                                                                              None),
+    "q5_0 broadcast batches": (lambda: _mm("q5_0", 21, 256, 11, batch=(3, 4), a_batch=(1, 2)), True, None),
+    "q8_0 b bf16 transposed": (lambda: _mm("q8_0", 35, 256, 13, tb="bf16", bview="T"), False, None),
+    "q4_0 N64 M64 exact tiles": (lambda: _mm("q4_0", 64, 256, 64), False, None),
+    "q4_0 N130 (128x64, 3 column tiles)": (lambda: _mm("q4_0", 40, 512, 130), False, None),
+    "q4_0 N16 K2304 uneven slices (9 K tiles in 4)": (lambda: _mm("q4_0", 70, 2304, 16), False,
+                                                      Cfg(1, 2, 4, 1, 3, 8, 16)),
+    "q8_0 N40 split over batches": (lambda: _mm("q8_0", 30, 2048, 40, batch=(2,)), True, Cfg(1, 4, 4, 2, 3, 8, 4)),
+    "q4_1 N12 K1152 (KB 16, a 4-block tail)": (lambda: _mm("q4_1", 24, 1152, 12), False, Cfg(1, 2, 4, 1, 3, 16, 8)),
+    "q5_0 N100 (128x128, 64x32 a warp, 2 slices)": (lambda: _mm("q5_0", 50, 1024, 100), False,
+                                                    Cfg(4, 4, 2, 4, 2, 8, 2)),
+    "q4_0 N33 (128x16, 3 column tiles, 2 slices)": (lambda: _mm("q4_0", 45, 1024, 33), False,
+                                                    Cfg(2, 2, 4, 1, 4, 8, 16)),
 }
 
 
 class ScratchArena(Arena):
-    """An Arena whose scratch buffers are carved from the same memory (quantize_q8_1's b copy)."""
+    """An Arena whose scratch buffers (quantize_q8_1's b copy, mmq's partial sums and split counters) are
+    carved from the same memory, by role."""
 
-    def scratch(self, role: str, nbytes: int) -> int:
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.roles: dict[str, tuple[int, int]] = {}
+
+    def scratch(self, role: str, nbytes: int, zeroed: bool = False) -> int:
+        """A buffer of nbytes, zeroed if asked, else poisoned (0xFF) so that a read of a part nothing
+        wrote shows."""
         at = self.top
         self.top = (self.top + nbytes + 255) // 256 * 256
         assert self.top <= self.mem.size, "arena too small for the scratch buffer"
+        self.mem[at:at + nbytes] = 0 if zeroed else 0xFF
+        self.roles[role] = (at, nbytes)
         return at
 
 
@@ -80,10 +103,10 @@ def _node(y: Tensor) -> Tensor:
     return next(n for n in Graph.build(y).nodes if n.op == "mul_mat")
 
 
-def _names(y: Tensor) -> list[str]:
+def _names(y: Tensor, cfg: mmq.MmqConfig | None) -> list[str]:
     node = _node(y)
     a = ScratchArena(1 << 24)
-    return [s.kernel for s in mmq.mmq_specs(node, lambda t: 512, a.scratch)]
+    return [s.kernel for s in mmq.mmq_specs(node, lambda t: 512, a.scratch, cfg)]
 
 
 def _call(name: str, nargs: int) -> str:
@@ -95,6 +118,10 @@ def _call(name: str, nargs: int) -> str:
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build = tmp_path_factory.mktemp("mmq_emu")
     write_headers(build)
+    # od::last_block's flag is a block's shared variable: a static here, where blocks run one after another
+    common = (build / "common.cuh").read_text()
+    assert LAST_FLAG[0] in common, "common.cuh changed: update the emulation's swap of last_block's flag"
+    (build / "common.cuh").write_text(common.replace(*LAST_FLAG))
     for header in ("mm_common.cuh", "mmv_common.cuh", "mmv.cu"):
         (build / header).write_text(specs.KERNELS_DIR.joinpath(header).read_text())
     src = specs.MMQ_CU.read_text()
@@ -106,7 +133,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
         assert "asm" not in (build / name).read_text(), f"{name} has inline PTX the emulation does not replace"
     (build / "kernels.cu").write_text('#include "mmv.cu"\n#include "mmq.cu"\n')
     (build / "main.cpp").write_text((EMU / "smem_main.cpp").read_text())
-    names = sorted({n for make, _ in CASES.values() for n in _names(make())})
+    names = sorted({n for make, _, cfg in CASES.values() for n in _names(make(), cfg)})
     arity = {"quantize_q8_1": len(mmq.mmv.QuantizeArgs.__attrs_attrs__), "mmq": len(mmq.MmqArgs.__attrs_attrs__)}
     (build / "instances.inc").write_text("".join(_call(n, arity[n.split("<")[0]]) for n in names))
     exe = build / "emu"
@@ -117,19 +144,21 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return exe
 
 
-def _emulate(y: Tensor, feeds: dict, eager: bool, emulator: Path, tmp_path: Path) -> tuple[np.ndarray, str]:
-    """The output of the launches the plugin binds for mul_mat `y` (quantize_q8_1, then mmq), run in turn
-    by the emulator on one memory, the output poisoned first; and a description of the launches."""
+def _emulate(y: Tensor, feeds: dict, eager: bool, cfg: mmq.MmqConfig | None, emulator: Path,
+             tmp_path: Path) -> tuple[np.ndarray, str]:
+    """The output of the launches the plugin binds for mul_mat `y` (quantize_q8_1, then mmq with `cfg`), run in
+    turn by the emulator on one memory, the output poisoned first; and a description of the launches. Asserts
+    that split K left its counters at zero for the next launch."""
     graph = Graph.build(y)
     node = _node(y)
     b = node.srcs[1]
     arena = ScratchArena(sum(t.base.nbytes + 256 for t in (*graph.leafs, *graph.nodes))
-                         + 40 * b.base.nbytes + (1 << 16))
+                         + 40 * b.base.nbytes + 17 * node.nbytes + (1 << 16))
     for leaf in graph.leafs:
         arena.place(leaf, from_float(leaf.dtype.name, feeds[leaf]))
     for n in graph.nodes:
         arena.place(n, None)
-    launches = mmq.mmq_specs(node, arena.ptr, arena.scratch)
+    launches = mmq.mmq_specs(node, arena.ptr, arena.scratch, cfg)
     assert [s.kernel.split("<")[0] for s in launches] == ["quantize_q8_1", "mmq"]
     mem_file = tmp_path / "mem.bin"
     arena.mem.tofile(mem_file)
@@ -142,18 +171,23 @@ def _emulate(y: Tensor, feeds: dict, eager: bool, emulator: Path, tmp_path: Path
     mem = np.fromfile(mem_file, np.uint8)
     at = arena.ptr(node)
     got = mem[at:at + node.nbytes].view(np.float32).reshape(node.shape)
+    args = launches[1].args
     what = "; ".join(f"{s.kernel} grid {s.grid} block {s.block} smem {s.smem}" for s in launches)
+    what += f"; splits {args.splits}"
+    if args.splits > 1:
+        at, nbytes = arena.roles["mmq split counters"]
+        assert not mem[at:at + nbytes].any(), f"{what}: split counters not back to zero"
     return got, what
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_mmq_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
-    make, eager = CASES[case]
+    make, eager, cfg = CASES[case]
     y = make()
     assert support.choose(_node(y)).path == "mmq"
     graph = Graph.build(y)
     feeds = {t: rng.uniform(-1, 1, t.shape).astype(np.float32) for t in graph.inputs}
-    got, launch = _emulate(y, feeds, eager, emulator, tmp_path)
+    got, launch = _emulate(y, feeds, eager, cfg, emulator, tmp_path)
     (ref,) = od.compile(y, "cpu").run(feeds)
     what = f"{case}: {launch}"
     assert np.isfinite(got).all(), f"{what}: non-finite outputs (unwritten, or read before landing)"
@@ -164,7 +198,19 @@ def test_mmq_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> None:  
         assert nmse(got, model) <= NMSE_Q8_1, f"{what}: NMSE {nmse(got, model):.3g} against b rounded to q8_1"
 
 
-def test_cases_cover_the_tiles() -> None:
-    """The cases reach every compiled tile, with a K tail and with the M and N edges."""
-    tiles = {mmq.mmq_tile(_node(make()).shape[-2]) for make, _ in CASES.values()}
-    assert tiles == {t for _, t in mmq.TILES}
+def test_cases_cover_the_table() -> None:
+    """The cases reach every TABLE entry, split K (uneven slices, a K tail, batches) and unsplit."""
+    used = {cfg or mmq.mmq_config(_node(make()).shape[-2]) for make, _, cfg in CASES.values()}
+    assert {cfg for _, cfg in mmq.TABLE} <= used
+    splits = [mmq.mmq_splits(cfg or mmq.mmq_config(_node(make()).shape[-2]), _node(make()).srcs[0].shape[-1])
+              for make, _, cfg in CASES.values()]
+    assert 1 in splits and max(splits) >= 4
+
+
+def test_splits_stay_within_k() -> None:
+    """Every slice of a launch holds two K tiles at least, or the launch has one slice."""
+    for _, cfg in mmq.TABLE:
+        for k in (32, 256, 512, 2048, 14336):
+            nkt = -(-k // 32 // cfg.kb)
+            s = mmq.mmq_splits(cfg, k)
+            assert 1 <= s <= cfg.splits and (s == 1 or nkt // s >= 2)

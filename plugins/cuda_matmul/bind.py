@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 def scratch_for(ctx: CudaContext, kept: list) -> Scratch:
-    """scratch(role, nbytes) for one bind: the backend's scratch buffer of that role
+    """scratch(role, nbytes, zeroed=False) for one bind: the backend's scratch buffer of that role
     (`ScratchPool`); every buffer handed out is appended to `kept`."""
 
     def get(role: str, nbytes: int, zeroed: bool = False) -> int:

@@ -103,6 +103,8 @@ inline void __syncwarp(unsigned = 0xffffffffu) { emu_ctx->warp_bar[threadIdx.x /
 
 template <class T>
 inline T __ldg(const T* p) { return *p; }
+template <class T>
+inline T __ldcg(const T* p) { return *p; }  // mmq.cu's split-K sums (blocks run one after another here)
 
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int off, int = 32) {

@@ -7,27 +7,35 @@
 // q4_1 / q5_1); q4_0 / q5_0 codes have their zero subtracted when they are read, so that they
 // need no such term.
 //
-// Tiling (template FM, FN, WM, WN, WK): a warp computes 16 FM weight rows x 8 FN columns (FM x FN
-// mma tiles); a block's WM x WN x WK warps cover BM = 16 FM WM rows and BN = 8 FN WN columns, the
-// WK warps of one (row, column) tile taking turns over the KB = 8 blocks of each K tile and adding
-// their sums up through shared memory at the end (split-K inside the block, for small N: more
-// warps an SM to hide latency with the same few columns). Grid (tiles_m * tiles_n, B2, B3).
+// Tiling (template FM, FN, WM, WN, NS, KB): a warp computes 16 FM weight rows x 8 FN columns (FM x FN
+// mma tiles); a block's WM x WN warps cover BM = 16 FM WM rows and BN = 8 FN WN columns. K is cut in
+// K tiles of KB weight blocks, and the K tiles of a row in `splits` contiguous slices (split-K across
+// blocks, a launch parameter: few columns leave few output tiles, so the slices make the grid several
+// waves of blocks, each streaming its own weights). Grid (tiles_m * splits * tiles_n, B2, B3), the
+// column tile fastest (the blocks reading the same weights run together) and the row tile slowest.
 //
-// Stages (NS, cp.async 16 bytes a thread, one __syncthreads a K tile): a stage holds the K tile of
-//   weights  BM rows of KB raw blocks as they are in memory (KB * BYTES bytes: 144 to 272, a multiple
-//            of 16), RS bytes apart: an odd number of 16-byte granules, so that the 8 rows a
-//            fragment load reads (lanes 4g .. 4g+3 read row g) fall in 8 distinct bank groups;
+// Stages (an NS-deep ring, cp.async 16 bytes a thread, one __syncthreads a K tile): a stage holds
+//   weights  BM rows of KB raw blocks as they are in memory (KB * BYTES bytes, a multiple of 16),
+//            RS bytes apart: an odd number of 16-byte granules, so that the 8 rows a fragment load
+//            reads (lanes 4g .. 4g+3 read row g) fall in 8 distinct bank groups;
 //   b codes  BN columns, BROW bytes apart (odd granules): the KB blocks' first 16 codes, then
 //            their last 16 (QB8's two half-runs, copied as they are);
 //   b scales BN columns of KB (d, d * sum) float2, BDS bytes apart.
 // A fragments are read straight from the raw blocks (frag_codes below: one 32-bit read gives a
 // lane its codes 4t .. 4t+3 and, for the 4- and 5-bit formats, 16+4t .. 16+4t+3 in the high
-// nibbles), so no weight is ever written back dequantized.
+// nibbles), so no weight is ever written back dequantized. With `preload` (the weights are constant)
+// the first NS - 1 stages' weights are issued before the wait for quantize_q8_1 (PDL), so that their
+// latency overlaps its tail.
+//
+// Split-K: with splits > 1 each block writes its partial sums to part (splits planes shaped as out),
+// then the last block of an output tile to finish (od::last_block on its counter, zeroed once) adds
+// the planes in split order and writes out: the result does not depend on which block finished last.
 //
 // Requirements (support.mmq_ok): a's rows a multiple of 16 bytes (K % 256 for q4_0, q5_0, q8_0,
-// K % 128 for q4_1, K % 64 for q5_1), a 16-byte aligned (base, row and batch strides), K % 32 == 0.
-// The last K tile may hold fewer than KB blocks (always an even number of them); rows past M and
-// columns past N read row M - 1 and column N - 1 and write nothing.
+// K % 128 for q4_1, K % 64 for q5_1), a 16-byte aligned (base, row and batch strides), K % 32 == 0;
+// 1 <= splits <= K tiles (specs/mmq.py). The last K tile may hold fewer than KB blocks (always an even
+// number of them, whole granules); rows past M and columns past N read row M - 1 and column N - 1 and
+// write nothing.
 
 #include "mmv_common.cuh"
 
@@ -35,17 +43,14 @@ namespace mq {
 
 using mm::u8;
 
-constexpr int NS = 3;                   // cp.async stages
-constexpr int KB = 8;                   // weight blocks a K tile
-constexpr int BROW = 2 * KB * 16 + 16;  // bytes of a b column's codes in a stage (17 granules)
-constexpr int BDS = KB * 8 + 16;        // bytes of a b column's scales in a stage (5 granules)
-
-// Bytes of a weight row's K tile in a stage: KB raw blocks, padded to an odd number of granules.
-template <class Q>
+// A K tile's layout in a stage, for format Q and KB blocks a K tile.
+template <class Q, int KB>
 struct Tile {
     static constexpr int RAW = KB * Q::BYTES;
-    static constexpr int RS = (RAW / 16) % 2 == 1 ? RAW : RAW + 16;
-    static_assert(RAW % 16 == 0, "a K tile of every format is whole granules");
+    static constexpr int RS = (RAW / 16) % 2 == 1 ? RAW : RAW + 16;  // a weight row, odd granules
+    static constexpr int BROW = 2 * KB * 16 + 16;                     // a b column's codes (odd granules)
+    static constexpr int BDS = KB * 8 + 16;                           // a b column's scales (odd granules)
+    static_assert(RAW % 16 == 0 && KB % 8 == 0, "a K tile of every format is whole granules");
 };
 
 // -- the per-format trait: a block's codes as int8 mma fragments ------------------------------------
@@ -111,36 +116,50 @@ using mm::u8;
 // a rows a_row bytes apart, batch strides a_s2, a_s3 (16-byte multiples, a 16-byte aligned); b
 // quantized by quantize_q8_1 (column n of batch (i3, i2) is its row (i3 * B2 + i2) * N + n, nbp
 // blocks a row: codes at bq, (d, d * sum) at bds); out contiguous (B3, B2, N, M). Grid (tiles_m *
-// ceil(N / BN), B2, B3), WM * WN * WK warps, dynamic shared memory mmq_smem (specs/mmq.py).
-template <int WT, int FM, int FN, int WM, int WN, int WK>
-__global__ void __launch_bounds__(32 * WM * WN * WK, 1)
+// splits * tiles_n, B2, B3), WM * WN warps, dynamic shared memory mmq_smem (specs/mmq.py). With
+// splits > 1: part holds splits * B3 * B2 * N * M floats, counters B3 * B2 * tiles_m * tiles_n ints
+// (zero before the launch, and again after it).
+template <int WT, int FM, int FN, int WM, int WN, int NS, int KB>
+__global__ void __launch_bounds__(32 * WM * WN)
     mmq(const u8* a, long long a_row, long long a_s2, long long a_s3, int r2, int r3, const u8* bq, const u8* bds,
-        int nbp, float* out, int M, int K, int N, int tiles_m) {
-    od::grid_enter();
+        int nbp, float* out, int M, int K, int N, int tiles_m, int tiles_n, int splits, float* part, int* counters,
+        int preload) {
+    od::grid_enter_later();  // below: after the first weight copies when the weights are constant
     using Q = mm::Fmt<WT>;
-    constexpr int BM = 16 * FM * WM, BN = 8 * FN * WN, THREADS = 32 * WM * WN * WK;
-    constexpr int RS = mq::Tile<Q>::RS, BCODES = BM * RS, BSCALES = BCODES + BN * mq::BROW;
-    constexpr int STAGE = BSCALES + BN * mq::BDS;
+    using T = mq::Tile<Q, KB>;
+    constexpr int BM = 16 * FM * WM, BN = 8 * FN * WN, THREADS = 32 * WM * WN;
+    constexpr int RS = T::RS, BCODES = BM * RS, BSCALES = BCODES + BN * T::BROW;
+    constexpr int STAGE = BSCALES + BN * T::BDS;
+    static_assert(NS >= 2, "a ring of two stages at least");
     extern __shared__ uint4 smem_u4[];
     u8* const smem = reinterpret_cast<u8*>(smem_u4);
 
-    const int tm = static_cast<int>(blockIdx.x % tiles_m), tn = static_cast<int>(blockIdx.x / tiles_m);
+    const int tn = static_cast<int>(blockIdx.x % tiles_n);
+    const int split = static_cast<int>((blockIdx.x / tiles_n) % splits);
+    const int tm = static_cast<int>(blockIdx.x / (tiles_n * splits));
     const int i2 = blockIdx.y, i3 = blockIdx.z;
     const int m0 = tm * BM, n0 = tn * BN;
     const u8* const wa = a + (i3 / r3) * a_s3 + (i2 / r2) * a_s2;
-    const long long brow0 = (static_cast<long long>(i3) * gridDim.y + i2) * N;
-    const int nb = K / 32, ntiles = (nb + mq::KB - 1) / mq::KB;
+    const long long batch = static_cast<long long>(i3) * gridDim.y + i2;
+    const long long brow0 = batch * N;
+    const int nb = K / 32, nkt = (nb + KB - 1) / KB;
+    const int kt0 = static_cast<int>(static_cast<long long>(split) * nkt / splits);
+    const int ntiles = static_cast<int>(static_cast<long long>(split + 1) * nkt / splits) - kt0;
     const int tid = threadIdx.x;
 
-    // K tile kt into stage st: the weights' KB blocks of each row, b's codes (two half-runs) and scales
-    auto issue = [&](int kt, u8* st) {
-        const int j0 = kt * mq::KB, kb = min(mq::KB, nb - j0);
+    // K tile kt (of the block's slice) into stage st: the weights' blocks of each row ...
+    auto issue_a = [&](int kt, u8* st) {
+        const int j0 = (kt0 + kt) * KB, kb = min(KB, nb - j0);
         const int wg = kb * Q::BYTES / 16;
         for (int i = tid; i < BM * wg; i += THREADS) {
             const int r = i / wg, x = i - r * wg;
             const u8* src = wa + static_cast<long long>(min(m0 + r, M - 1)) * a_row + j0 * Q::BYTES + 16 * x;
             od::cp_async16(od::smem_addr(st + r * RS + 16 * x), src);
         }
+    };
+    // ... and b's codes (two half-runs) and scales of each column
+    auto issue_b = [&](int kt, u8* st) {
+        const int j0 = (kt0 + kt) * KB, kb = min(KB, nb - j0);
         const int bg = 2 * kb + kb / 2;  // granules a column: codes, then scales (kb is even)
         for (int i = tid; i < BN * bg; i += THREADS) {
             const int c = i / bg, x = i - c * bg;
@@ -150,18 +169,18 @@ __global__ void __launch_bounds__(32 * WM * WN * WK, 1)
             if (x < 2 * kb) {
                 const int h = x / kb, y = x - h * kb;
                 src = bq + row * nbp * 32 + mm::QB8::half(j0, h) + 16 * y;
-                dst = st + BCODES + c * mq::BROW + h * mq::KB * 16 + 16 * y;
+                dst = st + BCODES + c * T::BROW + h * KB * 16 + 16 * y;
             } else {
                 const int y = x - 2 * kb;
                 src = bds + (row * nbp + j0) * 8 + 16 * y;
-                dst = st + BSCALES + c * mq::BDS + 16 * y;
+                dst = st + BSCALES + c * T::BDS + 16 * y;
             }
             od::cp_async16(od::smem_addr(dst), src);
         }
     };
 
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-    const int wk = warp % WK, wn = (warp / WK) % WN, wm = warp / (WK * WN);
+    const int wn = warp % WN, wm = warp / WN;
     const int row0 = wm * 16 * FM, col0 = wn * 8 * FN;  // the warp's tile in the block's
     float acc[FM][FN][4];
 #pragma unroll
@@ -175,23 +194,40 @@ __global__ void __launch_bounds__(32 * WM * WN * WK, 1)
         }
     }
 
+    // the first NS - 1 stages: the weights' copies go into the first group, before the wait for
+    // quantize_q8_1 when they are constant
+    if (preload) {
 #pragma unroll
-    for (int s = 0; s < mq::NS - 1; ++s) {
+        for (int s = 0; s < NS - 1; ++s) {
+            if (s < ntiles) {
+                issue_a(s, smem + s * STAGE);
+            }
+        }
+    }
+    od::grid_enter();
+#pragma unroll
+    for (int s = 0; s < NS - 1; ++s) {
         if (s < ntiles) {
-            issue(s, smem + s * STAGE);
+            if (!preload) {
+                issue_a(s, smem + s * STAGE);
+            }
+            issue_b(s, smem + s * STAGE);
         }
         od::cp_async_commit();
     }
     for (int kt = 0; kt < ntiles; ++kt) {
-        od::cp_async_wait<mq::NS - 2>();
+        od::cp_async_wait<NS - 2>();
         __syncthreads();  // tile kt landed for every thread; every warp is done with tile kt - 1's stage
-        if (kt + mq::NS - 1 < ntiles) {
-            issue(kt + mq::NS - 1, smem + ((kt + mq::NS - 1) % mq::NS) * STAGE);
+        if (kt + NS - 1 < ntiles) {
+            u8* const next = smem + ((kt + NS - 1) % NS) * STAGE;
+            issue_a(kt + NS - 1, next);
+            issue_b(kt + NS - 1, next);
         }
         od::cp_async_commit();
-        const u8* const st = smem + (kt % mq::NS) * STAGE;
-        const int kb = min(mq::KB, nb - kt * mq::KB);
-        for (int j = wk; j < kb; j += WK) {
+        const u8* const st = smem + (kt % NS) * STAGE;
+        const int kb = min(KB, nb - (kt0 + kt) * KB);
+#pragma unroll 2
+        for (int j = 0; j < kb; ++j) {
             unsigned af[FM][4];
             float dw[FM][2], mw[FM][2];
 #pragma unroll
@@ -206,12 +242,12 @@ __global__ void __launch_bounds__(32 * WM * WN * WK, 1)
 #pragma unroll
             for (int fn = 0; fn < FN; ++fn) {
                 const int c = col0 + 8 * fn;
-                const u8* bc = st + BCODES + (c + g) * mq::BROW + 16 * j + 4 * t;
+                const u8* bc = st + BCODES + (c + g) * T::BROW + 16 * j + 4 * t;
                 const unsigned b0 = *reinterpret_cast<const unsigned*>(bc);
-                const unsigned b1 = *reinterpret_cast<const unsigned*>(bc + mq::KB * 16);
-                const u8* bs = st + BSCALES + (c + 2 * t) * mq::BDS + 8 * j;
+                const unsigned b1 = *reinterpret_cast<const unsigned*>(bc + KB * 16);
+                const u8* bs = st + BSCALES + (c + 2 * t) * T::BDS + 8 * j;
                 const float2 s0 = *reinterpret_cast<const float2*>(bs);
-                const float2 s1 = *reinterpret_cast<const float2*>(bs + mq::BDS);
+                const float2 s1 = *reinterpret_cast<const float2*>(bs + T::BDS);
 #pragma unroll
                 for (int fm = 0; fm < FM; ++fm) {
                     int dot[4];
@@ -231,41 +267,27 @@ __global__ void __launch_bounds__(32 * WM * WN * WK, 1)
     }
     od::cp_async_wait<0>();  // only empty groups can be left
 
-    if constexpr (WK > 1) {  // the WK warps of a tile add up their sums: warps wk > 0 through shared memory
-        constexpr int PER = FM * FN * 4;
-        float* const red = reinterpret_cast<float*>(smem);
-        __syncthreads();  // every warp is done with the stages
-        if (wk > 0) {
+    // this block's sums: straight to out, or to its plane of part (the last block adds the planes up)
+    const long long plane = static_cast<long long>(gridDim.y) * gridDim.z * N * M;
+    float* const dst = (splits == 1 ? out : part + split * plane) + brow0 * M;
 #pragma unroll
-            for (int fm = 0; fm < FM; ++fm) {
+    for (int fm = 0; fm < FM; ++fm) {
 #pragma unroll
-                for (int fn = 0; fn < FN; ++fn) {
+        for (int fn = 0; fn < FN; ++fn) {
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        red[(warp * PER + (fm * FN + fn) * 4 + i) * 32 + lane] = acc[fm][fn][i];
-                    }
-                }
-            }
-        }
-        __syncthreads();
-        if (wk > 0) {
-            return;
-        }
-#pragma unroll
-        for (int w = 1; w < WK; ++w) {
-#pragma unroll
-            for (int fm = 0; fm < FM; ++fm) {
-#pragma unroll
-                for (int fn = 0; fn < FN; ++fn) {
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        acc[fm][fn][i] += red[((warp + w) * PER + (fm * FN + fn) * 4 + i) * 32 + lane];
-                    }
+            for (int i = 0; i < 4; ++i) {
+                const int m = m0 + row0 + 16 * fm + g + 8 * (i / 2);
+                const int n = n0 + col0 + 8 * fn + 2 * t + i % 2;
+                if (m < M && n < N) {
+                    dst[static_cast<long long>(n) * M + m] = acc[fm][fn][i];
                 }
             }
         }
     }
-
+    if (splits == 1 || !od::last_block(counters + (batch * tiles_m + tm) * tiles_n + tn, splits)) {
+        return;
+    }
+    const float* const src = part + brow0 * M;
     float* const o = out + brow0 * M;
 #pragma unroll
     for (int fm = 0; fm < FM; ++fm) {
@@ -276,7 +298,12 @@ __global__ void __launch_bounds__(32 * WM * WN * WK, 1)
                 const int m = m0 + row0 + 16 * fm + g + 8 * (i / 2);
                 const int n = n0 + col0 + 8 * fn + 2 * t + i % 2;
                 if (m < M && n < N) {
-                    o[static_cast<long long>(n) * M + m] = acc[fm][fn][i];
+                    const long long at = static_cast<long long>(n) * M + m;
+                    float sum = 0.0f;
+                    for (int s = 0; s < splits; ++s) {
+                        sum += __ldcg(src + s * plane + at);
+                    }
+                    o[at] = sum;
                 }
             }
         }

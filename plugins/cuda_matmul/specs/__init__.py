@@ -57,11 +57,6 @@ QROWS, QWARPS_MAX, QUANT_BLOCK = 4, 4, 256
 CONVERT_GRID_MAX = 65536  # blocks of a conversion (grid-stride over rows beyond)
 
 
-#: mmq's tiles, (most columns, (fm, fn, wm, wn, wk)) read top to bottom (specs/mmq.py's MmqTile)
-MMQ_TILES: tuple[tuple[int, tuple[int, int, int, int, int]], ...] = (
-    (16, (1, 2, 2, 1, 4)), (64, (2, 4, 2, 2, 2)), (2**31, (2, 4, 4, 2, 1)))
-
-
 @attrs.frozen
 class StreamConfig:
     """mmvq_stream's tunables: cp.async stages a warp (the kernel's NS, 2..4), warps a block
@@ -151,19 +146,19 @@ STREAM_NAMES: tuple[str, ...] = (
     *(stream_name(wt, "f32", nt, epi) for epi in EPIS for wt in LEGACY_NAMES for nt in NTS),
     *(stream_name(wt, tb, 8, EPI_NONE) for tb in ("f16", "bf16") for wt in LEGACY_NAMES),
 )
-MMQ_NAMES: tuple[str, ...] = tuple(mmq_name(wt, tile) for wt in LEGACY_NAMES for _, tile in MMQ_TILES)
 #: mmf: f16/bf16 weights, b f32, one or two 8-column tiles, every epilogue
 MMF_TYPES = ("f16", "bf16")
 MMF_NAMES: tuple[str, ...] = tuple(mmf_name(wt, nt, epi) for wt in MMF_TYPES for nt in (1, 2) for epi in EPIS)
-#: every instance the specs can name, per source (tests/test_kernels_compile.py compiles them all)
+#: every instance the specs can name, per source (tests/test_kernels_compile.py compiles them all; mmq's
+#: are added at the end of this module)
 KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {MMV_CU: MMV_NAMES, MMV_ID_CU: MMV_ID_NAMES,
                                                CONVERT_CU: CONVERT_NAMES, MMVQ_STREAM_CU: STREAM_NAMES,
-                                               MMQ_CU: MMQ_NAMES, MMF_CU: MMF_NAMES}
+                                               MMF_CU: MMF_NAMES}
 
 #: a tensor's device address (a bind's `ctx.ptr`; tests pass fakes)
 Ptr = Callable[[Tensor], int]
-#: scratch(role, nbytes[, zeroed]) -> device address of a buffer of at least nbytes for `role` (zeroed when
-#: allocated if asked: counters the kernels set back to 0)
+#: scratch(role, nbytes, zeroed=False) -> device address of a buffer of at least nbytes for `role` (zeroed
+#: once when allocated, if asked: counters the kernels set back to 0)
 Scratch = Callable[..., int]
 
 
@@ -186,3 +181,8 @@ def elem_stride(t: Tensor) -> int:
 def addr(ptr: Ptr, t: Tensor | None) -> int:
     """t's address, 0 (a null pointer) for an absent operand."""
     return ptr(t) if t is not None else 0
+
+
+from . import mmq  # noqa: E402 - last: specs/mmq.py imports the names above; its TABLE names the instances
+
+KERNEL_SOURCES[MMQ_CU] = mmq.NAMES

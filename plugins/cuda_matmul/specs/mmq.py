@@ -1,8 +1,9 @@
 """kernels/mmq.cu's launch (the quantized GEMM for block-format weights and N > 8 columns): its argument
-record, the tiles it is compiled for, the shared memory it mirrors, and the spec (quantize_q8_1, then mmq).
+record, its configurations (tile, ring, K tile, split-K), the table that picks one per column count, the
+candidates scripts/mmq_sweep.py times, the shared memory it mirrors, and the spec (quantize_q8_1, then mmq).
 
 The Python mirror of the kernel's stage layout lets support.py say on a device description whether a
-tile's stages fit in shared memory, and lets the tests check it against the source.
+configuration's stages fit in shared memory, and lets the tests check it against the source.
 """
 
 from __future__ import annotations
@@ -17,24 +18,28 @@ from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
 
-from . import MMQ_CU, MMQ_TILES, Ptr, Scratch, geometry, mmq_name
+from . import LEGACY_NAMES, MMQ_CU, Ptr, Scratch, geometry, mmq_name
 from . import mmv  # a module import: mmv imports support, which imports this module
 from .stream import STREAM_FORMATS, device_facts
 
-#: mmq.cu's stages, weight blocks a K tile, bytes of a b column's codes and of its scales in a stage
-NS, KB, BROW, BDS = 3, 8, 2 * 8 * 16 + 16, 8 * 8 + 16
+#: bytes of a b column's codes and of its scales in a stage, per weight block of a K tile (mmq.cu's
+#: Tile::BROW and BDS are these times KB, plus one granule)
+BROW_PER_BLOCK, BDS_PER_BLOCK = 32, 8
 
 
 @attrs.frozen
-class MmqTile:
-    """mmq's template tile: a warp computes 16 fm rows x 8 fn columns; a block has wm x wn x wk warps
-    (wk of them split each K tile's blocks and add up at the end)."""
+class MmqConfig:
+    """An mmq configuration. Template: a warp computes 16 fm rows x 8 fn columns, a block has wm x wn warps,
+    a ring of `stages` stages of `kb` weight blocks (a K tile) each. Launch: each row's K tiles are cut in
+    `splits` slices, one block each (fewer when K has fewer than two K tiles a slice)."""
 
     fm: int
     fn: int
     wm: int
     wn: int
-    wk: int
+    stages: int
+    kb: int
+    splits: int
 
     @property
     def bm(self) -> int:
@@ -46,14 +51,58 @@ class MmqTile:
 
     @property
     def threads(self) -> int:
-        return 32 * self.wm * self.wn * self.wk
+        return 32 * self.wm * self.wn
+
+    @property
+    def template(self) -> tuple[int, ...]:
+        """The kernel's template parameters after the weight kind."""
+        return self.fm, self.fn, self.wm, self.wn, self.stages, self.kb
+
+    def __str__(self) -> str:
+        return (f"{self.bm}x{self.bn} w{self.wm}x{self.wn} ns{self.stages} kb{self.kb} s{self.splits}")
 
 
-#: (most columns, tile) read top to bottom: N <= 16 a 32 x 16 tile with the K tile split over 4 warps
-#: (memory-bound: many blocks over M, 8 warps each); N <= 64 64 x 64 (split in 2); larger N 128 x 64
-#: (compute-bound: each weight fragment serves 8 mma, each b fragment 2)
-TILES: tuple[tuple[int, MmqTile], ...] = tuple((most, MmqTile(*tile)) for most, tile in MMQ_TILES)
+#: (most columns, configuration) read top to bottom: the one line to edit after a sweep
+#: (scripts/mmq_sweep.py). Few columns are memory-bound: 64-row tiles of all the columns, split-K
+#: across blocks so that the grid is a few waves, deep rings; many are compute-bound: 128 x 64 tiles
+#: (each weight fragment serves 8 mma, each b fragment 2), no split.
+TABLE: tuple[tuple[int, MmqConfig], ...] = (
+    (16, MmqConfig(fm=1, fn=2, wm=4, wn=1, stages=4, kb=8, splits=8)),
+    (32, MmqConfig(fm=1, fn=4, wm=4, wn=1, stages=4, kb=8, splits=8)),
+    (64, MmqConfig(fm=1, fn=4, wm=4, wn=2, stages=4, kb=8, splits=4)),
+    (128, MmqConfig(fm=2, fn=4, wm=4, wn=2, stages=3, kb=8, splits=2)),
+    (2**31, MmqConfig(fm=2, fn=4, wm=4, wn=2, stages=3, kb=8, splits=1)),
+)
+
+
+def _variants(fm: int, fn: int, wm: int, wn: int, stages: tuple[int, ...], kbs: tuple[int, ...],
+              splits: tuple[int, ...]) -> tuple[MmqConfig, ...]:
+    return tuple(MmqConfig(fm, fn, wm, wn, s, kb, sp) for s in stages for kb in kbs for sp in splits)
+
+
+#: what scripts/mmq_sweep.py times for each entry of TABLE (the entry itself too), on q4_0 and q8_0
+CANDIDATES: dict[int, tuple[MmqConfig, ...]] = {
+    16: (*_variants(1, 2, 4, 1, (3, 4, 6), (8,), (4, 8, 16)), *_variants(2, 2, 4, 1, (4,), (8,), (8, 16)),
+         *_variants(1, 2, 4, 1, (3,), (16,), (8,))),
+    32: (*_variants(1, 4, 4, 1, (4, 6), (8,), (4, 8, 16)), *_variants(1, 2, 4, 2, (4,), (8,), (8,))),
+    64: (*_variants(1, 4, 4, 2, (3, 4), (8,), (2, 4, 8)), *_variants(2, 4, 4, 2, (3,), (8,), (2, 4))),
+    128: (*_variants(2, 4, 4, 2, (2, 3), (8,), (1, 2)), *_variants(4, 4, 2, 4, (2,), (8,), (1, 2))),
+    2**31: (*_variants(2, 4, 4, 2, (2, 3), (8,), (1,)), *_variants(4, 4, 2, 4, (2, 3), (8,), (1,)),
+            *_variants(2, 8, 4, 1, (2,), (8,), (1,))),
+}
+#: the formats the sweep times (the compile test builds every candidate for them)
+SWEEP_FORMATS = ("q4_0", "q8_0")
 MMQ_FORMATS = tuple(STREAM_FORMATS)
+
+
+def instance_name(dt: str, cfg: MmqConfig) -> str:
+    return mmq_name(dt, cfg.template)
+
+
+#: every instance the table launches (each block format) or the sweep times (its formats)
+NAMES: tuple[str, ...] = tuple(dict.fromkeys(
+    [instance_name(dt, cfg) for dt in LEGACY_NAMES for _, cfg in TABLE]
+    + [instance_name(dt, cfg) for dt in SWEEP_FORMATS for cands in CANDIDATES.values() for cfg in cands]))
 
 
 @attrs.frozen
@@ -73,27 +122,39 @@ class MmqArgs(KernelArgs):
     K: np.int32 = i32()
     N: np.int32 = i32()
     tiles_m: np.int32 = i32()
+    tiles_n: np.int32 = i32()
+    splits: np.int32 = i32()
+    part: np.uint64 = ptr()
+    counters: np.uint64 = ptr()
+    preload: np.int32 = i32()
 
 
-def mmq_tile(n: int) -> MmqTile:
-    return next(tile for most, tile in TILES if n <= most)
+def mmq_config(n: int) -> MmqConfig:
+    """TABLE's configuration for n columns."""
+    return next(cfg for most, cfg in TABLE if n <= most)
 
 
-def row_stride(dt: str) -> int:
-    """Bytes of a weight row's K tile in a stage (mmq.cu's Tile::RS): KB blocks, an odd number of granules."""
-    raw = KB * STREAM_FORMATS[dt][0]
+def row_stride(dt: str, kb: int) -> int:
+    """Bytes of a weight row's K tile in a stage (mmq.cu's Tile::RS): kb blocks, an odd number of granules."""
+    raw = kb * STREAM_FORMATS[dt][0]
     return raw if (raw // 16) % 2 == 1 else raw + 16
 
 
-def mmq_smem(dt: str, tile: MmqTile) -> int:
-    """Dynamic shared memory of an mmq block: NS stages, or the split-K sums if larger."""
-    stage = tile.bm * row_stride(dt) + tile.bn * (BROW + BDS)
-    return max(NS * stage, tile.threads * tile.fm * tile.fn * 4 * 4 if tile.wk > 1 else 0)
+def mmq_smem(dt: str, cfg: MmqConfig) -> int:
+    """Dynamic shared memory of an mmq block: its stages."""
+    b_col = BROW_PER_BLOCK * cfg.kb + 16 + BDS_PER_BLOCK * cfg.kb + 16
+    return cfg.stages * (cfg.bm * row_stride(dt, cfg.kb) + cfg.bn * b_col)
 
 
-def mmq_fits(dt: str, n: int, device: Device | None) -> bool:
-    """True if the tile for n columns fits the device's shared memory (None: an H200)."""
-    return mmq_smem(dt, mmq_tile(n)) <= device_facts(device).smem_per_block_optin
+def mmq_fits(dt: str, n: int, device: Device | None, cfg: MmqConfig | None = None) -> bool:
+    """True if the configuration for n columns (TABLE's unless given) fits the device's shared memory
+    (None: an H200)."""
+    return mmq_smem(dt, cfg or mmq_config(n)) <= device_facts(device).smem_per_block_optin
+
+
+def mmq_splits(cfg: MmqConfig, k: int) -> int:
+    """The K slices a launch uses: the configuration's, at most one per two K tiles."""
+    return max(1, min(cfg.splits, math.ceil(k // 32 / cfg.kb) // 2))
 
 
 def mmq_addresses(ptr: Ptr, a: Tensor) -> bool:
@@ -101,18 +162,24 @@ def mmq_addresses(ptr: Ptr, a: Tensor) -> bool:
     return ptr(a) % 16 == 0
 
 
-def mmq_specs(node: Tensor, ptr: Ptr, scratch: Scratch) -> list[KernelSpec]:
-    """quantize_q8_1 of b into the scratch buffer "bq", then mmq, for mul_mat `node` (its path mmq)."""
+def mmq_specs(node: Tensor, ptr: Ptr, scratch: Scratch, cfg: MmqConfig | None = None) -> list[KernelSpec]:
+    """quantize_q8_1 of b into the scratch buffer "bq", then mmq, for mul_mat `node` (its path mmq), with
+    `cfg` (default TABLE's for its columns); split K also takes the scratch buffers of the partial sums and
+    of the tiles' counters (zeroed once: the kernel sets them back)."""
     a, b = node.srcs
     (a3, a2, m, k), (sa3, sa2, sa1, _) = geometry(a)
     (b3, b2, n, _), _ = geometry(b)
     quant = mmv.quantize_spec(b, ptr(b), scratch)
     q = quant.args
-    tile = mmq_tile(n)
-    tiles_m = math.ceil(m / tile.bm)
+    cfg = cfg or mmq_config(n)
+    tiles_m, tiles_n, splits = math.ceil(m / cfg.bm), math.ceil(n / cfg.bn), mmq_splits(cfg, k)
+    part = counters = 0
+    if splits > 1:
+        part = scratch("mmq partial sums", splits * b3 * b2 * n * m * 4)
+        counters = scratch("mmq split counters", b3 * b2 * tiles_m * tiles_n * 4, zeroed=True)
     args = MmqArgs(a=ptr(a), a_row=sa1, a_s2=sa2, a_s3=sa3, r2=b2 // a2, r3=b3 // a3, bq=q.bq, bds=q.bds, nbp=q.nbp,
-                   out=ptr(node), M=m, K=k, N=n, tiles_m=tiles_m)
-    grid = (tiles_m * math.ceil(n / tile.bn), b2, b3)
+                   out=ptr(node), M=m, K=k, N=n, tiles_m=tiles_m, tiles_n=tiles_n, splits=splits, part=part,
+                   counters=counters, preload=mmv._preload(a))
+    grid = (tiles_m * splits * tiles_n, b2, b3)
     dt = a.dtype.name
-    name = mmq_name(dt, attrs.astuple(tile))
-    return [quant, KernelSpec(MMQ_CU, name, grid, tile.threads, args, smem=mmq_smem(dt, tile))]
+    return [quant, KernelSpec(MMQ_CU, instance_name(dt, cfg), grid, cfg.threads, args, smem=mmq_smem(dt, cfg))]
