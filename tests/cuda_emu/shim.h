@@ -97,14 +97,12 @@ inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long ex
     return expected;  // the old value, whether swapped or not
 }
 template <class T>
-inline T __ldcg(const T* p) { return *p; }  // od::last_block's readers (no cache here)
+inline T __ldcg(const T* p) { return *p; }  // od::last_block's readers, mmq's split-K sums (no cache here)
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_ctx->warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
 
 template <class T>
 inline T __ldg(const T* p) { return *p; }
-template <class T>
-inline T __ldcg(const T* p) { return *p; }  // mmq.cu's split-K sums (blocks run one after another here)
 
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int off, int = 32) {
