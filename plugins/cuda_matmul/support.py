@@ -30,6 +30,9 @@ MMV_MAX_N = 8
 MMF_MIN_N = MMV_MAX_N + 1
 #: most columns mmf takes (the kernel's two 8-column tiles); more go to cuBLAS
 MMF_MAX_N = 16
+#: most columns mmq takes; more go to dequant_cublas (the crossover, measured on the H200: see
+#: docs/benchmarks.md)
+MMQ_MAX_N = 2**31
 #: most experts the routing kernel of mmv_id_grouped takes (shared memory: 2 ints an expert)
 ROUTE_MAX_EXPERTS = 4096
 
@@ -132,6 +135,8 @@ def mmq_ok(node: Tensor, device: Device | None = None) -> bool | str:
     dt, k = a.dtype.name, a.shape[-1]
     if dt not in mmq.MMQ_FORMATS:
         return f"{dt} has no quantized GEMM"
+    if batch_n(node) > MMQ_MAX_N:
+        return f"N={batch_n(node)} > {MMQ_MAX_N}: dequantizing for cuBLAS is faster there"
     cb, chunk, _ = stream_chunk(dt)
     if k % (32 * cb):
         return f"K={k} is not a multiple of {32 * cb} (rows of whole {chunk}-byte chunks)"

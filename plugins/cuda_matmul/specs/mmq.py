@@ -67,11 +67,12 @@ class MmqConfig:
 #: across blocks so that the grid is a few waves, deep rings; many are compute-bound: 128 x 64 tiles
 #: (each weight fragment serves 8 mma, each b fragment 2), no split.
 TABLE: tuple[tuple[int, MmqConfig], ...] = (
-    (16, MmqConfig(fm=1, fn=2, wm=4, wn=1, stages=4, kb=8, splits=8)),
-    (32, MmqConfig(fm=1, fn=4, wm=4, wn=1, stages=4, kb=8, splits=8)),
-    (64, MmqConfig(fm=1, fn=4, wm=4, wn=2, stages=4, kb=8, splits=4)),
+    # the least time summed over q4_0 and q8_0 at M 4096, K 14336 in scripts/mmq_sweep.py (H200, 2026-12-02)
+    (16, MmqConfig(fm=1, fn=2, wm=4, wn=1, stages=3, kb=8, splits=16)),
+    (32, MmqConfig(fm=1, fn=2, wm=4, wn=2, stages=4, kb=8, splits=8)),
+    (64, MmqConfig(fm=1, fn=4, wm=4, wn=2, stages=3, kb=8, splits=4)),
     (128, MmqConfig(fm=2, fn=4, wm=4, wn=2, stages=3, kb=8, splits=2)),
-    (2**31, MmqConfig(fm=2, fn=4, wm=4, wn=2, stages=3, kb=8, splits=1)),
+    (2**31, MmqConfig(fm=2, fn=4, wm=4, wn=2, stages=2, kb=8, splits=1)),
 )
 
 
