@@ -80,8 +80,8 @@ PATH_CASES = [
     ("f32", (64, 96), (1, 96), "mmvf"),
     ("f16", (64, 96), (8, 96), "mmvf"),
     ("bf16", (64, 65), (3, 65), "mmvf"),
-    ("f16", (64, 96), (9, 96), "mmf"),
-    ("bf16", (2, 64, 96), (2, 16, 96), "mmf"),
+    ("f16", (64, 96), (9, 96), "cublas"),  # mmf is not selected (support.MMF_MIN_N): slower than cuBLAS
+    ("bf16", (2, 64, 96), (2, 16, 96), "cublas"),
     ("bf16", (64, 100), (16, 100), "cublas"),  # K % 8 != 0: mmf declines
     ("f16", (64, 96), (17, 96), "cublas"),
     ("f32", (64, 96), (12, 96), "cublas"),  # mmf takes f16/bf16 weights
@@ -100,7 +100,8 @@ PATH_CASES = [
     ("q8_0", (64, 96), (9, 96), "dequant_cublas"),  # K % 256 != 0: mmq declines
     ("q4_1", (64, 96), (512, 96), "dequant_cublas"),  # K % 128 != 0
     ("q4_0", (64, 4096), (9, 4096), "mmq"),
-    ("q8_0", (2, 64, 14336), (2, 512, 14336), "mmq"),
+    ("q8_0", (2, 64, 14336), (2, 128, 14336), "mmq"),
+    ("q8_0", (2, 64, 14336), (2, 512, 14336), "dequant_cublas"),  # N > support.MMQ_MAX_N
     ("q4_1", (64, 128), (16, 128), "mmq"),
     ("q5_1", (64, 64), (70, 64), "mmq"),
 ]
@@ -112,6 +113,32 @@ def test_mmq_decline_reason_is_explained() -> None:
     (k,) = [k for k in cm.kernels(device=H200) if k.name == "mmq"]
     assert k.supports(H200, node) == "dequant_cublas takes it (mmq: K=96 is not a multiple of 256 (rows of whole " \
         "272-byte chunks))"
+
+
+@pytest.fixture
+def mmf_selected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mmf takes 9..16 columns (the default selects it for none: support.MMF_MIN_N)."""
+    monkeypatch.setattr(support, "MMF_MIN_N", support.MMV_MAX_N + 1)
+
+
+@pytest.fixture
+def mmq_any_n(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mmq takes every column count above the mat-vecs' (the default stops at support.MMQ_MAX_N)."""
+    monkeypatch.setattr(support, "MMQ_MAX_N", 2**31)
+
+
+@pytest.mark.usefixtures("mmf_selected")
+@pytest.mark.parametrize(("dt", "a_shape", "b_shape"), [("f16", (64, 96), (9, 96)), ("bf16", (2, 64, 96), (2, 16, 96))])
+def test_mmf_path_when_selected(dt: str, a_shape: tuple, b_shape: tuple) -> None:
+    y = ops.mul_mat(weight("w", a_shape, dt), od.input("x", b_shape))
+    (step,) = steps_of(od.compile(y, H200), "mul_mat")
+    assert (step.plugin, step.kernel) == ("cuda_matmul", "mmf")
+
+
+def test_mmq_stops_at_its_crossover() -> None:
+    node = ops.mul_mat(weight("w", (64, 14336), "q4_0"), od.input("x", (support.MMQ_MAX_N + 1, 14336)))
+    assert support.choose(node, H200).note == f"mmq: N={support.MMQ_MAX_N + 1} > {support.MMQ_MAX_N}: " \
+        "dequantizing for cuBLAS is faster there"
 
 
 @pytest.mark.parametrize(("dt", "a_shape", "b_shape", "path"), PATH_CASES)
@@ -856,6 +883,7 @@ MMQ_N = (9, 16, 32, 64, 128, 512, 33, 70, 513)  # every entry of specs/mmq.TABLE
 
 
 @gpu
+@pytest.mark.usefixtures("mmq_any_n")
 @pytest.mark.parametrize("n", MMQ_N)
 @pytest.mark.parametrize("dt", QUANTS)
 def test_mmq(dt: str, n: int, rng) -> None:  # noqa: ANN001
@@ -895,6 +923,7 @@ def test_mmq_split_k_is_deterministic(n: int, rng) -> None:  # noqa: ANN001
 
 
 @gpu
+@pytest.mark.usefixtures("mmq_any_n")
 @pytest.mark.parametrize(("bs", "nr"), [((1, 1), (2, 3)), ((2, 3), (1, 1)), ((3, 2), (2, 2))])
 @pytest.mark.parametrize("dt", QUANTS)
 @pytest.mark.parametrize("n", [9, 64, 130])
@@ -1016,6 +1045,7 @@ def test_mmf_sweep(dt: str, n: int, monkeypatch: pytest.MonkeyPatch, rng) -> Non
 
 
 @gpu
+@pytest.mark.usefixtures("mmf_selected")
 @pytest.mark.parametrize(("bs", "nr"), [((1, 1), (1, 2)), ((3, 1), (1, 1)), ((3, 2), (2, 2))])
 @pytest.mark.parametrize("k", [64, 1024])
 def test_mmf_broadcast_batches(bs: tuple, nr: tuple, k: int, rng) -> None:  # noqa: ANN001
@@ -1026,6 +1056,7 @@ def test_mmf_broadcast_batches(bs: tuple, nr: tuple, k: int, rng) -> None:  # no
 
 
 @gpu
+@pytest.mark.usefixtures("mmf_selected")
 @pytest.mark.parametrize("n", [9, 16])
 @pytest.mark.parametrize("dt", ["f16", "bf16"])
 @pytest.mark.parametrize("build", ["mul_mat_add", "mul_mat_glu swiglu", "mul_mat_add_glu swiglu_oai"])
@@ -1041,6 +1072,7 @@ def test_mmf_fused(build: str, dt: str, n: int, rng) -> None:  # noqa: ANN001
 
 
 @gpu
+@pytest.mark.usefixtures("mmf_selected")
 def test_mmf_split_k_in_cuda_graph_replays(rng) -> None:  # noqa: ANN001
     """Split K (the last block of a row block sums the partials and sets its counter back to 0) over a
     captured CUDA graph's replays, fused gate/up included: every run right, every output written."""

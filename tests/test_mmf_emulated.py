@@ -29,7 +29,7 @@ from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.dtypes import from_float, to_host_float
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
-from opdispatch.plugins.cuda_matmul import fusion, specs
+from opdispatch.plugins.cuda_matmul import fusion, specs, support
 from opdispatch.plugins.cuda_matmul.specs import mmf
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
@@ -104,6 +104,13 @@ def _specs(y: Tensor, arena: ScratchArena) -> list[KernelSpec]:
         return mmf.mmf_specs(nodes[0], nodes[0], arena.ptr, arena.scratch, device=DEVICE)
     assert fusion.check(DEVICE, nodes, Graph.build(y)) is True
     return mmf.mmf_fused_specs(nodes, arena.ptr, arena.scratch, DEVICE)
+
+
+@pytest.fixture(autouse=True)
+def mmf_selected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The selection table takes mmf for 9..16 columns (by default it selects it for none: support.MMF_MIN_N),
+    so that the fusion rules accept mmf's groups."""
+    monkeypatch.setattr(support, "MMF_MIN_N", support.MMV_MAX_N + 1)
 
 
 @pytest.fixture(scope="module")

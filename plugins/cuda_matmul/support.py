@@ -24,15 +24,16 @@ from .specs.stream import STREAM_FORMATS, device_facts, stream_chunk, stream_war
 
 #: most columns (batch N) the mat-vec kernels take; larger batches go to mmf (float weights) or cuBLAS
 MMV_MAX_N = 8
-#: mmf (tensor cores, f16/bf16 weights) takes MMF_MIN_N..MMF_MAX_N columns where mmf_ok allows.
-#: MMF_MIN_N is the crossover with the mat-vec mmvf (2..9; above MMV_MAX_N, mmvf never runs past
-#: MMV_MAX_N): the fewest columns at which mmf beats mmvf on the H200; set from measurements.
-MMF_MIN_N = MMV_MAX_N + 1
+#: mmf (tensor cores, f16/bf16 weights) takes MMF_MIN_N..MMF_MAX_N columns where mmf_ok allows. On the
+#: H200 (2026-12-02, bf16, the 1b preset's five weight shapes, 9, 12 and 16 columns) it was slower than
+#: cuBLAS but at 2048x8192 with 9 and 12 columns (0.52-0.99x elsewhere; docs/benchmarks.md), so no column
+#: count selects it until it is tuned: MMF_MIN_N above MMF_MAX_N. Its tests lower MMF_MIN_N to run it.
+MMF_MIN_N = 17
 #: most columns mmf takes (the kernel's two 8-column tiles); more go to cuBLAS
 MMF_MAX_N = 16
-#: most columns mmq takes; more go to dequant_cublas (the crossover, measured on the H200: see
-#: docs/benchmarks.md)
-MMQ_MAX_N = 2**31
+#: most columns mmq takes; more go to dequant_cublas. On the H200 (q4_0 / q8_0, 4096 x 14336 weights) mmq
+#: was 4.3x faster at 16 columns, 1.09x / 1.30x at 128 and 0.48x / 0.57x at 512 (docs/benchmarks.md)
+MMQ_MAX_N = 128
 #: most experts the routing kernel of mmv_id_grouped takes (shared memory: 2 ints an expert)
 ROUTE_MAX_EXPERTS = 4096
 
