@@ -14,6 +14,7 @@ test_cuda_matmul.py. Skipped without g++ 12 or newer (C++20 <barrier>, _Float16)
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -114,6 +115,13 @@ def _call(name: str, nargs: int) -> str:
     return f'    {{"{name}", [](const Arg* a) {{ {name}({args}); }}}},\n'
 
 
+@pytest.fixture(autouse=True)
+def mmq_any_n(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The selection table takes mmq for every column count above the mat-vecs' (by default it stops at
+    support.MMQ_MAX_N), so that every TABLE entry is reached."""
+    monkeypatch.setattr(support, "MMQ_MAX_N", 2**31)
+
+
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build = tmp_path_factory.mktemp("mmq_emu")
@@ -131,8 +139,8 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (build / "mmq.cu").write_text(src)
     for name in ("mm_common.cuh", "mmv_common.cuh", "mmv.cu", "mmq.cu"):
         assert "asm" not in (build / name).read_text(), f"{name} has inline PTX the emulation does not replace"
-    (build / "kernels.cu").write_text('#include "mmv.cu"\n#include "mmq.cu"\n')
-    (build / "main.cpp").write_text((EMU / "smem_main.cpp").read_text())
+    (build / "kernel.cu").write_text('#include "mmv.cu"\n#include "mmq.cu"\n')
+    (build / "main.cpp").write_text((EMU / "kernel_main.cpp").read_text())
     names = sorted({n for make, _, cfg in CASES.values() for n in _names(make(), cfg)})
     arity = {"quantize_q8_1": len(mmq.mmv.QuantizeArgs.__attrs_attrs__), "mmq": len(mmq.MmqArgs.__attrs_attrs__)}
     (build / "instances.inc").write_text("".join(_call(n, arity[n.split("<")[0]]) for n in names))
@@ -164,9 +172,10 @@ def _emulate(y: Tensor, feeds: dict, eager: bool, cfg: mmq.MmqConfig | None, emu
     arena.mem.tofile(mem_file)
     for spec in launches:
         grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
-        cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, grid), str(spec.block), str(spec.smem),
-               str(int(eager)), *(str(v.item()) for v in spec.arg_values)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, grid), str(spec.block),
+               *(str(v.item()) for v in spec.arg_values)]
+        env = {**os.environ, "EMU_SMEM": str(spec.smem), "EMU_EAGER": str(int(eager))}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         assert done.returncode == 0, f"{spec.kernel}: {done.stderr}"
     mem = np.fromfile(mem_file, np.uint8)
     at = arena.ptr(node)

@@ -1,9 +1,12 @@
-// A driver for any kernel of one .cu file (copied as kernel.cu by the test): runs one instance over a
-// grid of one-dimensional blocks, block after block, every block's threads as std::threads.
-//   emu MEM_FILE INSTANCE GX GY GZ BLOCK ARG...     (EMU_SMEM=bytes: dynamic shared memory, poisoned 0xFF)
+// A driver for any kernel of one .cu file (copied or written as kernel.cu by the test): runs one instance
+// over a grid of one-dimensional blocks, block after block, every block's threads as std::threads.
+//   emu MEM_FILE INSTANCE GX GY GZ BLOCK ARG...
+//   EMU_SMEM=bytes: dynamic shared memory a block, poisoned (0xFF) and guarded at its end;
+//   EMU_EAGER=1: cp.async copies land when issued (else at the wait_group that covers them).
 // MEM_FILE holds device memory (pointer arguments are byte offsets into it, 0 = nullptr) and gets
 // it back after the run. instances.inc lists {name, call}: each call passes its kernel's arguments as
 // `Arg`s, which convert to the parameter's type (a pointer into the memory, an integer or a float).
+// Exit status 1 if copies were left pending or shared memory was written past its end.
 #include "shim.h"
 #include "kernel.cu"
 
@@ -40,6 +43,8 @@ int main(int argc, char** argv) {
     unsigned char* mem = (unsigned char*)aligned_alloc(256, (size + 255) / 256 * 256);
     if (fread(mem, 1, size, f) != (size_t)size) return 2;
     fclose(f);
+    emu_gmem_lo = mem + 256;  // cp.async sources must lie in device memory
+    emu_gmem_hi = mem + size;
     const Entry* entry = nullptr;
     for (const Entry& e : table) if (!strcmp(e.name, argv[2])) entry = &e;
     if (!entry) { fprintf(stderr, "no instance %s\n", argv[2]); return 2; }
@@ -47,8 +52,11 @@ int main(int argc, char** argv) {
     blockDim.x = atoi(argv[6]);
     const char* smem_env = getenv("EMU_SMEM");  // dynamic shared memory bytes a block (emu_ctx->smem)
     const int smem = smem_env ? atoi(smem_env) : 0;
+    const char* eager_env = getenv("EMU_EAGER");
+    emu_eager = eager_env && atoi(eager_env) != 0;
     std::vector<Arg> args;
     for (int i = 7; i < argc; ++i) args.push_back({argv[i], mem});
+    int bad = 0;
     for (unsigned bz = 0; bz < gridDim.z; ++bz)
     for (unsigned by = 0; by < gridDim.y; ++by)
     for (unsigned bx = 0; bx < gridDim.x; ++bx) {
@@ -59,6 +67,7 @@ int main(int argc, char** argv) {
         blk.block_bar = &bb;
         blk.warp_bar = wb;
         blk.xchg.assign(blockDim.x, 0u);
+        blk.frag.assign(blockDim.x * 6, 0u);
         blk.smem = smem ? (unsigned char*)aligned_alloc(16, smem + 16) : nullptr;  // poisoned, a guard after
         if (smem) memset(blk.smem, 0xff, smem + 16);
         std::vector<std::thread> th;
@@ -67,13 +76,16 @@ int main(int argc, char** argv) {
                 threadIdx.x = t;
                 blockIdx.x = bx; blockIdx.y = by; blockIdx.z = bz;
                 emu_ctx = &blk;
+                emu_pending.clear();
+                emu_groups = 0;
                 entry->call(args.data());
+                if (!emu_pending.empty()) { fprintf(stderr, "copies pending at exit\n"); bad = 1; }
             });
         }
         for (auto& x : th) x.join();
         if (smem && memcmp(blk.smem + smem, "\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", 16)) {
             fprintf(stderr, "shared memory written past its end\n");
-            return 1;
+            bad = 1;
         }
         free(blk.smem);
         for (auto* w : wb) delete w;
@@ -81,5 +93,5 @@ int main(int argc, char** argv) {
     f = fopen(argv[1], "wb");
     fwrite(mem, 1, size, f);
     fclose(f);
-    return 0;
+    return bad;
 }
