@@ -52,25 +52,43 @@ namespace mms {
 using mm::u8;
 
 constexpr int THREADS_MAX = 256;  // launch bound: up to 8 warps a block
+constexpr int REG_CHUNK_MAX = 272;  // most chunk bytes a lane holds in registers (q8_0's, iq4_xs's, mxfp4's)
 
 constexpr int pow2_of(int x) {
     return x % 16 == 0 ? 16 : x % 8 == 0 ? 8 : x % 4 == 0 ? 4 : x % 2 == 0 ? 2 : 1;
 }
 
-// Chunk geometry of format WT.
+// Chunk and piece geometry of format WT.
 template <int WT>
 struct Geo {
     using F = mm::Fmt<WT>;
     static constexpr int CB = 16 / pow2_of(F::BYTES);  // blocks a chunk: lcm(BYTES, 16) / BYTES
     static constexpr int CHUNK = CB * F::BYTES;         // weight bytes a chunk
+    static constexpr bool REG = CHUNK <= REG_CHUNK_MAX;  // a lane's piece is a chunk, in registers
+    static constexpr int LB = REG ? CB : 1;             // blocks a piece (a lane's share of a stage)
+    static constexpr int PIECE = LB * F::BYTES;
     static constexpr int GRAN = CHUNK / 16;
     static constexpr int WORDS = CHUNK / 4;
-    static constexpr int BCODES = CB * 32;              // b: a chunk's codes, then its (d, d * sum)
-    static constexpr int BRAW = CB * 40;
+    static constexpr int NU = LB * F::QK / 32;          // q8_1 blocks (units of 32 values) a piece
+    static constexpr int BCODES = NU * 32;              // b: a piece's codes, then its (d, d * sum)
+    static constexpr int BRAW = NU * 40;
     static constexpr int BCHUNK = (BRAW / 16) % 2 == 1 ? BRAW : BRAW + 16;
     static_assert(CHUNK % 16 == 0 && GRAN % 2 == 1, "chunk stride must be an odd number of granules");
-    static_assert(CB % 2 == 0 && BRAW % 16 == 0 && (BCHUNK / 16) % 2 == 1, "b chunk layout");
+    static_assert(NU % 2 == 0 && BRAW % 16 == 0 && (BCHUNK / 16) % 2 == 1, "b chunk layout");
+    static_assert(F::LEGACY ? REG : F::QK % 32 == 0, "legacy chunks in registers");
+    static_assert((32 * PIECE) % 16 == 0, "a stage of whole granules");
 };
+
+// Granules of n consecutive pieces (n a multiple of CB / LB: whole chunks).
+template <int WT>
+__device__ __forceinline__ int piece_granules(int n) {
+    using Gm = Geo<WT>;
+    if constexpr (Gm::PIECE % 16 == 0) {
+        return n * (Gm::PIECE / 16);
+    } else {
+        return n * Gm::PIECE / 16;
+    }
+}
 
 // -- geometry ---------------------------------------------------------------------------------------
 
@@ -195,7 +213,7 @@ __device__ __forceinline__ void quantize_b(const u8* b, long long b_col, long lo
         const int n = live ? it / nb : 0, j = live ? it - n * nb : 0;  // not live: item 0, read, not stored
         float v[16];
         load_b<TB>(b + n * b_col + (32ll * j + 16 * h) * b_es, b_es, vec, v);
-        store_q8_1_half<WT>(v, h, live, bs + (static_cast<long long>(n) * C + j / Gm::CB) * Gm::BCHUNK, j % Gm::CB);
+        store_q8_1_half<WT>(v, h, live, bs + (static_cast<long long>(n) * C + j / Gm::NU) * Gm::BCHUNK, j % Gm::NU);
     }
 }
 
@@ -254,6 +272,44 @@ __device__ __forceinline__ void dot_chunk(const u8* wchunk, const u8* bchunk, in
     }
 }
 
+// acc[n] += piece (at `wpiece`, shared) . b column n's piece, for quant_k.cuh's formats: each 32-value
+// unit u by the format's dot32_in, its bytes from registers (REG: the chunk read with 16-byte loads,
+// conflict-free as the legacy chunks) or straight from shared memory (one block a lane).
+template <int WT, int NT>
+__device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, int bcol_stride, int N,
+                                          float (&acc)[NT]) {
+    using Gm = Geo<WT>;
+    using F = mm::Fmt<WT>;
+    constexpr int PER = F::QK / 32;  // units a block
+    unsigned wd[Gm::REG ? Gm::WORDS : 1];
+    if constexpr (Gm::REG) {
+#pragma unroll
+        for (int g = 0; g < Gm::GRAN; ++g) {
+            const uint4 v = reinterpret_cast<const uint4*>(wpiece)[g];
+            wd[4 * g] = v.x, wd[4 * g + 1] = v.y, wd[4 * g + 2] = v.z, wd[4 * g + 3] = v.w;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < Gm::NU; ++u) {
+        const int j = u / PER;  // the block, a constant once unrolled
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            if (NT == 1 || n < N) {
+                const u8* bc = bpiece + n * bcol_stride;
+                const int4 lo = reinterpret_cast<const int4*>(bc + 32 * u)[0];
+                const int4 hi = reinterpret_cast<const int4*>(bc + 32 * u)[1];
+                const float2 ds = reinterpret_cast<const float2*>(bc + Gm::BCODES)[u];
+                const int bq[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+                if constexpr (Gm::REG) {
+                    acc[n] += F::dot32_in(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds);
+                } else {
+                    acc[n] += F::dot32_in(od::quant::Mem<F::BYTES % 2 != 0>{wpiece + j * F::BYTES}, u % PER, bq, ds);
+                }
+            }
+        }
+    }
+}
+
 }  // namespace mms
 
 using mm::u8;
@@ -285,7 +341,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
     u8* const smem = reinterpret_cast<u8*>(smem_u4);
 
     const int i2 = blockIdx.y, i3 = blockIdx.z;
-    const mms::Layout L = mms::layout(K / (32 * Gm::CB), NW == 2);
+    const mms::Layout L = mms::layout(K / (32 * Gm::NU), NW == 2);
     const int groups = (M + L.RO - 1) / L.RO;
     const int nwarps = blockDim.x / od::WARP_SIZE, warp = threadIdx.x / od::WARP_SIZE;
     const int lane = threadIdx.x % od::WARP_SIZE;
@@ -322,8 +378,8 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
     const float* const bias1_e = bias1 != nullptr ? bias1 + e * bias_e : nullptr;
     u8* const bs = smem;
     u8* const ring = smem + static_cast<long long>(N) * bcol_stride +
-                     static_cast<long long>(warp) * NS * od::WARP_SIZE * Gm::CHUNK;
-    constexpr int STAGE = od::WARP_SIZE * Gm::CHUNK;
+                     static_cast<long long>(warp) * NS * od::WARP_SIZE * Gm::PIECE;
+    constexpr int STAGE = od::WARP_SIZE * Gm::PIECE;
 
     // the next unit to issue: group ig, unit iu of it
     int ig = g0, iu = 0;
@@ -333,17 +389,18 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
             const int seg = iu - w * L.S;
             const int nch = min(L.G, L.C - seg * L.G);
             const u8* src = (w ? wa1 : wa0) + static_cast<long long>(min(ig, M - 1)) * a_row +
-                            static_cast<long long>(seg) * L.G * Gm::CHUNK;
-            for (int i = lane; i < nch * Gm::GRAN; i += od::WARP_SIZE) {
+                            static_cast<long long>(seg) * L.G * Gm::PIECE;
+            const int n16 = mms::piece_granules<WT>(nch);
+            for (int i = lane; i < n16; i += od::WARP_SIZE) {
                 od::cp_async16(od::smem_addr(buf + 16 * i), src + 16 * i);
             }
         } else {
-            const int n16 = L.C * Gm::GRAN;
+            const int n16 = mms::piece_granules<WT>(L.C);
             for (int rs = 0; rs < L.R; ++rs) {
                 const int w = NW == 2 ? rs / L.RO : 0;
                 const int o = ig * L.RO + rs - w * L.RO;
                 const u8* src = (w ? wa1 : wa0) + static_cast<long long>(min(o, M - 1)) * a_row;
-                u8* dst = buf + rs * L.G * Gm::CHUNK;
+                u8* dst = buf + rs * L.G * Gm::PIECE;
                 for (int i = lane; i < n16; i += od::WARP_SIZE) {
                     od::cp_async16(od::smem_addr(dst + 16 * i), src + 16 * i);
                 }
@@ -396,8 +453,13 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
         const int seg = L.R == 1 ? cu - w * L.S : 0;
         const int c = seg * L.G + lc;
         if (c < L.C) {
-            mms::dot_chunk<WT, NT>(ring + (i % NS) * STAGE + lane * Gm::CHUNK, bs + c * Gm::BCHUNK, bcol_stride,
-                                   N, acc);
+            if constexpr (mm::Fmt<WT>::LEGACY) {
+                mms::dot_chunk<WT, NT>(ring + (i % NS) * STAGE + lane * Gm::CHUNK, bs + c * Gm::BCHUNK, bcol_stride,
+                                       N, acc);
+            } else {
+                mms::dot_piece<WT, NT>(ring + (i % NS) * STAGE + lane * Gm::PIECE, bs + c * Gm::BCHUNK, bcol_stride,
+                                       N, acc);
+            }
         }
         if (seg == L.S - 1) {  // the end of a row's segments: sums over the row's G lanes
 #pragma unroll
