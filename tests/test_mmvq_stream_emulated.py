@@ -10,9 +10,11 @@ inline PTX (f16 conversions, cp.async) swapped for host functions (tests/cuda_em
 Results are compared with the numpy reference by NMSE (mul_mat's bound, 5e-4) and, where b is a
 plain f32 input, with the reference run on b rounded to q8_1 in numpy (quantize_q8_1's float32
 math) by NMSE 1e-8: the kernel's only departure from the reference is that rounding (ggml's too),
-so anything else shows. mul_mat_id's expert ids are checked against an error word in the emulated
-memory (common.cuh's od::index_ok): zero after good ids, the first bad id's tag, position and value
-after a bad one. On the H200 the same shapes run in test_cuda_matmul.py.
+so anything else shows (quant_k.cuh's formats too, their weights random valid blocks: their dot32
+sums in another float order than the reference, well inside the bound). mul_mat_id's expert ids are
+checked against an error word in the emulated memory (common.cuh's od::index_ok): zero after good ids,
+the first bad id's tag, position and value after a bad one. On the H200 the same shapes run in
+test_cuda_matmul.py.
 
 Skipped without g++ 12 or newer (C++20 <barrier>, _Float16).
 """

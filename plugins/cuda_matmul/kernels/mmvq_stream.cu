@@ -15,20 +15,28 @@
 // 2. Each warp then walks its row groups through a ring of NS stage buffers of its own
 //    (wait_group NS - 1, __syncwarp, compute, __syncwarp, issue the stage NS - 1 ahead).
 //
-// Geometry (mmvq_stream_geometry below; cuda_matmul.support.stream_geometry mirrors it):
+// Geometry (Geo and layout below; cuda_matmul/specs/stream.py's stream_geo and stream_layout mirror it):
 //   chunk   CB consecutive blocks of a row, the fewest whose bytes are a multiple of 16
-//           (Geo: q4_0, q5_0, q8_0 8 blocks = 144, 176, 272 bytes; q4_1 4 = 80; q5_1 2 = 48).
-//           A row is C = K / (32 * CB) chunks: rows of whole chunks (K % (32 * CB) == 0),
-//           the weights 16-byte aligned (base, row and batch strides) are the caller's.
+//           (Geo: q4_0, q5_0, q8_0 8 blocks = 144, 176, 272 bytes; q4_1 4 = 80; q5_1 2 = 48;
+//           q4_K 1 = 144, q5_K 1 = 176, iq4_xs 2 = 272, mxfp4 16 = 272, iq4_nl 8 = 144; q2_K 4 =
+//           336, q3_K 8 = 880, q6_K 8 = 1680): rows of whole chunks (K % (QK * CB) == 0), the
+//           weights 16-byte aligned (base, row and batch strides) are the caller's.
+//   piece   what one lane dots, LB blocks: the chunk when it is at most REG_CHUNK_MAX (272) bytes
+//           (REG: every legacy format, q4_K, q5_K, iq4_nl, iq4_xs, mxfp4), else one block (q2_K,
+//           q3_K, q6_K: a chunk is too many registers). A row is C = K / (QK * LB) pieces.
 //   lanes   G = min(32, next_pow2(C)) lanes a row, R = 32 / G rows (slots) a warp stage,
 //           S = ceil(C / G) segments a row (S > 1 only when G = 32). Lane l of a stage takes
-//           slot l / G, chunk seg * G + l % G of that slot's row (idle past C).
-//   stage   the R slot rows' segment, copied contiguously per row: slot r's chunks land at
-//           r * G * CHUNK, so lane l's chunk is at l * CHUNK of the stage buffer (32 * CHUNK
-//           bytes). A lane reads its chunk with 16-byte loads: the chunk stride is an odd
-//           number of 16-byte granules for every format, so the 8 lanes of a quarter warp hit
-//           8 distinct bank groups. Blocks are moved out of the chunk's words at compile-time
-//           offsets (decode_words) and dotted with b's codes by dp4a.
+//           slot l / G, piece seg * G + l % G of that slot's row (idle past C).
+//   stage   the R slot rows' segment, copied contiguously per row: slot r's pieces land at
+//           r * G * PIECE, so lane l's piece is at l * PIECE of the stage buffer (32 * PIECE
+//           bytes; G >= CB / LB, so rows and segments start on granules). A REG lane reads its
+//           chunk with 16-byte loads: the chunk stride is an odd number of 16-byte granules for
+//           every format, so the 8 lanes of a quarter warp hit 8 distinct bank groups. Legacy
+//           blocks are moved out of the chunk's words at compile-time offsets (decode_words) and
+//           dotted with b's codes by dp4a; quant_k.cuh's formats go 32 values (a unit) at a time
+//           through the format's dot32_in, reading the words through a Regs source (constant
+//           offsets: registers and funnel shifts). A one-block piece (lanes 84, 110, 210 bytes
+//           apart, 2-byte aligned) is read with 4-byte loads and funnel-shifted into place.
 //   groups  a group is RO output rows: R of them (EPI_NONE/EPI_BIAS), or with EPI_GLU R / 2
 //           gate rows in slots 0 .. R/2 - 1 and the same up rows in slots R/2 .. R - 1
 //           (R >= 2: one shuffle pairs them), or, when R = 1, one row: its S gate segments
@@ -36,14 +44,16 @@
 //   warps   the warps of the grid (gridDim.x * blockDim.x / 32 for each batch (i2, i3) of
 //           gridDim.y, gridDim.z) split the groups of a batch into even contiguous ranges
 //           (warp w: groups [w * groups / W, (w + 1) * groups / W)).
-//   b       column n's chunk c at bs + (n * C + c) * BCHUNK: CB blocks of 32 int8 codes, then
-//           CB float2 (d, d * sum), padded to an odd number of granules (conflict-free as the
-//           weights); read with 16-byte loads, (d, d * sum) two blocks at a time.
-// Dynamic shared memory: N * C * BCHUNK + (blockDim.x / 32) * NS * 32 * CHUNK bytes.
+//   b       column n's piece c at bs + (n * C + c) * BCHUNK: NU = LB * QK / 32 q8_1 blocks of 32
+//           int8 codes, then NU float2 (d, d * sum), padded to an odd number of granules
+//           (conflict-free as the weights); codes read with 16-byte loads, (d, d * sum) two blocks
+//           at a time (legacy) or one (a unit of quant_k.cuh's formats).
+// Dynamic shared memory: N * C * BCHUNK + (blockDim.x / 32) * NS * 32 * PIECE bytes.
 //
-// Scaling as q_rows: a block's dot with b's codes (dp4a over raw codes c), then
-// d * (db * dot - zero * db * sum) (+ m * db * sum for q4_1 / q5_1). Rows past M (the last
-// group) read row M - 1 and write nothing. Output (B3, B2, N, M) contiguous, epilogue() as mmvq.
+// Scaling as q_rows: a legacy block's dot with b's codes (dp4a over raw codes c), then
+// d * (db * dot - zero * db * sum) (+ m * db * sum for q4_1 / q5_1); quant_k.cuh's units as their
+// dot32 (q_rows_subscaled), summed in unit order. Rows past M (the last group) read row M - 1 and
+// write nothing. Output (B3, B2, N, M) contiguous, epilogue() as mmvq.
 
 #include "mm_common.cuh"
 
@@ -73,6 +83,9 @@ struct Geo {
     static constexpr int BCODES = NU * 32;              // b: a piece's codes, then its (d, d * sum)
     static constexpr int BRAW = NU * 40;
     static constexpr int BCHUNK = (BRAW / 16) % 2 == 1 ? BRAW : BRAW + 16;
+    // blocks an SM the registers must allow (the launch bound's second argument): the one-block
+    // pieces' words and their shifted copy would take more than 128 a thread, one 8-warp block an SM
+    static constexpr int MIN_BLOCKS = REG ? 1 : 2;
     static_assert(CHUNK % 16 == 0 && GRAN % 2 == 1, "chunk stride must be an odd number of granules");
     static_assert(NU % 2 == 0 && BRAW % 16 == 0 && (BCHUNK / 16) % 2 == 1, "b chunk layout");
     static_assert(F::LEGACY ? REG : F::QK % 32 == 0, "legacy chunks in registers");
@@ -272,21 +285,41 @@ __device__ __forceinline__ void dot_chunk(const u8* wchunk, const u8* bchunk, in
     }
 }
 
-// acc[n] += piece (at `wpiece`, shared) . b column n's piece, for quant_k.cuh's formats: each 32-value
-// unit u by the format's dot32_in, its bytes from registers (REG: the chunk read with 16-byte loads,
-// conflict-free as the legacy chunks) or straight from shared memory (one block a lane).
+// acc[n] += piece (at `wpiece`, shared) . b column n's piece, for quant_k.cuh's formats: the piece's
+// words in registers, then each 32-value unit u by the format's dot32_in over them (a Regs source:
+// constant offsets). A chunk (REG) is read with 16-byte loads, conflict-free as the legacy chunks; a
+// one-block piece (2-byte aligned: even BYTES, lanes BYTES apart) with 4-byte loads from the word
+// boundary below it, then funnel-shifted by its phase (0 or 2 bytes: the same instructions in every
+// lane; the last lane's block ends on a granule, so no load passes the stage).
 template <int WT, int NT>
 __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, int bcol_stride, int N,
                                           float (&acc)[NT]) {
     using Gm = Geo<WT>;
     using F = mm::Fmt<WT>;
     constexpr int PER = F::QK / 32;  // units a block
-    unsigned wd[Gm::REG ? Gm::WORDS : 1];
+    constexpr int RW = Gm::REG ? Gm::WORDS : (F::BYTES + 3) / 4;  // words of the piece in registers
+    unsigned wd[RW];
     if constexpr (Gm::REG) {
 #pragma unroll
         for (int g = 0; g < Gm::GRAN; ++g) {
             const uint4 v = reinterpret_cast<const uint4*>(wpiece)[g];
             wd[4 * g] = v.x, wd[4 * g + 1] = v.y, wd[4 * g + 2] = v.z, wd[4 * g + 3] = v.w;
+        }
+    } else {
+        static_assert(F::BYTES % 2 == 0 && Gm::LB == 1, "one 2-byte aligned block a lane");
+        // words covering the block from the word boundary below (phase 2 only where BYTES % 4 == 2)
+        constexpr int LW = F::BYTES % 4 == 0 ? F::BYTES / 4 : (F::BYTES + 2) / 4;
+        const int ph = static_cast<int>(reinterpret_cast<unsigned long long>(wpiece) & 3ull);
+        const unsigned* const src = reinterpret_cast<const unsigned*>(wpiece - ph);
+        unsigned raw[LW + 1];
+#pragma unroll
+        for (int i = 0; i < LW; ++i) {
+            raw[i] = src[i];
+        }
+        raw[LW] = 0u;  // past the block: the high bytes of its last word only
+#pragma unroll
+        for (int i = 0; i < RW; ++i) {
+            wd[i] = __funnelshift_rc(raw[i], raw[i + 1], 8 * ph);
         }
     }
 #pragma unroll
@@ -300,11 +333,7 @@ __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, in
                 const int4 hi = reinterpret_cast<const int4*>(bc + 32 * u)[1];
                 const float2 ds = reinterpret_cast<const float2*>(bc + Gm::BCODES)[u];
                 const int bq[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-                if constexpr (Gm::REG) {
-                    acc[n] += F::dot32_in(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds);
-                } else {
-                    acc[n] += F::dot32_in(od::quant::Mem<F::BYTES % 2 != 0>{wpiece + j * F::BYTES}, u % PER, bq, ds);
-                }
+                acc[n] += F::dot32_in(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds);
             }
         }
     }
@@ -327,7 +356,7 @@ using mm::u8;
 // has one row a token), bias0 / bias1 + e * bias_e. An id outside [0, E) writes NaN rows and is
 // recorded in the error word (od::index_ok; a null word for mul_mat).
 template <int WT, int TB, int NT, int EPI, int NS>
-__global__ void __launch_bounds__(mms::THREADS_MAX, 1)
+__global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     mmvq_stream(const u8* a0, const u8* a1, long long a_row, long long a_s2, long long a_s3, int r2, int r3,
                 const u8* b, long long b_col, long long b_es, long long b_s2, long long b_s3, float* out, int M,
                 int K, int N, const float* bias0, const float* bias1, int glu_kind, float alpha, float limit,
