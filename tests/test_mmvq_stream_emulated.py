@@ -119,6 +119,10 @@ def _k_cases(dt: str, i: int) -> dict:
 
 for _i, _dt in enumerate(K_FORMATS):
     CASES.update(_k_cases(_dt, _i))
+CASES.update({  # b f16 / bf16 (unfused mul_mat only: 8-column instances), if the formats exist
+    f"{dt} b {tb} {view}": (lambda dt=dt, tb=tb, view=view: _mm(dt, 29, 2 * stream.stream_geo(dt).row_values, 3,
+                                                                 tb=tb, bview=view), DEFAULT, False)
+    for dt, tb, view in (("q6_K", "bf16", "T"), ("iq4_xs", "f16", "offset")) if dt in K_FORMATS})
 
 
 def _transformed(build: Path) -> None:
