@@ -465,7 +465,7 @@ def fake_scratch(role: str, nbytes: int, zeroed: bool = False) -> int:
 def kernel_params(source, name: str) -> list[tuple[str, type]]:  # noqa: ANN001
     """(name, numpy scalar type) of each of a kernel's parameters, read from its source."""
     src = with_index_check_params(source.read_text())
-    m = re.search(rf"__global__ void __launch_bounds__\([\w:, *]+\)\s+{name}\((.*?)\)\s*\{{", src, re.S)
+    m = re.search(rf"__global__ void __launch_bounds__\([\w:, *<>]+\)\s+{name}\((.*?)\)\s*\{{", src, re.S)
     assert m, f"{name} not found in {source}"
     params = [re.fullmatch(r"(.*?)\s*(\w+)", p.strip()).groups() for p in m.group(1).split(",")]
     return [(pname, C_TYPES[ctype]) for ctype, pname in params]
