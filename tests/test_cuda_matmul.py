@@ -236,15 +236,24 @@ def test_stream_path_reasons() -> None:
 
 
 def test_stream_chunks_mirror_the_kernel() -> None:
-    """stream.STREAM_FORMATS: the fewest blocks whose bytes are a multiple of 16, an odd number of
-    16-byte granules (conflict-free 16-byte shared loads at a chunk stride), as mmvq_stream.cu's Geo."""
-    for dt, (nbytes, cb) in stream.STREAM_FORMATS.items():
-        assert nbytes == dtypes_block_bytes(dt)
+    """stream.STREAMED: the fewest blocks whose bytes are a multiple of 16, an odd number of 16-byte
+    granules (conflict-free 16-byte shared loads at a chunk stride), as mmvq_stream.cu's Geo; a lane's
+    piece the chunk up to REG_CHUNK_MAX bytes (every legacy format's), else one block, a stage of 32
+    pieces whole granules; every block format streams."""
+    assert set(stream.STREAMED) == set(specs.QUANT_NAMES)
+    for dt, (nbytes, cb) in stream.STREAMED.items():
+        assert nbytes == DTYPES[dt].block_bytes
         assert cb * nbytes % 16 == 0 and all(c * nbytes % 16 for c in range(1, cb))
-        _, chunk, bchunk = stream.stream_chunk(dt)
-        assert (chunk // 16) % 2 == 1 and (bchunk // 16) % 2 == 1 and bchunk >= cb * 40
+        g = stream.stream_geo(dt)
+        assert (g.chunk // 16) % 2 == 1 and (g.bpiece // 16) % 2 == 1 and g.bpiece >= g.values // 32 * 40
+        assert g.lb == (cb if g.chunk <= stream.REG_CHUNK_MAX else 1) and (32 * g.piece) % 16 == 0
+        assert g.row_values == cb * DTYPES[dt].block_size and g.values == g.lb * DTYPES[dt].block_size
+    assert all(stream.stream_geo(dt).lb > 1 or stream.STREAMED[dt][1] == 1 for dt in specs.LEGACY_NAMES)
     src = specs.MMVQ_STREAM_CU.read_text()
     assert "static constexpr int CB = 16 / pow2_of(F::BYTES);" in src
+    assert "static constexpr bool REG = CHUNK <= REG_CHUNK_MAX;" in src
+    assert f"constexpr int REG_CHUNK_MAX = {stream.REG_CHUNK_MAX};" in src
+    assert "static constexpr int NU = LB * F::QK / 32;" in src
     assert "static constexpr int BCHUNK = (BRAW / 16) % 2 == 1 ? BRAW : BRAW + 16;" in src
 
 
@@ -258,6 +267,14 @@ def test_stream_chunks_mirror_the_kernel() -> None:
     ("q5_0", 256, False, (1, 1, 32, 1, 32, 1)),
     ("q5_0", 256, True, (1, 1, 32, 1, 16, 1)),
     ("q4_0", 768, True, (3, 4, 8, 1, 4, 1)),
+    ("q4_K", 256, False, (1, 1, 32, 1, 32, 1)),  # a q4_K block a lane, in registers
+    ("q5_K", 14336, True, (56, 32, 1, 2, 1, 4)),
+    ("iq4_xs", 4096, False, (8, 8, 4, 1, 4, 1)),  # 2 blocks a lane
+    ("mxfp4", 16896, False, (33, 32, 1, 2, 1, 2)),  # 16 blocks a lane, a partial second segment
+    ("iq4_nl", 4096, True, (16, 16, 2, 1, 1, 1)),
+    ("q6_K", 4096, False, (16, 16, 2, 1, 2, 1)),  # one block a lane from shared memory: 2 chunks of 8
+    ("q3_K", 14336, False, (56, 32, 1, 2, 1, 2)),
+    ("q2_K", 1024, True, (4, 4, 8, 1, 4, 1)),  # one chunk of 4 blocks
 ])
 def test_stream_layout(dt: str, k: int, glu: bool, layout: tuple) -> None:
     assert stream.stream_layout(dt, k, glu) == stream.StreamLayout(*layout)
@@ -476,7 +493,7 @@ def fake_scratch(role: str, nbytes: int, zeroed: bool = False) -> int:
 def kernel_params(source, name: str) -> list[tuple[str, type]]:  # noqa: ANN001
     """(name, numpy scalar type) of each of a kernel's parameters, read from its source."""
     src = with_index_check_params(source.read_text())
-    m = re.search(rf"__global__ void __launch_bounds__\([\w:, *]+\)\s+{name}\((.*?)\)\s*\{{", src, re.S)
+    m = re.search(rf"__global__ void __launch_bounds__\([\w:, *<>]+\)\s+{name}\((.*?)\)\s*\{{", src, re.S)
     assert m, f"{name} not found in {source}"
     params = [re.fullmatch(r"(.*?)\s*(\w+)", p.strip()).groups() for p in m.group(1).split(",")]
     return [(pname, C_TYPES[ctype]) for ctype, pname in params]
@@ -1391,14 +1408,19 @@ def subscaled_feeds(y: Tensor | list, rng: np.random.Generator, n_experts: int =
 
 
 @pytest.mark.parametrize("dt", SUBSCALED)
-@pytest.mark.parametrize(("n", "path"), [(1, "mmvq"), (8, "mmvq"), (9, "dequant_cublas"), (64, "dequant_cublas")])
-def test_subscaled_mul_mat_path(dt: str, n: int, path: str) -> None:
-    """Every batch runs on the GPU: the mat-vec through dot32 up to 8 columns, dequant_cublas beyond."""
-    k = 2 * DTYPES[dt].block_size
-    y = ops.mul_mat(od.input("w", (3, 13, k), dt), od.input("x", (3, n, k)))
-    (step,) = steps_of(od.compile(y, H200), "mul_mat")
-    assert (step.plugin, step.kernel) == ("cuda_matmul", path)
-    assert "no streamed mat-vec" in str(support.stream_ok(y, H200))
+@pytest.mark.parametrize("n", [1, 8, 9, 64])
+def test_subscaled_mul_mat_path(dt: str, n: int) -> None:
+    """Every batch runs on the GPU: up to 8 columns the streamed mat-vec for rows of whole chunks, mmvq
+    (dot32 from global memory) for the others, dequant_cublas beyond 8 columns."""
+    rv, qk = stream.stream_geo(dt).row_values, DTYPES[dt].block_size
+    partial = ((rv + qk, "mmvq"),) if rv > qk else ()  # q4_K, q5_K: chunks of one block, every K streams
+    for k, small in ((rv, "mmvq_stream"), (14336, "mmvq_stream"), *partial):
+        y = ops.mul_mat(od.input("w", (3, 13, k), dt), od.input("x", (3, n, k)))
+        (step,) = steps_of(od.compile(y, H200), "mul_mat")
+        assert (step.plugin, step.kernel) == ("cuda_matmul", small if n <= 8 else "dequant_cublas"), (k, n)
+        if n <= 8:  # stream_ok is asked of mat-vecs only
+            why = f"K={k} is not a multiple of {rv} (rows of whole {stream.stream_geo(dt).chunk}-byte chunks)"
+            assert support.stream_ok(y, H200) == (True if small == "mmvq_stream" else why)
 
 
 @pytest.mark.parametrize("dt", SUBSCALED)
@@ -1417,12 +1439,14 @@ def test_subscaled_mul_mat_id_glu_and_out_prod_paths(dt: str) -> None:
 
 
 def test_subscaled_instances_are_compiled() -> None:
-    """Every launchable sub-scaled instance is declared (tests/test_kernels_compile.py builds them), none streamed."""
+    """Every launchable sub-scaled instance is declared (tests/test_kernels_compile.py builds them)."""
     for dt in specs.SUBSCALED_NAMES:
         assert all(specs.mmvq_name(dt, nt, epi) in specs.MMV_NAMES for nt in specs.NTS for epi in specs.EPIS)
         assert all(specs.mmvq_id_name(dt, epi) in specs.MMV_ID_NAMES for epi in specs.EPIS)
         assert all(specs.dequant_name(dt, td) in specs.CONVERT_NAMES for td in ("f16", "f32"))
-        assert not any(specs.W_KIND[dt] in name for name in specs.STREAM_NAMES)
+        assert all(specs.stream_name(dt, "f32", nt, epi) in specs.STREAM_NAMES
+                   for nt in specs.NTS for epi in specs.EPIS)
+        assert all(specs.stream_name(dt, tb, 8, specs.EPI_NONE) in specs.STREAM_NAMES for tb in ("f16", "bf16"))
 
 
 @gpu
@@ -1438,6 +1462,35 @@ def test_subscaled_mul_mat_sweep(dt: str, n: int, rng) -> None:  # noqa: ANN001
         if n <= 8:  # a mat-vec: b rounded to q8_1
             (ref,) = od.compile(y, "cpu").run(q8_1_rounded(feeds, "b"))
         assert_close(got, ref, f"mul_mat a={dt} m={m} k={k} n={n}", Q8_1_NMSE if n <= 8 else SUBSCALED_NMSE)
+
+
+#: (K, M) of the streamed sub-scaled sweep: rows of one q4_K / q5_K / iq4_nl chunk, one chunk a stage of
+#: every format at 4096 (R 2 .. 32), two segments a row at 14336 (56 one-block pieces; 28 of iq4_xs / mxfp4)
+#: and 16896 (33 pieces of 512 values), odd M
+SUBSCALED_STREAM_SHAPES = ((4096, 77), (14336, 45), (16896, 19), (4096, 1001))
+
+
+@gpu
+@pytest.mark.parametrize("n", range(1, 9))
+@pytest.mark.parametrize("dt", SUBSCALED)
+def test_subscaled_mmvq_stream_sweep(dt: str, n: int, rng) -> None:  # noqa: ANN001
+    """mmvq_stream for every sub-scaled format and column count, its output poisoned first; b f16 too."""
+    for k, m in (*SUBSCALED_STREAM_SHAPES, (stream.stream_geo(dt).row_values, 33)):
+        if k % stream.stream_geo(dt).row_values:
+            continue
+        for tb in ("f32", "f16") if n in (1, 8) else ("f32",):
+            y = ops.mul_mat(od.input("a", (m, k), dt), od.input("b", (n, k), tb))
+            plan = od.compile(y, "cuda0")
+            (step,) = steps_of(plan, "mul_mat")
+            assert (step.plugin, step.kernel) == ("cuda_matmul", "mmvq_stream"), plan.explain()
+            feeds = subscaled_feeds(y, rng)
+            poison_arenas(plan)
+            (got,) = plan.run(feeds)
+            # f32 b: against the reference on b rounded to q8_1 (the kernel's only rounding); an f16 b would be
+            # rounded again on the way into the reference, so it meets the plain bound
+            ref_feeds, bound = (q8_1_rounded(feeds, "b"), Q8_1_NMSE) if tb == "f32" else (feeds, SUBSCALED_NMSE)
+            (ref,) = od.compile(y, "cpu").run(ref_feeds)
+            assert_close(got, ref, f"mmvq_stream a={dt} b={tb} m={m} k={k} n={n}", bound)
 
 
 @gpu

@@ -10,9 +10,11 @@ inline PTX (f16 conversions, cp.async) swapped for host functions (tests/cuda_em
 Results are compared with the numpy reference by NMSE (mul_mat's bound, 5e-4) and, where b is a
 plain f32 input, with the reference run on b rounded to q8_1 in numpy (quantize_q8_1's float32
 math) by NMSE 1e-8: the kernel's only departure from the reference is that rounding (ggml's too),
-so anything else shows. mul_mat_id's expert ids are checked against an error word in the emulated
-memory (common.cuh's od::index_ok): zero after good ids, the first bad id's tag, position and value
-after a bad one. On the H200 the same shapes run in test_cuda_matmul.py.
+so anything else shows (quant_k.cuh's formats too, their weights random valid blocks: their dot32
+sums in another float order than the reference, well inside the bound). mul_mat_id's expert ids are
+checked against an error word in the emulated memory (common.cuh's od::index_ok): zero after good ids,
+the first bad id's tag, position and value after a bad one. On the H200 the same shapes run in
+test_cuda_matmul.py.
 
 Skipped without g++ 12 or newer (C++20 <barrier>, _Float16).
 """
@@ -36,7 +38,7 @@ from opdispatch.plugins.cuda_matmul.specs import mmv, stream
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
 from cuda_emu.hostcode import EMU, Arena, gxx_major, q8_1_reference, write_headers
-from helpers import gate_up_glu, moe
+from helpers import gate_up_glu, moe, subscaled_blocks
 
 NMSE_MAX = 5e-4
 NMSE_Q8_1 = 1e-8  # against the reference on b rounded to q8_1 as the kernel rounds it
@@ -90,6 +92,37 @@ CASES = {
                                                  specs.StreamConfig(2, 2, 1), False),
     "mul_mat_id glu q5_1 add_id": (lambda: moe("q5_1", 6, 19, 128, 1, 4, True, True), DEFAULT, True),
 }
+#: quant_k.cuh's formats: rows of one chunk (R 32 for the 1-block chunks), of several, long rows of two
+#: segments (a partial second for iq4_xs / mxfp4), every epilogue, mul_mat_id; N from 1 to 8 over the formats
+#: (each format its own N of the several-chunk and bias cases, so that the instances stay few)
+K_FORMATS = tuple(stream.STREAM_K_FORMATS)
+K_LONG = {"iq4_xs": 33 * 512, "mxfp4": 33 * 512}  # else 14336: 56 pieces of 256 values
+
+
+def _k_cases(dt: str, i: int) -> dict:
+    rv = stream.stream_geo(dt).row_values
+    long_k = K_LONG.get(dt, 14336)
+    two = specs.StreamConfig(2, 2, 1)
+    return {
+        f"{dt} rows of one chunk, N 1": (lambda: _mm(dt, 77, rv, 1), DEFAULT, i % 2 == 1),
+        f"{dt} rows of 7 chunks, N {3 + i % 2}": (lambda: _mm(dt, 45, 7 * rv, 3 + i % 2), DEFAULT, False),
+        f"{dt} K{long_k} two segments, N 8, 2 warps": (lambda: _mm(dt, 19, long_k, 8), two, True),
+        f"{dt} bias, N {5 + i % 3}": (lambda: _bias(dt, 45, 2 * rv, 5 + i % 3), DEFAULT, False),
+        f"glu {dt} gate and up in a stage, bias": (lambda: gate_up_glu(dt, 37, rv, 2, True, "swiglu_oai"), DEFAULT,
+                                                   False),
+        f"glu {dt} K{long_k} gate then up segments": (lambda: gate_up_glu(dt, 21, long_k, 2, False, "geglu"), two,
+                                                     i % 2 == 0),
+        f"mul_mat_id {dt} 3 of 4 experts": (lambda: moe(dt, 4, 33, 2 * rv, 1, 3, False, False), DEFAULT, False),
+        f"mul_mat_id glu {dt} add_id": (lambda: moe(dt, 6, 19, rv, 1, 2, True, True), DEFAULT, True),
+    }
+
+
+for _i, _dt in enumerate(K_FORMATS):
+    CASES.update(_k_cases(_dt, _i))
+CASES.update({  # b f16 / bf16 (unfused mul_mat only: 8-column instances), if the formats exist
+    f"{dt} b {tb} {view}": (lambda dt=dt, tb=tb, view=view: _mm(dt, 29, 2 * stream.stream_geo(dt).row_values, 3,
+                                                                 tb=tb, bview=view), DEFAULT, False)
+    for dt, tb, view in (("q6_K", "bf16", "T"), ("iq4_xs", "f16", "offset")) if dt in K_FORMATS})
 
 
 def _transformed(build: Path) -> None:
@@ -156,11 +189,21 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _feeds(y: Tensor, rng: np.random.Generator) -> dict[Tensor, np.ndarray]:
-    """Random inputs: floats in [-1, 1), mul_mat_id's ids valid expert numbers."""
+    """Random inputs: floats in [-1, 1), mul_mat_id's ids valid expert numbers; quant_k.cuh's formats as
+    random valid blocks (raw bytes, scales about 0.01; opdispatch's quantizers are slow at these sizes)."""
     graph = Graph.build(y)
     n_exp = next((n.srcs[0].shape[0] for n in graph.nodes if n.op == "mul_mat_id"), 0)
-    return {t: rng.integers(0, n_exp, t.shape).astype(np.int32) if t.dtype.is_int
-            else rng.uniform(-1, 1, t.shape).astype(np.float32) for t in graph.inputs}
+    feeds = {}
+    for t in graph.inputs:
+        if t.dtype.is_int:
+            feeds[t] = rng.integers(0, n_exp, t.shape).astype(np.int32)
+        elif t.dtype.name in stream.STREAM_K_FORMATS:
+            qk, nbytes = t.dtype.block_size, t.dtype.block_bytes
+            raw = subscaled_blocks(rng, t.dtype.name, t.size // qk, e_range=(105, 120), scale=0.001)
+            feeds[t] = raw.reshape(*t.shape[:-1], t.shape[-1] // qk * nbytes)
+        else:
+            feeds[t] = rng.uniform(-1, 1, t.shape).astype(np.float32)
+    return feeds
 
 
 def _emulate(y: Tensor, feeds: dict, cfg: specs.StreamConfig, eager: bool, emulator: Path, tmp_path: Path
@@ -171,7 +214,8 @@ def _emulate(y: Tensor, feeds: dict, cfg: specs.StreamConfig, eager: bool, emula
     arena = Arena(sum(t.base.nbytes + 256 for t in (*graph.leafs, *graph.nodes)) + 4096)
     for leaf in graph.leafs:
         if leaf in feeds:
-            arena.place(leaf, feeds[leaf] if leaf.dtype.is_int else from_float(leaf.dtype.name, feeds[leaf]))
+            raw = leaf.dtype.is_int or feeds[leaf].dtype == np.uint8  # ids, or blocks as bytes
+            arena.place(leaf, feeds[leaf] if raw else from_float(leaf.dtype.name, feeds[leaf]))
         else:
             arena.place(leaf, leaf.data)
     for n in graph.nodes:
@@ -210,19 +254,25 @@ def test_mmvq_stream_emulated(case: str, emulator: Path, tmp_path: Path, rng) ->
         assert nmse(got, model) <= NMSE_Q8_1, f"{what}: NMSE {nmse(got, model):.3g} against b rounded to q8_1"
 
 
-@pytest.mark.parametrize(("bad", "slot"), [([5, 8, 2], 1), ([-1, 3, 2], 0), ([5, 0, -2**31], 2)])
-def test_mul_mat_id_expert_out_of_range_writes_nan(bad: list[int], slot: int, emulator: Path, tmp_path: Path,
-                                                   rng) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(("dt", "bad", "slot"), [
+    ("q4_0", [5, 8, 2], 1), ("q4_0", [-1, 3, 2], 0), ("q4_0", [5, 0, -2**31], 2),
+    # the new formats (4 experts): one bad id (4 or -7) in slot i % 3 of 3
+    *((dt, [(4 if i % 2 else -7) if s == i % 3 else 3 - s for s in range(3)], i % 3) for i, dt in enumerate(K_FORMATS)),
+])
+def test_mul_mat_id_expert_out_of_range_writes_nan(dt: str, bad: list[int], slot: int, emulator: Path,
+                                                   tmp_path: Path, rng) -> None:  # noqa: ANN001
     """An id outside [0, E) gives its slot NaN rows (the CPU reference raises) and sets the error word to
     (tag + 1, its position, its value); the other slots are right."""
-    y = moe("q4_0", 8, 45, 512, 1, 3, False, False)
+    n_exp = 8 if dt == "q4_0" else 4
+    y = moe(dt, n_exp, 45, 512, 1, 3, False, False) if dt == "q4_0" else moe(
+        dt, n_exp, 33, 2 * stream.stream_geo(dt).row_values, 1, 3, False, False)  # instances CASES builds
     feeds = _feeds(y, rng)
     ids = next(t for t in feeds if t.dtype.is_int)
     feeds[ids] = np.array([bad], np.int32)
     got, launch, word = _emulate(y, feeds, DEFAULT, False, emulator, tmp_path)
     good = [e if i != slot else 0 for i, e in enumerate(bad)]
     (ref,) = od.compile(y, "cpu").run({**feeds, ids: np.array([good], np.int32)})
-    assert np.isnan(got[0, slot]).all(), f"{launch}: slot {slot} (expert {bad[slot]} of 8) not NaN"
+    assert np.isnan(got[0, slot]).all(), f"{launch}: slot {slot} (expert {bad[slot]} of {n_exp}) not NaN"
     others = [i for i in range(3) if i != slot]
     assert nmse(got[0, others], ref[0, others]) <= NMSE_MAX, f"{launch}: the valid slots"
     assert list(word) == [Arena.TAG + 1, slot, bad[slot], 0]
@@ -243,12 +293,16 @@ def test_nan_in_b_gives_its_column_nan_rows(emulator: Path, tmp_path: Path, rng)
 
 
 def test_cases_cover_the_layouts() -> None:
-    """The cases above reach every kind of stage: R 32, R 2 and R 1 with 1 and several segments, with
-    and without GLU, and more than one block."""
-    seen = set()
+    """The cases above reach every kind of stage for every format: R 32 or R >= 2, and R 1 with 1 (the
+    legacy formats) and several segments, with and without GLU, and more than one block; each new format
+    with N from 1 to 8 in a column count of each compiled instance."""
+    seen: dict[str, set] = {}
     for make, cfg, _ in CASES.values():
         nodes = _nodes(make())
         a = nodes[0].srcs[0]
         lay = stream.stream_layout(a.dtype.name, a.shape[-1], nodes[-1].op == "glu")
-        seen.add((min(lay.R, 2), min(lay.S, 2), nodes[-1].op == "glu"))
-    assert {(2, 1, False), (1, 1, False), (1, 2, False), (2, 1, True), (1, 2, True)} <= seen, seen
+        seen.setdefault(a.dtype.name, set()).add((min(lay.R, 2), min(lay.S, 2), nodes[-1].op == "glu"))
+    every = set().union(*seen.values())
+    assert {(2, 1, False), (1, 1, False), (1, 2, False), (2, 1, True), (1, 2, True)} <= every, every
+    for dt in K_FORMATS:
+        assert {(2, 1, False), (1, 2, False), (2, 1, True), (1, 2, True)} <= seen[dt], (dt, seen[dt])

@@ -20,7 +20,7 @@ from opdispatch.support import GRID_YZ_MAX, Rule, first_failure, fits_int, rows_
 from opdispatch.tensor import Tensor
 
 from .specs import MMF_TYPES, mmq
-from .specs.stream import STREAM_FORMATS, device_facts, stream_chunk, stream_warps
+from .specs.stream import STREAMED, device_facts, stream_chunk, stream_geo, stream_warps
 
 #: most columns (batch N) the mat-vec kernels take; larger batches go to mmf (float weights) or cuBLAS
 MMV_MAX_N = 8
@@ -115,11 +115,11 @@ def stream_ok(node: Tensor, device: Device | None = None) -> bool | str:
     a = _a(node)
     n = 1 if node.op == "mul_mat_id" else batch_n(node)
     dt, k = a.dtype.name, a.shape[-1]
-    if dt not in STREAM_FORMATS:
+    if dt not in STREAMED:
         return f"{dt} has no streamed mat-vec"
-    cb, chunk, _ = stream_chunk(dt)
-    if k % (32 * cb):
-        return f"K={k} is not a multiple of {32 * cb} (rows of whole {chunk}-byte chunks)"
+    g = stream_geo(dt)
+    if k % g.row_values:
+        return f"K={k} is not a multiple of {g.row_values} (rows of whole {g.chunk}-byte chunks)"
     if not _aligned16(a):
         return "a's offset or row/batch strides are not multiples of 16 bytes"
     if device is not None and device.kind == "cuda" and device_facts(device).cc < (8, 0):

@@ -7,6 +7,9 @@
 //   code(blk, j)          value j's integer code: signed (offset applied) or its table entry
 //   dot32(blk, u, b, ds)  values 32u .. 32u+31 dotted with their q8_1 codes: b[i] holds the codes
 //                         of values 4i .. 4i+3, ds = (q8_1 d, d * sum(codes)) (the mat-vecs)
+//   dot32_in(src, u, b, ds)  the same, the block's bytes read through a byte source (Mem: memory at
+//                         a pointer, what dot32 passes; Regs: the register words of a run of blocks,
+//                         mmvq_stream's chunks), the same operations in the same order
 //
 // so that value j = d * code - m, ggml's dequantize_row_* one float32 operation at a time
 // ((d*sc)*q - (dmin*m)), bit-exact with opdispatch.dtypes.dequantize (and gguf-py's quants).
@@ -45,6 +48,45 @@ struct SubScaled {
 
 __device__ __forceinline__ float half_at(const unsigned char* p) {
     return f16_to_f32(static_cast<unsigned short>(ld16(p)));
+}
+
+// Bytes at any address (mxfp4) as a little-endian word.
+__device__ __forceinline__ unsigned ld32_1(const unsigned char* p) {
+    return p[0] | (p[1] << 8) | (p[2] << 16) | (static_cast<unsigned>(p[3]) << 24);
+}
+
+// Byte sources of dot32_in: u8 / u16 / u32 (o) = the little-endian byte, half-word, word at byte o of
+// the block. Mem reads memory at p: 2-byte aligned blocks (16-bit loads), or any address (ANY: byte
+// loads, mxfp4's). Regs reads the words w of a run of blocks held in registers, the block at byte `at`
+// of them: with `at` and o compile-time constants once unrolled, every access is a register (and a
+// funnel shift where it straddles two words), so the array stays in registers.
+template <bool ANY>
+struct Mem {
+    const unsigned char* p;
+    __device__ __forceinline__ unsigned u8(int o) const { return p[o]; }
+    __device__ __forceinline__ unsigned u16(int o) const {
+        return ANY ? p[o] | (static_cast<unsigned>(p[o + 1]) << 8) : ld16(p + o);
+    }
+    __device__ __forceinline__ unsigned u32(int o) const { return ANY ? ld32_1(p + o) : ld32_2(p + o); }
+};
+
+struct Regs {
+    const unsigned* w;
+    int at;
+    __device__ __forceinline__ unsigned u32(int o) const {
+        const int b = at + o;
+        return b % 4 == 0 ? w[b / 4] : __funnelshift_rc(w[b / 4], w[b / 4 + 1], 8 * (b % 4));
+    }
+    __device__ __forceinline__ unsigned u16(int o) const {
+        const int b = at + o;
+        return (b % 4 == 3 ? u32(o) : w[b / 4] >> (8 * (b % 4))) & 0xffffu;
+    }
+    __device__ __forceinline__ unsigned u8(int o) const { return (w[(at + o) / 4] >> (8 * ((at + o) % 4))) & 0xffu; }
+};
+
+template <class S>
+__device__ __forceinline__ float half_in(const S& src, int o) {
+    return f16_to_f32(static_cast<unsigned short>(src.u16(o)));
 }
 
 // Crumb c (bits 2c, 2c+1) of each byte of w, and 1-bit field b of each byte, as bytes.
@@ -100,11 +142,6 @@ __device__ __forceinline__ int entry(const Table16& t, unsigned i) {
     return static_cast<signed char>(lookup4(t, i) & 0xffu);
 }
 
-// Bytes at any address (mxfp4) as a little-endian word.
-__device__ __forceinline__ unsigned ld32_1(const unsigned char* p) {
-    return p[0] | (p[1] << 8) | (p[2] << 16) | (static_cast<unsigned>(p[3]) << 24);
-}
-
 // The dot of 8 code words with b, in two halves of 16 values (the formats with 16-value scales).
 __device__ __forceinline__ int2 dot_halves(const unsigned (&q)[8], const int (&b)[8]) {
     int lo = 0, hi = 0;
@@ -116,13 +153,13 @@ __device__ __forceinline__ int2 dot_halves(const unsigned (&q)[8], const int (&b
     return make_int2(lo, hi);
 }
 
-// The q4_0-style nibbles of 16 bytes at qs (value i low nibble of byte i, value 16 + i high) through
-// table t: q[i] = the entries of values 4i .. 4i+3.
-template <bool ANY_ADDRESS>
-__device__ __forceinline__ void table_words(const unsigned char* qs, const Table16& t, unsigned (&q)[8]) {
+// The q4_0-style nibbles of the 16 bytes at byte qs of src (value i low nibble of byte i, value 16 + i
+// high) through table t: q[i] = the entries of values 4i .. 4i+3.
+template <class S>
+__device__ __forceinline__ void table_words(const S& src, int qs, const Table16& t, unsigned (&q)[8]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const unsigned w = ANY_ADDRESS ? ld32_1(qs + 4 * i) : ld32_2(qs + 4 * i);
+        const unsigned w = src.u32(qs + 4 * i);
         q[i] = lookup4(t, w & 0x0f0f0f0fu);
         q[i + 4] = lookup4(t, (w >> 4) & 0x0f0f0f0fu);
     }
@@ -145,60 +182,70 @@ struct q2_K : SubScaled<256, 84, 16, 82> {
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
         return (blk[QS + 32 * (j >> 7) + (j & 31)] >> (2 * ((j >> 5) & 3))) & 3;
     }
-    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
-        const unsigned char* qs = blk + QS + 32 * (u >> 2);
+    template <class S>
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+        const int qs = QS + 32 * (u >> 2);
         unsigned q[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            q[i] = crumbs4(ld32_2(qs + 4 * i), u & 3);
+            q[i] = crumbs4(src.u32(qs + 4 * i), u & 3);
         }
         const int2 h = dot_halves(q, b);
-        const unsigned s0 = blk[SC + 2 * u], s1 = blk[SC + 2 * u + 1];
+        const unsigned s0 = src.u8(SC + 2 * u), s1 = src.u8(SC + 2 * u + 1);
         // the mins times the sums of b's codes over each half
         const unsigned ones[8] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u,
                                   0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
         const int2 sb = dot_halves(ones, b);
         const int mins = static_cast<int>(s0 >> 4) * sb.x + static_cast<int>(s1 >> 4) * sb.y;
         const int dots = static_cast<int>(s0 & 15u) * h.x + static_cast<int>(s1 & 15u) * h.y;
-        return ds.x * (half_at(blk + D) * static_cast<float>(dots) - half_at(blk + M) * static_cast<float>(mins));
+        return ds.x * (half_in(src, D) * static_cast<float>(dots) - half_in(src, M) * static_cast<float>(mins));
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        return dot32_in(Mem<false>{blk}, u, b, ds);
     }
 };
 
 struct q3_K : SubScaled<256, 110, 16, -1> {
     static constexpr int HM = 0, QS = 32, SC = 96, D = 108;
-    static __device__ __forceinline__ int sc6(const unsigned char* blk, int s) {
-        const unsigned lo4 = (blk[SC + (s & 7)] >> (4 * (s >> 3))) & 15u;
-        const unsigned hi2 = (blk[SC + 8 + (s & 3)] >> (2 * (s >> 2))) & 3u;
+    template <class S>
+    static __device__ __forceinline__ int sc6(const S& src, int s) {
+        const unsigned lo4 = (src.u8(SC + (s & 7)) >> (4 * (s >> 3))) & 15u;
+        const unsigned hi2 = (src.u8(SC + 8 + (s & 3)) >> (2 * (s >> 2))) & 3u;
         return static_cast<int>(lo4 | (hi2 << 4)) - 32;
     }
     static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
-        d = __fmul_rn(half_at(blk + D), static_cast<float>(sc6(blk, s)));
+        d = __fmul_rn(half_at(blk + D), static_cast<float>(sc6(Mem<false>{blk}, s)));
         m = 0.0f;
     }
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
         const int low = (blk[QS + 32 * (j >> 7) + (j & 31)] >> (2 * ((j >> 5) & 3))) & 3;
         return ((blk[HM + (j & 31)] >> (j >> 5)) & 1) ? low : low - 4;
     }
-    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
-        const unsigned char* qs = blk + QS + 32 * (u >> 2);
+    template <class S>
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+        const int qs = QS + 32 * (u >> 2);
         unsigned q[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            q[i] = centre4<3>(crumbs4(ld32_2(qs + 4 * i), u & 3) | (bits4(ld32_2(blk + HM + 4 * i), u) << 2));
+            q[i] = centre4<3>(crumbs4(src.u32(qs + 4 * i), u & 3) | (bits4(src.u32(HM + 4 * i), u) << 2));
         }
         const int2 h = dot_halves(q, b);
-        return ds.x * half_at(blk + D) * static_cast<float>(sc6(blk, 2 * u) * h.x + sc6(blk, 2 * u + 1) * h.y);
+        return ds.x * half_in(src, D) * static_cast<float>(sc6(src, 2 * u) * h.x + sc6(src, 2 * u + 1) * h.y);
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        return dot32_in(Mem<false>{blk}, u, b, ds);
     }
 };
 
-// q4_K and q5_K's 12 bytes of six-bit scales and mins (ggml's get_scale_min_k4).
-__device__ __forceinline__ void scale_min_k4(const unsigned char* sc, int s, unsigned& scale, unsigned& min) {
+// q4_K and q5_K's 12 bytes of six-bit scales and mins at byte sc of src (ggml's get_scale_min_k4).
+template <class S>
+__device__ __forceinline__ void scale_min_k4(const S& src, int sc, int s, unsigned& scale, unsigned& min) {
     if (s < 4) {
-        scale = sc[s] & 63u;
-        min = sc[s + 4] & 63u;
+        scale = src.u8(sc + s) & 63u;
+        min = src.u8(sc + s + 4) & 63u;
     } else {
-        scale = (sc[s + 4] & 15u) | ((sc[s - 4] >> 6) << 4);
-        min = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+        scale = (src.u8(sc + s + 4) & 15u) | ((src.u8(sc + s - 4) >> 6) << 4);
+        min = (src.u8(sc + s + 4) >> 4) | ((src.u8(sc + s) >> 6) << 4);
     }
 }
 
@@ -207,7 +254,7 @@ struct K4 : SubScaled<256, BYTES_, 32, 2> {
     static constexpr int D = 0, SC = 4, QH = QH_, QS = QS_;
     static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
         unsigned sc, mn;
-        scale_min_k4(blk + SC, s, sc, mn);
+        scale_min_k4(Mem<false>{blk}, SC, s, sc, mn);
         d = __fmul_rn(half_at(blk + D), static_cast<float>(sc));
         m = __fmul_rn(half_at(blk + 2), static_cast<float>(mn));
     }
@@ -218,21 +265,25 @@ struct K4 : SubScaled<256, BYTES_, 32, 2> {
         }
         return q;
     }
-    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
-        const unsigned char* qs = blk + QS + 32 * (u >> 1);
+    template <class S>
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+        const int qs = QS + 32 * (u >> 1);
         int dot = 0;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            unsigned q = (ld32_2(qs + 4 * i) >> (4 * (u & 1))) & 0x0f0f0f0fu;
+            unsigned q = (src.u32(qs + 4 * i) >> (4 * (u & 1))) & 0x0f0f0f0fu;
             if constexpr (QH >= 0) {
-                q |= bits4(ld32_2(blk + QH + 4 * i), u) << 4;
+                q |= bits4(src.u32(QH + 4 * i), u) << 4;
             }
             dot = dot4(q, b[i], dot);
         }
         unsigned sc, mn;
-        scale_min_k4(blk + SC, u, sc, mn);
-        return half_at(blk + D) * static_cast<float>(sc) * (ds.x * static_cast<float>(dot))
-            - half_at(blk + 2) * static_cast<float>(mn) * ds.y;
+        scale_min_k4(src, SC, u, sc, mn);
+        return half_in(src, D) * static_cast<float>(sc) * (ds.x * static_cast<float>(dot))
+            - half_in(src, 2) * static_cast<float>(mn) * ds.y;
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        return dot32_in(Mem<false>{blk}, u, b, ds);
     }
 };
 
@@ -251,19 +302,23 @@ struct q6_K : SubScaled<256, 210, 16, -1> {
         const int high = (blk[QH + 32 * n + (r & 31)] >> (2 * (r >> 5))) & 3;
         return (low | (high << 4)) - 32;
     }
-    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+    template <class S>
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
         const int n = u >> 2, c = u & 3;  // values 128n + 32c ..
-        const unsigned char* ql = blk + QL + 64 * n + 32 * (c & 1);
-        const unsigned char* qh = blk + QH + 32 * n;
+        const int ql = QL + 64 * n + 32 * (c & 1), qh = QH + 32 * n;
         unsigned q[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const unsigned low = (ld32_2(ql + 4 * i) >> (4 * (c >> 1))) & 0x0f0f0f0fu;
-            q[i] = centre4<6>(low | (crumbs4(ld32_2(qh + 4 * i), c) << 4));
+            const unsigned low = (src.u32(ql + 4 * i) >> (4 * (c >> 1))) & 0x0f0f0f0fu;
+            q[i] = centre4<6>(low | (crumbs4(src.u32(qh + 4 * i), c) << 4));
         }
         const int2 h = dot_halves(q, b);
-        const int s0 = static_cast<signed char>(blk[SC + 2 * u]), s1 = static_cast<signed char>(blk[SC + 2 * u + 1]);
-        return ds.x * half_at(blk + D) * static_cast<float>(s0 * h.x + s1 * h.y);
+        const int s0 = static_cast<signed char>(src.u8(SC + 2 * u));
+        const int s1 = static_cast<signed char>(src.u8(SC + 2 * u + 1));
+        return ds.x * half_in(src, D) * static_cast<float>(s0 * h.x + s1 * h.y);
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        return dot32_in(Mem<false>{blk}, u, b, ds);
     }
 };
 
@@ -278,31 +333,40 @@ struct iq4_nl : SubScaled<32, 18, 32, -1> {
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
         return entry(iq4nl_table(), (blk[QS + (j & 15)] >> (4 * (j >> 4))) & 15u);
     }
-    static __device__ __forceinline__ float dot32(const unsigned char* blk, int, const int (&b)[8], float2 ds) {
+    template <class S>
+    static __device__ __forceinline__ float dot32_in(const S& src, int, const int (&b)[8], float2 ds) {
         unsigned q[8];
-        table_words<false>(blk + QS, iq4nl_table(), q);
-        return ds.x * half_at(blk + D) * static_cast<float>(dot8(q, b));
+        table_words(src, QS, iq4nl_table(), q);
+        return ds.x * half_in(src, D) * static_cast<float>(dot8(q, b));
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        return dot32_in(Mem<false>{blk}, u, b, ds);
     }
 };
 
 struct iq4_xs : SubScaled<256, 136, 32, -1> {
     static constexpr int D = 0, SH = 2, SL = 4, QS = 8;
-    static __device__ __forceinline__ int ls(const unsigned char* blk, int s) {
-        const unsigned lo = (blk[SL + (s >> 1)] >> (4 * (s & 1))) & 15u;
-        const unsigned hi = (ld16(blk + SH) >> (2 * s)) & 3u;
+    template <class S>
+    static __device__ __forceinline__ int ls(const S& src, int s) {
+        const unsigned lo = (src.u8(SL + (s >> 1)) >> (4 * (s & 1))) & 15u;
+        const unsigned hi = (src.u16(SH) >> (2 * s)) & 3u;
         return static_cast<int>(lo | (hi << 4)) - 32;
     }
     static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
-        d = __fmul_rn(half_at(blk + D), static_cast<float>(ls(blk, s)));
+        d = __fmul_rn(half_at(blk + D), static_cast<float>(ls(Mem<false>{blk}, s)));
         m = 0.0f;
     }
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
         return entry(iq4nl_table(), (blk[QS + 16 * (j >> 5) + (j & 15)] >> (4 * ((j >> 4) & 1))) & 15u);
     }
-    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+    template <class S>
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
         unsigned q[8];
-        table_words<false>(blk + QS + 16 * u, iq4nl_table(), q);
-        return ds.x * half_at(blk + D) * static_cast<float>(ls(blk, u) * dot8(q, b));
+        table_words(src, QS + 16 * u, iq4nl_table(), q);
+        return ds.x * half_in(src, D) * static_cast<float>(ls(src, u) * dot8(q, b));
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        return dot32_in(Mem<false>{blk}, u, b, ds);
     }
 };
 
@@ -319,10 +383,14 @@ struct mxfp4 : SubScaled<32, 17, 32, -1> {
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
         return entry(mxfp4_table(), (blk[QS + (j & 15)] >> (4 * (j >> 4))) & 15u);
     }
-    static __device__ __forceinline__ float dot32(const unsigned char* blk, int, const int (&b)[8], float2 ds) {
+    template <class S>
+    static __device__ __forceinline__ float dot32_in(const S& src, int, const int (&b)[8], float2 ds) {
         unsigned q[8];
-        table_words<true>(blk + QS, mxfp4_table(), q);
-        return ds.x * half_scale(blk[E]) * static_cast<float>(dot8(q, b));
+        table_words(src, QS, mxfp4_table(), q);
+        return ds.x * half_scale(src.u8(E)) * static_cast<float>(dot8(q, b));
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        return dot32_in(Mem<true>{blk}, u, b, ds);
     }
 };
 

@@ -15,20 +15,28 @@
 // 2. Each warp then walks its row groups through a ring of NS stage buffers of its own
 //    (wait_group NS - 1, __syncwarp, compute, __syncwarp, issue the stage NS - 1 ahead).
 //
-// Geometry (mmvq_stream_geometry below; cuda_matmul.support.stream_geometry mirrors it):
+// Geometry (Geo and layout below; cuda_matmul/specs/stream.py's stream_geo and stream_layout mirror it):
 //   chunk   CB consecutive blocks of a row, the fewest whose bytes are a multiple of 16
-//           (Geo: q4_0, q5_0, q8_0 8 blocks = 144, 176, 272 bytes; q4_1 4 = 80; q5_1 2 = 48).
-//           A row is C = K / (32 * CB) chunks: rows of whole chunks (K % (32 * CB) == 0),
-//           the weights 16-byte aligned (base, row and batch strides) are the caller's.
+//           (Geo: q4_0, q5_0, q8_0 8 blocks = 144, 176, 272 bytes; q4_1 4 = 80; q5_1 2 = 48;
+//           q4_K 1 = 144, q5_K 1 = 176, iq4_xs 2 = 272, mxfp4 16 = 272, iq4_nl 8 = 144; q2_K 4 =
+//           336, q3_K 8 = 880, q6_K 8 = 1680): rows of whole chunks (K % (QK * CB) == 0), the
+//           weights 16-byte aligned (base, row and batch strides) are the caller's.
+//   piece   what one lane dots, LB blocks: the chunk when it is at most REG_CHUNK_MAX (272) bytes
+//           (REG: every legacy format, q4_K, q5_K, iq4_nl, iq4_xs, mxfp4), else one block (q2_K,
+//           q3_K, q6_K: a chunk is too many registers). A row is C = K / (QK * LB) pieces.
 //   lanes   G = min(32, next_pow2(C)) lanes a row, R = 32 / G rows (slots) a warp stage,
 //           S = ceil(C / G) segments a row (S > 1 only when G = 32). Lane l of a stage takes
-//           slot l / G, chunk seg * G + l % G of that slot's row (idle past C).
-//   stage   the R slot rows' segment, copied contiguously per row: slot r's chunks land at
-//           r * G * CHUNK, so lane l's chunk is at l * CHUNK of the stage buffer (32 * CHUNK
-//           bytes). A lane reads its chunk with 16-byte loads: the chunk stride is an odd
-//           number of 16-byte granules for every format, so the 8 lanes of a quarter warp hit
-//           8 distinct bank groups. Blocks are moved out of the chunk's words at compile-time
-//           offsets (decode_words) and dotted with b's codes by dp4a.
+//           slot l / G, piece seg * G + l % G of that slot's row (idle past C).
+//   stage   the R slot rows' segment, copied contiguously per row: slot r's pieces land at
+//           r * G * PIECE, so lane l's piece is at l * PIECE of the stage buffer (32 * PIECE
+//           bytes; G >= CB / LB, so rows and segments start on granules). A REG lane reads its
+//           chunk with 16-byte loads: the chunk stride is an odd number of 16-byte granules for
+//           every format, so the 8 lanes of a quarter warp hit 8 distinct bank groups. Legacy
+//           blocks are moved out of the chunk's words at compile-time offsets (decode_words) and
+//           dotted with b's codes by dp4a; quant_k.cuh's formats go 32 values (a unit) at a time
+//           through the format's dot32_in, reading the words through a Regs source (constant
+//           offsets: registers and funnel shifts). A one-block piece (lanes 84, 110, 210 bytes
+//           apart, 2-byte aligned) is read with 4-byte loads and funnel-shifted into place.
 //   groups  a group is RO output rows: R of them (EPI_NONE/EPI_BIAS), or with EPI_GLU R / 2
 //           gate rows in slots 0 .. R/2 - 1 and the same up rows in slots R/2 .. R - 1
 //           (R >= 2: one shuffle pairs them), or, when R = 1, one row: its S gate segments
@@ -36,14 +44,16 @@
 //   warps   the warps of the grid (gridDim.x * blockDim.x / 32 for each batch (i2, i3) of
 //           gridDim.y, gridDim.z) split the groups of a batch into even contiguous ranges
 //           (warp w: groups [w * groups / W, (w + 1) * groups / W)).
-//   b       column n's chunk c at bs + (n * C + c) * BCHUNK: CB blocks of 32 int8 codes, then
-//           CB float2 (d, d * sum), padded to an odd number of granules (conflict-free as the
-//           weights); read with 16-byte loads, (d, d * sum) two blocks at a time.
-// Dynamic shared memory: N * C * BCHUNK + (blockDim.x / 32) * NS * 32 * CHUNK bytes.
+//   b       column n's piece c at bs + (n * C + c) * BCHUNK: NU = LB * QK / 32 q8_1 blocks of 32
+//           int8 codes, then NU float2 (d, d * sum), padded to an odd number of granules
+//           (conflict-free as the weights); codes read with 16-byte loads, (d, d * sum) two blocks
+//           at a time (legacy) or one (a unit of quant_k.cuh's formats).
+// Dynamic shared memory: N * C * BCHUNK + (blockDim.x / 32) * NS * 32 * PIECE bytes.
 //
-// Scaling as q_rows: a block's dot with b's codes (dp4a over raw codes c), then
-// d * (db * dot - zero * db * sum) (+ m * db * sum for q4_1 / q5_1). Rows past M (the last
-// group) read row M - 1 and write nothing. Output (B3, B2, N, M) contiguous, epilogue() as mmvq.
+// Scaling as q_rows: a legacy block's dot with b's codes (dp4a over raw codes c), then
+// d * (db * dot - zero * db * sum) (+ m * db * sum for q4_1 / q5_1); quant_k.cuh's units as their
+// dot32 (q_rows_subscaled), summed in unit order. Rows past M (the last group) read row M - 1 and
+// write nothing. Output (B3, B2, N, M) contiguous, epilogue() as mmvq.
 
 #include "mm_common.cuh"
 
@@ -52,25 +62,46 @@ namespace mms {
 using mm::u8;
 
 constexpr int THREADS_MAX = 256;  // launch bound: up to 8 warps a block
+constexpr int REG_CHUNK_MAX = 272;  // most chunk bytes a lane holds in registers (q8_0's, iq4_xs's, mxfp4's)
 
 constexpr int pow2_of(int x) {
     return x % 16 == 0 ? 16 : x % 8 == 0 ? 8 : x % 4 == 0 ? 4 : x % 2 == 0 ? 2 : 1;
 }
 
-// Chunk geometry of format WT.
+// Chunk and piece geometry of format WT.
 template <int WT>
 struct Geo {
     using F = mm::Fmt<WT>;
     static constexpr int CB = 16 / pow2_of(F::BYTES);  // blocks a chunk: lcm(BYTES, 16) / BYTES
     static constexpr int CHUNK = CB * F::BYTES;         // weight bytes a chunk
+    static constexpr bool REG = CHUNK <= REG_CHUNK_MAX;  // a lane's piece is a chunk, in registers
+    static constexpr int LB = REG ? CB : 1;             // blocks a piece (a lane's share of a stage)
+    static constexpr int PIECE = LB * F::BYTES;
     static constexpr int GRAN = CHUNK / 16;
     static constexpr int WORDS = CHUNK / 4;
-    static constexpr int BCODES = CB * 32;              // b: a chunk's codes, then its (d, d * sum)
-    static constexpr int BRAW = CB * 40;
+    static constexpr int NU = LB * F::QK / 32;          // q8_1 blocks (units of 32 values) a piece
+    static constexpr int BCODES = NU * 32;              // b: a piece's codes, then its (d, d * sum)
+    static constexpr int BRAW = NU * 40;
     static constexpr int BCHUNK = (BRAW / 16) % 2 == 1 ? BRAW : BRAW + 16;
+    // blocks an SM the registers must allow (the launch bound's second argument): the one-block
+    // pieces' words and their shifted copy would take more than 128 a thread, one 8-warp block an SM
+    static constexpr int MIN_BLOCKS = REG ? 1 : 2;
     static_assert(CHUNK % 16 == 0 && GRAN % 2 == 1, "chunk stride must be an odd number of granules");
-    static_assert(CB % 2 == 0 && BRAW % 16 == 0 && (BCHUNK / 16) % 2 == 1, "b chunk layout");
+    static_assert(NU % 2 == 0 && BRAW % 16 == 0 && (BCHUNK / 16) % 2 == 1, "b chunk layout");
+    static_assert(F::LEGACY ? REG : F::QK % 32 == 0, "legacy chunks in registers");
+    static_assert((32 * PIECE) % 16 == 0, "a stage of whole granules");
 };
+
+// Granules of n consecutive pieces (n a multiple of CB / LB: whole chunks).
+template <int WT>
+__device__ __forceinline__ int piece_granules(int n) {
+    using Gm = Geo<WT>;
+    if constexpr (Gm::PIECE % 16 == 0) {
+        return n * (Gm::PIECE / 16);
+    } else {
+        return n * Gm::PIECE / 16;
+    }
+}
 
 // -- geometry ---------------------------------------------------------------------------------------
 
@@ -195,7 +226,7 @@ __device__ __forceinline__ void quantize_b(const u8* b, long long b_col, long lo
         const int n = live ? it / nb : 0, j = live ? it - n * nb : 0;  // not live: item 0, read, not stored
         float v[16];
         load_b<TB>(b + n * b_col + (32ll * j + 16 * h) * b_es, b_es, vec, v);
-        store_q8_1_half<WT>(v, h, live, bs + (static_cast<long long>(n) * C + j / Gm::CB) * Gm::BCHUNK, j % Gm::CB);
+        store_q8_1_half<WT>(v, h, live, bs + (static_cast<long long>(n) * C + j / Gm::NU) * Gm::BCHUNK, j % Gm::NU);
     }
 }
 
@@ -254,6 +285,60 @@ __device__ __forceinline__ void dot_chunk(const u8* wchunk, const u8* bchunk, in
     }
 }
 
+// acc[n] += piece (at `wpiece`, shared) . b column n's piece, for quant_k.cuh's formats: the piece's
+// words in registers, then each 32-value unit u by the format's dot32_in over them (a Regs source:
+// constant offsets). A chunk (REG) is read with 16-byte loads, conflict-free as the legacy chunks; a
+// one-block piece (2-byte aligned: even BYTES, lanes BYTES apart) with 4-byte loads from the word
+// boundary below it, then funnel-shifted by its phase (0 or 2 bytes: the same instructions in every
+// lane; the last lane's block ends on a granule, so no load passes the stage).
+template <int WT, int NT>
+__device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, int bcol_stride, int N,
+                                          float (&acc)[NT]) {
+    using Gm = Geo<WT>;
+    using F = mm::Fmt<WT>;
+    constexpr int PER = F::QK / 32;  // units a block
+    constexpr int RW = Gm::REG ? Gm::WORDS : (F::BYTES + 3) / 4;  // words of the piece in registers
+    unsigned wd[RW];
+    if constexpr (Gm::REG) {
+#pragma unroll
+        for (int g = 0; g < Gm::GRAN; ++g) {
+            const uint4 v = reinterpret_cast<const uint4*>(wpiece)[g];
+            wd[4 * g] = v.x, wd[4 * g + 1] = v.y, wd[4 * g + 2] = v.z, wd[4 * g + 3] = v.w;
+        }
+    } else {
+        static_assert(F::BYTES % 2 == 0 && Gm::LB == 1, "one 2-byte aligned block a lane");
+        // words covering the block from the word boundary below (phase 2 only where BYTES % 4 == 2)
+        constexpr int LW = F::BYTES % 4 == 0 ? F::BYTES / 4 : (F::BYTES + 2) / 4;
+        const int ph = static_cast<int>(reinterpret_cast<unsigned long long>(wpiece) & 3ull);
+        const unsigned* const src = reinterpret_cast<const unsigned*>(wpiece - ph);
+        unsigned raw[LW + 1];
+#pragma unroll
+        for (int i = 0; i < LW; ++i) {
+            raw[i] = src[i];
+        }
+        raw[LW] = 0u;  // past the block: the high bytes of its last word only
+#pragma unroll
+        for (int i = 0; i < RW; ++i) {
+            wd[i] = __funnelshift_rc(raw[i], raw[i + 1], 8 * ph);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < Gm::NU; ++u) {
+        const int j = u / PER;  // the block, a constant once unrolled
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            if (NT == 1 || n < N) {
+                const u8* bc = bpiece + n * bcol_stride;
+                const int4 lo = reinterpret_cast<const int4*>(bc + 32 * u)[0];
+                const int4 hi = reinterpret_cast<const int4*>(bc + 32 * u)[1];
+                const float2 ds = reinterpret_cast<const float2*>(bc + Gm::BCODES)[u];
+                const int bq[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+                acc[n] += F::dot32_in(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds);
+            }
+        }
+    }
+}
+
 }  // namespace mms
 
 using mm::u8;
@@ -271,7 +356,7 @@ using mm::u8;
 // has one row a token), bias0 / bias1 + e * bias_e. An id outside [0, E) writes NaN rows and is
 // recorded in the error word (od::index_ok; a null word for mul_mat).
 template <int WT, int TB, int NT, int EPI, int NS>
-__global__ void __launch_bounds__(mms::THREADS_MAX, 1)
+__global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     mmvq_stream(const u8* a0, const u8* a1, long long a_row, long long a_s2, long long a_s3, int r2, int r3,
                 const u8* b, long long b_col, long long b_es, long long b_s2, long long b_s3, float* out, int M,
                 int K, int N, const float* bias0, const float* bias1, int glu_kind, float alpha, float limit,
@@ -285,7 +370,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
     u8* const smem = reinterpret_cast<u8*>(smem_u4);
 
     const int i2 = blockIdx.y, i3 = blockIdx.z;
-    const mms::Layout L = mms::layout(K / (32 * Gm::CB), NW == 2);
+    const mms::Layout L = mms::layout(K / (32 * Gm::NU), NW == 2);
     const int groups = (M + L.RO - 1) / L.RO;
     const int nwarps = blockDim.x / od::WARP_SIZE, warp = threadIdx.x / od::WARP_SIZE;
     const int lane = threadIdx.x % od::WARP_SIZE;
@@ -322,8 +407,8 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
     const float* const bias1_e = bias1 != nullptr ? bias1 + e * bias_e : nullptr;
     u8* const bs = smem;
     u8* const ring = smem + static_cast<long long>(N) * bcol_stride +
-                     static_cast<long long>(warp) * NS * od::WARP_SIZE * Gm::CHUNK;
-    constexpr int STAGE = od::WARP_SIZE * Gm::CHUNK;
+                     static_cast<long long>(warp) * NS * od::WARP_SIZE * Gm::PIECE;
+    constexpr int STAGE = od::WARP_SIZE * Gm::PIECE;
 
     // the next unit to issue: group ig, unit iu of it
     int ig = g0, iu = 0;
@@ -333,17 +418,18 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
             const int seg = iu - w * L.S;
             const int nch = min(L.G, L.C - seg * L.G);
             const u8* src = (w ? wa1 : wa0) + static_cast<long long>(min(ig, M - 1)) * a_row +
-                            static_cast<long long>(seg) * L.G * Gm::CHUNK;
-            for (int i = lane; i < nch * Gm::GRAN; i += od::WARP_SIZE) {
+                            static_cast<long long>(seg) * L.G * Gm::PIECE;
+            const int n16 = mms::piece_granules<WT>(nch);
+            for (int i = lane; i < n16; i += od::WARP_SIZE) {
                 od::cp_async16(od::smem_addr(buf + 16 * i), src + 16 * i);
             }
         } else {
-            const int n16 = L.C * Gm::GRAN;
+            const int n16 = mms::piece_granules<WT>(L.C);
             for (int rs = 0; rs < L.R; ++rs) {
                 const int w = NW == 2 ? rs / L.RO : 0;
                 const int o = ig * L.RO + rs - w * L.RO;
                 const u8* src = (w ? wa1 : wa0) + static_cast<long long>(min(o, M - 1)) * a_row;
-                u8* dst = buf + rs * L.G * Gm::CHUNK;
+                u8* dst = buf + rs * L.G * Gm::PIECE;
                 for (int i = lane; i < n16; i += od::WARP_SIZE) {
                     od::cp_async16(od::smem_addr(dst + 16 * i), src + 16 * i);
                 }
@@ -396,8 +482,13 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, 1)
         const int seg = L.R == 1 ? cu - w * L.S : 0;
         const int c = seg * L.G + lc;
         if (c < L.C) {
-            mms::dot_chunk<WT, NT>(ring + (i % NS) * STAGE + lane * Gm::CHUNK, bs + c * Gm::BCHUNK, bcol_stride,
-                                   N, acc);
+            if constexpr (mm::Fmt<WT>::LEGACY) {
+                mms::dot_chunk<WT, NT>(ring + (i % NS) * STAGE + lane * Gm::CHUNK, bs + c * Gm::BCHUNK, bcol_stride,
+                                       N, acc);
+            } else {
+                mms::dot_piece<WT, NT>(ring + (i % NS) * STAGE + lane * Gm::PIECE, bs + c * Gm::BCHUNK, bcol_stride,
+                                       N, acc);
+            }
         }
         if (seg == L.S - 1) {  // the end of a row's segments: sums over the row's G lanes
 #pragma unroll

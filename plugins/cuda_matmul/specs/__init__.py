@@ -31,7 +31,7 @@ CONVERT_CU = KERNELS_DIR / "convert.cu"
 MMF_CU = KERNELS_DIR / "mmf.cu"
 
 #: quant_k.cuh's formats (K-quants, iq4_nl, iq4_xs, mxfp4) that opdispatch.dtypes knows: the mat-vecs
-#: dot them 32 values at a time (dot32), the dequantizing copy decodes them; no streamed mat-vec
+#: (mmvq_stream too) dot them 32 values at a time (dot32), the dequantizing copy decodes them
 SUBSCALED_NAMES = tuple(q for q in ("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl", "iq4_xs", "mxfp4")
                         if q in DTYPES)
 #: mm_common.cuh's weight kinds and b/destination kinds
@@ -42,7 +42,7 @@ B_KIND = {"f32": "B_F32", "f16": "B_F16", "bf16": "B_BF16"}
 EPI_NONE, EPI_BIAS, EPI_GLU = "EPI_NONE", "EPI_BIAS", "EPI_GLU"
 EPIS = (EPI_NONE, EPI_BIAS, EPI_GLU)
 FLOAT_NAMES = ("f32", "f16", "bf16")
-LEGACY_NAMES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")  # quant.cuh's 32-value formats: the streamed mat-vec's
+LEGACY_NAMES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")  # quant.cuh's 32-value formats: mmq's
 QUANT_NAMES = (*LEGACY_NAMES, *SUBSCALED_NAMES)
 
 BLOCK = 128  # mmv_common.cuh's mm::BLOCK
@@ -141,10 +141,11 @@ CONVERT_NAMES: tuple[str, ...] = (
     *(convert_name(ts, td) for ts in FLOAT_NAMES for td in FLOAT_NAMES),
     *(dequant_name(wt, td) for wt in QUANT_NAMES for td in ("f16", "f32")),
 )
-#: mmvq_stream: b f32 for every column count and epilogue; b f16/bf16 (unfused mul_mat only) for 8 columns
+#: mmvq_stream, every block format: b f32 for every column count and epilogue; b f16/bf16 (unfused mul_mat
+#: only) for 8 columns
 STREAM_NAMES: tuple[str, ...] = (
-    *(stream_name(wt, "f32", nt, epi) for epi in EPIS for wt in LEGACY_NAMES for nt in NTS),
-    *(stream_name(wt, tb, 8, EPI_NONE) for tb in ("f16", "bf16") for wt in LEGACY_NAMES),
+    *(stream_name(wt, "f32", nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
+    *(stream_name(wt, tb, 8, EPI_NONE) for tb in ("f16", "bf16") for wt in QUANT_NAMES),
 )
 #: mmf: f16/bf16 weights, b f32, one or two 8-column tiles, every epilogue
 MMF_TYPES = ("f16", "bf16")

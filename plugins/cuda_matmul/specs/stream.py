@@ -13,14 +13,24 @@ import numpy as np
 from opdispatch.backends.cuda.args import IndexCheck, KernelArgs, f32, i32, i64, ptr
 from opdispatch.backends.cuda.devices import H200, DeviceFacts, facts
 from opdispatch.backends.cuda.kernels import KernelSpec
+from opdispatch.dtypes import DTYPES
 from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
 
 from . import EPI_GLU, MMVQ_STREAM_CU, STREAM, Ptr, StreamConfig, geometry, nt_for, stream_name
 
-#: (block bytes, blocks a chunk) of each format mmvq_stream takes: a chunk is the fewest
-#: consecutive blocks whose bytes are a multiple of 16 (mmvq_stream.cu's Geo)
+#: (block bytes, blocks a chunk) of each legacy format mmvq_stream takes: a chunk is the fewest
+#: consecutive blocks whose bytes are a multiple of 16 (mmvq_stream.cu's Geo); mmq's formats too
 STREAM_FORMATS = {"q4_0": (18, 8), "q4_1": (20, 4), "q5_0": (22, 8), "q5_1": (24, 2), "q8_0": (34, 8)}
+#: the same for quant_k.cuh's formats (those opdispatch.dtypes knows), which mmq does not take
+STREAM_K_FORMATS = {q: g for q, g in {"q2_K": (84, 4), "q3_K": (110, 8), "q4_K": (144, 1), "q5_K": (176, 1),
+                                      "q6_K": (210, 8), "iq4_nl": (18, 8), "iq4_xs": (136, 2),
+                                      "mxfp4": (17, 16)}.items() if q in DTYPES}
+#: every format mmvq_stream takes
+STREAMED = {**STREAM_FORMATS, **STREAM_K_FORMATS}
+#: most chunk bytes a lane holds in registers (mmvq_stream.cu's REG_CHUNK_MAX); a larger chunk's
+#: blocks are dotted one a lane straight from shared memory
+REG_CHUNK_MAX = 272
 #: shared memory the driver reserves per block (sm_80 and sm_90)
 SMEM_PER_BLOCK_RESERVED = 1024
 
@@ -79,18 +89,41 @@ def device_facts(device: Device | None) -> DeviceFacts:
     return facts(device if device is not None else H200)
 
 
+@attrs.frozen
+class StreamGeo:
+    """mmvq_stream.cu's Geo: a chunk is `cb` blocks (`chunk` bytes, a multiple of 16: rows are whole
+    chunks, `row_values` values apart); a lane dots a piece of `lb` blocks (`piece` bytes, `values`
+    values): the chunk (held in registers) when it is at most REG_CHUNK_MAX bytes, else one block;
+    `bpiece` bytes of b's q8_1 copy in shared memory a piece (its codes, then a (d, d * sum) float2
+    per 32 values, padded to an odd number of 16-byte granules)."""
+
+    cb: int
+    chunk: int
+    row_values: int
+    lb: int
+    piece: int
+    values: int
+    bpiece: int
+
+
+def stream_geo(dt: str) -> StreamGeo:
+    nbytes, cb = STREAMED[dt]
+    qk = DTYPES[dt].block_size
+    chunk = cb * nbytes
+    lb = cb if chunk <= REG_CHUNK_MAX else 1
+    braw = lb * qk // 32 * 40
+    return StreamGeo(cb, chunk, cb * qk, lb, lb * nbytes, lb * qk, braw if (braw // 16) % 2 == 1 else braw + 16)
+
+
 def stream_chunk(dt: str) -> tuple[int, int, int]:
-    """(blocks a chunk, weight bytes a chunk, b bytes a chunk in shared memory) of format `dt`:
-    the b chunk holds CB * 32 int8 codes and CB (d, d * sum) float2, padded to an odd number of
-    16-byte granules."""
-    nbytes, cb = STREAM_FORMATS[dt]
-    braw = cb * 40
-    return cb, cb * nbytes, braw if (braw // 16) % 2 == 1 else braw + 16
+    """(blocks a chunk, weight bytes a chunk, b bytes a piece in shared memory) of format `dt`."""
+    g = stream_geo(dt)
+    return g.cb, g.chunk, g.bpiece
 
 
 def stream_layout(dt: str, k: int, glu: bool) -> StreamLayout:
-    cb, _, _ = stream_chunk(dt)
-    c = k // (32 * cb)
+    """The layout of rows of k values: C counts pieces (a lane's share of a stage)."""
+    c = k // stream_geo(dt).values
     g = 1
     while g < c and g < 32:
         g *= 2
@@ -104,8 +137,8 @@ def stream_layout(dt: str, k: int, glu: bool) -> StreamLayout:
 
 def stream_smem(dt: str, k: int, n: int, warps: int, stages: int) -> int:
     """Dynamic shared memory of an mmvq_stream block: b's n columns, then each warp's ring."""
-    cb, chunk, bchunk = stream_chunk(dt)
-    return n * (k // (32 * cb)) * bchunk + warps * stages * 32 * chunk
+    g = stream_geo(dt)
+    return n * (k // g.values) * g.bpiece + warps * stages * 32 * g.piece
 
 
 def stream_warps(dt: str, k: int, n: int, device: Device | None, cfg: StreamConfig | None = None) -> int:
