@@ -11,7 +11,7 @@ from opdispatch import support
 from opdispatch.hookspecs import Device
 from opdispatch.backends.cuda.args import ArgGroup, KernelArgs, Shape4, boolean, f32, i32, i64, instance, ptr, u32
 from opdispatch.backends.cuda.devices import H200, facts
-from opdispatch.backends.cuda.kernels import KernelSpec, kernel_params
+from opdispatch.backends.cuda.kernels import KernelSpec, kernel_params, opt_in_smem
 from opdispatch.backends.cuda.scratch import MIN_BYTES, ScratchPool, Workspace
 
 
@@ -36,6 +36,28 @@ def test_block_formats_need_16_bit_words() -> None:
     assert support.access_unit(w) == 2
     assert support.whole_elements(w.view((2, 32), (68, 34), offset=68))
     assert not support.whole_elements(w.view((2, 32), (68, 34), offset=1))
+
+
+def test_odd_size_blocks_are_read_by_bytes() -> None:
+    """mxfp4's 17-byte blocks: their traits read bytes, so any offset of whole blocks is whole accesses."""
+    w = od.param("w", np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32), "mxfp4")
+    assert support.access_unit(w) == 1 and w.strides == (34, 17)
+    assert support.whole_elements(w.view((2, 32), (34, 17), offset=17))
+
+
+def test_dynamic_shared_memory_limit_only_grows() -> None:
+    """One instance can serve nodes of several sizes: binding a smaller one after a larger must not lower
+    the function's limit under the larger launch (the 1b Q4_K_M decode failed so on the H200)."""
+
+    class Fn:
+        max_dynamic_shared_size_bytes = 0
+
+    fn = Fn()
+    opt_in_smem(fn, 40 * 1024)  # under the 48 KiB default: nothing to opt into
+    assert fn.max_dynamic_shared_size_bytes == 0
+    for smem, limit in ((84480, 84480), (76416, 84480), (118272, 118272), (50000, 118272)):
+        opt_in_smem(fn, smem)
+        assert fn.max_dynamic_shared_size_bytes == limit
 
 
 def test_row_packing_checks() -> None:

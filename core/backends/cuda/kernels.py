@@ -258,6 +258,17 @@ class KernelLaunch:
         return f"<KernelLaunch {self.name} grid={self.signature[1]} block={self.signature[2]}>"
 
 
+def opt_in_smem(fn: Any, smem: int) -> None:
+    """Let every launch of `fn` take `smem` bytes of dynamic shared memory (above the 48 KiB default).
+
+    The limit is the function's, shared by every launch bound to it, so it only ever grows: lowering it
+    for a launch with less (one instance serving nodes of several sizes) would make the launches bound
+    before, with more, fail (CUDA_ERROR_INVALID_VALUE).
+    """
+    if smem > _SMEM_DEFAULT_LIMIT and smem > fn.max_dynamic_shared_size_bytes:
+        fn.max_dynamic_shared_size_bytes = smem
+
+
 def launcher(fn: Any, grid: int | Sequence[int], block: int | Sequence[int], args: Sequence[Any],
              smem: int = 0, *, stream: Any, pdl: bool = False) -> Launch:
     """A zero-argument launch of `fn` (from `load_module(...).get_function`) on `stream`,
@@ -278,8 +289,7 @@ def launcher(fn: Any, grid: int | Sequence[int], block: int | Sequence[int], arg
         raise ValueError(f"block {b} has a zero dimension")
     params, values, described = pack_args(args)
     with cupy.cuda.Device(stream.device_id):
-        if smem > _SMEM_DEFAULT_LIMIT:
-            fn.max_dynamic_shared_size_bytes = smem
+        opt_in_smem(fn, smem)
         ptr = int(fn.kernel.ptr)
         pdl = pdl and pdl_enabled(stream.device_id)
     name = getattr(fn, "name", "kernel")
