@@ -1,0 +1,94 @@
+"""The 1b preset's greedy decode step at batch 1, kernel by kernel, on a GPU: what moved between two commits.
+
+    python3 scripts/decode_profile.py run LABEL DTYPE...   one run: writes $OUT (or /tmp)/prof-LABEL.json
+    python3 scripts/decode_profile.py table [DIR]          every prof-*.json of DIR side by side
+
+A run builds the model (benchmarks/test_bench_model.py's random weights, of the checkout installed now),
+prefills 512 tokens, and times `Generator.step(1, 512, greedy=True)`'s plan: its device time (3 medians of 15
+rounds of 20 replays) and, through torch.profiler (CUPTI), each kernel's duration summed over 50 replays, by
+kernel name without its parameter list (so that a kernel whose parameters changed still lines up). With
+programmatic dependent launch on (the default) a kernel's duration includes its wait for the one before;
+OPDISPATCH_PDL=0 gives durations without overlap. To compare commits, install each in turn (pip install -e)
+and run this script from the repository root of each with a different LABEL.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+REPS = 50
+CTX = 512
+
+
+def run(label: str, dtypes: list[str]) -> None:
+    sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
+    import attrs
+    import numpy as np
+    import torch
+    from bench import device_seconds
+    from test_bench_model import MAX_CTX, MAX_SEQS, random_params
+    from torch.profiler import ProfilerActivity, profile
+
+    from opdispatch.models.generate import Generator
+    from opdispatch.models.llama.config import PRESETS
+    from opdispatch.models.llama.model import LlamaModel
+
+    out = {}
+    for dt in dtypes:
+        cfg = attrs.evolve(PRESETS["1b"], dtype=dt, max_ctx=MAX_CTX)
+        model = LlamaModel(cfg, random_params(cfg), max_seqs=MAX_SEQS, stack_qkv=True)
+        gen = Generator(model, "cuda0", batch=1)
+        gen.forward_batch(np.random.default_rng(1).integers(0, cfg.vocab, (1, CTX)).tolist(), last=True)
+        gen.decode_greedy([5], 8)  # binds the step plan and captures its CUDA graph
+        gen.lengths[:1] = [CTX]
+        plan, _ = gen.step(1, CTX, batch=1, greedy=True)
+        device = [device_seconds(plan.launch, plan.synchronize, reps=20, rounds=15) * 1e6 for _ in range(3)]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(REPS):
+                plan.launch()
+            plan.synchronize()
+        kernels: dict[str, list[float]] = {}
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", None)
+            t = e.cuda_time_total if t is None else t
+            if t:
+                name = e.key.split("(")[0][:140]
+                us, calls = kernels.get(name, [0.0, 0.0])
+                kernels[name] = [us + t / REPS, calls + e.count / REPS]
+        out[dt] = {"device_us": device, "kernels": kernels}
+        print(f"{label} {dt}: step device us {[round(d, 1) for d in device]}", flush=True)
+        del gen, model, plan
+        torch.cuda.empty_cache()
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), f"prof-{label}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def table(folder: str) -> None:
+    runs = {os.path.basename(p)[5:-5]: json.load(open(p)) for p in sorted(glob.glob(f"{folder}/prof-*.json"))}
+    for dt in sorted({dt for r in runs.values() for dt in r}):
+        labels = [label for label, r in runs.items() if dt in r]
+        print(f"\n== {dt}: step device us (3 medians each)")
+        for label in labels:
+            print(f"  {label:14s} {[round(x, 1) for x in runs[label][dt]['device_us']]}")
+        names = sorted({k for label in labels for k in runs[label][dt]["kernels"]},
+                       key=lambda k: -max(runs[label][dt]["kernels"].get(k, [0, 0])[0] for label in labels))
+        print("  " + " | ".join(f"{label:>12s}" for label in labels) + " | calls | kernel (us a step)")
+        for k in names:
+            cells = [runs[label][dt]["kernels"].get(k) for label in labels]
+            calls = next(c[1] for c in cells if c)
+            row = " | ".join(f"{c[0]:12.2f}" if c else f"{'-':>12s}" for c in cells)
+            print(f"  {row} | {calls:5.1f} | {k[:90]}")
+        totals = [sum(v[0] for v in runs[label][dt]["kernels"].values()) for label in labels]
+        print("  " + " | ".join(f"{t:12.2f}" for t in totals) + " |       | all kernels")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 4 and sys.argv[1] == "run":
+        run(sys.argv[2], sys.argv[3:])
+    elif len(sys.argv) in (2, 3) and sys.argv[1] == "table":
+        table(sys.argv[2] if len(sys.argv) == 3 else os.environ.get("OUT", "/tmp"))
+    else:
+        sys.exit(__doc__)
