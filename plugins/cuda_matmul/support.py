@@ -109,6 +109,19 @@ def _aligned16(t: Tensor) -> bool:
     return t.view_offset % 16 == 0 and all(s % 16 == 0 for s, n in zip(t.strides[:-1], t.shape[:-1]) if n > 1)
 
 
+def _whole_chunks(a: Tensor, row_values: int, chunk: int, device: Device | None, needs: str) -> bool | str:
+    """What mmvq_stream and mmq ask of the weights: rows of whole `chunk`-byte chunks (K a multiple of
+    `row_values`) copied 16 bytes at a time (a 16-byte aligned), and an sm_80 GPU for `needs`."""
+    k = a.shape[-1]
+    if k % row_values:
+        return f"K={k} is not a multiple of {row_values} (rows of whole {chunk}-byte chunks)"
+    if not _aligned16(a):
+        return "a's offset or row/batch strides are not multiples of 16 bytes"
+    if device is not None and device.kind == "cuda" and device_facts(device).cc < (8, 0):
+        return f"{needs} needs sm_80"
+    return True
+
+
 def stream_ok(node: Tensor, device: Device | None = None) -> bool | str:
     """True if mmvq_stream runs mul_mat `node` (block-format a, N <= 8, checked by the caller) or
     mul_mat_id `node` (one b column a (token, slot)), else why the two-launch mmvq / mmvq_id runs it."""
@@ -118,12 +131,9 @@ def stream_ok(node: Tensor, device: Device | None = None) -> bool | str:
     if dt not in STREAMED:
         return f"{dt} has no streamed mat-vec"
     g = stream_geo(dt)
-    if k % g.row_values:
-        return f"K={k} is not a multiple of {g.row_values} (rows of whole {g.chunk}-byte chunks)"
-    if not _aligned16(a):
-        return "a's offset or row/batch strides are not multiples of 16 bytes"
-    if device is not None and device.kind == "cuda" and device_facts(device).cc < (8, 0):
-        return "cp.async needs sm_80"
+    chunked = _whole_chunks(a, g.row_values, g.chunk, device, "cp.async")
+    if chunked is not True:
+        return chunked
     if not stream_warps(dt, k, n, device):
         return f"b's q8_1 copy of {n}x{k} values does not fit in shared memory"
     return True
@@ -133,18 +143,15 @@ def mmq_ok(node: Tensor, device: Device | None = None) -> bool | str:
     """True if mmq runs mul_mat `node` (block-format a, N > 8, checked by the caller), else why
     dequant_cublas runs it: rows of whole 16-byte granules (stream_chunk's), a 16-byte aligned."""
     a = _a(node)
-    dt, k = a.dtype.name, a.shape[-1]
+    dt = a.dtype.name
     if dt not in mmq.MMQ_FORMATS:
         return f"{dt} has no quantized GEMM"
     if batch_n(node) > MMQ_MAX_N:
         return f"N={batch_n(node)} > {MMQ_MAX_N}: dequantizing for cuBLAS is faster there"
     cb, chunk, _ = stream_chunk(dt)
-    if k % (32 * cb):
-        return f"K={k} is not a multiple of {32 * cb} (rows of whole {chunk}-byte chunks)"
-    if not _aligned16(a):
-        return "a's offset or row/batch strides are not multiples of 16 bytes"
-    if device is not None and device.kind == "cuda" and device_facts(device).cc < (8, 0):
-        return "int8 mma.sync m16n8k32 needs sm_80"
+    chunked = _whole_chunks(a, 32 * cb, chunk, device, "int8 mma.sync m16n8k32")
+    if chunked is not True:
+        return chunked
     if not mmq.mmq_fits(dt, batch_n(node), device):
         return "the tile's stages do not fit in shared memory"
     return True
