@@ -82,3 +82,17 @@ def ready(outputs, feeds: dict, plugin: str, *, ops: Sequence[str] = (), kernel:
     for t, v in feeds.items():
         plan.write(t, v)
     return plan
+
+
+def torch_graph(torch, issue: Callable[[], object]) -> Callable[[], None]:  # noqa: ANN001
+    """`issue` captured once into a torch CUDA graph (after a warm-up run on a side stream, as torch asks):
+    returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        issue()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        issue()
+    return graph.replay

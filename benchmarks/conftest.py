@@ -23,7 +23,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 import pytest
-from bench import Cold, device_seconds, interleaved_seconds
+from bench import Cold, device_seconds, interleaved_seconds, torch_graph
 
 from opdispatch.backends.cuda.devices import discover
 
@@ -96,20 +96,6 @@ def _record(benchmark, plan, info: dict, ours: float, theirs: float | None) -> d
     benchmark.extra_info.update(info)
     benchmark.pedantic(lambda: (plan.launch(), plan.synchronize()), rounds=5, iterations=1)
     return info
-
-
-def torch_graph(torch, issue: Callable[[], object]) -> Callable[[], None]:  # noqa: ANN001
-    """`issue` captured once into a torch CUDA graph (after a warm-up run on a side stream, as torch asks):
-    returns its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        issue()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        issue()
-    return graph.replay
 
 
 @pytest.fixture

@@ -37,6 +37,14 @@ from typing import Any, Callable
 import attrs
 import numpy as np
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from bench import device_seconds, torch_graph  # noqa: E402 - the benchmarks' timing, shared
+
+
+def seconds(replay: Callable[[], None], sync: Callable[[], None]) -> float:
+    """Median seconds of one replay: 7 rounds of 3 replays and one synchronize."""
+    return device_seconds(replay, sync, reps=3, rounds=7)
+
 M, K = 4096, 14336
 COPY_BW = 4.2e12  # bytes/s: the H200's measured device copy bandwidth (docs), the ceiling for the weights
 COLD_BYTES = 200 << 20  # weight copies a cold sweep rotates over: four times the 50 MB L2 at least
@@ -141,35 +149,13 @@ def dequant_rows(fmt: str, raw: np.ndarray) -> np.ndarray:
     return dequantize(fmt, raw).astype(np.float64)
 
 
-def seconds(replay: Callable[[], None], sync: Callable[[], None], reps: int = 3, rounds: int = 7) -> float:
-    """Median seconds of one replay (each round: reps replays, one synchronize)."""
-    replay()
-    sync()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            replay()
-        sync()
-        times.append((time.perf_counter() - t0) / reps)
-    return sorted(times)[len(times) // 2]
-
-
 def torch_us(torch: Any, n: int, copies: int, instances: int) -> float:
     """torch.matmul bf16 (n, K) x (K, M) per instance, instances over `copies` weights, in a CUDA graph."""
     ws = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     x = torch.randn(n, K, device="cuda", dtype=torch.bfloat16)
-    issue = lambda: [torch.matmul(x, ws[i % copies].T) for i in range(instances)]  # noqa: E731
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        issue()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        issue()
-    secs = seconds(graph.replay, torch.cuda.synchronize)
-    del ws, graph
+    replay = torch_graph(torch, lambda: [torch.matmul(x, ws[i % copies].T) for i in range(instances)])
+    secs = seconds(replay, torch.cuda.synchronize)
+    del ws, replay
     return secs / instances * 1e6
 
 
