@@ -1,10 +1,11 @@
-"""The 1b preset's greedy decode step at batch 1, kernel by kernel, on a GPU: what moved between two commits.
+"""The 1b preset's greedy decode step, kernel by kernel, on a GPU: what moved between two commits, where a step goes.
 
-    python3 scripts/decode_profile.py run LABEL DTYPE...   one run: writes $OUT (or /tmp)/prof-LABEL.json
+    python3 scripts/decode_profile.py run LABEL [--batch B] DTYPE...   one run: writes $OUT (or /tmp)/prof-LABEL.json
     python3 scripts/decode_profile.py table [DIR]          every prof-*.json of DIR side by side
 
-A run builds the model (benchmarks/test_bench_model.py's random weights, of the checkout installed now),
-prefills 512 tokens, and times `Generator.step(1, 512, greedy=True)`'s plan: its device time (3 medians of 15
+A run builds the model (benchmarks/test_bench_model.py's random weights, of the checkout installed now; DTYPE a
+dtype or a file type such as Q4_K_M), prefills 512 tokens in each of B sequences (1 unless --batch), and times
+`Generator.step(1, 512, batch=B, greedy=True)`'s plan (a token for each sequence): its device time (3 medians of 15
 rounds of 20 replays) and, through torch.profiler (CUPTI), each kernel's duration summed over 50 replays, by
 kernel name without its parameter list (so that a kernel whose parameters changed still lines up). With
 programmatic dependent launch on (the default) a kernel's duration includes its wait for the one before;
@@ -23,13 +24,13 @@ REPS = 50
 CTX = 512
 
 
-def run(label: str, dtypes: list[str]) -> None:
+def run(label: str, dtypes: list[str], batch: int = 1) -> None:
     sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
     import attrs
     import numpy as np
     import torch
     from bench import device_seconds
-    from test_bench_model import MAX_CTX, MAX_SEQS, random_params
+    from test_bench_model import MAX_CTX, MAX_SEQS, matrix_dtype, random_params
     from torch.profiler import ProfilerActivity, profile
 
     from opdispatch.models.generate import Generator
@@ -38,13 +39,13 @@ def run(label: str, dtypes: list[str]) -> None:
 
     out = {}
     for dt in dtypes:
-        cfg = attrs.evolve(PRESETS["1b"], dtype=dt, max_ctx=MAX_CTX)
-        model = LlamaModel(cfg, random_params(cfg), max_seqs=MAX_SEQS, stack_qkv=True)
-        gen = Generator(model, "cuda0", batch=1)
-        gen.forward_batch(np.random.default_rng(1).integers(0, cfg.vocab, (1, CTX)).tolist(), last=True)
-        gen.decode_greedy([5], 8)  # binds the step plan and captures its CUDA graph
-        gen.lengths[:1] = [CTX]
-        plan, _ = gen.step(1, CTX, batch=1, greedy=True)
+        cfg = attrs.evolve(PRESETS["1b"], dtype=matrix_dtype(dt), max_ctx=MAX_CTX)
+        model = LlamaModel(cfg, random_params(cfg, weights=dt), max_seqs=MAX_SEQS, stack_qkv=True)
+        gen = Generator(model, "cuda0", batch=batch)
+        gen.forward_batch(np.random.default_rng(1).integers(0, cfg.vocab, (batch, CTX)).tolist(), last=True)
+        gen.decode_greedy([5] * batch, 8)  # binds the step plan and captures its CUDA graph
+        gen.lengths[:batch] = [CTX] * batch
+        plan, _ = gen.step(1, CTX, batch=batch, greedy=True)
         device = [device_seconds(plan.launch, plan.synchronize, reps=20, rounds=15) * 1e6 for _ in range(3)]
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(REPS):
@@ -86,9 +87,12 @@ def table(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) >= 4 and sys.argv[1] == "run":
-        run(sys.argv[2], sys.argv[3:])
-    elif len(sys.argv) in (2, 3) and sys.argv[1] == "table":
-        table(sys.argv[2] if len(sys.argv) == 3 else os.environ.get("OUT", "/tmp"))
+    args = sys.argv[1:]
+    if len(args) >= 4 and args[0] == "run" and args[2] == "--batch" and args[3].isdigit():
+        run(args[1], args[4:], int(args[3]))
+    elif len(args) >= 3 and args[0] == "run" and args[2] != "--batch":
+        run(args[1], args[2:])
+    elif len(args) in (1, 2) and args[0] == "table":
+        table(args[1] if len(args) == 2 else os.environ.get("OUT", "/tmp"))
     else:
         sys.exit(__doc__)
