@@ -129,17 +129,26 @@ __device__ __forceinline__ constexpr Table16 mxfp4_table() {
     return {{pack4(0, 1, 2, 3), pack4(4, 6, 8, 12), pack4(0, -1, -2, -3), pack4(-4, -6, -8, -12)}};
 }
 
-// The table entries of 4 indices (0..15, one a byte of x), as the bytes of a word: two byte
-// permutes (entries 0..7, 8..15) and a per-byte select on each index's bit 3.
-__device__ __forceinline__ unsigned lookup4(const Table16& t, unsigned x) {
-    const unsigned sel = (x & 0x7u) | ((x >> 4) & 0x70u) | ((x >> 8) & 0x700u) | ((x >> 12) & 0x7000u);
-    const unsigned lo = __byte_perm(t.w[0], t.w[1], sel), hi = __byte_perm(t.w[2], t.w[3], sel);
-    const unsigned take_hi = ((x >> 3) & 0x01010101u) * 0xffu;
-    return (lo & ~take_hi) | (hi & take_hi);
+// The table entries of the 8 nibbles of w, a word of q4_0-style nibbles (low nibbles values 4i ..
+// 4i+3, high nibbles 16+4i ..): lo = the low nibbles' entries, hi = the high nibbles', a byte each.
+// Byte permutes read a nibble as a selector (its 3 low bits pick one of the 8 bytes of a pair of
+// table words): the two pairs' picks for nibbles 0..3 and 4..7, then each nibble's bit 3 chooses
+// between them (selector byte i or 4 + i), then the bytes are sorted into lo and hi. 13 operations for
+// 8 values, where masking, shifting and selecting each index took 27.
+__device__ __forceinline__ void lookup8(const Table16& t, unsigned w, unsigned& lo, unsigned& hi) {
+    const unsigned x = w & 0x77777777u;
+    const unsigned s = ((w >> 1) & 0x44444444u) | 0x32103210u;
+    const unsigned n03 = __byte_perm(__byte_perm(t.w[0], t.w[1], x), __byte_perm(t.w[2], t.w[3], x), s);
+    const unsigned n47 = __byte_perm(__byte_perm(t.w[0], t.w[1], x >> 16), __byte_perm(t.w[2], t.w[3], x >> 16),
+                                     s >> 16);
+    lo = __byte_perm(n03, n47, 0x6420u);
+    hi = __byte_perm(n03, n47, 0x7531u);
 }
 
+// Entry i (0..15) of t.
 __device__ __forceinline__ int entry(const Table16& t, unsigned i) {
-    return static_cast<signed char>(lookup4(t, i) & 0xffu);
+    const unsigned pick = __byte_perm(t.w[0], t.w[1], i & 7u), pick_hi = __byte_perm(t.w[2], t.w[3], i & 7u);
+    return static_cast<signed char>((i & 8u ? pick_hi : pick) & 0xffu);
 }
 
 // The dot of 8 code words with b, in two halves of 16 values (the formats with 16-value scales).
@@ -159,9 +168,7 @@ template <class S>
 __device__ __forceinline__ void table_words(const S& src, int qs, const Table16& t, unsigned (&q)[8]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const unsigned w = src.u32(qs + 4 * i);
-        q[i] = lookup4(t, w & 0x0f0f0f0fu);
-        q[i + 4] = lookup4(t, (w >> 4) & 0x0f0f0f0fu);
+        lookup8(t, src.u32(qs + 4 * i), q[i], q[i + 4]);
     }
 }
 
