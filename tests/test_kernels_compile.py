@@ -5,13 +5,15 @@ declares, per .cu file, the name expressions it launches: a KERNEL_SOURCES
 {path: names} in its package or in a module of it. For each file the test
 writes a wrapper that includes it and takes the address of every instance,
 forcing nvcc (and ptxas) to build them all, as NVRTC would on the GPU. Runs
-without a GPU; skips only when nvcc is absent. One test per file, each in
-its own folder, so the files compile in parallel under xdist.
+without a GPU; skips only when nvcc is absent. One test per file (per CHUNK
+instances of a larger one), each in its own folder, so that they compile in
+parallel under xdist.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import pkgutil
 import shutil
 import subprocess
@@ -24,6 +26,11 @@ PLUGINS = ROOT / "plugins"
 INCLUDE = ROOT / "core" / "backends" / "cuda"
 SOURCES = sorted(PLUGINS.glob("*/kernels/*.cu"))
 NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
+
+#: a source with more than CHUNK instances (mmq.cu, mmv.cu) is split into several tests (at most
+#: MAX_PARTS: each pays for the headers again), its instances dealt round-robin, so that the parts
+#: compile in parallel
+CHUNK, MAX_PARTS = 24, 4
 
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed: CUDA sources cannot be compiled here")
 
@@ -132,14 +139,34 @@ def test_sources_found() -> None:
     assert PLUGINS / "cuda_norm" / "kernels" / "norm.cu" in SOURCES
 
 
+def _parts(cu: Path) -> int:
+    """The tests `cu`'s instances are split into (1 when they cannot be listed: that test then says why)."""
+    try:
+        return max(1, min(MAX_PARTS, math.ceil(len(instances(cu)) / CHUNK)))
+    except (AssertionError, ImportError):
+        return 1
+
+
+PARTS = [pytest.param(cu, part, parts, id=f"{cu.relative_to(PLUGINS)}" + (f"-{part + 1}of{parts}" if parts > 1 else ""))
+         for cu in SOURCES for parts in (_parts(cu),) for part in range(parts)]
+
+
 @needs_nvcc
-@pytest.mark.parametrize("cu", SOURCES, ids=[str(p.relative_to(PLUGINS)) for p in SOURCES])
-def test_compiles_with_every_instance(cu: Path, tmp_path: Path) -> None:
-    names = instances(cu)
+@pytest.mark.parametrize(("cu", "part", "parts"), PARTS)
+def test_compiles_with_every_instance(cu: Path, part: int, parts: int, tmp_path: Path) -> None:
+    names = instances(cu)[part::parts]
     refs = "".join(f"    (void*)&{name},\n" for name in names)
     wrapper = tmp_path / f"instances_{cu.stem}.cu"
     wrapper.write_text(f'#include "{cu.resolve()}"\n\nvoid* const od_instances[] = {{\n{refs}    nullptr,\n}};\n')
     nvcc(wrapper, tmp_path, cu.parent)
+
+
+def test_parts_cover_every_instance() -> None:
+    """The parts of each source together name each of its instances once."""
+    for cu in SOURCES:
+        (parts,) = {p.values[2] for p in PARTS if p.values[0] == cu}
+        dealt = [n for part in range(parts) for n in instances(cu)[part::parts]]
+        assert sorted(dealt) == sorted(instances(cu))
 
 
 @needs_nvcc

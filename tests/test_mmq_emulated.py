@@ -37,7 +37,7 @@ NMSE_Q8_1 = 1e-8  # against the reference on b rounded to q8_1 as quantize_q8_1 
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
 
-#: mmq.cu's inline PTX (the mma statement, whole) and its host replacement
+#: mmq.cu's inline PTX (the mma statements, whole) and their host replacements
 MMA_PTX = ("    asm volatile(\"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
            "{%4, %5, %6, %7}, {%8, %9}, \"\n"
            "                 \"{%10, %10, %10, %10};\\n\"\n"
@@ -45,7 +45,8 @@ MMA_PTX = ("    asm volatile(\"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {
            "                 : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"r\"(b0), \"r\"(b1), "
            "\"r\"(0));",
            "    emu_mma_s8(d, a, b0, b1);")
-MMA_K16_PTX = ("    asm volatile(\"mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, \"\n"
+MMA_K16_PTX = ("    asm volatile(\"mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, "
+               "{%6}, \"\n"
                "                 \"{%7, %7, %7, %7};\\n\"\n"
                "                 : \"=r\"(d[0]), \"=r\"(d[1]), \"=r\"(d[2]), \"=r\"(d[3])\n"
                "                 : \"r\"(a0), \"r\"(a1), \"r\"(b), \"r\"(0));",

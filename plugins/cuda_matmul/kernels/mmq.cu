@@ -1,28 +1,42 @@
 // Quantized GEMM (mmq): out (B3, B2, N, M) f32 = b (N, K) @ a (M, K)^T for block-format weights a
-// (q4_0, q4_1, q5_0, q5_1, q8_0) and more columns than the mat-vecs take (N > 8), on the int8
-// tensor cores (mma.sync m16n8k32 s8 -> s32), ggml's "mmq" idea. Two launches: quantize_q8_1
-// (mmv.cu) turns b into int8 codes with a scale per 32 values (QB8 layout, mmv_common.cuh), then
-// this kernel. A K step of 32 values is one weight block: its int32 dot products are scaled by the
-// block's weight scale dw and b's scale db in f32 (plus the offset m times db * sum(b codes) for
-// q4_1 / q5_1); q4_0 / q5_0 codes have their zero subtracted when they are read, so that they
-// need no such term.
+// and more columns than the mat-vecs take (N > 8), on the int8 tensor cores (mma.sync m16n8k32 s8 ->
+// s32), ggml's "mmq" idea. Two launches: quantize_q8_1 (mmv.cu) turns b into int8 codes with a scale
+// per 32 values (QB8 layout, mmv_common.cuh), then this kernel. A K step is 32 values, whose int32 dot
+// products are scaled in f32 by the weights' scale(s) for them and b's scale db:
+//   legacy formats (q4_0, q4_1, q5_0, q5_1, q8_0): a step is one block, scaled by its d (plus its
+//     offset m times db * sum(b codes) for q4_1 / q5_1; q4_0 / q5_0 codes have their zero subtracted
+//     when they are read, so that they need no such term);
+//   quant_k.cuh's formats: step u of a block is its values 32u .. 32u+31 (a sub-block of a 256-value
+//     super-block; iq4_nl and mxfp4 blocks are one step), the codes turned into int8 as ggml dequantizes
+//     them (offsets, iq4 / mxfp4 tables through lookup4), then by mq::mode:
+//     ONE (q4_K, q5_K, iq4_xs, iq4_nl, mxfp4: a scale per 32 values) like the legacy formats, the
+//       q4_K / q5_K min as an offset -dmin * min times db * sum;
+//     HALVES (q3_K, q6_K: a scale per 16 values; scale times code can pass int8, so it cannot be folded
+//       into the codes) one m16n8k16 mma per half of the step (the same fragments, halved), each half's
+//       dot scaled by its own d * sc;
+//     MINS16 (q2_K: scale and min per 16 values, both 4-bit) its scales multiplied into its 2-bit codes
+//       (at most 45: still int8) for one mma, and its mins (replicated into a second A operand, each half
+//       of the step its min) a second mma with the same b fragments: the mins times each half's b codes,
+//       which q8_1's per-32 sums cannot give; acc += db (d dot - dmin mins).
 //
 // Tiling (template FM, FN, WM, WN, NS, KB): a warp computes 16 FM weight rows x 8 FN columns (FM x FN
 // mma tiles); a block's WM x WN warps cover BM = 16 FM WM rows and BN = 8 FN WN columns. K is cut in
-// K tiles of KB weight blocks, and the K tiles of a row in `splits` contiguous slices (split-K across
+// K tiles of KB K steps, and the K tiles of a row in `splits` contiguous slices (split-K across
 // blocks, a launch parameter: few columns leave few output tiles, so the slices make the grid several
 // waves of blocks, each streaming its own weights). Grid (tiles_m * splits * tiles_n, B2, B3), the
 // column tile fastest (the blocks reading the same weights run together) and the row tile slowest.
 //
 // Stages (an NS-deep ring, cp.async 16 bytes a thread, one __syncthreads a K tile): a stage holds
-//   weights  BM rows of KB raw blocks as they are in memory (KB * BYTES bytes, a multiple of 16),
-//            RS bytes apart: an odd number of 16-byte granules, so that the 8 rows a fragment load
-//            reads (lanes 4g .. 4g+3 read row g) fall in 8 distinct bank groups;
-//   b codes  BN columns, BROW bytes apart (odd granules): the KB blocks' first 16 codes, then
+//   weights  BM rows of a K tile's raw blocks as they are in memory (Tile below), RS bytes apart: an
+//            odd number of 16-byte granules, so that the 8 rows a fragment load reads (lanes 4g ..
+//            4g+3 read row g) fall in 8 distinct bank groups. A legacy K tile (KB blocks) is whole
+//            granules; a sub-scaled one (KB / STEPS blocks) need not be (q6_K's super-block is 210
+//            bytes): each row then copies the granules covering it, its first block `lead` bytes in;
+//   b codes  BN columns, BROW bytes apart (odd granules): the KB steps' first 16 codes, then
 //            their last 16 (QB8's two half-runs, copied as they are);
 //   b scales BN columns of KB (d, d * sum) float2, BDS bytes apart.
-// A fragments are read straight from the raw blocks (frag_codes below: one 32-bit read gives a
-// lane its codes 4t .. 4t+3 and, for the 4- and 5-bit formats, 16+4t .. 16+4t+3 in the high
+// A fragments are read straight from the raw blocks (frag_codes, sub_step below: one 32-bit read gives a
+// lane its codes 4t .. 4t+3 and, for the legacy 4- and 5-bit formats, 16+4t .. 16+4t+3 in the high
 // nibbles), so no weight is ever written back dequantized. With `preload` (the weights are constant)
 // the first NS - 1 stages' weights are issued before the wait for quantize_q8_1 (PDL), so that their
 // latency overlaps its tail.
@@ -31,11 +45,12 @@
 // then the last block of an output tile to finish (od::last_block on its counter, zeroed once) adds
 // the planes in split order and writes out: the result does not depend on which block finished last.
 //
-// Requirements (support.mmq_ok): a's rows a multiple of 16 bytes (K % 256 for q4_0, q5_0, q8_0,
-// K % 128 for q4_1, K % 64 for q5_1), a 16-byte aligned (base, row and batch strides), K % 32 == 0;
-// 1 <= splits <= K tiles (specs/mmq.py). The last K tile may hold fewer than KB blocks (always an even
-// number of them, whole granules); rows past M and columns past N read row M - 1 and column N - 1 and
-// write nothing.
+// Requirements (support.mmq_ok): a's rows a multiple of 16 bytes (whole chunks of specs/stream.py's
+// STREAMED: K % 256 for q4_0, q5_0, q8_0, q4_K, q5_K, iq4_nl; K % 128 for q4_1, K % 64 for q5_1; K % 512
+// for iq4_xs, mxfp4; K % 1024 for q2_K; K % 2048 for q3_K, q6_K), a 16-byte aligned (base, row and batch
+// strides); 1 <= splits <= K tiles (specs/mmq.py). The last K tile may hold fewer than KB steps (always
+// a multiple of 8: whole b granules, whole blocks); rows past M and columns past N read row M - 1 and
+// column N - 1 and write nothing.
 
 #include "mmv_common.cuh"
 

@@ -32,7 +32,7 @@ BROW_PER_BLOCK, BDS_PER_BLOCK = 32, 8
 @attrs.frozen
 class MmqConfig:
     """An mmq configuration. Template: a warp computes 16 fm rows x 8 fn columns, a block has wm x wn warps,
-    a ring of `stages` stages of `kb` weight blocks (a K tile) each. Launch: each row's K tiles are cut in
+    a ring of `stages` stages of `kb` K steps of 32 values (a K tile) each. Launch: each row's K tiles are cut in
     `splits` slices, one block each (fewer when K has fewer than two K tiles a slice)."""
 
     fm: int
