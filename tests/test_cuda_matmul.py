@@ -1432,7 +1432,7 @@ def test_subscaled_mul_mat_path(dt: str, n: int) -> None:
             big = "mmq" if whole and n <= support.MMQ_MAX_N else "dequant_cublas"
             assert (step.plugin, step.kernel) == ("cuda_matmul", big), (k, n)
             over = f"N={n} > {support.MMQ_MAX_N}: dequantizing for cuBLAS is faster there"
-            assert support.mmq_ok(y, H200) == (True if big == "mmq" else why if not whole else over)
+            assert support.mmq_ok(y, H200) == (True if big == "mmq" else over if n > support.MMQ_MAX_N else why)
 
 
 @pytest.mark.parametrize("dt", SUBSCALED)
