@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time every mmq configuration the sweep lists (specs/mmq.py's CANDIDATES) on one GPU, in one call.
 
-For each format (q4_0, q8_0 by default) at M=4096, K=14336 and each N (16, 32, 64, 128, 512), the
+For each format (q4_0, q8_0 by default; any of specs/mmq.MMQ_FORMATS, e.g. --formats q4_K,q5_K,q6_K) at M=4096, K=14336 and each N (16, 32, 64, 128, 512), the
 launches (quantize_q8_1, then mmq) are built straight from specs/mmq.py's mmq_specs with each candidate
 configuration (the weights marked constant, as a model's are: PDL preload on), captured into a CUDA graph
 of several instances and timed by its replays. N <= 64 is memory-bound: the instances rotate over enough
@@ -16,7 +16,8 @@ fails the rest: the table says so).
 
 The instances compile first, in parallel processes (NVRTC; CuPy's disk cache then serves the main
 process). Prints one table (us an instance, weight GB/s, % of 4.2 TB/s, TFLOP/s, torch bf16 us, NMSE),
-the best configuration per format and N, and the TABLE lines (specs/mmq.py) the measurements suggest.
+the best configuration per format and N, and the lines of each format's table (specs/mmq.py: TABLE for the
+legacy formats, TABLE_K for the sub-scaled ones) the measurements suggest.
 
     python3 -m pip install -q --no-deps --no-build-isolation -e .   # as scripts/gpu-check does
     python3 scripts/mmq_sweep.py [--formats q4_0,q8_0] [--ns 16,32,64,128,512] [--jobs 16]
@@ -51,8 +52,11 @@ COLD_BYTES = 200 << 20  # weight copies a cold sweep rotates over: four times th
 COLD_MAX_N = 64
 REF_ROWS = 64
 NMSE_REF, NMSE_SAME = 5e-4, 1e-8
-#: leading f16 fields of a legacy block (d, and m for q4_1 / q5_1): random codes elsewhere are valid
-F16_FIELDS = {"q4_0": 1, "q4_1": 2, "q5_0": 1, "q5_1": 2, "q8_0": 1}
+#: byte offsets of a block's f16 scales (d, and m / dmin): random bytes elsewhere are valid codes and
+#: sub-scales; mxfp4's scale is the e8m0 byte at 0 (set to 2^-8 .. 2^-1)
+F16_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,), "q2_K": (80, 82),
+              "q3_K": (108,), "q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,), "iq4_nl": (0,), "iq4_xs": (0,),
+              "mxfp4": ()}
 
 
 def _compile(name: str) -> float:
@@ -97,14 +101,17 @@ class Sweep:
         self.a = od.input("a", (M, K), fmt)
         self.row_bytes = self.a.nbytes // M
         self.copies = max(4, math.ceil(COLD_BYTES / self.a.nbytes))
-        block = self.row_bytes * 32 // K
-        nb = K // 32
+        qk = self.a.dtype.block_size
+        block = self.row_bytes * qk // K
+        nb = K // qk
         self.weights = []
         for _ in range(self.copies):
             raw = cp.random.randint(0, 256, size=(M, nb, block), dtype=cp.int32).astype(cp.uint8)
-            nf = F16_FIELDS[fmt]
-            scales = cp.random.uniform(1e-3, 1e-2, size=(M, nb, nf)).astype(cp.float16)
-            raw[:, :, :2 * nf] = scales.view(cp.uint8).reshape(M, nb, 2 * nf)
+            for at in F16_FIELDS[fmt]:
+                scales = cp.random.uniform(1e-3, 1e-2, size=(M, nb, 1)).astype(cp.float16)
+                raw[:, :, at:at + 2] = scales.view(cp.uint8).reshape(M, nb, 2)
+            if fmt == "mxfp4":
+                raw[:, :, 0] = cp.random.randint(119, 127, size=(M, nb), dtype=cp.int32).astype(cp.uint8)
             self.weights.append(raw.reshape(M, self.row_bytes))
         self.ref_a = dequant_rows(fmt, cp.asnumpy(self.weights[0][:REF_ROWS]))
         self.ops, self.od = ops, od
@@ -165,9 +172,8 @@ def sweep_format(cp: Any, fmt: str, ns: list[int], torch: Any, rows: list[Row], 
     sw = Sweep(cp, fmt)
     rng = np.random.default_rng(0)
     for n in ns:
-        most = next(m for m, _ in mmq.TABLE if n <= m)
-        table_cfg = mmq.mmq_config(n)
-        cands = list(dict.fromkeys([table_cfg, *mmq.CANDIDATES[most]]))
+        table_cfg = mmq.mmq_config(fmt, n)
+        cands = list(dict.fromkeys([table_cfg, *mmq.candidates(n)]))
         cold = n <= COLD_MAX_N
         instances = 2 * sw.copies if cold else 8
         xv = rng.uniform(-1, 1, (n, K)).astype(np.float32)
@@ -230,8 +236,7 @@ def main() -> int:
     names = {quantize_name("f32")}
     for fmt in fmts:
         for n in ns:
-            most = next(m for m, _ in mmq.TABLE if n <= m)
-            names |= {mmq.instance_name(fmt, c) for c in (mmq.mmq_config(n), *mmq.CANDIDATES[most])}
+            names |= {mmq.instance_name(fmt, c) for c in (mmq.mmq_config(fmt, n), *mmq.candidates(n))}
     t0 = time.perf_counter()
     failed_compiles = []
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=get_context("spawn")) as pool:
@@ -259,8 +264,8 @@ def main() -> int:
         sweep_format(cp, fmt, ns, torch, rows, torch_times)
         cp.get_default_memory_pool().free_all_blocks()
 
-    print(f"\nmmq sweep, M={M} K={K}, cold weights for N <= {COLD_MAX_N}; '*' TABLE's entry, '<' best of its N")
-    head = (f"{'fmt':5} {'N':>4} {'config':34} {'us':>8} {'GB/s':>6} {'%4.2T':>5} {'TFLOP/s':>7} {'torch':>7} "
+    print(f"\nmmq sweep, M={M} K={K}, cold weights for N <= {COLD_MAX_N}; '*' its table's entry, '<' best of its N")
+    head = (f"{'fmt':6} {'N':>4} {'config':34} {'us':>8} {'GB/s':>6} {'%4.2T':>5} {'TFLOP/s':>7} {'torch':>7} "
             f"{'x torch':>7} {'NMSE':>8} status")
     print(head)
     best: dict[tuple[str, int], Row] = {}
@@ -270,18 +275,22 @@ def main() -> int:
     for r in rows:
         t = torch_times.get((r.n, r.n <= COLD_MAX_N), math.nan)
         mark = ("*" if r.table else " ") + ("<" if best.get((r.fmt, r.n)) is r else " ")
-        print(f"{r.fmt:5} {r.n:4} {r.cfg:34} {r.us:8.1f} {r.gbs:6.0f} {r.pct:5.1f} {r.tflops:7.1f} {t:7.1f} "
+        print(f"{r.fmt:6} {r.n:4} {r.cfg:34} {r.us:8.1f} {r.gbs:6.0f} {r.pct:5.1f} {r.tflops:7.1f} {t:7.1f} "
               f"{t / r.us:7.2f} {r.err:8.1e} {r.status}{mark}")
-    print("\nsuggested TABLE (specs/mmq.py), the configuration with the least summed time over the formats:")
-    for n in ns:
-        most = next(m for m, _ in mmq.TABLE if n <= m)
-        total: dict[str, float] = {}
-        for r in rows:
-            if r.n == n:
-                total[r.cfg] = total.get(r.cfg, 0.0) + (r.us if r.status == "ok" else math.inf)
-        if total:
-            cfg = min(total, key=total.get)
-            print(f"  N={n:4} (TABLE entry <= {most}): {cfg}  ({total[cfg]:.1f} us summed)")
+    for name, tab in (("TABLE", mmq.TABLE), ("TABLE_K", mmq.TABLE_K)):
+        group = [f for f in fmts if mmq.table(f) is tab]
+        if not group:
+            continue
+        print(f"\nsuggested {name} (specs/mmq.py), the configuration with the least time summed over {group}:")
+        for n in ns:
+            most = next(m for m, _ in tab if n <= m)
+            total: dict[str, float] = {}
+            for r in rows:
+                if r.n == n and r.fmt in group:
+                    total[r.cfg] = total.get(r.cfg, 0.0) + (r.us if r.status == "ok" else math.inf)
+            if total:
+                cfg = min(total, key=total.get)
+                print(f"  N={n:4} ({name} entry <= {most}): {cfg}  ({total[cfg]:.1f} us summed)")
     print(f"total {time.perf_counter() - t_start:.1f} s")
     return 0
 

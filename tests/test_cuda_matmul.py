@@ -104,6 +104,11 @@ PATH_CASES = [
     ("q8_0", (2, 64, 14336), (2, 512, 14336), "dequant_cublas"),  # N > support.MMQ_MAX_N
     ("q4_1", (64, 128), (16, 128), "mmq"),
     ("q5_1", (64, 64), (70, 64), "mmq"),
+    ("q4_K", (64, 256), (16, 256), "mmq"),
+    ("q5_K", (2, 64, 512), (2, 128, 512), "mmq"),
+    ("q6_K", (64, 2048), (9, 2048), "mmq"),
+    ("q6_K", (64, 256), (9, 256), "dequant_cublas"),  # K % 2048 != 0: q6_K rows of whole 1680-byte chunks
+    ("q4_K", (64, 256), (129, 256), "dequant_cublas"),  # N > support.MMQ_MAX_N
 ]
 
 
@@ -1408,19 +1413,26 @@ def subscaled_feeds(y: Tensor | list, rng: np.random.Generator, n_experts: int =
 
 
 @pytest.mark.parametrize("dt", SUBSCALED)
-@pytest.mark.parametrize("n", [1, 8, 9, 64])
+@pytest.mark.parametrize("n", [1, 8, 9, 64, 128, 129])
 def test_subscaled_mul_mat_path(dt: str, n: int) -> None:
-    """Every batch runs on the GPU: up to 8 columns the streamed mat-vec for rows of whole chunks, mmvq
-    (dot32 from global memory) for the others, dequant_cublas beyond 8 columns."""
+    """Every batch runs on the GPU: rows of whole chunks take the streamed mat-vec up to 8 columns and mmq
+    up to support.MMQ_MAX_N; the others mmvq (dot32 from global memory) and dequant_cublas, whose step
+    says why mmq declined."""
     rv, qk = stream.stream_geo(dt).row_values, DTYPES[dt].block_size
     partial = ((rv + qk, "mmvq"),) if rv > qk else ()  # q4_K, q5_K: chunks of one block, every K streams
     for k, small in ((rv, "mmvq_stream"), (14336, "mmvq_stream"), *partial):
         y = ops.mul_mat(od.input("w", (3, 13, k), dt), od.input("x", (3, n, k)))
         (step,) = steps_of(od.compile(y, H200), "mul_mat")
-        assert (step.plugin, step.kernel) == ("cuda_matmul", small if n <= 8 else "dequant_cublas"), (k, n)
+        why = f"K={k} is not a multiple of {rv} (rows of whole {stream.stream_geo(dt).chunk}-byte chunks)"
+        whole = small == "mmvq_stream"
         if n <= 8:  # stream_ok is asked of mat-vecs only
-            why = f"K={k} is not a multiple of {rv} (rows of whole {stream.stream_geo(dt).chunk}-byte chunks)"
-            assert support.stream_ok(y, H200) == (True if small == "mmvq_stream" else why)
+            assert (step.plugin, step.kernel) == ("cuda_matmul", small), (k, n)
+            assert support.stream_ok(y, H200) == (True if whole else why)
+        else:
+            big = "mmq" if whole and n <= support.MMQ_MAX_N else "dequant_cublas"
+            assert (step.plugin, step.kernel) == ("cuda_matmul", big), (k, n)
+            over = f"N={n} > {support.MMQ_MAX_N}: dequantizing for cuBLAS is faster there"
+            assert support.mmq_ok(y, H200) == (True if big == "mmq" else over if n > support.MMQ_MAX_N else why)
 
 
 @pytest.mark.parametrize("dt", SUBSCALED)
@@ -1447,6 +1459,7 @@ def test_subscaled_instances_are_compiled() -> None:
         assert all(specs.stream_name(dt, "f32", nt, epi) in specs.STREAM_NAMES
                    for nt in specs.NTS for epi in specs.EPIS)
         assert all(specs.stream_name(dt, tb, 8, specs.EPI_NONE) in specs.STREAM_NAMES for tb in ("f16", "bf16"))
+        assert all(mmq.instance_name(dt, cfg) in mmq.NAMES for _, cfg in mmq.TABLE_K)
 
 
 @gpu
@@ -1458,10 +1471,34 @@ def test_subscaled_mul_mat_sweep(dt: str, n: int, rng) -> None:  # noqa: ANN001
         a, b = od.input("a", (*batch, m, k), dt), od.input("b", (*batch, n, k))
         y = ops.mul_mat(a, b)
         feeds = subscaled_feeds(y, rng)
-        plan, got, ref = run_both(y, feeds, support.choose(y).path)
-        if n <= 8:  # a mat-vec: b rounded to q8_1
+        path = support.choose(y).path
+        plan, got, ref = run_both(y, feeds, path)
+        q8_1 = path != "dequant_cublas"
+        if q8_1:  # a mat-vec or mmq: b rounded to q8_1
             (ref,) = od.compile(y, "cpu").run(q8_1_rounded(feeds, "b"))
-        assert_close(got, ref, f"mul_mat a={dt} m={m} k={k} n={n}", Q8_1_NMSE if n <= 8 else SUBSCALED_NMSE)
+        assert_close(got, ref, f"mul_mat a={dt} m={m} k={k} n={n} ({path})", Q8_1_NMSE if q8_1 else SUBSCALED_NMSE)
+
+
+@gpu
+@pytest.mark.parametrize("n", (9, 16, 32, 64, 128, 33, 70))
+@pytest.mark.parametrize("dt", SUBSCALED)
+def test_subscaled_mmq(dt: str, n: int, rng) -> None:  # noqa: ANN001
+    """mmq of every sub-scaled format against the reference run on b rounded to q8_1 (its only rounding):
+    every specs/mmq.TABLE_K entry, odd M (partial row tiles), rows of one and of several chunks, a long K
+    (split K); three runs of the plan (warm-up, CUDA-graph capture, replay), its arenas poisoned before
+    each."""
+    rv = stream.stream_geo(dt).row_values
+    for m, k in ((77, rv), (130, 3 * rv), (61, 14336)):
+        y = ops.mul_mat(od.input("a", (m, k), dt), od.input("b", (n, k)))
+        plan = od.compile(y, "cuda0")
+        (step,) = steps_of(plan, "mul_mat")
+        assert step.kernel == "mmq", plan.explain()
+        for run in range(3):
+            feeds = subscaled_feeds(y, rng)
+            poison_arenas(plan)
+            (got,) = plan.run(feeds)
+            (ref,) = od.compile(y, "cpu").run(q8_1_rounded(feeds, "b"))
+            assert_close(got, ref, f"mmq a={dt} m={m} k={k} n={n}, run {run}", Q8_1_NMSE)
 
 
 #: (K, M) of the streamed sub-scaled sweep: rows of one q4_K / q5_K / iq4_nl chunk, one chunk a stage of

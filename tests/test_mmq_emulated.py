@@ -37,7 +37,7 @@ NMSE_Q8_1 = 1e-8  # against the reference on b rounded to q8_1 as quantize_q8_1 
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
 
-#: mmq.cu's inline PTX (the mma statement, whole) and its host replacement
+#: mmq.cu's inline PTX (the mma statements, whole) and their host replacements
 MMA_PTX = ("    asm volatile(\"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
            "{%4, %5, %6, %7}, {%8, %9}, \"\n"
            "                 \"{%10, %10, %10, %10};\\n\"\n"
@@ -45,6 +45,12 @@ MMA_PTX = ("    asm volatile(\"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {
            "                 : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"r\"(b0), \"r\"(b1), "
            "\"r\"(0));",
            "    emu_mma_s8(d, a, b0, b1);")
+MMA_K16_PTX = ("    asm volatile(\"mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, "
+               "{%6}, \"\n"
+               "                 \"{%7, %7, %7, %7};\\n\"\n"
+               "                 : \"=r\"(d[0]), \"=r\"(d[1]), \"=r\"(d[2]), \"=r\"(d[3])\n"
+               "                 : \"r\"(a0), \"r\"(a1), \"r\"(b), \"r\"(0));",
+               "    emu_mma_s8_k16(d, a0, a1, b);")
 SHARED = "extern __shared__ uint4 smem_u4[];"
 LAST_FLAG = ("    __shared__ bool last;", "    static bool last;")
 
@@ -79,6 +85,24 @@ CASES = {
     "q4_0 N33 (128x16, 3 column tiles, 2 slices)": (lambda: _mm("q4_0", 45, 1024, 33), False,
                                                     Cfg(2, 2, 4, 1, 4, 8, 16)),
 }
+#: the sub-scaled formats (TABLE_K): every format and TABLE_K entry, K tails (KB 16: a one-super-block or
+#: 8-block tail), K tiles starting inside a granule (q2_K, q3_K, q6_K, iq4_xs, mxfp4), split K
+K_CASES = {
+    "q4_K N9 M77 K2304 (64x16, 9 K tiles in 4 slices)": (lambda: _mm("q4_K", 77, 2304, 9), False, None),
+    "q5_K N20 M33 K768 (KB 16, a one-super-block tail)": (lambda: _mm("q5_K", 33, 768, 20), False,
+                                                          Cfg(1, 2, 4, 2, 4, 16, 8)),
+    "q6_K N45 M19 K2048 (64x64, 4 slices)": (lambda: _mm("q6_K", 19, 2048, 45), True, None),
+    "q6_K N70 M21 K4096 (128x64, 2 slices, 2 column tiles)": (lambda: _mm("q6_K", 21, 4096, 70), False, None),
+    "q2_K N16 M40 K1024 (mins, 2 slices)": (lambda: _mm("q2_K", 40, 1024, 16), False, None),
+    "q3_K N27 M35 K2048 (64x32)": (lambda: _mm("q3_K", 35, 2048, 27), False, None),
+    "iq4_nl N11 M50 K768 (KB 16, an 8-block tail)": (lambda: _mm("iq4_nl", 50, 768, 11), False,
+                                                     Cfg(1, 2, 4, 1, 3, 16, 8)),
+    "iq4_xs N13 b bf16 transposed": (lambda: _mm("iq4_xs", 35, 512, 13, tb="bf16", bview="T"), False, None),
+    "mxfp4 N40 M30 K1024 over batches (odd block addresses)": (lambda: _mm("mxfp4", 30, 1024, 40, batch=(2,)), True,
+                                                               None),
+    "q4_K broadcast batches": (lambda: _mm("q4_K", 21, 256, 11, batch=(3, 4), a_batch=(1, 2)), True, None),
+}
+CASES.update(K_CASES)
 
 
 class ScratchArena(Arena):
@@ -133,8 +157,8 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for header in ("mm_common.cuh", "mmv_common.cuh", "mmv.cu"):
         (build / header).write_text(specs.KERNELS_DIR.joinpath(header).read_text())
     src = specs.MMQ_CU.read_text()
-    assert MMA_PTX[0] in src and SHARED in src, "mmq.cu changed: update the emulation's swaps"
-    src = src.replace(MMA_PTX[0], MMA_PTX[1])
+    assert MMA_PTX[0] in src and MMA_K16_PTX[0] in src and SHARED in src, "mmq.cu changed: update the emulation's swaps"
+    src = src.replace(MMA_PTX[0], MMA_PTX[1]).replace(MMA_K16_PTX[0], MMA_K16_PTX[1])
     src = src.replace(SHARED, "uint4* smem_u4 = reinterpret_cast<uint4*>(emu_ctx->smem);")
     (build / "mmq.cu").write_text(src)
     for name in ("mm_common.cuh", "mmv_common.cuh", "mmv.cu", "mmq.cu"):
@@ -208,17 +232,24 @@ def test_mmq_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> None:  
 
 
 def test_cases_cover_the_table() -> None:
-    """The cases reach every TABLE entry, split K (uneven slices, a K tail, batches) and unsplit."""
-    used = {cfg or mmq.mmq_config(_node(make()).shape[-2]) for make, _, cfg in CASES.values()}
-    assert {cfg for _, cfg in mmq.TABLE} <= used
-    splits = [mmq.mmq_splits(cfg or mmq.mmq_config(_node(make()).shape[-2]), _node(make()).srcs[0].shape[-1])
-              for make, _, cfg in CASES.values()]
+    """The cases reach every entry of both tables, every format, split K (uneven slices, a K tail, batches)
+    and unsplit."""
+    def cfg_of(make, cfg):  # noqa: ANN001, ANN202
+        node = _node(make())
+        return node.srcs[0].dtype.name, cfg or mmq.mmq_config(node.srcs[0].dtype.name, node.shape[-2])
+
+    used = {cfg_of(make, cfg) for make, _, cfg in CASES.values()}
+    for dt in mmq.MMQ_FORMATS:
+        assert dt in {d for d, _ in used}, f"no case for {dt}"
+    assert {cfg for _, cfg in mmq.TABLE} <= {c for d, c in used if d in specs.LEGACY_NAMES}
+    assert {cfg for _, cfg in mmq.TABLE_K} <= {c for d, c in used if d not in specs.LEGACY_NAMES}
+    splits = [mmq.mmq_splits(cfg_of(make, cfg)[1], _node(make()).srcs[0].shape[-1]) for make, _, cfg in CASES.values()]
     assert 1 in splits and max(splits) >= 4
 
 
 def test_splits_stay_within_k() -> None:
     """Every slice of a launch holds two K tiles at least, or the launch has one slice."""
-    for _, cfg in mmq.TABLE:
+    for _, cfg in (*mmq.TABLE, *mmq.TABLE_K):
         for k in (32, 256, 512, 2048, 14336):
             nkt = -(-k // 32 // cfg.kb)
             s = mmq.mmq_splits(cfg, k)

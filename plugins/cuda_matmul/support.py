@@ -20,7 +20,7 @@ from opdispatch.support import GRID_YZ_MAX, Rule, first_failure, fits_int, rows_
 from opdispatch.tensor import Tensor
 
 from .specs import MMF_TYPES, mmq
-from .specs.stream import STREAMED, device_facts, stream_chunk, stream_geo, stream_warps
+from .specs.stream import STREAMED, device_facts, stream_geo, stream_warps
 
 #: most columns (batch N) the mat-vec kernels take; larger batches go to mmf (float weights) or cuBLAS
 MMV_MAX_N = 8
@@ -31,8 +31,9 @@ MMV_MAX_N = 8
 MMF_MIN_N = 17
 #: most columns mmf takes (the kernel's two 8-column tiles); more go to cuBLAS
 MMF_MAX_N = 16
-#: most columns mmq takes; more go to dequant_cublas. On the H200 (q4_0 / q8_0, 4096 x 14336 weights) mmq
-#: was 4.3x faster at 16 columns, 1.09x / 1.30x at 128 and 0.48x / 0.57x at 512 (docs/benchmarks.md)
+#: most columns mmq takes (every format); more go to dequant_cublas. On the H200 (q4_0 / q8_0, 4096 x 14336
+#: weights) mmq was 4.3x faster at 16 columns, 1.09x / 1.30x at 128 and 0.48x / 0.57x at 512
+#: (docs/benchmarks.md); the sub-scaled formats are not yet measured
 MMQ_MAX_N = 128
 #: most experts the routing kernel of mmv_id_grouped takes (shared memory: 2 ints an expert)
 ROUTE_MAX_EXPERTS = 4096
@@ -141,15 +142,15 @@ def stream_ok(node: Tensor, device: Device | None = None) -> bool | str:
 
 def mmq_ok(node: Tensor, device: Device | None = None) -> bool | str:
     """True if mmq runs mul_mat `node` (block-format a, N > 8, checked by the caller), else why
-    dequant_cublas runs it: rows of whole 16-byte granules (stream_chunk's), a 16-byte aligned."""
+    dequant_cublas runs it: rows of whole 16-byte granules (stream_geo's chunks), a 16-byte aligned."""
     a = _a(node)
     dt = a.dtype.name
     if dt not in mmq.MMQ_FORMATS:
         return f"{dt} has no quantized GEMM"
     if batch_n(node) > MMQ_MAX_N:
         return f"N={batch_n(node)} > {MMQ_MAX_N}: dequantizing for cuBLAS is faster there"
-    cb, chunk, _ = stream_chunk(dt)
-    chunked = _whole_chunks(a, 32 * cb, chunk, device, "int8 mma.sync m16n8k32")
+    g = stream_geo(dt)
+    chunked = _whole_chunks(a, g.row_values, g.chunk, device, "int8 mma.sync m16n8k32")
     if chunked is not True:
         return chunked
     if not mmq.mmq_fits(dt, batch_n(node), device):

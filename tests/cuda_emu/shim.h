@@ -179,6 +179,14 @@ inline void emu_mma_s8(int* d, const unsigned* a, unsigned b0, unsigned b1) {
     }
 }
 
+// mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 with a zero accumulator: the PTX ISA's fragments are
+// the k 0..15 half of m16n8k32's (a0 A row g k 4t.., a1 row g+8 k 4t..; b B column g k 4t..), so it is
+// emu_mma_s8 with the k 16..31 half zero.
+inline void emu_mma_s8_k16(int* d, unsigned a0, unsigned a1, unsigned b) {
+    const unsigned a[4] = {a0, a1, 0u, 0u};
+    emu_mma_s8(d, a, b, 0u);
+}
+
 // -- mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 (mmf.cu), a warp collective -----------
 // The PTX ISA's fragments, lane l = 4 g + t: A (16 x 16, row-major) words a0 = A[g][2t, 2t+1],
 // a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9] (low half first); B (16 x 8,

@@ -18,9 +18,11 @@ from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
 
-from . import LEGACY_NAMES, MMQ_CU, Ptr, Scratch, geometry, mmq_name
+from opdispatch.dtypes import DTYPES
+
+from . import LEGACY_NAMES, MMQ_CU, SUBSCALED_NAMES, Ptr, Scratch, geometry, mmq_name
 from . import mmv  # a module import: mmv imports support, which imports this module
-from .stream import STREAM_FORMATS, device_facts
+from .stream import STREAMED, device_facts
 
 #: bytes of a b column's codes and of its scales in a stage, per weight block of a K tile (mmq.cu's
 #: Tile::BROW and BDS are these times KB, plus one granule)
@@ -30,7 +32,7 @@ BROW_PER_BLOCK, BDS_PER_BLOCK = 32, 8
 @attrs.frozen
 class MmqConfig:
     """An mmq configuration. Template: a warp computes 16 fm rows x 8 fn columns, a block has wm x wn warps,
-    a ring of `stages` stages of `kb` weight blocks (a K tile) each. Launch: each row's K tiles are cut in
+    a ring of `stages` stages of `kb` K steps of 32 values (a K tile) each. Launch: each row's K tiles are cut in
     `splits` slices, one block each (fewer when K has fewer than two K tiles a slice)."""
 
     fm: int
@@ -81,6 +83,17 @@ def _variants(fm: int, fn: int, wm: int, wn: int, stages: tuple[int, ...], kbs: 
     return tuple(MmqConfig(fm, fn, wm, wn, s, kb, sp) for s in stages for kb in kbs for sp in splits)
 
 
+#: the sub-scaled formats' table (K tiles of 8 K steps: one 256-value super-block, or 8 iq4_nl / mxfp4
+#: blocks): TABLE's configurations for N <= 64, its 128-column one above (N > 128 only when tests lift
+#: support.MMQ_MAX_N), so that each format compiles four instances. Not yet timed on the H200: to be set
+#: from scripts/mmq_sweep.py --formats q4_K,q5_K,q6_K,...
+TABLE_K: tuple[tuple[int, MmqConfig], ...] = (
+    (16, MmqConfig(fm=1, fn=2, wm=4, wn=1, stages=3, kb=8, splits=16)),
+    (32, MmqConfig(fm=1, fn=2, wm=4, wn=2, stages=4, kb=8, splits=8)),
+    (64, MmqConfig(fm=1, fn=4, wm=4, wn=2, stages=3, kb=8, splits=4)),
+    (2**31, MmqConfig(fm=2, fn=4, wm=4, wn=2, stages=3, kb=8, splits=2)),
+)
+
 #: what scripts/mmq_sweep.py times for each entry of TABLE (the entry itself too), on q4_0 and q8_0
 CANDIDATES: dict[int, tuple[MmqConfig, ...]] = {
     16: (*_variants(1, 2, 4, 1, (3, 4, 6), (8,), (4, 8, 16)), *_variants(2, 2, 4, 1, (4,), (8,), (8, 16)),
@@ -91,18 +104,29 @@ CANDIDATES: dict[int, tuple[MmqConfig, ...]] = {
     2**31: (*_variants(2, 4, 4, 2, (2, 3), (8,), (1,)), *_variants(4, 4, 2, 4, (2, 3), (8,), (1,)),
             *_variants(2, 8, 4, 1, (2,), (8,), (1,))),
 }
-#: the formats the sweep times (the compile test builds every candidate for them)
+#: the formats the sweep times by default (the compile test builds every candidate for them)
 SWEEP_FORMATS = ("q4_0", "q8_0")
-MMQ_FORMATS = tuple(STREAM_FORMATS)
+#: the legacy formats and quant_k.cuh's (those opdispatch.dtypes knows)
+MMQ_FORMATS = (*LEGACY_NAMES, *SUBSCALED_NAMES)
+
+
+def table(dt: str) -> tuple[tuple[int, MmqConfig], ...]:
+    """The selection table of format dt: TABLE (legacy formats) or TABLE_K (sub-scaled)."""
+    return TABLE if dt in LEGACY_NAMES else TABLE_K
+
+
+def candidates(n: int) -> tuple[MmqConfig, ...]:
+    """The configurations scripts/mmq_sweep.py times for n columns (any format)."""
+    return next(cands for most, cands in CANDIDATES.items() if n <= most)
 
 
 def instance_name(dt: str, cfg: MmqConfig) -> str:
     return mmq_name(dt, cfg.template)
 
 
-#: every instance the table launches (each block format) or the sweep times (its formats)
+#: every instance the tables launch (each block format) or the sweep times (its default formats)
 NAMES: tuple[str, ...] = tuple(dict.fromkeys(
-    [instance_name(dt, cfg) for dt in LEGACY_NAMES for _, cfg in TABLE]
+    [instance_name(dt, cfg) for dt in MMQ_FORMATS for _, cfg in table(dt)]
     + [instance_name(dt, cfg) for dt in SWEEP_FORMATS for cands in CANDIDATES.values() for cfg in cands]))
 
 
@@ -130,15 +154,17 @@ class MmqArgs(KernelArgs):
     preload: np.int32 = i32()
 
 
-def mmq_config(n: int) -> MmqConfig:
-    """TABLE's configuration for n columns."""
-    return next(cfg for most, cfg in TABLE if n <= most)
+def mmq_config(dt: str, n: int) -> MmqConfig:
+    """The configuration of format dt's table for n columns."""
+    return next(cfg for most, cfg in table(dt) if n <= most)
 
 
 def row_stride(dt: str, kb: int) -> int:
-    """Bytes of a weight row's K tile in a stage (mmq.cu's Tile::RS): kb blocks, an odd number of granules."""
-    raw = kb * STREAM_FORMATS[dt][0]
-    return raw if (raw // 16) % 2 == 1 else raw + 16
+    """Bytes of a weight row's K tile in a stage (mmq.cu's Tile::RS): the granules covering kb K steps'
+    blocks wherever they start (whole granules for the legacy formats), an odd number of them."""
+    raw = kb * 32 // DTYPES[dt].block_size * STREAMED[dt][0]
+    granules = raw // 16 if raw % 16 == 0 else (raw + 2 * 15) // 16
+    return 16 * (granules if granules % 2 == 1 else granules + 1)
 
 
 def mmq_smem(dt: str, cfg: MmqConfig) -> int:
@@ -148,9 +174,9 @@ def mmq_smem(dt: str, cfg: MmqConfig) -> int:
 
 
 def mmq_fits(dt: str, n: int, device: Device | None, cfg: MmqConfig | None = None) -> bool:
-    """True if the configuration for n columns (TABLE's unless given) fits the device's shared memory
+    """True if the configuration for n columns (dt's table's unless given) fits the device's shared memory
     (None: an H200)."""
-    return mmq_smem(dt, cfg or mmq_config(n)) <= device_facts(device).smem_per_block_optin
+    return mmq_smem(dt, cfg or mmq_config(dt, n)) <= device_facts(device).smem_per_block_optin
 
 
 def mmq_splits(cfg: MmqConfig, k: int) -> int:
@@ -165,14 +191,15 @@ def mmq_addresses(ptr: Ptr, a: Tensor) -> bool:
 
 def mmq_specs(node: Tensor, ptr: Ptr, scratch: Scratch, cfg: MmqConfig | None = None) -> list[KernelSpec]:
     """quantize_q8_1 of b into the scratch buffer "bq", then mmq, for mul_mat `node` (its path mmq), with
-    `cfg` (default TABLE's for its columns); split K also takes the scratch buffers of the partial sums and
+    `cfg` (default its format's table's for its columns); split K also takes the scratch buffers of the partial sums and
     of the tiles' counters (zeroed once: the kernel sets them back)."""
     a, b = node.srcs
     (a3, a2, m, k), (sa3, sa2, sa1, _) = geometry(a)
     (b3, b2, n, _), _ = geometry(b)
     quant = mmv.quantize_spec(b, ptr(b), scratch)
     q = quant.args
-    cfg = cfg or mmq_config(n)
+    dt = a.dtype.name
+    cfg = cfg or mmq_config(dt, n)
     tiles_m, tiles_n, splits = math.ceil(m / cfg.bm), math.ceil(n / cfg.bn), mmq_splits(cfg, k)
     part = counters = 0
     if splits > 1:
@@ -182,5 +209,4 @@ def mmq_specs(node: Tensor, ptr: Ptr, scratch: Scratch, cfg: MmqConfig | None = 
                    out=ptr(node), M=m, K=k, N=n, tiles_m=tiles_m, tiles_n=tiles_n, splits=splits, part=part,
                    counters=counters, preload=mmv._preload(a))
     grid = (tiles_m * splits * tiles_n, b2, b3)
-    dt = a.dtype.name
     return [quant, KernelSpec(MMQ_CU, instance_name(dt, cfg), grid, cfg.threads, args, smem=mmq_smem(dt, cfg))]

@@ -20,9 +20,9 @@ from opdispatch.tensor import Tensor
 from . import EPI_GLU, MMVQ_STREAM_CU, STREAM, Ptr, StreamConfig, geometry, nt_for, stream_name
 
 #: (block bytes, blocks a chunk) of each legacy format mmvq_stream takes: a chunk is the fewest
-#: consecutive blocks whose bytes are a multiple of 16 (mmvq_stream.cu's Geo); mmq's formats too
+#: consecutive blocks whose bytes are a multiple of 16 (mmvq_stream.cu's Geo); mmq's rows are whole chunks too
 STREAM_FORMATS = {"q4_0": (18, 8), "q4_1": (20, 4), "q5_0": (22, 8), "q5_1": (24, 2), "q8_0": (34, 8)}
-#: the same for quant_k.cuh's formats (those opdispatch.dtypes knows), which mmq does not take
+#: the same for quant_k.cuh's formats (those opdispatch.dtypes knows)
 STREAM_K_FORMATS = {q: g for q, g in {"q2_K": (84, 4), "q3_K": (110, 8), "q4_K": (144, 1), "q5_K": (176, 1),
                                       "q6_K": (210, 8), "iq4_nl": (18, 8), "iq4_xs": (136, 2),
                                       "mxfp4": (17, 16)}.items() if q in DTYPES}
@@ -113,12 +113,6 @@ def stream_geo(dt: str) -> StreamGeo:
     lb = cb if chunk <= REG_CHUNK_MAX else 1
     braw = lb * qk // 32 * 40
     return StreamGeo(cb, chunk, cb * qk, lb, lb * nbytes, lb * qk, braw if (braw // 16) % 2 == 1 else braw + 16)
-
-
-def stream_chunk(dt: str) -> tuple[int, int, int]:
-    """(blocks a chunk, weight bytes a chunk, b bytes a piece in shared memory) of format `dt`."""
-    g = stream_geo(dt)
-    return g.cb, g.chunk, g.bpiece
 
 
 def stream_layout(dt: str, k: int, glu: bool) -> StreamLayout:
