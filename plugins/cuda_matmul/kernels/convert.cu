@@ -11,6 +11,7 @@
 #include "mm_common.cuh"
 
 constexpr int CONVERT_BLOCK = 256;
+constexpr int CONVERT_ILP = 8;  // values a thread loads at once (a row of 2048 in one round)
 
 namespace mm {
 
@@ -44,8 +45,22 @@ __global__ void __launch_bounds__(CONVERT_BLOCK) convert(const u8* src, int n0, 
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const u8* s = src + mm::row_offset(row, n1, n2, s1, s2, s3);
         u8* d = dst + row * n0 * DS;
-        for (int i = threadIdx.x; i < n0; i += CONVERT_BLOCK) {
-            mm::store_as<TD>(d + i * DS, mm::load_elem<TS>(s + i * s0));
+        // CONVERT_ILP values a thread, all loaded before any is stored: a row's loads are in flight
+        // together (a store may alias a later load for the compiler, which keeps them in order)
+        for (int i0 = threadIdx.x; i0 < n0; i0 += CONVERT_ILP * CONVERT_BLOCK) {
+            float v[CONVERT_ILP];
+#pragma unroll
+            for (int j = 0; j < CONVERT_ILP; ++j) {
+                const int i = i0 + j * CONVERT_BLOCK;
+                v[j] = i < n0 ? mm::load_elem<TS>(s + i * s0) : 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < CONVERT_ILP; ++j) {
+                const int i = i0 + j * CONVERT_BLOCK;
+                if (i < n0) {
+                    mm::store_as<TD>(d + i * DS, v[j]);
+                }
+            }
         }
     }
 }
