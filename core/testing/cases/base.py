@@ -197,6 +197,7 @@ class Inputs:
             return param(name, raw, dt.name, shape=shape)
         return param(name, self.rng.uniform(lo, hi, shape), dtype)
 
+
 Make = Callable[[Inputs], "Tensor | Sequence[Tensor]"]
 
 
