@@ -14,6 +14,7 @@ from opdispatch import ops
 from opdispatch.backends.cuda.args import IndexCheck
 from opdispatch.dtypes import from_float, to_host_float
 from opdispatch.graph import Graph
+from opdispatch.quants.samples import HALVES
 from opdispatch.reference import REFERENCE
 from opdispatch.tensor import VIEW_OPS, Flag, Tensor
 from opdispatch.testing.metrics import nmse
@@ -127,13 +128,12 @@ def with_index_check_params(source: str) -> str:
     return source.replace("OD_INDEX_CHECK_PARAMS", body)
 
 
-#: byte offsets of the f16 fields (d, dmin) of each quant_k.cuh format's block (ggml-common.h); mxfp4 has
-#: none (its scale is an e8m0 byte)
-SUBSCALED_HALVES = {"q2_K": (80, 82), "q3_K": (108,), "q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,),
-                    "iq4_nl": (0,), "iq4_xs": (0,), "mxfp4": ()}
 #: block (values, bytes) of quant_k.cuh's formats, as ggml
 SUBSCALED_SIZES = {"q2_K": (256, 84), "q3_K": (256, 110), "q4_K": (256, 144), "q5_K": (256, 176), "q6_K": (256, 210),
                    "iq4_nl": (32, 18), "iq4_xs": (256, 136), "mxfp4": (32, 17)}
+#: byte offsets of the f16 fields (d, dmin) of each quant_k.cuh format's block (ggml-common.h); mxfp4 has
+#: none (its scale is an e8m0 byte)
+SUBSCALED_HALVES = {q: HALVES.get(q, ()) for q in SUBSCALED_SIZES}
 
 
 def subscaled_blocks(rng: np.random.Generator, name: str, nblocks: int, e_range: tuple[int, int] = (0, 256),

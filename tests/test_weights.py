@@ -26,6 +26,7 @@ from opdispatch import dtypes
 from opdispatch.dtypes import from_float
 from opdispatch.quants import FORMATS
 from opdispatch.backends.cuda.devices import H200
+from opdispatch.cli import main as cli_main
 from opdispatch.compiler import compile
 from opdispatch.models.generate import Generator
 from opdispatch.models.llama.config import LlamaConfig
@@ -36,6 +37,7 @@ from opdispatch.models.weights.gguf import gguf_dtype, load_gguf, read_gguf, unp
 from opdispatch.models.weights.names import GGUF_LAYER_TO_HF, GGUF_TO_HF, gguf_name_to_hf
 from opdispatch.models.weights.safetensors import load_safetensors
 from opdispatch.models.weights.state_dict import load_state_dict, state_dict_arrays
+from opdispatch.ops.base import ENCODABLE
 from opdispatch.testing.metrics import nmse
 from opdispatch.tensor import Tensor
 from test_kquants import HALVES
@@ -444,15 +446,34 @@ def test_tiny_llama_gguf_runs_like_its_float_weights(matrix_type: str, moe: bool
 # A quantized GGUF on the GPU: block formats all the way to the kernels
 
 GPU_CFG = dict(vocab=512, hidden=256, heads=4, kv_heads=2, ffn=512, max_ctx=128)  # head_dim 64: CUDA flash attention
+GPU_CFG_LAYERS = tiny_cfg().layers
+
+
+#: the block formats the GPU tests write a GGUF in: gguf's own quantizer for the legacy five, `opdispatch quantize`
+#: for the others. Left out: q8_K (no GPU kernel takes it as a weight: it is ggml's K-quant activation type) and
+#: the grid I-quants (iq2_xxs ... iq1_m), which no quantizer here writes (opdispatch only dequantizes them)
+GPU_FORMATS = tuple(q for q in ENCODABLE if q != "q8_K")
+#: logits NMSE of cuda0 against the CPU reference on the same file: a few 1e-5 a matmul from b's rounding
+#: (docs/conformance.md: Q8_1_NMSE = 1.55e-5 on uniform b), over 2 layers, the LM head and softmax's spread
+LOGITS_NMSE = 1e-3
 
 
 def quantized_gguf_model(path: Path, matrix_type: str, seed: int) -> tuple[LlamaModel, LlamaModel]:
-    """(the GGUF's model as loaded, in its block formats; the f32 model of the weights before quantization)."""
+    """(the GGUF's model as loaded, in its block formats; the f32 model of the weights before quantization).
+
+    matrix_type: a block format (every matrix in it) or a preset of `opdispatch quantize` (Q4_K_M: its mixture).
+    """
     cfg = tiny_cfg(**GPU_CFG)
     weights = random_weights(cfg, seed=seed)
-    write_llama_gguf(path, cfg, weights, matrix_type)
+    if matrix_type in QUANTS:
+        write_llama_gguf(path, cfg, weights, matrix_type)
+    else:
+        source = path.with_name(path.stem + "-f32.gguf")
+        write_llama_gguf(source, cfg, weights, "f32")
+        assert cli_main(["quantize", str(source), str(path), matrix_type]) == 0
     loaded_cfg, params = load_gguf(path)
-    assert {t.dtype.name for t in params.values() if t.ndim == 2} == {matrix_type}
+    held = {t.dtype.name for t in params.values() if t.ndim == 2}
+    assert held == ({matrix_type} if matrix_type in dtypes.DTYPES else {"q4_K", "q6_K"}), held
     return LlamaModel(attrs.evolve(loaded_cfg, cache_dtype="f32"), params), LlamaModel(cfg, weights)
 
 
@@ -462,39 +483,41 @@ def steps_on(model: LlamaModel, prompt: list[int], feed: list[int], device: str)
     return np.concatenate([gen.forward(prompt)] + [gen.forward([t]) for t in feed])
 
 
-def block_matmuls(plan: Any) -> list[tuple[str, str, str]]:
-    """(op, weight dtype, device kind) of every plan step node that reads a block-format weight."""
-    return [(n.op, n.srcs[0].dtype.name, s.device.kind) for s in plan.steps if s.kind in ("kernel", "fused")
-            for n in s.nodes if n.op in ("mul_mat", "get_rows") and n.srcs[0].dtype.is_quant]
+def assert_planned_on_the_gpu(plan: Any, model: LlamaModel) -> None:
+    """Every block-format weight of `model` (the matmuls' and the embedding) is read on the GPU in its own format;
+    nothing falls back to the CPU and no weight is converted or moved on the way."""
+    reads = {(n.srcs[0].base.name, n.srcs[0].dtype.name, s.device.kind) for s in plan.steps
+             if s.kind in ("kernel", "fused") for n in s.nodes
+             if n.op in ("mul_mat", "get_rows") and n.srcs[0].dtype.is_quant}
+    weights = {(t.name, t.dtype.name, "cuda") for t in model.params.values() if t.dtype.is_quant}
+    apart = {w for w in weights if not re.search(r"\.[qkv]_proj\.", w[0])}  # q, k, v may be read stacked as qkv
+    assert apart <= reads and {r[1:] for r in reads} == {w[1:] for w in weights}
+    assert len(reads) >= 1 + GPU_CFG_LAYERS * 5 + 1  # embedding, (stacked qkv or q, k, v), o, gate, up, down, head
+    assert not [s for s in plan.steps if s.kind == "copy"]
+    assert {s.device.kind for s in plan.steps if s.kind in ("kernel", "fused")} == {"cuda"}
 
 
-@pytest.mark.parametrize("matrix_type", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("matrix_type", GPU_FORMATS)
 def test_quantized_gguf_is_planned_on_the_gpu_in_its_block_format(matrix_type: str, tmp_path: Path,
                                                                   rng: np.random.Generator) -> None:
-    """On an H200 (planned without one) every matmul and the embedding read the q8_0/q4_0 blocks on the GPU."""
+    """On an H200 (planned without one) every matmul and the embedding read the file's blocks on the GPU, for
+    every format the GPU tests write (GPU_FORMATS: the grid I-quants and q8_K left out, see there)."""
     model, _ = quantized_gguf_model(tmp_path / "q.gguf", matrix_type, int(rng.integers(2**31)))
-    cfg = model.cfg
-    for n_tokens in (1, 12):  # decode (quantized mat-vec) and prefill (dequantized tiles into cuBLAS)
-        plan = compile(model.build(n_tokens, 0)[0], H200)
-        reads = block_matmuls(plan)
-        assert len(reads) == 1 + cfg.layers * 5 + 1  # embedding, stacked qkv, o, gate, up, down per layer, LM head
-        assert {(dt, kind) for _, dt, kind in reads} == {(matrix_type, "cuda")}
-        assert not [s for s in plan.steps if s.kind == "copy"]  # no weight converted or moved on the way
+    for n_tokens in (1, 12):  # decode (quantized mat-vec) and prefill (mmq or dequantized tiles into cuBLAS)
+        assert_planned_on_the_gpu(compile(model.build(n_tokens, 0)[0], H200), model)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("matrix_type", ["q8_0", "q4_0"])
-def test_quantized_gguf_runs_on_cuda_like_the_cpu_reference(matrix_type: str, tmp_path: Path,
-                                                            rng: np.random.Generator) -> None:
-    """A Llama GGUF quantized by gguf's own quantizer runs on cuda0 from its blocks, as the CPU reference runs it.
+def test_q4_k_m_gguf_is_planned_on_the_gpu_in_its_block_formats(tmp_path: Path, rng: np.random.Generator) -> None:
+    model, _ = quantized_gguf_model(tmp_path / "q.gguf", "Q4_K_M", int(rng.integers(2**31)))
+    for n_tokens in (1, 12):
+        assert_planned_on_the_gpu(compile(model.build(n_tokens, 0)[0], H200), model)
 
-    The GPU's quantized kernels round what the weights multiply (to int8 with
-    a scale per 32 values for a decode step's mat-vec, to f16 for prefill),
-    as ggml's do; the CPU reference dequantizes exactly and sums in float64.
-    Logits NMSE <= 1e-3 (a few 1e-5 per matmul, over 2 layers), far below
-    what q4_0 itself costs, printed beside it (the f32 weights' logits).
-    """
-    model, f32_model = quantized_gguf_model(tmp_path / "q.gguf", matrix_type, int(rng.integers(2**31)))
+
+def runs_on_cuda_like_the_cpu_reference(model: LlamaModel, f32_model: LlamaModel, what: str,
+                                        rng: np.random.Generator) -> None:
+    """A prefill and 8 greedy decode steps on cuda0 and on the CPU reference, the same file: logits NMSE within
+    LOGITS_NMSE (printed beside the format's own NMSE against the f32 weights); the decode step's plan reads
+    every block on the GPU."""
     prompt = rng.integers(0, model.cfg.vocab, 12).tolist()
     gen = Generator(model, "cpu")
     feed = [int(np.argmax(gen.forward(prompt)[-1]))]
@@ -504,11 +527,38 @@ def test_quantized_gguf_runs_on_cuda_like_the_cpu_reference(matrix_type: str, tm
     gpu_model = LlamaModel(model.cfg, model.params)  # the same block-format params, a cache of its own
     gpu = steps_on(gpu_model, prompt, feed, "cuda0")
     err, fmt_err = nmse(gpu, cpu), nmse(cpu, steps_on(f32_model, prompt, feed, "cpu"))
-    print(f"gguf {matrix_type} on cuda0: logits NMSE {err:.2g} against the CPU reference on the same file "
+    print(f"gguf {what} on cuda0: logits NMSE {err:.2g} against the CPU reference on the same file "
           f"({len(cpu)} positions); the format's own NMSE against the f32 weights {fmt_err:.2g}")
-    assert np.isfinite(gpu).all() and err <= 1e-3
-    plan = Generator(gpu_model, "cuda0").step(1, len(prompt))[0]
-    assert {(dt, kind) for _, dt, kind in block_matmuls(plan)} == {(matrix_type, "cuda")}
+    assert np.isfinite(gpu).all() and err <= LOGITS_NMSE
+    assert_planned_on_the_gpu(Generator(gpu_model, "cuda0").step(1, len(prompt))[0], gpu_model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("matrix_type", GPU_FORMATS)
+def test_quantized_gguf_runs_on_cuda_like_the_cpu_reference(matrix_type: str, tmp_path: Path,
+                                                            rng: np.random.Generator) -> None:
+    """A Llama GGUF in each format of GPU_FORMATS (gguf's quantizer for the legacy five, `opdispatch quantize`
+    for the others; the grid I-quants and q8_K left out, see there) runs on cuda0 from its blocks, as the CPU
+    reference runs it.
+
+    The GPU's quantized kernels round what the weights multiply (to int8 with
+    a scale per 32 values for a decode step's mat-vec and mmq, to f16 for
+    dequant_cublas), as ggml's do; the CPU reference dequantizes exactly and
+    sums in float64. Logits NMSE <= LOGITS_NMSE, far below what the format
+    itself costs, printed beside it (the f32 weights' logits).
+    """
+    model, f32_model = quantized_gguf_model(tmp_path / "q.gguf", matrix_type, int(rng.integers(2**31)))
+    runs_on_cuda_like_the_cpu_reference(model, f32_model, matrix_type, rng)
+
+
+@pytest.mark.gpu
+def test_q4_k_m_gguf_from_opdispatch_quantize_decodes_on_cuda_like_the_cpu_reference(
+        tmp_path: Path, rng: np.random.Generator) -> None:
+    """`opdispatch quantize ... Q4_K_M` (q4_K matrices, q6_K for the LM head and the use_more_bits layers'
+    attn_v and ffn_down): every mul_mat and get_rows of the decode step reads its q4_K / q6_K blocks on cuda0,
+    no step falls back to the CPU, and the logits are within LOGITS_NMSE of the CPU reference on the file."""
+    model, f32_model = quantized_gguf_model(tmp_path / "q.gguf", "Q4_K_M", int(rng.integers(2**31)))
+    runs_on_cuda_like_the_cpu_reference(model, f32_model, "Q4_K_M", rng)
 
 
 def test_tiny_llama_in_the_q4_k_m_mixture_runs_like_its_values(tmp_path: Path, rng: np.random.Generator) -> None:

@@ -6,12 +6,15 @@ case touches no device: it only makes tensors and numpy values.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable, Sequence
 
 import attrs
 import numpy as np
 
 from ...dtypes import DType, dtype as as_dtype
+from ...ops.base import BLOCK_FORMATS, QUANTS
+from ...quants.samples import random_blocks
 from ...tensor import Tensor, input as new_input, param
 
 #: ops whose bound is not the 1e-7 default (docs/conformance.md)
@@ -19,6 +22,22 @@ OP_BOUNDS: dict[str, float] = {
     "mul_mat": 5e-4, "mul_mat_id": 5e-4, "out_prod": 5e-4, "flash_attn_ext": 5e-4, "soft_max": 1e-6,
 }
 HALF_BOUND = 1e-4  # f16/bf16 results
+#: the expected NMSE of a product whose f32 b is rounded to q8_1 (int8 codes, d = max|b| / 127 a 32 values), as
+#: GPU kernels and ggml's CPU round it, for b uniform in [-1, 1): error variance d^2 / 12 over b's 1/3
+Q8_1_NMSE = 1 / (4 * 127**2)
+#: one code step of each block format opdispatch writes, on values uniform in [-1, 1]: 2 / levels, the widest
+#: gap between levels for the non-linear iq4_nl / iq4_xs (kvalues) and mxfp4 (e2m1)
+CODE_STEPS: dict[str, float] = {
+    "q4_0": 1 / 8, "q4_1": 1 / 8, "q5_0": 1 / 16, "q5_1": 1 / 16, "q8_0": 1 / 64, "q2_K": 1 / 2, "q3_K": 1 / 4,
+    "q4_K": 1 / 8, "q5_K": 1 / 16, "q6_K": 1 / 32, "q8_K": 1 / 64, "iq4_nl": 1 / 4, "iq4_xs": 1 / 4, "mxfp4": 1 / 3,
+}
+#: matrix products' bounds by weight format, where wider than the op's: 256 * Q8_1_NMSE for the K-quants with
+#: a min, whose random blocks have sub-blocks of one sign, so that the rows' products share b's sums over
+#: sub-blocks and the NMSE, a ratio of few terms, has a long tail (docs/conformance.md derives both)
+WEIGHT_BOUNDS: dict[str, float] = {q: 256 * Q8_1_NMSE for q in ("q2_K", "q4_K", "q5_K")}
+#: block formats whose sources are random valid blocks (`Inputs.blocks`): those past the legacy five, which
+#: keep values quantized from uniform ones
+SAMPLED = tuple(q for q in BLOCK_FORMATS if q not in QUANTS)
 #: the source layouts of `Inputs.uniform`
 LAYOUTS = ("contig", "perm", "T", "strided")
 #: edge values the sweep mixes into inputs (docs/ops.md, "Edge values")
@@ -29,21 +48,28 @@ SUBNORMALS = (2.0**-149, -(2.0**-149), 1e-40, -1e-40, 1.1e-38, -1.1e-38)
 EDGES = NON_FINITE + ZEROS + SUBNORMALS
 
 
-def bound(op: str, out: str | DType = "f32", n: int = 1, src: str | DType = "f32") -> float:
-    """The NMSE bound of `op` writing `out`; `n` values quantized from `src` for block formats.
+def bound(op: str, out: str | DType = "f32", n: int = 1, src: str | DType = "f32", weight: str = "") -> float:
+    """The NMSE bound of `op` writing `out`; `n` values quantized from `src` for block formats; `weight`
+    the dtype of a matrix product's weight, whose format may widen it (`WEIGHT_BOUNDS`).
 
     Quantized results: ggml's estimate of one code off by one in n values
-    uniform in [-1, 1] (test_cpy), since a last-place tie may round either way.
+    uniform in [-1, 1] (test_cpy), since a last-place tie may round either way;
+    a block format copied to itself is bit-exact, held to the op's bound.
     """
-    base = OP_BOUNDS.get(op, 1e-7)
+    base = max(OP_BOUNDS.get(op, 1e-7), WEIGHT_BOUNDS.get(weight, 0.0))
     dt = as_dtype(out)
-    if dt.is_quant:
-        step = {"q4_0": 1 / 8, "q4_1": 1 / 8, "q5_0": 1 / 16, "q5_1": 1 / 16, "q8_0": 1 / 64}[dt.name]
+    if dt.is_quant and as_dtype(src) != dt:
+        step = CODE_STEPS[dt.name]
         err = step * step * (16 if as_dtype(src).name == "f16" else 1)
         return max(base, err / (0.25 * max(n, 1)))
     if dt.name in ("f16", "bf16"):
         return max(base, HALF_BOUND)
     return base
+
+
+def block(dt: str, blocks: int = 1) -> int:
+    """The values of `blocks` blocks of block format `dt` (32 or 256 each): a row length it takes."""
+    return as_dtype(dt).block_size * blocks
 
 
 def dims(shape: Sequence[int]) -> str:
@@ -71,8 +97,29 @@ class Inputs:
         of order); T: the last two axes swapped (rows not contiguous); strided: a
         window on rows padded by a block at each end, at a byte offset.
         """
+        return self._laid_out(shape, dtype, layout, lambda s: self.rng.uniform(lo, hi, s))
+
+    def blocks(self, shape: Sequence[int], dtype: str, layout: str = "contig") -> Tensor:
+        """A block-format tensor of random valid blocks (`quants.samples.random_blocks`: every code and
+        sub-scale drawn, block scales of one octave), fed as raw bytes; layouts as `uniform`'s."""
+        dt = as_dtype(dtype)
+
+        def draw(s: tuple[int, ...]) -> np.ndarray:
+            raw = random_blocks(self.rng, dt.name, math.prod(s) // dt.block_size)
+            return raw.reshape(*s[:-1], dt.row_bytes(s[-1]))
+
+        return self._laid_out(shape, dtype, layout, draw)
+
+    def source(self, shape: Sequence[int], dtype: str = "f32", layout: str = "contig", lo: float = -1.0,
+               hi: float = 1.0) -> Tensor:
+        """A float or block-format source: uniform in [lo, hi) for floats and the legacy formats (quantized
+        from those values), random valid blocks (`blocks`) for the formats after them."""
+        return self.blocks(shape, dtype, layout) if dtype in SAMPLED else self.uniform(shape, dtype, lo, hi, layout)
+
+    def _laid_out(self, shape: Sequence[int], dtype: str, layout: str,
+                  draw: Callable[[tuple[int, ...]], np.ndarray]) -> Tensor:
+        """A leaf fed `draw(its shape)`, viewed as `shape` in `layout` (see `uniform`)."""
         shape, dt = tuple(shape), as_dtype(dtype)
-        draw = lambda s: self.rng.uniform(lo, hi, s)  # noqa: E731
         if layout == "contig":
             return self._leaf(shape, dt.name, draw(shape))
         if layout == "perm" and len(shape) >= 3:
@@ -141,8 +188,14 @@ class Inputs:
         return self._leaf(shape, dtype, values)
 
     def weight(self, shape: Sequence[int], dtype: str, lo: float = -1.0, hi: float = 1.0) -> Tensor:
-        """A param (weights fixed at build time), for plugins that prepare weights when binding."""
-        return param(f"w{len(self.feeds)}", self.rng.uniform(lo, hi, tuple(shape)), dtype)
+        """A param (weights fixed at build time), for plugins that prepare weights when binding; random
+        valid blocks for the formats `source` draws so."""
+        shape, dt = tuple(shape), as_dtype(dtype)
+        name = f"w{len(self.feeds)}"
+        if dt.name in SAMPLED:
+            raw = random_blocks(self.rng, dt.name, math.prod(shape) // dt.block_size)
+            return param(name, raw, dt.name, shape=shape)
+        return param(name, self.rng.uniform(lo, hi, shape), dtype)
 
 
 Make = Callable[[Inputs], "Tensor | Sequence[Tensor]"]

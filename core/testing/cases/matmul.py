@@ -8,9 +8,9 @@ from typing import Iterator
 import numpy as np
 
 from ... import ops
-from ...ops.base import FLOATS, QUANTS
+from ...ops.base import BLOCK_FORMATS, FLOATS, QUANTS
 from ...tensor import Tensor
-from .base import Case, Inputs, bound, dims, pick
+from .base import SAMPLED, Case, Inputs, block, bound, dims, pick
 from .registry import fused, generator
 
 
@@ -20,13 +20,15 @@ def mul_mat_case(ta: str, m: int, n: int, k: int, bs: tuple[int, int] = (1, 1), 
     b_shape = (bs[0] * nr[0], bs[1] * nr[1], n, k)
 
     def make(inp: Inputs) -> Tensor:
-        a = inp.weight(a_shape, ta) if weights else inp.uniform(a_shape, ta)
+        a = inp.weight(a_shape, ta) if weights else inp.source(a_shape, ta)
         return ops.mul_mat(a, inp.uniform(b_shape, tb, layout=layout))
 
     label = f"a={ta} b={tb} m={m} n={n} k={k} bs={dims(bs)} nr={dims(nr)}"
     label += f" b:{layout}" if layout != "contig" else ""
     batch = b_shape[0] * b_shape[1]
-    return Case("mul_mat", label + (" param" if weights else ""), make, bound("mul_mat"), 2 * m * n * k * batch)
+    return Case("mul_mat", label + (" param" if weights else ""), make, bound("mul_mat", weight=ta),
+                2 * m * n * k * batch)
+
 
 
 @generator("mul_mat")
@@ -37,6 +39,13 @@ def _mul_mat(op: str, full: bool) -> Iterator[Case]:
         yield mul_mat_case("bf16", 7, 16, 64, bs=(1, 2), layout="perm")
         yield mul_mat_case("q4_0", 16, 1, 64, weights=True)
         yield mul_mat_case("q8_0", 11, 8, 96)
+        # one or two a group of the other formats: K-quants, iq4_nl / iq4_xs, mxfp4, the grid I-quants
+        yield mul_mat_case("q4_K", 13, 1, 256)
+        yield mul_mat_case("q6_K", 13, 9, 512, weights=True)
+        yield mul_mat_case("iq4_nl", 13, 3, 96)
+        yield mul_mat_case("mxfp4", 13, 16, 64)
+        yield mul_mat_case("iq2_xxs", 13, 1, 256)
+        yield mul_mat_case("iq3_s", 7, 8, 512)
         return
     for ta in FLOATS + QUANTS:
         for k in ((32, 96, 576) if ta in QUANTS else (65, 80, 588)):
@@ -51,6 +60,13 @@ def _mul_mat(op: str, full: bool) -> Iterator[Case]:
         yield mul_mat_case(ta, 16, n, 80, tb=tb)
     for ta in ("f16", "q4_0", "q5_1"):
         yield mul_mat_case(ta, 16, 4, 64, weights=True)
+    for ta in SAMPLED:  # odd M; 1 and 3 blocks a row; the mat-vecs (N <= 8), then mmq / dequant_cublas
+        for blocks, n in itertools.product((1, 3), (*range(1, 10), 16, 64)):
+            yield mul_mat_case(ta, 13, n, block(ta, blocks))
+        for bs, nr, n in itertools.product(((1, 3), (2, 1)), ((1, 2), (2, 1)), (1, 9)):
+            yield mul_mat_case(ta, 13, n, block(ta, 2), bs, nr)
+        for n in (1, 16):
+            yield mul_mat_case(ta, 13, n, block(ta, 2), weights=True)
 
 
 @generator("mul_mat")
@@ -70,12 +86,12 @@ def _mul_mat_edges(op: str, full: bool) -> Iterator[Case]:
 
 def _mul_mat_id_case(ta: str, n_exp: int, n_used: int, n_tok: int, m: int, k: int, b_rows: int) -> Case:
     def make(inp: Inputs) -> Tensor:
-        experts = inp.uniform((n_exp, m, k), ta)
+        experts = inp.source((n_exp, m, k), ta)
         b = inp.uniform((n_tok, b_rows, k))
         return ops.mul_mat_id(experts, b, inp.ids((n_tok, n_used), n_exp))
 
     label = f"as={ta} e={n_exp} used={n_used} t={n_tok} m={m} k={k} b_rows={b_rows}"
-    return Case("mul_mat_id", label, make, bound("mul_mat_id"), 2 * m * k * n_tok * n_used)
+    return Case("mul_mat_id", label, make, bound("mul_mat_id", weight=ta), 2 * m * k * n_tok * n_used)
 
 
 @generator("mul_mat_id")
@@ -84,18 +100,24 @@ def _mul_mat_id(op: str, full: bool) -> Iterator[Case]:
         yield _mul_mat_id_case("f32", 4, 2, 5, 16, 65, 2)
         yield _mul_mat_id_case("q4_0", 8, 4, 3, 16, 64, 1)
         yield _mul_mat_id_case("f16", 8, 2, 9, 13, 80, 2)
+        yield _mul_mat_id_case("q5_K", 4, 2, 1, 13, 256, 1)
+        yield _mul_mat_id_case("iq4_xs", 8, 4, 3, 13, 512, 4)
+        yield _mul_mat_id_case("iq1_s", 4, 2, 1, 13, 256, 2)
         return
     for ta in FLOATS + QUANTS:
         k = 96 if ta in QUANTS else 80
         for (n_exp, used), n_tok in itertools.product(((4, 2), (8, 4), (32, 4)), (1, 4, 32, 129)):
             for b_rows in (1, used):
                 yield _mul_mat_id_case(ta, n_exp, used, n_tok, 16, k, b_rows)
+    for ta in SAMPLED:  # one token (the mat-vecs) and several
+        for (n_exp, used), n_tok, b_rows in itertools.product(((4, 2), (8, 4)), (1, 4, 9), (1, 2)):
+            yield _mul_mat_id_case(ta, n_exp, used, n_tok, 13, block(ta, 2), b_rows)
 
 
 def _out_prod_case(ta: str, k: int, m: int, n: int, bs: tuple[int, int] = (1, 1), nr: tuple[int, int] = (1, 1),
                    layout: str = "contig") -> Case:
     def make(inp: Inputs) -> Tensor:
-        a = inp.uniform((*bs, k, m), ta)
+        a = inp.source((*bs, k, m), ta)
         return ops.out_prod(a, inp.uniform((bs[0] * nr[0], bs[1] * nr[1], k, n), layout=layout))
 
     label = f"a={ta} k={k} m={m} n={n} bs={dims(bs)} nr={dims(nr)}" + (f" b:{layout}" if layout != "contig" else "")
@@ -110,8 +132,8 @@ def _out_prod(op: str, full: bool) -> Iterator[Case]:
         yield _out_prod_case("q8_0", 11, 64, 5)
         yield _out_prod_case("f32", 7, 13, 16, layout="T")
         return
-    for ta in FLOATS + QUANTS:
-        m = 64 if ta in QUANTS else 13
+    for ta in FLOATS + BLOCK_FORMATS:
+        m = block(ta, 2) if ta in BLOCK_FORMATS else 13
         for k, n in itertools.product((1, 7, 65), (1, 5, 16)):
             yield _out_prod_case(ta, k, m, n)
         for bs, nr in itertools.product(((1, 1), (2, 3)), ((1, 1), (2, 2))):
@@ -126,14 +148,17 @@ def _out_prod(op: str, full: bool) -> Iterator[Case]:
 def _mul_mat_add(name: str, full: bool) -> Iterator[Case]:
     def one(ta: str, m: int, n: int, k: int) -> Case:
         def make(inp: Inputs) -> Tensor:
-            return ops.add(ops.mul_mat(inp.uniform((m, k), ta), inp.uniform((n, k))), inp.uniform((m,)))
+            return ops.add(ops.mul_mat(inp.source((m, k), ta), inp.uniform((n, k))), inp.uniform((m,)))
 
-        return Case("add", f"a={ta} m={m} n={n} k={k}", make, bound("mul_mat"), 2 * m * n * k, fused=name)
+        return Case("add", f"a={ta} m={m} n={n} k={k}", make, bound("mul_mat", weight=ta), 2 * m * n * k,
+                    fused=name)
 
     yield one("f16", 16, 1, 64)
     yield one("q8_0", 13, 7, 96)
+    yield one("q2_K", 13, 1, 256)
+    yield one("iq2_s", 13, 1, 256)
     if full:
-        for ta, n in itertools.product(FLOATS + QUANTS, (1, 8, 64)):
+        for ta, n in itertools.product(FLOATS + BLOCK_FORMATS, (1, 8, 64)):
             yield one(ta, 64, n, 256)
 
 
@@ -142,14 +167,18 @@ def _mul_mat_glu(name: str, full: bool) -> Iterator[Case]:
     def one(ta: str, kind: str, m: int, n: int, k: int) -> Case:
         def make(inp: Inputs) -> Tensor:
             x = inp.uniform((n, k))
-            gate, up = (ops.mul_mat(inp.uniform((m, k), ta), x) for _ in range(2))
+            gate, up = (ops.mul_mat(inp.source((m, k), ta), x) for _ in range(2))
             return ops.glu_split(gate, up, kind)
 
-        return Case("glu", f"{kind} a={ta} m={m} n={n} k={k}", make, bound("mul_mat"), 4 * m * n * k, fused=name)
+        # twice mul_mat's: the GLU multiplies two products, each off by b's rounding (docs/conformance.md)
+        return Case("glu", f"{kind} a={ta} m={m} n={n} k={k}", make, 2 * bound("mul_mat", weight=ta),
+                    4 * m * n * k, fused=name)
 
     yield one("f16", "swiglu", 16, 1, 64)
     yield one("q4_0", "geglu", 13, 3, 96)
+    yield one("q3_K", "swiglu", 13, 1, 256)
+    yield one("iq3_xxs", "swiglu", 13, 1, 256)
     if full:
-        for ta, kind, n in itertools.product(("f32", "f16", "bf16", "q4_0", "q8_0"), ("swiglu", "geglu"), (1, 8)):
+        for ta, kind, n in itertools.product(FLOATS + BLOCK_FORMATS, ("swiglu", "geglu"), (1, 8)):
             yield one(ta, kind, 64, n, 256)
 

@@ -7,15 +7,15 @@ import math
 from typing import Iterator, Sequence
 
 from ... import ops
-from ...ops.base import FLOATS, QUANTS
+from ...ops.base import BLOCK_FORMATS, ENCODABLE, FLOATS, QUANTS
 from ...tensor import Tensor
-from .base import LAYOUTS, Case, Inputs, bound, dims
+from .base import LAYOUTS, SAMPLED, Case, Inputs, block, bound, dims
 from .registry import generator
 
 
 def get_rows_case(dt: str, shape: tuple[int, ...], n: int, layout: str = "contig") -> Case:
     def make(inp: Inputs) -> Tensor:
-        a = inp.ints(shape, -1000, 1000) if dt == "i32" else inp.uniform(shape, dt, layout=layout)
+        a = inp.ints(shape, -1000, 1000) if dt == "i32" else inp.source(shape, dt, layout)
         return ops.get_rows(a, inp.ints((*shape[:-2], n), 0, shape[-2]))
 
     return Case("get_rows", f"{dt} {dims(shape)} n={n} {layout}", make, bound("get_rows"))
@@ -28,11 +28,19 @@ def _get_rows(op: str, full: bool) -> Iterator[Case]:
         yield get_rows_case("f16", (2, 3, 10, 13), 4, "perm")
         yield get_rows_case("q4_0", (16, 64), 7)
         yield get_rows_case("i32", (10, 5), 3)
+        yield get_rows_case("q4_K", (16, 512), 5)
+        yield get_rows_case("iq2_xs", (2, 3, 10, 256), 4, "perm")
+        yield get_rows_case("mxfp4", (7, 64), 9, "strided")
         return
     for dt, shape, n in itertools.product(FLOATS + QUANTS, ((256, 64), (2, 3, 10, 96)), (1, 7, 32)):
         yield get_rows_case(dt, shape, n)
     for dt, layout in itertools.product(FLOATS + ("q8_0",), ("perm", "strided")):
         yield get_rows_case(dt, (2, 3, 10, 64), 5, layout)
+    for dt in SAMPLED:
+        for shape, n in itertools.product(((37, block(dt, 2)), (2, 3, 10, block(dt))), (1, 7, 32)):
+            yield get_rows_case(dt, shape, n)
+        for layout in ("perm", "strided"):
+            yield get_rows_case(dt, (2, 3, 10, block(dt)), 5, layout)
     yield get_rows_case("i32", (2, 3, 10, 13), 5)
 
 
@@ -56,6 +64,7 @@ def _set_rows(op: str, full: bool) -> Iterator[Case]:
         yield set_rows_case("f16", (2, 3, 10, 7), 4, "i32", (1, 3))
         yield set_rows_case("q8_0", (8, 64), 3)
         yield set_rows_case("bf16", (2, 3, 10, 7), 4, layout="perm")
+        yield set_rows_case("q4_K", (8, 256), 3)
         return
     for dt, idx_dt, (shape, idx_batch), n in itertools.product(
             FLOATS + QUANTS, ("i32", "i64"), (((256, 64), ()), ((2, 3, 16, 96), (2, 3)), ((2, 3, 16, 96), (1, 1))),
@@ -63,6 +72,8 @@ def _set_rows(op: str, full: bool) -> Iterator[Case]:
         yield set_rows_case(dt, shape, n, idx_dt, idx_batch)
     for dt, layout in itertools.product(FLOATS + ("q4_0",), ("perm", "T", "strided")):
         yield set_rows_case(dt, (2, 3, 16, 64), 5, layout=layout)
+    for dt, idx_dt, n in itertools.product((q for q in SAMPLED if q in ENCODABLE), ("i32", "i64"), (1, 7)):
+        yield set_rows_case(dt, (2, 3, 16, block(dt)), n, idx_dt, (2, 3))
 
 
 def cpy_case(src: str, dst: str, shape: tuple[int, ...], layout: str = "contig",
@@ -71,8 +82,8 @@ def cpy_case(src: str, dst: str, shape: tuple[int, ...], layout: str = "contig",
     dst_shape = dst_shape or shape
 
     def make(inp: Inputs) -> Tensor:
-        a = inp.ints(shape, -1000, 1000) if src == "i32" else inp.uniform(shape, src, lo, hi, layout)
-        return ops.cpy(a, inp.uniform(dst_shape, dst) if dst != "i32" else inp.ints(dst_shape, -5, 5))
+        a = inp.ints(shape, -1000, 1000) if src == "i32" else inp.source(shape, src, layout, lo, hi)
+        return ops.cpy(a, inp.source(dst_shape, dst) if dst != "i32" else inp.ints(dst_shape, -5, 5))
 
     label = f"{src}->{dst} {dims(shape)}{'->' + dims(dst_shape) if dst_shape != shape else ''} {layout}"
     return Case("cpy", label, make, bound("cpy", dst, math.prod(shape), src))
@@ -85,6 +96,9 @@ def _cpy(op: str, full: bool) -> Iterator[Case]:
         yield cpy_case("f16", "f32", (2, 5, 7, 13), "perm", (70, 13))
         yield cpy_case("f32", "q8_0", (4, 64))
         yield cpy_case("q4_0", "f32", (3, 64), "strided")
+        yield cpy_case("q6_K", "f32", (3, 256), "strided")
+        yield cpy_case("iq3_xxs", "f16", (2, 3, 256), "perm")
+        yield cpy_case("f32", "mxfp4", (4, 64))
         return
     plain = FLOATS + ("i32",)
     for src, dst, layout in itertools.product(plain, plain, LAYOUTS):
@@ -93,6 +107,12 @@ def _cpy(op: str, full: bool) -> Iterator[Case]:
     for q, f, layout in itertools.product(QUANTS, FLOATS, ("contig", "perm", "strided")):
         yield cpy_case(f, q, (2, 3, 5, 64), layout)
         yield cpy_case(q, f, (2, 3, 5, 64), layout)
+    for q, f, layout in itertools.product(SAMPLED, FLOATS, ("contig", "perm", "strided")):
+        if q in ENCODABLE:
+            yield cpy_case(f, q, (2, 3, 5, block(q)), layout)
+        yield cpy_case(q, f, (2, 3, 5, block(q)), layout)
+    for q in BLOCK_FORMATS:  # a block format to itself: blocks copied as they are
+        yield cpy_case(q, q, (2, 3, 5, block(q)), "perm")
     yield cpy_case("f32", "f16", (256, 4096), dst_shape=(4096, 256))
 
 
@@ -101,34 +121,37 @@ def _copy_like(op: str, full: bool,
     """dup and cont: (dtype, layout, shape, cont's new shape or None) for the default sweep."""
     def one(dt: str, layout: str, shape: tuple[int, ...], new_shape: tuple[int, ...] | None) -> Case:
         def make(inp: Inputs) -> Tensor:
-            a = inp.ints(shape, -1000, 1000) if dt == "i32" else inp.uniform(shape, dt, layout=layout)
+            a = inp.ints(shape, -1000, 1000) if dt == "i32" else inp.source(shape, dt, layout)
             return ops.cont(a, new_shape) if new_shape else getattr(ops, op)(a)
 
         label = f"{dt} {dims(shape)}{'->' + dims(new_shape) if new_shape else ''} {layout}"
-        return Case(op, label, make, bound(op, dt))
+        return Case(op, label, make, bound(op, dt, src=dt))
 
     if not full:
         for variant in variants:
             yield one(*variant)
         return
-    for dt, layout in itertools.product(FLOATS + ("i32",) + QUANTS, LAYOUTS):
-        if (dt in QUANTS and layout == "T") or (dt == "i32" and layout != "contig"):
+    for dt, layout in itertools.product(FLOATS + ("i32",) + BLOCK_FORMATS, LAYOUTS):
+        if (dt in BLOCK_FORMATS and layout == "T") or (dt == "i32" and layout != "contig"):
             continue
-        yield one(dt, layout, (2, 3, 5, 64), None)
+        k = block(dt, 2) if dt in SAMPLED else 64
+        yield one(dt, layout, (2, 3, 5, k), None)
         if op == "cont":
-            yield one(dt, layout, (2, 3, 5, 64), (6, 5 * 64))
+            yield one(dt, layout, (2, 3, 5, k), (6, 5 * k))
 
 
 @generator("dup")
 def _dup(op: str, full: bool) -> Iterator[Case]:
     return _copy_like(op, full, (("f32", "T", (3, 5, 7), None), ("f16", "perm", (2, 3, 5, 13), None),
-                                 ("q4_0", "strided", (3, 64), None), ("i32", "contig", (5, 7), None)))
+                                 ("q4_0", "strided", (3, 64), None), ("i32", "contig", (5, 7), None),
+                                 ("q5_K", "perm", (2, 3, 4, 256), None), ("iq1_m", "strided", (3, 256), None)))
 
 
 @generator("cont")
 def _cont(op: str, full: bool) -> Iterator[Case]:
     return _copy_like(op, full, (("f32", "T", (3, 5, 7), None), ("bf16", "perm", (2, 3, 5, 13), (6, 65)),
-                                 ("q8_0", "perm", (2, 3, 4, 64), (6, 256))))
+                                 ("q8_0", "perm", (2, 3, 4, 64), (6, 256)), ("iq4_xs", "strided", (3, 256), None),
+                                 ("iq2_s", "perm", (2, 3, 4, 256), (6, 1024))))
 
 
 def _set_acc_case(op: str, dt: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...], at: int,
