@@ -8,7 +8,7 @@
 //                                 warp of 32 threads for 4 blocks (lanes of blocks past n inactive)
 //   quant q8_1 IN OUT             IN n * 32 f32; OUT n * 32 i32 codes, n f32 d, n f32 d * sum
 //   quant klayout                 one line a quant_k.cuh / quant_iq.cuh format: name QK BYTES SUB M
-//   quant kdecode FORMAT IN OUT   (quant_k.cuh's and quant_iq.cuh's formats) IN n raw blocks; OUT 2 * n * QK f32: the row
+//   quant kdecode FORMAT IN OUT   (quant_k.cuh's, quant_iq.cuh's formats) IN n raw blocks; OUT 2 * n * QK f32: the row
 //                                 decoded by decode and by load_unit (value c * d + m, as convert.cu)
 //   quant kdot FORMAT IN B OUT    IN n raw blocks; B n * QK i32 q8_1 codes, then n * QK / 32 f32 pairs
 //                                 (d, d * sum); OUT n * QK / 32 f32: dot32 of each 32 values

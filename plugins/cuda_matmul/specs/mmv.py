@@ -288,7 +288,8 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
         q = quant.args
         per_block = QROWS // (2 if epi == EPI_GLU else 1)
         grid = (math.ceil(m / per_block) if n else 0, b2, b3)
-        return [quant, KernelSpec(MMV_CU, mmvq_name(a.dtype.name, nt_for(max(n, 1), quant_nts(a.dtype.name)), epi), grid, q_threads(k),
+        nt = nt_for(max(n, 1), quant_nts(a.dtype.name))
+        return [quant, KernelSpec(MMV_CU, mmvq_name(a.dtype.name, nt, epi), grid, q_threads(k),
                                   MmvqArgs(**rows, bq=q.bq, bds=q.bds, nbp=q.nbp, **sizes, **tail))]
     vec = (k % 4 == 0 and _b_vec(b, pb) and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0))
     nt = nt_for(max(n, 1)) if vec and tb == "f32" else 8
