@@ -14,7 +14,7 @@ from opdispatch import ops
 from opdispatch.backends.cuda.args import IndexCheck
 from opdispatch.dtypes import from_float, to_host_float
 from opdispatch.graph import Graph
-from opdispatch.quants.samples import HALVES
+from opdispatch.quants.samples import HALVES, IQ1M_SCALES
 from opdispatch.reference import REFERENCE
 from opdispatch.tensor import VIEW_OPS, Flag, Tensor
 from opdispatch.testing.metrics import nmse
@@ -128,27 +128,38 @@ def with_index_check_params(source: str) -> str:
     return source.replace("OD_INDEX_CHECK_PARAMS", body)
 
 
-#: block (values, bytes) of quant_k.cuh's formats, as ggml
+#: block (values, bytes) of the sub-scaled formats, as ggml: quant_k.cuh's, then quant_iq.cuh's grid I-quants
 SUBSCALED_SIZES = {"q2_K": (256, 84), "q3_K": (256, 110), "q4_K": (256, 144), "q5_K": (256, 176), "q6_K": (256, 210),
-                   "iq4_nl": (32, 18), "iq4_xs": (256, 136), "mxfp4": (32, 17)}
-#: byte offsets of the f16 fields (d, dmin) of each quant_k.cuh format's block (ggml-common.h); mxfp4 has
-#: none (its scale is an e8m0 byte)
+                   "iq4_nl": (32, 18), "iq4_xs": (256, 136), "mxfp4": (32, 17),
+                   "iq2_xxs": (256, 66), "iq2_xs": (256, 74), "iq2_s": (256, 82), "iq3_xxs": (256, 98),
+                   "iq3_s": (256, 110), "iq1_s": (256, 50), "iq1_m": (256, 56)}
+#: byte offsets of the f16 fields (d, dmin) of each sub-scaled format's block (ggml-common.h); mxfp4 has
+#: none (its scale is an e8m0 byte), iq1_m's d is the top nibbles of its 4 scale words (IQ1M_SCALES)
 SUBSCALED_HALVES = {q: HALVES.get(q, ()) for q in SUBSCALED_SIZES}
+
+
+def _halves(rng: np.random.Generator, n: int, scale: float) -> np.ndarray:
+    """n f16 bit patterns: any finite half (zeros and subnormals among them) when scale is 1, else
+    uniform(-1, 1) * scale."""
+    if scale == 1.0:
+        bits = rng.integers(0, 1 << 16, n, dtype=np.uint32).astype(np.uint16)
+        return np.where((bits & 0x7C00) == 0x7C00, bits & 0x83FF, bits)  # inf/NaN exponent -> subnormal
+    return (rng.uniform(-1, 1, n) * scale).astype(np.float16).view(np.uint16)
 
 
 def subscaled_blocks(rng: np.random.Generator, name: str, nblocks: int, e_range: tuple[int, int] = (0, 256),
                   scale: float = 1.0) -> np.ndarray:
-    """nblocks random valid blocks (nblocks, block bytes) of quant_k.cuh's format `name` (the K-quants, iq4_nl,
-    iq4_xs, mxfp4): any code and sub-scale bytes, f16 d and dmin finite (zeros and subnormals among them;
-    magnitudes about `scale` when it is not 1, else any finite half), mxfp4's exponent bytes from e_range."""
+    """nblocks random valid blocks (nblocks, block bytes) of sub-scaled format `name` (the K-quants, iq4_nl,
+    iq4_xs, mxfp4, the grid I-quants): any code and sub-scale bytes, f16 d and dmin finite (zeros and
+    subnormals among them; magnitudes about `scale` when it is not 1, else any finite half), mxfp4's
+    exponent bytes from e_range."""
     raw = rng.integers(0, 256, (nblocks, SUBSCALED_SIZES[name][1]), dtype=np.uint8)
     for at in SUBSCALED_HALVES[name]:
-        if scale == 1.0:
-            bits = rng.integers(0, 1 << 16, nblocks, dtype=np.uint32).astype(np.uint16)
-            bits = np.where((bits & 0x7C00) == 0x7C00, bits & 0x83FF, bits)  # inf/NaN exponent -> subnormal
-        else:
-            bits = (rng.uniform(-1, 1, nblocks) * scale).astype(np.float16).view(np.uint16)
-        raw[:, at:at + 2] = bits.astype("<u2").view(np.uint8).reshape(nblocks, 2)
+        raw[:, at:at + 2] = _halves(rng, nblocks, scale).astype("<u2").view(np.uint8).reshape(nblocks, 2)
+    if name == "iq1_m":
+        d = _halves(rng, nblocks, scale).astype(np.uint32)
+        for k in range(4):  # nibble k of d on top of scale word k
+            raw[:, IQ1M_SCALES + 2 * k + 1] = (raw[:, IQ1M_SCALES + 2 * k + 1] & 0x0F) | (((d >> (4 * k)) & 0xF) << 4)
     if name == "mxfp4":
         raw[:, 0] = rng.integers(*e_range, nblocks)
     return raw

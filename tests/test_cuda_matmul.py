@@ -1416,8 +1416,8 @@ def subscaled_feeds(y: Tensor | list, rng: np.random.Generator, n_experts: int =
 @pytest.mark.parametrize("n", [1, 8, 9, 64, 128, 129])
 def test_subscaled_mul_mat_path(dt: str, n: int) -> None:
     """Every batch runs on the GPU: rows of whole chunks take the streamed mat-vec up to 8 columns and mmq
-    up to support.MMQ_MAX_N; the others mmvq (dot32 from global memory) and dequant_cublas, whose step
-    says why mmq declined."""
+    up to support.MMQ_MAX_N (the grid I-quants: dequant_cublas); the others mmvq (dot32 from global memory)
+    and dequant_cublas, whose step says why mmq declined."""
     rv, qk = stream.stream_geo(dt).row_values, DTYPES[dt].block_size
     partial = ((rv + qk, "mmvq"),) if rv > qk else ()  # q4_K, q5_K: chunks of one block, every K streams
     for k, small in ((rv, "mmvq_stream"), (14336, "mmvq_stream"), *partial):
@@ -1429,10 +1429,13 @@ def test_subscaled_mul_mat_path(dt: str, n: int) -> None:
             assert (step.plugin, step.kernel) == ("cuda_matmul", small), (k, n)
             assert support.stream_ok(y, H200) == (True if whole else why)
         else:
-            big = "mmq" if whole and n <= support.MMQ_MAX_N else "dequant_cublas"
+            gemm = dt in mmq.MMQ_FORMATS  # the grid I-quants have no quantized GEMM
+            big = "mmq" if gemm and whole and n <= support.MMQ_MAX_N else "dequant_cublas"
             assert (step.plugin, step.kernel) == ("cuda_matmul", big), (k, n)
             over = f"N={n} > {support.MMQ_MAX_N}: dequantizing for cuBLAS is faster there"
-            assert support.mmq_ok(y, H200) == (True if big == "mmq" else over if n > support.MMQ_MAX_N else why)
+            want = f"{dt} has no quantized GEMM" if not gemm else True if big == "mmq" else \
+                over if n > support.MMQ_MAX_N else why
+            assert support.mmq_ok(y, H200) == want
 
 
 @pytest.mark.parametrize("dt", SUBSCALED)
@@ -1453,13 +1456,36 @@ def test_subscaled_mul_mat_id_glu_and_out_prod_paths(dt: str) -> None:
 def test_subscaled_instances_are_compiled() -> None:
     """Every launchable sub-scaled instance is declared (tests/test_kernels_compile.py builds them)."""
     for dt in specs.SUBSCALED_NAMES:
-        assert all(specs.mmvq_name(dt, nt, epi) in specs.MMV_NAMES for nt in specs.NTS for epi in specs.EPIS)
+        nts = specs.GRID_NTS if dt in specs.GRID_NAMES else specs.NTS
+        assert specs.quant_nts(dt) == nts and 1 in nts and 8 in nts
+        assert all(specs.mmvq_name(dt, nt, epi) in specs.MMV_NAMES for nt in nts for epi in specs.EPIS)
         assert all(specs.mmvq_id_name(dt, epi) in specs.MMV_ID_NAMES for epi in specs.EPIS)
+        assert all(specs.qgrouped_name(dt, nt, epi) in specs.MMV_ID_NAMES
+                   for nt in specs.grouped_nts(dt) for epi in specs.EPIS[:2])
         assert all(specs.dequant_name(dt, td) in specs.CONVERT_NAMES for td in ("f16", "f32"))
-        assert all(specs.stream_name(dt, "f32", nt, epi) in specs.STREAM_NAMES
-                   for nt in specs.NTS for epi in specs.EPIS)
-        assert all(specs.stream_name(dt, tb, 8, specs.EPI_NONE) in specs.STREAM_NAMES for tb in ("f16", "bf16"))
-        assert all(mmq.instance_name(dt, cfg) in mmq.NAMES for _, cfg in mmq.TABLE_K)
+        assert all(specs.stream_name(dt, "f32", nt, epi) in specs.STREAM_NAMES for nt in nts for epi in specs.EPIS)
+        b16 = [specs.stream_name(dt, tb, 8, specs.EPI_NONE) in specs.STREAM_NAMES for tb in ("f16", "bf16")]
+        assert b16 == [dt in specs.STREAM_B16] * 2
+        assert all(mmq.instance_name(dt, cfg) in mmq.NAMES for _, cfg in mmq.TABLE_K) == (dt in mmq.MMQ_FORMATS)
+
+
+@pytest.mark.parametrize("dt", specs.GRID_NAMES)
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_grid_formats_bind_their_compiled_instances(dt: str, n: int) -> None:
+    """The grid I-quants are compiled for 1 and 8 columns: the mat-vecs' specs name those (2..8 columns run the
+    8-column kernel) whether streamed (K 4096) or not (K 256); an f16 b goes to mmvq (no streamed instance)."""
+    for k, tb, path in ((4096, "f32", "mmvq_stream"), (256, "f32", "mmvq"), (4096, "f16", "mmvq")):
+        y = ops.mul_mat(od.input("w", (24, k), dt), od.input("x", (n, k), tb))
+        assert support.choose(y, H200).path == path, (k, tb)
+        if tb != "f32":
+            assert support.stream_ok(y, H200) == f"{dt} streams an f32 b only (fewer instances to compile); " \
+                "mmvq quantizes a f16 b"
+        ptr = iter(range(4096, 1 << 30, 1 << 20))
+        launches = mmv.mmv_specs(y, y, lambda t, p=ptr: next(p), lambda *a, **kw: 1 << 30, device=H200)
+        nt = 1 if n == 1 else 8
+        want = specs.stream_name(dt, "f32", nt, specs.EPI_NONE) if path == "mmvq_stream" else \
+            specs.mmvq_name(dt, nt, specs.EPI_NONE)
+        assert launches[-1].kernel == want and want in specs.KERNEL_SOURCES[launches[-1].source], (k, tb)
 
 
 @gpu
@@ -1515,7 +1541,7 @@ def test_subscaled_mmvq_stream_sweep(dt: str, n: int, rng) -> None:  # noqa: ANN
     for k, m in (*SUBSCALED_STREAM_SHAPES, (stream.stream_geo(dt).row_values, 33)):
         if k % stream.stream_geo(dt).row_values:
             continue
-        for tb in ("f32", "f16") if n in (1, 8) else ("f32",):
+        for tb in ("f32", "f16") if n in (1, 8) and dt in specs.STREAM_B16 else ("f32",):
             y = ops.mul_mat(od.input("a", (m, k), dt), od.input("b", (n, k), tb))
             plan = od.compile(y, "cuda0")
             (step,) = steps_of(plan, "mul_mat")

@@ -30,7 +30,7 @@ from opdispatch.plugins.cuda_misc import fusion
 from opdispatch.plugins.cuda_misc.specs import KERNEL_SOURCES, layout, reduce, rows, sort
 from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
-from helpers import FAKE_WORD, FakeGuard, edge_cases
+from helpers import FAKE_WORD, FakeGuard, edge_cases, subscaled_blocks
 
 #: a GPU whose blocks get 48 KiB of shared memory, opted in or not: sort chunks of 4096 keys
 DEV = Device("cuda0", "cuda", props={"cc": (9, 0), "sm_count": 132, "smem_per_block": 49152,
@@ -844,6 +844,31 @@ def test_get_rows_every_dtype(dt: str, layout: str, rng, seed) -> None:
     for got, ref in both(outs, feeds):
         for i, (gg, rr) in enumerate(zip(got, ref)):
             assert_exact(gg, rr, seed, f"get_rows {dt} {layout} {i}")
+
+
+@gpu
+@pytest.mark.parametrize("dt", rows.DECODE_ONLY)
+def test_decoded_formats_rows_and_copies(dt: str, rng, seed) -> None:
+    """The formats cuda_misc decodes but does not encode (quant_k.cuh's, quant_iq.cuh's grid I-quants), on random
+    valid blocks: get_rows, the dequantizing copies to each float type (contiguous and permuted) and the
+    same-type copies equal the CPU reference (dtypes.dequantize) bit for bit."""
+    r = rng
+    qk = DTYPES[dt].block_size
+    w = od.input("w", (3, 4, 2 * qk), dt)
+    outs = [ops.get_rows(w, od.input("ids", (3, 5), "i32")), ops.dup(w),
+            ops.cpy(w, od.state("yc", w.shape, "f32")),
+            *(ops.cpy(w.permute(1, 0, 2), od.state(f"y{f}", (4, 3, 2 * qk), f)) for f in FLOATS)]
+    if DTYPES[dt].block_bytes % 2 == 0:  # mxfp4's odd blocks move between contiguous tensors only
+        outs.append(ops.cont(w.permute(1, 0, 2)))
+    ids = outs[0].srcs[1]
+
+    def feeds() -> dict:
+        return {w: subscaled_blocks(r, dt, w.size // qk, e_range=(100, 150)).reshape(3, 4, -1),
+                ids: r.integers(0, 4, ids.shape).astype(np.int32)}
+
+    for got, ref in both(outs, feeds):
+        for i, (gg, rr) in enumerate(zip(got, ref)):
+            assert_exact(gg, rr, seed, f"{dt} {outs[i].op} {i}")
 
 
 @gpu

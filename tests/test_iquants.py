@@ -195,13 +195,12 @@ def test_quantize_shapes_and_zeros(name, rng):
 
 @pytest.mark.parametrize("name", list(D_AT) + ["mxfp4"])
 def test_cuda_copies_and_concat(name):
-    """concat and the copies take any dtype and reach cuda_misc: it copies the formats its device traits
-    decode (quant_k.cuh: iq4_nl, iq4_xs, mxfp4), declines the grid I-quants, and concats none of them."""
+    """concat and the copies take any dtype and reach cuda_misc: it copies every format its device traits
+    decode (quant_k.cuh: iq4_nl, iq4_xs, mxfp4; quant_iq.cuh: the grid I-quants), in any layout but mxfp4's
+    odd-sized blocks, and concats none of them."""
     bs = D.dtype(name).block_size
     a, b = od.input("a", (2, bs), name), od.input("b", (3, bs), name)
     assert support.concat_ok(None, ops.concat(a, b, 0)) == "concat moves the 32-value block formats only"
-    copied = support.copy_ok(None, ops.cont(a))
-    if name in ("iq4_nl", "iq4_xs", "mxfp4"):
-        assert copied is True
-    else:
-        assert copied == "no kernel moves this block format"
+    assert support.copy_ok(None, ops.cont(a)) is True
+    permuted = support.copy_ok(None, ops.cont(od.input("c", (3, 2, bs), name).permute(1, 0, 2)))
+    assert permuted is True if name != "mxfp4" else "copied between contiguous tensors only" in permuted

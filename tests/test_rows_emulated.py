@@ -2,6 +2,9 @@
 the host emulation of CUDA (tests/cuda_emu/shim.h, as test_mmvq_stream_emulated runs mmvq_stream), on
 the launch specs the plugin binds, with an error word in the emulated memory.
 
+The grid I-quants (quant_iq.cuh) run the decoding kernels too: get_rows, the dequantizing copies and the
+same-type strided copy, bit-exact with opdispatch.dtypes.dequantize on random valid blocks.
+
 A row id outside its range is never dereferenced: get_rows gives that output row NaN (0 for i32 rows),
 set_rows leaves the destination row as it was; the error word then holds the first bad id's tag + 1,
 its position in the index tensor (flat, row-major) and its value; good ids leave the word zero. The
@@ -24,11 +27,12 @@ import opdispatch as od
 from opdispatch import ops
 from opdispatch.backends.cuda.args import UNCHECKED, Guard
 from opdispatch.backends.cuda.kernels import KernelSpec
-from opdispatch.dtypes import from_float
+from opdispatch.dtypes import dequantize, from_float
 from opdispatch.graph import Graph
 from opdispatch.plugins.cuda_misc.specs import rows
 from opdispatch.tensor import Flag, Tensor
 from cuda_emu.hostcode import EMU, Arena, gxx_major, write_headers
+from helpers import subscaled_blocks
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
 
@@ -60,7 +64,48 @@ CASES = {
 
 #: each kernel's argument record (its parameter count)
 RECORDS = {"get_rows": rows.GetRowsArgs, "get_rows_q": rows.GetRowsQArgs, "set_rows": rows.SetRowsArgs,
-           "set_rows_q": rows.SetRowsQArgs}
+           "set_rows_q": rows.SetRowsQArgs, "dequantize": rows.StridedCopyArgs,
+           "convert_strided": rows.StridedCopyArgs}
+#: SMs the copies' grid-stride grids are sized for (few blocks: the emulation runs them one by one)
+EMU_SMS = 1
+
+
+def _grid_nodes(dt: str) -> dict[str, Tensor]:
+    """The decoding launches of grid format dt: get_rows from a batch of tables, the dequantizing copies
+    (contiguous to f32, permuted to f16: both instances) and a permuted same-type copy (Block<N> units)."""
+    table = od.input("table", (2, 6, 512), dt)
+    w = od.input("w", (3, 2, 256), dt)
+    return {"get_rows": ops.get_rows(table, od.input("ids", (2, 4), "i32")),
+            "to f32": ops.cpy(w, od.state("y32", (3, 2, 256), "f32")),
+            "to f16 permuted": ops.cpy(w.permute(1, 0, 2), od.state("y16", (2, 3, 256), "f16")),
+            "cont permuted": ops.cont(w.permute(1, 0, 2))}
+
+
+def _grid_spec(node: Tensor, arena: Arena) -> KernelSpec:
+    if node.op == "get_rows":
+        (spec,) = rows.get_rows_specs(node, arena.ptr, arena.guard)
+    else:
+        (spec,) = rows.copy_specs(node.srcs[0], node, arena.ptr, EMU_SMS)
+    return spec
+
+
+def _grid_arena(node: Tensor, rng: np.random.Generator) -> tuple[Arena, dict[Tensor, np.ndarray]]:
+    """An arena holding node's leaves (grid blocks random and valid, ids in range), its result poisoned."""
+    graph = Graph.build(node)
+    arena = Arena(sum(t.base.nbytes + 256 for t in (*graph.leafs, *graph.nodes)))
+    feeds = {}
+    for leaf in graph.leafs:
+        if leaf.dtype.is_quant:
+            raw = subscaled_blocks(rng, leaf.dtype.name, leaf.size // leaf.dtype.block_size)
+            feeds[leaf] = raw.reshape(*leaf.shape[:-1], -1)
+        elif leaf.dtype.is_int:
+            feeds[leaf] = rng.integers(0, node.srcs[0].shape[-2], leaf.shape).astype(np.int32)
+        else:  # a copy's destination state: overwritten
+            feeds[leaf] = np.zeros(leaf.shape, np.float32)
+        arena.place(leaf, feeds[leaf] if leaf.dtype.is_quant or leaf.dtype.is_int else from_float(
+            leaf.dtype.name, feeds[leaf]))
+    arena.place(node, None)
+    return arena, feeds
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +120,9 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (build / "kernel.cu").write_text(src)
     (build / "main.cpp").write_text((EMU / "kernel_main.cpp").read_text())
     lines = []
-    for k in sorted({kernel for _, _, kernel in CASES.values()}):
+    grid_kernels = {_grid_spec(n, _grid_arena(n, np.random.default_rng(0))[0]).kernel
+                    for dt in rows.GRID for n in _grid_nodes(dt).values()}
+    for k in sorted({kernel for _, _, kernel in CASES.values()} | grid_kernels):
         args = ", ".join(f"a[{i}]" for i in range(len(RECORDS[k.split("<")[0]].names())))
         lines.append(f'    {{"{k}", [](const Arg* a) {{ {k}({args}); }}}},\n')
     (build / "instances.inc").write_text("".join(lines))
@@ -209,3 +256,35 @@ def test_good_row_ids_leave_the_word_clear(case: str, guard: str, emulator: Path
     got, arena, _, _ = _emulate(node, feeds, guard, emulator, tmp_path)
     assert arena.word() == [0, 0, 0, 0]
     np.testing.assert_array_equal(_row_bytes(node, got), _row_bytes(node, _reference(node, feeds)))
+
+
+@pytest.mark.parametrize("dt", rows.GRID)
+def test_grid_formats_decode_as_dtypes(dt: str, emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+    """get_rows and the dequantizing copies of a grid I-quant give dtypes.dequantize's values bit for bit (f16:
+    those rounded by the CPU reference); the permuted same-type copy moves its blocks as they are."""
+    for what, node in _grid_nodes(dt).items():
+        arena, feeds = _grid_arena(node, rng)
+        spec = _grid_spec(node, arena)
+        mem_file = tmp_path / "mem.bin"
+        arena.mem.tofile(mem_file)
+        grid = tuple(spec.grid) if isinstance(spec.grid, tuple) else (spec.grid,)
+        cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, (grid + (1, 1))[:3]), str(spec.block),
+               *(str(a.item()) for a in spec.arg_values)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        got = arena.bytes_of(node, np.fromfile(mem_file, np.uint8))
+        assert arena.word(np.fromfile(mem_file, np.uint8)) == [0, 0, 0, 0], f"{dt} {what}: the error word"
+        src = node.srcs[0]
+        raw = feeds[src.base]
+        if node.op == "get_rows":
+            ids = feeds[node.srcs[1]]
+            values = dequantize(dt, raw)
+            want = np.stack([values[b][ids[b]] for b in range(2)]).view(np.uint8).reshape(-1)
+        elif node.dtype.is_quant:  # the same blocks, moved as the view reads them
+            want = np.ascontiguousarray(raw.reshape(3, 2, -1).transpose(1, 0, 2)).reshape(-1)
+        else:
+            (ref,) = od.compile(node, "cpu").run({t: v for t, v in feeds.items() if t.flags & Flag.INPUT})
+            values = dequantize(dt, raw)
+            assert node.dtype.name == "f16" or np.array_equal(ref.view(np.uint32), values.view(np.uint32))
+            want = np.ascontiguousarray(ref).view(np.uint8).reshape(-1)
+        assert np.array_equal(got, want), f"{dt} {what} ({spec.kernel}): {np.sum(got != want)} bytes differ"

@@ -19,7 +19,7 @@ from opdispatch.ops.base import pad4
 from opdispatch.support import GRID_YZ_MAX, Rule, first_failure, fits_int, rows_apart, whole_elements
 from opdispatch.tensor import Tensor
 
-from .specs import MMF_TYPES, mmq
+from .specs import MMF_TYPES, STREAM_B16, mmq
 from .specs.stream import STREAMED, device_facts, stream_geo, stream_warps
 
 #: most columns (batch N) the mat-vec kernels take; larger batches go to mmf (float weights) or cuBLAS
@@ -131,6 +131,8 @@ def stream_ok(node: Tensor, device: Device | None = None) -> bool | str:
     dt, k = a.dtype.name, a.shape[-1]
     if dt not in STREAMED:
         return f"{dt} has no streamed mat-vec"
+    if dt not in STREAM_B16 and _b(node).dtype.name != "f32":
+        return f"{dt} streams an f32 b only (fewer instances to compile); mmvq quantizes a {_b(node).dtype.name} b"
     g = stream_geo(dt)
     chunked = _whole_chunks(a, g.row_values, g.chunk, device, "cp.async")
     if chunked is not True:

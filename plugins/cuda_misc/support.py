@@ -149,7 +149,8 @@ def _raw_unit(n: Tensor) -> bool:
 
 copy_ok = table(
     (_moved, "no kernel moves this block format"),
-    (_not_encoding, "no kernel quantizes to the K-quants, iq4_nl, iq4_xs or mxfp4 (they are decoded and copied)"),
+    (_not_encoding, "no kernel quantizes to the K-quants, iq4_nl, iq4_xs, mxfp4 or the grid I-quants "
+                     "(they are decoded and copied)"),
     (_raw_unit, "blocks of an odd size (mxfp4) are copied between contiguous tensors only"),
     (lambda n: copy_kind(n.srcs[0].dtype, n.dtype) is not None, "no kernel converts this pair of dtypes"),
     (lambda n: whole_elements(n.srcs[0]) and whole_elements(n), "strides or offsets that split an element"),

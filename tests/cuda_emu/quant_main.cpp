@@ -7,8 +7,8 @@
 //   quant encode FORMAT IN OUT    IN n * 32 f32; OUT n raw blocks by encode8, 8 lanes a block, one
 //                                 warp of 32 threads for 4 blocks (lanes of blocks past n inactive)
 //   quant q8_1 IN OUT             IN n * 32 f32; OUT n * 32 i32 codes, n f32 d, n f32 d * sum
-//   quant klayout                 one line a quant_k.cuh format: name QK BYTES SUB M
-//   quant kdecode FORMAT IN OUT   (quant_k.cuh's formats) IN n raw blocks; OUT 2 * n * QK f32: the row
+//   quant klayout                 one line a quant_k.cuh / quant_iq.cuh format: name QK BYTES SUB M
+//   quant kdecode FORMAT IN OUT   (quant_k.cuh's, quant_iq.cuh's formats) IN n raw blocks; OUT 2 * n * QK f32: the row
 //                                 decoded by decode and by load_unit (value c * d + m, as convert.cu)
 //   quant kdot FORMAT IN B OUT    IN n raw blocks; B n * QK i32 q8_1 codes, then n * QK / 32 f32 pairs
 //                                 (d, d * sum); OUT n * QK / 32 f32: dot32 of each 32 values
@@ -247,6 +247,13 @@ int main(int argc, char** argv) {
         klayout<iq4_nl>("iq4_nl");
         klayout<iq4_xs>("iq4_xs");
         klayout<mxfp4>("mxfp4");
+        klayout<iq2_xxs>("iq2_xxs");
+        klayout<iq2_xs>("iq2_xs");
+        klayout<iq2_s>("iq2_s");
+        klayout<iq3_xxs>("iq3_xxs");
+        klayout<iq3_s>("iq3_s");
+        klayout<iq1_s>("iq1_s");
+        klayout<iq1_m>("iq1_m");
         return 0;
     }
     if (cmd == "q8_1") {
@@ -263,6 +270,13 @@ int main(int argc, char** argv) {
         if (fmt == "iq4_nl") return krun<iq4_nl>(cmd, argv);
         if (fmt == "iq4_xs") return krun<iq4_xs>(cmd, argv);
         if (fmt == "mxfp4") return krun<mxfp4>(cmd, argv);
+        if (fmt == "iq2_xxs") return krun<iq2_xxs>(cmd, argv);
+        if (fmt == "iq2_xs") return krun<iq2_xs>(cmd, argv);
+        if (fmt == "iq2_s") return krun<iq2_s>(cmd, argv);
+        if (fmt == "iq3_xxs") return krun<iq3_xxs>(cmd, argv);
+        if (fmt == "iq3_s") return krun<iq3_s>(cmd, argv);
+        if (fmt == "iq1_s") return krun<iq1_s>(cmd, argv);
+        if (fmt == "iq1_m") return krun<iq1_m>(cmd, argv);
         fprintf(stderr, "unknown format %s\n", fmt.c_str());
         return 2;
     }

@@ -64,6 +64,7 @@ inline unsigned __funnelshift_rc(unsigned lo, unsigned hi, unsigned sh) {
     const unsigned long long v = ((unsigned long long)hi << 32) | lo;
     return (unsigned)(v >> sh);
 }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
     return c;

@@ -23,13 +23,15 @@
 // writes as separate C operations is spelled __fmul_rn / __fadd_rn, so that the compiler cannot
 // contract them into an FMA (one rounding instead of two); divisions are __fdiv_rn (IEEE,
 // whatever the division flags). The sub-scaled formats (K-quants, iq4_nl, iq4_xs, mxfp4) are
-// quant_k.cuh's traits, each with its own scale / code / dot32; of the accessors here they take
-// decode and load_unit (the others are the 32-value legacy formats' only). A new format is a
-// traits struct and the accessors its kernels need.
+// quant_k.cuh's traits, each with its own scale / code / dot32, and so are the grid I-quants
+// (iq2_xxs .. iq1_m, quant_iq.cuh); of the accessors here they take decode and load_unit (the others
+// are the 32-value legacy formats' only). A new format is a traits struct and the accessors its
+// kernels need.
 #pragma once
 
 #include "common.cuh"
 #include "quant_k.cuh"
+#include "quant_iq.cuh"
 
 namespace od {
 namespace quant {

@@ -11,7 +11,7 @@
 //   scalar: unit u = value u alone (any K, any alignment).
 // Block-format rows are read in quant.cuh's units (load_unit) by the dequantizing copy
 // (convert.cu); the quantized mat-vecs read the legacy formats as whole blocks in registers
-// (decode_words) and quant_k.cuh's formats 32 values at a time (dot32).
+// (decode_words) and quant_k.cuh's and quant_iq.cuh's formats 32 values at a time (dot32).
 #pragma once
 
 #include "activations.cuh"
@@ -35,6 +35,13 @@ constexpr int W_Q6_K = 12;
 constexpr int W_IQ4_NL = 13;
 constexpr int W_IQ4_XS = 14;
 constexpr int W_MXFP4 = 15;
+constexpr int W_IQ2_XXS = 16;  // quant_iq.cuh's grid I-quants
+constexpr int W_IQ2_XS = 17;
+constexpr int W_IQ2_S = 18;
+constexpr int W_IQ3_XXS = 19;
+constexpr int W_IQ3_S = 20;
+constexpr int W_IQ1_S = 21;
+constexpr int W_IQ1_M = 22;
 
 // b (and destination) element kinds.
 constexpr int B_F32 = 0;
@@ -110,6 +117,13 @@ MM_SUBSCALED(W_Q6_K, q6_K)
 MM_SUBSCALED(W_IQ4_NL, iq4_nl)
 MM_SUBSCALED(W_IQ4_XS, iq4_xs)
 MM_SUBSCALED(W_MXFP4, mxfp4)
+MM_SUBSCALED(W_IQ2_XXS, iq2_xxs)
+MM_SUBSCALED(W_IQ2_XS, iq2_xs)
+MM_SUBSCALED(W_IQ2_S, iq2_s)
+MM_SUBSCALED(W_IQ3_XXS, iq3_xxs)
+MM_SUBSCALED(W_IQ3_S, iq3_s)
+MM_SUBSCALED(W_IQ1_S, iq1_s)
+MM_SUBSCALED(W_IQ1_M, iq1_m)
 #undef MM_SUBSCALED
 
 // Element loads of any kind as float.

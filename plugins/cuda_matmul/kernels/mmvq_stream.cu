@@ -18,12 +18,15 @@
 // Geometry (Geo and layout below; cuda_matmul/specs/stream.py's stream_geo and stream_layout mirror it):
 //   chunk   CB consecutive blocks of a row, the fewest whose bytes are a multiple of 16
 //           (Geo: q4_0, q5_0, q8_0 8 blocks = 144, 176, 272 bytes; q4_1 4 = 80; q5_1 2 = 48;
-//           q4_K 1 = 144, q5_K 1 = 176, iq4_xs 2 = 272, mxfp4 16 = 272, iq4_nl 8 = 144; q2_K 4 =
-//           336, q3_K 8 = 880, q6_K 8 = 1680): rows of whole chunks (K % (QK * CB) == 0), the
-//           weights 16-byte aligned (base, row and batch strides) are the caller's.
+//           q4_K 1 = 144, q5_K 1 = 176, iq4_xs 2 = 272, mxfp4 16 = 272, iq4_nl 8 = 144, iq1_m 2 =
+//           112; q2_K 4 = 336, q3_K 8 = 880, q6_K 8 = 1680, iq2_xxs 8 = 528, iq2_xs 8 = 592, iq2_s
+//           8 = 656, iq3_xxs 8 = 784, iq3_s 8 = 880, iq1_s 8 = 400): rows of whole chunks
+//           (K % (QK * CB) == 0), the weights 16-byte aligned (base, row and batch strides) are the
+//           caller's.
 //   piece   what one lane dots, LB blocks: the chunk when it is at most REG_CHUNK_MAX (272) bytes
-//           (REG: every legacy format, q4_K, q5_K, iq4_nl, iq4_xs, mxfp4), else one block (q2_K,
-//           q3_K, q6_K: a chunk is too many registers). A row is C = K / (QK * LB) pieces.
+//           (REG: every legacy format, q4_K, q5_K, iq4_nl, iq4_xs, mxfp4, iq1_m), else one block
+//           (q2_K, q3_K, q6_K and the other grid I-quants: a chunk is too many registers). A row is
+//           C = K / (QK * LB) pieces.
 //   lanes   G = min(32, next_pow2(C)) lanes a row, R = 32 / G rows (slots) a warp stage,
 //           S = ceil(C / G) segments a row (S > 1 only when G = 32). Lane l of a stage takes
 //           slot l / G, piece seg * G + l % G of that slot's row (idle past C).
@@ -35,8 +38,8 @@
 //           blocks are moved out of the chunk's words at compile-time offsets (decode_words) and
 //           dotted with b's codes by dp4a; quant_k.cuh's formats go 32 values (a unit) at a time
 //           through the format's dot32_in, reading the words through a Regs source (constant
-//           offsets: registers and funnel shifts). A one-block piece (lanes 84, 110, 210 bytes
-//           apart, 2-byte aligned) is read with 4-byte loads and funnel-shifted into place.
+//           offsets: registers and funnel shifts). A one-block piece (lanes BYTES apart, an even
+//           number: 2-byte aligned) is read with 4-byte loads and funnel-shifted into place.
 //   groups  a group is RO output rows: R of them (EPI_NONE/EPI_BIAS), or with EPI_GLU R / 2
 //           gate rows in slots 0 .. R/2 - 1 and the same up rows in slots R/2 .. R - 1
 //           (R >= 2: one shuffle pairs them), or, when R = 1, one row: its S gate segments

@@ -30,10 +30,14 @@ MMQ_CU = KERNELS_DIR / "mmq.cu"
 CONVERT_CU = KERNELS_DIR / "convert.cu"
 MMF_CU = KERNELS_DIR / "mmf.cu"
 
-#: quant_k.cuh's formats (K-quants, iq4_nl, iq4_xs, mxfp4) that opdispatch.dtypes knows: the mat-vecs
-#: (mmvq_stream too) dot them 32 values at a time (dot32), the dequantizing copy decodes them
-SUBSCALED_NAMES = tuple(q for q in ("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl", "iq4_xs", "mxfp4")
-                        if q in DTYPES)
+#: quant_iq.cuh's grid I-quants: compiled for fewer column counts than the other formats (GRID_NTS), to
+#: keep the instances down (the batch-1 mat-vec is what they are for; 2..8 columns run the 8-column kernel)
+GRID_NAMES = tuple(q for q in ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m") if q in DTYPES)
+#: quant_k.cuh's formats (K-quants, iq4_nl, iq4_xs, mxfp4) that opdispatch.dtypes knows, then the grid
+#: I-quants: the mat-vecs (mmvq_stream too) dot them 32 values at a time (dot32), the dequantizing copy
+#: decodes them
+SUBSCALED_NAMES = (*(q for q in ("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl", "iq4_xs", "mxfp4") if q in DTYPES),
+                   *GRID_NAMES)
 #: mm_common.cuh's weight kinds and b/destination kinds
 W_KIND = {"f32": "W_F32", "f16": "W_F16", "bf16": "W_BF16", "q4_0": "W_Q4_0", "q4_1": "W_Q4_1",
           "q5_0": "W_Q5_0", "q5_1": "W_Q5_1", "q8_0": "W_Q8_0",
@@ -49,6 +53,8 @@ BLOCK = 128  # mmv_common.cuh's mm::BLOCK
 ROWS = 2  # rows of a a mat-vec block computes (the kernels' R)
 NTS = (1, 2, 4, 8)  # column counts the mat-vec kernels are compiled for
 GROUPED_NTS = (1, 4, 8)  # ... and the grouped MoE kernels
+GRID_NTS = (1, 8)  # ... for the grid I-quants (mmvq, mmvq_stream with b f32)
+GRID_GROUPED_NTS = (8,)  # ... and their grouped MoE kernel
 ROUTE_BLOCK = 1024  # mmv_id.cu's ROUTE_BLOCK
 CONVERT_BLOCK = 256  # convert.cu's CONVERT_BLOCK
 # mmv_common.cuh's block-format mat-vec: weight rows (streams) a block, warps a block at most,
@@ -70,6 +76,16 @@ class StreamConfig:
 
 #: the configuration binds use, and the stage count the instances are compiled for
 STREAM = StreamConfig()
+
+
+def quant_nts(wt: str) -> tuple[int, ...]:
+    """The column counts the block-format mat-vecs (mmvq, mmvq_stream with b f32) are compiled for."""
+    return GRID_NTS if wt in GRID_NAMES else NTS
+
+
+def grouped_nts(wt: str) -> tuple[int, ...]:
+    """The column counts mmvq_id_grouped is compiled for."""
+    return GRID_GROUPED_NTS if wt in GRID_NAMES else GROUPED_NTS
 
 
 def mmv_name(wt: str, tb: str, nt: int, vec: bool, epi: str) -> str:
@@ -127,25 +143,26 @@ MMV_NAMES: tuple[str, ...] = (
     *(mmv_name(wt, "f32", 8, False, epi) for epi in EPIS for wt in FLOAT_NAMES),
     *(mmv_name(wt, tb, 8, vec, EPI_NONE) for wt in FLOAT_NAMES for tb in ("f16", "bf16") for vec in (False, True)),
     *(quantize_name(tb) for tb in FLOAT_NAMES),
-    *(mmvq_name(wt, nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
+    *(mmvq_name(wt, nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in quant_nts(wt)),
 )
 MMV_ID_NAMES: tuple[str, ...] = (
     *(mmv_id_name(wt, "f32", vec, epi) for wt in FLOAT_NAMES for vec in (False, True) for epi in EPIS),
     *(mmvq_id_name(wt, epi) for wt in QUANT_NAMES for epi in EPIS),
     *(grouped_name(wt, "f32", nt, True, epi) for wt in FLOAT_NAMES for nt in GROUPED_NTS for epi in EPIS[:2]),
     *(grouped_name(wt, "f32", 8, False, epi) for wt in FLOAT_NAMES for epi in EPIS[:2]),
-    *(qgrouped_name(wt, nt, epi) for wt in QUANT_NAMES for nt in GROUPED_NTS for epi in EPIS[:2]),
+    *(qgrouped_name(wt, nt, epi) for wt in QUANT_NAMES for nt in grouped_nts(wt) for epi in EPIS[:2]),
     ROUTE_NAME,
 )
 CONVERT_NAMES: tuple[str, ...] = (
     *(convert_name(ts, td) for ts in FLOAT_NAMES for td in FLOAT_NAMES),
     *(dequant_name(wt, td) for wt in QUANT_NAMES for td in ("f16", "f32")),
 )
-#: mmvq_stream, every block format: b f32 for every column count and epilogue; b f16/bf16 (unfused mul_mat
-#: only) for 8 columns
+#: mmvq_stream, every block format: b f32 for every column count (quant_nts) and epilogue; b f16/bf16
+#: (unfused mul_mat only) for 8 columns, but for the grid I-quants (mmvq takes those: STREAM_B16)
+STREAM_B16 = tuple(q for q in QUANT_NAMES if q not in GRID_NAMES)
 STREAM_NAMES: tuple[str, ...] = (
-    *(stream_name(wt, "f32", nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in NTS),
-    *(stream_name(wt, tb, 8, EPI_NONE) for tb in ("f16", "bf16") for wt in QUANT_NAMES),
+    *(stream_name(wt, "f32", nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in quant_nts(wt)),
+    *(stream_name(wt, tb, 8, EPI_NONE) for tb in ("f16", "bf16") for wt in STREAM_B16),
 )
 #: mmf: f16/bf16 weights, b f32, one or two 8-column tiles, every epilogue
 MMF_TYPES = ("f16", "bf16")

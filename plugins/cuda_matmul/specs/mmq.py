@@ -20,7 +20,7 @@ from opdispatch.tensor import Tensor
 
 from opdispatch.dtypes import DTYPES
 
-from . import LEGACY_NAMES, MMQ_CU, SUBSCALED_NAMES, Ptr, Scratch, geometry, mmq_name
+from . import GRID_NAMES, LEGACY_NAMES, MMQ_CU, SUBSCALED_NAMES, Ptr, Scratch, geometry, mmq_name
 from . import mmv  # a module import: mmv imports support, which imports this module
 from .stream import STREAMED, device_facts
 
@@ -107,7 +107,7 @@ CANDIDATES: dict[int, tuple[MmqConfig, ...]] = {
 #: the formats the sweep times by default (the compile test builds every candidate for them)
 SWEEP_FORMATS = ("q4_0", "q8_0")
 #: the legacy formats and quant_k.cuh's (those opdispatch.dtypes knows)
-MMQ_FORMATS = (*LEGACY_NAMES, *SUBSCALED_NAMES)
+MMQ_FORMATS = (*LEGACY_NAMES, *(q for q in SUBSCALED_NAMES if q not in GRID_NAMES))
 
 
 def table(dt: str) -> tuple[tuple[int, MmqConfig], ...]:

@@ -20,9 +20,9 @@ from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
 
 from .. import fusion, support
-from . import (BLOCK, EPI_BIAS, EPI_GLU, EPI_NONE, GROUPED_NTS, MMV_CU, MMV_ID_CU, QROWS, QUANT_BLOCK, QWARPS_MAX,
-               ROUTE_BLOCK, ROUTE_NAME, ROWS, Ptr, Scratch, StreamConfig, addr, elem_stride, geometry, grouped_name,
-               mmv_id_name, mmv_name, mmvq_id_name, mmvq_name, nt_for, qgrouped_name, quantize_name)
+from . import (BLOCK, EPI_BIAS, EPI_GLU, EPI_NONE, MMV_CU, MMV_ID_CU, QROWS, QUANT_BLOCK, QWARPS_MAX, ROUTE_BLOCK,
+               ROUTE_NAME, ROWS, Ptr, Scratch, StreamConfig, addr, elem_stride, geometry, grouped_name, grouped_nts,
+               mmv_id_name, mmv_name, mmvq_id_name, mmvq_name, nt_for, qgrouped_name, quant_nts, quantize_name)
 from .stream import StreamArgs, stream_addresses, stream_spec
 
 
@@ -288,7 +288,8 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
         q = quant.args
         per_block = QROWS // (2 if epi == EPI_GLU else 1)
         grid = (math.ceil(m / per_block) if n else 0, b2, b3)
-        return [quant, KernelSpec(MMV_CU, mmvq_name(a.dtype.name, nt_for(max(n, 1)), epi), grid, q_threads(k),
+        nt = nt_for(max(n, 1), quant_nts(a.dtype.name))
+        return [quant, KernelSpec(MMV_CU, mmvq_name(a.dtype.name, nt, epi), grid, q_threads(k),
                                   MmvqArgs(**rows, bq=q.bq, bds=q.bds, nbp=q.nbp, **sizes, **tail))]
     vec = (k % 4 == 0 and _b_vec(b, pb) and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0))
     nt = nt_for(max(n, 1)) if vec and tb == "f32" else 8
@@ -370,7 +371,7 @@ def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard: 
                                   route=route, out=ptr(out), M=m, err_=guard(node, ids, e, experts_of(as_), NAN_ROW)),
                         smem=2 * 4 * e)]
     quant = as_.dtype.is_quant
-    nt = nt_for(min(support.MMV_MAX_N, max(1, math.ceil(pairs / min(e, pairs)))), GROUPED_NTS)
+    nt = nt_for(min(support.MMV_MAX_N, max(1, math.ceil(pairs / min(e, pairs)))), grouped_nts(as_.dtype.name))
     nt = nt if vec or quant else 8
     epi = EPI_BIAS if bias is not None else EPI_NONE
     experts = dict(as_=ptr(as_), a_row=as_.strides[1], a_e=as_.strides[0], E=e, route=route)

@@ -17,15 +17,17 @@ from opdispatch.dtypes import DTYPES
 from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
 
-from . import EPI_GLU, MMVQ_STREAM_CU, STREAM, Ptr, StreamConfig, geometry, nt_for, stream_name
+from . import EPI_GLU, MMVQ_STREAM_CU, STREAM, Ptr, StreamConfig, geometry, nt_for, quant_nts, stream_name
 
 #: (block bytes, blocks a chunk) of each legacy format mmvq_stream takes: a chunk is the fewest
 #: consecutive blocks whose bytes are a multiple of 16 (mmvq_stream.cu's Geo); mmq's rows are whole chunks too
 STREAM_FORMATS = {"q4_0": (18, 8), "q4_1": (20, 4), "q5_0": (22, 8), "q5_1": (24, 2), "q8_0": (34, 8)}
-#: the same for quant_k.cuh's formats (those opdispatch.dtypes knows)
+#: the same for quant_k.cuh's and quant_iq.cuh's formats (those opdispatch.dtypes knows)
 STREAM_K_FORMATS = {q: g for q, g in {"q2_K": (84, 4), "q3_K": (110, 8), "q4_K": (144, 1), "q5_K": (176, 1),
                                       "q6_K": (210, 8), "iq4_nl": (18, 8), "iq4_xs": (136, 2),
-                                      "mxfp4": (17, 16)}.items() if q in DTYPES}
+                                      "mxfp4": (17, 16), "iq2_xxs": (66, 8), "iq2_xs": (74, 8),
+                                      "iq2_s": (82, 8), "iq3_xxs": (98, 8), "iq3_s": (110, 8), "iq1_s": (50, 8),
+                                      "iq1_m": (56, 2)}.items() if q in DTYPES}
 #: every format mmvq_stream takes
 STREAMED = {**STREAM_FORMATS, **STREAM_K_FORMATS}
 #: most chunk bytes a lane holds in registers (mmvq_stream.cu's REG_CHUNK_MAX); a larger chunk's
@@ -192,5 +194,5 @@ def stream_spec(node: Tensor, args: StreamArgs, epi: str, device: Device | None,
     layout = stream_layout(dt, k, epi == EPI_GLU)
     per_sm = stream_blocks_per_sm(smem, device, cfg)
     grid = (stream_grid(layout, m, b2 * b3, warps, per_sm, device_facts(device).sm_count) if n else 0, b2, b3)
-    nt = nt_for(max(n, 1)) if tb == "f32" else 8
+    nt = nt_for(max(n, 1), quant_nts(dt)) if tb == "f32" else 8
     return KernelSpec(MMVQ_STREAM_CU, stream_name(dt, tb, nt, epi, cfg.stages), grid, 32 * warps, args, smem=smem)

@@ -36,9 +36,10 @@ QUANT_BLOCKS_PER_SM = 4
 
 #: the C++ type a kernel reads each plain dtype's values as
 VALUE = {"f32": "float", "f16": "od::f16", "bf16": "od::bf16", "i32": "int"}
-#: block formats rows.cu decodes but does not encode: quant_k.cuh's (K-quants, iq4_nl, iq4_xs, mxfp4),
-#: those opdispatch.dtypes knows
-SUBSCALED = ("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl", "iq4_xs", "mxfp4")
+#: block formats rows.cu decodes but does not encode: quant_k.cuh's (K-quants, iq4_nl, iq4_xs, mxfp4) and
+#: quant_iq.cuh's (the grid I-quants), those opdispatch.dtypes knows
+GRID = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+SUBSCALED = ("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl", "iq4_xs", "mxfp4", *GRID)
 DECODE_ONLY = tuple(q for q in SUBSCALED if q in DTYPES)
 #: block formats rows.cu encodes too (quant.cuh's encode8): the legacy 32-value ones the ops take
 ENCODED = tuple(q for q in QUANTS if q not in SUBSCALED)

@@ -1,0 +1,329 @@
+// ggml's grid I-quants on the device (included by quant.cuh after quant_k.cuh, whose interface they
+// share): iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq1_s, iq1_m, 256 values a super-block. Each
+// group of 8 values (iq3: 4) is an index into one of ggml's grids (iq_grids.cuh, read from global
+// memory: data-dependent, as ggml's kernels read them) plus sign bits (iq2/iq3) or a shared
+// +-1/8 shift (iq1). The traits are quant_k.cuh's: scale(blk, s, d, m), code(blk, j), dot32 and
+// dot32_in (see its header comment), with no mins (M = -1), so that value j = d * code:
+//
+//   iq2 / iq3   d = ggml's db (d * (0.5 + ls) * 0.25, iq3_xxs * 0.5, iq3_s d * (1 + 2 s)), each
+//               product rounded in ggml's order; code = the grid entry times its sign (a sign is
+//               a multiply by +-1 in ggml: exact, so db * (grid * sign) is its (db * grid) * sign)
+//   iq1         ggml's value is dl * (grid + delta), grid in {-1, 0, 1}, delta +-1/8: here
+//               d = dl / 8 (exact: dl is an f16 times an odd integer below 16, far from float's
+//               subnormals) and code = 8 * grid + 8 * delta, an odd integer, so d * code is the
+//               same real number rounded once: bit-exact with opdispatch.dtypes.dequantize
+//
+// Block layouts (bytes; d an IEEE half, little-endian; "group" = 8 values):
+//   iq2_xxs 66: d, then 8 bytes a 32 values: 4 group indices (iq2xxs_grid), a u32 of 4 x 7 sign
+//               bits (group l at bit 7l) and the 4-bit scale ls in bits 28..31
+//   iq2_xs  74: d, qs u16[32] (group g: 9-bit iq2xs_grid index, 7 sign bits above), scales[8]
+//               (a nibble a 16 values, low first)
+//   iq2_s   82: d, qs[32] (index low bits of group g), signs[32] (one byte a group), qh[8] (2 index
+//               high bits a group: group 4b + l at bits 2l of qh[b]), scales[8] as iq2_xs
+//   iq3_xxs 98: d, qs[64] (an iq3xxs_grid index a 4 values), then a u32 a 32 values as iq2_xxs's
+//   iq3_s  110: d, qs[64] (index low bits a 4 values), qh[8] (bit k of qh[b]: index 8b + k's
+//               9th bit), signs[32] (a byte a group), scales[4] (a nibble a 32 values: 1 + 2 s)
+//   iq1_s   50: d, qs[32] (index low bits a group), qh u16[8] a 32 values: 3 index high bits a
+//               group (bit 3l), scale s (bits 12..14: dl = d * (2 s + 1)), delta's sign (bit 15)
+//   iq1_m   56: qs[32], qh[16] (a nibble a group, low first: 3 index high bits, delta's sign
+//               bit 3), scales u16[4] (3-bit s a 16 values, 4 a word at bits 3k; d is the f16
+//               made of the words' top nibbles, word 0's lowest)
+// The sign bits of a group are 7 (iq2_xxs, iq2_xs, iq3_xxs: the 8th is their parity, ggml's
+// ksigns_iq2xs, computed here) or 8 (iq2_s, iq3_s). The dot products follow ggml's
+// vec_dot_iq*_q8_1: integer dp4a sums per scale, then floats; where ggml's CUDA code rounds the
+// scale's fraction away in integers ((ls * sum + sum / 2) / 4) the sums are scaled by the odd
+// integer 2 ls + 1 instead and the power of two goes to the float scale (exact, as ggml's CPU dot).
+#pragma once
+
+#include "iq_grids.cuh"
+
+namespace od {
+namespace quant {
+
+// What the grid formats share: no legacy fields, 256 values, no mins.
+template <int BYTES_, int SUB_>
+struct GridScaled : SubScaled<256, BYTES_, SUB_, -1> {};
+
+// Bit i of x's low 4 bits as byte i: 0x00 or 0x01 (each bit k of x lands on bit 8k only).
+__device__ __forceinline__ unsigned bit_bytes(unsigned x) { return ((x & 15u) * 0x00204081u) & 0x01010101u; }
+
+// ggml's ksigns_iq2xs: 7 sign bits and their parity as the 8th (an even count of minus signs).
+__device__ __forceinline__ unsigned signs8(unsigned s7) { return s7 | ((__popc(s7) & 1u) << 7); }
+
+// The int8 bytes of g negated where bit i of s (4 bits) is set. (g ^ 0xff) + 1 = -g in a byte carries
+// into the next only for g = 0, which no grid of ggml holds (tests/test_iq_grids.py checks).
+__device__ __forceinline__ unsigned signed4(unsigned g, unsigned s) {
+    const unsigned one = bit_bytes(s);
+    return (g ^ (one * 0xffu)) + one;
+}
+
+// Values 8l .. 8l+7 of a 32-value unit, the group's 8 int8 grid bytes g (low word: values 0..3) under
+// its 8 sign bits s, dotted with b's codes b[2l], b[2l+1].
+__device__ __forceinline__ int dot_group(unsigned long long g, unsigned s, const int (&b)[8], int l, int acc) {
+    acc = dot4(signed4(static_cast<unsigned>(g), s), b[2 * l], acc);
+    return dot4(signed4(static_cast<unsigned>(g >> 32), s >> 4), b[2 * l + 1], acc);
+}
+
+// Byte k (0..7) of a grid entry, as the signed value it is.
+__device__ __forceinline__ int grid_byte(unsigned long long g, int k) {
+    return static_cast<signed char>((g >> (8 * k)) & 0xffu);
+}
+
+// A grid value under sign bit k of s.
+__device__ __forceinline__ int sign_of(int v, unsigned s, int k) { return ((s >> k) & 1u) ? -v : v; }
+
+// iq2 scales: d * (0.5 + ls) * 0.25 (iq3_xxs: * 0.5), ggml's three roundings.
+__device__ __forceinline__ float half_ls(float d, unsigned ls, float quarter) {
+    return __fmul_rn(__fmul_rn(d, __fadd_rn(0.5f, static_cast<float>(ls))), quarter);
+}
+
+// -- iq2 -----------------------------------------------------------------------------------------
+
+struct iq2_xxs : GridScaled<66, 32> {
+    static constexpr int D = 0, QS = 2;
+    static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
+        d = half_ls(half_at(blk + D), ld32_2(blk + QS + 8 * s + 4) >> 28, 0.25f);
+        m = 0.0f;
+    }
+    static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
+        const unsigned char* u = blk + QS + 8 * (j >> 5);
+        const int l = (j >> 3) & 3;
+        const unsigned s = signs8((ld32_2(u + 4) >> (7 * l)) & 127u);
+        return sign_of(grid_byte(iq2xxs_grid[u[l]], j & 7), s, j & 7);
+    }
+    template <class S>
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+        const unsigned q = src.u32(QS + 8 * u), aux = src.u32(QS + 8 * u + 4);
+        int sum = 0;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            sum = dot_group(iq2xxs_grid[(q >> (8 * l)) & 0xffu], signs8((aux >> (7 * l)) & 127u), b, l, sum);
+        }
+        const int ls = static_cast<int>(aux >> 28);
+        return ds.x * (half_in(src, D) * 0.125f) * static_cast<float>((2 * ls + 1) * sum);
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        return dot32_in(Mem<false>{blk}, u, b, ds);
+    }
+};
+
+// iq2_xs and iq2_s: a nibble scale a 16 values (scales[8] at byte SC); their dot products sum each half apart.
+template <int BYTES_, int SC_>
+struct Iq2Halves : GridScaled<BYTES_, 16> {
+    static constexpr int D = 0, QS = 2, SC = SC_;
+    static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
+        d = half_ls(half_at(blk + D), (blk[SC + (s >> 1)] >> (4 * (s & 1))) & 15u, 0.25f);
+        m = 0.0f;
+    }
+    // d / 8 * ((2 ls0 + 1) * lo + (2 ls1 + 1) * hi), the unit's two halves' sums lo, hi
+    template <class S>
+    static __device__ __forceinline__ float finish(const S& src, int u, int lo, int hi, float2 ds) {
+        const unsigned sc = src.u8(SC + u);
+        const int ls0 = static_cast<int>(sc & 15u), ls1 = static_cast<int>(sc >> 4);
+        return ds.x * (half_in(src, D) * 0.125f) * static_cast<float>((2 * ls0 + 1) * lo + (2 * ls1 + 1) * hi);
+    }
+};
+
+struct iq2_xs : Iq2Halves<74, 66> {
+    static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
+        const unsigned q = ld16(blk + QS + 2 * (j >> 3));
+        return sign_of(grid_byte(iq2xs_grid[q & 511u], j & 7), signs8(q >> 9), j & 7);
+    }
+    template <class S>
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+        int sum[2] = {0, 0};
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const unsigned q = src.u16(QS + 8 * u + 2 * l);
+            sum[l >> 1] = dot_group(iq2xs_grid[q & 511u], signs8(q >> 9), b, l, sum[l >> 1]);
+        }
+        return finish(src, u, sum[0], sum[1], ds);
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        return dot32_in(Mem<false>{blk}, u, b, ds);
+    }
+};
+
+struct iq2_s : Iq2Halves<82, 74> {
+    static constexpr int SG = 34, QH = 66;
+    static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
+        const int g = j >> 3;
+        const unsigned idx = blk[QS + g] | (((blk[QH + (g >> 2)] >> (2 * (g & 3))) & 3u) << 8);
+        return sign_of(grid_byte(iq2s_grid[idx], j & 7), blk[SG + g], j & 7);
+    }
+    template <class S>
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+        const unsigned qs = src.u32(QS + 4 * u), sg = src.u32(SG + 4 * u), qh = src.u8(QH + u);
+        int sum[2] = {0, 0};
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const unsigned idx = ((qs >> (8 * l)) & 0xffu) | (((qh >> (2 * l)) & 3u) << 8);
+            sum[l >> 1] = dot_group(iq2s_grid[idx], (sg >> (8 * l)) & 0xffu, b, l, sum[l >> 1]);
+        }
+        return finish(src, u, sum[0], sum[1], ds);
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        return dot32_in(Mem<false>{blk}, u, b, ds);
+    }
+};
+
+// -- iq3: an index a 4 values ------------------------------------------------------------------
+
+// Values 8l .. 8l+7 from two iq3 grid entries (4 bytes each) under 8 sign bits s.
+__device__ __forceinline__ int dot_group3(unsigned g0, unsigned g1, unsigned s, const int (&b)[8], int l, int acc) {
+    return dot_group(g0 | (static_cast<unsigned long long>(g1) << 32), s, b, l, acc);
+}
+
+struct iq3_xxs : GridScaled<98, 32> {
+    static constexpr int D = 0, QS = 2, SS = 66;
+    static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
+        d = half_ls(half_at(blk + D), ld32_2(blk + SS + 4 * s) >> 28, 0.5f);
+        m = 0.0f;
+    }
+    static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
+        const unsigned s = signs8((ld32_2(blk + SS + 4 * (j >> 5)) >> (7 * ((j >> 3) & 3))) & 127u);
+        return sign_of(grid_byte(iq3xxs_grid[blk[QS + (j >> 2)]], j & 3), s, j & 7);
+    }
+    template <class S>
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+        const unsigned q[2] = {src.u32(QS + 8 * u), src.u32(QS + 8 * u + 4)};
+        const unsigned aux = src.u32(SS + 4 * u);
+        int sum = 0;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const unsigned w = q[l >> 1] >> (16 * (l & 1));
+            sum = dot_group3(iq3xxs_grid[w & 0xffu], iq3xxs_grid[(w >> 8) & 0xffu],
+                             signs8((aux >> (7 * l)) & 127u), b, l, sum);
+        }
+        const int ls = static_cast<int>(aux >> 28);
+        return ds.x * (half_in(src, D) * 0.25f) * static_cast<float>((2 * ls + 1) * sum);
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        return dot32_in(Mem<false>{blk}, u, b, ds);
+    }
+};
+
+struct iq3_s : GridScaled<110, 32> {
+    static constexpr int D = 0, QS = 2, QH = 66, SG = 74, SC = 106;
+    template <class S>
+    static __device__ __forceinline__ int ls(const S& src, int s) {
+        return static_cast<int>((src.u8(SC + (s >> 1)) >> (4 * (s & 1))) & 15u);
+    }
+    static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
+        d = __fmul_rn(half_at(blk + D), static_cast<float>(1 + 2 * ls(Mem<false>{blk}, s)));
+        m = 0.0f;
+    }
+    static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
+        const int k = j >> 2;  // the index, 0..63
+        const unsigned idx = blk[QS + k] | (((blk[QH + (k >> 3)] >> (k & 7)) & 1u) << 8);
+        return sign_of(grid_byte(iq3s_grid[idx], j & 3), blk[SG + (j >> 3)], j & 7);
+    }
+    template <class S>
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+        const unsigned q[2] = {src.u32(QS + 8 * u), src.u32(QS + 8 * u + 4)};
+        const unsigned qh = src.u8(QH + u), sg = src.u32(SG + 4 * u);
+        int sum = 0;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const unsigned w = q[l >> 1] >> (16 * (l & 1));
+            const unsigned i0 = (w & 0xffu) | (((qh >> (2 * l)) & 1u) << 8);
+            const unsigned i1 = ((w >> 8) & 0xffu) | (((qh >> (2 * l + 1)) & 1u) << 8);
+            sum = dot_group3(iq3s_grid[i0], iq3s_grid[i1], (sg >> (8 * l)) & 0xffu, b, l, sum);
+        }
+        return ds.x * half_in(src, D) * static_cast<float>((1 + 2 * ls(src, u)) * sum);
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        return dot32_in(Mem<false>{blk}, u, b, ds);
+    }
+};
+
+// -- iq1: grid values -1, 0, 1 plus a delta of +-1/8 ----------------------------------------------
+
+// An iq1s_grid entry (int8 bytes) dotted with b's codes b[2l], b[2l+1].
+__device__ __forceinline__ int dot_iq1(unsigned long long g, const int (&b)[8], int l, int acc) {
+    acc = dot4(static_cast<unsigned>(g), b[2 * l], acc);
+    return dot4(static_cast<unsigned>(g >> 32), b[2 * l + 1], acc);
+}
+
+// 8 * (grid byte k) + (delta negative ? -1 : 1): 8 * (grid + delta).
+__device__ __forceinline__ int iq1_code(unsigned long long g, int k, bool minus) {
+    return 8 * grid_byte(g, k) + (minus ? -1 : 1);
+}
+
+struct iq1_s : GridScaled<50, 32> {
+    static constexpr int D = 0, QS = 2, QH = 34;
+    static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
+        const unsigned h = ld16(blk + QH + 2 * s);
+        d = __fmul_rn(__fmul_rn(half_at(blk + D), static_cast<float>(2 * ((h >> 12) & 7u) + 1)), 0.125f);
+        m = 0.0f;
+    }
+    static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
+        const unsigned h = ld16(blk + QH + 2 * (j >> 5));
+        const int l = (j >> 3) & 3;
+        const unsigned idx = blk[QS + (j >> 3)] | (((h >> (3 * l)) & 7u) << 8);
+        return iq1_code(iq1s_grid[idx], j & 7, (h & 0x8000u) != 0);
+    }
+    // ggml's: dl * (db * sum(grid * b) + delta * db * sum(b)), db * sum(b) being q8_1's ds.y
+    template <class S>
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+        const unsigned qs = src.u32(QS + 4 * u), h = src.u16(QH + 2 * u);
+        int sum = 0;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            sum = dot_iq1(iq1s_grid[((qs >> (8 * l)) & 0xffu) | (((h >> (3 * l)) & 7u) << 8)], b, l, sum);
+        }
+        const float dl = half_in(src, D) * static_cast<float>(2 * ((h >> 12) & 7u) + 1);
+        const float delta = (h & 0x8000u) ? -0.125f : 0.125f;
+        return dl * (ds.x * static_cast<float>(sum) + ds.y * delta);
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        return dot32_in(Mem<false>{blk}, u, b, ds);
+    }
+};
+
+struct iq1_m : GridScaled<56, 16> {
+    static constexpr int QS = 0, QH = 32, SC = 48;
+    // d: the f16 of the 4 scale words' top nibbles
+    template <class S>
+    static __device__ __forceinline__ float dd(const S& src) {
+        const unsigned lo = src.u32(SC), hi = src.u32(SC + 4);
+        const unsigned h = ((lo >> 12) & 0xfu) | ((lo >> 24) & 0xf0u) | ((hi >> 4) & 0xf00u) | ((hi >> 16) & 0xf000u);
+        return f16_to_f32(static_cast<unsigned short>(h));
+    }
+    // the 3-bit scale of values 16s .. 16s+15
+    template <class S>
+    static __device__ __forceinline__ int sc3(const S& src, int s) {
+        return static_cast<int>((src.u16(SC + 2 * (s >> 2)) >> (3 * (s & 3))) & 7u);
+    }
+    static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
+        const Mem<false> src{blk};
+        d = __fmul_rn(__fmul_rn(dd(src), static_cast<float>(2 * sc3(src, s) + 1)), 0.125f);
+        m = 0.0f;
+    }
+    static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
+        const int t = j >> 3;  // the group
+        const unsigned nib = (blk[QH + (t >> 1)] >> (4 * (t & 1))) & 15u;
+        return iq1_code(iq1s_grid[blk[QS + t] | ((nib & 7u) << 8)], j & 7, (nib & 8u) != 0);
+    }
+    // ggml's: per half, sum(grid * b) + delta * sum(b) group by group, here 8 times that in integers
+    template <class S>
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+        const unsigned qs = src.u32(QS + 4 * u), qh = src.u16(QH + 2 * u);
+        int sum[2] = {0, 0};
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const unsigned nib = (qh >> (4 * l)) & 15u;
+            const int dot = dot_iq1(iq1s_grid[((qs >> (8 * l)) & 0xffu) | ((nib & 7u) << 8)], b, l, 0);
+            const int sumb = dot4(0x01010101u, b[2 * l + 1], dot4(0x01010101u, b[2 * l], 0));
+            sum[l >> 1] += 8 * dot + ((nib & 8u) ? -sumb : sumb);
+        }
+        const int s0 = 2 * sc3(src, 2 * u) + 1, s1 = 2 * sc3(src, 2 * u + 1) + 1;
+        return ds.x * (dd(src) * 0.125f) * static_cast<float>(s0 * sum[0] + s1 * sum[1]);
+    }
+    static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
+        return dot32_in(Mem<false>{blk}, u, b, ds);
+    }
+};
+
+}  // namespace quant
+}  // namespace od
