@@ -29,6 +29,8 @@ import pytest
 import opdispatch as od
 from bench import cold, ready
 from opdispatch import ops
+from opdispatch.quants import FORMATS
+from opdispatch.quants.samples import random_blocks
 from opdispatch.plugins.cuda_matmul import support
 
 pytestmark = pytest.mark.gpu
@@ -66,18 +68,24 @@ QUANT_ROWS = 64
 
 def param_sets(name: str, values: np.ndarray, dt: str, sets: int) -> list[od.Tensor]:
     """`sets` params holding `values` in `dt` (converted once; a block format's rows repeat its first
-    QUANT_ROWS quantized), each its own device buffer."""
+    QUANT_ROWS quantized, or QUANT_ROWS rows of random blocks for a format without a quantizer), each its
+    own device buffer."""
     if od.dtype(dt).is_quant and values.shape[-2] > QUANT_ROWS:
-        rows = od.param(name, values[..., :QUANT_ROWS, :], dt).data.reshape(QUANT_ROWS, -1)
+        if FORMATS[dt].encode is None:  # the grid I-quants (no quantizer): random valid blocks instead
+            per_row = values.shape[-1] // od.dtype(dt).block_size
+            rows = random_blocks(np.random.default_rng(0), dt, QUANT_ROWS * per_row).reshape(QUANT_ROWS, -1)
+        else:
+            rows = od.param(name, values[..., :QUANT_ROWS, :], dt).data.reshape(QUANT_ROWS, -1)
         raw = np.resize(rows, (*values.shape[:-1], rows.shape[-1]))  # np.resize repeats the rows in order
         return [od.param(f"{name}{i}", raw, dt, shape=values.shape) for i in range(sets)]
     raw = od.param(name, values, dt)
     return [od.param(f"{name}{i}", raw.data, dt, shape=raw.shape) for i in range(sets)]
 
 
-#: every weight format with a batch-1 mat-vec: floats (mmvf), the streamed block formats (mmvq_stream), the
-#: sub-scaled ones (mmvq)
-MATVEC_TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_K", "q5_K", "q6_K", "q2_K", "q3_K", "iq4_xs", "iq4_nl", "mxfp4")
+#: every weight format with a batch-1 mat-vec: floats (mmvf), the block formats (mmvq_stream where rows are
+#: whole chunks, else mmvq)
+MATVEC_TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_K", "q5_K", "q6_K", "q2_K", "q3_K", "iq4_xs", "iq4_nl", "mxfp4",
+                "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
 
 
 @pytest.mark.parametrize("shape", [(4096, 4096), (14336, 4096)], ids=["4096x4096", "14336x4096"])
@@ -146,7 +154,7 @@ def test_moe_8_of_128(measure_cold, torch_cuda, dt: str) -> None:  # noqa: ANN00
 
 
 @pytest.mark.parametrize("n", [16, 512])
-@pytest.mark.parametrize("dt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("dt", ["q4_0", "q8_0", "q4_K"])
 def test_mmq(measure, measure_cold, torch_cuda, dt: str, n: int) -> None:  # noqa: ANN001
     torch = torch_cuda
     M, K = 4096, 14336
@@ -163,6 +171,8 @@ def test_mmq(measure, measure_cold, torch_cuda, dt: str, n: int) -> None:  # noq
         measure_cold(plan, lay, nbytes, lambda i: torch.matmul(tx, tw[lay.of(i)].T))
     else:
         va = rand(M, K)
-        plan = ready(ops.mul_mat(od.param("a", va, dt), x), {x: vx}, MATMUL, ops=MATMUL_OPS, kernel="mmq")
+        y = ops.mul_mat(od.param("a", va, dt), x)
+        # the path the table gives (above support.MMQ_MAX_N columns dequant_cublas), against torch bf16
+        plan = ready(y, {x: vx}, MATMUL, ops=MATMUL_OPS, kernel=support.choose(y).path)
         ta = torch.from_numpy(va).to("cuda", torch.bfloat16)
         measure(plan, od.input("a", (M, K), dt).nbytes, lambda: torch.matmul(tx, ta.T), flops=2 * M * n * K)
