@@ -1438,6 +1438,31 @@ def test_subscaled_mul_mat_path(dt: str, n: int) -> None:
             assert support.mmq_ok(y, H200) == want
 
 
+def test_weights_no_kernel_reads_are_declined_by_name() -> None:
+    """q8_K is a block format (ggml's activation format) that no kernel reads as weights: every matrix product
+    of it goes to the reference, the reason given, instead of a plugin that accepts it and has no kernel."""
+    why = "no kernel reads the weights' block format (q8_K is ggml's activation format, not a weight's)"
+    for y in (ops.mul_mat(od.input("w", (16, 256), "q8_K"), od.input("x", (n, 256))) for n in (1, 16)):
+        assert support.choose(y, H200).reason == why
+        assert {s.device.kind for s in od.compile(y, H200).steps if s.kind == "kernel"} == {"cpu"}
+    y = ops.mul_mat_id(od.input("w", (4, 16, 256), "q8_K"), od.input("x", (1, 1, 256)), od.input("i", (1, 2), "i32"))
+    assert support.choose(y, H200).reason == why
+
+
+@pytest.mark.parametrize("dt", ["q4_0", "q4_K", "iq4_xs"])
+def test_mul_mat_id_with_fewer_b_rows_than_slots_is_not_streamed(dt: str) -> None:
+    """Slot u reads b row u % Ub (ggml's broadcast of b's rows over the used experts): the streamed kernel reads
+    row u, so with 1 < Ub < U the two-launch mmvq_id runs it (its quantize_q8_1 and mmvq_id pair)."""
+    k = 2048
+    for ub, streamed in ((1, True), (2, False), (4, True)):
+        y = ops.mul_mat_id(od.input("w", (8, 32, k), dt), od.input("x", (1, ub, k)), od.input("i", (1, 4), "i32"))
+        ok = support.stream_ok(y, H200)
+        assert (ok is True) == streamed, ok
+        kernels = [sp.kernel.split("<")[0] for sp in mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch, FakeGuard(),
+                                                                      device=H200)]
+        assert kernels == (["mmvq_stream"] if streamed else ["quantize_q8_1", "mmvq_id"]), (ub, kernels)
+
+
 @pytest.mark.parametrize("dt", SUBSCALED)
 def test_subscaled_mul_mat_id_glu_and_out_prod_paths(dt: str) -> None:
     k = DTYPES[dt].block_size

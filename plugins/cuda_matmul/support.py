@@ -19,7 +19,7 @@ from opdispatch.ops.base import pad4
 from opdispatch.support import GRID_YZ_MAX, Rule, first_failure, fits_int, rows_apart, whole_elements
 from opdispatch.tensor import Tensor
 
-from .specs import MMF_TYPES, STREAM_B16, mmq
+from .specs import MMF_TYPES, QUANT_NAMES, STREAM_B16, mmq
 from .specs.stream import STREAMED, device_facts, stream_geo, stream_warps
 
 #: most columns (batch N) the mat-vec kernels take; larger batches go to mmf (float weights) or cuBLAS
@@ -59,6 +59,8 @@ def _b(n: Tensor) -> Tensor:
 def out_rules() -> tuple[Rule, ...]:
     return (
         (lambda n: n.dtype.name == "f32" and n.is_contiguous(), "the result must be contiguous f32"),
+        (lambda n: not _a(n).dtype.is_quant or _a(n).dtype.name in QUANT_NAMES,
+         "no kernel reads the weights' block format (q8_K is ggml's activation format, not a weight's)"),
     )
 
 
@@ -131,6 +133,9 @@ def stream_ok(node: Tensor, device: Device | None = None) -> bool | str:
     dt, k = a.dtype.name, a.shape[-1]
     if dt not in STREAMED:
         return f"{dt} has no streamed mat-vec"
+    if node.op == "mul_mat_id" and 1 < _b(node).shape[1] < node.srcs[2].shape[1]:
+        return (f"b has {_b(node).shape[1]} rows a token for {node.srcs[2].shape[1]} slots: the streamed kernel "
+                "reads row u for slot u, mmvq_id row u % rows")
     if dt not in STREAM_B16 and _b(node).dtype.name != "f32":
         return f"{dt} streams an f32 b only (fewer instances to compile); mmvq quantizes a {_b(node).dtype.name} b"
     g = stream_geo(dt)
