@@ -1532,7 +1532,7 @@ def test_subscaled_mul_mat_sweep(dt: str, n: int, rng) -> None:  # noqa: ANN001
 
 @gpu
 @pytest.mark.parametrize("n", (9, 16, 32, 64, 128, 33, 70))
-@pytest.mark.parametrize("dt", SUBSCALED)
+@pytest.mark.parametrize("dt", [q for q in SUBSCALED if q in mmq.MMQ_FORMATS])  # the grid I-quants: dequant_cublas
 def test_subscaled_mmq(dt: str, n: int, rng) -> None:  # noqa: ANN001
     """mmq of every sub-scaled format against the reference run on b rounded to q8_1 (its only rounding):
     every specs/mmq.TABLE_K entry, odd M (partial row tiles), rows of one and of several chunks, a long K
