@@ -85,10 +85,12 @@ def _variants(fm: int, fn: int, wm: int, wn: int, stages: tuple[int, ...], kbs: 
 
 #: the sub-scaled formats' table (K tiles of 8 K steps: one 256-value super-block, or 8 iq4_nl / mxfp4
 #: blocks): TABLE's configurations for N <= 64, its 128-column one above (N > 128 only when tests lift
-#: support.MMQ_MAX_N), so that each format compiles four instances. Not yet timed on the H200: to be set
-#: from scripts/mmq_sweep.py --formats q4_K,q5_K,q6_K,...
+#: support.MMQ_MAX_N), so that each format compiles four instances. scripts/mmq_sweep.py --formats q4_K,q6_K
+#: --ns 16,64 on the H200 (4096 x 14336, docs/benchmarks.md): at 16 columns 8 splits (q4_K 47.9 us, q6_K
+#: 58.2) against 16 (50.7, 60.3), the least summed; at 64 columns this entry was the best for both (106.2 and
+#: 126.2 us). N = 32 and 128 not yet timed.
 TABLE_K: tuple[tuple[int, MmqConfig], ...] = (
-    (16, MmqConfig(fm=1, fn=2, wm=4, wn=1, stages=3, kb=8, splits=16)),
+    (16, MmqConfig(fm=1, fn=2, wm=4, wn=1, stages=3, kb=8, splits=8)),
     (32, MmqConfig(fm=1, fn=2, wm=4, wn=2, stages=4, kb=8, splits=8)),
     (64, MmqConfig(fm=1, fn=4, wm=4, wn=2, stages=3, kb=8, splits=4)),
     (2**31, MmqConfig(fm=2, fn=4, wm=4, wn=2, stages=3, kb=8, splits=2)),
