@@ -913,17 +913,24 @@ def test_mmq(dt: str, n: int, rng) -> None:  # noqa: ANN001
     K tile; q5_1 K 1088: 2 blocks), a long K; three runs of the plan (warm-up, CUDA-graph capture,
     replay), its arenas poisoned before each."""
     tail = {"q4_1": 384, "q5_1": 1088}.get(dt, 768)
-    for m, k in ((77, 256), (130, tail), (61, 14336)):
+    mmq_three_runs(dt, n, ((77, 256), (130, tail), (61, 14336)), lambda y: feeds_for(y, rng), lambda f: f)
+
+
+def mmq_three_runs(dt: str, n: int, shapes: tuple[tuple[int, int], ...], feeds_of: Callable,
+                   ref_feeds: Callable, *bound: float) -> None:
+    """mul_mat of (m, k) `dt` weights by n columns for each of `shapes` planned on mmq, run three times (warm-up,
+    CUDA-graph capture, replay), its arenas poisoned before each, against the CPU reference on ref_feeds(feeds)."""
+    for m, k in shapes:
         y = ops.mul_mat(od.input("a", (m, k), dt), od.input("b", (n, k)))
         plan = od.compile(y, "cuda0")
         (step,) = steps_of(plan, "mul_mat")
         assert step.kernel == "mmq", plan.explain()
         for run in range(3):
-            feeds = feeds_for(y, rng)
+            feeds = feeds_of(y)
             poison_arenas(plan)
             (got,) = plan.run(feeds)
-            (ref,) = od.compile(y, "cpu").run(feeds)
-            assert_close(got, ref, f"mmq a={dt} m={m} k={k} n={n}, run {run}")
+            (ref,) = od.compile(y, "cpu").run(ref_feeds(feeds))
+            assert_close(got, ref, f"mmq a={dt} m={m} k={k} n={n}, run {run}", *bound)
 
 
 @gpu
@@ -1539,17 +1546,8 @@ def test_subscaled_mmq(dt: str, n: int, rng) -> None:  # noqa: ANN001
     (split K); three runs of the plan (warm-up, CUDA-graph capture, replay), its arenas poisoned before
     each."""
     rv = stream.stream_geo(dt).row_values
-    for m, k in ((77, rv), (130, 3 * rv), (61, 14336)):
-        y = ops.mul_mat(od.input("a", (m, k), dt), od.input("b", (n, k)))
-        plan = od.compile(y, "cuda0")
-        (step,) = steps_of(plan, "mul_mat")
-        assert step.kernel == "mmq", plan.explain()
-        for run in range(3):
-            feeds = subscaled_feeds(y, rng)
-            poison_arenas(plan)
-            (got,) = plan.run(feeds)
-            (ref,) = od.compile(y, "cpu").run(q8_1_rounded(feeds, "b"))
-            assert_close(got, ref, f"mmq a={dt} m={m} k={k} n={n}, run {run}", Q8_1_NMSE)
+    mmq_three_runs(dt, n, ((77, rv), (130, 3 * rv), (61, 14336)), lambda y: subscaled_feeds(y, rng),
+                   lambda f: q8_1_rounded(f, "b"), Q8_1_NMSE)
 
 
 #: (K, M) of the streamed sub-scaled sweep: rows of one q4_K / q5_K / iq4_nl chunk, one chunk a stage of
