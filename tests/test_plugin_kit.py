@@ -166,3 +166,7 @@ def test_a_group_field_named_with_an_underscore_adds_no_prefix() -> None:
     args = _Strided(x=8, shape=Shape4(1, 2, 3, 4, 40, 30, 20, 10))
     assert _Strided.names() == ("x", "n0", "n1", "n2", "n3", "s0", "s1", "s2", "s3")
     assert [int(v) for v in args.values()] == [8, 1, 2, 3, 4, 40, 30, 20, 10]
+    # its parameters read by their C names, as the kernel's: args.n1 is args._shape.n1
+    assert (int(args.x), int(args.n1), int(args.s3)) == (8, 2, 10)
+    with pytest.raises(AttributeError, match="_Strided has no argument 'n4'"):
+        args.n4  # noqa: B018

@@ -104,6 +104,15 @@ class ArgGroup:
     def values(self) -> tuple[np.generic, ...]:
         return tuple(v for f in attrs.fields(type(self)) for v in _values(getattr(self, f.name)))
 
+    def __getattr__(self, name: str) -> Any:
+        """A parameter of a `_` group by its C name (`args.a0` for `_head: MatvecHead`), as the kernel reads it."""
+        if not name.startswith("_"):
+            for f in attrs.fields(type(self)):
+                group = getattr(self, f.name) if f.name.startswith("_") else None
+                if isinstance(group, ArgGroup) and name in attrs.fields_dict(type(group)):
+                    return getattr(group, name)
+        raise AttributeError(f"{type(self).__name__} has no argument {name!r}")
+
     @classmethod
     def names(cls, prefix: str = "") -> tuple[str, ...]:
         """The C parameter names of the fields, in order (groups inside expanded)."""

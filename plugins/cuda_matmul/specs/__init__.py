@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import attrs
+import numpy as np
 
-from opdispatch.backends.cuda.args import instance
+from opdispatch.backends.cuda.args import ArgGroup, f32, i32, i64, instance, ptr
 from opdispatch.dtypes import DTYPES
 from opdispatch.ops.base import pad4
 from opdispatch.tensor import Tensor
@@ -76,6 +77,35 @@ class StreamConfig:
 
 #: the configuration binds use, and the stage count the instances are compiled for
 STREAM = StreamConfig()
+
+
+@attrs.frozen
+class MatvecHead(ArgGroup):
+    """The parameters mmv, mmvq_stream and mmf open with, alike: the weights a0 (a1: a fused GLU's up half),
+    their row and batch strides and b's broadcast ratios r2, r3; b (element b_es, column b_col and batch
+    strides, bytes); out and the sizes; the epilogue (biases, GLU kind and its alpha / limit)."""
+
+    a0: np.uint64 = ptr()
+    a1: np.uint64 = ptr()
+    a_row: np.int64 = i64()
+    a_s2: np.int64 = i64()
+    a_s3: np.int64 = i64()
+    r2: np.int32 = i32()
+    r3: np.int32 = i32()
+    b: np.uint64 = ptr()
+    b_col: np.int64 = i64()
+    b_es: np.int64 = i64()
+    b_s2: np.int64 = i64()
+    b_s3: np.int64 = i64()
+    out: np.uint64 = ptr()
+    M: np.int32 = i32()
+    K: np.int32 = i32()
+    N: np.int32 = i32()
+    bias0: np.uint64 = ptr()
+    bias1: np.uint64 = ptr()
+    glu_kind: np.int32 = i32()
+    alpha: np.float32 = f32()
+    limit: np.float32 = f32()
 
 
 def quant_nts(wt: str) -> tuple[int, ...]:

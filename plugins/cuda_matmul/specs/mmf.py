@@ -15,13 +15,13 @@ from typing import Sequence
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, f32, i32, i64, ptr
+from opdispatch.backends.cuda.args import KernelArgs, i32, ptr
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
 
 from .. import fusion
-from . import EPI_GLU, MMF_CU, Ptr, Scratch, addr, elem_stride, geometry, mmf_name
+from . import EPI_GLU, MMF_CU, MatvecHead, Ptr, Scratch, addr, elem_stride, geometry, mmf_name
 from .mmv import _epilogue, _preload
 from .stream import device_facts
 
@@ -44,30 +44,10 @@ KS_MAX = 2048
 
 @attrs.frozen
 class MmfArgs(KernelArgs):
-    """mmf's arguments: mmv's (b f32), then the split (ks, splits), the scratch (partials, counters), preload."""
+    """mmf's arguments: the mat-vecs' head (b f32), then the split (ks, splits), the scratch (partials, counters), preload."""
 
     KERNELS = ("mmf",)
-    a0: np.uint64 = ptr()
-    a1: np.uint64 = ptr()
-    a_row: np.int64 = i64()
-    a_s2: np.int64 = i64()
-    a_s3: np.int64 = i64()
-    r2: np.int32 = i32()
-    r3: np.int32 = i32()
-    b: np.uint64 = ptr()
-    b_col: np.int64 = i64()
-    b_es: np.int64 = i64()
-    b_s2: np.int64 = i64()
-    b_s3: np.int64 = i64()
-    out: np.uint64 = ptr()
-    M: np.int32 = i32()
-    K: np.int32 = i32()
-    N: np.int32 = i32()
-    bias0: np.uint64 = ptr()
-    bias1: np.uint64 = ptr()
-    glu_kind: np.int32 = i32()
-    alpha: np.float32 = f32()
-    limit: np.float32 = f32()
+    _head: MatvecHead = attrs.field()
     ks: np.int32 = i32()
     splits: np.int32 = i32()
     part: np.uint64 = ptr()
@@ -131,9 +111,9 @@ def mmf_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
         tile = (2 if epi == EPI_GLU else 1) * 8 * n_tiles(n) * ROWS * 4
         part = scratch("mmf partials", batches * rbs * sp.splits * tile)
         counters = scratch("mmf counters", batches * rbs * 4, zeroed=True)
-    args = MmfArgs(a0=ptr(a), a1=addr(ptr, a1), a_row=sa1, a_s2=sa2, a_s3=sa3, r2=b2 // a2, r3=b3 // a3,
-                   b=ptr(b), b_col=sb1, b_es=elem_stride(b), b_s2=sb2, b_s3=sb3, out=ptr(out), M=m, K=k, N=n,
-                   **tail, ks=sp.ks, splits=sp.splits, part=part, counters=counters, preload=_preload(a, a1))
+    head = MatvecHead(a0=ptr(a), a1=addr(ptr, a1), a_row=sa1, a_s2=sa2, a_s3=sa3, r2=b2 // a2, r3=b3 // a3,
+                      b=ptr(b), b_col=sb1, b_es=elem_stride(b), b_s2=sb2, b_s3=sb3, out=ptr(out), M=m, K=k, N=n, **tail)
+    args = MmfArgs(head=head, ks=sp.ks, splits=sp.splits, part=part, counters=counters, preload=_preload(a, a1))
     return [KernelSpec(MMF_CU, mmf_name(a.dtype.name, n_tiles(n), epi), (rbs * sp.splits, b2, b3), THREADS, args,
                        smem=smem_bytes(n, sp.ks, epi == EPI_GLU))]
 

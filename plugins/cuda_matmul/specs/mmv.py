@@ -21,7 +21,7 @@ from opdispatch.tensor import Tensor
 
 from .. import fusion, support
 from . import (BLOCK, EPI_BIAS, EPI_GLU, EPI_NONE, MMV_CU, MMV_ID_CU, QROWS, QUANT_BLOCK, QWARPS_MAX, ROUTE_BLOCK,
-               ROUTE_NAME, ROWS, Ptr, Scratch, StreamConfig, addr, elem_stride, geometry, grouped_name, grouped_nts,
+               ROUTE_NAME, ROWS, MatvecHead, Ptr, Scratch, StreamConfig, addr, elem_stride, geometry, grouped_name, grouped_nts,
                mmv_id_name, mmv_name, mmvq_id_name, mmvq_name, nt_for, qgrouped_name, quant_nts, quantize_name)
 from .stream import StreamArgs, stream_addresses, stream_spec
 
@@ -45,27 +45,7 @@ class QuantizeArgs(KernelArgs):
 @attrs.frozen
 class MmvArgs(KernelArgs):
     KERNELS = ("mmv",)
-    a0: np.uint64 = ptr()
-    a1: np.uint64 = ptr()
-    a_row: np.int64 = i64()
-    a_s2: np.int64 = i64()
-    a_s3: np.int64 = i64()
-    r2: np.int32 = i32()
-    r3: np.int32 = i32()
-    b: np.uint64 = ptr()
-    b_col: np.int64 = i64()
-    b_es: np.int64 = i64()
-    b_s2: np.int64 = i64()
-    b_s3: np.int64 = i64()
-    out: np.uint64 = ptr()
-    M: np.int32 = i32()
-    K: np.int32 = i32()
-    N: np.int32 = i32()
-    bias0: np.uint64 = ptr()
-    bias1: np.uint64 = ptr()
-    glu_kind: np.int32 = i32()
-    alpha: np.float32 = f32()
-    limit: np.float32 = f32()
+    _head: MatvecHead = attrs.field()
     preload: np.int32 = i32()
 
 
@@ -278,7 +258,7 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     sizes = dict(out=ptr(out), M=m, K=k, N=n)
     if (a.dtype.is_quant and support.choose(node, device).path == "mmvq_stream"
             and stream_addresses(ptr, a, a1)):
-        args = StreamArgs(**rows, **cols, **sizes, **tail, ids=0, ids_t=0, ids_u=0, E=0, bias_e=0,
+        args = StreamArgs(head=MatvecHead(**rows, **cols, **sizes, **tail), ids=0, ids_t=0, ids_u=0, E=0, bias_e=0,
                           preload=_preload(a, a1), err_=UNCHECKED)
         spec = stream_spec(node, args, epi, device, stream)
         if spec is not None:
@@ -295,7 +275,7 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     nt = nt_for(max(n, 1)) if vec and tb == "f32" else 8
     grid = (math.ceil(m / ROWS) if n else 0, b2, b3)
     return [KernelSpec(MMV_CU, mmv_name(a.dtype.name, tb, nt, vec, epi), grid, BLOCK,
-                       MmvArgs(**rows, **cols, **sizes, **tail, preload=_preload(a, a1)))]
+                       MmvArgs(head=MatvecHead(**rows, **cols, **sizes, **tail), preload=_preload(a, a1)))]
 
 
 def _id_b(node: Tensor, ptr: Ptr) -> tuple[int, int, int, int, bool]:
@@ -324,10 +304,10 @@ def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard: G
     picks = dict(ids=ptr(ids), ids_t=ids.strides[0], ids_u=ids.strides[1])
     check = guard(node, ids, e, experts_of(as_), NAN_ROW)
     if as_.dtype.is_quant and support.stream_ok(node, device) is True and stream_addresses(ptr, as_, a1):
-        args = StreamArgs(a0=ptr(as_), a1=addr(ptr, a1), a_row=as_.strides[1], a_s2=as_.strides[0], a_s3=0, r2=1,
+        head = MatvecHead(a0=ptr(as_), a1=addr(ptr, a1), a_row=as_.strides[1], a_s2=as_.strides[0], a_s3=0, r2=1,
                           r3=1, b=pb, b_col=0, b_es=b_es, b_s2=b_u if ub > 1 else 0, b_s3=b_t, out=ptr(out), M=m,
-                          K=k, N=1, **tail, **picks, E=e, bias_e=bias_e // 4, preload=_preload(as_, a1, ids),
-                          err_=check)
+                          K=k, N=1, **tail)
+        args = StreamArgs(head=head, **picks, E=e, bias_e=bias_e // 4, preload=_preload(as_, a1, ids), err_=check)
         spec = stream_spec(node, args, epi, device, stream)
         if spec is not None:
             return [spec]

@@ -10,14 +10,14 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import IndexCheck, KernelArgs, f32, i32, i64, ptr
+from opdispatch.backends.cuda.args import IndexCheck, KernelArgs, i32, i64, ptr
 from opdispatch.backends.cuda.devices import H200, DeviceFacts, facts
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.dtypes import DTYPES
 from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
 
-from . import EPI_GLU, MMVQ_STREAM_CU, STREAM, Ptr, StreamConfig, geometry, nt_for, quant_nts, stream_name
+from . import EPI_GLU, MMVQ_STREAM_CU, STREAM, MatvecHead, Ptr, StreamConfig, geometry, nt_for, quant_nts, stream_name
 
 #: (block bytes, blocks a chunk) of each legacy format mmvq_stream takes: a chunk is the fewest
 #: consecutive blocks whose bytes are a multiple of 16 (mmvq_stream.cu's Geo); mmq's rows are whole chunks too
@@ -39,31 +39,11 @@ SMEM_PER_BLOCK_RESERVED = 1024
 
 @attrs.frozen
 class StreamArgs(KernelArgs):
-    """mmvq_stream's arguments: mmv's, then mul_mat_id's (ids 0 for a mul_mat), `preload`, the ids' check
+    """mmvq_stream's arguments: the mat-vecs' head, then mul_mat_id's (ids 0 for a mul_mat), `preload`, the ids' check
     (UNCHECKED for a mul_mat)."""
 
     KERNELS = ("mmvq_stream",)
-    a0: np.uint64 = ptr()
-    a1: np.uint64 = ptr()
-    a_row: np.int64 = i64()
-    a_s2: np.int64 = i64()
-    a_s3: np.int64 = i64()
-    r2: np.int32 = i32()
-    r3: np.int32 = i32()
-    b: np.uint64 = ptr()
-    b_col: np.int64 = i64()
-    b_es: np.int64 = i64()
-    b_s2: np.int64 = i64()
-    b_s3: np.int64 = i64()
-    out: np.uint64 = ptr()
-    M: np.int32 = i32()
-    K: np.int32 = i32()
-    N: np.int32 = i32()
-    bias0: np.uint64 = ptr()
-    bias1: np.uint64 = ptr()
-    glu_kind: np.int32 = i32()
-    alpha: np.float32 = f32()
-    limit: np.float32 = f32()
+    _head: MatvecHead = attrs.field()
     ids: np.uint64 = ptr()
     ids_t: np.int64 = i64()
     ids_u: np.int64 = i64()
