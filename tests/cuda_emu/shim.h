@@ -84,7 +84,7 @@ struct EmuBlock {
     std::vector<std::barrier<>*> warp_bar;
     std::vector<unsigned> xchg;
     unsigned char* smem;
-    std::vector<unsigned> frag;  // emu_mma_s8's exchange: 6 words a thread (drivers that use it size it)
+    std::vector<unsigned> frag;  // the mma emulations' exchange (emu_mma_post): 6 words a thread
 };
 inline thread_local EmuBlock* emu_ctx;
 
@@ -146,18 +146,24 @@ inline void emu_wait(int n) {
     emu_pending.swap(keep);
 }
 
+// The mma emulations' exchange, warp-collective: every lane posts its 6 fragment words (a0..a3, b0, b1);
+// returns the warp's 32 x 6 once all have posted. The caller gathers its matrices from them, then calls
+// __syncwarp() before the next exchange overwrites them.
+inline const unsigned* emu_mma_post(const unsigned (&mine)[6]) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    unsigned* x = emu_ctx->frag.data() + warp * 32 * 6;
+    memcpy(x + lane * 6, mine, sizeof mine);
+    __syncwarp();
+    return x;
+}
+
 // mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 with a zero accumulator, warp-collective: every lane
 // posts its fragments (PTX ISA layout, groupID g = lane / 4, t = lane % 4: a[0] A row g k 4t..4t+3,
 // a[1] row g+8 k 4t.., a[2] row g k 16+4t.., a[3] row g+8 k 16+4t..; b0 B column g k 4t.., b1 column g
 // k 16+4t..), the 16 x 32 A and 32 x 8 B are gathered from all 32, and each lane computes its own
 // results d[0..1] (row g, columns 2t, 2t+1) and d[2..3] (row g+8).
 inline void emu_mma_s8(int* d, const unsigned* a, unsigned b0, unsigned b1) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    unsigned* x = emu_ctx->frag.data() + warp * 32 * 6;
-    for (int i = 0; i < 4; ++i) x[lane * 6 + i] = a[i];
-    x[lane * 6 + 4] = b0;
-    x[lane * 6 + 5] = b1;
-    __syncwarp();
+    const unsigned* x = emu_mma_post({a[0], a[1], a[2], a[3], b0, b1});
     signed char A[16][32], B[32][8];
     for (int l = 0; l < 32; ++l) {
         const int g = l / 4, t = l % 4;
@@ -171,7 +177,7 @@ inline void emu_mma_s8(int* d, const unsigned* a, unsigned b0, unsigned b1) {
         }
     }
     __syncwarp();
-    const int g = lane / 4, t = lane % 4;
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     for (int i = 0; i < 4; ++i) {
         const int r = g + 8 * (i / 2), c = 2 * t + i % 2;
         int s = 0;
@@ -193,8 +199,6 @@ inline void emu_mma_s8_k16(int* d, unsigned a0, unsigned a1, unsigned b) {
 // a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9] (low half first); B (16 x 8,
 // k x n) words b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g]; D = A B + C (16 x 8) d0, d1 = D[g][2t, 2t+1],
 // d2, d3 = D[g+8][2t, 2t+1]. Products exact, each sum in double, rounded to float once.
-inline unsigned emu_mma16_frags[32][32][6];  // [warp][lane][a0..a3, b0, b1]
-
 inline float emu_mma16_half(unsigned w, int hi, bool bf16) {
     const unsigned short h = (unsigned short)(hi ? w >> 16 : w & 0xffffu);
     return bf16 ? __uint_as_float((unsigned)h << 16) : emu_h2f(h);
@@ -202,14 +206,11 @@ inline float emu_mma16_half(unsigned w, int hi, bool bf16) {
 
 inline void emu_mma_m16n8k16(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1,
                              bool bf16) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const unsigned mine[6] = {a0, a1, a2, a3, b0, b1};
-    memcpy(emu_mma16_frags[warp][lane], mine, sizeof mine);
-    __syncwarp();
+    const unsigned* x = emu_mma_post({a0, a1, a2, a3, b0, b1});
     float A[16][16], B[16][8];
     for (int l = 0; l < 32; ++l) {
         const int g = l / 4, t = l % 4;
-        const unsigned* f = emu_mma16_frags[warp][l];
+        const unsigned* f = x + l * 6;
         for (int e = 0; e < 2; ++e) {
             A[g][2 * t + e] = emu_mma16_half(f[0], e, bf16);
             A[g + 8][2 * t + e] = emu_mma16_half(f[1], e, bf16);
@@ -220,7 +221,7 @@ inline void emu_mma_m16n8k16(float* d, unsigned a0, unsigned a1, unsigned a2, un
         }
     }
     __syncwarp();  // every lane has read the fragments before the next call overwrites them
-    const int g = lane / 4, t = lane % 4;
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     for (int i = 0; i < 4; ++i) {
         const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
         double s = d[i];
