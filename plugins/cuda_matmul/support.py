@@ -56,7 +56,8 @@ def _b(n: Tensor) -> Tensor:
     return n.srcs[1]
 
 
-def out_rules() -> tuple[Rule, ...]:
+def common_rules() -> tuple[Rule, ...]:
+    """What every matrix product asks: an f32 contiguous result, weights of a format some kernel reads."""
     return (
         (lambda n: n.dtype.name == "f32" and n.is_contiguous(), "the result must be contiguous f32"),
         (lambda n: not _a(n).dtype.is_quant or _a(n).dtype.name in QUANT_NAMES,
@@ -66,7 +67,7 @@ def out_rules() -> tuple[Rule, ...]:
 
 #: mul_mat: a (A3, A2, M, K) any type, b (B3, B2, N, K) float, out (B3, B2, N, M) f32.
 MUL_MAT: tuple[Rule, ...] = (
-    *out_rules(),
+    *common_rules(),
     (lambda n: _a(n).rows_contiguous(), "a's rows (the K axis) must be contiguous"),
     (lambda n: whole_elements(_a(n)), "a's strides and offset must be whole elements"),
     (lambda n: whole_elements(_b(n)), "b's strides and offset must be whole elements"),
@@ -78,7 +79,7 @@ MUL_MAT: tuple[Rule, ...] = (
 
 #: mul_mat_id: as (E, M, K), b (T, Ub, K) f32, ids (T, U) i32, out (T, U, M).
 MUL_MAT_ID: tuple[Rule, ...] = (
-    *out_rules(),
+    *common_rules(),
     (lambda n: _a(n).rows_contiguous(), "the experts' rows (the K axis) must be contiguous"),
     (lambda n: whole_elements(_a(n)), "the experts' strides and offset must be whole elements"),
     (lambda n: whole_elements(_b(n)) and whole_elements(n.srcs[2]), "b's and ids' strides must be whole elements"),
@@ -91,7 +92,7 @@ MUL_MAT_ID: tuple[Rule, ...] = (
 
 #: out_prod: a (A3, A2, K, M) any type, b (B3, B2, K, N) f32, out (B3, B2, N, M).
 OUT_PROD: tuple[Rule, ...] = (
-    *out_rules(),
+    *common_rules(),
     (lambda n: _a(n).rows_contiguous(), "a's rows (the M axis) must be contiguous"),
     (lambda n: whole_elements(_a(n)) and whole_elements(_b(n)), "strides and offsets must be whole elements"),
     (lambda n: rows_apart(_a(n)), "a's rows overlap"),
