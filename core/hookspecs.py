@@ -197,7 +197,7 @@ class Hooks:
 
     @hookspec
     def fusion_rules(self, device: Device) -> Iterable[FusionRule]:
-        """Fusion rules for `device`: a pattern of consecutive ops, a check, a bind::
+        """Fusion rules for `device`: a pattern of ops in execution order, a check, a bind::
 
             @hookimpl
             def fusion_rules(device):
