@@ -540,6 +540,34 @@ def test_a_node_that_reads_the_group_is_not_hoisted_and_the_group_does_not_fuse(
     np.testing.assert_allclose(plan.run(feeds)[0], ab * (ab + feeds[c]), rtol=1e-6)
 
 
+def test_hoisted_nodes_fuse_among_themselves_before_the_group_that_hoisted_them() -> None:
+    rng = np.random.default_rng()
+
+    def bind_neg_mul(ctx, nodes):  # noqa: ANN001, ANN202
+        neg, mul = nodes
+        out, a, s = ctx.array(mul), ctx.array(neg.srcs[0]), ctx.array(mul.srcs[1])
+        return lambda: store(out, -load(a, "f32") * load(s, "f32"), mul)
+
+    def bind_add_sub(ctx, nodes):  # noqa: ANN001, ANN202
+        add, sub = nodes
+        out, b, c, e = ctx.array(sub), ctx.array(add.srcs[0]), ctx.array(add.srcs[1]), ctx.array(sub.srcs[1])
+        return lambda: store(out, load(b, "f32") + load(c, "f32") - load(e, "f32"), sub)
+
+    a, b, c, d, e = (od.input(n, (2, 3)) for n in "abcde")
+    n, s1, s2 = ops.neg(a), ops.add(b, c), ops.add(d, e)
+    diff = ops.sub(s1, s2)
+    y = ops.mul(n, diff)
+    assert Graph.build(y).nodes == [n, s1, s2, diff, y]
+    outer = FusionRule("neg_mul", ("neg", "mul"), bind=bind_neg_mul, hoist={"add", "sub"})
+    inner = FusionRule("add_sub", ("add", "sub"), bind=bind_add_sub, hoist="add")  # inside what outer hoists
+    plan = od.compile(y, TOY, plugins=hoisting(outer, inner))
+    assert [(s_.kind, s_.nodes) for s_ in plan.steps] == [("kernel", (s2,)), ("fused", (s1, diff)),
+                                                          ("fused", (n, y))]
+    feeds = {x: rand(rng, 2, 3) for x in (a, b, c, d, e)}
+    want = -feeds[a] * (feeds[b] + feeds[c] - feeds[d] - feeds[e])
+    np.testing.assert_allclose(plan.run(feeds)[0], want, rtol=1e-5, atol=1e-6)
+
+
 def test_hoisting_keeps_reads_and_in_place_writes_of_a_buffer_in_order() -> None:
     cache = od.state("cache", (4, 3), "f32")
     x, ids = od.input("x", (2, 3)), od.input("ids", (2,), "i64")
