@@ -117,6 +117,12 @@ def _quant(dt: DType | str) -> DType:
     return dt
 
 
+def encodable(dt: DType | str) -> bool:
+    """Can float values be written in `dt`: not a block format opdispatch only dequantizes (the grid I-quants)."""
+    dt = dtype(dt)
+    return not dt.is_quant or FORMATS[dt.name].encode is not None
+
+
 def quantize(dt: DType | str, x: np.ndarray) -> np.ndarray:
     """float (..., K) -> uint8 (..., K // block_size * block_bytes), byte-exact with ggml's quantize_row_*_ref.
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from .alloc import MemoryPlan
 from .bind import Bound, bind_plan, fill_slot
-from .dtypes import from_float
+from .dtypes import encodable, from_float
 from .errors import FeedError, OpdispatchError, PlanKeyError
 from .graph import Graph
 from .hookspecs import Device
@@ -277,6 +277,9 @@ class Plan:
         raw_shape = t.array_layout()[0]
         if t.dtype.is_quant and arr.dtype == np.uint8 and tuple(arr.shape) == raw_shape:
             return arr.reshape(-1)  # raw blocks, as `read` returns them
+        if not encodable(t.dtype):
+            raise FeedError(f"{who}: opdispatch only dequantizes {t.dtype.name}, so it cannot round values to it; "
+                            f"write its raw blocks (uint8 of shape {raw_shape})")
         check_values(who, t, arr, FeedError)
         if tuple(arr.shape) != t.shape:
             raise FeedError(f"{who}: got shape {tuple(arr.shape)}")

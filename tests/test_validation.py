@@ -255,6 +255,21 @@ def test_integer_feeds_must_be_integers_that_fit(feed: Any, match: str) -> None:
     np.testing.assert_array_equal(got[0], np.arange(20).reshape(5, 4)[[4, 0, 2]])  # int64 that fits: fine
 
 
+def test_float_feeds_of_a_dequantize_only_format_are_refused_by_name() -> None:
+    """iq3_xxs has no quantizer: floats written to such an input get a FeedError naming it (the fuzzer's
+    case: a NotImplementedError from inside dtypes); its raw blocks are written as they are."""
+    from opdispatch.dtypes import dequantize
+    from opdispatch.quants.samples import random_blocks
+
+    x, y = od.input("x", (2, 256), "iq3_xxs"), od.input("y", (2, 256), "f32")
+    plan = od.compile([ops.cpy(x, y)], "cpu")
+    with pytest.raises(FeedError, match=r"^input 'x' \(2, 256\) iq3_xxs: opdispatch only dequantizes iq3_xxs"):
+        plan.write(x, np.random.default_rng(0).uniform(-1, 1, (2, 256)))
+    raw = random_blocks(np.random.default_rng(1), "iq3_xxs", 2).reshape(2, -1)
+    (got,) = plan.run({x: raw, y: np.zeros((2, 256))})
+    np.testing.assert_array_equal(got, dequantize("iq3_xxs", raw))
+
+
 def test_feeds_are_checked_before_any_is_written() -> None:
     table, idx, kv, plan = _rows_plan()
     plan.write(kv, np.full((2, 4), 7.0))
