@@ -40,7 +40,7 @@ from opdispatch.errors import DeviceIndexError
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_matmul import bind, fusion, specs, support
-from opdispatch.plugins.cuda_matmul.specs import gemm, mmf, mmq, mmv, stream
+from opdispatch.plugins.cuda_matmul.specs import gemm, mmf, mmq, mmq_id, mmv, stream
 from opdispatch.plugins.cuda_matmul.specs.gemm import GemmSpec
 from opdispatch.tensor import Tensor
 from opdispatch.testing.harness import Status, run_case
@@ -692,7 +692,7 @@ def ones(record: type) -> object:
 def test_every_launched_kernel_has_an_argument_record() -> None:
     """One KernelArgs record per kernel named in KERNEL_SOURCES, its fields the kernel's parameters
     and their converters the C types' numpy scalars."""
-    records = {kernel: cls for module in (mmv, stream, gemm, mmq, mmf) for cls in vars(module).values()
+    records = {kernel: cls for module in (mmv, stream, gemm, mmq, mmq_id, mmf) for cls in vars(module).values()
                if isinstance(cls, type) and issubclass(cls, KernelArgs) and cls is not KernelArgs
                for kernel in cls.KERNELS}
     for source, names in specs.KERNEL_SOURCES.items():
