@@ -261,19 +261,23 @@ def test_mmq_id_specs(dt: str, experts: tuple, n_tok: int, used: int, b_rows: in
         check_spec(s)
     cfg = mmq_id.mmq_id_config(dt, pairs, e)
     assert spec.kernel == kernel == mmq_id.instance_name(dt, cfg) and kernel in specs.KERNEL_SOURCES[specs.MMQ_ID_CU]
-    assert cfg.splits == 1 and cfg.template[:-2] == mmq.mmq_config(dt, 32 if -(-pairs // e) <= 32 else 10**6).template[:-2]
+    mean_columns = 32 if -(-pairs // e) <= mmq_id.SMALL_MEAN else 10**6  # mmq's table's, by the mean pairs
+    assert cfg == attrs.evolve(mmq.mmq_config(dt, mean_columns), splits=1)
     tiles = -(-pairs // cfg.bn) + min(e, pairs)
     assert route.kernel == "moe_route" and route.grid == (1,) and route.smem == 2 * 4 * e
-    assert (int(route.args.tile_n), int(route.args.T), int(route.args.U), int(route.args.E)) == (cfg.bn, n_tok, used, e)
-    assert guard.uses == [(y, y.srcs[2], e, f"an expert of {y.srcs[0].describe()}", "its output row is filled with NaN")]
+    assert (route.args.tile_n, route.args.T, route.args.U, route.args.E) == (cfg.bn, n_tok, used, e)
+    assert guard.uses == [(y, y.srcs[2], e, f"an expert of {y.srcs[0].describe()}",
+                           "its output row is filled with NaN")]
     assert sizes["route"] == 4 * (1 + 3 * e + pairs + 1 + 3 * tiles)
     assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (n_tok * b_rows, -(-k // 32 // 8))
     args = spec.args
     assert spec.grid == (-(-m // cfg.bm) * tiles,) and spec.block == cfg.threads
     assert spec.smem == 8 * cfg.bn + mmq.mmq_smem(dt, cfg) <= stream.device_facts(H200).smem_per_block_optin
-    assert (args.pairs, args.max_tiles, args.U, args.Ub, args.E, args.M, args.K) == (pairs, tiles, used, b_rows, e, m, k)
+    assert (args.pairs, args.max_tiles, args.U, args.Ub) == (pairs, tiles, used, b_rows)
+    assert (args.E, args.M, args.K) == (e, m, k)
     assert (args.a_row, args.a_e) == (y.srcs[0].strides[1], y.srcs[0].strides[0])
-    assert (args.route, args.bq, args.bds, args.nbp) == (route.args.route, quant.args.bq, quant.args.bds, quant.args.nbp)
+    q = quant.args
+    assert (args.route, args.bq, args.bds, args.nbp) == (route.args.route, q.bq, q.bds, q.nbp)
     assert (args.out, args.bias, args.bias_e) == (fake_ptr(y), 0, 0)
     assert int(args.as_) == fake_ptr(y.srcs[0]) and args.as_ % 16 == 0
 

@@ -1,8 +1,10 @@
 // Quantized GEMM (mmq): out (B3, B2, N, M) f32 = b (N, K) @ a (M, K)^T for block-format weights a
 // and more columns than the mat-vecs take (N > 8), on the int8 tensor cores (mma.sync m16n8k32 s8 ->
 // s32), ggml's "mmq" idea. Two launches: quantize_q8_1 (mmv.cu) turns b into int8 codes with a scale
-// per 32 values (QB8 layout, mmv_common.cuh), then this kernel. A K step is 32 values, whose int32 dot
-// products are scaled in f32 by the weights' scale(s) for them and b's scale db:
+// per 32 values (QB8 layout, mmv_common.cuh), then this kernel. Its fragments and a block's K loop
+// (mq::k_loop) live in mmq_tile.cuh, shared with mmq_id.cu (mul_mat_id on gathered b rows); this file
+// holds mul_mat's block: which weights and b columns, split K, the output. A K step is 32 values, whose
+// int32 dot products are scaled in f32 by the weights' scale(s) for them and b's scale db:
 //   legacy formats (q4_0, q4_1, q5_0, q5_1, q8_0): a step is one block, scaled by its d (plus its
 //     offset m times db * sum(b codes) for q4_1 / q5_1; q4_0 / q5_0 codes have their zero subtracted
 //     when they are read, so that they need no such term);

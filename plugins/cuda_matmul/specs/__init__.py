@@ -3,8 +3,8 @@ constants and tuned configuration that fix them; the helpers every family of spe
 
 The launch specs are per .cu family: `mmv` (kernels/mmv.cu: the mat-vecs and the q8_1 quantizer;
 kernels/mmv_id.cu: the MoE mat-vecs and routing), `stream` (kernels/mmvq_stream.cu's geometry), `mmq`
-(kernels/mmq.cu, the quantized GEMM), `mmq_id` (kernels/mmq_id.cu, the quantized GEMM of mul_mat_id), `mmf` (kernels/mmf.cu, the tensor-core mat-mul for few columns) and
-`gemm` (kernels/convert.cu and the cuBLAS
+(kernels/mmq.cu, the quantized GEMM), `mmq_id` (kernels/mmq_id.cu, the quantized GEMM of mul_mat_id), `mmf`
+(kernels/mmf.cu, the tensor-core mat-mul for few columns) and `gemm` (kernels/convert.cu and the cuBLAS
 calls). Column counts are compiled for the common case only: b f32 (and 16-byte loads for float
 weights) takes NTS (the grouped MoE kernels GROUPED_NTS); the rarer variants (scalar loads, b f16/bf16,
 which only unfused mul_mat takes) are compiled for 8 columns and run fewer.
