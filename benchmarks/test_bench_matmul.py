@@ -12,6 +12,8 @@
 - gate/up + swiglu at batch 1: the fused plan, with the unfused pair's time
   (same weights, fusion off) in extra_info["unfused_us"] and its ratio.
 - mul_mat_id, one token, 8 of 128 experts: bytes = the 8 experts' weights read.
+- MoE prefill, 512 tokens through 8 of 64 experts (2048 x 2048): mmq_id beside a dense mul_mat of the same
+  active parameters and beside mmv_id_grouped (times only; the goal: mmq_id within 1.5x of dense).
 - mmq (q4_0 / q8_0 weights (M, K) = (4096, 14336), N 16 and 512): N 16 timed cold with bytes = the
   weight bytes (the goal: 80% of the copy bandwidth); N 512 hot with FLOPs 2*M*N*K (the goal: no
   slower than torch's bf16 GEMM of the same shape, its time in extra_info["torch_us"]).
@@ -27,7 +29,7 @@ import numpy as np
 import pytest
 
 import opdispatch as od
-from bench import cold, ready
+from bench import cold, interleaved_seconds, ready
 from opdispatch import ops
 from opdispatch.quants import FORMATS
 from opdispatch.quants.samples import random_blocks
@@ -176,3 +178,31 @@ def test_mmq(measure, measure_cold, torch_cuda, dt: str, n: int) -> None:  # noq
         plan = ready(y, {x: vx}, MATMUL, ops=MATMUL_OPS, kernel=support.choose(y).path)
         ta = torch.from_numpy(va).to("cuda", torch.bfloat16)
         measure(plan, od.input("a", (M, K), dt).nbytes, lambda: torch.matmul(tx, ta.T), flops=2 * M * n * K)
+
+
+@pytest.mark.parametrize("dt", ["q4_0", "q4_K"])
+def test_moe_prefill_8_of_64(benchmark, torch_cuda, monkeypatch: pytest.MonkeyPatch, dt: str) -> None:  # noqa: ANN001
+    """A 512-token MoE prefill through 8 of 64 experts of 2048 x 2048 (hidden 2048) on mmq_id, against a dense
+    mul_mat with the same active parameters ((8 * 2048) x 2048 weights, 512 columns, on the path the table gives)
+    and against mmv_id_grouped (mmq_id's threshold raised), timed in interleaved rounds: `us` mmq_id's,
+    `dense_us`, `grouped_us`. The goal: us <= 1.5 dense_us."""
+    E, U, M, K, T = 64, 8, 2048, 2048, 512
+    row = np.broadcast_to(rand(1, K), (E * M, K))  # one row's blocks repeated (param_sets): the speed is the same
+    experts = param_sets("experts", row, dt, 1)[0].reshape(E, M, K)
+    x, ids = od.input("x", (T, 1, K)), od.input("ids", (T, U), "i32")
+    chosen = np.argsort(np.random.default_rng(2).random((T, E)), axis=-1)[:, :U].astype(np.int32)
+    feeds = {x: rand(T, 1, K), ids: chosen}
+    plan = ready(ops.mul_mat_id(experts, x, ids), feeds, MATMUL, ops=MATMUL_OPS, kernel="mmq_id")
+    dense_w = param_sets("dense", row[:U * M], dt, 1)[0]
+    xd = od.input("xd", (T, K))
+    dense_y = ops.mul_mat(dense_w, xd)
+    dense = ready(dense_y, {xd: rand(T, K)}, MATMUL, ops=MATMUL_OPS, kernel=support.choose(dense_y).path)
+    monkeypatch.setattr(support, "MMQ_ID_PAIRS_PER_EXPERT", 2**31)
+    xg, idsg = od.input("xg", (T, 1, K)), od.input("idsg", (T, U), "i32")
+    grouped = ready(ops.mul_mat_id(experts, xg, idsg), {xg: feeds[x], idsg: feeds[ids]}, MATMUL, ops=MATMUL_OPS,
+                    kernel="mmv_id_grouped")
+    ours, theirs, slow = interleaved_seconds([(p.launch, p.synchronize) for p in (plan, dense, grouped)])
+    benchmark.extra_info.update({"us": ours * 1e6, "dense_us": theirs * 1e6, "grouped_us": slow * 1e6,
+                                 "vs_dense": ours / theirs, "speedup_vs_grouped": slow / ours,
+                                 "TFLOP/s": 2 * T * U * M * K / ours / 1e12})
+    benchmark.pedantic(lambda: (plan.launch(), plan.synchronize()), rounds=5, iterations=1)

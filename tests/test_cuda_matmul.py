@@ -40,7 +40,7 @@ from opdispatch.errors import DeviceIndexError
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_matmul import bind, fusion, specs, support
-from opdispatch.plugins.cuda_matmul.specs import gemm, mmf, mmq, mmv, stream
+from opdispatch.plugins.cuda_matmul.specs import gemm, mmf, mmq, mmq_id, mmv, stream
 from opdispatch.plugins.cuda_matmul.specs.gemm import GemmSpec
 from opdispatch.tensor import Tensor
 from opdispatch.testing.harness import Status, run_case
@@ -162,6 +162,145 @@ def test_mul_mat_id_path(n_tok: int, path: str, dt: str) -> None:
                        od.input("ids", (n_tok, 2), "i32"))
     (step,) = steps_of(od.compile(y, H200), "mul_mat_id")
     assert (step.plugin, step.kernel) == ("cuda_matmul", path)
+
+
+def _moe_node(dt: str, experts: tuple[int, int, int], n_tok: int, used: int, b_rows: int = 1) -> Tensor:
+    """mul_mat_id of (E, M, K) experts of type dt (inputs: no data) for n_tok tokens of b_rows b rows, `used` slots."""
+    k = experts[-1]
+    return ops.mul_mat_id(od.input("experts", experts, dt), od.input("x", (n_tok, b_rows, k)),
+                          od.input("ids", (n_tok, used), "i32"))
+
+
+#: (dt, experts (E, M, K), tokens, slots, path, why mmq_id declines): the quantized GEMM from more than
+#: support.MMQ_ID_PAIRS_PER_EXPERT pairs an expert, for its formats and rows of whole chunks
+MMQ_ID_PATHS = [
+    ("q4_0", (8, 64, 256), 33, 2, "mmq_id", ""),  # 66 pairs > 8 * 8
+    ("q4_0", (8, 64, 256), 32, 2, "mmv_id_grouped",
+     "64 (token, slot) pairs for 8 experts: at most 8 an expert do not fill the GEMM's column tiles"),
+    ("q4_K", (64, 64, 2048), 512, 8, "mmq_id", ""),  # the target: 64 experts, 8 used, a 512-token prefill
+    ("q8_0", (64, 64, 2048), 64, 8, "mmv_id_grouped",
+     "512 (token, slot) pairs for 64 experts: at most 8 an expert do not fill the GEMM's column tiles"),
+    ("q6_K", (8, 64, 256), 64, 2, "mmv_id_grouped", "K=256 is not a multiple of 2048 (rows of whole 1680-byte chunks)"),
+    ("q5_1", (4, 64, 96), 40, 2, "mmv_id_grouped", "K=96 is not a multiple of 64 (rows of whole 48-byte chunks)"),
+    ("mxfp4", (4, 64, 512), 40, 2, "mmq_id", ""),
+    ("f16", (8, 64, 256), 64, 2, "mmv_id_grouped", "float experts take the mat-vecs"),
+    ("q8_0", (8, 64, 256), 1, 8, "mmv_id", ""),  # one token: the mat-vec, whatever the pairs
+    *([("iq2_xs", (8, 64, 2048), 64, 2, "mmv_id_grouped", "iq2_xs has no quantized GEMM")] if "iq2_xs" in DTYPES
+      else []),
+]
+
+
+@pytest.mark.parametrize(("dt", "experts", "n_tok", "used", "path", "why"), MMQ_ID_PATHS)
+def test_mul_mat_id_takes_mmq_id_with_enough_pairs(dt: str, experts: tuple, n_tok: int, used: int, path: str,
+                                                   why: str) -> None:
+    """choose() takes mmq_id for several tokens where its conditions hold, else mmv_id_grouped, and mmq_id's
+    Kernel says why it declined; exactly one Kernel takes each node."""
+    y = _moe_node(dt, experts, n_tok, used)
+    (step,) = steps_of(od.compile(y, H200), "mul_mat_id")
+    assert (step.plugin, step.kernel) == ("cuda_matmul", path)
+    kernels = {k.name: k for k in cm.kernels(device=H200) if k.op == "mul_mat_id"}
+    assert [name for name, k in kernels.items() if k.supports(H200, y) is True] == [path]
+    if path == "mmv_id_grouped":
+        assert support.choose(y, H200).note == f"mmq_id: {why}"
+        assert kernels["mmq_id"].supports(H200, y) == f"mmv_id_grouped takes it (mmq_id: {why})"
+    if n_tok > 1 and dt in mmq.MMQ_FORMATS:  # the threshold is the named constant's
+        assert (support.mmq_id_ok(y, H200) is True) == (
+            n_tok * used > support.MMQ_ID_PAIRS_PER_EXPERT * experts[0] and experts[-1] % stream.stream_geo(
+                dt).row_values == 0)
+
+
+def test_mmq_id_threshold_follows_the_constant(monkeypatch: pytest.MonkeyPatch) -> None:
+    y = _moe_node("q4_0", (8, 64, 256), 16, 2)  # 32 pairs: 4 an expert
+    assert support.choose(y, H200).path == "mmv_id_grouped"
+    monkeypatch.setattr(support, "MMQ_ID_PAIRS_PER_EXPERT", 3)
+    assert support.choose(y, H200).path == "mmq_id"
+
+
+def test_mmq_id_max_tiles_bounds_every_routing(rng) -> None:  # noqa: ANN001
+    """The grid's column tiles (max_tiles, from the shapes) hold the tiles of any routing: random ids, every pair
+    on one expert, and the worst case (each used expert one pair past whole tiles)."""
+    for bn in (32, 64):
+        for experts, pairs in ((8, 18), (8, 80), (64, 4096), (64, 40), (128, 8 * 129)):
+            tiles = mmq_id.max_tiles(pairs, experts, bn)
+            used = min(experts, pairs)
+            worst = np.full(used, pairs // used)  # then one pair more for the first pairs % used experts
+            worst[:pairs % used] += 1
+            counts = [np.bincount(rng.integers(0, experts, pairs), minlength=experts), np.array([pairs]), worst,
+                      np.full(min(experts, pairs // (bn + 1)), bn + 1)]
+            for c in counts:
+                assert c.sum() <= pairs
+                assert sum(-(-int(x) // bn) for x in c) <= tiles, (bn, experts, pairs, c)
+
+
+def _recording_scratch() -> tuple[dict, Callable]:
+    sizes: dict[str, int] = {}
+
+    def scratch(role: str, nbytes: int, zeroed: bool = False) -> int:
+        sizes[role] = nbytes
+        return SCRATCH + 2**30 * len(sizes)
+
+    return sizes, scratch
+
+
+@pytest.mark.parametrize(("dt", "experts", "n_tok", "used", "b_rows", "kernel"), [
+    ("q4_0", (64, 2048, 2048), 512, 8, 1, "mmq_id<W_Q4_0, 2, 4, 4, 2, 2, 8>"),  # the target: 64 pairs an expert
+    ("q4_K", (8, 77, 512), 40, 2, 2, "mmq_id<W_Q4_K, 1, 2, 4, 2, 4, 8>"),  # 10 pairs an expert: 64 x 32 tiles
+    ("q6_K", (4, 40, 2048), 72, 2, 1, "mmq_id<W_Q6_K, 2, 4, 4, 2, 3, 8>"),
+])
+def test_mmq_id_specs(dt: str, experts: tuple, n_tok: int, used: int, b_rows: int, kernel: str) -> None:
+    """moe_route with its tile table (tile_n the configuration's columns, room for max_tiles), quantize_q8_1 of
+    b's rows, then mmq_id on a grid of row tiles times max_tiles, its shared memory within the H200's, every
+    argument typed as the kernels' parameters."""
+    y = _moe_node(dt, experts, n_tok, used, b_rows)
+    e, m, k = experts
+    pairs = n_tok * used
+    sizes, scratch = _recording_scratch()
+    guard = FakeGuard()
+    route, quant, spec = mmq_id.mmq_id_specs(y, y, fake_ptr, scratch, guard)
+    for s in (route, quant, spec):
+        check_spec(s)
+    cfg = mmq_id.mmq_id_config(dt, pairs, e)
+    assert spec.kernel == kernel == mmq_id.instance_name(dt, cfg) and kernel in specs.KERNEL_SOURCES[specs.MMQ_ID_CU]
+    mean_columns = 32 if -(-pairs // e) <= mmq_id.SMALL_MEAN else 10**6  # mmq's table's, by the mean pairs
+    assert cfg == attrs.evolve(mmq.mmq_config(dt, mean_columns), splits=1)
+    tiles = -(-pairs // cfg.bn) + min(e, pairs)
+    assert route.kernel == "moe_route" and route.grid == (1,) and route.smem == 2 * 4 * e
+    assert (route.args.tile_n, route.args.T, route.args.U, route.args.E) == (cfg.bn, n_tok, used, e)
+    assert guard.uses == [(y, y.srcs[2], e, f"an expert of {y.srcs[0].describe()}",
+                           "its output row is filled with NaN")]
+    assert sizes["route"] == 4 * (1 + 3 * e + pairs + 1 + 3 * tiles)
+    assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (n_tok * b_rows, -(-k // 32 // 8))
+    args = spec.args
+    assert spec.grid == (-(-m // cfg.bm) * tiles,) and spec.block == cfg.threads
+    assert spec.smem == 8 * cfg.bn + mmq.mmq_smem(dt, cfg) <= stream.device_facts(H200).smem_per_block_optin
+    assert (args.pairs, args.max_tiles, args.U, args.Ub) == (pairs, tiles, used, b_rows)
+    assert (args.E, args.M, args.K) == (e, m, k)
+    assert (args.a_row, args.a_e) == (y.srcs[0].strides[1], y.srcs[0].strides[0])
+    q = quant.args
+    assert (args.route, args.bq, args.bds, args.nbp) == (route.args.route, q.bq, q.bds, q.nbp)
+    assert (args.out, args.bias, args.bias_e) == (fake_ptr(y), 0, 0)
+    assert int(args.as_) == fake_ptr(y.srcs[0]) and args.as_ % 16 == 0
+
+
+def test_mmq_id_fused_bias_spec() -> None:
+    """mul_mat_id -> add_id on mmq_id: the add_id node is written, the experts' bias rows passed."""
+    y = _moe_add_id(40, "q4_0", 256)
+    node = Graph.build(y).nodes[0]
+    assert support.choose(node, H200).path == "mmq_id"
+    bias = y.srcs[1]
+    route, _, spec = mmq_id.mmq_id_specs(node, y, fake_ptr, fake_scratch, FakeGuard(), bias=bias)
+    assert (spec.args.out, route.args.out) == (fake_ptr(y), fake_ptr(y))  # moe_route's NaN rows too
+    assert (spec.args.bias, spec.args.bias_e) == (fake_ptr(bias), 32 * 4)
+
+
+def test_mmq_id_fits_every_format() -> None:
+    """Both configurations of every format mmq_id takes fit the H200's shared memory, and each is compiled."""
+    for dt in mmq.MMQ_FORMATS:
+        for pairs in (8 * 9, 64 * 8):
+            cfg = mmq_id.mmq_id_config(dt, pairs, 8)
+            assert mmq_id.mmq_id_fits(dt, pairs, 8, H200)
+            assert mmq_id.instance_name(dt, cfg) in mmq_id.NAMES
+    assert len(mmq_id.NAMES) == 2 * len(mmq.MMQ_FORMATS)
 
 
 @pytest.mark.parametrize("dt", ["f32", "f16", "q8_0"])
@@ -388,6 +527,7 @@ def test_gate_up_glu_nodes_are_consecutive() -> None:
      ["mul_mat_id", "add_id", "mul_mat_id", "add_id", "glu"]),
     (lambda: _moe_add_id(4), "mul_mat_id_add_id", ["mul_mat_id", "add_id"]),
     (lambda: _moe_add_id(1), "mul_mat_id_add_id", ["mul_mat_id", "add_id"]),
+    (lambda: _moe_add_id(40, "q4_0", 256), "mul_mat_id_add_id", ["mul_mat_id", "add_id"]),  # mmq_id
 ])
 def test_fuses(build: Callable[[], Tensor], rule: str, ops_in_group: list) -> None:
     plan = od.compile(build(), H200)
@@ -398,9 +538,9 @@ def test_fuses(build: Callable[[], Tensor], rule: str, ops_in_group: list) -> No
     assert f"cuda_matmul [fused {rule}] on cuda0" in plan.explain()
 
 
-def _moe_add_id(n_tok: int) -> Tensor:
+def _moe_add_id(n_tok: int, dt: str = "f16", k: int = 64) -> Tensor:
     ids = od.input("ids", (n_tok, 2), "i32")
-    y = ops.mul_mat_id(weight("e", (4, 32, 64), "f16"), od.input("x", (n_tok, 2, 64)), ids)
+    y = ops.mul_mat_id(weight("e", (4, 32, k), dt), od.input("x", (n_tok, 2, k)), ids)
     return ops.add_id(y, od.input("b", (4, 32)), ids)
 
 
@@ -693,7 +833,7 @@ def ones(record: type) -> object:
 def test_every_launched_kernel_has_an_argument_record() -> None:
     """One KernelArgs record per kernel named in KERNEL_SOURCES, its fields the kernel's parameters
     and their converters the C types' numpy scalars."""
-    records = {kernel: cls for module in (mmv, stream, gemm, mmq, mmf) for cls in vars(module).values()
+    records = {kernel: cls for module in (mmv, stream, gemm, mmq, mmq_id, mmf) for cls in vars(module).values()
                if isinstance(cls, type) and issubclass(cls, KernelArgs) and cls is not KernelArgs
                for kernel in cls.KERNELS}
     for source, names in specs.KERNEL_SOURCES.items():
@@ -1193,8 +1333,73 @@ def test_mul_mat_id(dt: str, n_exp: int, used: int, n_tok: int, rng) -> None:  #
     for k, b_rows in itertools.product((96, 256) if dt in QUANTS else (80,), sorted({1, used})):
         experts = od.input("experts", (n_exp, 16, k), dt)
         y = ops.mul_mat_id(experts, od.input("b", (n_tok, b_rows, k)), od.input("ids", (n_tok, used), "i32"))
-        plan, got, ref = run_both(y, feeds_for(y, rng, n_exp), "mmv_id" if n_tok == 1 else "mmv_id_grouped")
-        assert_close(got, ref, f"mul_mat_id as={dt} e={n_exp} used={used} t={n_tok} b_rows={b_rows}")
+        gemm = dt in QUANTS and k == 256 and n_tok * used > support.MMQ_ID_PAIRS_PER_EXPERT * n_exp
+        path = "mmv_id" if n_tok == 1 else "mmq_id" if gemm else "mmv_id_grouped"
+        plan, got, ref = run_both(y, feeds_for(y, rng, n_exp), path)
+        assert_close(got, ref, f"mul_mat_id as={dt} e={n_exp} used={used} t={n_tok} b_rows={b_rows} ({path})")
+
+
+@pytest.fixture
+def mmq_id_any_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mmq_id takes every mul_mat_id of several tokens that its formats and rows allow (by default it needs more
+    than support.MMQ_ID_PAIRS_PER_EXPERT pairs an expert)."""
+    monkeypatch.setattr(support, "MMQ_ID_PAIRS_PER_EXPERT", 0)
+
+
+#: K of test_mmq_id's experts: rows of two whole chunks or more (q6_K's chunk is 2048 values)
+MMQ_ID_K = {"q4_0": 512, "q8_0": 256, "q4_K": 768, "q6_K": 2048}
+
+
+def moe_ids(rng: np.random.Generator, n_tok: int, used: int, n_exp: int) -> np.ndarray:
+    """(n_tok, used) expert ids, distinct within a token, one expert (drawn at random) never chosen."""
+    pool = np.delete(np.arange(n_exp), rng.integers(n_exp))
+    return pool[np.argsort(rng.random((n_tok, n_exp - 1)), axis=-1)[:, :used]].astype(np.int32)
+
+
+@gpu
+@pytest.mark.usefixtures("mmq_id_any_pairs")
+@pytest.mark.parametrize("b_rows", ["1", "U"])
+@pytest.mark.parametrize(("n_exp", "used"), [(8, 2), (64, 8)])
+@pytest.mark.parametrize("n_tok", [9, 64, 512])
+@pytest.mark.parametrize("dt", list(MMQ_ID_K))
+def test_mmq_id(dt: str, n_tok: int, n_exp: int, used: int, b_rows: str, rng) -> None:  # noqa: ANN001
+    """mul_mat_id on mmq_id (moe_route's tile table, quantize_q8_1, the gathered GEMM) against the reference run
+    on b rounded to q8_1 (its only rounding), 77 expert rows (a partial row tile), b one row a token or one a slot;
+    three runs of the plan (warm-up, CUDA-graph capture, replay), its arenas poisoned and new ids each time (the
+    grid is fixed by the shapes, the routing is not), an expert unused each run, every output written."""
+    k, ub = MMQ_ID_K[dt], 1 if b_rows == "1" else used
+    ids = od.input("ids", (n_tok, used), "i32")
+    y = ops.mul_mat_id(od.input("experts", (n_exp, 77, k), dt), od.input("x", (n_tok, ub, k)), ids)
+    plan = od.compile(y, "cuda0")
+    (step,) = steps_of(plan, "mul_mat_id")
+    assert step.kernel == "mmq_id", plan.explain()
+    for run in range(3):
+        feeds = {**(subscaled_feeds if dt in SUBSCALED else feeds_for)(y, rng, n_exp),
+                 ids: moe_ids(rng, n_tok, used, n_exp)}
+        poison_arenas(plan)
+        (got,) = plan.run(feeds)
+        (ref,) = od.compile(y, "cpu").run(q8_1_rounded(feeds, "x"))
+        assert_close(got, ref, f"mmq_id as={dt} e={n_exp} used={used} t={n_tok} b_rows={ub}, run {run}", Q8_1_NMSE)
+
+
+@gpu
+@pytest.mark.parametrize("dt", ["q4_0", "q4_K"])
+def test_mmq_id_fused_add_id(dt: str, rng) -> None:  # noqa: ANN001
+    """mul_mat_id -> add_id fused on mmq_id (the experts' bias rows added as the sums are written) against the
+    reference on b rounded to q8_1 and against the unfused nodes."""
+    y = moe(dt, 8, 77, 512, 64, 2, False, True)
+    node = Graph.build(y).nodes[0]
+    assert support.choose(node).path == "mmq_id"
+    plan = od.compile(y, "cuda0")
+    assert [(s.plugin, s.kernel) for s in plan.fusions] == [("cuda_matmul", "mul_mat_id_add_id")], plan.explain()
+    feeds = subscaled_feeds(y, rng, 8)
+    poison_arenas(plan)
+    (fused,) = plan.run(feeds)
+    (ref,) = od.compile(y, "cpu").run(q8_1_rounded(feeds, "x"))
+    assert_close(fused, ref, f"mmq_id + add_id as={dt}", Q8_1_NMSE)
+    unfused_plan, unfused, _ = run_both(y, feeds, fusion=False)
+    assert {s.kernel for s in steps_of(unfused_plan, "mul_mat_id")} == {"mmq_id"}
+    assert_close(fused, unfused, f"mmq_id + add_id as={dt}: fused vs unfused", Q8_1_NMSE)
 
 
 @gpu

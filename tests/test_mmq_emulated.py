@@ -26,7 +26,7 @@ from opdispatch import ops
 from opdispatch.dtypes import from_float
 from opdispatch.graph import Graph
 from opdispatch.plugins.cuda_matmul import specs, support
-from opdispatch.plugins.cuda_matmul.specs import mmq
+from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_id
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
 from cuda_emu.hostcode import EMU, Arena, gxx_major, write_headers
@@ -52,6 +52,8 @@ MMA_K16_PTX = ("    asm volatile(\"mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s
                "                 : \"r\"(a0), \"r\"(a1), \"r\"(b), \"r\"(0));",
                "    emu_mma_s8_k16(d, a0, a1, b);")
 SHARED = "extern __shared__ uint4 smem_u4[];"
+EMU_SHARED = "uint4* smem_u4 = reinterpret_cast<uint4*>(emu_ctx->smem);"
+ROUTE_SHARED = "extern __shared__ int smem[];"
 LAST_FLAG = ("    __shared__ bool last;", "    static bool last;")
 
 
@@ -128,10 +130,10 @@ def _node(y: Tensor) -> Tensor:
     return next(n for n in Graph.build(y).nodes if n.op == "mul_mat")
 
 
-def _names(y: Tensor, cfg: mmq.MmqConfig | None) -> list[str]:
-    node = _node(y)
+def _specs(y: Tensor, cfg: mmq.MmqConfig | None) -> list:
+    """The launches of mul_mat `y` on mmq (fake addresses)."""
     a = ScratchArena(1 << 24)
-    return [s.kernel for s in mmq.mmq_specs(node, lambda t: 512, a.scratch, cfg)]
+    return mmq.mmq_specs(_node(y), lambda t: 512, a.scratch, cfg)
 
 
 def _call(name: str, nargs: int) -> str:
@@ -146,34 +148,62 @@ def mmq_any_n(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(support, "MMQ_MAX_N", 2**31)
 
 
-@pytest.fixture(scope="module")
-def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    build = tmp_path_factory.mktemp("mmq_emu")
+#: each kernel file the emulations copy: the swaps that make it host C++ (the inline PTX, the dynamic shared memory)
+SWAPS: dict[str, tuple[tuple[str, str], ...]] = {
+    "mm_common.cuh": (),
+    "mmv_common.cuh": (),
+    "mmq_tile.cuh": (MMA_PTX, MMA_K16_PTX),
+    "mmv.cu": (),
+    "mmq.cu": ((SHARED, EMU_SHARED),),
+    "mmv_id.cu": ((ROUTE_SHARED, "int* smem = reinterpret_cast<int*>(emu_ctx->smem);"),),
+    "mmq_id.cu": ((SHARED, EMU_SHARED),),
+}
+
+
+def build_emulator(build: Path, kernels: tuple[str, ...], arity: dict[str, int]) -> Path:
+    """tests/cuda_emu/kernel_main.cpp compiled in `build` for the instances `arity` names (name: its argument
+    count) of the kernel files `kernels` (SWAPS' keys), with the shared headers made host C++."""
     write_headers(build)
     # od::last_block's flag is a block's shared variable: a static here, where blocks run one after another
     common = (build / "common.cuh").read_text()
     assert LAST_FLAG[0] in common, "common.cuh changed: update the emulation's swap of last_block's flag"
     (build / "common.cuh").write_text(common.replace(*LAST_FLAG))
-    for header in ("mm_common.cuh", "mmv_common.cuh", "mmv.cu"):
-        (build / header).write_text(specs.KERNELS_DIR.joinpath(header).read_text())
-    src = specs.MMQ_CU.read_text()
-    assert MMA_PTX[0] in src and MMA_K16_PTX[0] in src and SHARED in src, "mmq.cu changed: update the emulation's swaps"
-    src = src.replace(MMA_PTX[0], MMA_PTX[1]).replace(MMA_K16_PTX[0], MMA_K16_PTX[1])
-    src = src.replace(SHARED, "uint4* smem_u4 = reinterpret_cast<uint4*>(emu_ctx->smem);")
-    (build / "mmq.cu").write_text(src)
-    for name in ("mm_common.cuh", "mmv_common.cuh", "mmv.cu", "mmq.cu"):
-        assert "asm" not in (build / name).read_text(), f"{name} has inline PTX the emulation does not replace"
-    (build / "kernel.cu").write_text('#include "mmv.cu"\n#include "mmq.cu"\n')
+    for name in ("mm_common.cuh", "mmv_common.cuh", "mmq_tile.cuh", *kernels):
+        src = specs.KERNELS_DIR.joinpath(name).read_text()
+        for ptx, host in SWAPS[name]:
+            assert ptx in src, f"{name} changed: update the emulation's swap of {ptx.strip()[:60]}"
+            src = src.replace(ptx, host)
+        assert "asm" not in src, f"{name} has inline PTX the emulation does not replace"
+        (build / name).write_text(src)
+    (build / "kernel.cu").write_text("".join(f'#include "{k}"\n' for k in kernels))
     (build / "main.cpp").write_text((EMU / "kernel_main.cpp").read_text())
-    names = sorted({n for make, _, cfg in CASES.values() for n in _names(make(), cfg)})
-    arity = {"quantize_q8_1": len(mmq.mmv.QuantizeArgs.__attrs_attrs__), "mmq": len(mmq.MmqArgs.__attrs_attrs__)}
-    (build / "instances.inc").write_text("".join(_call(n, arity[n.split("<")[0]]) for n in names))
+    (build / "instances.inc").write_text("".join(_call(n, arity[n]) for n in sorted(arity)))
     exe = build / "emu"
     cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-w", "-I", str(build),
            str(build / "main.cpp"), "-o", str(exe)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
     return exe
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    arity = {s.kernel: len(s.arg_values) for make, _, cfg in CASES.values() for s in _specs(make(), cfg)}
+    return build_emulator(tmp_path_factory.mktemp("mmq_emu"), ("mmv.cu", "mmq.cu"), arity)
+
+
+def run_launches(launches: list, arena: ScratchArena, eager: bool, emulator: Path, tmp_path: Path) -> np.ndarray:
+    """The arena's memory after the emulator ran `launches` in turn on it."""
+    mem_file = tmp_path / "mem.bin"
+    arena.mem.tofile(mem_file)
+    for spec in launches:
+        grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
+        cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, grid), str(spec.block),
+               *(str(v.item()) for v in spec.arg_values)]
+        env = {**os.environ, "EMU_SMEM": str(spec.smem), "EMU_EAGER": str(int(eager))}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, f"{spec.kernel}: {done.stderr}"
+    return np.fromfile(mem_file, np.uint8)
 
 
 def _emulate(y: Tensor, feeds: dict, eager: bool, cfg: mmq.MmqConfig | None, emulator: Path,
@@ -192,16 +222,7 @@ def _emulate(y: Tensor, feeds: dict, eager: bool, cfg: mmq.MmqConfig | None, emu
         arena.place(n, None)
     launches = mmq.mmq_specs(node, arena.ptr, arena.scratch, cfg)
     assert [s.kernel.split("<")[0] for s in launches] == ["quantize_q8_1", "mmq"]
-    mem_file = tmp_path / "mem.bin"
-    arena.mem.tofile(mem_file)
-    for spec in launches:
-        grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
-        cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, grid), str(spec.block),
-               *(str(v.item()) for v in spec.arg_values)]
-        env = {**os.environ, "EMU_SMEM": str(spec.smem), "EMU_EAGER": str(int(eager))}
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        assert done.returncode == 0, f"{spec.kernel}: {done.stderr}"
-    mem = np.fromfile(mem_file, np.uint8)
+    mem = run_launches(launches, arena, eager, emulator, tmp_path)
     at = arena.ptr(node)
     got = mem[at:at + node.nbytes].view(np.float32).reshape(node.shape)
     args = launches[1].args
@@ -254,3 +275,147 @@ def test_splits_stay_within_k() -> None:
             nkt = -(-k // 32 // cfg.kb)
             s = mmq.mmq_splits(cfg, k)
             assert 1 <= s <= cfg.splits and (s == 1 or nkt // s >= 2)
+
+
+# -- mmq_id: mul_mat_id on the quantized GEMM (moe_route's tile table, quantize_q8_1, then mmq_id) ----------------
+
+
+def _moe(dt: str, e: int, m: int, k: int, t: int, u: int, ub: int, bias: bool = False) -> Tensor:
+    """mul_mat_id of (e, m, k) experts for x (t, ub, k) and ids (t, u), and an add_id of (e, m) biases if `bias`."""
+    ids = od.input("ids", (t, u), "i32")
+    y = ops.mul_mat_id(od.input("as", (e, m, k), dt), od.input("x", (t, ub, k)), ids)
+    return ops.add_id(y, od.input("bias", (e, m)), ids) if bias else y
+
+
+def _ids(kind: str, rng: np.random.Generator, t: int, u: int, e: int) -> np.ndarray:
+    """Expert ids (t, u): u distinct experts a token drawn from all e ("random"), from the first u + 1 only
+    ("few": the others have no pair), or every pair on expert e - 1 ("one", for u == 1)."""
+    if kind == "one":
+        return np.full((t, u), e - 1, np.int32)
+    pool = e if kind == "random" else u + 1
+    return np.argsort(rng.random((t, pool)), axis=-1)[:, :u].astype(np.int32)
+
+
+#: name: (graph, ids kind, eager copies): both configurations of mmq_id_config (64 x 32 tiles up to
+#: SMALL_MEAN pairs an expert, 128 x 64 above), unused experts, all pairs on one expert, Ub 1 and Ub == U,
+#: partial row tiles, a legacy format, K-quants with sub-scales, a fused add_id
+ID_CASES = {
+    "q4_0 E8 U2 T40 Ub1 M77 (64x32 tiles, random ids)": (lambda: _moe("q4_0", 8, 77, 256, 40, 2, 1), "random", False),
+    "q8_0 E4 U1 T40 (every pair on one expert: two tiles)": (lambda: _moe("q8_0", 4, 33, 256, 40, 1, 1), "one", True),
+    "q4_K E8 U4 T24 Ub=U (experts 5..7 unused)": (lambda: _moe("q4_K", 8, 40, 512, 24, 4, 4), "few", False),
+    "q6_K E4 U2 T72 Ub=U K2048 (128x64 tiles)": (lambda: _moe("q6_K", 4, 40, 2048, 72, 2, 2), "random", False),
+    "q5_1 E4 U2 T20 K64 add_id bias": (lambda: _moe("q5_1", 4, 24, 64, 20, 2, 1, bias=True), "random", False),
+    "mxfp4 E4 U3 T16 Ub=U (odd block addresses)": (lambda: _moe("mxfp4", 4, 30, 512, 16, 3, 3), "few", True),
+}
+
+
+def _id_node(y: Tensor) -> Tensor:
+    return next(n for n in Graph.build(y).nodes if n.op == "mul_mat_id")
+
+
+def _id_specs(y: Tensor, arena: ScratchArena) -> list:
+    """The launches of mul_mat_id `y` (or of its add_id group) on mmq_id, in `arena`."""
+    node = _id_node(y)
+    bias = y.srcs[1] if y.op == "add_id" else None
+    return mmq_id.mmq_id_specs(node, y, arena.ptr, arena.scratch, arena.guard, bias=bias)
+
+
+@pytest.fixture(scope="module")
+def id_emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    arity = {}
+    for make, _, _ in ID_CASES.values():
+        y = make()
+        arena = ScratchArena(1 << 24)
+        for leaf in (*Graph.build(y).leafs, *Graph.build(y).nodes):
+            arena.place(leaf, None)
+        arity.update({s.kernel: len(s.arg_values) for s in _id_specs(y, arena)})
+    return build_emulator(tmp_path_factory.mktemp("mmq_id_emu"), ("mmv.cu", "mmv_id.cu", "mmq_id.cu"), arity)
+
+
+def check_route(words: np.ndarray, ids: np.ndarray, e: int, bn: int, tiles: int) -> None:
+    """moe_route's table (int32 words) against the ids: the experts used in order, their pairs' starts and counts,
+    each expert's pairs (as a set), and the tile table: each used expert's pairs cut in tiles of bn, in order,
+    at most `tiles` of them."""
+    flat = ids.reshape(-1)
+    pairs = flat.size
+    count = np.bincount(flat, minlength=e)
+    used = np.flatnonzero(count)
+    s = int(words[0])
+    assert s == len(used), f"{s} experts used, not {len(used)}"
+    starts = np.concatenate(([0], np.cumsum(count[used])[:-1]))
+    assert words[1:1 + s].tolist() == used.tolist()
+    assert words[1 + e:1 + e + s].tolist() == starts.tolist()
+    assert words[1 + 2 * e:1 + 2 * e + s].tolist() == count[used].tolist()
+    listed = words[1 + 3 * e:1 + 3 * e + pairs]
+    for x, at, c in zip(used, starts, count[used]):
+        assert sorted(listed[at:at + c].tolist()) == np.flatnonzero(flat == x).tolist(), f"expert {x}'s pairs"
+    n_tiles = int(words[1 + 3 * e + pairs])
+    want = [(int(x), int(at + f * bn), int(min(bn, c - f * bn)))
+            for x, at, c in zip(used, starts, count[used]) for f in range(-(-c // bn))]
+    assert n_tiles == len(want) <= tiles, f"{n_tiles} tiles, {len(want)} wanted, at most {tiles}"
+    got = words[2 + 3 * e + pairs:2 + 3 * e + pairs + 3 * n_tiles].reshape(-1, 3)
+    assert [tuple(r) for r in got.tolist()] == want
+
+
+@pytest.mark.parametrize("case", list(ID_CASES))
+def test_mmq_id_emulated(case: str, id_emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+    """moe_route, quantize_q8_1 and mmq_id as the plugin binds them, run in turn by the emulator on one memory
+    (outputs and scratch poisoned): the routing table exactly, every output written, and the result against
+    the reference (mul_mat_id's bound) and against it on b rounded to q8_1 (the kernel's only rounding)."""
+    make, kind, eager = ID_CASES[case]
+    y = make()
+    graph = Graph.build(y)
+    node = _id_node(y)
+    as_, b, ids = node.srcs
+    e, (t, u) = as_.shape[0], ids.shape
+    assert support.choose(node).path == "mmq_id", support.mmq_id_ok(node)
+    feeds = {leaf: rng.uniform(-1, 1, leaf.shape).astype(np.float32) for leaf in graph.inputs}
+    feeds[ids] = _ids(kind, rng, t, u, e)
+    arena = ScratchArena(sum(x.base.nbytes + 256 for x in (*graph.leafs, *graph.nodes)) + 40 * b.base.nbytes
+                         + 4 * (8 * t * u + 4 * e) + (1 << 16))
+    for leaf in graph.leafs:
+        arena.place(leaf, from_float(leaf.dtype.name, feeds[leaf]))
+    for n in graph.nodes:
+        arena.place(n, None)
+    launches = _id_specs(y, arena)
+    assert [s.kernel.split("<")[0] for s in launches] == ["moe_route", "quantize_q8_1", "mmq_id"]
+    mem = run_launches(launches, arena, eager, id_emulator, tmp_path)
+    args = launches[2].args
+    bn = int(launches[0].args.tile_n)
+    assert bn == mmq_id.mmq_id_config(as_.dtype.name, t * u, e).bn
+    at = int(launches[0].args.route)
+    words = mem[at:at + 4 * mmq_id.mmv.route_words(e, t * u, int(args.max_tiles))].view(np.int32)
+    check_route(words, feeds[ids], e, bn, int(args.max_tiles))
+    assert arena.word(mem)[0] == 0, "an expert id reported out of range"
+    at = arena.ptr(y)
+    got = mem[at:at + y.nbytes].view(np.float32).reshape(y.shape)
+    what = f"{case}: " + "; ".join(f"{s.kernel} grid {s.grid} block {s.block} smem {s.smem}" for s in launches)
+    assert np.isfinite(got).all(), f"{what}: {np.count_nonzero(~np.isfinite(got))} outputs not written"
+    (ref,) = od.compile(y, "cpu").run(feeds)
+    assert nmse(got, ref) <= NMSE_MAX, f"{what}: NMSE {nmse(got, ref):.3g}"
+    (model,) = od.compile(y, "cpu").run({**feeds, b: q8_1_rounded(feeds[b])})
+    assert nmse(got, model) <= NMSE_Q8_1, f"{what}: NMSE {nmse(got, model):.3g} against b rounded to q8_1"
+
+
+#: (experts, tokens, slots, tile columns, ids kind) of the routing-only runs: the target's shape (64 experts, 8 used,
+#: 512 tokens), few tokens, every pair on one expert, half the experts unused
+ROUTES = [(64, 512, 8, 64, "random"), (8, 9, 2, 32, "random"), (16, 300, 1, 64, "one"), (32, 100, 4, 32, "few")]
+
+
+@pytest.mark.parametrize(("e", "t", "u", "bn", "kind"), ROUTES)
+def test_route_tile_table_emulated(e: int, t: int, u: int, bn: int, kind: str, id_emulator: Path, tmp_path: Path,
+                                   rng) -> None:  # noqa: ANN001
+    """moe_route alone on larger routings: its table (scratch poisoned first) exactly as check_route says, within
+    the bound the grid is sized by."""
+    y = _moe("q4_0", e, 32, 256, t, u, 1)
+    node = _id_node(y)
+    ids = node.srcs[2]
+    arena = ScratchArena(4 * (t * u * 6 + 4 * e) + node.nbytes + (1 << 16))
+    feeds = _ids(kind, rng, t, u, e)
+    arena.place(ids, feeds)
+    arena.place(node, None)
+    tiles = mmq_id.max_tiles(t * u, e, bn)
+    spec = mmq_id.mmv.route_spec(node, node, arena.ptr, arena.scratch, arena.guard, tile_n=bn, tiles=tiles)
+    mem = run_launches([spec], arena, False, id_emulator, tmp_path)
+    at = int(spec.args.route)
+    check_route(mem[at:at + 4 * mmq_id.mmv.route_words(e, t * u, tiles)].view(np.int32), feeds, e, bn, tiles)

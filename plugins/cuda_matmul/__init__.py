@@ -1,4 +1,4 @@
-"""The cuda_matmul plugin: mul_mat, mul_mat_id, out_prod; quantized mat-vec; bias/GLU fusions.
+"""The cuda_matmul plugin: mul_mat, mul_mat_id, out_prod; quantized mat-vec and GEMM (mmq, mmq_id); bias/GLU fusions.
 
 The hooks only: support.py picks each node's path (its name shows in `Plan.explain()`), specs/
 computes the launches from shapes, strides and addresses, bind.py turns them into pre-bound

@@ -14,11 +14,12 @@ from opdispatch.backends.cuda.scratch import Workspace
 from opdispatch.hookspecs import Launch
 from opdispatch.tensor import Tensor
 
-from . import support
+from . import fusion, support
 from .specs import Scratch
 from .specs.gemm import GemmSpec, Spec, gemm_specs, out_prod_specs
 from .specs.mmf import addresses_ok, mmf_fused_specs, mmf_specs
 from .specs.mmq import mmq_addresses, mmq_specs
+from .specs.mmq_id import mmq_id_specs
 from .specs.mmv import fused_specs, grouped_specs, mmv_id_specs, mmv_specs
 
 if TYPE_CHECKING:
@@ -97,9 +98,21 @@ def bind_mmv_id_grouped(ctx: CudaContext, node: Tensor) -> Launch:
     return _bind(ctx, node, lambda scratch: grouped_specs(node, node, ctx.ptr, scratch, ctx.index_check))
 
 
+def bind_mmq_id(ctx: CudaContext, node: Tensor) -> Launch:
+    """mmq_id; mmv_id_grouped should an arena place the experts off a 16-byte boundary."""
+    if mmq_addresses(ctx.ptr, node.srcs[0]):
+        return _bind(ctx, node, lambda scratch: mmq_id_specs(node, node, ctx.ptr, scratch, ctx.index_check))
+    return bind_mmv_id_grouped(ctx, node)
+
+
 def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
-    if nodes[0].op == "mul_mat" and support.choose(nodes[0], ctx.device).path == "mmf":
+    path = support.choose(nodes[0], ctx.device).path
+    if path == "mmf":
         return _bind(ctx, nodes[-1], lambda scratch: mmf_fused_specs(nodes, ctx.ptr, scratch, ctx.device))
+    if path == "mmq_id" and mmq_addresses(ctx.ptr, nodes[0].srcs[0]):  # mul_mat_id -> add_id
+        bias = fusion.parts(nodes)[1][0]
+        return _bind(ctx, nodes[-1], lambda scratch: mmq_id_specs(nodes[0], nodes[-1], ctx.ptr, scratch,
+                                                                  ctx.index_check, bias=bias))
     return _bind(ctx, nodes[-1], lambda scratch: fused_specs(nodes, ctx.ptr, scratch, ctx.index_check, ctx.device))
 
 
@@ -113,6 +126,7 @@ PATHS: tuple[tuple[str, str, Callable], ...] = (
     ("mul_mat", "cublas", bind_gemm),
     ("mul_mat", "dequant_cublas", bind_gemm),
     ("mul_mat_id", "mmv_id", bind_mmv_id),
+    ("mul_mat_id", "mmq_id", bind_mmq_id),
     ("mul_mat_id", "mmv_id_grouped", bind_mmv_id_grouped),
     ("out_prod", "cublas_out_prod", bind_out_prod),
 )

@@ -8,9 +8,10 @@ node but the last is read only inside the group):
   mul_mat_add_glu       the same with a bias after each mul_mat
   mul_mat_id_glu        mul_mat_id(wg, x, ids), mul_mat_id(wu, x, ids) -> glu
   mul_mat_id_add_id_glu the same with add_id biases (gpt-oss)
-The fused kernels are the mat-vec ones and mmf, so each product must take a
-mat-vec path (mul_mat with N <= 8; mul_mat_id with one token for the GLU
-groups) or mmf (mul_mat, f16/bf16 weights, up to 16 columns), with b in f32.
+The fused kernels are the mat-vec ones, mmf and mmq_id (the bias of add_id), so
+each product must take a mat-vec path (mul_mat with N <= 8; mul_mat_id with one
+token for the GLU groups), mmf (mul_mat, f16/bf16 weights, up to 16 columns) or
+mmq_id (mul_mat_id -> add_id with many tokens), with b in f32.
 GLU groups need both weights of one dtype, shape and strides and the same b
 (and ids). Anything else: a reason, and the nodes run unfused.
 """
@@ -28,8 +29,9 @@ from opdispatch.tensor import Tensor
 from . import support
 
 MMV_PATHS = ("mmvf", "mmvq_stream", "mmvq", "mmv_id", "mmv_id_grouped")
-#: the paths whose kernels take the epilogues: the mat-vecs and the tensor-core mmf
-FUSED_PATHS = (*MMV_PATHS, "mmf")
+#: the paths whose kernels take the epilogues: the mat-vecs, the tensor-core mmf, and mmq_id (add_id's bias; its
+#: GLU groups are one token's, which mmv_id takes)
+FUSED_PATHS = (*MMV_PATHS, "mmf", "mmq_id")
 
 #: (rule name, pattern), longest first: dispatch takes the first rule whose check passes
 PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (

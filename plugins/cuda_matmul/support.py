@@ -19,7 +19,7 @@ from opdispatch.ops.base import pad4
 from opdispatch.support import GRID_YZ_MAX, Rule, first_failure, fits_int, rows_apart, whole_elements
 from opdispatch.tensor import Tensor
 
-from .specs import MMF_TYPES, QUANT_NAMES, STREAM_B16, mmq
+from .specs import MMF_TYPES, QUANT_NAMES, STREAM_B16, mmq, mmq_id
 from .specs.stream import STREAMED, device_facts, stream_geo, stream_warps
 
 #: most columns (batch N) the mat-vec kernels take; larger batches go to mmf (float weights) or cuBLAS
@@ -35,8 +35,12 @@ MMF_MAX_N = 16
 #: weights) mmq was 4.3x faster at 16 columns, 1.09x / 1.30x at 128 and 0.48x / 0.57x at 512
 #: (docs/benchmarks.md); the sub-scaled formats are not yet measured
 MMQ_MAX_N = 128
-#: most experts the routing kernel of mmv_id_grouped takes (shared memory: 2 ints an expert)
+#: most experts the routing kernel of mmv_id_grouped and mmq_id takes (shared memory: 2 ints an expert)
 ROUTE_MAX_EXPERTS = 4096
+#: mul_mat_id with several tokens takes mmq_id (the quantized GEMM) where it has more than this many (token,
+#: slot) pairs an expert on average (T * U > MMQ_ID_PAIRS_PER_EXPERT * E): fewer leave its column tiles mostly
+#: empty, and mmv_id_grouped (a mat-vec per expert, 8 pairs at a time) reads each expert's weights as few times
+MMQ_ID_PAIRS_PER_EXPERT = 8
 
 MATMUL_OPS = ("mul_mat", "mul_mat_id", "out_prod")
 
@@ -166,6 +170,26 @@ def mmq_ok(node: Tensor, device: Device | None = None) -> bool | str:
     return True
 
 
+def mmq_id_ok(node: Tensor, device: Device | None = None) -> bool | str:
+    """True if mmq_id runs mul_mat_id `node` (several tokens, checked by the caller), else why mmv_id_grouped
+    runs it: a format of mmq's, more than MMQ_ID_PAIRS_PER_EXPERT pairs an expert, mmq's row conditions."""
+    a = _a(node)
+    dt = a.dtype.name
+    if dt not in mmq.MMQ_FORMATS:
+        return f"{dt} has no quantized GEMM"
+    pairs, experts = node.shape[0] * node.shape[1], a.shape[0]
+    if pairs <= MMQ_ID_PAIRS_PER_EXPERT * experts:
+        return (f"{pairs} (token, slot) pairs for {experts} experts: at most {MMQ_ID_PAIRS_PER_EXPERT} an expert "
+                "do not fill the GEMM's column tiles")
+    g = stream_geo(dt)
+    chunked = _whole_chunks(a, g.row_values, g.chunk, device, "int8 mma.sync m16n8k32")
+    if chunked is not True:
+        return chunked
+    if not mmq_id.mmq_id_fits(dt, pairs, experts, device):
+        return "the tile's stages do not fit in shared memory"
+    return True
+
+
 def mmf_ok(node: Tensor) -> bool | str:
     """True if mmf runs mul_mat `node` (MMF_MIN_N..MMF_MAX_N columns, checked by the caller), else why not."""
     a, b = node.srcs
@@ -200,7 +224,10 @@ def choose(node: Tensor, device: Device | None = None) -> Choice:
             return Choice("mmf")
         return Choice("mmvf" if small else "cublas")
     if node.op == "mul_mat_id":
-        return Choice("mmv_id" if node.shape[0] == 1 else "mmv_id_grouped")
+        if node.shape[0] == 1:
+            return Choice("mmv_id")
+        ok = mmq_id_ok(node, device) if quant else "float experts take the mat-vecs"
+        return Choice("mmq_id") if ok is True else Choice("mmv_id_grouped", note=f"mmq_id: {ok}")
     return Choice("cublas_out_prod")
 
 

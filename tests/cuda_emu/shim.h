@@ -1,6 +1,6 @@
-// Host emulation of the CUDA subset that cuda_matmul's mmvq_stream.cu and mmq.cu (with mmv.cu's
-// quantize_q8_1), cuda_misc's row kernels and the shared headers (common.cuh, quant.cuh) use, for
-// tests/test_mmvq_stream_emulated.py, tests/test_mmq_emulated.py, tests/test_rows_emulated.py and
+// Host emulation of the CUDA subset that cuda_matmul's mmvq_stream.cu, mmq.cu and mmq_id.cu (with mmv.cu's
+// quantize_q8_1 and mmv_id.cu's moe_route), cuda_misc's row kernels and the shared headers (common.cuh,
+// quant.cuh) use, for tests/test_mmvq_stream_emulated.py, tests/test_mmq_emulated.py, tests/test_rows_emulated.py and
 // tests/test_quant_header.py:
 // one std::thread per CUDA thread, std::barrier for __syncthreads / __syncwarp / shuffles, and
 // cp.async performed at wait_group time (lazy) or at issue (eager), so that a read of a stage
@@ -104,6 +104,20 @@ inline void __syncwarp(unsigned = 0xffffffffu) { emu_ctx->warp_bar[threadIdx.x /
 
 template <class T>
 inline T __ldg(const T* p) { return *p; }
+
+// lane l gets lane l - off's v (its own where l < off): mmv_id.cu's moe_route scans with it
+template <class T>
+inline T __shfl_up_sync(unsigned, T v, unsigned off, int = 32) {
+    static_assert(sizeof(T) == 4, "4-byte shuffles");
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    unsigned* x = emu_ctx->xchg.data() + warp * 32;
+    memcpy(&x[lane], &v, 4);
+    __syncwarp();
+    T r;
+    memcpy(&r, &x[lane >= (int)off ? lane - (int)off : lane], 4);
+    __syncwarp();
+    return r;
+}
 
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int off, int = 32) {

@@ -6,7 +6,8 @@
 //                  mul_mat_id, one (token, slot) pair a block: grid (row tiles, U, T),
 //                  the expert read from ids on the device (no host synchronization).
 //   moe_route      mul_mat_id, larger batches: one block groups the (token, slot) pairs
-//                  by expert into a scratch table (counts, starts, pair list).
+//                  by expert into a scratch table (counts, starts, pair list; for mmq_id.cu
+//                  also its column tiles).
 //   mmv_id_grouped, mmvq_id_grouped
 //                  then one block per (row tile, active expert): grid (row tiles,
 //                  min(E, T*U)); each block runs its expert's pairs NT at a time.
@@ -97,10 +98,16 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id(const u8* as0, const u8*
                         bias1 != nullptr ? bias1 + boff : nullptr, glu_kind, alpha, limit);
 }
 
-// The routing table of mul_mat_id's grouped path, in int32 words of `route`:
+// The routing table of mul_mat_id's grouped paths, in int32 words of `route`:
 //   [0] the number S of experts used; [1, 1+E) their ids; [1+E, 1+2E) where each
 //   one's pairs start; [1+2E, 1+3E) how many it has; [1+3E, 1+3E+T*U) the pairs
 //   p = t * U + u, grouped by expert (in no particular order inside a group).
+// With tile_n > 0 (mmq_id's column tiles), then the tile table: [1+3E+T*U] the number of
+//   tiles, and from 2+3E+T*U three words a tile (expert, the position of its first pair in
+//   the pair list, its pairs): each used expert's pairs cut in ceil(count / tile_n) tiles of
+//   tile_n pairs (its last one fewer), expert by expert in ascending order. There are at most
+//   ceil(T*U / tile_n) + min(E, T*U) tiles, whatever the ids: a grid of that many column tiles
+//   is fixed by the shapes (mmq_id's blocks past the table's count exit).
 // One block of ROUTE_BLOCK threads; dynamic shared memory 2 * E ints. Pairs with
 // an id outside [0, E) get a NaN output row here and are left out of the table.
 constexpr int ROUTE_BLOCK = 1024;
@@ -108,11 +115,11 @@ constexpr int ROUTE_PER_THREAD = 4;  // experts a thread scans: E <= ROUTE_BLOCK
 
 extern "C" __global__ void __launch_bounds__(ROUTE_BLOCK) moe_route(const u8* ids, long long ids_t, long long ids_u,
                                                                     int T, int U, int E, int* route, float* out,
-                                                                    int M, OD_INDEX_CHECK_PARAMS) {
+                                                                    int M, int tile_n, OD_INDEX_CHECK_PARAMS) {
     extern __shared__ int smem[];
     int* count = smem;
     int* cursor = smem + E;
-    __shared__ int warp_sums[ROUTE_BLOCK / od::WARP_SIZE][2];
+    __shared__ int warp_sums[ROUTE_BLOCK / od::WARP_SIZE][3];
     const int tid = threadIdx.x;
     const int pairs = T * U;
     for (int e = tid; e < E; e += ROUTE_BLOCK) {
@@ -131,43 +138,51 @@ extern "C" __global__ void __launch_bounds__(ROUTE_BLOCK) moe_route(const u8* id
         }
     }
     __syncthreads();
-    // Exclusive scan over experts of (pairs, used): each thread owns ROUTE_PER_THREAD consecutive experts.
+    // Exclusive scan over experts of (pairs, used, tiles): each thread owns ROUTE_PER_THREAD consecutive experts.
     const int e0 = tid * ROUTE_PER_THREAD;
-    int own_pairs = 0, own_used = 0;
+    auto tiles_of = [&](int c) { return tile_n > 0 ? (c + tile_n - 1) / tile_n : 0; };
+    int own_pairs = 0, own_used = 0, own_tiles = 0;
 #pragma unroll
     for (int j = 0; j < ROUTE_PER_THREAD; ++j) {
         const int c = e0 + j < E ? count[e0 + j] : 0;
         own_pairs += c;
         own_used += c > 0;
+        own_tiles += tiles_of(c);
     }
     const int lane = tid % od::WARP_SIZE, warp = tid / od::WARP_SIZE;
-    int sp = own_pairs, su = own_used;  // inclusive warp scan
+    int sp = own_pairs, su = own_used, st = own_tiles;  // inclusive warp scan
 #pragma unroll
     for (int off = 1; off < od::WARP_SIZE; off <<= 1) {
         const int xp = __shfl_up_sync(od::FULL_MASK, sp, off);
         const int xu = __shfl_up_sync(od::FULL_MASK, su, off);
+        const int xt = __shfl_up_sync(od::FULL_MASK, st, off);
         if (lane >= off) {
             sp += xp;
             su += xu;
+            st += xt;
         }
     }
     if (lane == od::WARP_SIZE - 1) {
         warp_sums[warp][0] = sp;
         warp_sums[warp][1] = su;
+        warp_sums[warp][2] = st;
     }
     __syncthreads();
-    int before_p = 0, before_u = 0, total_u = 0;
+    int before_p = 0, before_u = 0, before_t = 0, total_u = 0, total_t = 0;
     for (int w = 0; w < ROUTE_BLOCK / od::WARP_SIZE; ++w) {
         if (w < warp) {
             before_p += warp_sums[w][0];
             before_u += warp_sums[w][1];
+            before_t += warp_sums[w][2];
         }
         total_u += warp_sums[w][1];
+        total_t += warp_sums[w][2];
     }
-    int start = before_p + sp - own_pairs, slot = before_u + su - own_used;
+    int start = before_p + sp - own_pairs, slot = before_u + su - own_used, tile = before_t + st - own_tiles;
     int* used_expert = route + 1;
     int* used_start = route + 1 + E;
     int* used_count = route + 1 + 2 * E;
+    int* tiles = route + 2 + 3 * E + pairs;  // with tile_n > 0: (expert, first, count) a tile
     for (int j = 0; j < ROUTE_PER_THREAD && e0 + j < E; ++j) {
         const int c = count[e0 + j];
         cursor[e0 + j] = start;
@@ -177,10 +192,18 @@ extern "C" __global__ void __launch_bounds__(ROUTE_BLOCK) moe_route(const u8* id
             used_count[slot] = c;
             ++slot;
         }
+        for (int f = 0; f < tiles_of(c); ++f, ++tile) {
+            tiles[3 * tile] = e0 + j;
+            tiles[3 * tile + 1] = start + f * tile_n;
+            tiles[3 * tile + 2] = min(tile_n, c - f * tile_n);
+        }
         start += c;
     }
     if (tid == 0) {
         route[0] = total_u;
+        if (tile_n > 0) {
+            tiles[-1] = total_t;
+        }
     }
     __syncthreads();
     int* list = route + 1 + 3 * E;

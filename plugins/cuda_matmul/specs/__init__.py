@@ -3,8 +3,8 @@ constants and tuned configuration that fix them; the helpers every family of spe
 
 The launch specs are per .cu family: `mmv` (kernels/mmv.cu: the mat-vecs and the q8_1 quantizer;
 kernels/mmv_id.cu: the MoE mat-vecs and routing), `stream` (kernels/mmvq_stream.cu's geometry), `mmq`
-(kernels/mmq.cu, the quantized GEMM), `mmf` (kernels/mmf.cu, the tensor-core mat-mul for few columns) and
-`gemm` (kernels/convert.cu and the cuBLAS
+(kernels/mmq.cu, the quantized GEMM), `mmq_id` (kernels/mmq_id.cu, the quantized GEMM of mul_mat_id), `mmf`
+(kernels/mmf.cu, the tensor-core mat-mul for few columns) and `gemm` (kernels/convert.cu and the cuBLAS
 calls). Column counts are compiled for the common case only: b f32 (and 16-byte loads for float
 weights) takes NTS (the grouped MoE kernels GROUPED_NTS); the rarer variants (scalar loads, b f16/bf16,
 which only unfused mul_mat takes) are compiled for 8 columns and run fewer.
@@ -28,6 +28,7 @@ MMV_CU = KERNELS_DIR / "mmv.cu"
 MMV_ID_CU = KERNELS_DIR / "mmv_id.cu"
 MMVQ_STREAM_CU = KERNELS_DIR / "mmvq_stream.cu"
 MMQ_CU = KERNELS_DIR / "mmq.cu"
+MMQ_ID_CU = KERNELS_DIR / "mmq_id.cu"
 CONVERT_CU = KERNELS_DIR / "convert.cu"
 MMF_CU = KERNELS_DIR / "mmf.cu"
 
@@ -142,6 +143,10 @@ def mmq_name(wt: str, tile: Sequence[int]) -> str:
     return instance("mmq", W_KIND[wt], *tile)
 
 
+def mmq_id_name(wt: str, tile: Sequence[int]) -> str:
+    return instance("mmq_id", W_KIND[wt], *tile)
+
+
 def mmvq_id_name(wt: str, epi: str) -> str:
     return instance("mmvq_id", W_KIND[wt], epi)
 
@@ -197,8 +202,8 @@ STREAM_NAMES: tuple[str, ...] = (
 #: mmf: f16/bf16 weights, b f32, one or two 8-column tiles, every epilogue
 MMF_TYPES = ("f16", "bf16")
 MMF_NAMES: tuple[str, ...] = tuple(mmf_name(wt, nt, epi) for wt in MMF_TYPES for nt in (1, 2) for epi in EPIS)
-#: every instance the specs can name, per source (tests/test_kernels_compile.py compiles them all; mmq's
-#: are added at the end of this module)
+#: every instance the specs can name, per source (tests/test_kernels_compile.py compiles them all; mmq's and
+#: mmq_id's are added at the end of this module)
 KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {MMV_CU: MMV_NAMES, MMV_ID_CU: MMV_ID_NAMES,
                                                CONVERT_CU: CONVERT_NAMES, MMVQ_STREAM_CU: STREAM_NAMES,
                                                MMF_CU: MMF_NAMES}
@@ -231,6 +236,7 @@ def addr(ptr: Ptr, t: Tensor | None) -> int:
     return ptr(t) if t is not None else 0
 
 
-from . import mmq  # noqa: E402 - last: specs/mmq.py imports the names above; its TABLE names the instances
+from . import mmq, mmq_id  # noqa: E402 - last: they import the names above; their tables name the instances
 
 KERNEL_SOURCES[MMQ_CU] = mmq.NAMES
+KERNEL_SOURCES[MMQ_ID_CU] = mmq_id.NAMES

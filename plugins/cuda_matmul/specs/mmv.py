@@ -140,6 +140,7 @@ class RouteArgs(KernelArgs):
     route: np.uint64 = ptr()
     out: np.uint64 = ptr()
     M: np.int32 = i32()
+    tile_n: np.int32 = i32()
     err_: IndexCheck
 
 
@@ -330,9 +331,23 @@ def experts_of(as_: Tensor) -> str:
     return f"an expert of {as_.describe()}"
 
 
-def route_words(n_experts: int, pairs: int) -> int:
-    """int32 words of moe_route's table."""
-    return 1 + 3 * n_experts + pairs
+def route_words(n_experts: int, pairs: int, tiles: int = 0) -> int:
+    """int32 words of moe_route's table, with room for `tiles` column tiles (mmq_id's) if any."""
+    return 1 + 3 * n_experts + pairs + (1 + 3 * tiles if tiles else 0)
+
+
+def route_spec(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard: Guard, tile_n: int = 0,
+               tiles: int = 0) -> KernelSpec:
+    """moe_route for mul_mat_id `node` writing `out`'s NaN rows (checking the expert ids by `guard`'s
+    IndexCheck) into the scratch buffer "route"; with tile_n > 0 its table also cuts each expert's pairs
+    in column tiles of tile_n, room for `tiles` of them (mmq_id)."""
+    as_, b, ids = node.srcs
+    e, m, _ = as_.shape
+    t, u = ids.shape
+    route = scratch("route", 4 * route_words(e, t * u, tiles))
+    args = RouteArgs(ids=ptr(ids), ids_t=ids.strides[0], ids_u=ids.strides[1], T=t, U=u, E=e, route=route,
+                     out=ptr(out), M=m, tile_n=tile_n, err_=guard(node, ids, e, experts_of(as_), NAN_ROW))
+    return KernelSpec(MMV_ID_CU, ROUTE_NAME, (1,), ROUTE_BLOCK, args, smem=2 * 4 * e)
 
 
 def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard: Guard, *,
@@ -344,12 +359,9 @@ def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard: 
     t, ub, _ = b.shape
     u = ids.shape[1]
     pairs = t * u
-    route = scratch("route", 4 * route_words(e, pairs))
+    specs = [route_spec(node, out, ptr, scratch, guard)]
+    route = int(specs[0].args.route)
     pb, b_t, b_u, b_es, vec = _id_b(node, ptr)
-    specs = [KernelSpec(MMV_ID_CU, ROUTE_NAME, (1,), ROUTE_BLOCK,
-                        RouteArgs(ids=ptr(ids), ids_t=ids.strides[0], ids_u=ids.strides[1], T=t, U=u, E=e,
-                                  route=route, out=ptr(out), M=m, err_=guard(node, ids, e, experts_of(as_), NAN_ROW)),
-                        smem=2 * 4 * e)]
     quant = as_.dtype.is_quant
     nt = nt_for(min(support.MMV_MAX_N, max(1, math.ceil(pairs / min(e, pairs)))), grouped_nts(as_.dtype.name))
     nt = nt if vec or quant else 8
