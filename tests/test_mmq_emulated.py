@@ -134,7 +134,8 @@ def _names(y: Tensor, cfg: mmq.MmqConfig | None) -> list[str]:
     return [s.kernel for s in mmq.mmq_specs(node, lambda t: 512, a.scratch, cfg)]
 
 
-def _call(name: str, nargs: int) -> str:
+def call(name: str, nargs: int) -> str:
+    """instances.inc's entry for instance `name` of a kernel of nargs parameters."""
     args = ", ".join(f"a[{i}]" for i in range(nargs))
     return f'    {{"{name}", [](const Arg* a) {{ {name}({args}); }}}},\n'
 
@@ -146,34 +147,61 @@ def mmq_any_n(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(support, "MMQ_MAX_N", 2**31)
 
 
-@pytest.fixture(scope="module")
-def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    build = tmp_path_factory.mktemp("mmq_emu")
+def host_sources(build: Path, *kernels: Path) -> None:
+    """The shared headers, mmq_common.cuh, mmv.cu (quantize_q8_1) and `kernels` into `build`, host-ready: the mma
+    statements and dynamic shared memory swapped for shim.h's emulation (each swap asserted), and od::last_block's
+    flag, a block's shared variable, a static here, where blocks run one after another."""
     write_headers(build)
-    # od::last_block's flag is a block's shared variable: a static here, where blocks run one after another
     common = (build / "common.cuh").read_text()
     assert LAST_FLAG[0] in common, "common.cuh changed: update the emulation's swap of last_block's flag"
     (build / "common.cuh").write_text(common.replace(*LAST_FLAG))
     for header in ("mm_common.cuh", "mmv_common.cuh", "mmv.cu"):
         (build / header).write_text(specs.KERNELS_DIR.joinpath(header).read_text())
-    src = specs.MMQ_CU.read_text()
-    assert MMA_PTX[0] in src and MMA_K16_PTX[0] in src and SHARED in src, "mmq.cu changed: update the emulation's swaps"
-    src = src.replace(MMA_PTX[0], MMA_PTX[1]).replace(MMA_K16_PTX[0], MMA_K16_PTX[1])
-    src = src.replace(SHARED, "uint4* smem_u4 = reinterpret_cast<uint4*>(emu_ctx->smem);")
-    (build / "mmq.cu").write_text(src)
-    for name in ("mm_common.cuh", "mmv_common.cuh", "mmv.cu", "mmq.cu"):
+    mq = specs.KERNELS_DIR.joinpath("mmq_common.cuh").read_text()
+    assert MMA_PTX[0] in mq and MMA_K16_PTX[0] in mq, "mmq_common.cuh changed: update the emulation's swaps"
+    (build / "mmq_common.cuh").write_text(mq.replace(MMA_PTX[0], MMA_PTX[1]).replace(MMA_K16_PTX[0], MMA_K16_PTX[1]))
+    for cu in kernels:
+        src = cu.read_text()
+        assert SHARED in src, f"{cu.name} changed: update the emulation's swap of its shared memory"
+        (build / cu.name).write_text(src.replace(SHARED, "uint4* smem_u4 = reinterpret_cast<uint4*>(emu_ctx->smem);"))
+    for name in ("mm_common.cuh", "mmv_common.cuh", "mmv.cu", "mmq_common.cuh", *(cu.name for cu in kernels)):
         assert "asm" not in (build / name).read_text(), f"{name} has inline PTX the emulation does not replace"
-    (build / "kernel.cu").write_text('#include "mmv.cu"\n#include "mmq.cu"\n')
+    (build / "kernel.cu").write_text('#include "mmv.cu"\n' + "".join(f'#include "{cu.name}"\n' for cu in kernels))
     (build / "main.cpp").write_text((EMU / "kernel_main.cpp").read_text())
-    names = sorted({n for make, _, cfg in CASES.values() for n in _names(make(), cfg)})
-    arity = {"quantize_q8_1": len(mmq.mmv.QuantizeArgs.__attrs_attrs__), "mmq": len(mmq.MmqArgs.__attrs_attrs__)}
-    (build / "instances.inc").write_text("".join(_call(n, arity[n.split("<")[0]]) for n in names))
+
+
+def build_emulator(build: Path, calls: str) -> Path:
+    """The emulator of build's kernel.cu with `calls` (instances.inc's entries), compiled by g++."""
+    (build / "instances.inc").write_text(calls)
     exe = build / "emu"
     cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-w", "-I", str(build),
            str(build / "main.cpp"), "-o", str(exe)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
     return exe
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    build = tmp_path_factory.mktemp("mmq_emu")
+    host_sources(build, specs.MMQ_CU)
+    names = sorted({n for make, _, cfg in CASES.values() for n in _names(make(), cfg)})
+    arity = {"quantize_q8_1": len(mmq.mmv.QuantizeArgs.__attrs_attrs__), "mmq": len(mmq.MmqArgs.__attrs_attrs__)}
+    return build_emulator(build, "".join(call(n, arity[n.split("<")[0]]) for n in names))
+
+
+def run_specs(emulator: Path, arena: Arena, launches: list, eager: bool, tmp_path: Path) -> np.ndarray:
+    """The arena's memory after the emulator ran `launches` (KernelSpecs) in turn on it."""
+    mem_file = tmp_path / "mem.bin"
+    arena.mem.tofile(mem_file)
+    for spec in launches:
+        grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
+        cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, grid), str(spec.block),
+               *(str(v.item()) for v in spec.arg_values)]
+        env = {**os.environ, "EMU_SMEM": str(spec.smem), "EMU_EAGER": str(int(eager))}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, f"{spec.kernel}: {done.stderr}"
+    return np.fromfile(mem_file, np.uint8)
 
 
 def _emulate(y: Tensor, feeds: dict, eager: bool, cfg: mmq.MmqConfig | None, emulator: Path,
@@ -192,16 +220,7 @@ def _emulate(y: Tensor, feeds: dict, eager: bool, cfg: mmq.MmqConfig | None, emu
         arena.place(n, None)
     launches = mmq.mmq_specs(node, arena.ptr, arena.scratch, cfg)
     assert [s.kernel.split("<")[0] for s in launches] == ["quantize_q8_1", "mmq"]
-    mem_file = tmp_path / "mem.bin"
-    arena.mem.tofile(mem_file)
-    for spec in launches:
-        grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
-        cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, grid), str(spec.block),
-               *(str(v.item()) for v in spec.arg_values)]
-        env = {**os.environ, "EMU_SMEM": str(spec.smem), "EMU_EAGER": str(int(eager))}
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        assert done.returncode == 0, f"{spec.kernel}: {done.stderr}"
-    mem = np.fromfile(mem_file, np.uint8)
+    mem = run_specs(emulator, arena, launches, eager, tmp_path)
     at = arena.ptr(node)
     got = mem[at:at + node.nbytes].view(np.float32).reshape(node.shape)
     args = launches[1].args
