@@ -143,8 +143,10 @@ def call(name: str, nargs: int) -> str:
 @pytest.fixture(autouse=True)
 def mmq_any_n(monkeypatch: pytest.MonkeyPatch) -> None:
     """The selection table takes mmq for every column count above the mat-vecs' (by default it stops at
-    support.MMQ_MAX_N), so that every TABLE entry is reached."""
+    support.MMQ_MAX_N, and gives 9 .. support.MMQ_SMALL_MAX_N columns to mmq_small), so that every TABLE entry
+    is reached."""
     monkeypatch.setattr(support, "MMQ_MAX_N", 2**31)
+    monkeypatch.setattr(support, "MMQ_SMALL_MAX_N", support.MMV_MAX_N)
 
 
 def host_sources(build: Path, *kernels: Path) -> None:
