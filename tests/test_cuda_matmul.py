@@ -40,7 +40,7 @@ from opdispatch.errors import DeviceIndexError
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_matmul import bind, fusion, specs, support
-from opdispatch.plugins.cuda_matmul.specs import gemm, mmf, mmq, mmq_id, mmv, stream
+from opdispatch.plugins.cuda_matmul.specs import gemm, mmf, mmq, mmq_id, mmq_small, mmv, stream
 from opdispatch.plugins.cuda_matmul.specs.gemm import GemmSpec
 from opdispatch.tensor import Tensor
 from opdispatch.testing.harness import Status, run_case
@@ -99,14 +99,19 @@ PATH_CASES = [
     ("q8_0", (64, 65536), (8, 65536), "mmvq"),  # b's q8_1 copy does not fit in shared memory
     ("q8_0", (64, 96), (9, 96), "dequant_cublas"),  # K % 256 != 0: mmq declines
     ("q4_1", (64, 96), (512, 96), "dequant_cublas"),  # K % 128 != 0
-    ("q4_0", (64, 4096), (9, 4096), "mmq"),
+    ("q4_0", (64, 4096), (9, 4096), "mmq_small"),
+    ("q4_0", (64, 4096), (32, 4096), "mmq_small"),
+    ("q4_0", (64, 4096), (33, 4096), "mmq"),  # N > support.MMQ_SMALL_MAX_N
+    ("q8_0", (77, 256), (16, 256), "mmq_small"),  # M any
     ("q8_0", (2, 64, 14336), (2, 128, 14336), "mmq"),
     ("q8_0", (2, 64, 14336), (2, 512, 14336), "dequant_cublas"),  # N > support.MMQ_MAX_N
-    ("q4_1", (64, 128), (16, 128), "mmq"),
+    ("q4_1", (64, 128), (16, 128), "mmq_small"),
+    ("q4_1", (64, 128), (40, 128), "mmq"),
     ("q5_1", (64, 64), (70, 64), "mmq"),
-    ("q4_K", (64, 256), (16, 256), "mmq"),
+    ("q4_K", (64, 256), (16, 256), "mmq_small"),
     ("q5_K", (2, 64, 512), (2, 128, 512), "mmq"),
-    ("q6_K", (64, 2048), (9, 2048), "mmq"),
+    ("q6_K", (64, 2048), (9, 2048), "mmq_small"),
+    ("q6_K", (64, 2048), (64, 2048), "mmq"),
     ("q6_K", (64, 256), (9, 256), "dequant_cublas"),  # K % 2048 != 0: q6_K rows of whole 1680-byte chunks
     ("q4_K", (64, 256), (129, 256), "dequant_cublas"),  # N > support.MMQ_MAX_N
 ]
@@ -128,8 +133,10 @@ def mmf_selected(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def mmq_any_n(monkeypatch: pytest.MonkeyPatch) -> None:
-    """mmq takes every column count above the mat-vecs' (the default stops at support.MMQ_MAX_N)."""
+    """mmq takes every column count above the mat-vecs' (the default stops at support.MMQ_MAX_N, and gives
+    9 .. support.MMQ_SMALL_MAX_N columns to mmq_small)."""
     monkeypatch.setattr(support, "MMQ_MAX_N", 2**31)
+    monkeypatch.setattr(support, "MMQ_SMALL_MAX_N", support.MMV_MAX_N)
 
 
 @pytest.mark.usefixtures("mmf_selected")
@@ -833,7 +840,7 @@ def ones(record: type) -> object:
 def test_every_launched_kernel_has_an_argument_record() -> None:
     """One KernelArgs record per kernel named in KERNEL_SOURCES, its fields the kernel's parameters
     and their converters the C types' numpy scalars."""
-    records = {kernel: cls for module in (mmv, stream, gemm, mmq, mmq_id, mmf) for cls in vars(module).values()
+    records = {kernel: cls for module in (mmv, stream, gemm, mmq, mmq_id, mmq_small, mmf) for cls in vars(module).values()
                if isinstance(cls, type) and issubclass(cls, KernelArgs) and cls is not KernelArgs
                for kernel in cls.KERNELS}
     for source, names in specs.KERNEL_SOURCES.items():
@@ -1058,38 +1065,116 @@ def test_mmq(dt: str, n: int, rng) -> None:  # noqa: ANN001
 
 
 def mmq_three_runs(dt: str, n: int, shapes: tuple[tuple[int, int], ...], feeds_of: Callable,
-                   ref_feeds: Callable, *bound: float) -> None:
-    """mul_mat of (m, k) `dt` weights by n columns for each of `shapes` planned on mmq, run three times (warm-up,
-    CUDA-graph capture, replay), its arenas poisoned before each, against the CPU reference on ref_feeds(feeds)."""
+                   ref_feeds: Callable, *bound: float, path: str = "mmq") -> None:
+    """mul_mat of (m, k) `dt` weights by n columns for each of `shapes` planned on `path` (mmq, mmq_small), run
+    three times (warm-up, CUDA-graph capture, replay), its arenas poisoned before each, against the CPU reference
+    on ref_feeds(feeds)."""
     for m, k in shapes:
         y = ops.mul_mat(od.input("a", (m, k), dt), od.input("b", (n, k)))
         plan = od.compile(y, "cuda0")
         (step,) = steps_of(plan, "mul_mat")
-        assert step.kernel == "mmq", plan.explain()
+        assert step.kernel == path, plan.explain()
         for run in range(3):
             feeds = feeds_of(y)
             poison_arenas(plan)
             (got,) = plan.run(feeds)
             (ref,) = od.compile(y, "cpu").run(ref_feeds(feeds))
-            assert_close(got, ref, f"mmq a={dt} m={m} k={k} n={n}, run {run}", *bound)
+            assert_close(got, ref, f"{path} a={dt} m={m} k={k} n={n}, run {run}", *bound)
 
 
 @gpu
-@pytest.mark.parametrize("n", [16, 64, 128])
-def test_mmq_split_k_is_deterministic(n: int, rng) -> None:  # noqa: ANN001
+@pytest.mark.usefixtures("mmq_any_n")
+@pytest.mark.parametrize(("n", "path"), [(16, "mmq"), (64, "mmq"), (128, "mmq")])
+def test_mmq_split_k_is_deterministic(n: int, path: str, rng) -> None:  # noqa: ANN001
     """Split K (the last block of a tile adds the slices in order): the same inputs give the same bits,
     run after run and replay after replay, whichever block finishes last."""
+    split_k_deterministic(n, path, rng)
+
+
+def split_k_deterministic(n: int, path: str, rng: np.random.Generator) -> None:
     y = ops.mul_mat(od.input("a", (300, 14336), "q4_0"), od.input("b", (n, 14336)))
     plan = od.compile(y, "cuda0")
     (step,) = steps_of(plan, "mul_mat")
-    assert step.kernel == "mmq", plan.explain()
+    assert step.kernel == path, plan.explain()
     feeds = feeds_for(y, rng)
     (first,) = plan.run(feeds)
     (ref,) = od.compile(y, "cpu").run(feeds)
-    assert_close(first, ref, f"mmq split K n={n}")
+    assert_close(first, ref, f"{path} split K n={n}")
     for run in range(3):
         (got,) = plan.run(feeds)
-        assert np.array_equal(got, first), f"mmq split K n={n}: run {run + 1} differs from the first"
+        assert np.array_equal(got, first), f"{path} split K n={n}: run {run + 1} differs from the first"
+
+
+MMQ_SMALL_N = (9, 16, 17, 32)  # both column tiles, full and partial
+
+
+@gpu
+@pytest.mark.parametrize("n", MMQ_SMALL_N)
+@pytest.mark.parametrize("dt", mmq.MMQ_FORMATS)
+def test_mmq_small(dt: str, n: int, rng) -> None:  # noqa: ANN001
+    """The weight-streaming quantized GEMM of every format against the reference (sub-scaled formats: on b
+    rounded to q8_1, their only rounding, with random valid blocks): odd M (a partial warp tile and row tile),
+    K tails (q4_1 K 384, q5_1 K 1088: a short last K tile), a long K (split K); three runs (warm-up,
+    CUDA-graph capture, replay), the arenas poisoned before each."""
+    rv = stream.stream_geo(dt).row_values
+    if dt in specs.LEGACY_NAMES:
+        tail = {"q4_1": 384, "q5_1": 1088}.get(dt, 768)
+        mmq_three_runs(dt, n, ((77, 256), (131, tail), (61, 14336)), lambda y: feeds_for(y, rng), lambda f: f,
+                       path="mmq_small")
+    else:
+        mmq_three_runs(dt, n, ((77, rv), (131, 3 * rv), (61, 14336)), lambda y: subscaled_feeds(y, rng),
+                       lambda f: q8_1_rounded(f, "b"), Q8_1_NMSE, path="mmq_small")
+
+
+@gpu
+@pytest.mark.parametrize("n", [9, 32])
+def test_mmq_small_split_k_is_deterministic(n: int, rng) -> None:  # noqa: ANN001
+    """mmq_small's split K adds the slices in order too: the same bits run after run."""
+    split_k_deterministic(n, "mmq_small", rng)
+
+
+@gpu
+@pytest.mark.parametrize("dt", ["q4_0", "q4_K"])
+@pytest.mark.parametrize("bs", [(2, 3), (3, 2)])
+def test_mmq_small_broadcast_batches(dt: str, bs: tuple, rng) -> None:  # noqa: ANN001
+    """Batched mmq_small, a's batches repeat-interleaved over b's, b f32 / f16 / transposed."""
+    a = od.input("a", (1, bs[1], 45, 256), dt)
+    for b in (od.input("b", (*bs, 17, 256)), od.input("b", (*bs, 17, 256), "f16"),
+              od.input("b", (*bs, 256, 17)).transpose()):
+        y = ops.mul_mat(a, b)
+        _, got, ref = run_both(y, feeds_for(y, rng), path="mmq_small")
+        assert_close(got, ref, f"mmq_small a={dt} bs={bs} b {b.describe()}")
+
+
+def test_mmq_small_grid_on_the_h200() -> None:
+    """mmq_small's cut of the benchmark's shapes on the H200's description: split K so that the grid is about
+    SMALL.blocks_per_sm blocks an SM, slices of kt_min K tiles at least, and the shared memory fits."""
+    cfg, sms = mmq_small.SMALL, 132
+    for dt, m, k, n in (("q4_0", 14336, 4096, 16), ("q8_0", 4096, 14336, 32), ("q4_K", 2048, 2048, 16),
+                        ("q4_0", 2048, 8192, 9)):
+        g = mmq_small.small_grid(m, k, 1, H200)
+        nkt = -(-k // 32 // cfg.kb)
+        assert g.tiles_m == -(-m // cfg.bm) and 1 <= g.splits <= min(cfg.split_max, nkt // cfg.kt_min)
+        assert g.splits == cfg.split_max or g.splits == nkt // cfg.kt_min or \
+            g.tiles_m * g.splits >= cfg.blocks_per_sm * sms > g.tiles_m * (g.splits - 1), (dt, m, k, g)
+        assert g.kts * g.splits >= nkt > (g.kts - 1) * g.splits
+        smem = mmq_small.small_smem(dt, mmq_small.small_nt(n), g.kts)
+        assert smem <= 227 * 1024, (dt, smem)
+    assert mmq_small.small_grid(14336, 4096, 1, H200) == mmq_small.SmallGrid(224, 3, 6)
+    assert mmq_small.small_smem("q4_0", 2, 6) == 16 * (6 * 8 * 40 + 32) + 4 * 4 * 16 * 144
+
+
+def test_mmq_small_declines_what_mmq_takes() -> None:
+    """Past MMQ_SMALL_MAX_N columns, or where b's slice and the rings do not fit, mmq runs the node, and
+    mmq_small's Kernel says why."""
+    node = ops.mul_mat(weight("w", (64, 4096), "q4_0"), od.input("x", (support.MMQ_SMALL_MAX_N + 1, 4096)))
+    assert support.mmq_small_ok(node, H200) == f"N={support.MMQ_SMALL_MAX_N + 1} > {support.MMQ_SMALL_MAX_N}"
+    (k,) = [k for k in cm.kernels(device=H200) if k.name == "mmq_small"]
+    assert k.supports(H200, node) == "mmq takes it"
+    big = ops.mul_mat(weight("w", (16, 1 << 20), "q8_0"), od.input("x", (32, 1 << 20)))  # one row tile: no split
+    assert support.mmq_small_ok(big, H200) == "b's slice and the warps' rings do not fit in shared memory"
+    off = ops.mul_mat(weight("w", (64, 96), "q8_0"), od.input("x", (16, 96)))
+    assert support.mmq_small_ok(off, H200) == support.mmq_ok(off, H200)
 
 
 @gpu
@@ -1544,7 +1629,7 @@ def test_every_output_element_is_written_on_each_run(n: int, rng) -> None:  # no
     plan = od.compile([y, z], "cuda0")
     assert {s.kernel for s in plan.steps if s.plugin == "cuda_matmul"} == (
         {"mmvq", "mul_mat_glu", "mmv_id", "cublas_out_prod"} if n == 1 else
-        {"dequant_cublas", "mmq", "mmv_id_grouped", "cublas_out_prod"}), plan.explain()
+        {"dequant_cublas", "mmq_small", "mmv_id_grouped", "cublas_out_prod"}), plan.explain()
     for run in range(3):  # warm-up, capture, replay
         feeds = named_feeds([y, z], rng, 4)
         poison_arenas(plan)
@@ -1644,9 +1729,10 @@ def test_subscaled_mul_mat_path(dt: str, n: int) -> None:
         else:
             gemm = dt in mmq.MMQ_FORMATS  # the grid I-quants have no quantized GEMM
             big = "mmq" if gemm and whole and n <= support.MMQ_MAX_N else "dequant_cublas"
+            big = "mmq_small" if big == "mmq" and n <= support.MMQ_SMALL_MAX_N else big
             assert (step.plugin, step.kernel) == ("cuda_matmul", big), (k, n)
             over = f"N={n} > {support.MMQ_MAX_N}: dequantizing for cuBLAS is faster there"
-            want = f"{dt} has no quantized GEMM" if not gemm else True if big == "mmq" else \
+            want = f"{dt} has no quantized GEMM" if not gemm else True if big.startswith("mmq") else \
                 over if n > support.MMQ_MAX_N else why
             assert support.mmq_ok(y, H200) == want
 
@@ -1744,6 +1830,7 @@ def test_subscaled_mul_mat_sweep(dt: str, n: int, rng) -> None:  # noqa: ANN001
 
 
 @gpu
+@pytest.mark.usefixtures("mmq_any_n")
 @pytest.mark.parametrize("n", (9, 16, 32, 64, 128, 33, 70))
 @pytest.mark.parametrize("dt", [q for q in SUBSCALED if q in mmq.MMQ_FORMATS])  # the grid I-quants: dequant_cublas
 def test_subscaled_mmq(dt: str, n: int, rng) -> None:  # noqa: ANN001

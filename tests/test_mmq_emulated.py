@@ -136,7 +136,8 @@ def _specs(y: Tensor, cfg: mmq.MmqConfig | None) -> list:
     return mmq.mmq_specs(_node(y), lambda t: 512, a.scratch, cfg)
 
 
-def _call(name: str, nargs: int) -> str:
+def call(name: str, nargs: int) -> str:
+    """instances.inc's entry for instance `name` of a kernel of nargs parameters."""
     args = ", ".join(f"a[{i}]" for i in range(nargs))
     return f'    {{"{name}", [](const Arg* a) {{ {name}({args}); }}}},\n'
 
@@ -144,19 +145,23 @@ def _call(name: str, nargs: int) -> str:
 @pytest.fixture(autouse=True)
 def mmq_any_n(monkeypatch: pytest.MonkeyPatch) -> None:
     """The selection table takes mmq for every column count above the mat-vecs' (by default it stops at
-    support.MMQ_MAX_N), so that every TABLE entry is reached."""
+    support.MMQ_MAX_N, and gives 9 .. support.MMQ_SMALL_MAX_N columns to mmq_small), so that every TABLE entry
+    is reached."""
     monkeypatch.setattr(support, "MMQ_MAX_N", 2**31)
+    monkeypatch.setattr(support, "MMQ_SMALL_MAX_N", support.MMV_MAX_N)
 
 
 #: each kernel file the emulations copy: the swaps that make it host C++ (the inline PTX, the dynamic shared memory)
 SWAPS: dict[str, tuple[tuple[str, str], ...]] = {
     "mm_common.cuh": (),
     "mmv_common.cuh": (),
-    "mmq_tile.cuh": (MMA_PTX, MMA_K16_PTX),
+    "mmq_common.cuh": (MMA_PTX, MMA_K16_PTX),
+    "mmq_tile.cuh": (),
     "mmv.cu": (),
     "mmq.cu": ((SHARED, EMU_SHARED),),
     "mmv_id.cu": ((ROUTE_SHARED, "int* smem = reinterpret_cast<int*>(emu_ctx->smem);"),),
     "mmq_id.cu": ((SHARED, EMU_SHARED),),
+    "mmq_small.cu": ((SHARED, EMU_SHARED),),
 }
 
 
@@ -164,11 +169,10 @@ def build_emulator(build: Path, kernels: tuple[str, ...], arity: dict[str, int])
     """tests/cuda_emu/kernel_main.cpp compiled in `build` for the instances `arity` names (name: its argument
     count) of the kernel files `kernels` (SWAPS' keys), with the shared headers made host C++."""
     write_headers(build)
-    # od::last_block's flag is a block's shared variable: a static here, where blocks run one after another
     common = (build / "common.cuh").read_text()
     assert LAST_FLAG[0] in common, "common.cuh changed: update the emulation's swap of last_block's flag"
     (build / "common.cuh").write_text(common.replace(*LAST_FLAG))
-    for name in ("mm_common.cuh", "mmv_common.cuh", "mmq_tile.cuh", *kernels):
+    for name in ("mm_common.cuh", "mmv_common.cuh", "mmq_common.cuh", "mmq_tile.cuh", *kernels):
         src = specs.KERNELS_DIR.joinpath(name).read_text()
         for ptx, host in SWAPS[name]:
             assert ptx in src, f"{name} changed: update the emulation's swap of {ptx.strip()[:60]}"
@@ -177,7 +181,7 @@ def build_emulator(build: Path, kernels: tuple[str, ...], arity: dict[str, int])
         (build / name).write_text(src)
     (build / "kernel.cu").write_text("".join(f'#include "{k}"\n' for k in kernels))
     (build / "main.cpp").write_text((EMU / "kernel_main.cpp").read_text())
-    (build / "instances.inc").write_text("".join(_call(n, arity[n]) for n in sorted(arity)))
+    (build / "instances.inc").write_text("".join(call(n, arity[n]) for n in sorted(arity)))
     exe = build / "emu"
     cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-w", "-I", str(build),
            str(build / "main.cpp"), "-o", str(exe)]

@@ -20,6 +20,7 @@ from .specs.gemm import GemmSpec, Spec, gemm_specs, out_prod_specs
 from .specs.mmf import addresses_ok, mmf_fused_specs, mmf_specs
 from .specs.mmq import mmq_addresses, mmq_specs
 from .specs.mmq_id import mmq_id_specs
+from .specs.mmq_small import small_specs
 from .specs.mmv import fused_specs, grouped_specs, mmv_id_specs, mmv_specs
 
 if TYPE_CHECKING:
@@ -85,6 +86,13 @@ def bind_mmq(ctx: CudaContext, node: Tensor) -> Launch:
     return bind_gemm(ctx, node)
 
 
+def bind_mmq_small(ctx: CudaContext, node: Tensor) -> Launch:
+    """mmq_small; dequant_cublas should an arena place the weights off a 16-byte boundary."""
+    if mmq_addresses(ctx.ptr, node.srcs[0]):
+        return _bind(ctx, node, lambda scratch: small_specs(node, ctx.ptr, scratch, ctx.device))
+    return bind_gemm(ctx, node)
+
+
 def bind_out_prod(ctx: CudaContext, node: Tensor) -> Launch:
     return _bind(ctx, node, lambda scratch: out_prod_specs(node, ctx.ptr, scratch))
 
@@ -121,6 +129,7 @@ PATHS: tuple[tuple[str, str, Callable], ...] = (
     ("mul_mat", "mmvf", bind_mmv),
     ("mul_mat", "mmvq_stream", bind_mmv),
     ("mul_mat", "mmvq", bind_mmv),
+    ("mul_mat", "mmq_small", bind_mmq_small),
     ("mul_mat", "mmq", bind_mmq),
     ("mul_mat", "mmf", bind_mmf),
     ("mul_mat", "cublas", bind_gemm),

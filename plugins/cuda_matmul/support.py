@@ -19,7 +19,7 @@ from opdispatch.ops.base import pad4
 from opdispatch.support import GRID_YZ_MAX, Rule, first_failure, fits_int, rows_apart, whole_elements
 from opdispatch.tensor import Tensor
 
-from .specs import MMF_TYPES, QUANT_NAMES, STREAM_B16, mmq, mmq_id
+from .specs import MMF_TYPES, QUANT_NAMES, STREAM_B16, mmq, mmq_id, mmq_small
 from .specs.stream import STREAMED, device_facts, stream_geo, stream_warps
 
 #: most columns (batch N) the mat-vec kernels take; larger batches go to mmf (float weights) or cuBLAS
@@ -35,6 +35,11 @@ MMF_MAX_N = 16
 #: weights) mmq was 4.3x faster at 16 columns, 1.09x / 1.30x at 128 and 0.48x / 0.57x at 512
 #: (docs/benchmarks.md); the sub-scaled formats are not yet measured
 MMQ_MAX_N = 128
+#: most columns mmq_small (the weight-streaming quantized GEMM) takes; 9 .. MMQ_SMALL_MAX_N columns go to it
+#: where mmq_small_ok allows, more to mmq. 32: the kernel's widest compiled tile (specs/mmq_small.SMALL_NTS).
+#: Not yet timed: to be confirmed on the H200 against mmq at 16, 24 and 32 columns (the 1b preset's and the
+#: 4096 x 14336 weights, q4_0 / q8_0 / q4_K).
+MMQ_SMALL_MAX_N = 32
 #: most experts the routing kernel of mmv_id_grouped and mmq_id takes (shared memory: 2 ints an expert)
 ROUTE_MAX_EXPERTS = 4096
 #: mul_mat_id with several tokens takes mmq_id (the quantized GEMM) where it has more than this many (token,
@@ -190,6 +195,20 @@ def mmq_id_ok(node: Tensor, device: Device | None = None) -> bool | str:
     return True
 
 
+def mmq_small_ok(node: Tensor, device: Device | None = None) -> bool | str:
+    """True if mmq_small runs mul_mat `node` (block-format a, 8 < N, checked by the caller), else why mmq
+    runs it: at most MMQ_SMALL_MAX_N columns, mmq's row conditions, b's slice and the rings in shared memory."""
+    n = batch_n(node)
+    if n > MMQ_SMALL_MAX_N:
+        return f"N={n} > {MMQ_SMALL_MAX_N}"
+    ok = mmq_ok(node, device)
+    if ok is not True:
+        return ok
+    if not mmq_small.small_fits(node, device):
+        return "b's slice and the warps' rings do not fit in shared memory"
+    return True
+
+
 def mmf_ok(node: Tensor) -> bool | str:
     """True if mmf runs mul_mat `node` (MMF_MIN_N..MMF_MAX_N columns, checked by the caller), else why not."""
     a, b = node.srcs
@@ -218,6 +237,8 @@ def choose(node: Tensor, device: Device | None = None) -> Choice:
         if quant and small:
             return Choice("mmvq_stream" if stream_ok(node, device) is True else "mmvq")
         if quant and not small:
+            if mmq_small_ok(node, device) is True:
+                return Choice("mmq_small")
             ok = mmq_ok(node, device)
             return Choice("mmq") if ok is True else Choice("dequant_cublas", note=f"mmq: {ok}")
         if not quant and MMF_MIN_N <= batch_n(node) <= MMF_MAX_N and mmf_ok(node) is True:

@@ -91,48 +91,10 @@ __global__ void __launch_bounds__(32 * WM * WN)
     mq::k_loop<WT, FM, FN, WM, WN, NS, KB>(smem, wa, a_row, m0, M, bq, bds, nbp,
                                            [&](int c) { return brow0 + min(n0 + c, N - 1); }, nb, kt0, ntiles,
                                            preload, acc);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int warp = threadIdx.x / 32;
     const int row0 = warp / WN * 16 * FM, col0 = warp % WN * 8 * FN;  // the warp's tile in the block's
 
-    // this block's sums: straight to out, or to its plane of part (the last block adds the planes up)
     const long long plane = static_cast<long long>(gridDim.y) * gridDim.z * N * M;
-    float* const dst = (splits == 1 ? out : part + split * plane) + brow0 * M;
-#pragma unroll
-    for (int fm = 0; fm < FM; ++fm) {
-#pragma unroll
-        for (int fn = 0; fn < FN; ++fn) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int m = m0 + row0 + 16 * fm + g + 8 * (i / 2);
-                const int n = n0 + col0 + 8 * fn + 2 * t + i % 2;
-                if (m < M && n < N) {
-                    dst[static_cast<long long>(n) * M + m] = acc[fm][fn][i];
-                }
-            }
-        }
-    }
-    if (splits == 1 || !od::last_block(counters + (batch * tiles_m + tm) * tiles_n + tn, splits)) {
-        return;
-    }
-    const float* const src = part + brow0 * M;
-    float* const o = out + brow0 * M;
-#pragma unroll
-    for (int fm = 0; fm < FM; ++fm) {
-#pragma unroll
-        for (int fn = 0; fn < FN; ++fn) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int m = m0 + row0 + 16 * fm + g + 8 * (i / 2);
-                const int n = n0 + col0 + 8 * fn + 2 * t + i % 2;
-                if (m < M && n < N) {
-                    const long long at = static_cast<long long>(n) * M + m;
-                    float sum = 0.0f;
-                    for (int s = 0; s < splits; ++s) {
-                        sum += __ldcg(src + s * plane + at);
-                    }
-                    o[at] = sum;
-                }
-            }
-        }
-    }
+    mq::finish<FM, FN>(acc, m0 + row0, n0 + col0, M, N, brow0, out, part, split, splits, plane,
+                       counters + (batch * tiles_m + tm) * tiles_n + tn);
 }

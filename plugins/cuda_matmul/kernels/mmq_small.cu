@@ -1,0 +1,169 @@
+// Quantized mul_mat for few columns (mmq_small): out (B3, B2, N, M) f32 = b (N, K) @ a (M, K)^T for
+// block-format weights a and 9 .. 8 NT columns (support.MMQ_SMALL_MAX_N), weight-streaming like
+// mmvq_stream but on the int8 tensor cores like mmq (mmq_common.cuh's fragments, scales and epilogue).
+// Two launches: quantize_q8_1 (mmv.cu) rounds b to q8_1 (QB8 layout), then this kernel.
+//
+// Memory-bound at these widths: every weight byte is read once, and the kernel is cut so that the
+// weights stream without block-wide barriers:
+//   warps   each warp owns WR = 16 FM weight rows (FM m16 mma tiles) and all 8 NT columns (NT n8
+//           tiles), over its block's slice of K; a block is W warps (BM = W WR rows) sharing that slice.
+//   split   K is cut in K tiles of KB steps of 32 values (mq::Tile: KB / STEPS blocks a row), and the
+//           K tiles of a row in `splits` contiguous slices, one block each: grid (tiles_m * splits, B2,
+//           B3), the slices of a row tile adjacent. specs/mmq_small.py picks splits so that the grid is
+//           several blocks an SM (the weights in flight) while each slice keeps a few K tiles.
+//   b       the slice's q8_1 codes and (d, d * sum) of every column (N padded to 8 NT: columns past N
+//           copy column N - 1, write nothing) are copied once into shared memory (cp.async, 16 bytes a
+//           thread) and read by every warp as mma B fragments: column c's codes at c * BCOL (step s's 32
+//           codes at 32 s, BCOL an odd number of granules: the 8 columns of a fragment read fall in
+//           distinct bank groups), its scales at c * BSCOL (a float2 a step).
+//   ring    each warp streams its rows' K tiles through a ring of NS stages of its own in shared
+//           memory (cp.async 16 bytes a lane, one group a K tile, wait_group NS - 2 and __syncwarp a
+//           K tile, no __syncthreads after b landed): NS - 1 K tiles of loads in flight a warp. A stage
+//           holds the warp's WR rows of a K tile as raw blocks, RS bytes apart (mq::Tile: an odd
+//           number of granules; a sub-scaled K tile not starting on a granule copies the granules that
+//           cover it, its first block `lead` bytes in), and the fragments are decoded from them
+//           (mq::a_frag), so no weight is written back dequantized.
+//   finish  splits == 1: straight to out; else each block writes its plane of part and the last block
+//           of a row tile adds the planes in split order (mq::finish): deterministic.
+// With `preload` (constant weights) the first NS - 1 K tiles' copies are issued before the PDL wait
+// for quantize_q8_1.
+//
+// Requirements (support.mmq_small_ok, as mmq's): rows of whole 16-byte chunks (specs/stream.py's
+// STREAMED), a 16-byte aligned; a slice holds at most kts K tiles (the b copy's size, a launch
+// argument); the last K tile may be short (whole chunks). Rows past M read row M - 1 and write nothing.
+// Dynamic shared memory (specs/mmq_small.py's small_smem): 8 NT (BCOL + BSCOL) + W NS WR RS bytes.
+
+#include "mmq_common.cuh"
+
+using mm::u8;
+
+template <int WT, int NT, int FM, int W, int NS, int KB>
+__global__ void __launch_bounds__(32 * W)
+    mmq_small(const u8* a, long long a_row, long long a_s2, long long a_s3, int r2, int r3, const u8* bq,
+              const u8* bds, int nbp, float* out, int M, int K, int N, int tiles_m, int splits, int kts, float* part,
+              int* counters, int preload) {
+    od::grid_enter_later();  // below: after the first weight copies when the weights are constant
+    using Q = mm::Fmt<WT>;
+    using T = mq::Tile<Q, KB>;
+    constexpr int WR = 16 * FM, BM = WR * W, NP = 8 * NT, RS = T::RS, STAGE = WR * RS;
+    static_assert(NS >= 2, "a ring of two stages at least");
+    extern __shared__ uint4 smem_u4[];
+    u8* const smem = reinterpret_cast<u8*>(smem_u4);
+
+    const int split = static_cast<int>(blockIdx.x % splits), tm = static_cast<int>(blockIdx.x / splits);
+    const int i2 = blockIdx.y, i3 = blockIdx.z;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int row0 = tm * BM + warp * WR;  // the warp's first row
+    const u8* const wa = a + (i3 / r3) * a_s3 + (i2 / r2) * a_s2;
+    const long long batch = static_cast<long long>(i3) * gridDim.y + i2;
+    const long long brow0 = batch * N;
+    const int nb = K / 32, nkt = (nb + KB - 1) / KB;
+    const int kt0 = static_cast<int>(static_cast<long long>(split) * nkt / splits);
+    const int ntiles = static_cast<int>(static_cast<long long>(split + 1) * nkt / splits) - kt0;  // <= kts
+    const int bcol = kts * KB * 32 + 16, bscol = kts * KB * 8 + 16;  // odd granules (KB % 8 == 0)
+    u8* const bcodes = smem;
+    u8* const bscales = bcodes + NP * bcol;
+    u8* const ring = bscales + NP * bscol + warp * NS * STAGE;
+
+    // K tile kt of the slice into stage st: the warp's rows' blocks (the granules that cover them,
+    // lead() bytes before the first block where K tiles are not whole granules)
+    auto lead = [&](int kt) { return T::ALIGNED ? 0 : (kt0 + kt) * KB / T::STEPS * Q::BYTES % 16; };
+    auto issue = [&](int kt, u8* st) {
+        const int j0 = (kt0 + kt) * KB, kb = min(KB, nb - j0);
+        const int at = j0 / T::STEPS * Q::BYTES - lead(kt);
+        const int wg = (lead(kt) + kb / T::STEPS * Q::BYTES + (T::ALIGNED ? 0 : 15)) / 16;
+        for (int i = lane; i < WR * wg; i += 32) {
+            const int r = i / wg, x = i - r * wg;
+            const u8* src = wa + static_cast<long long>(min(row0 + r, M - 1)) * a_row + at + 16 * x;
+            od::cp_async16(od::smem_addr(st + r * RS + 16 * x), src);
+        }
+    };
+
+    float acc[FM][NT][4];
+#pragma unroll
+    for (int fm = 0; fm < FM; ++fm) {
+#pragma unroll
+        for (int fn = 0; fn < NT; ++fn) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                acc[fm][fn][i] = 0.0f;
+            }
+        }
+    }
+
+    if (preload) {
+#pragma unroll
+        for (int s = 0; s < NS - 1; ++s) {
+            if (s < ntiles) {
+                issue(s, ring + s * STAGE);
+            }
+        }
+    }
+    od::grid_enter();
+    {  // b's codes (QB8's two half-runs of each step) and scales for the slice, every column: group 0
+        const int j0 = kt0 * KB, ns = min(ntiles * KB, nb - j0);  // steps of the slice (even: nb is)
+        const int cg = 2 * ns + ns / 2;                              // granules a column
+        for (int i = tid; i < NP * cg; i += 32 * W) {
+            const int c = i / cg, x = i - c * cg;
+            const long long row = brow0 + min(c, N - 1);
+            const u8* src;
+            u8* dst;
+            if (x < 2 * ns) {
+                src = bq + row * nbp * 32 + mm::QB8::half(j0 + x / 2, x % 2);
+                dst = bcodes + c * bcol + 16 * x;
+            } else {
+                src = bds + (row * nbp + j0) * 8 + 16 * (x - 2 * ns);
+                dst = bscales + c * bscol + 16 * (x - 2 * ns);
+            }
+            od::cp_async16(od::smem_addr(dst), src);
+        }
+    }
+    od::cp_async_commit();
+#pragma unroll
+    for (int s = 0; s < NS - 1; ++s) {
+        if (!preload && s < ntiles) {
+            issue(s, ring + s * STAGE);
+        }
+        od::cp_async_commit();
+    }
+    od::cp_async_wait<NS - 1>();  // this thread's b copies landed ...
+    __syncthreads();              // ... and every thread's
+
+    for (int kt = 0; kt < ntiles; ++kt) {
+        od::cp_async_wait<NS - 2>();
+        __syncwarp();  // K tile kt landed for every lane; every lane is done with K tile kt - 1's stage
+        if (kt + NS - 1 < ntiles) {
+            issue(kt + NS - 1, ring + (kt + NS - 1) % NS * STAGE);
+        }
+        od::cp_async_commit();
+        const u8* const wst = ring + kt % NS * STAGE + lead(kt);
+        const int kb = min(KB, nb - (kt0 + kt) * KB);
+#pragma unroll 2
+        for (int j = 0; j < kb; ++j) {
+            mq::AFrag af[FM];
+#pragma unroll
+            for (int fm = 0; fm < FM; ++fm) {
+                const u8* r0 = wst + (16 * fm + g) * RS;
+                mq::a_frag<WT, KB>(r0, r0 + 8 * RS, j, t, af[fm]);
+            }
+            const int s = kt * KB + j;  // the step in the slice
+#pragma unroll
+            for (int fn = 0; fn < NT; ++fn) {
+                const u8* bc = bcodes + (8 * fn + g) * bcol + 32 * s + 4 * t;
+                const unsigned b0 = *reinterpret_cast<const unsigned*>(bc);
+                const unsigned b1 = *reinterpret_cast<const unsigned*>(bc + 16);
+                const u8* bs = bscales + (8 * fn + 2 * t) * bscol + 8 * s;
+                const float2 s0 = *reinterpret_cast<const float2*>(bs);
+                const float2 s1 = *reinterpret_cast<const float2*>(bs + bscol);
+#pragma unroll
+                for (int fm = 0; fm < FM; ++fm) {
+                    mq::step_acc<WT>(acc[fm][fn], af[fm], b0, b1, s0, s1);
+                }
+            }
+        }
+    }
+    od::cp_async_wait<0>();  // only empty groups can be left
+
+    const long long plane = static_cast<long long>(gridDim.y) * gridDim.z * N * M;
+    mq::finish<FM, NT>(acc, row0, 0, M, N, brow0, out, part, split, splits, plane, counters + batch * tiles_m + tm);
+}

@@ -1,0 +1,118 @@
+"""cuda_matmul's weight-streaming quantized GEMM (mmq_small.cu, after mmv.cu's quantize_q8_1) run on the CPU:
+the real sources compiled by g++ against tests/cuda_emu/shim.h (test_mmq_emulated.py's emulation: threads,
+barriers, lazy or eager cp.async, the int8 mma from the PTX ISA's fragment layout, poisoned shared memory and
+outputs), on the launch specs the plugin binds (specs/mmq_small.py).
+
+The weights are random valid blocks (opdispatch.quants.samples.random_blocks: every code, sub-scale and min
+drawn), so each format's decode is exercised over its whole range; the oracle is numpy: the blocks dequantized
+(opdispatch.dtypes.dequantize, ggml's dequantize_row) times b, in float64. The kernel's only departure from it
+is b's q8_1 rounding (and split K's f32 order): NMSE 1e-8 against numpy on b rounded to q8_1, mul_mat's 5e-4
+against the plain product. Cases: every format of mmq's, N = 9, 16, 17, 32 (both column tiles, partial ones),
+M tails (M not a multiple of 16, nor of a block's rows), split K (uneven slices, a short last K tile), batches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import opdispatch as od
+from opdispatch import ops
+from opdispatch.dtypes import DTYPES, dequantize
+from opdispatch.graph import Graph
+from opdispatch.plugins.cuda_matmul import specs, support
+from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_small
+from opdispatch.quants.samples import random_blocks
+from opdispatch.tensor import Tensor
+from opdispatch.testing.metrics import nmse
+from cuda_emu.hostcode import gxx_major
+from test_mmq_emulated import NMSE_MAX, NMSE_Q8_1, ScratchArena, build_emulator, run_launches
+from test_mmvq_stream_emulated import q8_1_rounded
+
+pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
+
+SC = mmq_small.SmallConfig
+#: two warps a block, a 3-stage ring, and a split aimed at 64 blocks an SM: the small test shapes split K
+TWO_WARPS = SC(warps=2, stages=3, blocks_per_sm=64)
+#: name: (format, M, K, N, batch, eager copies, configuration)
+CASES = {
+    "q4_0 M77 K2048 N9": ("q4_0", 77, 2048, 9, (), False, SC()),
+    "q4_0 M40 K768 N16 eager": ("q4_0", 40, 768, 16, (), True, SC()),
+    "q8_0 M33 K1280 N32 (3 uneven slices)": ("q8_0", 33, 1280, 32, (), False, SC(warps=1, kt_min=1, split_max=3)),
+    "q8_0 M19 K768 N17 two warps": ("q8_0", 19, 768, 17, (), False, TWO_WARPS),
+    "q4_1 M21 K640 N12 (a 4-block K tail)": ("q4_1", 21, 640, 12, (), False, TWO_WARPS),
+    "q5_0 M35 K512 N16 fm2": ("q5_0", 35, 512, 16, (), False, SC(fm=2, warps=2, blocks_per_sm=64)),
+    "q5_1 M17 K576 N9 (a 2-block K tail)": ("q5_1", 17, 576, 9, (), False, TWO_WARPS),
+    "q4_K M77 K2304 N16 (9 K tiles)": ("q4_K", 77, 2304, 16, (), False, SC()),
+    "q4_K M30 K1024 N32 batches": ("q4_K", 30, 1024, 32, (2,), True, TWO_WARPS),
+    "q5_K M23 K768 N9": ("q5_K", 23, 768, 9, (), False, TWO_WARPS),
+    "q6_K M21 K2048 N17 (halves, K tiles inside granules)": ("q6_K", 21, 2048, 17, (), False, TWO_WARPS),
+    "q3_K M18 K2048 N16": ("q3_K", 18, 2048, 16, (), False, TWO_WARPS),
+    "q2_K M25 K1024 N32 (mins)": ("q2_K", 25, 1024, 32, (), False, TWO_WARPS),
+    "iq4_nl M20 K512 N9": ("iq4_nl", 20, 512, 9, (), False, TWO_WARPS),
+    "iq4_xs M19 K1024 N16": ("iq4_xs", 19, 1024, 16, (), False, TWO_WARPS),
+    "mxfp4 M22 K1024 N32 (odd block addresses)": ("mxfp4", 22, 1024, 32, (), True, TWO_WARPS),
+}
+
+
+def _node(y: Tensor) -> Tensor:
+    return next(n for n in Graph.build(y).nodes if n.op == "mul_mat")
+
+
+def _graph(dt: str, m: int, k: int, n: int, batch: tuple) -> Tensor:
+    return ops.mul_mat(od.input("a", (m, k), dt), od.input("x", (*batch, n, k)))
+
+
+def _specs(case: str, arena: ScratchArena, ptr=lambda t: 512) -> list:  # noqa: ANN001
+    dt, m, k, n, batch, _, cfg = CASES[case]
+    return mmq_small.small_specs(_node(_graph(dt, m, k, n, batch)), ptr, arena.scratch, None, cfg)
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    arity = {s.kernel: len(s.arg_values) for case in CASES for s in _specs(case, ScratchArena(1 << 24))}
+    return build_emulator(tmp_path_factory.mktemp("mmq_small_emu"), ("mmv.cu", "mmq_small.cu"), arity)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mmq_small_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+    dt, m, k, n, batch, eager, cfg = CASES[case]
+    y = _graph(dt, m, k, n, batch)
+    node = _node(y)
+    assert support.choose(node).path == "mmq_small"
+    a, b = node.srcs
+    raw = random_blocks(rng, dt, m * k // DTYPES[dt].block_size).reshape(m, -1)
+    vb = rng.uniform(-1, 1, b.shape).astype(np.float32)
+    arena = ScratchArena(a.nbytes + b.nbytes + 41 * b.nbytes + (cfg.split_max + 2) * node.nbytes + (1 << 16))
+    arena.place(a, raw)
+    arena.place(b, vb)
+    arena.place(node, None)
+    launches = mmq_small.small_specs(node, arena.ptr, arena.scratch, None, cfg)
+    assert [s.kernel.split("<")[0] for s in launches] == ["quantize_q8_1", "mmq_small"]
+    args = launches[1].args
+    mem = run_launches(launches, arena, eager, emulator, tmp_path)
+    at = arena.ptr(node)
+    got = mem[at:at + node.nbytes].view(np.float32).reshape(node.shape)
+    what = f"{case}: grid {launches[1].grid} splits {args.splits} kts {args.kts} smem {launches[1].smem}"
+    if args.splits > 1:
+        at, nbytes = arena.roles["mmq split counters"]
+        assert not mem[at:at + nbytes].any(), f"{what}: split counters not back to zero"
+    wa = dequantize(dt, raw).astype(np.float64)
+    ref = vb.astype(np.float64) @ wa.T
+    model = q8_1_rounded(vb).astype(np.float64) @ wa.T
+    assert np.isfinite(got).all(), f"{what}: non-finite outputs (unwritten, or read before landing)"
+    assert nmse(got, model) <= NMSE_Q8_1, f"{what}: NMSE {nmse(got, model):.3g} against b rounded to q8_1"
+    assert nmse(got, ref) <= NMSE_MAX, f"{what}: NMSE {nmse(got, ref):.3g}"
+
+
+def test_cases_cover() -> None:
+    """Every format of mmq's, both column tiles, split and unsplit launches, M tails."""
+    assert {c[0] for c in CASES.values()} == set(mmq.MMQ_FORMATS)
+    launches = {case: _specs(case, ScratchArena(1 << 24))[1] for case in CASES}
+    assert {mmq_small.small_nt(c[3]) for c in CASES.values()} == set(mmq_small.SMALL_NTS)
+    assert {9, 16, 17, 32} <= {c[3] for c in CASES.values()}
+    splits = {s.args.splits for s in launches.values()}
+    assert 1 in splits and max(splits) >= 3
+    assert any(c[1] % 16 for c in CASES.values())
