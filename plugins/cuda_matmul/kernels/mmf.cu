@@ -94,7 +94,8 @@ __device__ __forceinline__ void stage_b(const u8* b, long long b_col, long long 
             v[r] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (n < N && kk < kn) {  // kn % 8 == 0: the 4 values lie in the split; i >= total: n >= NB >= N
                 const u8* col = b + n * b_col;
-                v[r] = vec ? mm::load_b4<B_F32, true>(col, k0 + kk, b_es) : mm::load_b4<B_F32, false>(col, k0 + kk, b_es);
+                v[r] = vec ? mm::load_b4<B_F32, true>(col, k0 + kk, b_es)
+                           : mm::load_b4<B_F32, false>(col, k0 + kk, b_es);
             }
         }
 #pragma unroll
