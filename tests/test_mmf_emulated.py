@@ -111,8 +111,8 @@ def _specs(y: Tensor, arena: ScratchArena) -> list[KernelSpec]:
 
 @pytest.fixture(autouse=True)
 def mmf_selected(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The selection table takes mmf for 9..16 columns (by default it selects it for none: support.MMF_MIN_N),
-    so that the fusion rules accept mmf's groups."""
+    """The selection table takes mmf for 9..16 columns (whatever support.MMF_MIN_N, still to be set on the
+    H200, says), so that the fusion rules accept mmf's groups."""
     monkeypatch.setattr(support, "MMF_MIN_N", support.MMV_MAX_N + 1)
 
 
