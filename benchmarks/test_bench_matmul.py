@@ -7,8 +7,9 @@
 - mat-vec, batch 1 (mmvf / mmvq_stream / mmvq, every weight format that has one): bytes = weight bytes + the f32 vector
   + the f32 output, against torch's f16 mat-vec of the same shape (for every
   weight type: torch has no q8_0/q4_0 kernel, and f16 is the usual baseline).
-- mmf, 16 columns (bf16): bytes = the weight bytes, against torch.matmul of the
-  same shape in bf16.
+- mmf, 16 columns (bf16 weights, f32 b; the 1b preset's shapes, the LM head and the fused
+  gate/up pair included): bytes = the weight bytes, against cuBLAS on the same nodes (b
+  converted to bf16 first) and torch.matmul of the same shape in bf16.
 - gate/up + swiglu at batch 1: the fused plan, with the unfused pair's time
   (same weights, fusion off) in extra_info["unfused_us"] and its ratio.
 - mul_mat_id, one token, 8 of 128 experts: bytes = the 8 experts' weights read.
@@ -107,21 +108,59 @@ def test_matvec(measure_cold, torch_cuda, dt: str, shape: tuple) -> None:  # noq
     measure_cold(plan, lay, nbytes, lambda i: torch.matmul(tx, tw[lay.of(i)].T))
 
 
-@pytest.mark.parametrize("shape", [(2048, 2048), (8192, 2048), (2048, 8192)], ids=["2048x2048", "8192x2048",
-                                                                                    "2048x8192"])
-def test_mmf_16_columns(measure_cold, torch_cuda, shape: tuple) -> None:  # noqa: ANN001
-    """mmf (tensor cores, bf16 weights) at 16 columns, the 1b preset's shapes at batch 16."""
+#: the 1b preset's weights (M, K) at batch 16: q / o, k / v, the q/k/v stack, gate / up, down, the LM head
+MMF_SHAPES = {"q_o": (2048, 2048), "k_v": (512, 2048), "qkv": (3072, 2048), "gate_up": (8192, 2048),
+              "down": (2048, 8192), "lm_head": (128256, 2048)}
+
+
+def _mmf_and_cublas(outputs: list, feeds: dict, monkeypatch: pytest.MonkeyPatch) -> tuple[od.Plan, od.Plan]:
+    """Plans of `outputs` (16-column products of bf16 weights, b f32) with mmf selected and with cuBLAS (b
+    converted to bf16 first), whatever support.MMF_MIN_N says."""
+    monkeypatch.setattr(support, "MMF_MIN_N", support.MMV_MAX_N + 1)
+    mmf = ready(outputs, feeds, MATMUL, ops=MATMUL_OPS)
+    monkeypatch.setattr(support, "MMF_MIN_N", support.MMF_MAX_N + 1)
+    # fusion=False: a plan-cache key of its own (the graph is mmf's plan's); cuBLAS products fuse nothing anyway
+    cublas = od.compile(outputs, "cuda0", fusion=False)
+    assert {s.kernel for s in cublas.steps if s.plugin == MATMUL and s.nodes[0].op == "mul_mat"} == {"cublas"}
+    for t, v in feeds.items():
+        cublas.write(t, v)
+    return mmf, cublas
+
+
+@pytest.mark.parametrize("shape", list(MMF_SHAPES.values()), ids=list(MMF_SHAPES))
+def test_mmf_16_columns(measure_cold, benchmark, torch_cuda, monkeypatch, shape: tuple) -> None:  # noqa: ANN001
+    """mmf (tensor cores, bf16 weights, f32 b) at 16 columns, the 1b preset's shapes at batch 16: bytes = the
+    weight bytes; beside it cuBLAS on the same nodes (b converted to bf16 first: extra_info["cublas_us"],
+    "speedup_vs_cublas", what sets support.MMF_MIN_N) and torch's bf16 matmul (b already bf16)."""
     torch = torch_cuda
     M, K, N = *shape, 16
     nbytes = od.input("a", (M, K), "bf16").nbytes
     lay = cold(nbytes)
     weights = param_sets("a", rand(M, K), "bf16", lay.sets)
     x = od.input("x", (N, K))
-    plan = ready([ops.mul_mat(weights[lay.of(i)], x) for i in range(lay.instances)], {x: rand(N, K)}, MATMUL,
-                 ops=MATMUL_OPS, kernel="mmf")
+    plan, cublas = _mmf_and_cublas([ops.mul_mat(weights[lay.of(i)], x) for i in range(lay.instances)],
+                                   {x: rand(N, K)}, monkeypatch)
+    assert {s.kernel for s in plan.steps if s.plugin == MATMUL} == {"mmf"}, plan.explain()
     tw = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(lay.sets)]
     tx = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-    measure_cold(plan, lay, nbytes, lambda i: torch.matmul(tx, tw[lay.of(i)].T))
+    info = measure_cold(plan, lay, nbytes, lambda i: torch.matmul(tx, tw[lay.of(i)].T), also={"cublas": cublas})
+    benchmark.extra_info["speedup_vs_cublas"] = info["cublas_us"] / info["us"]
+
+
+def test_mmf_gate_up_16_columns(measure_cold, benchmark, torch_cuda, monkeypatch) -> None:  # noqa: ANN001
+    """The 1b preset's gate/up pair + swiglu at 16 columns: one fused mmf launch against cuBLAS's (two
+    conversions of b, two GEMMs, the glu): bytes = both weights' bytes."""
+    M, K, N = 8192, 2048, 16
+    nbytes = 2 * od.input("w", (M, K), "bf16").nbytes
+    lay = cold(nbytes)
+    gates, ups = param_sets("wg", rand(M, K), "bf16", lay.sets), param_sets("wu", rand(M, K), "bf16", lay.sets)
+    x = od.input("x", (N, K))
+    ys = [ops.glu_split(ops.mul_mat(gates[lay.of(i)], x), ops.mul_mat(ups[lay.of(i)], x), "swiglu")
+          for i in range(lay.instances)]
+    plan, cublas = _mmf_and_cublas(ys, {x: rand(N, K)}, monkeypatch)
+    assert [s.kernel for s in plan.fusions] == ["mul_mat_glu"] * lay.instances, plan.explain()
+    info = measure_cold(plan, lay, nbytes, None, also={"cublas": cublas})
+    benchmark.extra_info["speedup_vs_cublas"] = info["cublas_us"] / info["us"]
 
 
 @pytest.mark.parametrize("dt", ["f16", "q4_0"])

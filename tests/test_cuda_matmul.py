@@ -80,8 +80,8 @@ PATH_CASES = [
     ("f32", (64, 96), (1, 96), "mmvf"),
     ("f16", (64, 96), (8, 96), "mmvf"),
     ("bf16", (64, 65), (3, 65), "mmvf"),
-    ("f16", (64, 96), (9, 96), "cublas"),  # mmf is not selected (support.MMF_MIN_N): slower than cuBLAS
-    ("bf16", (2, 64, 96), (2, 16, 96), "cublas"),
+    ("f16", (64, 96), (9, 96), "mmf"),  # support.MMF_MIN_N
+    ("bf16", (2, 64, 96), (2, 16, 96), "mmf"),
     ("bf16", (64, 100), (16, 100), "cublas"),  # K % 8 != 0: mmf declines
     ("f16", (64, 96), (17, 96), "cublas"),
     ("f32", (64, 96), (12, 96), "cublas"),  # mmf takes f16/bf16 weights
@@ -127,7 +127,7 @@ def test_mmq_decline_reason_is_explained() -> None:
 
 @pytest.fixture
 def mmf_selected(monkeypatch: pytest.MonkeyPatch) -> None:
-    """mmf takes 9..16 columns (the default selects it for none: support.MMF_MIN_N)."""
+    """mmf takes 9..16 columns, whatever support.MMF_MIN_N (still to be set on the H200) says."""
     monkeypatch.setattr(support, "MMF_MIN_N", support.MMV_MAX_N + 1)
 
 
@@ -477,6 +477,68 @@ def test_stream_fused_glu_spec() -> None:
     # R = 2 at K 4096: one gate and one up row a stage, so as many groups as rows
     lay = stream.stream_layout("q4_0", 4096, True)
     assert spec.grid == (stream.stream_grid(lay, m, 1, specs.STREAM.warps, specs.STREAM.blocks_per_sm, 132), 1, 1)
+
+
+#: (M, K) -> mmf's split on the H200 (132 SMs: 264 blocks of 8 warps): the 1b preset's weights at 16 columns
+MMF_H200_SPLITS = {
+    (2048, 2048): mmf.MmfSplit(8, 256, 16),  # q, o: 128 warp tiles, 8 splits of 8 units (2 groups a warp)
+    (512, 2048): mmf.MmfSplit(8, 256, 4),  # k, v: as many splits, few warps
+    (3072, 2048): mmf.MmfSplit(8, 256, 24),  # the q/k/v stack
+    (8192, 2048): mmf.MmfSplit(4, 512, 64),  # gate, up: 2048 warps, one tile each
+    (2048, 8192): mmf.MmfSplit(16, 512, 16),  # down
+    (128256, 2048): mmf.MmfSplit(1, 2048, 251),  # the LM head: persistent blocks, 4 tiles a warp
+}
+
+
+@pytest.mark.parametrize(("m", "k"), list(MMF_H200_SPLITS))
+def test_mmf_split_on_the_h200(m: int, k: int) -> None:
+    assert mmf.split_k(m, k, 1, H200.props["sm_count"]) == MMF_H200_SPLITS[m, k]
+
+
+def test_mmf_split_rules() -> None:
+    """Over many shapes and batch counts: splits of whole groups, none empty, b's split within KS_MAX (its
+    shared memory within the opt-in limit), at most BLOCKS_PER_SM blocks an SM unless one tile a warp
+    needs more, and every warp within one tile of the busiest."""
+    sms = H200.props["sm_count"]
+    for m, k, batches in itertools.product((1, 17, 77, 300, 2048, 4099, 14336, 128256), (8, 40, 1000, 2056, 8192,
+                                                                                        14336), (1, 3, 32)):
+        sp = mmf.split_k(m, k, batches, sms)
+        what = f"M={m} K={k} batches={batches}: {sp}"
+        assert sp.ks % (mmf.UNIT * mmf.SPLIT_STEP) == 0 and (sp.splits - 1) * sp.ks < k <= sp.splits * sp.ks, what
+        assert sp.ks <= max(mmf.KS_MAX, mmf.UNIT * mmf.SPLIT_STEP), what
+        assert mmf.smem_bytes(16, sp.ks) <= H200.props["smem_per_block_optin"], what
+        tiles, warps = -(-m // mmf.TILE_ROWS), sp.groups * mmf.WARPS
+        busiest = -(-tiles // warps)
+        assert warps * (busiest - 1) < tiles <= warps * busiest, what  # no row group idle
+        if busiest > 1:  # persistent: about BLOCKS_PER_SM blocks an SM
+            assert sp.groups * sp.splits * batches <= mmf.BLOCKS_PER_SM * sms + sp.splits * batches, what
+
+
+def test_mmf_specs_on_the_h200() -> None:
+    """The gate/up pair at 16 columns (8192 x 2048): one launch of the GLU instance, its grid from split_k,
+    8 warps, b's split in shared memory, the partials and zeroed counters a warp tile and split each."""
+    y = gate_up_glu("bf16", 8192, 2048, 16, False, "swiglu")
+    nodes = [n for n in Graph.build(y).nodes if n.op not in ("view", "reshape", "permute", "transpose")]
+    asked = {}
+
+    def scratch(role: str, nbytes: int, zeroed: bool = False) -> int:
+        asked[role] = (nbytes, zeroed)
+        return SCRATCH
+
+    (spec,) = mmf.mmf_fused_specs(nodes, fake_ptr, scratch, H200)
+    check_spec(spec)
+    sp = MMF_H200_SPLITS[8192, 2048]
+    assert spec.kernel == "mmf<W_BF16, 2, EPI_GLU>" and spec.block == 256 == mmf.THREADS
+    assert spec.grid == (sp.groups * sp.splits, 1, 1) and spec.smem == 512 * 16 * 2
+    assert (int(spec.args.ks), int(spec.args.splits)) == (sp.ks, sp.splits)
+    tiles = 8192 // 16
+    assert asked == {"mmf partials": (tiles * sp.splits * 2 * 2 * 32 * 16, False), "mmf counters": (tiles * 4, True)}
+    asked.clear()
+    head = ops.mul_mat(od.input("w", (128256, 2048), "bf16"), od.input("x", (9, 2048)))
+    (spec,) = mmf.mmf_specs(head, head, fake_ptr, scratch, device=H200)
+    check_spec(spec)
+    assert spec.kernel == "mmf<W_BF16, 2, EPI_NONE>" and spec.grid == (251, 1, 1) and spec.smem == 2048 * 16 * 2
+    assert int(spec.args.splits) == 1 and not asked  # one split: no partials
 
 
 def test_gate_declines_devices_without_32_lane_warps() -> None:
@@ -1343,6 +1405,29 @@ def test_mmf_split_k_in_cuda_graph_replays(rng) -> None:  # noqa: ANN001
         (got,) = plan.run(feeds)
         (ref,) = od.compile(z, "cpu").run(feeds)
         assert_close(got, ref, f"mmf chain, run {run}")
+
+
+@gpu
+@pytest.mark.parametrize("n", [2, 9, 16])
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_mmf_persistent_in_cuda_graph_replays(dt: str, n: int, monkeypatch, rng) -> None:  # noqa: ANN001
+    """Constant weights (the loads before the PDL wait) of more warp tiles than the H200's grid holds warps
+    (40001 rows, an M tail: persistent blocks, 2-3 tiles a warp) and K 2056 (two splits, b beyond
+    KS_MAX; the last split ends in a partial unit), over a captured CUDA graph's replays on poisoned
+    arenas: every run right, every output written."""
+    monkeypatch.setattr(support, "MMF_MIN_N", 1)
+    m, k = 40001, 2056
+    sp = mmf.split_k(m, k, 1, H200.props["sm_count"])
+    assert sp.splits == 2 and -(-m // 16) > sp.groups * mmf.WARPS, sp
+    y = ops.mul_mat(weight("a", (m, k), dt), od.input("b", (n, k)))
+    plan = od.compile(y, "cuda0")
+    assert [s.kernel for s in plan.steps if s.plugin == "cuda_matmul"] == ["mmf"], plan.explain()
+    for run in range(4):  # warm-up, capture, replays
+        feeds = named_feeds([y], rng, 0)
+        poison_arenas(plan)
+        (got,) = plan.run(feeds)
+        (ref,) = od.compile(y, "cpu").run(feeds)
+        assert_close(got, ref, f"mmf {dt} n={n}, run {run}")
 
 
 #: (K, M) of the mmvq_stream sweep: M not a multiple of the rows a warp stage holds (R = 2 at

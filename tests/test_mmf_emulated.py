@@ -63,21 +63,24 @@ def _bias(dt: str, m: int, k: int, n: int) -> Tensor:
     return ops.add(ops.mul_mat(od.input("w", (m, k), dt), od.input("x", (n, k))), od.input("bias", (m,)))
 
 
-#: name: graph; each covers a part of the kernel (splits as split_k gives them on DEVICE)
+#: name: graph; each covers a part of the kernel (splits and row groups as split_k gives them on DEVICE:
+#: 8 blocks of 8 warps)
 CASES = {
     "bf16 N16 one split": lambda: _mm("bf16", 77, 64, 16),
     "f16 N9 K40 (a partial unit)": lambda: _mm("f16", 45, 40, 9),
+    "bf16 N2 K200 (a partial group)": lambda: _mm("bf16", 45, 200, 2),
+    "f16 N2 persistent (2 tiles a warp), M tail": lambda: _mm("f16", 1100, 72, 2),
     "bf16 N5 one tile": lambda: _mm("bf16", 19, 96, 5),
-    "bf16 N12 K1024 eight splits": lambda: _mm("bf16", 77, 1024, 12),
-    "f16 N16 K2056 thirteen splits, the last partial": lambda: _mm("f16", 33, 2056, 16),
+    "bf16 N12 K1024 four splits": lambda: _mm("bf16", 77, 1024, 12),
+    "f16 N16 K2056 six splits, the last partial": lambda: _mm("f16", 33, 2056, 16),
+    "bf16 N9 K2080 persistent, two splits, M tail": lambda: _mm("bf16", 600, 2080, 9),
     "bf16 broadcast batches, splits": lambda: _mm("bf16", 19, 512, 10, batch=(2, 3), a_batch=(1, 3)),
     "f16 b transposed (element loads)": lambda: _mm("f16", 21, 64, 16, bview="T"),
-    "bias bf16 N13, splits": lambda: _bias("bf16", 45, 256, 13),
+    "bias bf16 N13, splits": lambda: _bias("bf16", 45, 1024, 13),
     "glu f16 N16 bias swiglu_oai, splits": lambda: gate_up_glu("f16", 70, 512, 16, True, "swiglu_oai"),
     "glu bf16 N11 geglu": lambda: gate_up_glu("bf16", 33, 96, 11, False, "geglu"),
+    "glu bf16 N16 persistent, two splits": lambda: gate_up_glu("bf16", 600, 2080, 16, False, "swiglu"),
 }
-
-
 class ScratchArena(Arena):
     """An Arena that hands out scratch buffers (poisoned, or zeroed when asked) after the tensors."""
 
@@ -108,8 +111,8 @@ def _specs(y: Tensor, arena: ScratchArena) -> list[KernelSpec]:
 
 @pytest.fixture(autouse=True)
 def mmf_selected(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The selection table takes mmf for 9..16 columns (by default it selects it for none: support.MMF_MIN_N),
-    so that the fusion rules accept mmf's groups."""
+    """The selection table takes mmf for 9..16 columns (whatever support.MMF_MIN_N, still to be set on the
+    H200, says), so that the fusion rules accept mmf's groups."""
     monkeypatch.setattr(support, "MMF_MIN_N", support.MMV_MAX_N + 1)
 
 
@@ -186,8 +189,16 @@ def test_mmf_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> None:  
         assert not arena.mem[at:at + nbytes].any(), f"{what}: counters not back to 0"
 
 
+def _tiles_a_warp(spec: KernelSpec) -> int:
+    """The most warp tiles a warp of the launch streams (mmf.cu's grid: row groups * splits)."""
+    a = spec.args
+    tiles = -(-int(a.M) // mmf.TILE_ROWS)
+    return -(-tiles // (spec.grid[0] // int(a.splits) * mmf.WARPS))
+
+
 def test_cases_cover_the_kernel() -> None:
-    """The cases reach one and several splits with and without GLU, both tile counts and both weight types."""
+    """The cases reach one and several splits with and without GLU, persistent warps (more than one tile)
+    with one split and several, with and without GLU, both tile counts and both weight types."""
     seen = set()
     for make in CASES.values():
         y = make()
@@ -195,9 +206,11 @@ def test_cases_cover_the_kernel() -> None:
         for t in (*Graph.build(y).leafs, *Graph.build(y).nodes):
             arena.place(t, None)
         (spec,) = _specs(y, arena)
-        seen.add((int(spec.args.splits) > 1, spec.kernel))
-    kernels = {k for _, k in seen}
-    assert {s for s, _ in seen} == {False, True}
-    assert any("EPI_GLU" in k for s, k in seen if s) and any("EPI_GLU" in k for s, k in seen if not s)
+        seen.add((int(spec.args.splits) > 1, _tiles_a_warp(spec) > 1, spec.kernel))
+    kernels = {k for *_, k in seen}
+    assert {s for s, _, _ in seen} == {False, True}
+    assert {(s, p) for s, p, _ in seen} >= {(False, True), (True, True)}
+    assert any("EPI_GLU" in k for s, _, k in seen if s) and any("EPI_GLU" in k for s, _, k in seen if not s)
+    assert any("EPI_GLU" in k for _, p, k in seen if p)
     assert {"W_F16", "W_BF16"} <= {k.split("<")[1].split(",")[0] for k in kernels}
     assert {k.split(",")[1].strip() for k in kernels} == {"1", "2"}

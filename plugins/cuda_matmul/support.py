@@ -24,11 +24,13 @@ from .specs.stream import STREAMED, device_facts, stream_geo, stream_warps
 
 #: most columns (batch N) the mat-vec kernels take; larger batches go to mmf (float weights) or cuBLAS
 MMV_MAX_N = 8
-#: mmf (tensor cores, f16/bf16 weights) takes MMF_MIN_N..MMF_MAX_N columns where mmf_ok allows. On the
-#: H200 (2026-12-02, bf16, the 1b preset's five weight shapes, 9, 12 and 16 columns) it was slower than
-#: cuBLAS but at 2048x8192 with 9 and 12 columns (0.52-0.99x elsewhere; docs/benchmarks.md), so no column
-#: count selects it until it is tuned: MMF_MIN_N above MMF_MAX_N. Its tests lower MMF_MIN_N to run it.
-MMF_MIN_N = 17
+#: mmf (tensor cores, f16/bf16 weights) takes MMF_MIN_N..MMF_MAX_N columns where mmf_ok allows. Both must be
+#: measured on the H200 (`benchmarks/test_bench_matmul.py -k mmf`: mmf against cuBLAS with b converted
+#: first, at the 1b preset's shapes). The first mmf ran 0.52-0.99x cuBLAS (docs/benchmarks.md); the weight
+#: stream that replaced it is untimed: 9 (every column count above the mat-vecs') is provisional, on the
+#: reasoning that it reads the weights as cuBLAS does but drops b's conversion launch (307 of the 1b bf16
+#: batch-16 step's 1581 us) and its second read of b. Its tests lower MMF_MIN_N to run it.
+MMF_MIN_N = 9
 #: most columns mmf takes (the kernel's two 8-column tiles); more go to cuBLAS
 MMF_MAX_N = 16
 #: most columns mmq takes (every format); more go to dequant_cublas. On the H200 (q4_0 / q8_0, 4096 x 14336

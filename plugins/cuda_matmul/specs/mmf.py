@@ -1,15 +1,15 @@
-"""kernels/mmf.cu's launch (the tensor-core mat-mul for few columns): its argument record, the constants it
-mirrors, the split of K that spreads a node over the SMs, and the spec function.
+"""kernels/mmf.cu's launch (the tensor-core mat-mul for few columns, a weight stream): its argument record,
+the constants it mirrors, the split of the work over the SMs, and the spec function.
 
-A block computes `ROWS` output rows over one split of K (`MmfSplit.ks` values), b's split rounded to a's
-type in shared memory; with several splits each block stores a partial tile in the scratch buffer
-"mmf partials" and the last block of a row block (counters in the zeroed scratch "mmf counters") sums
-them in order and applies the epilogue.
+A warp streams 16-row warp tiles over one split of K (`MmfSplit.ks` values); a block of `WARPS` warps
+holds b's split rounded to a's type in shared memory, staged once for all its tiles (`MmfSplit.groups`
+blocks a split and batch: fewer than the row blocks make them persistent). With several splits each warp
+stores a partial tile in the scratch buffer "mmf partials" and the last warp of a tile (counters in the
+zeroed scratch "mmf counters") sums them in order and applies the epilogue.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import attrs
@@ -25,19 +25,22 @@ from . import EPI_GLU, MMF_CU, MatvecHead, Ptr, Scratch, addr, elem_stride, geom
 from .mmv import _epilogue, _preload
 from .stream import device_facts
 
-WARPS = 4  # mmf.cu's WARPS: warps a block
+WARPS = 8  # mmf.cu's WARPS: warps a block
 THREADS = 32 * WARPS
-ROWS = 16 * WARPS  # mmf.cu's ROWS: output rows a block
-UNIT = 32  # k values a unit (mmf.cu's UNIT); a split is whole units
+TILE_ROWS = 16  # rows a warp tile (an mma's M)
+UNIT = 32  # k values a unit (mmf.cu's UNIT)
 UNIT_BYTES = 64  # bytes of a unit of a b column in shared memory
-TSTRIDE = ROWS + 4  # mmf.cu's TSTRIDE: floats a column of the result tile
+#: units a split is a multiple of: mmf.cu's group (U: 4 units, 2 for the gate/up pair), so that no split
+#: but the last loads a partial group
+SPLIT_STEP = 4
 
-#: blocks an SM the split of K aims at (with WARPS warps: 16 warps an SM)
-BLOCKS_PER_SM = 4
-#: most splits of K (the last block of a row block sums this many partial tiles)
+#: blocks an SM the grid aims at (with WARPS warps and at most 128 registers a thread: 16 warps an SM,
+#: two groups of 4 KB of weights in flight each)
+BLOCKS_PER_SM = 2
+#: most splits of K (the last warp of a tile sums this many partial tiles)
 SPLIT_MAX = 16
-#: fewest units (of 32 k) a split takes, so that a block's setup (b's copy) is worth its weights
-SPLIT_UNITS_MIN = 4
+#: fewest units (of 32 k) a split takes: two groups, so that a warp's second load is in flight with its first
+SPLIT_UNITS_MIN = 8
 #: most k values a split takes: b's split in shared memory, 64 KB at 16 columns
 KS_MAX = 2048
 
@@ -57,23 +60,33 @@ class MmfArgs(KernelArgs):
 
 @attrs.frozen
 class MmfSplit:
-    """How a node's K is split: `splits` splits of `ks` values (the last one shorter or equal)."""
+    """How a node is spread: `splits` splits of `ks` values of K (the last one shorter or equal), `groups`
+    blocks a split and batch (row groups), each taking every `groups`-th block of WARPS warp tiles."""
 
     splits: int
     ks: int
+    groups: int
 
 
 def split_k(m: int, k: int, batches: int, sm_count: int) -> MmfSplit:
-    """The split of K for M rows and `batches` batches on `sm_count` SMs: about BLOCKS_PER_SM blocks an SM,
-    between the fewest splits whose b fits (KS_MAX) and the most that keep SPLIT_UNITS_MIN units a split
-    (at most SPLIT_MAX); splits of whole units, none empty."""
+    """The split for M rows, K and `batches` batches on `sm_count` SMs. The grid aims at BLOCKS_PER_SM
+    blocks of WARPS warps an SM: K is split into as many splits as keep the warp tiles times the splits
+    within that many warps, between the fewest splits whose b fits (KS_MAX) and the most that keep
+    SPLIT_UNITS_MIN units a split (at most SPLIT_MAX); splits of whole SPLIT_STEP units, none empty. Then
+    the row groups: about that many blocks, as few as give every warp the same most tiles (more tiles
+    than warps make the blocks persistent over the rows)."""
+    tiles = -(-m // TILE_ROWS)
     units = -(-k // UNIT)
-    blocks = -(-m // ROWS) * batches
+    blocks = sm_count * BLOCKS_PER_SM
     fewest = -(-units // (KS_MAX // UNIT))
     most = max(fewest, min(SPLIT_MAX, units // SPLIT_UNITS_MIN))
-    want = max(1, round(sm_count * BLOCKS_PER_SM / blocks))
+    want = blocks * WARPS // (tiles * batches)
     per = -(-units // min(max(want, fewest), most))
-    return MmfSplit(-(-units // per), per * UNIT)
+    per = -(-per // SPLIT_STEP) * SPLIT_STEP
+    splits = -(-units // per)
+    aim = max(1, -(-blocks // (splits * batches)))
+    per_warp = -(-tiles // (aim * WARPS))
+    return MmfSplit(splits, per * UNIT, -(-tiles // (per_warp * WARPS)))
 
 
 def n_tiles(n: int) -> int:
@@ -81,10 +94,15 @@ def n_tiles(n: int) -> int:
     return 1 if n <= 8 else 2
 
 
-def smem_bytes(n: int, ks: int, glu: bool) -> int:
-    """mmf's dynamic shared memory: b's split (units * NB columns * 64 bytes) and the result tile."""
-    nb = 8 * n_tiles(n)
-    return -(-ks // UNIT) * nb * UNIT_BYTES + (2 if glu else 1) * nb * TSTRIDE * 4
+def smem_bytes(n: int, ks: int) -> int:
+    """mmf's dynamic shared memory: b's split, ks / 32 units of 8 * n_tiles(n) columns of 64 bytes."""
+    return -(-ks // UNIT) * 8 * n_tiles(n) * UNIT_BYTES
+
+
+def partial_bytes(m: int, n: int, batches: int, splits: int, glu: bool) -> int:
+    """The scratch "mmf partials" of a split node: a partial tile (32 lanes' float4 a weight and 8-column
+    tile) a warp tile, split and batch."""
+    return batches * -(-m // TILE_ROWS) * splits * (2 if glu else 1) * n_tiles(n) * 32 * 16
 
 
 def addresses_ok(ptr: Ptr, a: Tensor, a1: Tensor | None) -> bool:
@@ -105,17 +123,15 @@ def mmf_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     epi, tail = _epilogue(ptr, glu, bias0, bias1)
     batches = b2 * b3
     sp = split_k(m, k, batches, device_facts(device).sm_count)
-    rbs = math.ceil(m / ROWS)
     part = counters = 0
     if sp.splits > 1:
-        tile = (2 if epi == EPI_GLU else 1) * 8 * n_tiles(n) * ROWS * 4
-        part = scratch("mmf partials", batches * rbs * sp.splits * tile)
-        counters = scratch("mmf counters", batches * rbs * 4, zeroed=True)
+        part = scratch("mmf partials", partial_bytes(m, n, batches, sp.splits, epi == EPI_GLU))
+        counters = scratch("mmf counters", batches * -(-m // TILE_ROWS) * 4, zeroed=True)
     head = MatvecHead(a0=ptr(a), a1=addr(ptr, a1), a_row=sa1, a_s2=sa2, a_s3=sa3, r2=b2 // a2, r3=b3 // a3,
                       b=ptr(b), b_col=sb1, b_es=elem_stride(b), b_s2=sb2, b_s3=sb3, out=ptr(out), M=m, K=k, N=n, **tail)
     args = MmfArgs(head=head, ks=sp.ks, splits=sp.splits, part=part, counters=counters, preload=_preload(a, a1))
-    return [KernelSpec(MMF_CU, mmf_name(a.dtype.name, n_tiles(n), epi), (rbs * sp.splits, b2, b3), THREADS, args,
-                       smem=smem_bytes(n, sp.ks, epi == EPI_GLU))]
+    return [KernelSpec(MMF_CU, mmf_name(a.dtype.name, n_tiles(n), epi), (sp.groups * sp.splits, b2, b3), THREADS,
+                       args, smem=smem_bytes(n, sp.ks))]
 
 
 def mmf_fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch, device: Device | None = None
