@@ -51,7 +51,7 @@ class LayerRange:
             what = f"layer {self.layers[0]}"
         else:
             what = f"layers {self.layers[0]}-{self.layers[-1]}"
-        return f"{what} on {self.device.name} ({bytes_text(self.nbytes)} of params and states)"
+        return f"{what} on {self.device.name} ({self.nbytes / 2**20:.2f} MiB of params and states)"
 
 
 @attrs.define(eq=False)
