@@ -111,13 +111,18 @@ def _pattern(ops: Iterable[str | Iterable[str]]) -> tuple[PatternOp, ...]:
     return tuple(p if isinstance(p, str) else frozenset(p) for p in ops)
 
 
+def _op_set(ops: str | Iterable[str]) -> frozenset[str]:
+    """An op name or a collection of them, as a set."""
+    return frozenset((ops,) if isinstance(ops, str) else ops)
+
+
 def _accept(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
     return True
 
 
 @attrs.frozen
 class FusionRule:
-    """`pattern` ops, consecutive in execution order, run by one `bind`-ed launch.
+    """`pattern` ops, in execution order, run by one `bind`-ed launch.
 
     A position of `pattern` is an op name or a set of them (`("rope", {"view",
     "reshape"}, "set_rows")`). `check(device, nodes, graph)` returns True or a
@@ -126,6 +131,11 @@ class FusionRule:
     output, and the outputs of the nodes at the pattern positions in `outputs`:
     those may be read outside the group (ggml's top-k MoE router also writes
     the expert ids). Names are unique among the plugins asked.
+
+    `hoist`: ops that may come between the pattern's nodes when they are independent of the group
+    (they read nothing it computes or writes, `fusion.hoistable`); those nodes then run before the
+    group. Llama's separate k and v projections (mul_mat, reshape) land inside the q/k/v group that
+    way: `hoist=("mul_mat", "reshape", "view")`. Empty (the default): the nodes are consecutive.
     """
 
     name: str
@@ -133,6 +143,7 @@ class FusionRule:
     bind: Callable[[BindContext, Sequence[Tensor]], Launch]
     check: Callable[[Device, Sequence[Tensor], Graph], bool | str] = _accept
     outputs: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    hoist: frozenset[str] = attrs.field(default=frozenset(), converter=_op_set)
 
     def __attrs_post_init__(self) -> None:
         if len(self.pattern) < 2:
@@ -142,6 +153,8 @@ class FusionRule:
         if any(not 0 <= j < len(self.pattern) - 1 for j in self.outputs):
             raise ValueError(f"fusion rule '{self.name}': outputs {self.outputs} must be positions "
                              f"before the last of its {len(self.pattern)} ops")
+        if not all(isinstance(o, str) for o in self.hoist):
+            raise ValueError(f"fusion rule '{self.name}': hoist must be op names, got {sorted(map(repr, self.hoist))}")
 
 
 class Hooks:
@@ -184,7 +197,7 @@ class Hooks:
 
     @hookspec
     def fusion_rules(self, device: Device) -> Iterable[FusionRule]:
-        """Fusion rules for `device`: a pattern of consecutive ops, a check, a bind::
+        """Fusion rules for `device`: a pattern of ops in execution order, a check, a bind::
 
             @hookimpl
             def fusion_rules(device):

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import attrs
 
 from .errors import DispatchError, PluginError
-from .fusion import can_fuse, index_by_first_op, pattern_matches
+from .fusion import can_fuse, gather, index_by_first_op
 from .graph import Graph
 from .hookspecs import Device, FusionRule, Kernel
 from .manager import Plugin, PluginManager, PluginWarning
@@ -108,12 +108,21 @@ class Scheduler:
     # -- devices and kernels ------------------------------------------------------
     def _assign(self, graph: Graph) -> list[Step]:
         rules: dict[str, dict] = {}  # per device name: its fusion rules by first op
-        nodes = graph.nodes
+        order = list(graph.nodes)  # execution order; a fusion that hoists nodes moves them ahead of its group
         steps: list[Step] = []
         placed: dict[Tensor, Device] = {}
+        #: fused groups waiting for the nodes hoisted ahead of them, innermost last: (where the group
+        #: now starts in `order`, its step); the hoisted nodes fuse only among themselves
+        waiting: list[tuple[int, Step]] = []
         i = 0
-        while i < len(nodes):
-            node = nodes[i]
+        while i < len(order):
+            if waiting and waiting[-1][0] == i:
+                fused = waiting.pop()[1]
+                steps.append(fused)
+                placed.update((n, fused.device) for n in fused.nodes)
+                i += len(fused.nodes)
+                continue
+            node = order[i]
             if node.op in VIEW_OPS:
                 dev = placed[node.base] if node.base in placed else self.home(node.base)
                 steps.append(Step("view", (node,), dev, kernel="view"))
@@ -123,12 +132,17 @@ class Scheduler:
             dev = self.device_of(node)
             if dev.name not in rules:
                 rules[dev.name] = index_by_first_op(self.mgr.fusion_rules(self.plugins, dev) if self.fusion else [])
-            fused, unfused = self._fuse(graph, i, rules[dev.name].get(node.op, ()), dev)
+            end = waiting[-1][0] if waiting else len(order)
+            fused, hoisted, unfused = self._fuse(graph, order, i, end, rules[dev.name].get(node.op, ()), dev)
             if fused is not None:
                 fused.unfused = tuple(unfused)  # longer rules tried first and declined: explain() says why
+                if hoisted:
+                    span = len(fused.nodes) + len(hoisted)
+                    order[i:i + span] = [*hoisted, *fused.nodes]
+                    waiting.append((i + len(hoisted), fused))
+                    continue
                 steps.append(fused)
-                for n in fused.nodes:
-                    placed[n] = dev
+                placed.update((n, dev) for n in fused.nodes)
                 i += len(fused.nodes)
                 continue
             step = self._place(node, dev)
@@ -138,16 +152,19 @@ class Scheduler:
             i += 1
         return steps
 
-    def _fuse(self, graph: Graph, i: int, rules: Sequence[tuple[Plugin, FusionRule]], device: Device
-              ) -> tuple[Step | None, list[tuple[str, str]]]:
-        """The first of `rules` (those starting with node i's op, in plugin order) that fuses
-        the nodes from i on `device`; and the (rule, reason) of those whose pattern matched but declined."""
+    def _fuse(self, graph: Graph, order: Sequence[Tensor], i: int, end: int,
+              rules: Sequence[tuple[Plugin, FusionRule]], device: Device
+              ) -> tuple[Step | None, list[Tensor], list[tuple[str, str]]]:
+        """The first of `rules` (those starting with node i's op, in plugin order) that fuses nodes
+        from order[i] (before order[end]) on `device`, the nodes it hoists ahead of the group; and the
+        (rule, reason) of those whose pattern matched but declined."""
         declined: list[tuple[str, str]] = []
         for plugin, rule in rules:
-            group = tuple(graph.nodes[i:i + len(rule.pattern)])
-            if not pattern_matches([n.op for n in group], rule.pattern):
+            gathered = gather(order, i, rule.pattern, rule.hoist, end)
+            if gathered is None:
                 continue
-            if not can_fuse(graph, i, rule.pattern, rule.outputs):
+            group, hoisted = tuple(gathered[0]), gathered[1]
+            if not can_fuse(graph, group, rule.pattern, rule.outputs):
                 declined.append((rule.name, "an intermediate result is read outside the group"))
                 continue
             writes = tuple(group[j] for j in rule.outputs)
@@ -167,9 +184,10 @@ class Scheduler:
                 declined.append((rule.name, f"check raised {type(exc).__name__}"))
                 continue
             if answer is True:
-                return Step("fused", group, device, plugin.name, rule.name, rule.bind, writes=writes), declined
+                step = Step("fused", group, device, plugin.name, rule.name, rule.bind, writes=writes)
+                return step, hoisted, declined
             declined.append((rule.name, answer if isinstance(answer, str) and answer else "check declined"))
-        return None, declined
+        return None, [], declined
 
     def _warn_rule(self, plugin: Plugin, rule: str, exc: Exception) -> None:
         msg = f"plugin '{plugin.name}' raised in the check of fusion rule {rule}: {type(exc).__name__}: {exc}"

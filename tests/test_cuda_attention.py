@@ -32,6 +32,7 @@ from opdispatch import ops
 from opdispatch.backends.cuda.args import KernelArgs
 from opdispatch.backends.cuda.devices import H200, facts
 from opdispatch.backends.cuda.kernels import KernelSpec, kernel_params
+from opdispatch.fusion import gather
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_attention import fusion, specs
@@ -232,13 +233,15 @@ def test_fusion_off_runs_three_nodes() -> None:
 
 def qkv_step(inp: Inputs, cache: str = "f16", idx: str = "i64", mode: str = "neox", rows: int = 3, heads: int = 8,
              kv_heads: int = 2, d: int = 64, n_dims: int | None = None, ctx: int = 32, v_cache: str | None = None,
-             q_base: float = 10000.0, own_pos: bool = False, own_ids: bool = False) -> list[Tensor]:
+             q_base: float = 10000.0, own_pos: bool = False, own_ids: bool = False, stacked: bool = True
+             ) -> list[Tensor]:
     """The q/k/v part of LlamaModel.build's decode step (rows sequences of one token) over a stacked
-    projection output (rows, (heads + 2 kv_heads) * d): outputs q as flash_attn_ext reads it (rows, heads,
-    1, d) and the K and V windows (1, kv_heads, ctx, d) of the caches, whose rows start random.
-    own_pos / own_ids: q rotated at other positions, V written at other rows (the fusion declines)."""
+    projection output (rows, (heads + 2 kv_heads) * d), or three projections (not `stacked`): outputs q
+    as flash_attn_ext reads it (rows, heads, 1, d) and the K and V windows (1, kv_heads, ctx, d) of the
+    caches, whose rows start random. own_pos / own_ids: q rotated at other positions, V written at other
+    rows (the fusion declines)."""
     kv, n = kv_heads * d, n_dims or d
-    q, k, v = split_qkv(inp, rows, heads, kv_heads, d)
+    q, k, v = (split_qkv if stacked else project_qkv)(inp, rows, heads, kv_heads, d)
     pos, ff = inp.ints((rows,), 0, 512), inp.uniform((n // 2,), lo=0.9, hi=1.1)
     qr = ops.rope(q, inp.ints((rows,), 0, 512) if own_pos else pos, n, mode, freq_base=q_base, freq_factors=ff)
     kr = ops.rope(k, pos, n, mode, freq_factors=ff)
@@ -262,6 +265,28 @@ def split_qkv(inp: Inputs, rows: int, heads: int, kv_heads: int, d: int) -> tupl
     return q, k, qkv.view((rows, kv), (rs, es), (hidden + kv) * es)
 
 
+def project_qkv(inp: Inputs, rows: int, heads: int, kv_heads: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as LlamaModel.build makes them from projections it cannot stack (a Q4_K_M file's v is
+    q6_K, its q and k q4_K): three mul_mats of one input, v's weights in another dtype. Graph.build puts
+    the k and v projections between the q and the k nodes (QKV_HOIST). Values are small multiples of
+    1/64, so every device computes the products exactly and the bounds stay those of the fused ops."""
+    def weights(n: int, dtype: str) -> Tensor:
+        return inp.given(inp.rng.integers(-3, 4, (n, 32)) / 64, dtype)
+
+    x = inp.given(inp.rng.integers(-3, 4, (rows, 32)).astype(np.float32))
+    q = ops.mul_mat(weights(heads * d, "f32"), x).reshape(1, rows, heads, d)
+    k = ops.mul_mat(weights(kv_heads * d, "f32"), x).reshape(1, rows, kv_heads, d)
+    return q, k, ops.mul_mat(weights(kv_heads * d, "f16"), x)
+
+
+def qkv_group(graph: Graph, pattern: tuple = fusion.QKV_PATTERN) -> list[Tensor]:
+    """The group the q/k/v rules gather from the first rope of `graph`."""
+    first = [n.op for n in graph.nodes].index("rope")
+    gathered = gather(graph.nodes, first, pattern, fusion.QKV_HOIST)
+    assert gathered is not None, [n.op for n in graph.nodes]
+    return gathered[0]
+
+
 def kv_window(cache: Tensor, seqs: int, kv_heads: int, ctx: int, d: int) -> Tensor:
     """The (seqs, kv_heads, ctx, d) attention window of a cache (rows of kv_heads * d): sequence b reads
     rows b * ctx .., as LlamaModel.build's windows do."""
@@ -269,22 +294,39 @@ def kv_window(cache: Tensor, seqs: int, kv_heads: int, ctx: int, d: int) -> Tens
     return cache.view((seqs, kv_heads, ctx, d), (ctx * row, cache.dtype.row_bytes(d), row, cache.dtype.block_bytes))
 
 
-def test_qkv_step_emits_the_fused_pattern_consecutively() -> None:
-    nodes = Graph.build(qkv_step(Inputs(np.random.default_rng(0)))).nodes
-    assert [n.op for n in nodes] == ["view", *fusion.QKV_PATTERN, "view"]
+STACKED = pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "unstacked"])
 
 
+@pytest.mark.parametrize(("stacked", "order", "between"), [
+    (True, ["view", "rope", "reshape", "permute", "view", "rope", "reshape", "set_rows", "view", "view", "set_rows",
+            "view"], ["view", "view"]),
+    (False, ["mul_mat", "reshape", "rope", "reshape", "permute", "mul_mat", "reshape", "rope", "reshape", "set_rows",
+             "view", "mul_mat", "set_rows", "view"], ["mul_mat", "reshape", "mul_mat"]),
+], ids=["stacked", "unstacked"])
+def test_qkv_step_emits_the_fused_pattern_and_independent_nodes_between(stacked: bool, order: list,
+                                                                        between: list) -> None:
+    nodes = Graph.build(qkv_step(Inputs(np.random.default_rng(0)), stacked=stacked)).nodes
+    assert [n.op for n in nodes] == order
+    first = order.index("rope")
+    assert gather(nodes, first, fusion.QKV_PATTERN) is None  # k's and v's own nodes come between
+    group, skipped = gather(nodes, first, fusion.QKV_PATTERN, fusion.QKV_HOIST)
+    assert [n.op for n in skipped] == between and group[-1] is nodes[-2]
+
+
+@STACKED
 @pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("idx", ["i32", "i64"])
 @pytest.mark.parametrize("mode", ["normal", "neox"])
-def test_fuses_the_decode_steps_rope_and_kv_writes(cache: str, idx: str, mode: str) -> None:
-    plan = od.compile(qkv_step(Inputs(np.random.default_rng(0)), cache, idx, mode), H200)
+def test_fuses_the_decode_steps_rope_and_kv_writes(cache: str, idx: str, mode: str, stacked: bool) -> None:
+    plan = od.compile(qkv_step(Inputs(np.random.default_rng(0)), cache, idx, mode, stacked=stacked), H200)
     (step,) = plan.fusions
     assert (step.plugin, step.kernel, step.device.name) == ("cuda_attention", "rope_qkv_set_rows", "cuda0")
     assert [n.op for n in step.nodes] == list(fusion.QKV_PATTERN)
     rope_q, _, k_rows, v_rows = fusion.qkv_parts(step.nodes)
     assert step.writes == (rope_q, k_rows) and step.out is v_rows
-    assert [s.kind for s in plan.steps if s.kind != "view"] == ["fused"]  # one launch, no copies
+    projections = [] if stacked else ["mul_mat"] * 3  # hoisted ahead of the group
+    assert [(s.kind, s.out.op) for s in plan.steps if s.kind != "view"] == [
+        *(("kernel", op) for op in projections), ("fused", "set_rows")]  # one launch after them, no copies
     guard = FakeGuard()
     (spec,) = rope.rope_qkv_specs(*fusion.qkv_parts(step.nodes), fake_ptr, guard, DEV)
     assert spec.kernel in specs.KERNEL_SOURCES[rope.ROPE_CU]
@@ -297,9 +339,9 @@ def test_fuses_the_decode_steps_rope_and_kv_writes(cache: str, idx: str, mode: s
     a = spec.args
     vec, tokens, hq, gq, hk, gk, v_cols, qs_h, qs_t, ks_h, ks_t, vs_t, kcs, vcs = (int(v) for v in (
         a.vec, a.tokens, a.hq, a.gq, a.hk, a.gk, a.v_cols, a.qs_h, a.qs_t, a.ks_h, a.ks_t, a.vs_t, a.kcs, a.vcs))
-    row = (8 + 2 * 2) * 64
+    q_row, k_row, v_row = ((8 + 2 * 2) * 64,) * 3 if stacked else (8 * 64, 2 * 64, 2 * 64)
     assert (vec, tokens, hq, gq, hk, gk, v_cols) == (1, 3, 8, 8, 2, 2, 128)  # 16-byte rows; a head a thread
-    assert (qs_h, qs_t, ks_h, ks_t, vs_t, kcs, vcs) == (64, row, 64, row, row, 128, 128)
+    assert (qs_h, qs_t, ks_h, ks_t, vs_t, kcs, vcs) == (64, q_row, 64, k_row, v_row, 128, 128)
     units = 64 // 8  # f32 chunks of 4 pairs
     assert spec.grid == (-(-max(3 * 8 * units, 3 * 2 * units, 3 * 128 // 4) // rope.ROPE_BLOCK), 3)
 
@@ -312,6 +354,7 @@ def test_fused_qkv_takes_pairs_where_rows_do_not_tile() -> None:
     assert spec.grid == (-(-max(3 * 8 * 33, 3 * 2 * 132) // rope.ROPE_BLOCK), 3)
 
 
+@STACKED
 @pytest.mark.parametrize(("kw", "reason"), [
     (dict(cache="bf16"), r"^k: cache dtype bf16"),
     (dict(v_cache="f32"), r"the K cache is f16, the V cache f32"),
@@ -319,10 +362,10 @@ def test_fused_qkv_takes_pairs_where_rows_do_not_tile() -> None:
     (dict(own_pos=True), r"q and k rotate with different positions"),
     (dict(q_base=500000.0), r"q and k rotate with different positions, frequency factors or parameters"),
 ])
-def test_qkv_fusion_declines_with_the_reason_and_k_still_fuses(kw: dict, reason: str) -> None:
-    outputs = qkv_step(Inputs(np.random.default_rng(0)), **kw)
+def test_qkv_fusion_declines_with_the_reason_and_k_still_fuses(kw: dict, reason: str, stacked: bool) -> None:
+    outputs = qkv_step(Inputs(np.random.default_rng(0)), **kw, stacked=stacked)
     graph = Graph.build(outputs)
-    answer = fusion.check_qkv(H200, graph.nodes[1:11], graph)
+    answer = fusion.check_qkv(H200, qkv_group(graph), graph)
     assert isinstance(answer, str) and re.search(reason, answer), answer
     plan = od.compile(outputs, H200)
     k_part = [] if kw.get("cache") == "bf16" else ["rope_set_rows"]  # ggml fuses f32/f16 caches only
@@ -330,21 +373,23 @@ def test_qkv_fusion_declines_with_the_reason_and_k_still_fuses(kw: dict, reason:
     assert re.search(r"not fused: rope_qkv_set_rows \(" + reason.lstrip("^"), plan.explain())
 
 
-def test_no_qkv_fusion_when_the_rotated_k_is_also_an_output() -> None:
-    outputs = qkv_step(Inputs(np.random.default_rng(0)))
-    rope_k = Graph.build(outputs).nodes[5]
+@STACKED
+def test_no_qkv_fusion_when_the_rotated_k_is_also_an_output(stacked: bool) -> None:
+    outputs = qkv_step(Inputs(np.random.default_rng(0)), stacked=stacked)
+    rope_k = qkv_group(Graph.build(outputs))[3]
     plan = od.compile([*outputs, rope_k], H200)
     assert not plan.fusions
     assert "not fused: rope_qkv_set_rows (an intermediate result is read outside the group)" in plan.explain()
 
 
 def attn_step(inp: Inputs, cache: str = "f16", idx: str = "i64", mode: str = "neox", seqs: int = 3, heads: int = 8,
-              kv_heads: int = 2, d: int = 64, ctx: int = 320) -> list[Tensor]:
-    """LlamaModel.build's decode step from the stacked projection to the attention: `seqs` sequences of one
-    token, sequence b in cache rows b * ctx .., each at a random position of its window (masked past it);
-    outputs the attention (seqs, 1, heads, d) and the two caches, whose other rows start random."""
+              kv_heads: int = 2, d: int = 64, ctx: int = 320, stacked: bool = True) -> list[Tensor]:
+    """LlamaModel.build's decode step from the stacked projection (or three, not `stacked`) to the attention:
+    `seqs` sequences of one token, sequence b in cache rows b * ctx .., each at a random position of its
+    window (masked past it); outputs the attention (seqs, 1, heads, d) and the two caches, whose other rows
+    start random."""
     kv = kv_heads * d
-    q, k, v = split_qkv(inp, seqs, heads, kv_heads, d)
+    q, k, v = (split_qkv if stacked else project_qkv)(inp, seqs, heads, kv_heads, d)
     positions = inp.rng.integers(0, ctx, seqs)
     pos, ids, mask = od.input("pos", (seqs,), "i32"), od.input("ids", (seqs,), idx), od.input("m", (seqs, 1, 1, ctx),
                                                                                              "f16")
@@ -363,19 +408,21 @@ def attn_step(inp: Inputs, cache: str = "f16", idx: str = "i64", mode: str = "ne
     return [out, keys, values]
 
 
+@STACKED
 @pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("idx", ["i32", "i64"])
 @pytest.mark.parametrize("mode", ["normal", "neox"])
-def test_fuses_the_decode_steps_rope_kv_writes_and_attention(cache: str, idx: str, mode: str) -> None:
-    plan = od.compile(attn_step(Inputs(np.random.default_rng(0)), cache, idx, mode), H200)
+def test_fuses_the_decode_steps_rope_kv_writes_and_attention(cache: str, idx: str, mode: str, stacked: bool) -> None:
+    plan = od.compile(attn_step(Inputs(np.random.default_rng(0)), cache, idx, mode, stacked=stacked), H200)
     (step,) = plan.fusions
     assert (step.plugin, step.kernel) == ("cuda_attention", "rope_qkv_flash_attn_ext"), plan.explain()
     assert [n.op for n in step.nodes] == list(fusion.ATTN_PATTERN)
-    assert [s.kind for s in plan.steps if s.kind != "view"] == ["fused"]  # one launch
+    projections = [] if stacked else ["kernel"] * 3  # the projections, hoisted ahead of the group
+    assert [s.kind for s in plan.steps if s.kind != "view"] == [*projections, "fused"]  # one launch after them
     fused = fusion.fused_qkv(step.nodes)
     assert (fused.row0, fused.rows_b) == (0, 320)
     stored = {step.nodes[-1].base, *(n.base for n in plan.graph.leafs),
-              *(step.nodes[j].base for j in fusion.ATTN_OUTPUTS)}
+              *(step.nodes[j].base for j in fusion.ATTN_OUTPUTS), *(s.out for s in plan.steps if s.kind == "kernel")}
 
     def ptr(t: Tensor) -> int:  # only what has storage: rope(q) is computed inside the kernel
         assert t.base in stored, f"{t.describe()} has no storage"
@@ -396,8 +443,7 @@ def test_attention_runs_unfused_where_the_fused_kernel_would_split_the_kv_less()
     # 16 sequences x 8 KV heads: the unfused kernel (4 blocks an SM at D=64) takes 4 splits, the fused (3) 3
     outputs = attn_step(Inputs(np.random.default_rng(0)), seqs=16, heads=32, kv_heads=8, ctx=768)
     graph = Graph.build(outputs)
-    first = [n.op for n in graph.nodes].index("rope")
-    answer = fusion.check_attn(H200, graph.nodes[first:first + len(fusion.ATTN_PATTERN)], graph)
+    answer = fusion.check_attn(H200, qkv_group(graph, fusion.ATTN_PATTERN), graph)
     assert isinstance(answer, str) and "fewer KV splits than the unfused attention" in answer, answer
     assert [s.kernel for s in od.compile(outputs, H200).fusions] == ["rope_qkv_set_rows"]
     assert flash.FUSED_DECODE_BLOCKS_PER_SM[64] < flash.decode_blocks_per_sm(64, DEV.smem_per_sm)
@@ -407,12 +453,12 @@ def test_attention_runs_unfused_where_the_fused_kernel_would_split_the_kv_less()
     (dict(d=80), r"^head size 80 \(fused for 64, 128\)", ["rope_qkv_set_rows"]),
     (dict(cache="bf16"), r"^k: cache dtype bf16", []),
 ])
-def test_attention_fusion_declines_with_the_reason_and_the_smaller_rules_still_fuse(kw: dict, reason: str,
-                                                                                     fused: list) -> None:
-    outputs = attn_step(Inputs(np.random.default_rng(0)), **kw)
+@STACKED
+def test_attention_fusion_declines_with_the_reason_and_the_smaller_rules_still_fuse(
+        kw: dict, reason: str, fused: list, stacked: bool) -> None:
+    outputs = attn_step(Inputs(np.random.default_rng(0)), **kw, stacked=stacked)
     graph = Graph.build(outputs)
-    first = [n.op for n in graph.nodes].index("rope")
-    answer = fusion.check_attn(H200, graph.nodes[first:first + len(fusion.ATTN_PATTERN)], graph)
+    answer = fusion.check_attn(H200, qkv_group(graph, fusion.ATTN_PATTERN), graph)
     assert isinstance(answer, str) and re.search(reason, answer), answer
     assert [s.kernel for s in od.compile(outputs, H200).fusions] == fused
 
@@ -1009,10 +1055,11 @@ def test_fused_rope_set_rows_matches_unfused_and_reference(cache: str, idx: str,
     ("neox", 1, 64, 64), ("normal", 4, 128, 128), ("neox", 16, 64, 32), ("neox", 300, 128, 128),
     ("normal", 5, 66, 40),  # rows that 16-byte chunks do not tile: the pair layout, v a value a thread
 ])
+@STACKED
 def test_fused_rope_qkv_matches_unfused_and_reference(cache: str, idx: str, mode: str, rows: int, d: int,
-                                                      n_dims: int, rng) -> None:  # noqa: ANN001
+                                                      n_dims: int, stacked: bool, rng) -> None:  # noqa: ANN001
     inp = Inputs(rng)
-    outputs = qkv_step(inp, cache, idx, mode, rows=rows, d=d, n_dims=n_dims, ctx=512)
+    outputs = qkv_step(inp, cache, idx, mode, rows=rows, d=d, n_dims=n_dims, ctx=512, stacked=stacked)
     plan = check_cache_step(outputs, inp.feeds, {"q": bound("rope"), "K cache": bound("set_rows", cache),
                                                  "V cache": bound("set_rows", cache)}, f"{cache} {idx} {mode}")
     assert [(s.plugin, s.kernel) for s in plan.fusions] == [("cuda_attention", "rope_qkv_set_rows")], plan.explain()
@@ -1052,10 +1099,11 @@ def check_cache_step(outputs: list[Tensor], feeds: dict, limits: dict[str, float
 @pytest.mark.parametrize(("mode", "seqs", "d", "ctx"), [
     ("neox", 1, 64, 320), ("normal", 3, 128, 320), ("neox", 3, 128, 1100), ("neox", 8, 64, 777),
 ])
+@STACKED
 def test_fused_decode_attention_matches_unfused_and_reference(cache: str, idx: str, mode: str, seqs: int, d: int,
-                                                              ctx: int, rng) -> None:  # noqa: ANN001
+                                                              ctx: int, stacked: bool, rng) -> None:  # noqa: ANN001
     inp = Inputs(rng)
-    outputs = attn_step(inp, cache, idx, mode, seqs=seqs, d=d, ctx=ctx)
+    outputs = attn_step(inp, cache, idx, mode, seqs=seqs, d=d, ctx=ctx, stacked=stacked)
     limits = {"attention": bound("flash_attn_ext"), "K cache": bound("set_rows", cache),
               "V cache": bound("set_rows", cache)}
     plan = check_cache_step(outputs, inp.feeds, limits, f"{cache} {idx} {mode}", times=3)

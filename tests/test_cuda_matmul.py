@@ -290,14 +290,15 @@ def test_stream_layout(dt: str, k: int, glu: bool, layout: tuple) -> None:
     (4096, 1, 8, 1, 132), (100000, 1, 4, 3, 132), (4096, 1000, 2, 2, 132),
 ])
 def test_stream_grid_splits_evenly(m: int, batches: int, warps: int, per_sm: int, sms: int) -> None:
-    """No more blocks than aimed at, and no warp with more groups than the grid aimed at needs."""
+    """Every block slot used while each warp has a group, and the groups spread evenly (no warp more
+    than one group above another) and whole."""
     groups = m  # RO = 1
     lay = stream.StreamLayout(1, 32, 1, 1, 1, 1)
     blocks = stream.stream_grid(lay, m, batches, warps, per_sm, sms)
     target = max(1, per_sm * sms // batches)
+    assert blocks == min(target, -(-groups // warps))
     w = blocks * warps
     counts = [(i + 1) * groups // w - i * groups // w for i in range(w)]
-    assert blocks <= target and max(counts) == -(-groups // (target * warps))
     assert max(counts) - min(counts) <= 1 and sum(counts) == groups
 
 

@@ -14,7 +14,7 @@ import opdispatch as od
 from opdispatch import compiler, ops, sched
 from opdispatch.backends.base import StagedTransfers
 from opdispatch.backends.cpu import HostBackend
-from opdispatch.fusion import can_fuse, index_by_first_op, pattern_matches
+from opdispatch.fusion import can_fuse, gather, hoistable, index_by_first_op, pattern_matches
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import (HOOK_NAMES, PRIORITY_BUILTIN, AbsentDevice, FusionRule, Hooks, Kernel, PluginInfo,
                                   hookimpl)
@@ -482,14 +482,102 @@ def test_can_fuse_lets_views_be_read_outside_when_the_group_writes_their_bytes()
     flat = s.reshape(12)  # a view of the sum, read inside the group (mul) and outside (neg)
     graph = Graph.build([ops.mul(flat, c), ops.neg(flat)])
     assert [n.op for n in graph.nodes] == ["add", "reshape", "mul", "neg"]
-    assert not can_fuse(graph, 0, ("add", "reshape", "mul"))  # the sum exists only inside the kernel
-    assert can_fuse(graph, 0, ("add", "reshape", "mul"), outputs=(0,))  # the kernel writes it: the view is free
+    assert not can_fuse(graph, graph.nodes[:3], ("add", "reshape", "mul"))  # the sum exists only inside the kernel
+    assert can_fuse(graph, graph.nodes[:3], ("add", "reshape", "mul"), outputs=(0,))  # written: the view is free
     # a view of a tensor made before the group: its bytes are there whatever the group does
     d = od.input("d", (3, 4))
     e = d.reshape(12)
     graph = Graph.build([ops.mul(ops.add(c, c), e), ops.neg(e)])
     assert [n.op for n in graph.nodes] == ["add", "reshape", "mul", "neg"]
-    assert can_fuse(graph, 0, ("add", "reshape", "mul"))
+    assert can_fuse(graph, graph.nodes[:3], ("add", "reshape", "mul"))
+
+
+def hoisting(*rules: FusionRule) -> PluginManager:
+    """The toy plugin (add, mul, and its contiguous add_mul) and `rules` tried before its own."""
+    return manager_with(Rules("hoisting", *rules, priority=300), ToyPlugin())
+
+
+def test_a_rule_hoists_independent_nodes_of_its_hoist_ops_ahead_of_the_group() -> None:
+    rng = np.random.default_rng()
+    toy = ToyPlugin()
+    a, b, c, d = (od.input(n, (3, 4)) for n in "abcd")
+    s, t = ops.add(a, b), ops.add(c, d)
+    y = ops.mul(s, t)
+    graph = Graph.build(y)
+    assert graph.nodes == [s, t, y]  # t, read by the group's mul, lands between its add and the mul
+    assert gather(graph.nodes, 0, ("add", "mul")) is None  # no hoist: consecutive nodes only (ggml's rule)
+    assert gather(graph.nodes, 0, ("add", "mul"), {"add"}) == ([s, y], [t])
+    assert gather(graph.nodes, 0, ("add", "mul"), {"add"}, end=2) is None  # not past `end`
+    rule = FusionRule("add_mul_hoisting", ("add", "mul"), bind=toy._bind_add_mul, check=toy._check_add_mul,
+                      hoist="add")
+    assert rule.hoist == frozenset({"add"})
+    plan = od.compile(y, TOY, plugins=hoisting(rule))
+    assert [(s_.kind, s_.kernel, s_.nodes) for s_ in plan.steps] == [
+        ("kernel", "toy_add", (t,)), ("fused", "add_mul_hoisting", (s, y))]  # t runs first
+    feeds = {x: rand(rng, 3, 4) for x in (a, b, c, d)}
+    np.testing.assert_allclose(plan.run(feeds)[0], (feeds[a] + feeds[b]) * (feeds[c] + feeds[d]), rtol=1e-6)
+    # the same rule without hoist: the old, contiguous behaviour, nothing fused
+    plain = FusionRule("add_mul_plain", ("add", "mul"), bind=toy._bind_add_mul, check=toy._check_add_mul)
+    assert not od.compile(y, TOY, plugins=hoisting(plain)).fusions
+
+
+def test_a_node_that_reads_the_group_is_not_hoisted_and_the_group_does_not_fuse() -> None:
+    rng = np.random.default_rng()
+    sum_too = SumToo()
+    a, b, c = (od.input(n, (3, 4)) for n in "abc")
+    s = ops.add(a, b)
+    t = ops.add(s, c)  # reads the group's sum, which the fused kernel writes (outputs=(0,)): hoisted, it
+    y = ops.mul(s, t)  # would read s before the kernel writes it
+    graph = Graph.build(y)
+    assert graph.nodes == [s, t, y]
+    assert not hoistable(t, [s]) and gather(graph.nodes, 0, ("add", "mul"), {"add"}) is None
+    rule = FusionRule("add_mul_keep_sum_hoisting", ("add", "mul"), bind=sum_too._bind_both,
+                      check=sum_too._check_add_mul, outputs=(0,), hoist="add")
+    plan = od.compile(y, TOY, plugins=hoisting(rule))
+    assert not plan.fusions and [n.op for s_ in plan.steps for n in s_.nodes] == ["add", "add", "mul"]
+    feeds = {x: rand(rng, 3, 4) for x in (a, b, c)}
+    ab = feeds[a] + feeds[b]
+    np.testing.assert_allclose(plan.run(feeds)[0], ab * (ab + feeds[c]), rtol=1e-6)
+
+
+def test_hoisted_nodes_fuse_among_themselves_before_the_group_that_hoisted_them() -> None:
+    rng = np.random.default_rng()
+
+    def bind_neg_mul(ctx, nodes):  # noqa: ANN001, ANN202
+        neg, mul = nodes
+        out, a, s = ctx.array(mul), ctx.array(neg.srcs[0]), ctx.array(mul.srcs[1])
+        return lambda: store(out, -load(a, "f32") * load(s, "f32"), mul)
+
+    def bind_add_sub(ctx, nodes):  # noqa: ANN001, ANN202
+        add, sub = nodes
+        out, b, c, e = ctx.array(sub), ctx.array(add.srcs[0]), ctx.array(add.srcs[1]), ctx.array(sub.srcs[1])
+        return lambda: store(out, load(b, "f32") + load(c, "f32") - load(e, "f32"), sub)
+
+    a, b, c, d, e = (od.input(n, (2, 3)) for n in "abcde")
+    n, s1, s2 = ops.neg(a), ops.add(b, c), ops.add(d, e)
+    diff = ops.sub(s1, s2)
+    y = ops.mul(n, diff)
+    assert Graph.build(y).nodes == [n, s1, s2, diff, y]
+    outer = FusionRule("neg_mul", ("neg", "mul"), bind=bind_neg_mul, hoist={"add", "sub"})
+    inner = FusionRule("add_sub", ("add", "sub"), bind=bind_add_sub, hoist="add")  # inside what outer hoists
+    plan = od.compile(y, TOY, plugins=hoisting(outer, inner))
+    assert [(s_.kind, s_.nodes) for s_ in plan.steps] == [("kernel", (s2,)), ("fused", (s1, diff)),
+                                                          ("fused", (n, y))]
+    feeds = {x: rand(rng, 2, 3) for x in (a, b, c, d, e)}
+    want = -feeds[a] * (feeds[b] + feeds[c] - feeds[d] - feeds[e])
+    np.testing.assert_allclose(plan.run(feeds)[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_hoisting_keeps_reads_and_in_place_writes_of_a_buffer_in_order() -> None:
+    cache = od.state("cache", (4, 3), "f32")
+    x, ids = od.input("x", (2, 3)), od.input("ids", (2,), "i64")
+    written = ops.set_rows(cache, x, ids)
+    assert not hoistable(ops.neg(cache), [written])  # reads the buffer the group writes in place
+    assert not hoistable(cache.reshape(12), [written])  # a view of it too
+    assert not hoistable(ops.set_rows(cache, x, ids), [ops.neg(cache)])  # writes in place what the group reads
+    assert hoistable(ops.neg(x), [written]) and hoistable(x.reshape(6), [written])  # reads what the group reads
+    with pytest.raises(ValueError, match="hoist must be op names"):
+        FusionRule("bad_hoist", ("add", "mul"), bind=lambda ctx, nodes: None, hoist=("add", 3))
 
 
 # -- the contract: hooks read off the specs, unique rule names, pattern sets, the rule index ----------
@@ -546,7 +634,8 @@ def test_a_set_in_a_pattern_matches_each_of_its_ops_and_nothing_else() -> None:
     for first, fits in ((ops.add, True), (ops.sub, True), (ops.div, False)):
         graph = Graph.build(ops.mul(first(a, b), c))
         assert pattern_matches([n.op for n in graph.nodes], rule.pattern) is fits
-        assert can_fuse(graph, 0, rule.pattern) is fits
+        assert can_fuse(graph, graph.nodes, rule.pattern) is fits
+        assert (gather(graph.nodes, 0, rule.pattern) is not None) is fits
     assert not pattern_matches(["add"], rule.pattern)  # and in number
     with pytest.raises(ValueError, match="a set in the pattern needs one or more op names"):
         FusionRule("empty", (set(), "mul"), bind=lambda ctx, nodes: None)
@@ -580,9 +669,9 @@ def test_rules_are_indexed_by_their_first_op_and_only_those_are_tried(monkeypatc
     assert {op: [r.name for _, r in rules] for op, rules in index.items()} == {
         "add": ["r_add_mul", "r_either"], "neg": ["r_neg_mul", "r_either"]}
     tried: list[tuple[str, str]] = []
-    real = sched.pattern_matches
-    monkeypatch.setattr(sched, "pattern_matches", lambda ops_, pattern: (tried.append((ops_[0], pattern)),
-                                                                         real(ops_, pattern))[1])
+    real = sched.gather
+    monkeypatch.setattr(sched, "gather", lambda nodes, i, pattern, *rest: (tried.append((nodes[i].op, pattern)),
+                                                                          real(nodes, i, pattern, *rest))[1])
     mgr = manager_with(Rules("rules", add_mul, neg_mul, either))
     a, b, c = (od.input(n, (2, 3)) for n in "abc")
     od.compile(ops.mul(ops.sub(ops.add(a, b), c), c), TOY, plugins=mgr)  # add, sub, mul

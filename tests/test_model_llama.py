@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import time
 
 import attrs
@@ -21,6 +22,7 @@ from opdispatch.models.llama.config import PRESETS, LlamaConfig
 from opdispatch.models.llama.model import LlamaModel
 from opdispatch.models.llama.names import random_weights, weight_shapes
 from opdispatch.models.sampling import Sampler
+from opdispatch.testing.metrics import nmse
 from opdispatch.tensor import param
 
 TINY_F32 = attrs.evolve(PRESETS["tiny"], dtype="f32", cache_dtype="f32")
@@ -313,19 +315,65 @@ def test_qkv_projections_are_one_mat_vec_a_layer_and_unstacked_when_dtypes_diffe
     assert_close_logits(got, ref, rel={"f32": 1e-3, "bf16": 3e-2, "q4_0": 0.4}[dtype])
     if dtype == "f32":
         assert_close_logits(ref, numpy_llama(tiny[0], w, PROMPT))
-    # On an H200 (planned without one): rope, rope+set_rows and set_rows take the views of the stacked
-    # output, so every node stays on the GPU and each layer saves two launches.
+    # On an H200 (planned without one): the decode attention fuses q/k/v rope and the cache writes over
+    # the views of the stacked output as over separate projections, so stacking saves two launches a layer.
     big = LlamaConfig(vocab=512, hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, max_ctx=512, dtype="bf16")
     bw = random_weights(big)
     for batch in (1, 16):
         plans = [compile(LlamaModel(big, bw, max_seqs=16, stack_qkv=s).build(1, 300, batch=batch)[0], H200)
                  for s in (False, True)]
-        for plan, rule in zip(plans, ("rope_set_rows", "rope_qkv_flash_attn_ext")):
+        for plan in plans:
             assert plan.summary()["copies"] == 0 and all(s.device is H200 for s in plan.steps if s.kind != "view")
-            assert [s.kernel for s in plan.fusions].count(rule) == big.layers
-        saved = 2 * big.layers
-        saved += 3 * big.layers  # stacked: rope(q), rope(k) -> set_rows and set_rows(v) inside the attention
-        assert plans[1].summary()["launches"] == plans[0].summary()["launches"] - saved
+            assert [s.kernel for s in plan.fusions].count("rope_qkv_flash_attn_ext") == big.layers
+        assert plans[1].summary()["launches"] == plans[0].summary()["launches"] - 2 * big.layers
+
+
+#: a config whose head size the fused decode attention takes (64)
+BIG = LlamaConfig(vocab=512, hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, max_ctx=512, dtype="f32")
+
+
+def fused_kernels(plan) -> list[str]:  # noqa: ANN001
+    """The fusion rules explain() names, in plan order."""
+    return re.findall(r"\[fused (\w+)\]", plan.explain())
+
+
+@pytest.mark.parametrize(("n_tokens", "batch"), [(1, 1), (1, 16), (7, 1)], ids=["decode", "decode-16", "prefill"])
+def test_unstacked_projections_get_the_fused_kernels_of_the_stacked_ones(n_tokens: int, batch: int) -> None:
+    # A Q4_K_M file's mixture: attn_q and attn_k q4_K, attn_v q6_K in some layers (here the second), whose q/k/v
+    # projections are not stacked. Graph.build puts the k and v projections between the q and k nodes; the
+    # q/k/v rules hoist them (FusionRule.hoist).
+    cfg = attrs.evolve(BIG, dtype="q4_K")
+    w = random_weights(cfg)
+    name = "model.layers.1.self_attn.v_proj.weight"
+    models = [LlamaModel(cfg, {**w, name: param(name, w[name], "q6_K")}, max_seqs=16), LlamaModel(cfg, w, max_seqs=16)]
+    assert [layer.wqkv is None for m in models for layer in m.layers] == [False, True, False, False]
+    mixed, stacked = (compile(m.build(n_tokens, 300 if n_tokens == 1 else 0, batch=batch)[0], H200) for m in models)
+    rule = "rope_qkv_flash_attn_ext" if n_tokens == 1 else "rope_qkv_set_rows"
+    assert fused_kernels(stacked).count(rule) == cfg.layers
+    assert fused_kernels(mixed) == fused_kernels(stacked)
+    assert mixed.summary()["copies"] == 0
+    assert mixed.summary()["launches"] == stacked.summary()["launches"] + 2  # the second layer's k and v
+
+
+@pytest.mark.gpu
+def test_unstacked_projections_decode_as_the_stacked_ones() -> None:
+    # The same f32 weights as three projections or one: the same kernels on the same values (the fused decode
+    # attention reads q, k, v rows through their strides), so the logits agree to f32 rounding.
+    w = random_weights(BIG, seed=3)
+    gens = [Generator(LlamaModel(BIG, w, stack_qkv=s), "cuda0") for s in (False, True)]
+    seq = list(PROMPT)
+    got: list[list[np.ndarray]] = [[g.forward(seq)] for g in gens]
+    for _ in range(8):
+        seq.append(int(np.argmax(got[1][-1][-1])))
+        for g, out in zip(gens, got):
+            out.append(g.forward(seq[-1:]))
+    for n, (a, b) in enumerate(zip(*got)):
+        assert np.isfinite(a).all()
+        err = nmse(a.astype(np.float64), b.astype(np.float64))
+        assert err <= 1e-7, f"step {n}: NMSE {err:.3g} of the unstacked logits against the stacked ones"
+    for g in gens:  # the decode step ran the fused rope + K/V writes + attention in both
+        plan = compile(g.model.build(1, len(seq) - 1)[0], "cuda0")
+        assert fused_kernels(plan).count("rope_qkv_flash_attn_ext") == BIG.layers, plan.explain()
 
 
 @pytest.mark.parametrize("dtype, cache", [("f16", "f16"), ("bf16", "bf16"), ("q8_0", "f16"), ("q4_0", "f32")])

@@ -18,13 +18,14 @@ KERNELS: tuple[Kernel, ...] = (
 )
 
 #: the decode step's q rotation and K/V writes with the attention after them (fusion.ATTN_PATTERN), asked
-#: first; without the attention (fusion.QKV_PATTERN); rope -> view or reshape -> set_rows: the K-cache
-#: write of a decoder layer
+#: first; without the attention (fusion.QKV_PATTERN); both run k's and v's own nodes between theirs first
+#: (fusion.QKV_HOIST: stacked or separate projections fuse alike); rope -> view or reshape -> set_rows: the
+#: K-cache write of a decoder layer
 FUSION_RULES: tuple[FusionRule, ...] = (
     FusionRule("rope_qkv_flash_attn_ext", fusion.ATTN_PATTERN, bind=bind.bind_qkv_flash_attn_ext,
-               check=fusion.check_attn, outputs=fusion.ATTN_OUTPUTS),
+               check=fusion.check_attn, outputs=fusion.ATTN_OUTPUTS, hoist=fusion.QKV_HOIST),
     FusionRule("rope_qkv_set_rows", fusion.QKV_PATTERN, bind=bind.bind_rope_qkv_set_rows,
-               check=fusion.check_qkv, outputs=fusion.QKV_OUTPUTS),
+               check=fusion.check_qkv, outputs=fusion.QKV_OUTPUTS, hoist=fusion.QKV_HOIST),
     FusionRule("rope_set_rows", ("rope", {"view", "reshape"}, "set_rows"), bind=bind.bind_rope_set_rows,
                check=fusion.check),
 )

@@ -61,16 +61,20 @@ def parts(nodes: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return rope, rope.srcs[0], set_rows, set_rows.srcs[2]
 
 
-#: the decode step's q/k/v nodes as Llama emits them (module docstring), and the positions of
-#: the extra outputs the fused kernel writes: rotated q and the K cache
-QKV_PATTERN = ("rope", "reshape", "permute", "view", "rope", "reshape", "set_rows", "view", "view", "set_rows")
-QKV_OUTPUTS = (0, 6)
+#: the decode step's q/k/v nodes as Llama emits them (docs/cuda_attention.md): rope(q) and the views
+#: attention reads it through, rope(k), its flattening, the K-cache write, the K window, the V-cache
+#: write; the positions of the extra outputs the fused kernel writes: rotated q and the K cache
+QKV_PATTERN = ("rope", "reshape", "permute", "rope", "reshape", "set_rows", "view", "set_rows")
+QKV_OUTPUTS = (0, 5)
+#: what may come between those nodes and runs before the group: the views of k and v into a stacked
+#: projection, or the separate k and v projections and k's reshape (docs/cuda_attention.md)
+QKV_HOIST = ("mul_mat", "reshape", "view")
 
 
 def check_qkv(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
     """True if the fused kernel computes the decode step's q/k/v nodes (QKV_PATTERN) exactly; else why not."""
     rope_q, rope_k, k_rows, v_rows = qkv_parts(nodes)
-    ok = check(device, (rope_k, nodes[5], k_rows), graph)
+    ok = check(device, (rope_k, nodes[4], k_rows), graph)
     if ok is not True:
         return f"k: {ok}"
     ok = support.rope(device, rope_q)
@@ -103,13 +107,13 @@ def check_qkv(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | s
 
 def qkv_parts(nodes: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(rope(q), rope(k), K cache (its set_rows result), V cache) of a QKV_PATTERN group."""
-    return nodes[0], nodes[4], nodes[6], nodes[9]
+    return nodes[0], nodes[3], nodes[5], nodes[7]
 
 
 #: QKV_PATTERN and the attention that reads it: the V window view, flash_attn_ext (the decode kernel
 #: rotates q itself and writes the new K/V rows, module doc of fattn_decode.cu); K and V caches written
 ATTN_PATTERN = (*QKV_PATTERN, "view", "flash_attn_ext")
-ATTN_OUTPUTS = (6, 9)
+ATTN_OUTPUTS = (5, 7)
 
 
 def cache_window(window: Tensor, cache: Tensor) -> tuple[int, int] | str:
@@ -133,7 +137,7 @@ def check_attn(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | 
     rope_q, rope_k, k_rows, v_rows = qkv_parts(nodes)
     fa = nodes[-1]
     q, k, v = fa.srcs[:3]
-    if (q, k, v) != (nodes[2], nodes[7], nodes[10]):
+    if (q, k, v) != (nodes[2], nodes[6], nodes[8]):
         return "flash_attn_ext does not read the rotated q and the windows of the caches written"
     ok = support.flash_attn_ext(device, fa)
     if ok is not True:

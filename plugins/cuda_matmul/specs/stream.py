@@ -129,15 +129,15 @@ def stream_warps(dt: str, k: int, n: int, device: Device | None, cfg: StreamConf
 
 
 def stream_grid(layout: StreamLayout, m: int, batches: int, warps: int, blocks_per_sm: int, sm_count: int) -> int:
-    """Blocks of mmvq_stream along x (one batch): about blocks_per_sm a SM over all batches, then as
-    few as give each warp the same most groups (the kernel splits a batch's groups evenly over its
-    gridDim.x * warps warps, so no warp takes more than the others' count plus one, and the
-    largest count is what the grid aimed at)."""
+    """Blocks of mmvq_stream along x (one batch): blocks_per_sm an SM over all batches, or fewer when
+    there are fewer groups than warps. The kernel splits a batch's groups evenly over its gridDim.x *
+    warps warps (no warp takes more than the others' count plus one), so every SM gets the same share
+    of the rows: a grid trimmed to fewer blocks (the same most groups a warp) would leave SMs with one
+    block of a streaming load that is bound by each SM's loads in flight (on the H200 at 14336x4096,
+    224 blocks of 264 slots left 40 SMs half busy: q4_K at 77% of the copy bandwidth)."""
     groups = -(-m // layout.RO)
     target = max(1, blocks_per_sm * sm_count // max(batches, 1))
-    per_warp = -(-groups // (target * warps))
-    busy_warps = -(-groups // per_warp)
-    return -(-busy_warps // warps)
+    return min(target, -(-groups // warps))
 
 
 def stream_blocks_per_sm(smem: int, device: Device | None, cfg: StreamConfig) -> int:
