@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 
 from .alloc import MemoryPlan
-from .backends.base import (Backend, ReportsFreeMemory, StagedTransfers, StagingBackend, bytes_text,
+from .backends.base import (Backend, CopiesBetween, ReportsFreeMemory, StagedTransfers, StagingBackend, bytes_text,
                             host_free_memory)
 from .errors import OutOfMemory
 from .errorword import IndexTable
@@ -330,11 +330,16 @@ def _resolver(bound: Bound, dev: Device) -> Callable[[Tensor], tuple[Any, int]]:
 
 
 def _bind_copy(bound: Bound, s: Step) -> Callable[[], None]:
+    """A copy step's run: the destination backend's own copy (CopiesBetween), else through the host."""
     b = s.out
     src_be, dst_be = bound.backends[s.src_device.name], bound.backends[s.device.name]
     src = bound.where(b, s.src_device)
     dst = bound.where(b, s.device)
     n = b.nbytes
+    if isinstance(dst_be, CopiesBetween):
+        own = dst_be.copy_from(dst[0], dst[1], src_be, src[0], src[1], n)
+        if own is not None:
+            return own
 
     def copy() -> None:
         dst_be.write(dst[0], dst[1], src_be.read(src[0], src[1], n))

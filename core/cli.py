@@ -19,9 +19,10 @@ import attrs
 import numpy as np
 
 from . import __version__
+from .backends.cuda.devices import peer_links
 from .hookspecs import Device
 from .manager import PluginManager, manager
-from .models.generate import Generator, generate
+from .models.generate import Generator
 from .models.llama.config import CACHE_DTYPES, CONVERTIBLE_DTYPES, PRESETS, WEIGHT_DTYPES, WINDOW_STEP, LlamaConfig
 from .models.llama.model import LlamaModel
 from .models.llama.names import random_weights
@@ -74,7 +75,14 @@ def _parser() -> argparse.ArgumentParser:
                     "or weights from a GGUF file or safetensors files), then print the plan summary and "
                     "prefill/decode tokens/s. The preset stays 'tiny' on every device unless another is given "
                     "(1b is meant for a GPU: on the numpy reference it takes minutes).")
-    p.add_argument("--device", help="device name or kind (default: the best available, a GPU if there is one)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--device", help="device name or kind (default: the best available, a GPU if there is one)")
+    where.add_argument("--devices", metavar="D0,D1,...",
+                       help="split the model over these devices (cuda0,cuda1; cpu0,cpu1 are the CPU twice, with memory "
+                            "of its own each: a split that runs anywhere)")
+    p.add_argument("--split", choices=("layer",), default="layer",
+                   help="how --devices share the model: layer = contiguous layers per device, balanced by the "
+                        "devices' free memory (default: layer)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=tuple(PRESETS),
                      help="random weights of this shape (default: tiny; tiny-moe: 4 experts, 2 used)")
@@ -141,6 +149,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"  {dev.name:8s} {dev.kind:6s} {dev.description}{_cuda_facts(dev)}")
     for absent in mgr.absent_devices():
         print(f"  (no {absent.stand_in.kind.upper()} device: {absent.why})")
+    print("  cpu0, cpu1, ...: the CPU with memory of its own each, to split a model over (run --devices cpu0,cpu1)")
+    _print_peer_links(mgr.devices())
     print("plugins, in dispatch order:")
     for i, p in enumerate(mgr.order(), 1):
         print(f"  {i}. {p.name:16s} {p.info.version or '-':8s} priority {p.priority:<4d} {p.origin}"
@@ -151,6 +161,19 @@ def cmd_info(args: argparse.Namespace) -> int:
     if switches:
         print("environment: " + ", ".join(f"{k}={v}" for k, v in switches.items()))
     return 0
+
+
+def _print_peer_links(devices: Sequence[Device]) -> None:
+    """Between every two GPUs: can one read the other's memory directly (else a split copies through the host)?"""
+    try:
+        links = peer_links(tuple(devices))
+    except Exception as exc:  # noqa: BLE001 - info must work whatever the driver says
+        print(f"peer access: unknown ({type(exc).__name__}: {exc})")
+        return
+    if links:
+        print("peer access between GPUs:")
+    for (a, b), ok in links.items():
+        print(f"  {a} -> {b}: {'yes' if ok else 'no (copies go through pinned host memory)'}")
 
 
 def _cuda_facts(dev: Device) -> str:
@@ -262,7 +285,10 @@ def _markdown(table: list[list[str]], devices: Sequence[Device]) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     try:
-        device = manager().device(args.device)
+        names = [n.strip() for n in args.devices.split(",") if n.strip()] if args.devices else [args.device]
+        devices = tuple(manager().device(n) for n in names)
+        if args.devices and (len(devices) < 2 or len({d.name for d in devices}) < len(devices)):
+            raise ValueError(f"--devices needs two distinct devices or more, got {args.devices!r}")
         sampler = Sampler(args.sample, args.top_k, args.top_p, args.temperature, args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -301,15 +327,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompts = np.random.default_rng(args.seed).integers(0, cfg.vocab, (args.batch, args.prompt_len)).tolist()
     print(f"sampling: {sampler.describe()}")
     fusion = False if args.no_fusion else None
+    gen = Generator(model, fusion=fusion, batch=args.batch, devices=devices)
     if args.batch == 1:
-        out = generate(model, prompts[0], args.tokens, device, fusion=fusion, sampler=sampler, progress=sys.stderr)
+        out = gen.generate(prompts[0], args.tokens, sampler, progress=sys.stderr)
         generated = [out.tokens]
     else:
-        out = Generator(model, device, fusion=fusion, batch=args.batch).generate_batch(
-            prompts, args.tokens, sampler, progress=sys.stderr)
+        out = gen.generate_batch(prompts, args.tokens, sampler, progress=sys.stderr)
         generated = list(out.tokens)
-    print(f"device: {device.name} ({device.description}); fusion {'off' if args.no_fusion else 'on'}; "
-          f"compile {out.compile_s:.2f} s")
+    placement = out.prefill_plan.placement
+    where = (f"{devices[0].name} ({devices[0].description})" if placement is None else
+             f"{', '.join(d.name for d in devices)}, {args.split} split: {placement.describe()}")
+    print(f"device: {where}; fusion {'off' if args.no_fusion else 'on'}; compile {out.compile_s:.2f} s")
     _print_plan("prefill", out.prefill_plan)
     if out.decode_plan is not None:
         _print_plan("decode", out.decode_plan)

@@ -16,10 +16,11 @@ from typing import Iterable, Sequence
 import attrs
 
 from .alloc import plan_memory
-from .errors import OpError
+from .errors import OpError, PlacementError
 from .graph import Graph
 from .hookspecs import Device
 from .manager import PluginManager, manager
+from .placement import place
 from .plan import Plan
 from .sched import Scheduler
 from .tensor import Tensor
@@ -55,13 +56,17 @@ def compile(  # noqa: A001 - the natural name
     outputs: Graph | Tensor | Sequence[Tensor],
     device: str | Device | None = None,
     *,
+    devices: Sequence[str | Device] | None = None,
+    split: Sequence[float] | None = None,
     prefer: Sequence[str] = (),
     exclude: Iterable[str] = (),
     fusion: bool | None = None,
     host_params: Iterable[Tensor] = (),
     plugins: PluginManager | None = None,
 ) -> Plan:
-    """Plan `outputs` for `device` (default: the first GPU, else the CPU).
+    """Plan `outputs` for `device` (default: the first GPU, else the CPU), or split by layers over
+    `devices` (core/placement.py: contiguous layers per device, balanced by the devices' free memory or
+    by the proportions `split`, one per device; the plan's device is the first).
 
     `prefer`/`exclude` reorder the plugins (see manager.py); `fusion=False`
     (or OPDISPATCH_DISABLE_FUSION=1) turns fusion off; `host_params` are
@@ -71,7 +76,13 @@ def compile(  # noqa: A001 - the natural name
     """
     graph = outputs if isinstance(outputs, Graph) else Graph.build(outputs)
     mgr = plugins or manager()
-    dev = mgr.device(device)
+    if devices is not None and device is not None:
+        raise PlacementError(f"compile: give device ({device}) or devices, not both")
+    devs = tuple(mgr.device(d) for d in devices) if devices else (mgr.device(device),)
+    dev = devs[0]
+    if split is not None and len(devs) < 2:
+        raise PlacementError(f"compile: split {split!r} gives proportions for a layer split: it needs devices=[...] "
+                             "of two devices or more")
     fusion = fusion_from_env() if fusion is None else fusion
     order = mgr.order(prefer, exclude)
     given = tuple(host_params)
@@ -83,16 +94,20 @@ def compile(  # noqa: A001 - the natural name
     switches = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("OPDISPATCH_")))
     key = (graph.key(), dev, id(dev), fusion, tuple(p.name for p in order), tuple(sorted(t.uid for t in host)),
            switches)
+    if len(devs) > 1:  # what the placement depends on: the devices, the proportions, the leafs' layers
+        key += (devs, tuple(map(id, devs)), None if split is None else tuple(split),
+                tuple(t.layer for t in graph.leafs))
     cache = plan_cache(mgr).plans
     cached = cache.get(key)
     if cached is not None:
         cache.move_to_end(key)
         return cached.for_graph(graph)
-    fallback = dev if dev.kind == "cpu" else mgr.cpu()
-    sched = Scheduler(mgr, order, dev, fallback, fusion, host)
+    placement = place(graph, devs, split) if len(devs) > 1 else None
+    fallback = dev if dev.kind == "cpu" and placement is None else mgr.cpu()
+    sched = Scheduler(mgr, order, dev, fallback, fusion, host, placement)
     steps = sched.schedule(graph)
     memory = plan_memory(graph, steps, sched.homes)
-    plan = Plan(graph, dev, steps, sched.homes, memory, fusion, [p.name for p in order])
+    plan = Plan(graph, dev, steps, sched.homes, memory, fusion, [p.name for p in order], placement)
     cache[key] = plan
     while len(cache) > PLAN_CACHE_SIZE:  # a sweep must not hold every plan's buffers
         cache.popitem(last=False)

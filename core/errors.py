@@ -42,3 +42,8 @@ class PlanKeyError(OpdispatchError, KeyError):
 class DeviceIndexError(OpdispatchError, IndexError):
     """A kernel met an index outside its range; recorded on the device, raised where the plan synchronizes.
     The message names the op, the node, the index tensor, the bad value, its position and the valid range."""
+
+
+class PlacementError(OpdispatchError, ValueError):
+    """A layer split that cannot be made as asked: devices named twice, proportions that are not one
+    number >= 0 per device. (Too little memory for it is OutOfMemory.)"""

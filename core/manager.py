@@ -14,6 +14,7 @@ name means, a plugin's kernels, the fusion rules (names unique among them).
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from importlib.metadata import entry_points
 from typing import Any, Callable, Iterable, Sequence
@@ -26,6 +27,9 @@ from .hookspecs import HOOK_NAMES, PROJECT, AbsentDevice, Device, FusionRule, Ho
 from .tensor import Tensor
 
 ENTRY_POINT_GROUP = "opdispatch"
+
+#: 'cpu0', 'cpu1', ...: the CPU device under another name, with memory of its own (see PluginManager.device)
+_NUMBERED_CPU = re.compile(r"cpu(\d+)")
 
 
 class PluginWarning(UserWarning):
@@ -64,6 +68,7 @@ class PluginManager:
     #: (the compiler's plans) keep the generation they were made in
     generation: int = attrs.field(init=False, default=0)
     _kernels: dict[tuple[str, str], dict[str, list[Kernel]]] = attrs.field(init=False, factory=dict)
+    _numbered_cpus: dict[str, Device] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.pm = pluggy.PluginManager(PROJECT)
@@ -206,7 +211,11 @@ class PluginManager:
 
     def device(self, which: str | Device | None = None) -> Device:
         """A device by name ('cpu', 'cuda0') or kind ('cuda': the first of that kind); None: the
-        best there is, the first GPU, else the CPU."""
+        best there is, the first GPU, else the CPU.
+
+        'cpu0', 'cpu1', ... (names no plugin's device takes) are the CPU device with memory of its own
+        each: they run the CPU's kernels, but values move between them and the CPU by copies, as between
+        GPUs, so that a graph split over devices runs, and is tested, on a machine without any."""
         if isinstance(which, Device):
             return which
         devices = self.devices()
@@ -219,6 +228,12 @@ class PluginManager:
         of_kind = [d for d in devices if d.kind == which]
         if of_kind:
             return of_kind[0]
+        if isinstance(which, str) and _NUMBERED_CPU.fullmatch(which):
+            if which not in self._numbered_cpus:  # one object per name: plans are cached by device identity
+                self._numbered_cpus[which] = attrs.evolve(
+                    self.cpu(), name=which, host_memory=False,
+                    description=f"{self.cpu().description}, memory of its own (a stand-in for a second device)")
+            return self._numbered_cpus[which]
         raise ValueError(f"unknown device '{which}' (known: {', '.join(d.name for d in devices)})")
 
     def cpu(self) -> Device:

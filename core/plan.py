@@ -26,6 +26,7 @@ from .dtypes import encodable, from_float
 from .errors import FeedError, OpdispatchError, PlanKeyError
 from .graph import Graph
 from .hookspecs import Device
+from .placement import Placement
 from .sched import Step
 from .tensor import Flag, Tensor, check_values, host_array
 
@@ -44,7 +45,8 @@ class _Shared:
 
 @attrs.define(eq=False)
 class Plan:
-    """Steps to compute a graph on a device; `explain()` says who runs what."""
+    """Steps to compute a graph on a device (or, with a `placement`, split by layers over several: `device`
+    is the first); `explain()` says who runs what."""
 
     graph: Graph
     device: Device
@@ -53,6 +55,7 @@ class Plan:
     memory: dict[str, MemoryPlan]
     fusion: bool
     plugin_order: list[str]
+    placement: Placement | None = None
     _shared: _Shared = attrs.field(factory=_Shared)
     #: tensors of an equal graph -> this plan's tensors (a cached plan reused)
     _alias: dict[Tensor, Tensor] = attrs.field(factory=dict)
@@ -108,12 +111,15 @@ class Plan:
         kernels = [s for s in self.steps if s.kind in ("kernel", "fused")]
         copies = [s for s in self.steps if s.kind == "copy"]
         peak = ", ".join(f"{n} {_mib(b)}" for n, b in self.peak_bytes().items()) or "none"
+        where = self.device.name if self.placement is None else ", ".join(d.name for d in self.placement.devices)
         lines = [
-            f"plan on {self.device.name}: {len(self.graph.nodes)} nodes -> {len(kernels)} launches, "
+            f"plan on {where}: {len(self.graph.nodes)} nodes -> {len(kernels)} launches, "
             f"{len(self.fusions)} fused groups, {len(copies)} copies; fusion {'on' if self.fusion else 'off'}; "
             f"arena peak {peak}",
             f"plugin order: {', '.join(self.plugin_order)}",
         ]
+        if self.placement is not None:
+            lines.insert(1, f"layer split: {self.placement.describe()}")
         for i, s in enumerate(self.steps):
             if s.kind == "view":
                 lines.append(f"  {i:4d}  {s.describe():50s} view (no kernel)")

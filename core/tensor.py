@@ -117,6 +117,9 @@ class Tensor:
     view_src: Tensor | None = None
     view_offset: int = 0
     data: np.ndarray | None = None  # host storage of a param or an initialised state
+    #: the model layer a param or state belongs to (a model sets it): a layer split keeps each
+    #: layer's leafs and the ops reading them on one device (core/placement.py)
+    layer: int | None = None
     uid: int = attrs.field(factory=lambda: next(_ids), init=False)
 
     def __attrs_post_init__(self) -> None:

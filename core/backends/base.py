@@ -2,8 +2,8 @@
 
 The records a backend plugin yields (`Device`, `Launch`) are the contract's
 (hookspecs.py); these are the backend's side: what a kernel's bind sees and
-what dispatch allocates, transfers and runs through. `StagedTransfers` and
-`ReportsFreeMemory` are optional capabilities, declared so that binding checks
+what dispatch allocates, transfers and runs through. `StagedTransfers`,
+`ReportsFreeMemory` and `CopiesBetween` are optional capabilities, declared so that binding checks
 them by isinstance. `host_free_memory` is what the host can still give.
 """
 
@@ -107,6 +107,20 @@ class StagedTransfers(Protocol):
     def mark(self) -> Callable[[], None]:
         """A point in the work queued so far: the returned function waits (on the host) until
         the device has reached it (Plan.submit: the device has taken an upload)."""
+
+
+@runtime_checkable
+class CopiesBetween(Protocol):
+    """The optional device-to-device copy of a backend: a plan split over devices copies values between them
+    each run (core/sched.py); without it (or when it answers None) a copy goes through the host, read then
+    written, waiting for both devices."""
+
+    def copy_from(self, dst: Buffer, dst_offset: int, src_backend: Backend, src: Buffer, src_offset: int,
+                  nbytes: int) -> Callable[[], None] | None:
+        """A pre-bound copy of `nbytes` from `src` (a buffer of `src_backend`) into `dst` (ours), or None if
+        this backend cannot copy from `src_backend` (another kind of device). Called at bind time; each call
+        of the result queues the copy after the work queued so far on both devices, and before the work
+        queued on either after it (a later launch on the source may overwrite `src`)."""
 
 
 class StagingBackend(Backend, StagedTransfers, Protocol):

@@ -8,6 +8,7 @@ is killed later, when the pages are written.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import attrs
@@ -17,7 +18,7 @@ from ..errors import OutOfMemory
 from ..errorword import IndexTable
 from ..hookspecs import Device, Launch
 from ..tensor import Tensor
-from .base import bytes_text, host_free_memory, run_launches
+from .base import Backend, bytes_text, host_free_memory, run_launches
 
 
 @attrs.define(eq=False)
@@ -84,6 +85,17 @@ class HostBackend:
 
     def mark(self) -> Callable[[], None]:
         return lambda: None  # every transfer is done when queued
+
+    def copy_from(self, dst: HostBuffer, dst_offset: int, src_backend: Backend, src: HostBuffer, src_offset: int,
+                  nbytes: int) -> Callable[[], None] | None:
+        """A numpy copy between two host devices' buffers (CopiesBetween); None from any other backend."""
+        if not isinstance(src_backend, HostBackend):
+            return None
+        to, of = dst.data[dst_offset:dst_offset + nbytes], src.data[src_offset:src_offset + nbytes]
+        if to.size != nbytes or of.size != nbytes:
+            raise ValueError(f"{self.device.name}: copy of {nbytes} bytes from {src.what} at {src_offset} into "
+                             f"{dst.what} at {dst_offset}: outside a buffer")
+        return functools.partial(np.copyto, to, of)
 
     def fill(self, buf: HostBuffer, byte: int) -> None:
         buf.data.fill(byte)

@@ -107,7 +107,8 @@ class BatchGeneration(_Timing):
 
 
 class Generator:
-    """Runs a LlamaModel on one device: one compiled plan per step shape, and each sequence's cache position.
+    """Runs a LlamaModel on one device, or split by layers over `devices` (compile's layer split, `split`: its
+    proportions): one compiled plan per step shape, and each sequence's cache position.
 
     `batch` sequences (at most the model's max_seqs) can step together:
     sequence b lives in cache region b. `forward` and `generate` run
@@ -120,12 +121,18 @@ class Generator:
     """
 
     def __init__(self, model: LlamaModel, device: str | Device | None = None, *, fusion: bool | None = None,
-                 batch: int = 1) -> None:
+                 batch: int = 1, devices: Sequence[str | Device] | None = None,
+                 split: Sequence[float] | None = None) -> None:
         if not 1 <= batch <= model.max_seqs:
             raise ValueError(f"llama: batch {batch} must be in 1..max_seqs of the model ({model.max_seqs}): "
                              "LlamaModel(..., max_seqs=N) sizes the KV cache")
         self.model = model
-        self.device = manager().device(device)
+        if devices is not None and device is not None:
+            raise ValueError(f"llama: give device ({device}) or devices, not both")
+        #: the devices the model is split over by layers (one: no split); `device` is the first
+        self.devices = tuple(manager().device(d) for d in devices) if devices else (manager().device(device),)
+        self.device = self.devices[0]
+        self.split = split
         self.fusion = fusion
         self.batch = batch
         #: cache positions filled, per sequence
@@ -158,7 +165,8 @@ class Generator:
         if key not in self._steps:
             t0 = time.perf_counter()
             outputs, inp = self.model.build(n_tokens, n_past, batch=batch, logits=key[3], greedy=greedy)
-            self._steps[key] = (compile(outputs, self.device, fusion=self.fusion), inp)
+            where = dict(device=self.device) if len(self.devices) == 1 else dict(devices=self.devices, split=self.split)
+            self._steps[key] = (compile(outputs, **where, fusion=self.fusion), inp)
             self.compile_s += time.perf_counter() - t0
         return self._steps[key]
 

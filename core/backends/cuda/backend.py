@@ -8,7 +8,9 @@ returns once the bytes are on the device, `read` sees all work queued before
 it. Kernel failures are asynchronous; `synchronize` (and `read`) name the
 segments that ran since the last wait. `upload` / `download` (with pinned
 `staging` memory) are the asynchronous transfers Plan.run uses instead: see
-the comment above them. Kernels that read indices from data record the first
+the comment above them. `copy_from` copies between two GPUs (a plan split
+over them): peer to peer where the GPUs allow it, else through pinned host
+memory, ordered on both streams by events, the host never waiting. Kernels that read indices from data record the first
 bad one in their plan's `error_word` (host-mapped memory: opdispatch.errorword).
 """
 
@@ -31,6 +33,7 @@ from .kernels import EMPTY
 from .scratch import ScratchPool
 
 _CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
+_CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 
 _backends: dict[int, CudaBackend] = {}
 
@@ -123,6 +126,8 @@ class CudaBackend:
     pending: dict[str, None] = attrs.field(init=False, factory=dict)
     #: scratch buffers shared by every launch on this GPU, by role
     scratch: ScratchPool = attrs.field(init=False)
+    #: GPUs (by index) whose memory this one reads directly: peer access enabled, or found impossible (False)
+    peers: dict[int, bool] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         import cupy
@@ -266,6 +271,70 @@ class CudaBackend:
         if nbytes:
             with self.cuda_device:
                 (dst.mem + dst_offset).copy_from_device_async(src.mem + src_offset, nbytes, self.stream)
+
+    def copy_from(self, dst: CudaBuffer, dst_offset: int, src_backend: Any, src: CudaBuffer, src_offset: int,
+                  nbytes: int) -> Callable[[], None] | None:
+        """A copy from another GPU's buffer into ours (CopiesBetween), None from a backend that is not a GPU's.
+
+        Each call queues, without the host waiting: on the source's stream an event (its work so far; where
+        the GPUs have no peer access, first a copy into a pinned host buffer of this copy's own); on our
+        stream a wait for it, then the copy (cudaMemcpyPeerAsync, or host -> device), then an event the
+        source's stream waits for, so that its later work (the next run's launches) cannot overwrite
+        `src`, or the host buffer, before we have read it."""
+        if not isinstance(src_backend, CudaBackend) or src_backend is self:
+            return None
+        import cupy
+        from cupy.cuda import runtime
+
+        _check_range(dst, dst_offset, nbytes, "copy into")
+        _check_range(src, src_offset, nbytes, "copy from")
+        peer, there = self._peer_access(src_backend.index), src_backend
+        with there.cuda_device:
+            ready = cupy.cuda.Event(block=False, disable_timing=True)
+        with self.cuda_device:
+            done = cupy.cuda.Event(block=False, disable_timing=True)
+        to, of = dst.ptr + dst_offset, src.ptr + src_offset
+        # pinned for both GPUs' contexts (portable), so that both copies through it are asynchronous
+        host = None if peer else cupy.cuda.PinnedMemory(max(nbytes, 1), runtime.hostAllocPortable)
+        via = 0 if host is None else int(host.ptr)
+        what = f"copy {src.what} {there.device.name}->{self.device.name}" + ("" if peer else " through the host")
+
+        def copy() -> None:
+            if not nbytes:
+                return
+            with there.cuda_device:
+                if host is not None:
+                    runtime.memcpyAsync(via, of, nbytes, runtime.memcpyDeviceToHost, there.stream.ptr)
+                ready.record(there.stream)
+            with self.cuda_device:
+                self.stream.wait_event(ready)
+                if host is None:
+                    runtime.memcpyPeerAsync(to, self.index, of, there.index, nbytes, self.stream.ptr)
+                else:
+                    runtime.memcpyAsync(to, via, nbytes, runtime.memcpyHostToDevice, self.stream.ptr)
+                done.record(self.stream)
+            with there.cuda_device:
+                there.stream.wait_event(done)
+            self.pending[what] = None
+            there.pending[what] = None
+
+        return copy
+
+    def _peer_access(self, peer: int) -> bool:
+        """Whether this GPU reads GPU `peer`'s memory directly; enabled on first ask where possible."""
+        if peer not in self.peers:
+            from cupy.cuda import runtime
+
+            ok = bool(runtime.deviceCanAccessPeer(self.index, peer))
+            if ok:
+                with self.cuda_device:
+                    try:
+                        runtime.deviceEnablePeerAccess(peer)
+                    except runtime.CUDARuntimeError as exc:
+                        if getattr(exc, "status", None) != _CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
+                            raise
+            self.peers[peer] = ok
+        return self.peers[peer]
 
     # -- execution -------------------------------------------------------------------
     def bind_context(self, where: Callable[[Tensor], tuple[CudaBuffer, int]],

@@ -49,6 +49,18 @@ def discover() -> tuple[tuple[Device, ...], str]:
     return tuple(found), ""
 
 
+def peer_links(devices: tuple[Device, ...]) -> dict[tuple[str, str], bool]:
+    """For each ordered pair of the GPUs in `devices` (as `discover` found them): can the first access the
+    second's memory directly (cudaDeviceCanAccessPeer)? Empty without CuPy or with fewer than two GPUs."""
+    gpus = [d for d in devices if d.kind == "cuda" and d.backend_factory is not None]
+    if len(gpus) < 2:
+        return {}
+    from cupy.cuda import runtime
+
+    return {(a.name, b.name): bool(runtime.deviceCanAccessPeer(int(a.props["index"]), int(b.props["index"])))
+            for a in gpus for b in gpus if a is not b}
+
+
 #: An H200 as `discover` describes one, without a backend: plans and support
 #: predicates for it are computed (and tested) where no GPU is.
 H200 = Device("cuda0", "cuda", "NVIDIA H200 (description: no GPU here)", {

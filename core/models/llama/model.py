@@ -150,10 +150,14 @@ class LlamaModel:
         mlp = ([w["mlp.experts.gate_proj"], w["mlp.experts.up_proj"], w["mlp.experts.down_proj"], w["mlp.gate"]]
                if cfg.experts else [w["mlp.gate_proj"], w["mlp.up_proj"], w["mlp.down_proj"], None])
         wq, wk, wv = w["self_attn.q_proj"], w["self_attn.k_proj"], w["self_attn.v_proj"]
-        return _Layer(w["input_layernorm"], wq, wk, wv, w["self_attn.o_proj"], w["post_attention_layernorm"], *mlp,
-                      state(f"cache.k.{i}", (self.max_seqs * cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype),
-                      state(f"cache.v.{i}", (self.max_seqs * cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype),
-                      _stack_rows(f"{p}self_attn.qkv_proj.weight", (wq, wk, wv)) if self.stack_qkv else None)
+        layer = _Layer(w["input_layernorm"], wq, wk, wv, w["self_attn.o_proj"], w["post_attention_layernorm"], *mlp,
+                       state(f"cache.k.{i}", (self.max_seqs * cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype),
+                       state(f"cache.v.{i}", (self.max_seqs * cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype),
+                       _stack_rows(f"{p}self_attn.qkv_proj.weight", (wq, wk, wv)) if self.stack_qkv else None)
+        for t in (*w.values(), layer.k_cache, layer.v_cache, layer.wqkv):
+            if t is not None:
+                t.layer = i  # a layer split keeps the layer's weights, its cache and its ops on one device
+        return layer
 
     @property
     def states(self) -> list[Tensor]:
