@@ -99,18 +99,18 @@ PATH_CASES = [
     ("q8_0", (64, 65536), (8, 65536), "mmvq"),  # b's q8_1 copy does not fit in shared memory
     ("q8_0", (64, 96), (9, 96), "dequant_cublas"),  # K % 256 != 0: mmq declines
     ("q4_1", (64, 96), (512, 96), "dequant_cublas"),  # K % 128 != 0
-    ("q4_0", (64, 4096), (9, 4096), "mmq_small"),
-    ("q4_0", (64, 4096), (32, 4096), "mmq_small"),
-    ("q4_0", (64, 4096), (33, 4096), "mmq"),  # N > support.MMQ_SMALL_MAX_N
-    ("q8_0", (77, 256), (16, 256), "mmq_small"),  # M any
+    ("q4_0", (64, 4096), (9, 4096), "mmq"),
+    ("q4_0", (64, 4096), (32, 4096), "mmq"),
+    ("q4_0", (64, 4096), (33, 4096), "mmq"),
+    ("q8_0", (77, 256), (16, 256), "mmq"),
     ("q8_0", (2, 64, 14336), (2, 128, 14336), "mmq"),
     ("q8_0", (2, 64, 14336), (2, 512, 14336), "dequant_cublas"),  # N > support.MMQ_MAX_N
-    ("q4_1", (64, 128), (16, 128), "mmq_small"),
+    ("q4_1", (64, 128), (16, 128), "mmq"),
     ("q4_1", (64, 128), (40, 128), "mmq"),
     ("q5_1", (64, 64), (70, 64), "mmq"),
-    ("q4_K", (64, 256), (16, 256), "mmq_small"),
+    ("q4_K", (64, 256), (16, 256), "mmq"),
     ("q5_K", (2, 64, 512), (2, 128, 512), "mmq"),
-    ("q6_K", (64, 2048), (9, 2048), "mmq_small"),
+    ("q6_K", (64, 2048), (9, 2048), "mmq"),
     ("q6_K", (64, 2048), (64, 2048), "mmq"),
     ("q6_K", (64, 256), (9, 256), "dequant_cublas"),  # K % 2048 != 0: q6_K rows of whole 1680-byte chunks
     ("q4_K", (64, 256), (129, 256), "dequant_cublas"),  # N > support.MMQ_MAX_N
@@ -129,6 +129,13 @@ def test_mmq_decline_reason_is_explained() -> None:
 def mmf_selected(monkeypatch: pytest.MonkeyPatch) -> None:
     """mmf takes 9..16 columns, whatever support.MMF_MIN_N (still to be set on the H200) says."""
     monkeypatch.setattr(support, "MMF_MIN_N", support.MMV_MAX_N + 1)
+
+
+@pytest.fixture
+def mmq_small_selected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mmq_small takes 9..support.MMQ_SMALL_MAX_N columns, whatever support.MMQ_SMALL_MIN_N (off until it is
+    tuned) says."""
+    monkeypatch.setattr(support, "MMQ_SMALL_MIN_N", support.MMV_MAX_N + 1)
 
 
 @pytest.fixture
@@ -160,6 +167,24 @@ def test_mul_mat_path_by_dtype_and_batch(dt: str, a_shape: tuple, b_shape: tuple
     (step,) = steps_of(plan, "mul_mat")
     assert (step.plugin, step.kernel, step.device.name) == ("cuda_matmul", path, "cuda0")
     assert f"cuda_matmul:{path} on cuda0" in plan.explain()
+
+
+MMQ_SMALL_PATH_CASES = [
+    ("q4_0", (64, 4096), (9, 4096), "mmq_small"),
+    ("q4_0", (64, 4096), (32, 4096), "mmq_small"),
+    ("q4_0", (64, 4096), (33, 4096), "mmq"),  # N > support.MMQ_SMALL_MAX_N
+    ("q8_0", (77, 256), (16, 256), "mmq_small"),  # M any
+    ("q4_1", (64, 128), (16, 128), "mmq_small"),
+    ("q4_K", (64, 256), (16, 256), "mmq_small"),
+    ("q6_K", (64, 2048), (9, 2048), "mmq_small"),
+    ("q6_K", (64, 256), (9, 256), "dequant_cublas"),  # K % 2048 != 0: neither GEMM
+]
+
+
+@pytest.mark.usefixtures("mmq_small_selected")
+@pytest.mark.parametrize(("dt", "a_shape", "b_shape", "path"), MMQ_SMALL_PATH_CASES)
+def test_mul_mat_path_with_mmq_small_selected(dt: str, a_shape: tuple, b_shape: tuple, path: str) -> None:
+    test_mul_mat_path_by_dtype_and_batch(dt, a_shape, b_shape, path)
 
 
 @pytest.mark.parametrize(("n_tok", "path"), [(1, "mmv_id"), (4, "mmv_id_grouped"), (129, "mmv_id_grouped")])
@@ -1170,6 +1195,7 @@ def split_k_deterministic(n: int, path: str, rng: np.random.Generator) -> None:
 MMQ_SMALL_N = (9, 16, 17, 32)  # both column tiles, full and partial
 
 
+@pytest.mark.usefixtures("mmq_small_selected")
 @gpu
 @pytest.mark.parametrize("n", MMQ_SMALL_N)
 @pytest.mark.parametrize("dt", mmq.MMQ_FORMATS)
@@ -1188,6 +1214,7 @@ def test_mmq_small(dt: str, n: int, rng) -> None:  # noqa: ANN001
                        lambda f: q8_1_rounded(f, "b"), Q8_1_NMSE, path="mmq_small")
 
 
+@pytest.mark.usefixtures("mmq_small_selected")
 @gpu
 @pytest.mark.parametrize("n", [9, 32])
 def test_mmq_small_split_k_is_deterministic(n: int, rng) -> None:  # noqa: ANN001
@@ -1195,6 +1222,7 @@ def test_mmq_small_split_k_is_deterministic(n: int, rng) -> None:  # noqa: ANN00
     split_k_deterministic(n, "mmq_small", rng)
 
 
+@pytest.mark.usefixtures("mmq_small_selected")
 @gpu
 @pytest.mark.parametrize("dt", ["q4_0", "q4_K"])
 @pytest.mark.parametrize("bs", [(2, 3), (3, 2)])
@@ -1226,11 +1254,15 @@ def test_mmq_small_grid_on_the_h200() -> None:
     assert mmq_small.small_smem("q4_0", 2, 6) == 16 * (6 * 8 * 40 + 32) + 4 * 4 * 16 * 144
 
 
+@pytest.mark.usefixtures("mmq_small_selected")
 def test_mmq_small_declines_what_mmq_takes() -> None:
-    """Past MMQ_SMALL_MAX_N columns, or where b's slice and the rings do not fit, mmq runs the node, and
-    mmq_small's Kernel says why."""
+    """Past MMQ_SMALL_MAX_N columns, below MMQ_SMALL_MIN_N, or where b's slice and the rings do not fit, mmq
+    runs the node, and mmq_small's Kernel says why."""
     node = ops.mul_mat(weight("w", (64, 4096), "q4_0"), od.input("x", (support.MMQ_SMALL_MAX_N + 1, 4096)))
     assert support.mmq_small_ok(node, H200) == f"N={support.MMQ_SMALL_MAX_N + 1} > {support.MMQ_SMALL_MAX_N}"
+    few = ops.mul_mat(weight("w", (64, 4096), "q4_0"), od.input("x", (support.MMQ_SMALL_MIN_N - 1, 4096)))
+    assert support.mmq_small_ok(few, H200) == f"N={support.MMQ_SMALL_MIN_N - 1} < {support.MMQ_SMALL_MIN_N}: mmq is " \
+        "faster there"
     (k,) = [k for k in cm.kernels(device=H200) if k.name == "mmq_small"]
     assert k.supports(H200, node) == "mmq takes it"
     big = ops.mul_mat(weight("w", (16, 1 << 20), "q8_0"), od.input("x", (32, 1 << 20)))  # one row tile: no split
@@ -1562,7 +1594,7 @@ def test_mmq_id_fused_add_id(dt: str, rng) -> None:  # noqa: ANN001
     assert support.choose(node).path == "mmq_id"
     plan = od.compile(y, "cuda0")
     assert [(s.plugin, s.kernel) for s in plan.fusions] == [("cuda_matmul", "mul_mat_id_add_id")], plan.explain()
-    feeds = subscaled_feeds(y, rng, 8)
+    feeds = (subscaled_feeds if dt in SUBSCALED else feeds_for)(y, rng, 8)
     poison_arenas(plan)
     (fused,) = plan.run(feeds)
     (ref,) = od.compile(y, "cpu").run(q8_1_rounded(feeds, "x"))
@@ -1714,7 +1746,7 @@ def test_every_output_element_is_written_on_each_run(n: int, rng) -> None:  # no
     plan = od.compile([y, z], "cuda0")
     assert {s.kernel for s in plan.steps if s.plugin == "cuda_matmul"} == (
         {"mmvq", "mul_mat_glu", "mmv_id", "cublas_out_prod"} if n == 1 else
-        {"dequant_cublas", "mmq_small", "mmv_id_grouped", "cublas_out_prod"}), plan.explain()
+        {"dequant_cublas", "mmq", "mmv_id_grouped", "cublas_out_prod"}), plan.explain()
     for run in range(3):  # warm-up, capture, replay
         feeds = named_feeds([y, z], rng, 4)
         poison_arenas(plan)
@@ -1814,7 +1846,7 @@ def test_subscaled_mul_mat_path(dt: str, n: int) -> None:
         else:
             gemm = dt in mmq.MMQ_FORMATS  # the grid I-quants have no quantized GEMM
             big = "mmq" if gemm and whole and n <= support.MMQ_MAX_N else "dequant_cublas"
-            big = "mmq_small" if big == "mmq" and n <= support.MMQ_SMALL_MAX_N else big
+            big = "mmq_small" if big == "mmq" and support.MMQ_SMALL_MIN_N <= n <= support.MMQ_SMALL_MAX_N else big
             assert (step.plugin, step.kernel) == ("cuda_matmul", big), (k, n)
             over = f"N={n} > {support.MMQ_MAX_N}: dequantizing for cuBLAS is faster there"
             want = f"{dt} has no quantized GEMM" if not gemm else True if big.startswith("mmq") else \

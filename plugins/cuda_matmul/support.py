@@ -24,12 +24,10 @@ from .specs.stream import STREAMED, device_facts, stream_geo, stream_warps
 
 #: most columns (batch N) the mat-vec kernels take; larger batches go to mmf (float weights) or cuBLAS
 MMV_MAX_N = 8
-#: mmf (tensor cores, f16/bf16 weights) takes MMF_MIN_N..MMF_MAX_N columns where mmf_ok allows. Both must be
-#: measured on the H200 (`benchmarks/test_bench_matmul.py -k mmf`: mmf against cuBLAS with b converted
-#: first, at the 1b preset's shapes). The first mmf ran 0.52-0.99x cuBLAS (docs/benchmarks.md); the weight
-#: stream that replaced it is untimed: 9 (every column count above the mat-vecs') is provisional, on the
-#: reasoning that it reads the weights as cuBLAS does but drops b's conversion launch (307 of the 1b bf16
-#: batch-16 step's 1581 us) and its second read of b. Its tests lower MMF_MIN_N to run it.
+#: mmf (tensor cores, f16/bf16 weights) takes MMF_MIN_N..MMF_MAX_N columns where mmf_ok allows. On the H200
+#: (2026-12-02, bf16, 16 columns, cold weights, `benchmarks/test_bench_matmul.py -k mmf`) the weight stream ran
+#: 1.07-1.44x cuBLAS with b converted first at the 1b preset's layer shapes and 0.96x at its 128256 x 2048 LM
+#: head; the fused gate/up 1.24x (docs/benchmarks.md). Its tests lower MMF_MIN_N to run it below 9.
 MMF_MIN_N = 9
 #: most columns mmf takes (the kernel's two 8-column tiles); more go to cuBLAS
 MMF_MAX_N = 16
@@ -37,10 +35,12 @@ MMF_MAX_N = 16
 #: weights) mmq was 4.3x faster at 16 columns, 1.09x / 1.30x at 128 and 0.48x / 0.57x at 512
 #: (docs/benchmarks.md); the sub-scaled formats are not yet measured
 MMQ_MAX_N = 128
-#: most columns mmq_small (the weight-streaming quantized GEMM) takes; 9 .. MMQ_SMALL_MAX_N columns go to it
-#: where mmq_small_ok allows, more to mmq. 32: the kernel's widest compiled tile (specs/mmq_small.SMALL_NTS).
-#: Not yet timed: to be confirmed on the H200 against mmq at 16, 24 and 32 columns (the 1b preset's and the
-#: 4096 x 14336 weights, q4_0 / q8_0 / q4_K).
+#: mmq_small (the quantized GEMM whose warps stream their own weight rows) is compiled for up to
+#: MMQ_SMALL_MAX_N columns (specs/mmq_small.SMALL_NTS) and takes MMQ_SMALL_MIN_N.. of them where mmq_small_ok
+#: allows. On the H200 (2026-12-02, 4096 x 14336 weights, 16 columns, cold) its first configuration ran slower
+#: than mmq (q4_0 45.4 us against 41.8, q8_0 54.9 / 48.7, q4_K 56.6 / 47.8; docs/benchmarks.md), so no column
+#: count selects it until it is tuned: MMQ_SMALL_MIN_N above MMQ_SMALL_MAX_N. Its tests lower MMQ_SMALL_MIN_N.
+MMQ_SMALL_MIN_N = 33
 MMQ_SMALL_MAX_N = 32
 #: most experts the routing kernel of mmv_id_grouped and mmq_id takes (shared memory: 2 ints an expert)
 ROUTE_MAX_EXPERTS = 4096
@@ -199,10 +199,12 @@ def mmq_id_ok(node: Tensor, device: Device | None = None) -> bool | str:
 
 def mmq_small_ok(node: Tensor, device: Device | None = None) -> bool | str:
     """True if mmq_small runs mul_mat `node` (block-format a, 8 < N, checked by the caller), else why mmq
-    runs it: at most MMQ_SMALL_MAX_N columns, mmq's row conditions, b's slice and the rings in shared memory."""
+    runs it: MMQ_SMALL_MIN_N to MMQ_SMALL_MAX_N columns, mmq's row conditions, b's slice and the rings in shared memory."""
     n = batch_n(node)
     if n > MMQ_SMALL_MAX_N:
         return f"N={n} > {MMQ_SMALL_MAX_N}"
+    if n < MMQ_SMALL_MIN_N:
+        return f"N={n} < {MMQ_SMALL_MIN_N}: mmq is faster there"
     ok = mmq_ok(node, device)
     if ok is not True:
         return ok
