@@ -783,7 +783,7 @@ def test_mmv_spec_picks_the_variant(dt: str, a_shape: tuple, b_view: str | None,
     if kernel.startswith("mmvq_stream"):  # one launch, b quantized in shared memory, no ids to check
         assert len(launches) == 1 and int(spec.args.err_.word) == 0
         assert spec.block == 32 * specs.STREAM.warps
-        assert spec.smem == stream.stream_smem(dt, k, n, specs.STREAM.warps, specs.STREAM.stages)
+        assert spec.smem == stream.stream_smem(dt, k, n, specs.STREAM.warps, specs.STREAM.stages_for(dt))
         assert spec.grid[1:] == (1, 1) and spec.grid[0] >= 1
         assert int(spec.args.b) == fake_ptr(b)
         assert int(spec.args.preload) == 1  # params: the first weight copies go before the PDL wait

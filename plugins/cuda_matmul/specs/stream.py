@@ -123,7 +123,7 @@ def stream_warps(dt: str, k: int, n: int, device: Device | None, cfg: StreamConf
     cfg = cfg or STREAM
     limit = device_facts(device).smem_per_block_optin
     w = cfg.warps
-    while w >= 1 and stream_smem(dt, k, n, w, cfg.stages) > limit:
+    while w >= 1 and stream_smem(dt, k, n, w, cfg.stages_for(dt)) > limit:
         w //= 2
     return max(w, 0)
 
@@ -170,9 +170,10 @@ def stream_spec(node: Tensor, args: StreamArgs, epi: str, device: Device | None,
     warps = stream_warps(dt, k, n, device, cfg)
     if not warps:
         return None
-    smem = stream_smem(dt, k, n, warps, cfg.stages)
+    smem = stream_smem(dt, k, n, warps, cfg.stages_for(dt))
     layout = stream_layout(dt, k, epi == EPI_GLU)
     per_sm = stream_blocks_per_sm(smem, device, cfg)
     grid = (stream_grid(layout, m, b2 * b3, warps, per_sm, device_facts(device).sm_count) if n else 0, b2, b3)
     nt = nt_for(max(n, 1), quant_nts(dt)) if tb == "f32" else 8
-    return KernelSpec(MMVQ_STREAM_CU, stream_name(dt, tb, nt, epi, cfg.stages), grid, 32 * warps, args, smem=smem)
+    name = stream_name(dt, tb, nt, epi, cfg.stages_for(dt))
+    return KernelSpec(MMVQ_STREAM_CU, name, grid, 32 * warps, args, smem=smem)
