@@ -80,9 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--devices", metavar="D0,D1,...",
                        help="split the model over these devices (cuda0,cuda1; cpu0,cpu1 are the CPU twice, with memory "
                             "of its own each: a split that runs anywhere)")
-    p.add_argument("--split", choices=("layer",), default="layer",
+    p.add_argument("--split", choices=("layer", "tensor"), default="layer",
                    help="how --devices share the model: layer = contiguous layers per device, balanced by the "
-                        "devices' free memory (default: layer)")
+                        "devices' free memory; tensor = every layer's heads and ffn features shared out, "
+                        "all-reduces between (NCCL on GPUs) (default: layer)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=tuple(PRESETS),
                      help="random weights of this shape (default: tiny; tiny-moe: 4 experts, 2 used)")
@@ -327,7 +328,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompts = np.random.default_rng(args.seed).integers(0, cfg.vocab, (args.batch, args.prompt_len)).tolist()
     print(f"sampling: {sampler.describe()}")
     fusion = False if args.no_fusion else None
-    gen = Generator(model, fusion=fusion, batch=args.batch, devices=devices)
+    try:
+        gen = Generator(model, fusion=fusion, batch=args.batch, devices=devices,
+                        split="tensor" if args.split == "tensor" and len(devices) > 1 else None)
+    except ValueError as exc:  # PlacementError: heads or features that do not divide among the devices
+        raise UsageError(str(exc)) from None
     if args.batch == 1:
         out = gen.generate(prompts[0], args.tokens, sampler, progress=sys.stderr)
         generated = [out.tokens]

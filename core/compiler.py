@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import attrs
 
@@ -24,6 +24,9 @@ from .placement import place
 from .plan import Plan
 from .sched import Scheduler
 from .tensor import Tensor
+
+if TYPE_CHECKING:
+    from .group import GroupPlan
 
 #: plans kept per plugin manager (each holds its arenas once bound)
 PLAN_CACHE_SIZE = 64
@@ -57,16 +60,22 @@ def compile(  # noqa: A001 - the natural name
     device: str | Device | None = None,
     *,
     devices: Sequence[str | Device] | None = None,
-    split: Sequence[float] | None = None,
+    split: Sequence[float] | str | None = None,
     prefer: Sequence[str] = (),
     exclude: Iterable[str] = (),
     fusion: bool | None = None,
     host_params: Iterable[Tensor] = (),
     plugins: PluginManager | None = None,
-) -> Plan:
+) -> Plan | GroupPlan:
     """Plan `outputs` for `device` (default: the first GPU, else the CPU), or split by layers over
     `devices` (core/placement.py: contiguous layers per device, balanced by the devices' free memory or
-    by the proportions `split`, one per device; the plan's device is the first).
+    by the proportions `split`, one per device; split="layer" is the same without proportions; the plan's
+    device is the first).
+
+    split="tensor": a tensor split (docs/multi-device.md): `outputs` holds one graph per device, rank r's
+    on devices[r] (each an output list or a Graph: the model's split rule built them, e.g. LlamaModel's
+    ranks from models.llama.split.tensor_split), each planned as on one device; a GroupPlan runs them
+    together.
 
     `prefer`/`exclude` reorder the plugins (see manager.py); `fusion=False`
     (or OPDISPATCH_DISABLE_FUSION=1) turns fusion off; `host_params` are
@@ -74,11 +83,20 @@ def compile(  # noqa: A001 - the natural name
     Plans are cached by the graph's structural key and these options
     (registering a plugin empties the cache).
     """
-    graph = outputs if isinstance(outputs, Graph) else Graph.build(outputs)
     mgr = plugins or manager()
     if devices is not None and device is not None:
         raise PlacementError(f"compile: give device ({device}) or devices, not both")
     devs = tuple(mgr.device(d) for d in devices) if devices else (mgr.device(device),)
+    if isinstance(split, str):
+        if split not in ("layer", "tensor"):
+            raise PlacementError(f"compile: split must be 'layer', 'tensor' or proportions, got {split!r}")
+        if len(devs) < 2:
+            raise PlacementError(f"compile: split={split!r} needs devices=[...] of two devices or more")
+        if split == "tensor":
+            return _compile_ranks(outputs, devs, prefer=prefer, exclude=exclude, fusion=fusion,
+                                  host_params=host_params, plugins=mgr)
+        split = None
+    graph = outputs if isinstance(outputs, Graph) else Graph.build(outputs)
     dev = devs[0]
     if split is not None and len(devs) < 2:
         raise PlacementError(f"compile: split {split!r} gives proportions for a layer split: it needs devices=[...] "
@@ -112,3 +130,17 @@ def compile(  # noqa: A001 - the natural name
     while len(cache) > PLAN_CACHE_SIZE:  # a sweep must not hold every plan's buffers
         cache.popitem(last=False)
     return plan
+
+
+def _compile_ranks(outputs: Sequence[Graph | Sequence[Tensor]], devices: tuple[Device, ...], **options) -> GroupPlan:
+    """A tensor split: rank r's graph `outputs[r]` planned for devices[r], as on one device."""
+    from .group import GroupPlan
+
+    if isinstance(outputs, (Graph, Tensor)) or len(outputs) != len(devices) or not all(
+            isinstance(o, Graph) or (isinstance(o, Sequence) and all(isinstance(t, Tensor) for t in o))
+            for o in outputs):
+        raise PlacementError(f"compile: split='tensor' needs one graph per device ({len(devices)}: "
+                             f"{', '.join(d.name for d in devices)}), each a Graph or a list of output tensors")
+    if len({d.name for d in devices}) != len(devices):
+        raise PlacementError(f"tensor split: needs distinct devices, got {', '.join(d.name for d in devices)}")
+    return GroupPlan.of(tuple(compile(o, d, **options) for o, d in zip(outputs, devices)))

@@ -45,5 +45,6 @@ class DeviceIndexError(OpdispatchError, IndexError):
 
 
 class PlacementError(OpdispatchError, ValueError):
-    """A layer split that cannot be made as asked: devices named twice, proportions that are not one
-    number >= 0 per device. (Too little memory for it is OutOfMemory.)"""
+    """A split that cannot be made as asked: devices named twice, proportions that are not one number >= 0
+    per device; a tensor split whose heads or features do not divide among the devices, or whose block
+    format would not split into whole blocks. (Too little memory for it is OutOfMemory.)"""

@@ -115,6 +115,7 @@ VALID: dict[str, Callable[[dict[str, od.Tensor]], tuple[tuple, dict[str, Any]]]]
     "timestep_embedding": lambda s: ((s["t"],), {"dim": 8, "max_period": 100}),
     "argsort": lambda s: ((s["x"],), {"order": "desc"}),
     "top_k": lambda s: ((s["x"],), {"k": 2}),
+    "all_reduce_sum": lambda s: ((s["x"],), {"group": "cpu0,cpu1", "rank": 1}),
 }
 
 

@@ -17,11 +17,13 @@ import numpy as np
 from ..compiler import compile
 from ..hookspecs import Device
 from ..manager import manager
+from ..group import GroupPlan
 from ..plan import Plan
 from ..tensor import Tensor
 from .llama.config import window_for
 from .llama.inputs import StepInputs
 from .llama.model import LlamaModel
+from .llama.split import tensor_split
 from .sampling import Sampler
 
 
@@ -67,8 +69,8 @@ class _Timing:
     prefill_s: float
     decode_s: float
     decode_steps: int
-    prefill_plan: Plan
-    decode_plan: Plan | None
+    prefill_plan: Plan | GroupPlan
+    decode_plan: Plan | GroupPlan | None
     sampling: str
 
 
@@ -107,8 +109,10 @@ class BatchGeneration(_Timing):
 
 
 class Generator:
-    """Runs a LlamaModel on one device, or split by layers over `devices` (compile's layer split, `split`: its
-    proportions): one compiled plan per step shape, and each sequence's cache position.
+    """Runs a LlamaModel on one device, or split over `devices`: by layers (compile's layer split, `split`:
+    its proportions, or "layer"), or split="tensor" (each device holds its shards of every layer:
+    llama.split.tensor_split; each step is a GroupPlan of one plan per device): one compiled plan per step
+    shape, and each sequence's cache position.
 
     `batch` sequences (at most the model's max_seqs) can step together:
     sequence b lives in cache region b. `forward` and `generate` run
@@ -122,7 +126,7 @@ class Generator:
 
     def __init__(self, model: LlamaModel, device: str | Device | None = None, *, fusion: bool | None = None,
                  batch: int = 1, devices: Sequence[str | Device] | None = None,
-                 split: Sequence[float] | None = None) -> None:
+                 split: Sequence[float] | str | None = None) -> None:
         if not 1 <= batch <= model.max_seqs:
             raise ValueError(f"llama: batch {batch} must be in 1..max_seqs of the model ({model.max_seqs}): "
                              "LlamaModel(..., max_seqs=N) sizes the KV cache")
@@ -133,15 +137,17 @@ class Generator:
         self.devices = tuple(manager().device(d) for d in devices) if devices else (manager().device(device),)
         self.device = self.devices[0]
         self.split = split
+        #: the ranks' models of a tensor split (None: the model runs whole)
+        self.ranks = tensor_split(model, self.devices) if split == "tensor" and len(self.devices) > 1 else None
         self.fusion = fusion
         self.batch = batch
         #: cache positions filled, per sequence
         self.lengths = [0] * batch
         self.compile_s = 0.0
         self.last_run_s = 0.0
-        self._steps: dict[tuple[int, int, int, str], tuple[Plan, StepInputs]] = {}
-        self._bound: set[Plan] = set()
-        self._last: Plan | None = None
+        self._steps: dict[tuple[int, int, int, str], tuple[Plan | GroupPlan, StepInputs]] = {}
+        self._bound: set[Plan | GroupPlan] = set()
+        self._last: Plan | GroupPlan | None = None
 
     @property
     def n_past(self) -> int:
@@ -157,14 +163,17 @@ class Generator:
         self.lengths = [0] * self.batch
 
     def step(self, n_tokens: int, n_past: int, *, batch: int = 1, logits: str = "all",
-             greedy: bool = False) -> tuple[Plan, StepInputs]:
+             greedy: bool = False) -> tuple[Plan | GroupPlan, StepInputs]:
         """The compiled plan for `batch` sequences (0..) of n_tokens tokens, the furthest at n_past
         (compiled on first use); greedy: LlamaModel.build's greedy decode step."""
         key = (n_tokens, window_for(self.model.cfg, n_past + n_tokens), batch, "all" if n_tokens == 1 else logits,
                greedy)
         if key not in self._steps:
             t0 = time.perf_counter()
-            outputs, inp = self.model.build(n_tokens, n_past, batch=batch, logits=key[3], greedy=greedy)
+            shape = dict(batch=batch, logits=key[3], greedy=greedy)
+            outputs, inp = (self.ranks or [self.model])[0].build(n_tokens, n_past, **shape)
+            if self.ranks is not None:  # one graph per rank, reading the same inputs
+                outputs = [outputs, *(r.build(n_tokens, n_past, **shape, inputs=inp)[0] for r in self.ranks[1:])]
             where = dict(device=self.device) if len(self.devices) == 1 else dict(devices=self.devices, split=self.split)
             self._steps[key] = (compile(outputs, **where, fusion=self.fusion), inp)
             self.compile_s += time.perf_counter() - t0
@@ -185,7 +194,7 @@ class Generator:
         if max(start) + n_steps > model.cfg.max_ctx:
             raise ValueError(f"decode_greedy: {n_steps} steps after position {max(start)} do not fit max_ctx "
                              f"{model.cfg.max_ctx}")
-        plan: Plan | None = None
+        plan: Plan | GroupPlan | None = None
         t0 = time.perf_counter()
         compile_before = self.compile_s
         # Compiling a step's plan (a new attention window) and binding it (buffers, kernels loaded, graph
@@ -216,7 +225,7 @@ class Generator:
         rows = [b * model.cfg.max_ctx + start[b] for b in range(batch)]
         return [[int(log[r + i]) for i in range(n_steps)] for r in rows]
 
-    def _bind(self, plan: Plan, feeds: Mapping[Tensor, Any]) -> None:
+    def _bind(self, plan: Plan | GroupPlan, feeds: Mapping[Tensor, Any]) -> None:
         """Run a step's plan twice on `feeds`, outside any timing: the first run binds it (kernels
         loaded, launches direct), the second captures its CUDA graph (graphs.GraphRunner); both
         write the same cache rows the timed run then writes again."""
@@ -224,13 +233,13 @@ class Generator:
             plan.run(feeds)
         self._bound.add(plan)
 
-    def _write_next(self, plan: Plan, tokens: Sequence[int]) -> None:
+    def _write_next(self, plan: Plan | GroupPlan, tokens: Sequence[int]) -> None:
         """Sequences 0..len(tokens) - 1's next tokens into the model's next_tokens state."""
         values = np.zeros(self.model.max_seqs, np.int32)
         values[:len(tokens)] = tokens
         plan.write(self.model.next_tokens, values)
 
-    def _read_next(self, plan: Plan, batch: int) -> list[int]:
+    def _read_next(self, plan: Plan | GroupPlan, batch: int) -> list[int]:
         return [int(t) for t in plan.read(self.model.next_tokens)[:batch]]
 
     def forward(self, token_ids: Sequence[int]) -> np.ndarray:

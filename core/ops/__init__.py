@@ -13,3 +13,4 @@ from .attention import *  # noqa: F401,F403
 from .rows import *  # noqa: F401,F403
 from .layout import *  # noqa: F401,F403
 from .reduce import *  # noqa: F401,F403
+from .collective import *  # noqa: F401,F403

@@ -28,7 +28,7 @@ class OpDef:
 
     name: str
     build: Callable[..., Tensor]
-    family: str  # matmul | elementwise | unary | glu | norm | attention | rows | shape | reduce | view
+    family: str  # matmul | elementwise | unary | glu | norm | attention | rows | shape | reduce | view | collective
     #: index of the source whose storage the result aliases (set_rows, cpy), or None
     inplace: int | None = None
     #: kernels must be correct when the output aliases source 0 (same layout), so the memory

@@ -56,7 +56,7 @@ def store(out: np.ndarray, values: np.ndarray, t: Tensor | DType | str) -> None:
 
 def _register_all() -> None:
     # Imported for their registrations; each family's module lists its ops.
-    from . import attention, elementwise, layout, matmul, norm, reduce, rows  # noqa: F401
+    from . import attention, collective, elementwise, layout, matmul, norm, reduce, rows  # noqa: F401
 
 
 _register_all()

@@ -13,6 +13,7 @@ import attrs
 import numpy as np
 
 from ... import ops
+from ...shard import Shard
 from ...tensor import Flag, Tensor, input, param, state  # noqa: A004
 from .config import CONVERTIBLE_DTYPES, LlamaConfig, window_for
 from .inputs import StepInputs
@@ -64,19 +65,32 @@ class LlamaModel:
     output; where the three differ in dtype they stay apart. On by default:
     two launches fewer a layer, and one larger mat-vec runs closer to the
     bandwidth than three small ones. The graph reads only the stack.
+
+    shard: this model is one rank of a tensor split (core/models/llama/split.py makes the ranks' models):
+    `weights` are the rank's shards (weight_shapes(cfg, shard.size)): its heads, KV heads and ffn
+    features, 1/size of each; its KV cache holds its KV heads; the output projections' partial sums meet
+    in all_reduce_sum nodes.
     """
 
     def __init__(self, cfg: LlamaConfig, weights: Mapping[str, np.ndarray | Tensor], *, max_seqs: int = 1,
-                 stack_qkv: bool = True) -> None:
+                 stack_qkv: bool = True, shard: Shard | None = None) -> None:
         if max_seqs < 1:
             raise ValueError(f"llama: max_seqs must be >= 1, got {max_seqs}")
         self.cfg = cfg
         self.max_seqs = max_seqs
         self.stack_qkv = stack_qkv
+        self.shard = shard
+        parts = 1 if shard is None else shard.size
+        #: what this model holds of the heads, KV heads and ffn features (all of them unless a shard)
+        self.heads = cfg.heads if shard is None else shard.part(cfg.heads, "the attention heads")
+        self.kv_heads = cfg.kv_heads if shard is None else shard.part(cfg.kv_heads, "the KV heads")
+        self.q_dim, self.kv_dim = self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim
+        if shard is not None:
+            shard.part(cfg.ffn, "the ffn features")
         given = dict(weights)
         self.params: dict[str, Tensor] = {}
         missing = []
-        for name, shape in weight_shapes(cfg).items():
+        for name, shape in weight_shapes(cfg, parts).items():
             t = self._take(given, name, shape)
             if t is not None:
                 self.params[name] = t
@@ -151,8 +165,8 @@ class LlamaModel:
                if cfg.experts else [w["mlp.gate_proj"], w["mlp.up_proj"], w["mlp.down_proj"], None])
         wq, wk, wv = w["self_attn.q_proj"], w["self_attn.k_proj"], w["self_attn.v_proj"]
         layer = _Layer(w["input_layernorm"], wq, wk, wv, w["self_attn.o_proj"], w["post_attention_layernorm"], *mlp,
-                       state(f"cache.k.{i}", (self.max_seqs * cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype),
-                       state(f"cache.v.{i}", (self.max_seqs * cfg.max_ctx, cfg.kv_dim), cfg.cache_dtype),
+                       state(f"cache.k.{i}", (self.max_seqs * cfg.max_ctx, self.kv_dim), cfg.cache_dtype),
+                       state(f"cache.v.{i}", (self.max_seqs * cfg.max_ctx, self.kv_dim), cfg.cache_dtype),
                        _stack_rows(f"{p}self_attn.qkv_proj.weight", (wq, wk, wv)) if self.stack_qkv else None)
         for t in (*w.values(), layer.k_cache, layer.v_cache, layer.wqkv):
             if t is not None:
@@ -164,7 +178,8 @@ class LlamaModel:
         return [c for layer in self.layers for c in (layer.k_cache, layer.v_cache)]
 
     def build(self, n_tokens: int, n_past: int, *, batch: int = 1, first_seq: int = 0,
-              logits: str = "all", greedy: bool = False) -> tuple[list[Tensor], StepInputs]:
+              logits: str = "all", greedy: bool = False, inputs: StepInputs | None = None
+              ) -> tuple[list[Tensor], StepInputs]:
         """The graph of one step: `batch` sequences (cache regions first_seq ..) of n_tokens tokens each,
         the furthest of them starting at position n_past -> [logits f32 (batch * n_tokens, vocab)],
         sequence b's rows at b * n_tokens ..; logits="last": (batch, vocab), each sequence's last token.
@@ -182,6 +197,9 @@ class LlamaModel:
         logits it returns [next_tokens, token_log] updated: argmax of each sequence's logits (ties: the
         last index, ggml's argmax) into next_tokens and into token_log at its kv_idx row. Steps chained
         this way need no host work between them but the next positions (Plan.submit).
+
+        inputs: the StepInputs of another rank's graph of the same step (a tensor split: every rank's
+        graph reads the same inputs, fed once); default: new ones.
         """
         cfg = self.cfg
         n, hd, b_ = n_tokens, cfg.head_dim, batch
@@ -197,35 +215,37 @@ class LlamaModel:
         window = window_for(cfg, n_past + n)
         rows = b_ * n
         next_tokens = self.next_tokens.view((b_,), (4,), 4 * first_seq)
-        inp = StepInputs(None if greedy else input("tokens", (rows,), "i32"), input("pos", (rows,), "i32"),
-                         input("kv_idx", (rows,), "i64"), input("kq_mask", (b_, 1, n, window), "f16"),
-                         first_seq, cfg.max_ctx)
+        inp = inputs if inputs is not None else StepInputs(None if greedy else input("tokens", (rows,), "i32"),
+                                   input("pos", (rows,), "i32"), input("kv_idx", (rows,), "i64"),
+                                   input("kq_mask", (b_, 1, n, window), "f16"), first_seq, cfg.max_ctx)
+        if (inp.tokens is None) != greedy or inp.mask.shape != (b_, 1, n, window) or inp.first_seq != first_seq:
+            raise ValueError("llama: the inputs given are those of another step")
         x = ops.get_rows(self.embed, next_tokens if greedy else inp.tokens)  # (B * n, hidden)
         for layer in self.layers:
             h = ops.mul(ops.rms_norm(x, cfg.rms_eps), layer.attn_norm)
             # RoPE sees the B * n rows as one run of tokens (a position each), then q splits by sequence.
             if layer.wqkv is not None:  # one projection; q, k, v are column ranges of its rows (free views)
-                qkv = ops.mul_mat(layer.wqkv, h)  # (B * n, hidden + 2 kv_dim)
+                qkv = ops.mul_mat(layer.wqkv, h)  # (B * n, q_dim + 2 kv_dim)
                 rs, es = qkv.strides
-                q = qkv.view((1, rows, cfg.heads, hd), (rows * rs, rs, hd * es, es))
-                k = qkv.view((1, rows, cfg.kv_heads, hd), (rows * rs, rs, hd * es, es), cfg.hidden * es)
-                v = qkv.view((rows, cfg.kv_dim), (rs, es), (cfg.hidden + cfg.kv_dim) * es)
+                q = qkv.view((1, rows, self.heads, hd), (rows * rs, rs, hd * es, es))
+                k = qkv.view((1, rows, self.kv_heads, hd), (rows * rs, rs, hd * es, es), self.q_dim * es)
+                v = qkv.view((rows, self.kv_dim), (rs, es), (self.q_dim + self.kv_dim) * es)
             else:
-                q = ops.mul_mat(layer.wq, h).reshape(1, rows, cfg.heads, hd)
-                k = ops.mul_mat(layer.wk, h).reshape(1, rows, cfg.kv_heads, hd)
+                q = ops.mul_mat(layer.wq, h).reshape(1, rows, self.heads, hd)
+                k = ops.mul_mat(layer.wk, h).reshape(1, rows, self.kv_heads, hd)
                 v = ops.mul_mat(layer.wv, h)  # (B * n, kv_dim)
             q, k = self._rope(q, inp.pos), self._rope(k, inp.pos)
             # Read the cache through set_rows' result: the write is ordered before the read.
-            keys = self._window(ops.set_rows(layer.k_cache, k.reshape(rows, cfg.kv_dim), inp.kv_idx), window,
+            keys = self._window(ops.set_rows(layer.k_cache, k.reshape(rows, self.kv_dim), inp.kv_idx), window,
                                 b_, first_seq)
             values = self._window(ops.set_rows(layer.v_cache, v, inp.kv_idx), window, b_, first_seq)
-            q = q.reshape(b_, n, cfg.heads, hd).permute(0, 2, 1, 3)  # (B, heads, n, hd)
+            q = q.reshape(b_, n, self.heads, hd).permute(0, 2, 1, 3)  # (B, heads, n, hd)
             attn = ops.flash_attn_ext(q, keys, values, inp.mask, scale=hd ** -0.5)  # (B, n, heads, hd)
-            x = ops.add(x, ops.mul_mat(layer.wo, attn.reshape(rows, cfg.hidden)))
+            x = ops.add(x, self._reduce(ops.mul_mat(layer.wo, attn.reshape(rows, self.q_dim))))
             h = ops.mul(ops.rms_norm(x, cfg.rms_eps), layer.ffn_norm)
             if layer.router is None:
                 gated = ops.glu_split(ops.mul_mat(layer.w_gate, h), ops.mul_mat(layer.w_up, h), "swiglu")
-                x = ops.add(x, ops.mul_mat(layer.w_down, gated))
+                x = ops.add(x, self._reduce(ops.mul_mat(layer.w_down, gated)))
             else:
                 x = self._moe(layer, h, x)
         if logits == "last" and n > 1:  # each sequence's last row, a strided view: the LM head reads B rows
@@ -271,7 +291,14 @@ class LlamaModel:
         out = per_expert[0]
         for t in per_expert[1:]:
             out = ops.add(out, t)
-        return ops.add(out, residual)
+        return ops.add(self._reduce(out), residual)
+
+    def _reduce(self, partial: Tensor) -> Tensor:
+        """A row-parallel projection's result: a shard's partial sums summed over the ranks (all_reduce_sum);
+        unchanged without a shard."""
+        if self.shard is None:
+            return partial
+        return ops.all_reduce_sum(partial, self.shard.group, self.shard.rank)
 
     def _rope(self, x: Tensor, pos: Tensor) -> Tensor:
         cfg = self.cfg
@@ -284,7 +311,7 @@ class LlamaModel:
         row = cache.strides[0]
         head = cache.dtype.row_bytes(self.cfg.head_dim)
         region = self.cfg.max_ctx * row
-        shape = (batch, self.cfg.kv_heads, window, self.cfg.head_dim)
+        shape = (batch, self.kv_heads, window, self.cfg.head_dim)
         return cache.view(shape, (region, head, row, cache.dtype.block_bytes), first_seq * region)
 
 

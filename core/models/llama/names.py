@@ -22,21 +22,26 @@ MOE_ALIASES: dict[str, tuple[str, ...]] = {
 LAYER_NAME = re.compile(r"(model\.layers\.\d+\.)(.+)\.weight")
 
 
-def weight_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+def weight_shapes(cfg: LlamaConfig, parts: int = 1) -> dict[str, tuple[int, ...]]:
     """The weights LlamaModel takes, HF names -> numpy shapes ((out, in) for matrices).
 
     Expert weights appear stacked (see MOE_ALIASES); LlamaModel also takes
     them per expert under HF Mixtral's or Qwen2-MoE's names. "lm_head.weight" may be left out (tied to the
     embedding), and "rope_freqs.weight" (GGUF's name, head_dim/2 f32) may be
     given in place of cfg.rope_freq_factors.
+
+    parts: the shapes of one rank's shards in a tensor split over `parts` devices (its 1/parts of the
+    heads, KV heads and ffn features; core/models/llama/split.py): q/k/v and gate/up keep 1/parts of their
+    rows, o_proj and down_proj 1/parts of their columns.
     """
-    h, kv, f, e = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.experts
+    h, kv, f, e = cfg.hidden, cfg.kv_dim // parts, cfg.ffn // parts, cfg.experts
+    q = h // parts
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab, h)}
     for i in range(cfg.layers):
         p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (h, h),
+        shapes |= {p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
                    p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
-                   p + "self_attn.o_proj.weight": (h, h), p + "post_attention_layernorm.weight": (h,)}
+                   p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,)}
         if e:
             shapes |= {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_proj.weight": (e, f, h),
                        p + "mlp.experts.up_proj.weight": (e, f, h), p + "mlp.experts.down_proj.weight": (e, h, f)}

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Iterable
 
 # Imported for their registrations; fused patterns are swept in the order they register.
-from . import elementwise, norm, attention, rows, layout, views, reduce, matmul  # noqa: F401
+from . import elementwise, norm, attention, rows, layout, views, reduce, matmul, collective  # noqa: F401
 from .base import LAYOUTS, Case, Inputs, bound
 from .perf import perf_cases
 from .registry import cases, groups

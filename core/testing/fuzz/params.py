@@ -86,6 +86,10 @@ def _ranges(call: Call) -> list[Choice]:
     elif op == "rope":
         out += [("n_dims", 0, "n_dims = 0"), ("n_dims", p["n_dims"] - 1, "odd n_dims"),
                 ("n_dims", _cols(call, "x") + 2, "n_dims past the head size")]
+    elif op == "all_reduce_sum":
+        n = len(p["group"].split(","))
+        out += [("rank", n, "rank past the group"), ("rank", -1, "a negative rank"),
+                ("group", f"{p['group']},{p['group']}", "a device twice"), ("group", "", "no device")]
     elif op == "diag_mask_inf":
         out += [("n_past", -1, "negative n_past")]
     elif op == "timestep_embedding":

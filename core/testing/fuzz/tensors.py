@@ -49,6 +49,7 @@ ALLOWED: dict[str, dict[str, tuple[str, ...]]] = {
     "set": {"a": ("f32", "i32"), "b": ("f32", "i32")}, "acc": {"a": ("f32",), "b": ("f32",)},
     "repeat": {"a": ("f32", "f16", "bf16", "i16", "i32")}, "fill": {"x": ("f32", "f16")},
     "timestep_embedding": {"t": ("f32",)}, "sum": {"x": F}, "count_equal": {"a": ("i32",), "b": ("i32",)},
+    "all_reduce_sum": {"x": ("f32",)},
 }
 
 
@@ -187,7 +188,7 @@ def dtype(rng: np.random.Generator, base: Base) -> Mutation | None:
 _HUGE_AXIS: dict[str, tuple[str, int]] = {
     **{op: ("x", 0) for op in (*MAPS, "norm", "rms_norm", "l2_norm", "group_norm", "diag_mask_inf", "pad",
                                "pad_reflect_1d", "roll", "fill", "sum", "sum_rows", "mean", "cumsum", "argmax",
-                               "argsort", "top_k", "tri")},
+                               "argsort", "top_k", "tri", "all_reduce_sum")},
     **{op: ("a", 0) for op in (*BINARY, "add1", "dup", "set", "acc", "permute", "transpose", "view", "reshape")},
     "glu": ("x", 0), "soft_max": ("a", 0), "rope": ("x", -2), "get_rows": ("a", -2), "set_rows": ("dst", -2),
     "diag": ("x", -1), "timestep_embedding": ("t", 0), "mul_mat": ("b", -2), "out_prod": ("b", -1),
