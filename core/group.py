@@ -22,7 +22,7 @@ import numpy as np
 from .errors import PlanKeyError
 from .hookspecs import Device
 from .plan import Plan
-from .reference.collective import host_group
+from .reference.collective import PeerFailed, host_group
 from .tensor import Flag, Tensor
 
 T = TypeVar("T")
@@ -38,6 +38,15 @@ def _pool(names: tuple[str, ...]) -> ThreadPoolExecutor:
         if pool is None:
             pool = _POOLS[names] = ThreadPoolExecutor(len(names) - 1, thread_name_prefix=f"opdispatch {','.join(names)}")
         return pool
+
+
+def _peer_failed(exc: BaseException | None) -> bool:
+    """Whether `exc` (or what it was raised from: a launch's error wraps its kernel's) is a PeerFailed."""
+    while exc is not None:
+        if isinstance(exc, PeerFailed):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 @attrs.frozen
@@ -95,30 +104,38 @@ class GroupPlan:
         return self.plans[0].graph
 
     def _each(self, fn: Callable[[Plan], T]) -> list[T]:
-        """fn(plan) for every rank at once (rank 0 here, the others on their threads); a rank that fails
-        wakes the peers waiting for it at a host rendezvous, and the first failure is raised."""
+        """fn(plan) for every rank at once (rank 0 here, the others on their threads). A rank that fails
+        wakes the peers waiting for it at a host rendezvous (they fail with PeerFailed); once every rank
+        has returned, the first failure that is not a PeerFailed is raised."""
         if not self._bound:  # binding allocates and uploads: one rank after the other, before any runs
             for p in self.plans:
                 p._bind()
             self._bound = True
-        futures = [self._pool.submit(fn, p) for p in self.plans[1:]]
+        group = host_group(self._names)
+
+        def guarded(p: Plan) -> T:
+            try:
+                return fn(p)
+            except BaseException:
+                group.abort()
+                raise
+
+        futures = [self._pool.submit(guarded, p) for p in self.plans[1:]]
         errors: list[BaseException] = []
         results: list[Any] = []
         try:
-            results.append(fn(self.plans[0]))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, once the peers are done
+            results.append(guarded(self.plans[0]))
+        except BaseException as exc:  # noqa: BLE001 - raised below, once the peers are done
             errors.append(exc)
-            host_group(self._names).abort()
         for f in futures:
             exc = f.exception()
-            if exc is not None:
-                if not errors:
-                    host_group(self._names).abort()
-                errors.append(exc)
-            else:
+            if exc is None:
                 results.append(f.result())
+            else:
+                errors.append(exc)
         if errors:
-            raise errors[0]
+            group.reset()
+            raise next((e for e in errors if not _peer_failed(e)), errors[0])
         return results
 
     @property

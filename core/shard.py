@@ -69,7 +69,7 @@ def shard_rows(t: Tensor, shard: Shard, ranges: Sequence[tuple[int, int]] = ()) 
     raw = _raw(t)
     pieces = []
     for lo, hi in spans:
-        n = shard.part(hi - lo, f"the rows {lo}..{hi} of {t.describe()}")
+        n = shard.part(hi - lo, f"the rows of {t.describe()}" if not ranges else f"rows {lo}..{hi} of {t.describe()}")
         start = lo + shard.rank * n
         pieces.append(raw[..., start:start + n, :])
     cut = np.concatenate(pieces, axis=-2)

@@ -18,6 +18,10 @@ from ..ops.collective import group_devices
 from ..tensor import Tensor
 from . import load, reference, store
 
+class PeerFailed(LaunchError):
+    """A rank waited at a host rendezvous for a peer that failed (or never came)."""
+
+
 #: how long a rank waits for its peers at a rendezvous before giving up (a peer that failed aborts it sooner)
 RENDEZVOUS_TIMEOUT_S = 300.0
 
@@ -47,13 +51,18 @@ class HostGroup:
         try:
             self.barrier.wait(RENDEZVOUS_TIMEOUT_S)
         except threading.BrokenBarrierError:
-            raise LaunchError(f"all_reduce_sum: rank {rank} ({self.names[rank]}) of group {','.join(self.names)} "
+            raise PeerFailed(f"all_reduce_sum: rank {rank} ({self.names[rank]}) of group {','.join(self.names)} "
                               "was left alone at the host rendezvous: a peer failed or never came") from None
 
     def abort(self) -> None:
-        """Wake every rank waiting here with an error (a peer failed), and make the group usable again."""
+        """A rank failed: wake every rank waiting here, and fail every rank that comes later, with PeerFailed
+        (until `reset`)."""
         self.barrier.abort()
+
+    def reset(self) -> None:
+        """Usable again, once every rank of the failed run has returned."""
         self.barrier = threading.Barrier(len(self.names))
+        self.parts = [None] * len(self.names)
 
 
 _GROUPS: dict[tuple[str, ...], HostGroup] = {}

@@ -44,6 +44,9 @@ def tensor_split(model: LlamaModel, devices: Sequence[str | Device]) -> list[Lla
     names = tuple(d if isinstance(d, str) else d.name for d in devices)
     if model.shard is not None:
         raise ValueError(f"llama: tensor_split takes a whole model, not rank {model.shard.rank} of a split")
+    cfg = model.cfg
+    for n, what in ((cfg.heads, "the attention heads"), (cfg.kv_heads, "the KV heads"), (cfg.ffn, "the ffn features")):
+        Shard(0, names).part(n, what)  # before any weight is cut
     ranks = []
     for rank in range(len(names)):
         shard = Shard(rank, names)
