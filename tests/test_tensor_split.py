@@ -24,7 +24,7 @@ from opdispatch.models.llama.config import PRESETS
 from opdispatch.models.llama.model import LlamaModel
 from opdispatch.models.llama.names import random_weights
 from opdispatch.models.llama.split import tensor_split
-from opdispatch.plugins.nccl import all_reduce_ok, nccl_module
+from opdispatch.plugins.nccl.support import all_reduce_ok, nccl_module
 from opdispatch.reference.collective import HostGroup
 from opdispatch.shard import Shard, shard_cols, shard_rows
 from opdispatch.tensor import input, param
