@@ -149,26 +149,33 @@ def test_compile_refuses_a_tensor_split_misused(weights) -> None:
         compile(outputs, "cpu", split="tensor")
 
 
-def test_nccl_declines_with_its_reason_or_takes_the_all_reduces_on_gpu_descriptions(weights) -> None:
+def test_nccl_takes_the_all_reduces_of_each_rank_on_gpu_descriptions() -> None:
     cfg = attrs.evolve(CFG, hidden=256, heads=4, kv_heads=2, layers=2)  # head_dim 64: attention on the GPU
     ranks = tensor_split(LlamaModel(cfg, random_weights(cfg)), [gpu("cuda0"), gpu("cuda1")])
     outs, inp = ranks[0].build(1, 5)
     plan = compile([outs, ranks[1].build(1, 5, inputs=inp)[0]], devices=[gpu("cuda0"), gpu("cuda1")], split="tensor")
     assert isinstance(plan, GroupPlan) and [p.device.name for p in plan.plans] == ["cuda0", "cuda1"]
-    nccl, why = nccl_module()
     for r, p in enumerate(plan.plans):
         steps = [s for s in p.steps if s.kind == "kernel" and s.out.op == "all_reduce_sum"]
-        assert len(steps) == 2 * cfg.layers and all(s.out.params == {"group": "cuda0,cuda1", "rank": r} for s in steps)
-        if nccl is not None:
-            assert all(s.plugin == "nccl" and s.device.name == f"cuda{r}" for s in steps)
-        else:  # the CPU reference's host rendezvous, with copies to and from the host
-            assert all(s.plugin == "cpu" and ("nccl", why) in s.declined for s in steps)
+        assert len(steps) == 2 * cfg.layers
+        assert all(s.out.params == {"group": "cuda0,cuda1", "rank": r} for s in steps)
+        assert all(s.plugin == "nccl" and s.kernel == "nccl" and s.device.name == f"cuda{r}" for s in steps)
+        assert not [s for s in p.steps if s.kind == "copy"]  # the whole step on the GPU: one segment
+        assert re.search(rf"all_reduce_sum 'all_reduce_sum\.\d+' \(1, 256\) f32 +nccl:nccl on cuda{r}", p.explain())
+
+
+def test_nccl_declines_another_ranks_node_and_says_why_it_is_missing() -> None:
     x = ops.all_reduce_sum(input("x", (1, 256)), "cuda0,cuda1", 1)
+    assert all_reduce_ok(gpu("cuda1"), x) is True
+    assert all_reduce_ok(gpu("cuda0"), x) == "rank 1 of group cuda0,cuda1 is cuda1, not cuda0"
+    assert all_reduce_ok(gpu("cuda1"), ops.all_reduce_sum(input("y", (1, 256)), "cpu0,cuda1", 1)) == (
+        "group cpu0,cuda1 holds devices that are not CUDA GPUs")
+    nccl, why = nccl_module()
+    real = attrs.evolve(gpu("cuda1"), backend_factory=lambda d: None)  # a device that runs: NCCL must be there
     if nccl is None:
-        assert all_reduce_ok(gpu("cuda1"), x) == why and "CuPy" in why
+        assert all_reduce_ok(real, x) == why and "CuPy" in why
     else:
-        assert all_reduce_ok(gpu("cuda1"), x) is True
-        assert all_reduce_ok(gpu("cuda0"), x) == "rank 1 of group cuda0,cuda1 is cuda1, not cuda0"
+        assert all_reduce_ok(real, x) is True
 
 
 # -- the host rendezvous --------------------------------------------------------------------------------

@@ -33,9 +33,11 @@ def group_devices(op_name: str, group: object, *tensors: Tensor) -> tuple[str, .
 
 @op("collective")
 def all_reduce_sum(x: Tensor, group: str, rank: int) -> Tensor:
-    """The sum of x over the ranks of `group` ("cuda0,cuda1": device names in rank order); every rank gets
-    the same f32 values, of x's shape. In rank `rank`'s graph x is that rank's part (a row-parallel
-    projection's partial sums). A group of one device is the identity."""
+    """Sum of x over the ranks of a tensor split's group: f32 of x's shape, the same in every rank.
+
+    `group`: the devices' names in rank order ("cuda0,cuda1"); `rank`: the rank whose graph holds the
+    node, x being that rank's part (a row-parallel projection's partial sums). A group of one device is
+    the identity."""
     check_tensor("all_reduce_sum", x)
     check_dtype("all_reduce_sum", x, ("f32",))
     check_rank("all_reduce_sum", x, 1)

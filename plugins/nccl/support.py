@@ -27,8 +27,10 @@ def nccl_module() -> tuple[Any, str]:
 
 
 def all_reduce_ok(device: Device, node: Tensor) -> bool | str:
+    """NCCL takes the node on its own rank's GPU. On a device description (no backend: planning only, as
+    the support matrix is made) NCCL is taken to be there, as every other fact of the described GPU."""
     nccl, why = nccl_module()
-    if nccl is None:
+    if nccl is None and device.backend_factory is not None:
         return why
     names = group_devices(node.op, node.params["group"])
     rank = node.params["rank"]
