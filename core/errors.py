@@ -47,3 +47,8 @@ class DeviceIndexError(OpdispatchError, IndexError):
 class PlacementError(OpdispatchError, ValueError):
     """A layer split that cannot be made as asked: devices named twice, proportions that are not one
     number >= 0 per device. (Too little memory for it is OutOfMemory.)"""
+
+
+class CaptureWarning(RuntimeWarning):
+    """A plan segment that could not be captured into a CUDA graph and runs by direct launches from then on;
+    the message names the device, the segment and the cause. The conformance harness fails a case on it."""
