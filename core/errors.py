@@ -48,3 +48,7 @@ class PlacementError(OpdispatchError, ValueError):
     """A split that cannot be made as asked: devices named twice, proportions that are not one number >= 0
     per device; a tensor split whose heads or features do not divide among the devices, or whose block
     format would not split into whole blocks. (Too little memory for it is OutOfMemory.)"""
+
+class CaptureWarning(RuntimeWarning):
+    """A plan segment that could not be captured into a CUDA graph and runs by direct launches from then on;
+    the message names the device, the segment and the cause. The conformance harness fails a case on it."""

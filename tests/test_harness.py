@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import argparse
 import io
-from typing import Iterator
+import itertools
+import warnings
+from typing import Callable, Iterator
 
 import numpy as np
 import pytest
 
 from opdispatch import ops
+from opdispatch.errors import CaptureWarning
 from opdispatch.hookspecs import Device, Kernel, PluginInfo, hookimpl
 from opdispatch.ops import OPS
 from opdispatch.ops.base import OpDef
@@ -99,13 +102,11 @@ def test_a_right_plugin_passes_and_a_declined_node_is_unsupported() -> None:
     assert run_case(_same_shape_add(), "cpu", plugins=mgr, plugin="toy_good").status is Status.UNSUPPORTED
 
 
-class LazyPlugin:
-    """neg on a toy device that forgets the last element: only the poisoning catches it exactly."""
+class NegPlugin:
+    """neg on a toy device, computed by `body(out, x, node, run)` on its run-th launch (from 1)."""
 
-    name = "toy_lazy"
-
-    def __init__(self, device: Device) -> None:
-        self.device = device
+    def __init__(self, name: str, device: Device, body: Callable[..., None]) -> None:
+        self.name, self.device, self.body = name, device, body
 
     @hookimpl
     def plugin_info(self) -> PluginInfo:
@@ -118,25 +119,54 @@ class LazyPlugin:
     @hookimpl
     def kernels(self, device: Device) -> Iterator[Kernel]:
         if device.kind == "toy":
-            yield Kernel("neg", self._bind, name="lazy_neg")
+            yield Kernel("neg", self._bind, name=f"{self.name}_neg")
 
-    @staticmethod
-    def _bind(ctx, node):  # noqa: ANN001, ANN205 - a test kernel
+    def _bind(self, ctx, node):  # noqa: ANN001, ANN202 - a test kernel
         out, x = ctx.array(node), ctx.array(node.srcs[0])
+        runs = itertools.count(1)
+        return lambda: self.body(out.reshape(-1), -load(x, node.srcs[0]).reshape(-1), next(runs))
 
-        def launch() -> None:
-            out.reshape(-1)[:-1] = -load(x, node.srcs[0]).reshape(-1)[:-1]
 
-        return launch
+def _neg_case() -> Case:
+    return Case("neg", "f32 3x5", lambda inp: ops.neg(inp.uniform((3, 5))))
+
+
+def _run_neg(name: str, body: Callable[..., None]) -> object:
+    dev = toy_device(f"{name}0", host_memory=True)
+    return run_case(_neg_case(), dev, plugins=manager_with(NegPlugin(name, dev, body)), plugin=name)
 
 
 def test_unwritten_output_values_are_caught() -> None:
-    dev = toy_device("toy_lazy0", host_memory=True)
-    mgr = manager_with(LazyPlugin(dev))
-    case = Case("neg", "f32 3x5", lambda inp: ops.neg(inp.uniform((3, 5))))
-    r = run_case(case, dev, plugins=mgr, plugin="toy_lazy")
-    assert r.status is Status.FAIL and r.plugin == "toy_lazy:lazy_neg"
-    assert "output 0: 1 of 15 values not written (still poisoned NaN)" in r.error
+    def forgets_the_last(out: np.ndarray, want: np.ndarray, run: int) -> None:
+        out[:-1] = want[:-1]
+
+    r = _run_neg("toy_lazy", forgets_the_last)
+    assert r.status is Status.FAIL and r.plugin == "toy_lazy:toy_lazy_neg"
+    assert "output 0: 1 of 15 values not written (still poisoned NaN) in run 1" in r.error
+
+
+def test_a_third_run_is_checked() -> None:
+    """Right on its first two runs, wrong after (as state a CUDA graph replay leaves behind would make it):
+    the plan's third run (a replay of the graph its second captured) fails the case."""
+    def wrong_from_the_third(out: np.ndarray, want: np.ndarray, run: int) -> None:
+        out[:] = want + (run >= 3)
+
+    r = _run_neg("toy_replay", wrong_from_the_third)
+    assert r.status is Status.FAIL and r.nmse > r.bound, r.describe()
+    assert _run_neg("toy_right", lambda out, want, run: out.__setitem__(slice(None), want)).status is Status.PASS
+
+
+def test_a_failed_graph_capture_fails_the_case() -> None:
+    """A segment that could not be captured runs by direct launches (right results): the sweep, which must check
+    the kernels inside CUDA graphs, fails it, naming the capture's error."""
+    def uncapturable(out: np.ndarray, want: np.ndarray, run: int) -> None:
+        out[:] = want
+        if run == 2:
+            warnings.warn("opdispatch: toy0: CUDA graph capture of segment failed: no", CaptureWarning, stacklevel=1)
+
+    r = _run_neg("toy_nocapture", uncapturable)
+    assert r.status is Status.FAIL and r.nmse == 0.0
+    assert "CUDA graph capture of segment failed: no" in r.error
 
 
 def test_perf_mode_times_launches() -> None:

@@ -22,7 +22,7 @@ from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
 from test_mmvq_stream_emulated import q8_1_rounded
 
-PRODUCTS = ("mul_mat", "mul_mat_id", "fused:mul_mat_add", "fused:mul_mat_glu")
+PRODUCTS = ("mul_mat", "mul_mat_id", "fused:mul_mat_add", "fused:mul_mat_glu", "fused:mul_mat_id_add_id")
 FULL = {g: cases.cases(g, full=True) for g in (*PRODUCTS, "get_rows", "set_rows", "cpy", "dup", "cont", "out_prod")}
 
 
@@ -35,6 +35,7 @@ def test_every_block_format_has_cases_in_every_family_that_takes_it() -> None:
     for group in ("mul_mat", "fused:mul_mat_add", "fused:mul_mat_glu", "out_prod"):
         assert _formats(group, "a") >= set(BLOCK_FORMATS), group
     assert _formats("mul_mat_id", "as") >= set(BLOCK_FORMATS)
+    assert _formats("fused:mul_mat_id_add_id", "as") >= set(BLOCK_FORMATS) - {"q8_K"}  # no kernel's weight format
     assert _formats("set_rows", "dst") >= set(ENCODABLE)
     rows = {c.label.split()[0] for g in ("get_rows", "dup", "cont") for c in FULL[g]}
     assert rows >= set(BLOCK_FORMATS)

@@ -1,6 +1,6 @@
 """`opdispatch test-ops`: the conformance sweep from the command line, after ggml's test-backend-ops.
 
-    opdispatch test-ops [-o OP] [--device D] [--mode test|perf|support] [--full] [-p PLUGIN]
+    opdispatch test-ops [-o OP] [--device D] [--mode test|perf|support] [--full] [-p PLUGIN] [--no-fusion]
 
 test: each case on the device against the CPU reference; perf: each case timed
 for a second (large perf cases where a group has them, sized for a GPU);
@@ -38,6 +38,9 @@ def add_test_ops_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help="the whole sweep (default: a quick subset)")
     p.add_argument("-p", "--plugin", help="plugin under test: asked first; nodes it does not take are unsupported")
     p.add_argument("--seed", type=int, help="seed of the random inputs (default: fresh each case)")
+    p.add_argument("--no-fusion", dest="fusion", action="store_false", default=None,
+                   help="plan the device's graphs without fusion (as OPDISPATCH_DISABLE_FUSION=1): the fused "
+                        "patterns' cases then check the kernels run one by one")
     p.set_defaults(handler=test_ops_main)
     return p
 
@@ -142,6 +145,7 @@ def test_ops_main(args: argparse.Namespace, plugins: PluginManager | None = None
     n_cases = sum(map(len, by_case.values()))
     print(f"test-ops {args.mode} on {device.name} ({device.description or device.kind}): {n_cases} cases in "
           f"{len(by_case)} groups{' (full sweep)' if args.full else ''}"
+          + (", fusion off" if args.fusion is False else "")
           + (f", plugin under test {args.plugin}" if args.plugin else "")
           + (f"; copy ceiling {ceiling / 1e9:.1f} GB/s" if ceiling else ""), file=out)
     progress = _Progress(out, len(by_case))
@@ -166,11 +170,12 @@ def test_ops_main(args: argparse.Namespace, plugins: PluginManager | None = None
 
 
 def _runner(args: argparse.Namespace, device: Device, mgr: PluginManager) -> Callable[[Case], Result]:
+    fusion = args.fusion
     if args.mode == "perf":
-        return lambda case: run_perf(case, device, mgr, plugin=args.plugin)
+        return lambda case: run_perf(case, device, mgr, plugin=args.plugin, fusion=fusion)
     if args.mode == "support":
-        return lambda case: support(case, device, mgr, plugin=args.plugin)
-    return lambda case: run_case(case, device, mgr, plugin=args.plugin, seed=args.seed)
+        return lambda case: support(case, device, mgr, plugin=args.plugin, fusion=fusion)
+    return lambda case: run_case(case, device, mgr, plugin=args.plugin, seed=args.seed, fusion=fusion)
 
 
 def _line(mode: str, r: Result, ceiling: float | None) -> str:

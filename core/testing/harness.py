@@ -3,10 +3,14 @@
 `run_case` compiles a case for the device under test and for "cpu" with the
 numpy reference plugin asked first, feeds both the same inputs and compares
 every output by NMSE. Outputs must be proven written, not just close: the
-arena is poisoned with NaN before each run, and each plan runs twice with
-different inputs, so that a value the device left equal to its previous run
-where the reference changed fails the case too (outputs written in place,
-into a state, are not in the arena). A case whose node under test the device's plan
+arena is poisoned with NaN before each run, and the plans run with two sets of
+inputs, so that a value the device left equal to its previous run where the
+reference changed fails the case too (outputs written in place, into a state,
+are not in the arena). The device's plan runs three times (the first inputs,
+the second, the first again): on CUDA the first run launches directly, the
+second captures the plan's CUDA graph and replays it, the third replays it
+again, and a segment whose capture fails (`CaptureWarning`) fails the case.
+A case whose node under test the device's plan
 sends to another device, or to another plugin than the one under test, is
 reported unsupported, as ggml's test-backend-ops does. The standard these checks
 hold kernels to is docs/conformance.md.
@@ -18,7 +22,8 @@ import enum
 import math
 import secrets
 import time
-from typing import Iterable, Sequence
+import warnings
+from typing import Iterable, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -26,6 +31,7 @@ import numpy as np
 from .. import ops
 from ..compiler import compile
 from ..dtypes import to_host_float
+from ..errors import CaptureWarning
 from ..graph import Graph
 from ..hookspecs import Device
 from ..manager import PluginManager, manager
@@ -110,7 +116,7 @@ def _step_of(plan: Plan) -> Step:
 
 
 def _place(case: Case, device: str | Device | None, mgr: PluginManager, prefer: Sequence[str],
-           exclude: Iterable[str], fusion: bool, plugin: str | None, rng: np.random.Generator) -> _Placed:
+           exclude: Iterable[str], fusion: bool | None, plugin: str | None, rng: np.random.Generator) -> _Placed:
     outputs, feeds = case.build(rng)
     graph = Graph.build(outputs)
     dev = mgr.device(device)
@@ -140,12 +146,12 @@ def _seeded(seed: int | None) -> tuple[int, np.random.Generator]:
 
 
 def run_case(case: Case, device: str | Device | None = None, plugins: PluginManager | None = None,
-             prefer: Sequence[str] = (), exclude: Iterable[str] = (), fusion: bool = True,
+             prefer: Sequence[str] = (), exclude: Iterable[str] = (), fusion: bool | None = None,
              plugin: str | None = None, seed: int | None = None) -> Result:
     """Run `case` on `device` and on the CPU reference with the same fresh inputs; compare.
 
     `plugin` names the plugin under test: it is asked first, and a node it
-    does not take is unsupported. `plugins` is the manager (default: every
+    does not take is unsupported. `fusion` None: on unless OPDISPATCH_DISABLE_FUSION=1. `plugins` is the manager (default: every
     installed plugin); it must hold the "cpu" reference plugin. `seed`
     (reported on failure) reproduces the inputs.
     """
@@ -160,17 +166,31 @@ def run_case(case: Case, device: str | Device | None = None, plugins: PluginMana
         second = dict(zip(placed.feeds, case.build(rng)[1].values()))
         ref = compile(placed.graph, "cpu", prefer=(REFERENCE_PLUGIN,), fusion=False, plugins=mgr)
         refs = [ref.run(f) for f in (placed.feeds, second)]
-        outs = []
-        for f in (placed.feeds, second):
-            placed.plan.poison()  # NaN in every arena byte: an unwritten output fails the NMSE
-            outs.append(placed.plan.run(f))
+        outs, captures = _device_runs(placed.plan, (placed.feeds, second, placed.feeds))
     except Exception as exc:  # noqa: BLE001 - a case that raises is a failure to report, not a crash
         return _failed(case, device, placed, exc, seed)
     worst, problems = _compare(case, placed.graph.outputs, refs, outs)
+    problems += captures
     status = Status.PASS if worst <= case.bound and not problems else Status.FAIL
     if not worst <= case.bound:
         problems.insert(0, f"nmse {worst:.3g} > bound {case.bound:.3g}")
     return Result(case, status, placed.device.name, placed.who, worst, "; ".join(problems), seed)
+
+
+def _device_runs(plan: Plan, feeds: Sequence[Mapping[Tensor, np.ndarray]]
+                 ) -> tuple[list[list[np.ndarray]], list[str]]:
+    """(the outputs of a run of `plan` on each of `feeds`, its arena poisoned first; the CUDA graph captures that
+    failed meanwhile). Other warnings the runs raise are raised again."""
+    outs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CaptureWarning)
+        for f in feeds:
+            plan.poison()  # NaN in every arena byte: an unwritten output fails the NMSE
+            outs.append(plan.run(f))
+    for w in caught:
+        if not issubclass(w.category, CaptureWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return outs, [str(w.message) for w in caught if issubclass(w.category, CaptureWarning)]
 
 
 def _values(t: Tensor, arr: np.ndarray, case: Case) -> np.ndarray:
@@ -181,16 +201,23 @@ def _values(t: Tensor, arr: np.ndarray, case: Case) -> np.ndarray:
 
 def _compare(case: Case, outputs: Sequence[Tensor], refs: list[list[np.ndarray]],
              outs: list[list[np.ndarray]]) -> tuple[float, list[str]]:
-    """(worst NMSE over outputs and runs, problems found: values not written)."""
+    """(worst NMSE over outputs and runs, problems found: values not written). Run j of `outs` ran on the
+    inputs of `refs[j % 2]`."""
     worst = 0.0
     problems = []
     for i, t in enumerate(outputs):
         r1, r2 = (_values(t, run[i], case) for run in refs)
-        o1, o2 = (_values(t, run[i], case) for run in outs)
-        worst = max(worst, nmse(o1, r1), nmse(o2, r2))
-        poisoned = int((np.isnan(o2) & ~np.isnan(r2)).sum())
-        if poisoned:
-            problems.append(f"output {i}: {poisoned} of {o2.size} values not written (still poisoned NaN)")
+        got = [_values(t, run[i], case) for run in outs]
+        o1, o2 = got[:2]
+        poisoned = []
+        for j, o in enumerate(got):
+            r = (r1, r2)[j % 2]
+            worst = max(worst, nmse(o, r))
+            poisoned.append(int((np.isnan(o) & ~np.isnan(r)).sum()))
+        if any(poisoned):  # the first run that left some
+            j = next(j for j, p in enumerate(poisoned) if p)
+            problems.append(f"output {i}: {poisoned[j]} of {o1.size} values not written (still poisoned NaN) "
+                            f"in run {j + 1}")
         # Unwritten: equal to the previous run's value where the reference changed, and not
         # the right value. Slack of a few ulps of the value and one of the output's scale:
         # f16/bf16 rounding may meet by chance, and GPUs flush subnormal results to zero.
@@ -206,7 +233,7 @@ def _compare(case: Case, outputs: Sequence[Tensor], refs: list[list[np.ndarray]]
 
 
 def support(case: Case, device: str | Device | None = None, plugins: PluginManager | None = None,
-            prefer: Sequence[str] = (), exclude: Iterable[str] = (), fusion: bool = True,
+            prefer: Sequence[str] = (), exclude: Iterable[str] = (), fusion: bool | None = None,
             plugin: str | None = None) -> Result:
     """Plan `case` on `device` without running it: who takes its node (SUPPORTED), or why not."""
     mgr = plugins or manager()
@@ -219,7 +246,7 @@ def support(case: Case, device: str | Device | None = None, plugins: PluginManag
 
 
 def run_perf(case: Case, device: str | Device | None = None, plugins: PluginManager | None = None,
-             prefer: Sequence[str] = (), exclude: Iterable[str] = (), fusion: bool = True,
+             prefer: Sequence[str] = (), exclude: Iterable[str] = (), fusion: bool | None = None,
              plugin: str | None = None, min_time: float = 1.0) -> Result:
     """Time `case` on `device`: launches repeated until `min_time` seconds have passed.
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Hashable, Sequence
 import attrs
 
 from ...hookspecs import Launch
-from ...errors import LaunchError
+from ...errors import CaptureWarning, LaunchError
 from ..base import run_launches
 
 #: Consecutive re-captures after which capture is turned off (ggml's number).
@@ -113,7 +113,7 @@ class GraphRunner:
             self.disabled = f"capture failed: {type(exc).__name__}: {exc}"
             self.replay = None
             warnings.warn(f"opdispatch: {self.device}: CUDA graph capture of {self.name} failed, launching "
-                          f"directly from now on: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=4)
+                          f"directly from now on: {type(exc).__name__}: {exc}", CaptureWarning, stacklevel=4)
             self.launch_all()
             return
         self.captures += 1

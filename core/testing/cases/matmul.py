@@ -3,15 +3,53 @@
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Iterator
 
 import numpy as np
 
 from ... import ops
+from ...dtypes import dtype as as_dtype
 from ...ops.base import BLOCK_FORMATS, FLOATS, QUANTS
 from ...tensor import Tensor
 from .base import SAMPLED, Case, Inputs, block, bound, dims, pick
 from .registry import fused, generator
+
+#: the block formats weights are stored in (q8_K is ggml's activation format: no kernel reads it as weights)
+WEIGHT_FORMATS = tuple(q for q in BLOCK_FORMATS if q != "q8_K")
+#: the columns (batch N) around which the GPU's products change path or tile: a mat-vec (1), then the GEMMs'
+#: column ranges (9, 16, 32, 64: mmf, mmq's table lines) and a batch past them (512: dequantized for cuBLAS)
+BATCHES = (1, 9, 16, 32, 64, 512)
+#: odd column counts: a partial column tile of each of mmq's table lines up to 128 columns
+ODD_BATCHES = (9, 33, 100)
+#: values in a K tile of the GPU's quantized GEMMs (8 steps of 32 values, as ggml's mmq)
+K_TILE = 256
+#: mul_mat_id with many tokens: (experts, used) pairs and token counts, on both sides of the GPU's switch from
+#: a mat-vec per expert to the quantized GEMM (more than 8 (token, slot) pairs an expert on average)
+MOE_SHAPES = ((8, 2), (64, 8))
+MOE_TOKENS = (9, 64, 512)
+
+
+def chunk(dt: str) -> int:
+    """Values in the fewest blocks of format `dt` whose bytes are a multiple of 16: the GPU's streamed and
+    tensor-core paths take rows of whole 16-byte chunks (docs/cuda_matmul.md), others go elsewhere."""
+    t = as_dtype(dt)
+    return t.block_size * 16 // math.gcd(t.block_bytes, 16)
+
+
+def whole_k(dt: str, least: int) -> int:
+    """The smallest K of whole chunks of `dt` that is at least `least`."""
+    return math.ceil(least / chunk(dt)) * chunk(dt)
+
+
+def odd_k(dt: str) -> int:
+    """A K of whole chunks whose K tiles do not come out even: past one K tile and not a multiple of it where
+    the chunk is smaller (q4_1: 384, q5_1: 320: a partial last K tile), else 5 chunks (5 K tiles for the
+    formats of 256-value chunks: uneven split-K slices)."""
+    c = chunk(dt)
+    if c < K_TILE:
+        return next(k for k in itertools.count(K_TILE + c, c) if k % K_TILE)
+    return 5 * c
 
 
 def mul_mat_case(ta: str, m: int, n: int, k: int, bs: tuple[int, int] = (1, 1), nr: tuple[int, int] = (1, 1),
@@ -39,6 +77,7 @@ def _mul_mat(op: str, full: bool) -> Iterator[Case]:
         yield mul_mat_case("bf16", 7, 16, 64, bs=(1, 2), layout="perm")
         yield mul_mat_case("q4_0", 16, 1, 64, weights=True)
         yield mul_mat_case("q8_0", 11, 8, 96)
+        yield mul_mat_case("q4_0", 77, 33, odd_k("q4_0"))  # the quantized GEMM, partial tiles, split K
         # one or two a group of the other formats: K-quants, iq4_nl / iq4_xs, mxfp4, the grid I-quants
         yield mul_mat_case("q4_K", 13, 1, 256)
         yield mul_mat_case("q6_K", 13, 9, 512, weights=True)
@@ -67,6 +106,11 @@ def _mul_mat(op: str, full: bool) -> Iterator[Case]:
             yield mul_mat_case(ta, 13, n, block(ta, 2), bs, nr)
         for n in (1, 16):
             yield mul_mat_case(ta, 13, n, block(ta, 2), weights=True)
+    for ta in WEIGHT_FORMATS:  # each batch on rows of whole chunks, K of 16 K tiles; then odd M, N and K
+        for n in BATCHES:
+            yield mul_mat_case(ta, 127, n, 16 * K_TILE)
+        for n in ODD_BATCHES:
+            yield mul_mat_case(ta, 77, n, odd_k(ta), weights=n == 33)
 
 
 @generator("mul_mat")
@@ -99,6 +143,7 @@ def _mul_mat_id(op: str, full: bool) -> Iterator[Case]:
     if not full:
         yield _mul_mat_id_case("f32", 4, 2, 5, 16, 65, 2)
         yield _mul_mat_id_case("q4_0", 8, 4, 3, 16, 64, 1)
+        yield _mul_mat_id_case("q8_0", 8, 2, 64, 77, 512, 1)  # the quantized GEMM (16 pairs an expert)
         yield _mul_mat_id_case("f16", 8, 2, 9, 13, 80, 2)
         yield _mul_mat_id_case("q5_K", 4, 2, 1, 13, 256, 1)
         yield _mul_mat_id_case("iq4_xs", 8, 4, 3, 13, 512, 4)
@@ -112,6 +157,9 @@ def _mul_mat_id(op: str, full: bool) -> Iterator[Case]:
     for ta in SAMPLED:  # one token (the mat-vecs) and several
         for (n_exp, used), n_tok, b_rows in itertools.product(((4, 2), (8, 4)), (1, 4, 9), (1, 2)):
             yield _mul_mat_id_case(ta, n_exp, used, n_tok, 13, block(ta, 2), b_rows)
+    for ta in WEIGHT_FORMATS:  # many tokens, odd M, rows of whole chunks (b: one row a token, or one a slot)
+        for (n_exp, used), n_tok in itertools.product(MOE_SHAPES, MOE_TOKENS):
+            yield _mul_mat_id_case(ta, n_exp, used, n_tok, 77, whole_k(ta, 2 * K_TILE), 1 if n_exp == 8 else used)
 
 
 def _out_prod_case(ta: str, k: int, m: int, n: int, bs: tuple[int, int] = (1, 1), nr: tuple[int, int] = (1, 1),
@@ -160,6 +208,8 @@ def _mul_mat_add(name: str, full: bool) -> Iterator[Case]:
     if full:
         for ta, n in itertools.product(FLOATS + BLOCK_FORMATS, (1, 8, 64)):
             yield one(ta, 64, n, 256)
+        for ta, n in itertools.product(_FUSED_WEIGHTS, _FUSED_BATCHES):
+            yield one(ta, 77, n, _fused_k(ta))
 
 
 @fused("mul_mat_glu", needs=("mul_mat", "glu"))
@@ -181,4 +231,35 @@ def _mul_mat_glu(name: str, full: bool) -> Iterator[Case]:
     if full:
         for ta, kind, n in itertools.product(FLOATS + BLOCK_FORMATS, ("swiglu", "geglu"), (1, 8)):
             yield one(ta, kind, 64, n, 256)
+        for ta, n in itertools.product(_FUSED_WEIGHTS, _FUSED_BATCHES):
+            yield one(ta, "swiglu", 77, n, _fused_k(ta))
+
+
+@fused("mul_mat_id_add_id", needs=("mul_mat_id", "add_id"))
+def _mul_mat_id_add_id(name: str, full: bool) -> Iterator[Case]:
+    def one(ta: str, n_exp: int, used: int, n_tok: int, m: int, k: int) -> Case:
+        def make(inp: Inputs) -> Tensor:
+            ids = inp.ids((n_tok, used), n_exp)
+            y = ops.mul_mat_id(inp.source((n_exp, m, k), ta), inp.uniform((n_tok, 1, k)), ids)
+            return ops.add_id(y, inp.uniform((n_exp, m)), ids)
+
+        return Case("add_id", f"as={ta} e={n_exp} used={used} t={n_tok} m={m} k={k}", make,
+                    bound("mul_mat_id", weight=ta), 2 * m * k * n_tok * used, fused=name)
+
+    yield one("q8_0", 8, 2, 1, 13, 256)
+    yield one("q4_0", 8, 2, 64, 77, 512)  # the quantized GEMM, which adds the bias as it writes
+    if full:
+        for ta, n_tok in itertools.product(("f16", *WEIGHT_FORMATS), (1, *MOE_TOKENS)):
+            yield one(ta, 8, 2, n_tok, 77, whole_k(ta, 2 * K_TILE) if ta in BLOCK_FORMATS else 80)
+
+
+#: the fused patterns' weights and batches past the mat-vecs (f16 / bf16: mmf's, which fuses up to 16
+#: columns; the block formats' GEMMs take no epilogue: the pattern runs unfused)
+_FUSED_WEIGHTS = ("f16", "bf16", *WEIGHT_FORMATS)
+_FUSED_BATCHES = (9, 16, 64, 512)
+
+
+def _fused_k(ta: str) -> int:
+    """K of the fused patterns' batch cases: odd_k for block formats, 200 (whole 16-byte rows) for floats."""
+    return odd_k(ta) if ta in BLOCK_FORMATS else 200
 

@@ -21,15 +21,21 @@ from opdispatch.tensor import Tensor
 
 from . import MMQ_ID_CU, Ptr, Scratch, addr, mmq_id_name
 from . import mmv  # a module import: mmv imports support, which imports this module
-from .mmq import MMQ_FORMATS, MmqConfig, mmq_config, mmq_smem
+from .mmq import MMQ_FORMATS, MmqConfig, candidates, mmq_config, mmq_smem
 from .stream import device_facts
 
 #: the mean pairs an expert up to which mmq_id takes the configuration of mmq's table for 32 columns (64 x 32
 #: tiles: an expert's last tile, partly empty, wastes less); above it, the table's many-column one (128 x 64). Both
-#: unsplit (splits 1). Not yet timed for mmq_id on the H200.
+#: unsplit (splits 1). Not yet timed for mmq_id on the H200 (scripts/mmq_sweep.py --kernel mmq_id).
 SMALL_MEAN = 32
 #: bytes of a column's entries before the ring in shared memory: its pair and its b row (ints)
 COLUMN_BYTES = 8
+
+
+#: what scripts/mmq_sweep.py --kernel mmq_id times (besides mmq_id_config's two): mmq's candidates for 32 columns
+#: and more, unsplit
+CANDIDATES: tuple[MmqConfig, ...] = tuple(dict.fromkeys(
+    attrs.evolve(cfg, splits=1) for n in (32, 64, 128, 2**31) for cfg in candidates(n)))
 
 
 def instance_name(dt: str, cfg: MmqConfig) -> str:
