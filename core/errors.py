@@ -49,6 +49,7 @@ class PlacementError(OpdispatchError, ValueError):
     per device; a tensor split whose heads or features do not divide among the devices, or whose block
     format would not split into whole blocks. (Too little memory for it is OutOfMemory.)"""
 
+
 class CaptureWarning(RuntimeWarning):
     """A plan segment that could not be captured into a CUDA graph and runs by direct launches from then on;
     the message names the device, the segment and the cause. The conformance harness fails a case on it."""

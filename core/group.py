@@ -36,7 +36,8 @@ def _pool(names: tuple[str, ...]) -> ThreadPoolExecutor:
     with _LOCK:
         pool = _POOLS.get(names)
         if pool is None:
-            pool = _POOLS[names] = ThreadPoolExecutor(len(names) - 1, thread_name_prefix=f"opdispatch {','.join(names)}")
+            pool = _POOLS[names] = ThreadPoolExecutor(len(names) - 1,
+                                                      thread_name_prefix=f"opdispatch {','.join(names)}")
         return pool
 
 

@@ -74,9 +74,10 @@ def test_each_rank_holds_its_heads_kv_heads_and_ffn_features(weights, stack_qkv:
             o = weights[f"model.layers.{i}.self_attn.o_proj.weight"]
             np.testing.assert_array_equal(values(mine.wo), o[:, r * 2 * hd:(r + 1) * 2 * hd])
             f = CFG.ffn // 2
-            for got, name in ((mine.w_gate, "gate_proj"), (mine.w_up, "up_proj")):
-                np.testing.assert_array_equal(values(got), weights[f"model.layers.{i}.mlp.{name}.weight"][r * f:(r + 1) * f])
-            np.testing.assert_array_equal(values(mine.w_down), weights[f"model.layers.{i}.mlp.down_proj.weight"][:, r * f:(r + 1) * f])
+            mlp = {n: weights[f"model.layers.{i}.mlp.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj")}
+            np.testing.assert_array_equal(values(mine.w_gate), mlp["gate_proj"][r * f:(r + 1) * f])
+            np.testing.assert_array_equal(values(mine.w_up), mlp["up_proj"][r * f:(r + 1) * f])
+            np.testing.assert_array_equal(values(mine.w_down), mlp["down_proj"][:, r * f:(r + 1) * f])
             assert mine.k_cache.shape == mine.v_cache.shape == (CFG.max_ctx, hd)  # its one KV head
             assert mine.attn_norm is whole.attn_norm and mine.ffn_norm is whole.ffn_norm  # replicated: shared
         assert part.embed is model.embed and part.lm_head is model.lm_head and part.norm is model.norm
@@ -255,7 +256,8 @@ def test_a_mixture_of_experts_over_two_cpu_devices() -> None:
 def test_batched_decode_over_two_cpu_devices(weights) -> None:
     prompts = [PROMPT, PROMPT[:5], PROMPT[2:]]
     one = Generator(LlamaModel(CFG, weights, max_seqs=3), "cpu", batch=3).generate_batch(prompts, 5)
-    two = Generator(LlamaModel(CFG, weights, max_seqs=3), devices=PAIR, split="tensor", batch=3).generate_batch(prompts, 5)
+    gen = Generator(LlamaModel(CFG, weights, max_seqs=3), devices=PAIR, split="tensor", batch=3)
+    two = gen.generate_batch(prompts, 5)
     assert two.tokens == one.tokens
 
 
