@@ -332,3 +332,19 @@ def test_a_tensor_split_step_is_captured_with_its_nccl_all_reduces(weights) -> N
     for _ in range(3):  # replays: the graphs' NCCL kernels meet on the GPUs
         gen.reset()
         np.testing.assert_allclose(gen.forward(PROMPT), got, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.gpu
+def test_nccl_runs_a_group_of_one_gpu_inside_a_captured_segment() -> None:
+    from opdispatch.backends.cuda.backend import Segment
+
+    x = input("x", (4, 2048))
+    y = ops.mul(ops.all_reduce_sum(ops.scale(x, 2.0), "cuda0", 0), x)  # kernels on both sides: one segment
+    plan = compile([y], "cuda0")
+    (step,) = [s for s in plan.steps if s.out.op == "all_reduce_sum"]
+    assert (step.plugin, step.kernel, step.device.name) == ("nccl", "nccl", "cuda0"), plan.explain()
+    values = np.random.default_rng(0).standard_normal((4, 2048)).astype(np.float32)
+    for _ in range(3):  # direct, captured, replayed
+        np.testing.assert_allclose(plan.run({x: values})[0], 2 * values * values, rtol=1e-6)
+    (segment,) = [r for r in plan._shared.bound.runners if isinstance(r, Segment)]
+    assert segment.runner.captures == 1 and not segment.runner.disabled
