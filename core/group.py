@@ -98,11 +98,8 @@ class GroupPlan:
 
     @property
     def device(self) -> Device:
+        """The first rank's device (Plan.device: the first of a split's)."""
         return self.plans[0].device
-
-    @property
-    def graph(self) -> Any:
-        return self.plans[0].graph
 
     def _each(self, fn: Callable[[Plan], T]) -> list[T]:
         """fn(plan) for every rank at once (rank 0 here, the others on their threads). A rank that fails
@@ -196,6 +193,3 @@ class GroupPlan:
                     total[k][name] = total[k].get(name, 0) + n
             total["peak"].update(s["peak"])
         return total
-
-    def peak_bytes(self) -> dict[str, int]:
-        return {name: n for p in self.plans for name, n in p.peak_bytes().items()}
