@@ -13,8 +13,6 @@ params split along which axis (the Llama rule: core/models/llama/split.py); the 
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import attrs
 import numpy as np
 
@@ -61,19 +59,11 @@ def _raw(t: Tensor) -> np.ndarray:
     return raw.reshape(*t.shape[:-1], t.dtype.row_bytes(t.shape[-1]))
 
 
-def shard_rows(t: Tensor, shard: Shard, ranges: Sequence[tuple[int, int]] = ()) -> Tensor:
-    """Rank shard.rank's rows of param `t` (axis -2): its 1/size of them, or of each (start, stop) range of
-    rows given (q, k and v of a stacked projection: the rank's heads of each)."""
-    rows = t.shape[-2]
-    spans = list(ranges) or [(0, rows)]
-    raw = _raw(t)
-    pieces = []
-    for lo, hi in spans:
-        n = shard.part(hi - lo, f"the rows of {t.describe()}" if not ranges else f"rows {lo}..{hi} of {t.describe()}")
-        start = lo + shard.rank * n
-        pieces.append(raw[..., start:start + n, :])
-    cut = np.concatenate(pieces, axis=-2)
-    return param(f"{t.name}@{shard.rank}/{shard.size}", cut, t.dtype, shape=(*t.shape[:-2], cut.shape[-2], t.shape[-1]))
+def shard_rows(t: Tensor, shard: Shard) -> Tensor:
+    """Rank shard.rank's 1/size of the rows of param `t` (axis -2: a projection's output features)."""
+    n = shard.part(t.shape[-2], f"the rows of {t.describe()}")
+    cut = _raw(t)[..., shard.rank * n:(shard.rank + 1) * n, :]
+    return param(f"{t.name}@{shard.rank}/{shard.size}", cut, t.dtype, shape=(*t.shape[:-2], n, t.shape[-1]))
 
 
 def shard_cols(t: Tensor, shard: Shard) -> Tensor:
