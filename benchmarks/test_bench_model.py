@@ -6,9 +6,8 @@ q8_0 or q4_0, or in llama-quantize's Q4_K_M mixture (q4_K, q6_K for the
 output and the attn_v/ffn_down of the layers its use_more_bits picks: those
 layers' q/k/v stay three projections). Speed does not depend on the values,
 so the weights are drawn directly in their stored format from one random
-pool a type (floats: random signs and mantissas, magnitudes in [2^-7,
-2^-5); blocks: random codes and sub-block scales with fixed sane f16 scale
-fields) instead of drawing 1.1B floats and quantizing them. Each layer's
+pool a type (opdispatch.models.llama.stored.random_params) instead of
+drawing 1.1B floats and quantizing them. Each layer's
 q/k/v projections are stacked into one where their types agree (LlamaModel's
 stack_qkv).
 
@@ -62,6 +61,8 @@ import pytest
 
 from bench import device_seconds
 
+from opdispatch.models.llama.stored import random_params
+
 pytestmark = pytest.mark.gpu
 
 CTX = 512  # prefilled tokens per sequence before the timed decode step
@@ -83,73 +84,6 @@ CASES = [
     *[(dt, kind, b, "default") for dt in ("f16", "q8_0", "q4_0", "Q4_K_M")
       for kind, b in (("decode", 1), ("decode", 16), ("prefill", 1))],
 ]
-
-
-# -- random weights in their stored format ---------------------------------------------------------
-
-
-#: byte offsets of each block format's f16 scale fields (d, and dmin or m where there is one): ggml's block_* structs
-SCALE_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q2_K": (80, 82), "q3_K": (108,), "q4_K": (0, 2), "q5_K": (0, 2),
-                "q6_K": (208,)}
-#: the f16 scale that makes random codes values of std ~0.02, like HF's initializer (code spread x sub-scale)
-SCALE = {"q8_0": 0.02 / 74, "q4_0": 0.02 / 4.6, "q2_K": 0.02 / (7.5 * 1.1), "q3_K": 0.02 / (16 * 2.3),
-         "q4_K": 0.02 / (32 * 4.6), "q5_K": 0.02 / (32 * 9.2), "q6_K": 0.02 / (64 * 18.5)}
-
-
-def weight_types(cfg: Any, weights: str) -> dict[str, str]:
-    """The storage type of each matrix: cfg.dtype for a dtype row, llama-quantize's mixture for a file type row
-    ("Q4_K_M": q4_K, q6_K for the output and the use_more_bits layers' attn_v and ffn_down)."""
-    from opdispatch.models.llama.names import weight_shapes
-    from opdispatch.models.mixture import PRESETS as FILE_TYPES
-    from opdispatch.models.mixture import ModelFacts, tensor_type
-    from opdispatch.models.weights.names import hf_name_to_gguf
-
-    shapes = {n: s for n, s in weight_shapes(cfg).items() if len(s) > 1}
-    if weights not in FILE_TYPES:
-        return {n: cfg.dtype for n in shapes}
-    facts = ModelFacts(cfg.layers, cfg.heads, cfg.kv_heads, cfg.experts)
-    return {n: tensor_type(weights, hf_name_to_gguf(n), s, facts) for n, s in shapes.items()}
-
-
-def random_params(cfg: Any, seed: int = 0, weights: str | None = None) -> dict[str, Any]:
-    """Every weight of `cfg` as an opdispatch param, matrices in cfg.dtype or the mixture of file type `weights`
-    (weight_types), norms f32, each type's matrices cut from one random pool of its own (see the module doc)."""
-    from opdispatch import param
-    from opdispatch.dtypes import dtype as as_dtype
-    from opdispatch.models.llama.names import weight_shapes
-
-    rng = np.random.default_rng(seed)
-    shapes = weight_shapes(cfg)
-    types = weight_types(cfg, weights or cfg.dtype)
-    pools = {}
-    for name in sorted(set(types.values())):
-        dt = as_dtype(name)
-        largest = max(dt.row_bytes(shapes[n][-1]) * int(np.prod(shapes[n][:-1])) for n, t in types.items() if t == name)
-        pool = np.frombuffer(rng.bytes(largest + 2**20), np.uint8).copy()
-        if name in ("f16", "bf16"):
-            bits = pool[: pool.size // 2 * 2].view(np.uint16)
-            # keep the sign and the low mantissa/exponent bits, fix the exponent high: |x| in [2^-7, 2^-5)
-            if name == "f16":
-                bits &= 0x87FF
-                bits |= 0x2000
-            else:
-                bits &= 0x80FF
-                bits |= 0x3C00
-        else:  # block formats: random codes and sub-block scales, each f16 scale field a fixed sane value
-            blocks = pool[: pool.size // dt.block_bytes * dt.block_bytes].reshape(-1, dt.block_bytes)
-            for at in SCALE_FIELDS[name]:
-                blocks[:, at:at + 2] = np.frombuffer(np.float16(SCALE[name]).tobytes(), np.uint8)
-        pools[name] = pool
-    out: dict[str, Any] = {}
-    for name, shape in shapes.items():
-        if len(shape) == 1:
-            out[name] = rng.uniform(0.9, 1.1, shape).astype(np.float32)
-            continue
-        dt, pool = as_dtype(types[name]), pools[types[name]]
-        nbytes = dt.row_bytes(shape[-1]) * int(np.prod(shape[:-1]))
-        off = int(rng.integers(0, (pool.size - nbytes) // dt.block_bytes)) * dt.block_bytes
-        out[name] = param(name, pool[off:off + nbytes], dt.name, shape=shape)
-    return out
 
 
 def matrix_dtype(weights: str) -> str:

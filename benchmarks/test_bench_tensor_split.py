@@ -1,6 +1,6 @@
 """The `1b` preset's greedy decode on one GPU and tensor-split over two (docs/multi-device.md#the-tensor-split).
 
-Weights bf16, drawn in their stored format (test_bench_model.random_params); one sequence holds CTX
+Weights bf16, drawn in their stored format (opdispatch.models.llama.stored.random_params); one sequence holds CTX
 prefilled tokens; a timed round is Generator.decode_greedy of GREEDY_STEPS steps from position CTX (the
 tokens picked and fed back on the GPUs, the steps queued without waiting), as test_bench_model's decode
 rows. The target (issue 21): the tensor split at least 1.5x one GPU at batch 1. Where it falls short,
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from bench import device_seconds
-from test_bench_model import random_params
 
 from opdispatch.backends.cuda.devices import discover
+from opdispatch.models.llama.stored import random_params
 
 pytestmark = pytest.mark.gpu
 

@@ -3,8 +3,9 @@
     python3 scripts/decode_profile.py run LABEL [--batch B] DTYPE...   one run: writes $OUT (or /tmp)/prof-LABEL.json
     python3 scripts/decode_profile.py table [DIR]          every prof-*.json of DIR side by side
 
-A run builds the model (benchmarks/test_bench_model.py's random weights, of the checkout installed now; DTYPE a
-dtype or a file type such as Q4_K_M), prefills 512 tokens in each of B sequences (1 unless --batch), and times
+A run builds the model (random weights in their stored format: opdispatch.models.llama.stored, of the checkout
+installed now; DTYPE a dtype or a file type such as Q4_K_M), prefills 512 tokens in each of B sequences (1 unless
+--batch), and times
 `Generator.step(1, 512, batch=B, greedy=True)`'s plan (a token for each sequence): its device time (3 medians of 15
 rounds of 20 replays) and, through torch.profiler (CUPTI), each kernel's duration summed over 50 replays, by
 kernel name without its parameter list (so that a kernel whose parameters changed still lines up). With
@@ -30,12 +31,13 @@ def run(label: str, dtypes: list[str], batch: int = 1) -> None:
     import numpy as np
     import torch
     from bench import device_seconds
-    from test_bench_model import MAX_CTX, MAX_SEQS, matrix_dtype, random_params
+    from test_bench_model import MAX_CTX, MAX_SEQS, matrix_dtype
     from torch.profiler import ProfilerActivity, profile
 
     from opdispatch.models.generate import Generator
     from opdispatch.models.llama.config import PRESETS
     from opdispatch.models.llama.model import LlamaModel
+    from opdispatch.models.llama.stored import random_params
 
     out = {}
     for dt in dtypes:
