@@ -86,13 +86,14 @@ def _parser() -> argparse.ArgumentParser:
                         "all-reduces between (NCCL on GPUs) (default: layer)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=tuple(PRESETS),
-                     help="random weights of this shape (default: tiny; tiny-moe: 4 experts, 2 used)")
+                     help="random weights of this shape (default: tiny; tiny-moe: 4 experts, 2 used; 8b: Llama-3-8B's, "
+                          "drawn as 32 GB of f32 on the host first)")
     src.add_argument("--gguf", metavar="PATH", help="weights and config from a llama GGUF file")
     src.add_argument("--safetensors", metavar="DIR",
                      help="weights from the *.safetensors files in DIR (or one file), config from config.json there")
     p.add_argument("--dtype", choices=CONVERTIBLE_DTYPES,
-                   help="dtype of random weights (default: the preset's: tiny f32, 1b bf16); loaded weights keep "
-                        "their stored types")
+                   help="dtype of random weights (default: the preset's: tiny f32, 1b and 8b bf16); loaded weights "
+                        "keep their stored types")
     p.add_argument("--cache-dtype", choices=CACHE_DTYPES, help="KV cache dtype (default: f16)")
     p.add_argument("--tokens", type=int, default=32, help="tokens to generate (default: 32)")
     p.add_argument("--prompt-len", type=int, default=16, help="random prompt length (default: 16)")

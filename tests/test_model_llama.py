@@ -15,12 +15,14 @@ import pytest
 from opdispatch import plan as plan_module
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.compiler import compile
+from opdispatch.dtypes import to_host_float
 from opdispatch.graph import Graph
 from opdispatch.models import generate as generation
 from opdispatch.models.generate import Generator, generate
 from opdispatch.models.llama.config import PRESETS, LlamaConfig
 from opdispatch.models.llama.model import LlamaModel
 from opdispatch.models.llama.names import random_weights, weight_shapes
+from opdispatch.models.llama.stored import random_params
 from opdispatch.models.sampling import Sampler
 from opdispatch.testing.metrics import nmse
 from opdispatch.tensor import param
@@ -392,6 +394,45 @@ def test_config_refuses_unusable_dtypes() -> None:
         attrs.evolve(PRESETS["tiny"], cache_dtype="q8_0")  # head_dim 16 holds no 32-value block
     with pytest.raises(ValueError, match="heads"):
         LlamaConfig(vocab=8, hidden=60, layers=1, heads=8, kv_heads=2, ffn=64)
+
+
+def test_the_8b_preset_is_llama_3_8b_shaped_and_splits_over_two_devices() -> None:
+    cfg = PRESETS["8b"]
+    assert (cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.ffn, cfg.dtype) == (4096, 32, 32, 8, 14336, "bf16")
+    assert cfg.n_params() == 8_030_261_248  # Meta-Llama-3-8B's parameter count (vocab 128256)
+    assert cfg.n_params() == sum(math.prod(s) for s in weight_shapes(cfg).values())
+    halves = weight_shapes(cfg, parts=2)  # the tensor split's shards: every split axis divides by 2
+    assert halves["model.layers.0.self_attn.k_proj.weight"] == (512, 4096)
+    assert halves["model.layers.0.mlp.down_proj.weight"] == (4096, 7168)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "q8_0", "Q4_K_M"])
+def test_random_params_are_views_of_one_pool_a_type_in_their_stored_format(weights: str) -> None:
+    cfg = attrs.evolve(PRESETS["tiny"], hidden=256, heads=4, kv_heads=2, ffn=512, cache_dtype="f32",
+                       dtype="q4_K" if weights == "Q4_K_M" else weights)
+    params = random_params(cfg, seed=1, weights=weights)
+    matrices = {n: t for n, t in params.items() if not isinstance(t, np.ndarray)}
+    assert {n for n, a in params.items() if isinstance(a, np.ndarray)} == {
+        n for n, s in weight_shapes(cfg).items() if len(s) == 1}  # the norms: f32 arrays near 1
+    assert all(a.dtype == np.float32 and 0.9 <= a.min() and a.max() <= 1.1 for a in params.values()
+               if isinstance(a, np.ndarray))
+    types = {t.dtype.name for t in matrices.values()}
+    assert types == ({"q4_K", "q6_K"} if weights == "Q4_K_M" else {weights})
+
+    def owner(a: np.ndarray) -> np.ndarray:
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        return a
+
+    for name in types:  # every matrix of a type is a view of that type's pool: no host copy per weight
+        pools = {id(owner(t.data)) for t in matrices.values() if t.dtype.name == name}
+        assert len(pools) == 1
+    if weights == "bf16":
+        head = matrices["lm_head.weight"]
+        values = np.abs(to_host_float(head.dtype, head.host_view(head.data)))
+        assert 2**-7 <= values.min() and values.max() < 2**-5
+    logits = Generator(LlamaModel(cfg, params), "cpu").forward(PROMPT[:4])
+    assert np.isfinite(logits).all() and logits.std() > 0
 
 
 # -- mixture of experts -------------------------------------------------------------------

@@ -215,6 +215,9 @@ PRESETS: dict[str, LlamaConfig] = {
     # Llama-3.2-1B's shape with Llama 2's vocabulary and rope base; bf16 as the decode target says.
     "1b": LlamaConfig(vocab=32000, hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, max_ctx=2048,
                       dtype="bf16"),
+    # Llama-3-8B's shape (8.03B params: its vocabulary and rope base), bf16: the multi-GPU decode target's model.
+    "8b": LlamaConfig(vocab=128256, hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, rope_base=500000.0,
+                      max_ctx=2048, dtype="bf16"),
 }
 
 
