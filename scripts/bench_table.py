@@ -2,7 +2,9 @@
 
 Op benchmarks go in the first table (fused plans against their unfused one after it); model benchmarks (benchmarks/test_bench_model.py, whose
 extra_info names a "preset") in a second: tokens/s, % of the HBM roofline, the transformers
-baselines and the speedup over them.
+baselines and the speedup over them; benchmarks of a model split over two GPUs (benchmarks/test_bench_split.py,
+whose extra_info names a "split") in a third: one GPU's tokens/s and the split's, the speedup and its target, and
+the split's agreement with one GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def table(path: str) -> str:
     machine = data.get("machine_info", {})
     benches = data.get("benchmarks", [])
     ops = [b for b in benches if "preset" not in b.get("extra_info", {})]
-    models = [b for b in benches if "preset" in b.get("extra_info", {})]
+    splits = [b for b in benches if "split" in b.get("extra_info", {})]
+    models = [b for b in benches if "preset" in b.get("extra_info", {}) and b not in splits]
     rows = [f"machine: {machine.get('node', '?')}, {machine.get('cpu', {}).get('brand_raw', '')}"]
     if ops:
         rows += ["",
@@ -61,6 +64,8 @@ def table(path: str) -> str:
             f"{_fmt(e.get('host_ms'), '.3f')} | {roof} | {_fmt(e.get('host_pick_tokens/s'), '.0f')} | {hf} | "
             f"{_fmt(e.get('torch_compile_tokens/s'), '.0f')} | "
             f"{_fmt(e.get('speedup_vs_hf'), '.1f')} | {_fmt(e.get('speedup_vs_compile'), '.2f')} |")
+    if splits:
+        rows += ["", split_table(splits)]
     reasons = sorted({str(e[k]) for b in models for e in [b["extra_info"]]
                       for k in ("hf_eager_tokens/s", "torch_compile_tokens/s") if str(e.get(k, "")).startswith("n/a")})
     if reasons:
@@ -68,6 +73,21 @@ def table(path: str) -> str:
     copy = next((b["extra_info"].get("copy_GB/s") for b in benches if "copy_GB/s" in b.get("extra_info", {})), None)
     if copy:
         rows.append(f"\ncopy bandwidth measured in this run: {copy:.0f} GB/s")
+    return "\n".join(rows)
+
+
+def split_table(benches: list[dict]) -> str:
+    """The split benchmarks' rows: one GPU against two, the target (issue 21) and whether it is met."""
+    rows = ["| split | preset | dtype | batch | one GPU tokens/s | two GPUs tokens/s | speedup | target | "
+            "logits NMSE vs one GPU | same greedy tokens |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
+    for b in benches:
+        e = b["extra_info"]
+        target = "none" if e.get("target") is None else f">= {e['target']}x: {'met' if e.get('met') else 'NOT met'}"
+        rows.append(f"| {e['split']} | {e['preset']} | {e.get('dtype', '')} | {e.get('batch', '')} | "
+                    f"{_fmt(e.get('one_gpu_tokens/s'), '.0f')} | {_fmt(e.get('two_gpu_tokens/s'), '.0f')} | "
+                    f"{_fmt(e.get('speedup'), '.2f')} | {target} | {_fmt(e.get('logits_nmse'), '.2g')} | "
+                    f"{_fmt(e.get('same_tokens'), '')} |")
     return "\n".join(rows)
 
 
