@@ -1,5 +1,6 @@
 """Layer split: the placement rules on device descriptions, and the whole path over two CPU devices with memory
-of their own (cpu0, cpu1) against one device; on two GPUs (marked gpu), against one GPU."""
+of their own (cpu0, cpu1) against one device; on two GPUs (marked gpu), against one GPU, and a model larger than
+one GPU (refused on one H200, placed on two; on two GPUs, run)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,23 @@ from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
 from opdispatch.manager import manager
 from opdispatch.models.generate import Generator
-from opdispatch.models.llama.config import PRESETS
+from opdispatch.models.llama.config import PRESETS, LlamaConfig
 from opdispatch.models.llama.model import LlamaModel
 from opdispatch.models.llama.names import random_weights
+from opdispatch.models.llama.stored import random_params
 from opdispatch.placement import node_layers, place, split_layers
+from opdispatch.tensor import Flag
 
 CFG = attrs.evolve(PRESETS["tiny"], dtype="f32", cache_dtype="f32", layers=4)
 PROMPT = [3, 141, 59, 26, 5, 35, 89, 79]
 GIB = 2**30
+#: A model larger than one H200 (140.4 GiB), within two: Llama-70B's layers (hidden 8192, 64/8 heads, ffn 28672),
+#: 112 of them, vocab 32000, bf16: 179.5 GiB of weights, 1.28x one H200's memory. Random weights in their stored
+#: format (random_params: every matrix a view of one 500 MiB pool, no host copy per weight) and q/k/v unstacked
+#: (stacking would concatenate them into 19 GiB of new host arrays): the model needs no more host memory than its
+#: largest matrix, so a 2x H200 host (256 GB) builds it, and so does this machine for the placement test.
+OVER_ONE_GPU = LlamaConfig(vocab=32000, hidden=8192, layers=112, heads=64, kv_heads=8, ffn=28672, max_ctx=256,
+                           dtype="bf16")
 
 needs_two_gpus = pytest.mark.skipif(len(discover()[0]) < 2, reason=f"needs two CUDA GPUs, found {len(discover()[0])}"
                                     + (f" ({discover()[1]})" if discover()[1] else ""))
@@ -116,6 +126,37 @@ def test_a_plan_over_two_gpu_descriptions_copies_only_the_residual_stream_and_in
     text = plan.explain()
     assert text.startswith("plan on cuda0, cuda1:")
     assert "layer split: layers 0-1 on cuda0" in text and "layers 2-3 on cuda1" in text
+
+
+def host_bytes(arrays) -> int:  # noqa: ANN001 - numpy arrays
+    """The host memory behind `arrays`: the bytes of the distinct arrays that own their storage."""
+    owners = {}
+    for a in arrays:
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        owners[id(a)] = a.nbytes
+    return sum(owners.values())
+
+
+def test_a_model_larger_than_one_h200_is_refused_on_one_and_placed_on_two() -> None:
+    model = LlamaModel(OVER_ONE_GPU, random_params(OVER_ONE_GPU), stack_qkv=False)
+    weights = sum(t.nbytes for t in model.params.values())
+    assert weights > 1.25 * H200.props["total_memory"]
+    assert host_bytes(t.data for t in model.params.values()) < GIB  # one pool, no host copy per weight
+    outputs, _ = model.build(1, 5, greedy=True)
+    graph = Graph.build(outputs)
+    need = sum(t.nbytes for t in graph.leafs if t.flags & (Flag.PARAM | Flag.STATE))
+    free = H200.props["free_memory"]
+    with pytest.raises(OutOfMemory, match=rf"layer split over cuda0: the params and states need {need} bytes "
+                                          rf"\(179\.\d\d GiB\) in all, free: cuda0 {free} bytes \(140\.40 GiB\); "
+                                          rf"too little memory on layers 0-111 on cuda0 .*: {free} bytes free"):
+        place(graph, [gpu("cuda0", free / GIB)])
+    two = [gpu("cuda0", free / GIB), gpu("cuda1", free / GIB)]
+    p = place(graph, two)
+    assert [r.layers for r in p.ranges] == [tuple(range(56)), tuple(range(56, 112))]
+    assert sum(r.nbytes for r in p.ranges) == need and all(r.nbytes < 0.7 * free for r in p.ranges)
+    plan = compile(outputs, devices=two)
+    assert "layer split: layers 0-55 on cuda0" in plan.explain() and "layers 56-111 on cuda1" in plan.explain()
 
 
 def test_compile_refuses_devices_and_split_misused(weights) -> None:
@@ -226,3 +267,45 @@ def test_each_gpu_segment_is_captured_as_its_own_cuda_graph(weights) -> None:
     segments = [r for r in plan._shared.bound.runners if isinstance(r, Segment)]
     assert sorted(s.backend.device.name for s in segments) == ["cuda0", "cuda1"]
     assert all(s.runner.captures == 1 and not s.runner.disabled for s in segments)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_the_over_one_gpu_shape_split_over_two_gpus_gives_the_logits_and_tokens_of_one() -> None:
+    """OVER_ONE_GPU's layers, 4 of them (7 GiB): the kernels of the larger model, one GPU against two."""
+    cfg = attrs.evolve(OVER_ONE_GPU, layers=4)
+    w = random_params(cfg, seed=5)
+    ref = Generator(LlamaModel(cfg, w, stack_qkv=False), "cuda0")
+    ref_logits, ref_tokens = ref.forward(PROMPT), ref.generate(PROMPT, 8).tokens
+    gen = Generator(LlamaModel(cfg, w, stack_qkv=False), devices=["cuda0", "cuda1"])
+    logits = gen.forward(PROMPT)
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=1e-4 * np.abs(ref_logits).max())
+    two = gen.generate(PROMPT, 8)
+    assert two.tokens == ref_tokens
+    assert [r.layers for r in two.decode_plan.placement.ranges] == [(0, 1), (2, 3)]
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_a_model_larger_than_one_gpu_runs_split_over_two() -> None:
+    """OVER_ONE_GPU whole: refused on one GPU before anything is allocated; by layers over two, its prefill
+    logits finite, its greedy tokens valid, the same twice, and the same with the layers cut elsewhere (split
+    3:2, what each GPU runs moves, its values do not). Its kernels against one GPU: the test above."""
+    w = random_params(OVER_ONE_GPU, seed=5)
+    model = LlamaModel(OVER_ONE_GPU, w, stack_qkv=False)
+    with pytest.raises(OutOfMemory, match=r"cuda0: the plan needs \d+ bytes \(\d+\.\d\d GiB\) of cuda0 memory and "
+                                          r"\d+ bytes \(\d+\.\d\d GiB\) are free"):
+        Generator(model, "cuda0").forward(PROMPT)
+    gen = Generator(model, devices=["cuda0", "cuda1"])
+    logits = gen.forward(PROMPT)
+    assert np.isfinite(logits).all() and logits.std() > 0
+    out = gen.generate(PROMPT, 8)
+    assert all(0 <= t < OVER_ONE_GPU.vocab for t in out.tokens) and len(out.tokens) == 8
+    cut = out.decode_plan.placement.ranges[1].layers[0]  # balanced by free memory: about half
+    assert 40 < cut < 72, out.decode_plan.placement.describe()
+    assert gen.generate(PROMPT, 8).tokens == out.tokens
+    moved = Generator(model, devices=["cuda0", "cuda1"], split=[3, 2])
+    np.testing.assert_allclose(moved.forward(PROMPT), logits, rtol=0, atol=1e-4 * np.abs(logits).max())
+    again = moved.generate(PROMPT, 8)
+    assert again.tokens == out.tokens
+    assert again.decode_plan.placement.ranges[1].layers[0] == 67 != cut
