@@ -449,6 +449,42 @@ def test_attention_runs_unfused_where_the_fused_kernel_would_split_the_kv_less()
     assert flash.FUSED_DECODE_BLOCKS_PER_SM[64] < flash.decode_blocks_per_sm(64, DEV.smem_per_sm)
 
 
+def test_fused_decode_copies_k_v_and_mask_before_the_pdl_wait_only_from_leaves() -> None:
+    # fattn_decode's kv_early: the caches are states (set_rows' destinations), the mask a graph input;
+    # a mask some node computes may be the kernel ahead's output
+    outputs = attn_step(Inputs(np.random.default_rng(0)))
+    (step,) = od.compile(outputs, H200).fusions
+    fused, node = fusion.fused_qkv(step.nodes), step.nodes[-1]
+    mask = node.srcs[3]
+    assert fused.reads_early(mask) and fused.reads_early(None)
+    assert not fused.reads_early(ops.scale(mask, 1.0))
+    (spec,) = flash.flash_plan(node, DEV, fused).specs(fake_ptr, [BASE] * 3, FakeGuard())
+    (plain,) = flash.flash_plan(node, DEV).specs(fake_ptr, [BASE] * 3, FakeGuard())
+    assert (int(spec.args.kv_early), int(plain.args.kv_early)) == (1, 0)  # unfused: set_rows wrote the new row
+    assert int(spec.args.mask_vec) == int(plain.args.mask_vec) == 1  # 320 keys: 640-byte mask rows
+
+
+@pytest.mark.parametrize(("tk", "mask", "vec"), [(128, True, 1), (100, True, 0), (128, False, 0)])
+def test_decode_copies_mask_rows_by_cp_async_where_they_are_16_byte_aligned(tk: int, mask: bool, vec: int) -> None:
+    # two query rows: mask rows tk * 2 bytes apart
+    (spec,) = flash.flash_plan(fa(tq=2, tk=tk, mask=mask), DEV).specs(fake_ptr, [BASE] * 3, FakeGuard())
+    assert int(spec.args.mask_vec) == vec
+
+
+@pytest.mark.parametrize("pipe", [1, 0])
+def test_decode_pipe_selects_the_instance(monkeypatch: pytest.MonkeyPatch, pipe: int) -> None:
+    # both orders of fattn_decode's loads are declared (compiled by the compile test), unfused and fused
+    monkeypatch.setattr(flash, "DECODE_PIPE", pipe)
+    outputs = attn_step(Inputs(np.random.default_rng(0)))
+    (step,) = od.compile(outputs, H200).fusions
+    node = step.nodes[-1]
+    for fused in (None, fusion.fused_qkv(step.nodes)):
+        (spec,) = flash.flash_plan(node, DEV, fused).specs(fake_ptr, [BASE] * 3, FakeGuard())
+        assert spec.kernel in specs.KERNEL_SOURCES[flash.DECODE_CU]
+        assert spec.kernel.endswith(", 0>") == (pipe == 0), spec.kernel
+        assert spec.smem == flash.decode_smem(64, fused is not None)  # the mask rides in the rows' padding
+
+
 @pytest.mark.parametrize(("kw", "reason", "fused"), [
     (dict(d=80), r"^head size 80 \(fused for 64, 128\)", ["rope_qkv_set_rows"]),
     (dict(cache="bf16"), r"^k: cache dtype bf16", []),

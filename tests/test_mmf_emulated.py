@@ -33,7 +33,7 @@ from opdispatch.plugins.cuda_matmul import fusion, specs, support
 from opdispatch.plugins.cuda_matmul.specs import mmf
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, Arena, gxx_major, write_headers
+from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, write_headers
 from helpers import gate_up_glu
 
 NMSE_MAX = 5e-4
@@ -81,22 +81,6 @@ CASES = {
     "glu bf16 N11 geglu": lambda: gate_up_glu("bf16", 33, 96, 11, False, "geglu"),
     "glu bf16 N16 persistent, two splits": lambda: gate_up_glu("bf16", 600, 2080, 16, False, "swiglu"),
 }
-class ScratchArena(Arena):
-    """An Arena that hands out scratch buffers (poisoned, or zeroed when asked) after the tensors."""
-
-    def __init__(self, nbytes: int) -> None:
-        super().__init__(nbytes)
-        self.spaces: dict[str, tuple[int, int]] = {}
-
-    def scratch(self, role: str, nbytes: int, zeroed: bool = False) -> int:
-        at = self.top
-        self.top = (at + nbytes + 255) // 256 * 256
-        assert self.top <= self.mem.size, "arena too small"
-        self.mem[at:at + nbytes] = 0 if zeroed else 0xFF
-        self.spaces[role] = (at, nbytes)
-        return at
-
-
 def _nodes(y: Tensor) -> list[Tensor]:
     return [n for n in Graph.build(y).nodes if n.op not in VIEWS]
 
@@ -185,7 +169,7 @@ def test_mmf_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> None:  
     (model,) = od.compile(y, "cpu").run({**feeds, x: rounded})
     assert nmse(got, model) <= NMSE_ROUNDED, f"{what}: NMSE {nmse(got, model):.3g} against b rounded to {a.dtype}"
     if int(spec.args.splits) > 1:
-        at, nbytes = arena.spaces["mmf counters"]
+        at, nbytes = arena.roles["mmf counters"]
         assert not arena.mem[at:at + nbytes].any(), f"{what}: counters not back to 0"
 
 

@@ -29,7 +29,7 @@ from opdispatch.plugins.cuda_matmul import specs, support
 from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_id
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, Arena, gxx_major, write_headers
+from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, write_headers
 from test_mmvq_stream_emulated import q8_1_rounded
 
 NMSE_MAX = 5e-4
@@ -105,25 +105,6 @@ K_CASES = {
     "q4_K broadcast batches": (lambda: _mm("q4_K", 21, 256, 11, batch=(3, 4), a_batch=(1, 2)), True, None),
 }
 CASES.update(K_CASES)
-
-
-class ScratchArena(Arena):
-    """An Arena whose scratch buffers (quantize_q8_1's b copy, mmq's partial sums and split counters) are
-    carved from the same memory, by role."""
-
-    def __init__(self, nbytes: int) -> None:
-        super().__init__(nbytes)
-        self.roles: dict[str, tuple[int, int]] = {}
-
-    def scratch(self, role: str, nbytes: int, zeroed: bool = False) -> int:
-        """A buffer of nbytes, zeroed if asked, else poisoned (0xFF) so that a read of a part nothing
-        wrote shows."""
-        at = self.top
-        self.top = (self.top + nbytes + 255) // 256 * 256
-        assert self.top <= self.mem.size, "arena too small for the scratch buffer"
-        self.mem[at:at + nbytes] = 0 if zeroed else 0xFF
-        self.roles[role] = (at, nbytes)
-        return at
 
 
 def _node(y: Tensor) -> Tensor:

@@ -4,7 +4,8 @@ common.cuh's inline PTX is swapped for shim.h's host functions, each swap assert
 edit of the PTX fails here by name instead of compiling something else; the other shared headers
 (activations.cuh, quant.cuh) hold no PTX and are copied as they are. q8_1_reference is quant.cuh's
 q8_1 rounding in numpy float32, which both the header test and the mmvq_stream emulation check.
-`Arena` is the emulated device memory the kernel emulations share, with an error word.
+`Arena` is the emulated device memory the kernel emulations share, with an error word; `ScratchArena` one that
+also hands out scratch buffers.
 """
 
 from __future__ import annotations
@@ -114,3 +115,22 @@ class Arena:
 
     def scratch(self, role: str, nbytes: int) -> int:
         raise AssertionError("the emulated kernels take no scratch buffer")
+
+
+class ScratchArena(Arena):
+    """An Arena whose scratch buffers (partial sums, split counters, copies of b) are carved from the same
+    memory after the tensors, by role."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.roles: dict[str, tuple[int, int]] = {}
+
+    def scratch(self, role: str, nbytes: int, zeroed: bool = False) -> int:
+        """A buffer of nbytes, zeroed if asked, else poisoned (0xFF) so that a read of a part nothing
+        wrote shows."""
+        at = self.top
+        self.top = (self.top + nbytes + 255) // 256 * 256
+        assert self.top <= self.mem.size, "arena too small for the scratch buffer"
+        self.mem[at:at + nbytes] = 0 if zeroed else 0xFF
+        self.roles[role] = (at, nbytes)
+        return at

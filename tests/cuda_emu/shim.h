@@ -1,7 +1,7 @@
 // Host emulation of the CUDA subset that cuda_matmul's mmvq_stream.cu, mmq.cu and mmq_id.cu (with mmv.cu's
-// quantize_q8_1 and mmv_id.cu's moe_route), cuda_misc's row kernels and the shared headers (common.cuh,
-// quant.cuh) use, for tests/test_mmvq_stream_emulated.py, tests/test_mmq_emulated.py, tests/test_rows_emulated.py and
-// tests/test_quant_header.py:
+// quantize_q8_1 and mmv_id.cu's moe_route), cuda_misc's row kernels, cuda_attention's fattn_decode.cu and the
+// shared headers (common.cuh, quant.cuh) use, for tests/test_mmvq_stream_emulated.py, tests/test_mmq_emulated.py,
+// tests/test_rows_emulated.py, tests/test_fattn_decode_emulated.py and tests/test_quant_header.py:
 // one std::thread per CUDA thread, std::barrier for __syncthreads / __syncwarp / shuffles, and
 // cp.async performed at wait_group time (lazy) or at issue (eager), so that a read of a stage
 // before its wait sees the poisoned (0xFF) shared memory instead of the weights. Shared addresses
@@ -19,6 +19,7 @@
 #include <atomic>
 
 #define __device__
+#define __host__
 #define __global__
 #define __forceinline__ inline
 #define __noinline__ __attribute__((noinline))
@@ -250,4 +251,26 @@ inline void emu_mma_m16n8k16_bf16(float* d, unsigned a0, unsigned a1, unsigned a
 inline void emu_mma_m16n8k16_f16(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
                                  unsigned b1) {
     emu_mma_m16n8k16(d, a0, a1, a2, a3, b0, b1, false);
+}
+
+// -- ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 (attn_common.cuh), a warp collective ------------------
+// Lane 8m + i gives the shared address of row i of matrix m; lane l = 4g + t receives in word m the pair
+// (row g, columns 2t, 2t+1) of matrix m, or with trans its transpose's: (rows 2t, 2t+1 of column g).
+inline void emu_ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, bool trans) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    unsigned* x = emu_ctx->xchg.data() + warp * 32;
+    x[lane] = addr;
+    __syncwarp();
+    const int g = lane / 4, t = lane % 4;
+    unsigned r[4];
+    for (int m = 0; m < 4; ++m) {
+        unsigned short h[2];
+        for (int k = 0; k < 2; ++k) {
+            const unsigned a = trans ? x[8 * m + 2 * t + k] + 2 * g : x[8 * m + g] + 4 * t + 2 * k;
+            memcpy(&h[k], emu_ctx->smem + a, 2);
+        }
+        r[m] = h[0] | (unsigned)h[1] << 16;
+    }
+    __syncwarp();  // every lane has read the addresses before the next call overwrites them
+    r0 = r[0]; r1 = r[1]; r2 = r[2]; r3 = r[3];
 }

@@ -33,6 +33,22 @@
 // both caches have) is written in neither and is recorded in the error word (od::index_ok); the
 // unfused kernel is passed a null word.
 // Angles: rope_common.cuh, as the rope kernels compute them.
+//
+// PIPE 1 (the default; 0 keeps the order before it, so that both can be timed: specs/flash.py
+// decode_pipe) shortens the block's chain of dependent memory round trips, which is what a decode
+// step at short KV waits on (a 64-key tile a block, a few KiB; docs/cuda_attention.md):
+// - the mask values of a tile travel with its K/V copies, in the same cp.async group, into the stages'
+//   row padding (unused by ldmatrix: 16 bytes a row, 128 rows a stage = 16 columns x 64 keys), instead
+//   of a load after the wait for the tile;
+// - fused, every global load of the rope part (row id, position, the block's q pairs, the new K and V
+//   pairs) is issued before any is used, a thread a (pair, column), all 4 warps: one round trip where
+//   the pair loop took one a column, one warp doing it;
+// - kv_early (the host sets it for the fused kernel only, specs/flash.py): the first K/V (and mask)
+//   copies are issued before the wait for the kernel ahead (PDL). Safe because the copies read only
+//   (a) the mask and the caches' rows other than the new one, which no kernel of this run writes (the
+//   mask is a graph input, uploaded before the run; the caches are states, set_rows' destinations read
+//   as leaves, written by this kernel in earlier runs), and (b) the new row itself, which the kernel
+//   writes after the wait and puts into its shared tile in place of whatever the copy brought.
 #include "attn_common.cuh"
 #include "rope_common.cuh"
 
@@ -70,7 +86,7 @@ __device__ __forceinline__ void put_new(KT* cache, unsigned short* tile, float x
     *tile = od::same_v<KT, od::bf16> ? od::f32_to_bf16(y) : od::f32_to_f16(y);
 }
 
-template <int D, typename KT, int ROPE = 0, typename IT = int>
+template <int D, typename KT, int ROPE = 0, typename IT = int, int PIPE = 1>
 __global__ void __launch_bounds__(128, 2) fattn_decode(
     const char* __restrict__ q, const char* __restrict__ k, const char* __restrict__ v,
     const char* __restrict__ mask, float* __restrict__ ws_acc, float2* __restrict__ ws_ml,
@@ -81,12 +97,16 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
     long long vs_t, long long vs_h, long long vs_b,
     int m2, int m3, long long ms_t, long long ms_h, long long ms_b,
     float scale, float softcap, int use_alibi, float m0, float m1, int n_head_log2,
-    int chunk, int kv_vec,
+    int chunk, int kv_vec, int mask_vec, int kv_early,
     const int* __restrict__ rope_pos, const float* __restrict__ rope_ff, const char* __restrict__ k_new,
     const char* __restrict__ v_new, const IT* __restrict__ new_idx, char* __restrict__ k_cache,
     char* __restrict__ v_cache, long long kn_b, long long kn_h, long long vn_b, long long kc_t, long long vc_t,
     long long row0, long long rows_b, long long new_rows, ROPE_PARAMS, OD_INDEX_CHECK_PARAMS) {
-    od::grid_enter();
+    od::grid_enter_later();  // kv_early: after the first K/V copies (PIPE, header)
+    const bool early = PIPE != 0 && kv_early != 0;
+    if (!early) {
+        od::grid_enter();
+    }
     using namespace od_attn;
     constexpr bool BF = od::same_v<KT, bf16>;
     constexpr int BN = 64;                    // keys a tile, 16 a warp
@@ -118,10 +138,35 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
 
     auto stage_k = [&](int st) { return smem + st * 2 * BN * SR; };
     auto stage_v = [&](int st) { return smem + (st * 2 + 1) * BN * SR; };
+    // PIPE: slot p (0..127) of stage st, the padding after row p of its K then V tile, holds the mask
+    // values of column p % 16, keys 8 * (p / 16) .. + 7 of the tile (so that the 8 lanes of a fragment
+    // row group read 8 consecutive rows: no bank conflicts). Thread tid copies slot tid.
+    static_assert(BN / 8 * 16 == 128, "a mask slot a thread: 16 columns x 64 keys in 16-byte slots");
+    auto mask_slot = [&](int st, int p) { return (p < BN ? stage_k(st) + p * SR : stage_v(st) + (p - BN) * SR) + D; };
+    const unsigned short* mslot = nullptr;  // this thread's slot's mask row (null: no mask, or no column)
+    if (PIPE != 0 && mask != nullptr) {
+        const int cc = cg * 16 + tid % 16;
+        if (cc < ncols) {
+            const int h = kvh * group + cc % group;
+            mslot = reinterpret_cast<const unsigned short*>(mask + (b % m3) * ms_b + (h % m2) * ms_h +
+                                                            (cc / group) * ms_t);
+        }
+    }
     auto load_kv = [&](int i) {  // tile i of the slice; keys past k_end are zeros
         const int st = i % STAGES;
         load_tile<D, BN, 128, KT>(stage_k(st), kbase, ks_t, k_begin + i * BN, k_end, vec, tid);
         load_tile<D, BN, 128, KT>(stage_v(st), vbase, vs_t, k_begin + i * BN, k_end, vec, tid);
+        if (mslot != nullptr) {  // keys past k_end: never read (their logits are -inf whatever the mask)
+            const int key0 = k_begin + i * BN + tid / 16 * 8;
+            unsigned short* dst = mask_slot(st, tid);
+            if (mask_vec && key0 + 8 <= k_end) {
+                od::cp_async16(od::smem_addr(dst), mslot + key0);
+            } else {
+                for (int e = 0; e < 8 && key0 + e < k_end; ++e) {
+                    dst[e] = mslot[key0 + e];
+                }
+            }
+        }
     };
     // start the K/V stream first; the Q fragments are built while it flies
 #pragma unroll
@@ -131,10 +176,13 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         }
         od::cp_async_commit();
     }
+    if (early) {
+        od::grid_enter();
+    }
 
     // Fused: rotate q into shared memory (a thread a pair, all columns: the angle depends on the
-    // pair and the position only) and, in the block that owns it, the new K row; convert the new V
-    // row; write both rows to the caches. own_tile / own_row: where the new row sits in this slice.
+    // pair and the position only; PIPE: a thread a pair of a column) and, in the block that owns it,
+    // the new K row; convert the new V row; write both rows to the caches. own_tile / own_row: where the new row sits in this slice.
     int own_tile = -1, own_row = 0;
     const char* q_src = q;  // what the fragments read: q, or the rotated q (f32) in shared memory
     if constexpr (ROPE != 0) {
@@ -143,6 +191,39 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         float* q_rot = reinterpret_cast<float*>(extra);                           // [16][D]
         unsigned short* kv_rows = reinterpret_cast<unsigned short*>(q_rot + 16 * D);  // new K row, new V row
         const long long cache_row = static_cast<long long>(new_idx[b]);
+        const int pos = rope_pos[b];
+        const int nc = min(16, ncols - cg * 16);
+        const float* kn = reinterpret_cast<const float*>(k_new + b * kn_b + kvh * kn_h);
+        const float* vn = reinterpret_cast<const float*>(v_new + b * vn_b) + kvh * D;
+        // PIPE: this thread's pair and the columns it rotates (all loads issued before any is used)
+        constexpr int PAIRS = D / 2;
+        constexpr int CPP = PIPE != 0 ? 128 / PAIRS : 1;  // columns a pass of the 128 threads
+        constexpr int PASSES = 16 / CPP;
+        static_assert(PIPE == 0 || 128 % PAIRS == 0, "PIPE: the threads take whole passes of pairs");
+        const int pi = PIPE != 0 ? tid % PAIRS : 0;
+        const int c0 = PIPE != 0 ? tid / PAIRS : 0;
+        float qx[PIPE != 0 ? PASSES : 1][2], kx[2] = {0.0f, 0.0f}, vx[2] = {0.0f, 0.0f};
+        int pe0 = 0, pe1 = 0, pfi = 0;
+        bool prot = false;
+        if constexpr (PIPE != 0) {
+            od_rope::pair_of<ROPE == 2>(pi, rp, pe0, pe1, pfi, prot);
+#pragma unroll
+            for (int it = 0; it < PASSES; ++it) {
+                const int cc = c0 + it * CPP;
+                if (cc < nc) {
+                    const int h = kvh * group + (cg * 16 + cc) % group;
+                    const float* x = reinterpret_cast<const float*>(q + b * qs_b + h * qs_h);
+                    qx[it][0] = x[pe0];
+                    qx[it][1] = x[pe1];
+                }
+            }
+            if (c0 == 0) {  // the new rows' pair: V by the same elements (the pairs cover the row once)
+                kx[0] = kn[pe0];
+                kx[1] = kn[pe1];
+                vx[0] = vn[pe0];
+                vx[1] = vn[pe1];
+            }
+        }
         const bool row_ok = od::index_ok(cache_row, new_rows, err_word, err_tag, b);
         const long long j = cache_row - row0 - b * rows_b;
         const bool in_window = row_ok && j >= 0 && j < tk;
@@ -152,36 +233,54 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
             own_tile = static_cast<int>(j - k_begin) / BN;
             own_row = static_cast<int>(j - k_begin) % BN;
         }
-        const int pos = rope_pos[b];
-        const int nc = min(16, ncols - cg * 16);
-        const float* kn = reinterpret_cast<const float*>(k_new + b * kn_b + kvh * kn_h);
         KT* kc = reinterpret_cast<KT*>(k_cache + cache_row * kc_t) + kvh * D;
-        for (int pi = tid; pi < D / 2; pi += 128) {
-            int e0, e1, fi;
-            bool rot;
-            od_rope::pair_of<ROPE == 2>(pi, rp, e0, e1, fi, rot);
+        KT* vc = reinterpret_cast<KT*>(v_cache + cache_row * vc_t) + kvh * D;
+        if constexpr (PIPE != 0) {
             float c = 1.0f, sn = 0.0f;
-            if (rot) {
-                od_rope::cos_sin_of(fi, pos, rope_ff, rp, c, sn);
+            if (prot) {
+                od_rope::cos_sin_of(pfi, pos, rope_ff, rp, c, sn);
             }
-            for (int cc = 0; cc < nc; ++cc) {
-                const int h = kvh * group + (cg * 16 + cc) % group;
-                const float* x = reinterpret_cast<const float*>(q + b * qs_b + h * qs_h);
-                const float x0 = x[e0], x1 = x[e1];
-                q_rot[cc * D + e0] = rot ? x0 * c - x1 * sn : x0;
-                q_rot[cc * D + e1] = rot ? x0 * sn + x1 * c : x1;
+#pragma unroll
+            for (int it = 0; it < PASSES; ++it) {
+                const int cc = c0 + it * CPP;
+                if (cc < nc) {
+                    const float x0 = qx[it][0], x1 = qx[it][1];
+                    q_rot[cc * D + pe0] = prot ? x0 * c - x1 * sn : x0;
+                    q_rot[cc * D + pe1] = prot ? x0 * sn + x1 * c : x1;
+                }
+            }
+            if (c0 == 0 && writes) {
+                put_new(kc + pe0, kv_rows + pe0, prot ? kx[0] * c - kx[1] * sn : kx[0]);
+                put_new(kc + pe1, kv_rows + pe1, prot ? kx[0] * sn + kx[1] * c : kx[1]);
+                put_new(vc + pe0, kv_rows + D + pe0, vx[0]);
+                put_new(vc + pe1, kv_rows + D + pe1, vx[1]);
+            }
+        } else {
+            for (int pi = tid; pi < D / 2; pi += 128) {
+                int e0, e1, fi;
+                bool rot;
+                od_rope::pair_of<ROPE == 2>(pi, rp, e0, e1, fi, rot);
+                float c = 1.0f, sn = 0.0f;
+                if (rot) {
+                    od_rope::cos_sin_of(fi, pos, rope_ff, rp, c, sn);
+                }
+                for (int cc = 0; cc < nc; ++cc) {
+                    const int h = kvh * group + (cg * 16 + cc) % group;
+                    const float* x = reinterpret_cast<const float*>(q + b * qs_b + h * qs_h);
+                    const float x0 = x[e0], x1 = x[e1];
+                    q_rot[cc * D + e0] = rot ? x0 * c - x1 * sn : x0;
+                    q_rot[cc * D + e1] = rot ? x0 * sn + x1 * c : x1;
+                }
+                if (writes) {
+                    const float x0 = kn[e0], x1 = kn[e1];
+                    put_new(kc + e0, kv_rows + e0, rot ? x0 * c - x1 * sn : x0);
+                    put_new(kc + e1, kv_rows + e1, rot ? x0 * sn + x1 * c : x1);
+                }
             }
             if (writes) {
-                const float x0 = kn[e0], x1 = kn[e1];
-                put_new(kc + e0, kv_rows + e0, rot ? x0 * c - x1 * sn : x0);
-                put_new(kc + e1, kv_rows + e1, rot ? x0 * sn + x1 * c : x1);
-            }
-        }
-        if (writes) {
-            const float* vn = reinterpret_cast<const float*>(v_new + b * vn_b) + kvh * D;
-            KT* vc = reinterpret_cast<KT*>(v_cache + cache_row * vc_t) + kvh * D;
-            for (int e = tid; e < D; e += 128) {
-                put_new(vc + e, kv_rows + D + e, vn[e]);
+                for (int e = tid; e < D; e += 128) {
+                    put_new(vc + e, kv_rows + D + e, vn[e]);
+                }
             }
         }
         __syncthreads();
@@ -271,13 +370,26 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         // this lane's 8 mask values of the tile, loaded before the S mma so that their latency
         // overlaps it (one split walks many tiles one after another; loading them before the
         // wait for the tile costs registers: spills at D=256, 131 at D=64 = 3 blocks an SM)
+        // (PIPE: from the tile's mask slots, two keys a 32-bit word)
         unsigned short mk[2][4];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
+            if constexpr (PIPE != 0) {
+                if (mask != nullptr) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = kw + nt * 8 + 2 * tq4 + (e & 1);
-                mk[nt][e] = mrow[e >> 1] != nullptr && key < k_end ? mrow[e >> 1][key] : 0;
+                    for (int r = 0; r < 2; ++r) {
+                        const unsigned w = *reinterpret_cast<const unsigned*>(
+                            mask_slot(i % STAGES, (warp * 2 + nt) * 16 + g + 8 * r) + 2 * tq4);
+                        mk[nt][2 * r] = static_cast<unsigned short>(w & 0xffffu);
+                        mk[nt][2 * r + 1] = static_cast<unsigned short>(w >> 16);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = kw + nt * 8 + 2 * tq4 + (e & 1);
+                    mk[nt][e] = mrow[e >> 1] != nullptr && key < k_end ? mrow[e >> 1][key] : 0;
+                }
             }
         }
 

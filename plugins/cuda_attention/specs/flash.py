@@ -8,6 +8,7 @@ tested on a device description.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -38,6 +39,11 @@ DECODE_MAX_TQ = 8
 #: for caches of rope's CACHE_TYPES
 ATTN_HEAD_SIZES = (64, 128)
 MASK_FLAGS = "fattn_mask_flags"
+#: fattn_decode's PIPE: 1 issues its loads for the shortest chain of round trips (the mask with the K/V
+#: copies, the fused rope's loads at once, the first K/V copies before the PDL wait where safe: the
+#: kernel's header); 0 the order before, kept so that both can be timed in one device call. Read at
+#: import: OPDISPATCH_FATTN_DECODE_PIPE=0 selects the old order for a process.
+DECODE_PIPE = int(os.environ.get("OPDISPATCH_FATTN_DECODE_PIPE", "1"))
 
 
 def kv_variants() -> list[tuple[int, str]]:
@@ -45,11 +51,14 @@ def kv_variants() -> list[tuple[int, str]]:
     return [(d, kv) for d in HEAD_SIZES for kv in KV_TYPES if d % 32 == 0 or kv in ("f32", "f16", "bf16")]
 
 
-def decode_kernel(d: int, kv: str, rope: str = "", idx: str = "i32") -> str:
-    """The decode kernel; rope "normal"/"neox": fused with the q/k/v rope and cache writes (row ids idx)."""
+def decode_kernel(d: int, kv: str, rope: str = "", idx: str = "i32", pipe: int | None = None) -> str:
+    """The decode kernel; rope "normal"/"neox": fused with the q/k/v rope and cache writes (row ids idx);
+    pipe: its PIPE (DECODE_PIPE unless given)."""
+    pipe = DECODE_PIPE if pipe is None else pipe
+    tail = () if pipe == 1 else (pipe,)
     if not rope:
-        return instance("fattn_decode", d, CTYPE[kv])
-    return instance("fattn_decode", d, CTYPE[kv], 1 if rope == "normal" else 2, idx_ctype(idx))
+        return instance("fattn_decode", d, CTYPE[kv], *((0, "int", *tail) if tail else ()))
+    return instance("fattn_decode", d, CTYPE[kv], 1 if rope == "normal" else 2, idx_ctype(idx), *tail)
 
 
 def prefill_kernel(d: int, kv: str) -> str:
@@ -58,8 +67,8 @@ def prefill_kernel(d: int, kv: str) -> str:
 
 KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {
     DECODE_CU: tuple(
-        [decode_kernel(d, kv) for d, kv in kv_variants()]
-        + [decode_kernel(d, kv, r, i) for d in ATTN_HEAD_SIZES for kv in CACHE_TYPES
+        [decode_kernel(d, kv, pipe=p) for p in (1, 0) for d, kv in kv_variants()]
+        + [decode_kernel(d, kv, r, i, p) for p in (1, 0) for d in ATTN_HEAD_SIZES for kv in CACHE_TYPES
            for r in ("normal", "neox") for i in ("i32", "i64")]),
     PREFILL_CU: tuple([prefill_kernel(d, kv) for d, kv in kv_variants()] + [MASK_FLAGS]),
 }
@@ -123,8 +132,10 @@ def decode_splits(node: Tensor, dev: DeviceFacts, fused: bool = False) -> tuple[
 
 @attrs.frozen
 class DecodeArgs(KernelArgs):
-    """Strides in bytes (_t rows, _h heads, _b batches); rope_pos .. err_: the fused q/k/v rope and cache
-    writes, new_rows the caches' rows (ROPE 0, unfused, ignores them)."""
+    """Strides in bytes (_t rows, _h heads, _b batches); mask_vec: mask rows 16-byte aligned (cp.async);
+    kv_early: the first K/V and mask copies may be issued before the PDL wait (FusedQKV.reads_early);
+    rope_pos .. err_: the fused q/k/v rope and cache writes, new_rows the caches' rows (ROPE 0, unfused,
+    ignores them)."""
 
     KERNELS = ("fattn_decode",)
     q: np.uint64 = ptr()
@@ -164,6 +175,8 @@ class DecodeArgs(KernelArgs):
     n_head_log2: np.int32 = i32()
     chunk: np.int32 = i32()
     kv_vec: np.int32 = i32()
+    mask_vec: np.int32 = i32()
+    kv_early: np.int32 = i32()
     rope_pos: np.uint64 = ptr()
     rope_ff: np.uint64 = ptr()
     k_new: np.uint64 = ptr()
@@ -284,6 +297,11 @@ def _shared_fields(node: Tensor, ptr: Ptr) -> dict[str, Any]:
             "softcap": p["softcap"], **alibi_fields(hq, p["max_bias"]), "kv_vec": int(_kv_vec(k, v, ptr))}
 
 
+def _mask_vec(mask: Tensor | None, ptr: Ptr) -> int:
+    """The decode kernel's 16-byte copies of mask rows (f16 rows starting 16-byte aligned)."""
+    return int(mask is not None and aligned(mask, ptr, 16))
+
+
 @attrs.frozen
 class FusedQKV:
     """The decode step's q/k/v rope and cache writes that fattn_decode does itself (fusion.fused_qkv): the
@@ -305,6 +323,15 @@ class FusedQKV:
         """q from the projection's rows (f32), token row b, heads D apart (rope(q) has no storage)."""
         qs = self.xq.strides
         return {"q": ptr(self.xq), "q_f16": 0, "qs_t": 0, "qs_h": qs[-2], "qs_b": qs[-3]}
+
+    def reads_early(self, mask: Tensor | None) -> bool:
+        """Whether fattn_decode may copy its first K/V tiles and mask values before the PDL wait: what
+        they read, but for the new row (which the kernel writes after the wait and puts into its tile
+        itself), was written before the run began. The caches are set_rows' destinations read as leaves
+        (states: earlier runs wrote them) and the mask a leaf (a graph input, uploaded before the run);
+        a cache or mask that a node of the graph computes may come from the kernel ahead."""
+        leaves = [self.k_cache.srcs[0], self.v_cache.srcs[0], *([] if mask is None else [mask])]
+        return all(t.base.is_leaf for t in leaves)
 
     def fields(self, ptr: Ptr, guard: Guard) -> dict[str, Any]:
         """DecodeArgs' fused fields (those of NOT_FUSED), the row ids checked by `guard`'s IndexCheck."""
@@ -369,7 +396,7 @@ def flash_plan(node: Tensor, dev: DeviceFacts, fused: FusedQKV | None = None) ->
 
 
 def _decode_plan(node: Tensor, dev: DeviceFacts, fused: FusedQKV | None) -> FlashPlan:
-    q, k = node.srcs[:2]
+    q, k, _, mask, _ = node.srcs
     b, hq, tq, d = q.shape
     hkv = k.shape[1]
     ncg = -(-(hq // hkv * tq) // DECODE_COLS)
@@ -385,11 +412,13 @@ def _decode_plan(node: Tensor, dev: DeviceFacts, fused: FusedQKV | None) -> Flas
         acc, ml, counters = (0, 0, 0) if nsplit == 1 else tuple(wsp)
         if fused is None:
             own, name = {**_q_fields(q, ptr), **NOT_FUSED}, decode_kernel(d, k.dtype.name)
+            early = False
         else:
             own = {**fused.q_fields(ptr), **fused.fields(ptr, guard)}
             name = decode_kernel(d, k.dtype.name, fused.rope.params["mode"], fused.idx.dtype.name)
+            early = fused.reads_early(mask)
         args = DecodeArgs(**own, **_shared_fields(node, ptr), ws_acc=acc, ws_ml=ml, counters=counters, ncg=ncg,
-                          chunk=chunk)
+                          chunk=chunk, mask_vec=_mask_vec(mask, ptr), kv_early=int(early))
         return [KernelSpec(DECODE_CU, name, (nsplit, hkv * ncg, b), 128, args, decode_smem(d, fused is not None))]
 
     return FlashPlan("decode", ws, make_decode, nsplit, chunk)
