@@ -1192,6 +1192,112 @@ def split_k_deterministic(n: int, path: str, rng: np.random.Generator) -> None:
         assert np.array_equal(got, first), f"{path} split K n={n}: run {run + 1} differs from the first"
 
 
+def force_a8(monkeypatch: pytest.MonkeyPatch, cfg: mmq.MmqConfig) -> None:
+    """mmq takes every column count above the mat-vecs' (as mmq_any_n), with the converted-tile configuration cfg
+    above 64 columns in both tables: split in 2 slices up to 128, as given above (mmq_id: for more than
+    specs/mmq_id.SMALL_MEAN pairs an expert)."""
+    monkeypatch.setattr(support, "MMQ_MAX_N", 2**31)
+    monkeypatch.setattr(support, "MMQ_SMALL_MAX_N", support.MMV_MAX_N)
+    for name in ("TABLE", "TABLE_K"):
+        few = tuple(e for e in getattr(mmq, name) if e[0] <= 64)
+        monkeypatch.setattr(mmq, name, (*few, (128, attrs.evolve(cfg, splits=2)), (2**31, cfg)))
+
+
+#: the a8 configurations the sweep times (specs/mmq.py), by name
+A8_CONFIGS = {"wide": mmq.A8_WIDE, "tall": mmq.A8_TALL, "64": mmq.A8_64}
+#: columns of the a8 GPU tests: split K (100), a partial column tile (129, 513 for 128-column tiles), whole ones
+A8_N = (100, 129, 256, 512)
+
+
+def test_a8_configs_fit_and_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every a8 configuration fits the H200's shared memory for every mmq format (its ring and converted tile); forced
+    into the table, the plan launches its instance (A8 named) on the grid of its tiles and splits."""
+    for cfg in A8_CONFIGS.values():
+        assert {cfg.template} <= {c.template for cands in mmq.CANDIDATES.values() for c in cands}
+        for dt in mmq.MMQ_FORMATS:
+            assert mmq.mmq_smem(dt, cfg) == mmq.mmq_smem(dt, attrs.evolve(cfg, a8=False)) + mmq.conv_bytes(dt, cfg)
+            assert mmq.mmq_fits(dt, 512, H200, cfg), (dt, str(cfg), mmq.mmq_smem(dt, cfg))
+    assert mmq.conv_bytes("q4_0", mmq.A8_WIDE) == 8 * 8 * (512 + 8 * 16)
+    assert mmq.conv_bytes("q2_K", mmq.A8_WIDE) == 8 * 8 * (512 + 8 * 32)
+    force_a8(monkeypatch, mmq.A8_WIDE)
+    for dt, m, k, n, splits in (("q4_0", 4096, 14336, 512, 1), ("q6_K", 77, 4096, 129, 1), ("q8_0", 300, 2048, 100, 2)):
+        y = ops.mul_mat(weight("w", (m, k), dt), od.input("x", (n, k)))
+        assert support.choose(y, H200).path == "mmq"
+        quant, spec = mmq.mmq_specs(y, fake_ptr, fake_scratch)
+        cfg = attrs.evolve(mmq.A8_WIDE, splits=splits)
+        assert mmq.mmq_config(dt, n) == cfg and spec.kernel == mmq.instance_name(dt, cfg)
+        assert spec.kernel.endswith(", true>") and spec.args.splits == splits
+        assert spec.grid == (-(-m // 128) * splits * -(-n // 128), 1, 1) and spec.block == 256
+        assert spec.smem == mmq.mmq_smem(dt, cfg) <= stream.device_facts(H200).smem_per_block_optin
+    y = moe("q4_0", 64, 2048, 2048, 512, 8, False, False)
+    assert mmq_id.mmq_id_specs(y, y, fake_ptr, fake_scratch, FakeGuard())[-1].kernel == \
+        mmq_id.instance_name("q4_0", mmq.A8_WIDE)
+
+
+@gpu
+@pytest.mark.parametrize("n", A8_N)
+@pytest.mark.parametrize("dt", mmq.MMQ_FORMATS)
+def test_mmq_a8(dt: str, n: int, monkeypatch: pytest.MonkeyPatch, rng) -> None:  # noqa: ANN001
+    """mmq with the converted K tile (specs/mmq.A8_WIDE: 128 x 128 blocks) for every format against the reference
+    on b rounded to q8_1 (its only rounding): odd M (partial row tiles), K tails (q4_1 K 384, q5_1 K 1088: a short
+    last K tile), a long K, split and unsplit; three runs (warm-up, CUDA-graph capture, replay), the arenas
+    poisoned before each."""
+    force_a8(monkeypatch, mmq.A8_WIDE)
+    mmq_a8_runs(dt, n, rng)
+
+
+@gpu
+@pytest.mark.parametrize("n", [129, 512])
+@pytest.mark.parametrize("cfg", ["tall", "64"])
+@pytest.mark.parametrize("dt", ["q4_0", "q8_0", "q4_K", "q6_K"])
+def test_mmq_a8_other_tiles(dt: str, cfg: str, n: int, monkeypatch: pytest.MonkeyPatch, rng) -> None:  # noqa: ANN001
+    """The other a8 configurations the sweep times (32 x 64 warps; today's 128 x 64 tiles with a8), as test_mmq_a8."""
+    force_a8(monkeypatch, A8_CONFIGS[cfg])
+    mmq_a8_runs(dt, n, rng)
+
+
+def mmq_a8_runs(dt: str, n: int, rng: np.random.Generator) -> None:
+    if dt in specs.LEGACY_NAMES:
+        tail = {"q4_1": 384, "q5_1": 1088}.get(dt, 768)
+        shapes, feeds_of = ((77, 256), (131, tail), (61, 14336)), lambda y: feeds_for(y, rng)
+    else:
+        rv = stream.stream_geo(dt).row_values
+        shapes, feeds_of = ((77, rv), (131, 3 * rv), (61, 14336)), lambda y: subscaled_feeds(y, rng)
+    assert mmq.mmq_config(dt, n).a8
+    mmq_three_runs(dt, n, shapes, feeds_of, lambda f: q8_1_rounded(f, "b"), Q8_1_NMSE)
+
+
+@gpu
+@pytest.mark.parametrize("n", [100, 512])
+def test_mmq_a8_split_k_is_deterministic(n: int, monkeypatch: pytest.MonkeyPatch, rng) -> None:  # noqa: ANN001
+    """Split K with the converted K tile (100 columns: 2 slices) and unsplit: the same bits run after run."""
+    force_a8(monkeypatch, mmq.A8_WIDE)
+    split_k_deterministic(n, "mmq", rng)
+
+
+@gpu
+@pytest.mark.parametrize("dt", ["q4_0", "q4_K", "q6_K"])
+def test_mmq_id_a8(dt: str, monkeypatch: pytest.MonkeyPatch, rng) -> None:  # noqa: ANN001
+    """mul_mat_id on mmq_id with the converted K tile (the table's many-column entry: specs/mmq.A8_WIDE) at the MoE
+    prefill shape (64 experts, 8 used, 512 tokens; 77 rows: a partial row tile) against the reference on b rounded
+    to q8_1; three runs, arenas poisoned and new ids each time."""
+    force_a8(monkeypatch, mmq.A8_WIDE)
+    n_tok, used, n_exp, k = 512, 8, 64, MMQ_ID_K[dt]
+    assert mmq_id.mmq_id_config(dt, n_tok * used, n_exp) == mmq.A8_WIDE
+    ids = od.input("ids", (n_tok, used), "i32")
+    y = ops.mul_mat_id(od.input("experts", (n_exp, 77, k), dt), od.input("x", (n_tok, 1, k)), ids)
+    plan = od.compile(y, "cuda0")
+    (step,) = steps_of(plan, "mul_mat_id")
+    assert step.kernel == "mmq_id", plan.explain()
+    for run in range(3):
+        feeds = {**(subscaled_feeds if dt in SUBSCALED else feeds_for)(y, rng, n_exp),
+                 ids: moe_ids(rng, n_tok, used, n_exp)}
+        poison_arenas(plan)
+        (got,) = plan.run(feeds)
+        (ref,) = od.compile(y, "cpu").run(q8_1_rounded(feeds, "x"))
+        assert_close(got, ref, f"mmq_id a8 as={dt}, run {run}", Q8_1_NMSE)
+
+
 MMQ_SMALL_N = (9, 16, 17, 32)  # both column tiles, full and partial
 
 

@@ -18,6 +18,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
@@ -105,6 +106,29 @@ K_CASES = {
     "q4_K broadcast batches": (lambda: _mm("q4_K", 21, 256, 11, batch=(3, 4), a_batch=(1, 2)), True, None),
 }
 CASES.update(K_CASES)
+A8 = mmq.A8_WIDE
+#: the converted-tile (a8) configurations: each of specs/mmq.py's, legacy and sub-scaled formats (mins, sub-scales
+#: per 16, K tiles starting inside a granule), partial row and column tiles, K tails, split (uneven slices) and
+#: unsplit, batches
+A8_CASES = {
+    "a8 q4_0 N130 M77 K768 (128x128, 2 column tiles)": (lambda: _mm("q4_0", 77, 768, 130), False, A8),
+    "a8 q8_0 N70 M40 K2304 (128x128, 9 K tiles in 4 slices)": (lambda: _mm("q8_0", 40, 2304, 70), True,
+                                                              attrs.evolve(A8, splits=4)),
+    "a8 q4_1 N20 K384 (128x64, a 4-block K tail)": (lambda: _mm("q4_1", 33, 384, 20), False, mmq.A8_64),
+    "a8 q5_1 N75 M150 K1088 (32x64 warps, 2 slices, a 2-block tail)": (lambda: _mm("q5_1", 150, 1088, 75), False,
+                                                                       attrs.evolve(mmq.A8_TALL, splits=2)),
+    "a8 q5_0 broadcast batches": (lambda: _mm("q5_0", 21, 256, 11, batch=(3, 4), a_batch=(1, 2)), True, A8),
+    "a8 q4_K N70 M33 K768 (KB 16, a one-super-block tail)": (lambda: _mm("q4_K", 33, 768, 70), False,
+                                                             attrs.evolve(mmq.A8_64, kb=16, stages=2)),
+    "a8 q6_K N45 M21 K4096 (2 slices)": (lambda: _mm("q6_K", 21, 4096, 45), True, attrs.evolve(A8, splits=2)),
+    "a8 q2_K N40 M40 K1024 (mins)": (lambda: _mm("q2_K", 40, 1024, 40), False, A8),
+    "a8 q3_K N27 M35 K2048": (lambda: _mm("q3_K", 35, 2048, 27), False, mmq.A8_TALL),
+    "a8 q5_K N33 M19 K512": (lambda: _mm("q5_K", 19, 512, 33), False, A8),
+    "a8 iq4_xs N13 b bf16 transposed": (lambda: _mm("iq4_xs", 35, 512, 13, tb="bf16", bview="T"), False, A8),
+    "a8 mxfp4 N40 M30 K1024 over batches": (lambda: _mm("mxfp4", 30, 1024, 40, batch=(2,)), True, mmq.A8_64),
+    "a8 iq4_nl N9 M50 K768": (lambda: _mm("iq4_nl", 50, 768, 9), False, A8),
+}
+CASES.update(A8_CASES)
 
 
 def _node(y: Tensor) -> Tensor:
@@ -253,6 +277,17 @@ def test_cases_cover_the_table() -> None:
     assert 1 in splits and max(splits) >= 4
 
 
+def test_a8_cases_cover_the_candidates() -> None:
+    """The converted-tile cases reach every a8 template the sweep times, legacy and sub-scaled formats (q2_K's mins,
+    q3_K / q6_K's halves), split and unsplit."""
+    cfgs = [cfg for _, _, cfg in A8_CASES.values()]
+    assert {c.template for cands in mmq.CANDIDATES.values() for c in cands if c.a8} <= {c.template for c in cfgs}
+    dts = {_node(make()).srcs[0].dtype.name for make, _, _ in A8_CASES.values()}
+    assert {"q4_0", "q8_0", "q4_1", "q2_K", "q3_K", "q6_K", "q4_K"} <= dts
+    splits = {mmq.mmq_splits(cfg, _node(make()).srcs[0].shape[-1]) for make, _, cfg in A8_CASES.values()}
+    assert 1 in splits and max(splits) >= 4
+
+
 def test_splits_stay_within_k() -> None:
     """Every slice of a launch holds two K tiles at least, or the launch has one slice."""
     for _, cfg in (*mmq.TABLE, *mmq.TABLE_K):
@@ -281,16 +316,21 @@ def _ids(kind: str, rng: np.random.Generator, t: int, u: int, e: int) -> np.ndar
     return np.argsort(rng.random((t, pool)), axis=-1)[:, :u].astype(np.int32)
 
 
-#: name: (graph, ids kind, eager copies): both configurations of mmq_id_config (64 x 32 tiles up to
-#: SMALL_MEAN pairs an expert, 128 x 64 above), unused experts, all pairs on one expert, Ub 1 and Ub == U,
-#: partial row tiles, a legacy format, K-quants with sub-scales, a fused add_id
+#: name: (graph, ids kind, eager copies, configuration or None for mmq_id_config's): both configurations of
+#: mmq_id_config (64 x 32 tiles up to SMALL_MEAN pairs an expert, 128 x 64 above), unused experts, all pairs on one
+#: expert, Ub 1 and Ub == U, partial row tiles, a legacy format, K-quants with sub-scales, a fused add_id; the
+#: converted-tile (a8) K loop
 ID_CASES = {
-    "q4_0 E8 U2 T40 Ub1 M77 (64x32 tiles, random ids)": (lambda: _moe("q4_0", 8, 77, 256, 40, 2, 1), "random", False),
-    "q8_0 E4 U1 T40 (every pair on one expert: two tiles)": (lambda: _moe("q8_0", 4, 33, 256, 40, 1, 1), "one", True),
-    "q4_K E8 U4 T24 Ub=U (experts 5..7 unused)": (lambda: _moe("q4_K", 8, 40, 512, 24, 4, 4), "few", False),
-    "q6_K E4 U2 T72 Ub=U K2048 (128x64 tiles)": (lambda: _moe("q6_K", 4, 40, 2048, 72, 2, 2), "random", False),
-    "q5_1 E4 U2 T20 K64 add_id bias": (lambda: _moe("q5_1", 4, 24, 64, 20, 2, 1, bias=True), "random", False),
-    "mxfp4 E4 U3 T16 Ub=U (odd block addresses)": (lambda: _moe("mxfp4", 4, 30, 512, 16, 3, 3), "few", True),
+    "q4_0 E8 U2 T40 Ub1 M77 (64x32 tiles, random ids)": (lambda: _moe("q4_0", 8, 77, 256, 40, 2, 1), "random", False, None),
+    "q8_0 E4 U1 T40 (every pair on one expert: two tiles)": (lambda: _moe("q8_0", 4, 33, 256, 40, 1, 1), "one", True, None),
+    "q4_K E8 U4 T24 Ub=U (experts 5..7 unused)": (lambda: _moe("q4_K", 8, 40, 512, 24, 4, 4), "few", False, None),
+    "q6_K E4 U2 T72 Ub=U K2048 (128x64 tiles)": (lambda: _moe("q6_K", 4, 40, 2048, 72, 2, 2), "random", False, None),
+    "q5_1 E4 U2 T20 K64 add_id bias": (lambda: _moe("q5_1", 4, 24, 64, 20, 2, 1, bias=True), "random", False, None),
+    "mxfp4 E4 U3 T16 Ub=U (odd block addresses)": (lambda: _moe("mxfp4", 4, 30, 512, 16, 3, 3), "few", True, None),
+    "a8 q4_0 E4 U2 T80 M150 (128x128 tiles)": (lambda: _moe("q4_0", 4, 150, 512, 80, 2, 1), "random", False,
+                                               mmq.A8_WIDE),
+    "a8 q6_K E4 U2 T40 Ub=U add_id bias": (lambda: _moe("q6_K", 4, 40, 2048, 40, 2, 2, bias=True), "random", True,
+                                          mmq.A8_64),
 }
 
 
@@ -298,22 +338,22 @@ def _id_node(y: Tensor) -> Tensor:
     return next(n for n in Graph.build(y).nodes if n.op == "mul_mat_id")
 
 
-def _id_specs(y: Tensor, arena: ScratchArena) -> list:
-    """The launches of mul_mat_id `y` (or of its add_id group) on mmq_id, in `arena`."""
+def _id_specs(y: Tensor, arena: ScratchArena, cfg: mmq.MmqConfig | None) -> list:
+    """The launches of mul_mat_id `y` (or of its add_id group) on mmq_id with `cfg`, in `arena`."""
     node = _id_node(y)
     bias = y.srcs[1] if y.op == "add_id" else None
-    return mmq_id.mmq_id_specs(node, y, arena.ptr, arena.scratch, arena.guard, bias=bias)
+    return mmq_id.mmq_id_specs(node, y, arena.ptr, arena.scratch, arena.guard, bias=bias, cfg=cfg)
 
 
 @pytest.fixture(scope="module")
 def id_emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     arity = {}
-    for make, _, _ in ID_CASES.values():
+    for make, _, _, cfg in ID_CASES.values():
         y = make()
         arena = ScratchArena(1 << 24)
         for leaf in (*Graph.build(y).leafs, *Graph.build(y).nodes):
             arena.place(leaf, None)
-        arity.update({s.kernel: len(s.arg_values) for s in _id_specs(y, arena)})
+        arity.update({s.kernel: len(s.arg_values) for s in _id_specs(y, arena, cfg)})
     return build_emulator(tmp_path_factory.mktemp("mmq_id_emu"), ("mmv.cu", "mmv_id.cu", "mmq_id.cu"), arity)
 
 
@@ -347,7 +387,7 @@ def test_mmq_id_emulated(case: str, id_emulator: Path, tmp_path: Path, rng) -> N
     """moe_route, quantize_q8_1 and mmq_id as the plugin binds them, run in turn by the emulator on one memory
     (outputs and scratch poisoned): the routing table exactly, every output written, and the result against
     the reference (mul_mat_id's bound) and against it on b rounded to q8_1 (the kernel's only rounding)."""
-    make, kind, eager = ID_CASES[case]
+    make, kind, eager, cfg = ID_CASES[case]
     y = make()
     graph = Graph.build(y)
     node = _id_node(y)
@@ -362,12 +402,12 @@ def test_mmq_id_emulated(case: str, id_emulator: Path, tmp_path: Path, rng) -> N
         arena.place(leaf, from_float(leaf.dtype.name, feeds[leaf]))
     for n in graph.nodes:
         arena.place(n, None)
-    launches = _id_specs(y, arena)
+    launches = _id_specs(y, arena, cfg)
     assert [s.kernel.split("<")[0] for s in launches] == ["moe_route", "quantize_q8_1", "mmq_id"]
     mem = run_launches(launches, arena, eager, id_emulator, tmp_path)
     args = launches[2].args
     bn = int(launches[0].args.tile_n)
-    assert bn == mmq_id.mmq_id_config(as_.dtype.name, t * u, e).bn
+    assert bn == (cfg or mmq_id.mmq_id_config(as_.dtype.name, t * u, e)).bn
     at = int(launches[0].args.route)
     words = mem[at:at + 4 * mmq_id.mmv.route_words(e, t * u, int(args.max_tiles))].view(np.int32)
     check_route(words, feeds[ids], e, bn, int(args.max_tiles))

@@ -21,7 +21,7 @@
 //       of the step its min) a second mma with the same b fragments: the mins times each half's b codes,
 //       which q8_1's per-32 sums cannot give; acc += db (d dot - dmin mins).
 //
-// Tiling (template FM, FN, WM, WN, NS, KB): a warp computes 16 FM weight rows x 8 FN columns (FM x FN
+// Tiling (template FM, FN, WM, WN, NS, KB, A8): a warp computes 16 FM weight rows x 8 FN columns (FM x FN
 // mma tiles); a block's WM x WN warps cover BM = 16 FM WM rows and BN = 8 FN WN columns. K is cut in
 // K tiles of KB K steps, and the K tiles of a row in `splits` contiguous slices (split-K across
 // blocks, a launch parameter: few columns leave few output tiles, so the slices make the grid several
@@ -39,9 +39,12 @@
 //   b scales BN columns of KB (d, d * sum) float2, BDS bytes apart.
 // A fragments are read straight from the raw blocks (frag_codes, sub_step below: one 32-bit read gives a
 // lane its codes 4t .. 4t+3 and, for the legacy 4- and 5-bit formats, 16+4t .. 16+4t+3 in the high
-// nibbles), so no weight is ever written back dequantized. With `preload` (the weights are constant)
-// the first NS - 1 stages' weights are issued before the wait for quantize_q8_1 (PDL), so that their
-// latency overlaps its tail.
+// nibbles), so no weight is ever written back dequantized; but with template flag A8 (the many-column
+// tiles, whose rows WN warps share) the block first decodes each landed K tile once into int8 fragments
+// and f32 scales (mmq_common.cuh's Conv: a_frag's output, after the ring; a second __syncthreads a K
+// tile), which every warp then loads (16 bytes of codes, 16 of scales a fragment). With `preload` (the
+// weights are constant) the first NS - 1 stages' weights are issued before the wait for quantize_q8_1
+// (PDL), so that their latency overlaps its tail.
 //
 // Split-K: with splits > 1 each block writes its partial sums to part (splits planes shaped as out),
 // then the last block of an output tile to finish (od::last_block on its counter, zeroed once) adds
@@ -65,7 +68,7 @@ using mm::u8;
 // splits * tiles_n, B2, B3), WM * WN warps, dynamic shared memory mmq_smem (specs/mmq.py). With
 // splits > 1: part holds splits * B3 * B2 * N * M floats, counters B3 * B2 * tiles_m * tiles_n ints
 // (zero before the launch, and again after it).
-template <int WT, int FM, int FN, int WM, int WN, int NS, int KB>
+template <int WT, int FM, int FN, int WM, int WN, int NS, int KB, bool A8 = false>
 __global__ void __launch_bounds__(32 * WM * WN)
     mmq(const u8* a, long long a_row, long long a_s2, long long a_s3, int r2, int r3, const u8* bq, const u8* bds,
         int nbp, float* out, int M, int K, int N, int tiles_m, int tiles_n, int splits, float* part, int* counters,
@@ -88,9 +91,9 @@ __global__ void __launch_bounds__(32 * WM * WN)
     const int ntiles = static_cast<int>(static_cast<long long>(split + 1) * nkt / splits) - kt0;
 
     float acc[FM][FN][4];
-    mq::k_loop<WT, FM, FN, WM, WN, NS, KB>(smem, wa, a_row, m0, M, bq, bds, nbp,
-                                           [&](int c) { return brow0 + min(n0 + c, N - 1); }, nb, kt0, ntiles,
-                                           preload, acc);
+    mq::k_loop<WT, FM, FN, WM, WN, NS, KB, A8>(smem, wa, a_row, m0, M, bq, bds, nbp,
+                                               [&](int c) { return brow0 + min(n0 + c, N - 1); }, nb, kt0,
+                                               ntiles, preload, acc);
     const int warp = threadIdx.x / 32;
     const int row0 = warp / WN * 16 * FM, col0 = warp % WN * 8 * FN;  // the warp's tile in the block's
 

@@ -1,6 +1,7 @@
 // The int8 tensor-core arithmetic of the quantized GEMMs (mmq.cu and mmq_id.cu through mmq_tile.cuh,
-// mmq_small.cu): a block format's codes as m16n8k32 A fragments (read straight from its raw blocks, in shared memory), the scales of a K step
-// of 32 values, the mma statements, and how a step's int32 dots become f32 sums (step_acc). mmq.cu's
+// mmq_small.cu): a block format's codes as m16n8k32 A fragments (read straight from its raw blocks, in
+// shared memory), the scales of a K step of 32 values, the converted K tile that holds them (Conv, for
+// k_loop's A8), the mma statements, and how a step's int32 dots become f32 sums (step_acc). mmq.cu's
 // opening comment explains the formats' modes; the kernels differ only in how the raw blocks and b's
 // q8_1 codes reach shared memory and how the output tiles are cut.
 
@@ -189,6 +190,47 @@ __device__ __forceinline__ void a_frag(const u8* r0, const u8* r8, int j, int t,
         }
     }
 }
+
+// -- int8 A tiles (mmq_tile.cuh's k_loop with A8): a K tile's AFrags decoded once a block ------------
+
+// The converted K tile of BM rows and KB steps in shared memory: its FRAGS = BM / 16 * KB fragments
+// (16-row tile f, step j: fragment f * KB + j) as a_frag gives them. First every fragment's codes, lane
+// by lane (lane l's a[0..3] at 16 (32 i + l): a warp's load or store of a fragment is 512 contiguous
+// bytes, conflict-free), then every fragment's scales, by row pair g (x[0], x[1], y[0], y[1], and for
+// MINS16 then m[0..3]: SREC bytes at CODES + SREC (8 i + g), which the 4 lanes of a pair share).
+template <int WT, int BM, int KB>
+struct Conv {
+    using Q = mm::Fmt<WT>;
+    static constexpr int FRAGS = BM / 16 * KB;
+    static constexpr int SREC = mode<Q>() == MINS16 ? 32 : 16;
+    static constexpr int CODES = FRAGS * 32 * 16;
+    static constexpr int BYTES = CODES + FRAGS * 8 * SREC;  // specs/mmq.py's conv_bytes
+
+    // lane (g, t)'s AFrag f into fragment i (a pair's scales written by its lane t = 0)
+    static __device__ __forceinline__ void put(u8* ac, int i, int lane, const AFrag& f) {
+        reinterpret_cast<uint4*>(ac)[32 * i + lane] = make_uint4(f.a[0], f.a[1], f.a[2], f.a[3]);
+        if (lane % 4 == 0) {
+            u8* const rec = ac + CODES + SREC * (8 * i + lane / 4);
+            *reinterpret_cast<float4*>(rec) = make_float4(f.x[0], f.x[1], f.y[0], f.y[1]);
+            if constexpr (SREC == 32) {
+                *reinterpret_cast<uint4*>(rec + 16) = make_uint4(f.m[0], f.m[1], f.m[2], f.m[3]);
+            }
+        }
+    }
+
+    // lane (g, t)'s AFrag f of fragment i
+    static __device__ __forceinline__ void get(const u8* ac, int i, int lane, AFrag& f) {
+        const uint4 c = reinterpret_cast<const uint4*>(ac)[32 * i + lane];
+        const u8* const rec = ac + CODES + SREC * (8 * i + lane / 4);
+        const float4 s = *reinterpret_cast<const float4*>(rec);
+        f.a[0] = c.x, f.a[1] = c.y, f.a[2] = c.z, f.a[3] = c.w;
+        f.x[0] = s.x, f.x[1] = s.y, f.y[0] = s.z, f.y[1] = s.w;
+        if constexpr (SREC == 32) {
+            const uint4 m = *reinterpret_cast<const uint4*>(rec + 16);
+            f.m[0] = m.x, f.m[1] = m.y, f.m[2] = m.z, f.m[3] = m.w;
+        }
+    }
+};
 
 // acc (lane (g, t)'s outputs of the tile: rows g, g + 8 by columns 2t, 2t + 1, as mma_s8's d) += one K
 // step: f's dot with b's codes (b0, b1: column g, mma_s8's layout), scaled by b's (d, d * sum) of columns

@@ -27,7 +27,7 @@ using mm::u8;
 // (EPI of add_id) rows of bias_e bytes an expert, or null. Grid (tiles_m * max_tiles), WM * WN warps,
 // dynamic shared memory mmq_id_smem (specs/mmq_id.py): the tile's pairs and b rows (BN ints each), then
 // the ring.
-template <int WT, int FM, int FN, int WM, int WN, int NS, int KB>
+template <int WT, int FM, int FN, int WM, int WN, int NS, int KB, bool A8 = false>
 __global__ void __launch_bounds__(32 * WM * WN)
     mmq_id(const u8* as, long long a_row, long long a_e, int E, const int* route, int pairs, int max_tiles, int U,
            int Ub, const u8* bq, const u8* bds, int nbp, float* out, int M, int K, const float* bias,
@@ -55,9 +55,9 @@ __global__ void __launch_bounds__(32 * WM * WN)
 
     const int m0 = tm * BM, nb = K / 32;
     float acc[FM][FN][4];
-    mq::k_loop<WT, FM, FN, WM, WN, NS, KB>(smem + 8 * BN, as + e * a_e, a_row, m0, M, bq, bds, nbp,
-                                           [&](int c) { return static_cast<long long>(brow[c]); }, nb, 0,
-                                           (nb + KB - 1) / KB, 0, acc);
+    mq::k_loop<WT, FM, FN, WM, WN, NS, KB, A8>(smem + 8 * BN, as + e * a_e, a_row, m0, M, bq, bds, nbp,
+                                               [&](int c) { return static_cast<long long>(brow[c]); }, nb, 0,
+                                               (nb + KB - 1) / KB, 0, acc);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int row0 = warp / WN * 16 * FM, col0 = warp % WN * 8 * FN;  // the warp's tile in the block's
     const float* const bias_row = bias != nullptr ? bias + e * bias_e / 4 : nullptr;

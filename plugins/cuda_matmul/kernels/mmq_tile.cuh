@@ -13,7 +13,12 @@ namespace mq {
 // lives in smem (NS stages, mmq_smem of specs/mmq.py). With preload (constant weights) the first NS - 1
 // stages' weight copies are issued before od::grid_enter(), which k_loop calls (once entered, a second call
 // returns at once). Every thread of the block calls it; it returns with no copy in flight.
-template <int WT, int FM, int FN, int WM, int WN, int NS, int KB, class BRow>
+// A8 (the many-column tiles): once a K tile has landed, the block decodes its BM rows into AFrags in a
+// converted tile after the ring (Conv: int8 codes and f32 scales, one a_frag per 16 rows, step and lane),
+// and after a second __syncthreads every warp reads its fragments from there (one 16-byte load for the
+// codes, one for the scales) instead of decoding the raw blocks itself: without A8 each row's decode is
+// repeated by the WN warps that share it, at every K step.
+template <int WT, int FM, int FN, int WM, int WN, int NS, int KB, bool A8, class BRow>
 __device__ __forceinline__ void k_loop(u8* const smem, const u8* const wa, long long a_row, int m0, int M,
                                        const u8* bq, const u8* bds, int nbp, BRow brow, int nb, int kt0, int ntiles,
                                        int preload, float (&acc)[FM][FN][4]) {
@@ -22,6 +27,7 @@ __device__ __forceinline__ void k_loop(u8* const smem, const u8* const wa, long 
     constexpr int BM = 16 * FM * WM, BN = 8 * FN * WN, THREADS = 32 * WM * WN;
     constexpr int RS = T::RS, BCODES = BM * RS, BSCALES = BCODES + BN * T::BROW;
     constexpr int STAGE = BSCALES + BN * T::BDS;
+    using C = Conv<WT, BM, KB>;
     static_assert(NS >= 2, "a ring of two stages at least");
     const int tid = threadIdx.x;
 
@@ -97,7 +103,8 @@ __device__ __forceinline__ void k_loop(u8* const smem, const u8* const wa, long 
     }
     for (int kt = 0; kt < ntiles; ++kt) {
         od::cp_async_wait<NS - 2>();
-        __syncthreads();  // tile kt landed for every thread; every warp is done with tile kt - 1's stage
+        __syncthreads();  // tile kt landed for every thread; every warp is done with tile kt - 1's stage (and
+                          // converted tile)
         if (kt + NS - 1 < ntiles) {
             u8* const next = smem + ((kt + NS - 1) % NS) * STAGE;
             issue_a(kt + NS - 1, next);
@@ -107,14 +114,35 @@ __device__ __forceinline__ void k_loop(u8* const smem, const u8* const wa, long 
         const u8* const st = smem + (kt % NS) * STAGE;
         const u8* const wst = st + lead(kt);  // the K tile's first block of row 0
         const int kb = min(KB, nb - (kt0 + kt) * KB);
+        u8* const ac = smem + NS * STAGE;  // A8: the converted tile
+        if constexpr (A8) {
+            // fragment w = f * KB + j (16-row tile f, step j) by warp w % WARPS (WN divides KB: as many a warp)
+            constexpr int WARPS = WM * WN;
+            static_assert(C::FRAGS % WARPS == 0, "whole fragments a warp");
+#pragma unroll
+            for (int q = 0; q < C::FRAGS / WARPS; ++q) {
+                const int w = warp + q * WARPS, f = w / KB, j = w % KB;
+                if (j < kb) {
+                    const u8* r0 = wst + (16 * f + g) * RS;
+                    AFrag af;
+                    a_frag<WT, KB>(r0, r0 + 8 * RS, j, t, af);
+                    C::put(ac, w, lane, af);
+                }
+            }
+            __syncthreads();  // the converted tile is whole
+        }
 #pragma unroll 2
         for (int j = 0; j < kb; ++j) {
             // the weights' K step j: A fragments and their scales, rows g and g + 8 of each 16-row tile
             AFrag af[FM];
 #pragma unroll
             for (int fm = 0; fm < FM; ++fm) {
-                const u8* r0 = wst + (row0 + 16 * fm + g) * RS;
-                a_frag<WT, KB>(r0, r0 + 8 * RS, j, t, af[fm]);
+                if constexpr (A8) {
+                    C::get(ac, (row0 / 16 + fm) * KB + j, lane, af[fm]);
+                } else {
+                    const u8* r0 = wst + (row0 + 16 * fm + g) * RS;
+                    a_frag<WT, KB>(r0, r0 + 8 * RS, j, t, af[fm]);
+                }
             }
 #pragma unroll
             for (int fn = 0; fn < FN; ++fn) {

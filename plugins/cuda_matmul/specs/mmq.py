@@ -27,13 +27,17 @@ from .stream import STREAMED, device_facts
 #: bytes of a b column's codes and of its scales in a stage, per weight block of a K tile (mmq.cu's
 #: Tile::BROW and BDS are these times KB, plus one granule)
 BROW_PER_BLOCK, BDS_PER_BLOCK = 32, 8
+#: the formats whose fragments carry mins (mmq_common.cuh's MINS16 mode): their converted tile (a8) keeps them
+MINS16_NAMES = ("q2_K",)
 
 
 @attrs.frozen
 class MmqConfig:
     """An mmq configuration. Template: a warp computes 16 fm rows x 8 fn columns, a block has wm x wn warps,
-    a ring of `stages` stages of `kb` K steps of 32 values (a K tile) each. Launch: each row's K tiles are cut in
-    `splits` slices, one block each (fewer when K has fewer than two K tiles a slice)."""
+    a ring of `stages` stages of `kb` K steps of 32 values (a K tile) each; with `a8` the block decodes each K
+    tile's weights once into int8 fragments in shared memory, which every warp reads (k_loop's A8: for tiles
+    whose rows several warps share). Launch: each row's K tiles are cut in `splits` slices, one block each
+    (fewer when K has fewer than two K tiles a slice)."""
 
     fm: int
     fn: int
@@ -42,6 +46,7 @@ class MmqConfig:
     stages: int
     kb: int
     splits: int
+    a8: bool = False
 
     @property
     def bm(self) -> int:
@@ -57,11 +62,12 @@ class MmqConfig:
 
     @property
     def template(self) -> tuple[int, ...]:
-        """The kernel's template parameters after the weight kind."""
-        return self.fm, self.fn, self.wm, self.wn, self.stages, self.kb
+        """The kernel's template parameters after the weight kind (A8 named only when set: it defaults to false)."""
+        return (self.fm, self.fn, self.wm, self.wn, self.stages, self.kb) + ((True,) if self.a8 else ())
 
     def __str__(self) -> str:
-        return (f"{self.bm}x{self.bn} w{self.wm}x{self.wn} ns{self.stages} kb{self.kb} s{self.splits}")
+        return (f"{self.bm}x{self.bn} w{self.wm}x{self.wn} ns{self.stages} kb{self.kb} s{self.splits}"
+                + (" a8" if self.a8 else ""))
 
 
 #: (most columns, configuration) read top to bottom: the one line to edit after a sweep
@@ -79,8 +85,17 @@ TABLE: tuple[tuple[int, MmqConfig], ...] = (
 
 
 def _variants(fm: int, fn: int, wm: int, wn: int, stages: tuple[int, ...], kbs: tuple[int, ...],
-              splits: tuple[int, ...]) -> tuple[MmqConfig, ...]:
-    return tuple(MmqConfig(fm, fn, wm, wn, s, kb, sp) for s in stages for kb in kbs for sp in splits)
+              splits: tuple[int, ...], a8: bool = False) -> tuple[MmqConfig, ...]:
+    return tuple(MmqConfig(fm, fn, wm, wn, s, kb, sp, a8) for s in stages for kb in kbs for sp in splits)
+
+
+#: the converted-tile (a8) configurations for many columns, not yet in the tables (untimed): 128 x 128 blocks of
+#: 8 warps of 64 x 32 (each A fragment feeds 4 mma, each b fragment 4) or 32 x 64 (8 and 2), and today's 128 x 64
+#: tiles with a8 (3 stages); two stages for the 128 x 128 ones, whose ring and converted tile fill 160 to 200 KB
+#: (q8_0) of shared memory: one block an SM
+A8_WIDE = MmqConfig(fm=4, fn=4, wm=2, wn=4, stages=2, kb=8, splits=1, a8=True)
+A8_TALL = MmqConfig(fm=2, fn=8, wm=4, wn=2, stages=2, kb=8, splits=1, a8=True)
+A8_64 = MmqConfig(fm=2, fn=4, wm=4, wn=2, stages=3, kb=8, splits=1, a8=True)
 
 
 #: the sub-scaled formats' table (K tiles of 8 K steps: one 256-value super-block, or 8 iq4_nl / mxfp4
@@ -102,9 +117,10 @@ CANDIDATES: dict[int, tuple[MmqConfig, ...]] = {
          *_variants(1, 2, 4, 1, (3,), (16,), (8,))),
     32: (*_variants(1, 4, 4, 1, (4, 6), (8,), (4, 8, 16)), *_variants(1, 2, 4, 2, (4,), (8,), (8,))),
     64: (*_variants(1, 4, 4, 2, (3, 4), (8,), (2, 4, 8)), *_variants(2, 4, 4, 2, (3,), (8,), (2, 4))),
-    128: (*_variants(2, 4, 4, 2, (2, 3), (8,), (1, 2)), *_variants(4, 4, 2, 4, (2,), (8,), (1, 2))),
+    128: (*_variants(2, 4, 4, 2, (2, 3), (8,), (1, 2)), *_variants(4, 4, 2, 4, (2,), (8,), (1, 2)),
+          *(attrs.evolve(A8_WIDE, splits=s) for s in (2, 4)), attrs.evolve(A8_64, splits=2)),
     2**31: (*_variants(2, 4, 4, 2, (2, 3), (8,), (1,)), *_variants(4, 4, 2, 4, (2, 3), (8,), (1,)),
-            *_variants(2, 8, 4, 1, (2,), (8,), (1,))),
+            *_variants(2, 8, 4, 1, (2,), (8,), (1,)), A8_WIDE, A8_TALL, A8_64),
 }
 #: the formats the sweep times by default (the compile test builds every candidate for them)
 SWEEP_FORMATS = ("q4_0", "q8_0")
@@ -169,10 +185,18 @@ def row_stride(dt: str, kb: int) -> int:
     return 16 * (granules if granules % 2 == 1 else granules + 1)
 
 
+def conv_bytes(dt: str, cfg: MmqConfig) -> int:
+    """Bytes of the converted K tile of an a8 configuration (mmq_common.cuh's Conv::BYTES), 0 without a8: each
+    (16-row tile, K step) fragment's codes (32 lanes x 16 bytes) and its 8 row pairs' scales (16 bytes, 32 with
+    mins)."""
+    frags = cfg.bm // 16 * cfg.kb
+    return frags * (32 * 16 + 8 * (32 if dt in MINS16_NAMES else 16)) if cfg.a8 else 0
+
+
 def mmq_smem(dt: str, cfg: MmqConfig) -> int:
-    """Dynamic shared memory of an mmq block: its stages."""
+    """Dynamic shared memory of an mmq block: its stages, then the converted K tile (a8)."""
     b_col = BROW_PER_BLOCK * cfg.kb + 16 + BDS_PER_BLOCK * cfg.kb + 16
-    return cfg.stages * (cfg.bm * row_stride(dt, cfg.kb) + cfg.bn * b_col)
+    return cfg.stages * (cfg.bm * row_stride(dt, cfg.kb) + cfg.bn * b_col) + conv_bytes(dt, cfg)
 
 
 def mmq_fits(dt: str, n: int, device: Device | None, cfg: MmqConfig | None = None) -> bool:
