@@ -13,7 +13,7 @@ import math
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, i32, i64, ptr
+from opdispatch.backends.cuda.args import ArgGroup, KernelArgs, i32, i64, ptr
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
@@ -149,8 +149,11 @@ NAMES: tuple[str, ...] = tuple(dict.fromkeys(
 
 
 @attrs.frozen
-class MmqArgs(KernelArgs):
-    KERNELS = ("mmq",)
+class GemmHead(ArgGroup):
+    """The parameters mmq and mmq_small open with, alike: the weights a, their row and batch strides and b's
+    broadcast ratios r2, r3; b's q8_1 codes bq and scales bds (quantize_q8_1's, nbp blocks a row); out and the
+    sizes."""
+
     a: np.uint64 = ptr()
     a_row: np.int64 = i64()
     a_s2: np.int64 = i64()
@@ -164,6 +167,21 @@ class MmqArgs(KernelArgs):
     M: np.int32 = i32()
     K: np.int32 = i32()
     N: np.int32 = i32()
+
+
+def gemm_head(node: Tensor, ptr: Ptr, q: mmv.QuantizeArgs) -> GemmHead:
+    """GemmHead of mul_mat `node` whose b quantize_q8_1 (arguments q) rounded."""
+    a, b = node.srcs
+    (a3, a2, m, k), (sa3, sa2, sa1, _) = geometry(a)
+    (b3, b2, n, _), _ = geometry(b)
+    return GemmHead(a=ptr(a), a_row=sa1, a_s2=sa2, a_s3=sa3, r2=b2 // a2, r3=b3 // a3, bq=q.bq, bds=q.bds, nbp=q.nbp,
+                    out=ptr(node), M=m, K=k, N=n)
+
+
+@attrs.frozen
+class MmqArgs(KernelArgs):
+    KERNELS = ("mmq",)
+    _head: GemmHead = attrs.field()
     tiles_m: np.int32 = i32()
     tiles_n: np.int32 = i32()
     splits: np.int32 = i32()
@@ -220,7 +238,7 @@ def mmq_specs(node: Tensor, ptr: Ptr, scratch: Scratch, cfg: MmqConfig | None = 
     `cfg` (default its format's table's for its columns); split K also takes the scratch buffers of the partial sums and
     of the tiles' counters (zeroed once: the kernel sets them back)."""
     a, b = node.srcs
-    (a3, a2, m, k), (sa3, sa2, sa1, _) = geometry(a)
+    (_, _, m, k), _ = geometry(a)
     (b3, b2, n, _), _ = geometry(b)
     quant = mmv.quantize_spec(b, ptr(b), scratch)
     q = quant.args
@@ -231,8 +249,7 @@ def mmq_specs(node: Tensor, ptr: Ptr, scratch: Scratch, cfg: MmqConfig | None = 
     if splits > 1:
         part = scratch("mmq partial sums", splits * b3 * b2 * n * m * 4)
         counters = scratch("mmq split counters", b3 * b2 * tiles_m * tiles_n * 4, zeroed=True)
-    args = MmqArgs(a=ptr(a), a_row=sa1, a_s2=sa2, a_s3=sa3, r2=b2 // a2, r3=b3 // a3, bq=q.bq, bds=q.bds, nbp=q.nbp,
-                   out=ptr(node), M=m, K=k, N=n, tiles_m=tiles_m, tiles_n=tiles_n, splits=splits, part=part,
+    args = MmqArgs(head=gemm_head(node, ptr, q), tiles_m=tiles_m, tiles_n=tiles_n, splits=splits, part=part,
                    counters=counters, preload=mmv._preload(a))
     grid = (tiles_m * splits * tiles_n, b2, b3)
     return [quant, KernelSpec(MMQ_CU, instance_name(dt, cfg), grid, cfg.threads, args, smem=mmq_smem(dt, cfg))]

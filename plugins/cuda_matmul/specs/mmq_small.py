@@ -13,14 +13,14 @@ import math
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, i32, i64, instance, ptr
+from opdispatch.backends.cuda.args import KernelArgs, i32, instance, ptr
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
 
 from . import MMQ_SMALL_CU, W_KIND, Ptr, Scratch, geometry
 from . import mmv  # a module import: mmv imports support, which imports this module
-from .mmq import MMQ_FORMATS, row_stride
+from .mmq import MMQ_FORMATS, GemmHead, gemm_head, row_stride
 from .stream import device_facts
 
 
@@ -80,19 +80,7 @@ NAMES: tuple[str, ...] = tuple(small_name(dt, nt) for dt in MMQ_FORMATS for nt i
 @attrs.frozen
 class SmallArgs(KernelArgs):
     KERNELS = ("mmq_small",)
-    a: np.uint64 = ptr()
-    a_row: np.int64 = i64()
-    a_s2: np.int64 = i64()
-    a_s3: np.int64 = i64()
-    r2: np.int32 = i32()
-    r3: np.int32 = i32()
-    bq: np.uint64 = ptr()
-    bds: np.uint64 = ptr()
-    nbp: np.int32 = i32()
-    out: np.uint64 = ptr()
-    M: np.int32 = i32()
-    K: np.int32 = i32()
-    N: np.int32 = i32()
+    _head: GemmHead = attrs.field()
     tiles_m: np.int32 = i32()
     splits: np.int32 = i32()
     kts: np.int32 = i32()
@@ -140,7 +128,7 @@ def small_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
     split K also takes the scratch buffers of the partial sums and of the row tiles' counters (zeroed once:
     the kernel sets them back)."""
     a, b = node.srcs
-    (a3, a2, m, k), (sa3, sa2, sa1, _) = geometry(a)
+    (_, _, m, k), _ = geometry(a)
     (b3, b2, n, _), _ = geometry(b)
     quant = mmv.quantize_spec(b, ptr(b), scratch)
     q = quant.args
@@ -150,8 +138,7 @@ def small_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
     if grid.splits > 1:
         part = scratch("mmq partial sums", grid.splits * b3 * b2 * n * m * 4)
         counters = scratch("mmq split counters", b3 * b2 * grid.tiles_m * 4, zeroed=True)
-    args = SmallArgs(a=ptr(a), a_row=sa1, a_s2=sa2, a_s3=sa3, r2=b2 // a2, r3=b3 // a3, bq=q.bq, bds=q.bds,
-                     nbp=q.nbp, out=ptr(node), M=m, K=k, N=n, tiles_m=grid.tiles_m, splits=grid.splits, kts=grid.kts,
+    args = SmallArgs(head=gemm_head(node, ptr, q), tiles_m=grid.tiles_m, splits=grid.splits, kts=grid.kts,
                      part=part, counters=counters, preload=mmv._preload(a))
     return [quant, KernelSpec(MMQ_SMALL_CU, small_name(dt, nt, cfg), (grid.tiles_m * grid.splits, b2, b3),
                               32 * cfg.warps, args, smem=small_smem(dt, nt, grid.kts, cfg))]
