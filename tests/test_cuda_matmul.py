@@ -1282,20 +1282,9 @@ def test_mmq_id_a8(dt: str, monkeypatch: pytest.MonkeyPatch, rng) -> None:  # no
     prefill shape (64 experts, 8 used, 512 tokens; 77 rows: a partial row tile) against the reference on b rounded
     to q8_1; three runs, arenas poisoned and new ids each time."""
     force_a8(monkeypatch, mmq.A8_WIDE)
-    n_tok, used, n_exp, k = 512, 8, 64, MMQ_ID_K[dt]
+    n_tok, used, n_exp = 512, 8, 64
     assert mmq_id.mmq_id_config(dt, n_tok * used, n_exp) == mmq.A8_WIDE
-    ids = od.input("ids", (n_tok, used), "i32")
-    y = ops.mul_mat_id(od.input("experts", (n_exp, 77, k), dt), od.input("x", (n_tok, 1, k)), ids)
-    plan = od.compile(y, "cuda0")
-    (step,) = steps_of(plan, "mul_mat_id")
-    assert step.kernel == "mmq_id", plan.explain()
-    for run in range(3):
-        feeds = {**(subscaled_feeds if dt in SUBSCALED else feeds_for)(y, rng, n_exp),
-                 ids: moe_ids(rng, n_tok, used, n_exp)}
-        poison_arenas(plan)
-        (got,) = plan.run(feeds)
-        (ref,) = od.compile(y, "cpu").run(q8_1_rounded(feeds, "x"))
-        assert_close(got, ref, f"mmq_id a8 as={dt}, run {run}", Q8_1_NMSE)
+    mmq_id_three_runs(dt, n_tok, n_exp, used, 1, rng)
 
 
 MMQ_SMALL_N = (9, 16, 17, 32)  # both column tiles, full and partial
@@ -1675,7 +1664,13 @@ def test_mmq_id(dt: str, n_tok: int, n_exp: int, used: int, b_rows: str, rng) ->
     on b rounded to q8_1 (its only rounding), 77 expert rows (a partial row tile), b one row a token or one a slot;
     three runs of the plan (warm-up, CUDA-graph capture, replay), its arenas poisoned and new ids each time (the
     grid is fixed by the shapes, the routing is not), an expert unused each run, every output written."""
-    k, ub = MMQ_ID_K[dt], 1 if b_rows == "1" else used
+    mmq_id_three_runs(dt, n_tok, n_exp, used, 1 if b_rows == "1" else used, rng)
+
+
+def mmq_id_three_runs(dt: str, n_tok: int, n_exp: int, used: int, ub: int, rng: np.random.Generator) -> None:
+    """mul_mat_id of (n_exp, 77, K) `dt` experts planned on mmq_id, run three times (warm-up, CUDA-graph capture,
+    replay), its arenas poisoned and new ids each time, against the reference on b rounded to q8_1."""
+    k = MMQ_ID_K[dt]
     ids = od.input("ids", (n_tok, used), "i32")
     y = ops.mul_mat_id(od.input("experts", (n_exp, 77, k), dt), od.input("x", (n_tok, ub, k)), ids)
     plan = od.compile(y, "cuda0")
