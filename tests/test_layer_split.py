@@ -215,18 +215,26 @@ def test_batched_decode_over_two_cpu_devices(weights) -> None:
     assert two.tokens == one.tokens
 
 
-def test_cli_run_over_the_cpu_pair_generates_what_one_cpu_does(capsys) -> None:
-    def tokens(*argv: str) -> str:
+@pytest.mark.parametrize(("split", "parts", "bad", "why"), [
+    ("layer", "layer 0 on cpu0 .*; layer 1 on cpu1 ", ["--devices", "cpu0"], "--devices needs two distinct devices"),
+    ("tensor", "rank 0 on cpu0 .*; rank 1 on cpu1 ", ["--devices", "cpu0,cpu1,cpu2", "--split", "tensor"],
+     "the attention heads (4) is not a multiple of 3"),
+])
+def test_cli_run_over_the_cpu_pair_generates_what_one_cpu_does(split: str, parts: str, bad: list, why: str,
+                                                                capsys) -> None:  # noqa: ANN001
+    """`opdispatch run --devices cpu0,cpu1 --split S` prints the split and the tokens one CPU generates; a split
+    that cannot be made is a clean error (exit status 2)."""
+    def tokens(*argv: str) -> tuple[str, str]:
         assert main(["run", "--tokens", "5", "--prompt-len", "6", *argv]) == 0
         out = capsys.readouterr().out
         return re.search(r"^prompt: 6 tokens; generated: ([\d ]+)$", out, re.M).group(1), out
 
     ref, _ = tokens("--device", "cpu")
-    got, out = tokens("--devices", "cpu0,cpu1", "--split", "layer")
+    got, out = tokens("--devices", "cpu0,cpu1", "--split", split)
     assert got == ref
-    assert re.search(r"^device: cpu0, cpu1, layer split: layer 0 on cpu0 .*; layer 1 on cpu1 ", out, re.M)
-    assert main(["run", "--devices", "cpu0"]) == 2
-    assert "--devices needs two distinct devices or more" in capsys.readouterr().err
+    assert re.search(f"^device: cpu0, cpu1, {split} split: {parts}", out, re.M)
+    assert main(["run", *bad]) == 2
+    assert why in capsys.readouterr().err
 
 
 def test_info_names_the_cpu_pair_and_peer_access(capsys) -> None:

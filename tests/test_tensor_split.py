@@ -13,7 +13,6 @@ import pytest
 
 from opdispatch import ops
 from opdispatch.backends.cuda.devices import H200, discover
-from opdispatch.cli import main
 from opdispatch.compiler import compile
 from opdispatch.dtypes import to_host_float
 from opdispatch.errors import LaunchError, OpError, PlacementError
@@ -276,20 +275,6 @@ def test_a_failing_rank_does_not_leave_its_peer_waiting(weights, failing: int) -
     with pytest.raises(ValueError, match=f"rank {failing} failed"):  # the failure, not its peer's PeerFailed
         plan._each(run)
     np.testing.assert_array_equal(plan.run(feeds)[0], ref)  # the group works again
-
-
-def test_cli_run_tensor_split_over_the_cpu_pair_generates_what_one_cpu_does(capsys) -> None:
-    def tokens(*argv: str) -> tuple[str, str]:
-        assert main(["run", "--tokens", "5", "--prompt-len", "6", *argv]) == 0
-        out = capsys.readouterr().out
-        return re.search(r"^prompt: 6 tokens; generated: ([\d ]+)$", out, re.M).group(1), out
-
-    ref, _ = tokens("--device", "cpu")
-    got, out = tokens("--devices", "cpu0,cpu1", "--split", "tensor")
-    assert got == ref
-    assert re.search(r"^device: cpu0, cpu1, tensor split: rank 0 on cpu0 .*; rank 1 on cpu1 ", out, re.M)
-    assert main(["run", "--devices", "cpu0,cpu1,cpu2", "--split", "tensor"]) == 2
-    assert "the attention heads (4) is not a multiple of 3" in capsys.readouterr().err
 
 
 # -- two GPUs ------------------------------------------------------------------------------------------------
