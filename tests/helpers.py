@@ -8,10 +8,12 @@ from typing import Any, Sequence
 
 import attrs
 import numpy as np
+import pytest
 
 from opdispatch import input as new_input
 from opdispatch import ops
 from opdispatch.backends.cuda.args import IndexCheck
+from opdispatch.backends.cuda.devices import discover
 from opdispatch.dtypes import from_float, to_host_float
 from opdispatch.graph import Graph
 from opdispatch.quants.samples import HALVES, IQ1M_SCALES
@@ -163,3 +165,12 @@ def subscaled_blocks(rng: np.random.Generator, name: str, nblocks: int, e_range:
     if name == "mxfp4":
         raw[:, 0] = rng.integers(*e_range, nblocks)
     return raw
+
+
+def _needs_two_gpus() -> pytest.MarkDecorator:
+    gpus, why = discover()
+    return pytest.mark.skipif(len(gpus) < 2, reason=f"needs two CUDA GPUs, found {len(gpus)}" + (f" ({why})" if why else ""))
+
+
+#: the marker of the tests that run a split over two GPUs (the layer and the tensor split)
+needs_two_gpus = _needs_two_gpus()

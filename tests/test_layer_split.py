@@ -25,6 +25,8 @@ from opdispatch.models.llama.stored import random_params
 from opdispatch.placement import node_layers, place, split_layers
 from opdispatch.tensor import Flag
 
+from helpers import needs_two_gpus
+
 CFG = attrs.evolve(PRESETS["tiny"], dtype="f32", cache_dtype="f32", layers=4)
 PROMPT = [3, 141, 59, 26, 5, 35, 89, 79]
 GIB = 2**30
@@ -35,9 +37,6 @@ GIB = 2**30
 #: largest matrix, so a 2x H200 host (256 GB) builds it, and so does this machine for the placement test.
 OVER_ONE_GPU = LlamaConfig(vocab=32000, hidden=8192, layers=112, heads=64, kv_heads=8, ffn=28672, max_ctx=256,
                            dtype="bf16")
-
-needs_two_gpus = pytest.mark.skipif(len(discover()[0]) < 2, reason=f"needs two CUDA GPUs, found {len(discover()[0])}"
-                                    + (f" ({discover()[1]})" if discover()[1] else ""))
 
 
 def gpu(name: str, free_gib: float) -> Device:

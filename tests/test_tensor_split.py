@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from opdispatch import ops
-from opdispatch.backends.cuda.devices import H200, discover
+from opdispatch.backends.cuda.devices import H200
 from opdispatch.compiler import compile
 from opdispatch.dtypes import to_host_float
 from opdispatch.errors import LaunchError, OpError, PlacementError
@@ -29,14 +29,13 @@ from opdispatch.shard import Shard, shard_cols, shard_rows
 from opdispatch.tensor import input, param
 from opdispatch.testing.metrics import nmse
 
+from helpers import needs_two_gpus
+
 CFG = attrs.evolve(PRESETS["tiny"], dtype="f32", cache_dtype="f32", layers=3)  # 4 heads, 2 KV heads, ffn 128
 PROMPT = [3, 141, 59, 26, 5, 35, 89, 79]
 PAIR = ["cpu0", "cpu1"]
 #: the ranks sum their partial products in another order than one device's dot products: f32 rounding
 BOUND = 1e-10
-
-needs_two_gpus = pytest.mark.skipif(len(discover()[0]) < 2, reason=f"needs two CUDA GPUs, found {len(discover()[0])}"
-                                    + (f" ({discover()[1]})" if discover()[1] else ""))
 
 
 def gpu(name: str) -> Device:
