@@ -4,11 +4,12 @@
 --kernel (comma-separated, run in order):
 
 - mmq (default): every configuration of specs/mmq.py's CANDIDATES for each format (q4_0, q8_0 by default; any
-  of specs/mmq.MMQ_FORMATS, e.g. --formats q4_K,q5_K,q6_K) at M=4096, K=14336 and each N (--ns, default 16,
-  32, 64, 128, 512), torch.matmul in bf16 of the same shape beside; prints the lines of each format's table
+  of specs/mmq.MMQ_FORMATS, e.g. --formats q4_K,q5_K,q6_K) at each M x K of --shapes (default 4096x14336;
+  the 1b preset's are 3072x2048,2048x2048,8192x2048,2048x8192) and each N (--ns, default 16, 32, 64, 128,
+  512), torch.matmul in bf16 of the same shape beside; prints the lines of each format's table
   (specs/mmq.py: TABLE for the legacy formats, TABLE_K for the sub-scaled ones) the measurements suggest.
 - mmq_small: every configuration of specs/mmq_small.SMALL_CANDIDATES (passed to small_specs) against mmq's table
-  choice, at 4096 x 14336 and 14336 x 4096 weights, N = 9, 16, 24, 32 (--small-ns), formats q4_0, q8_0, q4_K
+  choice, at 4096 x 14336 and 14336 x 4096 weights (--small-shapes), N = 9, 16, 24, 32 (--small-ns), formats q4_0, q8_0, q4_K
   (--small-formats); prints the best configuration per (format, N, shape), whether it beats mmq, and the one
   with the least time summed over formats and shapes per N.
 - mmq_id: the MoE prefill shape (64 experts, 8 used, 2048 x 2048 experts, b one row a token) at T = 64 and 512
@@ -28,6 +29,7 @@ cache then serves the main process).
 
     python3 -m pip install -q --no-deps --no-build-isolation -e .   # as scripts/gpu-check does
     python3 scripts/mmq_sweep.py [--kernel mmq,mmq_small,mmq_id] [--formats q4_0,q8_0] [--ns 16,32,64,128,512]
+        [--shapes 4096x14336]
 """
 
 from __future__ import annotations
@@ -58,8 +60,6 @@ from opdispatch.plugins.cuda_matmul.specs.stream import device_facts  # noqa: E4
 from opdispatch.tensor import Tensor  # noqa: E402
 
 KERNELS = ("mmq", "mmq_small", "mmq_id")
-M, K = 4096, 14336  # mmq's shape
-SMALL_SHAPES = ((4096, 14336), (14336, 4096))  # mmq_small's (M, K)
 MOE_EXPERTS, MOE_USED, MOE_M, MOE_K = 64, 8, 2048, 2048
 COPY_BW = 4.2e12  # bytes/s: the H200's measured device copy bandwidth (docs), the ceiling for the weights
 COLD_BYTES = 200 << 20  # weight copies a cold sweep rotates over: four times the 50 MB L2 at least
@@ -135,21 +135,23 @@ class Job:
         return f"{self.kernel} {self.cfg}" if self.cfg is not None else self.kernel
 
 
-def mmq_jobs(fmts: Sequence[str], ns: Sequence[int]) -> list[Job]:
-    """Each format's table entry, then specs/mmq.CANDIDATES, at M x K."""
+def mmq_jobs(fmts: Sequence[str], ns: Sequence[int], shapes: Sequence[tuple[int, int]]) -> list[Job]:
+    """Each format's table entry, then specs/mmq.CANDIDATES, at each (M, K) of shapes."""
     jobs = []
     for fmt in fmts:
-        for n in ns:
-            table = mmq.mmq_config(fmt, n)
-            jobs += [Job("mmq", fmt, M, K, n, cfg, cfg == table) for cfg in dict.fromkeys([table, *mmq.candidates(n)])]
+        for (m, k) in shapes:
+            for n in ns:
+                table = mmq.mmq_config(fmt, n)
+                jobs += [Job("mmq", fmt, m, k, n, cfg, cfg == table)
+                         for cfg in dict.fromkeys([table, *mmq.candidates(n)])]
     return jobs
 
 
-def small_jobs(fmts: Sequence[str], ns: Sequence[int]) -> list[Job]:
-    """mmq's table entry (what runs today), then every SMALL_CANDIDATES configuration, at each SMALL_SHAPES."""
+def small_jobs(fmts: Sequence[str], ns: Sequence[int], shapes: Sequence[tuple[int, int]]) -> list[Job]:
+    """mmq's table entry (what runs today), then every SMALL_CANDIDATES configuration, at each (M, K) of shapes."""
     jobs = []
     for fmt in fmts:
-        for (m, k) in SMALL_SHAPES:
+        for (m, k) in shapes:
             for n in ns:
                 jobs.append(Job("mmq", fmt, m, k, n, mmq.mmq_config(fmt, n), True))
                 jobs += [Job("mmq_small", fmt, m, k, n, cfg) for cfg in mmq_small.SMALL_CANDIDATES]
@@ -393,6 +395,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kernel", default="mmq", help=f"comma-separated, run in order: {', '.join(KERNELS)}")
     ap.add_argument("--formats", default="q4_0,q8_0", help="mmq's formats")
     ap.add_argument("--ns", default="16,32,64,128,512", help="mmq's columns")
+    ap.add_argument("--shapes", default="4096x14336", help="mmq's weights, MxK comma-separated")
+    ap.add_argument("--small-shapes", default="4096x14336,14336x4096", help="mmq_small's weights")
     ap.add_argument("--small-formats", default="q4_0,q8_0,q4_K")
     ap.add_argument("--small-ns", default="9,16,24,32")
     ap.add_argument("--id-formats", default="q4_0,q8_0,q4_K")
@@ -413,8 +417,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def plan(args: argparse.Namespace) -> dict[str, list[Job]]:
     """kernel -> its jobs, as the arguments ask."""
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    every = {"mmq": lambda: mmq_jobs(args.formats.split(","), ints(args.ns)),
-             "mmq_small": lambda: small_jobs(args.small_formats.split(","), ints(args.small_ns)),
+    shapes = lambda s: [tuple(int(v) for v in mk.split("x")) for mk in s.split(",")]  # noqa: E731
+    every = {"mmq": lambda: mmq_jobs(args.formats.split(","), ints(args.ns), shapes(args.shapes)),
+             "mmq_small": lambda: small_jobs(args.small_formats.split(","), ints(args.small_ns),
+                                             shapes(args.small_shapes)),
              "mmq_id": lambda: id_jobs(args.id_formats.split(","), ints(args.tokens))}
     return {k: every[k]() for k in args.kernel.split(",")}
 

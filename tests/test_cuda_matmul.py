@@ -99,18 +99,18 @@ PATH_CASES = [
     ("q8_0", (64, 65536), (8, 65536), "mmvq"),  # b's q8_1 copy does not fit in shared memory
     ("q8_0", (64, 96), (9, 96), "dequant_cublas"),  # K % 256 != 0: mmq declines
     ("q4_1", (64, 96), (512, 96), "dequant_cublas"),  # K % 128 != 0
-    ("q4_0", (64, 4096), (9, 4096), "mmq"),
-    ("q4_0", (64, 4096), (32, 4096), "mmq"),
+    ("q4_0", (64, 4096), (9, 4096), "mmq_small"),
+    ("q4_0", (64, 4096), (32, 4096), "mmq_small"),
     ("q4_0", (64, 4096), (33, 4096), "mmq"),
-    ("q8_0", (77, 256), (16, 256), "mmq"),
+    ("q8_0", (77, 256), (16, 256), "mmq_small"),
     ("q8_0", (2, 64, 14336), (2, 128, 14336), "mmq"),
     ("q8_0", (2, 64, 14336), (2, 512, 14336), "dequant_cublas"),  # N > support.MMQ_MAX_N
-    ("q4_1", (64, 128), (16, 128), "mmq"),
+    ("q4_1", (64, 128), (16, 128), "mmq_small"),
     ("q4_1", (64, 128), (40, 128), "mmq"),
     ("q5_1", (64, 64), (70, 64), "mmq"),
-    ("q4_K", (64, 256), (16, 256), "mmq"),
+    ("q4_K", (64, 256), (16, 256), "mmq_small"),
     ("q5_K", (2, 64, 512), (2, 128, 512), "mmq"),
-    ("q6_K", (64, 2048), (9, 2048), "mmq"),
+    ("q6_K", (64, 2048), (9, 2048), "mmq_small"),
     ("q6_K", (64, 2048), (64, 2048), "mmq"),
     ("q6_K", (64, 256), (9, 256), "dequant_cublas"),  # K % 2048 != 0: q6_K rows of whole 1680-byte chunks
     ("q4_K", (64, 256), (129, 256), "dequant_cublas"),  # N > support.MMQ_MAX_N
@@ -1346,8 +1346,8 @@ def test_mmq_small_grid_on_the_h200() -> None:
         assert g.kts * g.splits >= nkt > (g.kts - 1) * g.splits
         smem = mmq_small.small_smem(dt, mmq_small.small_nt(n), g.kts)
         assert smem <= 227 * 1024, (dt, smem)
-    assert mmq_small.small_grid(14336, 4096, 1, H200) == mmq_small.SmallGrid(224, 3, 6)
-    assert mmq_small.small_smem("q4_0", 2, 6) == 16 * (6 * 8 * 40 + 32) + 4 * 4 * 16 * 144
+    assert mmq_small.small_grid(14336, 4096, 1, H200) == mmq_small.SmallGrid(112, 5, 4)
+    assert mmq_small.small_smem("q4_0", 2, 6) == 16 * (6 * 8 * 40 + 32) + cfg.warps * cfg.stages * 16 * 144
 
 
 @pytest.mark.usefixtures("mmq_small_selected")

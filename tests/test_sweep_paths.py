@@ -54,7 +54,9 @@ def reach() -> dict[str, set[tuple]]:
 
 
 def _gemm(dt: str, n: int) -> str:
-    """The path of mul_mat at n > 8 columns on rows of whole chunks (mmq_small unselected: MMQ_SMALL_MIN_N)."""
+    """The path of mul_mat at n > 8 columns on rows of whole chunks."""
+    if dt in MMQ_FORMATS and support.MMQ_SMALL_MIN_N <= n <= support.MMQ_SMALL_MAX_N:
+        return "mmq_small"
     return "mmq" if dt in MMQ_FORMATS and n <= support.MMQ_MAX_N else "dequant_cublas"
 
 
@@ -128,10 +130,8 @@ def test_mul_mat_id_add_id_is_fused_on_every_path(reach: dict[str, set[tuple]], 
     assert want <= mine
 
 
-def test_mmq_small_is_reached_once_selected(monkeypatch: pytest.MonkeyPatch) -> None:
-    """mmq_small is not selected by default (support.MMQ_SMALL_MIN_N); with it selected from 9 columns the same
-    sweep reaches it at 9, 16 and 32 columns for every format mmq reads."""
-    monkeypatch.setattr(support, "MMQ_SMALL_MIN_N", support.MMV_MAX_N + 1)
+def test_mmq_small_is_reached() -> None:
+    """The sweep reaches mmq_small at 9, 16 and 32 columns for every format mmq reads."""
     got = {(dt, n) for dt, _, n, *_, path, _ in _reach(("mul_mat",))["mul_mat"] if path == "mmq_small"}
     assert {(dt, n) for dt in MMQ_FORMATS for n in (9, 16, 32)} <= got
 

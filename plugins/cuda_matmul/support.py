@@ -37,10 +37,12 @@ MMF_MAX_N = 16
 MMQ_MAX_N = 128
 #: mmq_small (the quantized GEMM whose warps stream their own weight rows) is compiled for up to
 #: MMQ_SMALL_MAX_N columns (specs/mmq_small.SMALL_NTS) and takes MMQ_SMALL_MIN_N.. of them where mmq_small_ok
-#: allows. On the H200 (2026-12-02, 4096 x 14336 weights, 16 columns, cold) its first configuration ran slower
-#: than mmq (q4_0 45.4 us against 41.8, q8_0 54.9 / 48.7, q4_K 56.6 / 47.8; docs/benchmarks.md), so no column
-#: count selects it until it is tuned: MMQ_SMALL_MIN_N above MMQ_SMALL_MAX_N. Its tests lower MMQ_SMALL_MIN_N.
-MMQ_SMALL_MIN_N = 33
+#: allows. On the H200 (2026-12-02, 16 columns, cold, scripts/mmq_sweep.py; docs/benchmarks.md) with 8 warps a
+#: block (specs/mmq_small.SMALL) it beat mmq's table at the 1b preset's four layer shapes (q4_0 and q4_K: 119.2
+#: us summed against 135.9) and at 4096 x 14336 (q4_0 38.0 us against 43.9, q4_K 45.7 / 48.6), lost at
+#: 14336 x 4096 for q4_K (51.1 / 45.2) and for q8_0 (0.90x); the 1b batch-16 decode gained (Q4_K_M 7197 tokens/s
+#: against 6836, q4_0 8893 / 8845), so it takes every column count from 9.
+MMQ_SMALL_MIN_N = 9
 MMQ_SMALL_MAX_N = 32
 #: most experts the routing kernel of mmv_id_grouped and mmq_id takes (shared memory: 2 ints an expert)
 ROUTE_MAX_EXPERTS = 4096

@@ -114,7 +114,9 @@ TABLE_K: tuple[tuple[int, MmqConfig], ...] = (
 #: what scripts/mmq_sweep.py times for each entry of TABLE (the entry itself too), on q4_0 and q8_0
 CANDIDATES: dict[int, tuple[MmqConfig, ...]] = {
     16: (*_variants(1, 2, 4, 1, (3, 4, 6), (8,), (4, 8, 16)), *_variants(2, 2, 4, 1, (4,), (8,), (8, 16)),
-         *_variants(1, 2, 4, 1, (3,), (16,), (8,))),
+         *_variants(1, 2, 4, 1, (3,), (16,), (8,)),
+         # for small weights (the 1b preset's K = 2048: 8 K tiles a row): 32-row blocks, or 8 warps of 8 columns
+         *_variants(1, 2, 2, 1, (3, 4), (8,), (2, 4)), *_variants(1, 1, 4, 2, (3,), (8,), (2, 4))),
     32: (*_variants(1, 4, 4, 1, (4, 6), (8,), (4, 8, 16)), *_variants(1, 2, 4, 2, (4,), (8,), (8,))),
     64: (*_variants(1, 4, 4, 2, (3, 4), (8,), (2, 4, 8)), *_variants(2, 4, 4, 2, (3,), (8,), (2, 4))),
     128: (*_variants(2, 4, 4, 2, (2, 3), (8,), (1, 2)), *_variants(4, 4, 2, 4, (2,), (8,), (1, 2)),

@@ -29,12 +29,13 @@ class SmallConfig:
     """mmq_small's tunables. Template: each warp owns 16 fm weight rows, a block `warps` warps, each warp a
     ring of `stages` K tiles of `kb` steps of 32 values. Launch: K is cut in slices so that the grid has about
     `blocks_per_sm` blocks an SM, each slice at least `kt_min` K tiles (and at most `split_max` slices).
-    To be confirmed on the H200 (`scripts/mmq_sweep.py --kernel mmq_small` times SMALL_CANDIDATES against mmq):
-    these are first guesses, the weights in flight an SM (blocks_per_sm * warps * (stages - 1) K tiles of 16 fm
-    rows) about 80 KB for q4_0."""
+    The defaults: the least time summed over q4_0 and q4_K at the 1b preset's layer shapes, 16 columns, of
+    `scripts/mmq_sweep.py --kernel mmq_small` on the H200 (2026-12-02; 8 warps, where 4 had been the first guess),
+    the weights in flight an SM (blocks_per_sm * warps * (stages - 1) K tiles of 16 fm rows) about 160 KB for
+    q4_0."""
 
     fm: int = 1
-    warps: int = 4
+    warps: int = 8
     stages: int = 4
     kb: int = 8
     blocks_per_sm: int = 4
@@ -48,16 +49,19 @@ class SmallConfig:
 
 #: the configuration binds use (support.MMQ_SMALL_MAX_N: the most columns)
 SMALL = SmallConfig()
-#: what scripts/mmq_sweep.py --kernel mmq_small times (SMALL first): one tunable changed at a time around it, and
-#: a few that put more weights in flight an SM (deeper rings, more warps or blocks, 32-step K tiles)
+#: what scripts/mmq_sweep.py --kernel mmq_small times (SMALL first): one tunable changed at a time around the first
+#: guess (4 warps a block), and a few that put more weights in flight an SM (deeper rings, more warps or blocks,
+#: 32-step K tiles)
+W4 = SmallConfig(warps=4)
 SMALL_CANDIDATES: tuple[SmallConfig, ...] = tuple(dict.fromkeys((
     SMALL,
-    *(SmallConfig(stages=ns) for ns in (3, 6)),
+    W4,
+    *(attrs.evolve(W4, stages=ns) for ns in (3, 6)),
     *(SmallConfig(warps=w, blocks_per_sm=b) for w, b in ((8, 2), (8, 4), (2, 8))),
-    *(SmallConfig(fm=2, stages=ns, blocks_per_sm=b) for ns, b in ((4, 4), (3, 2))),
-    *(SmallConfig(kb=16, stages=ns, kt_min=kt) for ns, kt in ((3, 2), (4, 1))),
-    *(SmallConfig(blocks_per_sm=b) for b in (2, 8)),
-    SmallConfig(kt_min=4),
+    *(attrs.evolve(W4, fm=2, stages=ns, blocks_per_sm=b) for ns, b in ((4, 4), (3, 2))),
+    *(attrs.evolve(W4, kb=16, stages=ns, kt_min=kt) for ns, kt in ((3, 2), (4, 1))),
+    *(attrs.evolve(W4, blocks_per_sm=b) for b in (2, 8)),
+    attrs.evolve(W4, kt_min=4),
     SmallConfig(warps=8, stages=6, blocks_per_sm=2),
 )))
 #: the column tiles (8 columns each) mmq_small is compiled for: N <= 16 takes 2, N <= 32 takes 4
