@@ -471,20 +471,6 @@ def test_decode_copies_mask_rows_by_cp_async_where_they_are_16_byte_aligned(tk: 
     assert int(spec.args.mask_vec) == vec
 
 
-@pytest.mark.parametrize("pipe", [1, 0])
-def test_decode_pipe_selects_the_instance(monkeypatch: pytest.MonkeyPatch, pipe: int) -> None:
-    # both orders of fattn_decode's loads are declared (compiled by the compile test), unfused and fused
-    monkeypatch.setattr(flash, "DECODE_PIPE", pipe)
-    outputs = attn_step(Inputs(np.random.default_rng(0)))
-    (step,) = od.compile(outputs, H200).fusions
-    node = step.nodes[-1]
-    for fused in (None, fusion.fused_qkv(step.nodes)):
-        (spec,) = flash.flash_plan(node, DEV, fused).specs(fake_ptr, [BASE] * 3, FakeGuard())
-        assert spec.kernel in specs.KERNEL_SOURCES[flash.DECODE_CU]
-        assert spec.kernel.endswith(", 0>") == (pipe == 0), spec.kernel
-        assert spec.smem == flash.decode_smem(64, fused is not None)  # the mask rides in the rows' padding
-
-
 @pytest.mark.parametrize(("kw", "reason", "fused"), [
     (dict(d=80), r"^head size 80 \(fused for 64, 128\)", ["rope_qkv_set_rows"]),
     (dict(cache="bf16"), r"^k: cache dtype bf16", []),

@@ -34,9 +34,8 @@
 // unfused kernel is passed a null word.
 // Angles: rope_common.cuh, as the rope kernels compute them.
 //
-// PIPE 1 (the default; 0 keeps the order before it, so that both can be timed: specs/flash.py
-// decode_pipe) shortens the block's chain of dependent memory round trips, which is what a decode
-// step at short KV waits on (a 64-key tile a block, a few KiB; docs/cuda_attention.md):
+// The order of the loads keeps the block's chain of dependent memory round trips short, which is what
+// a decode step at short KV waits on (a 64-key tile a block, a few KiB; docs/cuda_attention.md):
 // - the mask values of a tile travel with its K/V copies, in the same cp.async group, into the stages'
 //   row padding (unused by ldmatrix: 16 bytes a row, 128 rows a stage = 16 columns x 64 keys), instead
 //   of a load after the wait for the tile;
@@ -86,7 +85,7 @@ __device__ __forceinline__ void put_new(KT* cache, unsigned short* tile, float x
     *tile = od::same_v<KT, od::bf16> ? od::f32_to_bf16(y) : od::f32_to_f16(y);
 }
 
-template <int D, typename KT, int ROPE = 0, typename IT = int, int PIPE = 1>
+template <int D, typename KT, int ROPE = 0, typename IT = int>
 __global__ void __launch_bounds__(128, 2) fattn_decode(
     const char* __restrict__ q, const char* __restrict__ k, const char* __restrict__ v,
     const char* __restrict__ mask, float* __restrict__ ws_acc, float2* __restrict__ ws_ml,
@@ -102,8 +101,8 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
     const char* __restrict__ v_new, const IT* __restrict__ new_idx, char* __restrict__ k_cache,
     char* __restrict__ v_cache, long long kn_b, long long kn_h, long long vn_b, long long kc_t, long long vc_t,
     long long row0, long long rows_b, long long new_rows, ROPE_PARAMS, OD_INDEX_CHECK_PARAMS) {
-    od::grid_enter_later();  // kv_early: after the first K/V copies (PIPE, header)
-    const bool early = PIPE != 0 && kv_early != 0;
+    od::grid_enter_later();  // kv_early: after the first K/V copies (header)
+    const bool early = kv_early != 0;
     if (!early) {
         od::grid_enter();
     }
@@ -138,13 +137,13 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
 
     auto stage_k = [&](int st) { return smem + st * 2 * BN * SR; };
     auto stage_v = [&](int st) { return smem + (st * 2 + 1) * BN * SR; };
-    // PIPE: slot p (0..127) of stage st, the padding after row p of its K then V tile, holds the mask
+    // Slot p (0..127) of stage st, the padding after row p of its K then V tile, holds the mask
     // values of column p % 16, keys 8 * (p / 16) .. + 7 of the tile (so that the 8 lanes of a fragment
     // row group read 8 consecutive rows: no bank conflicts). Thread tid copies slot tid.
     static_assert(BN / 8 * 16 == 128, "a mask slot a thread: 16 columns x 64 keys in 16-byte slots");
     auto mask_slot = [&](int st, int p) { return (p < BN ? stage_k(st) + p * SR : stage_v(st) + (p - BN) * SR) + D; };
     const unsigned short* mslot = nullptr;  // this thread's slot's mask row (null: no mask, or no column)
-    if (PIPE != 0 && mask != nullptr) {
+    if (mask != nullptr) {
         const int cc = cg * 16 + tid % 16;
         if (cc < ncols) {
             const int h = kvh * group + cc % group;
@@ -180,9 +179,9 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         od::grid_enter();
     }
 
-    // Fused: rotate q into shared memory (a thread a pair, all columns: the angle depends on the
-    // pair and the position only; PIPE: a thread a pair of a column) and, in the block that owns it,
-    // the new K row; convert the new V row; write both rows to the caches. own_tile / own_row: where the new row sits in this slice.
+    // Fused: rotate q into shared memory (a thread a pair of a column, all 4 warps, every global load
+    // issued before any is used: one round trip) and, in the block that owns it, the new K row; convert
+    // the new V row; write both rows to the caches. own_tile / own_row: where the new row sits in this slice.
     int own_tile = -1, own_row = 0;
     const char* q_src = q;  // what the fragments read: q, or the rotated q (f32) in shared memory
     if constexpr (ROPE != 0) {
@@ -195,34 +194,31 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         const int nc = min(16, ncols - cg * 16);
         const float* kn = reinterpret_cast<const float*>(k_new + b * kn_b + kvh * kn_h);
         const float* vn = reinterpret_cast<const float*>(v_new + b * vn_b) + kvh * D;
-        // PIPE: this thread's pair and the columns it rotates (all loads issued before any is used)
+        // this thread's pair and the columns it rotates
         constexpr int PAIRS = D / 2;
-        constexpr int CPP = PIPE != 0 ? 128 / PAIRS : 1;  // columns a pass of the 128 threads
+        constexpr int CPP = 128 / PAIRS;  // columns a pass of the 128 threads
         constexpr int PASSES = 16 / CPP;
-        static_assert(PIPE == 0 || 128 % PAIRS == 0, "PIPE: the threads take whole passes of pairs");
-        const int pi = PIPE != 0 ? tid % PAIRS : 0;
-        const int c0 = PIPE != 0 ? tid / PAIRS : 0;
-        float qx[PIPE != 0 ? PASSES : 1][2], kx[2] = {0.0f, 0.0f}, vx[2] = {0.0f, 0.0f};
-        int pe0 = 0, pe1 = 0, pfi = 0;
-        bool prot = false;
-        if constexpr (PIPE != 0) {
-            od_rope::pair_of<ROPE == 2>(pi, rp, pe0, pe1, pfi, prot);
+        static_assert(128 % PAIRS == 0, "the threads take whole passes of pairs");
+        const int c0 = tid / PAIRS;
+        float qx[PASSES][2], kx[2] = {0.0f, 0.0f}, vx[2] = {0.0f, 0.0f};
+        int pe0, pe1, pfi;
+        bool prot;
+        od_rope::pair_of<ROPE == 2>(tid % PAIRS, rp, pe0, pe1, pfi, prot);
 #pragma unroll
-            for (int it = 0; it < PASSES; ++it) {
-                const int cc = c0 + it * CPP;
-                if (cc < nc) {
-                    const int h = kvh * group + (cg * 16 + cc) % group;
-                    const float* x = reinterpret_cast<const float*>(q + b * qs_b + h * qs_h);
-                    qx[it][0] = x[pe0];
-                    qx[it][1] = x[pe1];
-                }
+        for (int it = 0; it < PASSES; ++it) {
+            const int cc = c0 + it * CPP;
+            if (cc < nc) {
+                const int h = kvh * group + (cg * 16 + cc) % group;
+                const float* x = reinterpret_cast<const float*>(q + b * qs_b + h * qs_h);
+                qx[it][0] = x[pe0];
+                qx[it][1] = x[pe1];
             }
-            if (c0 == 0) {  // the new rows' pair: V by the same elements (the pairs cover the row once)
-                kx[0] = kn[pe0];
-                kx[1] = kn[pe1];
-                vx[0] = vn[pe0];
-                vx[1] = vn[pe1];
-            }
+        }
+        if (c0 == 0) {  // the new rows' pair: V by the same elements (the pairs cover the row once)
+            kx[0] = kn[pe0];
+            kx[1] = kn[pe1];
+            vx[0] = vn[pe0];
+            vx[1] = vn[pe1];
         }
         const bool row_ok = od::index_ok(cache_row, new_rows, err_word, err_tag, b);
         const long long j = cache_row - row0 - b * rows_b;
@@ -235,62 +231,33 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         }
         KT* kc = reinterpret_cast<KT*>(k_cache + cache_row * kc_t) + kvh * D;
         KT* vc = reinterpret_cast<KT*>(v_cache + cache_row * vc_t) + kvh * D;
-        if constexpr (PIPE != 0) {
-            float c = 1.0f, sn = 0.0f;
-            if (prot) {
-                od_rope::cos_sin_of(pfi, pos, rope_ff, rp, c, sn);
-            }
+        float c = 1.0f, sn = 0.0f;
+        if (prot) {
+            od_rope::cos_sin_of(pfi, pos, rope_ff, rp, c, sn);
+        }
 #pragma unroll
-            for (int it = 0; it < PASSES; ++it) {
-                const int cc = c0 + it * CPP;
-                if (cc < nc) {
-                    const float x0 = qx[it][0], x1 = qx[it][1];
-                    q_rot[cc * D + pe0] = prot ? x0 * c - x1 * sn : x0;
-                    q_rot[cc * D + pe1] = prot ? x0 * sn + x1 * c : x1;
-                }
+        for (int it = 0; it < PASSES; ++it) {
+            const int cc = c0 + it * CPP;
+            if (cc < nc) {
+                const float x0 = qx[it][0], x1 = qx[it][1];
+                q_rot[cc * D + pe0] = prot ? x0 * c - x1 * sn : x0;
+                q_rot[cc * D + pe1] = prot ? x0 * sn + x1 * c : x1;
             }
-            if (c0 == 0 && writes) {
-                put_new(kc + pe0, kv_rows + pe0, prot ? kx[0] * c - kx[1] * sn : kx[0]);
-                put_new(kc + pe1, kv_rows + pe1, prot ? kx[0] * sn + kx[1] * c : kx[1]);
-                put_new(vc + pe0, kv_rows + D + pe0, vx[0]);
-                put_new(vc + pe1, kv_rows + D + pe1, vx[1]);
-            }
-        } else {
-            for (int pi = tid; pi < D / 2; pi += 128) {
-                int e0, e1, fi;
-                bool rot;
-                od_rope::pair_of<ROPE == 2>(pi, rp, e0, e1, fi, rot);
-                float c = 1.0f, sn = 0.0f;
-                if (rot) {
-                    od_rope::cos_sin_of(fi, pos, rope_ff, rp, c, sn);
-                }
-                for (int cc = 0; cc < nc; ++cc) {
-                    const int h = kvh * group + (cg * 16 + cc) % group;
-                    const float* x = reinterpret_cast<const float*>(q + b * qs_b + h * qs_h);
-                    const float x0 = x[e0], x1 = x[e1];
-                    q_rot[cc * D + e0] = rot ? x0 * c - x1 * sn : x0;
-                    q_rot[cc * D + e1] = rot ? x0 * sn + x1 * c : x1;
-                }
-                if (writes) {
-                    const float x0 = kn[e0], x1 = kn[e1];
-                    put_new(kc + e0, kv_rows + e0, rot ? x0 * c - x1 * sn : x0);
-                    put_new(kc + e1, kv_rows + e1, rot ? x0 * sn + x1 * c : x1);
-                }
-            }
-            if (writes) {
-                for (int e = tid; e < D; e += 128) {
-                    put_new(vc + e, kv_rows + D + e, vn[e]);
-                }
-            }
+        }
+        if (c0 == 0 && writes) {
+            put_new(kc + pe0, kv_rows + pe0, prot ? kx[0] * c - kx[1] * sn : kx[0]);
+            put_new(kc + pe1, kv_rows + pe1, prot ? kx[0] * sn + kx[1] * c : kx[1]);
+            put_new(vc + pe0, kv_rows + D + pe0, vx[0]);
+            put_new(vc + pe1, kv_rows + D + pe1, vx[1]);
         }
         __syncthreads();
         q_src = reinterpret_cast<const char*>(q_rot);
     }
 
-    // This lane's fragment rows g and g + 8 are columns cg*16 + g (+ 8): their mask
-    // row, ALiBi slope and the Q A-fragments, read straight from global memory (fused: from
-    // the rotated q in shared memory).
-    const unsigned short* mrow[2];
+    // This lane's fragment rows g and g + 8 are columns cg*16 + g (+ 8): whether they read the mask
+    // (their values come through the mask slots), their ALiBi slope and the Q A-fragments, read
+    // straight from global memory (fused: from the rotated q in shared memory).
+    bool mcol[2];
     float slope2[2];
     unsigned qa[KSTEPS][4];
     {
@@ -307,9 +274,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
                 qrow[r] = valid ? q_src + b * qs_b + h * qs_h + t * qs_t : nullptr;
             }
             slope2[r] = alibi_slope(use_alibi, h, n_head_log2, m0, m1) * LOG2E;
-            mrow[r] = mask != nullptr && valid
-                          ? reinterpret_cast<const unsigned short*>(mask + (b % m3) * ms_b + (h % m2) * ms_h + t * ms_t)
-                          : nullptr;
+            mcol[r] = mask != nullptr && valid;
         }
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
@@ -367,28 +332,17 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         const unsigned short* Ks = stage_k(i % STAGES) + warp * 16 * SR;
         const unsigned short* Vs = stage_v(i % STAGES) + warp * 16 * SR;
         const int kw = k_begin + i * BN + warp * 16;  // this warp's first key
-        // this lane's 8 mask values of the tile, loaded before the S mma so that their latency
-        // overlaps it (one split walks many tiles one after another; loading them before the
-        // wait for the tile costs registers: spills at D=256, 131 at D=64 = 3 blocks an SM)
-        // (PIPE: from the tile's mask slots, two keys a 32-bit word)
+        // this lane's 8 mask values of the tile, from its mask slots (two keys a 32-bit word)
         unsigned short mk[2][4];
+        if (mask != nullptr) {
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            if constexpr (PIPE != 0) {
-                if (mask != nullptr) {
+            for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const unsigned w = *reinterpret_cast<const unsigned*>(
-                            mask_slot(i % STAGES, (warp * 2 + nt) * 16 + g + 8 * r) + 2 * tq4);
-                        mk[nt][2 * r] = static_cast<unsigned short>(w & 0xffffu);
-                        mk[nt][2 * r + 1] = static_cast<unsigned short>(w >> 16);
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = kw + nt * 8 + 2 * tq4 + (e & 1);
-                    mk[nt][e] = mrow[e >> 1] != nullptr && key < k_end ? mrow[e >> 1][key] : 0;
+                for (int r = 0; r < 2; ++r) {
+                    const unsigned w = *reinterpret_cast<const unsigned*>(
+                        mask_slot(i % STAGES, (warp * 2 + nt) * 16 + g + 8 * r) + 2 * tq4);
+                    mk[nt][2 * r] = static_cast<unsigned short>(w & 0xffffu);
+                    mk[nt][2 * r + 1] = static_cast<unsigned short>(w >> 16);
                 }
             }
         }
@@ -413,7 +367,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
                 x = (softcap != 0.0f ? tanhf(x) : x) * mul2;
                 if (key >= k_end) {
                     x = NEG_INF;
-                } else if (mrow[e >> 1] != nullptr) {
+                } else if (mcol[e >> 1]) {
                     x = masked(mk[nt][e], slope2[e >> 1], x);
                 }
                 s[nt][e] = x;
