@@ -81,6 +81,7 @@ CASES: dict[str, Callable[[Inputs], list[Tensor]]] = {
                                                     kv_heads=2, ctx=700),
     "fused normal f32 i32 d=128 2 sequences": _fused(cache="f32", idx="i32", mode="normal", seqs=2, d=128,
                                                      ctx=200),
+    "fused normal f16 i32 16 sequences": _fused(cache="f16", idx="i32", mode="normal", seqs=16, ctx=200),
 }
 
 
@@ -194,13 +195,18 @@ def test_fattn_decode_emulated(case: str, emulator: Path, tmp_path: Path, rng) -
 
 def test_cases_cover_the_kernel() -> None:
     """Unfused and fused, the cases reach one split and several, splits of several tiles (the stages
-    wrapping around), mask rows copied by cp.async and by element, and the early K/V copies."""
+    wrapping around), mask rows copied by cp.async and by element, and the early K/V copies; fused, splits
+    whose tiles refill the last stage (where the rotated q was), and a batch of 16 sequences."""
     seen = set()
     for make in CASES.values():
         outputs = make(Inputs(np.random.default_rng(0)))
-        a = _launch(outputs, _arena(outputs))[0].args
-        seen |= {(len(outputs) > 1, "splits" if int(a.ws_acc) else "one split"),
+        spec = _launch(outputs, _arena(outputs))[0]
+        a, fused = spec.args, len(outputs) > 1
+        seen |= {(fused, "splits" if int(a.ws_acc) else "one split"),
                  ("stages wrap around", int(a.chunk) > 3 * flash.DECODE_BN),
-                 ("mask_vec", int(a.mask_vec)), ("kv_early", int(a.kv_early))}
+                 ("mask_vec", int(a.mask_vec)), ("kv_early", int(a.kv_early)),
+                 ("fused: the last stage refilled", fused and min(int(a.chunk), int(a.tk)) > 2 * flash.DECODE_BN),
+                 ("fused: 16 sequences", fused and spec.grid[2] == 16)}
     assert {(False, "splits"), (False, "one split"), (True, "splits"), (True, "one split"), ("stages wrap around", True),
-            ("mask_vec", 0), ("mask_vec", 1), ("kv_early", 1), ("kv_early", 0)} <= seen, seen
+            ("mask_vec", 0), ("mask_vec", 1), ("kv_early", 1), ("kv_early", 0), ("fused: the last stage refilled", True),
+            ("fused: 16 sequences", True)} <= seen, seen

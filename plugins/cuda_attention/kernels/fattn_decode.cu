@@ -25,7 +25,8 @@
 //
 // Fused with the decode step's rope and cache writes (ROPE 1 normal, 2 neox; one query row a
 // sequence; the parameters after kv_vec, unused otherwise): q is the projection's f32 rows,
-// rotated by the block into shared memory before its fragments are built; the new K row of
+// rotated by the block into shared memory (the last K/V stage, free until the tile loop) before its
+// fragments are built; the new K row of
 // sequence b (k_new, rotated) and V row (v_new) are written into the caches at row new_idx[b], and
 // the block whose slice holds that row (key j of the window, j = new_idx[b] - row0 - b * rows_b)
 // puts them into its shared tile in place of the row it loaded, so no block reads the row before
@@ -67,8 +68,11 @@ __device__ __forceinline__ float finish_scale(float mx, float sum, const float* 
     return total == 0.0f ? 0.0f : f / total;  // a NaN total (a NaN or +inf logit or sink): the row NaN
 }
 
-// Dynamic shared memory: the K/V stages (specs/flash.py decode_smem); the fused variant adds after them q
-// of the block's 16 columns (f32, 16 x D) and the new K and V rows (16-bit, as the tiles hold them).
+// Dynamic shared memory: the K/V stages (specs/flash.py decode_smem); the fused variant adds after them the
+// new K and V rows (16-bit, as the tiles hold them). Its rotated q (16 columns x D, f32) lives in the last
+// stage, which no copy fills before the tile loop (the first STAGES - 1 tiles go to the others; the loop's
+// first barrier, which every thread reaches after building its q fragments, comes before the copy of tile
+// STAGES - 1), so that the fused kernel fits as many blocks an SM as the unfused one at D = 64 (4 on the H200).
 template <int D>
 __host__ __device__ constexpr int decode_stage_smem() {
     return (D > 128 ? 2 : 3) * 2 * 64 * (D + 8) * 2;
@@ -86,7 +90,7 @@ __device__ __forceinline__ void put_new(KT* cache, unsigned short* tile, float x
 }
 
 template <int D, typename KT, int ROPE = 0, typename IT = int>
-__global__ void __launch_bounds__(128, 2) fattn_decode(
+__global__ void __launch_bounds__(128, D == 64 ? 4 : 2) fattn_decode(
     const char* __restrict__ q, const char* __restrict__ k, const char* __restrict__ v,
     const char* __restrict__ mask, float* __restrict__ ws_acc, float2* __restrict__ ws_ml,
     int* __restrict__ counters, const float* __restrict__ sinks, float* __restrict__ out,
@@ -186,9 +190,9 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
     const char* q_src = q;  // what the fragments read: q, or the rotated q (f32) in shared memory
     if constexpr (ROPE != 0) {
         const od_rope::RopeParams rp = ROPE_STRUCT;
-        char* extra = reinterpret_cast<char*>(smem) + decode_stage_smem<D>();
-        float* q_rot = reinterpret_cast<float*>(extra);                           // [16][D]
-        unsigned short* kv_rows = reinterpret_cast<unsigned short*>(q_rot + 16 * D);  // new K row, new V row
+        static_assert(STAGES >= 3 && 16 * D * 4 <= 2 * BN * SR * 2, "q_rot fits a stage no copy fills yet");
+        float* q_rot = reinterpret_cast<float*>(stage_k(STAGES - 1));  // [16][D]
+        unsigned short* kv_rows = smem + decode_stage_smem<D>() / 2;  // new K row, new V row
         const long long cache_row = static_cast<long long>(new_idx[b]);
         const int pos = rope_pos[b];
         const int nc = min(16, ncols - cg * 16);
@@ -318,8 +322,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
 
         if constexpr (ROPE != 0) {
             if (i == own_tile && warp == own_row / 16) {  // the warp that reads the row replaces it
-                const unsigned short* kv_rows = reinterpret_cast<const unsigned short*>(
-                    reinterpret_cast<const char*>(smem) + decode_stage_smem<D>() + 16 * D * 4);
+                const unsigned short* kv_rows = smem + decode_stage_smem<D>() / 2;
                 unsigned short* kd = stage_k(i % STAGES) + own_row * SR;
                 unsigned short* vd = stage_v(i % STAGES) + own_row * SR;
                 for (int e = lane; e < D; e += 32) {

@@ -71,8 +71,9 @@ DECODE_BN = 64
 #: decode: columns (query row, head) a block, the M rows of its mma
 DECODE_COLS = 16
 #: fattn_decode fused with the q/k/v rope and cache writes: blocks an SM its registers allow (nvcc sm_90,
-#: 128 threads: 130 registers at D=64, 176 at D=128; unfused, shared memory bounds it first)
-FUSED_DECODE_BLOCKS_PER_SM = {64: 3, 128: 2}
+#: 128 threads: 128 registers at D=64, the kernel's launch bounds asking for 4 blocks, 176 at D=128;
+#: unfused, shared memory bounds it first)
+FUSED_DECODE_BLOCKS_PER_SM = {64: 4, 128: 2}
 
 
 def prefill_tile_m(d: int) -> int:
@@ -92,9 +93,10 @@ def prefill_smem(d: int) -> int:
 
 def decode_smem(d: int, fused: bool = False) -> int:
     """Dynamic shared memory of fattn_decode<d, ...>: its K/V stages (3, or 2 for d > 128), rows padded by 8;
-    fused with the q/k/v rope and cache writes, also q of 16 columns (f32) and the new K and V rows."""
+    fused with the q/k/v rope and cache writes, also the new K and V rows (its rotated q lives in the last
+    stage before the tile loop fills it)."""
     stages = 2 if d > 128 else 3
-    return stages * 2 * DECODE_BN * (d + 8) * 2 + (16 * d * 4 + 2 * d * 2 if fused else 0)
+    return stages * 2 * DECODE_BN * (d + 8) * 2 + (2 * d * 2 if fused else 0)
 
 
 def decode_blocks_per_sm(d: int, smem_per_sm: int, fused: bool = False) -> int:
