@@ -1,7 +1,9 @@
 """cuda_attention's split-K decode attention (fattn_decode.cu), alone and fused with the decode step's q/k/v
 rope and cache writes, run on the CPU: its real source compiled by g++ against the host emulation of CUDA
-(tests/cuda_emu/shim.h: ldmatrix and mma.sync as warp collectives, cp.async landing at its wait_group), on
-the launch specs the plugin binds.
+(tests/cuda_emu/shim.h: ldmatrix and mma.sync as warp collectives), on the launch specs the plugin binds.
+Each case runs with cp.async copies landing at the wait_group that covers them (lazy: a stage read before its
+wait shows) and at issue (eager: a copy into a stage still being read, such as the last one while it holds
+the fused kernel's rotated q, shows).
 
 Outputs and shared memory start poisoned (0xFF), so that a mask value read from a slot nothing copied
 (the mask travels in the K/V stages' row padding: the kernel's header), an output left unwritten or a tile
@@ -159,11 +161,11 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return exe
 
 
-def _emulate(outputs: list[Tensor], feeds: dict, emulator: Path, tmp_path: Path) -> tuple[list, str]:
+def _emulate(outputs: list[Tensor], feeds: dict, eager: bool, emulator: Path, tmp_path: Path) -> tuple[list, str]:
     """`outputs` as the emulated launch leaves them (attention, then the caches if fused), and a description."""
     arena = _arena(outputs, feeds)
     spec, fa, _ = _launch(outputs, arena)
-    mem = run_launches([spec], arena, False, emulator, tmp_path)
+    mem = run_launches([spec], arena, eager, emulator, tmp_path)
     what = (f"{spec.kernel} grid {spec.grid} chunk {int(spec.args.chunk)} mask_vec {int(spec.args.mask_vec)} "
             f"kv_early {int(spec.args.kv_early)}")
     for role, (at, nbytes) in arena.roles.items():
@@ -176,14 +178,15 @@ def _emulate(outputs: list[Tensor], feeds: dict, emulator: Path, tmp_path: Path)
     return got, what
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["lazy", "eager"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fattn_decode_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+def test_fattn_decode_emulated(case: str, eager: bool, emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
     inp = Inputs(rng)
     outputs = CASES[case](inp)
     graph = Graph.build(outputs)
     feeds = {t: inp.feeds[t] for t in graph.leafs if t in inp.feeds}
     ref = od.compile(outputs, "cpu").run(feeds)
-    got, what = _emulate(outputs, feeds, emulator, tmp_path)
+    got, what = _emulate(outputs, feeds, eager, emulator, tmp_path)
     assert np.isfinite(got[0]).all(), f"{case}: {what}: non-finite attention (unwritten, or read before it landed)"
     assert nmse(got[0], ref[0]) <= bound("flash_attn_ext"), f"{case}: {what}: NMSE {nmse(got[0], ref[0]):.3g}"
     for cache, out, want in zip(outputs[1:], got[1:], ref[1:]):
