@@ -439,14 +439,37 @@ def test_fuses_the_decode_steps_rope_kv_writes_and_attention(cache: str, idx: st
     assert spec.smem == flash.decode_smem(64, True) > flash.decode_smem(64)
 
 
+@pytest.mark.parametrize("seqs", [1, 2, 16])
+def test_decode_attention_fuses_at_the_1b_batch_with_the_unfused_kernels_splits(seqs: int) -> None:
+    # The 1b preset's attention (32 / 8 heads, D = 64, a 768-key window): 16 sequences x 8 KV heads are 128
+    # blocks before splitting; fused or not, 4 blocks an SM hold them 4 times (132 SMs), so the fused kernel
+    # takes the same splits and the whole decode step is one launch a layer.
+    outputs = attn_step(Inputs(np.random.default_rng(0)), seqs=seqs, heads=32, kv_heads=8, ctx=768)
+    (step,) = od.compile(outputs, H200).fusions
+    assert step.kernel == "rope_qkv_flash_attn_ext", step.declined
+    assert flash.decode_blocks_per_sm(64, DEV.smem_per_sm, True) == flash.decode_blocks_per_sm(64, DEV.smem_per_sm) == 4
+    node, fused = step.nodes[-1], fusion.fused_qkv(step.nodes)
+    plan, plain = flash.flash_plan(node, DEV, fused), flash.flash_plan(node, DEV)
+    assert (plan.nsplit, plan.chunk) == (plain.nsplit, plain.chunk)
+    assert plan.nsplit * seqs * 8 <= DEV.sm_count * 4  # one wave
+    assert fused.rows_b == 768 and [fused.k_cache.shape, fused.v_cache.shape] == [(seqs * 768, 512)] * 2
+    (spec,) = plan.specs(fake_ptr, [BASE] * 3, FakeGuard())
+    assert spec.grid == (plan.nsplit, 8, seqs) and spec.smem == flash.decode_smem(64, True)
+
+
 def test_attention_runs_unfused_where_the_fused_kernel_would_split_the_kv_less() -> None:
-    # 16 sequences x 8 KV heads: the unfused kernel (4 blocks an SM at D=64) takes 4 splits, the fused (3) 3
-    outputs = attn_step(Inputs(np.random.default_rng(0)), seqs=16, heads=32, kv_heads=8, ctx=768)
+    # D = 128 on a device whose shared memory holds 3 unfused blocks an SM: the fused kernel's registers
+    # (2 blocks) would give 16 sequences x 8 KV heads fewer splits, so the q/k/v part fuses alone
+    big = Device("cuda0", "cuda", "an sm_90 GPU with more shared memory",
+                 {**H200.props, "smem_per_sm": 3 * (flash.decode_smem(128, True) + 1024)})
+    dev = facts(big)
+    assert flash.decode_blocks_per_sm(128, dev.smem_per_sm, True) < flash.decode_blocks_per_sm(128, dev.smem_per_sm)
+    outputs = attn_step(Inputs(np.random.default_rng(0)), seqs=16, heads=32, kv_heads=8, d=128, ctx=768)
     graph = Graph.build(outputs)
-    answer = fusion.check_attn(H200, qkv_group(graph, fusion.ATTN_PATTERN), graph)
+    answer = fusion.check_attn(big, qkv_group(graph, fusion.ATTN_PATTERN), graph)
     assert isinstance(answer, str) and "fewer KV splits than the unfused attention" in answer, answer
-    assert [s.kernel for s in od.compile(outputs, H200).fusions] == ["rope_qkv_set_rows"]
-    assert flash.FUSED_DECODE_BLOCKS_PER_SM[64] < flash.decode_blocks_per_sm(64, DEV.smem_per_sm)
+    assert [s.kernel for s in od.compile(outputs, big).fusions] == ["rope_qkv_set_rows"]
+    assert [s.kernel for s in od.compile(outputs, H200).fusions] == ["rope_qkv_flash_attn_ext"]  # 2 blocks either way
 
 
 def test_fused_decode_copies_k_v_and_mask_before_the_pdl_wait_only_from_leaves() -> None:
@@ -469,20 +492,6 @@ def test_decode_copies_mask_rows_by_cp_async_where_they_are_16_byte_aligned(tk: 
     # two query rows: mask rows tk * 2 bytes apart
     (spec,) = flash.flash_plan(fa(tq=2, tk=tk, mask=mask), DEV).specs(fake_ptr, [BASE] * 3, FakeGuard())
     assert int(spec.args.mask_vec) == vec
-
-
-@pytest.mark.parametrize("pipe", [1, 0])
-def test_decode_pipe_selects_the_instance(monkeypatch: pytest.MonkeyPatch, pipe: int) -> None:
-    # both orders of fattn_decode's loads are declared (compiled by the compile test), unfused and fused
-    monkeypatch.setattr(flash, "DECODE_PIPE", pipe)
-    outputs = attn_step(Inputs(np.random.default_rng(0)))
-    (step,) = od.compile(outputs, H200).fusions
-    node = step.nodes[-1]
-    for fused in (None, fusion.fused_qkv(step.nodes)):
-        (spec,) = flash.flash_plan(node, DEV, fused).specs(fake_ptr, [BASE] * 3, FakeGuard())
-        assert spec.kernel in specs.KERNEL_SOURCES[flash.DECODE_CU]
-        assert spec.kernel.endswith(", 0>") == (pipe == 0), spec.kernel
-        assert spec.smem == flash.decode_smem(64, fused is not None)  # the mask rides in the rows' padding
 
 
 @pytest.mark.parametrize(("kw", "reason", "fused"), [
@@ -1144,6 +1153,40 @@ def test_fused_decode_attention_matches_unfused_and_reference(cache: str, idx: s
               "V cache": bound("set_rows", cache)}
     plan = check_cache_step(outputs, inp.feeds, limits, f"{cache} {idx} {mode}", times=3)
     assert "rope_qkv_flash_attn_ext" in [s.kernel for s in plan.fusions], plan.explain()
+
+
+@gpu
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+@pytest.mark.parametrize("seqs", [2, 5, 16])
+def test_fused_decode_attention_at_the_1b_batch_matches_unfused_and_reference(cache: str, mode: str, seqs: int,
+                                                                               rng) -> None:  # noqa: ANN001
+    # The 1b preset's attention (32 / 8 heads, D = 64, a 768-key window; 16 sequences: 4 splits of 3 tiles),
+    # each sequence at its own position: the attention and both caches as unfused and on the CPU, and the
+    # new K/V rows written at their ids only (every other row as it was).
+    inp = Inputs(rng)
+    outputs = attn_step(inp, cache, "i64", mode, seqs=seqs, heads=32, kv_heads=8, ctx=768)
+    limits = {"attention": bound("flash_attn_ext"), "K cache": bound("set_rows", cache),
+              "V cache": bound("set_rows", cache)}
+    plan = check_cache_step(outputs, inp.feeds, limits, f"{seqs} sequences {cache} {mode}", times=2)
+    (step,) = plan.fusions
+    assert step.kernel == "rope_qkv_flash_attn_ext", plan.explain()
+    ids = inp.feeds[fusion.fused_qkv(step.nodes).idx].astype(np.int64)
+    others = np.setdiff1d(np.arange(seqs * 768), ids)
+    caches = [o.base for o in outputs[1:]]
+    initial = [c.data.view(np.float32 if cache == "f32" else np.float16).reshape(c.shape) for c in caches]
+    runs = []
+    for where in ("cuda0", "cpu"):
+        run = od.compile(outputs, where)
+        for c, rows in zip(caches, initial):
+            run.write(c, rows)
+        run.poison()
+        runs.append(run.run(inp.feeds)[1:])
+    for what, got, want, rows in zip(("K cache", "V cache"), *runs, initial):
+        got, want = (x.reshape(rows.shape).astype(np.float64) for x in (got, want))
+        assert np.array_equal(got[others], rows[others].astype(np.float64)), f"{what}: a row not at the ids changed"
+        assert_close(got[ids], want[ids], limits[what], f"{what}: the new rows")
+        assert not np.array_equal(got[ids], rows[ids].astype(np.float64)), f"{what}: the new rows not written"
 
 
 def attention_block(seed: int) -> tuple[list[Tensor], dict]:

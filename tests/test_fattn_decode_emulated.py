@@ -1,15 +1,15 @@
 """cuda_attention's split-K decode attention (fattn_decode.cu), alone and fused with the decode step's q/k/v
 rope and cache writes, run on the CPU: its real source compiled by g++ against the host emulation of CUDA
-(tests/cuda_emu/shim.h: ldmatrix and mma.sync as warp collectives, cp.async landing at its wait_group), on
-the launch specs the plugin binds.
+(tests/cuda_emu/shim.h: ldmatrix and mma.sync as warp collectives), on the launch specs the plugin binds.
+Each case runs with cp.async copies landing at the wait_group that covers them (lazy: a stage read before its
+wait shows) and at issue (eager: a copy into a stage still being read, such as the last one while it holds
+the fused kernel's rotated q, shows).
 
-Each case runs both orders of the kernel's loads (PIPE 1, the default, and 0: the kernel's header), which
-must give the same bits: PIPE only moves loads (the mask into the K/V stages' row padding, the fused rope's
-loads issued together, the first copies before the PDL wait). Outputs and shared memory start poisoned
-(0xFF), so that a mask value read from a slot nothing copied, an output left unwritten or a tile read
-before it landed shows; results are compared with the numpy reference by NMSE (flash_attn_ext's bound;
-fused, also the caches by set_rows' bound), and the split counters must be back to 0. On the H200 the same
-kernels run in test_cuda_attention.py.
+Outputs and shared memory start poisoned (0xFF), so that a mask value read from a slot nothing copied
+(the mask travels in the K/V stages' row padding: the kernel's header), an output left unwritten or a tile
+read before it landed (the first copies go before the PDL wait) shows; results are compared with the numpy
+reference by NMSE (flash_attn_ext's bound; fused, also the caches by set_rows' bound), and the split
+counters must be back to 0. On the H200 the same kernels run in test_cuda_attention.py.
 
 Skipped without g++ 12 or newer (C++20 <barrier>, _Float16).
 """
@@ -83,11 +83,12 @@ CASES: dict[str, Callable[[Inputs], list[Tensor]]] = {
                                                     kv_heads=2, ctx=700),
     "fused normal f32 i32 d=128 2 sequences": _fused(cache="f32", idx="i32", mode="normal", seqs=2, d=128,
                                                      ctx=200),
+    "fused normal f16 i32 16 sequences": _fused(cache="f16", idx="i32", mode="normal", seqs=16, ctx=200),
 }
 
 
-def _launch(outputs: list[Tensor], arena: ScratchArena, pipe: int):  # noqa: ANN202
-    """The one fattn_decode launch the plugin binds for `outputs` on DEVICE, with PIPE `pipe`."""
+def _launch(outputs: list[Tensor], arena: ScratchArena):  # noqa: ANN202
+    """The one fattn_decode launch the plugin binds for `outputs` on DEVICE."""
     graph = Graph.build(outputs)
     fa = next(n for n in graph.nodes if n.op == "flash_attn_ext")
     fused = None
@@ -98,23 +99,16 @@ def _launch(outputs: list[Tensor], arena: ScratchArena, pipe: int):  # noqa: ANN
     plan = flash.flash_plan(fa, DEVICE, fused)
     assert plan.kind == "decode"
     ws = [arena.scratch(w.what, w.nbytes, w.zeroed) for w in plan.workspaces]
-    monkey = pytest.MonkeyPatch()
-    monkey.setattr(flash, "DECODE_PIPE", pipe)
-    try:
-        (spec,) = plan.specs(arena.ptr, ws, arena.guard)
-    finally:
-        monkey.undo()
+    (spec,) = plan.specs(arena.ptr, ws, arena.guard)
     return spec, fa, fused
 
 
 def _all_launches() -> list:
-    """Every (case, PIPE) launch, for the emulator's instance table."""
+    """Every case's launch, for the emulator's instance table."""
     specs = []
     for make in CASES.values():
         outputs = make(Inputs(np.random.default_rng(0)))
-        for pipe in (0, 1):
-            arena = _arena(outputs)
-            specs.append(_launch(outputs, arena, pipe)[0])
+        specs.append(_launch(outputs, _arena(outputs))[0])
     return specs
 
 
@@ -167,11 +161,11 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return exe
 
 
-def _emulate(outputs: list[Tensor], feeds: dict, pipe: int, emulator: Path, tmp_path: Path) -> tuple[list, str]:
+def _emulate(outputs: list[Tensor], feeds: dict, eager: bool, emulator: Path, tmp_path: Path) -> tuple[list, str]:
     """`outputs` as the emulated launch leaves them (attention, then the caches if fused), and a description."""
     arena = _arena(outputs, feeds)
-    spec, fa, _ = _launch(outputs, arena, pipe)
-    mem = run_launches([spec], arena, False, emulator, tmp_path)
+    spec, fa, _ = _launch(outputs, arena)
+    mem = run_launches([spec], arena, eager, emulator, tmp_path)
     what = (f"{spec.kernel} grid {spec.grid} chunk {int(spec.args.chunk)} mask_vec {int(spec.args.mask_vec)} "
             f"kv_early {int(spec.args.kv_early)}")
     for role, (at, nbytes) in arena.roles.items():
@@ -184,35 +178,38 @@ def _emulate(outputs: list[Tensor], feeds: dict, pipe: int, emulator: Path, tmp_
     return got, what
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["lazy", "eager"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fattn_decode_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+def test_fattn_decode_emulated(case: str, eager: bool, emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
     inp = Inputs(rng)
     outputs = CASES[case](inp)
     graph = Graph.build(outputs)
     feeds = {t: inp.feeds[t] for t in graph.leafs if t in inp.feeds}
     ref = od.compile(outputs, "cpu").run(feeds)
-    runs = {pipe: _emulate(outputs, feeds, pipe, emulator, tmp_path) for pipe in (1, 0)}
-    (new, what), (old, _) = runs[1], runs[0]
-    assert np.isfinite(new[0]).all(), f"{case}: {what}: non-finite attention (unwritten, or read before it landed)"
-    assert nmse(new[0], ref[0]) <= bound("flash_attn_ext"), f"{case}: {what}: NMSE {nmse(new[0], ref[0]):.3g}"
-    for cache, got, want in zip(outputs[1:], new[1:], ref[1:]):
+    got, what = _emulate(outputs, feeds, eager, emulator, tmp_path)
+    assert np.isfinite(got[0]).all(), f"{case}: {what}: non-finite attention (unwritten, or read before it landed)"
+    assert nmse(got[0], ref[0]) <= bound("flash_attn_ext"), f"{case}: {what}: NMSE {nmse(got[0], ref[0]):.3g}"
+    for cache, out, want in zip(outputs[1:], got[1:], ref[1:]):
         limit = bound("set_rows", cache.dtype.name)
-        assert nmse(got, want.reshape(got.shape)) <= limit, f"{case}: {what}: {cache.describe()}"
-    for a, b in zip(new, old):
-        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"{case}: PIPE 1 and 0 differ"
+        assert nmse(out, want.reshape(out.shape)) <= limit, f"{case}: {what}: {cache.describe()}"
     if len(outputs) > 1:
-        assert int(_launch(outputs, _arena(outputs), 1)[0].args.kv_early) == 1
+        assert int(_launch(outputs, _arena(outputs))[0].args.kv_early) == 1
 
 
 def test_cases_cover_the_kernel() -> None:
     """Unfused and fused, the cases reach one split and several, splits of several tiles (the stages
-    wrapping around), mask rows copied by cp.async and by element, and the early K/V copies."""
+    wrapping around), mask rows copied by cp.async and by element, and the early K/V copies; fused, splits
+    whose tiles refill the last stage (where the rotated q was), and a batch of 16 sequences."""
     seen = set()
     for make in CASES.values():
         outputs = make(Inputs(np.random.default_rng(0)))
-        a = _launch(outputs, _arena(outputs), 1)[0].args
-        seen |= {(len(outputs) > 1, "splits" if int(a.ws_acc) else "one split"),
+        spec = _launch(outputs, _arena(outputs))[0]
+        a, fused = spec.args, len(outputs) > 1
+        seen |= {(fused, "splits" if int(a.ws_acc) else "one split"),
                  ("stages wrap around", int(a.chunk) > 3 * flash.DECODE_BN),
-                 ("mask_vec", int(a.mask_vec)), ("kv_early", int(a.kv_early))}
+                 ("mask_vec", int(a.mask_vec)), ("kv_early", int(a.kv_early)),
+                 ("fused: the last stage refilled", fused and min(int(a.chunk), int(a.tk)) > 2 * flash.DECODE_BN),
+                 ("fused: 16 sequences", fused and spec.grid[2] == 16)}
     assert {(False, "splits"), (False, "one split"), (True, "splits"), (True, "one split"), ("stages wrap around", True),
-            ("mask_vec", 0), ("mask_vec", 1), ("kv_early", 1), ("kv_early", 0)} <= seen, seen
+            ("mask_vec", 0), ("mask_vec", 1), ("kv_early", 1), ("kv_early", 0), ("fused: the last stage refilled", True),
+            ("fused: 16 sequences", True)} <= seen, seen

@@ -330,6 +330,19 @@ def test_qkv_projections_are_one_mat_vec_a_layer_and_unstacked_when_dtypes_diffe
         assert plans[1].summary()["launches"] == plans[0].summary()["launches"] - 2 * big.layers
 
 
+@pytest.mark.parametrize("batch", [1, 2, 16])
+def test_1b_decode_step_fuses_the_attention_at_every_batch(batch: int) -> None:
+    # On an H200 (planned without one): the 1b preset's attention (32 / 8 heads, D = 64) at 512 tokens of
+    # context, as Generator.step builds it: one fused rope + cache writes + attention launch a layer for 1 to
+    # 16 sequences (the fused kernel holds as many blocks an SM as the unfused one: the same KV splits).
+    cfg = attrs.evolve(PRESETS["1b"], layers=2, vocab=256, ffn=256, max_ctx=1024)
+    plan = compile(LlamaModel(cfg, random_weights(cfg), max_seqs=16).build(1, 512, batch=batch, greedy=True)[0],
+                   H200)
+    fa = [s.nodes[-1] for s in plan.fusions if s.kernel == "rope_qkv_flash_attn_ext"]
+    assert len(fa) == cfg.layers == sum(n.op == "flash_attn_ext" for n in plan.graph.nodes), plan.explain()
+    assert fa[0].srcs[1].shape == (batch, 8, 768, 64)
+
+
 #: a config whose head size the fused decode attention takes (64)
 BIG = LlamaConfig(vocab=512, hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, max_ctx=512, dtype="f32")
 

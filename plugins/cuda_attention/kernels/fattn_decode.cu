@@ -25,7 +25,8 @@
 //
 // Fused with the decode step's rope and cache writes (ROPE 1 normal, 2 neox; one query row a
 // sequence; the parameters after kv_vec, unused otherwise): q is the projection's f32 rows,
-// rotated by the block into shared memory before its fragments are built; the new K row of
+// rotated by the block into shared memory (the last K/V stage, free until the tile loop) before its
+// fragments are built; the new K row of
 // sequence b (k_new, rotated) and V row (v_new) are written into the caches at row new_idx[b], and
 // the block whose slice holds that row (key j of the window, j = new_idx[b] - row0 - b * rows_b)
 // puts them into its shared tile in place of the row it loaded, so no block reads the row before
@@ -34,9 +35,8 @@
 // unfused kernel is passed a null word.
 // Angles: rope_common.cuh, as the rope kernels compute them.
 //
-// PIPE 1 (the default; 0 keeps the order before it, so that both can be timed: specs/flash.py
-// decode_pipe) shortens the block's chain of dependent memory round trips, which is what a decode
-// step at short KV waits on (a 64-key tile a block, a few KiB; docs/cuda_attention.md):
+// The order of the loads keeps the block's chain of dependent memory round trips short, which is what
+// a decode step at short KV waits on (a 64-key tile a block, a few KiB; docs/cuda_attention.md):
 // - the mask values of a tile travel with its K/V copies, in the same cp.async group, into the stages'
 //   row padding (unused by ldmatrix: 16 bytes a row, 128 rows a stage = 16 columns x 64 keys), instead
 //   of a load after the wait for the tile;
@@ -68,8 +68,11 @@ __device__ __forceinline__ float finish_scale(float mx, float sum, const float* 
     return total == 0.0f ? 0.0f : f / total;  // a NaN total (a NaN or +inf logit or sink): the row NaN
 }
 
-// Dynamic shared memory: the K/V stages (specs/flash.py decode_smem); the fused variant adds after them q
-// of the block's 16 columns (f32, 16 x D) and the new K and V rows (16-bit, as the tiles hold them).
+// Dynamic shared memory: the K/V stages (specs/flash.py decode_smem); the fused variant adds after them the
+// new K and V rows (16-bit, as the tiles hold them). Its rotated q (16 columns x D, f32) lives in the last
+// stage, which no copy fills before the tile loop (the first STAGES - 1 tiles go to the others; the loop's
+// first barrier, which every thread reaches after building its q fragments, comes before the copy of tile
+// STAGES - 1), so that the fused kernel fits as many blocks an SM as the unfused one at D = 64 (4 on the H200).
 template <int D>
 __host__ __device__ constexpr int decode_stage_smem() {
     return (D > 128 ? 2 : 3) * 2 * 64 * (D + 8) * 2;
@@ -86,8 +89,8 @@ __device__ __forceinline__ void put_new(KT* cache, unsigned short* tile, float x
     *tile = od::same_v<KT, od::bf16> ? od::f32_to_bf16(y) : od::f32_to_f16(y);
 }
 
-template <int D, typename KT, int ROPE = 0, typename IT = int, int PIPE = 1>
-__global__ void __launch_bounds__(128, 2) fattn_decode(
+template <int D, typename KT, int ROPE = 0, typename IT = int>
+__global__ void __launch_bounds__(128, D == 64 ? 4 : 2) fattn_decode(
     const char* __restrict__ q, const char* __restrict__ k, const char* __restrict__ v,
     const char* __restrict__ mask, float* __restrict__ ws_acc, float2* __restrict__ ws_ml,
     int* __restrict__ counters, const float* __restrict__ sinks, float* __restrict__ out,
@@ -102,8 +105,8 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
     const char* __restrict__ v_new, const IT* __restrict__ new_idx, char* __restrict__ k_cache,
     char* __restrict__ v_cache, long long kn_b, long long kn_h, long long vn_b, long long kc_t, long long vc_t,
     long long row0, long long rows_b, long long new_rows, ROPE_PARAMS, OD_INDEX_CHECK_PARAMS) {
-    od::grid_enter_later();  // kv_early: after the first K/V copies (PIPE, header)
-    const bool early = PIPE != 0 && kv_early != 0;
+    od::grid_enter_later();  // kv_early: after the first K/V copies (header)
+    const bool early = kv_early != 0;
     if (!early) {
         od::grid_enter();
     }
@@ -138,13 +141,13 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
 
     auto stage_k = [&](int st) { return smem + st * 2 * BN * SR; };
     auto stage_v = [&](int st) { return smem + (st * 2 + 1) * BN * SR; };
-    // PIPE: slot p (0..127) of stage st, the padding after row p of its K then V tile, holds the mask
+    // Slot p (0..127) of stage st, the padding after row p of its K then V tile, holds the mask
     // values of column p % 16, keys 8 * (p / 16) .. + 7 of the tile (so that the 8 lanes of a fragment
     // row group read 8 consecutive rows: no bank conflicts). Thread tid copies slot tid.
     static_assert(BN / 8 * 16 == 128, "a mask slot a thread: 16 columns x 64 keys in 16-byte slots");
     auto mask_slot = [&](int st, int p) { return (p < BN ? stage_k(st) + p * SR : stage_v(st) + (p - BN) * SR) + D; };
     const unsigned short* mslot = nullptr;  // this thread's slot's mask row (null: no mask, or no column)
-    if (PIPE != 0 && mask != nullptr) {
+    if (mask != nullptr) {
         const int cc = cg * 16 + tid % 16;
         if (cc < ncols) {
             const int h = kvh * group + cc % group;
@@ -168,9 +171,11 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
             }
         }
     };
-    // start the K/V stream first; the Q fragments are built while it flies
+    // start the K/V stream first, a tile a stage (a group each); the Q fragments are built while it flies.
+    // Fused, the last stage holds the rotated q until then: its tile is copied after them.
+    constexpr int FIRST = ROPE != 0 ? STAGES - 1 : STAGES;
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
+    for (int i = 0; i < FIRST; ++i) {
         if (i < n_tiles) {
             load_kv(i);
         }
@@ -180,49 +185,46 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         od::grid_enter();
     }
 
-    // Fused: rotate q into shared memory (a thread a pair, all columns: the angle depends on the
-    // pair and the position only; PIPE: a thread a pair of a column) and, in the block that owns it,
-    // the new K row; convert the new V row; write both rows to the caches. own_tile / own_row: where the new row sits in this slice.
+    // Fused: rotate q into shared memory (a thread a pair of a column, all 4 warps, every global load
+    // issued before any is used: one round trip) and, in the block that owns it, the new K row; convert
+    // the new V row; write both rows to the caches. own_tile / own_row: where the new row sits in this slice.
     int own_tile = -1, own_row = 0;
     const char* q_src = q;  // what the fragments read: q, or the rotated q (f32) in shared memory
     if constexpr (ROPE != 0) {
         const od_rope::RopeParams rp = ROPE_STRUCT;
-        char* extra = reinterpret_cast<char*>(smem) + decode_stage_smem<D>();
-        float* q_rot = reinterpret_cast<float*>(extra);                           // [16][D]
-        unsigned short* kv_rows = reinterpret_cast<unsigned short*>(q_rot + 16 * D);  // new K row, new V row
+        static_assert(STAGES >= 3 && 16 * D * 4 <= 2 * BN * SR * 2, "q_rot fits a stage no copy fills yet");
+        float* q_rot = reinterpret_cast<float*>(stage_k(STAGES - 1));  // [16][D]
+        unsigned short* kv_rows = smem + decode_stage_smem<D>() / 2;  // new K row, new V row
         const long long cache_row = static_cast<long long>(new_idx[b]);
         const int pos = rope_pos[b];
         const int nc = min(16, ncols - cg * 16);
         const float* kn = reinterpret_cast<const float*>(k_new + b * kn_b + kvh * kn_h);
         const float* vn = reinterpret_cast<const float*>(v_new + b * vn_b) + kvh * D;
-        // PIPE: this thread's pair and the columns it rotates (all loads issued before any is used)
+        // this thread's pair and the columns it rotates
         constexpr int PAIRS = D / 2;
-        constexpr int CPP = PIPE != 0 ? 128 / PAIRS : 1;  // columns a pass of the 128 threads
+        constexpr int CPP = 128 / PAIRS;  // columns a pass of the 128 threads
         constexpr int PASSES = 16 / CPP;
-        static_assert(PIPE == 0 || 128 % PAIRS == 0, "PIPE: the threads take whole passes of pairs");
-        const int pi = PIPE != 0 ? tid % PAIRS : 0;
-        const int c0 = PIPE != 0 ? tid / PAIRS : 0;
-        float qx[PIPE != 0 ? PASSES : 1][2], kx[2] = {0.0f, 0.0f}, vx[2] = {0.0f, 0.0f};
-        int pe0 = 0, pe1 = 0, pfi = 0;
-        bool prot = false;
-        if constexpr (PIPE != 0) {
-            od_rope::pair_of<ROPE == 2>(pi, rp, pe0, pe1, pfi, prot);
+        static_assert(128 % PAIRS == 0, "the threads take whole passes of pairs");
+        const int c0 = tid / PAIRS;
+        float qx[PASSES][2], kx[2] = {0.0f, 0.0f}, vx[2] = {0.0f, 0.0f};
+        int pe0, pe1, pfi;
+        bool prot;
+        od_rope::pair_of<ROPE == 2>(tid % PAIRS, rp, pe0, pe1, pfi, prot);
 #pragma unroll
-            for (int it = 0; it < PASSES; ++it) {
-                const int cc = c0 + it * CPP;
-                if (cc < nc) {
-                    const int h = kvh * group + (cg * 16 + cc) % group;
-                    const float* x = reinterpret_cast<const float*>(q + b * qs_b + h * qs_h);
-                    qx[it][0] = x[pe0];
-                    qx[it][1] = x[pe1];
-                }
+        for (int it = 0; it < PASSES; ++it) {
+            const int cc = c0 + it * CPP;
+            if (cc < nc) {
+                const int h = kvh * group + (cg * 16 + cc) % group;
+                const float* x = reinterpret_cast<const float*>(q + b * qs_b + h * qs_h);
+                qx[it][0] = x[pe0];
+                qx[it][1] = x[pe1];
             }
-            if (c0 == 0) {  // the new rows' pair: V by the same elements (the pairs cover the row once)
-                kx[0] = kn[pe0];
-                kx[1] = kn[pe1];
-                vx[0] = vn[pe0];
-                vx[1] = vn[pe1];
-            }
+        }
+        if (c0 == 0) {  // the new rows' pair: V by the same elements (the pairs cover the row once)
+            kx[0] = kn[pe0];
+            kx[1] = kn[pe1];
+            vx[0] = vn[pe0];
+            vx[1] = vn[pe1];
         }
         const bool row_ok = od::index_ok(cache_row, new_rows, err_word, err_tag, b);
         const long long j = cache_row - row0 - b * rows_b;
@@ -235,62 +237,33 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         }
         KT* kc = reinterpret_cast<KT*>(k_cache + cache_row * kc_t) + kvh * D;
         KT* vc = reinterpret_cast<KT*>(v_cache + cache_row * vc_t) + kvh * D;
-        if constexpr (PIPE != 0) {
-            float c = 1.0f, sn = 0.0f;
-            if (prot) {
-                od_rope::cos_sin_of(pfi, pos, rope_ff, rp, c, sn);
-            }
+        float c = 1.0f, sn = 0.0f;
+        if (prot) {
+            od_rope::cos_sin_of(pfi, pos, rope_ff, rp, c, sn);
+        }
 #pragma unroll
-            for (int it = 0; it < PASSES; ++it) {
-                const int cc = c0 + it * CPP;
-                if (cc < nc) {
-                    const float x0 = qx[it][0], x1 = qx[it][1];
-                    q_rot[cc * D + pe0] = prot ? x0 * c - x1 * sn : x0;
-                    q_rot[cc * D + pe1] = prot ? x0 * sn + x1 * c : x1;
-                }
+        for (int it = 0; it < PASSES; ++it) {
+            const int cc = c0 + it * CPP;
+            if (cc < nc) {
+                const float x0 = qx[it][0], x1 = qx[it][1];
+                q_rot[cc * D + pe0] = prot ? x0 * c - x1 * sn : x0;
+                q_rot[cc * D + pe1] = prot ? x0 * sn + x1 * c : x1;
             }
-            if (c0 == 0 && writes) {
-                put_new(kc + pe0, kv_rows + pe0, prot ? kx[0] * c - kx[1] * sn : kx[0]);
-                put_new(kc + pe1, kv_rows + pe1, prot ? kx[0] * sn + kx[1] * c : kx[1]);
-                put_new(vc + pe0, kv_rows + D + pe0, vx[0]);
-                put_new(vc + pe1, kv_rows + D + pe1, vx[1]);
-            }
-        } else {
-            for (int pi = tid; pi < D / 2; pi += 128) {
-                int e0, e1, fi;
-                bool rot;
-                od_rope::pair_of<ROPE == 2>(pi, rp, e0, e1, fi, rot);
-                float c = 1.0f, sn = 0.0f;
-                if (rot) {
-                    od_rope::cos_sin_of(fi, pos, rope_ff, rp, c, sn);
-                }
-                for (int cc = 0; cc < nc; ++cc) {
-                    const int h = kvh * group + (cg * 16 + cc) % group;
-                    const float* x = reinterpret_cast<const float*>(q + b * qs_b + h * qs_h);
-                    const float x0 = x[e0], x1 = x[e1];
-                    q_rot[cc * D + e0] = rot ? x0 * c - x1 * sn : x0;
-                    q_rot[cc * D + e1] = rot ? x0 * sn + x1 * c : x1;
-                }
-                if (writes) {
-                    const float x0 = kn[e0], x1 = kn[e1];
-                    put_new(kc + e0, kv_rows + e0, rot ? x0 * c - x1 * sn : x0);
-                    put_new(kc + e1, kv_rows + e1, rot ? x0 * sn + x1 * c : x1);
-                }
-            }
-            if (writes) {
-                for (int e = tid; e < D; e += 128) {
-                    put_new(vc + e, kv_rows + D + e, vn[e]);
-                }
-            }
+        }
+        if (c0 == 0 && writes) {
+            put_new(kc + pe0, kv_rows + pe0, prot ? kx[0] * c - kx[1] * sn : kx[0]);
+            put_new(kc + pe1, kv_rows + pe1, prot ? kx[0] * sn + kx[1] * c : kx[1]);
+            put_new(vc + pe0, kv_rows + D + pe0, vx[0]);
+            put_new(vc + pe1, kv_rows + D + pe1, vx[1]);
         }
         __syncthreads();
         q_src = reinterpret_cast<const char*>(q_rot);
     }
 
-    // This lane's fragment rows g and g + 8 are columns cg*16 + g (+ 8): their mask
-    // row, ALiBi slope and the Q A-fragments, read straight from global memory (fused: from
-    // the rotated q in shared memory).
-    const unsigned short* mrow[2];
+    // This lane's fragment rows g and g + 8 are columns cg*16 + g (+ 8): whether they read the mask
+    // (their values come through the mask slots), their ALiBi slope and the Q A-fragments, read
+    // straight from global memory (fused: from the rotated q in shared memory).
+    bool mcol[2];
     float slope2[2];
     unsigned qa[KSTEPS][4];
     {
@@ -307,9 +280,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
                 qrow[r] = valid ? q_src + b * qs_b + h * qs_h + t * qs_t : nullptr;
             }
             slope2[r] = alibi_slope(use_alibi, h, n_head_log2, m0, m1) * LOG2E;
-            mrow[r] = mask != nullptr && valid
-                          ? reinterpret_cast<const unsigned short*>(mask + (b % m3) * ms_b + (h % m2) * ms_h + t * ms_t)
-                          : nullptr;
+            mcol[r] = mask != nullptr && valid;
         }
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
@@ -331,6 +302,13 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
             }
         }
     }
+    if constexpr (FIRST < STAGES) {
+        __syncthreads();  // everyone's fragments are built: the rotated q's stage is free
+        if (FIRST < n_tiles) {
+            load_kv(FIRST);
+        }
+        od::cp_async_commit();
+    }
     // logit in log2 units: softcap ? cap*tanh(s*scale/cap) : s*scale, times log2(e)
     const float mul2 = softcap != 0.0f ? softcap * LOG2E : scale * LOG2E;
     const float in_scale = softcap != 0.0f ? scale / softcap : 1.0f;
@@ -343,18 +321,24 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
     float mrun[2] = {NEG_BIG, NEG_BIG};
     float lrun[2] = {0.0f, 0.0f};
 
+    // Group g holds tile g: the first STAGES before the loop, then tile i + STAGES - 1 at iteration i >= 1.
     for (int i = 0; i < n_tiles; ++i) {
-        od::cp_async_wait<STAGES - 2>();  // tile i has landed (this thread's copies) ...
-        __syncthreads();              // ... everyone's, and everyone is done with tile i - 1
-        if (i + STAGES - 1 < n_tiles) {
-            load_kv(i + STAGES - 1);  // into the stage tile i - 1 used
+        if (i == 0) {  // tile i has landed (this thread's copies) ...
+            od::cp_async_wait<STAGES - 1>();
+        } else {
+            od::cp_async_wait<STAGES - 2>();
         }
-        od::cp_async_commit();
+        __syncthreads();  // ... everyone's, and everyone is done with tile i - 1
+        if (i > 0) {
+            if (i + STAGES - 1 < n_tiles) {
+                load_kv(i + STAGES - 1);  // into the stage tile i - 1 used
+            }
+            od::cp_async_commit();
+        }
 
         if constexpr (ROPE != 0) {
             if (i == own_tile && warp == own_row / 16) {  // the warp that reads the row replaces it
-                const unsigned short* kv_rows = reinterpret_cast<const unsigned short*>(
-                    reinterpret_cast<const char*>(smem) + decode_stage_smem<D>() + 16 * D * 4);
+                const unsigned short* kv_rows = smem + decode_stage_smem<D>() / 2;
                 unsigned short* kd = stage_k(i % STAGES) + own_row * SR;
                 unsigned short* vd = stage_v(i % STAGES) + own_row * SR;
                 for (int e = lane; e < D; e += 32) {
@@ -367,28 +351,17 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
         const unsigned short* Ks = stage_k(i % STAGES) + warp * 16 * SR;
         const unsigned short* Vs = stage_v(i % STAGES) + warp * 16 * SR;
         const int kw = k_begin + i * BN + warp * 16;  // this warp's first key
-        // this lane's 8 mask values of the tile, loaded before the S mma so that their latency
-        // overlaps it (one split walks many tiles one after another; loading them before the
-        // wait for the tile costs registers: spills at D=256, 131 at D=64 = 3 blocks an SM)
-        // (PIPE: from the tile's mask slots, two keys a 32-bit word)
+        // this lane's 8 mask values of the tile, from its mask slots (two keys a 32-bit word)
         unsigned short mk[2][4];
+        if (mask != nullptr) {
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            if constexpr (PIPE != 0) {
-                if (mask != nullptr) {
+            for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const unsigned w = *reinterpret_cast<const unsigned*>(
-                            mask_slot(i % STAGES, (warp * 2 + nt) * 16 + g + 8 * r) + 2 * tq4);
-                        mk[nt][2 * r] = static_cast<unsigned short>(w & 0xffffu);
-                        mk[nt][2 * r + 1] = static_cast<unsigned short>(w >> 16);
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = kw + nt * 8 + 2 * tq4 + (e & 1);
-                    mk[nt][e] = mrow[e >> 1] != nullptr && key < k_end ? mrow[e >> 1][key] : 0;
+                for (int r = 0; r < 2; ++r) {
+                    const unsigned w = *reinterpret_cast<const unsigned*>(
+                        mask_slot(i % STAGES, (warp * 2 + nt) * 16 + g + 8 * r) + 2 * tq4);
+                    mk[nt][2 * r] = static_cast<unsigned short>(w & 0xffffu);
+                    mk[nt][2 * r + 1] = static_cast<unsigned short>(w >> 16);
                 }
             }
         }
@@ -413,7 +386,7 @@ __global__ void __launch_bounds__(128, 2) fattn_decode(
                 x = (softcap != 0.0f ? tanhf(x) : x) * mul2;
                 if (key >= k_end) {
                     x = NEG_INF;
-                } else if (mrow[e >> 1] != nullptr) {
+                } else if (mcol[e >> 1]) {
                     x = masked(mk[nt][e], slope2[e >> 1], x);
                 }
                 s[nt][e] = x;

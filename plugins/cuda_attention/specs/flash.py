@@ -8,7 +8,6 @@ tested on a device description.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -39,11 +38,6 @@ DECODE_MAX_TQ = 8
 #: for caches of rope's CACHE_TYPES
 ATTN_HEAD_SIZES = (64, 128)
 MASK_FLAGS = "fattn_mask_flags"
-#: fattn_decode's PIPE: 1 issues its loads for the shortest chain of round trips (the mask with the K/V
-#: copies, the fused rope's loads at once, the first K/V copies before the PDL wait where safe: the
-#: kernel's header); 0 the order before, kept so that both can be timed in one device call. Read at
-#: import: OPDISPATCH_FATTN_DECODE_PIPE=0 selects the old order for a process.
-DECODE_PIPE = int(os.environ.get("OPDISPATCH_FATTN_DECODE_PIPE", "1"))
 
 
 def kv_variants() -> list[tuple[int, str]]:
@@ -51,14 +45,11 @@ def kv_variants() -> list[tuple[int, str]]:
     return [(d, kv) for d in HEAD_SIZES for kv in KV_TYPES if d % 32 == 0 or kv in ("f32", "f16", "bf16")]
 
 
-def decode_kernel(d: int, kv: str, rope: str = "", idx: str = "i32", pipe: int | None = None) -> str:
-    """The decode kernel; rope "normal"/"neox": fused with the q/k/v rope and cache writes (row ids idx);
-    pipe: its PIPE (DECODE_PIPE unless given)."""
-    pipe = DECODE_PIPE if pipe is None else pipe
-    tail = () if pipe == 1 else (pipe,)
+def decode_kernel(d: int, kv: str, rope: str = "", idx: str = "i32") -> str:
+    """The decode kernel; rope "normal"/"neox": fused with the q/k/v rope and cache writes (row ids idx)."""
     if not rope:
-        return instance("fattn_decode", d, CTYPE[kv], *((0, "int", *tail) if tail else ()))
-    return instance("fattn_decode", d, CTYPE[kv], 1 if rope == "normal" else 2, idx_ctype(idx), *tail)
+        return instance("fattn_decode", d, CTYPE[kv])
+    return instance("fattn_decode", d, CTYPE[kv], 1 if rope == "normal" else 2, idx_ctype(idx))
 
 
 def prefill_kernel(d: int, kv: str) -> str:
@@ -67,9 +58,9 @@ def prefill_kernel(d: int, kv: str) -> str:
 
 KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {
     DECODE_CU: tuple(
-        [decode_kernel(d, kv, pipe=p) for p in (1, 0) for d, kv in kv_variants()]
-        + [decode_kernel(d, kv, r, i, p) for p in (1, 0) for d in ATTN_HEAD_SIZES for kv in CACHE_TYPES
-           for r in ("normal", "neox") for i in ("i32", "i64")]),
+        [decode_kernel(d, kv) for d, kv in kv_variants()]
+        + [decode_kernel(d, kv, r, i) for d in ATTN_HEAD_SIZES for kv in CACHE_TYPES for r in ("normal", "neox")
+           for i in ("i32", "i64")]),
     PREFILL_CU: tuple([prefill_kernel(d, kv) for d, kv in kv_variants()] + [MASK_FLAGS]),
 }
 
@@ -80,8 +71,9 @@ DECODE_BN = 64
 #: decode: columns (query row, head) a block, the M rows of its mma
 DECODE_COLS = 16
 #: fattn_decode fused with the q/k/v rope and cache writes: blocks an SM its registers allow (nvcc sm_90,
-#: 128 threads: 134 registers at D=64, 182 at D=128; unfused, shared memory bounds it first)
-FUSED_DECODE_BLOCKS_PER_SM = {64: 3, 128: 2}
+#: 128 threads: 128 registers at D=64, the kernel's launch bounds asking for 4 blocks, 176 at D=128;
+#: unfused, shared memory bounds it first)
+FUSED_DECODE_BLOCKS_PER_SM = {64: 4, 128: 2}
 
 
 def prefill_tile_m(d: int) -> int:
@@ -101,9 +93,10 @@ def prefill_smem(d: int) -> int:
 
 def decode_smem(d: int, fused: bool = False) -> int:
     """Dynamic shared memory of fattn_decode<d, ...>: its K/V stages (3, or 2 for d > 128), rows padded by 8;
-    fused with the q/k/v rope and cache writes, also q of 16 columns (f32) and the new K and V rows."""
+    fused with the q/k/v rope and cache writes, also the new K and V rows (its rotated q lives in the last
+    stage before the tile loop fills it)."""
     stages = 2 if d > 128 else 3
-    return stages * 2 * DECODE_BN * (d + 8) * 2 + (16 * d * 4 + 2 * d * 2 if fused else 0)
+    return stages * 2 * DECODE_BN * (d + 8) * 2 + (2 * d * 2 if fused else 0)
 
 
 def decode_blocks_per_sm(d: int, smem_per_sm: int, fused: bool = False) -> int:
