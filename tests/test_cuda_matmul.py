@@ -691,7 +691,7 @@ def _glu_of_other_weight_dtypes() -> Tensor:
     (lambda: _addend((2, 3, 32), view="rows"), r"the addend .* rows are not evenly spaced"),
     (lambda: _addend((3, 32), batch=(), view="T"), r"the bias .* rows must be contiguous"),
     (lambda: _addend((3, 32), "f16", batch=()), r"the bias .* must be f32"),
-    (lambda: _glu_graph("q4_0", n=16, k=256), r"mul_mat takes mmq, which fuses a bias or residual, not a GLU"),
+    (lambda: _glu_graph("q4_0", n=16, k=256), r"mul_mat takes mmq_small, which fuses a bias or residual, not a GLU"),
     (_f16_bias, r"the bias .* must be f32"),
     (_f16_b, r"mul_mat: b must be f32 to fuse, got f16"),
     (lambda: _glu_graph(same_x=False), r"the two products read different inputs"),

@@ -340,11 +340,11 @@ def fused_kernels(plan) -> list[str]:  # noqa: ANN001
     return re.findall(r"\[fused (\w+)\]", plan.explain())
 
 
-@pytest.mark.parametrize(("weights", "path"), [("bf16", "mmf"), ("q4_0", "mmq"), ("Q4_K_M", "mmq")])
+@pytest.mark.parametrize(("weights", "path"), [("bf16", "mmf"), ("q4_0", "mmq_small"), ("Q4_K_M", "mmq_small")])
 def test_decode_fuses_the_residual_adds_at_batch_16(weights: str, path: str) -> None:
     """On an H200 (planned without one), the 1b preset's decode step adds each layer's attention and MLP outputs
     to the residual stream (x + o_proj(attn), x + down_proj(h)) in the product's kernel at batch 16 (mmf for
-    bf16 weights, mmq for the block formats: the addend a (16, hidden) tensor, its rows hidden floats apart)
+    bf16 weights, mmq_small for the block formats: the addend a (16, hidden) tensor, its rows hidden floats apart)
     as at batch 1 (the mat-vecs: one row), so that no add runs on its own."""
     cfg = PRESETS["1b"]
     model = LlamaModel(cfg, random_params(cfg, weights=weights), max_seqs=16)
