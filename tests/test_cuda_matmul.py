@@ -643,8 +643,27 @@ def _bias_add_of_large_batch() -> Tensor:
     return ops.add(ops.mul_mat(weight("w", (32, 64), "f16"), od.input("x", (17, 64))), od.input("b", (32,)))
 
 
-def _full_add() -> Tensor:
-    return ops.add(ops.mul_mat(weight("w", (32, 64), "f16"), od.input("x", (2, 64))), od.input("r", (2, 32)))
+def _addend(shape: tuple, dt: str = "f32", n: int = 3, batch: tuple = (2,), view: str | None = None) -> Tensor:
+    """add(mul_mat(w (32, 64) f16, x (*batch, n, 64)), r): r an input of `shape` (dt), its transpose (view "T"),
+    or the first `shape` rows and columns of a larger one (view "rows": batch rows not evenly spaced)."""
+    if view == "T":
+        r = od.input("r", shape[::-1], dt).transpose()
+    elif view == "rows":
+        wide = od.input("r", (*shape[:-2], shape[-2] + 2, shape[-1]), dt)
+        r = wide.view(shape, wide.strides)
+    else:
+        r = od.input("r", shape, dt)
+    return ops.add(ops.mul_mat(weight("w", (32, 64), "f16"), od.input("x", (*batch, n, 64))), r)
+
+
+def _glu_residuals_spaced_apart() -> Tensor:
+    """mul_mat_add_glu whose two addends have the products' shape but rows 32 and 40 floats apart (the second
+    add reads its product as its second source, so that the addend's view comes before the product)."""
+    x = od.input("x", (3, 64))
+    wide = od.input("ru", (3, 40))
+    g = ops.add(ops.mul_mat(weight("wg", (32, 64), "f16", 1), x), od.input("rg", (3, 32)))
+    u = ops.add(wide.view((3, 32), wide.strides), ops.mul_mat(weight("wu", (32, 64), "f16", 2), x))
+    return ops.glu_split(g, u, "swiglu")
 
 
 def _f16_bias() -> Tensor:
@@ -666,14 +685,19 @@ def _glu_of_other_weight_dtypes() -> Tensor:
 
 
 @pytest.mark.parametrize(("build", "reason"), [
-    (_bias_add_of_large_batch, r"mul_mat takes cublas, not a mat-vec kernel or mmf \(batch 17\)"),
-    (_full_add, r"the bias .* is not one row of 32 values"),
+    (_bias_add_of_large_batch, r"mul_mat takes cublas, not a mat-vec kernel, mmf or mmq \(batch 17\)"),
+    (lambda: _addend((2, 1, 32)), r"the addend .* is neither one row of 32 values nor of the product's shape"),
+    (lambda: _addend((3, 32), batch=(2,)), r"the addend .* is neither one row of 32 values nor of the product's shape"),
+    (lambda: _addend((2, 3, 32), view="rows"), r"the addend .* rows are not evenly spaced"),
+    (lambda: _addend((3, 32), batch=(), view="T"), r"the bias .* rows must be contiguous"),
+    (lambda: _addend((3, 32), "f16", batch=()), r"the bias .* must be f32"),
+    (lambda: _glu_graph("q4_0", n=16, k=256), r"mul_mat takes mmq_small, which fuses a bias or residual, not a GLU"),
     (_f16_bias, r"the bias .* must be f32"),
     (_f16_b, r"mul_mat: b must be f32 to fuse, got f16"),
     (lambda: _glu_graph(same_x=False), r"the two products read different inputs"),
     (_moe_glu_several_tokens, r"4 tokens: the fused GLU is for one token"),
     (_glu_of_other_weight_dtypes, r"the weights differ in dtype, shape or strides"),
-    (lambda: _glu_graph(n=17), r"mul_mat takes cublas, not a mat-vec kernel or mmf \(batch 17\)"),
+    (lambda: _glu_graph(n=17), r"mul_mat takes cublas, not a mat-vec kernel, mmf or mmq \(batch 17\)"),
 ])
 def test_fusion_check_declines_with_a_reason(build: Callable[[], Tensor], reason: str) -> None:
     y = build()
@@ -686,6 +710,20 @@ def test_fusion_check_declines_with_a_reason(build: Callable[[], Tensor], reason
     assert any(re.search(reason, a) for a in answers), answers
     plan = od.compile(y, H200)
     assert not [s for s in plan.fusions if s.plugin == "cuda_matmul"], plan.explain()
+
+
+def test_glu_addends_spaced_apart_fuse_each_on_its_own() -> None:
+    """The GLU kernels take one bias_col for both addends: addends of the products' shape whose rows are spaced
+    differently decline the GLU group (saying why), and each product fuses its own add instead."""
+    y = _glu_residuals_spaced_apart()
+    graph = Graph.build(y)
+    nodes = [n for n in graph.nodes if n.op not in ("view", "reshape", "permute", "transpose")]
+    assert [n.op for n in nodes] == ["mul_mat", "add", "mul_mat", "add", "glu"]
+    assert fusion.check(H200, nodes, graph) == "the two addends' rows are spaced differently (the kernels take one " \
+                                               "bias_col)"
+    plan = od.compile(y, H200)
+    assert [s.kernel for s in plan.fusions] == ["mul_mat_add", "mul_mat_add"], plan.explain()
+    assert [fusion.bias_col(s.nodes[0], fusion.parts(s.nodes)[1][0]) for s in plan.fusions] == [32, 40]
 
 
 def test_glu_over_halves_of_one_product_does_not_match() -> None:
@@ -897,6 +935,118 @@ def test_fused_glu_spec() -> None:
     assert spec.grid == (-(-m // (specs.QROWS // 2)), 1, 1)  # gate and up rows: half as many a block
     check_spec(spec)
     assert int(spec.args.a1) == fake_ptr(prods[1].srcs[0]) and int(spec.args.glu_kind) == 1  # geglu
+
+
+# -- residual adds: an addend of the product's own shape, fused into the product's kernel ---------------------
+
+#: (weight dtype, N, the product's path) of the residual tests: the mat-vecs at 2 and 8 columns (mmvq: rows of
+#: partial chunks), mmf at 9 and 16, mmq at 16, 33 and 128 (every TABLE size class), mmq_small when selected (at
+#: column counts of its own: a plan is cached by the graph's structure, not by the selection the tests set)
+RESIDUAL_PATHS = (
+    *((dt, n, "mmvf") for dt in ("f32", "bf16") for n in (2, 8)),
+    *((dt, n, "mmvq_stream") for dt in ("q4_0", "q8_0", "q4_K") for n in (2, 8)),
+    ("q5_0", 3, "mmvq"),
+    *((dt, n, "mmf") for dt in ("f16", "bf16") for n in (9, 16)),
+    *((dt, n, "mmq") for dt in ("q4_0", "q8_0", "q4_K") for n in (16, 33, 128)),
+    ("q4_0", 24, "mmq_small"), ("q4_K", 32, "mmq_small"),
+)
+
+
+def select_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """The selection table set so that `path` takes its columns whatever the tuned constants say (mmf from 9
+    columns; mmq for any count above the mat-vecs'; mmq_small from 9)."""
+    monkeypatch.setattr(support, "MMF_MIN_N", support.MMV_MAX_N + 1)
+    if path == "mmq":
+        monkeypatch.setattr(support, "MMQ_MAX_N", 2**31)
+        monkeypatch.setattr(support, "MMQ_SMALL_MAX_N", support.MMV_MAX_N)
+    elif path == "mmq_small":
+        monkeypatch.setattr(support, "MMQ_SMALL_MIN_N", support.MMV_MAX_N + 1)
+
+
+def residual(dt: str, m: int, k: int, n: int, batch: tuple = (), first: bool = False, pad: int = 0) -> Tensor:
+    """add(mul_mat(w, x), r), or add(r, mul_mat(w, x)) when `first`: w (m, k) an input of dtype dt, x (*batch, n, k),
+    r of the product's shape (*batch, n, m): an input, or with pad > 0 a view of one whose rows are m + pad floats
+    (evenly spaced over the batch axis too)."""
+    prod = ops.mul_mat(od.input("w", (m, k), dt), od.input("x", (*batch, n, k)))
+    if pad:
+        wide = od.input("r", (*batch, n, m + pad))
+        r = wide.view((*batch, n, m), wide.strides)
+    else:
+        r = od.input("r", (*batch, n, m))
+    return ops.add(r, prod) if first else ops.add(prod, r)
+
+
+def residual_cases(dt: str, n: int, path: str) -> list[tuple[Tensor, int]]:
+    """(graph, its addend's bias_col) for an entry of RESIDUAL_PATHS: two shapes (M off the tiles; one split of K
+    and several for mmf and mmq), each with the product as the add's first source and a contiguous addend, and
+    as its second source over a batch axis of 2 with padded addend rows."""
+    if path == "mmvq":
+        shapes = ((77, 288), (45, 4128))  # rows of partial 16-byte chunks: not mmvq_stream's
+    elif dt in FLOATS:
+        shapes = ((77, 40), (300, 8192))
+    else:
+        shapes = ((77, 256), (61, 14336))
+    return [case for m, k in shapes
+            for case in ((residual(dt, m, k, n), m), (residual(dt, m, k, n, batch=(2,), first=True, pad=24), m + 24))]
+
+
+def fused_launches(nodes: list[Tensor], path: str, ptr: Callable[[Tensor], int] = fake_ptr) -> list[KernelSpec]:
+    """The launches bind_fused makes for a mul_mat_add group whose product takes `path`, on fake addresses."""
+    if path == "mmf":
+        return mmf.mmf_fused_specs(nodes, ptr, fake_scratch, H200)
+    if path in fusion.GEMM_PATHS:
+        return bind.gemm_fused_specs(nodes, path, ptr, fake_scratch, H200)
+    return mmv.fused_specs(nodes, ptr, fake_scratch, FakeGuard(), H200)
+
+
+@pytest.mark.parametrize(("dt", "n", "path"), RESIDUAL_PATHS)
+def test_residual_add_fuses_into_the_product(dt: str, n: int, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An addend of the product's shape fuses into every path that takes the epilogue, the product either source
+    of the add: one launch writes the add, reading the addend's rows bias_col floats apart."""
+    select_path(monkeypatch, path)
+    for y, col in residual_cases(dt, n, path):
+        plan = od.compile(y, H200)
+        (step,) = plan.fusions
+        what = f"{path} {dt} {y.shape}: {plan.explain()}"
+        assert (step.plugin, step.kernel) == ("cuda_matmul", "mul_mat_add"), what
+        assert len([s for s in plan.steps if s.kind in ("kernel", "fused")]) == 1, what
+        prod, add = step.nodes  # the plan's own tensors (a cached plan's for a graph of the same structure)
+        (bias,) = fusion.parts(step.nodes)[1]
+        assert support.choose(prod, H200).path == path, what
+        assert (add.op, add.shape, bias.shape, add.srcs.index(prod)) == ("add", y.shape, y.shape,
+                                                                         int(y.srcs[1].op == "mul_mat")), what
+        assert fusion.bias_col(prod, bias) == col
+        launch = fused_launches(step.nodes, path)[-1]
+        check_spec(launch)
+        args = launch.args
+        assert int(args.bias if path in fusion.GEMM_PATHS else args.bias0) == fake_ptr(bias)
+        assert (int(args.bias_col), int(args.out)) == (col, fake_ptr(add))
+        assert path in fusion.GEMM_PATHS or "EPI_BIAS" in launch.kernel
+
+
+def test_bias_col_of_one_row_is_zero() -> None:
+    """One row of M values (any leading 1s) is broadcast to every output row: bias_col 0, on the mat-vecs and on
+    mmq; so is an addend of the product's shape when the product has one row."""
+    for bias, b_shape in ((od.input("b", (32,)), (4, 256)), (od.input("b", (1, 1, 32)), (2, 4, 256)),
+                          (od.input("b", (1, 32)), (1, 256))):
+        x = od.input("x", b_shape)
+        for dt in ("f16", "q4_0"):
+            y = ops.add(ops.mul_mat(od.input("w", (32, 256), dt), x), bias)
+            (step,) = od.compile(y, H200).fusions
+            assert fusion.bias_col(step.nodes[0], bias) == 0
+            (launch,) = fused_launches(step.nodes, support.choose(step.nodes[0], H200).path)[-1:]
+            assert int(launch.args.bias_col) == 0 and int(launch.args.bias0) == fake_ptr(bias)
+
+
+def test_mmq_residual_with_misaligned_weights_raises() -> None:
+    """The fused mmq group cannot fall back to cuBLAS: weights off a 16-byte boundary (an arena aligns to 256)
+    raise a ValueError naming the product."""
+    y = residual("q4_0", 64, 256, 16)
+    with pytest.MonkeyPatch.context() as mp:
+        select_path(mp, "mmq")
+        (step,) = od.compile(y, H200).fusions
+        with pytest.raises(ValueError, match=r"mmq: the weights of .* are not 16-byte aligned"):
+            fused_launches(step.nodes, "mmq", lambda t: fake_ptr(t) + (8 if t.name == "w" else 0))
 
 
 def test_cublaslt_structs_and_alignment() -> None:
@@ -1809,6 +1959,39 @@ def test_fused_matches_reference_and_unfused(build: str, dt: str, n: int, rng) -
     unfused_plan, unfused, _ = run_both(y, feeds, fusion=False)
     assert not unfused_plan.fusions
     assert_close(fused, unfused, f"{build} a={dt} n={n} fused vs unfused")
+
+
+#: fused against unfused residual adds: the same kernel's sums, then the addend added once (in the epilogue, or by
+#: cuda_misc's add): the same floats, whatever the rounding of the product
+FUSED_VS_UNFUSED_NMSE = 1e-12
+
+
+@gpu
+@pytest.mark.parametrize(("dt", "n", "path"), RESIDUAL_PATHS)
+def test_residual_fused(dt: str, n: int, path: str, monkeypatch: pytest.MonkeyPatch, rng) -> None:  # noqa: ANN001
+    """add(product, r) with r of the product's shape fused into the product's kernel (the product either source,
+    r contiguous or of padded rows over a batch axis, split K and not): the product part (out - r) against the
+    reference by the path's bound (the block formats' sub-scaled ones against the reference on b rounded to q8_1)
+    and the whole against the unfused nodes; three runs (warm-up, CUDA-graph capture, replay), arenas poisoned
+    before each, so an output not written shows."""
+    select_path(monkeypatch, path)
+    sub = dt in SUBSCALED
+    for y, _ in residual_cases(dt, n, path):
+        plan = od.compile(y, "cuda0")
+        assert [(s.plugin, s.kernel) for s in plan.fusions] == [("cuda_matmul", "mul_mat_add")], plan.explain()
+        unfused = od.compile(y, "cuda0", fusion=False)
+        assert {s.kernel for s in steps_of(unfused, "mul_mat")} == {path}, unfused.explain()
+        r_in = next(t for t in Graph.build(y).inputs if t.name == "r")
+        for run in range(3):
+            feeds = (subscaled_feeds if sub else feeds_for)(y, rng)
+            poison_arenas(plan)
+            (got,) = plan.run(feeds)
+            (ref,) = od.compile(y, "cpu").run(q8_1_rounded(feeds, "x") if sub else feeds)
+            r = feeds[r_in][..., :y.shape[-1]]
+            what = f"{path} a={dt} n={n} out {y.shape} run {run}"
+            assert_close(got - r, ref - r, f"{what}: the product", Q8_1_NMSE if sub else NMSE_MAX)
+            (alone,) = unfused.run(feeds)
+            assert_close(got, alone, f"{what}: fused vs unfused", FUSED_VS_UNFUSED_NMSE)
 
 
 def poison_arenas(plan: od.Plan) -> None:

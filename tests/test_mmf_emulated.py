@@ -63,6 +63,13 @@ def _bias(dt: str, m: int, k: int, n: int) -> Tensor:
     return ops.add(ops.mul_mat(od.input("w", (m, k), dt), od.input("x", (n, k))), od.input("bias", (m,)))
 
 
+def _residual(dt: str, m: int, k: int, n: int, batch: tuple = (), pad: int = 0) -> Tensor:
+    """add(r, mul_mat(w, x)): r of the product's shape (*batch, n, m), rows m + pad floats apart (a view when pad)."""
+    wide = od.input("r", (*batch, n, m + pad))
+    r = wide.view((*batch, n, m), wide.strides) if pad else wide
+    return ops.add(r, ops.mul_mat(od.input("w", (m, k), dt), od.input("x", (*batch, n, k))))
+
+
 #: name: graph; each covers a part of the kernel (splits and row groups as split_k gives them on DEVICE:
 #: 8 blocks of 8 warps)
 CASES = {
@@ -77,6 +84,8 @@ CASES = {
     "bf16 broadcast batches, splits": lambda: _mm("bf16", 19, 512, 10, batch=(2, 3), a_batch=(1, 3)),
     "f16 b transposed (element loads)": lambda: _mm("f16", 21, 64, 16, bview="T"),
     "bias bf16 N13, splits": lambda: _bias("bf16", 45, 1024, 13),
+    "residual bf16 N16, splits": lambda: _residual("bf16", 45, 1024, 16),
+    "residual f16 N9 padded rows over batches, one split": lambda: _residual("f16", 33, 96, 9, batch=(2,), pad=5),
     "glu f16 N16 bias swiglu_oai, splits": lambda: gate_up_glu("f16", 70, 512, 16, True, "swiglu_oai"),
     "glu bf16 N11 geglu": lambda: gate_up_glu("bf16", 33, 96, 11, False, "geglu"),
     "glu bf16 N16 persistent, two splits": lambda: gate_up_glu("bf16", 600, 2080, 16, False, "swiglu"),
@@ -182,8 +191,10 @@ def _tiles_a_warp(spec: KernelSpec) -> int:
 
 def test_cases_cover_the_kernel() -> None:
     """The cases reach one and several splits with and without GLU, persistent warps (more than one tile)
-    with one split and several, with and without GLU, both tile counts and both weight types."""
+    with one split and several, with and without GLU, both tile counts and both weight types, and a residual
+    addend (bias_col > 0) with one split and several."""
     seen = set()
+    residual_splits = set()
     for make in CASES.values():
         y = make()
         arena = ScratchArena(sum(t.base.nbytes + 256 for t in Graph.build(y).leafs) + (4 << 20))
@@ -191,6 +202,8 @@ def test_cases_cover_the_kernel() -> None:
             arena.place(t, None)
         (spec,) = _specs(y, arena)
         seen.add((int(spec.args.splits) > 1, _tiles_a_warp(spec) > 1, spec.kernel))
+        if int(spec.args.bias_col) > 0:
+            residual_splits.add(int(spec.args.splits) > 1)
     kernels = {k for *_, k in seen}
     assert {s for s, _, _ in seen} == {False, True}
     assert {(s, p) for s, p, _ in seen} >= {(False, True), (True, True)}
@@ -198,3 +211,4 @@ def test_cases_cover_the_kernel() -> None:
     assert any("EPI_GLU" in k for _, p, k in seen if p)
     assert {"W_F16", "W_BF16"} <= {k.split("<")[1].split(",")[0] for k in kernels}
     assert {k.split(",")[1].strip() for k in kernels} == {"1", "2"}
+    assert residual_splits == {False, True}

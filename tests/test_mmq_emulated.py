@@ -26,7 +26,7 @@ import opdispatch as od
 from opdispatch import ops
 from opdispatch.dtypes import from_float
 from opdispatch.graph import Graph
-from opdispatch.plugins.cuda_matmul import specs, support
+from opdispatch.plugins.cuda_matmul import fusion, specs, support
 from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_id
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
@@ -65,6 +65,12 @@ def _mm(dt: str, m: int, k: int, n: int, tb: str = "f32", batch: tuple = (), a_b
     return ops.mul_mat(a, b)
 
 
+def _residual(dt: str, m: int, k: int, n: int, batch: tuple = (), pad: int = 0) -> Tensor:
+    """add(mul_mat(a, x), r): r of the product's shape (*batch, n, m), rows m + pad floats apart (a view when pad)."""
+    wide = od.input("r", (*batch, n, m + pad))
+    return ops.add(_mm(dt, m, k, n, batch=batch), wide.view((*batch, n, m), wide.strides) if pad else wide)
+
+
 Cfg = mmq.MmqConfig
 #: name: (graph, eager copies, configuration or None for TABLE's); between them: every TABLE entry, split-K
 #: (even and uneven slices, with a K tail, over batches), K tails, M / N edges, ring wrap-around, batches,
@@ -87,6 +93,10 @@ CASES = {
                                                     Cfg(4, 4, 2, 4, 2, 8, 2)),
     "q4_0 N33 (128x16, 3 column tiles, 2 slices)": (lambda: _mm("q4_0", 45, 1024, 33), False,
                                                     Cfg(2, 2, 4, 1, 4, 8, 16)),
+    # a residual addend added as the sums are written: by the last block of split K, or straight
+    "residual q4_0 N16 M77 K2048 (4 slices)": (lambda: _residual("q4_0", 77, 2048, 16), False, None),
+    "residual q8_0 N33 padded rows over batches (one slice)": (lambda: _residual("q8_0", 30, 256, 33, (2,), 7), True,
+                                                               None),
 }
 #: the sub-scaled formats (TABLE_K): every format and TABLE_K entry, K tails (KB 16: a one-super-block or
 #: 8-block tail), K tiles starting inside a granule (q2_K, q3_K, q6_K, iq4_xs, mxfp4), split K
@@ -104,6 +114,8 @@ K_CASES = {
     "mxfp4 N40 M30 K1024 over batches (odd block addresses)": (lambda: _mm("mxfp4", 30, 1024, 40, batch=(2,)), True,
                                                                None),
     "q4_K broadcast batches": (lambda: _mm("q4_K", 21, 256, 11, batch=(3, 4), a_batch=(1, 2)), True, None),
+    "residual q4_K N70 M21 K4096 padded rows (2 slices, 2 column tiles)": (lambda: _residual("q4_K", 21, 4096, 70,
+                                                                                          pad=3), False, None),
 }
 CASES.update(K_CASES)
 A8 = mmq.A8_WIDE
@@ -135,10 +147,23 @@ def _node(y: Tensor) -> Tensor:
     return next(n for n in Graph.build(y).nodes if n.op == "mul_mat")
 
 
+def _launches(y: Tensor, arena: ScratchArena, cfg: mmq.MmqConfig | None) -> list:
+    """The launches of mul_mat `y` on mmq with `cfg`, or of the fused mul_mat_add `y` (its add), in `arena`."""
+    node = _node(y)
+    if y.op != "add":
+        return mmq.mmq_specs(node, arena.ptr, arena.scratch, cfg)
+    assert fusion.check(None, [node, y], Graph.build(y)) is True
+    (bias,) = fusion.parts([node, y])[1]
+    return mmq.mmq_specs(node, arena.ptr, arena.scratch, cfg, out=y, bias=bias, bias_col=fusion.bias_col(node, bias))
+
+
 def _specs(y: Tensor, cfg: mmq.MmqConfig | None) -> list:
-    """The launches of mul_mat `y` on mmq (fake addresses)."""
+    """The launches of `y` on mmq (fake addresses)."""
     a = ScratchArena(1 << 24)
-    return mmq.mmq_specs(_node(y), lambda t: 512, a.scratch, cfg)
+    graph = Graph.build(y)
+    for t in (*graph.leafs, *graph.nodes):
+        a.place(t, None)
+    return _launches(y, a, cfg)
 
 
 def call(name: str, nargs: int) -> str:
@@ -217,9 +242,9 @@ def run_launches(launches: list, arena: ScratchArena, eager: bool, emulator: Pat
 
 def _emulate(y: Tensor, feeds: dict, eager: bool, cfg: mmq.MmqConfig | None, emulator: Path,
              tmp_path: Path) -> tuple[np.ndarray, str]:
-    """The output of the launches the plugin binds for mul_mat `y` (quantize_q8_1, then mmq with `cfg`), run in
-    turn by the emulator on one memory, the output poisoned first; and a description of the launches. Asserts
-    that split K left its counters at zero for the next launch."""
+    """The output of the launches the plugin binds for mul_mat `y`, or the fused mul_mat_add `y` (quantize_q8_1,
+    then mmq with `cfg`), run in turn by the emulator on one memory, the output poisoned first; and a description
+    of the launches. Asserts that split K left its counters at zero for the next launch."""
     graph = Graph.build(y)
     node = _node(y)
     b = node.srcs[1]
@@ -229,11 +254,11 @@ def _emulate(y: Tensor, feeds: dict, eager: bool, cfg: mmq.MmqConfig | None, emu
         arena.place(leaf, from_float(leaf.dtype.name, feeds[leaf]))
     for n in graph.nodes:
         arena.place(n, None)
-    launches = mmq.mmq_specs(node, arena.ptr, arena.scratch, cfg)
+    launches = _launches(y, arena, cfg)
     assert [s.kernel.split("<")[0] for s in launches] == ["quantize_q8_1", "mmq"]
     mem = run_launches(launches, arena, eager, emulator, tmp_path)
-    at = arena.ptr(node)
-    got = mem[at:at + node.nbytes].view(np.float32).reshape(node.shape)
+    at = arena.ptr(y)
+    got = mem[at:at + y.nbytes].view(np.float32).reshape(y.shape)
     args = launches[1].args
     what = "; ".join(f"{s.kernel} grid {s.grid} block {s.block} smem {s.smem}" for s in launches)
     what += f"; splits {args.splits}"

@@ -22,7 +22,7 @@ import opdispatch as od
 from opdispatch import ops
 from opdispatch.dtypes import DTYPES, dequantize
 from opdispatch.graph import Graph
-from opdispatch.plugins.cuda_matmul import specs, support
+from opdispatch.plugins.cuda_matmul import fusion, specs, support
 from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_small
 from opdispatch.quants.samples import random_blocks
 from opdispatch.tensor import Tensor
@@ -82,8 +82,24 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_emulator(tmp_path_factory.mktemp("mmq_small_emu"), ("mmv.cu", "mmq_small.cu"), arity)
 
 
+#: the cases run again with a residual addend (add(mul_mat, r), r of the product's shape: mq::finish adds it as out
+#: is written, straight or after split K's planes): case -> the pad of r's rows (m + pad floats apart; a view if > 0)
+RESIDUAL_CASES = {"q4_0 M77 K2048 N9": 0, "q4_K M30 K1024 N32 batches": 5, "q8_0 M19 K768 N17 two warps": 3}
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_mmq_small_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+    _check(case, None, emulator, tmp_path, rng)
+
+
+@pytest.mark.parametrize("case", list(RESIDUAL_CASES))
+def test_mmq_small_residual_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+    _check(case, RESIDUAL_CASES[case], emulator, tmp_path, rng)
+
+
+def _check(case: str, pad: int | None, emulator: Path, tmp_path: Path, rng: np.random.Generator) -> None:
+    """The launches of CASES[case] (with pad: fused with a residual addend, rows m + pad floats apart) run by the
+    emulator on poisoned memory, against numpy: every output written, NMSE as the module docstring says."""
     dt, m, k, n, batch, eager, cfg = CASES[case]
     y = _graph(dt, m, k, n, batch)
     node = _node(y)
@@ -91,26 +107,38 @@ def test_mmq_small_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> N
     a, b = node.srcs
     raw = random_blocks(rng, dt, m * k // DTYPES[dt].block_size).reshape(m, -1)
     vb = rng.uniform(-1, 1, b.shape).astype(np.float32)
-    arena = ScratchArena(a.nbytes + b.nbytes + 41 * b.nbytes + (cfg.split_max + 2) * node.nbytes + (1 << 16))
+    arena = ScratchArena(a.nbytes + 3 * b.nbytes + 41 * b.nbytes + (cfg.split_max + 4) * node.nbytes + (1 << 16))
     arena.place(a, raw)
     arena.place(b, vb)
-    arena.place(node, None)
-    launches = mmq_small.small_specs(node, arena.ptr, arena.scratch, None, cfg)
+    out, addend, epi = node, 0.0, {}
+    if pad is not None:
+        wide = od.input("r", (*node.shape[:-1], m + pad))
+        r = wide.view(node.shape, wide.strides) if pad else wide
+        out = ops.add(node, r)
+        assert fusion.check(None, [node, out], Graph.build(out)) is True
+        vr = rng.uniform(-1, 1, wide.shape).astype(np.float32)
+        arena.place(wide, vr)
+        addend, epi = vr[..., :m].astype(np.float64), dict(out=out, bias=r, bias_col=fusion.bias_col(node, r))
+        assert epi["bias_col"] == m + pad
+    arena.place(out, None)
+    launches = mmq_small.small_specs(node, arena.ptr, arena.scratch, None, cfg, **epi)
     assert [s.kernel.split("<")[0] for s in launches] == ["quantize_q8_1", "mmq_small"]
     args = launches[1].args
     mem = run_launches(launches, arena, eager, emulator, tmp_path)
-    at = arena.ptr(node)
-    got = mem[at:at + node.nbytes].view(np.float32).reshape(node.shape)
+    at = arena.ptr(out)
+    got = mem[at:at + out.nbytes].view(np.float32).reshape(out.shape)
     what = f"{case}: grid {launches[1].grid} splits {args.splits} kts {args.kts} smem {launches[1].smem}"
     if args.splits > 1:
         at, nbytes = arena.roles["mmq split counters"]
         assert not mem[at:at + nbytes].any(), f"{what}: split counters not back to zero"
     wa = dequantize(dt, raw).astype(np.float64)
-    ref = vb.astype(np.float64) @ wa.T
-    model = q8_1_rounded(vb).astype(np.float64) @ wa.T
+    ref = vb.astype(np.float64) @ wa.T + addend
+    model = q8_1_rounded(vb).astype(np.float64) @ wa.T + addend
     assert np.isfinite(got).all(), f"{what}: non-finite outputs (unwritten, or read before landing)"
     assert nmse(got, model) <= NMSE_Q8_1, f"{what}: NMSE {nmse(got, model):.3g} against b rounded to q8_1"
     assert nmse(got, ref) <= NMSE_MAX, f"{what}: NMSE {nmse(got, ref):.3g}"
+    if pad is not None:  # the product alone, as sensitive as the unfused case
+        assert nmse(got - addend, model - addend) <= NMSE_Q8_1, f"{what}: the product part"
 
 
 def test_cases_cover() -> None:

@@ -68,6 +68,13 @@ def _bias(dt: str, m: int, k: int, n: int) -> Tensor:
     return ops.add(ops.mul_mat(od.input("w", (m, k), dt), od.input("x", (n, k))), od.input("bias", (m,)))
 
 
+def _residual(dt: str, m: int, k: int, n: int, batch: tuple = (), pad: int = 0) -> Tensor:
+    """add(r, mul_mat(w, x)): r of the product's shape (*batch, n, m), rows m + pad floats apart (a view when pad)."""
+    wide = od.input("r", (*batch, n, m + pad))
+    r = wide.view((*batch, n, m), wide.strides) if pad else wide
+    return ops.add(r, ops.mul_mat(od.input("w", (m, k), dt), od.input("x", (*batch, n, k))))
+
+
 DEFAULT = specs.STREAM
 #: name: (graph, stream config, eager copies); each covers a part of the layout (stream.stream_layout)
 CASES = {
@@ -82,6 +89,9 @@ CASES = {
                                              False),
     "q4_1 b bf16 transposed": (lambda: _mm("q4_1", 29, 512, 3, tb="bf16", bview="T"), DEFAULT, True),
     "q5_0 bias": (lambda: _bias("q5_0", 45, 512, 5), DEFAULT, False),
+    "q4_0 residual N8 K4096": (lambda: _residual("q4_0", 77, 4096, 8), DEFAULT, False),
+    "q8_0 residual N3 padded rows over batches, K14336": (lambda: _residual("q8_0", 21, 14336, 3, (2,), 5),
+                                                          specs.StreamConfig(2, 2, 1), True),
     "glu q4_0 K4096 gate and up in a stage, bias":
         (lambda: gate_up_glu("q4_0", 77, 4096, 2, True, "swiglu_oai"), DEFAULT, False),
     "glu q8_0 K14336 gate then up segments, bias":
@@ -163,8 +173,9 @@ def _specs(y: Tensor, arena: Arena, cfg: specs.StreamConfig) -> list[KernelSpec]
     graph = Graph.build(y)
     assert fusion.check(DEVICE, nodes, graph) is True
     prods, biases, glu = fusion.parts(nodes)
+    cols = {"bias_col": fusion.bias_col(prods[0], biases[0])} if nodes[0].op == "mul_mat" else {}
     return make(prods[0], nodes[-1], arena.ptr, arena.scratch, a1=prods[1].srcs[0] if glu else None,
-                bias0=biases[0], bias1=biases[1] if glu else None, glu=glu, device=DEVICE, stream=cfg)
+                bias0=biases[0], bias1=biases[1] if glu else None, glu=glu, device=DEVICE, stream=cfg, **cols)
 
 
 def _instance(y: Tensor, cfg: specs.StreamConfig) -> str:

@@ -24,6 +24,7 @@ from opdispatch.models.llama.model import LlamaModel
 from opdispatch.models.llama.names import random_weights, weight_shapes
 from opdispatch.models.llama.stored import random_params
 from opdispatch.models.sampling import Sampler
+from opdispatch.plugins.cuda_matmul import fusion as mm_fusion, support as mm_support
 from opdispatch.testing.metrics import nmse
 from opdispatch.tensor import param
 
@@ -350,6 +351,29 @@ BIG = LlamaConfig(vocab=512, hidden=256, layers=2, heads=4, kv_heads=2, ffn=512,
 def fused_kernels(plan) -> list[str]:  # noqa: ANN001
     """The fusion rules explain() names, in plan order."""
     return re.findall(r"\[fused (\w+)\]", plan.explain())
+
+
+@pytest.mark.parametrize(("weights", "path"), [("bf16", "mmf"), ("q4_0", "mmq_small"), ("Q4_K_M", "mmq_small")])
+def test_decode_fuses_the_residual_adds_at_batch_16(weights: str, path: str) -> None:
+    """On an H200 (planned without one), the 1b preset's decode step adds each layer's attention and MLP outputs
+    to the residual stream (x + o_proj(attn), x + down_proj(h)) in the product's kernel at batch 16 (mmf for
+    bf16 weights, mmq_small for the block formats: the addend a (16, hidden) tensor, its rows hidden floats apart)
+    as at batch 1 (the mat-vecs: one row), so that no add runs on its own."""
+    cfg = PRESETS["1b"]
+    model = LlamaModel(cfg, random_params(cfg, weights=weights), max_seqs=16)
+    for batch in (16, 1):
+        plan = compile(model.build(1, 300, batch=batch)[0], H200)
+        fused = [s for s in plan.fusions if s.kernel == "mul_mat_add"]
+        assert len(fused) == 2 * cfg.layers, plan.explain()
+        assert not [s for s in plan.steps if s.kind == "kernel" and s.nodes[0].op == "add"], plan.explain()
+        assert {s.nodes[0].srcs[0].shape for s in fused} == {(cfg.hidden, cfg.hidden), (cfg.hidden, cfg.ffn)}
+        for step in fused:
+            prod, add = step.nodes
+            (residual,) = [t for t in add.srcs if t is not prod]
+            assert add.shape == residual.shape == (batch, cfg.hidden)
+            assert mm_fusion.bias_col(prod, residual) == (cfg.hidden if batch > 1 else 0)
+            taken = mm_support.choose(prod, H200).path
+            assert taken == path if batch > 1 else taken in mm_fusion.MMV_PATHS
 
 
 @pytest.mark.parametrize(("n_tokens", "batch"), [(1, 1), (1, 16), (7, 1)], ids=["decode", "decode-16", "prefill"])

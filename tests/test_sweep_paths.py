@@ -108,17 +108,37 @@ def test_mul_mat_id_reaches_the_grouped_mat_vec_and_the_gemm(reach: dict[str, se
 
 @pytest.mark.parametrize("dt", ("f16", "bf16", *QUANT_NAMES))
 def test_fused_patterns_reach_every_batch(reach: dict[str, set[tuple]], dt: str) -> None:
-    """The bias and gate/up GLU patterns at 9 .. 512 columns: fused on mmf (f16 / bf16 up to 16 columns), unfused
-    on the block formats' GEMMs and cuBLAS, which take no epilogue; fused on the mat-vecs at 1 and 8."""
+    """The bias (and residual) and gate/up GLU patterns at 9 .. 512 columns: fused on mmf (f16 / bf16 up to 16
+    columns); the add fused on mmq too, the GLU not; unfused on dequant_cublas and cuBLAS, which take no
+    epilogue; fused on the mat-vecs at 1 and 8."""
     for group, rule in (("fused:mul_mat_add", "mul_mat_add"), ("fused:mul_mat_glu", "mul_mat_glu")):
         mine = {(n, path, fused) for fmt, _, n, _, _, _, path, fused in reach[group] if fmt == dt}
         for n in (9, 16, 64, 512):
             if dt in ("f16", "bf16"):
                 want = ("mmf", rule) if n <= support.MMF_MAX_N else ("cublas", "")
             else:
-                want = (_gemm(dt, n), "")
+                path = _gemm(dt, n)
+                want = (path, rule if path in fusion.GEMM_PATHS and rule == "mul_mat_add" else "")
             assert (n, *want) in mine, (group, n)
         assert {1, 8} <= {n for n, _, fused in mine if fused == rule}, group
+
+
+@pytest.mark.parametrize("dt", ("f16", "bf16", *QUANT_NAMES))
+def test_residual_adds_fuse_wherever_the_bias_does(dt: str) -> None:
+    """The sweep's residual cases (an addend of the product's shape, contiguous or in padded rows) fuse exactly
+    where its bias cases of the same N and K do: every path with an epilogue, at every batch."""
+    rng = np.random.default_rng(0)
+    fused: dict[bool, set[tuple]] = defaultdict(set)
+    for case in cases.cases("fused:mul_mat_add", full=True):
+        if f"a={dt} " not in case.label + " ":
+            continue
+        outputs, _ = case.build(rng)
+        plan = od.compile(Graph.build(outputs), H200)
+        (node,) = [n for s in plan.steps if s.kind in ("kernel", "fused") for n in s.nodes if n.op == "mul_mat"]
+        fused["residual" in case.label].add((support.batch_n(node), node.srcs[0].shape[-1], bool(plan.fusions)))
+    assert {9, 16, 64, 512} <= {n for n, _, _ in fused[True]}
+    shapes = {(n, k) for n, k, _ in fused[True]}
+    assert fused[True] == {(n, k, f) for n, k, f in fused[False] if (n, k) in shapes}, dt
 
 
 @pytest.mark.parametrize("dt", QUANT_NAMES)

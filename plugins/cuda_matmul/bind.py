@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from opdispatch.backends.cuda import cublas
 from opdispatch.backends.cuda.kernels import EMPTY, KernelSpec, chain
 from opdispatch.backends.cuda.scratch import Workspace
-from opdispatch.hookspecs import Launch
+from opdispatch.hookspecs import Device, Launch
 from opdispatch.tensor import Tensor
 
 from . import fusion, support
-from .specs import Scratch
+from .specs import Ptr, Scratch
 from .specs.gemm import GemmSpec, Spec, gemm_specs, out_prod_specs
 from .specs.mmf import addresses_ok, mmf_fused_specs, mmf_specs
 from .specs.mmq import mmq_addresses, mmq_specs
@@ -117,11 +117,27 @@ def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
     path = support.choose(nodes[0], ctx.device).path
     if path == "mmf":
         return _bind(ctx, nodes[-1], lambda scratch: mmf_fused_specs(nodes, ctx.ptr, scratch, ctx.device))
+    if path in fusion.GEMM_PATHS:  # mul_mat -> add (a bias or a residual)
+        return _bind(ctx, nodes[-1], lambda scratch: gemm_fused_specs(nodes, path, ctx.ptr, scratch, ctx.device))
     if path == "mmq_id" and mmq_addresses(ctx.ptr, nodes[0].srcs[0]):  # mul_mat_id -> add_id
         bias = fusion.parts(nodes)[1][0]
         return _bind(ctx, nodes[-1], lambda scratch: mmq_id_specs(nodes[0], nodes[-1], ctx.ptr, scratch,
                                                                   ctx.index_check, bias=bias))
     return _bind(ctx, nodes[-1], lambda scratch: fused_specs(nodes, ctx.ptr, scratch, ctx.index_check, ctx.device))
+
+
+def gemm_fused_specs(nodes: Sequence[Tensor], path: str, ptr: Ptr, scratch: Scratch, device: Device | None
+                     ) -> list[KernelSpec]:
+    """The launches of `path` (mmq or mmq_small) for a mul_mat_add group on `device`, writing its add. Raises
+    ValueError when the weights are not 16-byte aligned (the unfused mul_mat falls back to dequant_cublas then;
+    an arena aligns every tensor to 256 bytes)."""
+    (prod,), (bias,), _ = fusion.parts(nodes)
+    if not mmq_addresses(ptr, prod.srcs[0]):
+        raise ValueError(f"{path}: the weights of {prod.describe()} are not 16-byte aligned")
+    epi = dict(out=nodes[-1], bias=bias, bias_col=fusion.bias_col(prod, bias))
+    if path == "mmq":
+        return mmq_specs(prod, ptr, scratch, **epi)
+    return small_specs(prod, ptr, scratch, device, **epi)
 
 
 #: (op, path name, bind) of every Kernel record, in the order they are asked

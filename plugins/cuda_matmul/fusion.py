@@ -2,18 +2,25 @@
 
 Groups (consecutive in execution order; `can_fuse` already checked that every
 node but the last is read only inside the group):
-  mul_mat_add           mul_mat -> add(bias)                       one row of bias (M values)
+  mul_mat_add           mul_mat -> add(bias)                       one row of bias (M values), or an
+                                                                   addend of the product's own shape
+                                                                   (a residual: its rows evenly spaced)
   mul_mat_id_add_id     mul_mat_id -> add_id(bias, same ids)       bias (E, M)
   mul_mat_glu           mul_mat(wg, x), mul_mat(wu, x) -> glu(gate, up)
   mul_mat_add_glu       the same with a bias after each mul_mat
   mul_mat_id_glu        mul_mat_id(wg, x, ids), mul_mat_id(wu, x, ids) -> glu
   mul_mat_id_add_id_glu the same with add_id biases (gpt-oss)
-The fused kernels are the mat-vec ones, mmf and mmq_id (the bias of add_id), so
-each product must take a mat-vec path (mul_mat with N <= 8; mul_mat_id with one
-token for the GLU groups), mmf (mul_mat, f16/bf16 weights, up to 16 columns) or
-mmq_id (mul_mat_id -> add_id with many tokens), with b in f32.
-GLU groups need both weights of one dtype, shape and strides and the same b
-(and ids). Anything else: a reason, and the nodes run unfused.
+The fused kernels are the mat-vec ones, mmf, mmq and mmq_small (mul_mat_add only) and
+mmq_id (the bias of add_id), so each product must take a mat-vec path (mul_mat with
+N <= 8; mul_mat_id with one token for the GLU groups), mmf (mul_mat, f16/bf16
+weights, up to 16 columns), a quantized GEMM (mul_mat -> add, block formats, more
+than 8 columns) or mmq_id (mul_mat_id -> add_id with many tokens), with b in f32.
+The add may read the product as either source; the addend is only read (it may be
+the residual stream other nodes read too). The kernels add element
+r * bias_col + m of the addend to output row r = (i3 * B2 + i2) * N + n, column m
+(`bias_col`: 0 for one row). GLU groups need both weights of one dtype, shape and
+strides, the same b (and ids), and biases whose rows are spaced alike. Anything
+else: a reason, and the nodes run unfused.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Sequence
 
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
+from opdispatch.ops.base import pad4
 from opdispatch.ops.elementwise import GLU_KINDS
 from opdispatch.support import whole_elements
 from opdispatch.tensor import Tensor
@@ -29,9 +37,11 @@ from opdispatch.tensor import Tensor
 from . import support
 
 MMV_PATHS = ("mmvf", "mmvq_stream", "mmvq", "mmv_id", "mmv_id_grouped")
-#: the paths whose kernels take the epilogues: the mat-vecs, the tensor-core mmf, and mmq_id (add_id's bias; its
-#: GLU groups are one token's, which mmv_id takes)
-FUSED_PATHS = (*MMV_PATHS, "mmf", "mmq_id")
+#: the quantized GEMMs of mul_mat: a bias or residual epilogue (mq::finish), no GLU
+GEMM_PATHS = ("mmq", "mmq_small")
+#: the paths whose kernels take the epilogues: the mat-vecs, the tensor-core mmf, the quantized GEMMs (bias only),
+#: and mmq_id (add_id's bias; its GLU groups are one token's, which mmv_id takes)
+FUSED_PATHS = (*MMV_PATHS, "mmf", *GEMM_PATHS, "mmq_id")
 
 #: (rule name, pattern), longest first: dispatch takes the first rule whose check passes
 PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -44,16 +54,47 @@ PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def _mmv(node: Tensor) -> bool | str:
-    """True if `node` runs on a path that fuses (a mat-vec or mmf) with an f32 b, else why not."""
+def _mmv(node: Tensor, glu: bool) -> bool | str:
+    """True if `node` runs on a path that fuses (a mat-vec, mmf, or without `glu` a quantized GEMM) with an f32 b,
+    else why not."""
     c = support.choose(node)
     if c.reason:
         return f"{node.op}: {c.reason}"
     if c.path not in FUSED_PATHS:
-        return f"{node.op} takes {c.path}, not a mat-vec kernel or mmf (batch {support.batch_n(node)})"
+        return f"{node.op} takes {c.path}, not a mat-vec kernel, mmf or mmq (batch {support.batch_n(node)})"
+    if glu and c.path in GEMM_PATHS:
+        return f"{node.op} takes {c.path}, which fuses a bias or residual, not a GLU (batch {support.batch_n(node)})"
     if node.srcs[1].dtype.name != "f32":
         return f"{node.op}: b must be f32 to fuse, got {node.srcs[1].dtype.name}"
     return True
+
+
+def _one_row(prod: Tensor, bias: Tensor) -> bool:
+    """The addend is one row of the product's M values (a bias added to every output row)."""
+    m = prod.shape[-1]
+    return bias.size == m and bias.shape[-1] == m
+
+
+def _row_step(t: Tensor) -> int | None:
+    """Bytes from one row of t to the next, its axes but the last flattened in order (0 for one row), or None
+    when its rows are not evenly spaced (a batch axis's stride is not its inner axes' rows times the step)."""
+    axes = [(n, s) for n, s in zip(t.shape[:-1], t.strides[:-1]) if n > 1]
+    if not axes:
+        return 0
+    step = want = axes[-1][1]
+    for n, s in reversed(axes):
+        if s != want:
+            return None
+        want = s * n
+    return step
+
+
+def bias_col(prod: Tensor, bias: Tensor | None) -> int:
+    """The kernels' bias_col for the addend of a group that passed `check`: floats from one of its rows to the
+    next, 0 for one row (or none)."""
+    if bias is None or _one_row(prod, bias):
+        return 0
+    return _row_step(bias) // bias.dtype.block_bytes
 
 
 def _bias_ok(prod: Tensor, add: Tensor) -> bool | str:
@@ -67,8 +108,9 @@ def _bias_ok(prod: Tensor, add: Tensor) -> bool | str:
         if add.shape != prod.shape:
             return f"add broadcasts the mul_mat result into {add.shape}"
         m = prod.shape[-1]
-        if bias.size != m or bias.shape[-1] != m:
-            return f"the bias {bias.describe()} is not one row of {m} values"
+        if not _one_row(prod, bias) and pad4(bias.shape) != pad4(prod.shape):
+            return (f"the addend {bias.describe()} is neither one row of {m} values nor of the product's shape "
+                    f"{prod.shape} (other broadcasts do not fuse)")
     else:  # add_id(prod, bias, ids)
         if add.srcs[0] is not prod:
             return "add_id does not add to the mul_mat_id before it"
@@ -79,6 +121,8 @@ def _bias_ok(prod: Tensor, add: Tensor) -> bool | str:
         return f"the bias {bias.describe()} must be f32"
     if not bias.rows_contiguous() or not whole_elements(bias):
         return f"the bias {bias.describe()} rows must be contiguous"
+    if add.op == "add" and _row_step(bias) is None:
+        return f"the addend {bias.describe()} rows are not evenly spaced (strides {bias.strides})"
     if add.dtype.name != "f32" or not add.is_contiguous():
         return f"{add.op} must give a contiguous f32 result"
     return True
@@ -112,7 +156,7 @@ def check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
     body = list(nodes[:-1] if glu is not None else nodes)
     prods = [n for n in body if n.op in ("mul_mat", "mul_mat_id")]
     for p in prods:
-        why = _mmv(p)
+        why = _mmv(p, glu is not None)
         if why is not True:
             return why
     ends = []
@@ -147,6 +191,8 @@ def check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
     _, biases, _ = parts(nodes)
     if None not in biases and g.op == "mul_mat_id" and biases[0].strides != biases[1].strides:
         return "the two add_id biases have different strides"
+    if None not in biases and g.op == "mul_mat" and bias_col(g, biases[0]) != bias_col(u, biases[1]):
+        return "the two addends' rows are spaced differently (the kernels take one bias_col)"
     if (wg.dtype, wg.shape, wg.strides) != (wu.dtype, wu.shape, wu.strides):
         return (f"the weights differ in dtype, shape or strides: {wg.describe()} {wg.strides} "
                 f"and {wu.describe()} {wu.strides}")

@@ -194,15 +194,19 @@ def _out_prod(op: str, full: bool) -> Iterator[Case]:
 
 @fused("mul_mat_add", needs=("mul_mat", "add"))
 def _mul_mat_add(name: str, full: bool) -> Iterator[Case]:
-    def one(ta: str, m: int, n: int, k: int) -> Case:
+    def one(ta: str, m: int, n: int, k: int, residual: str = "") -> Case:
+        """The product plus a bias (one row of m values); with `residual` (a layout), an addend of the product's
+        shape (n, m) plus the product (the add's second source), as a decoder's residual stream."""
         def make(inp: Inputs) -> Tensor:
-            return ops.add(ops.mul_mat(inp.source((m, k), ta), inp.uniform((n, k))), inp.uniform((m,)))
+            prod = ops.mul_mat(inp.source((m, k), ta), inp.uniform((n, k)))
+            return ops.add(inp.uniform((n, m), layout=residual), prod) if residual else ops.add(prod, inp.uniform((m,)))
 
-        return Case("add", f"a={ta} m={m} n={n} k={k}", make, bound("mul_mat", weight=ta), 2 * m * n * k,
-                    fused=name)
+        label = f"a={ta} m={m} n={n} k={k}" + (f" residual:{residual}" if residual else "")
+        return Case("add", label, make, bound("mul_mat", weight=ta), 2 * m * n * k, fused=name)
 
     yield one("f16", 16, 1, 64)
     yield one("q8_0", 13, 7, 96)
+    yield one("q8_0", 13, 7, 96, "contig")
     yield one("q2_K", 13, 1, 256)
     yield one("iq2_s", 13, 1, 256)
     if full:
@@ -210,6 +214,7 @@ def _mul_mat_add(name: str, full: bool) -> Iterator[Case]:
             yield one(ta, 64, n, 256)
         for ta, n in itertools.product(_FUSED_WEIGHTS, _FUSED_BATCHES):
             yield one(ta, 77, n, _fused_k(ta))
+            yield one(ta, 77, n, _fused_k(ta), "strided" if n == 16 else "contig")
 
 
 @fused("mul_mat_glu", needs=("mul_mat", "glu"))

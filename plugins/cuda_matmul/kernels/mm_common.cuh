@@ -48,10 +48,12 @@ constexpr int B_F32 = 0;
 constexpr int B_F16 = 1;
 constexpr int B_BF16 = 2;
 
-// Epilogues of the mat-vec kernels.
+// Epilogues of the mat-vec kernels and mmf. A bias is one row of M floats added to every output row
+// (bias_col = 0), or an addend of the output's shape whose rows are bias_col floats apart (a residual):
+// output row r = (i3 * B2 + i2) * N + n adds bias[r * bias_col + m].
 constexpr int EPI_NONE = 0;  // out = a . b
-constexpr int EPI_BIAS = 1;  // out = a . b + bias[m]
-constexpr int EPI_GLU = 2;   // out = act(a0 . b + bias0[m]) * (a1 . b + bias1[m]) (biases optional)
+constexpr int EPI_BIAS = 1;  // out = a . b + bias[r * bias_col + m]
+constexpr int EPI_GLU = 2;   // out = act(a0 . b + bias0[..]) * (a1 . b + bias1[..]) (biases optional, indexed alike)
 
 
 namespace mm {
@@ -210,19 +212,20 @@ __device__ __forceinline__ float4 load_b4(const u8* col, int k, long long es) {
     }
 }
 
-// The epilogue of output row m of the mat-vec kernels (mmv.cu, mmvq_stream.cu): v = a0 . b,
-// up = a1 . b (read for EPI_GLU only).
+// The epilogue of an output of the mat-vec kernels (mmv.cu, mmvq_stream.cu) and mmf: v = a0 . b,
+// up = a1 . b (read for EPI_GLU only), `at` the output's index into the biases (r * bias_col + m for
+// output row r, column m; see EPI_NONE's comment).
 template <int EPI>
-__device__ __forceinline__ float epilogue(float v, float up, const float* bias0, const float* bias1, int m,
+__device__ __forceinline__ float epilogue(float v, float up, const float* bias0, const float* bias1, long long at,
                                           int glu_kind, float alpha, float limit) {
     if constexpr (EPI == EPI_BIAS) {
-        v += bias0[m];
+        v += bias0[at];
     } else if constexpr (EPI == EPI_GLU) {
         if (bias0 != nullptr) {
-            v += bias0[m];
+            v += bias0[at];
         }
         if (bias1 != nullptr) {
-            up += bias1[m];
+            up += bias1[at];
         }
         v = od::glu(glu_kind, v, up, alpha, limit);  // activations.cuh
     }

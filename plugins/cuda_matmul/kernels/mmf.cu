@@ -27,8 +27,8 @@
 //   b       shared bs[unit][column n < NB][32 k] as a's type, 64 bytes a (unit, column): a quarter warp's
 //           16-byte loads cover 128 contiguous bytes (no bank conflict). Columns n >= N and k >= the
 //           split's end hold 0. Each thread issues STAGE_LOADS loads of b before it stores any.
-//   out     one split: the warp applies the epilogue to its fragments and writes its rows < M, columns
-//           < N. Several: the warp stores its fragments in `part` (tile slot, split; coalesced float4s),
+//   out     one split: the warp applies the epilogue (a bias row, or a residual addend's element:
+//           mm_common.cuh's EPI_NONE) to its fragments and writes its rows < M, columns < N. Several: the warp stores its fragments in `part` (tile slot, split; coalesced float4s),
 //           and the last warp of the tile's splits (last_warp on counters[batch][tile]) sums them in split
 //           order (deterministic), applies the epilogue and writes out.
 // Dynamic shared memory: ks / 32 * NB * 64 bytes (specs/mmf.py).
@@ -134,15 +134,16 @@ __device__ __forceinline__ bool last_warp(int* counter, int warps) {
 using mm::u8;
 
 // mul_mat: out[i3, i2, n, m] = sum_k a[i3 / r3, i2 / r2, m, k] * b[i3, i2, n, k] for n < N <= 8 * NT,
-// arguments as mmv's (mmv.cu; b f32), then: ks k values a split, `splits` splits (grid x = row groups *
-// splits), part (splits > 1: batches * warp tiles * splits partial tiles of NW * NT * 32 float4s) and
-// counters (one int a (batch, warp tile), zero between launches), preload (a0, a1 constant).
+// arguments as mmv's (mmv.cu; b f32; biases rows bias_col floats apart, 0 for one row), then: ks k values
+// a split, `splits` splits (grid x = row groups * splits), part (splits > 1: batches * warp tiles * splits
+// partial tiles of NW * NT * 32 float4s) and counters (one int a (batch, warp tile), zero between
+// launches), preload (a0, a1 constant).
 template <int WT, int NT, int EPI>
 __global__ void __launch_bounds__(mmfk::THREADS, 2)
     mmf(const u8* a0, const u8* a1, long long a_row, long long a_s2, long long a_s3, int r2, int r3, const u8* b,
         long long b_col, long long b_es, long long b_s2, long long b_s3, float* out, int M, int K, int N,
-        const float* bias0, const float* bias1, int glu_kind, float alpha, float limit, int ks, int splits,
-        float* part, int* counters, int preload) {
+        const float* bias0, const float* bias1, long long bias_col, int glu_kind, float alpha, float limit, int ks,
+        int splits, float* part, int* counters, int preload) {
     od::grid_enter_later();  // below: after the first weight loads when the weights are constant
     using namespace mmfk;
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
@@ -213,6 +214,7 @@ __global__ void __launch_bounds__(mmfk::THREADS, 2)
 
     const long long batch = static_cast<long long>(i3) * gridDim.y + i2;
     float* const o = out + batch * N * M;
+    const long long brow0 = batch * N;  // the batch's first output row (the biases' index)
     // the epilogue of fragment sums x (rows m0 + g, m0 + g + 8; columns 8j + 2t, 8j + 2t + 1) to out
     auto write = [&](int m0, const float (&x)[NW][NT][4]) {
 #pragma unroll
@@ -222,8 +224,8 @@ __global__ void __launch_bounds__(mmfk::THREADS, 2)
                 const int n = 8 * j + 2 * t + (c & 1), m = m0 + g + 8 * (c >> 1);
                 if (n < N && m < M) {
                     const float up = NW == 2 ? x[NW - 1][j][c] : 0.0f;
-                    o[static_cast<long long>(n) * M + m] =
-                        mm::epilogue<EPI>(x[0][j][c], up, bias0, bias1, m, glu_kind, alpha, limit);
+                    o[static_cast<long long>(n) * M + m] = mm::epilogue<EPI>(
+                        x[0][j][c], up, bias0, bias1, (brow0 + n) * bias_col + m, glu_kind, alpha, limit);
                 }
             }
         }

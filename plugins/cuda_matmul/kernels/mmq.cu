@@ -64,15 +64,16 @@ using mm::u8;
 // mul_mat with block-format weights: out[i3, i2, n, m] = sum_k a[i3 / r3, i2 / r2, m, k] * b[i3, i2, n, k].
 // a rows a_row bytes apart, batch strides a_s2, a_s3 (16-byte multiples, a 16-byte aligned); b
 // quantized by quantize_q8_1 (column n of batch (i3, i2) is its row (i3 * B2 + i2) * N + n, nbp
-// blocks a row: codes at bq, (d, d * sum) at bds); out contiguous (B3, B2, N, M). Grid (tiles_m *
+// blocks a row: codes at bq, (d, d * sum) at bds); out contiguous (B3, B2, N, M); bias (null: none) added
+// as mq::finish says (one row, bias_col 0, or a residual's rows bias_col floats apart). Grid (tiles_m *
 // splits * tiles_n, B2, B3), WM * WN warps, dynamic shared memory mmq_smem (specs/mmq.py). With
 // splits > 1: part holds splits * B3 * B2 * N * M floats, counters B3 * B2 * tiles_m * tiles_n ints
 // (zero before the launch, and again after it).
 template <int WT, int FM, int FN, int WM, int WN, int NS, int KB, bool A8 = false>
 __global__ void __launch_bounds__(32 * WM * WN)
     mmq(const u8* a, long long a_row, long long a_s2, long long a_s3, int r2, int r3, const u8* bq, const u8* bds,
-        int nbp, float* out, int M, int K, int N, int tiles_m, int tiles_n, int splits, float* part, int* counters,
-        int preload) {
+        int nbp, float* out, int M, int K, int N, const float* bias, long long bias_col, int tiles_m, int tiles_n,
+        int splits, float* part, int* counters, int preload) {
     od::grid_enter_later();  // below: after the first weight copies when the weights are constant
     constexpr int BM = 16 * FM * WM, BN = 8 * FN * WN;
     extern __shared__ uint4 smem_u4[];
@@ -99,5 +100,5 @@ __global__ void __launch_bounds__(32 * WM * WN)
 
     const long long plane = static_cast<long long>(gridDim.y) * gridDim.z * N * M;
     mq::finish<FM, FN>(acc, m0 + row0, n0 + col0, M, N, brow0, out, part, split, splits, plane,
-                       counters + (batch * tiles_m + tm) * tiles_n + tn);
+                       counters + (batch * tiles_m + tm) * tiles_n + tn, bias, bias_col);
 }

@@ -272,13 +272,19 @@ __device__ __forceinline__ void step_acc(float (&acc)[4], const AFrag& f, unsign
 // columns from c0 of the output of batch row brow0 (out + brow0 * M, N x M): written to out, or with
 // split K (splits > 1) to the block's plane `split` of part (planes `plane` floats apart), after which the
 // last block of the tile to finish (od::last_block on `counter`, which it sets back to 0) adds the planes
-// in split order and writes out: deterministic. Rows past M and columns past N are not written. Every
-// thread of the block calls it.
+// in split order and writes out: deterministic. A bias (not null) is added to the sums written to out:
+// output row r = brow0 + n, column m adds bias[r * bias_col + m] (bias_col 0: one row for every output
+// row; else a residual addend's rows, bias_col floats apart). Rows past M and columns past N are not
+// written. Every thread of the block calls it.
 template <int FM, int FN>
 __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, int c0, int M, int N, long long brow0,
                                        float* out, float* part, int split, int splits, long long plane,
-                                       int* counter) {
+                                       int* counter, const float* bias, long long bias_col) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    // the sum of output (n, m) as written to out
+    auto biased = [&](float v, int n, int m) {
+        return bias != nullptr ? v + bias[(brow0 + n) * bias_col + m] : v;
+    };
     float* const dst = (splits == 1 ? out : part + split * plane) + brow0 * M;
 #pragma unroll
     for (int fm = 0; fm < FM; ++fm) {
@@ -289,7 +295,8 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
                 const int m = r0 + 16 * fm + g + 8 * (i / 2);
                 const int n = c0 + 8 * fn + 2 * t + i % 2;
                 if (m < M && n < N) {
-                    dst[static_cast<long long>(n) * M + m] = acc[fm][fn][i];
+                    dst[static_cast<long long>(n) * M + m] = splits == 1 ? biased(acc[fm][fn][i], n, m)
+                                                                         : acc[fm][fn][i];
                 }
             }
         }
@@ -313,7 +320,7 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
                     for (int s = 0; s < splits; ++s) {
                         sum += __ldcg(src + s * plane + at);
                     }
-                    o[at] = sum;
+                    o[at] = biased(sum, n, m);
                 }
             }
         }

@@ -24,7 +24,9 @@
 //           cover it, its first block `lead` bytes in), and the fragments are decoded from them
 //           (mq::a_frag), so no weight is written back dequantized.
 //   finish  splits == 1: straight to out; else each block writes its plane of part and the last block
-//           of a row tile adds the planes in split order (mq::finish): deterministic.
+//           of a row tile adds the planes in split order (mq::finish): deterministic. The bias (not
+//           null: one row, bias_col 0, or a residual's rows bias_col floats apart) is added as out is
+//           written.
 // With `preload` (constant weights) the first NS - 1 K tiles' copies are issued before the PDL wait
 // for quantize_q8_1.
 //
@@ -40,8 +42,8 @@ using mm::u8;
 template <int WT, int NT, int FM, int W, int NS, int KB>
 __global__ void __launch_bounds__(32 * W)
     mmq_small(const u8* a, long long a_row, long long a_s2, long long a_s3, int r2, int r3, const u8* bq,
-              const u8* bds, int nbp, float* out, int M, int K, int N, int tiles_m, int splits, int kts, float* part,
-              int* counters, int preload) {
+              const u8* bds, int nbp, float* out, int M, int K, int N, const float* bias, long long bias_col,
+              int tiles_m, int splits, int kts, float* part, int* counters, int preload) {
     od::grid_enter_later();  // below: after the first weight copies when the weights are constant
     using Q = mm::Fmt<WT>;
     using T = mq::Tile<Q, KB>;
@@ -165,5 +167,6 @@ __global__ void __launch_bounds__(32 * W)
     od::cp_async_wait<0>();  // only empty groups can be left
 
     const long long plane = static_cast<long long>(gridDim.y) * gridDim.z * N * M;
-    mq::finish<FM, NT>(acc, row0, 0, M, N, brow0, out, part, split, splits, plane, counters + batch * tiles_m + tm);
+    mq::finish<FM, NT>(acc, row0, 0, M, N, brow0, out, part, split, splits, plane, counters + batch * tiles_m + tm,
+                       bias, bias_col);
 }

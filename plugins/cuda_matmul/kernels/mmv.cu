@@ -12,7 +12,8 @@
 // Kernels:
 //   quantize_q8_1  b rows to int8 codes and per-32 scales for the mmvq* kernels.
 //   mmv, mmvq      mul_mat: grid (row tiles, B2, B3), a's batch repeat-interleaved
-//                  (b batch i2 uses a batch i2 / r2), optional bias or GLU epilogue.
+//                  (b batch i2 uses a batch i2 / r2), optional bias (one row, or a residual
+//                  addend: mm_common.cuh's EPI_NONE) or GLU epilogue.
 //
 // Sizes are ints, byte strides long long. Rows past M (the last tile) read the
 // tile's last row again and write nothing. An expert id outside [0, E) writes NaN rows.
@@ -61,14 +62,16 @@ __global__ void __launch_bounds__(QUANT_BLOCK) quantize_q8_1(const u8* b, long l
 // mul_mat: out[i3, i2, n, m] = sum_k a[i3 / r3, i2 / r2, m, k] * b[i3, i2, n, k] for n < N <= NT.
 // a0 (and a1, the up weight of EPI_GLU, with a0's strides) rows of a_row bytes,
 // batch strides a_s2, a_s3; b columns b_col bytes apart, elements b_es bytes
-// apart (scalar variants), batch strides b_s2, b_s3; out contiguous (B3, B2, N, M).
+// apart (scalar variants), batch strides b_s2, b_s3; out contiguous (B3, B2, N, M); biases rows
+// bias_col floats apart (0: one row; mm_common.cuh's EPI_NONE).
 // preload != 0: a0 (and a1) are constant (no kernel writes them), see mmv_tile.
 template <int WT, int TB, int NT, int R, bool VEC, int EPI>
 __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, long long a_row, long long a_s2,
                                                  long long a_s3, int r2, int r3, const u8* b, long long b_col,
                                                  long long b_es, long long b_s2, long long b_s3, float* out, int M,
-                                                 int K, int N, const float* bias0, const float* bias1, int glu_kind,
-                                                 float alpha, float limit, int preload) {
+                                                 int K, int N, const float* bias0, const float* bias1,
+                                                 long long bias_col, int glu_kind, float alpha, float limit,
+                                                 int preload) {
     od::grid_enter_later();  // in mmv_tile, after the preload of constant weights
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
     __shared__ float res[NW * R * NT];
@@ -88,8 +91,9 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, lon
     if (t < R * NT) {
         const int r = t / NT, n = t % NT, m = m0 + r;
         if (r < rows && n < N) {
-            float* o = out + ((static_cast<long long>(i3) * gridDim.y + i2) * N + n) * M + m;
-            *o = mm::finish<EPI, R, NT>(res, r, n, bias0, bias1, m, glu_kind, alpha, limit);
+            const long long row = (static_cast<long long>(i3) * gridDim.y + i2) * N + n;
+            out[row * M + m] = mm::finish<EPI, R, NT>(res, r, n, bias0, bias1, row * bias_col + m, glu_kind, alpha,
+                                                      limit);
         }
     }
 }
@@ -101,7 +105,8 @@ template <int WT, int NT, int EPI>
 __global__ void __launch_bounds__(mm::QTHREADS) mmvq(const u8* a0, const u8* a1, long long a_row, long long a_s2,
                                                      long long a_s3, int r2, int r3, const u8* bq, const u8* bds,
                                                      int nbp, float* out, int M, int K, int N, const float* bias0,
-                                                     const float* bias1, int glu_kind, float alpha, float limit) {
+                                                     const float* bias1, long long bias_col, int glu_kind,
+                                                     float alpha, float limit) {
     od::grid_enter();
     constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = mm::QROWS / NW;
     const int i2 = blockIdx.y, i3 = blockIdx.z;
@@ -126,5 +131,5 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq(const u8* a0, const u8* a1,
     float acc[mm::QROWS][NT];
     mm::q_rows<WT, NT>(row, bcol, dcol, K / 32, acc);
     const float* tot = mm::q_reduce<NT>(acc);
-    mm::q_store<EPI, NT>(tot, ocol, N, m0, rows, bias0, bias1, glu_kind, alpha, limit);
+    mm::q_store<EPI, NT>(tot, ocol, N, m0, rows, bias0, bias1, brow0, bias_col, glu_kind, alpha, limit);
 }

@@ -148,11 +148,11 @@ __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_r
     block_reduce<NW * R * NT>(acc, res);
 }
 
-// The epilogue for output (r, n) of a float tile: res holds NW * R * NT sums.
+// The epilogue for output (r, n) of a float tile (`at` its bias index, epilogue's): res holds NW * R * NT sums.
 template <int EPI, int R, int NT>
-__device__ __forceinline__ float finish(const float* res, int r, int n, const float* bias0, const float* bias1, int m,
-                                        int glu_kind, float alpha, float limit) {
-    return epilogue<EPI>(res[r * NT + n], EPI == EPI_GLU ? res[(R + r) * NT + n] : 0.0f, bias0, bias1, m, glu_kind,
+__device__ __forceinline__ float finish(const float* res, int r, int n, const float* bias0, const float* bias1,
+                                        long long at, int glu_kind, float alpha, float limit) {
+    return epilogue<EPI>(res[r * NT + n], EPI == EPI_GLU ? res[(R + r) * NT + n] : 0.0f, bias0, bias1, at, glu_kind,
                          alpha, limit);
 }
 
@@ -325,18 +325,20 @@ __device__ __forceinline__ const float* q_reduce(float (&acc)[QROWS][NT]) {
     return tot;
 }
 
-// Writes rows m0 + r (r < rows) of columns n < ncols at ocol[n][m0 + r], through the epilogue.
+// Writes rows m0 + r (r < rows) of columns n < ncols at ocol[n][m0 + r], through the epilogue: column n is
+// output row brow0 + n for the biases (bias_col floats a row, 0 for one row; epilogue's index).
 template <int EPI, int NT>
 __device__ __forceinline__ void q_store(const float* tot, float* const (&ocol)[NT], int ncols, int m0, int rows,
-                                        const float* bias0, const float* bias1, int glu_kind, float alpha,
-                                        float limit) {
+                                        const float* bias0, const float* bias1, long long brow0, long long bias_col,
+                                        int glu_kind, float alpha, float limit) {
     constexpr int RB = EPI == EPI_GLU ? QROWS / 2 : QROWS;
     const int t = threadIdx.x;
     if (t < RB * NT) {
         const int r = t / NT, n = t % NT;
         if (r < rows && n < ncols) {
             const float up = EPI == EPI_GLU ? tot[(RB + r) * NT + n] : 0.0f;
-            ocol[n][m0 + r] = epilogue<EPI>(tot[r * NT + n], up, bias0, bias1, m0 + r, glu_kind, alpha, limit);
+            ocol[n][m0 + r] = epilogue<EPI>(tot[r * NT + n], up, bias0, bias1, (brow0 + n) * bias_col + m0 + r,
+                                            glu_kind, alpha, limit);
         }
     }
 }

@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id(const u8* as0, const u8*
     const float* tot = mm::q_reduce<1>(acc);
     const long long boff = e * bias_e / 4;
     mm::q_store<EPI, 1>(tot, ocol, 1, m0, rows, bias0 != nullptr ? bias0 + boff : nullptr,
-                        bias1 != nullptr ? bias1 + boff : nullptr, glu_kind, alpha, limit);
+                        bias1 != nullptr ? bias1 + boff : nullptr, 0, 0, glu_kind, alpha, limit);
 }
 
 // The routing table of mul_mat_id's grouped paths, in int32 words of `route`:
@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id_grouped(const u8* as, lo
         float acc[mm::QROWS][NT];
         mm::q_rows<WT, NT>(row, bcol, dcol, K / 32, acc);
         const float* tot = mm::q_reduce<NT>(acc);
-        mm::q_store<EPI, NT>(tot, ocol, ncols, m0, rows, bias_e_row, nullptr, 0, 0.0f, 0.0f);
+        mm::q_store<EPI, NT>(tot, ocol, ncols, m0, rows, bias_e_row, nullptr, 0, 0, 0, 0.0f, 0.0f);
     }
 }
 

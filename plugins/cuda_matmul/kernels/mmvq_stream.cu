@@ -350,20 +350,21 @@ using mm::u8;
 // * b[i3, i2, n, k] for n < N <= NT, arguments exactly as mmv's (mmv.cu): a0 (and a1, the up weight
 // of EPI_GLU, a0's strides) rows a_row bytes apart, batch strides a_s2, a_s3; b columns b_col bytes
 // apart, elements b_es apart (16-byte loads when b_es is the element size and b, b_col are 16-byte
-// aligned), batch strides b_s2, b_s3; out contiguous (B3, B2, N, M). NS stages a warp. Grid (blocks,
-// B2, B3), blockDim.x a multiple of 32 (at most THREADS_MAX), dynamic shared memory as above.
+// aligned), batch strides b_s2, b_s3; out contiguous (B3, B2, N, M); biases rows bias_col floats apart
+// (0: one row; mm_common.cuh's EPI_NONE). NS stages a warp. Grid (blocks, B2, B3), blockDim.x a multiple
+// of 32 (at most THREADS_MAX), dynamic shared memory as above.
 //
 // mul_mat_id (ids not null; grid y a slot u, z a token t, N = 1): a0 / a1 are the experts, a_s2 the
 // expert stride (a_s3, r2, r3 unused); batch (t, u) uses expert e = ids[t * ids_t + u * ids_u] (an int
 // read on the device, after the wait unless `preload`) and b at t * b_s3 + u * b_s2 (b_s2 0 when b
-// has one row a token), bias0 / bias1 + e * bias_e. An id outside [0, E) writes NaN rows and is
+// has one row a token), bias0 / bias1 + e * bias_e (bias_col 0). An id outside [0, E) writes NaN rows and is
 // recorded in the error word (od::index_ok; a null word for mul_mat).
 template <int WT, int TB, int NT, int EPI, int NS>
 __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     mmvq_stream(const u8* a0, const u8* a1, long long a_row, long long a_s2, long long a_s3, int r2, int r3,
                 const u8* b, long long b_col, long long b_es, long long b_s2, long long b_s3, float* out, int M,
-                int K, int N, const float* bias0, const float* bias1, int glu_kind, float alpha, float limit,
-                const u8* ids, long long ids_t, long long ids_u, int E, long long bias_e, int preload,
+                int K, int N, const float* bias0, const float* bias1, long long bias_col, int glu_kind, float alpha,
+                float limit, const u8* ids, long long ids_t, long long ids_u, int E, long long bias_e, int preload,
                 OD_INDEX_CHECK_PARAMS) {
     od::grid_enter_later();  // below: after the first weight copies when the weights are constant
     using Gm = mms::Geo<WT>;
@@ -382,7 +383,8 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     const int g0 = static_cast<int>(wi * groups / W), g1 = static_cast<int>((wi + 1) * groups / W);
     const int nunits = (g1 - g0) * L.UG;
     const int bcol_stride = L.C * Gm::BCHUNK;
-    float* const o_base = out + (static_cast<long long>(i3) * gridDim.y + i2) * N * static_cast<long long>(M);
+    const long long brow0 = (static_cast<long long>(i3) * gridDim.y + i2) * N;  // the batch's first output row
+    float* const o_base = out + brow0 * M;
 
     // the weights of this batch: mul_mat's broadcast, or mul_mat_id's expert (ids may be the kernel
     // before's output: read after the wait unless constant)
@@ -540,7 +542,8 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
                     for (int n = 0; n < NT; ++n) {
                         if (n < N) {
                             o_base[static_cast<long long>(n) * M + m] =
-                                mm::epilogue<EPI>(acc[n], up[n], bias0_e, bias1_e, m, glu_kind, alpha, limit);
+                                mm::epilogue<EPI>(acc[n], up[n], bias0_e, bias1_e, (brow0 + n) * bias_col + m,
+                                                  glu_kind, alpha, limit);
                         }
                     }
                 }

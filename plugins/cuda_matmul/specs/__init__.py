@@ -93,7 +93,8 @@ STREAM = StreamConfig()
 class MatvecHead(ArgGroup):
     """The parameters mmv, mmvq_stream and mmf open with, alike: the weights a0 (a1: a fused GLU's up half),
     their row and batch strides and b's broadcast ratios r2, r3; b (element b_es, column b_col and batch
-    strides, bytes); out and the sizes; the epilogue (biases, GLU kind and its alpha / limit)."""
+    strides, bytes); out and the sizes; the epilogue (biases, their row stride bias_col in floats: 0 for one
+    row added to every output row, else a residual addend's; GLU kind and its alpha / limit)."""
 
     a0: np.uint64 = ptr()
     a1: np.uint64 = ptr()
@@ -113,6 +114,7 @@ class MatvecHead(ArgGroup):
     N: np.int32 = i32()
     bias0: np.uint64 = ptr()
     bias1: np.uint64 = ptr()
+    bias_col: np.int64 = i64()
     glu_kind: np.int32 = i32()
     alpha: np.float32 = f32()
     limit: np.float32 = f32()

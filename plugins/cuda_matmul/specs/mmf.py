@@ -112,11 +112,12 @@ def addresses_ok(ptr: Ptr, a: Tensor, a1: Tensor | None) -> bool:
 
 
 def mmf_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tensor | None = None,
-              bias0: Tensor | None = None, bias1: Tensor | None = None, glu: Tensor | None = None,
+              bias0: Tensor | None = None, bias1: Tensor | None = None, bias_col: int = 0, glu: Tensor | None = None,
               device: Device | None = None) -> list[KernelSpec]:
     """The mmf launch for mul_mat `node` (support.choose's "mmf") writing `out` (node, or the last node
-    of a fused group: a bias, or glu of `node` and the product of a1 with the same b) on `device`
-    (None: an H200's description). The caller checks `addresses_ok`."""
+    of a fused group: a bias or residual add, or glu of `node` and the product of a1 with the same b) on
+    `device` (None: an H200's description); the biases' rows bias_col floats apart (0: one row,
+    fusion.bias_col). The caller checks `addresses_ok`."""
     a, b = node.srcs
     (a3, a2, m, k), (sa3, sa2, sa1, _) = geometry(a)
     (b3, b2, n, _), (sb3, sb2, sb1, _) = geometry(b)
@@ -128,7 +129,8 @@ def mmf_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
         part = scratch("mmf partials", partial_bytes(m, n, batches, sp.splits, epi == EPI_GLU))
         counters = scratch("mmf counters", batches * -(-m // TILE_ROWS) * 4, zeroed=True)
     head = MatvecHead(a0=ptr(a), a1=addr(ptr, a1), a_row=sa1, a_s2=sa2, a_s3=sa3, r2=b2 // a2, r3=b3 // a3,
-                      b=ptr(b), b_col=sb1, b_es=elem_stride(b), b_s2=sb2, b_s3=sb3, out=ptr(out), M=m, K=k, N=n, **tail)
+                      b=ptr(b), b_col=sb1, b_es=elem_stride(b), b_s2=sb2, b_s3=sb3, out=ptr(out), M=m, K=k, N=n,
+                      bias_col=bias_col, **tail)
     args = MmfArgs(head=head, ks=sp.ks, splits=sp.splits, part=part, counters=counters, preload=_preload(a, a1))
     return [KernelSpec(MMF_CU, mmf_name(a.dtype.name, n_tiles(n), epi), (sp.groups * sp.splits, b2, b3), THREADS,
                        args, smem=smem_bytes(n, sp.ks))]
@@ -136,7 +138,7 @@ def mmf_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
 
 def mmf_fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch, device: Device | None = None
                     ) -> list[KernelSpec]:
-    """A mul_mat group of fusion.PATTERNS (bias, gate/up GLU) whose products take mmf: one mmf launch
+    """A mul_mat group of fusion.PATTERNS (bias or residual, gate/up GLU) whose products take mmf: one mmf launch
     writing the group's last node. Raises ValueError when the weights are not 16-byte aligned (the
     unfused nodes fall back to cuBLAS then; an arena aligns every tensor to 256 bytes)."""
     prods, biases, glu = fusion.parts(nodes)
@@ -144,4 +146,5 @@ def mmf_fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch, device:
     if not addresses_ok(ptr, prods[0].srcs[0], a1):
         raise ValueError(f"mmf: the weights of {prods[0].describe()} are not 16-byte aligned")
     return mmf_specs(prods[0], nodes[-1], ptr, scratch, a1=a1, bias0=biases[0],
-                     bias1=biases[1] if glu is not None else None, glu=glu, device=device)
+                     bias1=biases[1] if glu is not None else None, bias_col=fusion.bias_col(prods[0], biases[0]),
+                     glu=glu, device=device)

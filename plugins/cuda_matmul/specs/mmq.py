@@ -20,7 +20,7 @@ from opdispatch.tensor import Tensor
 
 from opdispatch.dtypes import DTYPES
 
-from . import GRID_NAMES, LEGACY_NAMES, MMQ_CU, SUBSCALED_NAMES, Ptr, Scratch, geometry, mmq_name
+from . import GRID_NAMES, LEGACY_NAMES, MMQ_CU, SUBSCALED_NAMES, Ptr, Scratch, addr, geometry, mmq_name
 from . import mmv  # a module import: mmv imports support, which imports this module
 from .stream import STREAMED, device_facts
 
@@ -171,19 +171,25 @@ class GemmHead(ArgGroup):
     N: np.int32 = i32()
 
 
-def gemm_head(node: Tensor, ptr: Ptr, q: mmv.QuantizeArgs) -> GemmHead:
-    """GemmHead of mul_mat `node` whose b quantize_q8_1 (arguments q) rounded."""
+def gemm_head(node: Tensor, out: Tensor, ptr: Ptr, q: mmv.QuantizeArgs) -> GemmHead:
+    """GemmHead of mul_mat `node` whose b quantize_q8_1 (arguments q) rounded, writing `out` (node, or the add
+    of a fused group)."""
     a, b = node.srcs
     (a3, a2, m, k), (sa3, sa2, sa1, _) = geometry(a)
     (b3, b2, n, _), _ = geometry(b)
     return GemmHead(a=ptr(a), a_row=sa1, a_s2=sa2, a_s3=sa3, r2=b2 // a2, r3=b3 // a3, bq=q.bq, bds=q.bds, nbp=q.nbp,
-                    out=ptr(node), M=m, K=k, N=n)
+                    out=ptr(out), M=m, K=k, N=n)
 
 
 @attrs.frozen
 class MmqArgs(KernelArgs):
+    """mmq's arguments: the head, the bias (0: none) and its row stride bias_col in floats (0: one row added to
+    every output row, else a residual addend's), the grid's tiles and split K's scratch, preload."""
+
     KERNELS = ("mmq",)
     _head: GemmHead = attrs.field()
+    bias: np.uint64 = ptr()
+    bias_col: np.int64 = i64()
     tiles_m: np.int32 = i32()
     tiles_n: np.int32 = i32()
     splits: np.int32 = i32()
@@ -235,10 +241,12 @@ def mmq_addresses(ptr: Ptr, a: Tensor) -> bool:
     return ptr(a) % 16 == 0
 
 
-def mmq_specs(node: Tensor, ptr: Ptr, scratch: Scratch, cfg: MmqConfig | None = None) -> list[KernelSpec]:
+def mmq_specs(node: Tensor, ptr: Ptr, scratch: Scratch, cfg: MmqConfig | None = None, *, out: Tensor | None = None,
+              bias: Tensor | None = None, bias_col: int = 0) -> list[KernelSpec]:
     """quantize_q8_1 of b into the scratch buffer "bq", then mmq, for mul_mat `node` (its path mmq), with
     `cfg` (default its format's table's for its columns); split K also takes the scratch buffers of the partial sums and
-    of the tiles' counters (zeroed once: the kernel sets them back)."""
+    of the tiles' counters (zeroed once: the kernel sets them back). A fused mul_mat_add writes `out` (default
+    node), adding `bias` (rows bias_col floats apart, 0 for one row: fusion.bias_col)."""
     a, b = node.srcs
     (_, _, m, k), _ = geometry(a)
     (b3, b2, n, _), _ = geometry(b)
@@ -251,7 +259,8 @@ def mmq_specs(node: Tensor, ptr: Ptr, scratch: Scratch, cfg: MmqConfig | None = 
     if splits > 1:
         part = scratch("mmq partial sums", splits * b3 * b2 * n * m * 4)
         counters = scratch("mmq split counters", b3 * b2 * tiles_m * tiles_n * 4, zeroed=True)
-    args = MmqArgs(head=gemm_head(node, ptr, q), tiles_m=tiles_m, tiles_n=tiles_n, splits=splits, part=part,
-                   counters=counters, preload=mmv._preload(a))
+    args = MmqArgs(head=gemm_head(node, node if out is None else out, ptr, q), bias=addr(ptr, bias),
+                   bias_col=bias_col, tiles_m=tiles_m, tiles_n=tiles_n, splits=splits, part=part, counters=counters,
+                   preload=mmv._preload(a))
     grid = (tiles_m * splits * tiles_n, b2, b3)
     return [quant, KernelSpec(MMQ_CU, instance_name(dt, cfg), grid, cfg.threads, args, smem=mmq_smem(dt, cfg))]

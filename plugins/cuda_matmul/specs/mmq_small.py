@@ -13,12 +13,12 @@ import math
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, i32, instance, ptr
+from opdispatch.backends.cuda.args import KernelArgs, i32, i64, instance, ptr
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
 
-from . import MMQ_SMALL_CU, W_KIND, Ptr, Scratch, geometry
+from . import MMQ_SMALL_CU, W_KIND, Ptr, Scratch, addr, geometry
 from . import mmv  # a module import: mmv imports support, which imports this module
 from .mmq import MMQ_FORMATS, GemmHead, gemm_head, row_stride
 from .stream import device_facts
@@ -83,8 +83,13 @@ NAMES: tuple[str, ...] = tuple(small_name(dt, nt) for dt in MMQ_FORMATS for nt i
 
 @attrs.frozen
 class SmallArgs(KernelArgs):
+    """mmq_small's arguments: the head, the bias as mmq's (specs/mmq.py's MmqArgs), the cut, split K's scratch,
+    preload."""
+
     KERNELS = ("mmq_small",)
     _head: GemmHead = attrs.field()
+    bias: np.uint64 = ptr()
+    bias_col: np.int64 = i64()
     tiles_m: np.int32 = i32()
     splits: np.int32 = i32()
     kts: np.int32 = i32()
@@ -127,10 +132,11 @@ def small_fits(node: Tensor, device: Device | None, cfg: SmallConfig = SMALL) ->
 
 
 def small_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None = None,
-                cfg: SmallConfig = SMALL) -> list[KernelSpec]:
+                cfg: SmallConfig = SMALL, *, out: Tensor | None = None, bias: Tensor | None = None,
+                bias_col: int = 0) -> list[KernelSpec]:
     """quantize_q8_1 of b into the scratch buffer "bq", then mmq_small, for mul_mat `node` (its path mmq_small);
     split K also takes the scratch buffers of the partial sums and of the row tiles' counters (zeroed once:
-    the kernel sets them back)."""
+    the kernel sets them back). A fused mul_mat_add writes `out` (default node), adding `bias` as mmq_specs."""
     a, b = node.srcs
     (_, _, m, k), _ = geometry(a)
     (b3, b2, n, _), _ = geometry(b)
@@ -142,7 +148,8 @@ def small_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
     if grid.splits > 1:
         part = scratch("mmq partial sums", grid.splits * b3 * b2 * n * m * 4)
         counters = scratch("mmq split counters", b3 * b2 * grid.tiles_m * 4, zeroed=True)
-    args = SmallArgs(head=gemm_head(node, ptr, q), tiles_m=grid.tiles_m, splits=grid.splits, kts=grid.kts,
-                     part=part, counters=counters, preload=mmv._preload(a))
+    args = SmallArgs(head=gemm_head(node, node if out is None else out, ptr, q), bias=addr(ptr, bias),
+                     bias_col=bias_col, tiles_m=grid.tiles_m, splits=grid.splits, kts=grid.kts, part=part,
+                     counters=counters, preload=mmv._preload(a))
     return [quant, KernelSpec(MMQ_SMALL_CU, small_name(dt, nt, cfg), (grid.tiles_m * grid.splits, b2, b3),
                               32 * cfg.warps, args, smem=small_smem(dt, nt, grid.kts, cfg))]

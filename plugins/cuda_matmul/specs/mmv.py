@@ -68,6 +68,7 @@ class MmvqArgs(KernelArgs):
     N: np.int32 = i32()
     bias0: np.uint64 = ptr()
     bias1: np.uint64 = ptr()
+    bias_col: np.int64 = i64()
     glu_kind: np.int32 = i32()
     alpha: np.float32 = f32()
     limit: np.float32 = f32()
@@ -242,10 +243,11 @@ def _preload(*weights: Tensor | None) -> int:
 
 
 def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tensor | None = None,
-              bias0: Tensor | None = None, bias1: Tensor | None = None, glu: Tensor | None = None,
+              bias0: Tensor | None = None, bias1: Tensor | None = None, bias_col: int = 0, glu: Tensor | None = None,
               device: Device | None = None, stream: StreamConfig | None = None) -> list[KernelSpec]:
     """mmv (float weights), mmvq_stream or mmvq (block formats) for mul_mat `node` writing `out`
-    (node itself, or the last node of a fused group) on `device` (None: an H200's description).
+    (node itself, or the last node of a fused group) on `device` (None: an H200's description); the
+    biases' rows bias_col floats apart (0: one row, fusion.bias_col).
 
     mmvq_stream where support.choose picks it (and a1, for a fused GLU, is aligned as a is), with
     `stream` (default STREAM) as its configuration; mmvq, quantize_q8_1 first, else."""
@@ -254,6 +256,7 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     (b3, b2, n, _), (sb3, sb2, sb1, _) = geometry(b)
     pa, pb, tb = ptr(a), ptr(b), b.dtype.name
     epi, tail = _epilogue(ptr, glu, bias0, bias1)
+    tail["bias_col"] = bias_col
     rows = dict(a0=pa, a1=addr(ptr, a1), a_row=sa1, a_s2=sa2, a_s3=sa3, r2=b2 // a2, r3=b3 // a3)
     cols = dict(b=pb, b_col=sb1, b_es=elem_stride(b), b_s2=sb2, b_s3=sb3)
     sizes = dict(out=ptr(out), M=m, K=k, N=n)
@@ -307,7 +310,7 @@ def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard: G
     if as_.dtype.is_quant and support.stream_ok(node, device) is True and stream_addresses(ptr, as_, a1):
         head = MatvecHead(a0=ptr(as_), a1=addr(ptr, a1), a_row=as_.strides[1], a_s2=as_.strides[0], a_s3=0, r2=1,
                           r3=1, b=pb, b_col=0, b_es=b_es, b_s2=b_u if ub > 1 else 0, b_s3=b_t, out=ptr(out), M=m,
-                          K=k, N=1, **tail)
+                          K=k, N=1, bias_col=0, **tail)
         args = StreamArgs(head=head, **picks, E=e, bias_e=bias_e // 4, preload=_preload(as_, a1, ids), err_=check)
         spec = stream_spec(node, args, epi, device, stream)
         if spec is not None:
@@ -389,8 +392,10 @@ def fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch, guard: Guar
     out, first = nodes[-1], prods[0]
     if first.op == "mul_mat_id" and glu is None and first.shape[0] > 1:
         return grouped_specs(first, out, ptr, scratch, guard, bias=biases[0])
-    make = (functools.partial(mmv_specs, device=device) if first.op == "mul_mat"
-            else functools.partial(mmv_id_specs, guard=guard, device=device))
+    if first.op == "mul_mat":
+        make = functools.partial(mmv_specs, bias_col=fusion.bias_col(first, biases[0]), device=device)
+    else:
+        make = functools.partial(mmv_id_specs, guard=guard, device=device)
     if glu is None:
         return make(first, out, ptr, scratch, bias0=biases[0])
     return make(first, out, ptr, scratch, a1=prods[1].srcs[0], bias0=biases[0], bias1=biases[1], glu=glu)
