@@ -102,7 +102,7 @@ PATH_CASES = [
     ("q4_0", (64, 4096), (9, 4096), "mmq_small"),
     ("q4_0", (64, 4096), (32, 4096), "mmq_small"),
     ("q4_0", (64, 4096), (33, 4096), "mmq"),
-    ("q8_0", (77, 256), (16, 256), "mmq_small"),
+    ("q8_0", (77, 256), (16, 256), "mmq"),  # support.MMQ_SMALL_SKIP
     ("q8_0", (2, 64, 14336), (2, 128, 14336), "mmq"),
     ("q8_0", (2, 64, 14336), (2, 512, 14336), "dequant_cublas"),  # N > support.MMQ_MAX_N
     ("q4_1", (64, 128), (16, 128), "mmq_small"),
@@ -136,6 +136,7 @@ def mmq_small_selected(monkeypatch: pytest.MonkeyPatch) -> None:
     """mmq_small takes 9..support.MMQ_SMALL_MAX_N columns, whatever support.MMQ_SMALL_MIN_N (off until it is
     tuned) says."""
     monkeypatch.setattr(support, "MMQ_SMALL_MIN_N", support.MMV_MAX_N + 1)
+    monkeypatch.setattr(support, "MMQ_SMALL_SKIP", frozenset())
 
 
 @pytest.fixture
@@ -961,6 +962,7 @@ def select_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
         monkeypatch.setattr(support, "MMQ_SMALL_MAX_N", support.MMV_MAX_N)
     elif path == "mmq_small":
         monkeypatch.setattr(support, "MMQ_SMALL_MIN_N", support.MMV_MAX_N + 1)
+        monkeypatch.setattr(support, "MMQ_SMALL_SKIP", frozenset())
 
 
 def residual(dt: str, m: int, k: int, n: int, batch: tuple = (), first: bool = False, pad: int = 0) -> Tensor:
@@ -2131,7 +2133,8 @@ def test_subscaled_mul_mat_path(dt: str, n: int) -> None:
         else:
             gemm = dt in mmq.MMQ_FORMATS  # the grid I-quants have no quantized GEMM
             big = "mmq" if gemm and whole and n <= support.MMQ_MAX_N else "dequant_cublas"
-            big = "mmq_small" if big == "mmq" and support.MMQ_SMALL_MIN_N <= n <= support.MMQ_SMALL_MAX_N else big
+            small_gemm = support.MMQ_SMALL_MIN_N <= n <= support.MMQ_SMALL_MAX_N and dt not in support.MMQ_SMALL_SKIP
+            big = "mmq_small" if big == "mmq" and small_gemm else big
             assert (step.plugin, step.kernel) == ("cuda_matmul", big), (k, n)
             over = f"N={n} > {support.MMQ_MAX_N}: dequantizing for cuBLAS is faster there"
             want = f"{dt} has no quantized GEMM" if not gemm else True if big.startswith("mmq") else \
