@@ -88,7 +88,8 @@ __global__ void __launch_bounds__(32 * W)
         for (int i = lane; i < 16 * FA * wg; i += 32) {
             const int r = i / wg, x = i - r * wg;
             const u8* const w = GLU && r >= WR ? wa1 : wa;
-            const u8* src = w + static_cast<long long>(min(row0 + r % WR, M - 1)) * a_row + at + 16 * x;
+            const int wr = GLU ? r % WR : r;  // the row of w
+            const u8* src = w + static_cast<long long>(min(row0 + wr, M - 1)) * a_row + at + 16 * x;
             od::cp_async16(od::smem_addr(st + r * RS + 16 * x), src);
         }
     };
