@@ -114,7 +114,7 @@ K_CASES = {
     "mxfp4 N40 M30 K1024 over batches (odd block addresses)": (lambda: _mm("mxfp4", 30, 1024, 40, batch=(2,)), True,
                                                                None),
     "q4_K broadcast batches": (lambda: _mm("q4_K", 21, 256, 11, batch=(3, 4), a_batch=(1, 2)), True, None),
-    "residual q4_K N70 M21 K4096 padded rows (2 slices, 2 column tiles)": (lambda: _residual("q4_K", 21, 4096, 70,
+    "residual q4_K N70 M21 K1024 padded rows (2 slices, 2 column tiles)": (lambda: _residual("q4_K", 21, 1024, 70,
                                                                                           pad=3), False, None),
 }
 CASES.update(K_CASES)
