@@ -103,6 +103,21 @@ def test_mmq_small_residual_emulated(case: str, emulator: Path, tmp_path: Path, 
     _check(case, RESIDUAL_CASES[case], emulator, tmp_path, rng)
 
 
+def _run(case: str, launches: list, arena: ScratchArena, out: Tensor, eager: bool, emulator: Path,
+         tmp_path: Path) -> tuple[np.ndarray, str]:
+    """Run quantize_q8_1 + mmq_small emulated: out's values and a description of the launch; the split counters
+    must be back at zero."""
+    args = launches[1].args
+    mem = run_launches(launches, arena, eager, emulator, tmp_path)
+    at = arena.ptr(out)
+    got = mem[at:at + out.nbytes].view(np.float32).reshape(out.shape)
+    what = f"{case}: grid {launches[1].grid} splits {args.splits} kts {args.kts} smem {launches[1].smem}"
+    if args.splits > 1:
+        at, nbytes = arena.roles["mmq split counters"]
+        assert not mem[at:at + nbytes].any(), f"{what}: split counters not back to zero"
+    return got, what
+
+
 def _check(case: str, pad: int | None, emulator: Path, tmp_path: Path, rng: np.random.Generator) -> None:
     """The launches of CASES[case] (with pad: fused with a residual addend, rows m + pad floats apart) run by the
     emulator on poisoned memory, against numpy: every output written, NMSE as the module docstring says."""
@@ -129,14 +144,7 @@ def _check(case: str, pad: int | None, emulator: Path, tmp_path: Path, rng: np.r
     arena.place(out, None)
     launches = mmq_small.small_specs(node, arena.ptr, arena.scratch, None, cfg, **epi)
     assert [s.kernel.split("<")[0] for s in launches] == ["quantize_q8_1", "mmq_small"]
-    args = launches[1].args
-    mem = run_launches(launches, arena, eager, emulator, tmp_path)
-    at = arena.ptr(out)
-    got = mem[at:at + out.nbytes].view(np.float32).reshape(out.shape)
-    what = f"{case}: grid {launches[1].grid} splits {args.splits} kts {args.kts} smem {launches[1].smem}"
-    if args.splits > 1:
-        at, nbytes = arena.roles["mmq split counters"]
-        assert not mem[at:at + nbytes].any(), f"{what}: split counters not back to zero"
+    got, what = _run(case, launches, arena, out, eager, emulator, tmp_path)
     wa = dequantize(dt, raw).astype(np.float64)
     ref = vb.astype(np.float64) @ wa.T + addend
     model = q8_1_rounded(vb).astype(np.float64) @ wa.T + addend
@@ -237,15 +245,8 @@ def test_mmq_small_glu_emulated(case: str, emulator: Path, tmp_path: Path, rng) 
     _, launches = _glu_specs(case, arena, y)
     assert [s.kernel.split("<")[0] for s in launches] == ["quantize_q8_1", "mmq_small"]
     assert launches[1].kernel.endswith(", true>"), launches[1].kernel
-    args = launches[1].args
-    assert (args.splits > 1) == ("split" in case.split()), args.splits
-    mem = run_launches(launches, arena, eager, emulator, tmp_path)
-    at = arena.ptr(y)
-    got = mem[at:at + y.nbytes].view(np.float32).reshape(y.shape)
-    what = f"{case}: grid {launches[1].grid} splits {args.splits} kts {args.kts} smem {launches[1].smem}"
-    if args.splits > 1:
-        at, nbytes = arena.roles["mmq split counters"]
-        assert not mem[at:at + nbytes].any(), f"{what}: split counters not back to zero"
+    assert (launches[1].args.splits > 1) == ("split" in case.split()), launches[1].args.splits
+    got, what = _run(case, launches, arena, y, eager, emulator, tmp_path)
     vb = feeds[x]
 
     def glu_of(b: np.ndarray) -> np.ndarray:
