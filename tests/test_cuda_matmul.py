@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Callable, Iterator
+from typing import Callable
 
 import attrs
 import ml_dtypes
@@ -30,10 +30,10 @@ import pytest
 
 import opdispatch as od
 import opdispatch.plugins.cuda_matmul as cm
-from opdispatch import compiler, ops
+from opdispatch import ops
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.backends.cuda.args import ArgGroup, KernelArgs
-from opdispatch.backends.cuda.kernels import GLU_CODES, KernelSpec
+from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.dtypes import DTYPES, dequantize, from_float
 from opdispatch.ops.base import BLOCK_FORMATS
 from opdispatch.errors import DeviceIndexError
@@ -692,9 +692,7 @@ def _glu_of_other_weight_dtypes() -> Tensor:
     (lambda: _addend((2, 3, 32), view="rows"), r"the addend .* rows are not evenly spaced"),
     (lambda: _addend((3, 32), batch=(), view="T"), r"the bias .* rows must be contiguous"),
     (lambda: _addend((3, 32), "f16", batch=()), r"the bias .* must be f32"),
-    (lambda: _glu_graph("q4_0", n=16, k=256), r"mul_mat takes mmq_small, whose fused GLU is off until timed on the "
-                                               r"H200 \(support.MMQ_GLU\)"),
-    (lambda: _glu_graph("q8_0", n=16, k=256), r"mul_mat takes mmq, which fuses a bias or residual, not a GLU"),
+    (lambda: _glu_graph("q4_0", n=16, k=256), r"mul_mat takes mmq_small, which fuses a bias or residual, not a GLU"),
     (_f16_bias, r"the bias .* must be f32"),
     (_f16_b, r"mul_mat: b must be f32 to fuse, got f16"),
     (lambda: _glu_graph(same_x=False), r"the two products read different inputs"),
@@ -1519,100 +1517,6 @@ def test_mmq_small_declines_what_mmq_takes() -> None:
     assert support.mmq_small_ok(big, H200) == "b's slice and the warps' rings do not fit in shared memory"
     off = ops.mul_mat(weight("w", (64, 96), "q8_0"), od.input("x", (16, 96)))
     assert support.mmq_small_ok(off, H200) == support.mmq_ok(off, H200)
-
-
-def _drop_plans() -> None:
-    """Empty the plan cache: it keys on graphs and the OPDISPATCH_ environment, not on support's switches."""
-    compiler.plan_cache(od.manager()).plans.clear()
-
-
-@pytest.fixture
-def mmq_glu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[bool], None]]:
-    """switch(on): support.MMQ_GLU (off until timed) set for the test, the plans cached before dropped; and after."""
-
-    def switch(on: bool) -> None:
-        monkeypatch.setattr(support, "MMQ_GLU", on)
-        _drop_plans()
-
-    yield switch
-    _drop_plans()
-
-
-@pytest.fixture
-def mmq_glu_on(mmq_glu: Callable[[bool], None]) -> None:
-    """mmq_small runs the gate/up GLU groups fused."""
-    mmq_glu(True)
-
-
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("n", [9, 16, 32])
-@pytest.mark.parametrize("dt", ["q4_0", "q4_K", "q6_K"])
-def test_mmq_small_glu_fusion_switch(dt: str, n: int, bias: bool, mmq_glu: Callable[[bool], None]) -> None:
-    """The 1b preset's gate/up pair on the H200's description: support.MMQ_GLU off (the default) declines the GLU
-    group with its reason and plans the two mmq_small products (with their bias adds fused, as before) and a glu
-    step; on, the group's rule takes one quantize_q8_1 and one fused mmq_small launch of both weights."""
-    y = gate_up_glu(dt, 8192, 2048, n, bias, "swiglu")
-    graph = Graph.build(y)
-    nodes = graph.nodes
-    rule = "mul_mat_add_glu" if bias else "mul_mat_glu"
-    assert support.MMQ_GLU is False
-    mmq_glu(False)
-    assert "support.MMQ_GLU" in fusion.check(H200, nodes, graph)
-    off = od.compile(y, H200)
-    assert [s.kernel for s in off.fusions if s.plugin == "cuda_matmul"] == ["mul_mat_add"] * 2 * bias, off.explain()
-    assert [support.choose(s.nodes[0], H200).path for s in steps_of(off, "mul_mat")] == ["mmq_small"] * 2
-    assert [s.nodes[-1].op for s in off.steps if s.nodes[-1].op == "glu"] == ["glu"], off.explain()
-    mmq_glu(True)
-    assert fusion.check(H200, nodes, graph) is True
-    on = od.compile(y, H200)
-    assert [s.kernel for s in on.fusions] == [rule], on.explain()
-    launches = bind.gemm_fused_specs(nodes, "mmq_small", fake_ptr, fake_scratch, H200)
-    assert [s.kernel for s in launches] == [specs.quantize_name("f32"), mmq_small.small_name(
-        dt, mmq_small.small_nt(n), mmq_small.SMALL_GLU, True)]
-    prods, biases, glu = fusion.parts(nodes)
-    args = launches[1].args
-    assert int(args.a) == fake_ptr(prods[0].srcs[0]) and int(args.a1) == fake_ptr(prods[1].srcs[0])
-    assert int(args.out) == fake_ptr(glu) and int(args.glu_kind) == GLU_CODES["swiglu"]
-    assert (int(args.bias), int(args.bias1)) == ((fake_ptr(biases[0]), fake_ptr(biases[1])) if bias else (0, 0))
-    assert launches[1].block == 32 * mmq_small.SMALL_GLU.warps
-    assert launches[1].smem == mmq_small.small_smem(dt, mmq_small.small_nt(n), int(args.kts), mmq_small.SMALL_GLU,
-                                                    True) <= 227 * 1024
-
-
-@pytest.mark.usefixtures("mmq_glu_on")
-def test_mmq_small_glu_declines_what_does_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fused launch whose rings of both weights would not fit in shared memory: the group runs unfused."""
-    y = gate_up_glu("q4_0", 8192, 2048, 16, False, "swiglu")
-    graph = Graph.build(y)
-    assert fusion.check(H200, graph.nodes, graph) is True
-    monkeypatch.setattr(mmq_small, "SMALL_GLU", mmq_small.SmallConfig(warps=16, stages=8))
-    assert fusion.check(H200, graph.nodes, graph) == ("mmq_small's fused GLU: b's slice and the warps' rings of both "
-                                                      "weights do not fit in shared memory")
-
-
-@gpu
-@pytest.mark.usefixtures("mmq_small_selected", "mmq_glu_on")
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("n", [9, 16, 32])
-@pytest.mark.parametrize("dt", ["q4_0", "q8_0", "q4_K", "q6_K"])
-def test_mmq_small_fused_glu(dt: str, n: int, bias: bool, rng) -> None:  # noqa: ANN001
-    """The fused gate/up GLU on mmq_small (split K at the 1b preset's 8192 x 2048, an M tail at 77 rows; swiglu,
-    geglu) on poisoned arenas against the reference (sub-scaled formats: random valid blocks, on b rounded to
-    q8_1) and against the unfused plan (two mmq_small launches, then glu: the same q8_1 b)."""
-    sub = dt not in specs.LEGACY_NAMES
-    for m, k, kind in ((8192, 2048, "swiglu"), (77, 4096, "geglu")):
-        y = gate_up_glu(dt, m, k, n, bias, kind)
-        feeds = subscaled_feeds(y, rng) if sub else feeds_for(y, rng)
-        plan = od.compile(y, "cuda0")
-        assert [s.kernel for s in plan.fusions] == ["mul_mat_add_glu" if bias else "mul_mat_glu"], plan.explain()
-        poison_arenas(plan)
-        (fused,) = plan.run(feeds)
-        what = f"fused {kind} a={dt} m={m} k={k} n={n} bias={bias}"
-        (ref,) = od.compile(y, "cpu").run(q8_1_rounded(feeds, "x") if sub else feeds)
-        assert_close(fused, ref, what, 1e-6 if sub else NMSE_MAX)
-        unfused_plan, unfused, _ = run_both(y, feeds, fusion=False)
-        assert {s.kernel for s in steps_of(unfused_plan, "mul_mat")} == {"mmq_small"}, unfused_plan.explain()
-        assert_close(fused, unfused, f"{what} vs unfused", 1e-7)
 
 
 @gpu

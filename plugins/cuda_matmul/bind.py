@@ -20,7 +20,7 @@ from .specs.gemm import GemmSpec, Spec, gemm_specs, out_prod_specs
 from .specs.mmf import addresses_ok, mmf_fused_specs, mmf_specs
 from .specs.mmq import mmq_addresses, mmq_specs
 from .specs.mmq_id import mmq_id_specs
-from .specs.mmq_small import SMALL_GLU, small_specs
+from .specs.mmq_small import small_specs
 from .specs.mmv import fused_specs, grouped_specs, mmv_id_specs, mmv_specs
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
     path = support.choose(nodes[0], ctx.device).path
     if path == "mmf":
         return _bind(ctx, nodes[-1], lambda scratch: mmf_fused_specs(nodes, ctx.ptr, scratch, ctx.device))
-    if path in fusion.GEMM_PATHS:  # mul_mat -> add (a bias or a residual), mmq_small's gate/up GLU
+    if path in fusion.GEMM_PATHS:  # mul_mat -> add (a bias or a residual)
         return _bind(ctx, nodes[-1], lambda scratch: gemm_fused_specs(nodes, path, ctx.ptr, scratch, ctx.device))
     if path == "mmq_id" and mmq_addresses(ctx.ptr, nodes[0].srcs[0]):  # mul_mat_id -> add_id
         bias = fusion.parts(nodes)[1][0]
@@ -128,17 +128,13 @@ def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
 
 def gemm_fused_specs(nodes: Sequence[Tensor], path: str, ptr: Ptr, scratch: Scratch, device: Device | None
                      ) -> list[KernelSpec]:
-    """The launches of `path` (mmq or mmq_small) for a mul_mat_add group, or (mmq_small) a gate/up GLU group, on
-    `device`, writing its last node. Raises ValueError when the weights are not 16-byte aligned (the unfused
-    mul_mat falls back to dequant_cublas then; an arena aligns every tensor to 256 bytes)."""
-    prods, biases, glu = fusion.parts(nodes)
-    prod, bias = prods[0], biases[0]
-    if not all(mmq_addresses(ptr, p.srcs[0]) for p in prods):
+    """The launches of `path` (mmq or mmq_small) for a mul_mat_add group on `device`, writing its add. Raises
+    ValueError when the weights are not 16-byte aligned (the unfused mul_mat falls back to dequant_cublas then;
+    an arena aligns every tensor to 256 bytes)."""
+    (prod,), (bias,), _ = fusion.parts(nodes)
+    if not mmq_addresses(ptr, prod.srcs[0]):
         raise ValueError(f"{path}: the weights of {prod.describe()} are not 16-byte aligned")
     epi = dict(out=nodes[-1], bias=bias, bias_col=fusion.bias_col(prod, bias))
-    if glu is not None:  # fusion.check let it through on mmq_small only
-        return small_specs(prod, ptr, scratch, device, SMALL_GLU, a1=prods[1].srcs[0], bias1=biases[1], glu=glu,
-                           **epi)
     if path == "mmq":
         return mmq_specs(prod, ptr, scratch, **epi)
     return small_specs(prod, ptr, scratch, device, **epi)

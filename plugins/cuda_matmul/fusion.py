@@ -10,13 +10,11 @@ node but the last is read only inside the group):
   mul_mat_add_glu       the same with a bias after each mul_mat
   mul_mat_id_glu        mul_mat_id(wg, x, ids), mul_mat_id(wu, x, ids) -> glu
   mul_mat_id_add_id_glu the same with add_id biases (gpt-oss)
-The fused kernels are the mat-vec ones, mmf, mmq (mul_mat_add only), mmq_small
-(mul_mat_add; the GLU groups where support.MMQ_GLU is set) and mmq_id (the bias of
-add_id), so each product must take a mat-vec path (mul_mat with N <= 8; mul_mat_id
-with one token for the GLU groups), mmf (mul_mat, f16/bf16 weights, up to 16 columns),
-a quantized GEMM (mul_mat -> add, block formats, more than 8 columns; a GLU pair on
-mmq_small, its rings twice as deep fitting in shared memory) or mmq_id (mul_mat_id ->
-add_id with many tokens), with b in f32.
+The fused kernels are the mat-vec ones, mmf, mmq and mmq_small (mul_mat_add only) and
+mmq_id (the bias of add_id), so each product must take a mat-vec path (mul_mat with
+N <= 8; mul_mat_id with one token for the GLU groups), mmf (mul_mat, f16/bf16
+weights, up to 16 columns), a quantized GEMM (mul_mat -> add, block formats, more
+than 8 columns) or mmq_id (mul_mat_id -> add_id with many tokens), with b in f32.
 The add may read the product as either source; the addend is only read (it may be
 the residual stream other nodes read too). The kernels add element
 r * bias_col + m of the addend to output row r = (i3 * B2 + i2) * N + n, column m
@@ -37,13 +35,12 @@ from opdispatch.support import whole_elements
 from opdispatch.tensor import Tensor
 
 from . import support
-from .specs import mmq_small
 
 MMV_PATHS = ("mmvf", "mmvq_stream", "mmvq", "mmv_id", "mmv_id_grouped")
-#: the quantized GEMMs of mul_mat: a bias or residual epilogue (mq::finish); a GLU on mmq_small (support.MMQ_GLU)
+#: the quantized GEMMs of mul_mat: a bias or residual epilogue (mq::finish), no GLU
 GEMM_PATHS = ("mmq", "mmq_small")
-#: the paths whose kernels take the epilogues: the mat-vecs, the tensor-core mmf, the quantized GEMMs (mmq: bias
-#: only), and mmq_id (add_id's bias; its GLU groups are one token's, which mmv_id takes)
+#: the paths whose kernels take the epilogues: the mat-vecs, the tensor-core mmf, the quantized GEMMs (bias only),
+#: and mmq_id (add_id's bias; its GLU groups are one token's, which mmv_id takes)
 FUSED_PATHS = (*MMV_PATHS, "mmf", *GEMM_PATHS, "mmq_id")
 
 #: (rule name, pattern), longest first: dispatch takes the first rule whose check passes
@@ -57,30 +54,16 @@ PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def _gemm_glu(node: Tensor, path: str, device: Device | None) -> bool | str:
-    """True if the quantized GEMM `path` runs `node` fused with its GLU twin, else why not."""
-    n = support.batch_n(node)
-    if path != "mmq_small":
-        return f"{node.op} takes {path}, which fuses a bias or residual, not a GLU (batch {n})"
-    if not support.MMQ_GLU:
-        return f"{node.op} takes mmq_small, whose fused GLU is off until timed on the H200 (support.MMQ_GLU)"
-    if not mmq_small.small_fits(node, device, mmq_small.SMALL_GLU, glu=True):
-        return "mmq_small's fused GLU: b's slice and the warps' rings of both weights do not fit in shared memory"
-    return True
-
-
-def _mmv(node: Tensor, glu: bool, device: Device | None) -> bool | str:
-    """True if `node` runs on a path that fuses (a mat-vec, mmf, a quantized GEMM: with `glu` mmq_small where
-    switched on) with an f32 b, else why not."""
+def _mmv(node: Tensor, glu: bool) -> bool | str:
+    """True if `node` runs on a path that fuses (a mat-vec, mmf, or without `glu` a quantized GEMM) with an f32 b,
+    else why not."""
     c = support.choose(node)
     if c.reason:
         return f"{node.op}: {c.reason}"
     if c.path not in FUSED_PATHS:
         return f"{node.op} takes {c.path}, not a mat-vec kernel, mmf or mmq (batch {support.batch_n(node)})"
     if glu and c.path in GEMM_PATHS:
-        why = _gemm_glu(node, c.path, device)
-        if why is not True:
-            return why
+        return f"{node.op} takes {c.path}, which fuses a bias or residual, not a GLU (batch {support.batch_n(node)})"
     if node.srcs[1].dtype.name != "f32":
         return f"{node.op}: b must be f32 to fuse, got {node.srcs[1].dtype.name}"
     return True
@@ -173,7 +156,7 @@ def check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
     body = list(nodes[:-1] if glu is not None else nodes)
     prods = [n for n in body if n.op in ("mul_mat", "mul_mat_id")]
     for p in prods:
-        why = _mmv(p, glu is not None, device)
+        why = _mmv(p, glu is not None)
         if why is not True:
             return why
     ends = []

@@ -48,11 +48,6 @@ MMQ_SMALL_MIN_N = 9
 #: 2026-12-02). Its tests empty it.
 MMQ_SMALL_SKIP: frozenset[str] = frozenset({"q8_0"})
 MMQ_SMALL_MAX_N = 32
-#: mul_mat_glu / mul_mat_add_glu groups whose products take mmq_small run fused (one quantize_q8_1, one mmq_small
-#: launch streaming both weights, the GLU applied as out is written: fusion.py). Off until timed on the H200: the
-#: unfused pair (two mmq_small launches, each quantizing b, then glu) is what ran the 1b batch-16 decode measured
-#: in docs/benchmarks.md. Its tests set it.
-MMQ_GLU = False
 #: most experts the routing kernel of mmv_id_grouped and mmq_id takes (shared memory: 2 ints an expert)
 ROUTE_MAX_EXPERTS = 4096
 #: mul_mat_id with several tokens takes mmq_id (the quantized GEMM) where it has more than this many (token,

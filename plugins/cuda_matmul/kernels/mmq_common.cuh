@@ -276,27 +276,16 @@ __device__ __forceinline__ void step_acc(float (&acc)[4], const AFrag& f, unsign
 // output row r = brow0 + n, column m adds bias[r * bias_col + m] (bias_col 0: one row for every output
 // row; else a residual addend's rows, bias_col floats apart). Rows past M and columns past N are not
 // written. Every thread of the block calls it.
-// GLU (a fused gate/up pair, mmq_small): acc holds 2 FM tiles, the gate's rows then the up's same rows;
-// out = mm::epilogue<EPI_GLU> of the two sums (bias and bias1 the gate's and the up's addends, indexed
-// alike; glu_kind, alpha, limit as the mat-vecs'); with split K the block writes planes 2 split (gate) and
-// 2 split + 1 (up), and the last block sums each over the splits before the GLU.
-template <int FM, int FN, bool GLU = false>
-__device__ __forceinline__ void finish(const float (&acc)[GLU ? 2 * FM : FM][FN][4], int r0, int c0, int M, int N,
-                                       long long brow0, float* out, float* part, int split, int splits,
-                                       long long plane, int* counter, const float* bias, long long bias_col,
-                                       const float* bias1 = nullptr, int glu_kind = 0, float alpha = 0.0f,
-                                       float limit = 0.0f) {
-    constexpr int P = GLU ? 2 : 1;  // the products: planes a split
+template <int FM, int FN>
+__device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, int c0, int M, int N, long long brow0,
+                                       float* out, float* part, int split, int splits, long long plane,
+                                       int* counter, const float* bias, long long bias_col) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    // output (n, m) as written to out, from the sums of the product (v) and of the up product (GLU)
-    auto result = [&](float v, float up, int n, int m) {
-        const long long at = (brow0 + n) * bias_col + m;
-        if constexpr (GLU) {
-            return mm::epilogue<EPI_GLU>(v, up, bias, bias1, at, glu_kind, alpha, limit);
-        } else {
-            return bias != nullptr ? v + bias[at] : v;
-        }
+    // the sum of output (n, m) as written to out
+    auto biased = [&](float v, int n, int m) {
+        return bias != nullptr ? v + bias[(brow0 + n) * bias_col + m] : v;
     };
+    float* const dst = (splits == 1 ? out : part + split * plane) + brow0 * M;
 #pragma unroll
     for (int fm = 0; fm < FM; ++fm) {
 #pragma unroll
@@ -306,15 +295,8 @@ __device__ __forceinline__ void finish(const float (&acc)[GLU ? 2 * FM : FM][FN]
                 const int m = r0 + 16 * fm + g + 8 * (i / 2);
                 const int n = c0 + 8 * fn + 2 * t + i % 2;
                 if (m < M && n < N) {
-                    const long long at = (brow0 + n) * M + m;
-                    if (splits == 1) {
-                        out[at] = result(acc[fm][fn][i], acc[P * FM - FM + fm][fn][i], n, m);
-                    } else {
-#pragma unroll
-                        for (int p = 0; p < P; ++p) {
-                            part[(P * split + p) * plane + at] = acc[p * FM + fm][fn][i];
-                        }
-                    }
+                    dst[static_cast<long long>(n) * M + m] = splits == 1 ? biased(acc[fm][fn][i], n, m)
+                                                                         : acc[fm][fn][i];
                 }
             }
         }
@@ -322,6 +304,8 @@ __device__ __forceinline__ void finish(const float (&acc)[GLU ? 2 * FM : FM][FN]
     if (splits == 1 || !od::last_block(counter, splits)) {
         return;
     }
+    const float* const src = part + brow0 * M;
+    float* const o = out + brow0 * M;
 #pragma unroll
     for (int fm = 0; fm < FM; ++fm) {
 #pragma unroll
@@ -331,15 +315,12 @@ __device__ __forceinline__ void finish(const float (&acc)[GLU ? 2 * FM : FM][FN]
                 const int m = r0 + 16 * fm + g + 8 * (i / 2);
                 const int n = c0 + 8 * fn + 2 * t + i % 2;
                 if (m < M && n < N) {
-                    const long long at = (brow0 + n) * M + m;
-                    float sum[P] = {};
+                    const long long at = static_cast<long long>(n) * M + m;
+                    float sum = 0.0f;
                     for (int s = 0; s < splits; ++s) {
-#pragma unroll
-                        for (int p = 0; p < P; ++p) {
-                            sum[p] += __ldcg(part + (P * s + p) * plane + at);
-                        }
+                        sum += __ldcg(src + s * plane + at);
                     }
-                    out[at] = result(sum[0], sum[P - 1], n, m);
+                    o[at] = biased(sum, n, m);
                 }
             }
         }

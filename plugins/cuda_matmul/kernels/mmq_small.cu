@@ -30,33 +30,24 @@
 // With `preload` (constant weights) the first NS - 1 K tiles' copies are issued before the PDL wait
 // for quantize_q8_1.
 //
-// GLU (fusion.py's mul_mat_glu / mul_mat_add_glu: gate a, up a1, alike in format, shape and strides, the
-// same b): each warp streams the same WR rows of both weights (its stage holds the gate's rows, then the
-// up's), so one b slice feeds twice the mma and 2 FM accumulator tiles; mq::finish applies the GLU
-// (mm::epilogue<EPI_GLU>: bias, bias1, glu_kind, alpha, limit) as out is written, after split K's planes
-// (two a split) are summed. One quantize_q8_1 for the pair.
-//
 // Requirements (support.mmq_small_ok, as mmq's): rows of whole 16-byte chunks (specs/stream.py's
 // STREAMED), a 16-byte aligned; a slice holds at most kts K tiles (the b copy's size, a launch
 // argument); the last K tile may be short (whole chunks). Rows past M read row M - 1 and write nothing.
-// Dynamic shared memory (specs/mmq_small.py's small_smem): 8 NT (BCOL + BSCOL) + W NS WR RS bytes (twice
-// the ring with GLU).
+// Dynamic shared memory (specs/mmq_small.py's small_smem): 8 NT (BCOL + BSCOL) + W NS WR RS bytes.
 
 #include "mmq_common.cuh"
 
 using mm::u8;
 
-template <int WT, int NT, int FM, int W, int NS, int KB, bool GLU = false>
+template <int WT, int NT, int FM, int W, int NS, int KB>
 __global__ void __launch_bounds__(32 * W)
     mmq_small(const u8* a, long long a_row, long long a_s2, long long a_s3, int r2, int r3, const u8* bq,
               const u8* bds, int nbp, float* out, int M, int K, int N, const float* bias, long long bias_col,
-              int tiles_m, int splits, int kts, float* part, int* counters, int preload, const u8* a1,
-              const float* bias1, int glu_kind, float alpha, float limit) {
+              int tiles_m, int splits, int kts, float* part, int* counters, int preload) {
     od::grid_enter_later();  // below: after the first weight copies when the weights are constant
     using Q = mm::Fmt<WT>;
     using T = mq::Tile<Q, KB>;
-    constexpr int FA = GLU ? 2 * FM : FM;  // the warp's m16 tiles: FM of a, then (GLU) the same rows of a1
-    constexpr int WR = 16 * FM, BM = WR * W, NP = 8 * NT, RS = T::RS, STAGE = 16 * FA * RS;
+    constexpr int WR = 16 * FM, BM = WR * W, NP = 8 * NT, RS = T::RS, STAGE = WR * RS;
     static_assert(NS >= 2, "a ring of two stages at least");
     extern __shared__ uint4 smem_u4[];
     u8* const smem = reinterpret_cast<u8*>(smem_u4);
@@ -65,9 +56,7 @@ __global__ void __launch_bounds__(32 * W)
     const int i2 = blockIdx.y, i3 = blockIdx.z;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int row0 = tm * BM + warp * WR;  // the warp's first row
-    const long long wbatch = (i3 / r3) * a_s3 + (i2 / r2) * a_s2;
-    const u8* const wa = a + wbatch;
-    const u8* const wa1 = GLU ? a1 + wbatch : nullptr;
+    const u8* const wa = a + (i3 / r3) * a_s3 + (i2 / r2) * a_s2;
     const long long batch = static_cast<long long>(i3) * gridDim.y + i2;
     const long long brow0 = batch * N;
     const int nb = K / 32, nkt = (nb + KB - 1) / KB;
@@ -79,24 +68,22 @@ __global__ void __launch_bounds__(32 * W)
     u8* const ring = bscales + NP * bscol + warp * NS * STAGE;
 
     // K tile kt of the slice into stage st: the warp's rows' blocks (the granules that cover them,
-    // lead() bytes before the first block where K tiles are not whole granules), a's rows then a1's
+    // lead() bytes before the first block where K tiles are not whole granules)
     auto lead = [&](int kt) { return T::ALIGNED ? 0 : (kt0 + kt) * KB / T::STEPS * Q::BYTES % 16; };
     auto issue = [&](int kt, u8* st) {
         const int j0 = (kt0 + kt) * KB, kb = min(KB, nb - j0);
         const int at = j0 / T::STEPS * Q::BYTES - lead(kt);
         const int wg = (lead(kt) + kb / T::STEPS * Q::BYTES + (T::ALIGNED ? 0 : 15)) / 16;
-        for (int i = lane; i < 16 * FA * wg; i += 32) {
+        for (int i = lane; i < WR * wg; i += 32) {
             const int r = i / wg, x = i - r * wg;
-            const u8* const w = GLU && r >= WR ? wa1 : wa;
-            const int wr = GLU ? r % WR : r;  // the row of w
-            const u8* src = w + static_cast<long long>(min(row0 + wr, M - 1)) * a_row + at + 16 * x;
+            const u8* src = wa + static_cast<long long>(min(row0 + r, M - 1)) * a_row + at + 16 * x;
             od::cp_async16(od::smem_addr(st + r * RS + 16 * x), src);
         }
     };
 
-    float acc[FA][NT][4];
+    float acc[FM][NT][4];
 #pragma unroll
-    for (int fm = 0; fm < FA; ++fm) {
+    for (int fm = 0; fm < FM; ++fm) {
 #pragma unroll
         for (int fn = 0; fn < NT; ++fn) {
 #pragma unroll
@@ -155,9 +142,9 @@ __global__ void __launch_bounds__(32 * W)
         const int kb = min(KB, nb - (kt0 + kt) * KB);
 #pragma unroll 2
         for (int j = 0; j < kb; ++j) {
-            mq::AFrag af[FA];
+            mq::AFrag af[FM];
 #pragma unroll
-            for (int fm = 0; fm < FA; ++fm) {
+            for (int fm = 0; fm < FM; ++fm) {
                 const u8* r0 = wst + (16 * fm + g) * RS;
                 mq::a_frag<WT, KB>(r0, r0 + 8 * RS, j, t, af[fm]);
             }
@@ -171,7 +158,7 @@ __global__ void __launch_bounds__(32 * W)
                 const float2 s0 = *reinterpret_cast<const float2*>(bs);
                 const float2 s1 = *reinterpret_cast<const float2*>(bs + bscol);
 #pragma unroll
-                for (int fm = 0; fm < FA; ++fm) {
+                for (int fm = 0; fm < FM; ++fm) {
                     mq::step_acc<WT>(acc[fm][fn], af[fm], b0, b1, s0, s1);
                 }
             }
@@ -180,6 +167,6 @@ __global__ void __launch_bounds__(32 * W)
     od::cp_async_wait<0>();  // only empty groups can be left
 
     const long long plane = static_cast<long long>(gridDim.y) * gridDim.z * N * M;
-    mq::finish<FM, NT, GLU>(acc, row0, 0, M, N, brow0, out, part, split, splits, plane,
-                            counters + batch * tiles_m + tm, bias, bias_col, bias1, glu_kind, alpha, limit);
+    mq::finish<FM, NT>(acc, row0, 0, M, N, brow0, out, part, split, splits, plane, counters + batch * tiles_m + tm,
+                       bias, bias_col);
 }

@@ -13,7 +13,7 @@ import math
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, f32, i32, i64, instance, ptr
+from opdispatch.backends.cuda.args import KernelArgs, i32, i64, instance, ptr
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
@@ -49,9 +49,6 @@ class SmallConfig:
 
 #: the configuration binds use (support.MMQ_SMALL_MAX_N: the most columns)
 SMALL = SmallConfig()
-#: the fused gate/up GLU's (a warp streams its rows of both weights): half SMALL's warps, so that a block streams
-#: as many rows and its rings take the same shared memory (q6_K's would not fit twice). Untimed (support.MMQ_GLU).
-SMALL_GLU = attrs.evolve(SMALL, warps=SMALL.warps // 2)
 #: what scripts/mmq_sweep.py --kernel mmq_small times (SMALL first): one tunable changed at a time around the first
 #: guess (4 warps a block), and a few that put more weights in flight an SM (deeper rings, more warps or blocks,
 #: 32-step K tiles)
@@ -76,20 +73,18 @@ def small_nt(n: int) -> int:
     return next(nt for nt in SMALL_NTS if 8 * nt >= n)
 
 
-def small_name(dt: str, nt: int, cfg: SmallConfig = SMALL, glu: bool = False) -> str:
-    """The instance (GLU: the fused gate/up kernel, named only when set: it defaults to false)."""
-    return instance("mmq_small", W_KIND[dt], nt, cfg.fm, cfg.warps, cfg.stages, cfg.kb, *((True,) if glu else ()))
+def small_name(dt: str, nt: int, cfg: SmallConfig = SMALL) -> str:
+    return instance("mmq_small", W_KIND[dt], nt, cfg.fm, cfg.warps, cfg.stages, cfg.kb)
 
 
-#: every instance the binds launch: each of mmq's formats, each column tile count, plain and the fused GLU
-NAMES: tuple[str, ...] = (*(small_name(dt, nt) for dt in MMQ_FORMATS for nt in SMALL_NTS),
-                          *(small_name(dt, nt, SMALL_GLU, True) for dt in MMQ_FORMATS for nt in SMALL_NTS))
+#: every instance the binds launch: each of mmq's formats, each column tile count
+NAMES: tuple[str, ...] = tuple(small_name(dt, nt) for dt in MMQ_FORMATS for nt in SMALL_NTS)
 
 
 @attrs.frozen
 class SmallArgs(KernelArgs):
     """mmq_small's arguments: the head, the bias as mmq's (specs/mmq.py's MmqArgs), the cut, split K's scratch,
-    preload; a fused GLU's up weights a1 and addend bias1, its kind and alpha / limit (0 without)."""
+    preload."""
 
     KERNELS = ("mmq_small",)
     _head: GemmHead = attrs.field()
@@ -101,11 +96,6 @@ class SmallArgs(KernelArgs):
     part: np.uint64 = ptr()
     counters: np.uint64 = ptr()
     preload: np.int32 = i32()
-    a1: np.uint64 = ptr()
-    bias1: np.uint64 = ptr()
-    glu_kind: np.int32 = i32()
-    alpha: np.float32 = f32()
-    limit: np.float32 = f32()
 
 
 @attrs.frozen
@@ -126,31 +116,27 @@ def small_grid(m: int, k: int, batches: int, device: Device | None, cfg: SmallCo
     return SmallGrid(tiles_m, splits, math.ceil(nkt / splits))
 
 
-def small_smem(dt: str, nt: int, kts: int, cfg: SmallConfig = SMALL, glu: bool = False) -> int:
+def small_smem(dt: str, nt: int, kts: int, cfg: SmallConfig = SMALL) -> int:
     """Dynamic shared memory of a block: b's slice (codes and scales of 8 nt columns, each padded to an odd
-    number of granules), then each warp's ring (of both weights' rows with GLU)."""
+    number of granules), then each warp's ring."""
     b_col = (kts * cfg.kb * 32 + 16) + (kts * cfg.kb * 8 + 16)
-    return 8 * nt * b_col + (2 if glu else 1) * cfg.warps * cfg.stages * 16 * cfg.fm * row_stride(dt, cfg.kb)
+    return 8 * nt * b_col + cfg.warps * cfg.stages * 16 * cfg.fm * row_stride(dt, cfg.kb)
 
 
-def small_fits(node: Tensor, device: Device | None, cfg: SmallConfig = SMALL, glu: bool = False) -> bool:
-    """True if mul_mat `node`'s launch (glu: fused with its up twin's) fits the device's shared memory (None: an
-    H200)."""
+def small_fits(node: Tensor, device: Device | None, cfg: SmallConfig = SMALL) -> bool:
+    """True if mul_mat `node`'s launch fits the device's shared memory (None: an H200)."""
     a = node.srcs[0]
     (b3, b2, n, _), _ = geometry(node)
     grid = small_grid(a.shape[-2], a.shape[-1], b3 * b2, device, cfg)
-    return small_smem(a.dtype.name, small_nt(n), grid.kts, cfg, glu) <= device_facts(device).smem_per_block_optin
+    return small_smem(a.dtype.name, small_nt(n), grid.kts, cfg) <= device_facts(device).smem_per_block_optin
 
 
 def small_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None = None,
                 cfg: SmallConfig = SMALL, *, out: Tensor | None = None, bias: Tensor | None = None,
-                bias_col: int = 0, a1: Tensor | None = None, bias1: Tensor | None = None,
-                glu: Tensor | None = None) -> list[KernelSpec]:
+                bias_col: int = 0) -> list[KernelSpec]:
     """quantize_q8_1 of b into the scratch buffer "bq", then mmq_small, for mul_mat `node` (its path mmq_small);
     split K also takes the scratch buffers of the partial sums and of the row tiles' counters (zeroed once:
-    the kernel sets them back). A fused mul_mat_add writes `out` (default node), adding `bias` as mmq_specs; a
-    fused gate/up pair (`glu` the group's glu node; cfg SMALL_GLU in the binds) multiplies the up weights `a1`
-    by the same b, adds `bias` and `bias1` (rows bias_col floats apart) and writes the GLU to `out`."""
+    the kernel sets them back). A fused mul_mat_add writes `out` (default node), adding `bias` as mmq_specs."""
     a, b = node.srcs
     (_, _, m, k), _ = geometry(a)
     (b3, b2, n, _), _ = geometry(b)
@@ -158,15 +144,12 @@ def small_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
     q = quant.args
     dt, nt = a.dtype.name, small_nt(n)
     grid = small_grid(m, k, b3 * b2, device, cfg)
-    fused = glu is not None
     part = counters = 0
     if grid.splits > 1:
-        part = scratch("mmq partial sums", (2 if fused else 1) * grid.splits * b3 * b2 * n * m * 4)
+        part = scratch("mmq partial sums", grid.splits * b3 * b2 * n * m * 4)
         counters = scratch("mmq split counters", b3 * b2 * grid.tiles_m * 4, zeroed=True)
-    _, epi = mmv._epilogue(ptr, glu, bias, bias1)
-    args = SmallArgs(head=gemm_head(node, node if out is None else out, ptr, q), bias=epi["bias0"],
+    args = SmallArgs(head=gemm_head(node, node if out is None else out, ptr, q), bias=addr(ptr, bias),
                      bias_col=bias_col, tiles_m=grid.tiles_m, splits=grid.splits, kts=grid.kts, part=part,
-                     counters=counters, preload=mmv._preload(a, a1), a1=addr(ptr, a1), bias1=epi["bias1"],
-                     glu_kind=epi["glu_kind"], alpha=epi["alpha"], limit=epi["limit"])
-    return [quant, KernelSpec(MMQ_SMALL_CU, small_name(dt, nt, cfg, fused), (grid.tiles_m * grid.splits, b2, b3),
-                              32 * cfg.warps, args, smem=small_smem(dt, nt, grid.kts, cfg, fused))]
+                     counters=counters, preload=mmv._preload(a))
+    return [quant, KernelSpec(MMQ_SMALL_CU, small_name(dt, nt, cfg), (grid.tiles_m * grid.splits, b2, b3),
+                              32 * cfg.warps, args, smem=small_smem(dt, nt, grid.kts, cfg))]
