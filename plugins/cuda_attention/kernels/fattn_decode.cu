@@ -171,11 +171,9 @@ __global__ void __launch_bounds__(128, D == 64 ? 4 : 2) fattn_decode(
             }
         }
     };
-    // start the K/V stream first, a tile a stage (a group each); the Q fragments are built while it flies.
-    // Fused, the last stage holds the rotated q until then: its tile is copied after them.
-    constexpr int FIRST = ROPE != 0 ? STAGES - 1 : STAGES;
+    // start the K/V stream first; the Q fragments are built while it flies
 #pragma unroll
-    for (int i = 0; i < FIRST; ++i) {
+    for (int i = 0; i < STAGES - 1; ++i) {
         if (i < n_tiles) {
             load_kv(i);
         }
@@ -302,13 +300,6 @@ __global__ void __launch_bounds__(128, D == 64 ? 4 : 2) fattn_decode(
             }
         }
     }
-    if constexpr (FIRST < STAGES) {
-        __syncthreads();  // everyone's fragments are built: the rotated q's stage is free
-        if (FIRST < n_tiles) {
-            load_kv(FIRST);
-        }
-        od::cp_async_commit();
-    }
     // logit in log2 units: softcap ? cap*tanh(s*scale/cap) : s*scale, times log2(e)
     const float mul2 = softcap != 0.0f ? softcap * LOG2E : scale * LOG2E;
     const float in_scale = softcap != 0.0f ? scale / softcap : 1.0f;
@@ -321,20 +312,13 @@ __global__ void __launch_bounds__(128, D == 64 ? 4 : 2) fattn_decode(
     float mrun[2] = {NEG_BIG, NEG_BIG};
     float lrun[2] = {0.0f, 0.0f};
 
-    // Group g holds tile g: the first STAGES before the loop, then tile i + STAGES - 1 at iteration i >= 1.
     for (int i = 0; i < n_tiles; ++i) {
-        if (i == 0) {  // tile i has landed (this thread's copies) ...
-            od::cp_async_wait<STAGES - 1>();
-        } else {
-            od::cp_async_wait<STAGES - 2>();
+        od::cp_async_wait<STAGES - 2>();  // tile i has landed (this thread's copies) ...
+        __syncthreads();              // ... everyone's, and everyone is done with tile i - 1
+        if (i + STAGES - 1 < n_tiles) {
+            load_kv(i + STAGES - 1);  // into the stage tile i - 1 used
         }
-        __syncthreads();  // ... everyone's, and everyone is done with tile i - 1
-        if (i > 0) {
-            if (i + STAGES - 1 < n_tiles) {
-                load_kv(i + STAGES - 1);  // into the stage tile i - 1 used
-            }
-            od::cp_async_commit();
-        }
+        od::cp_async_commit();
 
         if constexpr (ROPE != 0) {
             if (i == own_tile && warp == own_row / 16) {  // the warp that reads the row replaces it
