@@ -75,6 +75,15 @@ def _residual(dt: str, m: int, k: int, n: int, batch: tuple = (), pad: int = 0) 
     return ops.add(r, ops.mul_mat(od.input("w", (m, k), dt), od.input("x", (*batch, n, k))))
 
 
+def _normed(dt: str, m: int, k: int, n: int, glu: bool = False) -> Tensor:
+    """rms_norm(x) * w before a product (or a gate/up GLU pair): the fused rms_norm groups."""
+    h = ops.mul(ops.rms_norm(od.input("x", (n, k)), 1e-5), od.input("nw", (k,)))
+    if not glu:
+        return ops.mul_mat(od.input("w", (m, k), dt), h)
+    return ops.glu_split(ops.mul_mat(od.input("wg", (m, k), dt), h), ops.mul_mat(od.input("wu", (m, k), dt), h),
+                         "swiglu")
+
+
 DEFAULT = specs.STREAM
 #: name: (graph, stream config, eager copies); each covers a part of the layout (stream.stream_layout)
 CASES = {
@@ -101,6 +110,9 @@ CASES = {
     "mul_mat_id q8_0 add_id, 2 stages 2 warps": (lambda: moe("q8_0", 4, 33, 4096, 1, 2, False, True),
                                                  specs.StreamConfig(2, 2, 1), False),
     "mul_mat_id glu q5_1 add_id": (lambda: moe("q5_1", 6, 19, 128, 1, 4, True, True), DEFAULT, True),
+    "rms_norm q4_0 K2048 N1": (lambda: _normed("q4_0", 77, 2048, 1), DEFAULT, False),
+    "rms_norm q8_0 K4096 N8, 2 warps": (lambda: _normed("q8_0", 33, 4096, 8), specs.StreamConfig(2, 2, 1), True),
+    "rms_norm glu q4_0 K2048 N2": (lambda: _normed("q4_0", 45, 2048, 2, glu=True), DEFAULT, False),
 }
 #: quant_k.cuh's formats: rows of one chunk (R 32 for the 1-block chunks), of several, long rows of two
 #: segments (a partial second for iq4_xs / mxfp4), every epilogue, mul_mat_id; N from 1 to 8 over the formats
@@ -109,7 +121,7 @@ K_FORMATS = tuple(stream.STREAM_K_FORMATS)
 K_LONG = {"iq4_xs": 33 * 512, "mxfp4": 33 * 512, "iq1_m": 33 * 512}  # else 14336: 56 pieces of 256 values
 #: the cases the grid I-quants skip (their dot32_in still meets every layout; the emulation's time): what they
 #: add is the kernel's, which the other formats' cases cover
-GRID_SKIPS = ("rows of 7 chunks", "bias, N", "3 of 4 experts")
+GRID_SKIPS = ("rows of 7 chunks", "bias, N", "3 of 4 experts", "rms_norm")
 
 
 def _k_cases(dt: str, i: int) -> dict:
@@ -127,6 +139,8 @@ def _k_cases(dt: str, i: int) -> dict:
                                                      i % 2 == 0),
         f"mul_mat_id {dt} 3 of 4 experts": (lambda: moe(dt, 4, 33, 2 * rv, 1, 3, False, False), DEFAULT, False),
         f"mul_mat_id glu {dt} add_id": (lambda: moe(dt, 6, 19, rv, 1, 2, True, True), DEFAULT, True),
+        f"rms_norm {dt} rows of 4 chunks, N {1 + i % 3}": (lambda: _normed(dt, 29, 4 * rv, 1 + i % 3), DEFAULT,
+                                                           i % 2 == 0),
     }
 
 
@@ -166,22 +180,21 @@ def _nodes(y: Tensor) -> list[Tensor]:
 
 def _specs(y: Tensor, arena: Arena, cfg: specs.StreamConfig) -> list[KernelSpec]:
     nodes = _nodes(y)
-    make = (mmv.mmv_specs if nodes[0].op == "mul_mat"
-            else lambda *a, **kw: mmv.mmv_id_specs(*a, arena.guard, **kw))
-    if len(nodes) == 1:
-        return make(nodes[0], nodes[0], arena.ptr, arena.scratch, device=DEVICE, stream=cfg)
-    graph = Graph.build(y)
-    assert fusion.check(DEVICE, nodes, graph) is True
+    if len(nodes) > 1:
+        assert fusion.check(DEVICE, nodes, Graph.build(y)) is True
     prods, biases, glu = fusion.parts(nodes)
-    cols = {"bias_col": fusion.bias_col(prods[0], biases[0])} if nodes[0].op == "mul_mat" else {}
-    return make(prods[0], nodes[-1], arena.ptr, arena.scratch, a1=prods[1].srcs[0] if glu else None,
-                bias0=biases[0], bias1=biases[1] if glu else None, glu=glu, device=DEVICE, stream=cfg, **cols)
+    kw = dict(a1=prods[1].srcs[0] if glu else None, bias0=biases[0], bias1=biases[1] if glu else None, glu=glu,
+              device=DEVICE, stream=cfg)
+    if prods[0].op == "mul_mat":
+        return mmv.mmv_specs(prods[0], nodes[-1], arena.ptr, arena.scratch, norm=fusion.norm_of(nodes),
+                             bias_col=fusion.bias_col(prods[0], biases[0]), **kw)
+    return mmv.mmv_id_specs(prods[0], nodes[-1], arena.ptr, arena.scratch, arena.guard, **kw)
 
 
 def _instance(y: Tensor, cfg: specs.StreamConfig) -> str:
     nodes = _nodes(y)
-    first = nodes[0]
-    epi = specs.EPI_GLU if nodes[-1].op == "glu" else (specs.EPI_BIAS if len(nodes) == 2 else specs.EPI_NONE)
+    (first, *_), biases, glu = fusion.parts(nodes)
+    epi = specs.EPI_GLU if glu is not None else (specs.EPI_BIAS if biases[0] is not None else specs.EPI_NONE)
     tb = first.srcs[1].dtype.name
     n = 1 if first.op == "mul_mat_id" else first.shape[-2]  # mul_mat_id: one column a (token, slot)
     dt = first.srcs[0].dtype.name
@@ -264,10 +277,19 @@ def test_mmvq_stream_emulated(case: str, emulator: Path, tmp_path: Path, rng) ->
     assert not word.any(), f"{what}: error word {word} set by valid ids"
     assert np.isfinite(got).all(), f"{what}: non-finite outputs (unwritten, or read before landing)"
     assert nmse(got, ref) <= NMSE_MAX, f"{what}: NMSE {nmse(got, ref):.3g}"
-    b = _nodes(y)[0].srcs[1]
+    nodes = _nodes(y)
+    b = fusion.parts(nodes)[0][0].srcs[1]
     if b in feeds and b.dtype.name == "f32":  # b a plain f32 input: the kernel's rounding of it, exactly
         (model,) = od.compile(y, "cpu").run({**feeds, b: q8_1_rounded(feeds[b])})
         assert nmse(got, model) <= NMSE_Q8_1, f"{what}: NMSE {nmse(got, model):.3g} against b rounded to q8_1"
+    norm = fusion.norm_of(nodes)
+    if norm is not None and nodes[-1].op == "mul_mat":  # the kernel's math: x * w rounded to q8_1, then the scale
+        x = feeds[norm.x]
+        scale = 1 / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + norm.eps)
+        a = nodes[-1].srcs[0]
+        (raw,) = od.compile(ops.mul_mat(a, norm.x), "cpu").run({a: feeds[a], norm.x: q8_1_rounded(x * feeds[norm.w])})
+        model = raw * scale
+        assert nmse(got, model) <= NMSE_Q8_1, f"{what}: NMSE {nmse(got, model):.3g} against x * w rounded to q8_1"
 
 
 @pytest.mark.parametrize(("dt", "bad", "slot"), [
@@ -315,7 +337,7 @@ def test_cases_cover_the_layouts() -> None:
     seen: dict[str, set] = {}
     for make, cfg, _ in CASES.values():
         nodes = _nodes(make())
-        a = nodes[0].srcs[0]
+        a = fusion.parts(nodes)[0][0].srcs[0]
         lay = stream.stream_layout(a.dtype.name, a.shape[-1], nodes[-1].op == "glu")
         seen.setdefault(a.dtype.name, set()).add((min(lay.R, 2), min(lay.S, 2), nodes[-1].op == "glu"))
     every = set().union(*seen.values())

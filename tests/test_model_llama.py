@@ -3,6 +3,8 @@ configs from HF config dicts, and sampling."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import io
 import math
 import re
@@ -389,9 +391,15 @@ def test_unstacked_projections_get_the_fused_kernels_of_the_stacked_ones(n_token
     mixed, stacked = (compile(m.build(n_tokens, 300 if n_tokens == 1 else 0, batch=batch)[0], H200) for m in models)
     rule = "rope_qkv_flash_attn_ext" if n_tokens == 1 else "rope_qkv_set_rows"
     assert fused_kernels(stacked).count(rule) == cfg.layers
-    assert fused_kernels(mixed) == fused_kernels(stacked)
+    # Up to the mat-vecs' 8 columns the stacked layers' attention norm runs inside their q/k/v mat-vec
+    # (rms_norm_mul_mat); the unstacked layer's is read by three products, so cuda_norm's rms_norm -> mul runs
+    # it: one launch more.
+    norm_in_matvec = n_tokens * batch <= mm_support.MMV_MAX_N
+    only_mixed = Counter(fused_kernels(mixed)) - Counter(fused_kernels(stacked))
+    only_stacked = Counter(fused_kernels(stacked)) - Counter(fused_kernels(mixed))
+    assert (only_mixed, only_stacked) == (({"rms_norm_mul": 1}, {"rms_norm_mul_mat": 1}) if norm_in_matvec else ({}, {}))
     assert mixed.summary()["copies"] == 0
-    assert mixed.summary()["launches"] == stacked.summary()["launches"] + 2  # the second layer's k and v
+    assert mixed.summary()["launches"] == stacked.summary()["launches"] + 2 + norm_in_matvec  # k and v (the norm)
 
 
 @pytest.mark.gpu

@@ -114,7 +114,7 @@ def bind_mmq_id(ctx: CudaContext, node: Tensor) -> Launch:
 
 
 def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
-    path = support.choose(nodes[0], ctx.device).path
+    path = support.choose(fusion.parts(nodes)[0][0], ctx.device).path
     if path == "mmf":
         return _bind(ctx, nodes[-1], lambda scratch: mmf_fused_specs(nodes, ctx.ptr, scratch, ctx.device))
     if path in fusion.GEMM_PATHS:  # mul_mat -> add (a bias or a residual)

@@ -10,6 +10,8 @@ node but the last is read only inside the group):
   mul_mat_add_glu       the same with a bias after each mul_mat
   mul_mat_id_glu        mul_mat_id(wg, x, ids), mul_mat_id(wu, x, ids) -> glu
   mul_mat_id_add_id_glu the same with add_id biases (gpt-oss)
+  rms_norm_mul_mat      rms_norm(x) -> mul(w) -> mul_mat           a decoder's norm before its q/k/v or
+  rms_norm_mul_mat_glu  rms_norm(x) -> mul(w) -> mul_mat_glu       gate/up (or LM head) product
 The fused kernels are the mat-vec ones, mmf, mmq and mmq_small (mul_mat_add only) and
 mmq_id (the bias of add_id), so each product must take a mat-vec path (mul_mat with
 N <= 8; mul_mat_id with one token for the GLU groups), mmf (mul_mat, f16/bf16
@@ -19,13 +21,19 @@ The add may read the product as either source; the addend is only read (it may b
 the residual stream other nodes read too). The kernels add element
 r * bias_col + m of the addend to output row r = (i3 * B2 + i2) * N + n, column m
 (`bias_col`: 0 for one row). GLU groups need both weights of one dtype, shape and
-strides, the same b (and ids), and biases whose rows are spaced alike. Anything
-else: a reason, and the nodes run unfused.
+strides, the same b (and ids), and biases whose rows are spaced alike. The rms_norm
+groups take mmvq_stream only (its kernel quantizes x * w and scales each column's
+products by the norm's rsqrt: NORM_PATHS), with x f32 of one batch and w one
+contiguous f32 row of K values; the norm's kernel launch and its result's round trip
+through memory go. Anything else: a reason, and the nodes run unfused (or by a
+smaller rule: cuda_norm's rms_norm -> mul).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
+
+import attrs
 
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
@@ -43,8 +51,15 @@ GEMM_PATHS = ("mmq", "mmq_small")
 #: and mmq_id (add_id's bias; its GLU groups are one token's, which mmv_id takes)
 FUSED_PATHS = (*MMV_PATHS, "mmf", *GEMM_PATHS, "mmq_id")
 
+#: the paths whose kernel takes a fused rms_norm (the rms_norm_mul_mat groups)
+NORM_PATHS = ("mmvq_stream",)
+#: the ops a group opens with when it fuses the rms_norm before its products
+NORM_PREFIX = ("rms_norm", "mul")
+
 #: (rule name, pattern), longest first: dispatch takes the first rule whose check passes
 PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("rms_norm_mul_mat_glu", (*NORM_PREFIX, "mul_mat", "mul_mat", "glu")),
+    ("rms_norm_mul_mat", (*NORM_PREFIX, "mul_mat")),
     ("mul_mat_add_glu", ("mul_mat", "add", "mul_mat", "add", "glu")),
     ("mul_mat_id_add_id_glu", ("mul_mat_id", "add_id", "mul_mat_id", "add_id", "glu")),
     ("mul_mat_glu", ("mul_mat", "mul_mat", "glu")),
@@ -52,6 +67,52 @@ PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mul_mat_add", ("mul_mat", "add")),
     ("mul_mat_id_add_id", ("mul_mat_id", "add_id")),
 )
+
+
+@attrs.frozen
+class Norm:
+    """A group's fused rms_norm: the products read rms_norm(x) * w (eps the norm's)."""
+
+    x: Tensor
+    w: Tensor
+    eps: float
+
+
+def norm_of(nodes: Sequence[Tensor]) -> Norm | None:
+    """The fused rms_norm of a group that passed `check`, None for a group without one."""
+    if nodes[0].op != "rms_norm":
+        return None
+    norm, mul = nodes[:2]
+    return Norm(norm.srcs[0], _other(mul, norm), float(norm.params["eps"]))
+
+
+def _other(node: Tensor, src: Tensor) -> Tensor:
+    """The source of a binary `node` that is not `src`."""
+    return node.srcs[1] if node.srcs[0] is src else node.srcs[0]
+
+
+def _norm_ok(nodes: Sequence[Tensor]) -> bool | str:
+    """True if the products after rms_norm -> mul (nodes[2:]) can take the norm in their kernel, else why not."""
+    norm, mul, *rest = nodes
+    if norm not in mul.srcs:
+        return "mul does not read the rms_norm"
+    x, w = norm.srcs[0], _other(mul, norm)
+    if w is norm:
+        return "mul squares the rms_norm"
+    k = x.shape[-1]
+    if mul.shape != x.shape:
+        return f"mul broadcasts the rms_norm result into {mul.shape}"
+    if w.dtype.name != "f32" or w.size != k or w.shape[-1] != k or not w.is_contiguous():
+        return f"the norm weight {w.describe()} is not one contiguous f32 row of {k} values"
+    if x.dtype.name != "f32" or pad4(x.shape)[:2] != (1, 1):
+        return f"the rms_norm input {x.describe()} is not f32 of one batch"
+    for p in (n for n in rest if n.op == "mul_mat"):
+        if p.srcs[1] is not mul:
+            return "a mul_mat does not read the normed values as b"
+        path = support.choose(p).path
+        if path not in NORM_PATHS:
+            return f"mul_mat takes {path}; the rms_norm fuses into {', '.join(NORM_PATHS)} only"
+    return True
 
 
 def _mmv(node: Tensor, glu: bool) -> bool | str:
@@ -129,14 +190,15 @@ def _bias_ok(prod: Tensor, add: Tensor) -> bool | str:
 
 
 def _bias_of(prod: Tensor, add: Tensor) -> Tensor:
-    if add.op == "add_id":
-        return add.srcs[1]
-    return add.srcs[1] if add.srcs[0] is prod else add.srcs[0]
+    return add.srcs[1] if add.op == "add_id" else _other(add, prod)
 
 
 def parts(nodes: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor | None], Tensor | None]:
     """(the products, their biases (None where absent), the glu node or None) of a group
-    that passed `check`; a GLU group's pair comes as (gate, up), glu's first source first."""
+    that passed `check`; a GLU group's pair comes as (gate, up), glu's first source first. A fused
+    rms_norm (norm_of) is not among them."""
+    if nodes[0].op == "rms_norm":
+        nodes = nodes[2:]
     glu = nodes[-1] if nodes[-1].op == "glu" else None
     groups: list[list] = []  # [product, bias, the node glu reads]
     for n in nodes[:-1] if glu is not None else nodes:
@@ -152,6 +214,11 @@ def parts(nodes: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor | None], T
 
 def check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
     """True if one mat-vec kernel computes `nodes` (see the module docstring); else why not."""
+    if nodes[0].op == "rms_norm":
+        why = _norm_ok(nodes)
+        if why is not True:
+            return why
+        nodes = nodes[2:]
     glu = nodes[-1] if nodes[-1].op == "glu" else None
     body = list(nodes[:-1] if glu is not None else nodes)
     prods = [n for n in body if n.op in ("mul_mat", "mul_mat_id")]

@@ -51,7 +51,12 @@
 //           int8 codes, then NU float2 (d, d * sum), padded to an odd number of granules
 //           (conflict-free as the weights); codes read with 16-byte loads, (d, d * sum) two blocks
 //           at a time (legacy) or one (a unit of quant_k.cuh's formats).
-// Dynamic shared memory: N * C * BCHUNK + (blockDim.x / 32) * NS * 32 * PIECE bytes.
+// Fused rms_norm (norm_w not null; fusion.py's rms_norm_mul_mat groups): b is the norm's input x, and
+// the block quantizes x * norm_w while it sums x^2 (quantize_b); every output is then scaled by its
+// column's rsqrt(sum / K + norm_eps) before the epilogue, which is rms_norm(x) * norm_w . a up to float
+// rounding (q8_1's block scales absorb the column's scale).
+// Dynamic shared memory: N * C * BCHUNK + (blockDim.x / 32) * NS * 32 * PIECE bytes, then the norm's
+// sums (8 floats a warp).
 //
 // Scaling as q_rows: a legacy block's dot with b's codes (dp4a over raw codes c), then
 // d * (db * dot - zero * db * sum) (+ m * db * sum for q4_1 / q5_1); quant_k.cuh's units as their
@@ -215,21 +220,72 @@ __device__ __forceinline__ void store_q8_1_half(const float (&v)[16], int h, boo
 // Columns n < N of b (value k of column n at b + n * b_col + k * b_es) to q8_1 at bs (layout
 // above). Two threads (lanes 2i, 2i + 1) take a (column, block) item, 16 values each, so that every
 // thread of the block takes part; every thread runs the same rounds, so whole warps shuffle.
-template <int WT, int TB>
-__device__ __forceinline__ void quantize_b(const u8* b, long long b_col, long long b_es, int N, int K, int C, u8* bs) {
+// With a norm (nw not null: the fused rms_norm -> mul, b its input x): the values quantized are
+// x[k] * nw[k], and each warp leaves column n's sum of x^2 over its items at ss[warp * NT + n]; the
+// kernel scales the dot products by rsqrt(mean + eps) (norm_scales), which q8_1's per-block scale makes
+// the same as quantizing the normed values, up to float rounding.
+template <int WT, int TB, int NT>
+__device__ __forceinline__ void quantize_b(const u8* b, long long b_col, long long b_es, int N, int K, int C, u8* bs,
+                                           const float* nw, float* ss) {
     using Gm = Geo<WT>;
     constexpr int ES = TB == B_F32 ? 4 : 2;
     const int nb = K / 32, items = N * nb, pairs = static_cast<int>(blockDim.x / 2);
     const bool vec = b_es == ES && ((reinterpret_cast<unsigned long long>(b) | static_cast<unsigned long long>(b_col)) &
                                     15ull) == 0;
     const int h = static_cast<int>(threadIdx.x & 1);
+    float sq[NT];
+#pragma unroll
+    for (int c = 0; c < NT; ++c) {
+        sq[c] = 0.0f;
+    }
     for (int round = 0; round < items; round += pairs) {
         const int it = round + static_cast<int>(threadIdx.x / 2);
         const bool live = it < items;
         const int n = live ? it / nb : 0, j = live ? it - n * nb : 0;  // not live: item 0, read, not stored
         float v[16];
         load_b<TB>(b + n * b_col + (32ll * j + 16 * h) * b_es, b_es, vec, v);
+        if (nw != nullptr) {
+            float s = 0.0f;
+            float w[16];
+            load_b<B_F32>(reinterpret_cast<const u8*>(nw + 32 * j + 16 * h), 4, true, w);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                s += v[i] * v[i];
+                v[i] *= w[i];
+            }
+#pragma unroll
+            for (int c = 0; c < NT; ++c) {
+                sq[c] += live && c == n ? s : 0.0f;
+            }
+        }
         store_q8_1_half<WT>(v, h, live, bs + (static_cast<long long>(n) * C + j / Gm::NU) * Gm::BCHUNK, j % Gm::NU);
+    }
+    if (nw != nullptr) {
+        const int warp = static_cast<int>(threadIdx.x / od::WARP_SIZE);
+#pragma unroll
+        for (int c = 0; c < NT; ++c) {
+            const float t = od::warp_sum(sq[c]);
+            if (threadIdx.x % od::WARP_SIZE == 0) {
+                ss[warp * NT + c] = t;
+            }
+        }
+    }
+}
+
+// The fused rms_norm's scale of each column, rsqrt(sum x^2 / K + eps) from the warps' sums quantize_b
+// left at ss (after the block's barrier); 1 without a norm.
+template <int NT>
+__device__ __forceinline__ void norm_scales(const float* nw, const float* ss, int nwarps, int K, float eps,
+                                            float (&sc)[NT]) {
+#pragma unroll
+    for (int c = 0; c < NT; ++c) {
+        float t = 0.0f;
+        if (nw != nullptr) {
+            for (int w = 0; w < nwarps; ++w) {
+                t += ss[w * NT + c];
+            }
+        }
+        sc[c] = nw != nullptr ? rsqrtf(t / static_cast<float>(K) + eps) : 1.0f;
     }
 }
 
@@ -364,8 +420,8 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     mmvq_stream(const u8* a0, const u8* a1, long long a_row, long long a_s2, long long a_s3, int r2, int r3,
                 const u8* b, long long b_col, long long b_es, long long b_s2, long long b_s3, float* out, int M,
                 int K, int N, const float* bias0, const float* bias1, long long bias_col, int glu_kind, float alpha,
-                float limit, const u8* ids, long long ids_t, long long ids_u, int E, long long bias_e, int preload,
-                OD_INDEX_CHECK_PARAMS) {
+                float limit, const u8* ids, long long ids_t, long long ids_u, int E, long long bias_e,
+                const float* norm_w, float norm_eps, int preload, OD_INDEX_CHECK_PARAMS) {
     od::grid_enter_later();  // below: after the first weight copies when the weights are constant
     using Gm = mms::Geo<WT>;
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
@@ -414,6 +470,8 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     u8* const ring = smem + static_cast<long long>(N) * bcol_stride +
                      static_cast<long long>(warp) * NS * od::WARP_SIZE * Gm::PIECE;
     constexpr int STAGE = od::WARP_SIZE * Gm::PIECE;
+    float* const norm_ss = reinterpret_cast<float*>(smem + static_cast<long long>(N) * bcol_stride +
+                                                    static_cast<long long>(nwarps) * NS * STAGE);
 
     // the next unit to issue: group ig, unit iu of it
     int ig = g0, iu = 0;
@@ -452,7 +510,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     // whole matrix's (H200, cold, no preload: q4_0 4096^2 6.09 -> 5.44 us, q8_0 7.37 -> 6.92 us).
     const long long bb = i3 * b_s3 + i2 * b_s2;
     if (!preload) {
-        mms::quantize_b<WT, TB>(b + bb, b_col, b_es, N, K, L.C, bs);
+        mms::quantize_b<WT, TB, NT>(b + bb, b_col, b_es, N, K, L.C, bs, norm_w, norm_ss);
     }
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s) {
@@ -463,9 +521,11 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     }
     if (preload) {
         od::grid_enter();
-        mms::quantize_b<WT, TB>(b + bb, b_col, b_es, N, K, L.C, bs);
+        mms::quantize_b<WT, TB, NT>(b + bb, b_col, b_es, N, K, L.C, bs, norm_w, norm_ss);
     }
     __syncthreads();
+    float sc[NT];
+    mms::norm_scales<NT>(norm_w, norm_ss, nwarps, K, norm_eps, sc);
 
     // 2. the ring
     const int rs = lane / L.G, lc = lane % L.G;
@@ -542,7 +602,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
                     for (int n = 0; n < NT; ++n) {
                         if (n < N) {
                             o_base[static_cast<long long>(n) * M + m] =
-                                mm::epilogue<EPI>(acc[n], up[n], bias0_e, bias1_e, (brow0 + n) * bias_col + m,
+                                mm::epilogue<EPI>(acc[n] * sc[n], up[n] * sc[n], bias0_e, bias1_e, (brow0 + n) * bias_col + m,
                                                   glu_kind, alpha, limit);
                         }
                     }

@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import IndexCheck, KernelArgs, i32, i64, ptr
+from opdispatch.backends.cuda.args import IndexCheck, KernelArgs, f32, i32, i64, ptr
 from opdispatch.backends.cuda.devices import H200, DeviceFacts, facts
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.dtypes import DTYPES
@@ -39,8 +39,8 @@ SMEM_PER_BLOCK_RESERVED = 1024
 
 @attrs.frozen
 class StreamArgs(KernelArgs):
-    """mmvq_stream's arguments: the mat-vecs' head, then mul_mat_id's (ids 0 for a mul_mat), `preload`, the ids' check
-    (UNCHECKED for a mul_mat)."""
+    """mmvq_stream's arguments: the mat-vecs' head, then mul_mat_id's (ids 0 for a mul_mat), a fused rms_norm's
+    weight and eps (norm_w 0: none), `preload`, the ids' check (UNCHECKED for a mul_mat)."""
 
     KERNELS = ("mmvq_stream",)
     _head: MatvecHead = attrs.field()
@@ -49,6 +49,8 @@ class StreamArgs(KernelArgs):
     ids_u: np.int64 = i64()
     E: np.int32 = i32()
     bias_e: np.int64 = i64()
+    norm_w: np.uint64 = ptr()
+    norm_eps: np.float32 = f32()
     preload: np.int32 = i32()
     err_: IndexCheck
 
@@ -112,9 +114,10 @@ def stream_layout(dt: str, k: int, glu: bool) -> StreamLayout:
 
 
 def stream_smem(dt: str, k: int, n: int, warps: int, stages: int) -> int:
-    """Dynamic shared memory of an mmvq_stream block: b's n columns, then each warp's ring."""
+    """Dynamic shared memory of an mmvq_stream block: b's n columns, each warp's ring, then a fused norm's sums
+    (8 floats a warp)."""
     g = stream_geo(dt)
-    return n * (k // g.values) * g.bpiece + warps * stages * 32 * g.piece
+    return n * (k // g.values) * g.bpiece + warps * stages * 32 * g.piece + warps * 8 * 4
 
 
 def stream_warps(dt: str, k: int, n: int, device: Device | None, cfg: StreamConfig | None = None) -> int:

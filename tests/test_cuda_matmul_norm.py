@@ -1,0 +1,135 @@
+"""The rms_norm fused into the block-format mat-vec (cuda_matmul's rms_norm_mul_mat groups): rms_norm(x) -> mul(w)
+-> mul_mat, and the same before a gate/up GLU pair, run as one mmvq_stream launch that quantizes x * w and scales
+each column's products by the norm's rsqrt. Planning on the H200 description here (which groups fuse, what the
+launch reads, the declines and their reasons); on the GPU, against the reference and the unfused plan. The
+kernel's arithmetic on the CPU: tests/test_mmvq_stream_emulated.py's rms_norm cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import opdispatch as od
+from opdispatch import ops
+from opdispatch.backends.cuda.devices import H200
+from opdispatch.plugins.cuda_matmul import fusion, support
+from opdispatch.plugins.cuda_matmul.specs import mmv
+from opdispatch.tensor import Tensor
+from helpers import FakeGuard
+from test_cuda_matmul import assert_close, check_spec, fake_ptr, fake_scratch, feeds_for, gpu, poison_arenas
+
+EPS = 1e-5
+
+
+def normed(dt: str, m: int, k: int, n: int, glu: bool = False, w_shape: tuple | None = None) -> Tensor:
+    """rms_norm(x) * w before one product of type dt, or before a gate/up GLU pair."""
+    h = ops.mul(ops.rms_norm(od.input("x", (n, k)), EPS), od.input("nw", w_shape or (k,)))
+    if not glu:
+        return ops.mul_mat(od.input("w", (m, k), dt), h)
+    return ops.glu_split(ops.mul_mat(od.input("wg", (m, k), dt), h), ops.mul_mat(od.input("wu", (m, k), dt), h),
+                         "swiglu")
+
+
+@pytest.mark.parametrize("dt", ["q4_0", "q8_0", "q4_K", "q6_K", "iq4_xs"])
+@pytest.mark.parametrize("glu", [False, True])
+def test_norm_fuses_into_the_stream_matvec(dt: str, glu: bool) -> None:
+    """One launch for the whole group; it reads x (not the mul's result), the norm weight and eps."""
+    y = normed(dt, 256, 2048, 1, glu)
+    plan = od.compile(y, H200)
+    (step,) = plan.fusions
+    assert step.kernel == ("rms_norm_mul_mat_glu" if glu else "rms_norm_mul_mat"), plan.explain()
+    assert plan.summary()["launches"] == 1, plan.explain()
+    norm = fusion.norm_of(step.nodes)
+    assert norm is not None and (norm.x.name, norm.w.name, norm.eps) == ("x", "nw", pytest.approx(EPS))
+    (launch,) = mmv.fused_specs(step.nodes, fake_ptr, fake_scratch, FakeGuard(), H200)
+    check_spec(launch)
+    assert launch.kernel.startswith("mmvq_stream<") and ("EPI_GLU" in launch.kernel) == glu
+    args = launch.args
+    assert (int(args.b), int(args.norm_w)) == (fake_ptr(norm.x), fake_ptr(norm.w))
+    assert float(args.norm_eps) == pytest.approx(EPS)
+    assert int(args.out) == fake_ptr(step.nodes[-1])
+
+
+def test_unfused_matvec_passes_no_norm() -> None:
+    (launch,) = mmv.mmv_specs(y := ops.mul_mat(od.input("w", (64, 256), "q4_0"), od.input("x", (1, 256))), y,
+                              fake_ptr, fake_scratch, device=H200)
+    assert int(launch.args.norm_w) == 0
+
+
+@pytest.mark.parametrize(("make", "why"), [
+    (lambda: normed("f16", 256, 2048, 1), "takes mmvf; the rms_norm fuses into mmvq_stream only"),
+    (lambda: normed("q4_0", 256, 2048, 16), "takes mmq_small; the rms_norm fuses into mmvq_stream only"),
+    (lambda: normed("q4_0", 256, 2048, 2, w_shape=(2, 2048)), "is not one contiguous f32 row of 2048 values"),
+])
+def test_norm_declined_with_its_reason(make, why: str) -> None:  # noqa: ANN001
+    """Where the product is not mmvq_stream, or w is not one row, the group is declined with the reason, and
+    cuda_norm's rms_norm -> mul runs the norm."""
+    y = make()
+    nodes = [n for n in od.Graph.build(y).nodes]
+    assert why in str(fusion.check(H200, nodes, od.Graph.build(y)))
+    plan = od.compile(y, H200)
+    assert "rms_norm_mul" in [s.kernel for s in plan.fusions], plan.explain()
+    assert not any(s.kernel.startswith("rms_norm_mul_mat") for s in plan.fusions), plan.explain()
+
+
+def test_norm_read_elsewhere_is_not_fused() -> None:
+    """The normed values also feed another node (here a graph output): the products cannot absorb the norm."""
+    h = ops.mul(ops.rms_norm(od.input("x", (1, 512)), EPS), od.input("nw", (512,)))
+    y = ops.mul_mat(od.input("w", (64, 512), "q4_K"), h)
+    plan = od.compile([y, h], H200)
+    assert [s.kernel for s in plan.fusions] == ["rms_norm_mul"], plan.explain()
+
+
+def test_decode_plan_fuses_every_norm_into_its_matvec() -> None:
+    """A q4_0 decode step at batch 1 (the mat-vecs' widths: mmvq_stream): every rms_norm (two a layer and the final one) runs inside
+    the mat-vec after it: no norm kernel is left."""
+    from opdispatch.models.llama import PRESETS, LlamaModel, random_weights
+
+    import attrs
+
+    cfg = attrs.evolve(PRESETS["tiny"], hidden=256, heads=4, kv_heads=2, ffn=512, dtype="q4_0")  # head size 64
+    model = LlamaModel(cfg, random_weights(cfg))
+    plan = od.compile(model.build(1, 20)[0], H200)
+    kernels = [s.kernel for s in plan.fusions]
+    assert kernels.count("rms_norm_mul_mat") == cfg.layers + 1, plan.explain()
+    assert kernels.count("rms_norm_mul_mat_glu") == cfg.layers, plan.explain()
+    assert not any(s.nodes[0].op == "rms_norm" and not s.kernel.startswith("rms_norm_mul_mat") for s in plan.steps)
+    assert support.choose(next(s for s in plan.fusions if s.kernel == "rms_norm_mul_mat").nodes[2], H200).path == (
+        "mmvq_stream")
+
+
+@gpu
+@pytest.mark.parametrize("n", [1, 3, 8])
+@pytest.mark.parametrize("dt", ["q4_0", "q8_0", "q4_K", "q6_K", "iq4_xs", "mxfp4"])
+def test_norm_matvec_on_gpu(dt: str, n: int, rng) -> None:  # noqa: ANN001
+    """Against the reference and the unfused plan, every output written (arenas poisoned), over a CUDA graph's
+    capture and replays with new inputs each run."""
+    y = normed(dt, 300, 2048, n)
+    plan = od.compile(y, "cuda0")
+    assert [s.kernel for s in plan.fusions] == ["rms_norm_mul_mat"], plan.explain()
+    unfused = od.compile(y, "cuda0", fusion=False)
+    for run in range(3):
+        feeds = feeds_for(y, rng)
+        poison_arenas(plan)
+        (got,) = plan.run(feeds)
+        (ref,) = od.compile(y, "cpu").run(feeds)
+        (plain,) = unfused.run(feeds)
+        assert_close(got, ref, f"{dt} n={n} run {run}")
+        assert_close(got, plain, f"{dt} n={n} run {run} against the unfused plan")
+
+
+@gpu
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("dt", ["q4_0", "q4_K", "q6_K"])
+def test_norm_glu_matvec_on_gpu(dt: str, n: int, rng) -> None:  # noqa: ANN001
+    y = normed(dt, 512, 2048, n, glu=True)
+    plan = od.compile(y, "cuda0")
+    assert [s.kernel for s in plan.fusions] == ["rms_norm_mul_mat_glu"], plan.explain()
+    feeds = feeds_for(y, rng)
+    poison_arenas(plan)
+    (got,) = plan.run(feeds)
+    (ref,) = od.compile(y, "cpu").run(feeds)
+    (plain,) = od.compile(y, "cuda0", fusion=False).run(feeds)
+    assert_close(got, ref, f"glu {dt} n={n}")
+    assert_close(got, plain, f"glu {dt} n={n} against the unfused plan")
+    assert np.isfinite(got).all()
