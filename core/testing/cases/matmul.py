@@ -240,6 +240,40 @@ def _mul_mat_glu(name: str, full: bool) -> Iterator[Case]:
             yield one(ta, "swiglu", 77, n, _fused_k(ta))
 
 
+def _rms_norm_product(name: str, full: bool, glu: bool) -> Iterator[Case]:
+    """rms_norm(x) * w before a product (or a gate/up GLU pair): the mat-vecs take the norm (mmvq_stream for
+    block formats at whole chunks); elsewhere cuda_norm's rms_norm -> mul runs it. The normed values are
+    about 1 in size, so the product's bound holds (twice it for the GLU, as mul_mat_glu)."""
+    def one(ta: str, m: int, n: int, k: int) -> Case:
+        def make(inp: Inputs) -> Tensor:
+            h = ops.mul(ops.rms_norm(inp.uniform((n, k)), 1e-5), inp.uniform((k,)))
+            if not glu:
+                return ops.mul_mat(inp.source((m, k), ta), h)
+            return ops.glu_split(ops.mul_mat(inp.source((m, k), ta), h), ops.mul_mat(inp.source((m, k), ta), h),
+                                 "swiglu")
+
+        return Case("glu" if glu else "mul_mat", f"a={ta} m={m} n={n} k={k}", make,
+                    (2 if glu else 1) * bound("mul_mat", weight=ta), (4 if glu else 2) * m * n * k, fused=name)
+
+    yield one("q4_0", 77, 1, 512)
+    yield one("q4_K", 45, 3, 512)
+    yield one("q6_K", 13, 8, 2048)
+    yield one("f16", 16, 1, 64)
+    if full:
+        for ta, n in itertools.product(FLOATS + BLOCK_FORMATS, (1, 8)):
+            yield one(ta, 64, n, whole_k(ta, 512) if ta in BLOCK_FORMATS else 256)
+
+
+@fused("rms_norm_mul_mat", needs=("rms_norm", "mul", "mul_mat"))
+def _rms_norm_mul_mat(name: str, full: bool) -> Iterator[Case]:
+    yield from _rms_norm_product(name, full, glu=False)
+
+
+@fused("rms_norm_mul_mat_glu", needs=("rms_norm", "mul", "mul_mat", "glu"))
+def _rms_norm_mul_mat_glu(name: str, full: bool) -> Iterator[Case]:
+    yield from _rms_norm_product(name, full, glu=True)
+
+
 @fused("mul_mat_id_add_id", needs=("mul_mat_id", "add_id"))
 def _mul_mat_id_add_id(name: str, full: bool) -> Iterator[Case]:
     def one(ta: str, n_exp: int, used: int, n_tok: int, m: int, k: int) -> Case:
