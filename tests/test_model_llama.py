@@ -405,7 +405,8 @@ def test_unstacked_projections_get_the_fused_kernels_of_the_stacked_ones(n_token
 @pytest.mark.gpu
 def test_unstacked_projections_decode_as_the_stacked_ones() -> None:
     # The same f32 weights as three projections or one: the same kernels on the same values (the fused decode
-    # attention reads q, k, v rows through their strides), so the logits agree to f32 rounding.
+    # attention reads q, k, v rows through their strides) but the decode steps' attention norm (inside the
+    # stacked q/k/v mat-vec, cuda_norm's rms_norm -> mul before the three), so the logits agree to f32 rounding.
     w = random_weights(BIG, seed=3)
     gens = [Generator(LlamaModel(BIG, w, stack_qkv=s), "cuda0") for s in (False, True)]
     seq = list(PROMPT)
