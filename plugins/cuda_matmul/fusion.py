@@ -22,12 +22,11 @@ the residual stream other nodes read too). The kernels add element
 r * bias_col + m of the addend to output row r = (i3 * B2 + i2) * N + n, column m
 (`bias_col`: 0 for one row). GLU groups need both weights of one dtype, shape and
 strides, the same b (and ids), and biases whose rows are spaced alike. The rms_norm
-groups take mmvq_stream (its kernel quantizes x * w) and mmvf's 16-byte loads (K % 8 == 0,
-16-byte aligned rows; its kernel multiplies each x it loads by w), NORM_PATHS: both scale
-each column's products by the norm's rsqrt, with x f32 of one batch and w one contiguous
-f32 row of K values; the norm's kernel launch and its result's round trip through memory
-go. Anything else: a reason, and the nodes run unfused (or by a smaller rule: cuda_norm's
-rms_norm -> mul).
+groups take mmvq_stream only (its kernel quantizes x * w and scales each column's
+products by the norm's rsqrt: NORM_PATHS), with x f32 of one batch and w one
+contiguous f32 row of K values; the norm's kernel launch and its result's round trip
+through memory go. Anything else: a reason, and the nodes run unfused (or by a
+smaller rule: cuda_norm's rms_norm -> mul).
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ GEMM_PATHS = ("mmq", "mmq_small")
 FUSED_PATHS = (*MMV_PATHS, "mmf", *GEMM_PATHS, "mmq_id")
 
 #: the paths whose kernel takes a fused rms_norm (the rms_norm_mul_mat groups)
-NORM_PATHS = ("mmvq_stream", "mmvf")
+NORM_PATHS = ("mmvq_stream",)
 #: the ops a group opens with when it fuses the rms_norm before its products
 NORM_PREFIX = ("rms_norm", "mul")
 
@@ -113,8 +112,6 @@ def _norm_ok(nodes: Sequence[Tensor]) -> bool | str:
         path = support.choose(p).path
         if path not in NORM_PATHS:
             return f"mul_mat takes {path}; the rms_norm fuses into {', '.join(NORM_PATHS)} only"
-        if path == "mmvf" and (why := support.mmvf_vec_ok(p.srcs[0], x)) is not True:
-            return f"mmvf takes the rms_norm with its 16-byte loads only: {why}"
     return True
 
 

@@ -130,18 +130,6 @@ def _aligned16(t: Tensor) -> bool:
     return t.view_offset % 16 == 0 and all(s % 16 == 0 for s, n in zip(t.strides[:-1], t.shape[:-1]) if n > 1)
 
 
-def mmvf_vec_ok(a: Tensor, b: Tensor) -> bool | str:
-    """True if mmv reads float weights a and an f32 b with 16-byte loads (its VEC variant) wherever an arena
-    places them (256-byte aligned), else why not."""
-    if a.shape[-1] % 8:
-        return f"K={a.shape[-1]} is not a multiple of 8 (16-byte loads of the weights)"
-    if not _aligned16(a):
-        return "a's offset or row/batch strides are not multiples of 16 bytes"
-    if b.dtype.name != "f32" or b.strides[-1] != 4 or not _aligned16(b):
-        return f"b {b.describe()} is not f32 rows at 16-byte offsets"
-    return True
-
-
 def _whole_chunks(a: Tensor, row_values: int, chunk: int, device: Device | None, needs: str) -> bool | str:
     """What mmvq_stream and mmq ask of the weights: rows of whole `chunk`-byte chunks (K a multiple of
     `row_values`) copied 16 bytes at a time (a 16-byte aligned), and an sm_80 GPU for `needs`."""

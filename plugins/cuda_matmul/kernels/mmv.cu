@@ -64,8 +64,6 @@ __global__ void __launch_bounds__(QUANT_BLOCK) quantize_q8_1(const u8* b, long l
 // batch strides a_s2, a_s3; b columns b_col bytes apart, elements b_es bytes
 // apart (scalar variants), batch strides b_s2, b_s3; out contiguous (B3, B2, N, M); biases rows
 // bias_col floats apart (0: one row; mm_common.cuh's EPI_NONE).
-// norm_w not null (VEC only; fusion.py's rms_norm_mul_mat groups): b is the fused rms_norm's input x, the
-// outputs rms_norm(x, norm_eps) * norm_w . a (both halves of a GLU) before the epilogue; see mmv_tile.
 // preload != 0: a0 (and a1) are constant (no kernel writes them), see mmv_tile.
 template <int WT, int TB, int NT, int R, bool VEC, int EPI>
 __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, long long a_row, long long a_s2,
@@ -73,7 +71,7 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, lon
                                                  long long b_es, long long b_s2, long long b_s3, float* out, int M,
                                                  int K, int N, const float* bias0, const float* bias1,
                                                  long long bias_col, int glu_kind, float alpha, float limit,
-                                                 const float* norm_w, float norm_eps, int preload) {
+                                                 int preload) {
     od::grid_enter_later();  // in mmv_tile, after the preload of constant weights
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
     __shared__ float res[NW * R * NT];
@@ -88,7 +86,7 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv(const u8* a0, const u8* a1, lon
         bcol[n] = bb + (n < N ? n : 0) * b_col;
     }
     const int rows = min(R, M - m0);
-    mm::mmv_tile<WT, TB, NT, R, VEC, NW>(a, a_row, rows, bcol, N, b_es, K, res, preload != 0, norm_w, norm_eps);
+    mm::mmv_tile<WT, TB, NT, R, VEC, NW>(a, a_row, rows, bcol, N, b_es, K, res, preload != 0);
     const int t = threadIdx.x;
     if (t < R * NT) {
         const int r = t / NT, n = t % NT, m = m0 + r;

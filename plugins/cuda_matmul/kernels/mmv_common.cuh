@@ -43,13 +43,10 @@ __device__ __forceinline__ void block_reduce(float (&acc)[NV], float* res) {
 // Waits for the kernel before (od::grid_enter) before reading b; with `preload` (the weights are
 // constant: no kernel writes them) the first unit's weights are loaded before that wait, so that
 // their memory latency overlaps the previous kernel's tail (programmatic dependent launch).
-// With a norm (nw not null, VEC only: the fused rms_norm -> mul, b its input x; nw K floats, 16-byte
-// aligned): the sums are column n's rsqrt(mean(x^2) + eps) * sum_k a[k] * x[k] * nw[k], which is
-// rms_norm(x) * nw . a up to float rounding.
 template <int WT, int TB, int NT, int R, bool VEC, int NW>
 __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_row, int rows,
                                          const u8* const (&bcol)[NT], int ncols, long long b_es, int K, float* res,
-                                         bool preload = false, const float* nw = nullptr, float eps = 0.0f) {
+                                         bool preload = false) {
     const u8* arow[NW][R];
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
@@ -67,11 +64,6 @@ __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_r
     if constexpr (VEC) {
         // Float rows with 16-byte loads (K % 8 == 0, rows 16-byte aligned), b f32/f16/bf16.
         const int units = K / 8;
-        float sq[NT];  // with a norm: each column's sum of x^2 over this thread's units
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            sq[n] = 0.0f;
-        }
         // acc += the unit's weights c (row w * R + r) times b's values of unit u
         auto dot_unit = [&](int u, const float (&c)[NW * R][8]) {
             const int2 k = unit_k<WT>(u);
@@ -87,19 +79,6 @@ __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_r
 #pragma unroll
                     for (int j = 0; j < 8; ++j) {
                         bv[n][j] = 0.0f;
-                    }
-                }
-            }
-            if (nw != nullptr) {  // the products read x * nw; the norm's scale comes after the loop
-                const float4 x = load_b4<B_F32, true>(reinterpret_cast<const u8*>(nw), k.x, 4);
-                const float4 y = load_b4<B_F32, true>(reinterpret_cast<const u8*>(nw), k.y, 4);
-                const float w[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        sq[n] = fmaf(bv[n][j], bv[n][j], sq[n]);
-                        bv[n][j] *= w[j];
                     }
                 }
             }
@@ -140,20 +119,6 @@ __device__ __forceinline__ void mmv_tile(const u8* const (&a)[NW], long long a_r
             float c[NW * R][8];
             load_unit(u, c);
             dot_unit(u, c);
-        }
-        if (nw != nullptr) {
-            // Scaling the partial sums (before their reduction) by each column's whole-K scale is scaling the
-            // totals: the block reduces the x^2 sums first.
-            __shared__ float ss[NT];
-            block_reduce<NT>(sq, ss);
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const float s = rsqrtf(ss[n] / static_cast<float>(K) + eps);
-#pragma unroll
-                for (int i = 0; i < NW * R; ++i) {
-                    acc[i * NT + n] *= s;
-                }
-            }
         }
     } else {
         // Scalar float rows: any K, any alignment, b with any element stride.

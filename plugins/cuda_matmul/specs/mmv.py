@@ -44,12 +44,8 @@ class QuantizeArgs(KernelArgs):
 
 @attrs.frozen
 class MmvArgs(KernelArgs):
-    """mmv's arguments: the mat-vecs' head, a fused rms_norm's weight and eps (norm_w 0: none), `preload`."""
-
     KERNELS = ("mmv",)
     _head: MatvecHead = attrs.field()
-    norm_w: np.uint64 = ptr()
-    norm_eps: np.float32 = f32()
     preload: np.int32 = i32()
 
 
@@ -253,8 +249,7 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     """mmv (float weights), mmvq_stream or mmvq (block formats) for mul_mat `node` writing `out`
     (node itself, or the last node of a fused group) on `device` (None: an H200's description); the
     biases' rows bias_col floats apart (0: one row, fusion.bias_col); `norm`: b is rms_norm(norm.x) *
-    norm.w, which mmvq_stream and mmv's 16-byte-load (VEC) variant compute themselves from x (ValueError
-    should neither take the product).
+    norm.w, which mmvq_stream computes itself from x (ValueError should it not take the product).
 
     mmvq_stream where support.choose picks it (and a1, for a fused GLU, is aligned as a is), with
     `stream` (default STREAM) as its configuration; mmvq, quantize_q8_1 first, else."""
@@ -276,7 +271,7 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
         spec = stream_spec(node, args, epi, device, stream)
         if spec is not None:
             return [spec]
-    if norm is not None and a.dtype.is_quant:
+    if norm is not None:
         raise ValueError(f"the rms_norm before {node.describe()} fuses into mmvq_stream only, which does not take "
                          "it here (weights or norm weight not 16-byte aligned, or its shared memory does not fit)")
     if a.dtype.is_quant:
@@ -288,14 +283,10 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
         return [quant, KernelSpec(MMV_CU, mmvq_name(a.dtype.name, nt, epi), grid, q_threads(k),
                                   MmvqArgs(**rows, bq=q.bq, bds=q.bds, nbp=q.nbp, **sizes, **tail))]
     vec = (k % 4 == 0 and _b_vec(b, pb) and _a_vec(a, pa) and (a1 is None or ptr(a1) % 16 == 0))
-    if norm is not None and not (vec and tb == "f32" and prologue["norm_w"] % 16 == 0):
-        raise ValueError(f"the rms_norm before {node.describe()} fuses into mmv's 16-byte loads only, which do not "
-                         "take it here (K % 8, b not f32, or weights, x or norm weight not 16-byte aligned)")
     nt = nt_for(max(n, 1)) if vec and tb == "f32" else 8
     grid = (math.ceil(m / ROWS) if n else 0, b2, b3)
     return [KernelSpec(MMV_CU, mmv_name(a.dtype.name, tb, nt, vec, epi), grid, BLOCK,
-                       MmvArgs(head=MatvecHead(**rows, **cols, **sizes, **tail), **prologue,
-                               preload=_preload(a, a1)))]
+                       MmvArgs(head=MatvecHead(**rows, **cols, **sizes, **tail), preload=_preload(a, a1)))]
 
 
 def _id_b(node: Tensor, ptr: Ptr) -> tuple[int, int, int, int, bool]:
