@@ -4,12 +4,8 @@ NVRTC compiles a template instance only when asked by name, so each plugin
 declares, per .cu file, the name expressions it launches: a KERNEL_SOURCES
 {path: names} in its package or in a module of it. For each file the test
 writes a wrapper that includes it and takes the address of every instance,
-forcing nvcc (and ptxas) to build them all, as NVRTC would on the GPU. ptxas
-runs at -O0: it still reads and checks every instance's PTX (the inline PTX
-too), and optimizing them was three quarters of the test's time (mmq.cu: 72 s
-against 40 for a quarter of its instances); the GPU tests compile the
-instances they launch at full optimization, through NVRTC. Runs without a
-GPU; skips only when nvcc is absent. One test per file, each in
+forcing nvcc (and ptxas) to build them all, as NVRTC would on the GPU. Runs
+without a GPU; skips only when nvcc is absent. One test per file, each in
 its own folder, so the files compile in parallel under xdist; a file's
 instances are cut into one wrapper per CPU, compiled side by side, so that
 the files with the most instances (mmvq_stream.cu, mmq.cu) take a fraction
@@ -114,9 +110,8 @@ void* const instances[] = {(void*)&probe<od::quant::q4_0>, (void*)&probe<od::qua
 
 
 def nvcc(source: Path, workdir: Path, kernels_dir: Path) -> None:
-    """Compile as load_module does: the shared headers and the kernel's own folder on the include path (ptxas at
-    -O0: the module docstring says why)."""
-    cmd = [NVCC, "-arch=sm_90", "-std=c++17", "-Xptxas", "-O0", f"-I{INCLUDE}", f"-I{kernels_dir}", "-c", str(source),
+    """Compile as load_module does: the shared headers and the kernel's own folder on the include path."""
+    cmd = [NVCC, "-arch=sm_90", "-std=c++17", f"-I{INCLUDE}", f"-I{kernels_dir}", "-c", str(source),
            "-o", str(workdir / "out.o")]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, timeout=600)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
