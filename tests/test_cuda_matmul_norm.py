@@ -6,12 +6,14 @@ kernel's arithmetic on the CPU: tests/test_mmvq_stream_emulated.py's rms_norm ca
 
 from __future__ import annotations
 
-import numpy as np
+import attrs
 import pytest
 
 import opdispatch as od
 from opdispatch import ops
 from opdispatch.backends.cuda.devices import H200
+from opdispatch.hookspecs import Device
+from opdispatch.models.llama import PRESETS, LlamaModel, random_weights
 from opdispatch.plugins.cuda_matmul import fusion, support
 from opdispatch.plugins.cuda_matmul.specs import mmv
 from opdispatch.tensor import Tensor
@@ -51,9 +53,9 @@ def test_norm_fuses_into_the_stream_matvec(dt: str, glu: bool) -> None:
 
 
 def test_unfused_matvec_passes_no_norm() -> None:
-    (launch,) = mmv.mmv_specs(y := ops.mul_mat(od.input("w", (64, 256), "q4_0"), od.input("x", (1, 256))), y,
-                              fake_ptr, fake_scratch, device=H200)
-    assert int(launch.args.norm_w) == 0
+    y = ops.mul_mat(od.input("w", (64, 256), "q4_0"), od.input("x", (1, 256)))
+    (launch,) = mmv.mmv_specs(y, y, fake_ptr, fake_scratch, device=H200)
+    assert launch.kernel.startswith("mmvq_stream<") and int(launch.args.norm_w) == 0
 
 
 @pytest.mark.parametrize(("make", "why"), [
@@ -64,10 +66,20 @@ def test_unfused_matvec_passes_no_norm() -> None:
 def test_norm_declined_with_its_reason(make, why: str) -> None:  # noqa: ANN001
     """Where the product is not mmvq_stream, or w is not one row, the group is declined with the reason, and
     cuda_norm's rms_norm -> mul runs the norm."""
-    y = make()
-    nodes = [n for n in od.Graph.build(y).nodes]
-    assert why in str(fusion.check(H200, nodes, od.Graph.build(y)))
-    plan = od.compile(y, H200)
+    assert_declined(make(), why, H200)
+
+
+def test_norm_declined_where_the_device_takes_another_matvec() -> None:
+    """The check asks the device the group binds for: on an sm_75 GPU the product takes mmvq (no cp.async), so
+    the norm stays cuda_norm's, where an H200 description would have said mmvq_stream."""
+    old = Device("cuda0", "cuda", "an sm_75 GPU", {**H200.props, "cc": (7, 5)})
+    assert_declined(normed("q4_0", 256, 2048, 1), "takes mmvq; the rms_norm fuses into mmvq_stream only", old)
+
+
+def assert_declined(y: Tensor, why: str, device: Device) -> None:
+    graph = od.Graph.build(y)
+    assert why in str(fusion.check(device, list(graph.nodes), graph))
+    plan = od.compile(y, device)
     assert "rms_norm_mul" in [s.kernel for s in plan.fusions], plan.explain()
     assert not any(s.kernel.startswith("rms_norm_mul_mat") for s in plan.fusions), plan.explain()
 
@@ -81,12 +93,8 @@ def test_norm_read_elsewhere_is_not_fused() -> None:
 
 
 def test_decode_plan_fuses_every_norm_into_its_matvec() -> None:
-    """A q4_0 decode step at batch 1 (the mat-vecs' widths: mmvq_stream): every rms_norm (two a layer and the final one) runs inside
-    the mat-vec after it: no norm kernel is left."""
-    from opdispatch.models.llama import PRESETS, LlamaModel, random_weights
-
-    import attrs
-
+    """A q4_0 decode step at batch 1 (the mat-vecs' widths: mmvq_stream): every rms_norm (two a layer and the
+    final one) runs inside the mat-vec after it: no norm kernel is left."""
     cfg = attrs.evolve(PRESETS["tiny"], hidden=256, heads=4, kv_heads=2, ffn=512, dtype="q4_0")  # head size 64
     model = LlamaModel(cfg, random_weights(cfg))
     plan = od.compile(model.build(1, 20)[0], H200)
@@ -132,4 +140,3 @@ def test_norm_glu_matvec_on_gpu(dt: str, n: int, rng) -> None:  # noqa: ANN001
     (plain,) = od.compile(y, "cuda0", fusion=False).run(feeds)
     assert_close(got, ref, f"glu {dt} n={n}")
     assert_close(got, plain, f"glu {dt} n={n} against the unfused plan")
-    assert np.isfinite(got).all()

@@ -91,7 +91,7 @@ def _other(node: Tensor, src: Tensor) -> Tensor:
     return node.srcs[1] if node.srcs[0] is src else node.srcs[0]
 
 
-def _norm_ok(nodes: Sequence[Tensor]) -> bool | str:
+def _norm_ok(device: Device, nodes: Sequence[Tensor]) -> bool | str:
     """True if the products after rms_norm -> mul (nodes[2:]) can take the norm in their kernel, else why not."""
     norm, mul, *rest = nodes
     if norm not in mul.srcs:
@@ -109,16 +109,16 @@ def _norm_ok(nodes: Sequence[Tensor]) -> bool | str:
     for p in (n for n in rest if n.op == "mul_mat"):
         if p.srcs[1] is not mul:
             return "a mul_mat does not read the normed values as b"
-        path = support.choose(p).path
+        path = support.choose(p, device).path
         if path not in NORM_PATHS:
             return f"mul_mat takes {path}; the rms_norm fuses into {', '.join(NORM_PATHS)} only"
     return True
 
 
-def _mmv(node: Tensor, glu: bool) -> bool | str:
+def _mmv(device: Device, node: Tensor, glu: bool) -> bool | str:
     """True if `node` runs on a path that fuses (a mat-vec, mmf, or without `glu` a quantized GEMM) with an f32 b,
     else why not."""
-    c = support.choose(node)
+    c = support.choose(node, device)
     if c.reason:
         return f"{node.op}: {c.reason}"
     if c.path not in FUSED_PATHS:
@@ -215,7 +215,7 @@ def parts(nodes: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor | None], T
 def check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
     """True if one mat-vec kernel computes `nodes` (see the module docstring); else why not."""
     if nodes[0].op == "rms_norm":
-        why = _norm_ok(nodes)
+        why = _norm_ok(device, nodes)
         if why is not True:
             return why
         nodes = nodes[2:]
@@ -223,7 +223,7 @@ def check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
     body = list(nodes[:-1] if glu is not None else nodes)
     prods = [n for n in body if n.op in ("mul_mat", "mul_mat_id")]
     for p in prods:
-        why = _mmv(p, glu is not None)
+        why = _mmv(device, p, glu is not None)
         if why is not True:
             return why
     ends = []

@@ -602,8 +602,8 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
                     for (int n = 0; n < NT; ++n) {
                         if (n < N) {
                             o_base[static_cast<long long>(n) * M + m] =
-                                mm::epilogue<EPI>(acc[n] * sc[n], up[n] * sc[n], bias0_e, bias1_e, (brow0 + n) * bias_col + m,
-                                                  glu_kind, alpha, limit);
+                                mm::epilogue<EPI>(acc[n] * sc[n], up[n] * sc[n], bias0_e, bias1_e,
+                                                  (brow0 + n) * bias_col + m, glu_kind, alpha, limit);
                         }
                     }
                 }
