@@ -1,6 +1,7 @@
 """The rms_norm fused into the block-format mat-vec (cuda_matmul's rms_norm_mul_mat groups): rms_norm(x) -> mul(w)
 -> mul_mat, and the same before a gate/up GLU pair, run as one mmvq_stream launch that quantizes x * w and scales
-each column's products by the norm's rsqrt. Planning on the H200 description here (which groups fuse, what the
+each column's products by the norm's rsqrt; where other nodes read the normed values too, the launch also writes
+them (rms_norm_mul_mat_share). Planning on the H200 description here (which groups fuse, what the
 launch reads, the declines and their reasons); on the GPU, against the reference and the unfused plan. The
 kernel's arithmetic on the CPU: tests/test_mmvq_stream_emulated.py's rms_norm cases."""
 
@@ -14,6 +15,7 @@ from opdispatch import ops
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.hookspecs import Device
 from opdispatch.models.llama import PRESETS, LlamaModel, random_weights
+from opdispatch.models.llama.stored import random_params
 from opdispatch.plugins.cuda_matmul import fusion, support
 from opdispatch.plugins.cuda_matmul.specs import mmv
 from opdispatch.tensor import Tensor
@@ -84,12 +86,45 @@ def assert_declined(y: Tensor, why: str, device: Device) -> None:
     assert not any(s.kernel.startswith("rms_norm_mul_mat") for s in plan.fusions), plan.explain()
 
 
-def test_norm_read_elsewhere_is_not_fused() -> None:
-    """The normed values also feed another node (here a graph output): the products cannot absorb the norm."""
+def shared(n: int, k: int = 2048) -> list[Tensor]:
+    """rms_norm(x) * w read by three products, as a decoder's separate q (q4_K), k (q4_K) and v (q6_K)."""
+    h = ops.mul(ops.rms_norm(od.input("x", (n, k)), EPS), od.input("nw", (k,)))
+    return [ops.mul_mat(od.input(name, (m, k), dt), h) for name, m, dt in
+            (("wq", 512, "q4_K"), ("wk", 128, "q4_K"), ("wv", 128, "q6_K"))]
+
+
+def test_norm_read_elsewhere_is_fused_and_written() -> None:
+    """The normed values also feed other products: the first product's mat-vec takes the norm and writes them
+    (rms_norm_mul_mat_share, the mul node its second output); the others read them. No norm launch is left."""
+    outs = shared(1)
+    plan = od.compile(outs, H200)
+    (step,) = plan.fusions
+    assert step.kernel == fusion.SHARE and [n.op for n in step.nodes] == ["rms_norm", "mul", "mul_mat"]
+    assert plan.summary()["launches"] == 3, plan.explain()
+    (launch,) = mmv.fused_specs(step.nodes, fake_ptr, fake_scratch, FakeGuard(), H200, share=True)
+    check_spec(launch)
+    assert int(launch.args.norm_out) == fake_ptr(step.nodes[1]) and int(launch.args.norm_w) == fake_ptr(
+        fusion.norm_of(step.nodes).w)
+    assert launch.kernel.endswith(", true>")  # the instance that writes them (KEEP)
+    (plain,) = mmv.fused_specs(step.nodes, fake_ptr, fake_scratch, FakeGuard(), H200)
+    assert int(plain.args.norm_out) == 0 and not plain.kernel.endswith(", true>")
+
+
+def test_share_declined_above_one_column() -> None:
+    """The instances that write the normed values take one column: at 4, the norm stays cuda_norm's."""
+    outs = shared(4)
+    graph = od.Graph.build(outs)
+    assert "4 columns" in str(fusion.check_share(H200, list(graph.nodes)[:3], graph))
+    plan = od.compile(outs, H200)
+    assert [s.kernel for s in plan.fusions] == ["rms_norm_mul"], plan.explain()
+
+
+def test_normed_graph_output_is_written_by_the_matvec() -> None:
+    """The normed values a graph output: the same rule writes them."""
     h = ops.mul(ops.rms_norm(od.input("x", (1, 512)), EPS), od.input("nw", (512,)))
     y = ops.mul_mat(od.input("w", (64, 512), "q4_K"), h)
     plan = od.compile([y, h], H200)
-    assert [s.kernel for s in plan.fusions] == ["rms_norm_mul"], plan.explain()
+    assert [s.kernel for s in plan.fusions] == [fusion.SHARE], plan.explain()
 
 
 def test_decode_plan_fuses_every_norm_into_its_matvec() -> None:
@@ -104,6 +139,43 @@ def test_decode_plan_fuses_every_norm_into_its_matvec() -> None:
     assert not any(s.nodes[0].op == "rms_norm" and not s.kernel.startswith("rms_norm_mul_mat") for s in plan.steps)
     assert support.choose(next(s for s in plan.fusions if s.kernel == "rms_norm_mul_mat").nodes[2], H200).path == (
         "mmvq_stream")
+
+
+def test_q4_k_m_decode_plan_fuses_every_norm() -> None:
+    """A Q4_K_M decode step at batch 1: the layers whose attn_v is q6_K stack only q and k, so their norm is read
+    by two products: rms_norm_mul_mat_share runs it in the q/k mat-vec. No norm kernel is left."""
+    cfg = attrs.evolve(PRESETS["tiny"], hidden=2048, heads=16, kv_heads=4, ffn=1024, layers=4, vocab=512,
+                       dtype="q4_K")
+    model = LlamaModel(cfg, random_params(cfg, weights="Q4_K_M"))
+    unstacked = sum(layer.wqkv is None for layer in model.layers)
+    assert 0 < unstacked < cfg.layers
+    plan = od.compile(model.build(1, 20)[0], H200)
+    kernels = [s.kernel for s in plan.fusions]
+    assert kernels.count(fusion.SHARE) == unstacked, plan.explain()
+    assert kernels.count("rms_norm_mul_mat") == cfg.layers - unstacked + 1, plan.explain()
+    assert not any(s.nodes[0].op == "rms_norm" and not s.kernel.startswith("rms_norm_mul_mat") for s in plan.steps)
+
+
+@gpu
+@pytest.mark.parametrize("k", [2048, 4096])
+def test_norm_share_on_gpu(k: int, rng) -> None:  # noqa: ANN001
+    """Three products of the normed values, and the values themselves, against the reference and the unfused plan
+    over capture and replays with new inputs; every output written (arenas poisoned)."""
+    n = 1
+    outs = shared(n, k)
+    h = outs[0].srcs[1]
+    plan = od.compile([*outs, h], "cuda0")
+    assert [s.kernel for s in plan.fusions] == [fusion.SHARE], plan.explain()
+    unfused = od.compile([*outs, h], "cuda0", fusion=False)
+    for run in range(3):
+        feeds = feeds_for(outs, rng)
+        poison_arenas(plan)
+        got = plan.run(feeds)
+        ref = od.compile([*outs, h], "cpu").run(feeds)
+        plain = unfused.run(feeds)
+        for i, (g, r, u) in enumerate(zip(got, ref, plain)):
+            assert_close(g, r, f"output {i} n={n} run {run}")
+            assert_close(g, u, f"output {i} n={n} run {run} against the unfused plan")
 
 
 @gpu

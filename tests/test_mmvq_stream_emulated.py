@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -114,6 +115,9 @@ CASES = {
     "rms_norm q8_0 K4096 N8, 2 warps": (lambda: _normed("q8_0", 33, 4096, 8), specs.StreamConfig(2, 2, 1), True),
     "rms_norm glu q4_0 K2048 N2": (lambda: _normed("q4_0", 45, 2048, 2, glu=True), DEFAULT, False),
 }
+#: rms_norm_mul_mat_share's launches (dt, m, k, n, config): its instances write the normed values, one column
+SHARE_CASES = [("q4_0", 77, 2048, 1, DEFAULT), ("q8_0", 33, 4096, 1, specs.StreamConfig(2, 2, 1)),
+               ("q6_K", 45, 2048, 1, DEFAULT)]
 #: quant_k.cuh's formats: rows of one chunk (R 32 for the 1-block chunks), of several, long rows of two
 #: segments (a partial second for iq4_xs / mxfp4), every epilogue, mul_mat_id; N from 1 to 8 over the formats
 #: (each format its own N of the several-chunk and bias cases, so that the instances stay few)
@@ -178,7 +182,7 @@ def _nodes(y: Tensor) -> list[Tensor]:
     return [n for n in Graph.build(y).nodes if n.op not in VIEWS]
 
 
-def _specs(y: Tensor, arena: Arena, cfg: specs.StreamConfig) -> list[KernelSpec]:
+def _specs(y: Tensor, arena: Arena, cfg: specs.StreamConfig, share: bool = False) -> list[KernelSpec]:
     nodes = _nodes(y)
     if len(nodes) > 1:
         assert fusion.check(DEVICE, nodes, Graph.build(y)) is True
@@ -186,19 +190,20 @@ def _specs(y: Tensor, arena: Arena, cfg: specs.StreamConfig) -> list[KernelSpec]
     kw = dict(a1=prods[1].srcs[0] if glu else None, bias0=biases[0], bias1=biases[1] if glu else None, glu=glu,
               device=DEVICE, stream=cfg)
     if prods[0].op == "mul_mat":
-        return mmv.mmv_specs(prods[0], nodes[-1], arena.ptr, arena.scratch, norm=fusion.norm_of(nodes),
+        return mmv.mmv_specs(prods[0], nodes[-1], arena.ptr, arena.scratch, norm=fusion.norm_of(nodes, share),
                              bias_col=fusion.bias_col(prods[0], biases[0]), **kw)
     return mmv.mmv_id_specs(prods[0], nodes[-1], arena.ptr, arena.scratch, arena.guard, **kw)
 
 
-def _instance(y: Tensor, cfg: specs.StreamConfig) -> str:
+def _instance(y: Tensor, cfg: specs.StreamConfig, share: bool = False) -> str:
     nodes = _nodes(y)
     (first, *_), biases, glu = fusion.parts(nodes)
     epi = specs.EPI_GLU if glu is not None else (specs.EPI_BIAS if biases[0] is not None else specs.EPI_NONE)
     tb = first.srcs[1].dtype.name
     n = 1 if first.op == "mul_mat_id" else first.shape[-2]  # mul_mat_id: one column a (token, slot)
     dt = first.srcs[0].dtype.name
-    return specs.stream_name(dt, tb, specs.nt_for(n, specs.quant_nts(dt)) if tb == "f32" else 8, epi, cfg.stages_for(dt))
+    return specs.stream_name(dt, tb, specs.nt_for(n, specs.quant_nts(dt)) if tb == "f32" else 8, epi, cfg.stages_for(dt),
+                             share)
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +211,8 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build = tmp_path_factory.mktemp("mmvq_stream_emu")
     _transformed(build)
     (build / "main.cpp").write_text((EMU / "main.cpp").read_text())
-    names = sorted({_instance(make(), cfg) for make, cfg, _ in CASES.values()})
+    names = sorted({_instance(make(), cfg) for make, cfg, _ in CASES.values()} |
+                   {_instance(_normed(*case[:4]), case[4], share=True) for case in SHARE_CASES})
     (build / "instances.inc").write_text("".join(f'    {{"{n}", &{n}}},\n' for n in names))
     exe = build / "emu"
     # no contraction: q8_1::code's product and add round separately, as __fmul_rn makes nvcc keep them
@@ -239,6 +245,14 @@ def _emulate(y: Tensor, feeds: dict, cfg: specs.StreamConfig, eager: bool, emula
              ) -> tuple[np.ndarray, str, np.ndarray]:
     """The output of the one mmvq_stream launch the plugin binds for `y` (its memory poisoned first), run
     by the emulator, a description of the launch and the error word after it."""
+    read, launch, word = _run(y, feeds, cfg, eager, emulator, tmp_path)
+    return read(_nodes(y)[-1]), launch, word
+
+
+def _run(y: Tensor, feeds: dict, cfg: specs.StreamConfig, eager: bool, emulator: Path, tmp_path: Path,
+         share: bool = False) -> tuple[Callable[[Tensor], np.ndarray], str, np.ndarray]:
+    """`_emulate`'s launch (`share`: with a fused norm, writing the normed values too), giving a reader of any
+    node's memory after it instead of the output."""
     graph = Graph.build(y)
     arena = Arena(sum(t.base.nbytes + 256 for t in (*graph.leafs, *graph.nodes)) + 4096)
     for leaf in graph.leafs:
@@ -249,8 +263,8 @@ def _emulate(y: Tensor, feeds: dict, cfg: specs.StreamConfig, eager: bool, emula
             arena.place(leaf, leaf.data)
     for n in graph.nodes:
         arena.place(n, None)  # poisoned: NaN floats
-    (spec,) = _specs(y, arena, cfg)
-    assert spec.kernel == _instance(y, cfg)
+    (spec,) = _specs(y, arena, cfg, share)
+    assert spec.kernel == _instance(y, cfg, share)
     mem_file = tmp_path / "mem.bin"
     arena.mem.tofile(mem_file)
     grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
@@ -259,11 +273,12 @@ def _emulate(y: Tensor, feeds: dict, cfg: specs.StreamConfig, eager: bool, emula
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     mem = np.fromfile(mem_file, np.uint8)
-    out = _nodes(y)[-1]
-    at = arena.ptr(out)
-    got = mem[at:at + out.nbytes].view(np.float32).reshape(out.shape)
-    word = np.array(arena.word(mem))
-    return got, f"{spec.kernel} grid {spec.grid} block {spec.block} smem {spec.smem}", word
+
+    def read(node: Tensor) -> np.ndarray:
+        at = arena.ptr(node)
+        return mem[at:at + node.nbytes].view(np.float32).reshape(node.shape)
+
+    return read, f"{spec.kernel} grid {spec.grid} block {spec.block} smem {spec.smem}", np.array(arena.word(mem))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -290,6 +305,23 @@ def test_mmvq_stream_emulated(case: str, emulator: Path, tmp_path: Path, rng) ->
         (raw,) = od.compile(ops.mul_mat(a, norm.x), "cpu").run({a: feeds[a], norm.x: q8_1_rounded(x * feeds[norm.w])})
         model = raw * scale
         assert nmse(got, model) <= NMSE_Q8_1, f"{what}: NMSE {nmse(got, model):.3g} against x * w rounded to q8_1"
+
+
+@pytest.mark.parametrize(("dt", "m", "k", "n", "cfg"), SHARE_CASES)
+def test_norm_share_writes_the_normed_values(dt: str, m: int, k: int, n: int, cfg: specs.StreamConfig,
+                                             emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+    """rms_norm_mul_mat_share's launch (the rms_norm cases' instances): the product as without sharing, and
+    every normed value rms_norm(x) * w written to the mul node's memory (poisoned first) by the blocks between
+    them, to float rounding."""
+    y = _normed(dt, m, k, n)
+    feeds = _feeds(y, rng)
+    read, launch, _ = _run(y, feeds, cfg, False, emulator, tmp_path, share=True)
+    mul = _nodes(y)[1]
+    (ref, normed) = od.compile([y, mul], "cpu").run(feeds)
+    got = read(mul)
+    assert np.isfinite(got).all(), f"{launch}: normed values left unwritten"
+    assert nmse(got, normed) <= 1e-12, f"{launch}: normed values NMSE {nmse(got, normed):.3g}"
+    assert nmse(read(y), ref) <= NMSE_MAX, f"{launch}: product NMSE {nmse(read(y), ref):.3g}"
 
 
 @pytest.mark.parametrize(("dt", "bad", "slot"), [

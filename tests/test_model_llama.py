@@ -315,8 +315,23 @@ def test_qkv_projections_are_one_mat_vec_a_layer_and_unstacked_when_dtypes_diffe
         name = f"model.layers.{i}.self_attn.k_proj.weight"
         mixed[name] = param(name, w[name], "f16" if dtype != "f16" else "f32")
     other = LlamaModel(cfg, mixed, stack_qkv=True)
-    assert all(layer.wqkv is None for layer in other.layers)
+    assert all(layer.wqkv is None and layer.wqk is None for layer in other.layers)
     got, ref = Generator(other, "cpu").forward(PROMPT), Generator(model, "cpu").forward(PROMPT)
+    assert_close_logits(got, ref, rel={"f32": 1e-3, "bf16": 3e-2, "q4_0": 0.4}[dtype])
+    # Only v_proj in another dtype (a Q4_K_M file's q6_K attn_v): q and k stacked, v apart, the same logits.
+    mixed = dict(w)
+    for i in range(cfg.layers):
+        name = f"model.layers.{i}.self_attn.v_proj.weight"
+        mixed[name] = param(name, w[name], "f16" if dtype != "f16" else "f32")
+    qk = LlamaModel(cfg, mixed, stack_qkv=True)
+    layer = qk.layers[0]
+    assert layer.wqkv is None and layer.wqk is not None and layer.wqk.shape == (cfg.hidden + cfg.kv_dim, cfg.hidden)
+    assert layer.wqk.data.reshape(-1).tobytes() == layer.wq.data.tobytes() + layer.wk.data.tobytes()
+    weights = [t.srcs[0] for t in Graph.build(qk.build(1, 5)[0]).nodes if t.op == "mul_mat"]
+    for layer in qk.layers:  # the q/k stack and v a layer
+        assert [sum(t is x for t in weights) for x in (layer.wqk, layer.wv, layer.wq, layer.wk)] == [1, 1, 0, 0]
+    assert all(layer.wqk is None for layer in LlamaModel(cfg, mixed, stack_qkv=False).layers)
+    got = Generator(qk, "cpu").forward(PROMPT)
     assert_close_logits(got, ref, rel={"f32": 1e-3, "bf16": 3e-2, "q4_0": 0.4}[dtype])
     if dtype == "f32":
         assert_close_logits(ref, numpy_llama(tiny[0], w, PROMPT))
@@ -380,26 +395,31 @@ def test_decode_fuses_the_residual_adds_at_batch_16(weights: str, path: str) -> 
 
 @pytest.mark.parametrize(("n_tokens", "batch"), [(1, 1), (1, 16), (7, 1)], ids=["decode", "decode-16", "prefill"])
 def test_unstacked_projections_get_the_fused_kernels_of_the_stacked_ones(n_tokens: int, batch: int) -> None:
-    # A Q4_K_M file's mixture: attn_q and attn_k q4_K, attn_v q6_K in some layers (here the second), whose q/k/v
-    # projections are not stacked. Graph.build puts the k and v projections between the q and k nodes; the
-    # q/k/v rules hoist them (FusionRule.hoist).
+    # A Q4_K_M file's mixture: attn_q and attn_k q4_K, attn_v q6_K in some layers (here the second), whose q and
+    # k projections are stacked without v. Graph.build puts the v projection between the q and k nodes; the
+    # q/k/v rules hoist it (FusionRule.hoist).
     cfg = attrs.evolve(BIG, dtype="q4_K")
     w = random_weights(cfg)
     name = "model.layers.1.self_attn.v_proj.weight"
     models = [LlamaModel(cfg, {**w, name: param(name, w[name], "q6_K")}, max_seqs=16), LlamaModel(cfg, w, max_seqs=16)]
     assert [layer.wqkv is None for m in models for layer in m.layers] == [False, True, False, False]
+    assert models[0].layers[1].wqk is not None
     mixed, stacked = (compile(m.build(n_tokens, 300 if n_tokens == 1 else 0, batch=batch)[0], H200) for m in models)
     rule = "rope_qkv_flash_attn_ext" if n_tokens == 1 else "rope_qkv_set_rows"
     assert fused_kernels(stacked).count(rule) == cfg.layers
     # Up to the mat-vecs' 8 columns the stacked layers' attention norm runs inside their q/k/v mat-vec
-    # (rms_norm_mul_mat); the unstacked layer's is read by three products, so cuda_norm's rms_norm -> mul runs
-    # it: one launch more.
-    norm_in_matvec = n_tokens * batch <= mm_support.MMV_MAX_N
+    # (rms_norm_mul_mat). The unstacked layer's normed values are read by two products: at one column the q/k
+    # stack's mat-vec runs the norm and writes them for v (rms_norm_mul_mat_share); at 2..8, cuda_norm's
+    # rms_norm -> mul runs it, one launch more.
+    columns = n_tokens * batch
     only_mixed = Counter(fused_kernels(mixed)) - Counter(fused_kernels(stacked))
     only_stacked = Counter(fused_kernels(stacked)) - Counter(fused_kernels(mixed))
-    assert (only_mixed, only_stacked) == (({"rms_norm_mul": 1}, {"rms_norm_mul_mat": 1}) if norm_in_matvec else ({}, {}))
+    in_matvec = {"rms_norm_mul_mat": 1} if columns <= mm_support.MMV_MAX_N else {}
+    shared = {"rms_norm_mul_mat_share": 1} if columns == 1 else {"rms_norm_mul": 1} if in_matvec else {}
+    assert (only_mixed, only_stacked) == (shared, in_matvec)
     assert mixed.summary()["copies"] == 0
-    assert mixed.summary()["launches"] == stacked.summary()["launches"] + 2 + norm_in_matvec  # k and v (the norm)
+    norm_launch = bool(in_matvec) and columns > 1
+    assert mixed.summary()["launches"] == stacked.summary()["launches"] + 1 + norm_launch  # v (and the norm)
 
 
 @pytest.mark.gpu

@@ -594,6 +594,7 @@ def test_tiny_llama_in_the_q4_k_m_mixture_runs_like_its_values(tmp_path: Path, r
     assert [types[f"model.layers.{i}.mlp.down_proj.weight"] for i in range(2)] == ["q4_K", "q6_K"]
     model = LlamaModel(attrs.evolve(loaded_cfg, cache_dtype="f32"), params)
     assert model.layers[0].wqkv is not None and model.layers[1].wqkv is None  # q4_K q/k with a q6_K v: apart
+    assert model.layers[1].wqk is not None  # q and k still stacked
     prompt = rng.integers(0, cfg.vocab, 9).tolist()
     ref = logits(LlamaModel(cfg, held), prompt)
     assert np.isfinite(ref).all() and np.abs(ref).max() > 0

@@ -17,8 +17,10 @@ from . import bind, fusion, support
 
 KERNELS: tuple[Kernel, ...] = tuple(Kernel(op, launch, support.takes(path), name=path)
                                     for op, path, launch in bind.PATHS)
-FUSION_RULES: tuple[FusionRule, ...] = tuple(FusionRule(name, pattern, bind=bind.bind_fused, check=fusion.check)
-                                             for name, pattern in fusion.PATTERNS)
+FUSION_RULES: tuple[FusionRule, ...] = tuple(
+    FusionRule(name, pattern, bind=bind.bind_fused_share, check=fusion.check_share, outputs=(1,))
+    if name == fusion.SHARE else FusionRule(name, pattern, bind=bind.bind_fused, check=fusion.check)
+    for name, pattern in fusion.PATTERNS)
 
 
 def _gate(device: Device, node: Tensor) -> bool | str | None:

@@ -113,6 +113,12 @@ def bind_mmq_id(ctx: CudaContext, node: Tensor) -> Launch:
     return bind_mmv_id_grouped(ctx, node)
 
 
+def bind_fused_share(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
+    """The SHARE rule's group: the mat-vec with the norm, writing the normed values too."""
+    return _bind(ctx, nodes[-1], lambda scratch: fused_specs(nodes, ctx.ptr, scratch, ctx.index_check, ctx.device,
+                                                             share=True))
+
+
 def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
     path = support.choose(fusion.parts(nodes)[0][0], ctx.device).path
     if path == "mmf":

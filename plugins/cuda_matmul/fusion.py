@@ -12,6 +12,10 @@ node but the last is read only inside the group):
   mul_mat_id_add_id_glu the same with add_id biases (gpt-oss)
   rms_norm_mul_mat      rms_norm(x) -> mul(w) -> mul_mat           a decoder's norm before its q/k/v or
   rms_norm_mul_mat_glu  rms_norm(x) -> mul(w) -> mul_mat_glu       gate/up (or LM head) product
+  rms_norm_mul_mat_share  rms_norm(x) -> mul(w) -> mul_mat          the same when other nodes read the normed
+                                                                   values too (a decoder's q/k stack beside
+                                                                   its v), at one column: the kernel also
+                                                                   writes them
 The fused kernels are the mat-vec ones, mmf, mmq and mmq_small (mul_mat_add only) and
 mmq_id (the bias of add_id), so each product must take a mat-vec path (mul_mat with
 N <= 8; mul_mat_id with one token for the GLU groups), mmf (mul_mat, f16/bf16
@@ -25,7 +29,8 @@ strides, the same b (and ids), and biases whose rows are spaced alike. The rms_n
 groups take mmvq_stream only (its kernel quantizes x * w and scales each column's
 products by the norm's rsqrt: NORM_PATHS), with x f32 of one batch and w one
 contiguous f32 row of K values; the norm's kernel launch and its result's round trip
-through memory go. Anything else: a reason, and the nodes run unfused (or by a
+through memory go (rms_norm_mul_mat_share: the launch only; its blocks write the normed values,
+f32 and contiguous as every mul's result, for the other readers). Anything else: a reason, and the nodes run unfused (or by a
 smaller rule: cuda_norm's rms_norm -> mul).
 """
 
@@ -43,6 +48,7 @@ from opdispatch.support import whole_elements
 from opdispatch.tensor import Tensor
 
 from . import support
+from .specs import KEEP_NT
 
 MMV_PATHS = ("mmvf", "mmvq_stream", "mmvq", "mmv_id", "mmv_id_grouped")
 #: the quantized GEMMs of mul_mat: a bias or residual epilogue (mq::finish), no GLU
@@ -56,10 +62,15 @@ NORM_PATHS = ("mmvq_stream",)
 #: the ops a group opens with when it fuses the rms_norm before its products
 NORM_PREFIX = ("rms_norm", "mul")
 
-#: (rule name, pattern), longest first: dispatch takes the first rule whose check passes
+#: the rule that keeps the normed values (written besides the product: position 1 of its pattern an output)
+SHARE = "rms_norm_mul_mat_share"
+
+#: (rule name, pattern), longest first: dispatch takes the first rule whose check passes (SHARE after the rule
+#: that drops the normed values, which takes the group when nothing else reads them)
 PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rms_norm_mul_mat_glu", (*NORM_PREFIX, "mul_mat", "mul_mat", "glu")),
     ("rms_norm_mul_mat", (*NORM_PREFIX, "mul_mat")),
+    (SHARE, (*NORM_PREFIX, "mul_mat")),
     ("mul_mat_add_glu", ("mul_mat", "add", "mul_mat", "add", "glu")),
     ("mul_mat_id_add_id_glu", ("mul_mat_id", "add_id", "mul_mat_id", "add_id", "glu")),
     ("mul_mat_glu", ("mul_mat", "mul_mat", "glu")),
@@ -71,19 +82,22 @@ PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 @attrs.frozen
 class Norm:
-    """A group's fused rms_norm: the products read rms_norm(x) * w (eps the norm's)."""
+    """A group's fused rms_norm: the products read rms_norm(x) * w (eps the norm's), which the kernel also writes
+    to `out` (the group's mul node) when other nodes read them (None: it does not)."""
 
     x: Tensor
     w: Tensor
     eps: float
+    out: Tensor | None = None
 
 
-def norm_of(nodes: Sequence[Tensor]) -> Norm | None:
-    """The fused rms_norm of a group that passed `check`, None for a group without one."""
+def norm_of(nodes: Sequence[Tensor], share: bool = False) -> Norm | None:
+    """The fused rms_norm of a group that passed `check` (`share`: the SHARE rule's), None for a group without
+    one."""
     if nodes[0].op != "rms_norm":
         return None
     norm, mul = nodes[:2]
-    return Norm(norm.srcs[0], _other(mul, norm), float(norm.params["eps"]))
+    return Norm(norm.srcs[0], _other(mul, norm), float(norm.params["eps"]), mul if share else None)
 
 
 def _other(node: Tensor, src: Tensor) -> Tensor:
@@ -113,6 +127,14 @@ def _norm_ok(device: Device, nodes: Sequence[Tensor]) -> bool | str:
         if path not in NORM_PATHS:
             return f"mul_mat takes {path}; the rms_norm fuses into {', '.join(NORM_PATHS)} only"
     return True
+
+
+def check_share(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
+    """`check` for the SHARE rule, whose kernel instances take KEEP_NT columns (one sequence's decode)."""
+    n = support.batch_n(nodes[-1])
+    if n != KEEP_NT:
+        return f"{n} columns: the kernels that write the normed values take {KEEP_NT}"
+    return check(device, nodes, graph)
 
 
 def _mmv(device: Device, node: Tensor, glu: bool) -> bool | str:

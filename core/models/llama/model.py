@@ -37,6 +37,9 @@ class _Layer:
     #: wq, wk, wv stacked row-wise, (hidden + 2 kv_dim, hidden): one mat-vec a layer; None where they
     #: cannot be stacked (different dtypes, no data), and the graph uses the three
     wqkv: Tensor | None = None
+    #: where wqkv is None, wq and wk stacked (hidden + kv_dim, hidden) if they can be (a Q4_K_M file's q4_K q and
+    #: k beside a q6_K v): two products a layer instead of three
+    wqk: Tensor | None = None
 
 
 #: names a checkpoint may carry that the graph does not need
@@ -62,9 +65,10 @@ class LlamaModel:
     into one (hidden + 2 kv_dim, hidden) param (float weights concatenated,
     block formats by their bytes: rows are independent), so a step runs one
     projection a layer instead of three and q, k, v are free views of its
-    output; where the three differ in dtype they stay apart. On by default:
-    two launches fewer a layer, and one larger mat-vec runs closer to the
-    bandwidth than three small ones. The graph reads only the stack.
+    output; where v's dtype differs, q and k alone are stacked, and where
+    q's and k's differ the three stay apart. On by default: two launches
+    fewer a layer, and one larger mat-vec runs closer to the bandwidth than
+    three small ones. The graph reads only the stacks.
 
     shard: this model is one rank of a tensor split (core/models/llama/split.py makes the ranks' models):
     `weights` are the rank's shards (weight_shapes(cfg, shard.size)): its heads, KV heads and ffn
@@ -164,11 +168,13 @@ class LlamaModel:
         mlp = ([w["mlp.experts.gate_proj"], w["mlp.experts.up_proj"], w["mlp.experts.down_proj"], w["mlp.gate"]]
                if cfg.experts else [w["mlp.gate_proj"], w["mlp.up_proj"], w["mlp.down_proj"], None])
         wq, wk, wv = w["self_attn.q_proj"], w["self_attn.k_proj"], w["self_attn.v_proj"]
+        wqkv = _stack_rows(f"{p}self_attn.qkv_proj.weight", (wq, wk, wv)) if self.stack_qkv else None
+        wqk = _stack_rows(f"{p}self_attn.qk_proj.weight", (wq, wk)) if self.stack_qkv and wqkv is None else None
         layer = _Layer(w["input_layernorm"], wq, wk, wv, w["self_attn.o_proj"], w["post_attention_layernorm"], *mlp,
                        state(f"cache.k.{i}", (self.max_seqs * cfg.max_ctx, self.kv_dim), cfg.cache_dtype),
                        state(f"cache.v.{i}", (self.max_seqs * cfg.max_ctx, self.kv_dim), cfg.cache_dtype),
-                       _stack_rows(f"{p}self_attn.qkv_proj.weight", (wq, wk, wv)) if self.stack_qkv else None)
-        for t in (*w.values(), layer.k_cache, layer.v_cache, layer.wqkv):
+                       wqkv, wqk)
+        for t in (*w.values(), layer.k_cache, layer.v_cache, layer.wqkv, layer.wqk):
             if t is not None:
                 t.layer = i  # a layer split keeps the layer's weights, its cache and its ops on one device
         return layer
@@ -224,15 +230,18 @@ class LlamaModel:
         for layer in self.layers:
             h = ops.mul(ops.rms_norm(x, cfg.rms_eps), layer.attn_norm)
             # RoPE sees the B * n rows as one run of tokens (a position each), then q splits by sequence.
-            if layer.wqkv is not None:  # one projection; q, k, v are column ranges of its rows (free views)
-                qkv = ops.mul_mat(layer.wqkv, h)  # (B * n, q_dim + 2 kv_dim)
+            stack = layer.wqkv if layer.wqkv is not None else layer.wqk
+            if stack is not None:  # one projection; q, k (and v) are column ranges of its rows (free views)
+                qkv = ops.mul_mat(stack, h)  # (B * n, q_dim + kv_dim [+ kv_dim])
                 rs, es = qkv.strides
                 q = qkv.view((1, rows, self.heads, hd), (rows * rs, rs, hd * es, es))
                 k = qkv.view((1, rows, self.kv_heads, hd), (rows * rs, rs, hd * es, es), self.q_dim * es)
-                v = qkv.view((rows, self.kv_dim), (rs, es), (self.q_dim + self.kv_dim) * es)
             else:
                 q = ops.mul_mat(layer.wq, h).reshape(1, rows, self.heads, hd)
                 k = ops.mul_mat(layer.wk, h).reshape(1, rows, self.kv_heads, hd)
+            if layer.wqkv is not None:
+                v = qkv.view((rows, self.kv_dim), (rs, es), (self.q_dim + self.kv_dim) * es)
+            else:
                 v = ops.mul_mat(layer.wv, h)  # (B * n, kv_dim)
             q, k = self._rope(q, inp.pos), self._rope(k, inp.pos)
             # Read the cache through set_rows' result: the write is ordered before the read.

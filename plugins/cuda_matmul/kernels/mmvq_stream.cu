@@ -55,6 +55,9 @@
 // the block quantizes x * norm_w while it sums x^2 (quantize_b); every output is then scaled by its
 // column's rsqrt(sum / K + norm_eps) before the epilogue, which is rms_norm(x) * norm_w . a up to float
 // rounding (q8_1's block scales absorb the column's scale).
+// KEEP (the rms_norm_mul_mat_share group, one column: the normed values are read by other nodes too): the
+// blocks also write rms_norm(x) * norm_w to norm_out, (N, K) f32 contiguous, each block a slice, after
+// the ring. A template flag, not a null check: the code in every instance cost the q4_0 1b decode ~1%.
 // Dynamic shared memory: N * C * BCHUNK + (blockDim.x / 32) * NS * 32 * PIECE bytes, then the norm's
 // sums (8 floats a warp).
 //
@@ -289,6 +292,25 @@ __device__ __forceinline__ void norm_scales(const float* nw, const float* ss, in
     }
 }
 
+// The normed values rms_norm(x) * nw of columns n < N (x f32, column n at x + n * x_col) to out, (N, K)
+// contiguous, sc the columns' scales (norm_scales): block blockIdx.x of gridDim.x takes every gridDim.x-th
+// thread's share, so the blocks write it all once between them.
+template <int NT>
+__device__ __forceinline__ void write_normed(const u8* x, long long x_col, long long x_es, const float* nw, int N,
+                                             int K, const float (&sc)[NT], float* out) {
+    const long long total = static_cast<long long>(N) * K;
+    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += step) {
+        const int n = static_cast<int>(i / K), k = static_cast<int>(i - static_cast<long long>(n) * K);
+        float s = 0.0f;
+#pragma unroll
+        for (int c = 0; c < NT; ++c) {
+            s = c == n ? sc[c] : s;
+        }
+        out[i] = *reinterpret_cast<const float*>(x + n * x_col + k * x_es) * s * nw[k];
+    }
+}
+
 // -- the dot products of one chunk ----------------------------------------------------------------
 
 // acc[n] += chunk (CB blocks at `wchunk`, shared) . b column n's chunk (at bchunk + n * bcol_stride).
@@ -415,13 +437,13 @@ using mm::u8;
 // read on the device, after the wait unless `preload`) and b at t * b_s3 + u * b_s2 (b_s2 0 when b
 // has one row a token), bias0 / bias1 + e * bias_e (bias_col 0). An id outside [0, E) writes NaN rows and is
 // recorded in the error word (od::index_ok; a null word for mul_mat).
-template <int WT, int TB, int NT, int EPI, int NS>
+template <int WT, int TB, int NT, int EPI, int NS, bool KEEP = false>
 __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     mmvq_stream(const u8* a0, const u8* a1, long long a_row, long long a_s2, long long a_s3, int r2, int r3,
                 const u8* b, long long b_col, long long b_es, long long b_s2, long long b_s3, float* out, int M,
                 int K, int N, const float* bias0, const float* bias1, long long bias_col, int glu_kind, float alpha,
                 float limit, const u8* ids, long long ids_t, long long ids_u, int E, long long bias_e,
-                const float* norm_w, float norm_eps, int preload, OD_INDEX_CHECK_PARAMS) {
+                const float* norm_w, float norm_eps, float* norm_out, int preload, OD_INDEX_CHECK_PARAMS) {
     od::grid_enter_later();  // below: after the first weight copies when the weights are constant
     using Gm = mms::Geo<WT>;
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
@@ -620,4 +642,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
         __syncwarp();  // every lane is done with this stage before the next issue overwrites it
     }
     od::cp_async_wait<0>();  // nothing left in flight at exit (a warp with no units committed empty groups)
+    if constexpr (KEEP) {
+        mms::write_normed<NT>(b + bb, b_col, b_es, norm_w, N, K, sc, norm_out);
+    }
 }

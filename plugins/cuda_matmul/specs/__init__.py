@@ -146,10 +146,11 @@ def mmvq_name(wt: str, nt: int, epi: str) -> str:
     return instance("mmvq", W_KIND[wt], nt, epi)
 
 
-def stream_name(wt: str, tb: str, nt: int, epi: str, stages: int | None = None) -> str:
-    """mmvq_stream's instance for format wt (stages: STREAM's for wt unless given)."""
+def stream_name(wt: str, tb: str, nt: int, epi: str, stages: int | None = None, keep: bool = False) -> str:
+    """mmvq_stream's instance for format wt (stages: STREAM's for wt unless given; `keep`: the one that also
+    writes a fused norm's values, KEEP_NT columns, no epilogue)."""
     stages = STREAM.stages_for(wt) if stages is None else stages
-    return instance("mmvq_stream", W_KIND[wt], B_KIND[tb], nt, epi, stages)
+    return instance("mmvq_stream", W_KIND[wt], B_KIND[tb], nt, epi, stages, *((True,) if keep else ()))
 
 
 def mmq_name(wt: str, tile: Sequence[int]) -> str:
@@ -208,9 +209,12 @@ CONVERT_NAMES: tuple[str, ...] = (
 #: mmvq_stream, every block format: b f32 for every column count (quant_nts) and epilogue; b f16/bf16
 #: (unfused mul_mat only) for 8 columns, but for the grid I-quants (mmvq takes those: STREAM_B16)
 STREAM_B16 = tuple(q for q in QUANT_NAMES if q not in GRID_NAMES)
+#: the column count of the instances that write a fused norm's values (fusion.SHARE): one sequence's decode
+KEEP_NT = 1
 STREAM_NAMES: tuple[str, ...] = (
     *(stream_name(wt, "f32", nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in quant_nts(wt)),
     *(stream_name(wt, tb, 8, EPI_NONE) for tb in ("f16", "bf16") for wt in STREAM_B16),
+    *(stream_name(wt, "f32", KEEP_NT, EPI_NONE, keep=True) for wt in QUANT_NAMES),
 )
 #: mmf: f16/bf16 weights, b f32, one or two 8-column tiles, every epilogue
 MMF_TYPES = ("f16", "bf16")

@@ -249,7 +249,8 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     """mmv (float weights), mmvq_stream or mmvq (block formats) for mul_mat `node` writing `out`
     (node itself, or the last node of a fused group) on `device` (None: an H200's description); the
     biases' rows bias_col floats apart (0: one row, fusion.bias_col); `norm`: b is rms_norm(norm.x) *
-    norm.w, which mmvq_stream computes itself from x (ValueError should it not take the product).
+    norm.w, which mmvq_stream computes itself from x (ValueError should it not take the product), and writes to
+    norm.out too when the group keeps it.
 
     mmvq_stream where support.choose picks it (and a1, for a fused GLU, is aligned as a is), with
     `stream` (default STREAM) as its configuration; mmvq, quantize_q8_1 first, else."""
@@ -263,7 +264,8 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     rows = dict(a0=pa, a1=addr(ptr, a1), a_row=sa1, a_s2=sa2, a_s3=sa3, r2=b2 // a2, r3=b3 // a3)
     cols = dict(b=pb, b_col=sb1, b_es=elem_stride(b), b_s2=sb2, b_s3=sb3)
     sizes = dict(out=ptr(out), M=m, K=k, N=n)
-    prologue = dict(norm_w=0, norm_eps=0.0) if norm is None else dict(norm_w=ptr(norm.w), norm_eps=norm.eps)
+    prologue = (dict(norm_w=0, norm_eps=0.0, norm_out=0) if norm is None else
+                dict(norm_w=ptr(norm.w), norm_eps=norm.eps, norm_out=addr(ptr, norm.out)))
     if (a.dtype.is_quant and support.choose(node, device).path == "mmvq_stream"
             and stream_addresses(ptr, a, a1) and prologue["norm_w"] % 16 == 0):
         args = StreamArgs(head=MatvecHead(**rows, **cols, **sizes, **tail), ids=0, ids_t=0, ids_u=0, E=0, bias_e=0,
@@ -318,7 +320,7 @@ def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard: G
         head = MatvecHead(a0=ptr(as_), a1=addr(ptr, a1), a_row=as_.strides[1], a_s2=as_.strides[0], a_s3=0, r2=1,
                           r3=1, b=pb, b_col=0, b_es=b_es, b_s2=b_u if ub > 1 else 0, b_s3=b_t, out=ptr(out), M=m,
                           K=k, N=1, bias_col=0, **tail)
-        args = StreamArgs(head=head, **picks, E=e, bias_e=bias_e // 4, norm_w=0, norm_eps=0.0,
+        args = StreamArgs(head=head, **picks, E=e, bias_e=bias_e // 4, norm_w=0, norm_eps=0.0, norm_out=0,
                           preload=_preload(as_, a1, ids), err_=check)
         spec = stream_spec(node, args, epi, device, stream)
         if spec is not None:
@@ -392,16 +394,17 @@ def grouped_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard: 
     return specs
 
 
-def fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch, guard: Guard, device: Device | None = None
-                ) -> list[KernelSpec]:
+def fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch, guard: Guard, device: Device | None = None,
+                share: bool = False) -> list[KernelSpec]:
     """Any group of fusion.PATTERNS: the mat-vec launch (mmvq_stream, or quantize_q8_1 then mmvq,
-    for block formats) that writes the last node; a mul_mat_id's expert ids checked by `guard`."""
+    for block formats) that writes the last node (`share`: the fusion.SHARE group's, which writes the normed
+    values too); a mul_mat_id's expert ids checked by `guard`."""
     prods, biases, glu = fusion.parts(nodes)
     out, first = nodes[-1], prods[0]
     if first.op == "mul_mat_id" and glu is None and first.shape[0] > 1:
         return grouped_specs(first, out, ptr, scratch, guard, bias=biases[0])
     if first.op == "mul_mat":
-        make = functools.partial(mmv_specs, bias_col=fusion.bias_col(first, biases[0]), norm=fusion.norm_of(nodes),
+        make = functools.partial(mmv_specs, bias_col=fusion.bias_col(first, biases[0]), norm=fusion.norm_of(nodes, share),
                                  device=device)
     else:
         make = functools.partial(mmv_id_specs, guard=guard, device=device)

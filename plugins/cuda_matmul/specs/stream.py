@@ -40,7 +40,8 @@ SMEM_PER_BLOCK_RESERVED = 1024
 @attrs.frozen
 class StreamArgs(KernelArgs):
     """mmvq_stream's arguments: the mat-vecs' head, then mul_mat_id's (ids 0 for a mul_mat), a fused rms_norm's
-    weight and eps (norm_w 0: none), `preload`, the ids' check (UNCHECKED for a mul_mat)."""
+    weight and eps (norm_w 0: none) and where it also writes the normed values (norm_out 0: nowhere), `preload`,
+    the ids' check (UNCHECKED for a mul_mat)."""
 
     KERNELS = ("mmvq_stream",)
     _head: MatvecHead = attrs.field()
@@ -51,6 +52,7 @@ class StreamArgs(KernelArgs):
     bias_e: np.int64 = i64()
     norm_w: np.uint64 = ptr()
     norm_eps: np.float32 = f32()
+    norm_out: np.uint64 = ptr()
     preload: np.int32 = i32()
     err_: IndexCheck
 
@@ -178,5 +180,6 @@ def stream_spec(node: Tensor, args: StreamArgs, epi: str, device: Device | None,
     per_sm = stream_blocks_per_sm(smem, device, cfg)
     grid = (stream_grid(layout, m, b2 * b3, warps, per_sm, device_facts(device).sm_count) if n else 0, b2, b3)
     nt = nt_for(max(n, 1), quant_nts(dt)) if tb == "f32" else 8
-    name = stream_name(dt, tb, nt, epi, cfg.stages_for(dt))
+    keep = int(args.norm_out) != 0  # fusion.SHARE's group: KEEP_NT columns (fusion.check_share)
+    name = stream_name(dt, tb, nt, epi, cfg.stages_for(dt), keep)
     return KernelSpec(MMVQ_STREAM_CU, name, grid, 32 * warps, args, smem=smem)
