@@ -997,7 +997,7 @@ def fused_launches(nodes: list[Tensor], path: str, ptr: Callable[[Tensor], int] 
     if path == "mmf":
         return mmf.mmf_fused_specs(nodes, ptr, fake_scratch, H200)
     if path in fusion.GEMM_PATHS:
-        return bind.gemm_fused_specs(nodes, path, ptr, fake_scratch, H200)
+        return bind.gemm_fused_specs(nodes, ptr, fake_scratch, H200)
     return mmv.fused_specs(nodes, ptr, fake_scratch, FakeGuard(), H200)
 
 

@@ -16,7 +16,7 @@ from opdispatch.backends.cuda.devices import H200
 from opdispatch.hookspecs import Device
 from opdispatch.models.llama import PRESETS, LlamaModel, random_weights
 from opdispatch.models.llama.stored import random_params
-from opdispatch.plugins.cuda_matmul import fusion, support
+from opdispatch.plugins.cuda_matmul import bind, fusion, support
 from opdispatch.plugins.cuda_matmul.specs import mmv
 from opdispatch.tensor import Tensor
 from helpers import FakeGuard
@@ -60,9 +60,12 @@ def test_unfused_matvec_passes_no_norm() -> None:
     assert launch.kernel.startswith("mmvq_stream<") and int(launch.args.norm_w) == 0
 
 
+NOT_THERE = "the rms_norm fuses into mmvq_stream, mmq, mmq_small only"
+
+
 @pytest.mark.parametrize(("make", "why"), [
-    (lambda: normed("f16", 256, 2048, 1), "takes mmvf; the rms_norm fuses into mmvq_stream only"),
-    (lambda: normed("q4_0", 256, 2048, 16), "takes mmq_small; the rms_norm fuses into mmvq_stream only"),
+    (lambda: normed("f16", 256, 2048, 1), f"takes mmvf; {NOT_THERE}"),
+    (lambda: normed("f16", 256, 2048, 16), f"takes mmf; {NOT_THERE}"),
     (lambda: normed("q4_0", 256, 2048, 2, w_shape=(2, 2048)), "is not one contiguous f32 row of 2048 values"),
 ])
 def test_norm_declined_with_its_reason(make, why: str) -> None:  # noqa: ANN001
@@ -75,7 +78,7 @@ def test_norm_declined_where_the_device_takes_another_matvec() -> None:
     """The check asks the device the group binds for: on an sm_75 GPU the product takes mmvq (no cp.async), so
     the norm stays cuda_norm's, where an H200 description would have said mmvq_stream."""
     old = Device("cuda0", "cuda", "an sm_75 GPU", {**H200.props, "cc": (7, 5)})
-    assert_declined(normed("q4_0", 256, 2048, 1), "takes mmvq; the rms_norm fuses into mmvq_stream only", old)
+    assert_declined(normed("q4_0", 256, 2048, 1), f"takes mmvq; {NOT_THERE}", old)
 
 
 def assert_declined(y: Tensor, why: str, device: Device) -> None:
@@ -127,6 +130,37 @@ def test_normed_graph_output_is_written_by_the_matvec() -> None:
     assert [s.kernel for s in plan.fusions] == [fusion.SHARE], plan.explain()
 
 
+@pytest.mark.parametrize(("n", "path"), [(9, "mmq_small"), (16, "mmq_small"), (64, "mmq")])
+@pytest.mark.parametrize("glu", [False, True])
+def test_norm_fuses_into_the_gemms_quantize(n: int, path: str, glu: bool) -> None:
+    """Above the mat-vecs' 8 columns the quantized GEMMs take the norm through their quantize_q8_1 launch, which
+    reads x, the norm weight and eps and rounds the normed values once; a gate/up pair (whose GLU does not fuse
+    on the GEMMs) shares it: one quantize, then each product's GEMM, the gate's written for the GLU."""
+    y = normed("q4_0", 512, 2048, n, glu)
+    plan = od.compile(y, H200)
+    step = plan.fusions[0]
+    assert step.kernel == (fusion.PAIR if glu else "rms_norm_mul_mat"), plan.explain()
+    assert plan.summary()["launches"] == 1 + glu, plan.explain()  # the group, and the GLU's own kernel
+    norm = fusion.norm_of(step.nodes)
+    prods = fusion.parts(step.nodes)[0]
+    assert [support.choose(p, H200).path for p in prods] == [path] * (2 if glu else 1)
+    quant, *gemms = bind.gemm_fused_specs(step.nodes, fake_ptr, fake_scratch, H200)
+    for spec in (quant, *gemms):
+        check_spec(spec)
+    assert quant.kernel == "quantize_q8_1<B_F32, true>" and len(gemms) == len(prods)
+    args = quant.args
+    assert (int(args.b), int(args.nw), float(args.eps)) == (fake_ptr(norm.x), fake_ptr(norm.w), pytest.approx(EPS))
+    assert all(int(g.args.bq) == int(args.bq) and g.kernel.startswith(path) for g in gemms)
+    assert [int(g.args.out) for g in gemms] == [fake_ptr(p) for p in prods]
+
+
+def test_pair_declined_off_the_gemms() -> None:
+    """Two products of the normed values at one column (the mat-vec): no shared quantize there."""
+    h = ops.mul(ops.rms_norm(od.input("x", (1, 2048)), EPS), od.input("nw", (2048,)))
+    nodes = [h.srcs[0], h, *(ops.mul_mat(od.input(f"w{i}", (512, 2048), "q4_0"), h) for i in range(2))]
+    assert "takes mmvq_stream; two products share" in str(fusion.check_pair(H200, nodes, od.Graph.build(nodes[2:])))
+
+
 def test_decode_plan_fuses_every_norm_into_its_matvec() -> None:
     """A q4_0 decode step at batch 1 (the mat-vecs' widths: mmvq_stream): every rms_norm (two a layer and the
     final one) runs inside the mat-vec after it: no norm kernel is left."""
@@ -154,6 +188,27 @@ def test_q4_k_m_decode_plan_fuses_every_norm() -> None:
     assert kernels.count(fusion.SHARE) == unstacked, plan.explain()
     assert kernels.count("rms_norm_mul_mat") == cfg.layers - unstacked + 1, plan.explain()
     assert not any(s.nodes[0].op == "rms_norm" and not s.kernel.startswith("rms_norm_mul_mat") for s in plan.steps)
+
+
+@gpu
+@pytest.mark.parametrize("n", [9, 16, 33, 64])
+@pytest.mark.parametrize("dt", ["q4_0", "q8_0", "q4_K", "q6_K"])
+def test_norm_gemm_pair_on_gpu(dt: str, n: int, rng) -> None:  # noqa: ANN001
+    """The norm in the GEMMs' quantize, before one product and before a gate/up pair (with its GLU after), against
+    the reference and the unfused plan, over capture and replays with new inputs, arenas poisoned."""
+    for glu in (False, True):
+        y = normed(dt, 300, 2048, n, glu)
+        plan = od.compile(y, "cuda0")
+        assert [s.kernel for s in plan.fusions][0] == (fusion.PAIR if glu else "rms_norm_mul_mat"), plan.explain()
+        unfused = od.compile(y, "cuda0", fusion=False)
+        for run in range(2):
+            feeds = feeds_for(y, rng)
+            poison_arenas(plan)
+            (got,) = plan.run(feeds)
+            (ref,) = od.compile(y, "cpu").run(feeds)
+            (plain,) = unfused.run(feeds)
+            assert_close(got, ref, f"{dt} n={n} glu={glu} run {run}")
+            assert_close(got, plain, f"{dt} n={n} glu={glu} run {run} against the unfused plan")
 
 
 @gpu

@@ -22,7 +22,7 @@ import opdispatch as od
 from opdispatch import ops
 from opdispatch.dtypes import DTYPES, dequantize
 from opdispatch.graph import Graph
-from opdispatch.plugins.cuda_matmul import fusion, specs, support
+from opdispatch.plugins.cuda_matmul import bind, fusion, specs, support
 from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_small
 from opdispatch.quants.samples import random_blocks
 from opdispatch.tensor import Tensor
@@ -77,9 +77,22 @@ def mmq_small_selected(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(support, "MMQ_SMALL_SKIP", frozenset())
 
 
+#: the rms_norm before a pair of products (fusion.PAIR): format, M, K, N; one quantize_q8_1 launch (the norm's
+#: instance) rounds the normed values for both mmq_small launches
+NORM_PAIR = ("q4_0", 45, 2048, 16)
+
+
+def _norm_pair() -> list[Tensor]:
+    dt, m, k, n = NORM_PAIR
+    h = ops.mul(ops.rms_norm(od.input("x", (n, k)), 1e-5), od.input("nw", (k,)))
+    return [h.srcs[0], h, *(ops.mul_mat(od.input(f"w{i}", (m, k), dt), h) for i in range(2))]
+
+
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     arity = {s.kernel: len(s.arg_values) for case in CASES for s in _specs(case, ScratchArena(1 << 24))}
+    arity.update({s.kernel: len(s.arg_values) for s in bind.gemm_fused_specs(_norm_pair(), lambda t: 512,
+                                                                             ScratchArena(1 << 24).scratch, None)})
     return build_emulator(tmp_path_factory.mktemp("mmq_small_emu"), ("mmv.cu", "mmq_small.cu"), arity)
 
 
@@ -96,6 +109,41 @@ def test_mmq_small_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> N
 @pytest.mark.parametrize("case", list(RESIDUAL_CASES))
 def test_mmq_small_residual_emulated(case: str, emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
     _check(case, RESIDUAL_CASES[case], emulator, tmp_path, rng)
+
+
+def test_norm_pair_emulated(emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+    """quantize_q8_1's norm instance and the two mmq_small launches of a PAIR group, on poisoned memory: each
+    product against numpy's rms_norm(x) * w (float32 as the kernel computes it) rounded to q8_1, times its weights,
+    and against the float64 reference."""
+    nodes = _norm_pair()
+    graph = Graph.build(nodes[2:])
+    assert fusion.check_pair(None, nodes, graph) is True
+    dt, m, k, n = NORM_PAIR
+    norm = fusion.norm_of(nodes)
+    x = rng.uniform(-1, 1, (n, k)).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    raws = [random_blocks(rng, dt, m * k // DTYPES[dt].block_size).reshape(m, -1) for _ in range(2)]
+    arena = ScratchArena(sum(t.nbytes for t in (norm.x, norm.w, *nodes[2:])) * 4 + 44 * x.nbytes + (1 << 20))
+    arena.place(norm.x, x)
+    arena.place(norm.w, w)
+    for prod, raw in zip(nodes[2:], raws):
+        arena.place(prod.srcs[0], raw)
+        arena.place(prod, None)
+    launches = bind.gemm_fused_specs(nodes, arena.ptr, arena.scratch, None)
+    assert [s.kernel for s in launches][0] == "quantize_q8_1<B_F32, true>"
+    assert [s.kernel.split("<")[0] for s in launches[1:]] == ["mmq_small"] * 2
+    mem = run_launches(launches, arena, False, emulator, tmp_path)
+    scale = np.float32(1) / np.sqrt((x * x).sum(-1, dtype=np.float32, keepdims=True) / np.float32(k) + np.float32(1e-5))
+    normed = x * scale * w
+    exact = x.astype(np.float64) / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    for prod, raw in zip(nodes[2:], raws):
+        at = arena.ptr(prod)
+        got = mem[at:at + prod.nbytes].view(np.float32).reshape(prod.shape)
+        wa = dequantize(dt, raw).astype(np.float64)
+        model = q8_1_rounded(normed).astype(np.float64) @ wa.T
+        assert np.isfinite(got).all(), f"{prod.name}: non-finite outputs (unwritten)"
+        assert nmse(got, model) <= 1e-6, f"{prod.name}: NMSE {nmse(got, model):.3g} against the normed b rounded to q8_1"
+        assert nmse(got, exact @ wa.T) <= NMSE_MAX, f"{prod.name}: NMSE {nmse(got, exact @ wa.T):.3g}"
 
 
 def _check(case: str, pad: int | None, emulator: Path, tmp_path: Path, rng: np.random.Generator) -> None:

@@ -407,19 +407,17 @@ def test_unstacked_projections_get_the_fused_kernels_of_the_stacked_ones(n_token
     mixed, stacked = (compile(m.build(n_tokens, 300 if n_tokens == 1 else 0, batch=batch)[0], H200) for m in models)
     rule = "rope_qkv_flash_attn_ext" if n_tokens == 1 else "rope_qkv_set_rows"
     assert fused_kernels(stacked).count(rule) == cfg.layers
-    # Up to the mat-vecs' 8 columns the stacked layers' attention norm runs inside their q/k/v mat-vec
-    # (rms_norm_mul_mat). The unstacked layer's normed values are read by two products: at one column the q/k
-    # stack's mat-vec runs the norm and writes them for v (rms_norm_mul_mat_share); at 2..8, cuda_norm's
+    # The stacked layers' attention norm runs inside their q/k/v product (rms_norm_mul_mat: the mat-vec, or the
+    # GEMM's quantize). The unstacked layer's normed values are read by two products: at one column the q/k
+    # stack's mat-vec runs the norm and writes them for v (rms_norm_mul_mat_share); above, cuda_norm's
     # rms_norm -> mul runs it, one launch more.
     columns = n_tokens * batch
     only_mixed = Counter(fused_kernels(mixed)) - Counter(fused_kernels(stacked))
     only_stacked = Counter(fused_kernels(stacked)) - Counter(fused_kernels(mixed))
-    in_matvec = {"rms_norm_mul_mat": 1} if columns <= mm_support.MMV_MAX_N else {}
-    shared = {"rms_norm_mul_mat_share": 1} if columns == 1 else {"rms_norm_mul": 1} if in_matvec else {}
-    assert (only_mixed, only_stacked) == (shared, in_matvec)
+    assert only_stacked == {"rms_norm_mul_mat": 1}
+    assert only_mixed == ({"rms_norm_mul_mat_share": 1} if columns == 1 else {"rms_norm_mul": 1})
     assert mixed.summary()["copies"] == 0
-    norm_launch = bool(in_matvec) and columns > 1
-    assert mixed.summary()["launches"] == stacked.summary()["launches"] + 1 + norm_launch  # v (and the norm)
+    assert mixed.summary()["launches"] == stacked.summary()["launches"] + 1 + (columns > 1)  # v (and the norm)
 
 
 @pytest.mark.gpu

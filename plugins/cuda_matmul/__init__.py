@@ -17,9 +17,11 @@ from . import bind, fusion, support
 
 KERNELS: tuple[Kernel, ...] = tuple(Kernel(op, launch, support.takes(path), name=path)
                                     for op, path, launch in bind.PATHS)
+#: the rules whose check, bind or extra outputs differ from the others'
+_SPECIAL = {fusion.SHARE: dict(bind=bind.bind_fused_share, check=fusion.check_share, outputs=(1,)),
+            fusion.PAIR: dict(bind=bind.bind_fused, check=fusion.check_pair, outputs=(2,))}
 FUSION_RULES: tuple[FusionRule, ...] = tuple(
-    FusionRule(name, pattern, bind=bind.bind_fused_share, check=fusion.check_share, outputs=(1,))
-    if name == fusion.SHARE else FusionRule(name, pattern, bind=bind.bind_fused, check=fusion.check)
+    FusionRule(name, pattern, **_SPECIAL.get(name, dict(bind=bind.bind_fused, check=fusion.check)))
     for name, pattern in fusion.PATTERNS)
 
 

@@ -21,7 +21,7 @@ from .specs.mmf import addresses_ok, mmf_fused_specs, mmf_specs
 from .specs.mmq import mmq_addresses, mmq_specs
 from .specs.mmq_id import mmq_id_specs
 from .specs.mmq_small import small_specs
-from .specs.mmv import fused_specs, grouped_specs, mmv_id_specs, mmv_specs
+from .specs.mmv import fused_specs, grouped_specs, mmv_id_specs, mmv_specs, quantize_spec
 
 if TYPE_CHECKING:
     from opdispatch.backends.cuda.backend import CudaContext
@@ -123,8 +123,8 @@ def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
     path = support.choose(fusion.parts(nodes)[0][0], ctx.device).path
     if path == "mmf":
         return _bind(ctx, nodes[-1], lambda scratch: mmf_fused_specs(nodes, ctx.ptr, scratch, ctx.device))
-    if path in fusion.GEMM_PATHS:  # mul_mat -> add (a bias or a residual)
-        return _bind(ctx, nodes[-1], lambda scratch: gemm_fused_specs(nodes, path, ctx.ptr, scratch, ctx.device))
+    if path in fusion.GEMM_PATHS:  # mul_mat -> add (a bias or a residual), or the rms_norm before one or two
+        return _bind(ctx, nodes[-1], lambda scratch: gemm_fused_specs(nodes, ctx.ptr, scratch, ctx.device))
     if path == "mmq_id" and mmq_addresses(ctx.ptr, nodes[0].srcs[0]):  # mul_mat_id -> add_id
         bias = fusion.parts(nodes)[1][0]
         return _bind(ctx, nodes[-1], lambda scratch: mmq_id_specs(nodes[0], nodes[-1], ctx.ptr, scratch,
@@ -132,18 +132,26 @@ def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
     return _bind(ctx, nodes[-1], lambda scratch: fused_specs(nodes, ctx.ptr, scratch, ctx.index_check, ctx.device))
 
 
-def gemm_fused_specs(nodes: Sequence[Tensor], path: str, ptr: Ptr, scratch: Scratch, device: Device | None
+def gemm_fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch, device: Device | None
                      ) -> list[KernelSpec]:
-    """The launches of `path` (mmq or mmq_small) for a mul_mat_add group on `device`, writing its add. Raises
-    ValueError when the weights are not 16-byte aligned (the unfused mul_mat falls back to dequant_cublas then;
-    an arena aligns every tensor to 256 bytes)."""
-    (prod,), (bias,), _ = fusion.parts(nodes)
-    if not mmq_addresses(ptr, prod.srcs[0]):
-        raise ValueError(f"{path}: the weights of {prod.describe()} are not 16-byte aligned")
-    epi = dict(out=nodes[-1], bias=bias, bias_col=fusion.bias_col(prod, bias))
-    if path == "mmq":
-        return mmq_specs(prod, ptr, scratch, **epi)
-    return small_specs(prod, ptr, scratch, device, **epi)
+    """The launches of the quantized GEMMs (mmq or mmq_small, each product's path) for a group on `device`: a
+    mul_mat_add writing its add, or the rms_norm before one or two products (rms_norm_mul_mat, PAIR), whose
+    quantize_q8_1 launch rounds the normed values once for both. Raises ValueError when the weights are not
+    16-byte aligned (the unfused mul_mat falls back to dequant_cublas then; an arena aligns every tensor to 256
+    bytes)."""
+    prods, biases, _ = fusion.parts(nodes)
+    norm = fusion.norm_of(nodes)
+    quant = None if norm is None else quantize_spec(norm.x, ptr(norm.x), scratch, norm, ptr)
+    specs = [] if quant is None else [quant]
+    for prod, bias in zip(prods, biases):
+        path = support.choose(prod, device).path
+        if not mmq_addresses(ptr, prod.srcs[0]):
+            raise ValueError(f"{path}: the weights of {prod.describe()} are not 16-byte aligned")
+        epi = dict(out=nodes[-1] if len(prods) == 1 else prod, bias=bias, bias_col=fusion.bias_col(prod, bias),
+                   quant=quant)
+        specs += mmq_specs(prod, ptr, scratch, **epi) if path == "mmq" else small_specs(prod, ptr, scratch, device,
+                                                                                         **epi)
+    return specs
 
 
 #: (op, path name, bind) of every Kernel record, in the order they are asked

@@ -12,6 +12,9 @@ node but the last is read only inside the group):
   mul_mat_id_add_id_glu the same with add_id biases (gpt-oss)
   rms_norm_mul_mat      rms_norm(x) -> mul(w) -> mul_mat           a decoder's norm before its q/k/v or
   rms_norm_mul_mat_glu  rms_norm(x) -> mul(w) -> mul_mat_glu       gate/up (or LM head) product
+  rms_norm_mul_mat_pair  rms_norm(x) -> mul(w) -> mul_mat, mul_mat  two products of the normed values on the
+                                                                   quantized GEMMs (a gate/up pair at 9 or
+                                                                   more columns, whose GLU does not fuse there)
   rms_norm_mul_mat_share  rms_norm(x) -> mul(w) -> mul_mat          the same when other nodes read the normed
                                                                    values too (a decoder's q/k stack beside
                                                                    its v), at one column: the kernel also
@@ -26,12 +29,13 @@ the residual stream other nodes read too). The kernels add element
 r * bias_col + m of the addend to output row r = (i3 * B2 + i2) * N + n, column m
 (`bias_col`: 0 for one row). GLU groups need both weights of one dtype, shape and
 strides, the same b (and ids), and biases whose rows are spaced alike. The rms_norm
-groups take mmvq_stream only (its kernel quantizes x * w and scales each column's
-products by the norm's rsqrt: NORM_PATHS), with x f32 of one batch and w one
-contiguous f32 row of K values; the norm's kernel launch and its result's round trip
-through memory go (rms_norm_mul_mat_share: the launch only; its blocks write the normed values,
-f32 and contiguous as every mul's result, for the other readers). Anything else: a reason, and the nodes run unfused (or by a
-smaller rule: cuda_norm's rms_norm -> mul).
+groups take mmvq_stream (its kernel quantizes x * w and scales each column's products by
+the norm's rsqrt) or the quantized GEMMs (their quantize_q8_1 launch rounds rms_norm(x) * w,
+once for a pair: NORM_PATHS), with x f32 of one batch and w one contiguous f32 row of K
+values; the norm's kernel launch and its result's round trip through memory go
+(rms_norm_mul_mat_share: the launch only; its blocks write the normed values, f32 and
+contiguous as every mul's result, for the other readers). Anything else: a reason, and the
+nodes run unfused (or by a smaller rule: cuda_norm's rms_norm -> mul).
 """
 
 from __future__ import annotations
@@ -57,18 +61,22 @@ GEMM_PATHS = ("mmq", "mmq_small")
 #: and mmq_id (add_id's bias; its GLU groups are one token's, which mmv_id takes)
 FUSED_PATHS = (*MMV_PATHS, "mmf", *GEMM_PATHS, "mmq_id")
 
-#: the paths whose kernel takes a fused rms_norm (the rms_norm_mul_mat groups)
-NORM_PATHS = ("mmvq_stream",)
+#: the paths whose kernels take a fused rms_norm (the rms_norm_mul_mat groups): the mat-vec quantizing b itself,
+#: the GEMMs through their quantize_q8_1 launch
+NORM_PATHS = ("mmvq_stream", *GEMM_PATHS)
 #: the ops a group opens with when it fuses the rms_norm before its products
 NORM_PREFIX = ("rms_norm", "mul")
 
 #: the rule that keeps the normed values (written besides the product: position 1 of its pattern an output)
 SHARE = "rms_norm_mul_mat_share"
+#: the rule of two products of the normed values on the GEMMs (the first product, position 2, an output too)
+PAIR = "rms_norm_mul_mat_pair"
 
 #: (rule name, pattern), longest first: dispatch takes the first rule whose check passes (SHARE after the rule
 #: that drops the normed values, which takes the group when nothing else reads them)
 PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rms_norm_mul_mat_glu", (*NORM_PREFIX, "mul_mat", "mul_mat", "glu")),
+    (PAIR, (*NORM_PREFIX, "mul_mat", "mul_mat")),
     ("rms_norm_mul_mat", (*NORM_PREFIX, "mul_mat")),
     (SHARE, (*NORM_PREFIX, "mul_mat")),
     ("mul_mat_add_glu", ("mul_mat", "add", "mul_mat", "add", "glu")),
@@ -134,6 +142,15 @@ def check_share(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool |
     n = support.batch_n(nodes[-1])
     if n != KEEP_NT:
         return f"{n} columns: the kernels that write the normed values take {KEEP_NT}"
+    return check(device, nodes, graph)
+
+
+def check_pair(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
+    """`check` for the PAIR rule: both products on a quantized GEMM (one quantize_q8_1 launch feeds both)."""
+    for p in nodes[2:]:
+        path = support.choose(p, device).path
+        if path not in GEMM_PATHS:
+            return f"mul_mat takes {path}; two products share the fused rms_norm on {', '.join(GEMM_PATHS)} only"
     return check(device, nodes, graph)
 
 

@@ -262,8 +262,9 @@ def _rms_norm_product(name: str, full: bool, glu: bool) -> Iterator[Case]:
     yield one("q4_K", 45, 3, 512)
     yield one("q6_K", 13, 8, 2048)
     yield one("f16", 16, 1, 64)
+    yield one("q4_0", 77, 16, 512)  # the GEMM (its quantize takes the norm; the GLU then runs apart)
     if full:
-        for ta, n in itertools.product(FLOATS + BLOCK_FORMATS, (1, 8)):
+        for ta, n in itertools.product(FLOATS + BLOCK_FORMATS, (1, 8, 16, 64)):
             yield one(ta, 64, n, whole_k(ta, 512) if ta in BLOCK_FORMATS else 256)
 
 
@@ -275,6 +276,25 @@ def _rms_norm_mul_mat(name: str, full: bool) -> Iterator[Case]:
 @fused("rms_norm_mul_mat_glu", needs=("rms_norm", "mul", "mul_mat", "glu"))
 def _rms_norm_mul_mat_glu(name: str, full: bool) -> Iterator[Case]:
     yield from _rms_norm_product(name, full, glu=True)
+
+
+@fused("rms_norm_mul_mat_pair", needs=("rms_norm", "mul", "mul_mat", "add"))
+def _rms_norm_mul_mat_pair(name: str, full: bool) -> Iterator[Case]:
+    """rms_norm(x) * w read by two products of one weight type on the quantized GEMMs (above 8 columns), then
+    their sum: one quantize_q8_1 launch rounds the normed values for both. The sum's bound is twice mul_mat's."""
+    def one(ta: str, m: int, n: int, k: int) -> Case:
+        def make(inp: Inputs) -> Tensor:
+            h = ops.mul(ops.rms_norm(inp.uniform((n, k)), 1e-5), inp.uniform((k,)))
+            return ops.add(ops.mul_mat(inp.source((m, k), ta), h), ops.mul_mat(inp.source((m, k), ta), h))
+
+        return Case("add", f"a={ta} m={m} n={n} k={k}", make, 2 * bound("mul_mat", weight=ta), 4 * m * n * k,
+                    fused=name)
+
+    yield one("q4_0", 77, 16, 512)
+    yield one("q4_K", 45, 33, 2048)
+    if full:
+        for ta, n in itertools.product(_FUSED_WEIGHTS, (9, 16, 64, 512)):
+            yield one(ta, 77, n, _fused_k(ta))
 
 
 @fused("rms_norm_mul_mat_share", needs=("rms_norm", "mul", "mul_mat", "add"))

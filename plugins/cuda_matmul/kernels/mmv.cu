@@ -23,22 +23,48 @@
 // b rows to int8 codes with a scale per 32 values (QB8 layout): row r = (i3, i2, i1) with
 // i1 < n1, i2 < n2 (r = (i3 * n2 + i2) * n1 + i1), value k at b + i3 * s3 + i2 * s2 + i1 * s1 + k * es.
 // Grid (rows, ceil(nb / 8)), QUANT_BLOCK threads: a warp per block of 32 values.
+// NORM (a fused rms_norm -> mul before the GEMMs: fusion.py's rms_norm groups): the values quantized are
+// rms_norm(b) * nw, b the norm's input; every block sums its row's squares itself (K values, from L2)
+// rather than waiting on another block's.
 constexpr int QUANT_BLOCK = 256;
 
-template <int TB>
+template <int TB, bool NORM = false>
 __global__ void __launch_bounds__(QUANT_BLOCK) quantize_q8_1(const u8* b, long long es, long long s1, long long s2,
                                                              long long s3, int n1, int n2, int K, int nbp, u8* bq,
-                                                             u8* bds) {
+                                                             u8* bds, const float* nw, float eps) {
     od::grid_enter();
     const int r = blockIdx.x;
     const int j = blockIdx.y * (QUANT_BLOCK / od::WARP_SIZE) + threadIdx.x / od::WARP_SIZE;
     const int lane = threadIdx.x % od::WARP_SIZE;
+    const int i1 = r % n1, i2 = (r / n1) % n2, i3 = r / (n1 * n2);
+    const u8* src = b + i3 * s3 + i2 * s2 + i1 * s1;
+    float scale = 1.0f;
+    if constexpr (NORM) {
+        __shared__ float sums[QUANT_BLOCK / od::WARP_SIZE];
+        float ss = 0.0f;
+        for (int k = threadIdx.x; k < K; k += QUANT_BLOCK) {
+            const float x = mm::load_elem<TB>(src + k * es);
+            ss += x * x;
+        }
+        ss = od::warp_sum(ss);
+        if (lane == 0) {
+            sums[threadIdx.x / od::WARP_SIZE] = ss;
+        }
+        __syncthreads();
+        float total = 0.0f;
+#pragma unroll
+        for (int w = 0; w < QUANT_BLOCK / od::WARP_SIZE; ++w) {
+            total += sums[w];
+        }
+        scale = rsqrtf(total / static_cast<float>(K) + eps);
+    }
     if (j >= K / 32) {
         return;
     }
-    const int i1 = r % n1, i2 = (r / n1) % n2, i3 = r / (n1 * n2);
-    const u8* src = b + i3 * s3 + i2 * s2 + i1 * s1;
-    const float v = mm::load_elem<TB>(src + (32ll * j + lane) * es);
+    float v = mm::load_elem<TB>(src + (32ll * j + lane) * es);
+    if constexpr (NORM) {
+        v = v * scale * nw[32 * j + lane];
+    }
     float amax = fabsf(v);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {

@@ -173,8 +173,9 @@ def mmf_name(wt: str, n_tiles: int, epi: str) -> str:
     return instance("mmf", W_KIND[wt], n_tiles, epi)
 
 
-def quantize_name(tb: str) -> str:
-    return instance("quantize_q8_1", B_KIND[tb])
+def quantize_name(tb: str, norm: bool = False) -> str:
+    """quantize_q8_1's instance for b of type tb (`norm`: the one that quantizes rms_norm(b) * w, b f32)."""
+    return instance("quantize_q8_1", B_KIND[tb], *((True,) if norm else ()))
 
 
 def convert_name(ts: str, td: str) -> str:
@@ -192,6 +193,7 @@ MMV_NAMES: tuple[str, ...] = (
     *(mmv_name(wt, "f32", 8, False, epi) for epi in EPIS for wt in FLOAT_NAMES),
     *(mmv_name(wt, tb, 8, vec, EPI_NONE) for wt in FLOAT_NAMES for tb in ("f16", "bf16") for vec in (False, True)),
     *(quantize_name(tb) for tb in FLOAT_NAMES),
+    quantize_name("f32", norm=True),
     *(mmvq_name(wt, nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in quant_nts(wt)),
 )
 MMV_ID_NAMES: tuple[str, ...] = (

@@ -242,15 +242,17 @@ def mmq_addresses(ptr: Ptr, a: Tensor) -> bool:
 
 
 def mmq_specs(node: Tensor, ptr: Ptr, scratch: Scratch, cfg: MmqConfig | None = None, *, out: Tensor | None = None,
-              bias: Tensor | None = None, bias_col: int = 0) -> list[KernelSpec]:
+              bias: Tensor | None = None, bias_col: int = 0, quant: KernelSpec | None = None) -> list[KernelSpec]:
     """quantize_q8_1 of b into the scratch buffer "bq", then mmq, for mul_mat `node` (its path mmq), with
     `cfg` (default its format's table's for its columns); split K also takes the scratch buffers of the partial sums and
     of the tiles' counters (zeroed once: the kernel sets them back). A fused mul_mat_add writes `out` (default
-    node), adding `bias` (rows bias_col floats apart, 0 for one row: fusion.bias_col)."""
+    node), adding `bias` (rows bias_col floats apart, 0 for one row: fusion.bias_col). `quant`: b's quantize_q8_1
+    launch made by the caller (a fused group's, which quantizes once for its products): mmq alone."""
     a, b = node.srcs
     (_, _, m, k), _ = geometry(a)
     (b3, b2, n, _), _ = geometry(b)
-    quant = mmv.quantize_spec(b, ptr(b), scratch)
+    own = quant is None
+    quant = mmv.quantize_spec(b, ptr(b), scratch) if own else quant
     q = quant.args
     dt = a.dtype.name
     cfg = cfg or mmq_config(dt, n)
@@ -263,4 +265,4 @@ def mmq_specs(node: Tensor, ptr: Ptr, scratch: Scratch, cfg: MmqConfig | None = 
                    bias_col=bias_col, tiles_m=tiles_m, tiles_n=tiles_n, splits=splits, part=part, counters=counters,
                    preload=mmv._preload(a))
     grid = (tiles_m * splits * tiles_n, b2, b3)
-    return [quant, KernelSpec(MMQ_CU, instance_name(dt, cfg), grid, cfg.threads, args, smem=mmq_smem(dt, cfg))]
+    return [quant] * own + [KernelSpec(MMQ_CU, instance_name(dt, cfg), grid, cfg.threads, args, smem=mmq_smem(dt, cfg))]

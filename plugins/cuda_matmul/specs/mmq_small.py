@@ -133,14 +133,16 @@ def small_fits(node: Tensor, device: Device | None, cfg: SmallConfig = SMALL) ->
 
 def small_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None = None,
                 cfg: SmallConfig = SMALL, *, out: Tensor | None = None, bias: Tensor | None = None,
-                bias_col: int = 0) -> list[KernelSpec]:
+                bias_col: int = 0, quant: KernelSpec | None = None) -> list[KernelSpec]:
     """quantize_q8_1 of b into the scratch buffer "bq", then mmq_small, for mul_mat `node` (its path mmq_small);
     split K also takes the scratch buffers of the partial sums and of the row tiles' counters (zeroed once:
-    the kernel sets them back). A fused mul_mat_add writes `out` (default node), adding `bias` as mmq_specs."""
+    the kernel sets them back). A fused mul_mat_add writes `out` (default node), adding `bias` as mmq_specs;
+    `quant` as mmq_specs'."""
     a, b = node.srcs
     (_, _, m, k), _ = geometry(a)
     (b3, b2, n, _), _ = geometry(b)
-    quant = mmv.quantize_spec(b, ptr(b), scratch)
+    own = quant is None
+    quant = mmv.quantize_spec(b, ptr(b), scratch) if own else quant
     q = quant.args
     dt, nt = a.dtype.name, small_nt(n)
     grid = small_grid(m, k, b3 * b2, device, cfg)
@@ -151,5 +153,5 @@ def small_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
     args = SmallArgs(head=gemm_head(node, node if out is None else out, ptr, q), bias=addr(ptr, bias),
                      bias_col=bias_col, tiles_m=grid.tiles_m, splits=grid.splits, kts=grid.kts, part=part,
                      counters=counters, preload=mmv._preload(a))
-    return [quant, KernelSpec(MMQ_SMALL_CU, small_name(dt, nt, cfg), (grid.tiles_m * grid.splits, b2, b3),
-                              32 * cfg.warps, args, smem=small_smem(dt, nt, grid.kts, cfg))]
+    return [quant] * own + [KernelSpec(MMQ_SMALL_CU, small_name(dt, nt, cfg), (grid.tiles_m * grid.splits, b2, b3),
+                                       32 * cfg.warps, args, smem=small_smem(dt, nt, grid.kts, cfg))]

@@ -40,6 +40,8 @@ class QuantizeArgs(KernelArgs):
     nbp: np.int32 = i32()
     bq: np.uint64 = ptr()
     bds: np.uint64 = ptr()
+    nw: np.uint64 = ptr()
+    eps: np.float32 = f32()
 
 
 @attrs.frozen
@@ -196,17 +198,19 @@ def q8_padded(k: int) -> int:
     return math.ceil(k // 32 / 32) * 32
 
 
-def quantize_spec(b: Tensor, pb: int, scratch: Scratch) -> KernelSpec:
+def quantize_spec(b: Tensor, pb: int, scratch: Scratch, norm: fusion.Norm | None = None,
+                  ptr: Ptr | None = None) -> KernelSpec:
     """quantize_q8_1 of b's rows (row (i3 * n2 + i2) * n1 + i1 of b's padded (n3, n2, n1, K)
     geometry) into the scratch buffer "bq": codes at `args.bq`, scales at `args.bds`, `args.nbp`
-    blocks a row."""
+    blocks a row. `norm` (b its x, `ptr` given): the rows of rms_norm(b) * norm.w instead."""
     (n3, n2, n1, k), (s3, s2, s1, _) = geometry(b)
     rows, nbp = n1 * n2 * n3, q8_padded(k)
     bq = scratch("bq", rows * nbp * (32 + 8))
+    fused = dict(nw=0, eps=0.0) if norm is None else dict(nw=ptr(norm.w), eps=norm.eps)
     args = QuantizeArgs(b=pb, es=elem_stride(b), s1=s1, s2=s2, s3=s3, n1=max(n1, 1), n2=max(n2, 1), K=k, nbp=nbp,
-                        bq=bq, bds=bq + rows * nbp * 32)
-    return KernelSpec(MMV_CU, quantize_name(b.dtype.name), (max(rows, 1), max(1, math.ceil(k // 32 / 8))),
-                      QUANT_BLOCK, args)
+                        bq=bq, bds=bq + rows * nbp * 32, **fused)
+    return KernelSpec(MMV_CU, quantize_name(b.dtype.name, norm is not None),
+                      (max(rows, 1), max(1, math.ceil(k // 32 / 8))), QUANT_BLOCK, args)
 
 
 def _aligned(p: int, strides_sizes: Sequence[tuple[int, int]], to: int = 16) -> bool:
