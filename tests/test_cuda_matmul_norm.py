@@ -8,6 +8,7 @@ kernel's arithmetic on the CPU: tests/test_mmvq_stream_emulated.py's rms_norm ca
 from __future__ import annotations
 
 import attrs
+import numpy as np
 import pytest
 
 import opdispatch as od
@@ -190,80 +191,51 @@ def test_q4_k_m_decode_plan_fuses_every_norm() -> None:
     assert not any(s.nodes[0].op == "rms_norm" and not s.kernel.startswith("rms_norm_mul_mat") for s in plan.steps)
 
 
+def check_on_gpu(outputs: list[Tensor], fusions: list[str], what: str, rng: np.random.Generator, runs: int = 3
+                 ) -> None:
+    """`outputs` planned on cuda0 with exactly `fusions`, against the reference and the unfused plan, every output
+    written (arenas poisoned), over a CUDA graph's capture and replays with new inputs each run."""
+    plan = od.compile(outputs, "cuda0")
+    assert [s.kernel for s in plan.fusions] == fusions, plan.explain()
+    unfused = od.compile(outputs, "cuda0", fusion=False)
+    for run in range(runs):
+        feeds = feeds_for(outputs, rng)
+        poison_arenas(plan)
+        got = plan.run(feeds)
+        ref = od.compile(outputs, "cpu").run(feeds)
+        plain = unfused.run(feeds)
+        for i, (g, r, u) in enumerate(zip(got, ref, plain)):
+            assert_close(g, r, f"{what}: output {i}, run {run}")
+            assert_close(g, u, f"{what}: output {i}, run {run}, against the unfused plan")
+
+
 @gpu
 @pytest.mark.parametrize("n", [9, 16, 33, 64])
 @pytest.mark.parametrize("dt", ["q4_0", "q8_0", "q4_K", "q6_K"])
 def test_norm_gemm_pair_on_gpu(dt: str, n: int, rng) -> None:  # noqa: ANN001
-    """The norm in the GEMMs' quantize, before one product and before a gate/up pair (with its GLU after), against
-    the reference and the unfused plan, over capture and replays with new inputs, arenas poisoned."""
+    """The norm in the GEMMs' quantize, before one product and before a gate/up pair (with its GLU after)."""
     for glu in (False, True):
-        y = normed(dt, 300, 2048, n, glu)
-        plan = od.compile(y, "cuda0")
-        assert [s.kernel for s in plan.fusions][0] == (fusion.PAIR if glu else "rms_norm_mul_mat"), plan.explain()
-        unfused = od.compile(y, "cuda0", fusion=False)
-        for run in range(2):
-            feeds = feeds_for(y, rng)
-            poison_arenas(plan)
-            (got,) = plan.run(feeds)
-            (ref,) = od.compile(y, "cpu").run(feeds)
-            (plain,) = unfused.run(feeds)
-            assert_close(got, ref, f"{dt} n={n} glu={glu} run {run}")
-            assert_close(got, plain, f"{dt} n={n} glu={glu} run {run} against the unfused plan")
+        check_on_gpu([normed(dt, 300, 2048, n, glu)], [fusion.PAIR if glu else "rms_norm_mul_mat"],
+                     f"{dt} n={n} glu={glu}", rng, runs=2)
 
 
 @gpu
 @pytest.mark.parametrize("k", [2048, 4096])
 def test_norm_share_on_gpu(k: int, rng) -> None:  # noqa: ANN001
-    """Three products of the normed values, and the values themselves, against the reference and the unfused plan
-    over capture and replays with new inputs; every output written (arenas poisoned)."""
-    n = 1
-    outs = shared(n, k)
-    h = outs[0].srcs[1]
-    plan = od.compile([*outs, h], "cuda0")
-    assert [s.kernel for s in plan.fusions] == [fusion.SHARE], plan.explain()
-    unfused = od.compile([*outs, h], "cuda0", fusion=False)
-    for run in range(3):
-        feeds = feeds_for(outs, rng)
-        poison_arenas(plan)
-        got = plan.run(feeds)
-        ref = od.compile([*outs, h], "cpu").run(feeds)
-        plain = unfused.run(feeds)
-        for i, (g, r, u) in enumerate(zip(got, ref, plain)):
-            assert_close(g, r, f"output {i} n={n} run {run}")
-            assert_close(g, u, f"output {i} n={n} run {run} against the unfused plan")
+    """Three products of the normed values, and the values themselves (one column)."""
+    outs = shared(1, k)
+    check_on_gpu([*outs, outs[0].srcs[1]], [fusion.SHARE], f"share k={k}", rng)
 
 
 @gpu
 @pytest.mark.parametrize("n", [1, 3, 8])
 @pytest.mark.parametrize("dt", ["q4_0", "q8_0", "q4_K", "q6_K", "iq4_xs", "mxfp4"])
 def test_norm_matvec_on_gpu(dt: str, n: int, rng) -> None:  # noqa: ANN001
-    """Against the reference and the unfused plan, every output written (arenas poisoned), over a CUDA graph's
-    capture and replays with new inputs each run."""
-    y = normed(dt, 300, 2048, n)
-    plan = od.compile(y, "cuda0")
-    assert [s.kernel for s in plan.fusions] == ["rms_norm_mul_mat"], plan.explain()
-    unfused = od.compile(y, "cuda0", fusion=False)
-    for run in range(3):
-        feeds = feeds_for(y, rng)
-        poison_arenas(plan)
-        (got,) = plan.run(feeds)
-        (ref,) = od.compile(y, "cpu").run(feeds)
-        (plain,) = unfused.run(feeds)
-        assert_close(got, ref, f"{dt} n={n} run {run}")
-        assert_close(got, plain, f"{dt} n={n} run {run} against the unfused plan")
+    check_on_gpu([normed(dt, 300, 2048, n)], ["rms_norm_mul_mat"], f"{dt} n={n}", rng)
 
 
 @gpu
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("dt", ["q4_0", "q4_K", "q6_K"])
 def test_norm_glu_matvec_on_gpu(dt: str, n: int, rng) -> None:  # noqa: ANN001
-    y = normed(dt, 512, 2048, n, glu=True)
-    plan = od.compile(y, "cuda0")
-    assert [s.kernel for s in plan.fusions] == ["rms_norm_mul_mat_glu"], plan.explain()
-    feeds = feeds_for(y, rng)
-    poison_arenas(plan)
-    (got,) = plan.run(feeds)
-    (ref,) = od.compile(y, "cpu").run(feeds)
-    (plain,) = od.compile(y, "cuda0", fusion=False).run(feeds)
-    assert_close(got, ref, f"glu {dt} n={n}")
-    assert_close(got, plain, f"glu {dt} n={n} against the unfused plan")
+    check_on_gpu([normed(dt, 512, 2048, n, glu=True)], ["rms_norm_mul_mat_glu"], f"glu {dt} n={n}", rng)

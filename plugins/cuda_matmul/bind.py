@@ -141,7 +141,7 @@ def gemm_fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch, device
     bytes)."""
     prods, biases, _ = fusion.parts(nodes)
     norm = fusion.norm_of(nodes)
-    quant = None if norm is None else quantize_spec(norm.x, ptr(norm.x), scratch, norm, ptr)
+    quant = None if norm is None else quantize_spec(norm.x, ptr(norm.x), scratch, ptr(norm.w), norm.eps)
     specs = [] if quant is None else [quant]
     for prod, bias in zip(prods, biases):
         path = support.choose(prod, device).path

@@ -198,18 +198,16 @@ def q8_padded(k: int) -> int:
     return math.ceil(k // 32 / 32) * 32
 
 
-def quantize_spec(b: Tensor, pb: int, scratch: Scratch, norm: fusion.Norm | None = None,
-                  ptr: Ptr | None = None) -> KernelSpec:
+def quantize_spec(b: Tensor, pb: int, scratch: Scratch, nw: int = 0, eps: float = 0.0) -> KernelSpec:
     """quantize_q8_1 of b's rows (row (i3 * n2 + i2) * n1 + i1 of b's padded (n3, n2, n1, K)
     geometry) into the scratch buffer "bq": codes at `args.bq`, scales at `args.bds`, `args.nbp`
-    blocks a row. `norm` (b its x, `ptr` given): the rows of rms_norm(b) * norm.w instead."""
+    blocks a row. `nw` not 0 (a fused norm's weight address, b its x): the rows of rms_norm(b) * w instead."""
     (n3, n2, n1, k), (s3, s2, s1, _) = geometry(b)
     rows, nbp = n1 * n2 * n3, q8_padded(k)
     bq = scratch("bq", rows * nbp * (32 + 8))
-    fused = dict(nw=0, eps=0.0) if norm is None else dict(nw=ptr(norm.w), eps=norm.eps)
     args = QuantizeArgs(b=pb, es=elem_stride(b), s1=s1, s2=s2, s3=s3, n1=max(n1, 1), n2=max(n2, 1), K=k, nbp=nbp,
-                        bq=bq, bds=bq + rows * nbp * 32, **fused)
-    return KernelSpec(MMV_CU, quantize_name(b.dtype.name, norm is not None),
+                        bq=bq, bds=bq + rows * nbp * 32, nw=nw, eps=eps)
+    return KernelSpec(MMV_CU, quantize_name(b.dtype.name, nw != 0),
                       (max(rows, 1), max(1, math.ceil(k // 32 / 8))), QUANT_BLOCK, args)
 
 
