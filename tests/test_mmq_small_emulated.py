@@ -54,6 +54,14 @@ CASES = {
     "iq4_nl M20 K512 N9": ("iq4_nl", 20, 512, 9, (), False, TWO_WARPS),
     "iq4_xs M19 K1024 N16": ("iq4_xs", 19, 1024, 16, (), False, TWO_WARPS),
     "mxfp4 M22 K1024 N32 (odd block addresses)": ("mxfp4", 22, 1024, 32, (), True, TWO_WARPS),
+    # k-groups (kw): the warps of a row group take every kw-th K tile and the first adds the others' sums
+    "q4_0 M37 K2304 N16 k-groups of 4 (slices of 4 and 5 K tiles)": (
+        "q4_0", 37, 2304, 16, (), False, SC(warps=4, kw=4, stages=2, kt_min=1)),
+    "q4_K M40 K1024 N24 k-groups of 2, fm 2 (two K tiles a warp)": (
+        "q4_K", 40, 1024, 24, (), True, SC(fm=2, warps=4, kw=2, stages=3, kt_min=1, split_max=1)),
+    "q8_0 M45 K2304 N16 SMALL_WAVE (a short fifth K tile)": ("q8_0", 45, 2304, 16, (), False, mmq_small.SMALL_WAVE),
+    "q5_K M21 K1536 N9 k-groups of 8 (two warps without a K tile)": (
+        "q5_K", 21, 1536, 9, (), False, SC(kw=8, stages=2, kt_min=1, kts_max=8)),
 }
 
 
@@ -74,7 +82,7 @@ def _specs(case: str, arena: ScratchArena, ptr=lambda t: 512) -> list:  # noqa: 
 def mmq_small_selected(monkeypatch: pytest.MonkeyPatch) -> None:
     """mmq_small takes 9.. columns, whatever support.MMQ_SMALL_MIN_N (off until it is tuned) says."""
     monkeypatch.setattr(support, "MMQ_SMALL_MIN_N", support.MMV_MAX_N + 1)
-    monkeypatch.setattr(support, "MMQ_SMALL_SKIP", frozenset())
+    monkeypatch.setattr(support, "MMQ_SMALL_WAVE_ONLY", frozenset())
 
 
 #: the rms_norm before a pair of products (fusion.PAIR): format, M, K, N; one quantize_q8_1 launch (the norm's
@@ -98,7 +106,8 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 #: the cases run again with a residual addend (add(mul_mat, r), r of the product's shape: mq::finish adds it as out
 #: is written, straight or after split K's planes): case -> the pad of r's rows (m + pad floats apart; a view if > 0)
-RESIDUAL_CASES = {"q4_0 M77 K2048 N9": 0, "q4_K M30 K1024 N32 batches": 5, "q8_0 M19 K768 N17 two warps": 3}
+RESIDUAL_CASES = {"q4_0 M77 K2048 N9": 0, "q4_K M30 K1024 N32 batches": 5, "q8_0 M19 K768 N17 two warps": 3,
+                  "q4_0 M37 K2304 N16 k-groups of 4 (slices of 4 and 5 K tiles)": 2}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -198,4 +207,6 @@ def test_cases_cover() -> None:
     assert {9, 16, 17, 32} <= {c[3] for c in CASES.values()}
     splits = {s.args.splits for s in launches.values()}
     assert 1 in splits and max(splits) >= 3
+    kws = {(c[-1].kw, launches[case].args.splits > 1) for case, c in CASES.items()}
+    assert {(1, True), (1, False), (4, True), (2, False), (8, False)} <= kws
     assert any(c[1] % 16 for c in CASES.values())

@@ -275,17 +275,19 @@ __device__ __forceinline__ void step_acc(float (&acc)[4], const AFrag& f, unsign
 // in split order and writes out: deterministic. A bias (not null) is added to the sums written to out:
 // output row r = brow0 + n, column m adds bias[r * bias_col + m] (bias_col 0: one row for every output
 // row; else a residual addend's rows, bias_col floats apart). Rows past M and columns past N are not
-// written. Every thread of the block calls it.
+// written. Every thread of the block calls it; a warp with `owns` false (mmq_small's k-groups past the first,
+// whose sums its first k-group added) writes nothing.
 template <int FM, int FN>
 __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, int c0, int M, int N, long long brow0,
                                        float* out, float* part, int split, int splits, long long plane,
-                                       int* counter, const float* bias, long long bias_col) {
+                                       int* counter, const float* bias, long long bias_col, bool owns = true) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     // the sum of output (n, m) as written to out
     auto biased = [&](float v, int n, int m) {
         return bias != nullptr ? v + bias[(brow0 + n) * bias_col + m] : v;
     };
     float* const dst = (splits == 1 ? out : part + split * plane) + brow0 * M;
+    const int rows = owns ? M : 0;  // the rows this warp writes below: all or none
 #pragma unroll
     for (int fm = 0; fm < FM; ++fm) {
 #pragma unroll
@@ -294,7 +296,7 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
             for (int i = 0; i < 4; ++i) {
                 const int m = r0 + 16 * fm + g + 8 * (i / 2);
                 const int n = c0 + 8 * fn + 2 * t + i % 2;
-                if (m < M && n < N) {
+                if (m < rows && n < N) {
                     dst[static_cast<long long>(n) * M + m] = splits == 1 ? biased(acc[fm][fn][i], n, m)
                                                                          : acc[fm][fn][i];
                 }
@@ -314,7 +316,7 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
             for (int i = 0; i < 4; ++i) {
                 const int m = r0 + 16 * fm + g + 8 * (i / 2);
                 const int n = c0 + 8 * fn + 2 * t + i % 2;
-                if (m < M && n < N) {
+                if (m < rows && n < N) {
                     const long long at = static_cast<long long>(n) * M + m;
                     float sum = 0.0f;
                     for (int s = 0; s < splits; ++s) {

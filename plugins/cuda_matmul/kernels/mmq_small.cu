@@ -6,7 +6,10 @@
 // Memory-bound at these widths: every weight byte is read once, and the kernel is cut so that the
 // weights stream without block-wide barriers:
 //   warps   each warp owns WR = 16 FM weight rows (FM m16 mma tiles) and all 8 NT columns (NT n8
-//           tiles), over its block's slice of K; a block is W warps (BM = W WR rows) sharing that slice.
+//           tiles), over every KW-th K tile of its block's slice: a block is W / KW row groups (BM =
+//           W / KW * WR rows) of KW warps (k-groups), warp w row group w / KW and k-group w % KW, taking
+//           the slice's K tiles kg, kg + KW, ... KW > 1 cuts the K steps one warp runs in a row, the
+//           chain of dependent loads, decodes and mma that bounds a launch at small shapes, by KW.
 //   split   K is cut in K tiles of KB steps of 32 values (mq::Tile: KB / STEPS blocks a row), and the
 //           K tiles of a row in `splits` contiguous slices, one block each: grid (tiles_m * splits, B2,
 //           B3), the slices of a row tile adjacent. specs/mmq_small.py picks splits so that the grid is
@@ -30,6 +33,9 @@
 // With `preload` (constant weights) the first NS - 1 K tiles' copies are issued before the PDL wait
 // for quantize_q8_1.
 //
+//   reduce  KW > 1: each k-group past the first stores its sums in its own ring (its copies done), and
+//           after a __syncthreads the first k-group of the row group adds them in k-group order:
+//           deterministic; only it writes (mq::finish's owns).
 // Requirements (support.mmq_small_ok, as mmq's): rows of whole 16-byte chunks (specs/stream.py's
 // STREAMED), a 16-byte aligned; a slice holds at most kts K tiles (the b copy's size, a launch
 // argument); the last K tile may be short (whole chunks). Rows past M read row M - 1 and write nothing.
@@ -39,36 +45,45 @@
 
 using mm::u8;
 
-template <int WT, int NT, int FM, int W, int NS, int KB>
-__global__ void __launch_bounds__(32 * W)
+// Blocks of W warps an SM the launch bound asks for: 16 warps, 128 registers a thread (without a block count
+// ptxas held the sub-scaled formats to 64 registers and spilled).
+template <int W>
+constexpr int SMALL_MIN_BLOCKS = W >= 16 ? 1 : 16 / W;
+
+template <int WT, int NT, int FM, int W, int NS, int KB, int KW>
+__global__ void __launch_bounds__(32 * W, SMALL_MIN_BLOCKS<W>)
     mmq_small(const u8* a, long long a_row, long long a_s2, long long a_s3, int r2, int r3, const u8* bq,
               const u8* bds, int nbp, float* out, int M, int K, int N, const float* bias, long long bias_col,
               int tiles_m, int splits, int kts, float* part, int* counters, int preload) {
     od::grid_enter_later();  // below: after the first weight copies when the weights are constant
     using Q = mm::Fmt<WT>;
     using T = mq::Tile<Q, KB>;
-    constexpr int WR = 16 * FM, BM = WR * W, NP = 8 * NT, RS = T::RS, STAGE = WR * RS;
+    constexpr int WR = 16 * FM, BM = WR * (W / KW), NP = 8 * NT, RS = T::RS, STAGE = WR * RS;
     static_assert(NS >= 2, "a ring of two stages at least");
+    static_assert(W % KW == 0, "whole row groups of KW warps");
+    static_assert(FM * NT * 32 * 16 <= NS * STAGE, "a warp's sums fit its ring (the k-groups' reduction)");
     extern __shared__ uint4 smem_u4[];
     u8* const smem = reinterpret_cast<u8*>(smem_u4);
 
     const int split = static_cast<int>(blockIdx.x % splits), tm = static_cast<int>(blockIdx.x / splits);
     const int i2 = blockIdx.y, i3 = blockIdx.z;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-    const int row0 = tm * BM + warp * WR;  // the warp's first row
+    const int kg = warp % KW;                   // the warp's k-group: K tiles kg, kg + KW, ... of the slice
+    const int row0 = tm * BM + warp / KW * WR;  // the warp's first row
     const u8* const wa = a + (i3 / r3) * a_s3 + (i2 / r2) * a_s2;
     const long long batch = static_cast<long long>(i3) * gridDim.y + i2;
     const long long brow0 = batch * N;
     const int nb = K / 32, nkt = (nb + KB - 1) / KB;
     const int kt0 = static_cast<int>(static_cast<long long>(split) * nkt / splits);
     const int ntiles = static_cast<int>(static_cast<long long>(split + 1) * nkt / splits) - kt0;  // <= kts
+    const int mine = ntiles > kg ? (ntiles - kg + KW - 1) / KW : 0;  // the warp's K tiles: kg + KW i, i < mine
     const int bcol = kts * KB * 32 + 16, bscol = kts * KB * 8 + 16;  // odd granules (KB % 8 == 0)
     u8* const bcodes = smem;
     u8* const bscales = bcodes + NP * bcol;
     u8* const ring = bscales + NP * bscol + warp * NS * STAGE;
 
-    // K tile kt of the slice into stage st: the warp's rows' blocks (the granules that cover them,
-    // lead() bytes before the first block where K tiles are not whole granules)
+    // K tile kt of the slice (the warp's i-th: kt = kg + KW i) into stage st: the warp's rows' blocks (the
+    // granules that cover them, lead() bytes before the first block where K tiles are not whole granules)
     auto lead = [&](int kt) { return T::ALIGNED ? 0 : (kt0 + kt) * KB / T::STEPS * Q::BYTES % 16; };
     auto issue = [&](int kt, u8* st) {
         const int j0 = (kt0 + kt) * KB, kb = min(KB, nb - j0);
@@ -96,8 +111,8 @@ __global__ void __launch_bounds__(32 * W)
     if (preload) {
 #pragma unroll
         for (int s = 0; s < NS - 1; ++s) {
-            if (s < ntiles) {
-                issue(s, ring + s * STAGE);
+            if (s < mine) {
+                issue(kg + KW * s, ring + s * STAGE);
             }
         }
     }
@@ -123,22 +138,23 @@ __global__ void __launch_bounds__(32 * W)
     od::cp_async_commit();
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s) {
-        if (!preload && s < ntiles) {
-            issue(s, ring + s * STAGE);
+        if (!preload && s < mine) {
+            issue(kg + KW * s, ring + s * STAGE);
         }
         od::cp_async_commit();
     }
     od::cp_async_wait<NS - 1>();  // this thread's b copies landed ...
     __syncthreads();              // ... and every thread's
 
-    for (int kt = 0; kt < ntiles; ++kt) {
+    for (int i = 0; i < mine; ++i) {
         od::cp_async_wait<NS - 2>();
-        __syncwarp();  // K tile kt landed for every lane; every lane is done with K tile kt - 1's stage
-        if (kt + NS - 1 < ntiles) {
-            issue(kt + NS - 1, ring + (kt + NS - 1) % NS * STAGE);
+        __syncwarp();  // the warp's K tile i landed for every lane; every lane is done with tile i - 1's stage
+        if (i + NS - 1 < mine) {
+            issue(kg + KW * (i + NS - 1), ring + (i + NS - 1) % NS * STAGE);
         }
         od::cp_async_commit();
-        const u8* const wst = ring + kt % NS * STAGE + lead(kt);
+        const int kt = kg + KW * i;
+        const u8* const wst = ring + i % NS * STAGE + lead(kt);
         const int kb = min(KB, nb - (kt0 + kt) * KB);
 #pragma unroll 2
         for (int j = 0; j < kb; ++j) {
@@ -165,8 +181,39 @@ __global__ void __launch_bounds__(32 * W)
         }
     }
     od::cp_async_wait<0>();  // only empty groups can be left
+    if constexpr (KW > 1) {
+        __syncwarp();  // every lane is done reading the warp's ring
+        float4* const sums = reinterpret_cast<float4*>(ring);
+        if (kg > 0) {
+#pragma unroll
+            for (int fm = 0; fm < FM; ++fm) {
+#pragma unroll
+                for (int fn = 0; fn < NT; ++fn) {
+                    const float(&a)[4] = acc[fm][fn];
+                    sums[(fm * NT + fn) * 32 + lane] = make_float4(a[0], a[1], a[2], a[3]);
+                }
+            }
+        }
+        __syncthreads();
+        if (kg == 0) {
+            for (int k = 1; k < KW; ++k) {
+                const float4* const other = reinterpret_cast<const float4*>(ring + k * NS * STAGE);  // warp + k's
+#pragma unroll
+                for (int fm = 0; fm < FM; ++fm) {
+#pragma unroll
+                    for (int fn = 0; fn < NT; ++fn) {
+                        const float4 x = other[(fm * NT + fn) * 32 + lane];
+                        acc[fm][fn][0] += x.x;
+                        acc[fm][fn][1] += x.y;
+                        acc[fm][fn][2] += x.z;
+                        acc[fm][fn][3] += x.w;
+                    }
+                }
+            }
+        }
+    }
 
     const long long plane = static_cast<long long>(gridDim.y) * gridDim.z * N * M;
     mq::finish<FM, NT>(acc, row0, 0, M, N, brow0, out, part, split, splits, plane, counters + batch * tiles_m + tm,
-                       bias, bias_col);
+                       bias, bias_col, kg == 0);
 }

@@ -21,14 +21,16 @@ from opdispatch.tensor import Tensor
 from . import MMQ_SMALL_CU, W_KIND, Ptr, Scratch, addr, geometry
 from . import mmv  # a module import: mmv imports support, which imports this module
 from .mmq import MMQ_FORMATS, GemmHead, gemm_head, row_stride
-from .stream import device_facts
+from .stream import SMEM_PER_BLOCK_RESERVED, device_facts
 
 
 @attrs.frozen
 class SmallConfig:
-    """mmq_small's tunables. Template: each warp owns 16 fm weight rows, a block `warps` warps, each warp a
-    ring of `stages` K tiles of `kb` steps of 32 values. Launch: K is cut in slices so that the grid has about
-    `blocks_per_sm` blocks an SM, each slice at least `kt_min` K tiles (and at most `split_max` slices).
+    """mmq_small's tunables. Template: each warp owns 16 fm weight rows, a block `warps` warps in row groups of
+    `kw` (each warp of a group every kw-th K tile of the block's slice), each warp a ring of `stages` K tiles
+    of `kb` steps of 32 values. Launch: K is cut in slices so that the grid has about `blocks_per_sm` blocks an
+    SM, each slice at least `kt_min` K tiles a warp (kt_min * kw a slice), at most `kts_max` K tiles (b's copy
+    in shared memory) where `split_max` slices allow.
     The defaults: the least time summed over q4_0 and q4_K at the 1b preset's layer shapes, 16 columns, of
     `scripts/mmq_sweep.py --kernel mmq_small` on the H200 (2026-12-02; 8 warps, where 4 had been the first guess),
     the weights in flight an SM (blocks_per_sm * warps * (stages - 1) K tiles of 16 fm rows) about 160 KB for
@@ -38,31 +40,42 @@ class SmallConfig:
     warps: int = 8
     stages: int = 4
     kb: int = 8
+    kw: int = 1
     blocks_per_sm: int = 4
     kt_min: int = 2
+    kts_max: int = 64
     split_max: int = 16
 
     @property
     def bm(self) -> int:
-        return 16 * self.fm * self.warps
+        return 16 * self.fm * self.warps // self.kw
 
 
-#: the configuration binds use (support.MMQ_SMALL_MAX_N: the most columns)
+#: the configuration binds use for large weights (specs/mmq_small.small_config)
 SMALL = SmallConfig()
-#: what scripts/mmq_sweep.py --kernel mmq_small times (SMALL first): one tunable changed at a time around the first
-#: guess (4 warps a block), and a few that put more weights in flight an SM (deeper rings, more warps or blocks,
-#: 32-step K tiles)
-W4 = SmallConfig(warps=4)
+#: ... and for small ones, where its grid is one wave: k-groups of 4 warps over 16-step K tiles, 32 rows a block.
+#: At the 1b preset's q/k/v and o shapes, 16 columns, cold (scripts/mmq_sweep.py, H200, 2026-12-02; us, SMALL's
+#: in brackets): q4_0 3072x2048 9.6 (12.3), 2048x2048 8.6 (11.5); q4_K 11.1 (13.5), 9.9 (12.9); q8_0 10.4 / 10.0
+#: (mmq 12.8 / 12.1). Its grid of 8192x2048 or 2048x8192 is two waves: 18.3 / 25.5 us for q4_0 against SMALL's
+#: 16.1 / 17.7.
+SMALL_WAVE = SmallConfig(kw=4, kb=16, stages=2, kt_min=1, kts_max=4)
+#: what scripts/mmq_sweep.py --kernel mmq_small times (SMALL first): row groups of 2 to 8 warps that split a
+#: block's K tiles (kw), short rings (a warp streams one or two K tiles at the 1b preset's shapes), 32-row warps
+#: (fm 2: b read once for twice the rows), 16 warps a block and 16-step K tiles; slices of at most 8 K tiles
+#: (2048 values: b's copy 40 KB at 16 columns)
+KW8 = SmallConfig(kw=8, stages=2, kt_min=1, kts_max=8)
 SMALL_CANDIDATES: tuple[SmallConfig, ...] = tuple(dict.fromkeys((
     SMALL,
-    W4,
-    *(attrs.evolve(W4, stages=ns) for ns in (3, 6)),
-    *(SmallConfig(warps=w, blocks_per_sm=b) for w, b in ((8, 2), (8, 4), (2, 8))),
-    *(attrs.evolve(W4, fm=2, stages=ns, blocks_per_sm=b) for ns, b in ((4, 4), (3, 2))),
-    *(attrs.evolve(W4, kb=16, stages=ns, kt_min=kt) for ns, kt in ((3, 2), (4, 1))),
-    *(attrs.evolve(W4, blocks_per_sm=b) for b in (2, 8)),
-    attrs.evolve(W4, kt_min=4),
-    SmallConfig(warps=8, stages=6, blocks_per_sm=2),
+    SMALL_WAVE,
+    KW8,
+    attrs.evolve(KW8, stages=3),
+    attrs.evolve(KW8, blocks_per_sm=8),
+    *(attrs.evolve(KW8, kw=kw, stages=3) for kw in (2, 4)),
+    SmallConfig(warps=4, kw=4, stages=2, kt_min=1, blocks_per_sm=8),
+    attrs.evolve(KW8, fm=2),
+    attrs.evolve(KW8, fm=2, kw=4),
+    attrs.evolve(KW8, warps=16, blocks_per_sm=2),
+    attrs.evolve(KW8, kw=4, kb=16, kts_max=4),
 )))
 #: the column tiles (8 columns each) mmq_small is compiled for: N <= 16 takes 2, N <= 32 takes 4
 SMALL_NTS = (2, 4)
@@ -74,11 +87,12 @@ def small_nt(n: int) -> int:
 
 
 def small_name(dt: str, nt: int, cfg: SmallConfig = SMALL) -> str:
-    return instance("mmq_small", W_KIND[dt], nt, cfg.fm, cfg.warps, cfg.stages, cfg.kb)
+    return instance("mmq_small", W_KIND[dt], nt, cfg.fm, cfg.warps, cfg.stages, cfg.kb, cfg.kw)
 
 
-#: every instance the binds launch: each of mmq's formats, each column tile count
-NAMES: tuple[str, ...] = tuple(small_name(dt, nt) for dt in MMQ_FORMATS for nt in SMALL_NTS)
+#: every instance the binds launch: each of mmq's formats, each column tile count, both configurations
+NAMES: tuple[str, ...] = tuple(small_name(dt, nt, cfg) for cfg in (SMALL, SMALL_WAVE) for dt in MMQ_FORMATS
+                               for nt in SMALL_NTS)
 
 
 @attrs.frozen
@@ -109,10 +123,12 @@ class SmallGrid:
 
 def small_grid(m: int, k: int, batches: int, device: Device | None, cfg: SmallConfig = SMALL) -> SmallGrid:
     """Row tiles of cfg.bm rows, and K's slices: enough for cfg.blocks_per_sm blocks an SM over the grid, at
-    most one per kt_min K tiles and split_max."""
+    or as many as keep a slice within kts_max K tiles; at most one per kt_min K tiles a warp (kt_min * kw a
+    slice) and split_max."""
     tiles_m, nkt = math.ceil(m / cfg.bm), math.ceil(k // 32 / cfg.kb)
     want = math.ceil(cfg.blocks_per_sm * device_facts(device).sm_count / (tiles_m * batches))
-    splits = max(1, min(want, nkt // cfg.kt_min, cfg.split_max))
+    want = max(want, math.ceil(nkt / cfg.kts_max))
+    splits = max(1, min(want, nkt // (cfg.kt_min * cfg.kw), cfg.split_max))
     return SmallGrid(tiles_m, splits, math.ceil(nkt / splits))
 
 
@@ -123,18 +139,39 @@ def small_smem(dt: str, nt: int, kts: int, cfg: SmallConfig = SMALL) -> int:
     return 8 * nt * b_col + cfg.warps * cfg.stages * 16 * cfg.fm * row_stride(dt, cfg.kb)
 
 
-def small_fits(node: Tensor, device: Device | None, cfg: SmallConfig = SMALL) -> bool:
-    """True if mul_mat `node`'s launch fits the device's shared memory (None: an H200)."""
+def one_wave(node: Tensor, device: Device | None, cfg: SmallConfig) -> bool:
+    """True if mul_mat `node`'s grid under cfg fits the device at once (None: an H200): every block resident, by
+    shared memory (the launch bound leaves registers for two blocks of 8 warps an SM)."""
     a = node.srcs[0]
     (b3, b2, n, _), _ = geometry(node)
+    grid = small_grid(a.shape[-2], a.shape[-1], b3 * b2, device, cfg)
+    facts = device_facts(device)
+    smem = small_smem(a.dtype.name, small_nt(n), grid.kts, cfg)
+    if smem > facts.smem_per_block_optin:
+        return False
+    return grid.tiles_m * grid.splits * b3 * b2 <= facts.sm_count * (facts.smem_per_sm // (smem + SMEM_PER_BLOCK_RESERVED))
+
+
+def small_config(node: Tensor, device: Device | None) -> SmallConfig:
+    """The configuration mul_mat `node` takes: SMALL_WAVE where its grid is one wave, else SMALL."""
+    return SMALL_WAVE if one_wave(node, device, SMALL_WAVE) else SMALL
+
+
+def small_fits(node: Tensor, device: Device | None, cfg: SmallConfig | None = None) -> bool:
+    """True if mul_mat `node`'s launch under cfg (None: small_config's) fits the device's shared memory (None: an
+    H200)."""
+    a = node.srcs[0]
+    (b3, b2, n, _), _ = geometry(node)
+    cfg = small_config(node, device) if cfg is None else cfg
     grid = small_grid(a.shape[-2], a.shape[-1], b3 * b2, device, cfg)
     return small_smem(a.dtype.name, small_nt(n), grid.kts, cfg) <= device_facts(device).smem_per_block_optin
 
 
 def small_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None = None,
-                cfg: SmallConfig = SMALL, *, out: Tensor | None = None, bias: Tensor | None = None,
+                cfg: SmallConfig | None = None, *, out: Tensor | None = None, bias: Tensor | None = None,
                 bias_col: int = 0, quant: KernelSpec | None = None) -> list[KernelSpec]:
-    """quantize_q8_1 of b into the scratch buffer "bq", then mmq_small, for mul_mat `node` (its path mmq_small);
+    """quantize_q8_1 of b into the scratch buffer "bq", then mmq_small (under cfg; None: small_config's), for
+    mul_mat `node` (its path mmq_small);
     split K also takes the scratch buffers of the partial sums and of the row tiles' counters (zeroed once:
     the kernel sets them back). A fused mul_mat_add writes `out` (default node), adding `bias` as mmq_specs;
     `quant` as mmq_specs'."""
@@ -145,6 +182,7 @@ def small_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
     quant = mmv.quantize_spec(b, ptr(b), scratch) if own else quant
     q = quant.args
     dt, nt = a.dtype.name, small_nt(n)
+    cfg = small_config(node, device) if cfg is None else cfg
     grid = small_grid(m, k, b3 * b2, device, cfg)
     part = counters = 0
     if grid.splits > 1:
