@@ -136,7 +136,8 @@ def test_normed_graph_output_is_written_by_the_matvec() -> None:
 def test_norm_fuses_into_the_gemms_quantize(n: int, path: str, glu: bool) -> None:
     """Above the mat-vecs' 8 columns the quantized GEMMs take the norm through their quantize_q8_1 launch, which
     reads x, the norm weight and eps and rounds the normed values once; a gate/up pair (whose GLU does not fuse
-    on the GEMMs) shares it: one quantize, then each product's GEMM, the gate's written for the GLU."""
+    on the GEMMs) shares it: one quantize, then the products' GEMMs, the gate's written for the GLU; on mmq_small
+    one launch runs both (a pair: a1 and out1 the up product's weights and output)."""
     y = normed("q4_0", 512, 2048, n, glu)
     plan = od.compile(y, H200)
     step = plan.fusions[0]
@@ -148,11 +149,18 @@ def test_norm_fuses_into_the_gemms_quantize(n: int, path: str, glu: bool) -> Non
     quant, *gemms = bind.gemm_fused_specs(step.nodes, fake_ptr, fake_scratch, H200)
     for spec in (quant, *gemms):
         check_spec(spec)
-    assert quant.kernel == "quantize_q8_1<B_F32, true>" and len(gemms) == len(prods)
+    paired = glu and path == "mmq_small"
+    assert quant.kernel == "quantize_q8_1<B_F32, true>" and len(gemms) == (1 if paired else len(prods))
     args = quant.args
     assert (int(args.b), int(args.nw), float(args.eps)) == (fake_ptr(norm.x), fake_ptr(norm.w), pytest.approx(EPS))
     assert all(int(g.args.bq) == int(args.bq) and g.kernel.startswith(path) for g in gemms)
-    assert [int(g.args.out) for g in gemms] == [fake_ptr(p) for p in prods]
+    if paired:
+        (g,) = gemms
+        assert [int(g.args.out), int(g.args.out1)] == [fake_ptr(p) for p in prods]
+        assert [int(g.args.a), int(g.args.a1)] == [fake_ptr(p.srcs[0]) for p in prods]
+        assert g.grid[0] == 2 * g.args.tiles_m * g.args.splits
+    else:
+        assert [int(g.args.out) for g in gemms] == [fake_ptr(p) for p in prods]
 
 
 def test_pair_declined_off_the_gemms() -> None:

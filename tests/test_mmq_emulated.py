@@ -226,15 +226,18 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_emulator(tmp_path_factory.mktemp("mmq_emu"), ("mmv.cu", "mmq.cu"), arity)
 
 
-def run_launches(launches: list, arena: ScratchArena, eager: bool, emulator: Path, tmp_path: Path) -> np.ndarray:
-    """The arena's memory after the emulator ran `launches` in turn on it."""
+def run_launches(launches: list, arena: ScratchArena, eager: bool, emulator: Path, tmp_path: Path,
+                 shuffle: int | None = None) -> np.ndarray:
+    """The arena's memory after the emulator ran `launches` in turn on it (each launch's blocks in a random order
+    of seed `shuffle`, if given: kernel_main.cpp's EMU_SHUFFLE)."""
     mem_file = tmp_path / "mem.bin"
     arena.mem.tofile(mem_file)
     for spec in launches:
         grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
         cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, grid), str(spec.block),
                *(str(v.item()) for v in spec.arg_values)]
-        env = {**os.environ, "EMU_SMEM": str(spec.smem), "EMU_EAGER": str(int(eager))}
+        env = {**os.environ, "EMU_SMEM": str(spec.smem), "EMU_EAGER": str(int(eager)),
+               **({} if shuffle is None else {"EMU_SHUFFLE": str(shuffle)})}
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         assert done.returncode == 0, f"{spec.kernel}: {done.stderr}"
     return np.fromfile(mem_file, np.uint8)

@@ -9,6 +9,8 @@ drawn), so each format's decode is exercised over its whole range; the oracle is
 is b's q8_1 rounding (and split K's f32 order): NMSE 1e-8 against numpy on b rounded to q8_1, mul_mat's 5e-4
 against the plain product. Cases: every format of mmq's, N = 9, 16, 17, 32 (both column tiles, partial ones),
 M tails (M not a multiple of 16, nor of a block's rows), split K (uneven slices, a short last K tile), batches.
+Every launch runs its blocks in a random order (the emulator's EMU_SHUFFLE): no block may rely on another's
+going first.
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     arity = {s.kernel: len(s.arg_values) for case in CASES for s in _specs(case, ScratchArena(1 << 24))}
     arity.update({s.kernel: len(s.arg_values) for s in bind.gemm_fused_specs(_norm_pair(), lambda t: 512,
                                                                              ScratchArena(1 << 24).scratch, None)})
+    first, second = _pair()
+    arity.update({s.kernel: len(s.arg_values) for s in mmq_small.small_specs(
+        first, lambda t: 512, ScratchArena(1 << 24).scratch, None, PAIR_SPLIT[-1], second=second)})
     return build_emulator(tmp_path_factory.mktemp("mmq_small_emu"), ("mmv.cu", "mmq_small.cu"), arity)
 
 
@@ -140,7 +145,7 @@ def test_norm_pair_emulated(emulator: Path, tmp_path: Path, rng) -> None:  # noq
         arena.place(prod, None)
     launches = bind.gemm_fused_specs(nodes, arena.ptr, arena.scratch, None)
     assert [s.kernel for s in launches][0] == "quantize_q8_1<B_F32, true>"
-    assert [s.kernel.split("<")[0] for s in launches[1:]] == ["mmq_small"] * 2
+    assert [s.kernel.split("<")[0] for s in launches[1:]] == ["mmq_small"]  # a pair: one launch, both products
     mem = run_launches(launches, arena, False, emulator, tmp_path)
     scale = np.float32(1) / np.sqrt((x * x).sum(-1, dtype=np.float32, keepdims=True) / np.float32(k) + np.float32(1e-5))
     normed = x * scale * w
@@ -153,6 +158,58 @@ def test_norm_pair_emulated(emulator: Path, tmp_path: Path, rng) -> None:  # noq
         assert np.isfinite(got).all(), f"{prod.name}: non-finite outputs (unwritten)"
         assert nmse(got, model) <= 1e-6, f"{prod.name}: NMSE {nmse(got, model):.3g} against the normed b rounded to q8_1"
         assert nmse(got, exact @ wa.T) <= NMSE_MAX, f"{prod.name}: NMSE {nmse(got, exact @ wa.T):.3g}"
+
+
+#: a pair (one launch, two products of one b: specs/mmq_small.pair_ok) on a configuration that splits K: format,
+#: M, K, N, configuration
+PAIR_SPLIT = ("q4_K", 37, 2048, 12, TWO_WARPS)
+
+
+def _pair() -> list[Tensor]:
+    dt, m, k, n, _ = PAIR_SPLIT
+    x = od.input("x", (n, k))
+    return [ops.mul_mat(od.input(f"w{i}", (m, k), dt), x) for i in range(2)]
+
+
+def test_pair_split_emulated(emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+    """Both products of a pair with split K, on poisoned memory, its blocks in a random order (so that the halves'
+    blocks interleave): each against numpy (b rounded to q8_1), every output written, each product's own planes
+    and counters (back to zero)."""
+    dt, m, k, n, cfg = PAIR_SPLIT
+    prods = _pair()
+    b = prods[0].srcs[1]
+    vb = rng.uniform(-1, 1, b.shape).astype(np.float32)
+    raws = [random_blocks(rng, dt, m * k // DTYPES[dt].block_size).reshape(m, -1) for _ in prods]
+    arena = ScratchArena(sum(p.nbytes for p in prods) * 40 + 44 * vb.nbytes + (1 << 20))
+    arena.place(b, vb)
+    for prod, raw in zip(prods, raws):
+        arena.place(prod.srcs[0], raw)
+        arena.place(prod, None)
+    launches = mmq_small.small_specs(prods[0], arena.ptr, arena.scratch, None, cfg, second=prods[1])
+    assert [s.kernel.split("<")[0] for s in launches] == ["quantize_q8_1", "mmq_small"]
+    args = launches[1].args
+    assert args.splits > 1 and launches[1].grid[0] == 2 * args.tiles_m * args.splits
+    mem = run_launches(launches, arena, False, emulator, tmp_path, shuffle=int(rng.integers(2**31)))
+    at, nbytes = arena.roles["mmq split counters"]
+    assert not mem[at:at + nbytes].any(), "split counters not back to zero"
+    for prod, raw in zip(prods, raws):
+        at = arena.ptr(prod)
+        got = mem[at:at + prod.nbytes].view(np.float32).reshape(prod.shape)
+        model = q8_1_rounded(vb).astype(np.float64) @ dequantize(dt, raw).astype(np.float64).T
+        assert np.isfinite(got).all(), f"{prod.name}: non-finite outputs (unwritten)"
+        assert nmse(got, model) <= NMSE_Q8_1, f"{prod.name}: NMSE {nmse(got, model):.3g} against b rounded to q8_1"
+
+
+def test_pair_ok() -> None:
+    """A pair reads one b with weights of one dtype, shape and strides; anything else is two launches."""
+    prods = _pair()
+    assert mmq_small.pair_ok(*prods) is True
+    other_b = ops.mul_mat(prods[1].srcs[0], od.input("x2", prods[0].srcs[1].shape))
+    assert mmq_small.pair_ok(prods[0], other_b) == "the products read different b"
+    wider = ops.mul_mat(od.input("w", (40, 2048), "q4_K"), prods[0].srcs[1])
+    assert mmq_small.pair_ok(prods[0], wider) == "the weights differ in dtype, shape or strides"
+    with pytest.raises(ValueError, match="no pair"):
+        mmq_small.small_specs(prods[0], lambda t: 512, ScratchArena(1 << 24).scratch, None, second=wider)
 
 
 def _check(case: str, pad: int | None, emulator: Path, tmp_path: Path, rng: np.random.Generator) -> None:
@@ -182,7 +239,7 @@ def _check(case: str, pad: int | None, emulator: Path, tmp_path: Path, rng: np.r
     launches = mmq_small.small_specs(node, arena.ptr, arena.scratch, None, cfg, **epi)
     assert [s.kernel.split("<")[0] for s in launches] == ["quantize_q8_1", "mmq_small"]
     args = launches[1].args
-    mem = run_launches(launches, arena, eager, emulator, tmp_path)
+    mem = run_launches(launches, arena, eager, emulator, tmp_path, shuffle=int(rng.integers(2**31)))
     at = arena.ptr(out)
     got = mem[at:at + out.nbytes].view(np.float32).reshape(out.shape)
     what = f"{case}: grid {launches[1].grid} splits {args.splits} kts {args.kts} smem {launches[1].smem}"

@@ -20,6 +20,7 @@ from .specs.gemm import GemmSpec, Spec, gemm_specs, out_prod_specs
 from .specs.mmf import addresses_ok, mmf_fused_specs, mmf_specs
 from .specs.mmq import mmq_addresses, mmq_specs
 from .specs.mmq_id import mmq_id_specs
+from .specs.mmq_small import pair_ok as small_pair_ok
 from .specs.mmq_small import small_specs
 from .specs.mmv import fused_specs, grouped_specs, mmv_id_specs, mmv_specs, quantize_spec
 
@@ -136,17 +137,21 @@ def gemm_fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch, device
                      ) -> list[KernelSpec]:
     """The launches of the quantized GEMMs (mmq or mmq_small, each product's path) for a group on `device`: a
     mul_mat_add writing its add, or the rms_norm before one or two products (rms_norm_mul_mat, PAIR), whose
-    quantize_q8_1 launch rounds the normed values once for both. Raises ValueError when the weights are not
+    quantize_q8_1 launch rounds the normed values once for both (and where both take mmq_small and pair, one
+    mmq_small launch runs both: specs/mmq_small.pair_ok). Raises ValueError when the weights are not
     16-byte aligned (the unfused mul_mat falls back to dequant_cublas then; an arena aligns every tensor to 256
     bytes)."""
     prods, biases, _ = fusion.parts(nodes)
     norm = fusion.norm_of(nodes)
     quant = None if norm is None else quantize_spec(norm.x, ptr(norm.x), scratch, ptr(norm.w), norm.eps)
     specs = [] if quant is None else [quant]
-    for prod, bias in zip(prods, biases):
-        path = support.choose(prod, device).path
+    paths = [support.choose(prod, device).path for prod in prods]
+    for prod, path in zip(prods, paths):
         if not mmq_addresses(ptr, prod.srcs[0]):
             raise ValueError(f"{path}: the weights of {prod.describe()} are not 16-byte aligned")
+    if len(prods) == 2 and paths == ["mmq_small"] * 2 and small_pair_ok(prods[0], prods[1]) is True:
+        return specs + small_specs(prods[0], ptr, scratch, device, out=prods[0], quant=quant, second=prods[1])
+    for prod, bias, path in zip(prods, biases, paths):
         epi = dict(out=nodes[-1] if len(prods) == 1 else prod, bias=bias, bias_col=fusion.bias_col(prod, bias),
                    quant=quant)
         specs += mmq_specs(prod, ptr, scratch, **epi) if path == "mmq" else small_specs(prod, ptr, scratch, device,

@@ -2,7 +2,9 @@
 // over a grid of one-dimensional blocks, block after block, every block's threads as std::threads.
 //   emu MEM_FILE INSTANCE GX GY GZ BLOCK ARG...
 //   EMU_SMEM=bytes: dynamic shared memory a block, poisoned (0xFF) and guarded at its end;
-//   EMU_EAGER=1: cp.async copies land when issued (else at the wait_group that covers them).
+//   EMU_EAGER=1: cp.async copies land when issued (else at the wait_group that covers them);
+//   EMU_SHUFFLE=seed: the blocks in a random order of that seed (else in grid order), for kernels whose
+//   blocks meet through counters (split K's last block): they must not rely on the order.
 // MEM_FILE holds device memory (pointer arguments are byte offsets into it, 0 = nullptr) and gets
 // it back after the run. instances.inc lists {name, call}: each call passes its kernel's arguments as
 // `Arg`s, which convert to the parameter's type (a pointer into the memory, an integer or a float).
@@ -10,6 +12,8 @@
 #include "shim.h"
 #include "kernel.cu"
 
+#include <algorithm>
+#include <random>
 #include <string>
 
 struct Arg {
@@ -57,9 +61,16 @@ int main(int argc, char** argv) {
     std::vector<Arg> args;
     for (int i = 7; i < argc; ++i) args.push_back({argv[i], mem});
     int bad = 0;
+    std::vector<dim3> order;
     for (unsigned bz = 0; bz < gridDim.z; ++bz)
-    for (unsigned by = 0; by < gridDim.y; ++by)
-    for (unsigned bx = 0; bx < gridDim.x; ++bx) {
+        for (unsigned by = 0; by < gridDim.y; ++by)
+            for (unsigned bx = 0; bx < gridDim.x; ++bx) order.push_back(dim3{bx, by, bz});
+    if (const char* seed = getenv("EMU_SHUFFLE")) {
+        std::mt19937 gen(static_cast<unsigned>(atoll(seed)));
+        std::shuffle(order.begin(), order.end(), gen);
+    }
+    for (const dim3 at : order) {
+        const unsigned bx = at.x, by = at.y, bz = at.z;
         EmuBlock blk;
         std::barrier<> bb(blockDim.x);
         std::vector<std::barrier<>*> wb;

@@ -26,16 +26,19 @@
 //           number of granules; a sub-scaled K tile not starting on a granule copies the granules that
 //           cover it, its first block `lead` bytes in), and the fragments are decoded from them
 //           (mq::a_frag), so no weight is written back dequantized.
+//   reduce  KW > 1: each k-group past the first stores its sums in its own ring (its copies done), and
+//           after a __syncthreads the first k-group of the row group adds them in k-group order:
+//           deterministic; only it writes (mq::finish's owns).
 //   finish  splits == 1: straight to out; else each block writes its plane of part and the last block
 //           of a row tile adds the planes in split order (mq::finish): deterministic. The bias (not
 //           null: one row, bias_col 0, or a residual's rows bias_col floats apart) is added as out is
 //           written.
+//   pair    a1 not null: a second product of the same b by weights a1 of a's shape and strides (a gate/up
+//           pair), written to out1, in the same launch: the grid's x doubles, its second half a1's blocks,
+//           with their own planes of part (after a's splits) and counters (after a's). One launch where
+//           two would each pay a launch's ramp and tail. A pair takes no bias.
 // With `preload` (constant weights) the first NS - 1 K tiles' copies are issued before the PDL wait
 // for quantize_q8_1.
-//
-//   reduce  KW > 1: each k-group past the first stores its sums in its own ring (its copies done), and
-//           after a __syncthreads the first k-group of the row group adds them in k-group order:
-//           deterministic; only it writes (mq::finish's owns).
 // Requirements (support.mmq_small_ok, as mmq's): rows of whole 16-byte chunks (specs/stream.py's
 // STREAMED), a 16-byte aligned; a slice holds at most kts K tiles (the b copy's size, a launch
 // argument); the last K tile may be short (whole chunks). Rows past M read row M - 1 and write nothing.
@@ -54,7 +57,8 @@ template <int WT, int NT, int FM, int W, int NS, int KB, int KW>
 __global__ void __launch_bounds__(32 * W, SMALL_MIN_BLOCKS<W>)
     mmq_small(const u8* a, long long a_row, long long a_s2, long long a_s3, int r2, int r3, const u8* bq,
               const u8* bds, int nbp, float* out, int M, int K, int N, const float* bias, long long bias_col,
-              int tiles_m, int splits, int kts, float* part, int* counters, int preload) {
+              int tiles_m, int splits, int kts, float* part, int* counters, int preload, const u8* a1,
+              float* out1) {
     od::grid_enter_later();  // below: after the first weight copies when the weights are constant
     using Q = mm::Fmt<WT>;
     using T = mq::Tile<Q, KB>;
@@ -65,12 +69,14 @@ __global__ void __launch_bounds__(32 * W, SMALL_MIN_BLOCKS<W>)
     extern __shared__ uint4 smem_u4[];
     u8* const smem = reinterpret_cast<u8*>(smem_u4);
 
-    const int split = static_cast<int>(blockIdx.x % splits), tm = static_cast<int>(blockIdx.x / splits);
+    const int per = tiles_m * splits, second = static_cast<int>(blockIdx.x) >= per;  // a1's block (pair)
+    const int bx = static_cast<int>(blockIdx.x) - second * per;
+    const int split = bx % splits, tm = bx / splits;
     const int i2 = blockIdx.y, i3 = blockIdx.z;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int kg = warp % KW;                   // the warp's k-group: K tiles kg, kg + KW, ... of the slice
     const int row0 = tm * BM + warp / KW * WR;  // the warp's first row
-    const u8* const wa = a + (i3 / r3) * a_s3 + (i2 / r2) * a_s2;
+    const u8* const wa = (second ? a1 : a) + (i3 / r3) * a_s3 + (i2 / r2) * a_s2;
     const long long batch = static_cast<long long>(i3) * gridDim.y + i2;
     const long long brow0 = batch * N;
     const int nb = K / 32, nkt = (nb + KB - 1) / KB;
@@ -213,7 +219,8 @@ __global__ void __launch_bounds__(32 * W, SMALL_MIN_BLOCKS<W>)
         }
     }
 
-    const long long plane = static_cast<long long>(gridDim.y) * gridDim.z * N * M;
-    mq::finish<FM, NT>(acc, row0, 0, M, N, brow0, out, part, split, splits, plane, counters + batch * tiles_m + tm,
-                       bias, bias_col, kg == 0);
+    const long long batches = static_cast<long long>(gridDim.y) * gridDim.z, plane = batches * N * M;
+    float* const planes = splits > 1 ? part + second * splits * plane : part;  // this product's
+    mq::finish<FM, NT>(acc, row0, 0, M, N, brow0, second ? out1 : out, planes, split, splits, plane,
+                       counters + (second * batches + batch) * tiles_m + tm, bias, bias_col, kg == 0);
 }

@@ -98,7 +98,7 @@ NAMES: tuple[str, ...] = tuple(small_name(dt, nt, cfg) for cfg in (SMALL, SMALL_
 @attrs.frozen
 class SmallArgs(KernelArgs):
     """mmq_small's arguments: the head, the bias as mmq's (specs/mmq.py's MmqArgs), the cut, split K's scratch,
-    preload."""
+    preload, and a pair's second weights and output (0: one product)."""
 
     KERNELS = ("mmq_small",)
     _head: GemmHead = attrs.field()
@@ -110,6 +110,8 @@ class SmallArgs(KernelArgs):
     part: np.uint64 = ptr()
     counters: np.uint64 = ptr()
     preload: np.int32 = i32()
+    a1: np.uint64 = ptr()
+    out1: np.uint64 = ptr()
 
 
 @attrs.frozen
@@ -169,12 +171,16 @@ def small_fits(node: Tensor, device: Device | None, cfg: SmallConfig | None = No
 
 def small_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None = None,
                 cfg: SmallConfig | None = None, *, out: Tensor | None = None, bias: Tensor | None = None,
-                bias_col: int = 0, quant: KernelSpec | None = None) -> list[KernelSpec]:
+                bias_col: int = 0, quant: KernelSpec | None = None, second: Tensor | None = None) -> list[KernelSpec]:
     """quantize_q8_1 of b into the scratch buffer "bq", then mmq_small (under cfg; None: small_config's), for
     mul_mat `node` (its path mmq_small);
     split K also takes the scratch buffers of the partial sums and of the row tiles' counters (zeroed once:
     the kernel sets them back). A fused mul_mat_add writes `out` (default node), adding `bias` as mmq_specs;
-    `quant` as mmq_specs'."""
+    `quant` as mmq_specs'. `second` (pair_ok with node) runs in the same launch, its K split as if the two
+    were one product of twice the rows."""
+    if second is not None and (bias is not None or pair_ok(node, second) is not True):
+        raise ValueError(f"mmq_small: {node.describe()} and {second.describe()} are no pair")
+    copies = 1 if second is None else 2
     a, b = node.srcs
     (_, _, m, k), _ = geometry(a)
     (b3, b2, n, _), _ = geometry(b)
@@ -183,13 +189,26 @@ def small_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
     q = quant.args
     dt, nt = a.dtype.name, small_nt(n)
     cfg = small_config(node, device) if cfg is None else cfg
-    grid = small_grid(m, k, b3 * b2, device, cfg)
+    grid = small_grid(m, k, b3 * b2 * copies, device, cfg)
     part = counters = 0
     if grid.splits > 1:
-        part = scratch("mmq partial sums", grid.splits * b3 * b2 * n * m * 4)
-        counters = scratch("mmq split counters", b3 * b2 * grid.tiles_m * 4, zeroed=True)
+        part = scratch("mmq partial sums", copies * grid.splits * b3 * b2 * n * m * 4)
+        counters = scratch("mmq split counters", copies * b3 * b2 * grid.tiles_m * 4, zeroed=True)
     args = SmallArgs(head=gemm_head(node, node if out is None else out, ptr, q), bias=addr(ptr, bias),
                      bias_col=bias_col, tiles_m=grid.tiles_m, splits=grid.splits, kts=grid.kts, part=part,
-                     counters=counters, preload=mmv._preload(a))
-    return [quant] * own + [KernelSpec(MMQ_SMALL_CU, small_name(dt, nt, cfg), (grid.tiles_m * grid.splits, b2, b3),
-                                       32 * cfg.warps, args, smem=small_smem(dt, nt, grid.kts, cfg))]
+                     counters=counters, preload=mmv._preload(a),
+                     a1=0 if second is None else ptr(second.srcs[0]), out1=addr(ptr, second))
+    return [quant] * own + [KernelSpec(MMQ_SMALL_CU, small_name(dt, nt, cfg),
+                                       (copies * grid.tiles_m * grid.splits, b2, b3), 32 * cfg.warps, args,
+                                       smem=small_smem(dt, nt, grid.kts, cfg))]
+
+
+def pair_ok(node: Tensor, second: Tensor) -> bool | str:
+    """True if mul_mat `second` can run in `node`'s mmq_small launch (the pair of the kernel's opening comment):
+    the same b, weights of one dtype, shape and strides, outputs of one shape; else why not."""
+    (a, b), (a1, b1) = node.srcs, second.srcs
+    if b is not b1:
+        return "the products read different b"
+    if (a.dtype, a.shape, a.strides) != (a1.dtype, a1.shape, a1.strides) or node.shape != second.shape:
+        return "the weights differ in dtype, shape or strides"
+    return True
