@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from typing import Any, Sequence
 
 import attrs
@@ -22,7 +20,7 @@ from opdispatch.tensor import VIEW_OPS, Flag, Tensor
 from opdispatch.testing.metrics import nmse
 
 __all__ = ["FAKE_WORD", "FakeGuard", "SUBSCALED_HALVES", "assert_close", "edge_cases", "evaluate", "nmse",
-           "SUBSCALED_SIZES", "stored", "subscaled_blocks", "uniform", "with_index_check_params"]
+           "SUBSCALED_SIZES", "stored", "subscaled_blocks", "uniform"]
 
 
 def evaluate(outputs: Tensor | Sequence[Tensor], feeds: dict[Tensor, Any] | None = None) -> list[np.ndarray]:
@@ -120,14 +118,6 @@ class FakeGuard:
     def __call__(self, node: Tensor, index: Tensor, bound: int, what: str, instead: str) -> IndexCheck:
         self.uses.append((node, index, bound, what, instead))
         return IndexCheck(FAKE_WORD, len(self.uses) - 1)
-
-
-def with_index_check_params(source: str) -> str:
-    """Kernel source text with common.cuh's OD_INDEX_CHECK_PARAMS spelled out, for tests that read
-    kernel heads' parameter types."""
-    common = (Path(__file__).resolve().parent.parent / "core" / "backends" / "cuda" / "common.cuh").read_text()
-    body = re.search(r"^#define OD_INDEX_CHECK_PARAMS (.*)$", common, re.M).group(1)
-    return source.replace("OD_INDEX_CHECK_PARAMS", body)
 
 
 #: block (values, bytes) of the sub-scaled formats, as ggml: quant_k.cuh's, then quant_iq.cuh's grid I-quants

@@ -31,7 +31,7 @@ import opdispatch.plugins.cuda_attention as ca
 from opdispatch import ops
 from opdispatch.backends.cuda.args import KernelArgs
 from opdispatch.backends.cuda.devices import H200, facts
-from opdispatch.backends.cuda.kernels import KernelSpec, kernel_params
+from opdispatch.backends.cuda.kernels import KernelSpec, kernel_param_types, kernel_params
 from opdispatch.fusion import gather
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
@@ -41,7 +41,7 @@ from opdispatch.tensor import Tensor
 from opdispatch.testing.cases import Inputs, bound
 from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
-from helpers import FAKE_WORD, FakeGuard, edge_cases, with_index_check_params
+from helpers import FAKE_WORD, FakeGuard, edge_cases
 
 gpu = pytest.mark.gpu
 
@@ -191,7 +191,7 @@ def test_fuses_rope_view_set_rows(cache: str, idx: str, how: str) -> None:
     guard = FakeGuard()
     spec, = rope.rope_set_rows_specs(*fusion.parts(step.nodes), fake_ptr, guard, DEV)
     assert spec.kernel in specs.KERNEL_SOURCES[rope.ROPE_CU]
-    assert spec_types(spec) == kernel_param_types(rope.ROPE_CU, "rope_set_rows")
+    assert spec_types(spec) == kernel_param_types(rope.ROPE_CU)["rope_set_rows"]
     set_rows = step.nodes[-1]
     dst, _, ids = set_rows.srcs
     assert guard.uses == [(set_rows, ids, dst.shape[0], f"a row of {dst.describe()}", "that row is not written")]
@@ -331,7 +331,7 @@ def test_fuses_the_decode_steps_rope_and_kv_writes(cache: str, idx: str, mode: s
     (spec,) = rope.rope_qkv_specs(*fusion.qkv_parts(step.nodes), fake_ptr, guard, DEV)
     assert spec.kernel in specs.KERNEL_SOURCES[rope.ROPE_CU]
     assert spec.kernel == rope.rope_qkv_kernel(mode == "neox", cache, idx)
-    assert spec_types(spec) == kernel_param_types(rope.ROPE_CU, "rope_qkv_set_rows")
+    assert spec_types(spec) == kernel_param_types(rope.ROPE_CU)["rope_qkv_set_rows"]
     rows = min(k_rows.shape[0], v_rows.shape[0])
     (use,) = guard.uses
     assert use[:3] == (k_rows, k_rows.srcs[2], rows) and "K cache" in use[3] and "V cache" in use[3]
@@ -432,7 +432,7 @@ def test_fuses_the_decode_steps_rope_kv_writes_and_attention(cache: str, idx: st
     (spec,) = flash.flash_plan(step.nodes[-1], DEV, fused).specs(ptr, [BASE, BASE, BASE], guard)
     assert spec.kernel == flash.decode_kernel(64, cache, mode, idx)
     assert spec.kernel in specs.KERNEL_SOURCES[flash.DECODE_CU]
-    assert spec_types(spec) == kernel_param_types(flash.DECODE_CU, "fattn_decode")
+    assert spec_types(spec) == kernel_param_types(flash.DECODE_CU)["fattn_decode"]
     rows = min(fused.k_cache.shape[0], fused.v_cache.shape[0])
     assert [u[:3] for u in guard.uses] == [(fused.k_cache, fused.idx, rows)]
     assert (int(spec.args.new_rows), int(spec.args.err_.word), int(spec.args.err_.tag)) == (rows, FAKE_WORD, 0)
@@ -511,35 +511,15 @@ def test_attention_fusion_declines_with_the_reason_and_the_smaller_rules_still_f
 # -- launch specs, without a GPU ------------------------------------------------------------------
 
 BASE = 0x7F00_0000_0000
-C_TYPES = {"char*": np.uint64, "float*": np.uint64, "float2*": np.uint64, "int*": np.uint64, "MT*": np.uint64,
-           "T*": np.uint64, "DT*": np.uint64, "IT*": np.uint64, "unsigned char*": np.uint64,
-           "unsigned long long*": np.uint64, "int": np.int32, "unsigned": np.uint32, "long long": np.int64,
-           "float": np.float32}
-ROPE_PARAMS = ("int d, int n_dims, float theta_scale, float freq_scale, float ext_factor, float mscale, "
-               "float corr_lo, float corr_hi")
-
 
 def fake_ptr(t: Tensor) -> int:
     return BASE + t.view_offset
 
 
-def kernel_param_types(source: Path, name: str) -> list[type]:
-    """numpy scalar types of a kernel's parameters, read from its source."""
-    src = with_index_check_params(source.read_text().replace("ROPE_PARAMS", ROPE_PARAMS))
-    m = re.search(rf"__global__ void (?:__launch_bounds__\([^)]*\) )?{name}\((.*?)\)\s*\{{", src, re.S)
-    assert m, f"{name} not found in {source}"
-    types = []
-    for p in m.group(1).split(","):
-        p = re.sub(r"\b(const|__restrict__)\b", "", p)
-        p = re.sub(r"\s+\w+\s*$", "", p.strip())
-        types.append(C_TYPES[re.sub(r"\s+", " ", p).replace(" *", "*").strip()])
-    return types
-
-
-def spec_types(spec: KernelSpec) -> list[type]:
+def spec_types(spec: KernelSpec) -> tuple[type, ...]:
     """The argument types of a spec, whose arguments are the named record of its kernel."""
     assert isinstance(spec.args, KernelArgs) and spec.kernel.split("<")[0] in type(spec.args).KERNELS, spec.kernel
-    return [type(a) for a in spec.arg_values]
+    return tuple(type(a) for a in spec.arg_values)
 
 
 def test_rope_layout_picks_chunks_where_rows_allow_and_fills_the_gpu() -> None:
@@ -641,7 +621,7 @@ def test_every_kernel_signature_is_readable() -> None:
     for source, name in ((softmax.SOFTMAX_CU, "soft_max_f32"), (rope.ROPE_CU, "rope_kernel"),
                          (rope.ROPE_CU, "rope_set_rows"), (flash.DECODE_CU, "fattn_decode"),
                          (flash.PREFILL_CU, "fattn_prefill"), (flash.PREFILL_CU, "fattn_mask_flags")):
-        assert kernel_param_types(source, name)
+        assert kernel_param_types(source)[name]
 
 
 def test_every_launched_kernel_has_a_record_following_its_head() -> None:
@@ -676,7 +656,7 @@ def test_soft_max_spec_picks_the_variant(shape: tuple, mask: str | None, view: C
     (spec,) = softmax.softmax_specs(node, fake_ptr)
     assert (spec.kernel, spec.grid) == (kernel, (grid,))
     assert spec.kernel in specs.KERNEL_SOURCES[softmax.SOFTMAX_CU]
-    assert spec_types(spec) == kernel_param_types(softmax.SOFTMAX_CU, "soft_max_f32")
+    assert spec_types(spec) == kernel_param_types(softmax.SOFTMAX_CU)["soft_max_f32"]
 
 
 def pad2(shape: tuple) -> tuple:
@@ -707,7 +687,7 @@ def test_rope_spec(mode: str, dt: str) -> None:
                     attn_factor=1.2, n_ctx_orig=4096)
     (spec,) = rope.rope_specs(node, fake_ptr, DEV)
     assert spec.kernel == rope.rope_kernel(mode == "neox", dt) and spec.kernel in specs.KERNEL_SOURCES[rope.ROPE_CU]
-    assert spec_types(spec) == kernel_param_types(rope.ROPE_CU, "rope_kernel")
+    assert spec_types(spec) == kernel_param_types(rope.ROPE_CU)["rope_kernel"]
     assert spec.arg_values[:4] == (BASE, BASE, 0, BASE)  # x, positions, no frequency factors, output
     total, vec, heads, groups, tokens, xs_h, xs_t, xs_b, d, n_dims = (int(a) for a in spec.arg_values[4:14])
     units = 80 // (32 // node.dtype.block_bytes)  # chunks of two 16-byte packs: rows of x 16-byte aligned
@@ -751,7 +731,7 @@ def test_decode_plan(d: int, tq: int, tk: int, hq: int, hkv: int, kv: str, ncg: 
     assert main.kernel == flash.decode_kernel(d, kv) and main.kernel in specs.KERNEL_SOURCES[flash.DECODE_CU]
     assert main.grid == (plan.nsplit, hkv * ncg, 1) and main.block == 128
     assert main.smem == flash.decode_smem(d) <= DEV.smem_per_block_optin
-    assert spec_types(main) == kernel_param_types(flash.DECODE_CU, "fattn_decode")
+    assert spec_types(main) == kernel_param_types(flash.DECODE_CU)["fattn_decode"]
     args = main.args
     assert int(args.sinks) == BASE and int(args.out) == BASE  # fake_ptr
     if plan.nsplit == 1:  # the block finishes the softmax: no workspace
@@ -803,12 +783,12 @@ def test_prefill_plan(d: int, kv: str, mask: bool, bn: int) -> None:
     assert main.kernel == flash.prefill_kernel(d, kv) and main.kernel in specs.KERNEL_SOURCES[flash.PREFILL_CU]
     assert main.grid == (n_qt, 8, 1) and main.block == 128
     assert main.smem == flash.prefill_smem(d) <= DEV.smem_per_block_optin
-    assert spec_types(main) == kernel_param_types(flash.PREFILL_CU, "fattn_prefill")
+    assert spec_types(main) == kernel_param_types(flash.PREFILL_CU)["fattn_prefill"]
     assert int(main.args.n_kv_tiles) == n_kt
     if mask:
         flags = launches[0]
         assert (flags.kernel, flags.grid) == (flash.MASK_FLAGS, (n_kt, n_qt, 1))
-        assert spec_types(flags) == kernel_param_types(flash.PREFILL_CU, "fattn_mask_flags")
+        assert spec_types(flags) == kernel_param_types(flash.PREFILL_CU)["fattn_mask_flags"]
         assert (int(flags.args.bm), int(flags.args.bn)) == (bm, bn)
 
 

@@ -32,8 +32,7 @@ import opdispatch as od
 import opdispatch.plugins.cuda_matmul as cm
 from opdispatch import ops
 from opdispatch.backends.cuda.devices import H200
-from opdispatch.backends.cuda.args import ArgGroup, KernelArgs
-from opdispatch.backends.cuda.kernels import KernelSpec
+from opdispatch.backends.cuda.kernels import KernelSpec, kernel_param_types
 from opdispatch.dtypes import DTYPES, dequantize, from_float
 from opdispatch.ops.base import BLOCK_FORMATS
 from opdispatch.errors import DeviceIndexError
@@ -46,7 +45,7 @@ from opdispatch.tensor import Tensor
 from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
 from cuda_emu.hostcode import q8_1_reference
-from helpers import FAKE_WORD, FakeGuard, edge_cases, gate_up_glu, moe, subscaled_blocks, with_index_check_params
+from helpers import FAKE_WORD, FakeGuard, edge_cases, gate_up_glu, moe, subscaled_blocks
 
 gpu = pytest.mark.gpu
 
@@ -755,10 +754,6 @@ def test_fusion_parts_orders_gate_first() -> None:
 # -- launch specs, without a GPU --------------------------------------------------------------
 
 BASE = 0x7F00_0000_0000  # 256-byte aligned, as arena slots and buffers are
-C_TYPES = {"const u8*": np.uint64, "const float*": np.uint64, "const int*": np.uint64, "float*": np.uint64,
-           "int*": np.uint64, "u8*": np.uint64, "unsigned long long*": np.uint64, "int": np.int32,
-           "unsigned": np.uint32, "long long": np.int64, "float": np.float32}
-
 
 SCRATCH = BASE + 2**40
 
@@ -771,23 +766,10 @@ def fake_scratch(role: str, nbytes: int, zeroed: bool = False) -> int:
     return SCRATCH
 
 
-def kernel_params(source, name: str) -> list[tuple[str, type]]:  # noqa: ANN001
-    """(name, numpy scalar type) of each of a kernel's parameters, read from its source."""
-    src = with_index_check_params(source.read_text())
-    m = re.search(rf"__global__ void __launch_bounds__\([\w:, *<>]+\)\s+{name}\((.*?)\)\s*\{{", src, re.S)
-    assert m, f"{name} not found in {source}"
-    params = [re.fullmatch(r"(.*?)\s*(\w+)", p.strip()).groups() for p in m.group(1).split(",")]
-    return [(pname, C_TYPES[ctype]) for ctype, pname in params]
-
-
-def kernel_param_types(source, name: str) -> list[type]:  # noqa: ANN001
-    return [t for _, t in kernel_params(source, name)]
-
-
 def check_spec(spec: KernelSpec) -> None:
     assert spec.kernel in specs.KERNEL_SOURCES[spec.source], spec.kernel
     base = spec.kernel.split("<")[0]
-    assert [type(a) for a in spec.arg_values] == kernel_param_types(spec.source, base)
+    assert tuple(type(a) for a in spec.arg_values) == kernel_param_types(spec.source)[base]
 
 
 @pytest.mark.parametrize(("dt", "a_shape", "b_view", "kernel"), [
@@ -1070,27 +1052,6 @@ def test_every_kernel_instance_is_a_template_of_the_sources() -> None:
         text = source.read_text()
         for name in names:
             assert re.search(rf"\b{name.split('<')[0]}\(", text), name
-
-
-def ones(record: type) -> object:
-    """`record` with every argument 1 (its groups' too)."""
-    fields = attrs.fields(attrs.resolve_types(record))
-    return record(**{f.alias: ones(f.type) if issubclass(f.type, ArgGroup) else 1 for f in fields})
-
-
-def test_every_launched_kernel_has_an_argument_record() -> None:
-    """One KernelArgs record per kernel named in KERNEL_SOURCES, its fields the kernel's parameters
-    and their converters the C types' numpy scalars."""
-    records = {kernel: cls for module in (mmv, stream, gemm, mmq, mmq_id, mmq_small, mmf) for cls in vars(module).values()
-               if isinstance(cls, type) and issubclass(cls, KernelArgs) and cls is not KernelArgs
-               for kernel in cls.KERNELS}
-    for source, names in specs.KERNEL_SOURCES.items():
-        for kernel in {name.split("<")[0] for name in names}:
-            assert kernel in records, f"{kernel} of {source.name} has no KernelArgs record"
-            params = kernel_params(source, kernel)
-            assert records[kernel].names() == tuple(name for name, _ in params)
-            values = ones(records[kernel]).values()
-            assert [type(v) for v in values] == [t for _, t in params], kernel
 
 
 # -- cuBLAS call specs, emulated with numpy ----------------------------------------------------------

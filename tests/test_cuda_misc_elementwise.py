@@ -27,7 +27,7 @@ import opdispatch as od
 import opdispatch.plugins.cuda_misc as cm
 from opdispatch import ops
 from opdispatch.backends.cuda.devices import H200
-from opdispatch.backends.cuda.kernels import INCLUDE_DIR, KernelSpec
+from opdispatch.backends.cuda.kernels import INCLUDE_DIR, KernelSpec, kernel_param_types
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
 from opdispatch.ops.elementwise import GLU_KINDS, UNARY_OPS
@@ -37,7 +37,7 @@ from opdispatch.plugins.cuda_misc.specs import elementwise as ew
 from opdispatch.tensor import Tensor
 from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
-from helpers import FAKE_WORD, FakeGuard, edge_cases, with_index_check_params
+from helpers import FAKE_WORD, FakeGuard, edge_cases
 
 gpu = pytest.mark.gpu
 
@@ -345,18 +345,6 @@ def fake_ptr(t: Tensor) -> int:
     return BASE + t.view_offset
 
 
-C_TYPES = {"int": np.int32, "unsigned": np.uint32, "long long": np.int64, "float": np.float32}
-
-
-def kernel_param_types(source: Path, name: str) -> list[type]:
-    """numpy scalar types of a kernel's parameters, read from its .cu source (pointers: np.uint64)."""
-    m = re.search(rf"__global__ void {name}\((.*?)\)\s*\{{", with_index_check_params(source.read_text()), re.S)
-    assert m, f"{name} not found in {source}"
-    types = []
-    for p in m.group(1).split(","):
-        ctype = re.sub(r"\s+\w+$", "", p.strip())
-        types.append(np.uint64 if ctype.endswith("*") else C_TYPES[ctype])
-    return types
 
 
 def fields(spec: KernelSpec, *names: str) -> list[int]:
@@ -368,7 +356,7 @@ def check_spec(spec: KernelSpec) -> None:
     """The instance is compiled and the arguments have the kernel's parameter types."""
     assert spec.kernel in KERNEL_SOURCES[spec.source]
     name = spec.kernel.split("<")[0]
-    assert [type(a) for a in spec.arg_values] == kernel_param_types(spec.source, name), spec.kernel
+    assert tuple(type(a) for a in spec.arg_values) == kernel_param_types(spec.source)[name], spec.kernel
     assert 1 <= np.prod(spec.block) <= 1024 or not all(spec.grid)
 
 

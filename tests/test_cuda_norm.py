@@ -25,7 +25,7 @@ import opdispatch as od
 import opdispatch.plugins.cuda_norm as plugin
 from opdispatch import ops
 from opdispatch.backends.cuda.devices import H200
-from opdispatch.backends.cuda.kernels import KernelSpec
+from opdispatch.backends.cuda.kernels import KernelSpec, kernel_param_types
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_norm import fusion, support
@@ -177,23 +177,14 @@ def test_fusion_check_declines_layouts_the_kernel_does_not_handle(build: Callabl
 # -- launch specs, without a GPU --------------------------------------------------------------
 
 BASE = 0x7F00_0000_0000  # a 256-byte-aligned address, as arena slots are
-C_TYPES = {"const float*": np.uint64, "float*": np.uint64, "int": np.int32, "long long": np.int64, "float": np.float32}
 
 
 def fake_ptr(t: Tensor) -> int:
     return BASE + t.view_offset
 
 
-def kernel_param_types(name: str) -> list[type]:
-    """numpy scalar types of a norm.cu kernel's parameters, read from its source."""
-    src = cn.NORM_CU.read_text()
-    m = re.search(rf"__global__ void __launch_bounds__\(\w+\) {name}\((.*?)\)\s*\{{", src, re.S)
-    assert m, f"{name} not found in {cn.NORM_CU}"
-    return [C_TYPES[re.sub(r"\s+\w+$", "", p.strip())] for p in m.group(1).split(",")]
-
-
-def spec_types(spec: KernelSpec) -> list[type]:
-    return [type(a) for a in spec.arg_values]
+def spec_types(spec: KernelSpec) -> tuple[type, ...]:
+    return tuple(type(a) for a in spec.arg_values)
 
 
 @pytest.mark.parametrize(("shape", "view", "kernel", "grid"), [
@@ -218,7 +209,7 @@ def test_row_spec_picks_the_variant(shape: tuple, view: Callable | None, kernel:
     spec = cn.row_spec("rms_norm", v, ops.rms_norm(v), 1e-6, fake_ptr)
     assert (spec.kernel, spec.grid) == (kernel, grid)
     assert spec.kernel in cn.NAME_EXPRESSIONS
-    assert spec_types(spec) == kernel_param_types("norm_rows_f32")
+    assert spec_types(spec) == kernel_param_types(cn.NORM_CU)["norm_rows_f32"]
 
 
 def test_row_spec_passes_outer_geometry_in_elements() -> None:
@@ -246,7 +237,7 @@ def test_fused_spec(op: str, w_shape: tuple, r_shape: tuple | None, kernel: str)
     assert fusion.check(H200, nodes, graph) is True
     spec = cn.row_spec(op, x, nodes[-1], EPS[op], fake_ptr, *fusion.operands(nodes))
     assert spec.kernel == kernel and spec.kernel in cn.NAME_EXPRESSIONS
-    assert spec_types(spec) == kernel_param_types("norm_rows_f32")
+    assert spec_types(spec) == kernel_param_types(cn.NORM_CU)["norm_rows_f32"]
     a = spec.args
     assert (a.w0, a.w1, a.w2, a.wcols) == (1,) * (4 - len(w_shape)) + w_shape
     assert (a.r == 0) == (r_shape is None)
@@ -264,7 +255,7 @@ def test_group_spec(shape: tuple, groups: int, kernel: str, grid: int, per_group
     spec = cn.group_spec(x, ops.group_norm(x, groups), groups, 1e-6, fake_ptr)
     assert (spec.kernel, spec.grid, spec.args.per_group) == (kernel, grid, per_group)
     assert spec.kernel in cn.NAME_EXPRESSIONS
-    assert spec_types(spec) == kernel_param_types("group_norm_f32")
+    assert spec_types(spec) == kernel_param_types(cn.NORM_CU)["group_norm_f32"]
 
 
 def test_every_block_size_and_variant_is_compiled() -> None:

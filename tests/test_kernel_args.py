@@ -2,7 +2,8 @@
 
 A plugin's `KernelArgs` subclasses name the `__global__` functions they serve (`KERNELS`);
 the parameter names, in order, are read from the plugin's kernels/*.cu (macros of parameter
-groups expanded) and must equal the record's fields (ArgGroup fields expanded).
+groups expanded) and must equal the record's fields (ArgGroup fields expanded), and the numpy scalars its
+converters make must be the parameters' C types' (kernels.kernel_param_types).
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import inspect
 import pkgutil
 from pathlib import Path
 
+import attrs
+import numpy as np
 import pytest
 
-from opdispatch.backends.cuda.args import KernelArgs
-from opdispatch.backends.cuda.kernels import kernel_params
+from opdispatch.backends.cuda.args import ArgGroup, KernelArgs
+from opdispatch.backends.cuda.kernels import kernel_param_types, kernel_params
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = sorted(p.name for p in (ROOT / "plugins").iterdir() if (p / "kernels").is_dir())
@@ -34,13 +37,21 @@ def records(plugin: str) -> list[type[KernelArgs]]:
     return sorted(found, key=lambda c: c.__qualname__)
 
 
-def heads(plugin: str) -> dict[str, list[tuple[str, tuple[str, ...]]]]:
-    """kernel name -> [(file, parameter names)] over the plugin's .cu files."""
-    out: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
+def heads(plugin: str) -> dict[str, list[tuple[str, tuple[str, ...], tuple[type, ...]]]]:
+    """kernel name -> [(file, parameter names, their numpy scalar types)] over the plugin's .cu files."""
+    out: dict[str, list[tuple[str, tuple[str, ...], tuple[type, ...]]]] = {}
     for cu in sorted((ROOT / "plugins" / plugin / "kernels").glob("*.cu")):
+        types = kernel_param_types(cu.resolve())
         for name, params in kernel_params(cu.resolve()).items():
-            out.setdefault(name, []).append((cu.name, params))
+            out.setdefault(name, []).append((cu.name, params, types[name]))
     return out
+
+
+def ones(record: type) -> object:
+    """`record` with every argument 1 (True for a bool), its groups' too."""
+    fields = attrs.fields(attrs.resolve_types(record))
+    return record(**{f.alias: ones(f.type) if issubclass(f.type, ArgGroup) else True if f.type is np.bool_ else 1
+                     for f in fields})
 
 
 @pytest.mark.parametrize("plugin", PLUGINS)
@@ -48,11 +59,13 @@ def test_records_follow_the_kernel_heads(plugin: str) -> None:
     kernels = heads(plugin)
     for cls in records(plugin):
         assert cls.KERNELS, f"{cls.__qualname__} names no kernel (KERNELS)"
+        types = tuple(type(v) for v in ones(cls).values())
         for kernel in cls.KERNELS:
             assert kernel in kernels, f"{cls.__qualname__}: no __global__ {kernel} in {plugin}/kernels"
-            for cu, params in kernels[kernel]:
+            for cu, params, want in kernels[kernel]:
                 assert cls.names() == params, (f"{cls.__qualname__} fields {cls.names()} differ from {cu}'s "
                                                f"{kernel} parameters {params}")
+                assert types == want, f"{cls.__qualname__}'s argument types differ from {cu}'s {kernel} parameters"
 
 
 @pytest.mark.parametrize("plugin", PLUGINS)

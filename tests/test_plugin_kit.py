@@ -11,7 +11,7 @@ from opdispatch import support
 from opdispatch.hookspecs import Device
 from opdispatch.backends.cuda.args import ArgGroup, KernelArgs, Shape4, boolean, f32, i32, i64, instance, ptr, u32
 from opdispatch.backends.cuda.devices import H200, facts
-from opdispatch.backends.cuda.kernels import KernelSpec, kernel_params, opt_in_smem
+from opdispatch.backends.cuda.kernels import KernelSpec, kernel_param_types, kernel_params, opt_in_smem
 from opdispatch.backends.cuda.scratch import MIN_BYTES, ScratchPool, Workspace
 
 
@@ -118,6 +118,14 @@ def test_kernel_params_expand_parameter_macros(tmp_path) -> None:
                   "__global__ void __launch_bounds__(B) k(const float* __restrict__ x, GROUP(a), float y[4]) {\n}\n"
                   "__global__ void k2() {}\n")
     assert kernel_params(cu) == {"k": ("x", "an", "as", "y"), "k2": ()}
+    assert kernel_param_types(cu) == {"k": (np.uint64, np.int32, np.int64, np.uint64), "k2": ()}
+
+
+def test_kernel_param_types_name_a_parameter_of_no_scalar_type(tmp_path) -> None:
+    cu = tmp_path / "k.cu"
+    cu.write_text("__global__ void k(int n, half h) {}\n")
+    with pytest.raises(ValueError, match="k's parameter h is a half"):
+        kernel_param_types(cu)
 
 
 def test_device_facts_fall_back_to_the_h200_description() -> None:

@@ -195,9 +195,9 @@ def _expand(params: str, macros: dict[str, tuple[str | None, str]]) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_params(source: Path) -> dict[str, tuple[str, ...]]:
-    """The parameter names, in order, of every `__global__` kernel of a .cu file (what each
-    kernel's `KernelArgs` record lists), macros of parameter groups expanded."""
+def _kernel_heads(source: Path) -> dict[str, tuple[tuple[str, str], ...]]:
+    """(C type, name) of each parameter, in order, of every `__global__` kernel of a .cu file, macros of
+    parameter groups expanded; an array parameter's type is its element's plus "*"."""
     text = _strip(Path(source).read_text())
     macros = _macros(Path(source).parent)
     found = {}
@@ -207,9 +207,40 @@ def kernel_params(source: Path) -> dict[str, tuple[str, ...]]:
             depth += {"(": 1, ")": -1}.get(text[end], 0)
             end += 1
         params = _expand(text[m.end():end - 1], macros)
-        found[m.group(1)] = tuple(re.findall(r"(\w+)\s*(?:\[[^\]]*\])?\s*$", p)[0]
-                                  for p in params.split(",") if p.strip())
+        heads = []
+        for p in (p.strip() for p in params.split(",") if p.strip()):
+            ctype, name, array = re.fullmatch(r"(.*?)\s*\b(\w+)\s*(\[[^\]]*\])?", p, re.S).groups()
+            ctype = re.sub(r"\b(const|__restrict__|volatile)\b", " ", ctype)
+            heads.append((re.sub(r"\s+", " ", ctype).replace(" *", "*").strip() + ("*" if array else ""), name))
+        found[m.group(1)] = tuple(heads)
     return found
+
+
+def kernel_params(source: Path) -> dict[str, tuple[str, ...]]:
+    """The parameter names, in order, of every `__global__` kernel of a .cu file (what each
+    kernel's `KernelArgs` record lists), macros of parameter groups expanded."""
+    return {kernel: tuple(name for _, name in heads) for kernel, heads in _kernel_heads(Path(source)).items()}
+
+
+#: the numpy scalar type a kernel argument of each C scalar type is passed as (args.py's fields); any pointer
+#: is an np.uint64 address
+C_SCALARS: dict[str, type[np.generic]] = {"int": np.int32, "unsigned": np.uint32, "unsigned int": np.uint32,
+                                          "long long": np.int64, "unsigned long long": np.uint64,
+                                          "float": np.float32, "double": np.float64, "bool": np.bool_}
+
+
+def kernel_param_types(source: Path) -> dict[str, tuple[type[np.generic], ...]]:
+    """The numpy scalar types of every `__global__` kernel's parameters in a .cu file, in order (what its
+    KernelSpec's argument values must be). Raises ValueError on a parameter of another scalar type."""
+    def scalar(kernel: str, ctype: str, name: str) -> type[np.generic]:
+        if ctype.endswith("*"):
+            return np.uint64
+        if ctype not in C_SCALARS:
+            raise ValueError(f"{source}: {kernel}'s parameter {name} is a {ctype}, none of {sorted(C_SCALARS)}")
+        return C_SCALARS[ctype]
+
+    return {kernel: tuple(scalar(kernel, ctype, name) for ctype, name in heads)
+            for kernel, heads in _kernel_heads(Path(source)).items()}
 
 
 def pdl_enabled(device_id: int) -> bool:
