@@ -14,9 +14,10 @@
 //           K tiles of a row in `splits` contiguous slices, one block each: grid (tiles_m * splits, B2,
 //           B3), the slices of a row tile adjacent. specs/mmq_small.py picks splits so that the grid is
 //           several blocks an SM (the weights in flight) while each slice keeps a few K tiles.
-//   b       the slice's q8_1 codes and (d, d * sum) of every column (N padded to 8 NT: columns past N
-//           copy column N - 1, write nothing) are copied once into shared memory (cp.async, 16 bytes a
-//           thread) and read by every warp as mma B fragments: column c's codes at c * BCOL (step s's 32
+//   b       the slice's q8_1 codes and (d, d * sum) of the N columns are copied once into shared memory
+//           (cp.async, 16 bytes a thread; the 8 NT - N columns past N are not copied: their products,
+//           garbage, are never written; copying column N - 1 into them took SMALL_WAVE's q4_0 3072x2048
+//           launch from 8.0 to 16.8 us at 9 columns) and read by every warp as mma B fragments: column c's codes at c * BCOL (step s's 32
 //           codes at 32 s, BCOL an odd number of granules: the 8 columns of a fragment read fall in
 //           distinct bank groups), its scales at c * BSCOL (a float2 a step).
 //   ring    each warp streams its rows' K tiles through a ring of NS stages of its own in shared
@@ -123,12 +124,12 @@ __global__ void __launch_bounds__(32 * W, SMALL_MIN_BLOCKS<W>)
         }
     }
     od::grid_enter();
-    {  // b's codes (QB8's two half-runs of each step) and scales for the slice, every column: group 0
+    {  // b's codes (QB8's two half-runs of each step) and scales for the slice, columns < N: group 0
         const int j0 = kt0 * KB, ns = min(ntiles * KB, nb - j0);  // steps of the slice (even: nb is)
         const int cg = 2 * ns + ns / 2;                              // granules a column
-        for (int i = tid; i < NP * cg; i += 32 * W) {
+        for (int i = tid; i < min(N, NP) * cg; i += 32 * W) {
             const int c = i / cg, x = i - c * cg;
-            const long long row = brow0 + min(c, N - 1);
+            const long long row = brow0 + c;
             const u8* src;
             u8* dst;
             if (x < 2 * ns) {
