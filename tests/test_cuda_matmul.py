@@ -2112,7 +2112,7 @@ def test_subscaled_mul_mat_path(dt: str, n: int) -> None:
         else:
             gemm = dt in mmq.MMQ_FORMATS  # the grid I-quants have no quantized GEMM
             big = "mmq" if gemm and whole and n <= support.MMQ_MAX_N else "dequant_cublas"
-            small_gemm = support.MMQ_SMALL_MIN_N <= n <= support.MMQ_SMALL_MAX_N and dt not in support.MMQ_SMALL_WAVE_ONLY
+            small_gemm = support.MMQ_SMALL_MIN_N <= n <= support.MMQ_SMALL_MAX_N  # no sub-scaled format is WAVE_ONLY
             big = "mmq_small" if big == "mmq" and small_gemm else big
             assert (step.plugin, step.kernel) == ("cuda_matmul", big), (k, n)
             over = f"N={n} > {support.MMQ_MAX_N}: dequantizing for cuBLAS is faster there"

@@ -156,7 +156,8 @@ def test_norm_pair_emulated(emulator: Path, tmp_path: Path, rng) -> None:  # noq
         wa = dequantize(dt, raw).astype(np.float64)
         model = q8_1_rounded(normed).astype(np.float64) @ wa.T
         assert np.isfinite(got).all(), f"{prod.name}: non-finite outputs (unwritten)"
-        assert nmse(got, model) <= 1e-6, f"{prod.name}: NMSE {nmse(got, model):.3g} against the normed b rounded to q8_1"
+        err = nmse(got, model)
+        assert err <= 1e-6, f"{prod.name}: NMSE {err:.3g} against the normed b rounded to q8_1"
         assert nmse(got, exact @ wa.T) <= NMSE_MAX, f"{prod.name}: NMSE {nmse(got, exact @ wa.T):.3g}"
 
 

@@ -61,8 +61,8 @@ SMALL = SmallConfig()
 SMALL_WAVE = SmallConfig(kw=4, kb=16, stages=2, kt_min=1, kts_max=4)
 #: what scripts/mmq_sweep.py --kernel mmq_small times (SMALL first): row groups of 2 to 8 warps that split a
 #: block's K tiles (kw), short rings (a warp streams one or two K tiles at the 1b preset's shapes), 32-row warps
-#: (fm 2: b read once for twice the rows), 16 warps a block and 16-step K tiles; slices of at most 8 K tiles
-#: (2048 values: b's copy 40 KB at 16 columns)
+#: (fm 2: b read once for twice the rows), 16 warps a block, and SMALL_WAVE's 16-step K tiles; slices of at most
+#: 8 K tiles (2048 values: b's copy 40 KB at 16 columns)
 KW8 = SmallConfig(kw=8, stages=2, kt_min=1, kts_max=8)
 SMALL_CANDIDATES: tuple[SmallConfig, ...] = tuple(dict.fromkeys((
     SMALL,
@@ -75,7 +75,6 @@ SMALL_CANDIDATES: tuple[SmallConfig, ...] = tuple(dict.fromkeys((
     attrs.evolve(KW8, fm=2),
     attrs.evolve(KW8, fm=2, kw=4),
     attrs.evolve(KW8, warps=16, blocks_per_sm=2),
-    attrs.evolve(KW8, kw=4, kb=16, kts_max=4),
 )))
 #: the column tiles (8 columns each) mmq_small is compiled for: N <= 16 takes 2, N <= 32 takes 4
 SMALL_NTS = (2, 4)
@@ -124,9 +123,9 @@ class SmallGrid:
 
 
 def small_grid(m: int, k: int, batches: int, device: Device | None, cfg: SmallConfig = SMALL) -> SmallGrid:
-    """Row tiles of cfg.bm rows, and K's slices: enough for cfg.blocks_per_sm blocks an SM over the grid, at
-    or as many as keep a slice within kts_max K tiles; at most one per kt_min K tiles a warp (kt_min * kw a
-    slice) and split_max."""
+    """Row tiles of cfg.bm rows, and K's slices: enough for cfg.blocks_per_sm blocks an SM over the grid, or more
+    where a slice would hold over kts_max K tiles; at most one per kt_min K tiles a warp (kt_min * kw a slice)
+    and split_max."""
     tiles_m, nkt = math.ceil(m / cfg.bm), math.ceil(k // 32 / cfg.kb)
     want = math.ceil(cfg.blocks_per_sm * device_facts(device).sm_count / (tiles_m * batches))
     want = max(want, math.ceil(nkt / cfg.kts_max))
@@ -151,7 +150,8 @@ def one_wave(node: Tensor, device: Device | None, cfg: SmallConfig) -> bool:
     smem = small_smem(a.dtype.name, small_nt(n), grid.kts, cfg)
     if smem > facts.smem_per_block_optin:
         return False
-    return grid.tiles_m * grid.splits * b3 * b2 <= facts.sm_count * (facts.smem_per_sm // (smem + SMEM_PER_BLOCK_RESERVED))
+    resident = facts.sm_count * (facts.smem_per_sm // (smem + SMEM_PER_BLOCK_RESERVED))
+    return grid.tiles_m * grid.splits * b3 * b2 <= resident
 
 
 def small_config(node: Tensor, device: Device | None) -> SmallConfig:
