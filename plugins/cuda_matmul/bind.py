@@ -149,7 +149,8 @@ def gemm_fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch, device
     for prod, path in zip(prods, paths):
         if not mmq_addresses(ptr, prod.srcs[0]):
             raise ValueError(f"{path}: the weights of {prod.describe()} are not 16-byte aligned")
-    if len(prods) == 2 and paths == ["mmq_small"] * 2 and small_pair_ok(prods[0], prods[1]) is True:
+    if (len(prods) == 2 and paths == ["mmq_small"] * 2 and biases == [None, None]
+            and small_pair_ok(prods[0], prods[1]) is True):  # a pair takes no bias
         return specs + small_specs(prods[0], ptr, scratch, device, out=prods[0], quant=quant, second=prods[1])
     for prod, bias, path in zip(prods, biases, paths):
         epi = dict(out=nodes[-1] if len(prods) == 1 else prod, bias=bias, bias_col=fusion.bias_col(prod, bias),
