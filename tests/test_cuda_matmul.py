@@ -513,7 +513,7 @@ MMF_H200_SPLITS = {
     (3072, 2048): mmf.MmfSplit(8, 256, 24),  # the q/k/v stack
     (8192, 2048): mmf.MmfSplit(4, 512, 64),  # gate, up: 2048 warps, one tile each
     (2048, 8192): mmf.MmfSplit(16, 512, 16),  # down
-    (128256, 2048): mmf.MmfSplit(1, 2048, 251),  # the LM head: persistent blocks, 4 tiles a warp
+    (128256, 2048): mmf.MmfSplit(4, 512, 63),  # the LM head: persistent blocks, 16 tiles a warp, b in 4 splits
 }
 
 
@@ -543,7 +543,8 @@ def test_mmf_split_rules() -> None:
 
 def test_mmf_specs_on_the_h200() -> None:
     """The gate/up pair at 16 columns (8192 x 2048): one launch of the GLU instance, its grid from split_k,
-    8 warps, b's split in shared memory, the partials and zeroed counters a warp tile and split each."""
+    8 warps, the rings and b's split in shared memory, the partials and zeroed counters a warp tile and split
+    each; the LM head's (128256 rows, 9 columns) likewise, persistent."""
     y = gate_up_glu("bf16", 8192, 2048, 16, False, "swiglu")
     nodes = [n for n in Graph.build(y).nodes if n.op not in ("view", "reshape", "permute", "transpose")]
     asked = {}
@@ -556,7 +557,7 @@ def test_mmf_specs_on_the_h200() -> None:
     check_spec(spec)
     sp = MMF_H200_SPLITS[8192, 2048]
     assert spec.kernel == "mmf<W_BF16, 2, EPI_GLU>" and spec.block == 256 == mmf.THREADS
-    assert spec.grid == (sp.groups * sp.splits, 1, 1) and spec.smem == 512 * 16 * 2
+    assert spec.grid == (sp.groups * sp.splits, 1, 1) and spec.smem == mmf.RING_BYTES + 512 * 16 * 2
     assert (int(spec.args.ks), int(spec.args.splits)) == (sp.ks, sp.splits)
     tiles = 8192 // 16
     assert asked == {"mmf partials": (tiles * sp.splits * 2 * 2 * 32 * 16, False), "mmf counters": (tiles * 4, True)}
@@ -564,8 +565,11 @@ def test_mmf_specs_on_the_h200() -> None:
     head = ops.mul_mat(od.input("w", (128256, 2048), "bf16"), od.input("x", (9, 2048)))
     (spec,) = mmf.mmf_specs(head, head, fake_ptr, scratch, device=H200)
     check_spec(spec)
-    assert spec.kernel == "mmf<W_BF16, 2, EPI_NONE>" and spec.grid == (251, 1, 1) and spec.smem == 2048 * 16 * 2
-    assert int(spec.args.splits) == 1 and not asked  # one split: no partials
+    sp = MMF_H200_SPLITS[128256, 2048]
+    assert spec.kernel == "mmf<W_BF16, 2, EPI_NONE>" and spec.grid == (sp.groups * sp.splits, 1, 1)
+    assert spec.smem == mmf.RING_BYTES + sp.ks * 16 * 2 and int(spec.args.splits) == sp.splits
+    tiles = -(-128256 // 16)
+    assert asked == {"mmf partials": (tiles * sp.splits * 2 * 32 * 16, False), "mmf counters": (tiles * 4, True)}
 
 
 def test_gate_declines_devices_without_32_lane_warps() -> None:
@@ -1671,11 +1675,11 @@ def test_mmf_split_k_in_cuda_graph_replays(rng) -> None:  # noqa: ANN001
 @pytest.mark.parametrize("dt", ["f16", "bf16"])
 def test_mmf_persistent_in_cuda_graph_replays(dt: str, n: int, monkeypatch, rng) -> None:  # noqa: ANN001
     """Constant weights (the loads before the PDL wait) of more warp tiles than the H200's grid holds warps
-    (40001 rows, an M tail: persistent blocks, 2-3 tiles a warp) and K 2056 (two splits, b beyond
-    KS_MAX; the last split ends in a partial unit), over a captured CUDA graph's replays on poisoned
+    (40001 rows, an M tail: persistent blocks, several tiles a warp) and K = KS_MAX + 8 (two splits, b
+    beyond KS_MAX; the last split ends in a partial unit), over a captured CUDA graph's replays on poisoned
     arenas: every run right, every output written."""
     monkeypatch.setattr(support, "MMF_MIN_N", 1)
-    m, k = 40001, 2056
+    m, k = 40001, mmf.KS_MAX + 8
     sp = mmf.split_k(m, k, 1, H200.props["sm_count"])
     assert sp.splits == 2 and -(-m // 16) > sp.groups * mmf.WARPS, sp
     y = ops.mul_mat(weight("a", (m, k), dt), od.input("b", (n, k)))

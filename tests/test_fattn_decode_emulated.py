@@ -42,10 +42,6 @@ from test_mmq_emulated import call, run_launches
 DEVICE = facts(Device("cuda0", "cuda", "an emulated sm_90 GPU of 2 SMs", {**H200.props, "sm_count": 2}))
 #: attn_common.cuh's inline PTX and its host emulation (shim.h)
 SWAPS = (
-    (re.compile(r'asm volatile\("ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16 .*?\);', re.S),
-     "emu_ldsm_x4(addr, r0, r1, r2, r3, false);"),
-    (re.compile(r'asm volatile\("ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16 .*?\);', re.S),
-     "emu_ldsm_x4(addr, r0, r1, r2, r3, true);"),
     (re.compile(r'asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32 .*?\);', re.S),
      "emu_mma_m16n8k16_bf16(d, a[0], a[1], a[2], a[3], b0, b1);"),
     (re.compile(r'asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32 .*?\);', re.S),

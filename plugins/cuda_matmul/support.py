@@ -25,9 +25,9 @@ from .specs.stream import STREAMED, device_facts, stream_geo, stream_warps
 #: most columns (batch N) the mat-vec kernels take; larger batches go to mmf (float weights) or cuBLAS
 MMV_MAX_N = 8
 #: mmf (tensor cores, f16/bf16 weights) takes MMF_MIN_N..MMF_MAX_N columns where mmf_ok allows. On the H200
-#: (2026-12-02, bf16, 16 columns, cold weights, `benchmarks/test_bench_matmul.py -k mmf`) the weight stream ran
-#: 1.07-1.44x cuBLAS with b converted first at the 1b preset's layer shapes and 0.96x at its 128256 x 2048 LM
-#: head; the fused gate/up 1.24x (docs/benchmarks.md). Its tests lower MMF_MIN_N to run it below 9.
+#: (2026-12-03, bf16, 16 columns, cold weights, `benchmarks/test_bench_matmul.py -k mmf`) the weight stream ran
+#: 1.15-1.54x cuBLAS with b converted first at the 1b preset's layer shapes and 0.82x at a 128256 x 2048 LM
+#: head; the fused gate/up 1.34x (docs/benchmarks.md). Its tests lower MMF_MIN_N to run it below 9.
 MMF_MIN_N = 9
 #: most columns mmf takes (the kernel's two 8-column tiles); more go to cuBLAS
 MMF_MAX_N = 16

@@ -36,6 +36,12 @@ _SWAPS = (
      "emu_cp16(saddr, src);"),
     ('asm volatile("cp.async.commit_group;\\n" ::: "memory");', "emu_commit();"),
     ('asm volatile("cp.async.wait_group %0;\\n" ::"n"(N) : "memory");', "emu_wait(N);"),
+    ('asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"\n'
+     '                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)\n                 : "r"(addr));',
+     "emu_ldsm_x4(addr, r0, r1, r2, r3, false);"),
+    ('asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"\n'
+     '                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)\n                 : "r"(addr));',
+     "emu_ldsm_x4(addr, r0, r1, r2, r3, true);"),
 )
 
 

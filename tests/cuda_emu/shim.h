@@ -254,7 +254,7 @@ inline void emu_mma_m16n8k16_f16(float* d, unsigned a0, unsigned a1, unsigned a2
     emu_mma_m16n8k16(d, a0, a1, a2, a3, b0, b1, false);
 }
 
-// -- ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 (attn_common.cuh), a warp collective ------------------
+// -- ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 (common.cuh), a warp collective -----------------------
 // Lane 8m + i gives the shared address of row i of matrix m; lane l = 4g + t receives in word m the pair
 // (row g, columns 2t, 2t+1) of matrix m, or with trans its transpose's: (rows 2t, 2t+1 of column g).
 inline void emu_ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, bool trans) {

@@ -337,4 +337,21 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// -- ldmatrix (sm_75+): four 8x8 matrices of 16-bit values from shared memory, a warp collective ---------
+// Lane 8m + i gives the shared address (smem_addr) of row i (16 bytes) of matrix m; lane 4g + t receives in
+// word m the pair (row g, columns 2t, 2t + 1) of matrix m, or with _trans its transpose's (rows 2t, 2t + 1 of
+// column g): the A and B fragments of mma.sync.m16n8k16.
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
 }  // namespace od

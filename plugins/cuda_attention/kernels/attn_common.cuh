@@ -1,6 +1,6 @@
 // Helpers of the cuda_attention kernels: ALiBi slopes, row loaders for every K/V
 // type (f32, f16, bf16, and the block formats q8_0, q4_0 through quant.cuh) and the
-// sm_80+ instructions both flash kernels use (ldmatrix, mma.sync; cp.async is
+// sm_80+ instructions both flash kernels use (mma.sync; ldmatrix and cp.async are
 // common.cuh's), written in PTX so that no system header is needed (NVRTC and nvcc
 // alike), and the K/V tile loader they share.
 #pragma once
@@ -135,17 +135,8 @@ struct Row8<bf16> : Row8Half<true> {};
 
 // -- sm_80+ instructions -------------------------------------------------------------------
 
-__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
+using od::ldsm_x4;  // common.cuh's
+using od::ldsm_x4_trans;
 
 // D (16x8 f32) += A (16x16, row) * B (16x8, col); BF: bf16 inputs, else f16.
 template <bool BF>

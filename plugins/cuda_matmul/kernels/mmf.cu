@@ -1,37 +1,43 @@
 // Tensor-core mat-mul for few columns (mmf): out (N, M) f32 = b (N, K) @ a (M, K)^T for f16/bf16
 // weights a and N <= 8 * NT (NT n8 tiles: 8 or 16 columns) f32 columns b, a weight stream bound by
-// memory bandwidth: every weight byte is read once, with 16-byte loads straight into the A registers of
-// mma.sync.m16n8k16.row.col.f32.{bf16,f16} (f32 accumulation), two groups of loads in flight a warp; b
-// is rounded to a's type (as the cuBLAS path and ggml do) into shared memory, once a block, so no
-// conversion launch runs before it.
+// memory bandwidth: every weight byte is read once, copied by cp.async into a per-warp ring of shared
+// memory in runs of whole row pieces (a warp's copy instruction reads 256 contiguous bytes of each of two
+// rows), then fed by ldmatrix to mma.sync.m16n8k16.row.col.f32.{bf16,f16} (f32 accumulation). The copies
+// in flight hold no registers (the kernel before this one loaded 16-byte pieces of 8 rows straight into
+// the mma registers, two groups in flight a warp; docs/benchmarks.md has both timed). b is rounded to
+// a's type (as the cuBLAS path and ggml do) into shared memory, once a block, so no conversion launch runs
+// before it.
 //
 // Geometry:
 //   grid    x = row groups G * splits S (s the fastest), y, z the batches B2, B3. Block (r, s) takes split
 //           s of K (ks values from s * ks) and warp tiles r * WARPS + w + i * G * WARPS (i = 0, 1, ...):
 //           with G smaller than the row blocks (large M) the blocks are persistent, each staging b once
 //           for all its tiles.
-//   warp    a warp tile: 16 rows (m0 + g and m0 + g + 8 for lane l = 4 g + t), all N columns, the
-//           block's split; the warp streams its tiles one after the other, its accumulators flushed at
-//           the end of each.
-//   unit    32 consecutive k: lane (g, t) loads k 8t .. 8t+7 of rows g and g + 8 (16 bytes each; the 4
-//           lanes of a row read 64 contiguous bytes) and of b column g (16 bytes of shared memory), and
-//           feeds them to two mma: the first takes words 0, 1 as logical k (2t, 2t+1) and (2t+8, 2t+9),
-//           the second words 2, 3. The k order inside a unit is permuted alike for A and B, so the
-//           products are the same sums.
-//   groups  U units (4; 2 for the gate/up pair of EPI_GLU: 4 KB of weights a warp either way) a group, a
-//           tile's split ceil(units / U) groups (units past the split load zeros). A warp's groups, tile
-//           after tile, go through two register buffers: group q + 2's loads are issued as soon as
-//           group q's mma have read its buffer, so two groups are in flight while the warp waits, across
-//           tile boundaries too. With constant weights (`preload`) the first two groups are loaded before
-//           the wait for the kernel ahead (PDL); either way before b is staged.
-//   b       shared bs[unit][column n < NB][32 k] as a's type, 64 bytes a (unit, column): a quarter warp's
-//           16-byte loads cover 128 contiguous bytes (no bank conflict). Columns n >= N and k >= the
-//           split's end hold 0. Each thread issues STAGE_LOADS loads of b before it stores any.
+//   warp    a warp tile: 16 rows, all N columns, the block's split; the warp streams its tiles one after
+//           the other, its accumulators flushed at the end of each.
+//   groups  U units of 32 k (4; 2 for the gate/up pair of EPI_GLU: STAGE_BYTES of weights either way) a
+//           group, a tile's split ceil(units / U) groups (k past the split's end reads as zeros). A warp's
+//           groups, tile after tile, go through its ring of STAGES slots: group q + STAGES - 1 is copied
+//           while the warp multiplies group q, so STAGES - 1 groups are in flight, across tile boundaries
+//           too. With constant weights (`preload`) the first STAGES - 1 groups are issued before the wait
+//           for the kernel ahead (PDL); either way before b is staged.
+//   slot    a weight's 16 rows of PR = 4 U pieces (16 bytes, 8 k) each, piece p of row r at r * PR + (p ^ (r
+//           % 8)) (so that ldmatrix's 8 rows of one piece hit 8 different bank groups); lane l's copy j takes
+//           piece (32 j + l) % PR of row (32 j + l) / PR.
+//   mma     k16 step m of a group: one ldmatrix.x4 a weight (rows 0-7 / 8-15 of pieces 2m, 2m + 1: the A
+//           fragment), and lane (g, t)'s b words from shared memory.
+//   b       shared bs[unit][column n < NB][32 k] as a's type, 64 bytes a (unit, column), its 16 pairs of k in
+//           the order the fragments take them: lane t's 16 bytes hold pairs (2t, 2t + 8, 16 + 2t, 24 + 2t),
+//           b0 and b1 of the unit's two k16 steps (pair 4w + t at word 4t + w). A quarter warp's 16-byte loads
+//           cover 128 contiguous bytes (no bank conflict). Columns n >= N and k >= the split's end hold 0.
+//           Each thread issues STAGE_LOADS loads of b before it stores any.
 //   out     one split: the warp applies the epilogue (a bias row, or a residual addend's element:
-//           mm_common.cuh's EPI_NONE) to its fragments and writes its rows < M, columns < N. Several: the warp stores its fragments in `part` (tile slot, split; coalesced float4s),
-//           and the last warp of the tile's splits (last_warp on counters[batch][tile]) sums them in split
-//           order (deterministic), applies the epilogue and writes out.
-// Dynamic shared memory: ks / 32 * NB * 64 bytes (specs/mmf.py).
+//           mm_common.cuh's EPI_NONE) to its fragments and writes its rows < M, columns < N. Several: the warp
+//           stores its fragments in `part` (tile slot, split; coalesced float4s), and the last warp of the
+//           tile's splits (last_warp on counters[batch][tile]) sums them in split order (deterministic),
+//           applies the epilogue and writes out.
+// Dynamic shared memory: the rings (WARPS * STAGES * STAGE_BYTES), then b: ks / 32 * NB * 64 bytes
+// (specs/mmf.py).
 //
 // The caller's (support.py, specs/mmf.py): K % 8 == 0; a0 (and a1) and their row and batch strides
 // 16-byte aligned; ks a multiple of 32 U; every split non-empty. Rows past M read row M - 1 and write
@@ -47,7 +53,17 @@ constexpr int WARPS = 8;                      // warps a block, a warp tile each
 constexpr int THREADS = WARPS * od::WARP_SIZE;
 constexpr int UNIT = 32;                      // k values a unit
 constexpr int UNIT_BYTES = 64;                // bytes of a unit of a row (or of a b column) as f16/bf16
+constexpr int PIECE = 16;                     // bytes a copy (8 k)
+constexpr int STAGES = 3;                     // ring slots a warp
+constexpr int STAGE_BYTES = 4096;             // a slot: one group of 16 rows (of each weight)
+constexpr int RING_BYTES = WARPS * STAGES * STAGE_BYTES;
 constexpr int STAGE_LOADS = 8;                // b loads (4 floats each) a thread issues before it stores
+
+// Units a group: a slot's 16 rows of 256 bytes, or of 128 for each weight of a pair.
+template <int NW>
+__host__ __device__ constexpr int group_units() {
+    return STAGE_BYTES / (NW * 16 * UNIT_BYTES);
+}
 
 // d += A (16 x 16) . B (16 x 8): A rows g, g + 8 words (a0, a2), (a1, a3); B column g words b0, b1
 // (the PTX ISA's m16n8k16 fragments), f32 accumulation.
@@ -101,9 +117,11 @@ __device__ __forceinline__ void stage_b(const u8* b, long long b_col, long long 
 #pragma unroll
         for (int r = 0; r < STAGE_LOADS; ++r) {
             const int i = i0 + r * THREADS, n = i / quads, kk = 4 * (i - n * quads);
-            if (i < total) {
-                *reinterpret_cast<uint2*>(bs + ((kk / UNIT) * NB + n) * UNIT_BYTES + (kk % UNIT) * 2) =
-                    make_uint2(pack2<WT>(v[r].x, v[r].y), pack2<WT>(v[r].z, v[r].w));
+            if (i < total) {  // pairs p, p + 1 of the unit (p even) at words 4 (p % 4) + p / 4 (the layout above)
+                unsigned* col = reinterpret_cast<unsigned*>(bs + ((kk / UNIT) * NB + n) * UNIT_BYTES);
+                const int p = (kk % UNIT) / 2;
+                col[4 * (p % 4) + p / 4] = pack2<WT>(v[r].x, v[r].y);
+                col[4 * (p % 4 + 1) + p / 4] = pack2<WT>(v[r].z, v[r].w);
             }
         }
     }
@@ -148,10 +166,14 @@ __global__ void __launch_bounds__(mmfk::THREADS, 2)
     using namespace mmfk;
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
     constexpr int NB = 8 * NT;
-    constexpr int U = NW == 2 ? 2 : 4;
+    constexpr int U = group_units<NW>();
+    constexpr int PR = 4 * U;                        // pieces a row of a slot
+    constexpr int WEIGHT_BYTES = 16 * PR * PIECE;    // a weight's rows in a slot
+    constexpr int COPIES = WEIGHT_BYTES / (PIECE * od::WARP_SIZE);  // a lane's copies a weight and group
     constexpr int FRAGS = NW * NT * od::WARP_SIZE;  // float4s of a partial tile: [v][j][lane]
     extern __shared__ uint4 mmf_smem[];
-    u8* const bs = reinterpret_cast<u8*>(mmf_smem);
+    u8* const ring = reinterpret_cast<u8*>(mmf_smem) + (threadIdx.x / od::WARP_SIZE) * STAGES * STAGE_BYTES;
+    u8* const bs = reinterpret_cast<u8*>(mmf_smem) + RING_BYTES;
 
     const int warp = threadIdx.x / od::WARP_SIZE, lane = threadIdx.x % od::WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
@@ -163,48 +185,53 @@ __global__ void __launch_bounds__(mmfk::THREADS, 2)
     const int first = rg * WARPS + warp, stride = groups_x * WARPS;
     const int total = first < tiles ? ((tiles - 1 - first) / stride + 1) * gpt : 0;  // this warp's groups
 
-    // this lane's weights (a0's, and a1's for EPI_GLU) at row 0, k0 + 8t
+    // the weights (a0's, and a1's for EPI_GLU) at row 0, k0
     const u8* wbase[NW];
     {
-        const long long off = (i3 / r3) * a_s3 + (i2 / r2) * a_s2 + 16ll * t + 2ll * k0;
+        const long long off = (i3 / r3) * a_s3 + (i2 / r2) * a_s2 + 2ll * k0;
         wbase[0] = a0 + off;
         if constexpr (NW == 2) {
             wbase[1] = a1 + off;
         }
     }
-    // the weights of group q (tile q / gpt, units from (q % gpt) * U): zero past the split (k0 + kn <= K)
-    auto load = [&](int q, uint4 (&w)[U][NW][2]) {
-        const int i = q / gpt, u0 = (q - i * gpt) * U;
-        const int m = (first + i * stride) * 16 + g;
-        const long long lo = min(m, M - 1) * a_row, hi = min(m + 8, M - 1) * a_row;
+    // group q's copies (tile q / gpt, units from (q % gpt) * U) into ring slot q % STAGES, one commit group;
+    // pieces past the split (k0 + kn <= K) are zeros, stored, not copied
+    auto issue = [&](int q) {
+        if (q < total) {
+            const int i = q / gpt, k = (q - i * gpt) * U * UNIT;
+            const int m0 = (first + i * stride) * 16;
+            u8* const slot = ring + (q % STAGES) * STAGE_BYTES;
 #pragma unroll
-        for (int j = 0; j < U; ++j) {
-            const int u = u0 + j;
-            const bool live = UNIT * u + 8 * t < kn;
+            for (int j = 0; j < COPIES; ++j) {
+                const int c = j * od::WARP_SIZE + lane, r = c / PR, p = c % PR, kk = k + 8 * p;
+                const int at = (r * PR + (p ^ (r % 8))) * PIECE;
+                const long long row = min(m0 + r, M - 1) * a_row;
 #pragma unroll
-            for (int v = 0; v < NW; ++v) {
-                const u8* p = wbase[v] + UNIT_BYTES * u;
-                w[j][v][0] = live ? *reinterpret_cast<const uint4*>(p + lo) : make_uint4(0u, 0u, 0u, 0u);
-                w[j][v][1] = live ? *reinterpret_cast<const uint4*>(p + hi) : make_uint4(0u, 0u, 0u, 0u);
+                for (int v = 0; v < NW; ++v) {
+                    u8* const dst = slot + v * WEIGHT_BYTES + at;
+                    if (kk < kn) {
+                        od::cp_async16(od::smem_addr(dst), wbase[v] + row + 2ll * kk);
+                    } else {
+                        *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+                    }
+                }
             }
         }
+        od::cp_async_commit();  // empty past the warp's last group: the wait below counts groups alike
     };
 
-    uint4 wa[U][NW][2], wb[U][NW][2];
-    auto load_first = [&]() {
-        if (total > 0) {
-            load(0, wa);
-        }
-        if (total > 1) {
-            load(1, wb);
+    auto issue_first = [&]() {
+#pragma unroll
+        for (int q = 0; q < STAGES - 1; ++q) {
+            issue(q);
         }
     };
     if (preload) {
-        load_first();
+        issue_first();
     }
     od::grid_enter();
     if (!preload) {
-        load_first();
+        issue_first();
     }
     const u8* bb = b + i3 * b_s3 + i2 * b_s2;
     const bool vec = b_es == 4 && ((reinterpret_cast<unsigned long long>(bb) | static_cast<unsigned long long>(b_col)) &
@@ -281,10 +308,13 @@ __global__ void __launch_bounds__(mmfk::THREADS, 2)
         }
         write(16 * wt, acc);
     };
-    const u8* const bl = bs + g * UNIT_BYTES + 16 * t;  // column g, k 8t.. of unit 0
-    // group q from buffer w: its mma, then group q + 2's loads into w, then the tile's flush at its last group
-    auto step = [&](int q, uint4 (&w)[U][NW][2]) {
+    const u8* const bl = bs + g * UNIT_BYTES + 16 * t;  // column g, pairs of lane t, of unit 0
+    // ldmatrix: lanes 0-7 / 8-15 / 16-23 / 24-31 address rows 0-7 / 8-15 / 0-7 / 8-15, pieces 2m / 2m / 2m + 1 / 2m + 1
+    const int lr = lane % 8 + 8 * ((lane / 8) % 2), lp = lane / 16;
+    // group q from its slot: its mma, then the tile's flush at its last group
+    auto step = [&](int q) {
         const int i = q / gpt, u0 = (q - i * gpt) * U;
+        const unsigned slot = od::smem_addr(ring + (q % STAGES) * STAGE_BYTES) + lr * PR * PIECE;
 #pragma unroll
         for (int j = 0; j < U; ++j) {
             uint4 bv[NT];
@@ -293,17 +323,18 @@ __global__ void __launch_bounds__(mmfk::THREADS, 2)
                 bv[h] = *reinterpret_cast<const uint4*>(bl + ((u0 + j) * NB + 8 * h) * UNIT_BYTES);
             }
 #pragma unroll
-            for (int v = 0; v < NW; ++v) {
-                const uint4 lo = w[j][v][0], hi = w[j][v][1];
+            for (int e = 0; e < 2; ++e) {
+                const int p = 2 * (2 * j + e) + lp;
 #pragma unroll
-                for (int h = 0; h < NT; ++h) {
-                    mma_16816<WT>(acc[v][h], lo.x, hi.x, lo.y, hi.y, bv[h].x, bv[h].y);
-                    mma_16816<WT>(acc[v][h], lo.z, hi.z, lo.w, hi.w, bv[h].z, bv[h].w);
+                for (int v = 0; v < NW; ++v) {
+                    unsigned x0, x1, x2, x3;
+                    od::ldsm_x4(slot + v * WEIGHT_BYTES + (p ^ (lr % 8)) * PIECE, x0, x1, x2, x3);
+#pragma unroll
+                    for (int h = 0; h < NT; ++h) {
+                        mma_16816<WT>(acc[v][h], x0, x1, x2, x3, e ? bv[h].z : bv[h].x, e ? bv[h].w : bv[h].y);
+                    }
                 }
             }
-        }
-        if (q + 2 < total) {
-            load(q + 2, w);
         }
         if (q - i * gpt == gpt - 1) {
             flush(first + i * stride);
@@ -312,10 +343,10 @@ __global__ void __launch_bounds__(mmfk::THREADS, 2)
     };
 
     zero();
-    for (int q = 0; q < total; q += 2) {
-        step(q, wa);
-        if (q + 1 < total) {
-            step(q + 1, wb);
-        }
+    for (int q = 0; q < total; ++q) {
+        od::cp_async_wait<STAGES - 2>();  // this lane's copies of group q have landed
+        __syncwarp();                      // and the other lanes': the slot is whole; slot (q - 1) % STAGES is read
+        issue(q + STAGES - 1);             // into the slot group q - 1 left
+        step(q);
     }
 }

@@ -1,8 +1,8 @@
 """kernels/mmf.cu's launch (the tensor-core mat-mul for few columns, a weight stream): its argument record,
 the constants it mirrors, the split of the work over the SMs, and the spec function.
 
-A warp streams 16-row warp tiles over one split of K (`MmfSplit.ks` values); a block of `WARPS` warps
-holds b's split rounded to a's type in shared memory, staged once for all its tiles (`MmfSplit.groups`
+A warp streams 16-row warp tiles over one split of K (`MmfSplit.ks` values) through its ring of shared
+memory; a block of `WARPS` warps holds b's split rounded to a's type in shared memory, staged once for all its tiles (`MmfSplit.groups`
 blocks a split and batch: fewer than the row blocks make them persistent). With several splits each warp
 stores a partial tile in the scratch buffer "mmf partials" and the last warp of a tile (counters in the
 zeroed scratch "mmf counters") sums them in order and applies the epilogue.
@@ -30,19 +30,23 @@ THREADS = 32 * WARPS
 TILE_ROWS = 16  # rows a warp tile (an mma's M)
 UNIT = 32  # k values a unit (mmf.cu's UNIT)
 UNIT_BYTES = 64  # bytes of a unit of a b column in shared memory
+#: mmf.cu's rings: STAGES slots of STAGE_BYTES a warp
+STAGES, STAGE_BYTES = 3, 4096
+RING_BYTES = WARPS * STAGES * STAGE_BYTES
 #: units a split is a multiple of: mmf.cu's group (U: 4 units, 2 for the gate/up pair), so that no split
-#: but the last loads a partial group
+#: but the last copies a partial group
 SPLIT_STEP = 4
 
-#: blocks an SM the grid aims at (with WARPS warps and at most 128 registers a thread: 16 warps an SM,
-#: two groups of 4 KB of weights in flight each)
+#: blocks an SM the grid aims at (a block's rings take 96 KB of shared memory: two blocks an SM, 16 warps
+#: with two groups of 4 KB of weights in flight each)
 BLOCKS_PER_SM = 2
 #: most splits of K (the last warp of a tile sums this many partial tiles)
 SPLIT_MAX = 16
-#: fewest units (of 32 k) a split takes: two groups, so that a warp's second load is in flight with its first
+#: fewest units (of 32 k) a split takes: two groups, so that a warp's second copy is in flight with its first
 SPLIT_UNITS_MIN = 8
-#: most k values a split takes: b's split in shared memory, 64 KB at 16 columns
-KS_MAX = 2048
+#: most k values a split takes: b's split in shared memory beside the rings, 16 KB at 16 columns (two
+#: blocks an SM)
+KS_MAX = 512
 
 
 @attrs.frozen
@@ -95,8 +99,9 @@ def n_tiles(n: int) -> int:
 
 
 def smem_bytes(n: int, ks: int) -> int:
-    """mmf's dynamic shared memory: b's split, ks / 32 units of 8 * n_tiles(n) columns of 64 bytes."""
-    return -(-ks // UNIT) * 8 * n_tiles(n) * UNIT_BYTES
+    """mmf's dynamic shared memory: the warps' rings, then b's split, ks / 32 units of 8 * n_tiles(n) columns
+    of 64 bytes."""
+    return RING_BYTES + -(-ks // UNIT) * 8 * n_tiles(n) * UNIT_BYTES
 
 
 def partial_bytes(m: int, n: int, batches: int, splits: int, glu: bool) -> int:
