@@ -122,8 +122,10 @@ def test_cuda_copies_decline_q8_k():
 FIXTURES = Path(__file__).parent / "fixtures" / "kquants"
 ENCODED = [*HALVES, "q8_K"]
 #: NMSE (sum of squared errors / sum of squares) of dequantize(quantize(x)) on standard normal values,
-#: measured about 0.088, 0.023, 0.0051, 0.0013, 0.00031, 4.9e-5; bounds about 15% above
-NMSE = {"q2_K": 0.10, "q3_K": 0.027, "q4_K": 0.006, "q5_K": 0.0016, "q6_K": 0.00038, "q8_K": 6e-5}
+#: measured about 0.088, 0.023, 0.0051, 0.0013, 0.00031, 4.9e-5; bounds about 15% above. q6_K's super-block
+#: scale d (an f16, about the values' spread / 1000) is subnormal below a spread of about 0.06, as in ggml: at
+#: a spread of 1e-3, the smallest test_round_trip_error_bound draws, its NMSE is 4.1e-4 to 4.3e-4 (30 seeds)
+NMSE = {"q2_K": 0.10, "q3_K": 0.027, "q4_K": 0.006, "q5_K": 0.0016, "q6_K": 0.0005, "q8_K": 6e-5}
 
 
 def nmse(y: np.ndarray, x: np.ndarray) -> float:
