@@ -2,11 +2,11 @@
 // weights a and N <= 8 * NT (NT n8 tiles: 8 or 16 columns) f32 columns b, a weight stream bound by
 // memory bandwidth: every weight byte is read once, copied by cp.async into a per-warp ring of shared
 // memory in runs of whole row pieces (a warp's copy instruction reads 256 contiguous bytes of each of two
-// rows, or 128 of four for the gate/up pair), then fed by ldmatrix to mma.sync.m16n8k16.row.col.f32.{bf16,f16} (f32 accumulation). The copies
-// in flight hold no registers (the kernel before this one loaded 16-byte pieces of 8 rows straight into
-// the mma registers, two groups in flight a warp; docs/benchmarks.md has both timed). b is rounded to
-// a's type (as the cuBLAS path and ggml do) into shared memory, once a block, so no conversion launch runs
-// before it.
+// rows, or 128 of four for the gate/up pair), then fed by ldmatrix to mma.sync.m16n8k16.row.col.f32.{bf16,
+// f16} (f32 accumulation). The copies in flight hold no registers (the kernel before this one loaded
+// 16-byte pieces of 8 rows straight into the mma registers, two groups in flight a warp; docs/benchmarks.md
+// has both timed). b is rounded to a's type (as the cuBLAS path and ggml do) into shared memory, once a
+// block, so no conversion launch runs before it.
 //
 // Geometry:
 //   grid    x = row groups G * splits S (s the fastest), y, z the batches B2, B3. Block (r, s) takes split
