@@ -155,6 +155,19 @@ def test_mmf_path_when_selected(dt: str, a_shape: tuple, b_shape: tuple) -> None
     assert (step.plugin, step.kernel) == ("cuda_matmul", "mmf")
 
 
+@pytest.mark.usefixtures("mmf_selected")
+def test_mmf_declines_where_its_shared_memory_does_not_fit() -> None:
+    """A device of 99 KB of shared memory a block (sm_86 / sm_89) cannot hold mmf's rings and b's split: the
+    product goes to cuBLAS, and the reason names both sizes; the H200 takes it."""
+    small = Device("cuda0", "cuda", "an sm_86 GPU", {**H200.props, "cc": (8, 6), "smem_per_block_optin": 99 * 1024})
+    y = ops.mul_mat(weight("w", (2048, 2048), "bf16"), od.input("x", (16, 2048)))
+    need = mmf.smem_bytes(16, mmf.node_split(y, small).ks)
+    assert need > 99 * 1024
+    assert support.mmf_ok(y, small) == f"mmf needs {need} bytes of shared memory a block, the device allows {99 * 1024}"
+    assert support.choose(y, small).path == "cublas"
+    assert support.mmf_ok(y, H200) is True and support.choose(y, H200).path == "mmf"
+
+
 def test_mmq_stops_at_its_crossover() -> None:
     node = ops.mul_mat(weight("w", (64, 14336), "q4_0"), od.input("x", (support.MMQ_MAX_N + 1, 14336)))
     assert support.choose(node, H200).note == f"mmq: N={support.MMQ_MAX_N + 1} > {support.MMQ_MAX_N}: " \

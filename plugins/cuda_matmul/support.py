@@ -19,7 +19,7 @@ from opdispatch.ops.base import pad4
 from opdispatch.support import GRID_YZ_MAX, Rule, first_failure, fits_int, rows_apart, whole_elements
 from opdispatch.tensor import Tensor
 
-from .specs import MMF_TYPES, QUANT_NAMES, STREAM_B16, mmq, mmq_id, mmq_small
+from .specs import MMF_TYPES, QUANT_NAMES, STREAM_B16, mmf, mmq, mmq_id, mmq_small
 from .specs.stream import STREAMED, device_facts, stream_geo, stream_warps
 
 #: most columns (batch N) the mat-vec kernels take; larger batches go to mmf (float weights) or cuBLAS
@@ -224,8 +224,9 @@ def mmq_small_ok(node: Tensor, device: Device | None = None) -> bool | str:
     return True
 
 
-def mmf_ok(node: Tensor) -> bool | str:
-    """True if mmf runs mul_mat `node` (MMF_MIN_N..MMF_MAX_N columns, checked by the caller), else why not."""
+def mmf_ok(node: Tensor, device: Device | None = None) -> bool | str:
+    """True if mmf runs mul_mat `node` (MMF_MIN_N..MMF_MAX_N columns, checked by the caller) on `device`
+    (None: an sm_90 GPU such as the H200), else why not."""
     a, b = node.srcs
     if a.dtype.name not in MMF_TYPES:
         return f"mmf takes f16/bf16 weights, not {a.dtype.name}"
@@ -235,7 +236,7 @@ def mmf_ok(node: Tensor) -> bool | str:
         return f"K={a.shape[-1]} is not a multiple of 8 (mmf reads rows in 16-byte pieces)"
     if not _aligned16(a):
         return "a's offset or row/batch strides are not multiples of 16 bytes"
-    return True
+    return mmf.smem_fits(node, device)
 
 
 def choose(node: Tensor, device: Device | None = None) -> Choice:
@@ -256,7 +257,7 @@ def choose(node: Tensor, device: Device | None = None) -> Choice:
                 return Choice("mmq_small")
             ok = mmq_ok(node, device)
             return Choice("mmq") if ok is True else Choice("dequant_cublas", note=f"mmq: {ok}")
-        if not quant and MMF_MIN_N <= batch_n(node) <= MMF_MAX_N and mmf_ok(node) is True:
+        if not quant and MMF_MIN_N <= batch_n(node) <= MMF_MAX_N and mmf_ok(node, device) is True:
             return Choice("mmf")
         return Choice("mmvf" if small else "cublas")
     if node.op == "mul_mat_id":

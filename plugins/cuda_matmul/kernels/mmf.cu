@@ -171,11 +171,11 @@ __global__ void __launch_bounds__(mmfk::THREADS, 2)
     constexpr int WEIGHT_BYTES = 16 * PR * PIECE;    // a weight's rows in a slot
     constexpr int COPIES = WEIGHT_BYTES / (PIECE * od::WARP_SIZE);  // a lane's copies a weight and group
     constexpr int FRAGS = NW * NT * od::WARP_SIZE;  // float4s of a partial tile: [v][j][lane]
+    const int warp = threadIdx.x / od::WARP_SIZE, lane = threadIdx.x % od::WARP_SIZE;
     extern __shared__ uint4 mmf_smem[];
-    u8* const ring = reinterpret_cast<u8*>(mmf_smem) + (threadIdx.x / od::WARP_SIZE) * STAGES * STAGE_BYTES;
+    u8* const ring = reinterpret_cast<u8*>(mmf_smem) + warp * STAGES * STAGE_BYTES;
     u8* const bs = reinterpret_cast<u8*>(mmf_smem) + RING_BYTES;
 
-    const int warp = threadIdx.x / od::WARP_SIZE, lane = threadIdx.x % od::WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
     const int i2 = blockIdx.y, i3 = blockIdx.z;
     const int rg = blockIdx.x / splits, s = blockIdx.x - rg * splits, groups_x = gridDim.x / splits;

@@ -93,6 +93,22 @@ def split_k(m: int, k: int, batches: int, sm_count: int) -> MmfSplit:
     return MmfSplit(splits, per * UNIT, -(-tiles // (per_warp * WARPS)))
 
 
+def node_split(node: Tensor, device: Device | None = None) -> MmfSplit:
+    """split_k for mul_mat `node` on `device` (None: an H200's description)."""
+    a, b = node.srcs
+    (_, _, m, k), _ = geometry(a)
+    (b3, b2, _, _), _ = geometry(b)
+    return split_k(m, k, b2 * b3, device_facts(device).sm_count)
+
+
+def smem_fits(node: Tensor, device: Device | None = None) -> bool | str:
+    """True if mmf's shared memory for mul_mat `node` (the rings and b's split) fits a block of `device`
+    (None: an H200's description), else why not."""
+    need = smem_bytes(node.srcs[1].shape[-2], node_split(node, device).ks)
+    limit = device_facts(device).smem_per_block_optin
+    return True if need <= limit else f"mmf needs {need} bytes of shared memory a block, the device allows {limit}"
+
+
 def n_tiles(n: int) -> int:
     """8-column tiles the kernel is compiled with for N columns (1 or 2)."""
     return 1 if n <= 8 else 2
@@ -128,7 +144,7 @@ def mmf_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     (b3, b2, n, _), (sb3, sb2, sb1, _) = geometry(b)
     epi, tail = _epilogue(ptr, glu, bias0, bias1)
     batches = b2 * b3
-    sp = split_k(m, k, batches, device_facts(device).sm_count)
+    sp = node_split(node, device)
     part = counters = 0
     if sp.splits > 1:
         part = scratch("mmf partials", partial_bytes(m, n, batches, sp.splits, epi == EPI_GLU))
