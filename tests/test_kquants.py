@@ -122,10 +122,11 @@ def test_cuda_copies_decline_q8_k():
 FIXTURES = Path(__file__).parent / "fixtures" / "kquants"
 ENCODED = [*HALVES, "q8_K"]
 #: NMSE (sum of squared errors / sum of squares) of dequantize(quantize(x)) on standard normal values,
-#: measured about 0.088, 0.023, 0.0051, 0.0013, 0.00031, 4.9e-5; bounds about 15% above. q6_K's super-block
-#: scale d (an f16, about the values' spread / 1000) is subnormal below a spread of about 0.06, as in ggml: at
-#: a spread of 1e-3, the smallest test_round_trip_error_bound draws, its NMSE is 4.1e-4 to 4.3e-4 (30 seeds)
-NMSE = {"q2_K": 0.10, "q3_K": 0.027, "q4_K": 0.006, "q5_K": 0.0016, "q6_K": 0.0005, "q8_K": 6e-5}
+#: measured about 0.088, 0.023, 0.0051, 0.0013, 0.00031, 4.9e-5; bounds about 15% above
+NMSE = {"q2_K": 0.10, "q3_K": 0.027, "q4_K": 0.006, "q5_K": 0.0016, "q6_K": 0.00038, "q8_K": 6e-5}
+#: the bounds below a spread of 0.1, where q6_K's super-block scale d (an f16, about the spread / 1000) is
+#: subnormal, as in ggml: at a spread of 1e-3 its NMSE is 4.1e-4 to 4.3e-4 (30 seeds)
+NMSE_TINY = {**NMSE, "q6_K": 0.0005}
 
 
 def nmse(y: np.ndarray, x: np.ndarray) -> float:
@@ -152,10 +153,11 @@ def test_quantize_matches_ggml_bytes(name):
 
 @pytest.mark.parametrize("name", ENCODED)
 def test_round_trip_error_bound(name, rng):
-    x = rng.standard_normal((64, 1024)).astype(np.float32) * np.float32(10.0 ** rng.uniform(-3, 3))
+    e = rng.uniform(-3, 3)
+    x = rng.standard_normal((64, 1024)).astype(np.float32) * np.float32(10.0 ** e)
     raw = D.quantize(name, x)
     assert raw.dtype == np.uint8 and raw.shape == (64, 4 * D.dtype(name).block_bytes)
-    assert nmse(D.dequantize(name, raw), x) < NMSE[name]
+    assert nmse(D.dequantize(name, raw), x) < (NMSE if e >= -1 else NMSE_TINY)[name]
 
 
 @pytest.mark.parametrize("name", ENCODED)
