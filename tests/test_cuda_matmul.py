@@ -852,6 +852,16 @@ def test_q_constants_mirror_the_kernel() -> None:
     assert [mmv.q8_padded(k) for k in (32, 1024, 1056, 4096)] == [32, 32, 64, 128]
 
 
+def test_mmf_constants_mirror_the_kernel() -> None:
+    """specs/mmf.py's WARPS, UNIT, UNIT_BYTES, STAGES and STAGE_BYTES as mmf.cu has them (its shared memory is
+    sized from them) and the launch bound of BLOCKS_PER_SM blocks an SM."""
+    src = specs.MMF_CU.read_text()
+    for name, value in (("WARPS", mmf.WARPS), ("UNIT", mmf.UNIT), ("UNIT_BYTES", mmf.UNIT_BYTES),
+                        ("STAGES", mmf.STAGES), ("STAGE_BYTES", mmf.STAGE_BYTES)):
+        assert re.search(rf"constexpr int {name} = {value};", src), name
+    assert f"__launch_bounds__(mmfk::THREADS, {mmf.BLOCKS_PER_SM})" in src
+
+
 def test_mmv_spec_batch_geometry() -> None:
     a = weight("w", (3, 2, 16, 64), "f16")
     y = ops.mul_mat(a, od.input("x", (6, 4, 5, 64)))

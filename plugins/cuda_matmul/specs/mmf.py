@@ -3,9 +3,9 @@ the constants it mirrors, the split of the work over the SMs, and the spec funct
 
 A warp streams 16-row warp tiles over one split of K (`MmfSplit.ks` values) through its ring of shared
 memory; a block of `WARPS` warps holds b's split rounded to a's type in shared memory, staged once for all
-its tiles (`MmfSplit.groups` blocks a split and batch: fewer than the row blocks make them persistent). With several splits each warp
-stores a partial tile in the scratch buffer "mmf partials" and the last warp of a tile (counters in the
-zeroed scratch "mmf counters") sums them in order and applies the epilogue.
+its tiles (`MmfSplit.groups` blocks a split and batch: fewer than the row blocks make them persistent).
+With several splits each warp stores a partial tile in the scratch buffer "mmf partials" and the last warp
+of a tile (counters in the zeroed scratch "mmf counters") sums them in order and applies the epilogue.
 """
 
 from __future__ import annotations
