@@ -10,7 +10,9 @@ installed now; DTYPE a dtype or a file type such as Q4_K_M), prefills 512 tokens
 rounds of 20 replays) and, through torch.profiler (CUPTI), each kernel's duration summed over 50 replays, by
 kernel name without its parameter list (so that a kernel whose parameters changed still lines up). With
 programmatic dependent launch on (the default) a kernel's duration includes its wait for the one before;
-OPDISPATCH_PDL=0 gives durations without overlap. To compare commits, install each in turn (pip install -e)
+OPDISPATCH_PDL=0 gives durations without overlap. Either way the table also gives each kernel's time added to the
+step in the last replay (its end minus the latest end before it; these sum to the replay's span), which is what a
+kernel costs the step with the overlap. To compare commits, install each in turn (pip install -e)
 and run this script from the repository root of each with a different LABEL.
 """
 
@@ -20,9 +22,33 @@ import glob
 import json
 import os
 import sys
+import tempfile
+from typing import Sequence
 
 REPS = 50
 CTX = 512
+
+
+def kernel_name(name: str) -> str:
+    """A kernel's name without its parameter list."""
+    return name.split("(")[0][:140]
+
+
+def added_by_kernel(events: Sequence[dict], replays: int) -> dict[str, list[float]]:
+    """{kernel name: [us added to the step, launches]} over the last of `replays` equal replays of a plan, from
+    the kernel events of a chrome trace ("name", "ts" and "dur" in us): a kernel adds its end minus the latest
+    end of the kernels that started before it (0 when one of them ends later), so the sum is the replay's span."""
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    last = kernels[len(kernels) - len(kernels) // replays:]
+    added: dict[str, list[float]] = {}
+    end = last[0]["ts"] if last else 0.0
+    for e in last:
+        stop = e["ts"] + e["dur"]
+        row = added.setdefault(kernel_name(e["name"]), [0.0, 0])
+        row[0] += max(0.0, stop - end)
+        row[1] += 1
+        end = max(end, stop)
+    return added
 
 
 def run(label: str, dtypes: list[str], batch: int = 1) -> None:
@@ -58,10 +84,14 @@ def run(label: str, dtypes: list[str], batch: int = 1) -> None:
             t = getattr(e, "device_time_total", None)
             t = e.cuda_time_total if t is None else t
             if t:
-                name = e.key.split("(")[0][:140]
+                name = kernel_name(e.key)
                 us, calls = kernels.get(name, [0.0, 0.0])
                 kernels[name] = [us + t / REPS, calls + e.count / REPS]
-        out[dt] = {"device_us": device, "kernels": kernels}
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+            with open(os.path.join(tmp, "trace.json")) as f:
+                added = added_by_kernel(json.load(f)["traceEvents"], REPS)
+        out[dt] = {"device_us": device, "kernels": kernels, "added": added}
         print(f"{label} {dt}: step device us {[round(d, 1) for d in device]}", flush=True)
         del gen, model, plan
         torch.cuda.empty_cache()
@@ -86,6 +116,20 @@ def table(folder: str) -> None:
             print(f"  {row} | {calls:5.1f} | {k[:90]}")
         totals = [sum(v[0] for v in runs[label][dt]["kernels"].values()) for label in labels]
         print("  " + " | ".join(f"{t:12.2f}" for t in totals) + " |       | all kernels")
+        with_added = [label for label in labels if "added" in runs[label][dt]]
+        if not with_added:
+            continue
+        print("  " + " | ".join(f"{label:>12s}" for label in with_added) + " | calls | kernel (us added to the last "
+              "replay: its end past the latest end before it)")
+        names = sorted({k for label in with_added for k in runs[label][dt]["added"]},
+                       key=lambda k: -max(runs[label][dt]["added"].get(k, [0, 0])[0] for label in with_added))
+        for k in names:
+            cells = [runs[label][dt]["added"].get(k) for label in with_added]
+            calls = next(c[1] for c in cells if c)
+            row = " | ".join(f"{c[0]:12.2f}" if c else f"{'-':>12s}" for c in cells)
+            print(f"  {row} | {calls:5d} | {k[:90]}")
+        spans = [sum(v[0] for v in runs[label][dt]["added"].values()) for label in with_added]
+        print("  " + " | ".join(f"{t:12.2f}" for t in spans) + " |       | the replay's span")
 
 
 if __name__ == "__main__":
