@@ -4,7 +4,8 @@ NVRTC compiles a template instance only when asked by name, so each plugin
 declares, per .cu file, the name expressions it launches: a KERNEL_SOURCES
 {path: names} in its package or in a module of it. For each file the test
 writes a wrapper that includes it and takes the address of every instance,
-forcing nvcc (and ptxas) to build them all, as NVRTC would on the GPU. Runs
+forcing nvcc (and ptxas) to build them all, as NVRTC would on the GPU (but
+for NVVM's optimizer: NVVM_OPT). Runs
 without a GPU; skips only when nvcc is absent. One test per file, each in
 its own folder, so the files compile in parallel under xdist; a file's
 instances are cut into one wrapper per CPU, compiled side by side, so that
@@ -109,9 +110,16 @@ void* const instances[] = {(void*)&probe<od::quant::q4_0>, (void*)&probe<od::qua
 """
 
 
+#: NVVM's optimizer off: the front end (templates, types, static_asserts) and ptxas (the PTX, inline asm) see every
+#: instance as at full optimization, and the optimizer, which NVRTC runs on the GPU (the GPU tests), took most of the
+#: time (mmvq_stream.cu's 244 instances in one process: 190 s, 71 s without it)
+NVVM_OPT = ["-Xcicc", "-O0"]
+
+
 def nvcc(source: Path, workdir: Path, kernels_dir: Path) -> None:
-    """Compile as load_module does: the shared headers and the kernel's own folder on the include path."""
-    cmd = [NVCC, "-arch=sm_90", "-std=c++17", f"-I{INCLUDE}", f"-I{kernels_dir}", "-c", str(source),
+    """Compile as load_module does: the shared headers and the kernel's own folder on the include path (NVVM's
+    optimizer off: NVVM_OPT)."""
+    cmd = [NVCC, "-arch=sm_90", "-std=c++17", *NVVM_OPT, f"-I{INCLUDE}", f"-I{kernels_dir}", "-c", str(source),
            "-o", str(workdir / "out.o")]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, timeout=600)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
