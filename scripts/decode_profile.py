@@ -99,6 +99,20 @@ def run(label: str, dtypes: list[str], batch: int = 1) -> None:
         json.dump(out, f)
 
 
+def _section(cols: dict[str, dict[str, list[float]]], what: str, total: str) -> None:
+    """One table section: a column a run ({kernel: [us, calls]}), kernels by their largest us, then the sums."""
+    labels = list(cols)
+    print("  " + " | ".join(f"{label:>12s}" for label in labels) + f" | calls | kernel ({what})")
+    names = {k for c in cols.values() for k in c}
+    for k in sorted(names, key=lambda k: -max(c.get(k, [0, 0])[0] for c in cols.values())):
+        cells = [cols[label].get(k) for label in labels]
+        calls = next(c[1] for c in cells if c)
+        row = " | ".join(f"{c[0]:12.2f}" if c else f"{'-':>12s}" for c in cells)
+        print(f"  {row} | {calls:5.1f} | {k[:90]}")
+    sums = [sum(v[0] for v in c.values()) for c in cols.values()]
+    print("  " + " | ".join(f"{t:12.2f}" for t in sums) + f" |       | {total}")
+
+
 def table(folder: str) -> None:
     runs = {os.path.basename(p)[5:-5]: json.load(open(p)) for p in sorted(glob.glob(f"{folder}/prof-*.json"))}
     for dt in sorted({dt for r in runs.values() for dt in r}):
@@ -106,30 +120,10 @@ def table(folder: str) -> None:
         print(f"\n== {dt}: step device us (3 medians each)")
         for label in labels:
             print(f"  {label:14s} {[round(x, 1) for x in runs[label][dt]['device_us']]}")
-        names = sorted({k for label in labels for k in runs[label][dt]["kernels"]},
-                       key=lambda k: -max(runs[label][dt]["kernels"].get(k, [0, 0])[0] for label in labels))
-        print("  " + " | ".join(f"{label:>12s}" for label in labels) + " | calls | kernel (us a step)")
-        for k in names:
-            cells = [runs[label][dt]["kernels"].get(k) for label in labels]
-            calls = next(c[1] for c in cells if c)
-            row = " | ".join(f"{c[0]:12.2f}" if c else f"{'-':>12s}" for c in cells)
-            print(f"  {row} | {calls:5.1f} | {k[:90]}")
-        totals = [sum(v[0] for v in runs[label][dt]["kernels"].values()) for label in labels]
-        print("  " + " | ".join(f"{t:12.2f}" for t in totals) + " |       | all kernels")
-        with_added = [label for label in labels if "added" in runs[label][dt]]
-        if not with_added:
-            continue
-        print("  " + " | ".join(f"{label:>12s}" for label in with_added) + " | calls | kernel (us added to the last "
-              "replay: its end past the latest end before it)")
-        names = sorted({k for label in with_added for k in runs[label][dt]["added"]},
-                       key=lambda k: -max(runs[label][dt]["added"].get(k, [0, 0])[0] for label in with_added))
-        for k in names:
-            cells = [runs[label][dt]["added"].get(k) for label in with_added]
-            calls = next(c[1] for c in cells if c)
-            row = " | ".join(f"{c[0]:12.2f}" if c else f"{'-':>12s}" for c in cells)
-            print(f"  {row} | {calls:5d} | {k[:90]}")
-        spans = [sum(v[0] for v in runs[label][dt]["added"].values()) for label in with_added]
-        print("  " + " | ".join(f"{t:12.2f}" for t in spans) + " |       | the replay's span")
+        _section({label: runs[label][dt]["kernels"] for label in labels}, "us a step", "all kernels")
+        added = {label: runs[label][dt]["added"] for label in labels if "added" in runs[label][dt]}
+        if added:
+            _section(added, "us added to the last replay: its end past the latest end before it", "the replay's span")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Sequence
 
 import attrs
@@ -164,3 +167,12 @@ def _needs_two_gpus() -> pytest.MarkDecorator:
 
 #: the marker of the tests that run a split over two GPUs (the layer and the tensor split)
 needs_two_gpus = _needs_two_gpus()
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/<name>.py imported as a module (the scripts folder is no package)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -3,21 +3,17 @@ kernel events, and the side-by-side table of two runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "decode_profile.py"
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def profile():  # noqa: ANN201 - the script, imported as a module
-    spec = importlib.util.spec_from_file_location("decode_profile", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("decode_profile")
 
 
 def _replay(t0: float, rng) -> tuple[list[dict], dict[str, float]]:  # noqa: ANN001

@@ -4,7 +4,6 @@ that fit its limits, with the configuration's own kernel instance."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -13,15 +12,12 @@ import pytest
 from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_id, mmq_small
 from opdispatch.plugins.cuda_matmul.specs.stream import device_facts
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "mmq_sweep.py"
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def sweep():  # noqa: ANN201 - the script, imported as a module
-    spec = importlib.util.spec_from_file_location("mmq_sweep", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("mmq_sweep")
 
 
 def test_cli_parses(sweep) -> None:  # noqa: ANN001
