@@ -428,20 +428,24 @@ def test_stream_path_reasons() -> None:
 def test_stream_chunks_mirror_the_kernel() -> None:
     """stream.STREAMED: the fewest blocks whose bytes are a multiple of 16, an odd number of 16-byte
     granules (conflict-free 16-byte shared loads at a chunk stride), as mmvq_stream.cu's Geo; a lane's
-    piece the chunk up to REG_CHUNK_MAX bytes (every legacy format's), else one block, a stage of 32
-    pieces whole granules; every block format streams."""
+    piece the chunk up to REG_CHUNK_MAX bytes (every legacy format's; half of it, 8-byte words, for
+    HALF_PIECE's formats), else one block, a stage of 32 pieces whole granules; every block format streams."""
     assert set(stream.STREAMED) == set(specs.QUANT_NAMES)
     for dt, (nbytes, cb) in stream.STREAMED.items():
         assert nbytes == DTYPES[dt].block_bytes
         assert cb * nbytes % 16 == 0 and all(c * nbytes % 16 for c in range(1, cb))
         g = stream.stream_geo(dt)
         assert (g.chunk // 16) % 2 == 1 and (g.bpiece // 16) % 2 == 1 and g.bpiece >= g.values // 32 * 40
-        assert g.lb == (cb if g.chunk <= stream.REG_CHUNK_MAX else 1) and (32 * g.piece) % 16 == 0
+        reg = g.chunk <= stream.REG_CHUNK_MAX
+        assert g.lb == (1 if not reg else cb // 2 if dt in stream.HALF_PIECE else cb) and (32 * g.piece) % 16 == 0
+        assert not reg or g.piece % 8 == 0
         assert g.row_values == cb * DTYPES[dt].block_size and g.values == g.lb * DTYPES[dt].block_size
     assert all(stream.stream_geo(dt).lb > 1 or stream.STREAMED[dt][1] == 1 for dt in specs.LEGACY_NAMES)
     src = specs.MMVQ_STREAM_CU.read_text()
     assert "static constexpr int CB = 16 / pow2_of(F::BYTES);" in src
     assert "static constexpr bool REG = CHUNK <= REG_CHUNK_MAX;" in src
+    half = sorted(f"WT == W_{dt.upper()}" for dt in stream.HALF_PIECE)
+    assert f"return {' || '.join(half)};" in src
     assert f"constexpr int REG_CHUNK_MAX = {stream.REG_CHUNK_MAX};" in src
     assert "static constexpr int NU = LB * F::QK / 32;" in src
     assert "static constexpr int BCHUNK = (BRAW / 16) % 2 == 1 ? BRAW : BRAW + 16;" in src
@@ -459,8 +463,8 @@ def test_stream_chunks_mirror_the_kernel() -> None:
     ("q4_0", 768, True, (3, 4, 8, 1, 4, 1)),
     ("q4_K", 256, False, (1, 1, 32, 1, 32, 1)),  # a q4_K block a lane, in registers
     ("q5_K", 14336, True, (56, 32, 1, 2, 1, 4)),
-    ("iq4_xs", 4096, False, (8, 8, 4, 1, 4, 1)),  # 2 blocks a lane
-    ("mxfp4", 16896, False, (33, 32, 1, 2, 1, 2)),  # 16 blocks a lane, a partial second segment
+    ("iq4_xs", 4096, False, (16, 16, 2, 1, 2, 1)),  # a half piece: one block a lane
+    ("mxfp4", 16896, False, (66, 32, 1, 3, 1, 3)),  # a half piece of 8 blocks, a partial third segment
     ("iq4_nl", 4096, True, (16, 16, 2, 1, 1, 1)),
     ("q6_K", 4096, False, (16, 16, 2, 1, 2, 1)),  # one block a lane from shared memory: 2 chunks of 8
     ("q3_K", 14336, False, (56, 32, 1, 2, 1, 2)),
@@ -823,7 +827,7 @@ def test_mmv_spec_picks_the_variant(dt: str, a_shape: tuple, b_view: str | None,
     if kernel.startswith("mmvq_stream"):  # one launch, b quantized in shared memory, no ids to check
         assert len(launches) == 1 and int(spec.args.err_.word) == 0
         assert spec.block == 32 * specs.STREAM.warps
-        assert spec.smem == stream.stream_smem(dt, k, n, specs.STREAM.warps, specs.STREAM.stages_for(dt))
+        assert spec.smem == stream.stream_smem(dt, k, n, specs.STREAM.warps, specs.STREAM.stages)
         assert spec.grid[1:] == (1, 1) and spec.grid[0] >= 1
         assert int(spec.args.b) == fake_ptr(b)
         assert int(spec.args.preload) == 1  # params: the first weight copies go before the PDL wait

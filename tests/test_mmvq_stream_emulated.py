@@ -202,7 +202,7 @@ def _instance(y: Tensor, cfg: specs.StreamConfig, share: bool = False) -> str:
     tb = first.srcs[1].dtype.name
     n = 1 if first.op == "mul_mat_id" else first.shape[-2]  # mul_mat_id: one column a (token, slot)
     dt = first.srcs[0].dtype.name
-    return specs.stream_name(dt, tb, specs.nt_for(n, specs.quant_nts(dt)) if tb == "f32" else 8, epi, cfg.stages_for(dt),
+    return specs.stream_name(dt, tb, specs.nt_for(n, specs.quant_nts(dt)) if tb == "f32" else 8, epi, cfg.stages,
                              share)
 
 

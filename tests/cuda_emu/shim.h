@@ -78,6 +78,17 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
     return r;
 }
+// prmt.b32's default mode: as __byte_perm, but a selector nibble with bit 3 set gives the picked byte's sign
+// bit in all 8 bits (sign replication)
+inline unsigned emu_prmt(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long v = ((unsigned long long)y << 32) | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) {
+        const unsigned sel = (s >> (4 * i)) & 15u, byte = (unsigned)((v >> (8 * (sel & 7))) & 0xffu);
+        r |= (sel & 8u ? (byte & 0x80u ? 0xffu : 0u) : byte) << (8 * i);
+    }
+    return r;
+}
 inline float emu_h2f(unsigned short h) { _Float16 v; memcpy(&v, &h, 2); return (float)v; }
 inline unsigned short emu_f2h(float f) { _Float16 v = (_Float16)f; unsigned short h; memcpy(&h, &v, 2); return h; }
 

@@ -249,6 +249,15 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
     return r;
 }
 
+// PTX prmt in its default mode: byte i of the result is byte (s >> 4i) & 7 of the pair (a bytes 0..3, b
+// 4..7), or that byte's sign bit in all 8 bits where bit 4i + 3 of s is set. __byte_perm(a, b, s) is the
+// same on s & 0x7777, an instruction (LOP3) the table lookups, whose selectors never set bit 3, do not need.
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned s) {
+    unsigned d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
+    return d;
+}
+
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) {
     return __uint_as_float(static_cast<unsigned>(b) << 16);
 }

@@ -44,6 +44,7 @@ enum class Scale { signed_absmax, absmax, range };
 template <int BYTES_, int BITS_, Scale SCALE_, int DIV_, int ZERO_, int M_, int QH_, int QS_>
 struct Block32 {
     static constexpr bool LEGACY = true;  // quant_k.cuh's formats: false
+    static constexpr bool PAIRS = false;  // b in natural order (quant_k.cuh's table formats: Table4)
     static constexpr int QK = 32;  // values a block
     static constexpr int BYTES = BYTES_;
     static constexpr int BITS = BITS_;

@@ -44,6 +44,14 @@ struct SubScaled {
     static constexpr int BYTES = BYTES_;
     static constexpr int SUB = SUB_;  // values sharing one scale (and min)
     static constexpr int M = M_;      // byte offset of dmin, -1 without mins
+    static constexpr bool PAIRS = false;  // dot32_in<true> takes b's codes in nibble-pair order (pair_word)
+};
+
+// The 4-bit table formats (iq4_nl, iq4_xs, mxfp4): dot32_in<PAIRED> with b's codes in natural order, or
+// in nibble-pair order (the one dot8 sums is free: mmvq_stream stores its b so, mmv reads quantize_q8_1's).
+template <int QK_, int BYTES_>
+struct Table4 : SubScaled<QK_, BYTES_, 32, -1> {
+    static constexpr bool PAIRS = true;
 };
 
 __device__ __forceinline__ float half_at(const unsigned char* p) {
@@ -130,24 +138,36 @@ __device__ __forceinline__ constexpr Table16 mxfp4_table() {
 }
 
 // The table entries of the 8 nibbles of w, a word of q4_0-style nibbles (low nibbles values 4i ..
-// 4i+3, high nibbles 16+4i ..): lo = the low nibbles' entries, hi = the high nibbles', a byte each.
-// Byte permutes read a nibble as a selector (its 3 low bits pick one of the 8 bytes of a pair of
-// table words): the two pairs' picks for nibbles 0..3 and 4..7, then each nibble's bit 3 chooses
-// between them (selector byte i or 4 + i), then the bytes are sorted into lo and hi. 13 operations for
-// 8 values, where masking, shifting and selecting each index took 27.
-__device__ __forceinline__ void lookup8(const Table16& t, unsigned w, unsigned& lo, unsigned& hi) {
+// 4i+3, high nibbles 16+4i ..), in nibble order: p0 = the entries of nibbles 0..3 (byte 0's low then
+// high nibble, byte 1's), p1 = nibbles 4..7. Byte permutes read a nibble as a selector (its 3 low bits
+// pick one of the 8 bytes of a pair of table words): the two pairs' picks, then each nibble's bit 3
+// chooses between them (selector byte i or 4 + i). 11 operations for 8 values.
+__device__ __forceinline__ void lookup8_pairs(const Table16& t, unsigned w, unsigned& p0, unsigned& p1) {
     const unsigned x = w & 0x77777777u;
     const unsigned s = ((w >> 1) & 0x44444444u) | 0x32103210u;
-    const unsigned n03 = __byte_perm(__byte_perm(t.w[0], t.w[1], x), __byte_perm(t.w[2], t.w[3], x), s);
-    const unsigned n47 = __byte_perm(__byte_perm(t.w[0], t.w[1], x >> 16), __byte_perm(t.w[2], t.w[3], x >> 16),
-                                     s >> 16);
-    lo = __byte_perm(n03, n47, 0x6420u);
-    hi = __byte_perm(n03, n47, 0x7531u);
+    p0 = prmt(prmt(t.w[0], t.w[1], x), prmt(t.w[2], t.w[3], x), s);
+    p1 = prmt(prmt(t.w[0], t.w[1], x >> 16), prmt(t.w[2], t.w[3], x >> 16), s >> 16);
+}
+
+// The same entries sorted by value: lo = the low nibbles' entries (values 4i .. 4i+3), hi = the high
+// nibbles' (13 operations, where masking, shifting and selecting each index took 27).
+__device__ __forceinline__ void lookup8(const Table16& t, unsigned w, unsigned& lo, unsigned& hi) {
+    unsigned p0, p1;
+    lookup8_pairs(t, w, p0, p1);
+    lo = prmt(p0, p1, 0x6420u);
+    hi = prmt(p0, p1, 0x7531u);
+}
+
+// b's 8 code words of a unit (natural order: word i holds the codes of values 4i .. 4i+3) in nibble-pair
+// order, the order lookup8_pairs gives a qs word's entries in: word 2i = the codes of values 4i, 16+4i,
+// 4i+1, 17+4i, word 2i+1 those of 4i+2, 18+4i, 4i+3, 19+4i. The table formats' dot32_in<true> take b so.
+__device__ __forceinline__ unsigned pair_word(unsigned lo_word, unsigned hi_word, int half) {
+    return prmt(lo_word, hi_word, half == 0 ? 0x5140u : 0x7362u);
 }
 
 // Entry i (0..15) of t.
 __device__ __forceinline__ int entry(const Table16& t, unsigned i) {
-    const unsigned pick = __byte_perm(t.w[0], t.w[1], i & 7u), pick_hi = __byte_perm(t.w[2], t.w[3], i & 7u);
+    const unsigned pick = prmt(t.w[0], t.w[1], i & 7u), pick_hi = prmt(t.w[2], t.w[3], i & 7u);
     return static_cast<signed char>((i & 8u ? pick_hi : pick) & 0xffu);
 }
 
@@ -163,12 +183,17 @@ __device__ __forceinline__ int2 dot_halves(const unsigned (&q)[8], const int (&b
 }
 
 // The q4_0-style nibbles of the 16 bytes at byte qs of src (value i low nibble of byte i, value 16 + i
-// high) through table t: q[i] = the entries of values 4i .. 4i+3.
-template <class S>
+// high) through table t: q[i] = the entries of values 4i .. 4i+3, or with PAIRED in nibble-pair order
+// (pair_word's), two permutes a word fewer.
+template <bool PAIRED, class S>
 __device__ __forceinline__ void table_words(const S& src, int qs, const Table16& t, unsigned (&q)[8]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        lookup8(t, src.u32(qs + 4 * i), q[i], q[i + 4]);
+        if constexpr (PAIRED) {
+            lookup8_pairs(t, src.u32(qs + 4 * i), q[2 * i], q[2 * i + 1]);
+        } else {
+            lookup8(t, src.u32(qs + 4 * i), q[i], q[i + 4]);
+        }
     }
 }
 
@@ -331,7 +356,7 @@ struct q6_K : SubScaled<256, 210, 16, -1> {
 
 // -- the 4-bit table formats --------------------------------------------------------------------
 
-struct iq4_nl : SubScaled<32, 18, 32, -1> {
+struct iq4_nl : Table4<32, 18> {
     static constexpr int D = 0, QS = 2;
     static __device__ __forceinline__ void scale(const unsigned char* blk, int, float& d, float& m) {
         d = half_at(blk + D);
@@ -340,10 +365,10 @@ struct iq4_nl : SubScaled<32, 18, 32, -1> {
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
         return entry(iq4nl_table(), (blk[QS + (j & 15)] >> (4 * (j >> 4))) & 15u);
     }
-    template <class S>
+    template <bool PAIRED = false, class S>
     static __device__ __forceinline__ float dot32_in(const S& src, int, const int (&b)[8], float2 ds) {
         unsigned q[8];
-        table_words(src, QS, iq4nl_table(), q);
+        table_words<PAIRED>(src, QS, iq4nl_table(), q);
         return ds.x * half_in(src, D) * static_cast<float>(dot8(q, b));
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
@@ -351,7 +376,7 @@ struct iq4_nl : SubScaled<32, 18, 32, -1> {
     }
 };
 
-struct iq4_xs : SubScaled<256, 136, 32, -1> {
+struct iq4_xs : Table4<256, 136> {
     static constexpr int D = 0, SH = 2, SL = 4, QS = 8;
     template <class S>
     static __device__ __forceinline__ int ls(const S& src, int s) {
@@ -366,10 +391,10 @@ struct iq4_xs : SubScaled<256, 136, 32, -1> {
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
         return entry(iq4nl_table(), (blk[QS + 16 * (j >> 5) + (j & 15)] >> (4 * ((j >> 4) & 1))) & 15u);
     }
-    template <class S>
+    template <bool PAIRED = false, class S>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
         unsigned q[8];
-        table_words(src, QS + 16 * u, iq4nl_table(), q);
+        table_words<PAIRED>(src, QS + 16 * u, iq4nl_table(), q);
         return ds.x * half_in(src, D) * static_cast<float>(ls(src, u) * dot8(q, b));
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
@@ -377,7 +402,7 @@ struct iq4_xs : SubScaled<256, 136, 32, -1> {
     }
 };
 
-struct mxfp4 : SubScaled<32, 17, 32, -1> {
+struct mxfp4 : Table4<32, 17> {
     static constexpr int E = 0, QS = 1;
     // ggml's e8m0_to_fp32_half: 2^(e - 128) (half the block scale, kvalues being doubled)
     static __device__ __forceinline__ float half_scale(unsigned e) {
@@ -390,10 +415,10 @@ struct mxfp4 : SubScaled<32, 17, 32, -1> {
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
         return entry(mxfp4_table(), (blk[QS + (j & 15)] >> (4 * (j >> 4))) & 15u);
     }
-    template <class S>
+    template <bool PAIRED = false, class S>
     static __device__ __forceinline__ float dot32_in(const S& src, int, const int (&b)[8], float2 ds) {
         unsigned q[8];
-        table_words(src, QS, mxfp4_table(), q);
+        table_words<PAIRED>(src, QS, mxfp4_table(), q);
         return ds.x * half_scale(src.u8(E)) * static_cast<float>(dot8(q, b));
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {

@@ -24,7 +24,8 @@
 //           (K % (QK * CB) == 0), the weights 16-byte aligned (base, row and batch strides) are the
 //           caller's.
 //   piece   what one lane dots, LB blocks: the chunk when it is at most REG_CHUNK_MAX (272) bytes
-//           (REG: every legacy format, q4_K, q5_K, iq4_nl, iq4_xs, mxfp4, iq1_m), else one block
+//           (REG: every legacy format, q4_K, q5_K, iq4_nl, iq1_m), half of it for the table formats
+//           iq4_xs (one block, 136 bytes) and mxfp4 (8 blocks, 136 bytes; half_piece), else one block
 //           (q2_K, q3_K, q6_K and the other grid I-quants: a chunk is too many registers). A row is
 //           C = K / (QK * LB) pieces.
 //   lanes   G = min(32, next_pow2(C)) lanes a row, R = 32 / G rows (slots) a warp stage,
@@ -34,7 +35,8 @@
 //           r * G * PIECE, so lane l's piece is at l * PIECE of the stage buffer (32 * PIECE
 //           bytes; G >= CB / LB, so rows and segments start on granules). A REG lane reads its
 //           chunk with 16-byte loads: the chunk stride is an odd number of 16-byte granules for
-//           every format, so the 8 lanes of a quarter warp hit 8 distinct bank groups. Legacy
+//           every format, so the 8 lanes of a quarter warp hit 8 distinct bank groups (a half piece
+//           with 8-byte loads, 34 words apart: a half warp's 16 lanes on 32 distinct banks). Legacy
 //           blocks are moved out of the chunk's words at compile-time offsets (decode_words) and
 //           dotted with b's codes by dp4a; quant_k.cuh's formats go 32 values (a unit) at a time
 //           through the format's dot32_in, reading the words through a Regs source (constant
@@ -48,9 +50,9 @@
 //           gridDim.y, gridDim.z) split the groups of a batch into even contiguous ranges
 //           (warp w: groups [w * groups / W, (w + 1) * groups / W)).
 //   b       column n's piece c at bs + (n * C + c) * BCHUNK: NU = LB * QK / 32 q8_1 blocks of 32
-//           int8 codes, then NU float2 (d, d * sum), padded to an odd number of granules
-//           (conflict-free as the weights); codes read with 16-byte loads, (d, d * sum) two blocks
-//           at a time (legacy) or one (a unit of quant_k.cuh's formats).
+//           int8 codes (the table formats': in nibble-pair order), then NU float2 (d, d * sum), padded
+//           to an odd number of granules (conflict-free as the weights); codes read with 16-byte loads,
+//           (d, d * sum) two blocks at a time (legacy) or one (a unit of quant_k.cuh's formats).
 // Fused rms_norm (norm_w not null; fusion.py's rms_norm_mul_mat groups): b is the norm's input x, and
 // the block quantizes x * norm_w while it sums x^2 (quantize_b); every output is then scaled by its
 // column's rsqrt(sum / K + norm_eps) before the epilogue, which is rms_norm(x) * norm_w . a up to float
@@ -79,31 +81,41 @@ constexpr int pow2_of(int x) {
     return x % 16 == 0 ? 16 : x % 8 == 0 ? 8 : x % 4 == 0 ? 4 : x % 2 == 0 ? 2 : 1;
 }
 
+// The formats whose lane dots half a chunk (iq4_xs one block of 136 bytes, mxfp4 8 of 17): their table
+// lookups make them ALU-bound, and half pieces halve a warp's ring and its registers, so that two 8-warp
+// blocks fit an SM (four warps a scheduler where one block left two). specs/stream.py's HALF_PIECE.
+template <int WT>
+constexpr bool half_piece() {
+    return WT == W_IQ4_XS || WT == W_MXFP4;
+}
+
 // Chunk and piece geometry of format WT.
 template <int WT>
 struct Geo {
     using F = mm::Fmt<WT>;
     static constexpr int CB = 16 / pow2_of(F::BYTES);  // blocks a chunk: lcm(BYTES, 16) / BYTES
     static constexpr int CHUNK = CB * F::BYTES;         // weight bytes a chunk
-    static constexpr bool REG = CHUNK <= REG_CHUNK_MAX;  // a lane's piece is a chunk, in registers
-    static constexpr int LB = REG ? CB : 1;             // blocks a piece (a lane's share of a stage)
+    static constexpr bool REG = CHUNK <= REG_CHUNK_MAX;  // a lane's piece is held in registers
+    static constexpr int LB = !REG ? 1 : half_piece<WT>() ? CB / 2 : CB;  // blocks a piece (a lane's share of a stage)
     static constexpr int PIECE = LB * F::BYTES;
     static constexpr int GRAN = CHUNK / 16;
     static constexpr int WORDS = CHUNK / 4;
+    static constexpr int LOAD = pow2_of(PIECE);  // bytes a REG lane loads at once: 16, or 8 for half pieces
     static constexpr int NU = LB * F::QK / 32;          // q8_1 blocks (units of 32 values) a piece
     static constexpr int BCODES = NU * 32;              // b: a piece's codes, then its (d, d * sum)
     static constexpr int BRAW = NU * 40;
     static constexpr int BCHUNK = (BRAW / 16) % 2 == 1 ? BRAW : BRAW + 16;
-    // blocks an SM the registers must allow (the launch bound's second argument): the one-block
-    // pieces' words and their shifted copy would take more than 128 a thread, one 8-warp block an SM;
-    // but q4_K, whose shared memory fits two blocks an SM: unbounded, it took 132-136 registers after
-    // the fused norm and bias epilogues came in (sessions 14-15), and its blocks then ran one an SM
-    // (H200, 14336x4096, one column: 12.95 us; bounded 9.71, no spills in ptxas -v)
-    static constexpr int MIN_BLOCKS = REG && WT != W_Q4_K ? 1 : 2;
+    // blocks an SM the registers must allow (the launch bound's second argument: 2 caps a thread at 128):
+    // 1 for the legacy chunks, q8_0's 68 words in registers; 2 for the one-block pieces (their words and
+    // their shifted copy), the half pieces, and q4_K and q5_K, whose shared memory fits two blocks an SM:
+    // unbounded, q4_K took 132-136 registers after the fused norm and bias epilogues came in (sessions
+    // 14-15) and its blocks ran one an SM (H200, 14336x4096, one column: 12.95 us; bounded 9.71), q5_K 153
+    // (12.7 us with 3 stages; bounded, 2 stages: 11.3, session 20); no spills in ptxas -v
+    static constexpr int MIN_BLOCKS = REG && (F::LEGACY || WT == W_IQ4_NL || WT == W_IQ1_M) ? 1 : 2;
     static_assert(CHUNK % 16 == 0 && GRAN % 2 == 1, "chunk stride must be an odd number of granules");
     static_assert(NU % 2 == 0 && BRAW % 16 == 0 && (BCHUNK / 16) % 2 == 1, "b chunk layout");
     static_assert(F::LEGACY ? REG : F::QK % 32 == 0, "legacy chunks in registers");
-    static_assert((32 * PIECE) % 16 == 0, "a stage of whole granules");
+    static_assert((32 * PIECE) % 16 == 0 && (!REG || LOAD >= 8), "a stage of whole granules, REG pieces of 8-byte words");
 };
 
 // Granules of n consecutive pieces (n a multiple of CB / LB: whole chunks).
@@ -187,7 +199,8 @@ __device__ __forceinline__ void load_b(const u8* src, long long b_es, bool vec, 
 
 // Half h of a block of 32 values to q8_1 at dst (its chunk's b bytes), slot jj of the chunk, as
 // quantize_q8_1: amax over the 32 values (NaN if one is), d = amax / 127, codes v * 127 / amax
-// rounded half to even (od::quant::q8_1::code).
+// rounded half to even (od::quant::q8_1::code); the codes in value order, or for the 4-bit table formats
+// (Fmt::PAIRS) in nibble-pair order, so that their lookups skip a sort (quant_k.cuh's pair_word).
 // The two halves are lanes l and l ^ 1 of one warp, which meet by shuffles (every lane of the warp
 // calls this; `store` false: a lane with no block this round, whose partner has none either).
 template <int WT>
@@ -215,6 +228,17 @@ __device__ __forceinline__ void store_q8_1_half(const float (&v)[16], int h, boo
         w[i] = word;
     }
     sum += __shfl_xor_sync(od::FULL_MASK, sum, 1);
+    if constexpr (mm::Fmt<WT>::PAIRS) {
+        // nibble-pair order (quant_k.cuh's pair_word): half h's words are pairs of natural words 2h, 2h + 1
+        // (this lane's when h = 0) and 4 + 2h, 5 + 2h (the partner's when h = 0)
+        const unsigned r0 = __shfl_xor_sync(od::FULL_MASK, h ? w[0] : w[2], 1);
+        const unsigned r1 = __shfl_xor_sync(od::FULL_MASK, h ? w[1] : w[3], 1);
+        const unsigned lo0 = h ? r0 : w[0], hi0 = h ? w[2] : r0, lo1 = h ? r1 : w[1], hi1 = h ? w[3] : r1;
+        w[0] = od::quant::pair_word(lo0, hi0, 0);
+        w[1] = od::quant::pair_word(lo0, hi0, 1);
+        w[2] = od::quant::pair_word(lo1, hi1, 0);
+        w[3] = od::quant::pair_word(lo1, hi1, 1);
+    }
     if (store) {
         reinterpret_cast<uint4*>(dst + 32 * jj)[h] = make_uint4(w[0], w[1], w[2], w[3]);
         if (h == 0) {
@@ -381,13 +405,19 @@ __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, in
     using Gm = Geo<WT>;
     using F = mm::Fmt<WT>;
     constexpr int PER = F::QK / 32;  // units a block
-    constexpr int RW = Gm::REG ? Gm::WORDS : (F::BYTES + 3) / 4;  // words of the piece in registers
+    constexpr int RW = Gm::REG ? Gm::PIECE / 4 : (F::BYTES + 3) / 4;  // words of the piece in registers
     unsigned wd[RW];
-    if constexpr (Gm::REG) {
+    if constexpr (Gm::REG && Gm::LOAD == 16) {
 #pragma unroll
-        for (int g = 0; g < Gm::GRAN; ++g) {
+        for (int g = 0; g < RW / 4; ++g) {
             const uint4 v = reinterpret_cast<const uint4*>(wpiece)[g];
             wd[4 * g] = v.x, wd[4 * g + 1] = v.y, wd[4 * g + 2] = v.z, wd[4 * g + 3] = v.w;
+        }
+    } else if constexpr (Gm::REG) {  // a half piece (8-byte aligned): lanes 34 or 18 words apart, conflict-free
+#pragma unroll
+        for (int g = 0; g < RW / 2; ++g) {
+            const uint2 v = reinterpret_cast<const uint2*>(wpiece)[g];
+            wd[2 * g] = v.x, wd[2 * g + 1] = v.y;
         }
     } else {
         static_assert(F::BYTES % 2 == 0 && Gm::LB == 1, "one 2-byte aligned block a lane");
@@ -417,7 +447,11 @@ __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, in
                 const int4 hi = reinterpret_cast<const int4*>(bc + 32 * u)[1];
                 const float2 ds = reinterpret_cast<const float2*>(bc + Gm::BCODES)[u];
                 const int bq[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-                acc[n] += F::dot32_in(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds);
+                if constexpr (F::PAIRS) {  // b in nibble-pair order (quantize_b)
+                    acc[n] += F::template dot32_in<true>(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds);
+                } else {
+                    acc[n] += F::dot32_in(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds);
+                }
             }
         }
     }

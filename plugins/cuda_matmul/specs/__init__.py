@@ -76,13 +76,6 @@ class StreamConfig:
     stages: int = 2
     warps: int = 8
     blocks_per_sm: int = 2
-    #: formats whose stage count differs from `stages`: q5_K's 176-byte chunks took 12.6 us with 3 stages
-    #: against 14.5 with 2 at 14336x4096 on the H200 (docs/benchmarks.md, session 13)
-    stages_by_format: tuple[tuple[str, int], ...] = (("q5_K", 3),)
-
-    def stages_for(self, wt: str) -> int:
-        """The cp.async stages format `wt`'s instances are compiled and launched with."""
-        return dict(self.stages_by_format).get(wt, self.stages)
 
 
 #: the configuration binds use, and the stage count the instances are compiled for
@@ -149,7 +142,7 @@ def mmvq_name(wt: str, nt: int, epi: str) -> str:
 def stream_name(wt: str, tb: str, nt: int, epi: str, stages: int | None = None, keep: bool = False) -> str:
     """mmvq_stream's instance for format wt (stages: STREAM's for wt unless given; `keep`: the one that also
     writes a fused norm's values, KEEP_NT columns, no epilogue)."""
-    stages = STREAM.stages_for(wt) if stages is None else stages
+    stages = STREAM.stages if stages is None else stages
     return instance("mmvq_stream", W_KIND[wt], B_KIND[tb], nt, epi, stages, *((True,) if keep else ()))
 
 

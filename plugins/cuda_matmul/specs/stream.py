@@ -33,6 +33,9 @@ STREAMED = {**STREAM_FORMATS, **STREAM_K_FORMATS}
 #: most chunk bytes a lane holds in registers (mmvq_stream.cu's REG_CHUNK_MAX); a larger chunk's
 #: blocks are dotted one a lane straight from shared memory
 REG_CHUNK_MAX = 272
+#: formats whose lane dots half a chunk (mmvq_stream.cu's half_piece): the table lookups make them ALU-bound,
+#: and half pieces halve each warp's ring and registers, so that two 8-warp blocks fit an SM
+HALF_PIECE = frozenset({"iq4_xs", "mxfp4"})
 #: shared memory the driver reserves per block (sm_80 and sm_90)
 SMEM_PER_BLOCK_RESERVED = 1024
 
@@ -79,7 +82,8 @@ def device_facts(device: Device | None) -> DeviceFacts:
 class StreamGeo:
     """mmvq_stream.cu's Geo: a chunk is `cb` blocks (`chunk` bytes, a multiple of 16: rows are whole
     chunks, `row_values` values apart); a lane dots a piece of `lb` blocks (`piece` bytes, `values`
-    values): the chunk (held in registers) when it is at most REG_CHUNK_MAX bytes, else one block;
+    values): the chunk (held in registers) when it is at most REG_CHUNK_MAX bytes (half of it for
+    HALF_PIECE's formats), else one block;
     `bpiece` bytes of b's q8_1 copy in shared memory a piece (its codes, then a (d, d * sum) float2
     per 32 values, padded to an odd number of 16-byte granules)."""
 
@@ -96,7 +100,7 @@ def stream_geo(dt: str) -> StreamGeo:
     nbytes, cb = STREAMED[dt]
     qk = DTYPES[dt].block_size
     chunk = cb * nbytes
-    lb = cb if chunk <= REG_CHUNK_MAX else 1
+    lb = 1 if chunk > REG_CHUNK_MAX else cb // 2 if dt in HALF_PIECE else cb
     braw = lb * qk // 32 * 40
     return StreamGeo(cb, chunk, cb * qk, lb, lb * nbytes, lb * qk, braw if (braw // 16) % 2 == 1 else braw + 16)
 
@@ -128,7 +132,7 @@ def stream_warps(dt: str, k: int, n: int, device: Device | None, cfg: StreamConf
     cfg = cfg or STREAM
     limit = device_facts(device).smem_per_block_optin
     w = cfg.warps
-    while w >= 1 and stream_smem(dt, k, n, w, cfg.stages_for(dt)) > limit:
+    while w >= 1 and stream_smem(dt, k, n, w, cfg.stages) > limit:
         w //= 2
     return max(w, 0)
 
@@ -175,11 +179,11 @@ def stream_spec(node: Tensor, args: StreamArgs, epi: str, device: Device | None,
     warps = stream_warps(dt, k, n, device, cfg)
     if not warps:
         return None
-    smem = stream_smem(dt, k, n, warps, cfg.stages_for(dt))
+    smem = stream_smem(dt, k, n, warps, cfg.stages)
     layout = stream_layout(dt, k, epi == EPI_GLU)
     per_sm = stream_blocks_per_sm(smem, device, cfg)
     grid = (stream_grid(layout, m, b2 * b3, warps, per_sm, device_facts(device).sm_count) if n else 0, b2, b3)
     nt = nt_for(max(n, 1), quant_nts(dt)) if tb == "f32" else 8
     keep = int(args.norm_out) != 0  # fusion.SHARE's group: KEEP_NT columns (fusion.check_share)
-    name = stream_name(dt, tb, nt, epi, cfg.stages_for(dt), keep)
+    name = stream_name(dt, tb, nt, epi, cfg.stages, keep)
     return KernelSpec(MMVQ_STREAM_CU, name, grid, 32 * warps, args, smem=smem)
