@@ -106,12 +106,13 @@ struct Geo {
     static constexpr int BRAW = NU * 40;
     static constexpr int BCHUNK = (BRAW / 16) % 2 == 1 ? BRAW : BRAW + 16;
     // blocks an SM the registers must allow (the launch bound's second argument: 2 caps a thread at 128):
-    // 1 for the legacy chunks, q8_0's 68 words in registers; 2 for the one-block pieces (their words and
-    // their shifted copy), the half pieces, and q4_K and q5_K, whose shared memory fits two blocks an SM:
-    // unbounded, q4_K took 132-136 registers after the fused norm and bias epilogues came in (sessions
-    // 14-15) and its blocks ran one an SM (H200, 14336x4096, one column: 12.95 us; bounded 9.71), q5_K 153
-    // (12.7 us with 3 stages; bounded, 2 stages: 11.3, session 20); no spills in ptxas -v
-    static constexpr int MIN_BLOCKS = REG && (F::LEGACY || WT == W_IQ4_NL || WT == W_IQ1_M) ? 1 : 2;
+    // 1 for the legacy chunks (q8_0's 68 words in registers) and iq4_nl; 2 for the one-block pieces
+    // (their words and their shifted copy), the half pieces, q4_K, q5_K and iq1_m, whose shared memory
+    // fits two blocks an SM: unbounded, q4_K took 132-136 registers after the fused norm and bias
+    // epilogues came in (sessions 14-15) and its blocks ran one an SM (H200, 14336x4096, one column: 12.95
+    // us; bounded 9.71), q5_K 153 (12.8 us with 3 stages; bounded, 2 stages: 11.5), iq1_m 223 (18.0 us;
+    // bounded: 14.5, an 8-byte spill in ptxas -v; session 20); the others spill nothing
+    static constexpr int MIN_BLOCKS = REG && (F::LEGACY || WT == W_IQ4_NL) ? 1 : 2;
     static_assert(CHUNK % 16 == 0 && GRAN % 2 == 1, "chunk stride must be an odd number of granules");
     static_assert(NU % 2 == 0 && BRAW % 16 == 0 && (BCHUNK / 16) % 2 == 1, "b chunk layout");
     static_assert(F::LEGACY ? REG : F::QK % 32 == 0, "legacy chunks in registers");
