@@ -110,7 +110,7 @@ __device__ __forceinline__ unsigned sext4(unsigned w) {
 }
 
 // Raw codes 0 .. 2^B - 1 of each byte minus 2^(B-1), as int8 bytes (q3_K's - 4, q6_K's - 32, in mmq's tiles; the
-// dot32s subtract the offset times b's sums instead, 24 ALU operations a unit fewer: q3_K's mat-vec 13.9 -> 11.6 us
+// dot32s subtract the offset times b's sums instead, about 24 operations a unit fewer: q3_K's mat-vec 13.9 -> 11.6 us
 // at 14336x4096 on the H200, q6_K's 14.5 -> 14.1, session 20).
 template <int B>
 __device__ __forceinline__ unsigned centre4(unsigned w) {
