@@ -47,8 +47,8 @@ struct SubScaled {
     static constexpr bool PAIRS = false;  // dot32_in<true> takes b's codes in nibble-pair order (pair_word)
 };
 
-// The 4-bit table formats (iq4_nl, iq4_xs, mxfp4): dot32_in<PAIRED> with b's codes in natural order, or
-// in nibble-pair order (the one dot8 sums is free: mmvq_stream stores its b so, mmv reads quantize_q8_1's).
+// The 4-bit table formats (iq4_nl, iq4_xs, mxfp4): dot32_in<PAIRED> takes b's codes in natural order, or in
+// nibble-pair order (dot8's sum does not depend on it: mmvq_stream stores its b so, mmv reads quantize_q8_1's).
 template <int QK_, int BYTES_>
 struct Table4 : SubScaled<QK_, BYTES_, 32, -1> {
     static constexpr bool PAIRS = true;
