@@ -71,15 +71,8 @@ inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
     return c;
 }
-// prmt's default mode: byte i of the result is byte (s >> 4i) & 7 of {y, x} (x bytes 0..3)
-inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
-    const unsigned long long v = ((unsigned long long)y << 32) | x;
-    unsigned r = 0;
-    for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
-    return r;
-}
-// prmt.b32's default mode: as __byte_perm, but a selector nibble with bit 3 set gives the picked byte's sign
-// bit in all 8 bits (sign replication)
+// prmt.b32's default mode (common.cuh's od::prmt): byte i of the result is byte (s >> 4i) & 7 of {y, x} (x bytes
+// 0..3), or, where bit 4i + 3 of s is set, that byte's sign bit in all 8 bits (sign replication)
 inline unsigned emu_prmt(unsigned x, unsigned y, unsigned s) {
     const unsigned long long v = ((unsigned long long)y << 32) | x;
     unsigned r = 0;
