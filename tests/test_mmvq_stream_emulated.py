@@ -119,7 +119,8 @@ CASES = {
 SHARE_CASES = [("q4_0", 77, 2048, 1, DEFAULT), ("q8_0", 33, 4096, 1, specs.StreamConfig(2, 2, 1)),
                ("q6_K", 45, 2048, 1, DEFAULT)]
 #: quant_k.cuh's formats: rows of one chunk (R 32 for the 1-block chunks), of several, long rows of two
-#: segments (a partial second for iq4_xs / mxfp4), every epilogue, mul_mat_id; N from 1 to 8 over the formats
+#: segments (three, the third partial, for iq4_xs / mxfp4's half pieces), every epilogue, mul_mat_id; N from 1 to
+#: 8 over the formats
 #: (each format its own N of the several-chunk and bias cases, so that the instances stay few)
 K_FORMATS = tuple(stream.STREAM_K_FORMATS)
 K_LONG = {"iq4_xs": 33 * 512, "mxfp4": 33 * 512, "iq1_m": 33 * 512}  # else 14336: 56 pieces of 256 values

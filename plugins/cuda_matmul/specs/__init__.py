@@ -140,7 +140,7 @@ def mmvq_name(wt: str, nt: int, epi: str) -> str:
 
 
 def stream_name(wt: str, tb: str, nt: int, epi: str, stages: int | None = None, keep: bool = False) -> str:
-    """mmvq_stream's instance for format wt (stages: STREAM's for wt unless given; `keep`: the one that also
+    """mmvq_stream's instance for format wt (stages: STREAM.stages unless given; `keep`: the one that also
     writes a fused norm's values, KEEP_NT columns, no epilogue)."""
     stages = STREAM.stages if stages is None else stages
     return instance("mmvq_stream", W_KIND[wt], B_KIND[tb], nt, epi, stages, *((True,) if keep else ()))
