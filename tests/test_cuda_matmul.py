@@ -19,6 +19,7 @@ OPDISPATCH_TEST_SEED to replay one.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import re
 from typing import Callable
@@ -32,9 +33,10 @@ import opdispatch as od
 import opdispatch.plugins.cuda_matmul as cm
 from opdispatch import ops
 from opdispatch.backends.cuda.devices import H200
-from opdispatch.backends.cuda.kernels import KernelSpec, kernel_param_types
+from opdispatch.backends.cuda.kernels import INCLUDE_DIR, KernelSpec, kernel_param_types
 from opdispatch.dtypes import DTYPES, dequantize, from_float
 from opdispatch.ops.base import BLOCK_FORMATS
+from opdispatch.quants.iq_grids import GRIDS
 from opdispatch.errors import DeviceIndexError
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
@@ -449,6 +451,29 @@ def test_stream_chunks_mirror_the_kernel() -> None:
     assert f"constexpr int REG_CHUNK_MAX = {stream.REG_CHUNK_MAX};" in src
     assert "static constexpr int NU = LB * F::QK / 32;" in src
     assert "static constexpr int BCHUNK = (BRAW / 16) % 2 == 1 ? BRAW : BRAW + 16;" in src
+
+
+def test_stream_grid_bytes_mirror_the_traits() -> None:
+    """stream.GRID_BYTES, the shared memory mmvq_stream gives a grid format's lookup grid, is the grid's size
+    (ggml's entries times their width, opdispatch.quants.iq_grids) and quant_iq.cuh's traits name that grid
+    with that many entries of that width: a smaller figure would let stage_grid write past the block's memory."""
+    grids = {"iq2_xxs": "iq2xxs_grid", "iq2_xs": "iq2xs_grid", "iq2_s": "iq2s_grid", "iq3_xxs": "iq3xxs_grid",
+             "iq3_s": "iq3s_grid", "iq1_s": "iq1s_grid", "iq1_m": "iq1s_grid"}
+    assert set(stream.GRID_BYTES) == set(grids) == {dt for dt in stream.STREAMED if dt.startswith("iq")} - {
+        "iq4_nl", "iq4_xs"}
+    src = (INCLUDE_DIR / "quant_iq.cuh").read_text()
+    for dt, name in grids.items():
+        grid = GRIDS[name]
+        assert stream.GRID_BYTES[dt] == grid.size
+        entry = "unsigned long long" if grid.shape[1] == 8 else "unsigned"
+        head = re.search(rf"struct {dt} : (\w+)<([^>]*)> {{\n.*?return (\w+); }}", src)
+        assert head is not None, dt
+        args = head[2].split(", ")
+        assert (int(args[-1]), head[3]) == (grid.shape[0], name), dt
+        # GridScaled<BYTES, SUB, entry, entries>, or iq2's Iq2Halves<BYTES, SC, entries> (8-byte entries)
+        assert args[2] == entry if head[1] == "GridScaled" else (head[1], entry) == ("Iq2Halves", "unsigned long long")
+    assert "struct Iq2Halves : GridScaled<BYTES_, 16, unsigned long long, ENTRIES_>" in src
+    assert "+ GRID_BYTES.get(dt, 0)" in inspect.getsource(stream.stream_smem)
 
 
 @pytest.mark.parametrize(("dt", "k", "glu", "layout"), [

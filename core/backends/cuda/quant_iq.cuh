@@ -1,8 +1,8 @@
 // ggml's grid I-quants on the device (included by quant.cuh after quant_k.cuh, whose interface they
 // share): iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq1_s, iq1_m, 256 values a super-block. Each
-// group of 8 values (iq3: 4) is an index into one of ggml's grids (iq_grids.cuh, read from global
-// memory: data-dependent, as ggml's kernels read them) plus sign bits (iq2/iq3) or a shared
-// +-1/8 shift (iq1). The traits are quant_k.cuh's: scale(blk, s, d, m), code(blk, j), dot32 and
+// group of 8 values (iq3: 4) is an index into one of ggml's grids (iq_grids.cuh, in global memory;
+// dot32_in reads the grid it is given: mmvq_stream's copy in shared memory) plus sign bits (iq2/iq3)
+// or a shared +-1/8 shift (iq1). The traits are quant_k.cuh's: scale(blk, s, d, m), code(blk, j), dot32 and
 // dot32_in (see its header comment), with no mins (M = -1), so that value j = d * code:
 //
 //   iq2 / iq3   d = ggml's db (d * (0.5 + ls) * 0.25, iq3_xxs * 0.5, iq3_s d * (1 + 2 s)), each
@@ -40,9 +40,15 @@
 namespace od {
 namespace quant {
 
-// What the grid formats share: no legacy fields, 256 values, no mins.
-template <int BYTES_, int SUB_>
-struct GridScaled : SubScaled<256, BYTES_, SUB_, -1> {};
+// What the grid formats share: no legacy fields, 256 values, no mins; a grid of ENTRIES entries of type E,
+// which dot32_in reads at `grid` (ggml's table in global memory by default; mmvq_stream passes a copy in
+// shared memory, where a warp's gather of 32 scattered entries costs fewer wavefronts than in the L1).
+template <int BYTES_, int SUB_, class E, int ENTRIES_>
+struct GridScaled : SubScaled<256, BYTES_, SUB_, -1> {
+    using Entry = E;
+    static constexpr int ENTRIES = ENTRIES_;
+    static constexpr int GRID_BYTES = ENTRIES_ * static_cast<int>(sizeof(E));
+};
 
 // Bit i of x's low 4 bits as byte i: 0x00 or 0x01 (each bit k of x lands on bit 8k only).
 __device__ __forceinline__ unsigned bit_bytes(unsigned x) { return ((x & 15u) * 0x00204081u) & 0x01010101u; }
@@ -79,7 +85,8 @@ __device__ __forceinline__ float half_ls(float d, unsigned ls, float quarter) {
 
 // -- iq2 -----------------------------------------------------------------------------------------
 
-struct iq2_xxs : GridScaled<66, 32> {
+struct iq2_xxs : GridScaled<66, 32, unsigned long long, 256> {
+    static __device__ __forceinline__ const Entry* global_grid() { return iq2xxs_grid; }
     static constexpr int D = 0, QS = 2;
     static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
         d = half_ls(half_at(blk + D), ld32_2(blk + QS + 8 * s + 4) >> 28, 0.25f);
@@ -92,12 +99,13 @@ struct iq2_xxs : GridScaled<66, 32> {
         return sign_of(grid_byte(iq2xxs_grid[u[l]], j & 7), s, j & 7);
     }
     template <class S>
-    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
+                                                    const Entry* grid = global_grid()) {
         const unsigned q = src.u32(QS + 8 * u), aux = src.u32(QS + 8 * u + 4);
         int sum = 0;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
-            sum = dot_group(iq2xxs_grid[(q >> (8 * l)) & 0xffu], signs8((aux >> (7 * l)) & 127u), b, l, sum);
+            sum = dot_group(grid[(q >> (8 * l)) & 0xffu], signs8((aux >> (7 * l)) & 127u), b, l, sum);
         }
         const int ls = static_cast<int>(aux >> 28);
         return ds.x * (half_in(src, D) * 0.125f) * static_cast<float>((2 * ls + 1) * sum);
@@ -108,8 +116,8 @@ struct iq2_xxs : GridScaled<66, 32> {
 };
 
 // iq2_xs and iq2_s: a nibble scale a 16 values (scales[8] at byte SC); their dot products sum each half apart.
-template <int BYTES_, int SC_>
-struct Iq2Halves : GridScaled<BYTES_, 16> {
+template <int BYTES_, int SC_, int ENTRIES_>
+struct Iq2Halves : GridScaled<BYTES_, 16, unsigned long long, ENTRIES_> {
     static constexpr int D = 0, QS = 2, SC = SC_;
     static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
         d = half_ls(half_at(blk + D), (blk[SC + (s >> 1)] >> (4 * (s & 1))) & 15u, 0.25f);
@@ -124,18 +132,20 @@ struct Iq2Halves : GridScaled<BYTES_, 16> {
     }
 };
 
-struct iq2_xs : Iq2Halves<74, 66> {
+struct iq2_xs : Iq2Halves<74, 66, 512> {
+    static __device__ __forceinline__ const Entry* global_grid() { return iq2xs_grid; }
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
         const unsigned q = ld16(blk + QS + 2 * (j >> 3));
         return sign_of(grid_byte(iq2xs_grid[q & 511u], j & 7), signs8(q >> 9), j & 7);
     }
     template <class S>
-    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
+                                                    const Entry* grid = global_grid()) {
         int sum[2] = {0, 0};
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const unsigned q = src.u16(QS + 8 * u + 2 * l);
-            sum[l >> 1] = dot_group(iq2xs_grid[q & 511u], signs8(q >> 9), b, l, sum[l >> 1]);
+            sum[l >> 1] = dot_group(grid[q & 511u], signs8(q >> 9), b, l, sum[l >> 1]);
         }
         return finish(src, u, sum[0], sum[1], ds);
     }
@@ -144,7 +154,8 @@ struct iq2_xs : Iq2Halves<74, 66> {
     }
 };
 
-struct iq2_s : Iq2Halves<82, 74> {
+struct iq2_s : Iq2Halves<82, 74, 1024> {
+    static __device__ __forceinline__ const Entry* global_grid() { return iq2s_grid; }
     static constexpr int SG = 34, QH = 66;
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
         const int g = j >> 3;
@@ -152,13 +163,14 @@ struct iq2_s : Iq2Halves<82, 74> {
         return sign_of(grid_byte(iq2s_grid[idx], j & 7), blk[SG + g], j & 7);
     }
     template <class S>
-    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
+                                                    const Entry* grid = global_grid()) {
         const unsigned qs = src.u32(QS + 4 * u), sg = src.u32(SG + 4 * u), qh = src.u8(QH + u);
         int sum[2] = {0, 0};
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const unsigned idx = ((qs >> (8 * l)) & 0xffu) | (((qh >> (2 * l)) & 3u) << 8);
-            sum[l >> 1] = dot_group(iq2s_grid[idx], (sg >> (8 * l)) & 0xffu, b, l, sum[l >> 1]);
+            sum[l >> 1] = dot_group(grid[idx], (sg >> (8 * l)) & 0xffu, b, l, sum[l >> 1]);
         }
         return finish(src, u, sum[0], sum[1], ds);
     }
@@ -174,7 +186,8 @@ __device__ __forceinline__ int dot_group3(unsigned g0, unsigned g1, unsigned s, 
     return dot_group(g0 | (static_cast<unsigned long long>(g1) << 32), s, b, l, acc);
 }
 
-struct iq3_xxs : GridScaled<98, 32> {
+struct iq3_xxs : GridScaled<98, 32, unsigned, 256> {
+    static __device__ __forceinline__ const Entry* global_grid() { return iq3xxs_grid; }
     static constexpr int D = 0, QS = 2, SS = 66;
     static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
         d = half_ls(half_at(blk + D), ld32_2(blk + SS + 4 * s) >> 28, 0.5f);
@@ -185,14 +198,15 @@ struct iq3_xxs : GridScaled<98, 32> {
         return sign_of(grid_byte(iq3xxs_grid[blk[QS + (j >> 2)]], j & 3), s, j & 7);
     }
     template <class S>
-    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
+                                                    const Entry* grid = global_grid()) {
         const unsigned q[2] = {src.u32(QS + 8 * u), src.u32(QS + 8 * u + 4)};
         const unsigned aux = src.u32(SS + 4 * u);
         int sum = 0;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const unsigned w = q[l >> 1] >> (16 * (l & 1));
-            sum = dot_group3(iq3xxs_grid[w & 0xffu], iq3xxs_grid[(w >> 8) & 0xffu],
+            sum = dot_group3(grid[w & 0xffu], grid[(w >> 8) & 0xffu],
                              signs8((aux >> (7 * l)) & 127u), b, l, sum);
         }
         const int ls = static_cast<int>(aux >> 28);
@@ -203,7 +217,8 @@ struct iq3_xxs : GridScaled<98, 32> {
     }
 };
 
-struct iq3_s : GridScaled<110, 32> {
+struct iq3_s : GridScaled<110, 32, unsigned, 512> {
+    static __device__ __forceinline__ const Entry* global_grid() { return iq3s_grid; }
     static constexpr int D = 0, QS = 2, QH = 66, SG = 74, SC = 106;
     template <class S>
     static __device__ __forceinline__ int ls(const S& src, int s) {
@@ -219,7 +234,8 @@ struct iq3_s : GridScaled<110, 32> {
         return sign_of(grid_byte(iq3s_grid[idx], j & 3), blk[SG + (j >> 3)], j & 7);
     }
     template <class S>
-    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
+                                                    const Entry* grid = global_grid()) {
         const unsigned q[2] = {src.u32(QS + 8 * u), src.u32(QS + 8 * u + 4)};
         const unsigned qh = src.u8(QH + u), sg = src.u32(SG + 4 * u);
         int sum = 0;
@@ -228,7 +244,7 @@ struct iq3_s : GridScaled<110, 32> {
             const unsigned w = q[l >> 1] >> (16 * (l & 1));
             const unsigned i0 = (w & 0xffu) | (((qh >> (2 * l)) & 1u) << 8);
             const unsigned i1 = ((w >> 8) & 0xffu) | (((qh >> (2 * l + 1)) & 1u) << 8);
-            sum = dot_group3(iq3s_grid[i0], iq3s_grid[i1], (sg >> (8 * l)) & 0xffu, b, l, sum);
+            sum = dot_group3(grid[i0], grid[i1], (sg >> (8 * l)) & 0xffu, b, l, sum);
         }
         return ds.x * half_in(src, D) * static_cast<float>((1 + 2 * ls(src, u)) * sum);
     }
@@ -250,7 +266,8 @@ __device__ __forceinline__ int iq1_code(unsigned long long g, int k, bool minus)
     return 8 * grid_byte(g, k) + (minus ? -1 : 1);
 }
 
-struct iq1_s : GridScaled<50, 32> {
+struct iq1_s : GridScaled<50, 32, unsigned long long, 2048> {
+    static __device__ __forceinline__ const Entry* global_grid() { return iq1s_grid; }
     static constexpr int D = 0, QS = 2, QH = 34;
     static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
         const unsigned h = ld16(blk + QH + 2 * s);
@@ -265,12 +282,13 @@ struct iq1_s : GridScaled<50, 32> {
     }
     // ggml's: dl * (db * sum(grid * b) + delta * db * sum(b)), db * sum(b) being q8_1's ds.y
     template <class S>
-    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
+                                                    const Entry* grid = global_grid()) {
         const unsigned qs = src.u32(QS + 4 * u), h = src.u16(QH + 2 * u);
         int sum = 0;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
-            sum = dot_iq1(iq1s_grid[((qs >> (8 * l)) & 0xffu) | (((h >> (3 * l)) & 7u) << 8)], b, l, sum);
+            sum = dot_iq1(grid[((qs >> (8 * l)) & 0xffu) | (((h >> (3 * l)) & 7u) << 8)], b, l, sum);
         }
         const float dl = half_in(src, D) * static_cast<float>(2 * ((h >> 12) & 7u) + 1);
         const float delta = (h & 0x8000u) ? -0.125f : 0.125f;
@@ -281,7 +299,8 @@ struct iq1_s : GridScaled<50, 32> {
     }
 };
 
-struct iq1_m : GridScaled<56, 16> {
+struct iq1_m : GridScaled<56, 16, unsigned long long, 2048> {
+    static __device__ __forceinline__ const Entry* global_grid() { return iq1s_grid; }
     static constexpr int QS = 0, QH = 32, SC = 48;
     // d: the f16 of the 4 scale words' top nibbles
     template <class S>
@@ -307,13 +326,14 @@ struct iq1_m : GridScaled<56, 16> {
     }
     // ggml's: per half, sum(grid * b) + delta * sum(b) group by group, here 8 times that in integers
     template <class S>
-    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
+                                                    const Entry* grid = global_grid()) {
         const unsigned qs = src.u32(QS + 4 * u), qh = src.u16(QH + 2 * u);
         int sum[2] = {0, 0};
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const unsigned nib = (qh >> (4 * l)) & 15u;
-            const int dot = dot_iq1(iq1s_grid[((qs >> (8 * l)) & 0xffu) | ((nib & 7u) << 8)], b, l, 0);
+            const int dot = dot_iq1(grid[((qs >> (8 * l)) & 0xffu) | ((nib & 7u) << 8)], b, l, 0);
             const int sumb = dot4(0x01010101u, b[2 * l + 1], dot4(0x01010101u, b[2 * l], 0));
             sum[l >> 1] += 8 * dot + ((nib & 8u) ? -sumb : sumb);
         }

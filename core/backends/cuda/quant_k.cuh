@@ -45,6 +45,7 @@ struct SubScaled {
     static constexpr int SUB = SUB_;  // values sharing one scale (and min)
     static constexpr int M = M_;      // byte offset of dmin, -1 without mins
     static constexpr bool PAIRS = false;  // dot32_in<true> takes b's codes in nibble-pair order (pair_word)
+    static constexpr int GRID_BYTES = 0;  // a grid format's lookup grid (quant_iq.cuh's GridScaled)
 };
 
 // The 4-bit table formats (iq4_nl, iq4_xs, mxfp4): dot32_in<PAIRED> takes b's codes in natural order, or in

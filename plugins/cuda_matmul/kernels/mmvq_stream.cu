@@ -61,7 +61,7 @@
 // blocks also write rms_norm(x) * norm_w to norm_out, (N, K) f32 contiguous, each block a slice, after
 // the ring. A template flag, not a null check: the code in every instance cost the q4_0 1b decode ~1%.
 // Dynamic shared memory: N * C * BCHUNK + (blockDim.x / 32) * NS * 32 * PIECE bytes, then the norm's
-// sums (8 floats a warp).
+// sums (8 floats a warp), then a grid format's grid (Fmt::GRID_BYTES: 1-16 KB; stage_grid).
 //
 // Scaling as q_rows: a legacy block's dot with b's codes (dp4a over raw codes c), then
 // d * (db * dot - zero * db * sum) (+ m * db * sum for q4_1 / q5_1); quant_k.cuh's units as their
@@ -401,7 +401,7 @@ __device__ __forceinline__ void dot_chunk(const u8* wchunk, const u8* bchunk, in
 // boundary below it, then funnel-shifted by its phase (0 or 2 bytes: the same instructions in every
 // lane; the last lane's block ends on a granule, so no load passes the stage).
 template <int WT, int NT>
-__device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, int bcol_stride, int N,
+__device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, int bcol_stride, int N, const u8* grid,
                                           float (&acc)[NT]) {
     using Gm = Geo<WT>;
     using F = mm::Fmt<WT>;
@@ -450,10 +450,28 @@ __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, in
                 const int bq[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
                 if constexpr (F::PAIRS) {  // b in nibble-pair order (quantize_b)
                     acc[n] += F::template dot32_in<true>(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds);
+                } else if constexpr (F::GRID_BYTES > 0) {  // the grid's copy in shared memory (stage_grid)
+                    acc[n] += F::dot32_in(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds,
+                                          reinterpret_cast<const typename F::Entry*>(grid));
                 } else {
                     acc[n] += F::dot32_in(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds);
                 }
             }
+        }
+    }
+}
+
+// A grid format's lookup grid (Fmt::GRID_BYTES of it) copied by the block's threads to dst in shared memory:
+// the dot products gather 32 scattered entries a warp instruction, which the shared memory serves in fewer
+// wavefronts (its bank conflicts) than the L1 (one per 128-byte line touched). Nothing for other formats.
+template <int WT>
+__device__ __forceinline__ void stage_grid(u8* dst) {
+    using F = mm::Fmt<WT>;
+    if constexpr (F::GRID_BYTES > 0) {
+        using E = typename F::Entry;
+        const E* const src = F::global_grid();
+        for (int i = static_cast<int>(threadIdx.x); i < F::ENTRIES; i += static_cast<int>(blockDim.x)) {
+            reinterpret_cast<E*>(dst)[i] = src[i];
         }
     }
 }
@@ -532,6 +550,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     constexpr int STAGE = od::WARP_SIZE * Gm::PIECE;
     float* const norm_ss = reinterpret_cast<float*>(smem + static_cast<long long>(N) * bcol_stride +
                                                     static_cast<long long>(nwarps) * NS * STAGE);
+    u8* const grid = reinterpret_cast<u8*>(norm_ss + nwarps * 8);
 
     // the next unit to issue: group ig, unit iu of it
     int ig = g0, iu = 0;
@@ -579,6 +598,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
         }
         od::cp_async_commit();
     }
+    mms::stage_grid<WT>(grid);  // constant data: before the wait when the weights are too
     if (preload) {
         od::grid_enter();
         mms::quantize_b<WT, TB, NT>(b + bb, b_col, b_es, N, K, L.C, bs, norm_w, norm_ss);
@@ -612,7 +632,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
                                        N, acc);
             } else {
                 mms::dot_piece<WT, NT>(ring + (i % NS) * STAGE + lane * Gm::PIECE, bs + c * Gm::BCHUNK, bcol_stride,
-                                       N, acc);
+                                       N, grid, acc);
             }
         }
         if (seg == L.S - 1) {  // the end of a row's segments: sums over the row's G lanes

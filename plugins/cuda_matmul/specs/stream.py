@@ -36,6 +36,9 @@ REG_CHUNK_MAX = 272
 #: formats whose lane dots half a chunk (mmvq_stream.cu's half_piece): the table lookups make them ALU-bound,
 #: and half pieces halve each warp's ring and registers, so that two 8-warp blocks fit an SM
 HALF_PIECE = frozenset({"iq4_xs", "mxfp4"})
+#: bytes of the grid formats' lookup grids (quant_iq.cuh's GRID_BYTES), which mmvq_stream copies into shared memory
+GRID_BYTES = {"iq2_xxs": 2048, "iq2_xs": 4096, "iq2_s": 8192, "iq3_xxs": 1024, "iq3_s": 2048, "iq1_s": 16384,
+              "iq1_m": 16384}
 #: shared memory the driver reserves per block (sm_80 and sm_90)
 SMEM_PER_BLOCK_RESERVED = 1024
 
@@ -120,10 +123,10 @@ def stream_layout(dt: str, k: int, glu: bool) -> StreamLayout:
 
 
 def stream_smem(dt: str, k: int, n: int, warps: int, stages: int) -> int:
-    """Dynamic shared memory of an mmvq_stream block: b's n columns, each warp's ring, then a fused norm's sums
-    (8 floats a warp)."""
+    """Dynamic shared memory of an mmvq_stream block: b's n columns, each warp's ring, a fused norm's sums
+    (8 floats a warp), then a grid format's grid."""
     g = stream_geo(dt)
-    return n * (k // g.values) * g.bpiece + warps * stages * 32 * g.piece + warps * 8 * 4
+    return n * (k // g.values) * g.bpiece + warps * stages * 32 * g.piece + warps * 8 * 4 + GRID_BYTES.get(dt, 0)
 
 
 def stream_warps(dt: str, k: int, n: int, device: Device | None, cfg: StreamConfig | None = None) -> int:
