@@ -120,7 +120,9 @@ def _install(tree: Path) -> None:
 def run(out: Path, file: str, expr: str, rounds: int, timeout: float) -> str:
     """The rounds on this machine's GPU (see the module docstring); returns the table."""
     trees = json.loads((out / MANIFEST).read_text())
-    env = {**os.environ, "OPDISPATCH_BENCH_COMPILE": os.environ.get("OPDISPATCH_BENCH_COMPILE", "0")}
+    # a session of its own: an xdist worker's variables (this script run from a test) would disable the benchmarks
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT_TEST"))}
+    env["OPDISPATCH_BENCH_COMPILE"] = os.environ.get("OPDISPATCH_BENCH_COMPILE", "0")
     if (ROOT / ".gpu-deps").is_dir():
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / ".gpu-deps"), env.get("PYTHONPATH")]))
     results: dict[str, list[dict]] = {t["name"]: [] for t in trees}
