@@ -139,7 +139,8 @@ def run(out: Path, file: str, expr: str, rounds: int, timeout: float) -> str:
                     raise SystemExit(f"{t['name']} round {r}: no results\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
                 results[t["name"]].append(json.loads(js.read_text()))
                 js.unlink()
-                print(f"round {r + 1}/{rounds} {t['name']}: {done.stdout.strip().splitlines()[-1]}", flush=True)
+                last = (done.stdout.strip().splitlines() or ["(no output)"])[-1]  # pytest's summary line
+                print(f"round {r + 1}/{rounds} {t['name']}: {last}", flush=True)
     finally:
         _install(ROOT)
     trees_line = "; ".join(f"{t['name']} = {t['what']}" for t in trees)
