@@ -17,7 +17,8 @@
   active parameters and beside mmv_id_grouped (times only; the goal: mmq_id within 1.5x of dense).
 - quantized GEMM (q4_0 / q8_0 / q4_K weights (M, K) = (4096, 14336), N 16 and 512): N 16 (the table's path)
   timed cold with bytes = the weight bytes (the goal: 80% of the copy bandwidth); N 512 hot with FLOPs
-  2*M*N*K (the goal: no slower than torch's bf16 GEMM of the same shape, its time in extra_info["torch_us"]).
+  2*M*N*K (the goal: no slower than torch's bf16 GEMM of the same shape, its time in extra_info["torch_us"]);
+  and at the 1b preset's layer shapes, 16 columns, cold (the batch-16 decode's products).
 
 The mat-vecs, mmf, gate/up and MoE are timed cold (conftest.measure_cold): one plan
 holds 32 or more instances taking several weight sets in turn (for MoE, sets of
@@ -218,6 +219,30 @@ def test_mmq(measure, measure_cold, torch_cuda, dt: str, n: int) -> None:  # noq
         plan = ready(y, {x: vx}, MATMUL, ops=MATMUL_OPS, kernel=support.choose(y).path)
         ta = torch.from_numpy(va).to("cuda", torch.bfloat16)
         measure(plan, od.input("a", (M, K), dt).nbytes, lambda: torch.matmul(tx, ta.T), flops=2 * M * n * K)
+
+
+#: the 1b preset's layer shapes of MMF_SHAPES (its LM head is 32000 rows, not Llama 3's 128256)
+LAYER_SHAPES = {k: v for k, v in MMF_SHAPES.items() if k != "lm_head"}
+
+
+@pytest.mark.parametrize("shape", list(LAYER_SHAPES.values()), ids=list(LAYER_SHAPES))
+@pytest.mark.parametrize("dt", ["q4_0", "q8_0", "q4_K"])
+def test_mmq_16_columns(measure_cold, torch_cuda, dt: str, shape: tuple) -> None:  # noqa: ANN001
+    """The quantized GEMM at the 1b preset's layer shapes and 16 columns (batch-16 decode), on the path the table
+    gives (mmq_small or mmq), cold: bytes = the weight bytes (the goal: 80% of the copy bandwidth), against
+    torch's bf16 matmul of the same shape."""
+    torch = torch_cuda
+    (M, K), N = shape, 16
+    nbytes = od.input("a", (M, K), dt).nbytes
+    lay = cold(nbytes)
+    weights = param_sets("a", rand(M, K), dt, lay.sets)
+    x = od.input("x", (N, K))
+    kernel = support.choose(ops.mul_mat(weights[0], x)).path
+    plan = ready([ops.mul_mat(weights[lay.of(i)], x) for i in range(lay.instances)], {x: rand(N, K)}, MATMUL,
+                 ops=MATMUL_OPS, kernel=kernel)
+    tw = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(lay.sets)]
+    tx = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    measure_cold(plan, lay, nbytes, lambda i: torch.matmul(tx, tw[lay.of(i)].T))
 
 
 @pytest.mark.parametrize("dt", ["q4_0", "q4_K"])
