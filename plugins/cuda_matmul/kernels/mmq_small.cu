@@ -15,9 +15,10 @@
 //           B3), the slices of a row tile adjacent. specs/mmq_small.py picks splits so that the grid is
 //           several blocks an SM (the weights in flight) while each slice keeps a few K tiles.
 //   b       the slice's q8_1 codes and (d, d * sum) of the N columns are copied once into shared memory
-//           (cp.async, 16 bytes a thread; the 8 NT - N columns past N are not copied: their products,
-//           garbage, are never written; copying column N - 1 into them took SMALL_WAVE's q4_0 3072x2048
-//           launch from 8.0 to 16.8 us at 9 columns) and read by every warp as mma B fragments: column
+//           (16-byte loads into registers, 8 a thread in flight, then stores: no cp.async group; the 8 NT - N
+//           columns past N are not copied: their products, garbage, are never written; copying column N - 1
+//           into them took SMALL_WAVE's q4_0 3072x2048 launch from 8.0 to 16.8 us at 9 columns) and read by
+//           every warp as mma B fragments: column
 //           c's codes at c * BCOL (step s's 32 codes at 32 s, BCOL an odd number of granules: the 8
 //           columns of a fragment read fall in distinct bank groups), its scales at c * BSCOL (a float2 a
 //           step).
@@ -40,7 +41,7 @@
 //           with their own planes of part (after a's splits) and counters (after a's). One launch where
 //           two would each pay a launch's ramp and tail. A pair takes no bias.
 // With `preload` (constant weights) the first NS - 1 K tiles' copies are issued before the PDL wait
-// for quantize_q8_1.
+// for quantize_q8_1, a cp.async group each, so that a warp's first K tile waits for that tile's copies only.
 // Requirements (support.mmq_small_ok, as mmq's): rows of whole 16-byte chunks (specs/stream.py's
 // STREAMED), a 16-byte aligned; a slice holds at most kts K tiles (the b copy's size, a launch
 // argument); the last K tile may be short (whole chunks). Rows past M read row M - 1 and write nothing.
@@ -97,10 +98,9 @@ __global__ void __launch_bounds__(32 * W, SMALL_MIN_BLOCKS<W>)
         const int j0 = (kt0 + kt) * KB, kb = min(KB, nb - j0);
         const int at = j0 / T::STEPS * Q::BYTES - lead(kt);
         const int wg = (lead(kt) + kb / T::STEPS * Q::BYTES + (T::ALIGNED ? 0 : 15)) / 16;
-        for (int i = lane; i < WR * wg; i += 32) {
-            const int r = i / wg, x = i - r * wg;
-            const u8* src = wa + static_cast<long long>(min(row0 + r, M - 1)) * a_row + at + 16 * x;
-            od::cp_async16(od::smem_addr(st + r * RS + 16 * x), src);
+        for (od::Walk w(lane, 32, wg); w.row < WR; w.next()) {
+            const u8* src = wa + static_cast<long long>(min(row0 + w.row, M - 1)) * a_row + at + 16 * w.col;
+            od::cp_async16(od::smem_addr(st + w.row * RS + 16 * w.col), src);
         }
     };
 
@@ -116,43 +116,60 @@ __global__ void __launch_bounds__(32 * W, SMALL_MIN_BLOCKS<W>)
         }
     }
 
-    if (preload) {
+    // the first NS - 1 K tiles' copies, a group each: before the PDL wait for quantize_q8_1 when the weights are
+    // constant, after it else
+    auto first_stages = [&] {
 #pragma unroll
         for (int s = 0; s < NS - 1; ++s) {
             if (s < mine) {
                 issue(kg + KW * s, ring + s * STAGE);
             }
+            od::cp_async_commit();
         }
+    };
+    if (preload) {
+        first_stages();
     }
     od::grid_enter();
-    {  // b's codes (QB8's two half-runs of each step) and scales for the slice, columns < N: group 0
+    if (!preload) {
+        first_stages();
+    }
+    {  // b's codes (QB8's two half-runs of each step) and scales for the slice, columns < N, through registers
+       // (8 granules a thread in flight): a cp.async group of its own would complete only after the weight
+       // groups before it, so that the first K tile would wait for every preloaded one (H200, 2026-12-03)
         const int j0 = kt0 * KB, ns = min(ntiles * KB, nb - j0);  // steps of the slice (even: nb is)
         const int cg = 2 * ns + ns / 2;                              // granules a column
-        for (int i = tid; i < min(N, NP) * cg; i += 32 * W) {
-            const int c = i / cg, x = i - c * cg;
-            const long long row = brow0 + c;
-            const u8* src;
-            u8* dst;
-            if (x < 2 * ns) {
-                src = bq + row * nbp * 32 + mm::QB8::half(j0 + x / 2, x % 2);
-                dst = bcodes + c * bcol + 16 * x;
-            } else {
-                src = bds + (row * nbp + j0) * 8 + 16 * (x - 2 * ns);
-                dst = bscales + c * bscol + 16 * (x - 2 * ns);
-            }
-            od::cp_async16(od::smem_addr(dst), src);
-        }
-    }
-    od::cp_async_commit();
+        const int nc = min(N, NP);
+        for (od::Walk w(tid, 32 * W, cg); w.row < nc;) {
+            uint4 v[8];
+            u8* dst[8];
 #pragma unroll
-    for (int s = 0; s < NS - 1; ++s) {
-        if (!preload && s < mine) {
-            issue(kg + KW * s, ring + s * STAGE);
+            for (int j = 0; j < 8; ++j) {
+                dst[j] = nullptr;
+                if (w.row < nc) {
+                    const int c = w.row, x = w.col;
+                    const long long row = brow0 + c;
+                    const u8* src;
+                    if (x < 2 * ns) {
+                        src = bq + row * nbp * 32 + mm::QB8::half(j0 + x / 2, x % 2);
+                        dst[j] = bcodes + c * bcol + 16 * x;
+                    } else {
+                        src = bds + (row * nbp + j0) * 8 + 16 * (x - 2 * ns);
+                        dst[j] = bscales + c * bscol + 16 * (x - 2 * ns);
+                    }
+                    v[j] = __ldcg(reinterpret_cast<const uint4*>(src));
+                    w.next();
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (dst[j] != nullptr) {
+                    *reinterpret_cast<uint4*>(dst[j]) = v[j];
+                }
+            }
         }
-        od::cp_async_commit();
     }
-    od::cp_async_wait<NS - 1>();  // this thread's b copies landed ...
-    __syncthreads();              // ... and every thread's
+    __syncthreads();  // b is whole
 
     for (int i = 0; i < mine; ++i) {
         od::cp_async_wait<NS - 2>();

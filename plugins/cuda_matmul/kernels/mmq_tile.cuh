@@ -38,18 +38,17 @@ __device__ __forceinline__ void k_loop(u8* const smem, const u8* const wa, long 
         const int j0 = (kt0 + kt) * KB, kb = min(KB, nb - j0);
         const int at = j0 / T::STEPS * Q::BYTES - lead(kt);
         const int wg = (lead(kt) + kb / T::STEPS * Q::BYTES + (T::ALIGNED ? 0 : 15)) / 16;
-        for (int i = tid; i < BM * wg; i += THREADS) {
-            const int r = i / wg, x = i - r * wg;
-            const u8* src = wa + static_cast<long long>(min(m0 + r, M - 1)) * a_row + at + 16 * x;
-            od::cp_async16(od::smem_addr(st + r * RS + 16 * x), src);
+        for (od::Walk w(tid, THREADS, wg); w.row < BM; w.next()) {
+            const u8* src = wa + static_cast<long long>(min(m0 + w.row, M - 1)) * a_row + at + 16 * w.col;
+            od::cp_async16(od::smem_addr(st + w.row * RS + 16 * w.col), src);
         }
     };
     // ... and b's codes (two half-runs) and scales of each column
     auto issue_b = [&](int kt, u8* st) {
         const int j0 = (kt0 + kt) * KB, kb = min(KB, nb - j0);
         const int bg = 2 * kb + kb / 2;  // granules a column: codes, then scales (kb is even)
-        for (int i = tid; i < BN * bg; i += THREADS) {
-            const int c = i / bg, x = i - c * bg;
+        for (od::Walk w(tid, THREADS, bg); w.row < BN; w.next()) {
+            const int c = w.row, x = w.col;
             const long long row = brow(c);
             const u8* src;
             u8* dst;
