@@ -288,21 +288,26 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
     };
     float* const dst = (splits == 1 ? out : part + split * plane) + brow0 * M;
     const int rows = owns ? M : 0;  // the rows this warp writes below: all or none
+    // f(fm, fn, i, n, m) for each of the thread's outputs that is written (acc[fm][fn][i] is output (n, m))
+    auto each = [&](auto&& f) {
 #pragma unroll
-    for (int fm = 0; fm < FM; ++fm) {
+        for (int fm = 0; fm < FM; ++fm) {
 #pragma unroll
-        for (int fn = 0; fn < FN; ++fn) {
+            for (int fn = 0; fn < FN; ++fn) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int m = r0 + 16 * fm + g + 8 * (i / 2);
-                const int n = c0 + 8 * fn + 2 * t + i % 2;
-                if (m < rows && n < N) {
-                    dst[static_cast<long long>(n) * M + m] = splits == 1 ? biased(acc[fm][fn][i], n, m)
-                                                                         : acc[fm][fn][i];
+                for (int i = 0; i < 4; ++i) {
+                    const int m = r0 + 16 * fm + g + 8 * (i / 2);
+                    const int n = c0 + 8 * fn + 2 * t + i % 2;
+                    if (m < rows && n < N) {
+                        f(fm, fn, i, n, m);
+                    }
                 }
             }
         }
-    }
+    };
+    each([&](int fm, int fn, int i, int n, int m) {
+        dst[static_cast<long long>(n) * M + m] = splits == 1 ? biased(acc[fm][fn][i], n, m) : acc[fm][fn][i];
+    });
     if (splits == 1 || !od::last_block(counter, splits)) {
         return;
     }
@@ -314,35 +319,11 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
     float sum[FM][FN][4] = {};
 #pragma unroll 4
     for (int s = 0; s < splits; ++s) {
-#pragma unroll
-        for (int fm = 0; fm < FM; ++fm) {
-#pragma unroll
-            for (int fn = 0; fn < FN; ++fn) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int m = r0 + 16 * fm + g + 8 * (i / 2);
-                    const int n = c0 + 8 * fn + 2 * t + i % 2;
-                    if (m < rows && n < N) {
-                        sum[fm][fn][i] += __ldcg(src + s * plane + static_cast<long long>(n) * M + m);
-                    }
-                }
-            }
-        }
+        each([&](int fm, int fn, int i, int n, int m) {
+            sum[fm][fn][i] += __ldcg(src + s * plane + static_cast<long long>(n) * M + m);
+        });
     }
-#pragma unroll
-    for (int fm = 0; fm < FM; ++fm) {
-#pragma unroll
-        for (int fn = 0; fn < FN; ++fn) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int m = r0 + 16 * fm + g + 8 * (i / 2);
-                const int n = c0 + 8 * fn + 2 * t + i % 2;
-                if (m < rows && n < N) {
-                    o[static_cast<long long>(n) * M + m] = biased(sum[fm][fn][i], n, m);
-                }
-            }
-        }
-    }
+    each([&](int fm, int fn, int i, int n, int m) { o[static_cast<long long>(n) * M + m] = biased(sum[fm][fn][i], n, m); });
 }
 
 }  // namespace mq
