@@ -63,7 +63,10 @@ def export(rev: str, dest: Path, repo: Path = ROOT) -> str:
                 t.extractall(dest, filter="data")
         what = _git("rev-parse", "--short", rev, cwd=repo).decode().strip()
     if patch:
-        subprocess.run(["git", "apply", str(Path(patch).resolve())], cwd=dest, check=True)
+        # outside any repository (the ceiling stops git from finding the one dest lies in, as .ab does in this
+        # one): inside it, `git apply` would skip every path outside dest, without an error
+        env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(dest.resolve().parent)}
+        subprocess.run(["git", "apply", str(Path(patch).resolve())], cwd=dest, check=True, env=env)
         what += f" + {patch}"
     return what
 

@@ -67,6 +67,16 @@ def test_prepare_exports_revision_working_tree_and_patch(ab, repo: Path, tmp_pat
     assert [t["name"] for t in json.loads((out / ab.MANIFEST).read_text())] == ["old"]
 
 
+def test_prepare_applies_a_patch_inside_the_repository(ab, repo: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    """The trees' folder inside the repository, as the default .ab: the patch still changes the exported tree (git
+    apply run in a subfolder of a repository skips the paths outside it without an error)."""
+    patch = tmp_path / "p.patch"
+    patch.write_text(subprocess.run(["git", "diff"], cwd=repo, capture_output=True, text=True, check=True).stdout)
+    assert patch.read_text()
+    ab.prepare([f"patched=HEAD:{patch}"], repo / ".ab", [], repo)
+    assert (repo / ".ab" / "patched" / "a.txt").read_text() == "two\n"
+
+
 @pytest.mark.parametrize("spec", ["old", "=HEAD", "old=", "a/b=HEAD"])
 def test_prepare_refuses_a_bad_tree(ab, repo: Path, tmp_path: Path, spec: str) -> None:  # noqa: ANN001
     with pytest.raises(SystemExit, match="NAME=REV"):
