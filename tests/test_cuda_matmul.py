@@ -103,8 +103,8 @@ PATH_CASES = [
     ("q4_0", (64, 4096), (9, 4096), "mmq_small"),
     ("q4_0", (64, 4096), (32, 4096), "mmq_small"),
     ("q4_0", (64, 4096), (33, 4096), "mmq"),
-    ("q8_0", (77, 256), (16, 256), "mmq_small"),  # support.MMQ_SMALL_WAVE_ONLY: its grid is one wave
-    ("q8_0", (4096, 4096), (16, 4096), "mmq"),  # ... here two
+    ("q8_0", (77, 256), (16, 256), "mmq_small"),
+    ("q8_0", (4096, 4096), (16, 4096), "mmq_small"),
     ("q8_0", (2, 64, 14336), (2, 128, 14336), "mmq"),
     ("q8_0", (2, 64, 14336), (2, 512, 14336), "dequant_cublas"),  # N > support.MMQ_MAX_N
     ("q4_1", (64, 128), (16, 128), "mmq_small"),
@@ -138,7 +138,6 @@ def mmq_small_selected(monkeypatch: pytest.MonkeyPatch) -> None:
     """mmq_small takes 9..support.MMQ_SMALL_MAX_N columns, whatever support.MMQ_SMALL_MIN_N (off until it is
     tuned) says."""
     monkeypatch.setattr(support, "MMQ_SMALL_MIN_N", support.MMV_MAX_N + 1)
-    monkeypatch.setattr(support, "MMQ_SMALL_WAVE_ONLY", frozenset())
 
 
 @pytest.fixture
@@ -1001,7 +1000,6 @@ def select_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
         monkeypatch.setattr(support, "MMQ_SMALL_MAX_N", support.MMV_MAX_N)
     elif path == "mmq_small":
         monkeypatch.setattr(support, "MMQ_SMALL_MIN_N", support.MMV_MAX_N + 1)
-        monkeypatch.setattr(support, "MMQ_SMALL_WAVE_ONLY", frozenset())
 
 
 def residual(dt: str, m: int, k: int, n: int, batch: tuple = (), first: bool = False, pad: int = 0) -> Tensor:
@@ -1522,7 +1520,7 @@ def test_mmq_small_grid_on_the_h200() -> None:
 
 def test_mmq_small_config_by_waves_on_the_h200() -> None:
     """SMALL_WAVE where its grid is one wave on the H200's description (the 1b preset's q/k/v and o weights), SMALL
-    where it would be more (its gate/up and down, a 8B model's); q8_0 (MMQ_SMALL_WAVE_ONLY) takes mmq elsewhere."""
+    where it would be more (its gate/up and down, a 8B model's)."""
     for (m, k), wave in (((3072, 2048), True), ((2048, 2048), True), ((8192, 2048), False), ((2048, 8192), False),
                          ((4096, 14336), False)):
         for dt in ("q4_0", "q4_K", "q8_0"):
@@ -1532,7 +1530,7 @@ def test_mmq_small_config_by_waves_on_the_h200() -> None:
             g = mmq_small.small_grid(m, k, 1, H200, cfg)
             assert (g.tiles_m * g.splits <= 132) == wave, (dt, m, k, g)  # SMALL_WAVE's blocks: one an SM
             assert mmq_small.small_fits(node, H200)
-            assert support.choose(node, H200).path == ("mmq" if dt == "q8_0" and not wave else "mmq_small"), (dt, m, k)
+            assert support.choose(node, H200).path == "mmq_small", (dt, m, k)
             assert mmq_small.small_specs(node, fake_ptr, fake_scratch, H200)[-1].kernel == mmq_small.small_name(
                 dt, 2, cfg)
 
@@ -2168,7 +2166,7 @@ def test_subscaled_mul_mat_path(dt: str, n: int) -> None:
         else:
             gemm = dt in mmq.MMQ_FORMATS  # the grid I-quants have no quantized GEMM
             big = "mmq" if gemm and whole and n <= support.MMQ_MAX_N else "dequant_cublas"
-            small_gemm = support.MMQ_SMALL_MIN_N <= n <= support.MMQ_SMALL_MAX_N  # no sub-scaled format is WAVE_ONLY
+            small_gemm = support.MMQ_SMALL_MIN_N <= n <= support.MMQ_SMALL_MAX_N
             big = "mmq_small" if big == "mmq" and small_gemm else big
             assert (step.plugin, step.kernel) == ("cuda_matmul", big), (k, n)
             over = f"N={n} > {support.MMQ_MAX_N}: dequantizing for cuBLAS is faster there"

@@ -84,7 +84,6 @@ def _specs(case: str, arena: ScratchArena, ptr=lambda t: 512) -> list:  # noqa: 
 def mmq_small_selected(monkeypatch: pytest.MonkeyPatch) -> None:
     """mmq_small takes 9.. columns, whatever support.MMQ_SMALL_MIN_N (off until it is tuned) says."""
     monkeypatch.setattr(support, "MMQ_SMALL_MIN_N", support.MMV_MAX_N + 1)
-    monkeypatch.setattr(support, "MMQ_SMALL_WAVE_ONLY", frozenset())
 
 
 #: the rms_norm before a pair of products (fusion.PAIR): format, M, K, N; one quantize_q8_1 launch (the norm's

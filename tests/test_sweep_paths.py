@@ -54,8 +54,7 @@ def reach() -> dict[str, set[tuple]]:
 
 
 def _gemm(dt: str, n: int) -> str:
-    """The path of mul_mat at n > 8 columns on rows of whole chunks (the sweep's weights are small: mmq_small's grid
-    is one wave, so support.MMQ_SMALL_WAVE_ONLY's formats take it too)."""
+    """The path of mul_mat at n > 8 columns on rows of whole chunks."""
     if dt in MMQ_FORMATS and support.MMQ_SMALL_MIN_N <= n <= support.MMQ_SMALL_MAX_N:
         return "mmq_small"
     return "mmq" if dt in MMQ_FORMATS and n <= support.MMQ_MAX_N else "dequant_cublas"
@@ -152,8 +151,7 @@ def test_mul_mat_id_add_id_is_fused_on_every_path(reach: dict[str, set[tuple]], 
 
 
 def test_mmq_small_is_reached() -> None:
-    """The sweep reaches mmq_small at 9, 16 and 32 columns for every format mmq reads (MMQ_SMALL_WAVE_ONLY's too:
-    the sweep's weights are small)."""
+    """The sweep reaches mmq_small at 9, 16 and 32 columns for every format mmq reads."""
     got = {(dt, n) for dt, _, n, *_, path, _ in _reach(("mul_mat",))["mul_mat"] if path == "mmq_small"}
     assert {(dt, n) for dt in MMQ_FORMATS for n in (9, 16, 32)} <= got
 

@@ -41,13 +41,10 @@ MMQ_MAX_N = 128
 #: block (specs/mmq_small.SMALL) it beat mmq's table at the 1b preset's four layer shapes (q4_0 and q4_K: 119.2
 #: us summed against 135.9) and at 4096 x 14336 (q4_0 38.0 us against 43.9, q4_K 45.7 / 48.6), lost at
 #: 14336 x 4096 for q4_K (51.1 / 45.2) and for q8_0 (0.90x); the 1b batch-16 decode gained (Q4_K_M 7197 tokens/s
-#: against 6836, q4_0 8893 / 8845), so it takes every column count from 9.
+#: against 6836, q4_0 8893 / 8845), so it takes every column count from 9. q8_0 too since session 22's b copy and
+#: split-K sum (H200, 2026-12-03, 16 columns, cold: 8192 x 2048 0.95x and 2048 x 8192 0.83x mmq's time, 4096 x 14336
+#: 1.02x; the 1b batch-16 decode 9788 -> 10444 tokens/s), where it had kept mmq unless mmq_small's grid was one wave.
 MMQ_SMALL_MIN_N = 9
-#: the formats mmq keeps at those columns unless mmq_small's grid is one wave (specs/mmq_small.small_config):
-#: q8_0 on mmq_small (SMALL) ran 0.90x / 0.92x mmq's time at 16 columns (4096 x 14336 / 14336 x 4096, cold) and the
-#: 1b batch-16 decode fell to 7525 tokens/s from 7899-7978 on mmq; under SMALL_WAVE it beat mmq at the 1b preset's
-#: q/k/v and o shapes (10.4 / 10.0 us against 12.8 / 12.1; H200, 2026-12-02). Its tests empty it.
-MMQ_SMALL_WAVE_ONLY: frozenset[str] = frozenset({"q8_0"})
 MMQ_SMALL_MAX_N = 32
 #: most experts the routing kernel of mmv_id_grouped and mmq_id takes (shared memory: 2 ints an expert)
 ROUTE_MAX_EXPERTS = 4096
@@ -207,7 +204,7 @@ def mmq_id_ok(node: Tensor, device: Device | None = None) -> bool | str:
 def mmq_small_ok(node: Tensor, device: Device | None = None) -> bool | str:
     """True if mmq_small runs mul_mat `node` (block-format a, 8 < N, checked by the caller), else why mmq
     runs it: MMQ_SMALL_MIN_N to MMQ_SMALL_MAX_N columns, mmq's row conditions, b's slice and the rings in shared
-    memory, and for MMQ_SMALL_WAVE_ONLY's formats a grid of one wave."""
+    memory."""
     n = batch_n(node)
     if n > MMQ_SMALL_MAX_N:
         return f"N={n} > {MMQ_SMALL_MAX_N}"
@@ -216,9 +213,6 @@ def mmq_small_ok(node: Tensor, device: Device | None = None) -> bool | str:
     ok = mmq_ok(node, device)
     if ok is not True:
         return ok
-    dt = node.srcs[0].dtype.name
-    if dt in MMQ_SMALL_WAVE_ONLY and mmq_small.small_config(node, device) != mmq_small.SMALL_WAVE:
-        return f"{dt}: mmq is faster for it where mmq_small's grid is more than one wave (support.MMQ_SMALL_WAVE_ONLY)"
     if not mmq_small.small_fits(node, device):
         return "b's slice and the warps' rings do not fit in shared memory"
     return True
