@@ -48,6 +48,7 @@ CASES = {
     "q5_0 M35 K512 N16 fm2": ("q5_0", 35, 512, 16, (), False, SC(fm=2, warps=2, blocks_per_sm=64)),
     "q5_1 M17 K576 N9 (a 2-block K tail)": ("q5_1", 17, 576, 9, (), False, TWO_WARPS),
     "q4_K M77 K2304 N16 (9 K tiles)": ("q4_K", 77, 2304, 16, (), False, SC()),
+    "q4_0 M48 K2048 N16 (split: the planes summed in runs of 4 rows)": ("q4_0", 48, 2048, 16, (), False, TWO_WARPS),
     "q4_K M30 K1024 N32 batches": ("q4_K", 30, 1024, 32, (2,), True, TWO_WARPS),
     "q5_K M23 K768 N9": ("q5_K", 23, 768, 9, (), False, TWO_WARPS),
     "q6_K M21 K2048 N17 (halves, K tiles inside granules)": ("q6_K", 21, 2048, 17, (), False, TWO_WARPS),
@@ -110,7 +111,8 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 #: the cases run again with a residual addend (add(mul_mat, r), r of the product's shape: mq::finish adds it as out
 #: is written, straight or after split K's planes): case -> the pad of r's rows (m + pad floats apart; a view if > 0)
-RESIDUAL_CASES = {"q4_0 M77 K2048 N9": 0, "q4_K M30 K1024 N32 batches": 5, "q8_0 M19 K768 N17 two warps": 3,
+RESIDUAL_CASES = {"q4_0 M77 K2048 N9": 0, "q4_0 M48 K2048 N16 (split: the planes summed in runs of 4 rows)": 3,
+                  "q4_K M30 K1024 N32 batches": 5, "q8_0 M19 K768 N17 two warps": 3,
                   "q4_0 M37 K2304 N16 k-groups of 4 (slices of 4 and 5 K tiles)": 2}
 
 
@@ -267,3 +269,5 @@ def test_cases_cover() -> None:
     kws = {(c[-1].kw, launches[case].args.splits > 1) for case, c in CASES.items()}
     assert {(1, True), (1, False), (4, True), (2, False), (8, False)} <= kws
     assert any(c[1] % 16 for c in CASES.values())
+    # the last block's sum of the planes: runs of 4 rows (M % 4 == 0) and single rows
+    assert {c[1] % 4 == 0 for case, c in CASES.items() if launches[case].args.splits > 1} == {True, False}
