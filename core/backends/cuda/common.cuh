@@ -1,6 +1,7 @@
 // Device helpers shared by every opdispatch kernel: warp and block reductions and
 // scans, f16/bf16 loads, stores and conversions, 2-byte aligned raw accesses, index
-// checks, programmatic dependent launch and cp.async. Block formats: quant.cuh.
+// checks, programmatic dependent launch, cp.async and the walk of a copy loop over a grid of items.
+// Block formats: quant.cuh.
 //
 // Compiled both by NVRTC (through cupy.RawModule, with this folder on the
 // include path) and by nvcc in CI, so it includes no system header: f16 and
