@@ -62,6 +62,9 @@ __global__ void probe(const od::f16* h, const od::bf16* b, od::f16* ho, od::bf16
     od::cp_async16(od::smem_addr(stage + 16 * i), raw + 16 * i);
     od::cp_async_commit();
     od::cp_async_wait<0>();
+    for (od::Walk w(i, BLOCK, 3 + i % 5); w.row < 7; w.next()) {
+        out[w.row] += static_cast<float>(w.col);
+    }
     if (od::last_block(reinterpret_cast<int*>(raw), gridDim.x)) {
         out[i] += stage[16 * i];
     }
