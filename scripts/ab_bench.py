@@ -12,9 +12,10 @@ and the untracked ones git does not ignore, as they are now), REV:PATCH a revisi
 --extra copies files into every tree's benchmarks/ (a new benchmark timed on an old commit too). Then, on the
 GPU machine (the device tool's `carry` naming DIR and .gpu-deps):
 
-    python3 scripts/ab_bench.py run [--dir .ab] [-k EXPR] [--file benchmarks/test_bench_matmul.py] [--rounds 2]
+    python3 scripts/ab_bench.py run [--dir .ab] [-k EXPR] [--file benchmarks/test_bench_matmul.py]... [--rounds 2]
 
-For each round, each tree in turn is installed (pip -e, no dependencies) and its --file benchmarks run with -k;
+For each round, each tree in turn is installed (pip -e, no dependencies) and its --file benchmarks (one pytest run of
+every --file given, default benchmarks/test_bench_matmul.py: one install a tree and round) run with -k;
 the table gives every benchmark's time in each tree, the rounds joined by " / ", each tree's median against the
 first tree's, and the fraction of the copy bandwidth where the benchmark records one. The repository the script
 runs from is installed again at the end. OPDISPATCH_BENCH_COMPILE defaults to 0 (no torch.compile baseline).
@@ -120,7 +121,7 @@ def _install(tree: Path) -> None:
                    check=True, capture_output=True)
 
 
-def run(out: Path, file: str, expr: str, rounds: int, timeout: float) -> str:
+def run(out: Path, files: list[str], expr: str, rounds: int, timeout: float) -> str:
     """The rounds on this machine's GPU (see the module docstring); returns the table."""
     trees = json.loads((out / MANIFEST).read_text())
     # a session of its own: an xdist worker's variables (this script run from a test) would disable the benchmarks
@@ -135,7 +136,7 @@ def run(out: Path, file: str, expr: str, rounds: int, timeout: float) -> str:
                 tree = (out / t["name"]).resolve()
                 _install(tree)
                 js = tree / f".ab-{r}.json"
-                cmd = [sys.executable, "-m", "pytest", file, "-q", "-p", "no:cacheprovider", f"--benchmark-json={js}"]
+                cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", f"--benchmark-json={js}"]
                 done = subprocess.run([*cmd, *(["-k", expr] if expr else [])], cwd=tree, env=env, capture_output=True,
                                       text=True, timeout=timeout)
                 if not js.exists():
@@ -159,7 +160,8 @@ def main() -> None:
     p.add_argument("--dir", default=".ab")
     r = sub.add_parser("run", help="time the prepared trees (on the GPU machine)")
     r.add_argument("--dir", default=".ab")
-    r.add_argument("--file", default="benchmarks/test_bench_matmul.py")
+    r.add_argument("--file", dest="files", action="append", help="benchmark files (repeatable; default "
+                   "benchmarks/test_bench_matmul.py)")
     r.add_argument("-k", dest="expr", default="")
     r.add_argument("--rounds", type=int, default=2)
     r.add_argument("--timeout", type=float, default=300, help="seconds a tree's round may take")
@@ -169,7 +171,7 @@ def main() -> None:
         for t in prepare(a.trees, out, a.extra):
             print(f"{out / t['name']}: {t['what']}")
     else:
-        print(run(out, a.file, a.expr, a.rounds, a.timeout))
+        print(run(out, a.files or ["benchmarks/test_bench_matmul.py"], a.expr, a.rounds, a.timeout))
 
 
 if __name__ == "__main__":

@@ -111,18 +111,21 @@ def test_compare_puts_the_trees_side_by_side(ab, rng) -> None:  # noqa: ANN001
 def test_run_times_each_tree_in_rounds(ab, repo: Path, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """The rounds' loop on the CPU: two trees whose one benchmark records a different `us`, installs skipped; the
     table names both trees and gives each tree's times in both rounds."""
-    bench = "def test_step(benchmark):\n    benchmark.extra_info['us'] = {us}\n    benchmark(lambda: None)\n"
-    (repo / "benchmarks" / "test_step.py").write_text(bench.format(us=10.0))
-    _git(repo, "add", "benchmarks/test_step.py")
+    bench = "def test_{name}(benchmark):\n    benchmark.extra_info['us'] = {us}\n    benchmark(lambda: None)\n"
+    (repo / "benchmarks" / "test_step.py").write_text(bench.format(name="step", us=10.0))
+    (repo / "benchmarks" / "test_other.py").write_text(bench.format(name="other_step", us=4.0))
+    _git(repo, "add", "benchmarks/test_step.py", "benchmarks/test_other.py")
     _git(repo, "commit", "-q", "-m", "bench")
-    (repo / "benchmarks" / "test_step.py").write_text(bench.format(us=7.5))
+    (repo / "benchmarks" / "test_step.py").write_text(bench.format(name="step", us=7.5))
     out = tmp_path / "ab"
     ab.prepare(["old=HEAD", "new=."], out, [], repo)
     installed = []
     monkeypatch.setattr(ab, "_install", installed.append)
-    table = ab.run(out, "benchmarks/test_step.py", "step", 2, 120)
-    assert installed == [(out / "old").resolve(), (out / "new").resolve()] * 2 + [ab.ROOT]
+    table = ab.run(out, ["benchmarks/test_step.py", "benchmarks/test_other.py"], "step", 2, 120)
+    assert installed == [(out / "old").resolve(), (out / "new").resolve()] * 2 + [ab.ROOT]  # both files in one run
     assert table.splitlines()[0].startswith("trees: old = ") and "; new = the working tree at " in table
     row = next(line for line in table.splitlines() if line.startswith("| test_step"))
     assert row == "| test_step | 10.0 / 10.0 | 7.5 / 7.5 | 0.750 | - | - |"
+    row = next(line for line in table.splitlines() if line.startswith("| test_other_step"))
+    assert row == "| test_other_step | 4.0 / 4.0 | 4.0 / 4.0 | 1.000 | - | - |"
     assert not list(out.glob("*/.ab-*.json"))  # each round's document removed once read
