@@ -99,6 +99,7 @@ __global__ void __launch_bounds__(32 * WM * WN)
     const int row0 = warp / WN * 16 * FM, col0 = warp % WN * 8 * FN;  // the warp's tile in the block's
 
     const long long plane = static_cast<long long>(gridDim.y) * gridDim.z * N * M;
-    mq::finish<FM, FN>(acc, m0 + row0, n0 + col0, M, N, brow0, out, part, split, splits, plane,
-                       counters + (batch * tiles_m + tm) * tiles_n + tn, bias, bias_col);
+    mq::finish<FM, FN, BM, BN, 32 * WM * WN>(acc, m0 + row0, n0 + col0, m0, n0, M, N, brow0, out, part, split,
+                                             splits, plane, counters + (batch * tiles_m + tm) * tiles_n + tn, bias,
+                                             bias_col);
 }

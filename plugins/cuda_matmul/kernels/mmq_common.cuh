@@ -269,18 +269,19 @@ __device__ __forceinline__ void step_acc(float (&acc)[4], const AFrag& f, unsign
 }
 
 // The end of a warp's tile of 16 FM rows x 8 FN columns (acc: FM x FN mma_s8 outputs), rows from r0 and
-// columns from c0 of the output of batch row brow0 (out + brow0 * M, N x M): written to out, or with
-// split K (splits > 1) to the block's plane `split` of part (planes `plane` floats apart), after which the
-// last block of the tile to finish (od::last_block on `counter`, which it sets back to 0) adds the planes
-// in split order and writes out: deterministic. A bias (not null) is added to the sums written to out:
-// output row r = brow0 + n, column m adds bias[r * bias_col + m] (bias_col 0: one row for every output
-// row; else a residual addend's rows, bias_col floats apart). Rows past M and columns past N are not
-// written. Every thread of the block calls it; a warp with `owns` false (mmq_small's k-groups past the first,
-// whose sums its first k-group added) writes nothing.
-template <int FM, int FN>
-__device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, int c0, int M, int N, long long brow0,
-                                       float* out, float* part, int split, int splits, long long plane,
-                                       int* counter, const float* bias, long long bias_col, bool owns = true) {
+// columns from c0 of the output of batch row brow0 (out + brow0 * M, N x M), in its block's tile of BM rows from
+// bm0 and BN columns from bn0 (THREADS threads): written to out, or with split K (splits > 1) to the block's plane
+// `split` of part (planes `plane` floats apart), after which the last block of the tile to finish (od::last_block
+// on `counter`, which it sets back to 0) adds the planes in split order and writes out: deterministic. A bias
+// (not null) is added to the sums written to out: output row r = brow0 + n, column m adds bias[r * bias_col + m]
+// (bias_col 0: one row for every output row; else a residual addend's rows, bias_col floats apart). Rows past M
+// and columns past N are not written. Every thread of the block calls it; a warp with `owns` false (mmq_small's
+// k-groups past the first, whose sums its first k-group added) writes no plane.
+template <int FM, int FN, int BM, int BN, int THREADS>
+__device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, int c0, int bm0, int bn0, int M, int N,
+                                       long long brow0, float* out, float* part, int split, int splits,
+                                       long long plane, int* counter, const float* bias, long long bias_col,
+                                       bool owns = true) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     // the sum of output (n, m) as written to out
     auto biased = [&](float v, int n, int m) {
@@ -288,42 +289,84 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
     };
     float* const dst = (splits == 1 ? out : part + split * plane) + brow0 * M;
     const int rows = owns ? M : 0;  // the rows this warp writes below: all or none
-    // f(fm, fn, i, n, m) for each of the thread's outputs that is written (acc[fm][fn][i] is output (n, m))
-    auto each = [&](auto&& f) {
 #pragma unroll
-        for (int fm = 0; fm < FM; ++fm) {
+    for (int fm = 0; fm < FM; ++fm) {
 #pragma unroll
-            for (int fn = 0; fn < FN; ++fn) {
+        for (int fn = 0; fn < FN; ++fn) {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int m = r0 + 16 * fm + g + 8 * (i / 2);
-                    const int n = c0 + 8 * fn + 2 * t + i % 2;
-                    if (m < rows && n < N) {
-                        f(fm, fn, i, n, m);
-                    }
+            for (int i = 0; i < 4; ++i) {
+                const int m = r0 + 16 * fm + g + 8 * (i / 2);
+                const int n = c0 + 8 * fn + 2 * t + i % 2;
+                if (m < rows && n < N) {
+                    dst[static_cast<long long>(n) * M + m] = splits == 1 ? biased(acc[fm][fn][i], n, m)
+                                                                         : acc[fm][fn][i];
                 }
             }
         }
-    };
-    each([&](int fm, int fn, int i, int n, int m) {
-        dst[static_cast<long long>(n) * M + m] = splits == 1 ? biased(acc[fm][fn][i], n, m) : acc[fm][fn][i];
-    });
+    }
     if (splits == 1 || !od::last_block(counter, splits)) {
         return;
     }
-    // the planes outermost: a thread's FM * FN * 4 loads of a plane are independent, so that a few planes' loads
-    // are in flight at once (one output's planes in turn left each load waiting for the one before: the last
-    // block's sums took 5-6 us of a 14 us launch, H200, 2048 x 8192 q4_0 at 16 columns, 16 splits)
+    // The block's tile, every thread a share: runs of 4 rows (16-byte loads) where M and the addresses allow, planes
+    // outermost, so that a thread has several planes' loads in flight (one output's planes in turn, by the thread
+    // that held it, took 5-6 us of a 14 us launch: H200, 2048 x 8192 q4_0 at 16 columns, 16 splits). Each output's
+    // planes are added in split order, as before.
     const float* const src = part + brow0 * M;
     float* const o = out + brow0 * M;
-    float sum[FM][FN][4] = {};
+    // 16-byte runs: M % 4 == 0 keeps every run (and plane) aligned once both bases are
+    const auto base = reinterpret_cast<unsigned long long>(src) | reinterpret_cast<unsigned long long>(o);
+    const bool vec = M % 4 == 0 && (base & 15ull) == 0;
+    // a thread's runs, CH at a time (4 planes of each in flight: more left the large tiles' instances short of
+    // registers)
+    constexpr int RUN = 4, ITEMS = BM / RUN * BN, EACH = (ITEMS + THREADS - 1) / THREADS, CH = EACH < 2 ? EACH : 2;
+    static_assert(BM % RUN == 0 && EACH % CH == 0, "whole runs of rows, whole chunks of runs");
+    if (vec) {
+#pragma unroll 1
+        for (int e0 = 0; e0 < EACH; e0 += CH) {
+            float4 sum[CH];
+            int ns[CH], ms[CH];
+            bool live[CH];
+#pragma unroll
+            for (int e = 0; e < CH; ++e) {
+                const int item = static_cast<int>(threadIdx.x) + (e0 + e) * THREADS;
+                ns[e] = bn0 + item / (BM / RUN), ms[e] = bm0 + RUN * (item % (BM / RUN));
+                live[e] = item < ITEMS && ns[e] < N && ms[e] < M;
+                sum[e] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
 #pragma unroll 4
-    for (int s = 0; s < splits; ++s) {
-        each([&](int fm, int fn, int i, int n, int m) {
-            sum[fm][fn][i] += __ldcg(src + s * plane + static_cast<long long>(n) * M + m);
-        });
+            for (int s = 0; s < splits; ++s) {
+#pragma unroll
+                for (int e = 0; e < CH; ++e) {
+                    if (live[e]) {
+                        const float4 x = __ldcg(reinterpret_cast<const float4*>(
+                            src + s * plane + static_cast<long long>(ns[e]) * M + ms[e]));
+                        sum[e].x += x.x, sum[e].y += x.y, sum[e].z += x.z, sum[e].w += x.w;
+                    }
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < CH; ++e) {
+                if (live[e]) {
+                    const int n = ns[e], m = ms[e];
+                    *reinterpret_cast<float4*>(o + static_cast<long long>(n) * M + m) = make_float4(
+                        biased(sum[e].x, n, m), biased(sum[e].y, n, m + 1), biased(sum[e].z, n, m + 2),
+                        biased(sum[e].w, n, m + 3));
+                }
+            }
+        }
+        return;
     }
-    each([&](int fm, int fn, int i, int n, int m) { o[static_cast<long long>(n) * M + m] = biased(sum[fm][fn][i], n, m); });
+    for (int item = static_cast<int>(threadIdx.x); item < BM * BN; item += THREADS) {
+        const int n = bn0 + item / BM, m = bm0 + item % BM;
+        if (n < N && m < M) {
+            const long long at = static_cast<long long>(n) * M + m;
+            float sum = 0.0f;
+            for (int s = 0; s < splits; ++s) {
+                sum += __ldcg(src + s * plane + at);
+            }
+            o[at] = biased(sum, n, m);
+        }
+    }
 }
 
 }  // namespace mq

@@ -240,6 +240,7 @@ __global__ void __launch_bounds__(32 * W, SMALL_MIN_BLOCKS<W>)
 
     const long long batches = static_cast<long long>(gridDim.y) * gridDim.z, plane = batches * N * M;
     float* const planes = splits > 1 ? part + second * splits * plane : part;  // this product's
-    mq::finish<FM, NT>(acc, row0, 0, M, N, brow0, second ? out1 : out, planes, split, splits, plane,
-                       counters + (second * batches + batch) * tiles_m + tm, bias, bias_col, kg == 0);
+    mq::finish<FM, NT, BM, NP, 32 * W>(acc, row0, 0, tm * BM, 0, M, N, brow0, second ? out1 : out, planes, split,
+                                       splits, plane, counters + (second * batches + batch) * tiles_m + tm, bias,
+                                       bias_col, kg == 0);
 }
