@@ -18,7 +18,8 @@
 - quantized GEMM (q4_0 / q8_0 / q4_K weights (M, K) = (4096, 14336), N 16 and 512): N 16 (the table's path)
   timed cold with bytes = the weight bytes (the goal: 80% of the copy bandwidth); N 512 hot with FLOPs
   2*M*N*K (the goal: no slower than torch's bf16 GEMM of the same shape, its time in extra_info["torch_us"]);
-  and at the 1b preset's layer shapes, 16 columns, cold (the batch-16 decode's products).
+  and at the 1b preset's layer shapes, 16, 32, 64 and 128 columns, cold (batch-16 decode, the widest
+  tiles of mmq_small and mmq).
 
 The mat-vecs, mmf, gate/up and MoE are timed cold (conftest.measure_cold): one plan
 holds 32 or more instances taking several weight sets in turn (for MoE, sets of
@@ -225,14 +226,15 @@ def test_mmq(measure, measure_cold, torch_cuda, dt: str, n: int) -> None:  # noq
 LAYER_SHAPES = {k: v for k, v in MMF_SHAPES.items() if k != "lm_head"}
 
 
+@pytest.mark.parametrize("n", [16, 32, 64, 128], ids=lambda n: f"n{n}")
 @pytest.mark.parametrize("shape", list(LAYER_SHAPES.values()), ids=list(LAYER_SHAPES))
 @pytest.mark.parametrize("dt", ["q4_0", "q8_0", "q4_K"])
-def test_mmq_16_columns(measure_cold, torch_cuda, dt: str, shape: tuple) -> None:  # noqa: ANN001
-    """The quantized GEMM at the 1b preset's layer shapes and 16 columns (batch-16 decode), on the path the table
-    gives (mmq_small or mmq), cold: bytes = the weight bytes (the goal: 80% of the copy bandwidth), against
-    torch's bf16 matmul of the same shape."""
+def test_mmq_layers(measure_cold, torch_cuda, dt: str, shape: tuple, n: int) -> None:  # noqa: ANN001
+    """The quantized GEMM at the 1b preset's layer shapes and n columns (16: batch-16 decode; 32: mmq_small's
+    widest tiles; 64 and 128: mmq's), on the path the table gives (mmq_small or mmq), cold: bytes = the weight
+    bytes (the goal at 16 columns: 80% of the copy bandwidth), against torch's bf16 matmul of the same shape."""
     torch = torch_cuda
-    (M, K), N = shape, 16
+    (M, K), N = shape, n
     nbytes = od.input("a", (M, K), dt).nbytes
     lay = cold(nbytes)
     weights = param_sets("a", rand(M, K), dt, lay.sets)
