@@ -316,8 +316,8 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
     // 16-byte runs: M % 4 == 0 keeps every run (and plane) aligned once both bases are
     const auto base = reinterpret_cast<unsigned long long>(src) | reinterpret_cast<unsigned long long>(o);
     const bool vec = M % 4 == 0 && (base & 15ull) == 0;
-    // a thread's runs, CH at a time (4 planes of each in flight: more left the large tiles' instances short of
-    // registers)
+    // a thread's runs, CH at a time, 4 planes of each in flight (8 made the 1b batch-16 decode 2% slower, H200,
+    // session 23; a thread's whole warp tile of planes at once had spilled in the widest instances)
     constexpr int RUN = 4, ITEMS = BM / RUN * BN, EACH = (ITEMS + THREADS - 1) / THREADS, CH = EACH < 2 ? EACH : 2;
     static_assert(BM % RUN == 0 && EACH % CH == 0, "whole runs of rows, whole chunks of runs");
     if (vec) {

@@ -18,10 +18,9 @@
 //           (16-byte loads into registers, 8 a thread in flight, then stores: no cp.async group; the 8 NT - N
 //           columns past N are not copied: their products, garbage, are never written; copying column N - 1
 //           into them took SMALL_WAVE's q4_0 3072x2048 launch from 8.0 to 16.8 us at 9 columns) and read by
-//           every warp as mma B fragments: column
-//           c's codes at c * BCOL (step s's 32 codes at 32 s, BCOL an odd number of granules: the 8
-//           columns of a fragment read fall in distinct bank groups), its scales at c * BSCOL (a float2 a
-//           step).
+//           every warp as mma B fragments: column c's codes at c * BCOL (step s's 32 codes at 32 s, BCOL an
+//           odd number of granules: the 8 columns of a fragment read fall in distinct bank groups), its
+//           scales at c * BSCOL (a float2 a step).
 //   ring    each warp streams its rows' K tiles through a ring of NS stages of its own in shared
 //           memory (cp.async 16 bytes a lane, one group a K tile, wait_group NS - 2 and __syncwarp a
 //           K tile, no __syncthreads after b landed): NS - 1 K tiles of loads in flight a warp. A stage
