@@ -32,13 +32,15 @@ class SmallConfig:
     SM, each slice at least `kt_min` K tiles a warp (kt_min * kw a slice), at most `kts_max` K tiles (b's copy
     in shared memory) where `split_max` slices allow.
     The defaults: the least time summed over q4_0 and q4_K at the 1b preset's layer shapes, 16 columns, of
-    `scripts/mmq_sweep.py --kernel mmq_small` on the H200 (2026-12-02; 8 warps, where 4 had been the first guess),
-    the weights in flight an SM (blocks_per_sm * warps * (stages - 1) K tiles of 16 fm rows) about 160 KB for
-    q4_0."""
+    `scripts/mmq_sweep.py --kernel mmq_small` on the H200 (2026-12-02; 8 warps, where 4 had been the first guess);
+    2 stages since 2026-12-03 (4 before): at the 1b preset's slices a warp streams two K tiles, so a deeper ring
+    only costs shared memory, and for q8_0, q5_1 and q6_K 4 stages (over 100 KB a block) left one block an SM
+    (16 columns, cold: q8_0 8192 x 2048 16.8 -> 12.9 us, 2048 x 8192 18.2 -> 14.1; q4_0, q4_K, q5_K, iq4_xs 1-5%
+    faster; docs/benchmarks.md, session 24)."""
 
     fm: int = 1
     warps: int = 8
-    stages: int = 4
+    stages: int = 2
     kb: int = 8
     kw: int = 1
     blocks_per_sm: int = 4
@@ -62,7 +64,7 @@ SMALL_WAVE = SmallConfig(kw=4, kb=16, stages=2, kt_min=1, kts_max=4)
 #: what scripts/mmq_sweep.py --kernel mmq_small times (SMALL first): row groups of 2 to 8 warps that split a
 #: block's K tiles (kw), short rings (a warp streams one or two K tiles at the 1b preset's shapes), 32-row warps
 #: (fm 2: b read once for twice the rows), 16 warps a block, and SMALL_WAVE's 16-step K tiles; slices of at most
-#: 8 K tiles (2048 values: b's copy 40 KB at 16 columns)
+#: 8 K tiles (2048 values: b's copy 40 KB at 16 columns); SMALL's ring 3 and 4 stages deep
 KW8 = SmallConfig(kw=8, stages=2, kt_min=1, kts_max=8)
 SMALL_CANDIDATES: tuple[SmallConfig, ...] = tuple(dict.fromkeys((
     SMALL,
@@ -75,6 +77,8 @@ SMALL_CANDIDATES: tuple[SmallConfig, ...] = tuple(dict.fromkeys((
     attrs.evolve(KW8, fm=2),
     attrs.evolve(KW8, fm=2, kw=4),
     attrs.evolve(KW8, warps=16, blocks_per_sm=2),
+    attrs.evolve(SMALL, stages=3),
+    attrs.evolve(SMALL, stages=4),
 )))
 #: the column tiles (8 columns each) mmq_small is compiled for: N <= 16 takes 2, N <= 32 takes 4
 SMALL_NTS = (2, 4)
