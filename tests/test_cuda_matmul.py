@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import re
+import weakref
 from typing import Callable
 
 import attrs
@@ -31,7 +32,7 @@ import pytest
 
 import opdispatch as od
 import opdispatch.plugins.cuda_matmul as cm
-from opdispatch import ops
+from opdispatch import compiler, ops
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.backends.cuda.kernels import INCLUDE_DIR, KernelSpec, kernel_param_types
 from opdispatch.dtypes import DTYPES, dequantize, from_float
@@ -41,7 +42,7 @@ from opdispatch.errors import DeviceIndexError
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_matmul import bind, fusion, specs, support
-from opdispatch.plugins.cuda_matmul.specs import gemm, mmf, mmq, mmq_id, mmq_small, mmv, stream
+from opdispatch.plugins.cuda_matmul.specs import gemm, mmf, mmq, mmq_id, mmq_small, mmq_wgmma, mmv, stream
 from opdispatch.plugins.cuda_matmul.specs.gemm import GemmSpec
 from opdispatch.tensor import Tensor
 from opdispatch.testing.harness import Status, run_case
@@ -98,7 +99,7 @@ PATH_CASES = [
     ("q4_0", (64, 4128), (1, 4128), "mmvq"),  # K % 256 != 0
     ("q4_1", (64, 4160), (1, 4160), "mmvq"),  # K % 128 != 0
     ("q8_0", (64, 65536), (8, 65536), "mmvq"),  # b's q8_1 copy does not fit in shared memory
-    ("q8_0", (64, 96), (9, 96), "dequant_cublas"),  # K % 256 != 0: mmq declines
+    ("q8_0", (64, 96), (9, 96), "dequant_cublas"),  # K % 256 != 0: mmq declines; K % 64 != 0: mmq_wgmma too
     ("q4_1", (64, 96), (512, 96), "dequant_cublas"),  # K % 128 != 0
     ("q4_0", (64, 4096), (9, 4096), "mmq_small"),
     ("q4_0", (64, 4096), (32, 4096), "mmq_small"),
@@ -106,7 +107,7 @@ PATH_CASES = [
     ("q8_0", (77, 256), (16, 256), "mmq_small"),
     ("q8_0", (4096, 4096), (16, 4096), "mmq_small"),
     ("q8_0", (2, 64, 14336), (2, 128, 14336), "mmq"),
-    ("q8_0", (2, 64, 14336), (2, 512, 14336), "dequant_cublas"),  # N > support.MMQ_MAX_N
+    ("q8_0", (2, 64, 14336), (2, 512, 14336), "dequant_cublas"),  # N > support.MMQ_MAX_N (mmq_wgmma unselected)
     ("q4_1", (64, 128), (16, 128), "mmq_small"),
     ("q4_1", (64, 128), (40, 128), "mmq"),
     ("q5_1", (64, 64), (70, 64), "mmq"),
@@ -118,13 +119,61 @@ PATH_CASES = [
     ("q4_K", (64, 256), (129, 256), "dequant_cublas"),  # N > support.MMQ_MAX_N
 ]
 
+#: with mmq_wgmma selected (wgmma_selected): the products mmq declines, where its own conditions hold
+WGMMA_PATH_CASES = [
+    ("q8_0", (2, 64, 14336), (2, 512, 14336), "mmq_wgmma"),  # N > support.MMQ_MAX_N
+    ("q4_K", (64, 256), (129, 256), "mmq_wgmma"),
+    ("q4_0", (64, 4128), (512, 4128), "dequant_cublas"),  # K % 64 != 0 (mmq_wgmma's K tile)
+    ("iq4_xs", (64, 256), (16, 256), "dequant_cublas"),  # K % 512 != 0: both GEMMs decline (their raw stages)
+    ("q6_K", (64, 2048), (64, 2048), "mmq"),  # mmq takes it
+]
 
+
+@pytest.fixture
+def wgmma_selected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mmq_wgmma takes every format's products that mmq declines, whatever support.MMQ_WGMMA_TYPES (none until it
+    is faster than dequant_cublas) says; plans are cached by graph, not by that table, so the test plans afresh."""
+    select_wgmma(monkeypatch)
+
+
+def select_wgmma(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(support, "MMQ_WGMMA_TYPES", specs.QUANT_NAMES)
+    monkeypatch.setattr(compiler, "_CACHES", weakref.WeakKeyDictionary())
+
+
+def test_mmq_wgmma_is_not_selected_by_default() -> None:
+    y = ops.mul_mat(weight("w", (64, 14336), "q4_0"), od.input("x", (512, 14336)))
+    c = support.choose(y, H200)
+    assert c.path == "dequant_cublas"
+    assert c.note.endswith("mmq_wgmma: not selected for q4_0 (support.MMQ_WGMMA_TYPES: not yet faster than "
+                           "dequant_cublas)")
+
+
+@pytest.mark.usefixtures("wgmma_selected")
+@pytest.mark.parametrize(("dt", "a_shape", "b_shape", "path"), WGMMA_PATH_CASES)
+def test_mul_mat_path_with_mmq_wgmma_selected(dt: str, a_shape: tuple, b_shape: tuple, path: str) -> None:
+    test_mul_mat_path_by_dtype_and_batch(dt, a_shape, b_shape, path)
+
+
+@pytest.mark.usefixtures("wgmma_selected")
 def test_mmq_decline_reason_is_explained() -> None:
-    """A block-format node mmq declines runs dequant_cublas, and the mmq kernel says why."""
+    """A block-format node mmq and mmq_wgmma decline runs dequant_cublas, and the mmq kernel says why both
+    declined."""
     node = ops.mul_mat(weight("w", (64, 96), "q8_0"), od.input("x", (16, 96)))
     (k,) = [k for k in cm.kernels(device=H200) if k.name == "mmq"]
     assert k.supports(H200, node) == "dequant_cublas takes it (mmq: K=96 is not a multiple of 256 (rows of whole " \
-        "272-byte chunks))"
+        "272-byte chunks); mmq_wgmma: K=96 is not a multiple of 64 (mmq_wgmma's K tile))"
+
+
+@pytest.mark.usefixtures("wgmma_selected")
+def test_mmq_wgmma_needs_compute_capability_9_0() -> None:
+    """wgmma is sm_90a code: another device's many-column product runs dequant_cublas, and the note says why."""
+    a100 = Device("cuda0", "cuda", "an sm_80 GPU", {**H200.props, "cc": (8, 0)})
+    y = ops.mul_mat(weight("w", (64, 14336), "q4_0"), od.input("x", (512, 14336)))
+    assert support.choose(y, H200).path == "mmq_wgmma"
+    c = support.choose(y, a100)
+    assert c.path == "dequant_cublas"
+    assert c.note.endswith("mmq_wgmma: wgmma needs compute capability 9.0 (sm_90a code), not 8.0")
 
 
 @pytest.fixture
@@ -169,10 +218,11 @@ def test_mmf_declines_where_its_shared_memory_does_not_fit() -> None:
     assert support.mmf_ok(y, H200) is True and support.choose(y, H200).path == "mmf"
 
 
+@pytest.mark.usefixtures("wgmma_selected")
 def test_mmq_stops_at_its_crossover() -> None:
     node = ops.mul_mat(weight("w", (64, 14336), "q4_0"), od.input("x", (support.MMQ_MAX_N + 1, 14336)))
     assert support.choose(node, H200).note == f"mmq: N={support.MMQ_MAX_N + 1} > {support.MMQ_MAX_N}: " \
-        "dequantizing for cuBLAS is faster there"
+        "mmq_wgmma or dequant_cublas is faster there"
 
 
 @pytest.mark.parametrize(("dt", "a_shape", "b_shape", "path"), PATH_CASES)
@@ -192,7 +242,7 @@ MMQ_SMALL_PATH_CASES = [
     ("q4_1", (64, 128), (16, 128), "mmq_small"),
     ("q4_K", (64, 256), (16, 256), "mmq_small"),
     ("q6_K", (64, 2048), (9, 2048), "mmq_small"),
-    ("q6_K", (64, 256), (9, 256), "dequant_cublas"),  # K % 2048 != 0: neither GEMM
+    ("q6_K", (64, 256), (9, 256), "dequant_cublas"),  # K % 2048 != 0: no GEMM
 ]
 
 
@@ -2147,12 +2197,15 @@ def subscaled_feeds(y: Tensor | list, rng: np.random.Generator, n_experts: int =
     return feeds
 
 
+@pytest.mark.parametrize("wgmma", [False, True], ids=["default", "wgmma"])
 @pytest.mark.parametrize("dt", SUBSCALED)
 @pytest.mark.parametrize("n", [1, 8, 9, 64, 128, 129])
-def test_subscaled_mul_mat_path(dt: str, n: int) -> None:
+def test_subscaled_mul_mat_path(dt: str, n: int, wgmma: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every batch runs on the GPU: rows of whole chunks take the streamed mat-vec up to 8 columns and mmq
-    up to support.MMQ_MAX_N (the grid I-quants: dequant_cublas); the others mmvq (dot32 from global memory)
-    and dequant_cublas, whose step says why mmq declined."""
+    up to support.MMQ_MAX_N (the grid I-quants: mmq_wgmma); the others mmvq (dot32 from global memory)
+    and mmq_wgmma (where selected: `wgmma`; else dequant_cublas), whose step says why mmq declined."""
+    if wgmma:
+        select_wgmma(monkeypatch)
     rv, qk = stream.stream_geo(dt).row_values, DTYPES[dt].block_size
     partial = ((rv + qk, "mmvq"),) if rv > qk else ()  # q4_K, q5_K: chunks of one block, every K streams
     for k, small in ((rv, "mmvq_stream"), (14336, "mmvq_stream"), *partial):
@@ -2165,12 +2218,13 @@ def test_subscaled_mul_mat_path(dt: str, n: int) -> None:
             assert support.stream_ok(y, H200) == (True if whole else why)
         else:
             gemm = dt in mmq.MMQ_FORMATS  # the grid I-quants have no quantized GEMM
-            big = "mmq" if gemm and whole and n <= support.MMQ_MAX_N else "dequant_cublas"
+            wide = "mmq_wgmma" if wgmma and whole and k % mmq_wgmma.BK == 0 else "dequant_cublas"
+            big = "mmq" if gemm and whole and n <= support.MMQ_MAX_N else wide
             small_gemm = support.MMQ_SMALL_MIN_N <= n <= support.MMQ_SMALL_MAX_N
             big = "mmq_small" if big == "mmq" and small_gemm else big
             assert (step.plugin, step.kernel) == ("cuda_matmul", big), (k, n)
-            over = f"N={n} > {support.MMQ_MAX_N}: dequantizing for cuBLAS is faster there"
-            want = f"{dt} has no quantized GEMM" if not gemm else True if big.startswith("mmq") else \
+            over = f"N={n} > {support.MMQ_MAX_N}: mmq_wgmma or dequant_cublas is faster there"
+            want = f"{dt} has no quantized GEMM" if not gemm else True if big in ("mmq", "mmq_small") else \
                 over if n > support.MMQ_MAX_N else why
             assert support.mmq_ok(y, H200) == want
 
@@ -2279,6 +2333,65 @@ def test_subscaled_mmq(dt: str, n: int, rng) -> None:  # noqa: ANN001
     rv = stream.stream_geo(dt).row_values
     mmq_three_runs(dt, n, ((77, rv), (130, 3 * rv), (61, 14336)), lambda y: subscaled_feeds(y, rng),
                    lambda f: q8_1_rounded(f, "b"), Q8_1_NMSE)
+
+
+#: mmq_wgmma's bound against the plain reference: it rounds the dequantized weights and b to bf16 (8-bit
+#: significands), which on random data gives an NMSE of about 3e-6; ten times that
+WGMMA_NMSE = 3e-5
+#: (a shape, b shape) of the mmq_wgmma cases: partial row and column tiles; K cut in 8, 16 and 33 slices (one or
+#: two raw K tiles each), and not cut (99 output tiles); b's batches broadcast over a's (r2 = 2)
+WGMMA_SHAPES = (((77, 2048), (129, 2048)), ((200, 4096), (300, 4096)), ((61, 14336), (512, 14336)),
+                ((4200, 2048), (300, 2048)), ((2, 70, 2048), (4, 150, 2048)))
+
+
+@gpu
+@pytest.mark.usefixtures("wgmma_selected")
+@pytest.mark.parametrize("dt", specs.QUANT_NAMES)
+def test_mmq_wgmma(dt: str, rng) -> None:  # noqa: ANN001
+    """mmq_wgmma for every block format at WGMMA_SHAPES, three runs of the plan (warm-up, CUDA-graph capture,
+    replay), its arenas poisoned before each (so every output element must be written), against the reference."""
+    for a_shape, b_shape in WGMMA_SHAPES:
+        y = ops.mul_mat(od.input("a", a_shape, dt), od.input("b", b_shape))
+        plan = od.compile(y, "cuda0")
+        (step,) = steps_of(plan, "mul_mat")
+        assert step.kernel == "mmq_wgmma", plan.explain()
+        for run in range(3):
+            feeds = subscaled_feeds(y, rng) if dt in SUBSCALED else feeds_for(y, rng)
+            poison_arenas(plan)
+            (got,) = plan.run(feeds)
+            (ref,) = od.compile(y, "cpu").run(feeds)
+            assert_close(got, ref, f"mmq_wgmma a={dt} {a_shape} b={b_shape}, run {run}", WGMMA_NMSE)
+
+
+@pytest.mark.usefixtures("wgmma_selected")
+def test_mmq_wgmma_specs() -> None:
+    """b converted to bf16 rows, then one block per 128 x 128 output tile, batch and K slice (here 6 tiles and 4
+    batches, 24 blocks, leave the H200's 132 SMs room for 2 slices of the 2 raw K tiles), the weights' strides and
+    the broadcast ratio passed as they are, the scratch of split K."""
+    y = ops.mul_mat(od.input("a", (2, 200, 512), "q4_K"), od.input("b", (4, 300, 512)))
+    assert support.choose(y).path == "mmq_wgmma"
+    bufs = {}
+
+    def scratch(role: str, nbytes: int, zeroed: bool = False) -> int:
+        bufs[role] = (nbytes, zeroed)
+        return (len(bufs) + 1) << 20
+
+    conv, main = mmq_wgmma.wgmma_specs(y, lambda t: 1 << 20, scratch)
+    assert conv.kernel == specs.convert_name("f32", "bf16") and conv.args.dst == main.args.b
+    assert bufs["b"] == (4 * 300 * 512 * 2, False)
+    assert bufs["mmq_wgmma partial sums"] == (2 * 4 * 300 * 200 * 4, False)
+    assert bufs["mmq_wgmma split counters"] == (4 * 2 * 3 * 4, True)
+    assert main.kernel == "mmq_wgmma<W_Q4_K>" and main.grid == (2 * 2 * 3, 4, 1) and main.block == 256
+    a = main.args
+    assert (a.M, a.K, a.N, a.tiles_m, a.tiles_n, a.splits, a.r2, a.r3) == (200, 512, 300, 2, 3, 2, 2, 1)
+    assert a.a_row == 512 // 256 * 144 and a.a_s2 == 200 * a.a_row
+    assert main.smem == 2 * 128 * 64 * 2 + 4 * 128 * 64 * 2 + 1024 + 2 * 128 * mmq.row_stride("q4_K", 8)
+
+
+@pytest.mark.parametrize(("tiles", "k", "splits"), [(128, 14336, 1), (64, 8192, 2), (16, 2048, 8), (16, 512, 2),
+                                                     (300, 2048, 1)])
+def test_mmq_wgmma_splits_fill_one_wave(tiles: int, k: int, splits: int) -> None:
+    assert mmq_wgmma.wgmma_splits(tiles, k, H200) == splits
 
 
 #: (K, M) of the streamed sub-scaled sweep: rows of one q4_K / q5_K / iq4_nl chunk, one chunk a stage of

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from opdispatch.backends.cuda.kernels import source_arch
+
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = ROOT / "plugins"
 INCLUDE = ROOT / "core" / "backends" / "cuda"
@@ -119,10 +121,11 @@ void* const instances[] = {(void*)&probe<od::quant::q4_0>, (void*)&probe<od::qua
 NVVM_OPT = ["-Xcicc", "-O0"]
 
 
-def nvcc(source: Path, workdir: Path, kernels_dir: Path) -> None:
-    """Compile as load_module does: the shared headers and the kernel's own folder on the include path (NVVM's
-    optimizer off: NVVM_OPT)."""
-    cmd = [NVCC, "-arch=sm_90", "-std=c++17", *NVVM_OPT, f"-I{INCLUDE}", f"-I{kernels_dir}", "-c", str(source),
+def nvcc(source: Path, workdir: Path, kernels_dir: Path, arch: str | None = None) -> None:
+    """Compile as load_module does: the shared headers and the kernel's own folder on the include path, for `arch`
+    (the kernel file's kernels.source_arch: sm_90a) or sm_90 (NVVM's optimizer off: NVVM_OPT)."""
+    target = [f"-gencode=arch=compute_{arch[3:]},code={arch}"] if arch else ["-arch=sm_90"]
+    cmd = [NVCC, *target, "-std=c++17", *NVVM_OPT, f"-I{INCLUDE}", f"-I{kernels_dir}", "-c", str(source),
            "-o", str(workdir / "out.o")]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, timeout=600)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
@@ -160,7 +163,7 @@ def test_compiles_with_every_instance(cu: Path, tmp_path: Path) -> None:
         folder.mkdir()
         wrapper = folder / f"instances_{cu.stem}.cu"
         wrapper.write_text(f'#include "{cu.resolve()}"\n\nvoid* const od_instances[] = {{\n{refs}    nullptr,\n}};\n')
-        nvcc(wrapper, folder, cu.parent)
+        nvcc(wrapper, folder, cu.parent, source_arch(cu))
 
     with ThreadPoolExecutor(parts) as pool:
         list(pool.map(build, range(parts)))

@@ -22,6 +22,7 @@ from .specs.mmq import mmq_addresses, mmq_specs
 from .specs.mmq_id import mmq_id_specs
 from .specs.mmq_small import pair_ok as small_pair_ok
 from .specs.mmq_small import small_specs
+from .specs.mmq_wgmma import wgmma_specs
 from .specs.mmv import fused_specs, grouped_specs, mmv_id_specs, mmv_specs, quantize_spec
 
 if TYPE_CHECKING:
@@ -92,6 +93,10 @@ def bind_mmq_small(ctx: CudaContext, node: Tensor) -> Launch:
     if mmq_addresses(ctx.ptr, node.srcs[0]):
         return _bind(ctx, node, lambda scratch: small_specs(node, ctx.ptr, scratch, ctx.device))
     return bind_gemm(ctx, node)
+
+
+def bind_mmq_wgmma(ctx: CudaContext, node: Tensor) -> Launch:
+    return _bind(ctx, node, lambda scratch: wgmma_specs(node, ctx.ptr, scratch, ctx.device))
 
 
 def bind_out_prod(ctx: CudaContext, node: Tensor) -> Launch:
@@ -167,6 +172,7 @@ PATHS: tuple[tuple[str, str, Callable], ...] = (
     ("mul_mat", "mmvq", bind_mmv),
     ("mul_mat", "mmq_small", bind_mmq_small),
     ("mul_mat", "mmq", bind_mmq),
+    ("mul_mat", "mmq_wgmma", bind_mmq_wgmma),
     ("mul_mat", "mmf", bind_mmf),
     ("mul_mat", "cublas", bind_gemm),
     ("mul_mat", "dequant_cublas", bind_gemm),

@@ -19,7 +19,7 @@ from opdispatch.ops.base import pad4
 from opdispatch.support import GRID_YZ_MAX, Rule, first_failure, fits_int, rows_apart, whole_elements
 from opdispatch.tensor import Tensor
 
-from .specs import MMF_TYPES, QUANT_NAMES, STREAM_B16, mmf, mmq, mmq_id, mmq_small
+from .specs import MMF_TYPES, QUANT_NAMES, STREAM_B16, mmf, mmq, mmq_id, mmq_small, mmq_wgmma
 from .specs.stream import STREAMED, device_facts, stream_geo, stream_warps
 
 #: most columns (batch N) the mat-vec kernels take; larger batches go to mmf (float weights) or cuBLAS
@@ -31,9 +31,9 @@ MMV_MAX_N = 8
 MMF_MIN_N = 9
 #: most columns mmf takes (the kernel's two 8-column tiles); more go to cuBLAS
 MMF_MAX_N = 16
-#: most columns mmq takes (every format); more go to dequant_cublas. On the H200 (q4_0 / q8_0, 4096 x 14336
-#: weights) mmq was 4.3x faster at 16 columns, 1.09x / 1.30x at 128 and 0.48x / 0.57x at 512
-#: (docs/benchmarks.md); the sub-scaled formats are not yet measured
+#: most columns mmq takes (every format); more go to mmq_wgmma (compute capability 9.0) or dequant_cublas. On the
+#: H200 (q4_0 / q8_0, 4096 x 14336 weights) mmq was 4.3x faster than dequant_cublas at 16 columns, 1.09x / 1.30x
+#: at 128 and 0.48x / 0.57x at 512 (docs/benchmarks.md); the sub-scaled formats are not yet measured
 MMQ_MAX_N = 128
 #: mmq_small (the quantized GEMM whose warps stream their own weight rows) is compiled for up to
 #: MMQ_SMALL_MAX_N columns (specs/mmq_small.SMALL_NTS) and takes MMQ_SMALL_MIN_N.. of them where mmq_small_ok
@@ -46,6 +46,12 @@ MMQ_MAX_N = 128
 #: 1.02x; the 1b batch-16 decode 9788 -> 10444 tokens/s), where it had kept mmq unless mmq_small's grid was one wave.
 MMQ_SMALL_MIN_N = 9
 MMQ_SMALL_MAX_N = 32
+#: the formats whose products mmq declines take mmq_wgmma (the dequantizing wgmma GEMM, compute capability 9.0)
+#: instead of dequant_cublas: none yet. On the H200 (2026-12-03, 512 columns; docs/benchmarks.md) it is correct for
+#: every format but not yet faster: q4_0 4096 x 14336 199 us (0.41x torch bf16's 82 us), where dequant_cublas took
+#: 223; the 1b preset's 512-token prefill 5.51 ms against dequant_cublas's 5.39 (q4_0), 6.73 against 6.55 (q8_0),
+#: 8.65 against 5.15 (Q4_K_M: the sub-scaled formats dequantize through load_unit). The GPU tests select every format.
+MMQ_WGMMA_TYPES: tuple[str, ...] = ()
 #: most experts the routing kernel of mmv_id_grouped and mmq_id takes (shared memory: 2 ints an expert)
 ROUTE_MAX_EXPERTS = 4096
 #: mul_mat_id with several tokens takes mmq_id (the quantized GEMM) where it has more than this many (token,
@@ -171,13 +177,41 @@ def mmq_ok(node: Tensor, device: Device | None = None) -> bool | str:
     if dt not in mmq.MMQ_FORMATS:
         return f"{dt} has no quantized GEMM"
     if batch_n(node) > MMQ_MAX_N:
-        return f"N={batch_n(node)} > {MMQ_MAX_N}: dequantizing for cuBLAS is faster there"
+        return f"N={batch_n(node)} > {MMQ_MAX_N}: mmq_wgmma or dequant_cublas is faster there"
     g = stream_geo(dt)
     chunked = _whole_chunks(a, g.row_values, g.chunk, device, "int8 mma.sync m16n8k32")
     if chunked is not True:
         return chunked
     if not mmq.mmq_fits(dt, batch_n(node), device):
         return "the tile's stages do not fit in shared memory"
+    return True
+
+
+def mmq_wgmma_ok(node: Tensor, device: Device | None = None) -> bool | str:
+    """True if mmq_wgmma runs mul_mat `node` (block-format a, N > 8, declined by mmq: checked by the caller), else
+    why dequant_cublas runs it: wgmma (compute capability 9.0 exactly: sm_90a code), K whole K tiles, mmq's row
+    conditions (its raw weight stages), the batch within the grid, the shared memory within the device's."""
+    a, b = node.srcs
+    k = a.shape[-1]
+    if a.dtype.name not in mmq_wgmma.WGMMA_FORMATS:
+        return f"{a.dtype.name} has no dequantizing wgmma GEMM"
+    if a.dtype.name not in MMQ_WGMMA_TYPES:
+        return f"not selected for {a.dtype.name} (support.MMQ_WGMMA_TYPES: not yet faster than dequant_cublas)"
+    facts = device_facts(device)
+    if device is not None and device.kind == "cuda" and facts.cc != (9, 0):
+        return f"wgmma needs compute capability 9.0 (sm_90a code), not {facts.cc[0]}.{facts.cc[1]}"
+    if k % mmq_wgmma.BK:
+        return f"K={k} is not a multiple of {mmq_wgmma.BK} (mmq_wgmma's K tile)"
+    g = stream_geo(a.dtype.name)
+    chunked = _whole_chunks(a, g.row_values, g.chunk, device, "wgmma")
+    if chunked is not True:
+        return chunked
+    b3, b2 = pad4(b.shape)[:2]
+    if max(b2, b3) > GRID_YZ_MAX:
+        return f"batch dims {b3} x {b2} exceed the grid's {GRID_YZ_MAX}"
+    smem = mmq_wgmma.wgmma_smem(a.dtype.name)
+    if smem > facts.smem_per_block_optin:
+        return f"its {smem} bytes of shared memory exceed the device's {facts.smem_per_block_optin}"
     return True
 
 
@@ -250,7 +284,12 @@ def choose(node: Tensor, device: Device | None = None) -> Choice:
             if mmq_small_ok(node, device) is True:
                 return Choice("mmq_small")
             ok = mmq_ok(node, device)
-            return Choice("mmq") if ok is True else Choice("dequant_cublas", note=f"mmq: {ok}")
+            if ok is True:
+                return Choice("mmq")
+            wg = mmq_wgmma_ok(node, device)
+            if wg is True:
+                return Choice("mmq_wgmma", note=f"mmq: {ok}")
+            return Choice("dequant_cublas", note=f"mmq: {ok}; mmq_wgmma: {wg}")
         if not quant and MMF_MIN_N <= batch_n(node) <= MMF_MAX_N and mmf_ok(node, device) is True:
             return Choice("mmf")
         return Choice("mmvf" if small else "cublas")

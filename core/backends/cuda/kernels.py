@@ -7,6 +7,10 @@ compiles the instance once and returns a launch that is one cuLaunchKernel call,
 arguments converted once at bind: the measured launch costs (docs/design.md) leave no room
 for per-call conversion.
 
+A .cu file whose first line is `// opdispatch-arch: sm_90a` (ARCH_MARK) is compiled for that target
+instead of the device's plain one: Hopper's wgmma needs it, and such code runs on compute capability 9.0
+only (the plugin's support predicate says so).
+
 A kernel whose body begins with `od::grid_enter();` (common.cuh) launches with programmatic
 dependent launch (Hopper, cuLaunchKernelEx): it may start before the kernel ahead of it has
 finished, and that first statement waits for it before anything touches memory (a
@@ -58,6 +62,16 @@ _SMEM_DEFAULT_LIMIT = 48 * 1024
 
 _modules: dict[tuple, Any] = {}
 
+#: The first line of a .cu file that needs an architecture-specific target, then the target (sm_90a).
+ARCH_MARK = "// opdispatch-arch: "
+
+
+def source_arch(cu_path: str | Path) -> str | None:
+    """The target a .cu file's first line names (ARCH_MARK), or None: the device's own."""
+    with open(cu_path, encoding="utf-8") as f:
+        first = f.readline().strip()
+    return first[len(ARCH_MARK):].strip() if first.startswith(ARCH_MARK) else None
+
 
 @functools.lru_cache(maxsize=None)
 def _headers_digest(folder: Path) -> str:
@@ -74,7 +88,8 @@ def load_module(cu_path: str | Path, name_expressions: Sequence[str] = (), optio
     """The `cupy.RawModule` of a .cu file, compiled by NVRTC with -std=c++17.
 
     `name_expressions` are the template instances to compile (each then a
-    valid `get_function` argument). Cached in memory per (source and header
+    valid `get_function` argument); a file marked with ARCH_MARK is compiled
+    for the target it names. Cached in memory per (source and header
     hash, names, options) and on disk by CuPy; the module compiles here, on
     the current device, so that errors name the file.
     """
@@ -82,7 +97,9 @@ def load_module(cu_path: str | Path, name_expressions: Sequence[str] = (), optio
 
     path = Path(cu_path).resolve()
     code = f"// opdispatch headers {_headers_digest(path.parent)}\n" + path.read_text()
-    opts = ("-std=c++17", f"-I{INCLUDE_DIR}", f"-I{path.parent}", *options)
+    arch = source_arch(path)
+    opts = ("-std=c++17", f"-I{INCLUDE_DIR}", f"-I{path.parent}", *options,
+            *((f"--gpu-architecture={arch}",) if arch else ()))
     names = tuple(name_expressions)
     key = (hashlib.sha256(code.encode()).hexdigest(), names, opts)
     module = _modules.get(key)

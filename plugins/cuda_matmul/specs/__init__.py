@@ -4,7 +4,8 @@ constants and tuned configuration that fix them; the helpers every family of spe
 The launch specs are per .cu family: `mmv` (kernels/mmv.cu: the mat-vecs and the q8_1 quantizer;
 kernels/mmv_id.cu: the MoE mat-vecs and routing), `stream` (kernels/mmvq_stream.cu's geometry), `mmq`
 (kernels/mmq.cu, the quantized GEMM), `mmq_id` (kernels/mmq_id.cu, the quantized GEMM of mul_mat_id),
-`mmq_small` (kernels/mmq_small.cu, the weight-streaming quantized GEMM for few columns), `mmf`
+`mmq_small` (kernels/mmq_small.cu, the weight-streaming quantized GEMM for few columns), `mmq_wgmma`
+(kernels/mmq_wgmma.cu, the quantized GEMM for many columns on Hopper's wgmma), `mmf`
 (kernels/mmf.cu, the tensor-core mat-mul for few columns) and `gemm` (kernels/convert.cu and the cuBLAS
 calls). Column counts are compiled for the common case only: b f32 (and 16-byte loads for float
 weights) takes NTS (the grouped MoE kernels GROUPED_NTS); the rarer variants (scalar loads, b f16/bf16,
@@ -31,6 +32,7 @@ MMVQ_STREAM_CU = KERNELS_DIR / "mmvq_stream.cu"
 MMQ_CU = KERNELS_DIR / "mmq.cu"
 MMQ_ID_CU = KERNELS_DIR / "mmq_id.cu"
 MMQ_SMALL_CU = KERNELS_DIR / "mmq_small.cu"
+MMQ_WGMMA_CU = KERNELS_DIR / "mmq_wgmma.cu"
 CONVERT_CU = KERNELS_DIR / "convert.cu"
 MMF_CU = KERNELS_DIR / "mmf.cu"
 
@@ -154,6 +156,10 @@ def mmq_id_name(wt: str, tile: Sequence[int]) -> str:
     return instance("mmq_id", W_KIND[wt], *tile)
 
 
+def mmq_wgmma_name(wt: str) -> str:
+    return instance("mmq_wgmma", W_KIND[wt])
+
+
 def mmvq_id_name(wt: str, epi: str) -> str:
     return instance("mmvq_id", W_KIND[wt], epi)
 
@@ -248,8 +254,9 @@ def addr(ptr: Ptr, t: Tensor | None) -> int:
     return ptr(t) if t is not None else 0
 
 
-from . import mmq, mmq_id, mmq_small  # noqa: E402 - last: they import the names above; their tables name the instances
+from . import mmq, mmq_id, mmq_small, mmq_wgmma  # noqa: E402 - last: they import the names above; their tables name the instances
 
 KERNEL_SOURCES[MMQ_CU] = mmq.NAMES
 KERNEL_SOURCES[MMQ_ID_CU] = mmq_id.NAMES
 KERNEL_SOURCES[MMQ_SMALL_CU] = mmq_small.NAMES
+KERNEL_SOURCES[MMQ_WGMMA_CU] = mmq_wgmma.NAMES

@@ -1,0 +1,315 @@
+// opdispatch-arch: sm_90a
+// Quantized GEMM on Hopper's warpgroup tensor cores (mmq_wgmma): out (B3, B2, N, M) f32 = b (N, K) @ a (M, K)^T
+// for block-format weights a and many columns. mmq's int8 mma.sync products must be converted and scaled after
+// every 32 values (a block's scale), which keeps it near twice cuBLAS bf16's time at 512 columns
+// (docs/cuda_matmul.md); here each K tile of the weights is dequantized once into bf16 in shared memory (the
+// scales and offsets folded into the values), b comes as bf16 rows (convert.cu, the launch before), and the
+// products run on wgmma.mma_async with f32 accumulators across the whole slice of K. No weight is ever written
+// back dequantized. wgmma needs the sm_90a target: the first line of this file makes kernels.py (and the compile
+// test) build it so; support.mmq_wgmma_ok takes compute capability 9.0 only.
+//
+// A block is 256 threads, two warpgroups: BM = 128 weight rows (64 a warpgroup, one m64n128k16 accumulator of
+// 64 floats a thread), BN = 128 columns, K tiles of BK = 64 values. Shared memory:
+//   A    2 stages of BM x BK bf16 (16 KB), written by the block's dequantization (st.shared, then
+//        fence.proxy.async so that the tensor cores see it);
+//   B    4 stages of BN x BK bf16 (16 KB), cp.async three K tiles ahead;
+//   raw  2 stages of the weights' raw blocks: mmq's K tile of 256 values (Tile<Q, 8>: each row's covering
+//        16-byte granules, cp.async), 4 of this kernel's K tiles, issued two raw tiles ahead.
+// A and B are K-major in the 128-byte swizzle wgmma reads (row r's 16-byte chunk c at r * 128 + (c ^ (r % 8)) *
+// 16, each tile 1024-byte aligned; the descriptor's stride between 8-row groups 1024 bytes, a k16 step 32 bytes
+// further along the row).
+// K tile t: the four wgmma of t are issued (one commit group), then wgmma.wait_group 1 (t - 1's are done), and
+// while t's run the block dequantizes t + 1 into the A stage t - 1 held (a warpgroup's threads write exactly the
+// rows its own products read, so no barrier is needed before), waits for its copies, and after one barrier issues
+// the copies into the stages t - 1 freed. The tensor cores are never drained inside the loop: t + 1's products
+// queue behind t's. Dequantization: quant.cuh's load_unit for every format (8 values a unit, v = code * d + m in
+// f32, rounded to bf16), and a fast path for q4_0 (nibbles to bf16 by their bits, bf16x2 arithmetic).
+// Split K: the raw K tiles of a row are cut in `splits` contiguous slices, one block each (a grid of few output
+// tiles still fills the GPU), and mq::finish (mmq's) writes the sums or the slices' ordered sum: deterministic.
+//
+// Requirements (support.mmq_wgmma_ok): K % 64 == 0 and mmq's row conditions (rows of whole 16-byte granules, a
+// 16-byte aligned: the raw stages); b bf16 rows of K values, contiguous (B3, B2, N, K), 16-byte aligned. Rows
+// past M read row M - 1 and columns past N read column N - 1; neither is written.
+
+#include "mmq_common.cuh"
+
+namespace mw {
+
+using mm::u8;
+
+constexpr int BM = 128, BN = 128, BK = 64, THREADS = 256;
+constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
+constexpr int A_STAGES = 2, B_STAGES = 4, RAW_STAGES = 2;
+// The raw weights are staged in mmq's K tiles of RAW_KB K steps (256 values: a super-block, or 8 blocks of 32),
+// SUBS of this kernel's K tiles each.
+constexpr int RAW_KB = 8, SUBS = RAW_KB * 32 / BK;
+
+// Bytes before raw K tile rt's first block in its first granule (mmq's lead: 0 where K tiles are whole granules).
+template <int WT>
+__device__ __forceinline__ int raw_lead(int rt) {
+    using F = mm::Fmt<WT>;
+    using T = mq::Tile<F, RAW_KB>;
+    return T::ALIGNED ? 0 : rt * RAW_KB / T::STEPS * F::BYTES % 16;
+}
+
+// Byte offset of row r's 16-byte chunk c in a 128-byte-swizzled tile of 128-byte rows.
+__device__ __forceinline__ unsigned swz(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
+
+// The shared-memory matrix descriptor of a K-major, 128-byte-swizzled tile at shared address `saddr`: start
+// address >> 4 (bits 0-13), leading byte offset 1 (unused by swizzled K-major layouts), stride byte offset
+// 1024 >> 4 (bits 32-45: 8 rows of 128 bytes), swizzle mode 1 = 128 bytes (bits 62-63).
+__device__ __forceinline__ unsigned long long desc(unsigned saddr) {
+    return static_cast<unsigned long long>((saddr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+// Ordinary shared-memory stores made visible to the async proxy (the tensor cores' operand reads).
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Keeps the compiler from moving the accumulators' uses across the asynchronous wgmma (CUTLASS's
+// warpgroup_fence_operand): each register is an input and output of an empty asm statement.
+__device__ __forceinline__ void fence_acc(float (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        asm volatile("" : "+f"(d[i])::"memory");
+    }
+}
+
+// d (64 x 128 f32, this warpgroup's) += A (64 x 16 bf16, descriptor da) * B (128 x 16 bf16, K-major: db)^T.
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db));
+}
+
+__device__ __forceinline__ unsigned bf16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// (x, x) as bf16x2.
+__device__ __forceinline__ unsigned bf16x2_same(float x) { return bf16x2(x, x); }
+
+// Two 4-bit codes of `nib` (bytes holding 0 .. 15), picked by the byte selector `sel` into the bf16 pair
+// (128 + n0, 128 + n1), minus 136 (exact: 136 - 8 is the zero), times d2 (bf16x2): q4_0's values.
+__device__ __forceinline__ unsigned q4_pair(unsigned nib, unsigned sel, unsigned d2) {
+    const unsigned x = od::prmt(nib, 0x43434343u, sel);
+    unsigned t, v;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(t) : "r"(x), "r"(0x3f803f80u), "r"(0xc308c308u));  // x * 1 - 136
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(v) : "r"(t), "r"(d2));
+    return v;
+}
+
+__device__ __forceinline__ void st_shared8(unsigned saddr, unsigned a, unsigned b) {
+    asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(saddr), "r"(a), "r"(b) : "memory");
+}
+
+// 64-value K tile kt of the block's BM weight rows dequantized into the A stage at shared address sa, from the
+// raw K tile (256 values: mmq's Tile<Q, 8>) holding it at `raw` (row r at raw + r * RS, its first block `lead`
+// bytes in): thread t decodes row t / 2, units (8 values each, quant.cuh's load_unit) 4 (t % 2) .. 4 (t % 2) + 3
+// of the tile; a unit's values v = code * d + m are rounded to bf16 and stored where unit_k puts them (8 in a row,
+// or two runs of 4 for the 4- and 5-bit legacy formats).
+template <int WT>
+__device__ __forceinline__ void dequant_tile(unsigned sa, const u8* raw, int kt, int tid) {
+    using F = mm::Fmt<WT>;
+    using T = mq::Tile<F, RAW_KB>;
+    const int r = tid >> 1;
+    const int sub = kt % SUBS;  // this K tile's place in its raw K tile
+    const u8* const row = raw + r * T::RS;
+    const int u0 = sub * (BK / 8) + (tid & 1) * 4;
+    if constexpr (WT == W_Q4_0) {
+        // q4_0's fast path: a block's 4 units at once (u0 is a multiple of 4). Each nibble n becomes the bf16
+        // 128 + n by its bits (0x4300 | n), n - 8 exactly by one bf16x2 FMA, then times d rounded to bf16.
+        const u8* const blk = row + (u0 >> 2) * F::BYTES;
+        const unsigned d2 = bf16x2_same(od::f16_to_f32(od::ld16(blk)));
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const unsigned q = od::ld32_2(blk + F::QS + 4 * s);  // codes 4s .. 4s+3 (low nibbles), 16+4s .. (high)
+            const unsigned lo = q & 0x0f0f0f0fu, hi = (q >> 4) & 0x0f0f0f0fu;
+            const int kx = (u0 >> 2) * 32 + 4 * s - sub * BK, ky = kx + 16;
+            st_shared8(sa + swz(r, kx >> 3) + (kx & 7) * 2, q4_pair(lo, 0x5140u, d2), q4_pair(lo, 0x7362u, d2));
+            st_shared8(sa + swz(r, ky >> 3) + (ky & 7) * 2, q4_pair(hi, 0x5140u, d2), q4_pair(hi, 0x7362u, d2));
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int u = u0 + i;
+            float c[8], d, m;
+            od::quant::load_unit<F>(row, u, c, d, m);
+            unsigned p[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                p[j] = bf16x2(fmaf(c[2 * j], d, m), fmaf(c[2 * j + 1], d, m));
+            }
+            const int2 k = mm::unit_k<WT>(u);
+            const int kx = k.x - sub * BK, ky = k.y - sub * BK;
+            st_shared8(sa + swz(r, kx >> 3) + (kx & 7) * 2, p[0], p[1]);
+            st_shared8(sa + swz(r, ky >> 3) + (ky & 7) * 2, p[2], p[3]);
+        }
+    }
+}
+
+// Raw K tile rt (256 values, fewer at the end of a row) of weight rows m0 .. m0 + BM - 1 (clamped to M - 1) into
+// the raw stage `st`: the 16-byte granules covering each row's blocks (mmq's issue_a); returns nothing, the
+// blocks start lead(rt) bytes into each row.
+template <int WT>
+__device__ __forceinline__ void issue_raw(u8* st, const u8* wa, long long a_row, int m0, int M, int nb, int rt,
+                                          int tid) {
+    using F = mm::Fmt<WT>;
+    using T = mq::Tile<F, RAW_KB>;
+    const int j0 = rt * RAW_KB, kb = min(RAW_KB, nb - j0);
+    const int lead = raw_lead<WT>(rt);
+    const int at = j0 / T::STEPS * F::BYTES - lead;
+    const int wg = (lead + kb / T::STEPS * F::BYTES + (T::ALIGNED ? 0 : 15)) / 16;
+    for (od::Walk w(tid, THREADS, wg); w.row < BM; w.next()) {
+        const u8* src = wa + static_cast<long long>(min(m0 + w.row, M - 1)) * a_row + at + 16 * w.col;
+        od::cp_async16(od::smem_addr(st + w.row * T::RS + 16 * w.col), src);
+    }
+}
+
+// K tile kt of b's columns n0 .. n0 + BN - 1 (clamped to N - 1; b bf16 rows of K values, column n of this batch
+// at row brow0 + n) into the B stage at shared address sb: 4 cp.async of 16 bytes a thread.
+__device__ __forceinline__ void load_b(unsigned sb, const u8* b, long long brow0, int n0, int N, int K, int kt,
+                                       int tid) {
+#pragma unroll
+    for (int i = 0; i < BN * BK / 8 / THREADS; ++i) {
+        const int c = tid + i * THREADS;
+        const int r = c >> 3, ch = c & 7;
+        const long long row = brow0 + min(n0 + r, N - 1);
+        od::cp_async16(sb + swz(r, ch), b + (row * K + kt * BK + ch * 8) * 2);
+    }
+}
+
+}  // namespace mw
+
+// mul_mat with block-format weights: out[i3, i2, n, m] = sum_k a[i3 / r3, i2 / r2, m, k] * b[i3, i2, n, k]. a rows
+// a_row bytes apart, batch strides a_s2, a_s3 (16-byte multiples, a 16-byte aligned, rows of whole granules); b
+// bf16 (B3, B2, N, K) contiguous; out contiguous (B3, B2, N, M). The raw K tiles of a row are cut in `splits`
+// contiguous slices, one block each (split K, as mmq: a grid of few output tiles still fills the GPU); with
+// splits > 1, part holds splits * B3 * B2 * N * M floats and counters B3 * B2 * tiles_m * tiles_n ints (zero
+// before the launch, and again after it), and mq::finish adds the slices in order. Grid (tiles_m * splits *
+// tiles_n, B2, B3), the column tile fastest (the blocks reading the same weights run together); 256 threads;
+// dynamic shared memory specs/mmq_wgmma.py's wgmma_smem: A_STAGES * A_BYTES + B_STAGES * B_BYTES (1024-byte
+// aligned), then RAW_STAGES raw stages of BM rows of Tile<Q, RAW_KB>::RS bytes.
+template <int WT>
+__global__ void __launch_bounds__(mw::THREADS, 1)
+    mmq_wgmma(const mm::u8* a, long long a_row, long long a_s2, long long a_s3, int r2, int r3, const mm::u8* b,
+              float* out, int M, int K, int N, int tiles_m, int tiles_n, int splits, float* part, int* counters) {
+    od::grid_enter();
+    using namespace mw;
+    using T = mq::Tile<mm::Fmt<WT>, RAW_KB>;
+    constexpr int RAW_BYTES = BM * T::RS;
+    extern __shared__ uint4 smem_u4[];
+    u8* const smem = reinterpret_cast<u8*>(smem_u4);
+    const unsigned pad = ((od::smem_addr(smem) + 1023u) & ~1023u) - od::smem_addr(smem);
+    const unsigned sA = od::smem_addr(smem) + pad, sB = sA + A_STAGES * A_BYTES;
+    u8* const raw = smem + pad + A_STAGES * A_BYTES + B_STAGES * B_BYTES;
+
+    const int tid = threadIdx.x;
+    const int tn = static_cast<int>(blockIdx.x % tiles_n);
+    const int split = static_cast<int>((blockIdx.x / tiles_n) % splits);
+    const int tm = static_cast<int>(blockIdx.x / (tiles_n * splits));
+    const int i2 = blockIdx.y, i3 = blockIdx.z;
+    const int m0 = tm * BM, n0 = tn * BN;
+    const u8* const wa = a + (i3 / r3) * a_s3 + (i2 / r2) * a_s2;
+    const long long batch = static_cast<long long>(i3) * gridDim.y + i2;
+    const long long brow0 = batch * N;
+    const int nb = K / 32, nraw_all = (nb + RAW_KB - 1) / RAW_KB;
+    // this block's slice: raw K tiles rt0 .. rt0 + nraw - 1, K tiles kt0 .. kt0 + nk - 1 (kt below counts from kt0)
+    const int rt0 = static_cast<int>(static_cast<long long>(split) * nraw_all / splits);
+    const int nraw = static_cast<int>(static_cast<long long>(split + 1) * nraw_all / splits) - rt0;
+    const int kt0 = rt0 * SUBS, nk = min(nraw * SUBS, K / BK - kt0);
+    const int wg = tid >> 7;  // this thread's warpgroup: weight rows 64 wg .. 64 wg + 63 of the tile
+    auto raw_stage = [&](int r) { return raw + (r % RAW_STAGES) * RAW_BYTES; };
+    auto raw_of = [&](int kt) { return raw_stage(kt / SUBS) + raw_lead<WT>(rt0 + kt / SUBS); };
+
+    float d[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        d[i] = 0.0f;
+    }
+    // ahead of the loop: raw K tiles 0 and 1, b's K tiles 0 .. B_STAGES - 2, K tile 0 dequantized
+    issue_raw<WT>(raw_stage(0), wa, a_row, m0, M, nb, rt0, tid);
+    if (nraw > 1) {
+        issue_raw<WT>(raw_stage(1), wa, a_row, m0, M, nb, rt0 + 1, tid);
+    }
+#pragma unroll
+    for (int s = 0; s < B_STAGES - 1; ++s) {
+        if (s < nk) {
+            load_b(sB + s * B_BYTES, b, brow0, n0, N, K, kt0 + s, tid);
+        }
+    }
+    od::cp_async_commit();
+    od::cp_async_wait<0>();
+    __syncthreads();
+    dequant_tile<WT>(sA, raw_of(0), 0, tid);
+    fence_async_smem();
+    __syncthreads();
+
+    for (int kt = 0; kt < nk; ++kt) {
+        const unsigned a_st = sA + (kt & 1) * A_BYTES + wg * 64 * 128;
+        const unsigned b_st = sB + (kt % B_STAGES) * B_BYTES;
+        fence_acc(d);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            wgmma_m64n128k16(d, desc(a_st + kk * 32), desc(b_st + kk * 32));
+        }
+        wg_commit();
+        // K tile kt - 1's products are done (this warpgroup's), so its A stage, the one tile kt + 1 takes, is free:
+        // a warpgroup's threads dequantize exactly the rows its own products read. Tile kt's products run on
+        // meanwhile, and kt + 1's are issued behind them without draining the tensor cores.
+        wg_wait1();
+        fence_acc(d);
+        if (kt + 1 < nk) {
+            dequant_tile<WT>(sA + ((kt + 1) & 1) * A_BYTES, raw_of(kt + 1), kt + 1, tid);
+        }
+        od::cp_async_wait<1>();  // the copies of step kt - 2 and before (b's K tile kt + 1, any raw K tile needed
+                                 // next) have landed for this thread: each step commits one group
+        fence_async_smem();
+        __syncthreads();  // ... for every thread; every warpgroup is done with K tile kt - 1's stages
+        // copies into the stages K tile kt - 1 held: b's K tile kt + B_STAGES - 1; a raw K tile whose last K tile
+        // (kt + 1) was just dequantized frees its stage for the raw K tile two ahead
+        if (kt + B_STAGES - 1 < nk) {
+            load_b(sB + ((kt + B_STAGES - 1) % B_STAGES) * B_BYTES, b, brow0, n0, N, K, kt0 + kt + B_STAGES - 1,
+                   tid);
+        }
+        if ((kt + 1) % SUBS == SUBS - 1 && (kt + 1) / SUBS + 2 < nraw) {
+            issue_raw<WT>(raw_stage((kt + 1) / SUBS + 2), wa, a_row, m0, M, nb, rt0 + (kt + 1) / SUBS + 2, tid);
+        }
+        od::cp_async_commit();
+    }
+    wg_wait0();
+    fence_acc(d);
+    od::cp_async_wait<0>();  // only empty groups can be left
+
+    // The accumulator layout of m64nNk16 is mma.sync m16n8's, 8 columns at a time: warp w of the warpgroup holds
+    // rows 16 w + lane / 4 and + 8, columns 8 i + 2 (lane % 4) and + 1 in d[4 i .. 4 i + 3], so mmq's finish
+    // (FM = 1, FN = BN / 8) writes it, or its slice's plane and the slices' sum.
+    const float(&acc)[1][BN / 8][4] = *reinterpret_cast<const float(*)[1][BN / 8][4]>(&d);
+    const long long plane = static_cast<long long>(gridDim.y) * gridDim.z * N * M;
+    mq::finish<1, BN / 8, BM, BN, THREADS>(acc, m0 + wg * 64 + ((tid >> 5) & 3) * 16, n0, m0, n0, M, N, brow0, out,
+                                           part, split, splits, plane, counters + (batch * tiles_m + tm) * tiles_n + tn,
+                                           nullptr, 0);
+}
