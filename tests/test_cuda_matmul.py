@@ -88,15 +88,16 @@ PATH_CASES = [
     ("f32", (64, 96), (12, 96), "cublas"),  # mmf takes f16/bf16 weights
     ("bf16", (2, 64, 96), (2, 512, 96), "cublas"),
     ("f32", (64, 80), (128, 80), "cublas"),
-    ("q4_0", (64, 96), (1, 96), "mmvq"),
+    ("q4_0", (64, 96), (1, 96), "mmvq_stream"),  # K % 256 != 0: the RAGGED instances (one column)
+    ("q4_0", (64, 96), (2, 96), "mmvq"),  # ... more columns take mmvq
     ("q5_1", (64, 96), (8, 96), "mmvq"),  # K % 64 != 0
     ("q4_0", (64, 4096), (1, 4096), "mmvq_stream"),
     ("q8_0", (64, 14336), (8, 14336), "mmvq_stream"),
     ("q4_1", (64, 128), (3, 128), "mmvq_stream"),
     ("q5_0", (3, 64, 256), (6, 2, 256), "mmvq_stream"),
     ("q5_1", (64, 64), (1, 64), "mmvq_stream"),
-    ("q4_0", (64, 4128), (1, 4128), "mmvq"),  # K % 256 != 0
-    ("q4_1", (64, 4160), (1, 4160), "mmvq"),  # K % 128 != 0
+    ("q4_0", (64, 4128), (1, 4128), "mmvq_stream"),  # K % 256 != 0, RAGGED
+    ("q4_1", (64, 4160), (3, 4160), "mmvq"),  # K % 128 != 0
     ("q8_0", (64, 65536), (8, 65536), "mmvq"),  # b's q8_1 copy does not fit in shared memory
     ("q8_0", (64, 96), (9, 96), "dequant_cublas"),  # K % 256 != 0: mmq declines
     ("q4_1", (64, 96), (512, 96), "dequant_cublas"),  # K % 128 != 0
@@ -406,15 +407,25 @@ def _misaligned_rows(dt: str) -> Tensor:
 
 
 def test_stream_path_reasons() -> None:
-    """mmvq_stream takes rows of whole 16-byte chunks of 16-byte aligned weights; mmvq the rest,
-    and support.stream_ok says why."""
+    """mmvq_stream takes rows of whole 16-byte chunks of 16-byte aligned weights, and other rows (the RAGGED
+    instances) at one f32 column with the weights' base 16-byte aligned; mmvq the rest, and support.stream_ok says
+    why."""
     def node(dt: str, k: int, n: int = 1) -> Tensor:
         return ops.mul_mat(weight("w", (64, k), dt), od.input("x", (n, k)))
 
+    def ragged(k: int, rv: int, chunk: int) -> str:
+        return (f"K={k} is not a multiple of {rv} (rows of whole {chunk}-byte chunks), which mmvq_stream takes at "
+                "1 f32 column only")
+
     assert support.stream_ok(node("q4_0", 4096)) is True
-    assert support.stream_ok(node("q4_0", 4128)) == "K=4128 is not a multiple of 256 (rows of whole 144-byte chunks)"
-    assert support.stream_ok(node("q4_1", 4160)) == "K=4160 is not a multiple of 128 (rows of whole 80-byte chunks)"
-    assert support.stream_ok(node("q5_1", 96)) == "K=96 is not a multiple of 64 (rows of whole 48-byte chunks)"
+    assert support.stream_ok(node("q4_0", 4128)) is True  # RAGGED
+    assert support.stream_ok(node("mxfp4", 2880)) is True
+    assert support.stream_ok(node("q4_0", 4128, 2)) == ragged(4128, 256, 144)
+    assert support.stream_ok(node("q4_1", 4160, 3)) == ragged(4160, 128, 80)
+    assert support.stream_ok(node("q5_1", 96, 8)) == ragged(96, 64, 48)
+    wide = od.input("w", (64, 4160), "q4_0")
+    off = ops.mul_mat(wide.view((63, 4128), wide.strides, wide.strides[0] // 2), od.input("x", (1, 4128)))
+    assert support.stream_ok(off) == "a's offset is not a multiple of 16 bytes"
     misaligned = ops.mul_mat(_misaligned_rows("q4_0"), od.input("x", (1, 512)))
     assert support.stream_ok(misaligned) == "a's offset or row/batch strides are not multiples of 16 bytes"
     (step,) = steps_of(od.compile(misaligned, H200), "mul_mat")
@@ -909,12 +920,12 @@ def test_mmv_spec_batch_geometry() -> None:
 def test_mmv_id_and_grouped_specs() -> None:
     experts = weight("e", (8, 32, 64), "q4_0")
     ids = od.input("ids", (1, 4), "i32")
-    y = ops.mul_mat_id(experts, od.input("x", (1, 1, 64)), ids)
+    y = ops.mul_mat_id(experts, od.input("x", (1, 2, 64)), ids)  # 2 b rows for 4 slots: not streamed
     guard = FakeGuard()
     quant, spec = mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch, guard)
     assert guard.uses == [(y, ids, 8, f"an expert of {experts.describe()}", "its output row is filled with NaN")]
     assert (int(spec.args.err_.word), int(spec.args.err_.tag)) == (FAKE_WORD, 0)
-    assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (1, 1)
+    assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (2, 1)
     assert spec.kernel == "mmvq_id<W_Q4_0, EPI_NONE>" and spec.grid == (8, 4, 1)
     assert spec.block == 32 and spec.smem == 0
     check_spec(quant)
@@ -958,8 +969,8 @@ def test_mmv_id_streams_block_formats(b_rows: int) -> None:
         assert args.b_s2 == (256 * 4 if b_rows > 1 else 0)
         assert (args.ids, args.E, args.preload) == (fake_ptr(ids), 8, preload)
     y = ops.mul_mat_id(weight("e", (8, 32, 96), "q4_0"), od.input("x", (1, 1, 96)), od.input("ids", (1, 4), "i32"))
-    assert [s.kernel.split("<")[0] for s in mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch, FakeGuard())] == [
-        "quantize_q8_1", "mmvq_id"]  # K % 256 != 0: two launches
+    (spec,) = mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch, FakeGuard())
+    assert spec.kernel == "mmvq_stream<W_Q4_0, B_F32, 1, EPI_NONE, 2, false, true>"  # K % 256 != 0: RAGGED
 
 
 def test_fused_glu_spec() -> None:
@@ -1759,7 +1770,7 @@ def test_mmvq_stream_sweep(dt: str, n: int, rng) -> None:  # noqa: ANN001
         assert_close(got, ref, f"mmvq_stream a={dt} m={m} k={k} n={n}")
 
 
-#: K that the streamed kernel does not take (rows not whole 16-byte chunks): mmvq runs them
+#: K whose rows are not whole 16-byte chunks: mmvq runs them above one column (mmvq_stream's RAGGED instances at one)
 FALLBACK_K = {"q4_0": 4128, "q5_0": 288, "q8_0": 4000, "q4_1": 4160, "q5_1": 4128}
 
 
@@ -1769,8 +1780,48 @@ FALLBACK_K = {"q4_0": 4128, "q5_0": 288, "q8_0": 4000, "q4_1": 4160, "q5_1": 412
 def test_mmvq_fallback_k(dt: str, n: int, rng) -> None:  # noqa: ANN001
     k = FALLBACK_K[dt]
     y = ops.mul_mat(od.input("a", (77, k), dt), od.input("b", (n, k)))
-    _, got, ref = run_poisoned(y, rng, "mmvq")
-    assert_close(got, ref, f"mmvq a={dt} k={k} n={n}")
+    path = "mmvq_stream" if n == 1 else "mmvq"
+    _, got, ref = run_poisoned(y, rng, path)
+    assert_close(got, ref, f"{path} a={dt} k={k} n={n}")
+
+
+def ragged_k(dt: str) -> int | None:
+    """A K whose rows of dt are not whole chunks (gpt-oss's 2880 where the blocks allow), None where every row is
+    (chunks of one block)."""
+    rv, qk = stream.stream_geo(dt).row_values, DTYPES[dt].block_size
+    if rv == qk:
+        return None
+    return 2880 if 2880 % qk == 0 and 2880 % rv else 14 * qk if (14 * qk) % rv else 9 * qk
+
+
+@gpu
+@pytest.mark.parametrize("dt", list(stream.STREAMED))
+def test_mmvq_stream_ragged(dt: str, rng) -> None:  # noqa: ANN001
+    """Rows that are not whole chunks (and off 16-byte boundaries) at one column on mmvq_stream's RAGGED instances:
+    a product, a fused gate/up GLU with biases, a residual, and mul_mat_id at one token, each against the
+    reference (random valid blocks), the arenas poisoned, over a CUDA graph's capture and replay."""
+    k = ragged_k(dt)
+    if k is None:
+        assert stream.stream_geo(dt).row_values == DTYPES[dt].block_size  # no ragged rows to test
+        return
+    builds = (lambda: ops.mul_mat(od.input("a", (77, k), dt), od.input("b", (1, k))),
+              lambda: gate_up_glu(dt, 45, k, 1, True, "swiglu"),
+              lambda: ops.add(od.input("r", (1, 61)), ops.mul_mat(od.input("a", (61, k), dt), od.input("b", (1, k)))),
+              lambda: moe(dt, 6, 37, k, 1, 3, False, False))
+    for build in builds:
+        y = build()
+        plan = od.compile(y, "cuda0")
+        kernels = [s.kernel for s in plan.steps if s.kind in ("kernel", "fused") and s.plugin == "cuda_matmul"]
+        assert kernels and all(kn in ("mmvq_stream", "mmv_id") or kn.startswith("mul_mat") for kn in kernels), \
+            plan.explain()
+        prods = [n for n in Graph.build(y).nodes if n.op in ("mul_mat", "mul_mat_id")]
+        assert all(support.stream_ok(n, H200) is True and stream.ragged(dt, k) for n in prods)
+        for run in range(3):  # warm-up, capture, replay
+            feeds = subscaled_feeds(y, rng, 6)
+            poison_arenas(plan)
+            (got,) = plan.run(feeds)
+            (ref,) = od.compile(y, "cpu").run(feeds)
+            assert_close(got, ref, f"RAGGED {dt} k={k} {y.describe()} run {run}")
 
 
 @gpu
@@ -2154,15 +2205,18 @@ def test_subscaled_mul_mat_path(dt: str, n: int) -> None:
     up to support.MMQ_MAX_N (the grid I-quants: dequant_cublas); the others mmvq (dot32 from global memory)
     and dequant_cublas, whose step says why mmq declined."""
     rv, qk = stream.stream_geo(dt).row_values, DTYPES[dt].block_size
-    partial = ((rv + qk, "mmvq"),) if rv > qk else ()  # q4_K, q5_K: chunks of one block, every K streams
+    # q4_K, q5_K: chunks of one block, every K streams; other partial rows stream at one column (RAGGED)
+    partial = ((rv + qk, "mmvq_stream" if n == 1 else "mmvq"),) if rv > qk else ()
     for k, small in ((rv, "mmvq_stream"), (14336, "mmvq_stream"), *partial):
         y = ops.mul_mat(od.input("w", (3, 13, k), dt), od.input("x", (3, n, k)))
         (step,) = steps_of(od.compile(y, H200), "mul_mat")
         why = f"K={k} is not a multiple of {rv} (rows of whole {stream.stream_geo(dt).chunk}-byte chunks)"
-        whole = small == "mmvq_stream"
+        whole = k % rv == 0
         if n <= 8:  # stream_ok is asked of mat-vecs only
             assert (step.plugin, step.kernel) == ("cuda_matmul", small), (k, n)
-            assert support.stream_ok(y, H200) == (True if whole else why)
+            streamed = small == "mmvq_stream"
+            assert support.stream_ok(y, H200) == (True if streamed else why + ", which mmvq_stream takes at 1 f32 "
+                                                  "column only")
         else:
             gemm = dt in mmq.MMQ_FORMATS  # the grid I-quants have no quantized GEMM
             big = "mmq" if gemm and whole and n <= support.MMQ_MAX_N else "dequant_cublas"
@@ -2235,8 +2289,10 @@ def test_subscaled_instances_are_compiled() -> None:
 @pytest.mark.parametrize("n", [1, 2, 5, 8])
 def test_grid_formats_bind_their_compiled_instances(dt: str, n: int) -> None:
     """The grid I-quants are compiled for 1 and 8 columns: the mat-vecs' specs name those (2..8 columns run the
-    8-column kernel) whether streamed (K 4096) or not (K 256); an f16 b goes to mmvq (no streamed instance)."""
-    for k, tb, path in ((4096, "f32", "mmvq_stream"), (256, "f32", "mmvq"), (4096, "f16", "mmvq")):
+    8-column kernel) whether streamed (K 4096, and K 256 at one column: RAGGED) or not; an f16 b goes to mmvq (no
+    streamed instance)."""
+    ragged = "mmvq_stream" if n == 1 else "mmvq"  # K 256: RAGGED rows at one column
+    for k, tb, path in ((4096, "f32", "mmvq_stream"), (256, "f32", ragged), (4096, "f16", "mmvq")):
         y = ops.mul_mat(od.input("w", (24, k), dt), od.input("x", (n, k), tb))
         assert support.choose(y, H200).path == path, (k, tb)
         if tb != "f32":
@@ -2245,7 +2301,7 @@ def test_grid_formats_bind_their_compiled_instances(dt: str, n: int) -> None:
         ptr = iter(range(4096, 1 << 30, 1 << 20))
         launches = mmv.mmv_specs(y, y, lambda t, p=ptr: next(p), lambda *a, **kw: 1 << 30, device=H200)
         nt = 1 if n == 1 else 8
-        want = specs.stream_name(dt, "f32", nt, specs.EPI_NONE) if path == "mmvq_stream" else \
+        want = specs.stream_name(dt, "f32", nt, specs.EPI_NONE, ragged=k == 256) if path == "mmvq_stream" else \
             specs.mmvq_name(dt, nt, specs.EPI_NONE)
         assert launches[-1].kernel == want and want in specs.KERNEL_SOURCES[launches[-1].source], (k, tb)
 

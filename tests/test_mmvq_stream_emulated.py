@@ -152,6 +152,19 @@ def _k_cases(dt: str, i: int) -> dict:
 for _i, _dt in enumerate(K_FORMATS):
     CASES.update({k: v for k, v in _k_cases(_dt, _i).items()
                   if _dt not in specs.GRID_NAMES or not any(skip in k for skip in GRID_SKIPS)})
+CASES.update({  # RAGGED: rows that are not whole chunks (one column): rows off 16-byte boundaries, a partial last piece
+    "ragged mxfp4 K2880 (gpt-oss), half pieces": (lambda: _mm("mxfp4", 37, 2880, 1), DEFAULT, False),
+    "ragged q8_0 K96 (R 32: one partial chunk a row)": (lambda: _mm("q8_0", 40, 96, 1), DEFAULT, True),
+    "ragged q4_0 K2880 bias": (lambda: _bias("q4_0", 45, 2880, 1), DEFAULT, False),
+    "ragged glu q6_K K3584 (one-block pieces), bias": (lambda: gate_up_glu("q6_K", 21, 3584, 1, True, "swiglu"),
+                                                       DEFAULT, False),
+    "ragged iq4_xs K768": (lambda: _mm("iq4_xs", 19, 768, 1), specs.StreamConfig(2, 2, 1), True),
+    "ragged q2_K K768 residual": (lambda: _residual("q2_K", 23, 768, 1), DEFAULT, False),
+    "ragged q3_K K18688 three segments": (lambda: _mm("q3_K", 13, 18688, 1), specs.StreamConfig(2, 2, 1), False),
+    "ragged mul_mat_id mxfp4 K2880 3 of 4 experts": (lambda: moe("mxfp4", 4, 33, 2880, 1, 3, False, False),
+                                                      DEFAULT, False),
+    "ragged rms_norm q6_K K3584": (lambda: _normed("q6_K", 29, 3584, 1), DEFAULT, False),
+})
 CASES.update({  # b f16 / bf16 (unfused mul_mat only: 8-column instances), if the formats exist
     f"{dt} b {tb} {view}": (lambda dt=dt, tb=tb, view=view: _mm(dt, 29, 2 * stream.stream_geo(dt).row_values, 3,
                                                                  tb=tb, bview=view), DEFAULT, False)
@@ -204,7 +217,7 @@ def _instance(y: Tensor, cfg: specs.StreamConfig, share: bool = False) -> str:
     n = 1 if first.op == "mul_mat_id" else first.shape[-2]  # mul_mat_id: one column a (token, slot)
     dt = first.srcs[0].dtype.name
     return specs.stream_name(dt, tb, specs.nt_for(n, specs.quant_nts(dt)) if tb == "f32" else 8, epi, cfg.stages,
-                             share)
+                             share, stream.ragged(dt, first.srcs[0].shape[-1]))
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,10 @@
 //           int8 codes (the table formats': in nibble-pair order), then NU float2 (d, d * sum), padded
 //           to an odd number of granules (conflict-free as the weights); codes read with 16-byte loads,
 //           (d, d * sum) two blocks at a time (legacy) or one (a unit of quant_k.cuh's formats).
+// RAGGED (instances of their own: rows that are not whole chunks, so row starts off 16-byte boundaries; one
+// column): C = ceil(K / piece values), the last piece of a row partial; each slot's segment is staged as its
+// covering granules and moved to the slot's start after the wait (issue_ragged, realign: zeros past the row),
+// slots ragged_slot bytes apart; b's q8_1 units past K are zeros. The weights' base must be 16-byte aligned.
 // Fused rms_norm (norm_w not null; fusion.py's rms_norm_mul_mat groups): b is the norm's input x, and
 // the block quantizes x * norm_w while it sums x^2 (quantize_b); every output is then scaled by its
 // column's rsqrt(sum / K + norm_eps) before the epilogue, which is rms_norm(x) * norm_w . a up to float
@@ -461,6 +465,52 @@ __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, in
     }
 }
 
+// -- rows that are not whole granules (RAGGED) ---------------------------------------------------------
+// A slot holds its row segment (`valid` bytes from src, any alignment) moved to the slot's start, zeros after it:
+// the granules covering it are copied RAGGED_PAD bytes into the slot (from the granule at or below src, so no
+// copy starts before the weights, whose base is 16-byte aligned; the granule holding the segment's end only up to
+// it, cp.async's source size, so none reads past the row), then, after the wait, realign moves them down.
+constexpr int RAGGED_PAD = 16;
+
+// Bytes of a RAGGED slot of G lanes' pieces: the staged granules (one more than the pieces' at most), the pad,
+// and a word realign may read past the last staged one.
+template <int WT>
+__device__ __forceinline__ int ragged_slot(int G) {
+    return (G * Geo<WT>::PIECE + 15) / 16 * 16 + 3 * 16;
+}
+
+__device__ __forceinline__ void issue_ragged(u8* slot, const u8* src, int valid, int lane) {
+    const int lead = static_cast<int>(reinterpret_cast<unsigned long long>(src) & 15ull);
+    const u8* const g0 = src - lead;
+    const int n16 = (lead + valid + 15) / 16;
+    for (int i = lane; i < n16; i += od::WARP_SIZE) {
+        od::cp_async16_zfill(od::smem_addr(slot + RAGGED_PAD + 16 * i), g0 + 16 * i, min(16, lead + valid - 16 * i));
+    }
+}
+
+// The staged segment of a slot (its first byte `lead` bytes into the staged granules) moved to the slot's start,
+// `words` words written, zeros past `valid` bytes: rounds of 32 words, every lane's read before any write of a
+// round (the destination lies below the source, so a round never overwrites what a later one reads).
+__device__ __forceinline__ void realign(u8* slot, int lead, int valid, int words, int lane) {
+    const unsigned* const from = reinterpret_cast<const unsigned*>(slot + RAGGED_PAD + (lead & ~3));
+    unsigned* const to = reinterpret_cast<unsigned*>(slot);
+    for (int base = 0; base < words; base += od::WARP_SIZE) {
+        const int i = base + lane;
+        unsigned v = 0u;
+        if (i < words && 4 * i < valid) {
+            v = __funnelshift_rc(from[i], from[i + 1], 8 * (lead & 3));
+            if (4 * i + 4 > valid) {
+                v &= (1u << (8 * (valid - 4 * i))) - 1u;
+            }
+        }
+        __syncwarp();
+        if (i < words) {
+            to[i] = v;
+        }
+        __syncwarp();
+    }
+}
+
 // A grid format's lookup grid (Fmt::GRID_BYTES of it) copied by the block's threads to dst in shared memory:
 // the dot products gather 32 scattered entries a warp instruction, which the shared memory serves in fewer
 // wavefronts (its bank conflicts) than the L1 (one per 128-byte line touched). Nothing for other formats.
@@ -493,7 +543,7 @@ using mm::u8;
 // read on the device, after the wait unless `preload`) and b at t * b_s3 + u * b_s2 (b_s2 0 when b
 // has one row a token), bias0 / bias1 + e * bias_e (bias_col 0). An id outside [0, E) writes NaN rows and is
 // recorded in the error word (od::index_ok; a null word for mul_mat).
-template <int WT, int TB, int NT, int EPI, int NS, bool KEEP = false>
+template <int WT, int TB, int NT, int EPI, int NS, bool KEEP = false, bool RAGGED = false>
 __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     mmvq_stream(const u8* a0, const u8* a1, long long a_row, long long a_s2, long long a_s3, int r2, int r3,
                 const u8* b, long long b_col, long long b_es, long long b_s2, long long b_s3, float* out, int M,
@@ -508,7 +558,8 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     u8* const smem = reinterpret_cast<u8*>(smem_u4);
 
     const int i2 = blockIdx.y, i3 = blockIdx.z;
-    const mms::Layout L = mms::layout(K / (32 * Gm::NU), NW == 2);
+    // pieces a row (RAGGED: the last one may be partial, zeros after the row)
+    const mms::Layout L = mms::layout(RAGGED ? (K / 32 + Gm::NU - 1) / Gm::NU : K / (32 * Gm::NU), NW == 2);
     const int groups = (M + L.RO - 1) / L.RO;
     const int nwarps = blockDim.x / od::WARP_SIZE, warp = threadIdx.x / od::WARP_SIZE;
     const int lane = threadIdx.x % od::WARP_SIZE;
@@ -545,17 +596,36 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     const float* const bias0_e = bias0 != nullptr ? bias0 + e * bias_e : nullptr;
     const float* const bias1_e = bias1 != nullptr ? bias1 + e * bias_e : nullptr;
     u8* const bs = smem;
-    u8* const ring = smem + static_cast<long long>(N) * bcol_stride +
-                     static_cast<long long>(warp) * NS * od::WARP_SIZE * Gm::PIECE;
-    constexpr int STAGE = od::WARP_SIZE * Gm::PIECE;
+    // a stage: R slots of G pieces (RAGGED: ragged_slot bytes each, at most 3 granules more a slot)
+    constexpr int STAGE = od::WARP_SIZE * Gm::PIECE + (RAGGED ? od::WARP_SIZE * 4 * 16 : 0);
+    u8* const ring = smem + static_cast<long long>(N) * bcol_stride + static_cast<long long>(warp) * NS * STAGE;
+    const int slotb = RAGGED ? mms::ragged_slot<WT>(L.G) : L.G * Gm::PIECE;
+    const int row_bytes = K / mm::Fmt<WT>::QK * mm::Fmt<WT>::BYTES;
     float* const norm_ss = reinterpret_cast<float*>(smem + static_cast<long long>(N) * bcol_stride +
                                                     static_cast<long long>(nwarps) * NS * STAGE);
     u8* const grid = reinterpret_cast<u8*>(norm_ss + nwarps * 8);
 
     // the next unit to issue: group ig, unit iu of it
     int ig = g0, iu = 0;
+    // RAGGED: slot rs of unit u of group gr: its row's segment (src, valid bytes) and its pieces (nch)
+    auto segment = [&](int gr, int u, int rs, const u8*& src, int& valid, int& nch) {
+        const int w = NW == 2 ? (L.R == 1 ? u / L.S : rs / L.RO) : 0;
+        const int seg = L.R == 1 ? u - w * L.S : 0;
+        const int o = L.R == 1 ? gr : gr * L.RO + rs - w * L.RO;
+        const int s0 = seg * L.G * Gm::PIECE;
+        src = (w ? wa1 : wa0) + static_cast<long long>(min(o, M - 1)) * a_row + s0;
+        valid = min(row_bytes - s0, L.G * Gm::PIECE);
+        nch = min(L.G, L.C - seg * L.G);
+    };
     auto issue = [&](u8* buf) {
-        if (L.R == 1) {
+        if constexpr (RAGGED) {
+            for (int rs = 0; rs < L.R; ++rs) {
+                const u8* src;
+                int valid, nch;
+                segment(ig, iu, rs, src, valid, nch);
+                mms::issue_ragged(buf + rs * slotb, src, valid, lane);
+            }
+        } else if (L.R == 1) {
             const int w = NW == 2 ? iu / L.S : 0;
             const int seg = iu - w * L.S;
             const int nch = min(L.G, L.C - seg * L.G);
@@ -603,6 +673,16 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
         od::grid_enter();
         mms::quantize_b<WT, TB, NT>(b + bb, b_col, b_es, N, K, L.C, bs, norm_w, norm_ss);
     }
+    if constexpr (RAGGED) {  // b's q8_1 units of the last pieces past K: zero codes and scales
+        const int nb = K / 32, tail = L.C * Gm::NU - nb;
+        for (int t = static_cast<int>(threadIdx.x); t < N * tail; t += static_cast<int>(blockDim.x)) {
+            const int n = t / tail, j = nb + t % tail;
+            u8* const piece = bs + (static_cast<long long>(n) * L.C + j / Gm::NU) * Gm::BCHUNK;
+            reinterpret_cast<uint4*>(piece + 32 * (j % Gm::NU))[0] = make_uint4(0u, 0u, 0u, 0u);
+            reinterpret_cast<uint4*>(piece + 32 * (j % Gm::NU))[1] = make_uint4(0u, 0u, 0u, 0u);
+            reinterpret_cast<float2*>(piece + Gm::BCODES)[j % Gm::NU] = make_float2(0.0f, 0.0f);
+        }
+    }
     __syncthreads();
     float sc[NT];
     mms::norm_scales<NT>(norm_w, norm_ss, nwarps, K, norm_eps, sc);
@@ -623,16 +703,27 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
         od::cp_async_commit();
         od::cp_async_wait<NS - 1>();
         __syncwarp();
+        if constexpr (RAGGED) {  // the unit's slots moved to their places
+            for (int r = 0; r < L.R; ++r) {
+                const u8* src;
+                int valid, nch;
+                segment(cg, cu, r, src, valid, nch);
+                mms::realign(ring + (i % NS) * STAGE + r * slotb,
+                             static_cast<int>(reinterpret_cast<unsigned long long>(src) & 15ull), valid,
+                             (nch * Gm::PIECE + 3) / 4, lane);
+            }
+        }
         const int w = (NW == 2 && L.R == 1) ? cu / L.S : 0;
         const int seg = L.R == 1 ? cu - w * L.S : 0;
         const int c = seg * L.G + lc;
+        // the lane's piece: lane PIECE bytes into the stage, or in its RAGGED slot
+        const int at = RAGGED ? rs * slotb + lc * Gm::PIECE : lane * Gm::PIECE;
         if (c < L.C) {
             if constexpr (mm::Fmt<WT>::LEGACY) {
-                mms::dot_chunk<WT, NT>(ring + (i % NS) * STAGE + lane * Gm::CHUNK, bs + c * Gm::BCHUNK, bcol_stride,
-                                       N, acc);
+                mms::dot_chunk<WT, NT>(ring + (i % NS) * STAGE + at, bs + c * Gm::BCHUNK, bcol_stride, N, acc);
             } else {
-                mms::dot_piece<WT, NT>(ring + (i % NS) * STAGE + lane * Gm::PIECE, bs + c * Gm::BCHUNK, bcol_stride,
-                                       N, grid, acc);
+                mms::dot_piece<WT, NT>(ring + (i % NS) * STAGE + at, bs + c * Gm::BCHUNK, bcol_stride, N, grid,
+                                       acc);
             }
         }
         if (seg == L.S - 1) {  // the end of a row's segments: sums over the row's G lanes
