@@ -55,8 +55,9 @@
 //           (d, d * sum) two blocks at a time (legacy) or one (a unit of quant_k.cuh's formats).
 // RAGGED (instances of their own: rows that are not whole chunks, so row starts off 16-byte boundaries; one
 // column): C = ceil(K / piece values), the last piece of a row partial; each slot's segment is staged as its
-// covering granules and moved to the slot's start after the wait (issue_ragged, realign: zeros past the row),
-// slots ragged_slot bytes apart; b's q8_1 units past K are zeros. The weights' base must be 16-byte aligned.
+// covering granules, zeros after them (issue_ragged), slots ragged_slot bytes apart, and each lane reads its piece
+// where it lies, with one load more, funnel-shifting the words into place (load_shifted); b's q8_1 units past K
+// are zeros. The weights' base must be 16-byte aligned.
 // Fused rms_norm (norm_w not null; fusion.py's rms_norm_mul_mat groups): b is the norm's input x, and
 // the block quantizes x * norm_w while it sums x^2 (quantize_b); every output is then scaled by its
 // column's rsqrt(sum / K + norm_eps) before the epilogue, which is rms_norm(x) * norm_w . a up to float
@@ -343,20 +344,83 @@ __device__ __forceinline__ void write_normed(const u8* x, long long x_col, long 
     }
 }
 
+// -- rows that are not whole granules (RAGGED) ---------------------------------------------------------
+// A slot holds the granules covering its row segment (`valid` bytes from src, any alignment), from the granule at
+// or below src (no copy starts before the weights, whose base is 16-byte aligned), the granule holding the
+// segment's end copied only up to it (cp.async's source size: nothing past the row is read), then zeros (source
+// size 0) to one granule past the slot's pieces: a lane's piece starts `lead` (src % 16) bytes past its place and
+// is read with one load more than an aligned one (load_shifted), and a partial last piece decodes its blocks past
+// the row as zeros.
+
+// Bytes of a RAGGED slot of G lanes' pieces: the pieces, the lead and the granule read past them.
+template <int WT>
+__device__ __forceinline__ int ragged_slot(int G) {
+    return (G * Geo<WT>::PIECE + 15) / 16 * 16 + 3 * 16;
+}
+
+// The copies of a slot whose segment is `valid` bytes from src and whose lanes read `pieces` pieces.
+template <int WT>
+__device__ __forceinline__ void issue_ragged(u8* slot, const u8* src, int valid, int pieces, int lane) {
+    const int lead = static_cast<int>(reinterpret_cast<unsigned long long>(src) & 15ull);
+    const u8* const g0 = src - lead;
+    const int n16 = (lead + pieces * Geo<WT>::PIECE + 15) / 16 + 1;
+    for (int i = lane; i < n16; i += od::WARP_SIZE) {
+        const int bytes = max(0, min(16, lead + valid - 16 * i));
+        od::cp_async16_zfill(od::smem_addr(slot + 16 * i), bytes > 0 ? g0 + 16 * i : g0, bytes);
+    }
+}
+
+// The W words at p (shared, any byte alignment) into wd: V-byte loads from the V-byte boundary below (one load
+// more than W words take), funnel-shifted by p's phase. The word offset takes one unrolled path each: lanes of
+// one slot agree on it.
+template <int W, int V>
+__device__ __forceinline__ void load_shifted(const u8* p, unsigned* wd) {
+    constexpr int PER = V / 4, NV = (W + PER - 1) / PER + 1;
+    const int lead = static_cast<int>(reinterpret_cast<unsigned long long>(p) & (V - 1));
+    const u8* const base = p - lead;
+    unsigned raw[NV * PER];
+#pragma unroll
+    for (int g = 0; g < NV; ++g) {
+        if constexpr (V == 16) {
+            const uint4 v = reinterpret_cast<const uint4*>(base)[g];
+            raw[4 * g] = v.x, raw[4 * g + 1] = v.y, raw[4 * g + 2] = v.z, raw[4 * g + 3] = v.w;
+        } else if constexpr (V == 8) {
+            const uint2 v = reinterpret_cast<const uint2*>(base)[g];
+            raw[2 * g] = v.x, raw[2 * g + 1] = v.y;
+        } else {
+            raw[g] = reinterpret_cast<const unsigned*>(base)[g];
+        }
+    }
+    const int q = lead >> 2, sh = 8 * (lead & 3);
+#pragma unroll
+    for (int qq = 0; qq < PER; ++qq) {
+        if (q == qq) {
+#pragma unroll
+            for (int i = 0; i < W; ++i) {
+                wd[i] = __funnelshift_rc(raw[i + qq], raw[i + qq + 1], sh);
+            }
+        }
+    }
+}
+
 // -- the dot products of one chunk ----------------------------------------------------------------
 
 // acc[n] += chunk (CB blocks at `wchunk`, shared) . b column n's chunk (at bchunk + n * bcol_stride).
-template <int WT, int NT>
+template <int WT, int NT, bool RAGGED = false>
 __device__ __forceinline__ void dot_chunk(const u8* wchunk, const u8* bchunk, int bcol_stride, int N,
                                           float (&acc)[NT]) {
     using Gm = Geo<WT>;
     using F = mm::Fmt<WT>;
     constexpr int NWD = (F::BYTES + 1) / 4 + 1;  // words decode_words reads
     unsigned wd[Gm::WORDS + 2];
+    if constexpr (RAGGED) {
+        load_shifted<Gm::WORDS, 16>(wchunk, wd);
+    } else {
 #pragma unroll
-    for (int g = 0; g < Gm::GRAN; ++g) {
-        const uint4 v = reinterpret_cast<const uint4*>(wchunk)[g];
-        wd[4 * g] = v.x, wd[4 * g + 1] = v.y, wd[4 * g + 2] = v.z, wd[4 * g + 3] = v.w;
+        for (int g = 0; g < Gm::GRAN; ++g) {
+            const uint4 v = reinterpret_cast<const uint4*>(wchunk)[g];
+            wd[4 * g] = v.x, wd[4 * g + 1] = v.y, wd[4 * g + 2] = v.z, wd[4 * g + 3] = v.w;
+        }
     }
     wd[Gm::WORDS] = 0u;  // read (with a shift of 0) by the last block's decode only
     wd[Gm::WORDS + 1] = 0u;
@@ -404,7 +468,7 @@ __device__ __forceinline__ void dot_chunk(const u8* wchunk, const u8* bchunk, in
 // one-block piece (2-byte aligned: even BYTES, lanes BYTES apart) with 4-byte loads from the word
 // boundary below it, then funnel-shifted by its phase (0 or 2 bytes: the same instructions in every
 // lane; the last lane's block ends on a granule, so no load passes the stage).
-template <int WT, int NT>
+template <int WT, int NT, bool RAGGED = false>
 __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, int bcol_stride, int N, const u8* grid,
                                           float (&acc)[NT]) {
     using Gm = Geo<WT>;
@@ -412,7 +476,9 @@ __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, in
     constexpr int PER = F::QK / 32;  // units a block
     constexpr int RW = Gm::REG ? Gm::PIECE / 4 : (F::BYTES + 3) / 4;  // words of the piece in registers
     unsigned wd[RW];
-    if constexpr (Gm::REG && Gm::LOAD == 16) {
+    if constexpr (RAGGED) {  // any alignment (the slot's lead): a load more, funnel-shifted
+        load_shifted<RW, Gm::REG ? Gm::LOAD : 4>(wpiece, wd);
+    } else if constexpr (Gm::REG && Gm::LOAD == 16) {
 #pragma unroll
         for (int g = 0; g < RW / 4; ++g) {
             const uint4 v = reinterpret_cast<const uint4*>(wpiece)[g];
@@ -462,52 +528,6 @@ __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, in
                 }
             }
         }
-    }
-}
-
-// -- rows that are not whole granules (RAGGED) ---------------------------------------------------------
-// A slot holds its row segment (`valid` bytes from src, any alignment) moved to the slot's start, zeros after it:
-// the granules covering it are copied RAGGED_PAD bytes into the slot (from the granule at or below src, so no
-// copy starts before the weights, whose base is 16-byte aligned; the granule holding the segment's end only up to
-// it, cp.async's source size, so none reads past the row), then, after the wait, realign moves them down.
-constexpr int RAGGED_PAD = 16;
-
-// Bytes of a RAGGED slot of G lanes' pieces: the staged granules (one more than the pieces' at most), the pad,
-// and a word realign may read past the last staged one.
-template <int WT>
-__device__ __forceinline__ int ragged_slot(int G) {
-    return (G * Geo<WT>::PIECE + 15) / 16 * 16 + 3 * 16;
-}
-
-__device__ __forceinline__ void issue_ragged(u8* slot, const u8* src, int valid, int lane) {
-    const int lead = static_cast<int>(reinterpret_cast<unsigned long long>(src) & 15ull);
-    const u8* const g0 = src - lead;
-    const int n16 = (lead + valid + 15) / 16;
-    for (int i = lane; i < n16; i += od::WARP_SIZE) {
-        od::cp_async16_zfill(od::smem_addr(slot + RAGGED_PAD + 16 * i), g0 + 16 * i, min(16, lead + valid - 16 * i));
-    }
-}
-
-// The staged segment of a slot (its first byte `lead` bytes into the staged granules) moved to the slot's start,
-// `words` words written, zeros past `valid` bytes: rounds of 32 words, every lane's read before any write of a
-// round (the destination lies below the source, so a round never overwrites what a later one reads).
-__device__ __forceinline__ void realign(u8* slot, int lead, int valid, int words, int lane) {
-    const unsigned* const from = reinterpret_cast<const unsigned*>(slot + RAGGED_PAD + (lead & ~3));
-    unsigned* const to = reinterpret_cast<unsigned*>(slot);
-    for (int base = 0; base < words; base += od::WARP_SIZE) {
-        const int i = base + lane;
-        unsigned v = 0u;
-        if (i < words && 4 * i < valid) {
-            v = __funnelshift_rc(from[i], from[i + 1], 8 * (lead & 3));
-            if (4 * i + 4 > valid) {
-                v &= (1u << (8 * (valid - 4 * i))) - 1u;
-            }
-        }
-        __syncwarp();
-        if (i < words) {
-            to[i] = v;
-        }
-        __syncwarp();
     }
 }
 
@@ -623,7 +643,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
                 const u8* src;
                 int valid, nch;
                 segment(ig, iu, rs, src, valid, nch);
-                mms::issue_ragged(buf + rs * slotb, src, valid, lane);
+                mms::issue_ragged<WT>(buf + rs * slotb, src, valid, nch, lane);
             }
         } else if (L.R == 1) {
             const int w = NW == 2 ? iu / L.S : 0;
@@ -703,27 +723,24 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
         od::cp_async_commit();
         od::cp_async_wait<NS - 1>();
         __syncwarp();
-        if constexpr (RAGGED) {  // the unit's slots moved to their places
-            for (int r = 0; r < L.R; ++r) {
-                const u8* src;
-                int valid, nch;
-                segment(cg, cu, r, src, valid, nch);
-                mms::realign(ring + (i % NS) * STAGE + r * slotb,
-                             static_cast<int>(reinterpret_cast<unsigned long long>(src) & 15ull), valid,
-                             (nch * Gm::PIECE + 3) / 4, lane);
-            }
-        }
         const int w = (NW == 2 && L.R == 1) ? cu / L.S : 0;
         const int seg = L.R == 1 ? cu - w * L.S : 0;
         const int c = seg * L.G + lc;
-        // the lane's piece: lane PIECE bytes into the stage, or in its RAGGED slot
-        const int at = RAGGED ? rs * slotb + lc * Gm::PIECE : lane * Gm::PIECE;
+        // the lane's piece: lane PIECE bytes into the stage, or in its RAGGED slot, its segment's lead past it
+        int at = lane * Gm::PIECE;
+        if constexpr (RAGGED) {
+            const u8* src;
+            int valid, nch;
+            segment(cg, cu, rs, src, valid, nch);
+            at = rs * slotb + static_cast<int>(reinterpret_cast<unsigned long long>(src) & 15ull) + lc * Gm::PIECE;
+        }
         if (c < L.C) {
             if constexpr (mm::Fmt<WT>::LEGACY) {
-                mms::dot_chunk<WT, NT>(ring + (i % NS) * STAGE + at, bs + c * Gm::BCHUNK, bcol_stride, N, acc);
+                mms::dot_chunk<WT, NT, RAGGED>(ring + (i % NS) * STAGE + at, bs + c * Gm::BCHUNK, bcol_stride, N,
+                                               acc);
             } else {
-                mms::dot_piece<WT, NT>(ring + (i % NS) * STAGE + at, bs + c * Gm::BCHUNK, bcol_stride, N, grid,
-                                       acc);
+                mms::dot_piece<WT, NT, RAGGED>(ring + (i % NS) * STAGE + at, bs + c * Gm::BCHUNK, bcol_stride, N,
+                                               grid, acc);
             }
         }
         if (seg == L.S - 1) {  // the end of a row's segments: sums over the row's G lanes
