@@ -164,6 +164,9 @@ CASES.update({  # RAGGED: rows that are not whole chunks (one column): rows off 
     "ragged mul_mat_id mxfp4 K2880 3 of 4 experts": (lambda: moe("mxfp4", 4, 33, 2880, 1, 3, False, False),
                                                       DEFAULT, False),
     "ragged rms_norm q6_K K3584": (lambda: _normed("q6_K", 29, 3584, 1), DEFAULT, False),
+    # rows of an odd byte count (45 blocks of 17 bytes): every lead 0..15, shifts of 1 and 3 bytes
+    "ragged mxfp4 K1440 odd row bytes": (lambda: _mm("mxfp4", 35, 1440, 1), DEFAULT, False),
+    "ragged q4_1 K2880 (rows 8 bytes off)": (lambda: _mm("q4_1", 27, 2880, 1), DEFAULT, False),
 })
 CASES.update({  # b f16 / bf16 (unfused mul_mat only: 8-column instances), if the formats exist
     f"{dt} b {tb} {view}": (lambda dt=dt, tb=tb, view=view: _mm(dt, 29, 2 * stream.stream_geo(dt).row_values, 3,
