@@ -110,9 +110,12 @@ def test_matvec(measure_cold, torch_cuda, dt: str, shape: tuple) -> None:  # noq
 
 
 #: rows that are not whole chunks, one column (mmvq_stream's RAGGED instances, where mmvq ran them): gpt-oss's
-#: 2880 x 2880 (mxfp4 and the legacy formats), Qwen2.5 7B's down product 3584 x 18944 (its Q4_K_M's q6_K)
+#: 2880 x 2880 (mxfp4; q4_0 and q8_0 take mmvq there, no RAGGED instance of a legacy format: specs.RAGGED_TYPES),
+#: Qwen2.5 7B's down product 3584 x 18944 (its Q4_K_M's q6_K; q3_K and q2_K: 18944 is not whole 2048- / 1024-value
+#: chunks); iq4_xs at 18944 is whole chunks, the plain instances in every tree (a control). q4_K and q5_K are not
+#: here: their chunks are one block, so no K of theirs is ragged (stream.ragged is False at 18944 and at every K)
 RAGGED_SHAPES = {"mxfp4": (2880, 2880), "q4_0": (2880, 2880), "q8_0": (2880, 2880), "q6_K": (3584, 18944),
-                 "q3_K": (3584, 18944), "iq4_xs": (3584, 18944)}
+                 "q3_K": (3584, 18944), "q2_K": (3584, 18944), "iq4_xs": (3584, 18944)}
 
 
 @pytest.mark.parametrize("dt", list(RAGGED_SHAPES))

@@ -88,16 +88,18 @@ PATH_CASES = [
     ("f32", (64, 96), (12, 96), "cublas"),  # mmf takes f16/bf16 weights
     ("bf16", (2, 64, 96), (2, 512, 96), "cublas"),
     ("f32", (64, 80), (128, 80), "cublas"),
-    ("q4_0", (64, 96), (1, 96), "mmvq_stream"),  # K % 256 != 0: the RAGGED instances (one column)
-    ("q4_0", (64, 96), (2, 96), "mmvq"),  # ... more columns take mmvq
+    ("q4_0", (64, 96), (1, 96), "mmvq"),  # K % 256 != 0: a legacy format, no RAGGED instance
+    ("mxfp4", (64, 2880), (1, 2880), "mmvq_stream"),  # K % 512 != 0: the RAGGED instances (one column)
+    ("mxfp4", (64, 2880), (2, 2880), "mmvq"),  # ... more columns take mmvq
+    ("q6_K", (64, 3584), (1, 3584), "mmvq_stream"),  # K % 2048 != 0, RAGGED
     ("q5_1", (64, 96), (8, 96), "mmvq"),  # K % 64 != 0
     ("q4_0", (64, 4096), (1, 4096), "mmvq_stream"),
     ("q8_0", (64, 14336), (8, 14336), "mmvq_stream"),
     ("q4_1", (64, 128), (3, 128), "mmvq_stream"),
     ("q5_0", (3, 64, 256), (6, 2, 256), "mmvq_stream"),
     ("q5_1", (64, 64), (1, 64), "mmvq_stream"),
-    ("q4_0", (64, 4128), (1, 4128), "mmvq_stream"),  # K % 256 != 0, RAGGED
-    ("q4_1", (64, 4160), (3, 4160), "mmvq"),  # K % 128 != 0
+    ("q4_0", (64, 4128), (1, 4128), "mmvq"),  # K % 256 != 0 (legacy: no RAGGED instance)
+    ("q4_1", (64, 4160), (1, 4160), "mmvq"),  # K % 128 != 0
     ("q8_0", (64, 65536), (8, 65536), "mmvq"),  # b's q8_1 copy does not fit in shared memory
     ("q8_0", (64, 96), (9, 96), "dequant_cublas"),  # K % 256 != 0: mmq declines
     ("q4_1", (64, 96), (512, 96), "dequant_cublas"),  # K % 128 != 0
@@ -408,8 +410,8 @@ def _misaligned_rows(dt: str) -> Tensor:
 
 def test_stream_path_reasons() -> None:
     """mmvq_stream takes rows of whole 16-byte chunks of 16-byte aligned weights, and other rows (the RAGGED
-    instances) at one f32 column with the weights' base 16-byte aligned; mmvq the rest, and support.stream_ok says
-    why."""
+    instances, RAGGED_TYPES only) at one f32 column with the weights' base 16-byte aligned; mmvq the rest, and
+    support.stream_ok says why."""
     def node(dt: str, k: int, n: int = 1) -> Tensor:
         return ops.mul_mat(weight("w", (64, k), dt), od.input("x", (n, k)))
 
@@ -418,13 +420,15 @@ def test_stream_path_reasons() -> None:
                 "1 f32 column only")
 
     assert support.stream_ok(node("q4_0", 4096)) is True
-    assert support.stream_ok(node("q4_0", 4128)) is True  # RAGGED
-    assert support.stream_ok(node("mxfp4", 2880)) is True
-    assert support.stream_ok(node("q4_0", 4128, 2)) == ragged(4128, 256, 144)
-    assert support.stream_ok(node("q4_1", 4160, 3)) == ragged(4160, 128, 80)
-    assert support.stream_ok(node("q5_1", 96, 8)) == ragged(96, 64, 48)
-    wide = od.input("w", (64, 4160), "q4_0")
-    off = ops.mul_mat(wide.view((63, 4128), wide.strides, wide.strides[0] // 2), od.input("x", (1, 4128)))
+    assert support.stream_ok(node("mxfp4", 2880)) is True  # RAGGED
+    assert support.stream_ok(node("q6_K", 3584)) is True
+    assert support.stream_ok(node("mxfp4", 2880, 2)) == ragged(2880, 512, 272)
+    assert support.stream_ok(node("q6_K", 3584, 8)) == ragged(3584, 2048, 1680)
+    assert support.stream_ok(node("q4_0", 4128)) == (  # a legacy format: no RAGGED instance, at any column count
+        "K=4128 is not a multiple of 256 (rows of whole 144-byte chunks), and mmvq_stream's RAGGED instances take "
+        "no legacy format (q4_0): mmvq runs those rows")
+    wide = od.input("w", (64, 2912), "mxfp4")  # a view one 17-byte block in
+    off = ops.mul_mat(wide.view((63, 2880), wide.strides, wide.dtype.block_bytes), od.input("x", (1, 2880)))
     assert support.stream_ok(off) == "a's offset is not a multiple of 16 bytes"
     misaligned = ops.mul_mat(_misaligned_rows("q4_0"), od.input("x", (1, 512)))
     assert support.stream_ok(misaligned) == "a's offset or row/batch strides are not multiples of 16 bytes"
@@ -920,12 +924,12 @@ def test_mmv_spec_batch_geometry() -> None:
 def test_mmv_id_and_grouped_specs() -> None:
     experts = weight("e", (8, 32, 64), "q4_0")
     ids = od.input("ids", (1, 4), "i32")
-    y = ops.mul_mat_id(experts, od.input("x", (1, 2, 64)), ids)  # 2 b rows for 4 slots: not streamed
+    y = ops.mul_mat_id(experts, od.input("x", (1, 1, 64)), ids)  # K % 256 != 0, legacy: not streamed
     guard = FakeGuard()
     quant, spec = mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch, guard)
     assert guard.uses == [(y, ids, 8, f"an expert of {experts.describe()}", "its output row is filled with NaN")]
     assert (int(spec.args.err_.word), int(spec.args.err_.tag)) == (FAKE_WORD, 0)
-    assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (2, 1)
+    assert quant.kernel == "quantize_q8_1<B_F32>" and quant.grid == (1, 1)
     assert spec.kernel == "mmvq_id<W_Q4_0, EPI_NONE>" and spec.grid == (8, 4, 1)
     assert spec.block == 32 and spec.smem == 0
     check_spec(quant)
@@ -969,8 +973,12 @@ def test_mmv_id_streams_block_formats(b_rows: int) -> None:
         assert args.b_s2 == (256 * 4 if b_rows > 1 else 0)
         assert (args.ids, args.E, args.preload) == (fake_ptr(ids), 8, preload)
     y = ops.mul_mat_id(weight("e", (8, 32, 96), "q4_0"), od.input("x", (1, 1, 96)), od.input("ids", (1, 4), "i32"))
+    assert [s.kernel.split("<")[0] for s in mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch, FakeGuard())] == [
+        "quantize_q8_1", "mmvq_id"]  # K % 256 != 0, a legacy format: two launches
+    y = ops.mul_mat_id(weight("e", (8, 32, 2880), "mxfp4"), od.input("x", (1, 1, 2880)),
+                       od.input("ids", (1, 4), "i32"))
     (spec,) = mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch, FakeGuard())
-    assert spec.kernel == "mmvq_stream<W_Q4_0, B_F32, 1, EPI_NONE, 2, false, true>"  # K % 256 != 0: RAGGED
+    assert spec.kernel == "mmvq_stream<W_MXFP4, B_F32, 1, EPI_NONE, 2, false, true>"  # K % 512 != 0: RAGGED
 
 
 def test_fused_glu_spec() -> None:
@@ -1770,7 +1778,8 @@ def test_mmvq_stream_sweep(dt: str, n: int, rng) -> None:  # noqa: ANN001
         assert_close(got, ref, f"mmvq_stream a={dt} m={m} k={k} n={n}")
 
 
-#: K whose rows are not whole 16-byte chunks: mmvq runs them above one column (mmvq_stream's RAGGED instances at one)
+#: K whose rows of the legacy formats are not whole 16-byte chunks: mmvq runs them at every column count (no
+#: RAGGED instances of the legacy formats: specs.RAGGED_TYPES)
 FALLBACK_K = {"q4_0": 4128, "q5_0": 288, "q8_0": 4000, "q4_1": 4160, "q5_1": 4128}
 
 
@@ -1780,9 +1789,46 @@ FALLBACK_K = {"q4_0": 4128, "q5_0": 288, "q8_0": 4000, "q4_1": 4160, "q5_1": 412
 def test_mmvq_fallback_k(dt: str, n: int, rng) -> None:  # noqa: ANN001
     k = FALLBACK_K[dt]
     y = ops.mul_mat(od.input("a", (77, k), dt), od.input("b", (n, k)))
-    path = "mmvq_stream" if n == 1 else "mmvq"
-    _, got, ref = run_poisoned(y, rng, path)
-    assert_close(got, ref, f"{path} a={dt} k={k} n={n}")
+    _, got, ref = run_poisoned(y, rng, "mmvq")
+    assert_close(got, ref, f"mmvq a={dt} k={k} n={n}")
+
+
+@pytest.mark.parametrize("dt", QUANTS)
+def test_legacy_ragged_rows_take_mmvq(dt: str) -> None:
+    """A legacy format at a K that is not whole chunks, one f32 column (what the RAGGED instances take for the
+    other formats): support.stream_ok declines it, saying why, and mul_mat runs mmvq (quantize_q8_1, then the
+    mat-vec), mul_mat_id at one token mmvq_id; no RAGGED instance of the format is compiled."""
+    k = FALLBACK_K[dt]
+    g = stream.stream_geo(dt)
+    assert stream.ragged(dt, k) and dt in specs.LEGACY_NAMES and dt not in specs.RAGGED_TYPES
+    why = (f"K={k} is not a multiple of {g.row_values} (rows of whole {g.chunk}-byte chunks), and mmvq_stream's "
+           f"RAGGED instances take no legacy format ({dt}): mmvq runs those rows")
+    y = ops.mul_mat(weight("w", (77, k), dt), od.input("x", (1, k)))
+    assert support.stream_ok(y, H200) == why
+    assert support.choose(y, H200).path == "mmvq"
+    (step,) = steps_of(od.compile(y, H200), "mul_mat")
+    assert (step.plugin, step.kernel) == ("cuda_matmul", "mmvq")
+    assert [s.kernel for s in mmv.mmv_specs(y, y, fake_ptr, fake_scratch, device=H200)] == [
+        "quantize_q8_1<B_F32>", specs.mmvq_name(dt, 1, specs.EPI_NONE)]
+    e = ops.mul_mat_id(weight("e", (4, 32, k), dt), od.input("x", (1, 1, k)), od.input("ids", (1, 2), "i32"))
+    assert support.stream_ok(e, H200) == why
+    assert [s.kernel.split("<")[0] for s in mmv.mmv_id_specs(e, e, fake_ptr, fake_scratch, FakeGuard())] == [
+        "quantize_q8_1", "mmvq_id"]
+    assert not any(specs.stream_name(dt, "f32", specs.RAGGED_NT, epi, ragged=True) in specs.STREAM_NAMES
+                   for epi in specs.EPIS)
+
+
+def test_ragged_types() -> None:
+    """specs.RAGGED_TYPES: every streamed format whose rows can be other than whole chunks (chunks of more than one
+    block), but the legacy formats; STREAM_NAMES holds their RAGGED instances (one column, every epilogue) and no
+    other, and the kernel refuses a RAGGED instance of a legacy format."""
+    can = {dt for dt in stream.STREAMED if stream.stream_geo(dt).row_values > DTYPES[dt].block_size}
+    assert set(specs.RAGGED_TYPES) == can - set(specs.LEGACY_NAMES)
+    assert {"q4_K", "q5_K"}.isdisjoint(can) and set(specs.LEGACY_NAMES) <= can
+    ragged = {n for n in specs.STREAM_NAMES if n.count(",") == 6 and n.endswith(", true>")}  # the 7th argument
+    assert ragged == {specs.stream_name(dt, "f32", specs.RAGGED_NT, epi, ragged=True)
+                      for dt in specs.RAGGED_TYPES for epi in specs.EPIS}
+    assert "static_assert(!(RAGGED && mm::Fmt<WT>::LEGACY)" in specs.MMVQ_STREAM_CU.read_text()
 
 
 def ragged_k(dt: str) -> int | None:
@@ -1795,15 +1841,13 @@ def ragged_k(dt: str) -> int | None:
 
 
 @gpu
-@pytest.mark.parametrize("dt", list(stream.STREAMED))
+@pytest.mark.parametrize("dt", specs.RAGGED_TYPES)
 def test_mmvq_stream_ragged(dt: str, rng) -> None:  # noqa: ANN001
-    """Rows that are not whole chunks (and off 16-byte boundaries) at one column on mmvq_stream's RAGGED instances:
-    a product, a fused gate/up GLU with biases, a residual, and mul_mat_id at one token, each against the
-    reference (random valid blocks), the arenas poisoned, over a CUDA graph's capture and replay."""
+    """Rows that are not whole chunks (and off 16-byte boundaries) at one column on mmvq_stream's RAGGED instances
+    (specs.RAGGED_TYPES): a product, a fused gate/up GLU with biases, a residual, and mul_mat_id at one token, each
+    against the reference (random valid blocks), the arenas poisoned, over a CUDA graph's capture and replay."""
     k = ragged_k(dt)
-    if k is None:
-        assert stream.stream_geo(dt).row_values == DTYPES[dt].block_size  # no ragged rows to test
-        return
+    assert k is not None
     builds = (lambda: ops.mul_mat(od.input("a", (77, k), dt), od.input("b", (1, k))),
               lambda: gate_up_glu(dt, 45, k, 1, True, "swiglu"),
               lambda: ops.add(od.input("r", (1, 61)), ops.mul_mat(od.input("a", (61, k), dt), od.input("b", (1, k)))),

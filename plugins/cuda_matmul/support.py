@@ -19,7 +19,7 @@ from opdispatch.ops.base import pad4
 from opdispatch.support import GRID_YZ_MAX, Rule, first_failure, fits_int, rows_apart, whole_elements
 from opdispatch.tensor import Tensor
 
-from .specs import MMF_TYPES, QUANT_NAMES, RAGGED_NT, STREAM_B16, mmf, mmq, mmq_id, mmq_small
+from .specs import MMF_TYPES, QUANT_NAMES, RAGGED_NT, RAGGED_TYPES, STREAM_B16, mmf, mmq, mmq_id, mmq_small
 from .specs.stream import STREAMED, device_facts, stream_geo, stream_warps
 
 #: most columns (batch N) the mat-vec kernels take; larger batches go to mmf (float weights) or cuBLAS
@@ -155,7 +155,10 @@ def stream_ok(node: Tensor, device: Device | None = None) -> bool | str:
     if dt not in STREAM_B16 and _b(node).dtype.name != "f32":
         return f"{dt} streams an f32 b only (fewer instances to compile); mmvq quantizes a {_b(node).dtype.name} b"
     g = stream_geo(dt)
-    if k % g.row_values:  # the RAGGED instances: any row stride, the weights' base 16-byte aligned
+    if k % g.row_values:  # the RAGGED instances (RAGGED_TYPES): any row stride, the weights' base 16-byte aligned
+        if dt not in RAGGED_TYPES:  # the legacy formats (q4_K's and q5_K's rows are always whole chunks)
+            return (f"K={k} is not a multiple of {g.row_values} (rows of whole {g.chunk}-byte chunks), and "
+                    f"mmvq_stream's RAGGED instances take no legacy format ({dt}): mmvq runs those rows")
         if n > RAGGED_NT or _b(node).dtype.name != "f32":
             return (f"K={k} is not a multiple of {g.row_values} (rows of whole {g.chunk}-byte chunks), which "
                     f"mmvq_stream takes at {RAGGED_NT} f32 column only")

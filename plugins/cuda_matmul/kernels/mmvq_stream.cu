@@ -57,7 +57,8 @@
 // column): C = ceil(K / piece values), the last piece of a row partial; each slot's segment is staged as its
 // covering granules, zeros after them (issue_ragged), slots ragged_slot bytes apart, and each lane reads its piece
 // where it lies, with one load more, funnel-shifting the words into place (load_shifted); b's q8_1 units past K
-// are zeros. The weights' base must be 16-byte aligned.
+// are zeros. The weights' base must be 16-byte aligned. Not for the legacy formats (a static_assert; mmvq runs
+// their ragged rows, as fast or faster on the H200: docs/cuda_matmul.md), so only dot_piece reads shifted pieces.
 // Fused rms_norm (norm_w not null; fusion.py's rms_norm_mul_mat groups): b is the norm's input x, and
 // the block quantizes x * norm_w while it sums x^2 (quantize_b); every output is then scaled by its
 // column's rsqrt(sum / K + norm_eps) before the epilogue, which is rms_norm(x) * norm_w . a up to float
@@ -406,21 +407,17 @@ __device__ __forceinline__ void load_shifted(const u8* p, unsigned* wd) {
 // -- the dot products of one chunk ----------------------------------------------------------------
 
 // acc[n] += chunk (CB blocks at `wchunk`, shared) . b column n's chunk (at bchunk + n * bcol_stride).
-template <int WT, int NT, bool RAGGED = false>
+template <int WT, int NT>
 __device__ __forceinline__ void dot_chunk(const u8* wchunk, const u8* bchunk, int bcol_stride, int N,
                                           float (&acc)[NT]) {
     using Gm = Geo<WT>;
     using F = mm::Fmt<WT>;
     constexpr int NWD = (F::BYTES + 1) / 4 + 1;  // words decode_words reads
     unsigned wd[Gm::WORDS + 2];
-    if constexpr (RAGGED) {
-        load_shifted<Gm::WORDS, 16>(wchunk, wd);
-    } else {
 #pragma unroll
-        for (int g = 0; g < Gm::GRAN; ++g) {
-            const uint4 v = reinterpret_cast<const uint4*>(wchunk)[g];
-            wd[4 * g] = v.x, wd[4 * g + 1] = v.y, wd[4 * g + 2] = v.z, wd[4 * g + 3] = v.w;
-        }
+    for (int g = 0; g < Gm::GRAN; ++g) {
+        const uint4 v = reinterpret_cast<const uint4*>(wchunk)[g];
+        wd[4 * g] = v.x, wd[4 * g + 1] = v.y, wd[4 * g + 2] = v.z, wd[4 * g + 3] = v.w;
     }
     wd[Gm::WORDS] = 0u;  // read (with a shift of 0) by the last block's decode only
     wd[Gm::WORDS + 1] = 0u;
@@ -574,6 +571,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     using Gm = mms::Geo<WT>;
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
     static_assert(NS >= 2 && NS <= 4, "2 to 4 stages");
+    static_assert(!(RAGGED && mm::Fmt<WT>::LEGACY), "no RAGGED instances of the legacy formats (mmvq runs those rows)");
     extern __shared__ uint4 smem_u4[];
     u8* const smem = reinterpret_cast<u8*>(smem_u4);
 
@@ -736,8 +734,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
         }
         if (c < L.C) {
             if constexpr (mm::Fmt<WT>::LEGACY) {
-                mms::dot_chunk<WT, NT, RAGGED>(ring + (i % NS) * STAGE + at, bs + c * Gm::BCHUNK, bcol_stride, N,
-                                               acc);
+                mms::dot_chunk<WT, NT>(ring + (i % NS) * STAGE + at, bs + c * Gm::BCHUNK, bcol_stride, N, acc);
             } else {
                 mms::dot_piece<WT, NT, RAGGED>(ring + (i % NS) * STAGE + at, bs + c * Gm::BCHUNK, bcol_stride, N,
                                                grid, acc);
