@@ -6,7 +6,8 @@
   FLOPs 2*M*N*K.
 - mat-vec, batch 1 (mmvf / mmvq_stream / mmvq, every weight format that has one): bytes = weight bytes + the f32 vector
   + the f32 output, against torch's f16 mat-vec of the same shape (for every
-  weight type: torch has no q8_0/q4_0 kernel, and f16 is the usual baseline).
+  weight type: torch has no q8_0/q4_0 kernel, and f16 is the usual baseline); and at shapes whose rows are not
+  whole chunks (gpt-oss's K 2880, Qwen2.5 7B's 18944).
 - mmf, 16 columns (bf16 weights, f32 b; the 1b preset's shapes, the LM head and the fused
   gate/up pair included): bytes = the weight bytes, against cuBLAS on the same nodes (b
   converted to bf16 first) and torch.matmul of the same shape in bf16.
@@ -106,6 +107,21 @@ def test_matvec(measure_cold, torch_cuda, dt: str, shape: tuple) -> None:  # noq
     tw = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _ in range(lay.sets)]
     tx = torch.randn(1, K, device="cuda", dtype=torch.float16)
     measure_cold(plan, lay, nbytes, lambda i: torch.matmul(tx, tw[lay.of(i)].T))
+
+
+#: rows that are not whole chunks, one column (mmvq_stream's RAGGED instances, where mmvq ran them): gpt-oss's
+#: 2880 x 2880 (mxfp4; q4_0 and q8_0 take mmvq there, no RAGGED instance of a legacy format: specs.RAGGED_TYPES),
+#: Qwen2.5 7B's down product 3584 x 18944 (its Q4_K_M's q6_K; q3_K and q2_K: 18944 is not whole 2048- / 1024-value
+#: chunks); iq4_xs at 18944 is whole chunks, the plain instances in every tree (a control). q4_K and q5_K are not
+#: here: their chunks are one block, so no K of theirs is ragged (stream.ragged is False at 18944 and at every K)
+RAGGED_SHAPES = {"mxfp4": (2880, 2880), "q4_0": (2880, 2880), "q8_0": (2880, 2880), "q6_K": (3584, 18944),
+                 "q3_K": (3584, 18944), "q2_K": (3584, 18944), "iq4_xs": (3584, 18944)}
+
+
+@pytest.mark.parametrize("dt", list(RAGGED_SHAPES))
+def test_matvec_ragged(measure_cold, torch_cuda, dt: str) -> None:  # noqa: ANN001
+    """test_matvec at RAGGED_SHAPES: rows not whole chunks, off 16-byte boundaries."""
+    test_matvec(measure_cold, torch_cuda, dt, RAGGED_SHAPES[dt])
 
 
 #: the 1b preset's weights (M, K) at batch 16: q / o, k / v, the q/k/v stack, gate / up, down, the LM head

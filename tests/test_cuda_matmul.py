@@ -89,14 +89,17 @@ PATH_CASES = [
     ("f32", (64, 96), (12, 96), "cublas"),  # mmf takes f16/bf16 weights
     ("bf16", (2, 64, 96), (2, 512, 96), "cublas"),
     ("f32", (64, 80), (128, 80), "cublas"),
-    ("q4_0", (64, 96), (1, 96), "mmvq"),
+    ("q4_0", (64, 96), (1, 96), "mmvq"),  # K % 256 != 0: a legacy format, no RAGGED instance
+    ("mxfp4", (64, 2880), (1, 2880), "mmvq_stream"),  # K % 512 != 0: the RAGGED instances (one column)
+    ("mxfp4", (64, 2880), (2, 2880), "mmvq"),  # ... more columns take mmvq
+    ("q6_K", (64, 3584), (1, 3584), "mmvq_stream"),  # K % 2048 != 0, RAGGED
     ("q5_1", (64, 96), (8, 96), "mmvq"),  # K % 64 != 0
     ("q4_0", (64, 4096), (1, 4096), "mmvq_stream"),
     ("q8_0", (64, 14336), (8, 14336), "mmvq_stream"),
     ("q4_1", (64, 128), (3, 128), "mmvq_stream"),
     ("q5_0", (3, 64, 256), (6, 2, 256), "mmvq_stream"),
     ("q5_1", (64, 64), (1, 64), "mmvq_stream"),
-    ("q4_0", (64, 4128), (1, 4128), "mmvq"),  # K % 256 != 0
+    ("q4_0", (64, 4128), (1, 4128), "mmvq"),  # K % 256 != 0 (legacy: no RAGGED instance)
     ("q4_1", (64, 4160), (1, 4160), "mmvq"),  # K % 128 != 0
     ("q8_0", (64, 65536), (8, 65536), "mmvq"),  # b's q8_1 copy does not fit in shared memory
     ("q8_0", (64, 96), (9, 96), "dequant_cublas"),  # K % 256 != 0: mmq declines; K % 64 != 0: mmq_wgmma too
@@ -456,15 +459,27 @@ def _misaligned_rows(dt: str) -> Tensor:
 
 
 def test_stream_path_reasons() -> None:
-    """mmvq_stream takes rows of whole 16-byte chunks of 16-byte aligned weights; mmvq the rest,
-    and support.stream_ok says why."""
+    """mmvq_stream takes rows of whole 16-byte chunks of 16-byte aligned weights, and other rows (the RAGGED
+    instances, RAGGED_TYPES only) at one f32 column with the weights' base 16-byte aligned; mmvq the rest, and
+    support.stream_ok says why."""
     def node(dt: str, k: int, n: int = 1) -> Tensor:
         return ops.mul_mat(weight("w", (64, k), dt), od.input("x", (n, k)))
 
+    def ragged(k: int, rv: int, chunk: int) -> str:
+        return (f"K={k} is not a multiple of {rv} (rows of whole {chunk}-byte chunks), which mmvq_stream takes at "
+                "1 f32 column only")
+
     assert support.stream_ok(node("q4_0", 4096)) is True
-    assert support.stream_ok(node("q4_0", 4128)) == "K=4128 is not a multiple of 256 (rows of whole 144-byte chunks)"
-    assert support.stream_ok(node("q4_1", 4160)) == "K=4160 is not a multiple of 128 (rows of whole 80-byte chunks)"
-    assert support.stream_ok(node("q5_1", 96)) == "K=96 is not a multiple of 64 (rows of whole 48-byte chunks)"
+    assert support.stream_ok(node("mxfp4", 2880)) is True  # RAGGED
+    assert support.stream_ok(node("q6_K", 3584)) is True
+    assert support.stream_ok(node("mxfp4", 2880, 2)) == ragged(2880, 512, 272)
+    assert support.stream_ok(node("q6_K", 3584, 8)) == ragged(3584, 2048, 1680)
+    assert support.stream_ok(node("q4_0", 4128)) == (  # a legacy format: no RAGGED instance, at any column count
+        "K=4128 is not a multiple of 256 (rows of whole 144-byte chunks), and mmvq_stream's RAGGED instances take "
+        "no legacy format (q4_0): mmvq runs those rows")
+    wide = od.input("w", (64, 2912), "mxfp4")  # a view one 17-byte block in
+    off = ops.mul_mat(wide.view((63, 2880), wide.strides, wide.dtype.block_bytes), od.input("x", (1, 2880)))
+    assert support.stream_ok(off) == "a's offset is not a multiple of 16 bytes"
     misaligned = ops.mul_mat(_misaligned_rows("q4_0"), od.input("x", (1, 512)))
     assert support.stream_ok(misaligned) == "a's offset or row/batch strides are not multiples of 16 bytes"
     (step,) = steps_of(od.compile(misaligned, H200), "mul_mat")
@@ -959,7 +974,7 @@ def test_mmv_spec_batch_geometry() -> None:
 def test_mmv_id_and_grouped_specs() -> None:
     experts = weight("e", (8, 32, 64), "q4_0")
     ids = od.input("ids", (1, 4), "i32")
-    y = ops.mul_mat_id(experts, od.input("x", (1, 1, 64)), ids)
+    y = ops.mul_mat_id(experts, od.input("x", (1, 1, 64)), ids)  # K % 256 != 0, legacy: not streamed
     guard = FakeGuard()
     quant, spec = mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch, guard)
     assert guard.uses == [(y, ids, 8, f"an expert of {experts.describe()}", "its output row is filled with NaN")]
@@ -1009,7 +1024,11 @@ def test_mmv_id_streams_block_formats(b_rows: int) -> None:
         assert (args.ids, args.E, args.preload) == (fake_ptr(ids), 8, preload)
     y = ops.mul_mat_id(weight("e", (8, 32, 96), "q4_0"), od.input("x", (1, 1, 96)), od.input("ids", (1, 4), "i32"))
     assert [s.kernel.split("<")[0] for s in mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch, FakeGuard())] == [
-        "quantize_q8_1", "mmvq_id"]  # K % 256 != 0: two launches
+        "quantize_q8_1", "mmvq_id"]  # K % 256 != 0, a legacy format: two launches
+    y = ops.mul_mat_id(weight("e", (8, 32, 2880), "mxfp4"), od.input("x", (1, 1, 2880)),
+                       od.input("ids", (1, 4), "i32"))
+    (spec,) = mmv.mmv_id_specs(y, y, fake_ptr, fake_scratch, FakeGuard())
+    assert spec.kernel == "mmvq_stream<W_MXFP4, B_F32, 1, EPI_NONE, 2, false, true>"  # K % 512 != 0: RAGGED
 
 
 def test_fused_glu_spec() -> None:
@@ -1809,7 +1828,8 @@ def test_mmvq_stream_sweep(dt: str, n: int, rng) -> None:  # noqa: ANN001
         assert_close(got, ref, f"mmvq_stream a={dt} m={m} k={k} n={n}")
 
 
-#: K that the streamed kernel does not take (rows not whole 16-byte chunks): mmvq runs them
+#: K whose rows of the legacy formats are not whole 16-byte chunks: mmvq runs them at every column count (no
+#: RAGGED instances of the legacy formats: specs.RAGGED_TYPES)
 FALLBACK_K = {"q4_0": 4128, "q5_0": 288, "q8_0": 4000, "q4_1": 4160, "q5_1": 4128}
 
 
@@ -1821,6 +1841,81 @@ def test_mmvq_fallback_k(dt: str, n: int, rng) -> None:  # noqa: ANN001
     y = ops.mul_mat(od.input("a", (77, k), dt), od.input("b", (n, k)))
     _, got, ref = run_poisoned(y, rng, "mmvq")
     assert_close(got, ref, f"mmvq a={dt} k={k} n={n}")
+
+
+@pytest.mark.parametrize("dt", QUANTS)
+def test_legacy_ragged_rows_take_mmvq(dt: str) -> None:
+    """A legacy format at a K that is not whole chunks, one f32 column (what the RAGGED instances take for the
+    other formats): support.stream_ok declines it, saying why, and mul_mat runs mmvq (quantize_q8_1, then the
+    mat-vec), mul_mat_id at one token mmvq_id; no RAGGED instance of the format is compiled."""
+    k = FALLBACK_K[dt]
+    g = stream.stream_geo(dt)
+    assert stream.ragged(dt, k) and dt in specs.LEGACY_NAMES and dt not in specs.RAGGED_TYPES
+    why = (f"K={k} is not a multiple of {g.row_values} (rows of whole {g.chunk}-byte chunks), and mmvq_stream's "
+           f"RAGGED instances take no legacy format ({dt}): mmvq runs those rows")
+    y = ops.mul_mat(weight("w", (77, k), dt), od.input("x", (1, k)))
+    assert support.stream_ok(y, H200) == why
+    assert support.choose(y, H200).path == "mmvq"
+    (step,) = steps_of(od.compile(y, H200), "mul_mat")
+    assert (step.plugin, step.kernel) == ("cuda_matmul", "mmvq")
+    assert [s.kernel for s in mmv.mmv_specs(y, y, fake_ptr, fake_scratch, device=H200)] == [
+        "quantize_q8_1<B_F32>", specs.mmvq_name(dt, 1, specs.EPI_NONE)]
+    e = ops.mul_mat_id(weight("e", (4, 32, k), dt), od.input("x", (1, 1, k)), od.input("ids", (1, 2), "i32"))
+    assert support.stream_ok(e, H200) == why
+    assert [s.kernel.split("<")[0] for s in mmv.mmv_id_specs(e, e, fake_ptr, fake_scratch, FakeGuard())] == [
+        "quantize_q8_1", "mmvq_id"]
+    assert not any(specs.stream_name(dt, "f32", specs.RAGGED_NT, epi, ragged=True) in specs.STREAM_NAMES
+                   for epi in specs.EPIS)
+
+
+def test_ragged_types() -> None:
+    """specs.RAGGED_TYPES: every streamed format whose rows can be other than whole chunks (chunks of more than one
+    block), but the legacy formats; STREAM_NAMES holds their RAGGED instances (one column, every epilogue) and no
+    other, and the kernel refuses a RAGGED instance of a legacy format."""
+    can = {dt for dt in stream.STREAMED if stream.stream_geo(dt).row_values > DTYPES[dt].block_size}
+    assert set(specs.RAGGED_TYPES) == can - set(specs.LEGACY_NAMES)
+    assert {"q4_K", "q5_K"}.isdisjoint(can) and set(specs.LEGACY_NAMES) <= can
+    ragged = {n for n in specs.STREAM_NAMES if n.count(",") == 6 and n.endswith(", true>")}  # the 7th argument
+    assert ragged == {specs.stream_name(dt, "f32", specs.RAGGED_NT, epi, ragged=True)
+                      for dt in specs.RAGGED_TYPES for epi in specs.EPIS}
+    assert "static_assert(!(RAGGED && mm::Fmt<WT>::LEGACY)" in specs.MMVQ_STREAM_CU.read_text()
+
+
+def ragged_k(dt: str) -> int | None:
+    """A K whose rows of dt are not whole chunks (gpt-oss's 2880 where the blocks allow), None where every row is
+    (chunks of one block)."""
+    rv, qk = stream.stream_geo(dt).row_values, DTYPES[dt].block_size
+    if rv == qk:
+        return None
+    return 2880 if 2880 % qk == 0 and 2880 % rv else 14 * qk if (14 * qk) % rv else 9 * qk
+
+
+@gpu
+@pytest.mark.parametrize("dt", specs.RAGGED_TYPES)
+def test_mmvq_stream_ragged(dt: str, rng) -> None:  # noqa: ANN001
+    """Rows that are not whole chunks (and off 16-byte boundaries) at one column on mmvq_stream's RAGGED instances
+    (specs.RAGGED_TYPES): a product, a fused gate/up GLU with biases, a residual, and mul_mat_id at one token, each
+    against the reference (random valid blocks), the arenas poisoned, over a CUDA graph's capture and replay."""
+    k = ragged_k(dt)
+    assert k is not None
+    builds = (lambda: ops.mul_mat(od.input("a", (77, k), dt), od.input("b", (1, k))),
+              lambda: gate_up_glu(dt, 45, k, 1, True, "swiglu"),
+              lambda: ops.add(od.input("r", (1, 61)), ops.mul_mat(od.input("a", (61, k), dt), od.input("b", (1, k)))),
+              lambda: moe(dt, 6, 37, k, 1, 3, False, False))
+    for build in builds:
+        y = build()
+        plan = od.compile(y, "cuda0")
+        kernels = [s.kernel for s in plan.steps if s.kind in ("kernel", "fused") and s.plugin == "cuda_matmul"]
+        assert kernels and all(kn in ("mmvq_stream", "mmv_id") or kn.startswith("mul_mat") for kn in kernels), \
+            plan.explain()
+        prods = [n for n in Graph.build(y).nodes if n.op in ("mul_mat", "mul_mat_id")]
+        assert all(support.stream_ok(n, H200) is True and stream.ragged(dt, k) for n in prods)
+        for run in range(3):  # warm-up, capture, replay
+            feeds = subscaled_feeds(y, rng, 6) if dt in SUBSCALED else feeds_for(y, rng, 6)
+            poison_arenas(plan)
+            (got,) = plan.run(feeds)
+            (ref,) = od.compile(y, "cpu").run(feeds)
+            assert_close(got, ref, f"RAGGED {dt} k={k} {y.describe()} run {run}")
 
 
 @gpu
@@ -2207,15 +2302,18 @@ def test_subscaled_mul_mat_path(dt: str, n: int, wgmma: bool, monkeypatch: pytes
     if wgmma:
         select_wgmma(monkeypatch)
     rv, qk = stream.stream_geo(dt).row_values, DTYPES[dt].block_size
-    partial = ((rv + qk, "mmvq"),) if rv > qk else ()  # q4_K, q5_K: chunks of one block, every K streams
+    # q4_K, q5_K: chunks of one block, every K streams; other partial rows stream at one column (RAGGED)
+    partial = ((rv + qk, "mmvq_stream" if n == 1 else "mmvq"),) if rv > qk else ()
     for k, small in ((rv, "mmvq_stream"), (14336, "mmvq_stream"), *partial):
         y = ops.mul_mat(od.input("w", (3, 13, k), dt), od.input("x", (3, n, k)))
         (step,) = steps_of(od.compile(y, H200), "mul_mat")
         why = f"K={k} is not a multiple of {rv} (rows of whole {stream.stream_geo(dt).chunk}-byte chunks)"
-        whole = small == "mmvq_stream"
+        whole = k % rv == 0
         if n <= 8:  # stream_ok is asked of mat-vecs only
             assert (step.plugin, step.kernel) == ("cuda_matmul", small), (k, n)
-            assert support.stream_ok(y, H200) == (True if whole else why)
+            streamed = small == "mmvq_stream"
+            assert support.stream_ok(y, H200) == (True if streamed else why + ", which mmvq_stream takes at 1 f32 "
+                                                  "column only")
         else:
             gemm = dt in mmq.MMQ_FORMATS  # the grid I-quants have no quantized GEMM
             wide = "mmq_wgmma" if wgmma and whole and k % mmq_wgmma.BK == 0 else "dequant_cublas"
@@ -2289,8 +2387,10 @@ def test_subscaled_instances_are_compiled() -> None:
 @pytest.mark.parametrize("n", [1, 2, 5, 8])
 def test_grid_formats_bind_their_compiled_instances(dt: str, n: int) -> None:
     """The grid I-quants are compiled for 1 and 8 columns: the mat-vecs' specs name those (2..8 columns run the
-    8-column kernel) whether streamed (K 4096) or not (K 256); an f16 b goes to mmvq (no streamed instance)."""
-    for k, tb, path in ((4096, "f32", "mmvq_stream"), (256, "f32", "mmvq"), (4096, "f16", "mmvq")):
+    8-column kernel) whether streamed (K 4096, and K 256 at one column: RAGGED) or not; an f16 b goes to mmvq (no
+    streamed instance)."""
+    ragged = "mmvq_stream" if n == 1 else "mmvq"  # K 256: RAGGED rows at one column
+    for k, tb, path in ((4096, "f32", "mmvq_stream"), (256, "f32", ragged), (4096, "f16", "mmvq")):
         y = ops.mul_mat(od.input("w", (24, k), dt), od.input("x", (n, k), tb))
         assert support.choose(y, H200).path == path, (k, tb)
         if tb != "f32":
@@ -2299,7 +2399,7 @@ def test_grid_formats_bind_their_compiled_instances(dt: str, n: int) -> None:
         ptr = iter(range(4096, 1 << 30, 1 << 20))
         launches = mmv.mmv_specs(y, y, lambda t, p=ptr: next(p), lambda *a, **kw: 1 << 30, device=H200)
         nt = 1 if n == 1 else 8
-        want = specs.stream_name(dt, "f32", nt, specs.EPI_NONE) if path == "mmvq_stream" else \
+        want = specs.stream_name(dt, "f32", nt, specs.EPI_NONE, ragged=k == 256) if path == "mmvq_stream" else \
             specs.mmvq_name(dt, nt, specs.EPI_NONE)
         assert launches[-1].kernel == want and want in specs.KERNEL_SOURCES[launches[-1].source], (k, tb)
 

@@ -163,6 +163,33 @@ def test_norm_fuses_into_the_gemms_quantize(n: int, path: str, glu: bool) -> Non
         assert [int(g.args.out) for g in gemms] == [fake_ptr(p) for p in prods]
 
 
+def test_share_declines_ragged_rows() -> None:
+    """The instances that write the normed values take rows of whole chunks: a q6_K product at K 3584 (rows of
+    14 blocks, not whole 8-block chunks) declines SHARE, saying why, and its mat-vec runs the RAGGED instance."""
+    k = 3584
+    h = ops.mul(ops.rms_norm(od.input("x", (1, k)), EPS), od.input("nw", (k,)))
+    v = ops.mul_mat(od.input("wv", (128, k), "q6_K"), h)
+    nodes = [h.srcs[0], h, v]
+    assert fusion.check_share(H200, nodes, od.Graph.build(v)) == (
+        "rows that are not whole chunks: the kernels that write the normed values take whole chunks")
+    assert support.choose(v, H200).path == "mmvq_stream"
+
+
+def test_norm_declines_legacy_ragged_rows() -> None:
+    """A legacy format at a K that is not whole chunks (q4_0 at 4128) has no RAGGED instance: its mat-vec runs mmvq,
+    so neither norm rule fuses (each saying why)."""
+    k = 4128
+    h = ops.mul(ops.rms_norm(od.input("x", (1, k)), EPS), od.input("nw", (k,)))
+    v = ops.mul_mat(od.input("wv", (128, k), "q4_0"), h)
+    nodes = [h.srcs[0], h, v]
+    graph = od.Graph.build(v)
+    assert support.choose(v, H200).path == "mmvq"
+    assert fusion.check_share(H200, nodes, graph) == (
+        "rows that are not whole chunks: the kernels that write the normed values take whole chunks")
+    assert fusion.check(H200, nodes, graph) == (
+        f"mul_mat takes mmvq; the rms_norm fuses into {', '.join(fusion.NORM_PATHS)} only")
+
+
 def test_pair_declined_off_the_gemms() -> None:
     """Two products of the normed values at one column (the mat-vec): no shared quantize there."""
     h = ops.mul(ops.rms_norm(od.input("x", (1, 2048)), EPS), od.input("nw", (2048,)))

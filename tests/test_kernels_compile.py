@@ -62,6 +62,7 @@ __global__ void probe(const od::f16* h, const od::bf16* b, od::f16* ho, od::bf16
     od::st32_2(raw + 4 * i + 2, od::same_v<od::f16, od::bf16> ? 0u : 1u);
     __shared__ alignas(16) unsigned char stage[16 * BLOCK];
     od::cp_async16(od::smem_addr(stage + 16 * i), raw + 16 * i);
+    od::cp_async16_zfill(od::smem_addr(stage + 16 * i), raw + 16 * i, i % 17);
     od::cp_async_commit();
     od::cp_async_wait<0>();
     for (od::Walk w(i, BLOCK, 3 + i % 5); w.row < 7; w.next()) {

@@ -152,6 +152,24 @@ def _k_cases(dt: str, i: int) -> dict:
 for _i, _dt in enumerate(K_FORMATS):
     CASES.update({k: v for k, v in _k_cases(_dt, _i).items()
                   if _dt not in specs.GRID_NAMES or not any(skip in k for skip in GRID_SKIPS)})
+#: RAGGED: rows that are not whole chunks (one column): rows off 16-byte boundaries, a partial last piece; the
+#: formats of specs.RAGGED_TYPES only (the legacy formats' such rows run on mmvq, which the emulation does not run)
+CASES.update({
+    "ragged mxfp4 K2880 (gpt-oss), half pieces": (lambda: _mm("mxfp4", 37, 2880, 1), DEFAULT, False),
+    "ragged iq4_nl K96 (R 32: one partial piece a row)": (lambda: _mm("iq4_nl", 40, 96, 1), DEFAULT, True),
+    "ragged iq4_nl K2880 bias (rows 4 bytes off)": (lambda: _bias("iq4_nl", 45, 2880, 1), DEFAULT, False),
+    "ragged glu q6_K K3584 (one-block pieces), bias": (lambda: gate_up_glu("q6_K", 21, 3584, 1, True, "swiglu"),
+                                                       DEFAULT, False),
+    "ragged iq4_xs K768": (lambda: _mm("iq4_xs", 19, 768, 1), specs.StreamConfig(2, 2, 1), True),
+    "ragged q2_K K768 residual": (lambda: _residual("q2_K", 23, 768, 1), DEFAULT, False),
+    "ragged q3_K K18688 three segments": (lambda: _mm("q3_K", 13, 18688, 1), specs.StreamConfig(2, 2, 1), False),
+    "ragged mul_mat_id mxfp4 K2880 3 of 4 experts": (lambda: moe("mxfp4", 4, 33, 2880, 1, 3, False, False),
+                                                      DEFAULT, False),
+    "ragged rms_norm q6_K K3584": (lambda: _normed("q6_K", 29, 3584, 1), DEFAULT, False),
+    # rows of an odd byte count (45 blocks of 17 bytes): every lead 0..15, shifts of 1 and 3 bytes
+    "ragged mxfp4 K1440 odd row bytes": (lambda: _mm("mxfp4", 35, 1440, 1), DEFAULT, False),
+    "ragged iq1_m K2816 (rows 8 bytes off, 2-block pieces)": (lambda: _mm("iq1_m", 27, 2816, 1), DEFAULT, False),
+})
 CASES.update({  # b f16 / bf16 (unfused mul_mat only: 8-column instances), if the formats exist
     f"{dt} b {tb} {view}": (lambda dt=dt, tb=tb, view=view: _mm(dt, 29, 2 * stream.stream_geo(dt).row_values, 3,
                                                                  tb=tb, bview=view), DEFAULT, False)
@@ -204,7 +222,7 @@ def _instance(y: Tensor, cfg: specs.StreamConfig, share: bool = False) -> str:
     n = 1 if first.op == "mul_mat_id" else first.shape[-2]  # mul_mat_id: one column a (token, slot)
     dt = first.srcs[0].dtype.name
     return specs.stream_name(dt, tb, specs.nt_for(n, specs.quant_nts(dt)) if tb == "f32" else 8, epi, cfg.stages,
-                             share)
+                             share, stream.ragged(dt, first.srcs[0].shape[-1]))
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,7 @@ from opdispatch.tensor import Tensor
 
 from . import support
 from .specs import KEEP_NT
+from .specs.stream import STREAMED, ragged
 
 MMV_PATHS = ("mmvf", "mmvq_stream", "mmvq", "mmv_id", "mmv_id_grouped")
 #: the quantized GEMMs of mul_mat: a bias or residual epilogue (mq::finish), no GLU
@@ -142,6 +143,9 @@ def check_share(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool |
     n = support.batch_n(nodes[-1])
     if n != KEEP_NT:
         return f"{n} columns: the kernels that write the normed values take {KEEP_NT}"
+    w = nodes[-1].srcs[0]
+    if w.dtype.name in STREAMED and ragged(w.dtype.name, w.shape[-1]):
+        return "rows that are not whole chunks: the kernels that write the normed values take whole chunks"
     return check(device, nodes, graph)
 
 

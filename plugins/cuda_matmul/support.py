@@ -19,7 +19,8 @@ from opdispatch.ops.base import pad4
 from opdispatch.support import GRID_YZ_MAX, Rule, first_failure, fits_int, rows_apart, whole_elements
 from opdispatch.tensor import Tensor
 
-from .specs import MMF_TYPES, QUANT_NAMES, STREAM_B16, mmf, mmq, mmq_id, mmq_small, mmq_wgmma
+from .specs import (MMF_TYPES, QUANT_NAMES, RAGGED_NT, RAGGED_TYPES, STREAM_B16, mmf, mmq, mmq_id, mmq_small,
+                     mmq_wgmma)
 from .specs.stream import STREAMED, device_facts, stream_geo, stream_warps
 
 #: most columns (batch N) the mat-vec kernels take; larger batches go to mmf (float weights) or cuBLAS
@@ -161,9 +162,21 @@ def stream_ok(node: Tensor, device: Device | None = None) -> bool | str:
     if dt not in STREAM_B16 and _b(node).dtype.name != "f32":
         return f"{dt} streams an f32 b only (fewer instances to compile); mmvq quantizes a {_b(node).dtype.name} b"
     g = stream_geo(dt)
-    chunked = _whole_chunks(a, g.row_values, g.chunk, device, "cp.async")
-    if chunked is not True:
-        return chunked
+    if k % g.row_values:  # the RAGGED instances (RAGGED_TYPES): any row stride, the weights' base 16-byte aligned
+        if dt not in RAGGED_TYPES:  # the legacy formats (q4_K's and q5_K's rows are always whole chunks)
+            return (f"K={k} is not a multiple of {g.row_values} (rows of whole {g.chunk}-byte chunks), and "
+                    f"mmvq_stream's RAGGED instances take no legacy format ({dt}): mmvq runs those rows")
+        if n > RAGGED_NT or _b(node).dtype.name != "f32":
+            return (f"K={k} is not a multiple of {g.row_values} (rows of whole {g.chunk}-byte chunks), which "
+                    f"mmvq_stream takes at {RAGGED_NT} f32 column only")
+        if a.view_offset % 16:
+            return "a's offset is not a multiple of 16 bytes"
+        if device is not None and device.kind == "cuda" and device_facts(device).cc < (8, 0):
+            return "cp.async needs sm_80"
+    else:
+        chunked = _whole_chunks(a, g.row_values, g.chunk, device, "cp.async")
+        if chunked is not True:
+            return chunked
     if not stream_warps(dt, k, n, device):
         return f"b's q8_1 copy of {n}x{k} values does not fit in shared memory"
     return True

@@ -35,6 +35,8 @@ _SWAPS = (
      "a = emu_smem_addr(p);"),
     ('asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" ::"r"(saddr), "l"(src) : "memory");',
      "emu_cp16(saddr, src);"),
+    ('asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" ::"r"(saddr), "l"(src), "r"(bytes) : "memory");',
+     "emu_cp16z(saddr, src, bytes);"),
     ('asm volatile("cp.async.commit_group;\\n" ::: "memory");', "emu_commit();"),
     ('asm volatile("cp.async.wait_group %0;\\n" ::"n"(N) : "memory");', "emu_wait(N);"),
     ('asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"\n'

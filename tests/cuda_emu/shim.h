@@ -139,28 +139,36 @@ inline T __shfl_xor_sync(unsigned, T v, int off, int = 32) {
 }
 
 // cp.async
-struct EmuCopy { void* dst; const void* src; int group; };
+struct EmuCopy { void* dst; const void* src; int group; int bytes; };  // bytes copied, the rest of 16 zeroed
 inline thread_local std::vector<EmuCopy> emu_pending;
 inline thread_local int emu_groups;  // committed groups
 inline bool emu_eager;
 inline unsigned char* emu_gmem_lo;
 inline unsigned char* emu_gmem_hi;
 inline unsigned emu_smem_addr(const void* p) { return (unsigned)((const unsigned char*)p - emu_ctx->smem); }
-inline void emu_cp16(unsigned saddr, const void* src) {
+inline void emu_copy(const EmuCopy& c) {
+    memcpy(c.dst, c.src, c.bytes);
+    memset((unsigned char*)c.dst + c.bytes, 0, 16 - c.bytes);
+}
+// cp.async of 16 bytes, the first `bytes` of them read (src-size: the rest zero-filled, not read)
+inline void emu_cp16z(unsigned saddr, const void* src, int bytes) {
     void* dst = emu_ctx->smem + saddr;
     const unsigned char* s = (const unsigned char*)src;
-    if (s < emu_gmem_lo || s + 16 > emu_gmem_hi || ((uintptr_t)s & 15) || ((uintptr_t)dst & 15)) {
+    if (bytes < 0 || bytes > 16 || s < emu_gmem_lo || s + bytes > emu_gmem_hi || ((uintptr_t)s & 15) ||
+        ((uintptr_t)dst & 15)) {
         fprintf(stderr, "cp.async out of range or misaligned: src %p dst %p\n", src, dst);
         std::abort();
     }
-    if (emu_eager) memcpy(dst, src, 16);
-    else emu_pending.push_back({dst, src, emu_groups});
+    const EmuCopy c{dst, src, emu_groups, bytes};
+    if (emu_eager) emu_copy(c);
+    else emu_pending.push_back(c);
 }
+inline void emu_cp16(unsigned saddr, const void* src) { emu_cp16z(saddr, src, 16); }
 inline void emu_commit() { ++emu_groups; }
 inline void emu_wait(int n) {
     std::vector<EmuCopy> keep;
     for (auto& c : emu_pending) {
-        if (c.group < emu_groups - n) memcpy(c.dst, c.src, 16);
+        if (c.group < emu_groups - n) emu_copy(c);
         else keep.push_back(c);
     }
     emu_pending.swap(keep);

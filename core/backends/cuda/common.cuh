@@ -345,7 +345,8 @@ struct Walk {  // cols > 0
 
 // -- cp.async (sm_80+): global -> shared copies that bypass the registers -------------
 // cp_async16(saddr, src) copies 16 bytes (both 16-byte aligned) to the shared address saddr
-// (smem_addr); commit closes a group of copies, wait<N> returns once at most N groups are in flight.
+// (smem_addr; cp_async16_zfill: only the first bytes of them, zeros after); commit closes a group of
+// copies, wait<N> returns once at most N groups are in flight.
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     unsigned a;
@@ -355,6 +356,12 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 
 __device__ __forceinline__ void cp_async16(unsigned saddr, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(saddr), "l"(src) : "memory");
+}
+
+// The same reading only the first `bytes` (0..16) of the 16 at src and zero-filling the rest (the source size):
+// a row's last granule without reading past the row.
+__device__ __forceinline__ void cp_async16_zfill(unsigned saddr, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(src), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() {

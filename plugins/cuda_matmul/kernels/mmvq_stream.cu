@@ -53,6 +53,12 @@
 //           int8 codes (the table formats': in nibble-pair order), then NU float2 (d, d * sum), padded
 //           to an odd number of granules (conflict-free as the weights); codes read with 16-byte loads,
 //           (d, d * sum) two blocks at a time (legacy) or one (a unit of quant_k.cuh's formats).
+// RAGGED (instances of their own: rows that are not whole chunks, so row starts off 16-byte boundaries; one
+// column): C = ceil(K / piece values), the last piece of a row partial; each slot's segment is staged as its
+// covering granules, zeros after them (issue_ragged), slots ragged_slot bytes apart, and each lane reads its piece
+// where it lies, with one load more, funnel-shifting the words into place (load_shifted); b's q8_1 units past K
+// are zeros. The weights' base must be 16-byte aligned. Not for the legacy formats (a static_assert; mmvq runs
+// their ragged rows, as fast or faster on the H200: docs/cuda_matmul.md), so only dot_piece reads shifted pieces.
 // Fused rms_norm (norm_w not null; fusion.py's rms_norm_mul_mat groups): b is the norm's input x, and
 // the block quantizes x * norm_w while it sums x^2 (quantize_b); every output is then scaled by its
 // column's rsqrt(sum / K + norm_eps) before the epilogue, which is rms_norm(x) * norm_w . a up to float
@@ -339,6 +345,65 @@ __device__ __forceinline__ void write_normed(const u8* x, long long x_col, long 
     }
 }
 
+// -- rows that are not whole granules (RAGGED) ---------------------------------------------------------
+// A slot holds the granules covering its row segment (`valid` bytes from src, any alignment), from the granule at
+// or below src (no copy starts before the weights, whose base is 16-byte aligned), the granule holding the
+// segment's end copied only up to it (cp.async's source size: nothing past the row is read), then zeros (source
+// size 0) to one granule past the slot's pieces: a lane's piece starts `lead` (src % 16) bytes past its place and
+// is read with one load more than an aligned one (load_shifted), and a partial last piece decodes its blocks past
+// the row as zeros.
+
+// Bytes of a RAGGED slot of G lanes' pieces: the pieces, the lead and the granule read past them.
+template <int WT>
+__device__ __forceinline__ int ragged_slot(int G) {
+    return (G * Geo<WT>::PIECE + 15) / 16 * 16 + 3 * 16;
+}
+
+// The copies of a slot whose segment is `valid` bytes from src and whose lanes read `pieces` pieces.
+template <int WT>
+__device__ __forceinline__ void issue_ragged(u8* slot, const u8* src, int valid, int pieces, int lane) {
+    const int lead = static_cast<int>(reinterpret_cast<unsigned long long>(src) & 15ull);
+    const u8* const g0 = src - lead;
+    const int n16 = (lead + pieces * Geo<WT>::PIECE + 15) / 16 + 1;
+    for (int i = lane; i < n16; i += od::WARP_SIZE) {
+        const int bytes = max(0, min(16, lead + valid - 16 * i));
+        od::cp_async16_zfill(od::smem_addr(slot + 16 * i), bytes > 0 ? g0 + 16 * i : g0, bytes);
+    }
+}
+
+// The W words at p (shared, any byte alignment) into wd: V-byte loads from the V-byte boundary below (one load
+// more than W words take), funnel-shifted by p's phase. The word offset takes one unrolled path each: lanes of
+// one slot agree on it.
+template <int W, int V>
+__device__ __forceinline__ void load_shifted(const u8* p, unsigned* wd) {
+    constexpr int PER = V / 4, NV = (W + PER - 1) / PER + 1;
+    const int lead = static_cast<int>(reinterpret_cast<unsigned long long>(p) & (V - 1));
+    const u8* const base = p - lead;
+    unsigned raw[NV * PER];
+#pragma unroll
+    for (int g = 0; g < NV; ++g) {
+        if constexpr (V == 16) {
+            const uint4 v = reinterpret_cast<const uint4*>(base)[g];
+            raw[4 * g] = v.x, raw[4 * g + 1] = v.y, raw[4 * g + 2] = v.z, raw[4 * g + 3] = v.w;
+        } else if constexpr (V == 8) {
+            const uint2 v = reinterpret_cast<const uint2*>(base)[g];
+            raw[2 * g] = v.x, raw[2 * g + 1] = v.y;
+        } else {
+            raw[g] = reinterpret_cast<const unsigned*>(base)[g];
+        }
+    }
+    const int q = lead >> 2, sh = 8 * (lead & 3);
+#pragma unroll
+    for (int qq = 0; qq < PER; ++qq) {
+        if (q == qq) {
+#pragma unroll
+            for (int i = 0; i < W; ++i) {
+                wd[i] = __funnelshift_rc(raw[i + qq], raw[i + qq + 1], sh);
+            }
+        }
+    }
+}
+
 // -- the dot products of one chunk ----------------------------------------------------------------
 
 // acc[n] += chunk (CB blocks at `wchunk`, shared) . b column n's chunk (at bchunk + n * bcol_stride).
@@ -400,7 +465,7 @@ __device__ __forceinline__ void dot_chunk(const u8* wchunk, const u8* bchunk, in
 // one-block piece (2-byte aligned: even BYTES, lanes BYTES apart) with 4-byte loads from the word
 // boundary below it, then funnel-shifted by its phase (0 or 2 bytes: the same instructions in every
 // lane; the last lane's block ends on a granule, so no load passes the stage).
-template <int WT, int NT>
+template <int WT, int NT, bool RAGGED = false>
 __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, int bcol_stride, int N, const u8* grid,
                                           float (&acc)[NT]) {
     using Gm = Geo<WT>;
@@ -408,7 +473,9 @@ __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, in
     constexpr int PER = F::QK / 32;  // units a block
     constexpr int RW = Gm::REG ? Gm::PIECE / 4 : (F::BYTES + 3) / 4;  // words of the piece in registers
     unsigned wd[RW];
-    if constexpr (Gm::REG && Gm::LOAD == 16) {
+    if constexpr (RAGGED) {  // any alignment (the slot's lead): a load more, funnel-shifted
+        load_shifted<RW, Gm::REG ? Gm::LOAD : 4>(wpiece, wd);
+    } else if constexpr (Gm::REG && Gm::LOAD == 16) {
 #pragma unroll
         for (int g = 0; g < RW / 4; ++g) {
             const uint4 v = reinterpret_cast<const uint4*>(wpiece)[g];
@@ -493,7 +560,7 @@ using mm::u8;
 // read on the device, after the wait unless `preload`) and b at t * b_s3 + u * b_s2 (b_s2 0 when b
 // has one row a token), bias0 / bias1 + e * bias_e (bias_col 0). An id outside [0, E) writes NaN rows and is
 // recorded in the error word (od::index_ok; a null word for mul_mat).
-template <int WT, int TB, int NT, int EPI, int NS, bool KEEP = false>
+template <int WT, int TB, int NT, int EPI, int NS, bool KEEP = false, bool RAGGED = false>
 __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     mmvq_stream(const u8* a0, const u8* a1, long long a_row, long long a_s2, long long a_s3, int r2, int r3,
                 const u8* b, long long b_col, long long b_es, long long b_s2, long long b_s3, float* out, int M,
@@ -504,11 +571,13 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     using Gm = mms::Geo<WT>;
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
     static_assert(NS >= 2 && NS <= 4, "2 to 4 stages");
+    static_assert(!(RAGGED && mm::Fmt<WT>::LEGACY), "no RAGGED instances of the legacy formats (mmvq runs those rows)");
     extern __shared__ uint4 smem_u4[];
     u8* const smem = reinterpret_cast<u8*>(smem_u4);
 
     const int i2 = blockIdx.y, i3 = blockIdx.z;
-    const mms::Layout L = mms::layout(K / (32 * Gm::NU), NW == 2);
+    // pieces a row (RAGGED: the last one may be partial, zeros after the row)
+    const mms::Layout L = mms::layout(RAGGED ? (K / 32 + Gm::NU - 1) / Gm::NU : K / (32 * Gm::NU), NW == 2);
     const int groups = (M + L.RO - 1) / L.RO;
     const int nwarps = blockDim.x / od::WARP_SIZE, warp = threadIdx.x / od::WARP_SIZE;
     const int lane = threadIdx.x % od::WARP_SIZE;
@@ -545,17 +614,36 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     const float* const bias0_e = bias0 != nullptr ? bias0 + e * bias_e : nullptr;
     const float* const bias1_e = bias1 != nullptr ? bias1 + e * bias_e : nullptr;
     u8* const bs = smem;
-    u8* const ring = smem + static_cast<long long>(N) * bcol_stride +
-                     static_cast<long long>(warp) * NS * od::WARP_SIZE * Gm::PIECE;
-    constexpr int STAGE = od::WARP_SIZE * Gm::PIECE;
+    // a stage: R slots of G pieces (RAGGED: ragged_slot bytes each, at most 3 granules more a slot)
+    constexpr int STAGE = od::WARP_SIZE * Gm::PIECE + (RAGGED ? od::WARP_SIZE * 4 * 16 : 0);
+    u8* const ring = smem + static_cast<long long>(N) * bcol_stride + static_cast<long long>(warp) * NS * STAGE;
+    const int slotb = RAGGED ? mms::ragged_slot<WT>(L.G) : L.G * Gm::PIECE;
+    const int row_bytes = K / mm::Fmt<WT>::QK * mm::Fmt<WT>::BYTES;
     float* const norm_ss = reinterpret_cast<float*>(smem + static_cast<long long>(N) * bcol_stride +
                                                     static_cast<long long>(nwarps) * NS * STAGE);
     u8* const grid = reinterpret_cast<u8*>(norm_ss + nwarps * 8);
 
     // the next unit to issue: group ig, unit iu of it
     int ig = g0, iu = 0;
+    // RAGGED: slot rs of unit u of group gr: its row's segment (src, valid bytes) and its pieces (nch)
+    auto segment = [&](int gr, int u, int rs, const u8*& src, int& valid, int& nch) {
+        const int w = NW == 2 ? (L.R == 1 ? u / L.S : rs / L.RO) : 0;
+        const int seg = L.R == 1 ? u - w * L.S : 0;
+        const int o = L.R == 1 ? gr : gr * L.RO + rs - w * L.RO;
+        const int s0 = seg * L.G * Gm::PIECE;
+        src = (w ? wa1 : wa0) + static_cast<long long>(min(o, M - 1)) * a_row + s0;
+        valid = min(row_bytes - s0, L.G * Gm::PIECE);
+        nch = min(L.G, L.C - seg * L.G);
+    };
     auto issue = [&](u8* buf) {
-        if (L.R == 1) {
+        if constexpr (RAGGED) {
+            for (int rs = 0; rs < L.R; ++rs) {
+                const u8* src;
+                int valid, nch;
+                segment(ig, iu, rs, src, valid, nch);
+                mms::issue_ragged<WT>(buf + rs * slotb, src, valid, nch, lane);
+            }
+        } else if (L.R == 1) {
             const int w = NW == 2 ? iu / L.S : 0;
             const int seg = iu - w * L.S;
             const int nch = min(L.G, L.C - seg * L.G);
@@ -603,6 +691,16 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
         od::grid_enter();
         mms::quantize_b<WT, TB, NT>(b + bb, b_col, b_es, N, K, L.C, bs, norm_w, norm_ss);
     }
+    if constexpr (RAGGED) {  // b's q8_1 units of the last pieces past K: zero codes and scales
+        const int nb = K / 32, tail = L.C * Gm::NU - nb;
+        for (int t = static_cast<int>(threadIdx.x); t < N * tail; t += static_cast<int>(blockDim.x)) {
+            const int n = t / tail, j = nb + t % tail;
+            u8* const piece = bs + (static_cast<long long>(n) * L.C + j / Gm::NU) * Gm::BCHUNK;
+            reinterpret_cast<uint4*>(piece + 32 * (j % Gm::NU))[0] = make_uint4(0u, 0u, 0u, 0u);
+            reinterpret_cast<uint4*>(piece + 32 * (j % Gm::NU))[1] = make_uint4(0u, 0u, 0u, 0u);
+            reinterpret_cast<float2*>(piece + Gm::BCODES)[j % Gm::NU] = make_float2(0.0f, 0.0f);
+        }
+    }
     __syncthreads();
     float sc[NT];
     mms::norm_scales<NT>(norm_w, norm_ss, nwarps, K, norm_eps, sc);
@@ -626,13 +724,20 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
         const int w = (NW == 2 && L.R == 1) ? cu / L.S : 0;
         const int seg = L.R == 1 ? cu - w * L.S : 0;
         const int c = seg * L.G + lc;
+        // the lane's piece: lane PIECE bytes into the stage, or in its RAGGED slot, its segment's lead past it
+        int at = lane * Gm::PIECE;
+        if constexpr (RAGGED) {
+            const u8* src;
+            int valid, nch;
+            segment(cg, cu, rs, src, valid, nch);
+            at = rs * slotb + static_cast<int>(reinterpret_cast<unsigned long long>(src) & 15ull) + lc * Gm::PIECE;
+        }
         if (c < L.C) {
             if constexpr (mm::Fmt<WT>::LEGACY) {
-                mms::dot_chunk<WT, NT>(ring + (i % NS) * STAGE + lane * Gm::CHUNK, bs + c * Gm::BCHUNK, bcol_stride,
-                                       N, acc);
+                mms::dot_chunk<WT, NT>(ring + (i % NS) * STAGE + at, bs + c * Gm::BCHUNK, bcol_stride, N, acc);
             } else {
-                mms::dot_piece<WT, NT>(ring + (i % NS) * STAGE + lane * Gm::PIECE, bs + c * Gm::BCHUNK, bcol_stride,
-                                       N, grid, acc);
+                mms::dot_piece<WT, NT, RAGGED>(ring + (i % NS) * STAGE + at, bs + c * Gm::BCHUNK, bcol_stride, N,
+                                               grid, acc);
             }
         }
         if (seg == L.S - 1) {  // the end of a row's segments: sums over the row's G lanes

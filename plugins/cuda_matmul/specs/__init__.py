@@ -141,11 +141,13 @@ def mmvq_name(wt: str, nt: int, epi: str) -> str:
     return instance("mmvq", W_KIND[wt], nt, epi)
 
 
-def stream_name(wt: str, tb: str, nt: int, epi: str, stages: int | None = None, keep: bool = False) -> str:
+def stream_name(wt: str, tb: str, nt: int, epi: str, stages: int | None = None, keep: bool = False,
+                ragged: bool = False) -> str:
     """mmvq_stream's instance for format wt (stages: STREAM.stages unless given; `keep`: the one that also
-    writes a fused norm's values, KEEP_NT columns, no epilogue)."""
+    writes a fused norm's values, KEEP_NT columns, no epilogue; `ragged`: rows that are not whole chunks)."""
     stages = STREAM.stages if stages is None else stages
-    return instance("mmvq_stream", W_KIND[wt], B_KIND[tb], nt, epi, stages, *((True,) if keep else ()))
+    flags = (keep, True) if ragged else (True,) if keep else ()
+    return instance("mmvq_stream", W_KIND[wt], B_KIND[tb], nt, epi, stages, *flags)
 
 
 def mmq_name(wt: str, tile: Sequence[int]) -> str:
@@ -212,10 +214,18 @@ CONVERT_NAMES: tuple[str, ...] = (
 STREAM_B16 = tuple(q for q in QUANT_NAMES if q not in GRID_NAMES)
 #: the column count of the instances that write a fused norm's values (fusion.SHARE): one sequence's decode
 KEEP_NT = 1
+#: ... and of the instances for rows that are not whole chunks (support.stream_ok): one column (batch-1 decode,
+#: and mul_mat_id at one token); more columns take mmvq there
+RAGGED_NT = 1
+#: the formats whose rows that are not whole chunks take those RAGGED instances: the sub-scaled formats but q4_K and
+#: q5_K (chunks of one block: every row is whole chunks). The legacy formats (LEGACY_NAMES) run such rows on mmvq,
+#: which was as fast or faster for q4_0 and q8_0 on the H200 (docs/cuda_matmul.md, "Rows that are not whole chunks")
+RAGGED_TYPES = tuple(q for q in SUBSCALED_NAMES if q not in ("q4_K", "q5_K"))
 STREAM_NAMES: tuple[str, ...] = (
     *(stream_name(wt, "f32", nt, epi) for epi in EPIS for wt in QUANT_NAMES for nt in quant_nts(wt)),
     *(stream_name(wt, tb, 8, EPI_NONE) for tb in ("f16", "bf16") for wt in STREAM_B16),
     *(stream_name(wt, "f32", KEEP_NT, EPI_NONE, keep=True) for wt in QUANT_NAMES),
+    *(stream_name(wt, "f32", RAGGED_NT, epi, ragged=True) for epi in EPIS for wt in RAGGED_TYPES),
 )
 #: mmf: f16/bf16 weights, b f32, one or two 8-column tiles, every epilogue
 MMF_TYPES = ("f16", "bf16")

@@ -108,9 +108,20 @@ def stream_geo(dt: str) -> StreamGeo:
     return StreamGeo(cb, chunk, cb * qk, lb, lb * nbytes, lb * qk, braw if (braw // 16) % 2 == 1 else braw + 16)
 
 
+def ragged(dt: str, k: int) -> bool:
+    """Rows of k values are not whole chunks (mmvq_stream.cu's RAGGED instances: the last piece partial, rows
+    off 16-byte boundaries)."""
+    return k % stream_geo(dt).row_values != 0
+
+
+#: bytes a RAGGED stage holds beyond its 32 pieces (mmvq_stream.cu's STAGE: up to 4 granules a slot)
+RAGGED_STAGE_EXTRA = 32 * 4 * 16
+
+
 def stream_layout(dt: str, k: int, glu: bool) -> StreamLayout:
-    """The layout of rows of k values: C counts pieces (a lane's share of a stage)."""
-    c = k // stream_geo(dt).values
+    """The layout of rows of k values: C counts pieces (a lane's share of a stage; a ragged row's last one
+    partial)."""
+    c = -(-k // stream_geo(dt).values)
     g = 1
     while g < c and g < 32:
         g *= 2
@@ -126,7 +137,8 @@ def stream_smem(dt: str, k: int, n: int, warps: int, stages: int) -> int:
     """Dynamic shared memory of an mmvq_stream block: b's n columns, each warp's ring, a fused norm's sums
     (8 floats a warp), then a grid format's grid."""
     g = stream_geo(dt)
-    return n * (k // g.values) * g.bpiece + warps * stages * 32 * g.piece + warps * 8 * 4 + GRID_BYTES.get(dt, 0)
+    stage = 32 * g.piece + (RAGGED_STAGE_EXTRA if ragged(dt, k) else 0)
+    return n * -(-k // g.values) * g.bpiece + warps * stages * stage + warps * 8 * 4 + GRID_BYTES.get(dt, 0)
 
 
 def stream_warps(dt: str, k: int, n: int, device: Device | None, cfg: StreamConfig | None = None) -> int:
@@ -188,5 +200,5 @@ def stream_spec(node: Tensor, args: StreamArgs, epi: str, device: Device | None,
     grid = (stream_grid(layout, m, b2 * b3, warps, per_sm, device_facts(device).sm_count) if n else 0, b2, b3)
     nt = nt_for(max(n, 1), quant_nts(dt)) if tb == "f32" else 8
     keep = int(args.norm_out) != 0  # fusion.SHARE's group: KEEP_NT columns (fusion.check_share)
-    name = stream_name(dt, tb, nt, epi, cfg.stages, keep)
+    name = stream_name(dt, tb, nt, epi, cfg.stages, keep, ragged(dt, k))
     return KernelSpec(MMVQ_STREAM_CU, name, grid, 32 * warps, args, smem=smem)
