@@ -23,7 +23,9 @@
 // rows its own products read, so no barrier is needed before), waits for its copies, and after one barrier issues
 // the copies into the stages t - 1 freed. The tensor cores are never drained inside the loop: t + 1's products
 // queue behind t's. Dequantization: quant.cuh's load_unit for every format (8 values a unit, v = code * d + m in
-// f32, rounded to bf16), and a fast path for q4_0 (nibbles to bf16 by their bits, bf16x2 arithmetic).
+// f32, rounded to bf16, into the A stages), but q4_0, whose values go from the raw stage straight into the A
+// fragments in registers (wgmma's A-from-registers form: no A stage written or read, which halves the shared
+// memory traffic a K tile; nibbles to bf16 by their bits, bf16x2 arithmetic), two K tiles' fragments in turn.
 // Split K: the raw K tiles of a row are cut in `splits` contiguous slices, one block each (a grid of few output
 // tiles still fills the GPU), and mq::finish (mmq's) writes the sums or the slices' ordered sum: deterministic.
 //
@@ -102,6 +104,43 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
         : "l"(da), "l"(db));
 }
 
+// The same product with A from registers (a[0..3]: the m16n8k16 A fragment of this warp's 16 rows: (row g, k 2t),
+// (row g + 8, k 2t), (row g, k 2t + 8), (row g + 8, k 2t + 8), each a bf16 pair; g = lane / 4, t = lane % 4).
+__device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[64], const unsigned (&a)[4], unsigned long long db) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// A K tile's A fragments (4 k16 steps) kept live until the products that read them are known done: the compiler
+// sees a register operand of the asynchronous wgmma as consumed at issue.
+__device__ __forceinline__ void fence_frags(unsigned (&f)[4][4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            asm volatile("" : "+r"(f[i][j])::"memory");
+        }
+    }
+}
+
 __device__ __forceinline__ unsigned bf16x2(float lo, float hi) {
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -138,34 +177,42 @@ __device__ __forceinline__ void dequant_tile(unsigned sa, const u8* raw, int kt,
     const int sub = kt % SUBS;  // this K tile's place in its raw K tile
     const u8* const row = raw + r * T::RS;
     const int u0 = sub * (BK / 8) + (tid & 1) * 4;
-    if constexpr (WT == W_Q4_0) {
-        // q4_0's fast path: a block's 4 units at once (u0 is a multiple of 4). Each nibble n becomes the bf16
-        // 128 + n by its bits (0x4300 | n), n - 8 exactly by one bf16x2 FMA, then times d rounded to bf16.
-        const u8* const blk = row + (u0 >> 2) * F::BYTES;
-        const unsigned d2 = bf16x2_same(od::f16_to_f32(od::ld16(blk)));
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            const unsigned q = od::ld32_2(blk + F::QS + 4 * s);  // codes 4s .. 4s+3 (low nibbles), 16+4s .. (high)
-            const unsigned lo = q & 0x0f0f0f0fu, hi = (q >> 4) & 0x0f0f0f0fu;
-            const int kx = (u0 >> 2) * 32 + 4 * s - sub * BK, ky = kx + 16;
-            st_shared8(sa + swz(r, kx >> 3) + (kx & 7) * 2, q4_pair(lo, 0x5140u, d2), q4_pair(lo, 0x7362u, d2));
-            st_shared8(sa + swz(r, ky >> 3) + (ky & 7) * 2, q4_pair(hi, 0x5140u, d2), q4_pair(hi, 0x7362u, d2));
+    for (int i = 0; i < 4; ++i) {
+        const int u = u0 + i;
+        float c[8], d, m;
+        od::quant::load_unit<F>(row, u, c, d, m);
+        unsigned p[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            p[j] = bf16x2(fmaf(c[2 * j], d, m), fmaf(c[2 * j + 1], d, m));
         }
-    } else {
+        const int2 k = mm::unit_k<WT>(u);
+        const int kx = k.x - sub * BK, ky = k.y - sub * BK;
+        st_shared8(sa + swz(r, kx >> 3) + (kx & 7) * 2, p[0], p[1]);
+        st_shared8(sa + swz(r, ky >> 3) + (ky & 7) * 2, p[2], p[3]);
+    }
+}
+
+// q4_0's A fragments for 64-value K tile kt straight from its raw K tile (registers, no A stage): this lane's rows
+// r0 (= the warp's first row + g) and r0 + 8, of each of the K tile's two blocks the codes 2t, 2t + 1 and 2t + 8,
+// 2t + 9 (k16 step 2 j: low nibbles of qs bytes 2t .. and 2t + 8 ..) and 16 + those (step 2 j + 1: their high
+// nibbles), as q4_pair makes them.
+template <int WT>
+__device__ __forceinline__ void q4_0_frags(const u8* raw, int kt, int r0, int t, unsigned (&a)[4][4]) {
+    using F = mm::Fmt<WT>;
+    using T = mq::Tile<F, RAW_KB>;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int u = u0 + i;
-            float c[8], d, m;
-            od::quant::load_unit<F>(row, u, c, d, m);
-            unsigned p[4];
+    for (int h = 0; h < 2; ++h) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                p[j] = bf16x2(fmaf(c[2 * j], d, m), fmaf(c[2 * j + 1], d, m));
-            }
-            const int2 k = mm::unit_k<WT>(u);
-            const int kx = k.x - sub * BK, ky = k.y - sub * BK;
-            st_shared8(sa + swz(r, kx >> 3) + (kx & 7) * 2, p[0], p[1]);
-            st_shared8(sa + swz(r, ky >> 3) + (ky & 7) * 2, p[2], p[3]);
+        for (int j = 0; j < 2; ++j) {
+            const u8* const blk = raw + (r0 + 8 * h) * T::RS + (2 * (kt % SUBS) + j) * F::BYTES;
+            const unsigned d2 = bf16x2_same(od::f16_to_f32(od::ld16(blk)));
+            const unsigned w0 = od::ld16(blk + F::QS + 2 * t), w1 = od::ld16(blk + F::QS + 2 * t + 8);
+            a[2 * j][h] = q4_pair(w0 & 0x0f0fu, 0x5140u, d2);
+            a[2 * j][2 + h] = q4_pair(w1 & 0x0f0fu, 0x5140u, d2);
+            a[2 * j + 1][h] = q4_pair((w0 >> 4) & 0x0f0fu, 0x5140u, d2);
+            a[2 * j + 1][2 + h] = q4_pair((w1 >> 4) & 0x0f0fu, 0x5140u, d2);
         }
     }
 }
@@ -263,27 +310,46 @@ __global__ void __launch_bounds__(mw::THREADS, 1)
     od::cp_async_commit();
     od::cp_async_wait<0>();
     __syncthreads();
-    dequant_tile<WT>(sA, raw_of(0), 0, tid);
+    // q4_0 (RS): the weights' fragments go from the raw stage into registers, two K tiles' worth (f0, f1) in turn;
+    // the other formats through the A stages
+    constexpr bool RS = WT == W_Q4_0;
+    const int frow = wg * 64 + ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2), ft = tid & 3;  // this lane's row g, t
+    unsigned f0[4][4], f1[4][4];
+    if constexpr (RS) {
+        q4_0_frags<WT>(raw_of(0), 0, frow, ft, f0);
+    } else {
+        dequant_tile<WT>(sA, raw_of(0), 0, tid);
+    }
     fence_async_smem();
     __syncthreads();
 
-    for (int kt = 0; kt < nk; ++kt) {
+    // K tile kt, its fragments in cur (RS) and the next one's into nxt
+    auto step = [&](int kt, unsigned (&cur)[4][4], unsigned (&nxt)[4][4]) {
         const unsigned a_st = sA + (kt & 1) * A_BYTES + wg * 64 * 128;
         const unsigned b_st = sB + (kt % B_STAGES) * B_BYTES;
         fence_acc(d);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
-            wgmma_m64n128k16(d, desc(a_st + kk * 32), desc(b_st + kk * 32));
+            if constexpr (RS) {
+                wgmma_rs_m64n128k16(d, cur[kk], desc(b_st + kk * 32));
+            } else {
+                wgmma_m64n128k16(d, desc(a_st + kk * 32), desc(b_st + kk * 32));
+            }
         }
         wg_commit();
-        // K tile kt - 1's products are done (this warpgroup's), so its A stage, the one tile kt + 1 takes, is free:
-        // a warpgroup's threads dequantize exactly the rows its own products read. Tile kt's products run on
-        // meanwhile, and kt + 1's are issued behind them without draining the tensor cores.
+        // K tile kt - 1's products are done (this warpgroup's), so its A stage (or fragments), the one tile kt + 1
+        // takes, is free: a warpgroup's threads dequantize exactly the rows its own products read. Tile kt's
+        // products run on meanwhile, and kt + 1's are issued behind them without draining the tensor cores.
         wg_wait1();
         fence_acc(d);
         if (kt + 1 < nk) {
-            dequant_tile<WT>(sA + ((kt + 1) & 1) * A_BYTES, raw_of(kt + 1), kt + 1, tid);
+            if constexpr (RS) {
+                fence_frags(nxt);
+                q4_0_frags<WT>(raw_of(kt + 1), kt + 1, frow, ft, nxt);
+            } else {
+                dequant_tile<WT>(sA + ((kt + 1) & 1) * A_BYTES, raw_of(kt + 1), kt + 1, tid);
+            }
         }
         od::cp_async_wait<1>();  // the copies of step kt - 2 and before (b's K tile kt + 1, any raw K tile needed
                                  // next) have landed for this thread: each step commits one group
@@ -299,6 +365,13 @@ __global__ void __launch_bounds__(mw::THREADS, 1)
             issue_raw<WT>(raw_stage((kt + 1) / SUBS + 2), wa, a_row, m0, M, nb, rt0 + (kt + 1) / SUBS + 2, tid);
         }
         od::cp_async_commit();
+    };
+#pragma unroll 1
+    for (int kt = 0; kt < nk; kt += 2) {  // two K tiles a turn: the fragments' registers swap by name
+        step(kt, f0, f1);
+        if (kt + 1 < nk) {
+            step(kt + 1, f1, f0);
+        }
     }
     wg_wait0();
     fence_acc(d);
