@@ -134,8 +134,8 @@ WGMMA_PATH_CASES = [
 
 @pytest.fixture
 def wgmma_selected(monkeypatch: pytest.MonkeyPatch) -> None:
-    """mmq_wgmma takes every format's products that mmq declines, whatever support.MMQ_WGMMA_TYPES (none until it
-    is faster than dequant_cublas) says; plans are cached by graph, not by that table, so the test plans afresh."""
+    """mmq_wgmma takes every format's products that mmq declines, whatever support.MMQ_WGMMA_TYPES (the formats
+    where it is faster than dequant_cublas) says; plans are cached by graph, not by that table, so the test plans afresh."""
     select_wgmma(monkeypatch)
 
 
@@ -144,11 +144,14 @@ def select_wgmma(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiler, "_CACHES", weakref.WeakKeyDictionary())
 
 
-def test_mmq_wgmma_is_not_selected_by_default() -> None:
-    y = ops.mul_mat(weight("w", (64, 14336), "q4_0"), od.input("x", (512, 14336)))
+def test_mmq_wgmma_takes_the_selected_formats() -> None:
+    """By default q4_0's many-column products take mmq_wgmma; q8_0's stay on dequant_cublas, the note says why."""
+    q4 = ops.mul_mat(weight("w", (64, 14336), "q4_0"), od.input("x", (512, 14336)))
+    assert support.choose(q4, H200).path == "mmq_wgmma"
+    y = ops.mul_mat(weight("w", (64, 14336), "q8_0"), od.input("x", (512, 14336)))
     c = support.choose(y, H200)
     assert c.path == "dequant_cublas"
-    assert c.note.endswith("mmq_wgmma: not selected for q4_0 (support.MMQ_WGMMA_TYPES: not yet faster than "
+    assert c.note.endswith("mmq_wgmma: not selected for q8_0 (support.MMQ_WGMMA_TYPES: not faster than "
                            "dequant_cublas)")
 
 

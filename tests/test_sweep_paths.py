@@ -54,10 +54,12 @@ def reach() -> dict[str, set[tuple]]:
 
 
 def _gemm(dt: str, n: int) -> str:
-    """The path of mul_mat at n > 8 columns on rows of whole chunks."""
+    """The path of mul_mat at n > 8 columns on rows of whole chunks (K a multiple of 64 in every case here)."""
     if dt in MMQ_FORMATS and support.MMQ_SMALL_MIN_N <= n <= support.MMQ_SMALL_MAX_N:
         return "mmq_small"
-    return "mmq" if dt in MMQ_FORMATS and n <= support.MMQ_MAX_N else "dequant_cublas"
+    if dt in MMQ_FORMATS and n <= support.MMQ_MAX_N:
+        return "mmq"
+    return "mmq_wgmma" if dt in support.MMQ_WGMMA_TYPES else "dequant_cublas"
 
 
 def test_weight_formats_are_those_the_kernels_read() -> None:
@@ -78,8 +80,8 @@ def test_the_sweeps_chunks_are_the_kernels(dt: str) -> None:
 
 @pytest.mark.parametrize("dt", QUANT_NAMES)
 def test_mul_mat_reaches_every_path_at_every_batch(reach: dict[str, set[tuple]], dt: str) -> None:
-    """Each batch on rows of whole chunks (the streamed mat-vec at 1, then mmq or dequant_cublas), the two-launch
-    mat-vec on rows of part chunks, and the odd sizes on the GEMM: M and N partial tiles, K of odd_k."""
+    """Each batch on rows of whole chunks (the streamed mat-vec at 1, then mmq, mmq_wgmma or dequant_cublas), the
+    two-launch mat-vec on rows of part chunks, and the odd sizes on the GEMM: M and N partial tiles, K of odd_k."""
     mine = {r for r in reach["mul_mat"] if r[0] == dt}
     by_batch = {(n, path) for _, m, n, k, *_, path, _ in mine if k % chunk(dt) == 0 and m % 2}
     assert {(1, "mmvq_stream"), *((n, _gemm(dt, n)) for n in BATCHES if n > 1)} <= by_batch

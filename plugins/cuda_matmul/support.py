@@ -48,11 +48,12 @@ MMQ_MAX_N = 128
 MMQ_SMALL_MIN_N = 9
 MMQ_SMALL_MAX_N = 32
 #: the formats whose products mmq declines take mmq_wgmma (the dequantizing wgmma GEMM, compute capability 9.0)
-#: instead of dequant_cublas: none yet. On the H200 (2026-12-03, 512 columns; docs/benchmarks.md) it is correct for
-#: every format but not yet faster: q4_0 4096 x 14336 199 us (0.41x torch bf16's 82 us), where dequant_cublas took
-#: 223; the 1b preset's 512-token prefill 5.51 ms against dequant_cublas's 5.39 (q4_0), 6.73 against 6.55 (q8_0),
-#: 8.65 against 5.15 (Q4_K_M: the sub-scaled formats dequantize through load_unit). The GPU tests select every format.
-MMQ_WGMMA_TYPES: tuple[str, ...] = ()
+#: instead of dequant_cublas. On the H200 (2026-12-03, 512 columns; docs/benchmarks.md) it is correct for every
+#: format; q4_0 (its weights straight into wgmma's register fragments) is faster than dequant_cublas: 4096 x 14336
+#: 178.6 us against 224.1, the 1b preset's 512-token prefill 5.10 ms against 5.41. The others are not yet (through
+#: the A stages: q8_0 4096 x 14336 270 us, q4_K 333 us, where dequant_cublas took 266 and 212; the Q4_K_M prefill
+#: 8.65 ms against 5.15). The GPU tests select every format.
+MMQ_WGMMA_TYPES: tuple[str, ...] = ("q4_0",)
 #: most experts the routing kernel of mmv_id_grouped and mmq_id takes (shared memory: 2 ints an expert)
 ROUTE_MAX_EXPERTS = 4096
 #: mul_mat_id with several tokens takes mmq_id (the quantized GEMM) where it has more than this many (token,
@@ -209,7 +210,7 @@ def mmq_wgmma_ok(node: Tensor, device: Device | None = None) -> bool | str:
     if a.dtype.name not in mmq_wgmma.WGMMA_FORMATS:
         return f"{a.dtype.name} has no dequantizing wgmma GEMM"
     if a.dtype.name not in MMQ_WGMMA_TYPES:
-        return f"not selected for {a.dtype.name} (support.MMQ_WGMMA_TYPES: not yet faster than dequant_cublas)"
+        return f"not selected for {a.dtype.name} (support.MMQ_WGMMA_TYPES: not faster than dequant_cublas)"
     facts = device_facts(device)
     if device is not None and device.kind == "cuda" and facts.cc != (9, 0):
         return f"wgmma needs compute capability 9.0 (sm_90a code), not {facts.cc[0]}.{facts.cc[1]}"
