@@ -68,7 +68,7 @@ MATMUL_OPS = ("mul_mat", "mul_mat_id", "out_prod")
 class Choice:
     path: str = ""
     reason: str = ""
-    note: str = ""  # why a faster path declined the node (dequant_cublas: mmq's reason)
+    note: str = ""  # why a faster path declined the node (mmq_wgmma: mmq's reason; dequant_cublas: both)
 
 
 def _a(n: Tensor) -> Tensor:
@@ -184,7 +184,7 @@ def stream_ok(node: Tensor, device: Device | None = None) -> bool | str:
 
 
 def mmq_ok(node: Tensor, device: Device | None = None) -> bool | str:
-    """True if mmq runs mul_mat `node` (block-format a, N > 8, checked by the caller), else why
+    """True if mmq runs mul_mat `node` (block-format a, N > 8, checked by the caller), else why mmq_wgmma or
     dequant_cublas runs it: rows of whole 16-byte granules (stream_geo's chunks), a 16-byte aligned."""
     a = _a(node)
     dt = a.dtype.name
