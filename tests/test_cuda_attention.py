@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -28,9 +29,9 @@ import pytest
 
 import opdispatch as od
 import opdispatch.plugins.cuda_attention as ca
-from opdispatch import ops
+from opdispatch import compiler, ops
 from opdispatch.backends.cuda.args import KernelArgs
-from opdispatch.backends.cuda.devices import H200, facts
+from opdispatch.backends.cuda.devices import H200, DeviceFacts, facts
 from opdispatch.backends.cuda.kernels import KernelSpec, kernel_param_types, kernel_params
 from opdispatch.fusion import gather
 from opdispatch.graph import Graph
@@ -620,7 +621,8 @@ def test_rope_threads_rotate_every_pair_of_every_head_once(neox: bool, elem: int
 def test_every_kernel_signature_is_readable() -> None:
     for source, name in ((softmax.SOFTMAX_CU, "soft_max_f32"), (rope.ROPE_CU, "rope_kernel"),
                          (rope.ROPE_CU, "rope_set_rows"), (flash.DECODE_CU, "fattn_decode"),
-                         (flash.PREFILL_CU, "fattn_prefill"), (flash.PREFILL_CU, "fattn_mask_flags")):
+                         (flash.PREFILL_CU, "fattn_prefill"), (flash.PREFILL_CU, "fattn_mask_flags"),
+                         (flash.PREFILL_WGMMA_CU, "fattn_prefill_wgmma")):
         assert kernel_param_types(source)[name]
 
 
@@ -628,8 +630,8 @@ def test_every_launched_kernel_has_a_record_following_its_head() -> None:
     records = {kernel: cls for module in (softmax, rope, flash) for cls in vars(module).values()
                if isinstance(cls, type) and issubclass(cls, KernelArgs) and cls is not KernelArgs
                for kernel in cls.KERNELS}
-    assert sorted(records) == ["fattn_decode", "fattn_mask_flags", "fattn_prefill", "rope_kernel", "rope_qkv_set_rows",
-                               "rope_set_rows", "soft_max_f32"]
+    assert sorted(records) == ["fattn_decode", "fattn_mask_flags", "fattn_prefill", "fattn_prefill_wgmma", "rope_kernel",
+                               "rope_qkv_set_rows", "rope_set_rows", "soft_max_f32"]
     for source, names in specs.KERNEL_SOURCES.items():
         heads = kernel_params(source)
         for kernel in {name.split("<")[0] for name in names}:
@@ -767,29 +769,47 @@ def test_decode_splits_fill_the_gpu_in_one_wave(batch: int) -> None:
     assert flash.flash_plan(node, half).nsplit == plan.nsplit // 2
 
 
-@pytest.mark.parametrize(("d", "kv", "mask", "bn"), [
-    (128, "f16", True, 64), (64, "bf16", False, 64), (80, "f32", True, 64), (96, "f16", False, 64),
-    (256, "q8_0", True, 32), (128, "q4_0", False, 64),
+A100 = facts(Device("cuda0", "cuda", "sm_80 (description)", {**H200.props, "cc": (8, 0)}))
+
+
+@pytest.mark.parametrize(("d", "kv", "mask", "dev", "wgmma"), [
+    (128, "f16", True, A100, False), (64, "bf16", False, A100, False), (80, "f32", True, DEV, False),
+    (96, "f16", False, DEV, False), (256, "q8_0", True, DEV, False), (128, "q4_0", False, DEV, False),
+    (256, "bf16", True, DEV, False), (128, "f16", True, DEV, True), (64, "bf16", False, DEV, True),
+    (64, "f16", True, DEV, True), (128, "bf16", False, DEV, True),
 ])
-def test_prefill_plan(d: int, kv: str, mask: bool, bn: int) -> None:
+def test_prefill_plan(d: int, kv: str, mask: bool, dev: DeviceFacts, wgmma: bool) -> None:
+    """fattn_prefill_wgmma on compute capability 9.0 for f16/bf16 K/V of head size 64 or 128, else fattn_prefill;
+    the grid, block, shared memory and mask flags of each kernel's tiles."""
     node = fa(d, 300, 1000, 8, 2, kv, mask=mask)
-    plan = flash.flash_plan(node, DEV)
+    plan = flash.flash_plan(node, dev)
     assert plan.kind == "prefill"
-    bm = flash.prefill_tile_m(d)
+    assert flash.prefill_wgmma(d, kv, dev) == wgmma
+    bm, bn = flash.prefill_tile_m(d, wgmma), flash.prefill_tile_n(d, wgmma)
+    assert (bm, bn) == ((64 * flash.WGMMA_CONFIG[d][0], 128) if wgmma else (64 if d > 128 else 128, 32 if d > 128 else 64))
     n_qt, n_kt = -(-300 // bm), -(-1000 // bn)
     assert [w.nbytes for w in plan.workspaces] == ([n_qt * n_kt] if mask else [])
     launches = plan.specs(fake_ptr, [BASE + 2**20] if mask else [], FakeGuard())
     main = launches[-1]
-    assert main.kernel == flash.prefill_kernel(d, kv) and main.kernel in specs.KERNEL_SOURCES[flash.PREFILL_CU]
-    assert main.grid == (n_qt, 8, 1) and main.block == 128
-    assert main.smem == flash.prefill_smem(d) <= DEV.smem_per_block_optin
-    assert spec_types(main) == kernel_param_types(flash.PREFILL_CU)["fattn_prefill"]
+    source = flash.PREFILL_WGMMA_CU if wgmma else flash.PREFILL_CU
+    assert main.source == source and main.kernel == flash.prefill_kernel(d, kv, wgmma)
+    assert main.kernel in specs.KERNEL_SOURCES[source]
+    assert main.grid == (n_qt, 8, 1) and main.block == (bm * 2 if wgmma else 128)
+    assert main.smem == flash.prefill_smem(d, wgmma) <= DEV.smem_per_block_optin
+    assert spec_types(main) == kernel_param_types(source)[main.kernel.split("<")[0]]
     assert int(main.args.n_kv_tiles) == n_kt
     if mask:
         flags = launches[0]
         assert (flags.kernel, flags.grid) == (flash.MASK_FLAGS, (n_kt, n_qt, 1))
         assert spec_types(flags) == kernel_param_types(flash.PREFILL_CU)["fattn_mask_flags"]
         assert (int(flags.args.bm), int(flags.args.bn)) == (bm, bn)
+
+
+def test_prefill_wgmma_smem_fits_the_h200() -> None:
+    """Q and the K/V stages of every configured fattn_prefill_wgmma, and its 1024-byte alignment, within a block's
+    227 KiB."""
+    for d, (wgs, stages) in flash.WGMMA_CONFIG.items():
+        assert flash.prefill_smem(d, True) == 1024 + 2 * d * (64 * wgs + stages * 256) <= DEV.smem_per_block_optin
 
 
 def test_every_name_expression_is_declared_for_the_compile_test() -> None:
@@ -1029,6 +1049,36 @@ def test_flash_attn_ext_matches_the_reference(case: str, rng) -> None:  # noqa: 
     inp = Inputs(rng)
     y = fa_graph(inp, **FA_CASES[case])
     check_case(y, inp, FA_BOUND, f"flash_attn_ext {case}")
+
+
+#: the cases fattn_prefill_wgmma takes on a compute capability 9.0 GPU
+WGMMA_CASES = [case for case, kw in FA_CASES.items() if kw["tq"] > flash.DECODE_MAX_TQ
+               and flash.prefill_wgmma(kw["d"], kw.get("kv", "f16"), DEV)]
+
+
+def test_the_wgmma_prefill_cases_cover_its_configurations() -> None:
+    """Every head size and K/V type of fattn_prefill_wgmma, causal and partial tiles, misaligned rows (no cp.async),
+    softcap, ALiBi and sinks are among the GPU cases it runs on the H200."""
+    kws = [FA_CASES[c] for c in WGMMA_CASES]
+    assert {(kw["d"], kw.get("kv", "f16")) for kw in kws} == set(itertools.product(flash.WGMMA_CONFIG,
+                                                                                   flash.WGMMA_KV_TYPES))
+    assert any(kw.get("mask") == "causal" and kw["tq"] % 128 for kw in kws)
+    assert any(kw.get("layout") == "misaligned" for kw in kws)
+    assert all(any(kw.get(opt) for kw in kws) for opt in ("softcap", "max_bias", "sinks"))
+
+
+@gpu
+@pytest.mark.parametrize("case", WGMMA_CASES)
+def test_mma_sync_prefill_matches_the_reference(case: str, rng, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """The cases the H200 runs on fattn_prefill_wgmma, on fattn_prefill (what other GPUs run them on)."""
+    monkeypatch.setattr(flash, "WGMMA_KV_TYPES", ())
+    monkeypatch.setattr(compiler, "_CACHES", weakref.WeakKeyDictionary())  # plans are cached by graph
+    inp = Inputs(rng)
+    y = fa_graph(inp, **FA_CASES[case])
+    assert flash.flash_plan(y, DEV).specs(fake_ptr, [BASE], FakeGuard())[-1].kernel.startswith("fattn_prefill<")
+    _, (got,) = run_on_gpu(y, inp.feeds)
+    (ref,) = reference(y, inp.feeds)
+    assert_close(got, ref, FA_BOUND, f"flash_attn_ext on fattn_prefill {case}")
 
 
 @gpu

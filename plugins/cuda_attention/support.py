@@ -12,7 +12,7 @@ from opdispatch.support import (GRID_YZ_MAX, INT_MAX, UINT_MAX, Rule, contiguous
                                 outer_rows, rows_packed, whole_elements)
 from opdispatch.tensor import Tensor
 
-from .specs.flash import DECODE_MAX_TQ, HEAD_SIZES, KV_TYPES, decode_smem, prefill_smem
+from .specs.flash import DECODE_MAX_TQ, HEAD_SIZES, KV_TYPES, decode_smem, prefill_smem, prefill_wgmma
 
 SOFT_MAX: tuple[Rule, ...] = (
     (lambda n: n.srcs[0].dtype.name == "f32", "a must be f32"),
@@ -77,7 +77,8 @@ def flash_attn_ext(device: Device, node: Tensor) -> bool | str:
     if dev.cc < (8, 0):
         return "the flash_attn_ext kernels need compute capability 8.0 (mma.sync m16n8k16, cp.async)"
     d = node.srcs[1].shape[-1]
-    need = decode_smem(d) if node.srcs[0].shape[2] <= DECODE_MAX_TQ else prefill_smem(d)
+    kv = node.srcs[1].dtype.name
+    need = decode_smem(d) if node.srcs[0].shape[2] <= DECODE_MAX_TQ else prefill_smem(d, prefill_wgmma(d, kv, dev))
     if need > dev.smem_per_block_optin:
         return (f"the kernel for head size {d} needs {need} bytes of shared memory a block, {device.name} has "
                 f"{dev.smem_per_block_optin}")

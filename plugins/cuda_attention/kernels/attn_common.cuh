@@ -217,10 +217,10 @@ __device__ __forceinline__ void load_tile(unsigned short* dst, const char* base,
     }
 }
 
-// 8 values e0 .. e0+7 of a query row (f32, or f16 if q_f16) into shared memory as
+// 8 values e0 .. e0+7 of a query row (f32, or f16 if q_f16) into shared memory at shared address saddr as
 // 16-bit values; a null row stores zeros.
 template <bool BF>
-__device__ __forceinline__ void store_q8(unsigned short* dst, const char* row, int e0, int q_f16) {
+__device__ __forceinline__ void store_q8(unsigned saddr, const char* row, int e0, int q_f16) {
     float f[8];
     if (row == nullptr) {
 #pragma unroll
@@ -232,8 +232,7 @@ __device__ __forceinline__ void store_q8(unsigned short* dst, const char* row, i
     } else {
         Row8<float>::load(row, e0, false, f);
     }
-    st_shared16(od::smem_addr(dst), pack2<BF>(f[0], f[1]), pack2<BF>(f[2], f[3]), pack2<BF>(f[4], f[5]),
-                pack2<BF>(f[6], f[7]));
+    st_shared16(saddr, pack2<BF>(f[0], f[1]), pack2<BF>(f[2], f[3]), pack2<BF>(f[4], f[5]), pack2<BF>(f[6], f[7]));
 }
 
 }  // namespace od_attn

@@ -25,17 +25,9 @@
 // 2 = all zero, the mask is not read; 1 = read it. Null flags: no mask.
 //
 // Strides are in bytes: q, k, v and mask (t, h, b); mask heads / batches by modulo.
-#include "attn_common.cuh"
+#include "prefill_common.cuh"
 
 namespace od_prefill {
-
-// 2^x on the MUFU unit, flushing denormal results to zero (exp2f adds a range fix-up
-// of three instructions around it; probabilities below 2^-126 do not matter here).
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
 // A whole K or V tile of ROWS keys (all < tk) of f16/bf16 rows 16-byte aligned: only
 // cp.async, no per-chunk checks. 128 threads, D / 8 chunks a row dividing 128 (D = 64,
@@ -78,7 +70,6 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
     constexpr int KSTEPS = D / 16;
     constexpr int NT = BN / 8;           // n-tiles of S
     constexpr int DT = D / 8;            // n-tiles of O
-    const float NEG_INF = -__int_as_float(0x7f800000);
 
     // Q (BM x SR), then two stages of K (BN x SR) and V (BN x SR)
     extern __shared__ __align__(16) unsigned short smem[];
@@ -87,31 +78,8 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    // Block order (blocks are dispatched in linear-id order): the q tiles run from the last one
-    // (the longest under a causal mask) down, in phases of halving length (the top half of every
-    // (batch, head)'s q tiles, then the next quarter, ..., 4 at least), each phase (batch,
-    // head)-major so that a few blocks of one head run together and share its K/V in L2. The
-    // last blocks dispatched are short ones, so the tail stays balanced.
     int qt, h, b;
-    {
-        const int n_qt = gridDim.x;
-        const long long nh = static_cast<long long>(gridDim.y) * gridDim.z;
-        long long lin = blockIdx.x + gridDim.x * (blockIdx.y + static_cast<long long>(gridDim.y) * blockIdx.z);
-        int start = 0, rem = n_qt, len = 0;
-        for (;;) {
-            len = rem <= 4 ? rem : (rem + 1) / 2;
-            if (lin < len * nh) {
-                break;
-            }
-            lin -= len * nh;
-            start += len;
-            rem -= len;
-        }
-        const long long hb = lin / len;
-        qt = n_qt - 1 - (start + static_cast<int>(lin - hb * len));
-        h = static_cast<int>(hb % gridDim.y);
-        b = static_cast<int>(hb / gridDim.y);
-    }
+    od_prefill::block_tile(qt, h, b);
     const int q0 = qt * BM;
     const int kvh = h / group;
 
@@ -122,7 +90,7 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
             const int row = c / (D / 8);
             const int col = c % (D / 8);
             const int t = q0 + row;
-            store_q8<BF>(sQ + row * SR + col * 8, t < tq ? qbase + t * qs_t : nullptr, col * 8, q_f16);
+            store_q8<BF>(od::smem_addr(sQ + row * SR + col * 8), t < tq ? qbase + t * qs_t : nullptr, col * 8, q_f16);
         }
     }
 
@@ -132,27 +100,13 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
     const char* mbase = mask != nullptr ? mask + (b % m3) * ms_b + (h % m2) * ms_h : nullptr;
     // mask rows 4-byte aligned: a key pair (even key) is one 32-bit load
     const bool mask_al4 = ((reinterpret_cast<unsigned long long>(mbase) | static_cast<unsigned long long>(ms_t)) & 3ull) == 0;
-    const float slope2 = alibi_slope(use_alibi, h, n_head_log2, m0, m1) * LOG2E;
-    // logit in log2 units: softcap ? cap*tanh(s*scale/cap) : s*scale, times log2(e)
-    const float mul2 = softcap != 0.0f ? softcap * LOG2E : scale * LOG2E;
-    const float in_scale = softcap != 0.0f ? scale / softcap : 1.0f;
+    const od_prefill::Logits lg{mbase, ms_t, alibi_slope(use_alibi, h, n_head_log2, m0, m1) * LOG2E,
+                                softcap != 0.0f ? softcap * LOG2E : scale * LOG2E,
+                                softcap != 0.0f ? scale / softcap : 1.0f, softcap, tq, tk, mask_al4};
     const char* kbase = k + b * ks_b + kvh * ks_h;
     const char* vbase = v + b * vs_b + kvh * vs_h;
     const bool vec = kv_vec != 0;
 
-    // The first kv tile after j whose mask block is not all -inf: 32 flags per
-    // ballot, so skipping the causal half costs a load or two, not one per tile.
-    // Every warp finds the same j, so the barriers below stay uniform.
-    auto next_tile = [&](int j) -> int {
-        for (int base = j + 1; base < n_kv_tiles; base += 32) {
-            const int t = base + lane;
-            const unsigned live = __ballot_sync(od::FULL_MASK, t < n_kv_tiles && (fl == nullptr || fl[t] != 0));
-            if (live != 0u) {
-                return base + __ffs(live) - 1;
-            }
-        }
-        return n_kv_tiles;
-    };
     auto stage_k = [&](int st) { return smem + BM * SR + st * 2 * BN * SR; };
     constexpr bool NATIVE = od::same_v<KT, f16> || BF;
     constexpr bool FULL_OK = NATIVE && 128 % (D / 8) == 0;
@@ -190,14 +144,14 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
     const unsigned k_lane = (((lane >> 4) * 8 + (lane & 7)) * SR + ((lane >> 3) & 1) * 8) * 2;
     const unsigned v_lane = ((lane & 15) * SR + (lane >> 4) * 8) * 2;
 
-    int j = next_tile(-1);
+    int j = od_prefill::next_tile(fl, -1, n_kv_tiles, lane);
     if (j < n_kv_tiles) {
         load_kv(j, 0);
     }
     od::cp_async_commit();
     int st = 0;
     while (j < n_kv_tiles) {
-        const int jn = next_tile(j);
+        const int jn = od_prefill::next_tile(fl, j, n_kv_tiles, lane);
         od::cp_async_wait<0>();  // tile j has landed (this thread's copies) ...
         __syncthreads();     // ... everyone's (and Q), and everyone is done with the other stage
         if (jn < n_kv_tiles) {
@@ -239,107 +193,18 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
             }
         }
 
-        // Logits in log2 units are s * mul. The common tile (mask block all zero or no mask,
-        // no softcap, every key < tk, scale > 0) keeps the raw dot products: the maximum is
-        // taken over them and scaled once a row, and the scale folds into the exponent's
-        // FFMA, so a logit costs FMNMX + FFMA + MUFU + FADD. Other tiles (the causal
-        // diagonal, a tail, softcap) are brought to log2 units first and take mul = 1.
-        float mul = mul2;
-        if (flag != 2 || kb + BN > tk || softcap != 0.0f || !(mul2 > 0.0f)) {
+        // logits in log2 units are s * mul (prefill_common.cuh's raw_tile), then the online softmax
+        float mul = lg.mul2;
+        if (!od_prefill::raw_tile(lg, flag, kb, BN)) {
             mul = 1.0f;
-            if (flag == 1 && kb + BN <= tk && softcap == 0.0f && mask_al4) {
-                // A whole mixed tile (the causal diagonal): the two mask values of a lane's key pair
-                // in one 32-bit load, no per-key checks; same arithmetic as the general path below.
-                // Rows past tq read row tq - 1 (their output is never written).
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int row = min(q0 + wrow + mt * 16 + g + 8 * r, tq - 1);
-                        const unsigned* mrow =
-                            reinterpret_cast<const unsigned*>(mbase + row * ms_t + static_cast<long long>(kb) * 2) + tq4;
-#pragma unroll
-                        for (int nt = 0; nt < NT; ++nt) {
-                            const unsigned mv = mrow[nt * 4];  // keys kb + nt * 8 + 2 * tq4 + {0, 1}
-                            s[mt][nt][2 * r] =
-                                masked(static_cast<unsigned short>(mv & 0xffffu), slope2, s[mt][nt][2 * r] * mul2);
-                            s[mt][nt][2 * r + 1] =
-                                masked(static_cast<unsigned short>(mv >> 16), slope2, s[mt][nt][2 * r + 1] * mul2);
-                        }
-                    }
-                }
-            } else {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int row = q0 + wrow + mt * 16 + g + 8 * r;
-                    const unsigned short* mrow =
-                        flag == 1 && row < tq ? reinterpret_cast<const unsigned short*>(mbase + row * ms_t) : nullptr;
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-                        for (int e2 = 0; e2 < 2; ++e2) {
-                            float x = s[mt][nt][2 * r + e2];
-                            if (softcap != 0.0f) {
-                                x = tanhf(x * in_scale);
-                            }
-                            x *= mul2;
-                            const int key = kb + nt * 8 + 2 * tq4 + e2;
-                            if (key >= tk) {
-                                x = NEG_INF;
-                            } else if (mrow != nullptr) {
-                                x = masked(mrow[key], slope2, x);
-                            }
-                            s[mt][nt][2 * r + e2] = x;
-                        }
-                    }
-                }
-            }
+                od_prefill::to_log2<NT>(s[mt], lg, flag, kb, q0 + wrow + mt * 16, g, tq4);
             }
         }
-
-        // online softmax: per m-tile, rows g (e = 0, 1) and g + 8 (e = 2, 3); a row spans a quad's 4 lanes
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            float mx0 = NEG_INF, mx1 = NEG_INF;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                mx0 = fmaxf(mx0, fmaxf(s[mt][nt][0], s[mt][nt][1]));
-                mx1 = fmaxf(mx1, fmaxf(s[mt][nt][2], s[mt][nt][3]));
-            }
-            mx0 = fmaxf(mx0, __shfl_xor_sync(od::FULL_MASK, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(od::FULL_MASK, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(od::FULL_MASK, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(od::FULL_MASK, mx1, 2));
-            const float mn0 = fmaxf(mrun[mt][0], mx0 * mul);  // mul > 0: the max commutes with it
-            const float mn1 = fmaxf(mrun[mt][1], mx1 * mul);
-            const float a0 = od_prefill::ex2(mrun[mt][0] - mn0);
-            const float a1 = od_prefill::ex2(mrun[mt][1] - mn1);
-            mrun[mt][0] = mn0;
-            mrun[mt][1] = mn1;
-            float ls0 = 0.0f, ls1 = 0.0f;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                s[mt][nt][0] = od_prefill::ex2(fmaf(s[mt][nt][0], mul, -mn0));
-                s[mt][nt][1] = od_prefill::ex2(fmaf(s[mt][nt][1], mul, -mn0));
-                s[mt][nt][2] = od_prefill::ex2(fmaf(s[mt][nt][2], mul, -mn1));
-                s[mt][nt][3] = od_prefill::ex2(fmaf(s[mt][nt][3], mul, -mn1));
-                ls0 += s[mt][nt][0] + s[mt][nt][1];
-                ls1 += s[mt][nt][2] + s[mt][nt][3];
-            }
-            lrun[mt][0] = lrun[mt][0] * a0 + ls0;
-            lrun[mt][1] = lrun[mt][1] * a1 + ls1;
-            // rescale O only where some row of the warp saw its maximum grow (warp-uniform branch)
-            if (__any_sync(od::FULL_MASK, a0 != 1.0f || a1 != 1.0f)) {
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    o[mt][dt][0] *= a0;
-                    o[mt][dt][1] *= a0;
-                    o[mt][dt][2] *= a1;
-                    o[mt][dt][3] *= a1;
-                }
-            }
+            od_prefill::softmax_tile<NT, DT>(s[mt], mrun[mt], lrun[mt], o[mt], mul);
         }
 
         // O += P V: P's A fragments straight from the S accumulators; each V fragment feeds MT mma
@@ -372,28 +237,7 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
     // finish: sum the quad's partial sums, add the sink, normalize, write (B, Tq, Hq, D)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float l = lrun[mt][r];
-            l += __shfl_xor_sync(od::FULL_MASK, l, 1);
-            l += __shfl_xor_sync(od::FULL_MASK, l, 2);
-            float sc = 1.0f;
-            if (sinks != nullptr) {
-                const float sk = sinks[h] * LOG2E;
-                const float mf = fmaxf(mrun[mt][r], sk);
-                sc = exp2f(mrun[mt][r] - mf);
-                l = l * sc + exp2f(sk - mf);
-            }
-            const float inv = l == 0.0f ? 0.0f : sc / l;  // a NaN l (a NaN or +inf logit or sink): the row NaN
-            const int row = q0 + wrow + mt * 16 + g + 8 * r;
-            if (row < tq) {
-                float* y = out + ((static_cast<long long>(b) * tq + row) * hq + h) * D + 2 * tq4;
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    *reinterpret_cast<float2*>(y + dt * 8) = make_float2(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
-                }
-            }
-        }
+        od_prefill::write_rows<D>(o[mt], mrun[mt], lrun[mt], sinks, out, b, h, hq, tq, q0 + wrow + mt * 16, g, tq4);
     }
 }
 

@@ -1,6 +1,7 @@
 """flash_attn_ext's launches: the split-K decode kernel (kernels/fattn_decode.cu, alone or fused with the
-decode step's q/k/v rope and cache writes) and the tensor-core prefill (kernels/fattn_prefill.cu, with its
-mask-tile flags); their geometry, KV splits, scratch memory and arguments.
+decode step's q/k/v rope and cache writes) and the tensor-core prefill (kernels/fattn_prefill.cu on mma.sync,
+with its mask-tile flags, or kernels/fattn_prefill_wgmma.cu on Hopper's wgmma); their geometry, KV splits,
+scratch memory and arguments.
 
 Geometry is sized by the device's facts (multiprocessors, shared memory an SM), so plans are made and
 tested on a device description.
@@ -27,6 +28,7 @@ from .rope import CACHE_TYPES, cache_rows, ff_ptr, rope_fields
 
 DECODE_CU = KERNELS_DIR / "fattn_decode.cu"
 PREFILL_CU = KERNELS_DIR / "fattn_prefill.cu"
+PREFILL_WGMMA_CU = KERNELS_DIR / "fattn_prefill_wgmma.cu"
 
 #: head sizes flash_attn_ext has kernels for (K and V the same)
 HEAD_SIZES = (64, 80, 96, 128, 256)
@@ -38,6 +40,10 @@ DECODE_MAX_TQ = 8
 #: for caches of rope's CACHE_TYPES
 ATTN_HEAD_SIZES = (64, 128)
 MASK_FLAGS = "fattn_mask_flags"
+#: fattn_prefill_wgmma (sm_90a code: compute capability 9.0): (warpgroups of 64 query rows, K/V stages) by head
+#: size, for K/V of WGMMA_KV_TYPES; the configurations measured fastest on the H200 (docs/cuda_attention.md)
+WGMMA_CONFIG: dict[int, tuple[int, int]] = {64: (2, 3), 128: (2, 2)}
+WGMMA_KV_TYPES = ("f16", "bf16")
 
 
 def kv_variants() -> list[tuple[int, str]]:
@@ -52,7 +58,14 @@ def decode_kernel(d: int, kv: str, rope: str = "", idx: str = "i32") -> str:
     return instance("fattn_decode", d, CTYPE[kv], 1 if rope == "normal" else 2, idx_ctype(idx))
 
 
-def prefill_kernel(d: int, kv: str) -> str:
+def prefill_wgmma(d: int, kv: str, dev: DeviceFacts) -> bool:
+    """Whether a prefill runs on fattn_prefill_wgmma rather than fattn_prefill."""
+    return dev.cc == (9, 0) and d in WGMMA_CONFIG and kv in WGMMA_KV_TYPES
+
+
+def prefill_kernel(d: int, kv: str, wgmma: bool = False) -> str:
+    if wgmma:
+        return instance("fattn_prefill_wgmma", d, CTYPE[kv], *WGMMA_CONFIG[d])
     return instance("fattn_prefill", d, CTYPE[kv])
 
 
@@ -62,6 +75,7 @@ KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {
         + [decode_kernel(d, kv, r, i) for d in ATTN_HEAD_SIZES for kv in CACHE_TYPES for r in ("normal", "neox")
            for i in ("i32", "i64")]),
     PREFILL_CU: tuple([prefill_kernel(d, kv) for d, kv in kv_variants()] + [MASK_FLAGS]),
+    PREFILL_WGMMA_CU: tuple(prefill_kernel(d, kv, True) for d in WGMMA_CONFIG for kv in WGMMA_KV_TYPES),
 }
 
 # -- geometry ------------------------------------------------------------------------------------
@@ -76,19 +90,32 @@ DECODE_COLS = 16
 FUSED_DECODE_BLOCKS_PER_SM = {64: 4, 128: 2}
 
 
-def prefill_tile_m(d: int) -> int:
-    """Query rows a prefill block takes: 32 a warp (two m16 tiles) where registers allow."""
+def prefill_tile_m(d: int, wgmma: bool = False) -> int:
+    """Query rows a prefill block takes: fattn_prefill 32 a warp (two m16 tiles) where registers allow;
+    fattn_prefill_wgmma 64 a warpgroup."""
+    if wgmma:
+        return 64 * WGMMA_CONFIG[d][0]
     return 64 if d > 128 else 128
 
 
-def prefill_tile_n(d: int) -> int:
+def prefill_tile_n(d: int, wgmma: bool = False) -> int:
     """Keys a prefill K/V tile holds."""
+    if wgmma:
+        return 128
     return 32 if d > 128 else 64
 
 
-def prefill_smem(d: int) -> int:
-    """Dynamic shared memory of fattn_prefill<d, ...>: Q and two K/V stages, 16-bit values, rows padded by 8."""
-    return 2 * (d + 8) * (prefill_tile_m(d) + 2 * 2 * prefill_tile_n(d))
+def prefill_threads(d: int, wgmma: bool = False) -> int:
+    return 128 * WGMMA_CONFIG[d][0] if wgmma else 128
+
+
+def prefill_smem(d: int, wgmma: bool = False) -> int:
+    """Dynamic shared memory of the prefill kernel: fattn_prefill Q and two K/V stages, 16-bit values, rows padded
+    by 8; fattn_prefill_wgmma Q and its K/V stages unpadded (swizzled), 1024 bytes to align them."""
+    bm, bn = prefill_tile_m(d, wgmma), prefill_tile_n(d, wgmma)
+    if wgmma:
+        return 1024 + 2 * d * (bm + WGMMA_CONFIG[d][1] * 2 * bn)
+    return 2 * (d + 8) * (bm + 2 * 2 * bn)
 
 
 def decode_smem(d: int, fused: bool = False) -> int:
@@ -205,7 +232,7 @@ NOT_FUSED: dict[str, Any] = {**dict.fromkeys(
 
 @attrs.frozen
 class PrefillArgs(KernelArgs):
-    KERNELS = ("fattn_prefill",)
+    KERNELS = ("fattn_prefill", "fattn_prefill_wgmma")
     q: np.uint64 = ptr()
     k: np.uint64 = ptr()
     v: np.uint64 = ptr()
@@ -359,14 +386,16 @@ class FlashPlan:
 
 
 def flash_plan(node: Tensor, dev: DeviceFacts, fused: FusedQKV | None = None) -> FlashPlan:
-    """Decode (split-K) for Tq <= DECODE_MAX_TQ, else prefill (tensor cores); `fused`: the decode kernel
-    also rotates q (read from fused.xq) and writes the new K/V rows (fusion.check_attn holds)."""
+    """Decode (split-K) for Tq <= DECODE_MAX_TQ, else prefill (tensor cores: wgmma where prefill_wgmma holds);
+    `fused`: the decode kernel also rotates q (read from fused.xq) and writes the new K/V rows (fusion.check_attn
+    holds)."""
     q, k, _, mask, _ = node.srcs
     b, hq, tq, d = q.shape
     tk, kv = k.shape[2], k.dtype.name
     if tq <= DECODE_MAX_TQ:
         return _decode_plan(node, dev, fused)
-    bm, bn = prefill_tile_m(d), prefill_tile_n(d)
+    wgmma = prefill_wgmma(d, kv, dev)
+    bm, bn = prefill_tile_m(d, wgmma), prefill_tile_n(d, wgmma)
     n_qt = -(-tq // bm)
     n_kt = -(-tk // bn)
     ws: tuple[Workspace, ...] = ()
@@ -377,7 +406,8 @@ def flash_plan(node: Tensor, dev: DeviceFacts, fused: FusedQKV | None = None) ->
     def make_prefill(ptr: Ptr, wsp: Sequence[int], guard: Guard) -> list[KernelSpec]:
         flags = wsp[0] if mask is not None else 0
         args = PrefillArgs(**_q_fields(q, ptr), **_shared_fields(node, ptr), flags=flags, n_kv_tiles=n_kt)
-        main = KernelSpec(PREFILL_CU, prefill_kernel(d, kv), (n_qt, hq, b), 128, args, prefill_smem(d))
+        main = KernelSpec(PREFILL_WGMMA_CU if wgmma else PREFILL_CU, prefill_kernel(d, kv, wgmma), (n_qt, hq, b),
+                          prefill_threads(d, wgmma), args, prefill_smem(d, wgmma))
         if mask is None:
             return [main]
         (m3, m2, _, _), (ms_b, ms_h, ms_t, _) = byte_strides(mask)
