@@ -786,7 +786,8 @@ def test_prefill_plan(d: int, kv: str, mask: bool, dev: DeviceFacts, wgmma: bool
     assert plan.kind == "prefill"
     assert flash.prefill_wgmma(d, kv, dev) == wgmma
     bm, bn = flash.prefill_tile_m(d, wgmma), flash.prefill_tile_n(d, wgmma)
-    assert (bm, bn) == ((64 * flash.WGMMA_CONFIG[d][0], 128) if wgmma else (64 if d > 128 else 128, 32 if d > 128 else 64))
+    assert (bm, bn) == ((64 * flash.WGMMA_CONFIG[d][0], flash.WGMMA_CONFIG[d][1]) if wgmma
+                        else (64 if d > 128 else 128, 32 if d > 128 else 64))
     n_qt, n_kt = -(-300 // bm), -(-1000 // bn)
     assert [w.nbytes for w in plan.workspaces] == ([n_qt * n_kt] if mask else [])
     launches = plan.specs(fake_ptr, [BASE + 2**20] if mask else [], FakeGuard())
@@ -808,8 +809,8 @@ def test_prefill_plan(d: int, kv: str, mask: bool, dev: DeviceFacts, wgmma: bool
 def test_prefill_wgmma_smem_fits_the_h200() -> None:
     """Q and the K/V stages of every configured fattn_prefill_wgmma, and its 1024-byte alignment, within a block's
     227 KiB."""
-    for d, (wgs, stages) in flash.WGMMA_CONFIG.items():
-        assert flash.prefill_smem(d, True) == 1024 + 2 * d * (64 * wgs + stages * 256) <= DEV.smem_per_block_optin
+    for d, (wgs, bn, stages) in flash.WGMMA_CONFIG.items():
+        assert flash.prefill_smem(d, True) == 1024 + 2 * d * (64 * wgs + stages * 2 * bn) <= DEV.smem_per_block_optin
 
 
 def test_every_name_expression_is_declared_for_the_compile_test() -> None:

@@ -2,14 +2,14 @@
 // flash_attn_ext for many query rows (prefill) on Hopper's warpgroup tensor cores (wgmma): what fattn_prefill.cu
 // does on mma.sync, for head sizes 64 and 128 and f16/bf16 K/V. fattn_prefill is bound by instruction issue
 // (ldmatrix and mma.sync a 16 x 8 x 16 product); here one wgmma m64nNk16 takes a warpgroup's 64 query rows
-// against 128 keys (S = Q K^T) or 64 rows against the head (O += P V), its operands read by the tensor cores from
+// against BN keys (S = Q K^T) or 64 rows against the head (O += P V), its operands read by the tensor cores from
 // shared memory (wgmma.cuh's 128-byte swizzle), and P from registers: the S accumulators, rounded to 16 bits,
 // already have the layout of the A operand.
 //
 // Grid (ceil(Tq / BM), Hq, B), WGS warpgroups (128 threads each), each owning 64 query rows: BM = 64 WGS. Shared
 // memory (1024-byte aligned): Q (BM rows x D, in D / 64 column blocks of 64 values), then STAGES stages of a K
-// tile and a V tile of BN = 128 keys (each D / 64 blocks of BN rows of 64 values). K is S's B operand K-major,
-// V is P V's B operand MN-major (a row holds 64 values of the head at one key): one layout for both, filled by
+// tile and a V tile of BN keys (each D / 64 blocks of BN rows of 64 values). K is S's B operand K-major, V is
+// P V's B operand MN-major (a row holds 64 values of the head at one key): one layout for both, filled by
 // cp.async (16-byte rows of f16/bf16 aligned: `kv_vec`; else through registers), keys past tk zeros.
 // Loop over the live key tiles (prefill_common.cuh: flags skip fully masked ones), c counting them:
 //   wait for tile c's copies, barrier, copies of tile c + 1 into stage (c + 1) % STAGES;
@@ -17,7 +17,9 @@
 //   logits, online softmax, O rescaled (prefill_common.cuh, as fattn_prefill);
 //   P rounded into registers, O += P V (BN / 16 wgmma) issued and left running.
 // With 3 stages the stage tile c + 1 takes held tile c - 2, whose P V every warpgroup retired before this
-// iteration's barrier; with 2, each warpgroup waits for its P V of tile c - 1 before the barrier.
+// iteration's barrier; with 2, each warpgroup waits for its P V of tile c - 1 before the barrier. The warpgroups
+// of a block meet at that barrier every tile, so their softmaxes run together; blocks of one warpgroup, several
+// an SM, drift apart and overlap one another's products and softmaxes (specs/flash.py's WGMMA_CONFIG).
 //
 // Requirements (specs/flash.py: prefill_wgmma): compute capability 9.0 (sm_90a code), D 64 or 128, K and V f16
 // or bf16 (q f32 or f16, rounded to K/V's type in shared memory). `flags` as fattn_prefill's, for this kernel's
@@ -25,7 +27,7 @@
 #include "prefill_common.cuh"
 #include "wgmma.cuh"
 
-template <int D, typename KT, int WGS, int STAGES>
+template <int D, typename KT, int WGS, int BN, int STAGES>
 __global__ void __launch_bounds__(WGS * 128, 1) fattn_prefill_wgmma(
     const char* __restrict__ q, const char* __restrict__ k, const char* __restrict__ v,
     const char* __restrict__ mask, const float* __restrict__ sinks, float* __restrict__ out,
@@ -39,10 +41,10 @@ __global__ void __launch_bounds__(WGS * 128, 1) fattn_prefill_wgmma(
     int kv_vec, int n_kv_tiles) {
     using namespace od_attn;
     namespace wg = od::wg;
-    static_assert(D == 64 || D == 128, "head sizes 64 and 128");
+    static_assert((D == 64 || D == 128) && (BN == 64 || BN == 128), "head sizes 64 and 128, key tiles of 64 or 128");
     constexpr bool BF = od::same_v<KT, bf16>;
     constexpr int THREADS = WGS * 128;
-    constexpr int BM = 64 * WGS, BN = 128;
+    constexpr int BM = 64 * WGS;
     constexpr int DB = D / 64;            // 64-value column blocks of a row
     constexpr int NT = BN / 8, DT = D / 8;  // n8 tiles of S and of O
     constexpr unsigned Q_BLOCK = BM * 128, KV_BLOCK = BN * 128;  // bytes of one column block

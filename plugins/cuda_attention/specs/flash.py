@@ -40,9 +40,10 @@ DECODE_MAX_TQ = 8
 #: for caches of rope's CACHE_TYPES
 ATTN_HEAD_SIZES = (64, 128)
 MASK_FLAGS = "fattn_mask_flags"
-#: fattn_prefill_wgmma (sm_90a code: compute capability 9.0): (warpgroups of 64 query rows, K/V stages) by head
-#: size, for K/V of WGMMA_KV_TYPES; the configurations measured fastest on the H200 (docs/cuda_attention.md)
-WGMMA_CONFIG: dict[int, tuple[int, int]] = {64: (2, 3), 128: (2, 2)}
+#: fattn_prefill_wgmma (sm_90a code: compute capability 9.0): (warpgroups of 64 query rows, keys a K/V tile, K/V
+#: stages) by head size, for K/V of WGMMA_KV_TYPES; the configurations measured fastest on the H200
+#: (docs/cuda_attention.md)
+WGMMA_CONFIG: dict[int, tuple[int, int, int]] = {64: (2, 128, 3), 128: (2, 128, 3)}
 WGMMA_KV_TYPES = ("f16", "bf16")
 
 
@@ -101,7 +102,7 @@ def prefill_tile_m(d: int, wgmma: bool = False) -> int:
 def prefill_tile_n(d: int, wgmma: bool = False) -> int:
     """Keys a prefill K/V tile holds."""
     if wgmma:
-        return 128
+        return WGMMA_CONFIG[d][1]
     return 32 if d > 128 else 64
 
 
@@ -114,7 +115,7 @@ def prefill_smem(d: int, wgmma: bool = False) -> int:
     by 8; fattn_prefill_wgmma Q and its K/V stages unpadded (swizzled), 1024 bytes to align them."""
     bm, bn = prefill_tile_m(d, wgmma), prefill_tile_n(d, wgmma)
     if wgmma:
-        return 1024 + 2 * d * (bm + WGMMA_CONFIG[d][1] * 2 * bn)
+        return 1024 + 2 * d * (bm + WGMMA_CONFIG[d][2] * 2 * bn)
     return 2 * (d + 8) * (bm + 2 * 2 * bn)
 
 
