@@ -23,9 +23,10 @@
 // rows its own products read, so no barrier is needed before), waits for its copies, and after one barrier issues
 // the copies into the stages t - 1 freed. The tensor cores are never drained inside the loop: t + 1's products
 // queue behind t's. Dequantization: quant.cuh's load_unit for every format (8 values a unit, v = code * d + m in
-// f32, rounded to bf16, into the A stages), but q4_0, whose values go from the raw stage straight into the A
-// fragments in registers (wgmma's A-from-registers form: no A stage written or read, which halves the shared
-// memory traffic a K tile; nibbles to bf16 by their bits, bf16x2 arithmetic), two K tiles' fragments in turn.
+// f32, rounded to bf16, into the A stages), but q4_0 and q8_0 (RS), whose values go from the raw stage straight
+// into the A fragments in registers (wgmma's A-from-registers form: no A stage written or read, which halves the
+// shared memory traffic a K tile), two K tiles' fragments in turn: q4_0's nibbles to bf16 by their bits, bf16x2
+// arithmetic; q8_0's codes to f32 by their bits, one fma each, the A stage's bf16 exactly.
 // Split K: the raw K tiles of a row are cut in `splits` contiguous slices, one block each (a grid of few output
 // tiles still fills the GPU), and mq::finish (mmq's) writes the sums or the slices' ordered sum: deterministic.
 //
@@ -213,6 +214,49 @@ __device__ __forceinline__ void q4_0_frags(const u8* raw, int kt, int r0, int t,
     }
 }
 
+// Two int8 codes of q8_0 (bytes 0 and 1 of w, each XOR 0x80: code + 128, unsigned) times d, as bf16x2. One prmt
+// puts a code into byte 1 of the float 0x47000000 (32768, whose byte 1 counts units): 32768 + 128 + code. Then
+// fma(that, d, c), c = -32896 d, is code * d: c is exact (32896 = 257 * 128: 257 d has at most 20 significant
+// bits), so the fma rounds only code * d, which is exact in f32 (8 by 11 bits). dequant_tile's fmaf(code, d, 0)
+// is the same float, +0 at code 0 included (an infinite d aside: NaN here, not +-inf), so the same bf16.
+__device__ __forceinline__ unsigned q8_pair(unsigned w, float d, float c) {
+    const float lo = __uint_as_float(od::prmt(w, 0x47000000u, 0x7404u));
+    const float hi = __uint_as_float(od::prmt(w, 0x47000000u, 0x7414u));
+    return bf16x2(fmaf(lo, d, c), fmaf(hi, d, c));
+}
+
+// q8_0's A fragments for 64-value K tile kt straight from its raw K tile, as q4_0_frags: this lane's rows r0 and
+// r0 + 8, of each of the K tile's two blocks (k16 steps 2 j and 2 j + 1) the codes 8 i + 2t, 8 i + 2t + 1 (i = 0 ..
+// 3: step 2 j + i / 2, k 2t (i even) or 2t + 8 (odd)), a 16-bit load each (blocks are 34 bytes, 2-byte aligned,
+// and a lane's pairs 8 bytes apart: a wider load would carry other lanes' codes).
+template <int WT>
+__device__ __forceinline__ void q8_0_frags(const u8* raw, int kt, int r0, int t, unsigned (&a)[4][4]) {
+    using F = mm::Fmt<WT>;
+    using T = mq::Tile<F, RAW_KB>;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const u8* const blk = raw + (r0 + 8 * h) * T::RS + (2 * (kt % SUBS) + j) * F::BYTES;
+            const float d = od::f16_to_f32(od::ld16(blk)), c = -32896.0f * d;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                a[2 * j + i / 2][2 * (i % 2) + h] = q8_pair(od::ld16(blk + F::QS + 8 * i + 2 * t) ^ 0x8080u, d, c);
+            }
+        }
+    }
+}
+
+// This K tile's A fragments, for the formats that take them from registers (RS).
+template <int WT>
+__device__ __forceinline__ void frags(const u8* raw, int kt, int r0, int t, unsigned (&a)[4][4]) {
+    if constexpr (WT == W_Q8_0) {
+        q8_0_frags<WT>(raw, kt, r0, t, a);
+    } else {
+        q4_0_frags<WT>(raw, kt, r0, t, a);
+    }
+}
+
 // Raw K tile rt (256 values, fewer at the end of a row) of weight rows m0 .. m0 + BM - 1 (clamped to M - 1) into
 // the raw stage `st`: the 16-byte granules covering each row's blocks (mmq's issue_a); returns nothing, the
 // blocks start lead(rt) bytes into each row.
@@ -306,13 +350,13 @@ __global__ void __launch_bounds__(mw::THREADS, 1)
     od::cp_async_commit();
     od::cp_async_wait<0>();
     __syncthreads();
-    // q4_0 (RS): the weights' fragments go from the raw stage into registers, two K tiles' worth (f0, f1) in turn;
-    // the other formats through the A stages
-    constexpr bool RS = WT == W_Q4_0;
+    // q4_0 and q8_0 (RS): the weights' fragments go from the raw stage into registers, two K tiles' worth (f0, f1)
+    // in turn; the other formats through the A stages
+    constexpr bool RS = WT == W_Q4_0 || WT == W_Q8_0;
     const int frow = wg * 64 + ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2), ft = tid & 3;  // this lane's row g, t
     unsigned f0[4][4], f1[4][4];
     if constexpr (RS) {
-        q4_0_frags<WT>(raw_of(0), 0, frow, ft, f0);
+        frags<WT>(raw_of(0), 0, frow, ft, f0);
     } else {
         dequant_tile<WT>(sA, raw_of(0), 0, tid);
     }
@@ -342,7 +386,7 @@ __global__ void __launch_bounds__(mw::THREADS, 1)
         if (kt + 1 < nk) {
             if constexpr (RS) {
                 fence_frags(nxt);
-                q4_0_frags<WT>(raw_of(kt + 1), kt + 1, frow, ft, nxt);
+                frags<WT>(raw_of(kt + 1), kt + 1, frow, ft, nxt);
             } else {
                 dequant_tile<WT>(sA + ((kt + 1) & 1) * A_BYTES, raw_of(kt + 1), kt + 1, tid);
             }
