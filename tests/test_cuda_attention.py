@@ -775,12 +775,14 @@ A100 = facts(Device("cuda0", "cuda", "sm_80 (description)", {**H200.props, "cc":
 @pytest.mark.parametrize(("d", "kv", "mask", "dev", "wgmma"), [
     (128, "f16", True, A100, False), (64, "bf16", False, A100, False), (80, "f32", True, DEV, False),
     (96, "f16", False, DEV, False), (256, "q8_0", True, DEV, False), (128, "q4_0", False, DEV, False),
-    (256, "bf16", True, DEV, False), (128, "f16", True, DEV, True), (64, "bf16", False, DEV, True),
-    (64, "f16", True, DEV, True), (128, "bf16", False, DEV, True),
+    (256, "bf16", True, DEV, False), (128, "f16", True, DEV, True), (128, "bf16", False, DEV, True),
+    (64, "bf16", False, DEV, None), (64, "f16", True, DEV, None),
 ])
-def test_prefill_plan(d: int, kv: str, mask: bool, dev: DeviceFacts, wgmma: bool) -> None:
-    """fattn_prefill_wgmma on compute capability 9.0 for f16/bf16 K/V of head size 64 or 128, else fattn_prefill;
-    the grid, block, shared memory and mask flags of each kernel's tiles."""
+def test_prefill_plan(d: int, kv: str, mask: bool, dev: DeviceFacts, wgmma: bool | None) -> None:
+    """fattn_prefill_wgmma on compute capability 9.0 for f16/bf16 K/V of the head sizes it is configured for
+    (None: where flash.WGMMA_CONFIG has the head size), else fattn_prefill; the grid, block, shared memory and mask
+    flags of each kernel's tiles."""
+    wgmma = d in flash.WGMMA_CONFIG if wgmma is None else wgmma
     node = fa(d, 300, 1000, 8, 2, kv, mask=mask)
     plan = flash.flash_plan(node, dev)
     assert plan.kind == "prefill"
@@ -985,6 +987,9 @@ for _tq in (1, 4, 64):
     for _kv in ("f16", "bf16", "f32", "q8_0"):
         FA_CASES[f"misaligned {_kv} q={_tq}"] = dict(d=64, tq=_tq, tk=100, hq=4, hkv=2, kv=_kv, mask="random",
                                                     layout="misaligned")
+for _kv in ("f16", "bf16"):  # prefill of head size 128 (fattn_prefill_wgmma on the H200) with no 16-byte loads
+    FA_CASES[f"misaligned {_kv} d=128 causal q=130"] = dict(d=128, tq=130, tk=300, hq=4, hkv=2, kv=_kv, mask="causal",
+                                                           layout="misaligned")
 FA_CASES["long kv 8192 decode gqa 4"] = dict(d=128, tq=1, tk=8192, hq=32, hkv=8, batch=2)
 FA_CASES["long kv 8192 decode bf16 mask"] = dict(d=128, tq=1, tk=8192, hq=8, hkv=2, kv="bf16", mask="random")
 FA_CASES["long kv 8192 prefill causal"] = dict(d=128, tq=256, tk=8192, hq=4, hkv=1, mask="causal")

@@ -110,7 +110,8 @@ PATH_CASES = [
     ("q8_0", (77, 256), (16, 256), "mmq_small"),
     ("q8_0", (4096, 4096), (16, 4096), "mmq_small"),
     ("q8_0", (2, 64, 14336), (2, 128, 14336), "mmq"),
-    ("q8_0", (2, 64, 14336), (2, 512, 14336), "dequant_cublas"),  # N > support.MMQ_MAX_N (mmq_wgmma unselected)
+    ("q8_0", (2, 64, 14336), (2, 512, 14336), "mmq_wgmma"),  # N > support.MMQ_MAX_N
+    ("q4_K", (2, 64, 14336), (2, 512, 14336), "dequant_cublas"),  # N > support.MMQ_MAX_N (mmq_wgmma unselected)
     ("q4_1", (64, 128), (16, 128), "mmq_small"),
     ("q4_1", (64, 128), (40, 128), "mmq"),
     ("q5_1", (64, 64), (70, 64), "mmq"),
@@ -145,13 +146,15 @@ def select_wgmma(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_mmq_wgmma_takes_the_selected_formats() -> None:
-    """By default q4_0's many-column products take mmq_wgmma; q8_0's stay on dequant_cublas, the note says why."""
-    q4 = ops.mul_mat(weight("w", (64, 14336), "q4_0"), od.input("x", (512, 14336)))
-    assert support.choose(q4, H200).path == "mmq_wgmma"
-    y = ops.mul_mat(weight("w", (64, 14336), "q8_0"), od.input("x", (512, 14336)))
+    """By default q4_0's and q8_0's many-column products take mmq_wgmma; q4_K's stay on dequant_cublas, the note
+    says why."""
+    for dt in ("q4_0", "q8_0"):
+        x = ops.mul_mat(weight("w", (64, 14336), dt), od.input("x", (512, 14336)))
+        assert support.choose(x, H200).path == "mmq_wgmma"
+    y = ops.mul_mat(weight("w", (64, 14336), "q4_K"), od.input("x", (512, 14336)))
     c = support.choose(y, H200)
     assert c.path == "dequant_cublas"
-    assert c.note.endswith("mmq_wgmma: not selected for q8_0 (support.MMQ_WGMMA_TYPES: not faster than "
+    assert c.note.endswith("mmq_wgmma: not selected for q4_K (support.MMQ_WGMMA_TYPES: not faster than "
                            "dequant_cublas)")
 
 

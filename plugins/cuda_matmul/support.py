@@ -53,7 +53,7 @@ MMQ_SMALL_MAX_N = 32
 #: 178.6 us against 224.1, the 1b preset's 512-token prefill 5.10 ms against 5.41. The others are not yet (through
 #: the A stages: q8_0 4096 x 14336 270 us, q4_K 333 us, where dequant_cublas took 266 and 212; the Q4_K_M prefill
 #: 8.65 ms against 5.15). The GPU tests select every format.
-MMQ_WGMMA_TYPES: tuple[str, ...] = ("q4_0",)
+MMQ_WGMMA_TYPES: tuple[str, ...] = ("q4_0", "q8_0")
 #: most experts the routing kernel of mmv_id_grouped and mmq_id takes (shared memory: 2 ints an expert)
 ROUTE_MAX_EXPERTS = 4096
 #: mul_mat_id with several tokens takes mmq_id (the quantized GEMM) where it has more than this many (token,

@@ -35,8 +35,11 @@
 // past M read row M - 1 and columns past N read column N - 1; neither is written.
 
 #include "mmq_common.cuh"
+#include "wgmma.cuh"
 
 namespace mw {
+
+namespace wg = od::wg;
 
 using mm::u8;
 
@@ -55,88 +58,7 @@ __device__ __forceinline__ int raw_lead(int rt) {
     return T::ALIGNED ? 0 : rt * RAW_KB / T::STEPS * F::BYTES % 16;
 }
 
-// Byte offset of row r's 16-byte chunk c in a 128-byte-swizzled tile of 128-byte rows.
-__device__ __forceinline__ unsigned swz(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
-
-// The shared-memory matrix descriptor of a K-major, 128-byte-swizzled tile at shared address `saddr`: start
-// address >> 4 (bits 0-13), leading byte offset 1 (unused by swizzled K-major layouts), stride byte offset
-// 1024 >> 4 (bits 32-45: 8 rows of 128 bytes), swizzle mode 1 = 128 bytes (bits 62-63).
-__device__ __forceinline__ unsigned long long desc(unsigned saddr) {
-    return static_cast<unsigned long long>((saddr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
-// Ordinary shared-memory stores made visible to the async proxy (the tensor cores' operand reads).
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-// Keeps the compiler from moving the accumulators' uses across the asynchronous wgmma (CUTLASS's
-// warpgroup_fence_operand): each register is an input and output of an empty asm statement.
-__device__ __forceinline__ void fence_acc(float (&d)[64]) {
-#pragma unroll
-    for (int i = 0; i < 64; ++i) {
-        asm volatile("" : "+f"(d[i])::"memory");
-    }
-}
-
-// The 64 accumulator registers of an m64n128 wgmma: the asm operand list (outputs 0 .. 63) and its text.
-#define MW_ACC_REGS \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define MW_ACC_OUTS(d) \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-
-// d (64 x 128 f32, this warpgroup's) += A (64 x 16 bf16, descriptor da) * B (128 x 16 bf16, K-major: db)^T.
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long da, unsigned long long db) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        MW_ACC_REGS
-        "}, %64, %65, p, 1, 1, 0, 0;\n"
-        "}\n"
-        : MW_ACC_OUTS(d)
-        : "l"(da), "l"(db));
-}
-
-// The same product with A from registers (a[0..3]: the m16n8k16 A fragment of this warp's 16 rows: (row g, k 2t),
-// (row g + 8, k 2t), (row g, k 2t + 8), (row g + 8, k 2t + 8), each a bf16 pair; g = lane / 4, t = lane % 4).
-__device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[64], const unsigned (&a)[4], unsigned long long db) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        MW_ACC_REGS
-        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
-        "}\n"
-        : MW_ACC_OUTS(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-}
-
-// A K tile's A fragments (4 k16 steps) kept live until the products that read them are known done: the compiler
-// sees a register operand of the asynchronous wgmma as consumed at issue.
-__device__ __forceinline__ void fence_frags(unsigned (&f)[4][4]) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            asm volatile("" : "+r"(f[i][j])::"memory");
-        }
-    }
-}
+using od::wg::swz;
 
 __device__ __forceinline__ unsigned bf16x2(float lo, float hi) {
     unsigned r;
@@ -360,32 +282,32 @@ __global__ void __launch_bounds__(mw::THREADS, 1)
     } else {
         dequant_tile<WT>(sA, raw_of(0), 0, tid);
     }
-    fence_async_smem();
+    wg::fence_async_smem();
     __syncthreads();
 
     // K tile kt, its fragments in cur (RS) and the next one's into nxt
     auto step = [&](int kt, unsigned (&cur)[4][4], unsigned (&nxt)[4][4]) {
         const unsigned a_st = sA + (kt & 1) * A_BYTES + wg * 64 * 128;
         const unsigned b_st = sB + (kt % B_STAGES) * B_BYTES;
-        fence_acc(d);
-        wg_fence();
+        wg::fence_regs(d);
+        wg::fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
             if constexpr (RS) {
-                wgmma_rs_m64n128k16(d, cur[kk], desc(b_st + kk * 32));
+                wg::rs<BN, true, 0>(d, cur[kk], wg::desc_k(b_st + kk * 32));
             } else {
-                wgmma_m64n128k16(d, desc(a_st + kk * 32), desc(b_st + kk * 32));
+                wg::ss<BN, true>(d, wg::desc_k(a_st + kk * 32), wg::desc_k(b_st + kk * 32), 1);
             }
         }
-        wg_commit();
+        wg::commit();
         // K tile kt - 1's products are done (this warpgroup's), so its A stage (or fragments), the one tile kt + 1
         // takes, is free: a warpgroup's threads dequantize exactly the rows its own products read. Tile kt's
         // products run on meanwhile, and kt + 1's are issued behind them without draining the tensor cores.
-        wg_wait1();
-        fence_acc(d);
+        wg::wait<1>();
+        wg::fence_regs(d);
         if (kt + 1 < nk) {
             if constexpr (RS) {
-                fence_frags(nxt);
+                wg::fence_regs(nxt);
                 frags<WT>(raw_of(kt + 1), kt + 1, frow, ft, nxt);
             } else {
                 dequant_tile<WT>(sA + ((kt + 1) & 1) * A_BYTES, raw_of(kt + 1), kt + 1, tid);
@@ -393,7 +315,7 @@ __global__ void __launch_bounds__(mw::THREADS, 1)
         }
         od::cp_async_wait<1>();  // the copies of step kt - 2 and before (b's K tile kt + 1, any raw K tile needed
                                  // next) have landed for this thread: each step commits one group
-        fence_async_smem();
+        wg::fence_async_smem();
         __syncthreads();  // ... for every thread; every warpgroup is done with K tile kt - 1's stages
         // copies into the stages K tile kt - 1 held: b's K tile kt + B_STAGES - 1; a raw K tile whose last K tile
         // (kt + 1) was just dequantized frees its stage for the raw K tile two ahead
@@ -413,8 +335,8 @@ __global__ void __launch_bounds__(mw::THREADS, 1)
             step(kt + 1, f1, f0);
         }
     }
-    wg_wait0();
-    fence_acc(d);
+    wg::wait<0>();
+    wg::fence_regs(d);
     od::cp_async_wait<0>();  // only empty groups can be left
 
     // The accumulator layout of m64nNk16 is mma.sync m16n8's, 8 columns at a time: warp w of the warpgroup holds
