@@ -1,8 +1,10 @@
-"""Shared test configuration: `@pytest.mark.gpu` tests skip, with the reason, where no GPU is usable."""
+"""Shared test configuration: `@pytest.mark.gpu` tests skip, with the reason, where no GPU is usable; each test
+plans afresh."""
 
 from __future__ import annotations
 
 import os
+import weakref
 
 import numpy as np
 import pytest
@@ -20,6 +22,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty plan cache for every test: plans are cached by graph, not by the selection tables and
+    configurations tests monkeypatch, so a plan made by an earlier test in the same process would be reused."""
+    from opdispatch import compiler
+
+    monkeypatch.setattr(compiler, "_CACHES", weakref.WeakKeyDictionary())
 
 
 @pytest.fixture

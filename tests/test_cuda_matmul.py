@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import re
-import weakref
 from typing import Callable
 
 import attrs
@@ -32,7 +31,7 @@ import pytest
 
 import opdispatch as od
 import opdispatch.plugins.cuda_matmul as cm
-from opdispatch import compiler, ops
+from opdispatch import ops
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.backends.cuda.kernels import INCLUDE_DIR, KernelSpec, kernel_param_types
 from opdispatch.dtypes import DTYPES, dequantize, from_float
@@ -136,13 +135,12 @@ WGMMA_PATH_CASES = [
 @pytest.fixture
 def wgmma_selected(monkeypatch: pytest.MonkeyPatch) -> None:
     """mmq_wgmma takes every format's products that mmq declines, whatever support.MMQ_WGMMA_TYPES (the formats
-    where it is faster than dequant_cublas) says; plans are cached by graph, not by that table, so the test plans afresh."""
+    where it is faster than dequant_cublas) says."""
     select_wgmma(monkeypatch)
 
 
 def select_wgmma(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(support, "MMQ_WGMMA_TYPES", specs.QUANT_NAMES)
-    monkeypatch.setattr(compiler, "_CACHES", weakref.WeakKeyDictionary())
 
 
 def test_mmq_wgmma_takes_the_selected_formats() -> None:

@@ -43,7 +43,7 @@ MASK_FLAGS = "fattn_mask_flags"
 #: fattn_prefill_wgmma (sm_90a code: compute capability 9.0): (warpgroups of 64 query rows, keys a K/V tile, K/V
 #: stages) by head size, for K/V of WGMMA_KV_TYPES; the configurations measured fastest on the H200
 #: (docs/cuda_attention.md)
-WGMMA_CONFIG: dict[int, tuple[int, int, int]] = {128: (2, 128, 3)}
+WGMMA_CONFIG: dict[int, tuple[int, int, int]] = {64: (1, 64, 2), 128: (2, 128, 3)}
 WGMMA_KV_TYPES = ("f16", "bf16")
 
 
