@@ -5,7 +5,10 @@ f16 and bf16 K/V, against F.scaled_dot_product_attention(enable_gqa=True)
 (docs/design.md target: <= 20 us at batch 1; torch 47.5 us). Bytes: K, V, q, out.
 Prefill: causal through the mask, D = 128, 4096 tokens, 32 heads, batch 4,
 FLOPs = 4*B*H*Tq*Tk*D/2 (causal: half the products), against SDPA
-is_causal=True (target: >= 50% of its TFLOP/s). Softmax and rope: bytes
+is_causal=True (target: >= 50% of its TFLOP/s); test_prefill_gqa the same at
+the shapes of a small model's prompt (32 query / 8 KV heads, one sequence:
+the 1b preset's D = 64 at 512 and 4096 tokens, D = 128 at 2048, bf16 K/V
+beside f32 queries). Softmax and rope: bytes
 read + written, against the copy bandwidth (target >= 85%); rope is timed cold
 (conftest.measure_cold: 32 or more instances over several buffers in one CUDA graph),
 since at 4096 tokens its 67 MB are near the L2's size.
@@ -71,6 +74,31 @@ def test_prefill_causal(measure, torch_cuda) -> None:  # noqa: ANN001
                    flops=flops)
     print(f"prefill causal: {info['TFLOP/s']:.0f} TFLOP/s, {info['us']:.0f} us "
           f"(torch {flops / info['torch_us'] / 1e6:.0f} TFLOP/s)")
+
+
+@pytest.mark.parametrize(("t", "d", "kv"), [(512, 64, "f16"), (4096, 64, "f16"), (2048, 128, "bf16")])
+def test_prefill_gqa(measure, torch_cuda, t: int, d: int, kv: str) -> None:  # noqa: ANN001
+    torch = torch_cuda
+    rng = np.random.default_rng(0)
+    hq, hkv = 32, 8
+    q_dtype = "f16" if kv == "f16" else "f32"  # the op takes f32 or f16 queries
+    q = od.input("q", (1, hq, t, d), q_dtype)
+    k = od.input("k", (1, hkv, t, d), kv)
+    v = od.input("v", (1, hkv, t, d), kv)
+    m = od.input("m", (1, 1, t, t), "f16")
+    causal = np.where(np.arange(t)[None, :] > np.arange(t)[:, None], -np.inf, 0.0).astype(np.float32)
+    fq, fk, fv = rand(rng, *q.shape), rand(rng, *k.shape), rand(rng, *v.shape)
+    scale = 1 / np.sqrt(d)
+    plan = ready(ops.flash_attn_ext(q, k, v, m, scale), {q: fq, k: fk, v: fv, m: causal[None, None]}, "cuda_attention")
+    tdt = torch.float16 if kv == "f16" else torch.bfloat16
+    tq, tk_, tv = (torch.from_numpy(a).cuda().to(tdt) for a in (fq, fk, fv))
+    F = torch.nn.functional
+    flops = 4 * hq * t * t * d // 2
+    nbytes = q.nbytes + k.nbytes + v.nbytes + m.nbytes + t * hq * d * 4
+    info = measure(plan, nbytes, lambda: F.scaled_dot_product_attention(tq, tk_, tv, is_causal=True, scale=scale,
+                                                                        enable_gqa=True), flops=flops)
+    print(f"prefill gqa t={t} d={d} {kv}: {info['TFLOP/s']:.0f} TFLOP/s, {info['us']:.1f} us "
+          f"(torch {info['torch_us']:.1f} us)")
 
 
 def test_soft_max(measure, torch_cuda) -> None:  # noqa: ANN001
