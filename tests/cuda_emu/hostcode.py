@@ -2,7 +2,8 @@
 
 common.cuh's inline PTX is swapped for shim.h's host functions, each swap asserted, so that an
 edit of the PTX fails here by name instead of compiling something else; the other shared headers
-(activations.cuh, quant.cuh) hold no PTX and are copied as they are. q8_1_reference is quant.cuh's
+(activations.cuh, quant.cuh) hold no PTX and are copied as they are, but wgmma.cuh (sm_90a-only, which no
+emulated kernel includes). q8_1_reference is quant.cuh's
 q8_1 rounding in numpy float32, which both the header test and the mmvq_stream emulation check.
 `Arena` is the emulated device memory the kernel emulations share, with an error word; `ScratchArena` one that
 also hands out scratch buffers.
@@ -67,9 +68,15 @@ def host_common() -> str:
     return text
 
 
+#: shared headers of sm_90a-only code (Hopper's wgmma), which no emulated kernel includes: not copied
+_HOPPER_ONLY = ("wgmma.cuh",)
+
+
 def write_headers(build: Path) -> None:
     """The shared headers, host-ready, and shim.h into `build` (to go first on the include path)."""
     for header in INCLUDE.glob("*.cuh"):
+        if header.name in _HOPPER_ONLY:
+            continue
         text = host_common() if header.name == "common.cuh" else header.read_text()
         assert "asm" not in text, f"{header.name} has inline PTX the emulation does not replace"
         (build / header.name).write_text(text)
