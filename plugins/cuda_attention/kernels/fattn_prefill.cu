@@ -11,7 +11,8 @@
 // with f32 accumulators; the softmax is online in f32 (log2 units), and P is
 // rounded to 16 bits in registers, where the S accumulators already have the
 // layout of the A operand of P V. Blocks start from the last query tile, the
-// longest under a causal mask, so the short ones fill the tail (see the block order below).
+// longest under a causal mask, so the short ones fill the tail (prefill_common.cuh's block_tile,
+// which also holds the logits, the online softmax and the tile walk fattn_prefill_wgmma.cu shares).
 //
 // The loop is bound by instruction issue, not by the tensor cores, so the common
 // tile (whole, f16/bf16 aligned K/V, mask block all zero or no mask, no softcap)
