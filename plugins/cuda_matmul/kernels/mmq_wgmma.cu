@@ -23,10 +23,12 @@
 // rows its own products read, so no barrier is needed before), waits for its copies, and after one barrier issues
 // the copies into the stages t - 1 freed. The tensor cores are never drained inside the loop: t + 1's products
 // queue behind t's. Dequantization: quant.cuh's load_unit for every format (8 values a unit, v = code * d + m in
-// f32, rounded to bf16, into the A stages), but q4_0 and q8_0 (RS), whose values go from the raw stage straight
-// into the A fragments in registers (wgmma's A-from-registers form: no A stage written or read, which halves the
-// shared memory traffic a K tile), two K tiles' fragments in turn: q4_0's nibbles to bf16 by their bits, bf16x2
-// arithmetic; q8_0's codes to f32 by their bits, one fma each, the A stage's bf16 exactly.
+// f32, rounded to bf16, into the A stages), but q4_0, q8_0 and q4_K (RS), whose values go from the raw stage
+// straight into the A fragments in registers (wgmma's A-from-registers form: no A stage written or read, which
+// halves the shared memory traffic a K tile), two K tiles' fragments in turn: q4_0's nibbles to bf16 by their
+// bits, bf16x2 arithmetic (d rounded to bf16 first); q8_0's codes to f32 by their bits, one fma each; q4_K's
+// nibbles to f32 by their bits, the A stage's fmaf(q, d * sc, -(dmin * min)) each. q8_0's and q4_K's fragments
+// hold the A stage's bf16 values bit for bit.
 // Split K: the raw K tiles of a row are cut in `splits` contiguous slices, one block each (a grid of few output
 // tiles still fills the GPU), and mq::finish (mmq's) writes the sums or the slices' ordered sum: deterministic.
 //
@@ -169,11 +171,83 @@ __device__ __forceinline__ void q8_0_frags(const u8* raw, int kt, int r0, int t,
     }
 }
 
+// The 4-bit field at bits P .. P + 3 of w as a float, exactly: under the exponent of 2^(23 - P), whose mantissa
+// bit P counts units, the field reads 2^(23 - P) + q, and the subtraction of 2^(23 - P) is exact. One lop3 (mask
+// and exponent) and one add; static_cast<float>(q) would be an I2F, a quarter of the rate.
+template <int P>
+__device__ __forceinline__ float field4(unsigned w) {
+    constexpr unsigned E = (127u + 23u - P) << 23;
+    return __fsub_rn(__uint_as_float((w & (0xfu << P)) | E), __uint_as_float(E));
+}
+
+// A small integer (a byte, bits 8 .. 31 clear) as a float, exactly, as field4.
+__device__ __forceinline__ float small_f32(unsigned x) {
+    return __fsub_rn(__uint_as_float(x | 0x4b000000u), 8388608.0f);
+}
+
+// q4_K and q5_K's sub-blocks 2c and 2c + 1 of the super-block at blk (16-byte aligned): their scales s0, s1 and
+// negated mins m0, m1 as K4::scale and load_unit make them (d * sc and -(dmin * min), one f32 product each, both
+// exact: 11 by 6 bits). The six-bit fields as ggml's get_scale_min_k4 (scale_min_k4), two at a time and without a
+// branch (c is the block's, but a branch made the compiler duplicate the whole fragment build): with hi = c / 2,
+// each field is the low 4 bits of one scale byte and the 2 bits above them from another, shifted by 2 hi; c < 2:
+// the scales are bytes SC + 2c, + 1 (all 6 bits), the mins SC + 4 + 2c, + 1; c >= 2: the low bits of both in
+// bytes SC + 4 + 2c, + 1 (the mins' in the high nibbles), the top bits in bits 6, 7 of SC + 2c - 4 (scales) and
+// SC + 2c (mins).
+template <class F>
+__device__ __forceinline__ void k4_scales(const u8* blk, int c, float& s0, float& m0, float& s1, float& m1) {
+    const unsigned dd = *reinterpret_cast<const unsigned*>(blk + F::D);
+    const float d = od::f16_to_f32(static_cast<unsigned short>(dd & 0xffffu));
+    const float dmin = od::f16_to_f32(static_cast<unsigned short>(dd >> 16));
+    const int hi = c >> 1;
+    const u8* const sb = blk + F::SC + 2 * c;
+    const unsigned sc_lo = od::ld16(sb + 4 * hi), sc_top = od::ld16(sb - 4 * hi) >> (2 * hi);
+    const unsigned mn_lo = od::ld16(sb + 4) >> (4 * hi), mn_top = od::ld16(sb + 4 - 4 * hi) >> (2 * hi);
+    const unsigned sc = (sc_lo & 0x0f0fu) | (sc_top & 0x3030u), mn = (mn_lo & 0x0f0fu) | (mn_top & 0x3030u);
+    s0 = __fmul_rn(d, small_f32(sc & 0xffu));
+    s1 = __fmul_rn(d, small_f32(sc >> 8));
+    m0 = -__fmul_rn(dmin, small_f32(mn & 0xffu));
+    m1 = -__fmul_rn(dmin, small_f32(mn >> 8));
+}
+
+// q4_K's A fragments for 64-value K tile kt straight from its raw K tile (one super-block a row, 16-byte aligned):
+// the K tile is sub-blocks 2c and 2c + 1 (c = kt % SUBS), the low and the high nibbles of qs bytes 32c .. 32c +
+// 31, so this lane's 16-bit loads at 32c + 16 j + 8 i + 2t (j, i = 0, 1) give k16 step j's codes (low nibbles,
+// register 2i + h) and step j + 2's (high nibbles), rows r0 and r0 + 8 (h). Each value is fmaf(q, s, m) of the
+// exact float q (field4), rounded to bf16: dequant_tile's value bit for bit (load_unit's c, d, m are the same
+// floats), NaN and the sign of zero included. 3 operations a value (lop3, add, fma) and a cvt a pair. q4_0's
+// bf16x2 arithmetic (q * s - m in one fma.rn.bf16x2, 1.5 operations a value) would round s and m to bf16 first:
+// on ggml-quantized Gaussian weights, where the min cancels most of q * s, that took the GEMM's NMSE against
+// the f32 weights from 5.5e-6 to 3.0e-5 (numpy, 512 x 2048 x 256), the GPU test's bound; random blocks 8.4e-6.
+template <int WT>
+__device__ __forceinline__ void q4_K_frags(const u8* raw, int kt, int r0, int t, unsigned (&a)[4][4]) {
+    using F = mm::Fmt<WT>;
+    using T = mq::Tile<F, RAW_KB>;
+    static_assert(F::QK == RAW_KB * 32 && T::ALIGNED && T::RS % 16 == 0, "a raw K tile is one aligned super-block");
+    const int c = kt % SUBS;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u8* const blk = raw + (r0 + 8 * h) * T::RS;
+        float s0, m0, s1, m1;
+        k4_scales<F>(blk, c, s0, m0, s1, m1);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const unsigned w = od::ld16(blk + F::QS + 32 * c + 16 * j + 8 * i + 2 * t);
+                a[j][2 * i + h] = bf16x2(fmaf(field4<0>(w), s0, m0), fmaf(field4<8>(w), s0, m0));
+                a[j + 2][2 * i + h] = bf16x2(fmaf(field4<4>(w), s1, m1), fmaf(field4<12>(w), s1, m1));
+            }
+        }
+    }
+}
+
 // This K tile's A fragments, for the formats that take them from registers (RS).
 template <int WT>
 __device__ __forceinline__ void frags(const u8* raw, int kt, int r0, int t, unsigned (&a)[4][4]) {
     if constexpr (WT == W_Q8_0) {
         q8_0_frags<WT>(raw, kt, r0, t, a);
+    } else if constexpr (WT == W_Q4_K) {
+        q4_K_frags<WT>(raw, kt, r0, t, a);
     } else {
         q4_0_frags<WT>(raw, kt, r0, t, a);
     }
@@ -272,9 +346,9 @@ __global__ void __launch_bounds__(mw::THREADS, 1)
     od::cp_async_commit();
     od::cp_async_wait<0>();
     __syncthreads();
-    // q4_0 and q8_0 (RS): the weights' fragments go from the raw stage into registers, two K tiles' worth (f0, f1)
-    // in turn; the other formats through the A stages
-    constexpr bool RS = WT == W_Q4_0 || WT == W_Q8_0;
+    // q4_0, q8_0 and q4_K (RS): the weights' fragments go from the raw stage into registers, two K tiles' worth
+    // (f0, f1) in turn; the other formats through the A stages
+    constexpr bool RS = WT == W_Q4_0 || WT == W_Q8_0 || WT == W_Q4_K;
     const int frow = wg * 64 + ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2), ft = tid & 3;  // this lane's row g, t
     unsigned f0[4][4], f1[4][4];
     if constexpr (RS) {
