@@ -23,12 +23,13 @@
 // rows its own products read, so no barrier is needed before), waits for its copies, and after one barrier issues
 // the copies into the stages t - 1 freed. The tensor cores are never drained inside the loop: t + 1's products
 // queue behind t's. Dequantization: quant.cuh's load_unit for every format (8 values a unit, v = code * d + m in
-// f32, rounded to bf16, into the A stages), but q4_0, q8_0 and q4_K (RS), whose values go from the raw stage
+// f32, rounded to bf16, into the A stages), but q4_0, q8_0, q4_K and q5_K (RS), whose values go from the raw stage
 // straight into the A fragments in registers (wgmma's A-from-registers form: no A stage written or read, which
 // halves the shared memory traffic a K tile), two K tiles' fragments in turn: q4_0's nibbles to bf16 by their
-// bits, bf16x2 arithmetic (d rounded to bf16 first); q8_0's codes to f32 by their bits, one fma each; q4_K's
-// nibbles to f32 by their bits, the A stage's fmaf(q, d * sc, -(dmin * min)) each. q8_0's and q4_K's fragments
-// hold the A stage's bf16 values bit for bit.
+// bits, bf16x2 arithmetic (d rounded to bf16 first); q8_0's codes to f32 by their bits, one fma each; the K-quants'
+// codes to f32 by their bits (masked into the mantissa of a power of two, which is then subtracted), then the A
+// stage's own f32 operation, fmaf(q, d * sc, -(dmin * min)). q8_0's and the K-quants' fragments hold the A stage's
+// bf16 values bit for bit (q8_0: but for an infinite d).
 // Split K: the raw K tiles of a row are cut in `splits` contiguous slices, one block each (a grid of few output
 // tiles still fills the GPU), and mq::finish (mmq's) writes the sums or the slices' ordered sum: deterministic.
 //
@@ -171,16 +172,17 @@ __device__ __forceinline__ void q8_0_frags(const u8* raw, int kt, int r0, int t,
     }
 }
 
-// The 4-bit field at bits P .. P + 3 of w as a float, exactly: under the exponent of 2^(23 - P), whose mantissa
-// bit P counts units, the field reads 2^(23 - P) + q, and the subtraction of 2^(23 - P) is exact. One lop3 (mask
-// and exponent) and one add; static_cast<float>(q) would be an I2F, a quarter of the rate.
-template <int P>
-__device__ __forceinline__ float field4(unsigned w) {
+// The BITS-bit field at bits P .. P + BITS - 1 of w as a float, exactly: under the exponent of 2^(23 - P), whose
+// mantissa bit P counts units, the field reads 2^(23 - P) + q, and the subtraction of 2^(23 - P) is exact. One lop3
+// (mask and exponent) and one add; static_cast<float>(q) would be an I2F, a quarter of the rate.
+template <int P, int BITS = 4>
+__device__ __forceinline__ float field(unsigned w) {
+    static_assert(P + BITS <= 23, "the field lies in the mantissa");
     constexpr unsigned E = (127u + 23u - P) << 23;
-    return __fsub_rn(__uint_as_float((w & (0xfu << P)) | E), __uint_as_float(E));
+    return __fsub_rn(__uint_as_float((w & (((1u << BITS) - 1u) << P)) | E), __uint_as_float(E));
 }
 
-// A small integer (a byte, bits 8 .. 31 clear) as a float, exactly, as field4.
+// A small integer (a byte, bits 8 .. 31 clear) as a float, exactly, as field.
 __device__ __forceinline__ float small_f32(unsigned x) {
     return __fsub_rn(__uint_as_float(x | 0x4b000000u), 8388608.0f);
 }
@@ -213,7 +215,7 @@ __device__ __forceinline__ void k4_scales(const u8* blk, int c, float& s0, float
 // the K tile is sub-blocks 2c and 2c + 1 (c = kt % SUBS), the low and the high nibbles of qs bytes 32c .. 32c +
 // 31, so this lane's 16-bit loads at 32c + 16 j + 8 i + 2t (j, i = 0, 1) give k16 step j's codes (low nibbles,
 // register 2i + h) and step j + 2's (high nibbles), rows r0 and r0 + 8 (h). Each value is fmaf(q, s, m) of the
-// exact float q (field4), rounded to bf16: dequant_tile's value bit for bit (load_unit's c, d, m are the same
+// exact float q (field), rounded to bf16: dequant_tile's value bit for bit (load_unit's c, d, m are the same
 // floats), NaN and the sign of zero included. 3 operations a value (lop3, add, fma) and a cvt a pair. q4_0's
 // bf16x2 arithmetic (q * s - m in one fma.rn.bf16x2, 1.5 operations a value) would round s and m to bf16 first:
 // on ggml-quantized Gaussian weights, where the min cancels most of q * s, that took the GEMM's NMSE against
@@ -234,8 +236,42 @@ __device__ __forceinline__ void q4_K_frags(const u8* raw, int kt, int r0, int t,
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 const unsigned w = od::ld16(blk + F::QS + 32 * c + 16 * j + 8 * i + 2 * t);
-                a[j][2 * i + h] = bf16x2(fmaf(field4<0>(w), s0, m0), fmaf(field4<8>(w), s0, m0));
-                a[j + 2][2 * i + h] = bf16x2(fmaf(field4<4>(w), s1, m1), fmaf(field4<12>(w), s1, m1));
+                a[j][2 * i + h] = bf16x2(fmaf(field<0>(w), s0, m0), fmaf(field<8>(w), s0, m0));
+                a[j + 2][2 * i + h] = bf16x2(fmaf(field<4>(w), s1, m1), fmaf(field<12>(w), s1, m1));
+            }
+        }
+    }
+}
+
+// q5_K's, as q4_K's: the same nibbles (qs at 48), each with its fifth bit, bit 2c (low nibbles) or 2c + 1 (high)
+// of qh byte l for qs byte 32c + l (a 16-bit load at the same l), moved above it by rotating the qh pair: bit 2c of
+// its bytes to bits 4 and 12 (the low nibbles' 5-bit fields at bits 0 .. 4 and 8 .. 12), bit 2c + 1 to bits 8 and
+// 16 (the high nibbles' at 4 .. 8 and 12 .. 16); the bits the rotations bring elsewhere lie outside the fields. The
+// values as q4_K's: dequant_tile's bit for bit.
+template <int WT>
+__device__ __forceinline__ void q5_K_frags(const u8* raw, int kt, int r0, int t, unsigned (&a)[4][4]) {
+    using F = mm::Fmt<WT>;
+    using T = mq::Tile<F, RAW_KB>;
+    static_assert(F::QK == RAW_KB * 32 && T::ALIGNED && T::RS % 16 == 0, "a raw K tile is one aligned super-block");
+    const int c = kt % SUBS;
+    const int rot_lo = (2 * c - 4) & 31, rot_hi = (2 * c - 7) & 31;  // right rotations: bit 2c to 4, 2c + 1 to 8
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u8* const blk = raw + (r0 + 8 * h) * T::RS;
+        float s0, m0, s1, m1;
+        k4_scales<F>(blk, c, s0, m0, s1, m1);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int l = 16 * j + 8 * i + 2 * t;
+                const unsigned w = od::ld16(blk + F::QS + 32 * c + l), qh = od::ld16(blk + F::QH + l);
+                // one lop3 each: the nibbles where the mask is set, the rotated qh elsewhere (bits outside the fields
+                // are never read)
+                const unsigned lo = (w & 0x0f0fu) | (__funnelshift_r(qh, qh, rot_lo) & ~0x0f0fu);  // 0 .. 4, 8 .. 12
+                const unsigned hi = (w & 0xf0f0u) | (__funnelshift_r(qh, qh, rot_hi) & ~0xf0f0u);  // 4 .. 8, 12 .. 16
+                a[j][2 * i + h] = bf16x2(fmaf(field<0, 5>(lo), s0, m0), fmaf(field<8, 5>(lo), s0, m0));
+                a[j + 2][2 * i + h] = bf16x2(fmaf(field<4, 5>(hi), s1, m1), fmaf(field<12, 5>(hi), s1, m1));
             }
         }
     }
@@ -248,6 +284,8 @@ __device__ __forceinline__ void frags(const u8* raw, int kt, int r0, int t, unsi
         q8_0_frags<WT>(raw, kt, r0, t, a);
     } else if constexpr (WT == W_Q4_K) {
         q4_K_frags<WT>(raw, kt, r0, t, a);
+    } else if constexpr (WT == W_Q5_K) {
+        q5_K_frags<WT>(raw, kt, r0, t, a);
     } else {
         q4_0_frags<WT>(raw, kt, r0, t, a);
     }
@@ -346,9 +384,9 @@ __global__ void __launch_bounds__(mw::THREADS, 1)
     od::cp_async_commit();
     od::cp_async_wait<0>();
     __syncthreads();
-    // q4_0, q8_0 and q4_K (RS): the weights' fragments go from the raw stage into registers, two K tiles' worth
-    // (f0, f1) in turn; the other formats through the A stages
-    constexpr bool RS = WT == W_Q4_0 || WT == W_Q8_0 || WT == W_Q4_K;
+    // q4_0, q8_0, q4_K and q5_K (RS): the weights' fragments go from the raw stage into registers, two K tiles'
+    // worth (f0, f1) in turn; the other formats through the A stages
+    constexpr bool RS = WT == W_Q4_0 || WT == W_Q8_0 || WT == W_Q4_K || WT == W_Q5_K;
     const int frow = wg * 64 + ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2), ft = tid & 3;  // this lane's row g, t
     unsigned f0[4][4], f1[4][4];
     if constexpr (RS) {
