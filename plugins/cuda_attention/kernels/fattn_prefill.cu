@@ -52,16 +52,7 @@ __device__ __forceinline__ void load_tile_full(unsigned short* dst, const char* 
 
 template <int D, typename KT>
 __global__ void __launch_bounds__(128, 2) fattn_prefill(
-    const char* __restrict__ q, const char* __restrict__ k, const char* __restrict__ v,
-    const char* __restrict__ mask, const float* __restrict__ sinks, float* __restrict__ out,
-    const unsigned char* __restrict__ flags,
-    int q_f16, int tq, int hq, int tk, int group,
-    long long qs_t, long long qs_h, long long qs_b,
-    long long ks_t, long long ks_h, long long ks_b,
-    long long vs_t, long long vs_h, long long vs_b,
-    int m2, int m3, long long ms_t, long long ms_h, long long ms_b,
-    float scale, float softcap, int use_alibi, float m0, float m1, int n_head_log2,
-    int kv_vec, int n_kv_tiles) {
+    PREFILL_PARAMS) {
     using namespace od_attn;
     constexpr bool BF = od::same_v<KT, bf16>;
     constexpr int MT = D > 128 ? 1 : 2;  // m16 tiles a warp

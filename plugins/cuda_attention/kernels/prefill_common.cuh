@@ -7,6 +7,18 @@
 
 #include "attn_common.cuh"
 
+// Both prefill kernels' parameters (specs/flash.py's PrefillArgs): q, K, V, the f16 mask and sinks (null: none),
+// the f32 output, the mask tile flags; sizes; strides in bytes (t rows, h heads, b batches; the mask's slices by
+// modulo m2, m3); scale, softcap, ALiBi; kv_vec (K/V rows 16-byte aligned) and the key tiles.
+#define PREFILL_PARAMS                                                                                      \
+    const char* __restrict__ q, const char* __restrict__ k, const char* __restrict__ v,                    \
+        const char* __restrict__ mask, const float* __restrict__ sinks, float* __restrict__ out,         \
+        const unsigned char* __restrict__ flags, int q_f16, int tq, int hq, int tk, int group,           \
+        long long qs_t, long long qs_h, long long qs_b, long long ks_t, long long ks_h, long long ks_b,  \
+        long long vs_t, long long vs_h, long long vs_b, int m2, int m3, long long ms_t, long long ms_h,  \
+        long long ms_b, float scale, float softcap, int use_alibi, float m0, float m1, int n_head_log2,  \
+        int kv_vec, int n_kv_tiles
+
 namespace od_prefill {
 
 using od_attn::LOG2E;
