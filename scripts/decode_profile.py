@@ -1,12 +1,15 @@
-"""The 1b preset's greedy decode step, kernel by kernel, on a GPU: what moved between two commits, where a step goes.
+"""The 1b preset's greedy decode step (or its 512-token prefill), kernel by kernel, on a GPU: what moved between two
+commits, where a step goes.
 
-    python3 scripts/decode_profile.py run LABEL [--batch B] DTYPE...   one run: writes $OUT (or /tmp)/prof-LABEL.json
+    python3 scripts/decode_profile.py run LABEL [--batch B | --prefill] DTYPE...   one run: writes $OUT (or /tmp)/prof-LABEL.json
     python3 scripts/decode_profile.py table [DIR]          every prof-*.json of DIR side by side
 
 A run builds the model (random weights in their stored format: opdispatch.models.llama.stored, of the checkout
 installed now; DTYPE a dtype or a file type such as Q4_K_M), prefills 512 tokens in each of B sequences (1 unless
 --batch), and times
-`Generator.step(1, 512, batch=B, greedy=True)`'s plan (a token for each sequence): its device time (3 medians of 15
+`Generator.step(1, 512, batch=B, greedy=True)`'s plan (a token for each sequence); with --prefill, the plan of one
+sequence's 512-token prefill instead (`Generator.step(512, 0, logits="last")`, as benchmarks/test_bench_model.py
+times it). Either plan: its device time (3 medians of 15
 rounds of 20 replays) and, through torch.profiler (CUPTI), each kernel's duration summed over 50 replays, by
 kernel name without its parameter list (so that a kernel whose parameters changed still lines up). With
 programmatic dependent launch on (the default) a kernel's duration includes its wait for the one before;
@@ -51,7 +54,7 @@ def added_by_kernel(events: Sequence[dict], replays: int) -> dict[str, list[floa
     return added
 
 
-def run(label: str, dtypes: list[str], batch: int = 1) -> None:
+def run(label: str, dtypes: list[str], batch: int = 1, prefill: bool = False) -> None:
     sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
     import attrs
     import numpy as np
@@ -70,10 +73,15 @@ def run(label: str, dtypes: list[str], batch: int = 1) -> None:
         cfg = attrs.evolve(PRESETS["1b"], dtype=matrix_dtype(dt), max_ctx=MAX_CTX)
         model = LlamaModel(cfg, random_params(cfg, weights=dt), max_seqs=MAX_SEQS, stack_qkv=True)
         gen = Generator(model, "cuda0", batch=batch)
-        gen.forward_batch(np.random.default_rng(1).integers(0, cfg.vocab, (batch, CTX)).tolist(), last=True)
-        gen.decode_greedy([5] * batch, 8)  # binds the step plan and captures its CUDA graph
-        gen.lengths[:batch] = [CTX] * batch
-        plan, _ = gen.step(1, CTX, batch=batch, greedy=True)
+        if prefill:  # the same tokens every replay: each rewrites the cache rows 0 .. CTX - 1 alike
+            plan, inp = gen.step(CTX, 0, batch=1, logits="last")
+            plan.run(inp.feeds_batch(np.random.default_rng(3).integers(0, cfg.vocab, (1, CTX)).tolist(), [0]),
+                     copy=False)
+        else:
+            gen.forward_batch(np.random.default_rng(1).integers(0, cfg.vocab, (batch, CTX)).tolist(), last=True)
+            gen.decode_greedy([5] * batch, 8)  # binds the step plan and captures its CUDA graph
+            gen.lengths[:batch] = [CTX] * batch
+            plan, _ = gen.step(1, CTX, batch=batch, greedy=True)
         device = [device_seconds(plan.launch, plan.synchronize, reps=20, rounds=15) * 1e6 for _ in range(3)]
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(REPS):
@@ -130,7 +138,9 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     if len(args) >= 4 and args[0] == "run" and args[2] == "--batch" and args[3].isdigit():
         run(args[1], args[4:], int(args[3]))
-    elif len(args) >= 3 and args[0] == "run" and args[2] != "--batch":
+    elif len(args) >= 4 and args[0] == "run" and args[2] == "--prefill":
+        run(args[1], args[3:], prefill=True)
+    elif len(args) >= 3 and args[0] == "run" and not args[2].startswith("--"):
         run(args[1], args[2:])
     elif len(args) in (1, 2) and args[0] == "table":
         table(args[1] if len(args) == 2 else os.environ.get("OUT", "/tmp"))
