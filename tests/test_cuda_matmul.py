@@ -2450,10 +2450,13 @@ WGMMA_SHAPES = (((77, 2048), (129, 2048)), ((200, 4096), (300, 4096)), ((61, 143
 
 @gpu
 @pytest.mark.usefixtures("wgmma_selected")
+@pytest.mark.parametrize("tile", mmq_wgmma.TILES, ids=lambda t: f"n{t.bn}")
 @pytest.mark.parametrize("dt", specs.QUANT_NAMES)
-def test_mmq_wgmma(dt: str, rng) -> None:  # noqa: ANN001
-    """mmq_wgmma for every block format at WGMMA_SHAPES, three runs of the plan (warm-up, CUDA-graph capture,
-    replay), its arenas poisoned before each (so every output element must be written), against the reference."""
+def test_mmq_wgmma(dt: str, tile, rng, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """mmq_wgmma for every block format and tile at WGMMA_SHAPES, three runs of the plan (warm-up, CUDA-graph
+    capture, replay), its arenas poisoned before each (so every output element must be written), against the
+    reference."""
+    monkeypatch.setattr(mmq_wgmma, "tile_for", lambda n: tile)
     for a_shape, b_shape in WGMMA_SHAPES:
         y = ops.mul_mat(od.input("a", a_shape, dt), od.input("b", b_shape))
         plan = od.compile(y, "cuda0")
@@ -2467,11 +2470,26 @@ def test_mmq_wgmma(dt: str, rng) -> None:  # noqa: ANN001
             assert_close(got, ref, f"mmq_wgmma a={dt} {a_shape} b={b_shape}, run {run}", WGMMA_NMSE)
 
 
+@pytest.mark.parametrize(("n", "bn"), [(9, 128), (256, 128), (300, 128), (384, 128), (512, 256), (640, 128),
+                                       (768, 256), (2048, 256)])
+def test_mmq_wgmma_tile_for(n: int, bn: int) -> None:
+    """The wide tile above 256 columns where it pads no more columns than the narrow one."""
+    assert mmq_wgmma.tile_for(n).bn == bn
+
+
+def test_mmq_wgmma_tiles_fit_the_h200() -> None:
+    """Every format's instance of either tile fits the H200's shared memory (the RS formats hold no A stages)."""
+    facts = stream.device_facts(H200)
+    assert all(mmq_wgmma.wgmma_smem(dt, t) <= facts.smem_per_block_optin
+               for dt in mmq_wgmma.WGMMA_FORMATS for t in mmq_wgmma.TILES)
+    assert mmq_wgmma.wgmma_smem("q8_0", mmq_wgmma.WIDE) == 4 * 256 * 64 * 2 + 1024 + 2 * 128 * mmq.row_stride("q8_0", 8)
+
+
 @pytest.mark.usefixtures("wgmma_selected")
 def test_mmq_wgmma_specs() -> None:
-    """b converted to bf16 rows, then one block per 128 x 128 output tile, batch and K slice (here 6 tiles and 4
-    batches, 24 blocks, leave the H200's 132 SMs room for 2 slices of the 2 raw K tiles), the weights' strides and
-    the broadcast ratio passed as they are, the scratch of split K."""
+    """b converted to bf16 rows, then one block per 128 x 128 output tile (300 columns: the narrow tile), batch and
+    K slice (here 6 tiles and 4 batches, 24 blocks, leave the H200's 132 SMs room for 2 slices of the 2 raw K
+    tiles), the weights' strides and the broadcast ratio passed as they are, the scratch of split K."""
     y = ops.mul_mat(od.input("a", (2, 200, 512), "q4_K"), od.input("b", (4, 300, 512)))
     assert support.choose(y).path == "mmq_wgmma"
     bufs = {}
@@ -2485,11 +2503,23 @@ def test_mmq_wgmma_specs() -> None:
     assert bufs["b"] == (4 * 300 * 512 * 2, False)
     assert bufs["mmq_wgmma partial sums"] == (2 * 4 * 300 * 200 * 4, False)
     assert bufs["mmq_wgmma split counters"] == (4 * 2 * 3 * 4, True)
-    assert main.kernel == "mmq_wgmma<W_Q4_K>" and main.grid == (2 * 2 * 3, 4, 1) and main.block == 256
+    assert main.kernel == "mmq_wgmma<W_Q4_K, 2, 128>" and main.grid == (2 * 2 * 3, 4, 1) and main.block == 256
     a = main.args
     assert (a.M, a.K, a.N, a.tiles_m, a.tiles_n, a.splits, a.r2, a.r3) == (200, 512, 300, 2, 3, 2, 2, 1)
     assert a.a_row == 512 // 256 * 144 and a.a_s2 == 200 * a.a_row
-    assert main.smem == 2 * 128 * 64 * 2 + 4 * 128 * 64 * 2 + 1024 + 2 * 128 * mmq.row_stride("q4_K", 8)
+    assert main.smem == 4 * 128 * 64 * 2 + 1024 + 2 * 128 * mmq.row_stride("q4_K", 8)  # q4_K: no A stages
+
+
+@pytest.mark.usefixtures("wgmma_selected")
+def test_mmq_wgmma_specs_wide() -> None:
+    """512 columns take the wide tile: 256 threads a block of 128 weight rows x 256 columns, b's stages twice as
+    large; an A-stage format (q4_1) holds its 2 stages."""
+    y = ops.mul_mat(od.input("a", (4096, 4096), "q4_1"), od.input("b", (512, 4096)))
+    assert support.choose(y, H200).path == "mmq_wgmma"
+    conv, main = mmq_wgmma.wgmma_specs(y, lambda t: 1 << 20, lambda role, nbytes, zeroed=False: 1 << 21, H200)
+    assert main.kernel == "mmq_wgmma<W_Q4_1, 2, 256>" and main.block == 256
+    assert (main.args.tiles_m, main.args.tiles_n) == (32, 2)
+    assert main.smem == 2 * 128 * 64 * 2 + 4 * 256 * 64 * 2 + 1024 + 2 * 128 * mmq.row_stride("q4_1", 8)
 
 
 @pytest.mark.parametrize(("tiles", "k", "splits"), [(128, 14336, 1), (64, 8192, 2), (16, 2048, 8), (16, 512, 2),

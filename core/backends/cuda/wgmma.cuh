@@ -63,7 +63,8 @@ __device__ __forceinline__ void fence_regs(unsigned (&f)[R][C]) {
     }
 }
 
-// The accumulator registers of m64n64 (32) and m64n128 (64): asm operand lists (outputs 0 ..) and their text.
+// The accumulator registers of m64n64 (32), m64n128 (64) and m64n256 (128): asm operand lists (outputs 0 ..) and
+// their text.
 #define OD_WG_ACC32_TXT \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -80,6 +81,21 @@ __device__ __forceinline__ void fence_regs(unsigned (&f)[R][C]) {
     "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
     "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
     "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+#define OD_WG_ACC128_TXT OD_WG_ACC64_TXT ", " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define OD_WG_ACC128_OUTS(d) OD_WG_ACC64_OUTS(d), \
+    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+    "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+    "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
 // d (64 x N f32) = A (64 x 16, descriptor da) * B (N x 16 K-major, db)^T + (acc ? d : 0): ss<N, BF>, 16-bit
 // inputs (bf16 if BF, else f16); acc 0 starts a sum without the accumulators being written by other
@@ -121,6 +137,8 @@ OD_WG_RS(64, "f16", false, 1, OD_WG_ACC32_TXT, OD_WG_ACC32_OUTS, 32, 33, 34, 35,
 OD_WG_RS(128, "bf16", true, 0, OD_WG_ACC64_TXT, OD_WG_ACC64_OUTS, 64, 65, 66, 67, 68)
 OD_WG_RS(128, "bf16", true, 1, OD_WG_ACC64_TXT, OD_WG_ACC64_OUTS, 64, 65, 66, 67, 68)
 OD_WG_RS(128, "f16", false, 1, OD_WG_ACC64_TXT, OD_WG_ACC64_OUTS, 64, 65, 66, 67, 68)
+OD_WG_SS(256, "bf16", true, OD_WG_ACC128_TXT, OD_WG_ACC128_OUTS, 128, 129, 130)
+OD_WG_RS(256, "bf16", true, 0, OD_WG_ACC128_TXT, OD_WG_ACC128_OUTS, 128, 129, 130, 131, 132)
 
 #undef OD_WG_SS
 #undef OD_WG_RS
@@ -128,5 +146,7 @@ OD_WG_RS(128, "f16", false, 1, OD_WG_ACC64_TXT, OD_WG_ACC64_OUTS, 64, 65, 66, 67
 #undef OD_WG_ACC64_TXT
 #undef OD_WG_ACC32_OUTS
 #undef OD_WG_ACC64_OUTS
+#undef OD_WG_ACC128_TXT
+#undef OD_WG_ACC128_OUTS
 
 }  // namespace od::wg

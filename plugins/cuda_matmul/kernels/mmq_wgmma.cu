@@ -8,11 +8,14 @@
 // back dequantized. wgmma needs the sm_90a target: the first line of this file makes kernels.py (and the compile
 // test) build it so; support.mmq_wgmma_ok takes compute capability 9.0 only.
 //
-// A block is 256 threads, two warpgroups: BM = 128 weight rows (64 a warpgroup, one m64n128k16 accumulator of
-// 64 floats a thread), BN = 128 columns, K tiles of BK = 64 values. Shared memory:
-//   A    2 stages of BM x BK bf16 (16 KB), written by the block's dequantization (st.shared, then
+// A block is WGS warpgroups of 128 threads (Tiling; launched with 2): BM = 64 WGS weight rows (64 a warpgroup,
+// one m64nBNk16 accumulator of BN / 2 floats a thread), BN = 128 or 256 columns, K tiles of BK = 64 values. The
+// wider tile halves the dequantization a product (its A fragments serve 256 columns) and the weight reads from L2:
+// on the H200 at 512 columns it took 0.71-0.81x the narrow tile's time (4096 x 14336 and 14336 x 4096, q4_0 and
+// q4_K; specs/mmq_wgmma.py's tile_for says when it is used). Shared memory:
+//   A    2 stages of BM x BK bf16 (BM * 128 bytes), written by the block's dequantization (st.shared, then
 //        fence.proxy.async so that the tensor cores see it);
-//   B    4 stages of BN x BK bf16 (16 KB), cp.async three K tiles ahead;
+//   B    4 stages of BN x BK bf16 (BN * 128 bytes), cp.async three K tiles ahead;
 //   raw  2 stages of the weights' raw blocks: mmq's K tile of 256 values (Tile<Q, 8>: each row's covering
 //        16-byte granules, cp.async), 4 of this kernel's K tiles, issued two raw tiles ahead.
 // A and B are K-major in the 128-byte swizzle wgmma reads (row r's 16-byte chunk c at r * 128 + (c ^ (r % 8)) *
@@ -46,9 +49,18 @@ namespace wg = od::wg;
 
 using mm::u8;
 
-constexpr int BM = 128, BN = 128, BK = 64, THREADS = 256;
-constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
-constexpr int A_STAGES = 2, B_STAGES = 4, RAW_STAGES = 2;
+// 4 stages of b: step kt's cp_async_wait<1> leaves the copies of step kt - 1 in flight, so b's K tile kt + 1 is
+// issued three steps ahead
+constexpr int BK = 64, A_STAGES = 2, B_STAGES = 4, RAW_STAGES = 2;
+
+// A block's tile: WGS warpgroups of 128 threads, BM = 64 WGS weight rows (64 a warpgroup), BN columns (one
+// m64nBNk16 accumulator of BN / 2 floats a thread).
+template <int WGS, int BN_>
+struct Tiling {
+    static constexpr int BM = 64 * WGS, BN = BN_, THREADS = 128 * WGS;
+    static constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
+    static_assert(BN == 128 || BN == 256, "one m64n128 or m64n256 accumulator a warpgroup");
+};
 // The raw weights are staged in mmq's K tiles of RAW_KB K steps (256 values: a super-block, or 8 blocks of 32),
 // SUBS of this kernel's K tiles each.
 constexpr int RAW_KB = 8, SUBS = RAW_KB * 32 / BK;
@@ -328,6 +340,12 @@ __device__ __forceinline__ void q6_K_frags(const u8* raw, int kt, int r0, int t,
     }
 }
 
+// The formats whose A fragments come from registers (RS): no A stages (specs/mmq_wgmma.py's RS_FORMATS).
+template <int WT>
+constexpr bool rs_format() {
+    return WT == W_Q4_0 || WT == W_Q8_0 || WT == W_Q4_K || WT == W_Q5_K || WT == W_Q6_K;
+}
+
 // This K tile's A fragments, for the formats that take them from registers (RS).
 template <int WT>
 __device__ __forceinline__ void frags(const u8* raw, int kt, int r0, int t, unsigned (&a)[4][4]) {
@@ -347,7 +365,7 @@ __device__ __forceinline__ void frags(const u8* raw, int kt, int r0, int t, unsi
 // Raw K tile rt (256 values, fewer at the end of a row) of weight rows m0 .. m0 + BM - 1 (clamped to M - 1) into
 // the raw stage `st`: the 16-byte granules covering each row's blocks (mmq's issue_a); returns nothing, the
 // blocks start lead(rt) bytes into each row.
-template <int WT>
+template <int WT, class TL>
 __device__ __forceinline__ void issue_raw(u8* st, const u8* wa, long long a_row, int m0, int M, int nb, int rt,
                                           int tid) {
     using F = mm::Fmt<WT>;
@@ -356,19 +374,25 @@ __device__ __forceinline__ void issue_raw(u8* st, const u8* wa, long long a_row,
     const int lead = raw_lead<WT>(rt);
     const int at = j0 / T::STEPS * F::BYTES - lead;
     const int wg = (lead + kb / T::STEPS * F::BYTES + (T::ALIGNED ? 0 : 15)) / 16;
-    for (od::Walk w(tid, THREADS, wg); w.row < BM; w.next()) {
+    for (od::Walk w(tid, TL::THREADS, wg); w.row < TL::BM; w.next()) {
         const u8* src = wa + static_cast<long long>(min(m0 + w.row, M - 1)) * a_row + at + 16 * w.col;
         od::cp_async16(od::smem_addr(st + w.row * T::RS + 16 * w.col), src);
     }
 }
 
 // K tile kt of b's columns n0 .. n0 + BN - 1 (clamped to N - 1; b bf16 rows of K values, column n of this batch
-// at row brow0 + n) into the B stage at shared address sb: 4 cp.async of 16 bytes a thread.
+// at row brow0 + n) into the B stage at shared address sb: BN * BK / 8 cp.async of 16 bytes, a thread's every
+// THREADS-th.
+template <class TL>
 __device__ __forceinline__ void load_b(unsigned sb, const u8* b, long long brow0, int n0, int N, int K, int kt,
                                        int tid) {
+    constexpr int CHUNKS = TL::BN * BK / 8;
 #pragma unroll
-    for (int i = 0; i < BN * BK / 8 / THREADS; ++i) {
-        const int c = tid + i * THREADS;
+    for (int i = 0; i < (CHUNKS + TL::THREADS - 1) / TL::THREADS; ++i) {
+        const int c = tid + i * TL::THREADS;
+        if (CHUNKS % TL::THREADS != 0 && c >= CHUNKS) {
+            break;
+        }
         const int r = c >> 3, ch = c & 7;
         const long long row = brow0 + min(n0 + r, N - 1);
         od::cp_async16(sb + swz(r, ch), b + (row * K + kt * BK + ch * 8) * 2);
@@ -383,22 +407,27 @@ __device__ __forceinline__ void load_b(unsigned sb, const u8* b, long long brow0
 // contiguous slices, one block each (split K, as mmq: a grid of few output tiles still fills the GPU); with
 // splits > 1, part holds splits * B3 * B2 * N * M floats and counters B3 * B2 * tiles_m * tiles_n ints (zero
 // before the launch, and again after it), and mq::finish adds the slices in order. Grid (tiles_m * splits *
-// tiles_n, B2, B3), the column tile fastest (the blocks reading the same weights run together); 256 threads;
-// dynamic shared memory specs/mmq_wgmma.py's wgmma_smem: A_STAGES * A_BYTES + B_STAGES * B_BYTES (1024-byte
-// aligned), then RAW_STAGES raw stages of BM rows of Tile<Q, RAW_KB>::RS bytes.
-template <int WT>
-__global__ void __launch_bounds__(mw::THREADS, 1)
+// tiles_n, B2, B3), the column tile fastest (the blocks reading the same weights run together); 128 WGS threads;
+// dynamic shared memory specs/mmq_wgmma.py's wgmma_smem: A_STAGES * A_BYTES (none for the RS formats) +
+// B_STAGES * B_BYTES (1024-byte aligned), then RAW_STAGES raw stages of BM rows of Tile<Q, RAW_KB>::RS bytes.
+template <int WT, int WGS, int BN>
+__global__ void __launch_bounds__(128 * WGS, 1)
     mmq_wgmma(const mm::u8* a, long long a_row, long long a_s2, long long a_s3, int r2, int r3, const mm::u8* b,
               float* out, int M, int K, int N, int tiles_m, int tiles_n, int splits, float* part, int* counters) {
     od::grid_enter();
     using namespace mw;
+    using TL = Tiling<WGS, BN>;
+    constexpr int BM = TL::BM, THREADS = TL::THREADS;
+    constexpr unsigned A_BYTES = TL::A_BYTES, B_BYTES = TL::B_BYTES;
     using T = mq::Tile<mm::Fmt<WT>, RAW_KB>;
     constexpr int RAW_BYTES = BM * T::RS;
+    constexpr bool RS = rs_format<WT>();
+    constexpr int A_STAGES_HELD = RS ? 0 : A_STAGES;  // RS formats write no A stage
     extern __shared__ uint4 smem_u4[];
     u8* const smem = reinterpret_cast<u8*>(smem_u4);
     const unsigned pad = ((od::smem_addr(smem) + 1023u) & ~1023u) - od::smem_addr(smem);
-    const unsigned sA = od::smem_addr(smem) + pad, sB = sA + A_STAGES * A_BYTES;
-    u8* const raw = smem + pad + A_STAGES * A_BYTES + B_STAGES * B_BYTES;
+    const unsigned sA = od::smem_addr(smem) + pad, sB = sA + A_STAGES_HELD * A_BYTES;
+    u8* const raw = smem + pad + A_STAGES_HELD * A_BYTES + B_STAGES * B_BYTES;
 
     const int tid = threadIdx.x;
     const int tn = static_cast<int>(blockIdx.x % tiles_n);
@@ -418,20 +447,20 @@ __global__ void __launch_bounds__(mw::THREADS, 1)
     auto raw_stage = [&](int r) { return raw + (r % RAW_STAGES) * RAW_BYTES; };
     auto raw_of = [&](int kt) { return raw_stage(kt / SUBS) + raw_lead<WT>(rt0 + kt / SUBS); };
 
-    float d[64];
+    float d[BN / 2];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) {
+    for (int i = 0; i < BN / 2; ++i) {
         d[i] = 0.0f;
     }
     // ahead of the loop: raw K tiles 0 and 1, b's K tiles 0 .. B_STAGES - 2, K tile 0 dequantized
-    issue_raw<WT>(raw_stage(0), wa, a_row, m0, M, nb, rt0, tid);
+    issue_raw<WT, TL>(raw_stage(0), wa, a_row, m0, M, nb, rt0, tid);
     if (nraw > 1) {
-        issue_raw<WT>(raw_stage(1), wa, a_row, m0, M, nb, rt0 + 1, tid);
+        issue_raw<WT, TL>(raw_stage(1), wa, a_row, m0, M, nb, rt0 + 1, tid);
     }
 #pragma unroll
     for (int s = 0; s < B_STAGES - 1; ++s) {
         if (s < nk) {
-            load_b(sB + s * B_BYTES, b, brow0, n0, N, K, kt0 + s, tid);
+            load_b<TL>(sB + s * B_BYTES, b, brow0, n0, N, K, kt0 + s, tid);
         }
     }
     od::cp_async_commit();
@@ -439,7 +468,6 @@ __global__ void __launch_bounds__(mw::THREADS, 1)
     __syncthreads();
     // q4_0, q8_0, q4_K, q5_K and q6_K (RS): the weights' fragments go from the raw stage into registers, two K
     // tiles' worth (f0, f1) in turn; the other formats through the A stages
-    constexpr bool RS = WT == W_Q4_0 || WT == W_Q8_0 || WT == W_Q4_K || WT == W_Q5_K || WT == W_Q6_K;
     const int frow = wg * 64 + ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2), ft = tid & 3;  // this lane's row g, t
     unsigned f0[4][4], f1[4][4];
     if constexpr (RS) {
@@ -485,11 +513,11 @@ __global__ void __launch_bounds__(mw::THREADS, 1)
         // copies into the stages K tile kt - 1 held: b's K tile kt + B_STAGES - 1; a raw K tile whose last K tile
         // (kt + 1) was just dequantized frees its stage for the raw K tile two ahead
         if (kt + B_STAGES - 1 < nk) {
-            load_b(sB + ((kt + B_STAGES - 1) % B_STAGES) * B_BYTES, b, brow0, n0, N, K, kt0 + kt + B_STAGES - 1,
+            load_b<TL>(sB + ((kt + B_STAGES - 1) % B_STAGES) * B_BYTES, b, brow0, n0, N, K, kt0 + kt + B_STAGES - 1,
                    tid);
         }
         if ((kt + 1) % SUBS == SUBS - 1 && (kt + 1) / SUBS + 2 < nraw) {
-            issue_raw<WT>(raw_stage((kt + 1) / SUBS + 2), wa, a_row, m0, M, nb, rt0 + (kt + 1) / SUBS + 2, tid);
+            issue_raw<WT, TL>(raw_stage((kt + 1) / SUBS + 2), wa, a_row, m0, M, nb, rt0 + (kt + 1) / SUBS + 2, tid);
         }
         od::cp_async_commit();
     };

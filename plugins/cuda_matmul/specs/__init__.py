@@ -158,10 +158,6 @@ def mmq_id_name(wt: str, tile: Sequence[int]) -> str:
     return instance("mmq_id", W_KIND[wt], *tile)
 
 
-def mmq_wgmma_name(wt: str) -> str:
-    return instance("mmq_wgmma", W_KIND[wt])
-
-
 def mmvq_id_name(wt: str, epi: str) -> str:
     return instance("mmvq_id", W_KIND[wt], epi)
 

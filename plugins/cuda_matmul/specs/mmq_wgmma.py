@@ -8,30 +8,74 @@ import math
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, i32, i64, ptr
+from opdispatch.backends.cuda.args import KernelArgs, i32, i64, instance, ptr
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
 
-from . import MMQ_WGMMA_CU, QUANT_NAMES, Ptr, Scratch, geometry, mmq_wgmma_name
+from . import MMQ_WGMMA_CU, QUANT_NAMES, W_KIND, Ptr, Scratch, geometry
 from .gemm import conversion
 from .mmq import row_stride
 from .stream import device_facts
 
-#: the block's tile (mmq_wgmma.cu's mw::BM, BN, BK) and threads (two warpgroups)
-BM, BN, BK, THREADS = 128, 128, 64, 256
+#: the K tile (mmq_wgmma.cu's mw::BK)
+BK = 64
 #: the raw weights' K tile in K steps of 32 (mw::RAW_KB: mmq's Tile<Q, 8>) and its stages (mw::RAW_STAGES)
 RAW_KB, RAW_STAGES = 8, 2
 #: the formats it takes: every block format (quant.cuh's load_unit decodes each)
 WGMMA_FORMATS = QUANT_NAMES
+#: the formats whose A fragments are built in registers straight from the raw stage (mmq_wgmma.cu's rs_format):
+#: they hold no A stages
+RS_FORMATS = ("q4_0", "q8_0", "q4_K", "q5_K", "q6_K")
 
 
-def wgmma_smem(dt: str) -> int:
-    """Dynamic shared memory of a block for format dt: 2 stages of the dequantized weights (BM x BK bf16), 4 of b
-    (BN x BK bf16), the slack that aligns them to 1024 bytes (the 128-byte swizzle's period), then the raw stages
-    (BM rows of mmq's K tile of RAW_KB steps)."""
-    return 2 * BM * BK * 2 + 4 * BN * BK * 2 + 1024 + RAW_STAGES * BM * row_stride(dt, RAW_KB)
-NAMES: tuple[str, ...] = tuple(mmq_wgmma_name(dt) for dt in WGMMA_FORMATS)
+
+
+@attrs.frozen
+class WgmmaTile:
+    """A block's tile (mmq_wgmma.cu's Tiling): `warpgroups` of 128 threads, 64 weight rows each (bm rows); `bn`
+    columns, one m64n{bn} accumulator a warpgroup (128 or 256)."""
+
+    warpgroups: int = 2
+    bn: int = 128
+
+    @property
+    def bm(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+
+#: the narrow and the wide tile (tile_for picks one); the compile test builds both for every format. Two
+#: warpgroups: three (192 rows) were slower at 512 columns on the H200 but for 4160 x 4096 at 300 columns.
+NARROW, WIDE = WgmmaTile(2, 128), WgmmaTile(2, 256)
+TILES: tuple[WgmmaTile, ...] = (NARROW, WIDE)
+
+
+def tile_for(n: int) -> WgmmaTile:
+    """The tile of a launch of n columns: WIDE above 256 columns where its column tiles pad no more columns than
+    NARROW's (ceil(n / 128) even), else NARROW. On the H200 (2026-12-04, q4_0 and q4_K) WIDE took 0.69-0.81x
+    NARROW's time at 512 and 2048 columns of 4096 x 14336 and 14336 x 4096 weights and 1.03x at 4096 x 4096
+    (64 tiles a wave short); at 300 columns (512 padded against 384) 1.25x, at 128 1.77x."""
+    return WIDE if n > 256 and math.ceil(n / 128) % 2 == 0 else NARROW
+
+
+def instance_name(dt: str, tile: WgmmaTile) -> str:
+    return instance("mmq_wgmma", W_KIND[dt], tile.warpgroups, tile.bn)
+
+
+def wgmma_smem(dt: str, tile: WgmmaTile) -> int:
+    """Dynamic shared memory of a block for format dt and `tile`: 2 stages of the dequantized weights (bm x BK
+    bf16; none for RS_FORMATS), 4 of b (bn x BK bf16), the slack that aligns them to 1024 bytes (the 128-byte
+    swizzle's period), then the raw stages (bm rows of mmq's K tile of RAW_KB steps)."""
+    a_stages = 0 if dt in RS_FORMATS else 2
+    return (a_stages * tile.bm * BK * 2 + 4 * tile.bn * BK * 2 + 1024
+            + RAW_STAGES * tile.bm * row_stride(dt, RAW_KB))
+
+
+NAMES: tuple[str, ...] = tuple(instance_name(dt, t) for dt in WGMMA_FORMATS for t in TILES)
 
 
 @attrs.frozen
@@ -72,7 +116,8 @@ def wgmma_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
     a, b = node.srcs
     (a3, a2, m, k), (sa3, sa2, sa1, _) = geometry(a)
     (b3, b2, n, _), _ = geometry(b)
-    tiles_m, tiles_n = math.ceil(m / BM), math.ceil(n / BN)
+    tile = tile_for(n)
+    tiles_m, tiles_n = math.ceil(m / tile.bm), math.ceil(n / tile.bn)
     splits = wgmma_splits(tiles_m * tiles_n * b2 * b3, k, device)
     part = counters = 0
     if splits > 1:
@@ -82,5 +127,5 @@ def wgmma_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
     args = MmqWgmmaArgs(a=ptr(a), a_row=sa1, a_s2=sa2, a_s3=sa3, r2=b2 // a2, r3=b3 // a3, b=bf, out=ptr(node), M=m,
                         K=k, N=n, tiles_m=tiles_m, tiles_n=tiles_n, splits=splits, part=part, counters=counters)
     return [conversion(b, "bf16", ptr(b), bf),
-            KernelSpec(MMQ_WGMMA_CU, mmq_wgmma_name(a.dtype.name), (tiles_m * splits * tiles_n, b2, b3), THREADS,
-                       args, smem=wgmma_smem(a.dtype.name))]
+            KernelSpec(MMQ_WGMMA_CU, instance_name(a.dtype.name, tile), (tiles_m * splits * tiles_n, b2, b3),
+                       tile.threads, args, smem=wgmma_smem(a.dtype.name, tile))]
