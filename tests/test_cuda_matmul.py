@@ -108,7 +108,9 @@ PATH_CASES = [
     ("q4_0", (64, 4096), (33, 4096), "mmq"),
     ("q8_0", (77, 256), (16, 256), "mmq_small"),
     ("q8_0", (4096, 4096), (16, 4096), "mmq_small"),
-    ("q8_0", (2, 64, 14336), (2, 128, 14336), "mmq"),
+    ("q8_0", (2, 64, 14336), (2, 64, 14336), "mmq"),
+    ("q8_0", (2, 64, 14336), (2, 65, 14336), "mmq_wgmma"),  # N >= support.MMQ_WGMMA_MIN_N (q8_0 selected)
+    ("q4_0", (64, 4096), (128, 4096), "mmq_wgmma"),
     ("q8_0", (2, 64, 14336), (2, 512, 14336), "mmq_wgmma"),  # N > support.MMQ_MAX_N
     ("q4_K", (2, 64, 14336), (2, 512, 14336), "dequant_cublas"),  # N > support.MMQ_MAX_N (mmq_wgmma unselected)
     ("q4_1", (64, 128), (16, 128), "mmq_small"),
@@ -201,6 +203,7 @@ def mmq_any_n(monkeypatch: pytest.MonkeyPatch) -> None:
     """mmq takes every column count above the mat-vecs' (the default stops at support.MMQ_MAX_N, and gives
     9 .. support.MMQ_SMALL_MAX_N columns to mmq_small)."""
     monkeypatch.setattr(support, "MMQ_MAX_N", 2**31)
+    monkeypatch.setattr(support, "MMQ_WGMMA_MIN_N", 2**31)  # mmq_wgmma only where mmq declines
     monkeypatch.setattr(support, "MMQ_SMALL_MAX_N", support.MMV_MAX_N)
 
 
@@ -1070,6 +1073,7 @@ def select_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     monkeypatch.setattr(support, "MMF_MIN_N", support.MMV_MAX_N + 1)
     if path == "mmq":
         monkeypatch.setattr(support, "MMQ_MAX_N", 2**31)
+        monkeypatch.setattr(support, "MMQ_WGMMA_MIN_N", 2**31)  # mmq_wgmma only where mmq declines
         monkeypatch.setattr(support, "MMQ_SMALL_MAX_N", support.MMV_MAX_N)
     elif path == "mmq_small":
         monkeypatch.setattr(support, "MMQ_SMALL_MIN_N", support.MMV_MAX_N + 1)
@@ -1439,6 +1443,7 @@ def force_a8(monkeypatch: pytest.MonkeyPatch, cfg: mmq.MmqConfig) -> None:
     above 64 columns in both tables: split in 2 slices up to 128, as given above (mmq_id: for more than
     specs/mmq_id.SMALL_MEAN pairs an expert)."""
     monkeypatch.setattr(support, "MMQ_MAX_N", 2**31)
+    monkeypatch.setattr(support, "MMQ_WGMMA_MIN_N", 2**31)  # mmq_wgmma only where mmq declines
     monkeypatch.setattr(support, "MMQ_SMALL_MAX_N", support.MMV_MAX_N)
     for name in ("TABLE", "TABLE_K"):
         few = tuple(e for e in getattr(mmq, name) if e[0] <= 64)
@@ -2321,13 +2326,14 @@ def test_subscaled_mul_mat_path(dt: str, n: int, wgmma: bool, monkeypatch: pytes
         else:
             gemm = dt in mmq.MMQ_FORMATS  # the grid I-quants have no quantized GEMM
             wide = "mmq_wgmma" if wgmma and whole and k % mmq_wgmma.BK == 0 else "dequant_cublas"
-            big = "mmq" if gemm and whole and n <= support.MMQ_MAX_N else wide
+            wgmma_first = wide == "mmq_wgmma" and n >= support.MMQ_WGMMA_MIN_N  # mmq_wgmma is faster there
+            big = "mmq" if gemm and whole and n <= support.MMQ_MAX_N and not wgmma_first else wide
             small_gemm = support.MMQ_SMALL_MIN_N <= n <= support.MMQ_SMALL_MAX_N
             big = "mmq_small" if big == "mmq" and small_gemm else big
             assert (step.plugin, step.kernel) == ("cuda_matmul", big), (k, n)
             over = f"N={n} > {support.MMQ_MAX_N}: mmq_wgmma or dequant_cublas is faster there"
-            want = f"{dt} has no quantized GEMM" if not gemm else True if big in ("mmq", "mmq_small") else \
-                over if n > support.MMQ_MAX_N else why
+            want = f"{dt} has no quantized GEMM" if not gemm else over if n > support.MMQ_MAX_N else \
+                True if whole else why
             assert support.mmq_ok(y, H200) == want
 
 

@@ -178,6 +178,7 @@ def mmq_any_n(monkeypatch: pytest.MonkeyPatch) -> None:
     support.MMQ_MAX_N, and gives 9 .. support.MMQ_SMALL_MAX_N columns to mmq_small), so that every TABLE entry
     is reached."""
     monkeypatch.setattr(support, "MMQ_MAX_N", 2**31)
+    monkeypatch.setattr(support, "MMQ_WGMMA_MIN_N", 2**31)  # mmq_wgmma only where mmq declines
     monkeypatch.setattr(support, "MMQ_SMALL_MAX_N", support.MMV_MAX_N)
 
 

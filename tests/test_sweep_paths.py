@@ -57,9 +57,10 @@ def _gemm(dt: str, n: int) -> str:
     """The path of mul_mat at n > 8 columns on rows of whole chunks (K a multiple of 64 in every case here)."""
     if dt in MMQ_FORMATS and support.MMQ_SMALL_MIN_N <= n <= support.MMQ_SMALL_MAX_N:
         return "mmq_small"
-    if dt in MMQ_FORMATS and n <= support.MMQ_MAX_N:
+    wgmma = dt in support.MMQ_WGMMA_TYPES
+    if dt in MMQ_FORMATS and n <= support.MMQ_MAX_N and not (wgmma and n >= support.MMQ_WGMMA_MIN_N):
         return "mmq"
-    return "mmq_wgmma" if dt in support.MMQ_WGMMA_TYPES else "dequant_cublas"
+    return "mmq_wgmma" if wgmma else "dequant_cublas"
 
 
 def test_weight_formats_are_those_the_kernels_read() -> None:

@@ -54,6 +54,10 @@ MMQ_SMALL_MAX_N = 32
 #: the A stages: q8_0 4096 x 14336 270 us, q4_K 333 us, where dequant_cublas took 266 and 212; the Q4_K_M prefill
 #: 8.65 ms against 5.15). The GPU tests select every format.
 MMQ_WGMMA_TYPES: tuple[str, ...] = ("q4_0", "q8_0")
+#: from this many columns mmq_wgmma takes the products of MMQ_WGMMA_TYPES that mmq would: on the H200
+#: (2026-12-04, .ab-style sweep, q4_0 / q8_0 / q4_K at 4096 x 14336, 14336 x 4096, 2048 x 8192, 8192 x 2048) it
+#: took 0.33-0.55x mmq's time at 96 and 128 columns, 0.55-1.02x at 64 and 0.56-1.14x at 48
+MMQ_WGMMA_MIN_N = 65
 #: most experts the routing kernel of mmv_id_grouped and mmq_id takes (shared memory: 2 ints an expert)
 ROUTE_MAX_EXPERTS = 4096
 #: mul_mat_id with several tokens takes mmq_id (the quantized GEMM) where it has more than this many (token,
@@ -297,12 +301,12 @@ def choose(node: Tensor, device: Device | None = None) -> Choice:
         if quant and not small:
             if mmq_small_ok(node, device) is True:
                 return Choice("mmq_small")
-            ok = mmq_ok(node, device)
-            if ok is True:
+            ok, wg = mmq_ok(node, device), mmq_wgmma_ok(node, device)
+            if ok is True and (wg is not True or batch_n(node) < MMQ_WGMMA_MIN_N):
                 return Choice("mmq")
-            wg = mmq_wgmma_ok(node, device)
             if wg is True:
-                return Choice("mmq_wgmma", note=f"mmq: {ok}")
+                why = ok if ok is not True else f"mmq_wgmma is faster from N={MMQ_WGMMA_MIN_N}"
+                return Choice("mmq_wgmma", note=f"mmq: {why}")
             return Choice("dequant_cublas", note=f"mmq: {ok}; mmq_wgmma: {wg}")
         if not quant and MMF_MIN_N <= batch_n(node) <= MMF_MAX_N and mmf_ok(node, device) is True:
             return Choice("mmf")
