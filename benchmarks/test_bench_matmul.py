@@ -232,7 +232,7 @@ def test_mmq(measure, measure_cold, torch_cuda, dt: str, n: int) -> None:  # noq
     else:
         va = rand(M, K)
         y = ops.mul_mat(od.param("a", va, dt), x)
-        # the path the table gives (above support.MMQ_MAX_N columns mmq_wgmma for support.MMQ_WGMMA_TYPES, else
+        # the path the table gives (from support.MMQ_WGMMA_MIN_N columns mmq_wgmma for support.MMQ_WGMMA_TYPES, else
         # dequant_cublas), against torch bf16
         plan = ready(y, {x: vx}, MATMUL, ops=MATMUL_OPS, kernel=support.choose(y).path)
         ta = torch.from_numpy(va).to("cuda", torch.bfloat16)

@@ -32,9 +32,10 @@ MMV_MAX_N = 8
 MMF_MIN_N = 9
 #: most columns mmf takes (the kernel's two 8-column tiles); more go to cuBLAS
 MMF_MAX_N = 16
-#: most columns mmq takes (every format); more go to mmq_wgmma (compute capability 9.0) or dequant_cublas. On the
-#: H200 (q4_0 / q8_0, 4096 x 14336 weights) mmq was 4.3x faster than dequant_cublas at 16 columns, 1.09x / 1.30x
-#: at 128 and 0.48x / 0.57x at 512 (docs/benchmarks.md); the sub-scaled formats are not yet measured
+#: most columns mmq takes (every format; MMQ_WGMMA_MIN_N bounds it lower for MMQ_WGMMA_TYPES); more go to
+#: mmq_wgmma (compute capability 9.0) or dequant_cublas. On the H200 (q4_0 / q8_0, 4096 x 14336 weights) mmq was
+#: 4.3x faster than dequant_cublas at 16 columns, 1.09x / 1.30x at 128 and 0.48x / 0.57x at 512
+#: (docs/benchmarks.md)
 MMQ_MAX_N = 128
 #: mmq_small (the quantized GEMM whose warps stream their own weight rows) is compiled for up to
 #: MMQ_SMALL_MAX_N columns (specs/mmq_small.SMALL_NTS) and takes MMQ_SMALL_MIN_N.. of them where mmq_small_ok
@@ -52,10 +53,12 @@ MMQ_SMALL_MAX_N = 32
 #: format; q4_0 (its weights straight into wgmma's register fragments) is faster than dequant_cublas: 4096 x 14336
 #: 178.6 us against 224.1, the 1b preset's 512-token prefill 5.10 ms against 5.41. The others are not yet (through
 #: the A stages: q8_0 4096 x 14336 270 us, q4_K 333 us, where dequant_cublas took 266 and 212; the Q4_K_M prefill
-#: 8.65 ms against 5.15). The GPU tests select every format.
+#: 8.65 ms against 5.15). The GPU tests select every format. Session 27 (the wide tile, register fragments for the
+#: K-quants): test_mmq[q4_K-512] 177.4 us against dequant_cublas's 205.3, but the Q4_K_M prefill 5.06 ms against
+#: 4.75, so the K-quants stay off.
 MMQ_WGMMA_TYPES: tuple[str, ...] = ("q4_0", "q8_0")
 #: from this many columns mmq_wgmma takes the products of MMQ_WGMMA_TYPES that mmq would: on the H200
-#: (2026-12-04, .ab-style sweep, q4_0 / q8_0 / q4_K at 4096 x 14336, 14336 x 4096, 2048 x 8192, 8192 x 2048) it
+#: (2026-12-04, one process, q4_0 / q8_0 / q4_K at 4096 x 14336, 14336 x 4096, 2048 x 8192, 8192 x 2048) it
 #: took 0.33-0.55x mmq's time at 96 and 128 columns, 0.55-1.02x at 64 and 0.56-1.14x at 48
 MMQ_WGMMA_MIN_N = 65
 #: most experts the routing kernel of mmv_id_grouped and mmq_id takes (shared memory: 2 ints an expert)

@@ -342,9 +342,7 @@ __device__ __forceinline__ void q6_K_frags(const u8* raw, int kt, int r0, int t,
 
 // The formats whose A fragments come from registers (RS): no A stages (specs/mmq_wgmma.py's RS_FORMATS).
 template <int WT>
-constexpr bool rs_format() {
-    return WT == W_Q4_0 || WT == W_Q8_0 || WT == W_Q4_K || WT == W_Q5_K || WT == W_Q6_K;
-}
+constexpr bool RS_FORMAT = WT == W_Q4_0 || WT == W_Q8_0 || WT == W_Q4_K || WT == W_Q5_K || WT == W_Q6_K;
 
 // This K tile's A fragments, for the formats that take them from registers (RS).
 template <int WT>
@@ -421,7 +419,7 @@ __global__ void __launch_bounds__(128 * WGS, 1)
     constexpr unsigned A_BYTES = TL::A_BYTES, B_BYTES = TL::B_BYTES;
     using T = mq::Tile<mm::Fmt<WT>, RAW_KB>;
     constexpr int RAW_BYTES = BM * T::RS;
-    constexpr bool RS = rs_format<WT>();
+    constexpr bool RS = RS_FORMAT<WT>;
     constexpr int A_STAGES_HELD = RS ? 0 : A_STAGES;  // RS formats write no A stage
     extern __shared__ uint4 smem_u4[];
     u8* const smem = reinterpret_cast<u8*>(smem_u4);

@@ -24,7 +24,7 @@ BK = 64
 RAW_KB, RAW_STAGES = 8, 2
 #: the formats it takes: every block format (quant.cuh's load_unit decodes each)
 WGMMA_FORMATS = QUANT_NAMES
-#: the formats whose A fragments are built in registers straight from the raw stage (mmq_wgmma.cu's rs_format):
+#: the formats whose A fragments are built in registers straight from the raw stage (mmq_wgmma.cu's RS_FORMAT):
 #: they hold no A stages
 RS_FORMATS = ("q4_0", "q8_0", "q4_K", "q5_K", "q6_K")
 
