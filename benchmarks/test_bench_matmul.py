@@ -21,6 +21,8 @@
   2*M*N*K (the goal: no slower than torch's bf16 GEMM of the same shape, its time in extra_info["torch_us"]);
   and at the 1b preset's layer shapes, 16, 32, 64 and 128 columns, cold (batch-16 decode, the widest
   tiles of mmq_small and mmq).
+- mmq_wgmma against dequant_cublas for q4_K and q6_K (a Q4_K_M file's formats) at the 1b preset's layer shapes and
+  512 columns: the evidence for which formats support.MMQ_WGMMA_TYPES takes.
 
 The mat-vecs, mmf, gate/up and MoE are timed cold (conftest.measure_cold): one plan
 holds 32 or more instances taking several weight sets in turn (for MoE, sets of
@@ -262,6 +264,32 @@ def test_mmq_layers(measure_cold, torch_cuda, dt: str, shape: tuple, n: int) -> 
     tw = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(lay.sets)]
     tx = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
     measure_cold(plan, lay, nbytes, lambda i: torch.matmul(tx, tw[lay.of(i)].T))
+
+
+@pytest.mark.parametrize("shape", list(LAYER_SHAPES.values()), ids=list(LAYER_SHAPES))
+@pytest.mark.parametrize("dt", ["q4_K", "q6_K"])
+def test_wgmma_or_dequant_512(benchmark, torch_cuda, monkeypatch: pytest.MonkeyPatch, dt: str,  # noqa: ANN001
+                              shape: tuple) -> None:
+    """The evidence for support.MMQ_WGMMA_TYPES: a Q4_K_M file's formats at the 1b preset's layer shapes and 512
+    columns (its prefill), mmq_wgmma (dt selected) against dequant_cublas (dt not selected) and torch's bf16
+    matmul, timed in interleaved rounds: `us` mmq_wgmma's, `dequant_us`, `torch_us`."""
+    torch = torch_cuda
+    (M, K), N = shape, 512
+    va, vx = rand(M, K), rand(N, K)
+    plans = []
+    for types in ((*support.MMQ_WGMMA_TYPES, dt), tuple(t for t in support.MMQ_WGMMA_TYPES if t != dt)):
+        monkeypatch.setattr(support, "MMQ_WGMMA_TYPES", types)
+        plan_cache(manager()).plans.clear()  # the same graph shape: without this the first plan comes back
+        x = od.input("x", (N, K))
+        y = ops.mul_mat(od.param("a", va, dt), x)
+        plans.append(ready(y, {x: vx}, MATMUL, ops=MATMUL_OPS,
+                           kernel="mmq_wgmma" if dt in types else "dequant_cublas"))
+    ta, tx = (torch.from_numpy(v).to("cuda", torch.bfloat16) for v in (va, vx))
+    ours, dequant, theirs = interleaved_seconds([*((p.launch, p.synchronize) for p in plans),
+                                                 (lambda: torch.matmul(tx, ta.T), torch.cuda.synchronize)])
+    benchmark.extra_info.update({"us": ours * 1e6, "dequant_us": dequant * 1e6, "torch_us": theirs * 1e6,
+                                 "vs_dequant": ours / dequant, "TFLOP/s": 2 * M * N * K / ours / 1e12})
+    benchmark.pedantic(lambda: (plans[0].launch(), plans[0].synchronize()), rounds=5, iterations=1)
 
 
 @pytest.mark.parametrize("dt", ["q4_0", "q4_K"])
