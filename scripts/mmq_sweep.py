@@ -12,6 +12,10 @@
   choice, at 4096 x 14336 and 14336 x 4096 weights (--small-shapes), N = 9, 16, 24, 32 (--small-ns), formats q4_0, q8_0, q4_K
   (--small-formats); prints the best configuration per (format, N, shape), whether it beats mmq, and the one
   with the least time summed over formats and shapes per N.
+- mmq_wgmma: mmq's table configuration against mmq_wgmma's two tiles (specs/mmq_wgmma.NARROW, WIDE) at each
+  M x K of --wgmma-shapes (default the 4096 x 14336 pair and the 1b preset's 2048 x 8192 pair), each N of
+  --wgmma-ns (48 .. 2048) and format of --wgmma-formats (q4_0, q8_0, q4_K): the crossover support.MMQ_WGMMA_MIN_N
+  and tile_for encode; prints the best tile per (format, shape, N) against the path support.choose takes.
 - mmq_id: the MoE prefill shape (64 experts, 8 used, 2048 x 2048 experts, b one row a token) at T = 64 and 512
   tokens (--tokens): mmv_id_grouped and every configuration of specs/mmq_id.CANDIDATES (mmq_id_config's two
   among them), formats --id-formats (q4_0, q8_0, q4_K); prints the best per (format, T) against the path
@@ -22,13 +26,14 @@ model's are: PDL preload on), captured into a CUDA graph of several instances an
 most 64 columns (tokens) the weights are cold: the instances rotate over enough weight copies (>= 200 MB) that
 the 50 MB L2 holds none of them, as in a decode step. Each output is checked: every element written (poisoned
 with NaN first), rows 0..63 against a float64 numpy reference (NMSE < 5e-4), and the whole output against the
-first configuration of its group (NMSE < 1e-8: they differ only in f32 summation order). A configuration that
+first configuration of its group that rounds b the same way (NMSE < 1e-8: they differ only in f32 summation
+order; mmq's q8_1 and mmq_wgmma's bf16 meet only through the reference). A configuration that
 fails to compile, launch or verify is reported and the sweep goes on (a kernel fault that breaks the CUDA context
 fails the rest: the table says so). The instances compile first, in parallel processes (NVRTC; CuPy's disk
 cache then serves the main process).
 
     python3 -m pip install -q --no-deps --no-build-isolation -e .   # as scripts/gpu-check does
-    python3 scripts/mmq_sweep.py [--kernel mmq,mmq_small,mmq_id] [--formats q4_0,q8_0] [--ns 16,32,64,128,512]
+    python3 scripts/mmq_sweep.py [--kernel mmq,mmq_small,mmq_wgmma,mmq_id] [--formats q4_0,q8_0] [--ns 16,32,64,128,512]
         [--shapes 4096x14336]
 """
 
@@ -55,11 +60,11 @@ from opdispatch import ops  # noqa: E402
 from opdispatch.backends.cuda.args import UNCHECKED  # noqa: E402
 from opdispatch.backends.cuda.kernels import KernelSpec  # noqa: E402
 from opdispatch.plugins.cuda_matmul import support  # noqa: E402
-from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_id, mmq_small, mmv  # noqa: E402
+from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_id, mmq_small, mmq_wgmma, mmv  # noqa: E402
 from opdispatch.plugins.cuda_matmul.specs.stream import device_facts  # noqa: E402
 from opdispatch.tensor import Tensor  # noqa: E402
 
-KERNELS = ("mmq", "mmq_small", "mmq_id")
+KERNELS = ("mmq", "mmq_small", "mmq_wgmma", "mmq_id")
 MOE_EXPERTS, MOE_USED, MOE_M, MOE_K = 64, 8, 2048, 2048
 COPY_BW = 4.2e12  # bytes/s: the H200's measured device copy bandwidth (docs), the ceiling for the weights
 COLD_BYTES = 200 << 20  # weight copies a cold sweep rotates over: four times the 50 MB L2 at least
@@ -94,6 +99,11 @@ class Job:
     used: int = 0
 
     @property
+    def rounding(self) -> str:
+        """How the kernel rounds b: outputs of the same rounding agree but for summation order."""
+        return "bf16" if self.kernel == "mmq_wgmma" else "q8_1"
+
+    @property
     def group(self) -> tuple:
         """The jobs whose outputs must agree: same format, shape and columns."""
         return self.fmt, self.experts, self.m, self.k, self.n
@@ -113,6 +123,8 @@ class Job:
             return mmq_small.small_fits(node, None, self.cfg)
         if self.kernel == "mmq_id":
             return mmq_id.mmq_id_smem(self.fmt, self.cfg) <= device_facts(None).smem_per_block_optin
+        if self.kernel == "mmq_wgmma":
+            return mmq_wgmma.wgmma_smem(self.fmt, self.cfg) <= device_facts(None).smem_per_block_optin
         return True
 
     def specs(self, node: Tensor, ptr: Callable[[Tensor], int], scratch: Callable[..., int]) -> list[KernelSpec]:
@@ -124,6 +136,8 @@ class Job:
             specs = mmq_small.small_specs(node, ptr, scratch, None, self.cfg)
         elif self.kernel == "mmq_id":
             specs = mmq_id.mmq_id_specs(node, node, ptr, scratch, guard, cfg=self.cfg)
+        elif self.kernel == "mmq_wgmma":
+            specs = mmq_wgmma.wgmma_specs(node, ptr, scratch, None, self.cfg)
         else:
             specs = mmv.grouped_specs(node, node, ptr, scratch, guard)
         last = specs[-1]
@@ -155,6 +169,20 @@ def small_jobs(fmts: Sequence[str], ns: Sequence[int], shapes: Sequence[tuple[in
             for n in ns:
                 jobs.append(Job("mmq", fmt, m, k, n, mmq.mmq_config(fmt, n), True))
                 jobs += [Job("mmq_small", fmt, m, k, n, cfg) for cfg in mmq_small.SMALL_CANDIDATES]
+    return jobs
+
+
+def wgmma_jobs(fmts: Sequence[str], ns: Sequence[int], shapes: Sequence[tuple[int, int]]) -> list[Job]:
+    """mmq's table configuration, then mmq_wgmma's tiles, at each (M, K) of shapes; `table` marks the path (and
+    tile) support.choose takes, the format selected for mmq_wgmma as support.MMQ_WGMMA_TYPES says."""
+    jobs = []
+    for fmt in fmts:
+        for (m, k) in shapes:
+            for n in ns:
+                today = support.choose(Job("mmq", fmt, m, k, n).node()).path
+                jobs.append(Job("mmq", fmt, m, k, n, mmq.mmq_config(fmt, n), today == "mmq"))
+                jobs += [Job("mmq_wgmma", fmt, m, k, n, t, today == "mmq_wgmma" and t == mmq_wgmma.tile_for(n))
+                         for t in mmq_wgmma.TILES]
     return jobs
 
 
@@ -287,7 +315,7 @@ def run_group(cp: Any, bench: Bench, jobs: list[Job], rows: list[Row], rng: np.r
         ref = x64 @ dequant_rows(j0.fmt, cp.asnumpy(bench.weights[0][:REF_ROWS])).T
         shape = (j0.n, j0.m)
     outs = [cp.empty(shape, cp.float32) for _ in range(instances)]
-    first = None
+    firsts: dict[str, np.ndarray] = {}  # each rounding's first output
     for job in jobs:
         row = Row(job)
         rows.append(row)
@@ -304,8 +332,7 @@ def run_group(cp: Any, bench: Bench, jobs: list[Job], rows: list[Row], rng: np.r
             if not np.isfinite(got).all():
                 row.status = "UNWRITTEN/NaN"
             row.err = nmse(got[..., :REF_ROWS], ref)
-            first = got if first is None else first
-            row.same = nmse(got, first)
+            row.same = nmse(got, firsts.setdefault(job.rounding, got))
             if row.err > NMSE_REF or row.same > NMSE_SAME:
                 row.status = "WRONG"
             secs = seconds(replay, bench.stream.synchronize) / instances
@@ -399,6 +426,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--small-shapes", default="4096x14336,14336x4096", help="mmq_small's weights")
     ap.add_argument("--small-formats", default="q4_0,q8_0,q4_K")
     ap.add_argument("--small-ns", default="9,16,24,32")
+    ap.add_argument("--wgmma-formats", default="q4_0,q8_0,q4_K")
+    ap.add_argument("--wgmma-ns", default="48,64,96,128,300,512,2048")
+    ap.add_argument("--wgmma-shapes", default="4096x14336,14336x4096,2048x8192,8192x2048")
     ap.add_argument("--id-formats", default="q4_0,q8_0,q4_K")
     ap.add_argument("--tokens", default="64,512", help="mmq_id's tokens")
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
@@ -406,7 +436,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     kernels = args.kernel.split(",")
     bad = [k for k in kernels if k not in KERNELS] + [
-        f for opt in ("formats", "small_formats", "id_formats") for f in getattr(args, opt).split(",")
+        f for opt in ("formats", "small_formats", "wgmma_formats", "id_formats")
+        for f in getattr(args, opt).split(",")
         if f not in mmq.MMQ_FORMATS]
     if bad:
         ap.error(f"unknown kernel or format: {', '.join(bad)} (kernels: {', '.join(KERNELS)}; formats: "
@@ -421,6 +452,8 @@ def plan(args: argparse.Namespace) -> dict[str, list[Job]]:
     every = {"mmq": lambda: mmq_jobs(args.formats.split(","), ints(args.ns), shapes(args.shapes)),
              "mmq_small": lambda: small_jobs(args.small_formats.split(","), ints(args.small_ns),
                                              shapes(args.small_shapes)),
+             "mmq_wgmma": lambda: wgmma_jobs(args.wgmma_formats.split(","), ints(args.wgmma_ns),
+                                             shapes(args.wgmma_shapes)),
              "mmq_id": lambda: id_jobs(args.id_formats.split(","), ints(args.tokens))}
     return {k: every[k]() for k in args.kernel.split(",")}
 
@@ -489,6 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 mmq_total = sum(r.us for r in rows if r.job.n == n and r.job.kernel == "mmq")
                 if got:
                     print(f"  N={n:3}: {got[0]}  {got[1]:.1f} us summed, mmq's table {mmq_total:.1f} us")
+        elif kernel == "mmq_wgmma":
+            report_versus(rows, "mmq_wgmma", "N")
         else:
             report_versus(rows, "mmq_id", "T")
     print(f"total {time.perf_counter() - t_start:.1f} s")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_id, mmq_small
+from opdispatch.plugins.cuda_matmul import support
+from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_id, mmq_small, mmq_wgmma
 from opdispatch.plugins.cuda_matmul.specs.stream import device_facts
 
 from helpers import load_script
@@ -60,7 +61,8 @@ def test_the_jobs_are_the_brief(sweep) -> None:  # noqa: ANN001
 
 def test_every_job_builds_specs_within_the_h200(sweep) -> None:  # noqa: ANN001
     facts = device_facts(None)
-    jobs = [j for js in sweep.plan(sweep.parse_args(["--kernel", "mmq,mmq_small,mmq_id"])).values() for j in js]
+    jobs = [j for js in sweep.plan(sweep.parse_args(["--kernel", "mmq,mmq_small,mmq_wgmma,mmq_id"])).values()
+            for j in js]
     fitting = 0
     for job in jobs:
         if not job.fits(job.node()):
@@ -77,7 +79,8 @@ def test_every_job_builds_specs_within_the_h200(sweep) -> None:  # noqa: ANN001
         last = specs[-1]
         want = {"mmq": lambda: mmq.instance_name(job.fmt, job.cfg),
                 "mmq_small": lambda: mmq_small.small_name(job.fmt, mmq_small.small_nt(job.n), job.cfg),
-                "mmq_id": lambda: mmq_id.instance_name(job.fmt, job.cfg)}.get(job.kernel)
+                "mmq_id": lambda: mmq_id.instance_name(job.fmt, job.cfg),
+                "mmq_wgmma": lambda: mmq_wgmma.instance_name(job.fmt, job.cfg)}.get(job.kernel)
         if want is not None:
             assert last.kernel == want(), job
         if job.kernel in ("mmq", "mmq_small"):
@@ -86,3 +89,28 @@ def test_every_job_builds_specs_within_the_h200(sweep) -> None:  # noqa: ANN001
     # mmq_small's first guess and most candidates fit every shape of the sweep
     small = [j for j in jobs if j.kernel == "mmq_small"]
     assert all(j.fits(j.node()) for j in small if j.cfg == mmq_small.SMALL)
+
+
+def test_the_wgmma_jobs_bracket_the_crossover(sweep) -> None:  # noqa: ANN001
+    """mmq_wgmma: q4_0 / q8_0 / q4_K at the 4096 x 14336 and 2048 x 8192 pairs, N 48 .. 2048 (both sides of
+    support.MMQ_WGMMA_MIN_N and of tile_for's switch), mmq's table entry beside both tiles; the row marked as what
+    runs today is mmq below the crossover and the chosen tile above it for the selected formats, none where
+    dequant_cublas runs (q4_K above support.MMQ_MAX_N). Outputs compare within one rounding of b only."""
+    jobs = sweep.plan(sweep.parse_args(["--kernel", "mmq_wgmma"]))["mmq_wgmma"]
+    ns = {j.n for j in jobs}
+    assert min(ns) < support.MMQ_WGMMA_MIN_N <= max(ns) and {128, 512} <= ns
+    groups: dict[tuple, list] = {}
+    for j in jobs:
+        groups.setdefault(j.group, []).append(j)
+    assert len(groups) == 3 * 4 * len(ns)
+    for (fmt, _, m, k, n), members in groups.items():
+        assert [(j.kernel, j.cfg) for j in members] == [("mmq", mmq.mmq_config(fmt, n)),
+                                                        *(("mmq_wgmma", t) for t in mmq_wgmma.TILES)]
+        today = [(j.kernel, j.cfg) for j in members if j.table]
+        if fmt in support.MMQ_WGMMA_TYPES and n >= support.MMQ_WGMMA_MIN_N:
+            assert today == [("mmq_wgmma", mmq_wgmma.tile_for(n))]
+        elif n <= support.MMQ_MAX_N:
+            assert today == [("mmq", mmq.mmq_config(fmt, n))]
+        else:
+            assert today == []
+        assert {j.rounding for j in members} == {"q8_1", "bf16"}

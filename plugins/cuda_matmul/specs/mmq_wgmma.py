@@ -109,14 +109,15 @@ def wgmma_splits(tiles: int, k: int, device: Device | None) -> int:
     return max(1, min(device_facts(device).sm_count // max(tiles, 1), math.ceil(k / (RAW_KB * 32))))
 
 
-def wgmma_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None = None) -> list[KernelSpec]:
-    """b converted to contiguous bf16 rows in the scratch buffer "b", then mmq_wgmma, for mul_mat `node` (its path
-    mmq_wgmma) on `device` (None: an H200); split K also takes the scratch buffers of the partial sums and of the
-    tiles' counters (zeroed once: the kernel sets them back)."""
+def wgmma_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None = None,
+                tile: WgmmaTile | None = None) -> list[KernelSpec]:
+    """b converted to contiguous bf16 rows in the scratch buffer "b", then mmq_wgmma in `tile` (None: tile_for's),
+    for mul_mat `node` (its path mmq_wgmma) on `device` (None: an H200); split K also takes the scratch buffers of
+    the partial sums and of the tiles' counters (zeroed once: the kernel sets them back)."""
     a, b = node.srcs
     (a3, a2, m, k), (sa3, sa2, sa1, _) = geometry(a)
     (b3, b2, n, _), _ = geometry(b)
-    tile = tile_for(n)
+    tile = tile or tile_for(n)
     tiles_m, tiles_n = math.ceil(m / tile.bm), math.ceil(n / tile.bn)
     splits = wgmma_splits(tiles_m * tiles_n * b2 * b3, k, device)
     part = counters = 0
