@@ -18,14 +18,15 @@ from .gemm import conversion
 from .mmq import row_stride
 from .stream import device_facts
 
-#: the K tile (mmq_wgmma.cu's mw::BK)
+#: the K tile (kernels/mmq_frags.cuh's mw::BK)
 BK = 64
-#: the raw weights' K tile in K steps of 32 (mw::RAW_KB: mmq's Tile<Q, 8>) and its stages (mw::RAW_STAGES)
+#: the raw weights' K tile in K steps of 32 (mmq_frags.cuh's mw::RAW_KB: mmq's Tile<Q, 8>) and its stages
+#: (mmq_wgmma.cu's mw::RAW_STAGES)
 RAW_KB, RAW_STAGES = 8, 2
 #: the formats it takes: every block format (quant.cuh's load_unit decodes each)
 WGMMA_FORMATS = QUANT_NAMES
-#: the formats whose A fragments are built in registers straight from the raw stage (mmq_wgmma.cu's RS_FORMAT):
-#: they hold no A stages
+#: the formats whose A fragments are built in registers straight from the raw stage (mmq_frags.cuh's
+#: RS_FORMAT): they hold no A stages
 RS_FORMATS = ("q4_0", "q8_0", "q4_K", "q5_K", "q6_K")
 
 
