@@ -1,6 +1,7 @@
 // Host emulation of the CUDA subset that cuda_matmul's mmvq_stream.cu, mmq.cu and mmq_id.cu (with mmv.cu's
-// quantize_q8_1 and mmv_id.cu's moe_route), cuda_misc's row kernels, cuda_attention's fattn_decode.cu and the
-// shared headers (common.cuh, quant.cuh) use, for tests/test_mmvq_stream_emulated.py, tests/test_mmq_emulated.py,
+// quantize_q8_1 and mmv_id.cu's moe_route), mmq_wgmma's A-fragment builders (mmq_frags.cuh), cuda_misc's row
+// kernels, cuda_attention's fattn_decode.cu and the shared headers (common.cuh, quant.cuh) use, for
+// tests/test_mmvq_stream_emulated.py, tests/test_mmq_emulated.py, tests/test_mmq_frags_emulated.py,
 // tests/test_rows_emulated.py, tests/test_fattn_decode_emulated.py and tests/test_quant_header.py:
 // one std::thread per CUDA thread, std::barrier for __syncthreads / __syncwarp / shuffles, and
 // cp.async performed at wait_group time (lazy) or at issue (eager), so that a read of a stage
@@ -66,6 +67,11 @@ inline unsigned __funnelshift_rc(unsigned lo, unsigned hi, unsigned sh) {
     const unsigned long long v = ((unsigned long long)hi << 32) | lo;
     return (unsigned)(v >> sh);
 }
+// hi:lo shifted right by sh % 32 (wrap mode): a rotation when lo == hi (mmq_frags.cuh's q5_K)
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
+    const unsigned long long v = ((unsigned long long)hi << 32) | lo;
+    return (unsigned)(v >> (sh & 31u));
+}
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
@@ -84,6 +90,54 @@ inline unsigned emu_prmt(unsigned x, unsigned y, unsigned s) {
 }
 inline float emu_h2f(unsigned short h) { _Float16 v; memcpy(&v, &h, 2); return (float)v; }
 inline unsigned short emu_f2h(float f) { _Float16 v = (_Float16)f; unsigned short h; memcpy(&h, &v, 2); return h; }
+
+// bf16 (cuda_matmul's mmq_frags.cuh): cvt.rn.bf16x2.f32, fma.rn.bf16x2, mul.rn.bf16x2, each half rounded once to
+// nearest even from the exact result, subnormals kept (none of them has .ftz), a NaN result the canonical 0x7fff
+// (CUDA's own host conversion's NaN). The exact result is a double rounded to odd (a bf16 product is exact in
+// double, a sum is made exact by TwoSum), then a float rounded to odd, then the float rounded to bf16: rounding
+// to odd with at least 2 more bits than the target does not change the final round to nearest even.
+inline float emu_bf2f(unsigned short b) { return __uint_as_float((unsigned)b << 16); }
+// f (not NaN) to bf16, to nearest even: carries into the exponent (and to infinity) by themselves
+inline unsigned short emu_f2bf(float f) {
+    const unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+// x + e exactly (|e| at most half an ulp of x, e = 0 when x is exact) to bf16, to nearest even
+inline unsigned short emu_bf16_rn(double x, double e) {
+    if (x != x) return 0x7fffu;
+    if (e != 0.0) {  // round x to odd: the neighbour towards e where x's last bit is even
+        unsigned long long b;
+        memcpy(&b, &x, 8);
+        if (!(b & 1ull)) x = std::nextafter(x, e > 0 ? INFINITY : -INFINITY);
+    }
+    float f = (float)x;  // to nearest; then to odd
+    if (std::isfinite(f) && (double)f != x && !(__float_as_uint(f) & 1u)) {
+        f = std::nextafterf(f, x > (double)f ? INFINITY : -INFINITY);
+    }
+    return emu_f2bf(f);
+}
+// cvt.rn.bf16x2.f32 d, hi, lo: hi into the upper half
+inline unsigned emu_cvt_bf16x2(float hi, float lo) { return (unsigned)emu_f2bf(hi) << 16 | emu_f2bf(lo); }
+inline unsigned short emu_fma_bf16(unsigned short a, unsigned short b, unsigned short c) {
+    const double p = (double)emu_bf2f(a) * (double)emu_bf2f(b), z = (double)emu_bf2f(c);  // p exact
+    const double s = p + z;
+    if (!std::isfinite(s)) return emu_bf16_rn(s, 0.0);  // inf, or NaN (inf - inf, inf * 0, a NaN input)
+    const double bp = s - z, e = (p - bp) + (z - (s - bp));  // TwoSum: p + z = s + e exactly
+    return emu_bf16_rn(s, e);
+}
+// fma.rn.bf16x2 d, a, b, c: a * b + c each half, one rounding
+inline unsigned emu_fma_bf16x2(unsigned a, unsigned b, unsigned c) {
+    return (unsigned)emu_fma_bf16(a >> 16, b >> 16, c >> 16) << 16 |
+           emu_fma_bf16(a & 0xffffu, b & 0xffffu, c & 0xffffu);
+}
+// mul.rn.bf16x2 d, a, b: a * b each half (exact in double), one rounding
+inline unsigned emu_mul_bf16x2(unsigned a, unsigned b) {
+    const auto mul = [](unsigned short x, unsigned short y) {
+        return emu_bf16_rn((double)emu_bf2f(x) * (double)emu_bf2f(y), 0.0);
+    };
+    return (unsigned)mul(a >> 16, b >> 16) << 16 | mul(a & 0xffffu, b & 0xffffu);
+}
 
 struct EmuBlock {
     std::barrier<>* block_bar;
