@@ -19,20 +19,6 @@
 
 #include <string>
 
-static std::vector<unsigned char> read_file(const char* path) {
-    FILE* f = fopen(path, "rb");
-    std::vector<unsigned char> b;
-    for (int c; (c = fgetc(f)) != EOF;) b.push_back((unsigned char)c);
-    fclose(f);
-    return b;
-}
-
-static void write_file(const char* path, const void* p, size_t n) {
-    FILE* f = fopen(path, "wb");
-    fwrite(p, 1, n, f);
-    fclose(f);
-}
-
 template <int WT>
 struct Geometry {
     using F = mm::Fmt<WT>;

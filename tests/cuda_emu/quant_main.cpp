@@ -20,20 +20,6 @@
 
 using namespace od::quant;
 
-static std::vector<unsigned char> read_file(const char* path) {
-    FILE* f = fopen(path, "rb");
-    std::vector<unsigned char> b;
-    for (int c; (c = fgetc(f)) != EOF;) b.push_back((unsigned char)c);
-    fclose(f);
-    return b;
-}
-
-static void write_file(const char* path, const void* p, size_t n) {
-    FILE* f = fopen(path, "wb");
-    fwrite(p, 1, n, f);
-    fclose(f);
-}
-
 // value = (code - ZERO) * d (+ m), dequantize's two roundings
 template <class Q>
 static float value(int code, float d, float m) {

@@ -341,3 +341,19 @@ inline void emu_ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2,
     __syncwarp();  // every lane has read the addresses before the next call overwrites them
     r0 = r[0]; r1 = r[1]; r2 = r[2]; r3 = r[3];
 }
+
+// -- the emulation mains' file I/O (their inputs and outputs are files the Python test writes and reads) --
+
+static std::vector<unsigned char> read_file(const char* path) {
+    FILE* f = fopen(path, "rb");
+    std::vector<unsigned char> b;
+    for (int c; (c = fgetc(f)) != EOF;) b.push_back((unsigned char)c);
+    fclose(f);
+    return b;
+}
+
+static void write_file(const char* path, const void* p, size_t n) {
+    FILE* f = fopen(path, "wb");
+    fwrite(p, 1, n, f);
+    fclose(f);
+}
