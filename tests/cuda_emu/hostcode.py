@@ -30,6 +30,7 @@ _SWAPS = (
     ('asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));', "h = emu_f2h(f);"),
     ('asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));', "r = a != a || b != b ? NAN : fmaxf(a, b);"),
     ('asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));', "d = emu_prmt(a, b, s);"),
+    ('asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));', "d = emu_dp4a_us(a, b, c);"),
     ('asm volatile("griddepcontrol.wait;" ::: "memory");', ""),  # one kernel at a time here
     ('asm volatile("griddepcontrol.launch_dependents;" ::: "memory");', ""),
     ('asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));',

@@ -77,6 +77,11 @@ inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
     return c;
 }
+// dp4a.u32.s32 (common.cuh's od::dp4a_us): a's bytes unsigned, b's signed
+inline int emu_dp4a_us(unsigned a, int b, int c) {
+    for (int i = 0; i < 4; ++i) c += (int)((a >> (8 * i)) & 0xffu) * (int)(signed char)(b >> (8 * i));
+    return c;
+}
 // prmt.b32's default mode (common.cuh's od::prmt): byte i of the result is byte (s >> 4i) & 7 of {y, x} (x bytes
 // 0..3), or, where bit 4i + 3 of s is set, that byte's sign bit in all 8 bits (sign replication)
 inline unsigned emu_prmt(unsigned x, unsigned y, unsigned s) {

@@ -259,6 +259,15 @@ __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned s) {
     return d;
 }
 
+// dp4a with a's bytes unsigned (0..255) and b's signed: quant_k.cuh dots a code field masked where it lies in its
+// byte (above bit 0) and shifts the sum once, exactly (a multiple of the field's place value), where shifting each
+// word down took an instruction a word.
+__device__ __forceinline__ int dp4a_us(unsigned a, int b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) {
     return __uint_as_float(static_cast<unsigned>(b) << 16);
 }

@@ -111,8 +111,8 @@ __device__ __forceinline__ unsigned sext4(unsigned w) {
 }
 
 // Raw codes 0 .. 2^B - 1 of each byte minus 2^(B-1), as int8 bytes (q3_K's - 4, q6_K's - 32, in mmq's tiles; the
-// dot32s subtract the offset times b's sums instead, about 24 operations a unit fewer: q3_K's mat-vec 13.9 -> 11.6 us
-// at 14336x4096 on the H200, q6_K's 14.5 -> 14.1, session 20).
+// dot32s fold the offset into how they dot the code fields instead: q3_K's mat-vec 13.9 -> 11.6 us at 14336x4096 on
+// the H200 when they first did so, q6_K's 14.5 -> 14.1, session 20).
 template <int B>
 __device__ __forceinline__ unsigned centre4(unsigned w) {
     return sext4<B>(w ^ (0x01010101u << (B - 1)));
@@ -200,6 +200,23 @@ __device__ __forceinline__ void table_words(const S& src, int qs, const Table16&
     }
 }
 
+// The same with q's bytes unsigned (od::dp4a_us): code fields masked where they lie in their bytes, each half's sum
+// then shifted down once (q2_K, q3_K, q6_K).
+__device__ __forceinline__ int2 dot_halves_us(const unsigned (&q)[8], const int (&b)[8]) {
+    int lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        lo = dp4a_us(q[i], b[i], lo);
+        hi = dp4a_us(q[i + 4], b[i + 4], hi);
+    }
+    return make_int2(lo, hi);
+}
+
+// x * 2^sh, sh of either sign (a constant once unrolled; x >> -sh exact on the masked dots, multiples of 2^-sh).
+__device__ __forceinline__ int shift2(int x, int sh) {
+    return sh >= 0 ? x << sh : x >> -sh;
+}
+
 // b's codes summed over each half of 16 (dp4a against ones): the formats with 16-value scales and a code
 // offset or mins apply those to the sums instead of to each code.
 __device__ __forceinline__ int2 sum_halves(const int (&b)[8]) {
@@ -231,13 +248,14 @@ struct q2_K : SubScaled<256, 84, 16, 82> {
     }
     template <class S>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
-        const int qs = QS + 32 * (u >> 2);
+        const int qs = QS + 32 * (u >> 2), c = u & 3;
         unsigned q[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            q[i] = crumbs4(src.u32(qs + 4 * i), u & 3);
+            q[i] = src.u32(qs + 4 * i) & (0x03030303u << (2 * c));  // crumb c where it lies: 4^c times the codes
         }
-        const int2 h = dot_halves(q, b);
+        int2 h = dot_halves_us(q, b);
+        h = make_int2(h.x >> (2 * c), h.y >> (2 * c));
         const unsigned s0 = src.u8(SC + 2 * u), s1 = src.u8(SC + 2 * u + 1);
         // the mins times the sums of b's codes over each half
         const int2 sb = sum_halves(b);
@@ -268,15 +286,18 @@ struct q3_K : SubScaled<256, 110, 16, -1> {
     }
     template <class S>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
-        const int qs = QS + 32 * (u >> 2);
-        unsigned q[8];
+        // code = crumb - 4 where the hmask bit is clear: the crumbs where they lie (4^c times) and the clear bits
+        // where they lie (2^u times), dotted apart
+        const int qs = QS + 32 * (u >> 2), c = u & 3;
+        unsigned lo[8], clear[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            q[i] = crumbs4(src.u32(qs + 4 * i), u & 3) | (bits4(src.u32(HM + 4 * i), u) << 2);
+            lo[i] = src.u32(qs + 4 * i) & (0x03030303u << (2 * c));
+            clear[i] = ~src.u32(HM + 4 * i) & (0x01010101u << u);
         }
-        const int2 h = dot_halves(q, b), sb = sum_halves(b);  // codes 0..7, the offset 4 after the sums
-        return ds.x * half_in(src, D) *
-            static_cast<float>(sc6(src, 2 * u) * (h.x - 4 * sb.x) + sc6(src, 2 * u + 1) * (h.y - 4 * sb.y));
+        const int2 dl = dot_halves_us(lo, b), dc = dot_halves_us(clear, b);
+        const int hx = (dl.x >> (2 * c)) - shift2(dc.x, 2 - u), hy = (dl.y >> (2 * c)) - shift2(dc.y, 2 - u);
+        return ds.x * half_in(src, D) * static_cast<float>(sc6(src, 2 * u) * hx + sc6(src, 2 * u + 1) * hy);
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
         return dot32_in(Mem<false>{blk}, u, b, ds);
@@ -351,17 +372,20 @@ struct q6_K : SubScaled<256, 210, 16, -1> {
     template <class S>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
         const int n = u >> 2, c = u & 3;  // values 128n + 32c ..
+        // code - 32 = low + 16 * (high - 2): the low nibbles where they lie (16^(c / 2) times, unsigned), and
+        // high - 2 as each byte's signed top crumb ((high ^ 2) << 6: 64 times the value, signed dp4a)
         const int ql = QL + 64 * n + 32 * (c & 1), qh = QH + 32 * n;
-        unsigned q[8];
+        unsigned lo[8], hi[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const unsigned low = (src.u32(ql + 4 * i) >> (4 * (c >> 1))) & 0x0f0f0f0fu;
-            q[i] = low | (crumbs4(src.u32(qh + 4 * i), c) << 4);
+            lo[i] = src.u32(ql + 4 * i) & (0x0f0f0f0fu << (4 * (c >> 1)));
+            hi[i] = ((src.u32(qh + 4 * i) << (6 - 2 * c)) & 0xc0c0c0c0u) ^ 0x80808080u;
         }
-        const int2 h = dot_halves(q, b), sb = sum_halves(b);  // codes 0..63, the offset 32 after the sums
+        const int2 dl = dot_halves_us(lo, b), dh = dot_halves(hi, b);
+        const int hx = (dl.x >> (4 * (c >> 1))) + (dh.x >> 2), hy = (dl.y >> (4 * (c >> 1))) + (dh.y >> 2);
         const int s0 = static_cast<signed char>(src.u8(SC + 2 * u));
         const int s1 = static_cast<signed char>(src.u8(SC + 2 * u + 1));
-        return ds.x * half_in(src, D) * static_cast<float>(s0 * (h.x - 32 * sb.x) + s1 * (h.y - 32 * sb.y));
+        return ds.x * half_in(src, D) * static_cast<float>(s0 * hx + s1 * hy);
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
         return dot32_in(Mem<false>{blk}, u, b, ds);
