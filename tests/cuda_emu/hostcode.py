@@ -41,6 +41,17 @@ _SWAPS = (
      "emu_cp16z(saddr, src, bytes);"),
     ('asm volatile("cp.async.commit_group;\\n" ::: "memory");', "emu_commit();"),
     ('asm volatile("cp.async.wait_group %0;\\n" ::"n"(N) : "memory");', "emu_wait(N);"),
+    # the bulk copies run here too (shim.h's emu_bulk: they land when their barrier's phase completes)
+    ("#define OD_BULK 0", "#define OD_BULK 1"),
+    ('asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\\n" ::"r"(bar), "r"(count) : "memory");',
+     "emu_mbar_init(bar, count);"),
+    ('asm volatile("fence.mbarrier_init.release.cluster;\\n" ::: "memory");', ""),
+    ('asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\\n" ::"r"(bar), "r"(bytes) : "memory");',
+     "emu_mbar_expect_tx(bar, bytes);"),
+    ('asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\\n"\n'
+     '                 ::"r"(saddr), "l"(src), "r"(bytes), "r"(bar) : "memory");', "emu_bulk(saddr, src, bytes, bar);"),
+    ('asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\\n"\n'
+     '                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");', "done = emu_mbar_try_wait(bar, parity);"),
     ('asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"\n'
      '                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)\n                 : "r"(addr));',
      "emu_ldsm_x4(addr, r0, r1, r2, r3, false);"),

@@ -4,8 +4,9 @@
 // tests/test_mmvq_stream_emulated.py, tests/test_mmq_emulated.py, tests/test_mmq_frags_emulated.py,
 // tests/test_rows_emulated.py, tests/test_fattn_decode_emulated.py and tests/test_quant_header.py:
 // one std::thread per CUDA thread, std::barrier for __syncthreads / __syncwarp / shuffles, and
-// cp.async performed at wait_group time (lazy) or at issue (eager), so that a read of a stage
-// before its wait sees the poisoned (0xFF) shared memory instead of the weights. Shared addresses
+// cp.async performed at wait_group time (lazy) or at issue (eager), and bulk copies when their mbarrier's
+// phase completes, so that a read of a stage before its wait sees the poisoned (0xFF) shared memory instead
+// of the weights. Shared addresses
 // (common.cuh's smem_addr) are offsets into the block's dynamic shared memory.
 #pragma once
 #include <barrier>
@@ -18,6 +19,9 @@
 #include <vector>
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <map>
+#include <mutex>
 
 #define __device__
 #define __host__
@@ -231,6 +235,80 @@ inline void emu_wait(int n) {
         else keep.push_back(c);
     }
     emu_pending.swap(keep);
+}
+
+// cp.async.bulk and its mbarrier (common.cuh's bulk copies): a barrier's copies land when its phase completes, which
+// a waiting lane does once the barrier is armed (expect_tx) and the copies issued add up to the bytes armed; a wait
+// that finds them short keeps waiting (another lane may still be issuing) and aborts after 10 s (a stage whose copies
+// never add up to what its barrier expects, or were never issued). The barriers of every block, by (smem, address).
+struct EmuBulk { void* dst; const void* src; unsigned bytes; };
+struct EmuBar { int phase = 0; bool armed = false; long long expected = 0, issued = 0; std::vector<EmuBulk> copies; };
+inline std::mutex emu_bar_mu;
+inline std::map<std::pair<const unsigned char*, unsigned>, EmuBar> emu_bars;
+inline EmuBar& emu_bar(unsigned bar) {  // under emu_bar_mu
+    auto it = emu_bars.find({emu_ctx->smem, bar});
+    if (it == emu_bars.end()) {
+        fprintf(stderr, "mbarrier at %u used before mbarrier.init\n", bar);
+        std::abort();
+    }
+    return it->second;
+}
+inline void emu_mbar_init(unsigned bar, unsigned count) {
+    if (count != 1 || (bar & 7)) {
+        fprintf(stderr, "mbarrier.init at %u with count %u (the emulation takes count 1, 8-byte aligned)\n", bar, count);
+        std::abort();
+    }
+    const std::lock_guard<std::mutex> lock(emu_bar_mu);
+    emu_bars[{emu_ctx->smem, bar}] = EmuBar{};
+}
+inline void emu_mbar_expect_tx(unsigned bar, unsigned bytes) {
+    const std::lock_guard<std::mutex> lock(emu_bar_mu);
+    EmuBar& b = emu_bar(bar);
+    if (b.armed) {
+        fprintf(stderr, "mbarrier at %u armed twice in one phase\n", bar);
+        std::abort();
+    }
+    b.armed = true;
+    b.expected += bytes;
+}
+inline void emu_bulk(unsigned saddr, const void* src, unsigned bytes, unsigned bar) {
+    const unsigned char* s = (const unsigned char*)src;
+    if (bytes == 0 || bytes % 16 || s < emu_gmem_lo || s + bytes > emu_gmem_hi || ((uintptr_t)s & 15) || (saddr & 15)) {
+        fprintf(stderr, "cp.async.bulk out of range or misaligned: src %p, shared %u, %u bytes\n", src, saddr, bytes);
+        std::abort();
+    }
+    const std::lock_guard<std::mutex> lock(emu_bar_mu);
+    EmuBar& b = emu_bar(bar);
+    b.copies.push_back({emu_ctx->smem + saddr, src, bytes});
+    b.issued += bytes;
+}
+inline bool emu_mbar_try_wait(unsigned bar, unsigned parity) {
+    thread_local std::chrono::steady_clock::time_point since;
+    thread_local bool waiting = false;
+    {
+        const std::lock_guard<std::mutex> lock(emu_bar_mu);
+        EmuBar& b = emu_bar(bar);
+        bool done = (unsigned)(b.phase & 1) != parity;  // the phase of that parity has completed already
+        if (!done && b.armed && b.issued == b.expected) {
+            for (const EmuBulk& c : b.copies) memcpy(c.dst, c.src, c.bytes);
+            b = EmuBar{b.phase + 1};
+            done = true;
+        }
+        if (done) {
+            waiting = false;
+            return true;
+        }
+        if (!waiting) {
+            waiting = true;
+            since = std::chrono::steady_clock::now();
+        } else if (std::chrono::steady_clock::now() - since > std::chrono::seconds(10)) {
+            fprintf(stderr, "mbarrier at %u: phase %d never completes (armed %d, %lld bytes expected, %lld issued)\n",
+                    bar, b.phase, (int)b.armed, b.expected, b.issued);
+            std::abort();
+        }
+    }
+    std::this_thread::yield();
+    return false;
 }
 
 // The mma emulations' exchange, warp-collective: every lane posts its 6 fragment words (a0..a3, b0, b1);

@@ -382,6 +382,51 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// -- bulk copies (sm_90+): global -> shared through the copy engine (TMA), counted on an mbarrier ---------
+// One instruction moves a whole contiguous run (16-byte aligned at both ends, a multiple of 16 bytes), where
+// cp_async16 takes one a 16-byte granule and the address arithmetic around it. A stage's barrier (mbar_init, count
+// 1) is armed with the bytes to come (mbar_expect_tx: the one arrival, plus that many bytes of transactions), each
+// copy (bulk_copy) counts its bytes off it, and the phase completes when all have landed; mbar_wait(parity) spins
+// until phase `parity` (0, 1, 0, ... for a barrier's successive uses) has. HAS_BULK: whether this target has them
+// (OD_BULK; the helpers compile to nothing below sm_90, where callers take cp_async16).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define OD_BULK 1
+#else
+#define OD_BULK 0
+#endif
+constexpr bool HAS_BULK = OD_BULK;
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+#if OD_BULK
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+    // the initialised barrier visible to the copy engine (the async proxy) before a copy signals it
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+#if OD_BULK
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void bulk_copy(unsigned saddr, const void* src, unsigned bytes, unsigned bar) {
+#if OD_BULK
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(saddr), "l"(src), "r"(bytes), "r"(bar) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+#if OD_BULK
+    unsigned done = 0;
+    while (!done) {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    }
+#endif
+}
+
 // -- ldmatrix (sm_75+): four 8x8 matrices of 16-bit values from shared memory, a warp collective ---------
 // Lane 8m + i gives the shared address (smem_addr) of row i (16 bytes) of matrix m; lane 4g + t receives in
 // word m the pair (row g, columns 2t, 2t + 1) of matrix m, or with _trans its transpose's (rows 2t, 2t + 1 of

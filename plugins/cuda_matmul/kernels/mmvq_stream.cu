@@ -1,6 +1,6 @@
 // Quantized mat-vec in one launch, the weights streamed through shared memory (mmvq_stream):
 // out (N, M) = b (N, K) @ a (M, K)^T for block-format weights a and N <= NT (<= 8) float
-// columns b, each weight byte read once with cp.async.
+// columns b, each weight byte read once (cp.async, or on sm_90+ bulk copies: 2. below).
 //
 // mmv.cu's mmvq takes two launches (quantize_q8_1 into a scratch buffer, then the mat-vec
 // reading 2-byte aligned blocks straight from global memory); this kernel is one:
@@ -13,7 +13,10 @@
 //    weights are constant (those are issued before the PDL wait), before otherwise.
 //    One __syncthreads.
 // 2. Each warp then walks its row groups through a ring of NS stage buffers of its own
-//    (wait_group NS - 1, __syncwarp, compute, __syncwarp, issue the stage NS - 1 ahead).
+//    (issue the stage NS - 1 ahead, wait_group NS - 1, __syncwarp, compute, __syncwarp). On sm_90+
+//    the stages go by bulk copies (cp.async.bulk, one a slot row, counted on the stage's mbarrier,
+//    which the warp waits on instead; the half-piece formats' prologue stages by cp.async), but for
+//    RAGGED slots and the formats of CP_ASYNC_STAGES.
 //
 // Geometry (Geo and layout below; cuda_matmul/specs/stream.py's stream_geo and stream_layout mirror it):
 //   chunk   CB consecutive blocks of a row, the fewest whose bytes are a multiple of 16
@@ -25,7 +28,7 @@
 //           caller's.
 //   piece   what one lane dots, LB blocks: the chunk when it is at most REG_CHUNK_MAX (272) bytes
 //           (REG: every legacy format, q4_K, q5_K, iq4_nl, iq1_m), half of it for the table formats
-//           iq4_xs (one block, 136 bytes) and mxfp4 (8 blocks, 136 bytes; half_piece), else one block
+//           iq4_xs (one block, 136 bytes) and mxfp4 (8 blocks, 136 bytes; HALF_PIECE), else one block
 //           (q2_K, q3_K, q6_K and the other grid I-quants: a chunk is too many registers). A row is
 //           C = K / (QK * LB) pieces.
 //   lanes   G = min(32, next_pow2(C)) lanes a row, R = 32 / G rows (slots) a warp stage,
@@ -67,7 +70,8 @@
 // blocks also write rms_norm(x) * norm_w to norm_out, (N, K) f32 contiguous, each block a slice, after
 // the ring. A template flag, not a null check: the code in every instance cost the q4_0 1b decode ~1%.
 // Dynamic shared memory: N * C * BCHUNK + (blockDim.x / 32) * NS * 32 * PIECE bytes, then the norm's
-// sums (8 floats a warp), then a grid format's grid (Fmt::GRID_BYTES: 1-16 KB; stage_grid).
+// sums (8 floats a warp), then a grid format's grid (Fmt::GRID_BYTES: 1-16 KB; stage_grid), then each
+// warp's NS stage barriers (8 bytes each; used by the bulk copies only).
 //
 // Scaling as q_rows: a legacy block's dot with b's codes (dp4a over raw codes c), then
 // d * (db * dot - zero * db * sum) (+ m * db * sum for q4_1 / q5_1); quant_k.cuh's units as their
@@ -91,9 +95,21 @@ constexpr int pow2_of(int x) {
 // lookups make them ALU-bound, and half pieces halve a warp's ring and its registers, so that two 8-warp
 // blocks fit an SM (four warps a scheduler where one block left two). specs/stream.py's HALF_PIECE.
 template <int WT>
-constexpr bool half_piece() {
-    return WT == W_IQ4_XS || WT == W_MXFP4;
-}
+constexpr bool HALF_PIECE = WT == W_IQ4_XS || WT == W_MXFP4;
+
+// The formats whose stages go by cp.async even where bulk copies exist: the lightest dots a byte (4 or 5 bits a
+// weight, a chunk a lane), at the bandwidth, where bulk copies measured 3-4% slower (H200, 14336x4096, one column,
+// cold: q4_0 9.7 -> 10.1 us, q4_K 9.75 -> 10.07, q5_K 11.45 -> 11.78) and the formats whose lanes do more work
+// gained 5-10% (q3_K 11.7 -> 10.8, iq4_xs 12.5 -> 11.7, mxfp4 12.9 -> 12.0, q8_0 16.1 -> 15.8; q6_K even).
+template <int WT>
+constexpr bool CP_ASYNC_STAGES =
+    WT == W_Q4_0 || WT == W_Q4_1 || WT == W_Q5_0 || WT == W_Q5_1 || WT == W_Q4_K || WT == W_Q5_K;
+
+// How a stage is issued, a compile-time choice: bulk copies (Copies<true>) or cp.async (Copies<false>).
+template <bool BULK>
+struct Copies {
+    static constexpr bool bulk = BULK;
+};
 
 // Chunk and piece geometry of format WT.
 template <int WT>
@@ -102,7 +118,7 @@ struct Geo {
     static constexpr int CB = 16 / pow2_of(F::BYTES);  // blocks a chunk: lcm(BYTES, 16) / BYTES
     static constexpr int CHUNK = CB * F::BYTES;         // weight bytes a chunk
     static constexpr bool REG = CHUNK <= REG_CHUNK_MAX;  // a lane's piece is held in registers
-    static constexpr int LB = !REG ? 1 : half_piece<WT>() ? CB / 2 : CB;  // blocks a piece (a lane's share of a stage)
+    static constexpr int LB = !REG ? 1 : HALF_PIECE<WT> ? CB / 2 : CB;  // blocks a piece (a lane's share of a stage)
     static constexpr int PIECE = LB * F::BYTES;
     static constexpr int GRAN = CHUNK / 16;
     static constexpr int WORDS = CHUNK / 4;
@@ -622,6 +638,22 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     float* const norm_ss = reinterpret_cast<float*>(smem + static_cast<long long>(N) * bcol_stride +
                                                     static_cast<long long>(nwarps) * NS * STAGE);
     u8* const grid = reinterpret_cast<u8*>(norm_ss + nwarps * 8);
+    // stages by bulk copies where the target has them (RAGGED slots take cp.async's zero fill, and the formats of
+    // CP_ASYNC_STAGES its per-lane copies): each warp's NS stage barriers after the grid, armed with a stage's bytes
+    // by lane 0, the copies issued by a lane a slot. The half-piece formats' prologue stages, which every warp issues
+    // at once, go by cp.async (BULK_FIRST false): H200, 4096x4096, about one stage a warp, iq4_xs 5.6 us with them,
+    // 6.0 by bulk copies (mxfp4 5.7, 6.1), where at 14336x4096 bulk copies from the first stage were faster for every
+    // format (q3_K 9.8 -> 9.4 us, q2_K 8.3 -> 7.9, iq3_xxs 14.6 -> 13.9), and for the half pieces too (iq4_xs 11.8 ->
+    // 11.5): measured in one call, docs/benchmarks.md's session 28.
+    constexpr bool BULK = od::HAS_BULK && !RAGGED && !mms::CP_ASYNC_STAGES<WT>;
+    constexpr bool BULK_FIRST = BULK && !mms::HALF_PIECE<WT>;
+    const unsigned bars = od::smem_addr(grid + mm::Fmt<WT>::GRID_BYTES) + 8u * NS * warp;
+    if constexpr (BULK) {
+        if (lane < NS) {
+            od::mbar_init(bars + 8u * lane, 1u);
+        }
+        __syncwarp();
+    }
 
     // the next unit to issue: group ig, unit iu of it
     int ig = g0, iu = 0;
@@ -635,8 +667,32 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
         valid = min(row_bytes - s0, L.G * Gm::PIECE);
         nch = min(L.G, L.C - seg * L.G);
     };
-    auto issue = [&](u8* buf) {
-        if constexpr (RAGGED) {
+    auto issue = [&](int stage, auto copies) {
+        u8* const buf = ring + stage * STAGE;
+        if constexpr (decltype(copies)::bulk) {
+            const unsigned bar = bars + 8u * stage;
+            if (L.R == 1) {
+                const int w = NW == 2 ? iu / L.S : 0;
+                const int seg = iu - w * L.S;
+                const unsigned bytes = 16u * mms::piece_granules<WT>(min(L.G, L.C - seg * L.G));
+                if (lane == 0) {
+                    od::mbar_expect_tx(bar, bytes);
+                    od::bulk_copy(od::smem_addr(buf), (w ? wa1 : wa0) + static_cast<long long>(min(ig, M - 1)) * a_row +
+                                  static_cast<long long>(seg) * L.G * Gm::PIECE, bytes, bar);
+                }
+            } else {
+                const unsigned bytes = 16u * mms::piece_granules<WT>(L.C);
+                if (lane == 0) {  // the barrier counts the slots' bytes, whichever lands first
+                    od::mbar_expect_tx(bar, L.R * bytes);
+                }
+                if (lane < L.R) {
+                    const int w = NW == 2 ? lane / L.RO : 0;
+                    const int o = ig * L.RO + lane - w * L.RO;
+                    od::bulk_copy(od::smem_addr(buf + lane * L.G * Gm::PIECE),
+                                  (w ? wa1 : wa0) + static_cast<long long>(min(o, M - 1)) * a_row, bytes, bar);
+                }
+            }
+        } else if constexpr (RAGGED) {
             for (int rs = 0; rs < L.R; ++rs) {
                 const u8* src;
                 int valid, nch;
@@ -682,9 +738,11 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s) {
         if (s < nunits) {
-            issue(ring + s * STAGE);
+            issue(s, mms::Copies<BULK_FIRST>{});
         }
-        od::cp_async_commit();
+        if constexpr (!BULK_FIRST) {
+            od::cp_async_commit();
+        }
     }
     mms::stage_grid<WT>(grid);  // constant data: before the wait when the weights are too
     if (preload) {
@@ -716,11 +774,23 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     int cg = g0, cu = 0;  // the unit computed
     for (int i = 0; i < nunits; ++i) {
         if (i + NS - 1 < nunits) {
-            issue(ring + ((i + NS - 1) % NS) * STAGE);
+            issue((i + NS - 1) % NS, mms::Copies<BULK>{});
         }
-        od::cp_async_commit();
-        od::cp_async_wait<NS - 1>();
-        __syncwarp();
+        if constexpr (BULK_FIRST) {  // stage i % NS's use i / NS
+            od::mbar_wait(bars + 8u * (i % NS), static_cast<unsigned>(i / NS) & 1u);
+        } else if constexpr (BULK) {
+            if (i >= NS - 1) {  // stage s's bulk uses after the cp.async prologue: units s + NS, ... (s from NS - 1 on)
+                const int s = i % NS, first = s >= NS - 1 ? s : s + NS;
+                od::mbar_wait(bars + 8u * s, static_cast<unsigned>((i - first) / NS) & 1u);
+            } else {  // the prologue's cp.async stages
+                od::cp_async_wait<0>();
+                __syncwarp();
+            }
+        } else {
+            od::cp_async_commit();
+            od::cp_async_wait<NS - 1>();
+            __syncwarp();  // the other lanes' copies too
+        }
         const int w = (NW == 2 && L.R == 1) ? cu / L.S : 0;
         const int seg = L.R == 1 ? cu - w * L.S : 0;
         const int c = seg * L.G + lc;
@@ -804,7 +874,9 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
         }
         __syncwarp();  // every lane is done with this stage before the next issue overwrites it
     }
-    od::cp_async_wait<0>();  // nothing left in flight at exit (a warp with no units committed empty groups)
+    if constexpr (!BULK_FIRST) {
+        od::cp_async_wait<0>();  // nothing left in flight at exit (a warp with no units committed empty groups)
+    }
     if constexpr (KEEP) {
         mms::write_normed<NT>(b + bb, b_col, b_es, norm_w, N, K, sc, norm_out);
     }

@@ -33,7 +33,7 @@ STREAMED = {**STREAM_FORMATS, **STREAM_K_FORMATS}
 #: most chunk bytes a lane holds in registers (mmvq_stream.cu's REG_CHUNK_MAX); a larger chunk's
 #: blocks are dotted one a lane straight from shared memory
 REG_CHUNK_MAX = 272
-#: formats whose lane dots half a chunk (mmvq_stream.cu's half_piece): the table lookups make them ALU-bound,
+#: formats whose lane dots half a chunk (mmvq_stream.cu's HALF_PIECE): the table lookups make them ALU-bound,
 #: and half pieces halve each warp's ring and registers, so that two 8-warp blocks fit an SM
 HALF_PIECE = frozenset({"iq4_xs", "mxfp4"})
 #: bytes of the grid formats' lookup grids (quant_iq.cuh's GRID_BYTES), which mmvq_stream copies into shared memory
@@ -135,10 +135,11 @@ def stream_layout(dt: str, k: int, glu: bool) -> StreamLayout:
 
 def stream_smem(dt: str, k: int, n: int, warps: int, stages: int) -> int:
     """Dynamic shared memory of an mmvq_stream block: b's n columns, each warp's ring, a fused norm's sums
-    (8 floats a warp), then a grid format's grid."""
+    (8 floats a warp), a grid format's grid, then each warp's stage barriers (an 8-byte mbarrier a stage)."""
     g = stream_geo(dt)
     stage = 32 * g.piece + (RAGGED_STAGE_EXTRA if ragged(dt, k) else 0)
-    return n * -(-k // g.values) * g.bpiece + warps * stages * stage + warps * 8 * 4 + GRID_BYTES.get(dt, 0)
+    return (n * -(-k // g.values) * g.bpiece + warps * stages * stage + warps * 8 * 4 + GRID_BYTES.get(dt, 0)
+            + warps * stages * 8)
 
 
 def stream_warps(dt: str, k: int, n: int, device: Device | None, cfg: StreamConfig | None = None) -> int:
