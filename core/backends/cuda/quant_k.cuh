@@ -174,13 +174,16 @@ __device__ __forceinline__ int entry(const Table16& t, unsigned i) {
     return static_cast<signed char>((i & 8u ? pick_hi : pick) & 0xffu);
 }
 
-// The dot of 8 code words with b, in two halves of 16 values (the formats with 16-value scales).
+// The dot of 8 code words with b, in two halves of 16 values (the formats with 16-value scales). UNSIGNED: q's bytes
+// unsigned (od::dp4a_us), for code fields masked where they lie in their bytes, each half's sum then shifted down once
+// by the caller (q2_K, q3_K, q6_K).
+template <bool UNSIGNED = false>
 __device__ __forceinline__ int2 dot_halves(const unsigned (&q)[8], const int (&b)[8]) {
     int lo = 0, hi = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        lo = dot4(q[i], b[i], lo);
-        hi = dot4(q[i + 4], b[i + 4], hi);
+        lo = UNSIGNED ? dp4a_us(q[i], b[i], lo) : dot4(q[i], b[i], lo);
+        hi = UNSIGNED ? dp4a_us(q[i + 4], b[i + 4], hi) : dot4(q[i + 4], b[i + 4], hi);
     }
     return make_int2(lo, hi);
 }
@@ -198,18 +201,6 @@ __device__ __forceinline__ void table_words(const S& src, int qs, const Table16&
             lookup8(t, src.u32(qs + 4 * i), q[i], q[i + 4]);
         }
     }
-}
-
-// The same with q's bytes unsigned (od::dp4a_us): code fields masked where they lie in their bytes, each half's sum
-// then shifted down once (q2_K, q3_K, q6_K).
-__device__ __forceinline__ int2 dot_halves_us(const unsigned (&q)[8], const int (&b)[8]) {
-    int lo = 0, hi = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        lo = dp4a_us(q[i], b[i], lo);
-        hi = dp4a_us(q[i + 4], b[i + 4], hi);
-    }
-    return make_int2(lo, hi);
 }
 
 // x * 2^sh, sh of either sign (a constant once unrolled; x >> -sh exact on the masked dots, multiples of 2^-sh).
@@ -254,7 +245,7 @@ struct q2_K : SubScaled<256, 84, 16, 82> {
         for (int i = 0; i < 8; ++i) {
             q[i] = src.u32(qs + 4 * i) & (0x03030303u << (2 * c));  // crumb c where it lies: 4^c times the codes
         }
-        int2 h = dot_halves_us(q, b);
+        int2 h = dot_halves<true>(q, b);
         h = make_int2(h.x >> (2 * c), h.y >> (2 * c));
         const unsigned s0 = src.u8(SC + 2 * u), s1 = src.u8(SC + 2 * u + 1);
         // the mins times the sums of b's codes over each half
@@ -295,7 +286,7 @@ struct q3_K : SubScaled<256, 110, 16, -1> {
             lo[i] = src.u32(qs + 4 * i) & (0x03030303u << (2 * c));
             clear[i] = ~src.u32(HM + 4 * i) & (0x01010101u << u);
         }
-        const int2 dl = dot_halves_us(lo, b), dc = dot_halves_us(clear, b);
+        const int2 dl = dot_halves<true>(lo, b), dc = dot_halves<true>(clear, b);
         const int hx = (dl.x >> (2 * c)) - shift2(dc.x, 2 - u), hy = (dl.y >> (2 * c)) - shift2(dc.y, 2 - u);
         return ds.x * half_in(src, D) * static_cast<float>(sc6(src, 2 * u) * hx + sc6(src, 2 * u + 1) * hy);
     }
@@ -381,7 +372,7 @@ struct q6_K : SubScaled<256, 210, 16, -1> {
             lo[i] = src.u32(ql + 4 * i) & (0x0f0f0f0fu << (4 * (c >> 1)));
             hi[i] = ((src.u32(qh + 4 * i) << (6 - 2 * c)) & 0xc0c0c0c0u) ^ 0x80808080u;
         }
-        const int2 dl = dot_halves_us(lo, b), dh = dot_halves(hi, b);
+        const int2 dl = dot_halves<true>(lo, b), dh = dot_halves(hi, b);
         const int hx = (dl.x >> (4 * (c >> 1))) + (dh.x >> 2), hy = (dl.y >> (4 * (c >> 1))) + (dh.y >> 2);
         const int s0 = static_cast<signed char>(src.u8(SC + 2 * u));
         const int s1 = static_cast<signed char>(src.u8(SC + 2 * u + 1));
