@@ -518,7 +518,7 @@ def test_stream_chunks_mirror_the_kernel() -> None:
     assert "static constexpr int CB = 16 / pow2_of(F::BYTES);" in src
     assert "static constexpr bool REG = CHUNK <= REG_CHUNK_MAX;" in src
     half = sorted(f"WT == W_{dt.upper()}" for dt in stream.HALF_PIECE)
-    assert f"return {' || '.join(half)};" in src
+    assert f"constexpr bool HALF_PIECE = {' || '.join(half)};" in src
     assert f"constexpr int REG_CHUNK_MAX = {stream.REG_CHUNK_MAX};" in src
     assert "static constexpr int NU = LB * F::QK / 32;" in src
     assert "static constexpr int BCHUNK = (BRAW / 16) % 2 == 1 ? BRAW : BRAW + 16;" in src
