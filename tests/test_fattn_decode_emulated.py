@@ -11,7 +11,7 @@ read before it landed (the first copies go before the PDL wait) shows; results a
 reference by NMSE (flash_attn_ext's bound; fused, also the caches by set_rows' bound), and the split
 counters must be back to 0. On the H200 the same kernels run in test_cuda_attention.py.
 
-Skipped without g++ 12 or newer (C++20 <barrier>, _Float16).
+Skipped without g++ 12 or newer (C++20, _Float16).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ SWAPS = (
 SHARED = ("extern __shared__ __align__(16) unsigned short smem[];",
           "unsigned short* smem = reinterpret_cast<unsigned short*>(emu_ctx->smem);")
 
-pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
+pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
 
 
 def _unfused(**kw: object) -> Callable[[Inputs], list[Tensor]]:

@@ -11,7 +11,7 @@ run on b rounded to a's type (the kernel's only rounding; its products are exact
 NMSE 1e-9. With several splits of K the counters (a zeroed scratch) must be back to 0 afterwards, ready
 for the next launch or graph replay. On the H200 the same shapes run in test_cuda_matmul.py.
 
-Skipped without g++ 12 or newer (C++20 <barrier>, _Float16).
+Skipped without g++ 12 or newer (C++20, _Float16).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ DEVICE = Device("cuda0", "cuda", "an emulated sm_90 GPU of 4 SMs",
 #: the mma statement of each weight type, swapped for shim.h's emulation
 MMA_PTX = re.compile(r'asm\("mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)\.\1\.f32 .*?\);', re.S)
 
-pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
+pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
 
 
 def _mm(dt: str, m: int, k: int, n: int, batch: tuple = (), a_batch: tuple | None = None,

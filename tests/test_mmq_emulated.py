@@ -1,15 +1,15 @@
 """cuda_matmul's quantized GEMM (mmq.cu, after mmv.cu's quantize_q8_1) run on the CPU: the real sources,
 compiled by g++ against tests/cuda_emu/shim.h, on the launch specs the plugin binds (specs/mmq.py).
 
-Every CUDA thread is a std::thread; __syncthreads / __syncwarp / shuffles go through barriers; cp.async
-copies land at the wait_group that covers them ("lazy") or at once ("eager"), so a stage read before its
-wait or refilled while a warp still reads it gives a wrong or NaN result (shared memory and outputs start
-poisoned, 0xFF); mma.sync m16n8k32 is emulated warp-collectively from the PTX ISA's fragment layout
+Every CUDA thread is a fiber (shim.h: a block's threads take turns on one OS thread, switching at barriers);
+__syncthreads / __syncwarp / shuffles go through barriers; cp.async copies land at the wait_group that covers
+them ("lazy") or at once ("eager"), so a stage read before its wait or refilled while a warp still reads it
+gives a wrong or NaN result (shared memory and outputs start poisoned, 0xFF); mma.sync m16n8k32 is emulated warp-collectively from the PTX ISA's fragment layout
 (shim.h's emu_mma_s8), so a wrong fragment map shows too. The only edits to the sources are the inline
 PTX swapped for host functions. Results are compared with the numpy reference by NMSE (mul_mat's bound,
 5e-4) and with the reference run on b rounded to q8_1 in numpy by NMSE 1e-8: the kernel's only departure
 from the reference is that rounding, so anything else shows. On the H200 the same paths run in
-test_cuda_matmul.py. Skipped without g++ 12 or newer (C++20 <barrier>, _Float16).
+test_cuda_matmul.py. Skipped without g++ 12 or newer (C++20, _Float16).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from test_mmvq_stream_emulated import q8_1_rounded
 NMSE_MAX = 5e-4
 NMSE_Q8_1 = 1e-8  # against the reference on b rounded to q8_1 as quantize_q8_1 rounds it
 
-pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
+pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
 
 #: mmq.cu's inline PTX (the mma statements, whole) and their host replacements
 MMA_PTX = ("    asm volatile(\"mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "

@@ -38,7 +38,7 @@ from helpers import subscaled_blocks
 from test_mmq_emulated import SWAPS
 from test_quant_header import random_blocks as any_finite_blocks
 
-pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
+pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
 
 #: mmq_frags.cuh's inline PTX (whole statements) and shim.h's host replacements
 FRAGS_PTX = (

@@ -1,5 +1,5 @@
 """cuda_matmul's weight-streaming quantized GEMM (mmq_small.cu, after mmv.cu's quantize_q8_1) run on the CPU:
-the real sources compiled by g++ against tests/cuda_emu/shim.h (test_mmq_emulated.py's emulation: threads,
+the real sources compiled by g++ against tests/cuda_emu/shim.h (test_mmq_emulated.py's emulation: fibers,
 barriers, lazy or eager cp.async, the int8 mma from the PTX ISA's fragment layout, poisoned shared memory and
 outputs), on the launch specs the plugin binds (specs/mmq_small.py).
 
@@ -33,7 +33,7 @@ from cuda_emu.hostcode import gxx_major
 from test_mmq_emulated import NMSE_MAX, NMSE_Q8_1, ScratchArena, build_emulator, run_launches
 from test_mmvq_stream_emulated import q8_1_rounded
 
-pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
+pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
 
 SC = mmq_small.SmallConfig
 #: two warps a block, a 3-stage ring, and a split aimed at 64 blocks an SM: the small test shapes split K

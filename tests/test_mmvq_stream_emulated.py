@@ -1,8 +1,8 @@
 """cuda_matmul's mmvq_stream kernel run on the CPU: its real source, compiled by g++ against a host
 emulation of the CUDA it uses (tests/cuda_emu/shim.h), on the launch specs the plugin binds.
 
-No GPU is needed: every CUDA thread is a std::thread, __syncthreads / __syncwarp / the shuffles go
-through barriers, and cp.async copies land only at the wait_group that covers them ("lazy") or at
+No GPU is needed: every CUDA thread is a fiber (a block's threads take turns on one OS thread, in index order
+between barriers: tests/cuda_emu/shim.h), __syncthreads / __syncwarp / the shuffles go through barriers, and cp.async copies land only at the wait_group that covers them ("lazy") or at
 once ("eager"), so a stage read before its wait, a missing __syncwarp before a stage is refilled,
 a wrong lane-to-chunk map, a wrong block decode or a row left unwritten shows as a wrong or NaN
 result (shared memory and outputs start poisoned, 0xFF). The only edits to the source are the
@@ -16,7 +16,7 @@ checked against an error word in the emulated memory (common.cuh's od::index_ok)
 the first bad id's tag, position and value after a bad one. On the H200 the same shapes run in
 test_cuda_matmul.py.
 
-Skipped without g++ 12 or newer (C++20 <barrier>, _Float16).
+Skipped without g++ 12 or newer (C++20, _Float16).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ DEVICE = Device("cuda0", "cuda", "an emulated sm_90 GPU of 4 SMs",
                 {"cc": (9, 0), "sm_count": 4, "smem_per_block_optin": 227 * 1024, "warp_size": 32})
 
 
-pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
+pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
 
 
 def _mm(dt: str, m: int, k: int, n: int, tb: str = "f32", batch: tuple = (), bview: str | None = None,

@@ -8,7 +8,7 @@ decoders (gguf-py's for the formats opdispatch.dtypes lacks), dot32 equal to the
 
 The header's real source runs on the CPU: compiled by g++ against tests/cuda_emu/shim.h
 (common.cuh's inline PTX swapped by tests/cuda_emu/hostcode.py), encode8's warp of 32 threads as
-std::threads. Skipped without g++ 12 or newer (C++20 <barrier>, _Float16).
+fibers (shim.h). Skipped without g++ 12 or newer (C++20, _Float16).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from opdispatch.quants import legacy
 from cuda_emu.hostcode import EMU, gxx_major, q8_1_reference, write_headers
 from helpers import SUBSCALED_HALVES, SUBSCALED_SIZES, subscaled_blocks
 
-pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
+pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
 
 FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 #: quant.cuh's enum class Scale, in order

@@ -11,7 +11,7 @@ its position in the index tensor (flat, row-major) and its value; good ids leave
 other rows match the CPU reference exactly, as on the H200. A null word (OPDISPATCH_CHECK_INDICES=0)
 changes nothing for good ids. Memory the kernels should not write starts poisoned (0xFF).
 
-Skipped without g++ 12 or newer (C++20 <barrier>, _Float16).
+Skipped without g++ 12 or newer (C++20, _Float16).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from opdispatch.tensor import Flag, Tensor
 from cuda_emu.hostcode import EMU, Arena, gxx_major, write_headers
 from helpers import subscaled_blocks
 
-pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20 <barrier>, _Float16)")
+pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
 
 I64_MAX = 2**63 - 1
 

@@ -1,5 +1,5 @@
 // A driver for any kernel of one .cu file (copied or written as kernel.cu by the test): runs one instance
-// over a grid of one-dimensional blocks, block after block, every block's threads as std::threads.
+// over a grid of one-dimensional blocks, block after block, every block's threads as fibers (shim.h).
 //   emu MEM_FILE INSTANCE GX GY GZ BLOCK ARG...
 //   EMU_SMEM=bytes: dynamic shared memory a block, poisoned (0xFF) and guarded at its end;
 //   EMU_EAGER=1: cp.async copies land when issued (else at the wait_group that covers them);
@@ -72,28 +72,21 @@ int main(int argc, char** argv) {
     for (const dim3 at : order) {
         const unsigned bx = at.x, by = at.y, bz = at.z;
         EmuBlock blk;
-        std::barrier<> bb(blockDim.x);
-        std::vector<std::barrier<>*> wb;
-        for (unsigned w = 0; w < (blockDim.x + 31) / 32; ++w) wb.push_back(new std::barrier<>(32));
+        EmuBarrier bb(blockDim.x);
+        std::vector<EmuBarrier*> wb;
+        for (unsigned w = 0; w < (blockDim.x + 31) / 32; ++w) wb.push_back(new EmuBarrier(32));
         blk.block_bar = &bb;
         blk.warp_bar = wb;
         blk.xchg.assign(blockDim.x, 0u);
         blk.frag.assign(blockDim.x * 6, 0u);
         blk.smem = smem ? (unsigned char*)aligned_alloc(16, smem + 16) : nullptr;  // poisoned, a guard after
         if (smem) memset(blk.smem, 0xff, smem + 16);
-        std::vector<std::thread> th;
-        for (unsigned t = 0; t < blockDim.x; ++t) {
-            th.emplace_back([&, t] {
-                threadIdx.x = t;
-                blockIdx.x = bx; blockIdx.y = by; blockIdx.z = bz;
-                emu_ctx = &blk;
-                emu_pending.clear();
-                emu_groups = 0;
-                entry->call(args.data());
-                if (!emu_pending.empty()) { fprintf(stderr, "copies pending at exit\n"); bad = 1; }
-            });
-        }
-        for (auto& x : th) x.join();
+        blockIdx.x = bx; blockIdx.y = by; blockIdx.z = bz;
+        emu_ctx = &blk;
+        emu_run_block(blockDim.x, [&](unsigned) {
+            entry->call(args.data());
+            if (!emu_pending.empty()) { fprintf(stderr, "copies pending at exit\n"); bad = 1; }
+        });
         if (smem && memcmp(blk.smem + smem, "\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", 16)) {
             fprintf(stderr, "shared memory written past its end\n");
             bad = 1;

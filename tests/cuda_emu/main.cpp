@@ -1,5 +1,5 @@
 // The emulator's driver: runs one kernel instance of mmvq_stream.cu (transformed by the test: no
-// inline PTX) over a grid, block after block, every block's threads as std::threads.
+// inline PTX) over a grid, block after block, every block's threads as fibers (shim.h).
 //   emu MEM_FILE INSTANCE GX GY GZ BLOCK SMEM EAGER ARG...
 // MEM_FILE holds device memory (pointer arguments are byte offsets into it, 0 = nullptr) and gets
 // it back after the run. Exit status 1 if copies were left pending or shared memory overrun.
@@ -41,30 +41,23 @@ int main(int argc, char** argv) {
     for (unsigned by = 0; by < gridDim.y; ++by)
     for (unsigned bx = 0; bx < gridDim.x; ++bx) {
         EmuBlock blk;
-        std::barrier<> bb(blockDim.x);
-        std::vector<std::barrier<>*> wb;
-        for (unsigned w = 0; w < blockDim.x / 32; ++w) wb.push_back(new std::barrier<>(32));
+        EmuBarrier bb(blockDim.x);
+        std::vector<EmuBarrier*> wb;
+        for (unsigned w = 0; w < blockDim.x / 32; ++w) wb.push_back(new EmuBarrier(32));
         blk.block_bar = &bb;
         blk.warp_bar = wb;
         blk.xchg.assign(blockDim.x, 0u);
         blk.smem = (unsigned char*)aligned_alloc(16, smem + 16);
         memset(blk.smem, 0xff, smem + 16);
-        std::vector<std::thread> th;
-        for (unsigned t = 0; t < blockDim.x; ++t) {
-            th.emplace_back([&, t] {
-                threadIdx.x = t;
-                blockIdx.x = bx; blockIdx.y = by; blockIdx.z = bz;
-                emu_ctx = &blk;
-                emu_pending.clear();
-                emu_groups = 0;
-                fn(P(0), P(1), L(2), L(3), L(4), I(5), I(6), P(7), L(8), L(9), L(10), L(11), (float*)P(12), I(13),
-                   I(14), I(15), (const float*)P(16), (const float*)P(17), L(18), I(19), F(20), F(21), P(22),
-                   L(23), L(24), I(25), L(26), (const float*)P(27), F(28), (float*)P(29), I(30),
-                   (unsigned long long*)P(31), (unsigned)atoll(a[32]));
-                if (!emu_pending.empty()) { fprintf(stderr, "copies pending at exit\n"); bad = 1; }
-            });
-        }
-        for (auto& x : th) x.join();
+        blockIdx.x = bx; blockIdx.y = by; blockIdx.z = bz;
+        emu_ctx = &blk;
+        emu_run_block(blockDim.x, [&](unsigned) {
+            fn(P(0), P(1), L(2), L(3), L(4), I(5), I(6), P(7), L(8), L(9), L(10), L(11), (float*)P(12), I(13),
+               I(14), I(15), (const float*)P(16), (const float*)P(17), L(18), I(19), F(20), F(21), P(22),
+               L(23), L(24), I(25), L(26), (const float*)P(27), F(28), (float*)P(29), I(30),
+               (unsigned long long*)P(31), (unsigned)atoll(a[32]));
+            if (!emu_pending.empty()) { fprintf(stderr, "copies pending at exit\n"); bad = 1; }
+        });
         if (memcmp(blk.smem + smem, "\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", 16)) {
             fprintf(stderr, "shared memory written past its end\n"); bad = 1;
         }

@@ -95,24 +95,19 @@ static int encode_all(const std::vector<unsigned char>& in, std::vector<unsigned
     blockDim.x = 32;
     for (int g = 0; 4 * g < n; ++g) {
         EmuBlock blk;
-        std::barrier<> bb(32), wb(32);
+        EmuBarrier bb(32), wb(32);
         blk.block_bar = &bb;
         blk.warp_bar = {&wb};
         blk.xchg.assign(32, 0u);
         blk.smem = nullptr;
-        std::vector<std::thread> th;
-        for (unsigned t = 0; t < 32; ++t) {
-            th.emplace_back([&, t] {
-                threadIdx.x = t;
-                emu_ctx = &blk;
-                const int b = 4 * g + static_cast<int>(t) / 8, r = static_cast<int>(t) % 8;
-                const bool active = b < n;
-                float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                if (active) memcpy(v, x.data() + 32 * b + 4 * r, sizeof v);
-                encode8<Q>(v, r, active ? out.data() + b * Q::BYTES : spare, active);
-            });
-        }
-        for (auto& t : th) t.join();
+        emu_ctx = &blk;
+        emu_run_block(32, [&](unsigned t) {
+            const int b = 4 * g + static_cast<int>(t) / 8, r = static_cast<int>(t) % 8;
+            const bool active = b < n;
+            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (active) memcpy(v, x.data() + 32 * b + 4 * r, sizeof v);
+            encode8<Q>(v, r, active ? out.data() + b * Q::BYTES : spare, active);
+        });
     }
     for (unsigned char c : spare) {
         if (c != 0xee) return 1;

@@ -3,25 +3,26 @@
 // kernels, cuda_attention's fattn_decode.cu and the shared headers (common.cuh, quant.cuh) use, for
 // tests/test_mmvq_stream_emulated.py, tests/test_mmq_emulated.py, tests/test_mmq_frags_emulated.py,
 // tests/test_rows_emulated.py, tests/test_fattn_decode_emulated.py and tests/test_quant_header.py:
-// one std::thread per CUDA thread, std::barrier for __syncthreads / __syncwarp / shuffles, and
-// cp.async performed at wait_group time (lazy) or at issue (eager), and bulk copies when their mbarrier's
-// phase completes, so that a read of a stage before its wait sees the poisoned (0xFF) shared memory instead
-// of the weights. Shared addresses
-// (common.cuh's smem_addr) are offsets into the block's dynamic shared memory.
+// one fiber per CUDA thread (emu_run_block: a block's threads take turns on one OS thread, switching only at
+// __syncthreads / __syncwarp / shuffles, which are barriers, and at an mbarrier wait that cannot complete yet),
+// cp.async performed at wait_group time (lazy) or at issue (eager), and bulk copies when their mbarrier's phase
+// completes, so that a read of a stage before its wait sees the poisoned (0xFF) shared memory instead of the
+// weights. Shared addresses (common.cuh's smem_addr) are offsets into the block's dynamic shared memory.
 #pragma once
-#include <barrier>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
+#include <functional>
 #include <vector>
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <map>
-#include <mutex>
 
 #define __device__
 #define __host__
@@ -45,7 +46,7 @@ inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 inline int2 make_int2(int a, int b) { return {a, b}; }
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
-inline thread_local dim3 threadIdx, blockIdx;
+inline dim3 threadIdx, blockIdx;  // the running fiber's (emu_run_block swaps threadIdx)
 inline dim3 blockDim, gridDim;
 
 inline int min(int a, int b) { return a < b ? a : b; }
@@ -148,14 +149,130 @@ inline unsigned emu_mul_bf16x2(unsigned a, unsigned b) {
     return (unsigned)mul(a >> 16, b >> 16) << 16 | mul(a & 0xffffu, b & 0xffffu);
 }
 
+// cp.async's copies not yet landed and groups committed: the running fiber's (emu_run_block swaps them)
+struct EmuCopy { void* dst; const void* src; int group; int bytes; };  // bytes copied, the rest of 16 zeroed
+inline std::vector<EmuCopy> emu_pending;
+inline int emu_groups;
+
+// -- a block's CUDA threads as fibers of one OS thread -------------------------------------------------------
+// Each runs until it waits at a barrier or ends, then the next runnable one in index order (cyclically) takes
+// over; the last to arrive at a barrier releases the others and yields too, so each phase between barriers
+// runs its threads in index order. A barrier that can never fill (threads ended, or waiting elsewhere) is a
+// deadlock: reported, exit status 3.
+struct EmuFiber {
+    ucontext_t ctx;
+    dim3 tid;
+    std::vector<EmuCopy> pending;
+    int groups = 0;
+    bool blocked = false, done = false;
+};
+// bytes of stack a fiber (reserved, not committed until touched), a guard page below each
+inline constexpr size_t EMU_STACK = 1 << 20, EMU_GUARD = 1 << 12;
+inline std::vector<EmuFiber> emu_fibers;
+inline std::vector<char*> emu_stacks;
+inline ucontext_t emu_home;
+inline size_t emu_cur;
+inline const std::function<void(unsigned)>* emu_body;
+
+// the running fiber's state out, fiber `next`'s in, and on to it
+inline void emu_switch(size_t next) {
+    if (next == emu_cur) return;
+    EmuFiber& a = emu_fibers[emu_cur];
+    EmuFiber& b = emu_fibers[next];
+    a.tid = threadIdx;
+    a.pending.swap(emu_pending);
+    a.groups = emu_groups;
+    threadIdx = b.tid;
+    emu_pending.swap(b.pending);
+    emu_groups = b.groups;
+    emu_cur = next;
+    swapcontext(&a.ctx, &b.ctx);
+}
+
+// On to the next runnable fiber after the running one (the running one itself if it is the only one); false
+// if none is runnable, not even the running one.
+inline bool emu_yield() {
+    const size_t n = emu_fibers.size();
+    for (size_t i = 1; i <= n; ++i) {
+        const size_t j = (emu_cur + i) % n;
+        if (!emu_fibers[j].blocked && !emu_fibers[j].done) {
+            emu_switch(j);
+            return true;
+        }
+    }
+    return false;
+}
+
+inline void emu_deadlock() {
+    size_t waiting = 0;
+    for (const EmuFiber& f : emu_fibers) waiting += f.blocked;
+    fprintf(stderr, "deadlock: %zu of %zu threads wait at a barrier that cannot fill\n", waiting, emu_fibers.size());
+    fflush(stderr);
+    _exit(3);
+}
+
+struct EmuBarrier {
+    explicit EmuBarrier(unsigned count) : n(count) {}
+    void arrive_and_wait() {
+        if (++arrived < n) {
+            waiting.push_back(emu_cur);
+            emu_fibers[emu_cur].blocked = true;
+            if (!emu_yield()) emu_deadlock();
+            return;
+        }
+        arrived = 0;
+        for (size_t f : waiting) emu_fibers[f].blocked = false;
+        waiting.clear();
+        emu_yield();
+    }
+    unsigned n, arrived = 0;
+    std::vector<size_t> waiting;
+};
+
+inline void emu_fiber_main() {
+    (*emu_body)(emu_fibers[emu_cur].tid.x);
+    emu_fibers[emu_cur].done = true;
+    if (emu_yield()) return;  // never resumed: done
+    for (const EmuFiber& f : emu_fibers) {
+        if (!f.done) emu_deadlock();
+    }
+}  // the last one: back to emu_run_block (uc_link)
+
+// body(t) for t = 0 .. n-1, each a fiber with threadIdx.x = t (and its own cp.async state), until all have ended.
+inline void emu_run_block(unsigned n, const std::function<void(unsigned)>& body) {
+    while (emu_stacks.size() < n) {
+        void* p = mmap(nullptr, EMU_STACK + EMU_GUARD, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                       -1, 0);
+        if (p == MAP_FAILED || mprotect(p, EMU_GUARD, PROT_NONE)) { perror("fiber stack"); _exit(2); }
+        emu_stacks.push_back(static_cast<char*>(p));
+    }
+    emu_fibers.clear();
+    emu_fibers.resize(n);
+    for (unsigned t = 0; t < n; ++t) {
+        EmuFiber& f = emu_fibers[t];
+        f.tid = dim3{t, 0, 0};
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = emu_stacks[t] + EMU_GUARD;
+        f.ctx.uc_stack.ss_size = EMU_STACK;
+        f.ctx.uc_link = &emu_home;
+        makecontext(&f.ctx, emu_fiber_main, 0);
+    }
+    emu_body = &body;
+    emu_cur = 0;
+    threadIdx = emu_fibers[0].tid;
+    emu_pending.clear();
+    emu_groups = 0;
+    swapcontext(&emu_home, &emu_fibers[0].ctx);
+}
+
 struct EmuBlock {
-    std::barrier<>* block_bar;
-    std::vector<std::barrier<>*> warp_bar;
+    EmuBarrier* block_bar;
+    std::vector<EmuBarrier*> warp_bar;
     std::vector<unsigned> xchg;
     unsigned char* smem;
     std::vector<unsigned> frag;  // the mma emulations' exchange (emu_mma_post): 6 words a thread
 };
-inline thread_local EmuBlock* emu_ctx;
+inline EmuBlock* emu_ctx;
 
 inline void __syncthreads() { emu_ctx->block_bar->arrive_and_wait(); }
 // common.cuh's od::last_block (not called by mmvq_stream, but compiled with the header)
@@ -201,10 +318,7 @@ inline T __shfl_xor_sync(unsigned, T v, int off, int = 32) {
     return r;
 }
 
-// cp.async
-struct EmuCopy { void* dst; const void* src; int group; int bytes; };  // bytes copied, the rest of 16 zeroed
-inline thread_local std::vector<EmuCopy> emu_pending;
-inline thread_local int emu_groups;  // committed groups
+// cp.async (emu_pending, emu_groups: the running fiber's)
 inline bool emu_eager;
 inline unsigned char* emu_gmem_lo;
 inline unsigned char* emu_gmem_hi;
@@ -238,14 +352,16 @@ inline void emu_wait(int n) {
 }
 
 // cp.async.bulk and its mbarrier (common.cuh's bulk copies): a barrier's copies land when its phase completes, which
-// a waiting lane does once the barrier is armed (expect_tx) and the copies issued add up to the bytes armed; a wait
-// that finds them short keeps waiting (another lane may still be issuing) and aborts after 10 s (a stage whose copies
-// never add up to what its barrier expects, or were never issued). The barriers of every block, by (smem, address).
+// a waiting thread does once the barrier is armed (expect_tx) and the copies issued add up to the bytes armed. A wait
+// that finds them short lets the other threads run (another lane may still be issuing); should waits keep failing
+// (EMU_BAR_SPINS in a row, every thread's), a stage's copies never add up to what its barrier expects, or were never
+// issued: reported, abort. The barriers by (the block's shared memory, address).
 struct EmuBulk { void* dst; const void* src; unsigned bytes; };
 struct EmuBar { int phase = 0; bool armed = false; long long expected = 0, issued = 0; std::vector<EmuBulk> copies; };
-inline std::mutex emu_bar_mu;
 inline std::map<std::pair<const unsigned char*, unsigned>, EmuBar> emu_bars;
-inline EmuBar& emu_bar(unsigned bar) {  // under emu_bar_mu
+inline constexpr long long EMU_BAR_SPINS = 1 << 20;
+inline long long emu_bar_spins;  // waits failed in a row
+inline EmuBar& emu_bar(unsigned bar) {
     auto it = emu_bars.find({emu_ctx->smem, bar});
     if (it == emu_bars.end()) {
         fprintf(stderr, "mbarrier at %u used before mbarrier.init\n", bar);
@@ -258,11 +374,9 @@ inline void emu_mbar_init(unsigned bar, unsigned count) {
         fprintf(stderr, "mbarrier.init at %u with count %u (the emulation takes count 1, 8-byte aligned)\n", bar, count);
         std::abort();
     }
-    const std::lock_guard<std::mutex> lock(emu_bar_mu);
     emu_bars[{emu_ctx->smem, bar}] = EmuBar{};
 }
 inline void emu_mbar_expect_tx(unsigned bar, unsigned bytes) {
-    const std::lock_guard<std::mutex> lock(emu_bar_mu);
     EmuBar& b = emu_bar(bar);
     if (b.armed) {
         fprintf(stderr, "mbarrier at %u armed twice in one phase\n", bar);
@@ -277,37 +391,28 @@ inline void emu_bulk(unsigned saddr, const void* src, unsigned bytes, unsigned b
         fprintf(stderr, "cp.async.bulk out of range or misaligned: src %p, shared %u, %u bytes\n", src, saddr, bytes);
         std::abort();
     }
-    const std::lock_guard<std::mutex> lock(emu_bar_mu);
     EmuBar& b = emu_bar(bar);
     b.copies.push_back({emu_ctx->smem + saddr, src, bytes});
     b.issued += bytes;
 }
 inline bool emu_mbar_try_wait(unsigned bar, unsigned parity) {
-    thread_local std::chrono::steady_clock::time_point since;
-    thread_local bool waiting = false;
-    {
-        const std::lock_guard<std::mutex> lock(emu_bar_mu);
-        EmuBar& b = emu_bar(bar);
-        bool done = (unsigned)(b.phase & 1) != parity;  // the phase of that parity has completed already
-        if (!done && b.armed && b.issued == b.expected) {
-            for (const EmuBulk& c : b.copies) memcpy(c.dst, c.src, c.bytes);
-            b = EmuBar{b.phase + 1};
-            done = true;
-        }
-        if (done) {
-            waiting = false;
-            return true;
-        }
-        if (!waiting) {
-            waiting = true;
-            since = std::chrono::steady_clock::now();
-        } else if (std::chrono::steady_clock::now() - since > std::chrono::seconds(10)) {
-            fprintf(stderr, "mbarrier at %u: phase %d never completes (armed %d, %lld bytes expected, %lld issued)\n",
-                    bar, b.phase, (int)b.armed, b.expected, b.issued);
-            std::abort();
-        }
+    EmuBar& b = emu_bar(bar);
+    bool done = (unsigned)(b.phase & 1) != parity;  // the phase of that parity has completed already
+    if (!done && b.armed && b.issued == b.expected) {
+        for (const EmuBulk& c : b.copies) memcpy(c.dst, c.src, c.bytes);
+        b = EmuBar{b.phase + 1};
+        done = true;
     }
-    std::this_thread::yield();
+    if (done) {
+        emu_bar_spins = 0;
+        return true;
+    }
+    if (++emu_bar_spins > EMU_BAR_SPINS) {
+        fprintf(stderr, "mbarrier at %u: phase %d never completes (armed %d, %lld bytes expected, %lld issued)\n",
+                bar, b.phase, (int)b.armed, b.expected, b.issued);
+        std::abort();
+    }
+    emu_yield();  // the lanes that arm and issue run
     return false;
 }
 
