@@ -124,10 +124,11 @@ NVVM_OPT = ["-Xcicc", "-O0"]
 
 def nvcc(source: Path, workdir: Path, kernels_dir: Path, arch: str | None = None) -> None:
     """Compile as load_module does: the shared headers and the kernel's own folder on the include path, for `arch`
-    (the kernel file's kernels.source_arch: sm_90a) or sm_90 (NVVM's optimizer off: NVVM_OPT)."""
+    (the kernel file's kernels.source_arch: sm_90a) or sm_90 (NVVM's optimizer off: NVVM_OPT), device code only
+    (-cubin: the front end, NVVM and ptxas, as NVRTC; no host compiler pass, which NVRTC never runs)."""
     target = [f"-gencode=arch=compute_{arch[3:]},code={arch}"] if arch else ["-arch=sm_90"]
-    cmd = [NVCC, *target, "-std=c++17", *NVVM_OPT, f"-I{INCLUDE}", f"-I{kernels_dir}", "-c", str(source),
-           "-o", str(workdir / "out.o")]
+    cmd = [NVCC, *target, "-std=c++17", *NVVM_OPT, f"-I{INCLUDE}", f"-I{kernels_dir}", "-cubin", str(source),
+           "-o", str(workdir / "out.cubin")]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, timeout=600)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
 
