@@ -66,6 +66,13 @@ def weight(name: str, shape: tuple, dtype: str, seed: int = 0) -> Tensor:
     return od.param(name, np.random.default_rng(seed).uniform(-1, 1, shape).astype(np.float32), dtype)
 
 
+def zero_weight(name: str, shape: tuple, dtype: str) -> Tensor:
+    """A weight of `dtype` and `shape` holding zero bytes: for the selection and launch-spec tests, which read
+    shapes only (quantizing random values of the large shapes takes seconds)."""
+    rows = int(np.prod(shape[:-1]))
+    return od.param(name, np.zeros(rows * DTYPES[dtype].row_bytes(shape[-1]), np.uint8), dtype, shape=shape)
+
+
 # -- the plugin, without a GPU ---------------------------------------------------------------
 
 
@@ -1468,7 +1475,7 @@ def test_a8_configs_fit_and_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert mmq.conv_bytes("q2_K", mmq.A8_WIDE) == 8 * 8 * (512 + 8 * 32)
     force_a8(monkeypatch, mmq.A8_WIDE)
     for dt, m, k, n, splits in (("q4_0", 4096, 14336, 512, 1), ("q6_K", 77, 4096, 129, 1), ("q8_0", 300, 2048, 100, 2)):
-        y = ops.mul_mat(weight("w", (m, k), dt), od.input("x", (n, k)))
+        y = ops.mul_mat(zero_weight("w", (m, k), dt), od.input("x", (n, k)))
         assert support.choose(y, H200).path == "mmq"
         quant, spec = mmq.mmq_specs(y, fake_ptr, fake_scratch)
         cfg = attrs.evolve(mmq.A8_WIDE, splits=splits)
@@ -1602,7 +1609,7 @@ def test_mmq_small_config_by_waves_on_the_h200() -> None:
     for (m, k), wave in (((3072, 2048), True), ((2048, 2048), True), ((8192, 2048), False), ((2048, 8192), False),
                          ((4096, 14336), False)):
         for dt in ("q4_0", "q4_K", "q8_0"):
-            node = ops.mul_mat(weight("w", (m, k), dt), od.input("x", (16, k)))
+            node = ops.mul_mat(zero_weight("w", (m, k), dt), od.input("x", (16, k)))
             cfg = mmq_small.small_config(node, H200)
             assert cfg == (mmq_small.SMALL_WAVE if wave else mmq_small.SMALL), (dt, m, k)
             g = mmq_small.small_grid(m, k, 1, H200, cfg)
