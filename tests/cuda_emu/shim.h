@@ -54,6 +54,7 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 
 inline float __int_as_float(int v) { float f; memcpy(&f, &v, 4); return f; }
+inline int __float_as_int(float f) { int v; memcpy(&v, &f, 4); return v; }
 inline float __uint_as_float(unsigned v) { float f; memcpy(&f, &v, 4); return f; }
 inline unsigned __float_as_uint(float v) { unsigned u; memcpy(&u, &v, 4); return u; }
 inline float __fdividef(float a, float b) { return a / b; }
@@ -80,6 +81,11 @@ inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+}
+// a's two int16 halves times b's two low bytes (signed), plus c
+inline int __dp2a_lo(int a, int b, int c) {
+    for (int i = 0; i < 2; ++i) c += (int)(short)(a >> (16 * i)) * (int)(signed char)(b >> (8 * i));
     return c;
 }
 // dp4a.u32.s32 (common.cuh's od::dp4a_us): a's bytes unsigned, b's signed

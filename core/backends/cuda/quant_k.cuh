@@ -9,7 +9,8 @@
 //                         of values 4i .. 4i+3, ds = (q8_1 d, d * sum(codes)) (the mat-vecs)
 //   dot32_in(src, u, b, ds)  the same, the block's bytes read through a byte source (Mem: memory at
 //                         a pointer, what dot32 passes; Regs: the register words of a run of blocks,
-//                         mmvq_stream's chunks), the same operations in the same order
+//                         mmvq_stream's chunks), the same operations in the same order; dot32_in<true>
+//                         takes b as mmvq_stream stores it where that differs (PAIRS, HALF_SUMS)
 //
 // so that value j = d * code - m, ggml's dequantize_row_* one float32 operation at a time
 // ((d*sc)*q - (dmin*m)), bit-exact with opdispatch.dtypes.dequantize (and gguf-py's quants).
@@ -45,6 +46,9 @@ struct SubScaled {
     static constexpr int SUB = SUB_;  // values sharing one scale (and min)
     static constexpr int M = M_;      // byte offset of dmin, -1 without mins
     static constexpr bool PAIRS = false;  // dot32_in<true> takes b's codes in nibble-pair order (pair_word)
+    // dot32_in<true> takes the sums of b's codes over each half of 16 in ds.y's bits (two int16, low half
+    // first: mmvq_stream's b) instead of d * sum(codes)
+    static constexpr bool HALF_SUMS = false;
     static constexpr int GRID_BYTES = 0;  // a grid format's lookup grid (quant_iq.cuh's GridScaled)
 };
 
@@ -229,6 +233,7 @@ __device__ __forceinline__ int dot8(const unsigned (&q)[8], const int (&b)[8]) {
 
 struct q2_K : SubScaled<256, 84, 16, 82> {
     static constexpr int SC = 0, QS = 16, D = 80;
+    static constexpr bool HALF_SUMS = true;
     static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
         const unsigned sc = blk[SC + s];
         d = __fmul_rn(half_at(blk + D), static_cast<float>(sc & 15u));
@@ -237,7 +242,7 @@ struct q2_K : SubScaled<256, 84, 16, 82> {
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
         return (blk[QS + 32 * (j >> 7) + (j & 31)] >> (2 * ((j >> 5) & 3))) & 3;
     }
-    template <class S>
+    template <bool SUMS = false, class S>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
         const int qs = QS + 32 * (u >> 2), c = u & 3;
         unsigned q[8];
@@ -248,9 +253,14 @@ struct q2_K : SubScaled<256, 84, 16, 82> {
         int2 h = dot_halves<true>(q, b);
         h = make_int2(h.x >> (2 * c), h.y >> (2 * c));
         const unsigned s0 = src.u8(SC + 2 * u), s1 = src.u8(SC + 2 * u + 1);
-        // the mins times the sums of b's codes over each half
-        const int2 sb = sum_halves(b);
-        const int mins = static_cast<int>(s0 >> 4) * sb.x + static_cast<int>(s1 >> 4) * sb.y;
+        // the mins times the sums of b's codes over each half: given (SUMS, one dp2a), or summed here
+        int mins;
+        if constexpr (SUMS) {
+            mins = __dp2a_lo(__float_as_int(ds.y), static_cast<int>((src.u16(SC + 2 * u) >> 4) & 0x0f0fu), 0);
+        } else {
+            const int2 sb = sum_halves(b);
+            mins = static_cast<int>(s0 >> 4) * sb.x + static_cast<int>(s1 >> 4) * sb.y;
+        }
         const int dots = static_cast<int>(s0 & 15u) * h.x + static_cast<int>(s1 & 15u) * h.y;
         return ds.x * (half_in(src, D) * static_cast<float>(dots) - half_in(src, M) * static_cast<float>(mins));
     }

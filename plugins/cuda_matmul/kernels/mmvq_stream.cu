@@ -53,7 +53,8 @@
 //           gridDim.y, gridDim.z) split the groups of a batch into even contiguous ranges
 //           (warp w: groups [w * groups / W, (w + 1) * groups / W)).
 //   b       column n's piece c at bs + (n * C + c) * BCHUNK: NU = LB * QK / 32 q8_1 blocks of 32
-//           int8 codes (the table formats': in nibble-pair order), then NU float2 (d, d * sum), padded
+//           int8 codes (the table formats': in nibble-pair order), then NU float2 (d, d * sum; Fmt::HALF_SUMS:
+//           (d, the two halves' sums as int16 in the float's bits), q2_K's mins' dp2a operand), padded
 //           to an odd number of granules (conflict-free as the weights); codes read with 16-byte loads,
 //           (d, d * sum) two blocks at a time (legacy) or one (a unit of quant_k.cuh's formats).
 // RAGGED (instances of their own: rows that are not whole chunks, so row starts off 16-byte boundaries; one
@@ -223,7 +224,8 @@ __device__ __forceinline__ void load_b(const u8* src, long long b_es, bool vec, 
 // Half h of a block of 32 values to q8_1 at dst (its chunk's b bytes), slot jj of the chunk, as
 // quantize_q8_1: amax over the 32 values (NaN if one is), d = amax / 127, codes v * 127 / amax
 // rounded half to even (od::quant::q8_1::code); the codes in value order, or for the 4-bit table formats
-// (Fmt::PAIRS) in nibble-pair order, so that their lookups skip a sort (quant_k.cuh's pair_word).
+// (Fmt::PAIRS) in nibble-pair order, so that their lookups skip a sort (quant_k.cuh's pair_word); with
+// Fmt::HALF_SUMS the halves' code sums in place of d * sum (q2_K: its mins' products without summing b again).
 // The two halves are lanes l and l ^ 1 of one warp, which meet by shuffles (every lane of the warp
 // calls this; `store` false: a lane with no block this round, whose partner has none either).
 template <int WT>
@@ -250,7 +252,10 @@ __device__ __forceinline__ void store_q8_1_half(const float (&v)[16], int h, boo
         }
         w[i] = word;
     }
-    sum += __shfl_xor_sync(od::FULL_MASK, sum, 1);
+    const int other = __shfl_xor_sync(od::FULL_MASK, sum, 1);
+    // Fmt::HALF_SUMS: ds.y's bits are the halves' sums as two int16 (|sum| <= 16 * 127), low half (lane h = 0) first
+    const float dsy = mm::Fmt<WT>::HALF_SUMS ? __int_as_float((sum & 0xffff) | (other << 16))
+                                             : d * static_cast<float>(sum + other);
     if constexpr (mm::Fmt<WT>::PAIRS) {
         // nibble-pair order (quant_k.cuh's pair_word): half h's words are pairs of natural words 2h, 2h + 1
         // (this lane's when h = 0) and 4 + 2h, 5 + 2h (the partner's when h = 0)
@@ -265,7 +270,7 @@ __device__ __forceinline__ void store_q8_1_half(const float (&v)[16], int h, boo
     if (store) {
         reinterpret_cast<uint4*>(dst + 32 * jj)[h] = make_uint4(w[0], w[1], w[2], w[3]);
         if (h == 0) {
-            reinterpret_cast<float2*>(dst + Gm::BCODES)[jj] = make_float2(d, d * static_cast<float>(sum));
+            reinterpret_cast<float2*>(dst + Gm::BCODES)[jj] = make_float2(d, dsy);
         }
     }
 }
@@ -531,7 +536,7 @@ __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, in
                 const int4 hi = reinterpret_cast<const int4*>(bc + 32 * u)[1];
                 const float2 ds = reinterpret_cast<const float2*>(bc + Gm::BCODES)[u];
                 const int bq[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-                if constexpr (F::PAIRS) {  // b in nibble-pair order (quantize_b)
+                if constexpr (F::PAIRS || F::HALF_SUMS) {  // b as quantize_b stores it for them
                     acc[n] += F::template dot32_in<true>(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds);
                 } else if constexpr (F::GRID_BYTES > 0) {  // the grid's copy in shared memory (stage_grid)
                     acc[n] += F::dot32_in(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds,
