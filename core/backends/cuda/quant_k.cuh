@@ -52,11 +52,38 @@ struct SubScaled {
     static constexpr int GRID_BYTES = 0;  // a grid format's lookup grid (quant_iq.cuh's GridScaled)
 };
 
+// A 16-entry int8 table as 4 words (entry i is byte i % 4 of word i / 4).
+struct Table16 {
+    unsigned w[4];
+};
+
+__device__ __forceinline__ constexpr unsigned pack4(int a, int b, int c, int d) {
+    return (static_cast<unsigned>(a) & 0xffu) | ((static_cast<unsigned>(b) & 0xffu) << 8)
+        | ((static_cast<unsigned>(c) & 0xffu) << 16) | ((static_cast<unsigned>(d) & 0xffu) << 24);
+}
+
+// ggml's kvalues_iq4nl, and kvalues_mxfp4 (e2m1 values doubled).
+__device__ __forceinline__ constexpr Table16 iq4nl_table() {
+    return {{pack4(-127, -104, -83, -65), pack4(-49, -35, -22, -10), pack4(1, 13, 25, 38), pack4(53, 69, 89, 113)}};
+}
+__device__ __forceinline__ constexpr Table16 mxfp4_table() {
+    return {{pack4(0, 1, 2, 3), pack4(4, 6, 8, 12), pack4(0, -1, -2, -3), pack4(-4, -6, -8, -12)}};
+}
+
+// The same tables in global memory, [iq4nl, mxfp4] (Table4::TABLE): a kernel that loads its format's once and passes
+// it to dot32_in holds the 4 words in registers, where ptxas rematerialized the constants before every permute
+// (mmvq_stream's iq4_xs: 16 moves of a 32-value unit's 90 instructions, ncu on the H200, session 29).
+__device__ Table16 table4_mem[2] = {iq4nl_table(), mxfp4_table()};
+
+__device__ __forceinline__ constexpr Table16 table4(int i) { return i == 0 ? iq4nl_table() : mxfp4_table(); }
+
 // The 4-bit table formats (iq4_nl, iq4_xs, mxfp4): dot32_in<PAIRED> takes b's codes in natural order, or in
 // nibble-pair order (dot8's sum does not depend on it: mmvq_stream stores its b so, mmv reads quantize_q8_1's).
-template <int QK_, int BYTES_>
+template <int QK_, int BYTES_, int TABLE_>
 struct Table4 : SubScaled<QK_, BYTES_, 32, -1> {
     static constexpr bool PAIRS = true;
+    static constexpr int TABLE = TABLE_;  // its table: table4(TABLE), table4_mem[TABLE]
+    static __device__ __forceinline__ constexpr Table16 table() { return table4(TABLE_); }
 };
 
 __device__ __forceinline__ float half_at(const unsigned char* p) {
@@ -124,24 +151,6 @@ __device__ __forceinline__ unsigned centre4(unsigned w) {
 
 __device__ __forceinline__ int dot4(unsigned a, unsigned b, int c) {
     return __dp4a(static_cast<int>(a), static_cast<int>(b), c);
-}
-
-// A 16-entry int8 table as 4 words (entry i is byte i % 4 of word i / 4).
-struct Table16 {
-    unsigned w[4];
-};
-
-__device__ __forceinline__ constexpr unsigned pack4(int a, int b, int c, int d) {
-    return (static_cast<unsigned>(a) & 0xffu) | ((static_cast<unsigned>(b) & 0xffu) << 8)
-        | ((static_cast<unsigned>(c) & 0xffu) << 16) | ((static_cast<unsigned>(d) & 0xffu) << 24);
-}
-
-// ggml's kvalues_iq4nl, and kvalues_mxfp4 (e2m1 values doubled).
-__device__ __forceinline__ constexpr Table16 iq4nl_table() {
-    return {{pack4(-127, -104, -83, -65), pack4(-49, -35, -22, -10), pack4(1, 13, 25, 38), pack4(53, 69, 89, 113)}};
-}
-__device__ __forceinline__ constexpr Table16 mxfp4_table() {
-    return {{pack4(0, 1, 2, 3), pack4(4, 6, 8, 12), pack4(0, -1, -2, -3), pack4(-4, -6, -8, -12)}};
 }
 
 // The table entries of the 8 nibbles of w, a word of q4_0-style nibbles (low nibbles values 4i ..
@@ -395,7 +404,7 @@ struct q6_K : SubScaled<256, 210, 16, -1> {
 
 // -- the 4-bit table formats --------------------------------------------------------------------
 
-struct iq4_nl : Table4<32, 18> {
+struct iq4_nl : Table4<32, 18, 0> {
     static constexpr int D = 0, QS = 2;
     static __device__ __forceinline__ void scale(const unsigned char* blk, int, float& d, float& m) {
         d = half_at(blk + D);
@@ -405,9 +414,10 @@ struct iq4_nl : Table4<32, 18> {
         return entry(iq4nl_table(), (blk[QS + (j & 15)] >> (4 * (j >> 4))) & 15u);
     }
     template <bool PAIRED = false, class S>
-    static __device__ __forceinline__ float dot32_in(const S& src, int, const int (&b)[8], float2 ds) {
+    static __device__ __forceinline__ float dot32_in(const S& src, int, const int (&b)[8], float2 ds,
+                                                    const Table16& t = table()) {
         unsigned q[8];
-        table_words<PAIRED>(src, QS, iq4nl_table(), q);
+        table_words<PAIRED>(src, QS, t, q);
         return ds.x * half_in(src, D) * static_cast<float>(dot8(q, b));
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
@@ -415,7 +425,7 @@ struct iq4_nl : Table4<32, 18> {
     }
 };
 
-struct iq4_xs : Table4<256, 136> {
+struct iq4_xs : Table4<256, 136, 0> {
     static constexpr int D = 0, SH = 2, SL = 4, QS = 8;
     template <class S>
     static __device__ __forceinline__ int ls(const S& src, int s) {
@@ -431,9 +441,10 @@ struct iq4_xs : Table4<256, 136> {
         return entry(iq4nl_table(), (blk[QS + 16 * (j >> 5) + (j & 15)] >> (4 * ((j >> 4) & 1))) & 15u);
     }
     template <bool PAIRED = false, class S>
-    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
+                                                    const Table16& t = table()) {
         unsigned q[8];
-        table_words<PAIRED>(src, QS + 16 * u, iq4nl_table(), q);
+        table_words<PAIRED>(src, QS + 16 * u, t, q);
         return ds.x * half_in(src, D) * static_cast<float>(ls(src, u) * dot8(q, b));
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
@@ -441,7 +452,7 @@ struct iq4_xs : Table4<256, 136> {
     }
 };
 
-struct mxfp4 : Table4<32, 17> {
+struct mxfp4 : Table4<32, 17, 1> {
     static constexpr int E = 0, QS = 1;
     // ggml's e8m0_to_fp32_half: 2^(e - 128) (half the block scale, kvalues being doubled)
     static __device__ __forceinline__ float half_scale(unsigned e) {
@@ -455,9 +466,10 @@ struct mxfp4 : Table4<32, 17> {
         return entry(mxfp4_table(), (blk[QS + (j & 15)] >> (4 * (j >> 4))) & 15u);
     }
     template <bool PAIRED = false, class S>
-    static __device__ __forceinline__ float dot32_in(const S& src, int, const int (&b)[8], float2 ds) {
+    static __device__ __forceinline__ float dot32_in(const S& src, int, const int (&b)[8], float2 ds,
+                                                    const Table16& t = table()) {
         unsigned q[8];
-        table_words<PAIRED>(src, QS, mxfp4_table(), q);
+        table_words<PAIRED>(src, QS, t, q);
         return ds.x * half_scale(src.u8(E)) * static_cast<float>(dot8(q, b));
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
