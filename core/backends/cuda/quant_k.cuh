@@ -73,9 +73,16 @@ __device__ __forceinline__ constexpr Table16 mxfp4_table() {
 // The same tables in global memory, [iq4nl, mxfp4] (Table4::TABLE): a kernel that loads its format's once and passes
 // it to dot32_in holds the 4 words in registers, where ptxas rematerialized the constants before every permute
 // (mmvq_stream's iq4_xs: 16 moves of a 32-value unit's 90 instructions, ncu on the H200, session 29).
-__device__ Table16 table4_mem[2] = {iq4nl_table(), mxfp4_table()};
+// mxfp4's values plus MXFP4_BIAS, all in [0, 127]: its dot products look them up (lookup8_pairs<true>) and subtract
+// MXFP4_BIAS times b's sum
+constexpr int MXFP4_BIAS = 12;
+__device__ __forceinline__ constexpr Table16 mxfp4_biased_table() {
+    return {{pack4(12, 13, 14, 15), pack4(16, 18, 20, 24), pack4(12, 11, 10, 9), pack4(8, 6, 4, 0)}};
+}
 
-__device__ __forceinline__ constexpr Table16 table4(int i) { return i == 0 ? iq4nl_table() : mxfp4_table(); }
+// The tables the formats' dot products look up: table4(Table4::TABLE)
+__device__ __forceinline__ constexpr Table16 table4(int i) { return i == 0 ? iq4nl_table() : mxfp4_biased_table(); }
+__device__ Table16 table4_mem[2] = {table4(0), table4(1)};
 
 // The 4-bit table formats (iq4_nl, iq4_xs, mxfp4): dot32_in<PAIRED> takes b's codes in natural order, or in
 // nibble-pair order (dot8's sum does not depend on it: mmvq_stream stores its b so, mmv reads quantize_q8_1's).
@@ -158,18 +165,29 @@ __device__ __forceinline__ int dot4(unsigned a, unsigned b, int c) {
 // high nibble, byte 1's), p1 = nibbles 4..7. Byte permutes read a nibble as a selector (its 3 low bits
 // pick one of the 8 bytes of a pair of table words): the two pairs' picks, then each nibble's bit 3
 // chooses between them (selector byte i or 4 + i). 11 operations for 8 values.
+// POS: every entry of t in [0, 127] (mxfp4_biased_table): each half's picks take the nibbles as they are, a selector
+// nibble with bit 3 set giving its byte's sign bit, 0 here: the low half's picks with w, the high half's with w ^
+// 0x88888888, OR-ed (9 operations for 8 values).
+template <bool POS = false>
 __device__ __forceinline__ void lookup8_pairs(const Table16& t, unsigned w, unsigned& p0, unsigned& p1) {
-    const unsigned x = w & 0x77777777u;
-    const unsigned s = ((w >> 1) & 0x44444444u) | 0x32103210u;
-    p0 = prmt(prmt(t.w[0], t.w[1], x), prmt(t.w[2], t.w[3], x), s);
-    p1 = prmt(prmt(t.w[0], t.w[1], x >> 16), prmt(t.w[2], t.w[3], x >> 16), s >> 16);
+    if constexpr (POS) {
+        const unsigned x = w ^ 0x88888888u;
+        p0 = prmt(t.w[0], t.w[1], w) | prmt(t.w[2], t.w[3], x);
+        p1 = prmt(t.w[0], t.w[1], w >> 16) | prmt(t.w[2], t.w[3], x >> 16);
+    } else {
+        const unsigned x = w & 0x77777777u;
+        const unsigned s = ((w >> 1) & 0x44444444u) | 0x32103210u;
+        p0 = prmt(prmt(t.w[0], t.w[1], x), prmt(t.w[2], t.w[3], x), s);
+        p1 = prmt(prmt(t.w[0], t.w[1], x >> 16), prmt(t.w[2], t.w[3], x >> 16), s >> 16);
+    }
 }
 
 // The same entries sorted by value: lo = the low nibbles' entries (values 4i .. 4i+3), hi = the high
 // nibbles' (13 operations, where masking, shifting and selecting each index took 27).
+template <bool POS = false>
 __device__ __forceinline__ void lookup8(const Table16& t, unsigned w, unsigned& lo, unsigned& hi) {
     unsigned p0, p1;
-    lookup8_pairs(t, w, p0, p1);
+    lookup8_pairs<POS>(t, w, p0, p1);
     lo = prmt(p0, p1, 0x6420u);
     hi = prmt(p0, p1, 0x7531u);
 }
@@ -204,14 +222,14 @@ __device__ __forceinline__ int2 dot_halves(const unsigned (&q)[8], const int (&b
 // The q4_0-style nibbles of the 16 bytes at byte qs of src (value i low nibble of byte i, value 16 + i
 // high) through table t: q[i] = the entries of values 4i .. 4i+3, or with PAIRED in nibble-pair order
 // (pair_word's), two permutes a word fewer.
-template <bool PAIRED, class S>
+template <bool PAIRED, bool POS = false, class S>
 __device__ __forceinline__ void table_words(const S& src, int qs, const Table16& t, unsigned (&q)[8]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         if constexpr (PAIRED) {
-            lookup8_pairs(t, src.u32(qs + 4 * i), q[2 * i], q[2 * i + 1]);
+            lookup8_pairs<POS>(t, src.u32(qs + 4 * i), q[2 * i], q[2 * i + 1]);
         } else {
-            lookup8(t, src.u32(qs + 4 * i), q[i], q[i + 4]);
+            lookup8<POS>(t, src.u32(qs + 4 * i), q[i], q[i + 4]);
         }
     }
 }
@@ -469,8 +487,9 @@ struct mxfp4 : Table4<32, 17, 1> {
     static __device__ __forceinline__ float dot32_in(const S& src, int, const int (&b)[8], float2 ds,
                                                     const Table16& t = table()) {
         unsigned q[8];
-        table_words<PAIRED>(src, QS, t, q);
-        return ds.x * half_scale(src.u8(E)) * static_cast<float>(dot8(q, b));
+        table_words<PAIRED, true>(src, QS, t, q);  // the values plus MXFP4_BIAS
+        const int2 h = dot_halves<true>(q, b);
+        return half_scale(src.u8(E)) * (ds.x * static_cast<float>(h.x + h.y) - static_cast<float>(MXFP4_BIAS) * ds.y);
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
         return dot32_in(Mem<true>{blk}, u, b, ds);

@@ -132,7 +132,7 @@ __device__ __forceinline__ void sub_step(const u8* blk, int u, int t, unsigned& 
         y = -q::half_in(src, Q::M);
         return;
     } else {  // iq4_nl, iq4_xs, mxfp4: q4_0's nibble order through the format's table
-        constexpr q::Table16 table = Q::table();
+        constexpr q::Table16 table = WT == W_MXFP4 ? q::mxfp4_table() : q::iq4nl_table();
         const unsigned w = src.u32(Q::QS + (WT == W_IQ4_XS ? 16 * u : 0) + 4 * t);
         q::lookup8(table, w, lo, hi);
     }
