@@ -234,6 +234,11 @@ __device__ __forceinline__ void table_words(const S& src, int qs, const Table16&
     }
 }
 
+// lo and hi's low 16 bits as one word, lo's first (dp2a's int16 pair)
+__device__ __forceinline__ int pack16(int lo, int hi) {
+    return static_cast<int>(prmt(static_cast<unsigned>(lo), static_cast<unsigned>(hi), 0x5410u));
+}
+
 // x * 2^sh, sh of either sign (a constant once unrolled; x >> -sh exact on the masked dots, multiples of 2^-sh).
 __device__ __forceinline__ int shift2(int x, int sh) {
     return sh >= 0 ? x << sh : x >> -sh;
@@ -277,18 +282,20 @@ struct q2_K : SubScaled<256, 84, 16, 82> {
         for (int i = 0; i < 8; ++i) {
             q[i] = src.u32(qs + 4 * i) & (0x03030303u << (2 * c));  // crumb c where it lies: 4^c times the codes
         }
-        int2 h = dot_halves<true>(q, b);
-        h = make_int2(h.x >> (2 * c), h.y >> (2 * c));
-        const unsigned s0 = src.u8(SC + 2 * u), s1 = src.u8(SC + 2 * u + 1);
-        // the mins times the sums of b's codes over each half: given (SUMS, one dp2a), or summed here
-        int mins;
+        const int2 h = dot_halves<true>(q, b);
+        // the halves' scale bytes (sc in the low nibbles, mins in the high), each half's products summed by dp2a over
+        // int16 pairs (|sums| < 2^15): the codes' dots, and the mins times the sums of b's codes over each half, given
+        // (SUMS) or summed here
+        const unsigned sc = src.u16(SC + 2 * u);
+        const int dots = __dp2a_lo(pack16(h.x >> (2 * c), h.y >> (2 * c)), static_cast<int>(sc & 0x0f0fu), 0);
+        int sums;
         if constexpr (SUMS) {
-            mins = __dp2a_lo(__float_as_int(ds.y), static_cast<int>((src.u16(SC + 2 * u) >> 4) & 0x0f0fu), 0);
+            sums = __float_as_int(ds.y);
         } else {
             const int2 sb = sum_halves(b);
-            mins = static_cast<int>(s0 >> 4) * sb.x + static_cast<int>(s1 >> 4) * sb.y;
+            sums = pack16(sb.x, sb.y);
         }
-        const int dots = static_cast<int>(s0 & 15u) * h.x + static_cast<int>(s1 & 15u) * h.y;
+        const int mins = __dp2a_lo(sums, static_cast<int>((sc >> 4) & 0x0f0fu), 0);
         return ds.x * (half_in(src, D) * static_cast<float>(dots) - half_in(src, M) * static_cast<float>(mins));
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
