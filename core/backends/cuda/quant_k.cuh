@@ -70,9 +70,6 @@ __device__ __forceinline__ constexpr Table16 mxfp4_table() {
     return {{pack4(0, 1, 2, 3), pack4(4, 6, 8, 12), pack4(0, -1, -2, -3), pack4(-4, -6, -8, -12)}};
 }
 
-// The same tables in global memory, [iq4nl, mxfp4] (Table4::TABLE): a kernel that loads its format's once and passes
-// it to dot32_in holds the 4 words in registers, where ptxas rematerialized the constants before every permute
-// (mmvq_stream's iq4_xs: 16 moves of a 32-value unit's 90 instructions, ncu on the H200, session 29).
 // mxfp4's values plus MXFP4_BIAS, all in [0, 127]: its dot products look them up (lookup8_pairs<true>) and subtract
 // MXFP4_BIAS times b's sum
 constexpr int MXFP4_BIAS = 12;
@@ -80,16 +77,14 @@ __device__ __forceinline__ constexpr Table16 mxfp4_biased_table() {
     return {{pack4(12, 13, 14, 15), pack4(16, 18, 20, 24), pack4(12, 11, 10, 9), pack4(8, 6, 4, 0)}};
 }
 
-// The tables the formats' dot products look up: table4(Table4::TABLE)
+// The tables the formats' dot products look up (Table4<..., i>::table())
 __device__ __forceinline__ constexpr Table16 table4(int i) { return i == 0 ? iq4nl_table() : mxfp4_biased_table(); }
-__device__ Table16 table4_mem[2] = {table4(0), table4(1)};
 
 // The 4-bit table formats (iq4_nl, iq4_xs, mxfp4): dot32_in<PAIRED> takes b's codes in natural order, or in
 // nibble-pair order (dot8's sum does not depend on it: mmvq_stream stores its b so, mmv reads quantize_q8_1's).
 template <int QK_, int BYTES_, int TABLE_>
 struct Table4 : SubScaled<QK_, BYTES_, 32, -1> {
     static constexpr bool PAIRS = true;
-    static constexpr int TABLE = TABLE_;  // its table: table4(TABLE), table4_mem[TABLE]
     static __device__ __forceinline__ constexpr Table16 table() { return table4(TABLE_); }
 };
 
@@ -439,10 +434,9 @@ struct iq4_nl : Table4<32, 18, 0> {
         return entry(iq4nl_table(), (blk[QS + (j & 15)] >> (4 * (j >> 4))) & 15u);
     }
     template <bool PAIRED = false, class S>
-    static __device__ __forceinline__ float dot32_in(const S& src, int, const int (&b)[8], float2 ds,
-                                                    const Table16& t = table()) {
+    static __device__ __forceinline__ float dot32_in(const S& src, int, const int (&b)[8], float2 ds) {
         unsigned q[8];
-        table_words<PAIRED>(src, QS, t, q);
+        table_words<PAIRED>(src, QS, table(), q);
         return ds.x * half_in(src, D) * static_cast<float>(dot8(q, b));
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
@@ -466,10 +460,9 @@ struct iq4_xs : Table4<256, 136, 0> {
         return entry(iq4nl_table(), (blk[QS + 16 * (j >> 5) + (j & 15)] >> (4 * ((j >> 4) & 1))) & 15u);
     }
     template <bool PAIRED = false, class S>
-    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
-                                                    const Table16& t = table()) {
+    static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
         unsigned q[8];
-        table_words<PAIRED>(src, QS + 16 * u, t, q);
+        table_words<PAIRED>(src, QS + 16 * u, table(), q);
         return ds.x * half_in(src, D) * static_cast<float>(ls(src, u) * dot8(q, b));
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
@@ -491,10 +484,9 @@ struct mxfp4 : Table4<32, 17, 1> {
         return entry(mxfp4_table(), (blk[QS + (j & 15)] >> (4 * (j >> 4))) & 15u);
     }
     template <bool PAIRED = false, class S>
-    static __device__ __forceinline__ float dot32_in(const S& src, int, const int (&b)[8], float2 ds,
-                                                    const Table16& t = table()) {
+    static __device__ __forceinline__ float dot32_in(const S& src, int, const int (&b)[8], float2 ds) {
         unsigned q[8];
-        table_words<PAIRED, true>(src, QS, t, q);  // the values plus MXFP4_BIAS
+        table_words<PAIRED, true>(src, QS, table(), q);  // the values plus MXFP4_BIAS
         const int2 h = dot_halves<true>(q, b);
         return half_scale(src.u8(E)) * (ds.x * static_cast<float>(h.x + h.y) - static_cast<float>(MXFP4_BIAS) * ds.y);
     }

@@ -488,7 +488,7 @@ __device__ __forceinline__ void dot_chunk(const u8* wchunk, const u8* bchunk, in
 // lane; the last lane's block ends on a granule, so no load passes the stage).
 template <int WT, int NT, bool RAGGED = false>
 __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, int bcol_stride, int N, const u8* grid,
-                                          const od::quant::Table16& table, float (&acc)[NT]) {
+                                          float (&acc)[NT]) {
     using Gm = Geo<WT>;
     using F = mm::Fmt<WT>;
     constexpr int PER = F::QK / 32;  // units a block
@@ -536,9 +536,7 @@ __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, in
                 const int4 hi = reinterpret_cast<const int4*>(bc + 32 * u)[1];
                 const float2 ds = reinterpret_cast<const float2*>(bc + Gm::BCODES)[u];
                 const int bq[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-                if constexpr (F::PAIRS) {  // b in nibble-pair order (quantize_b), the table in registers
-                    acc[n] += F::template dot32_in<true>(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds, table);
-                } else if constexpr (F::HALF_SUMS) {  // b's half sums in ds.y (quantize_b)
+                if constexpr (F::PAIRS || F::HALF_SUMS) {  // b as quantize_b stores it for them
                     acc[n] += F::template dot32_in<true>(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds);
                 } else if constexpr (F::GRID_BYTES > 0) {  // the grid's copy in shared memory (stage_grid)
                     acc[n] += F::dot32_in(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds,
@@ -548,17 +546,6 @@ __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, in
                 }
             }
         }
-    }
-}
-
-// A table format's table for dot_piece, read from global memory once a thread (quant_k.cuh's table4_mem: ptxas then
-// holds its words in registers); nothing for other formats.
-template <int WT>
-__device__ __forceinline__ od::quant::Table16 load_table() {
-    if constexpr (mm::Fmt<WT>::PAIRS) {
-        return od::quant::table4_mem[mm::Fmt<WT>::TABLE];
-    } else {
-        return {};
     }
 }
 
@@ -763,7 +750,6 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
         }
     }
     mms::stage_grid<WT>(grid);  // constant data: before the wait when the weights are too
-    const od::quant::Table16 table = mms::load_table<WT>();
     if (preload) {
         od::grid_enter();
         mms::quantize_b<WT, TB, NT>(b + bb, b_col, b_es, N, K, L.C, bs, norm_w, norm_ss);
@@ -826,7 +812,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
                 mms::dot_chunk<WT, NT>(ring + (i % NS) * STAGE + at, bs + c * Gm::BCHUNK, bcol_stride, N, acc);
             } else {
                 mms::dot_piece<WT, NT, RAGGED>(ring + (i % NS) * STAGE + at, bs + c * Gm::BCHUNK, bcol_stride, N,
-                                               grid, table, acc);
+                                               grid, acc);
             }
         }
         if (seg == L.S - 1) {  // the end of a row's segments: sums over the row's G lanes
