@@ -5,7 +5,7 @@
 // mmv.cu's mmvq takes two launches (quantize_q8_1 into a scratch buffer, then the mat-vec
 // reading 2-byte aligned blocks straight from global memory); this kernel is one:
 //
-// 1. Each warp of a block issues the first NS stages of its weight stream, its whole ring
+// 1. Each warp of a block issues the first NS - 1 stages of its weight stream
 //    (cp.async.cg.shared.global, 16 bytes a lane, commit_group), and the whole block
 //    quantizes the N columns of b it needs to q8_1 into shared memory, exactly as
 //    quantize_q8_1 does (per 32 values: d = absmax / 127, codes round(v * 127 / absmax),
@@ -13,8 +13,7 @@
 //    weights are constant (those are issued before the PDL wait), before otherwise.
 //    One __syncthreads.
 // 2. Each warp then walks its row groups through a ring of NS stage buffers of its own
-//    (from the second unit on, issue the stage NS - 1 ahead into the slot the unit before freed,
-//    wait_group NS - 1, __syncwarp, compute, __syncwarp). On sm_90+
+//    (issue the stage NS - 1 ahead, wait_group NS - 1, __syncwarp, compute, __syncwarp). On sm_90+
 //    the stages go by bulk copies (cp.async.bulk, one a slot row, counted on the stage's mbarrier,
 //    which the warp waits on instead; the half-piece formats' prologue stages by cp.async), but for
 //    RAGGED slots and the formats of CP_ASYNC_STAGES.
@@ -550,18 +549,6 @@ __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, in
     }
 }
 
-// Waits until the prologue's cp.async group i (of P + 1, one a stage) has landed: at most P - i groups in flight.
-template <int P>
-__device__ __forceinline__ void cp_async_wait_first(int i) {
-    if constexpr (P == 0) {
-        od::cp_async_wait<0>();
-    } else if (i == 0) {
-        od::cp_async_wait<P>();
-    } else {
-        cp_async_wait_first<P - 1>(i - 1);
-    }
-}
-
 // A grid format's lookup grid (Fmt::GRID_BYTES of it) copied by the block's threads to dst in shared memory:
 // the dot products gather 32 scattered entries a warp instruction, which the shared memory serves in fewer
 // wavefronts (its bank conflicts) than the L1 (one per 128-byte line touched). Nothing for other formats.
@@ -753,11 +740,8 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     if (!preload) {
         mms::quantize_b<WT, TB, NT>(b + bb, b_col, b_es, N, K, L.C, bs, norm_w, norm_ss);
     }
-    // the whole ring: no slot need be free before the first unit is computed, and a warp's stream is bound by the
-    // stages it has in flight (H200, q4_K 14336x4096: a warp's fourth group of rows took 1 us more than three,
-    // however few warps had one)
 #pragma unroll
-    for (int s = 0; s < NS; ++s) {
+    for (int s = 0; s < NS - 1; ++s) {
         if (s < nunits) {
             issue(s, mms::Copies<BULK_FIRST>{});
         }
@@ -794,22 +778,21 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     }
     int cg = g0, cu = 0;  // the unit computed
     for (int i = 0; i < nunits; ++i) {
-        if (i >= 1 && i + NS - 1 < nunits) {  // into the slot unit i - 1 freed
+        if (i + NS - 1 < nunits) {
             issue((i + NS - 1) % NS, mms::Copies<BULK>{});
         }
         if constexpr (BULK_FIRST) {  // stage i % NS's use i / NS
             od::mbar_wait(bars + 8u * (i % NS), static_cast<unsigned>(i / NS) & 1u);
         } else if constexpr (BULK) {
-            if (i >= NS) {  // slot s's bulk uses after the cp.async prologue: units s + NS, s + 2 NS, ...
-                od::mbar_wait(bars + 8u * (i % NS), static_cast<unsigned>(i / NS - 1) & 1u);
-            } else {  // the prologue's cp.async stages: unit i's group done, the later ones may still be in flight
-                mms::cp_async_wait_first<NS - 1>(i);
+            if (i >= NS - 1) {  // stage s's bulk uses after the cp.async prologue: units s + NS, ... (s from NS - 1 on)
+                const int s = i % NS, first = s >= NS - 1 ? s : s + NS;
+                od::mbar_wait(bars + 8u * s, static_cast<unsigned>((i - first) / NS) & 1u);
+            } else {  // the prologue's cp.async stages
+                od::cp_async_wait<0>();
                 __syncwarp();
             }
         } else {
-            if (i >= 1) {  // a group an issue (empty past the stream's end), none for unit 0: the prologue's NS
-                od::cp_async_commit();
-            }
+            od::cp_async_commit();
             od::cp_async_wait<NS - 1>();
             __syncwarp();  // the other lanes' copies too
         }
