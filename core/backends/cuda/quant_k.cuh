@@ -251,6 +251,18 @@ __device__ __forceinline__ int2 sum_halves(const int (&b)[8]) {
     return make_int2(lo, hi);
 }
 
+// b's code sums over each half of 16 as an int16 pair (dp2a's operand, |sum| <= 16 * 127): given in ds.y's bits
+// (SUMS: mmvq_stream's b for SubScaled::HALF_SUMS formats), or summed here.
+template <bool SUMS>
+__device__ __forceinline__ int half_sums(const int (&b)[8], float2 ds) {
+    if constexpr (SUMS) {
+        return __float_as_int(ds.y);
+    } else {
+        const int2 sb = sum_halves(b);
+        return pack16(sb.x, sb.y);
+    }
+}
+
 __device__ __forceinline__ int dot8(const unsigned (&q)[8], const int (&b)[8]) {
     const int2 h = dot_halves(q, b);
     return h.x + h.y;
@@ -279,18 +291,10 @@ struct q2_K : SubScaled<256, 84, 16, 82> {
         }
         const int2 h = dot_halves<true>(q, b);
         // the halves' scale bytes (sc in the low nibbles, mins in the high), each half's products summed by dp2a over
-        // int16 pairs (|sums| < 2^15): the codes' dots, and the mins times the sums of b's codes over each half, given
-        // (SUMS) or summed here
+        // int16 pairs (|sums| < 2^15): the codes' dots, and the mins times the sums of b's codes over each half
         const unsigned sc = src.u16(SC + 2 * u);
         const int dots = __dp2a_lo(pack16(h.x >> (2 * c), h.y >> (2 * c)), static_cast<int>(sc & 0x0f0fu), 0);
-        int sums;
-        if constexpr (SUMS) {
-            sums = __float_as_int(ds.y);
-        } else {
-            const int2 sb = sum_halves(b);
-            sums = pack16(sb.x, sb.y);
-        }
-        const int mins = __dp2a_lo(sums, static_cast<int>((sc >> 4) & 0x0f0fu), 0);
+        const int mins = __dp2a_lo(half_sums<SUMS>(b, ds), static_cast<int>((sc >> 4) & 0x0f0fu), 0);
         return ds.x * (half_in(src, D) * static_cast<float>(dots) - half_in(src, M) * static_cast<float>(mins));
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
