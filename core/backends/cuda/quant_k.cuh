@@ -77,15 +77,11 @@ __device__ __forceinline__ constexpr Table16 mxfp4_biased_table() {
     return {{pack4(12, 13, 14, 15), pack4(16, 18, 20, 24), pack4(12, 11, 10, 9), pack4(8, 6, 4, 0)}};
 }
 
-// The tables the formats' dot products look up (Table4<..., i>::table())
-__device__ __forceinline__ constexpr Table16 table4(int i) { return i == 0 ? iq4nl_table() : mxfp4_biased_table(); }
-
 // The 4-bit table formats (iq4_nl, iq4_xs, mxfp4): dot32_in<PAIRED> takes b's codes in natural order, or in
 // nibble-pair order (dot8's sum does not depend on it: mmvq_stream stores its b so, mmv reads quantize_q8_1's).
-template <int QK_, int BYTES_, int TABLE_>
+template <int QK_, int BYTES_>
 struct Table4 : SubScaled<QK_, BYTES_, 32, -1> {
     static constexpr bool PAIRS = true;
-    static __device__ __forceinline__ constexpr Table16 table() { return table4(TABLE_); }
 };
 
 __device__ __forceinline__ float half_at(const unsigned char* p) {
@@ -428,7 +424,7 @@ struct q6_K : SubScaled<256, 210, 16, -1> {
 
 // -- the 4-bit table formats --------------------------------------------------------------------
 
-struct iq4_nl : Table4<32, 18, 0> {
+struct iq4_nl : Table4<32, 18> {
     static constexpr int D = 0, QS = 2;
     static __device__ __forceinline__ void scale(const unsigned char* blk, int, float& d, float& m) {
         d = half_at(blk + D);
@@ -440,7 +436,7 @@ struct iq4_nl : Table4<32, 18, 0> {
     template <bool PAIRED = false, class S>
     static __device__ __forceinline__ float dot32_in(const S& src, int, const int (&b)[8], float2 ds) {
         unsigned q[8];
-        table_words<PAIRED>(src, QS, table(), q);
+        table_words<PAIRED>(src, QS, iq4nl_table(), q);
         return ds.x * half_in(src, D) * static_cast<float>(dot8(q, b));
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
@@ -448,7 +444,7 @@ struct iq4_nl : Table4<32, 18, 0> {
     }
 };
 
-struct iq4_xs : Table4<256, 136, 0> {
+struct iq4_xs : Table4<256, 136> {
     static constexpr int D = 0, SH = 2, SL = 4, QS = 8;
     template <class S>
     static __device__ __forceinline__ int ls(const S& src, int s) {
@@ -466,7 +462,7 @@ struct iq4_xs : Table4<256, 136, 0> {
     template <bool PAIRED = false, class S>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
         unsigned q[8];
-        table_words<PAIRED>(src, QS + 16 * u, table(), q);
+        table_words<PAIRED>(src, QS + 16 * u, iq4nl_table(), q);
         return ds.x * half_in(src, D) * static_cast<float>(ls(src, u) * dot8(q, b));
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
@@ -474,7 +470,7 @@ struct iq4_xs : Table4<256, 136, 0> {
     }
 };
 
-struct mxfp4 : Table4<32, 17, 1> {
+struct mxfp4 : Table4<32, 17> {
     static constexpr int E = 0, QS = 1;
     // ggml's e8m0_to_fp32_half: 2^(e - 128) (half the block scale, kvalues being doubled)
     static __device__ __forceinline__ float half_scale(unsigned e) {
@@ -490,7 +486,7 @@ struct mxfp4 : Table4<32, 17, 1> {
     template <bool PAIRED = false, class S>
     static __device__ __forceinline__ float dot32_in(const S& src, int, const int (&b)[8], float2 ds) {
         unsigned q[8];
-        table_words<PAIRED, true>(src, QS, table(), q);  // the values plus MXFP4_BIAS
+        table_words<PAIRED, true>(src, QS, mxfp4_biased_table(), q);  // the values plus MXFP4_BIAS
         const int2 h = dot_halves<true>(q, b);
         return half_scale(src.u8(E)) * (ds.x * static_cast<float>(h.x + h.y) - static_cast<float>(MXFP4_BIAS) * ds.y);
     }

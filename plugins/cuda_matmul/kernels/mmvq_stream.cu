@@ -254,7 +254,7 @@ __device__ __forceinline__ void store_q8_1_half(const float (&v)[16], int h, boo
     }
     const int other = __shfl_xor_sync(od::FULL_MASK, sum, 1);
     // Fmt::HALF_SUMS: ds.y's bits are the halves' sums as two int16 (|sum| <= 16 * 127), low half (lane h = 0) first
-    const float dsy = mm::Fmt<WT>::HALF_SUMS ? __int_as_float((sum & 0xffff) | (other << 16))
+    const float dsy = mm::Fmt<WT>::HALF_SUMS ? __uint_as_float((static_cast<unsigned>(sum) & 0xffffu) | (static_cast<unsigned>(other) << 16))
                                              : d * static_cast<float>(sum + other);
     if constexpr (mm::Fmt<WT>::PAIRS) {
         // nibble-pair order (quant_k.cuh's pair_word): half h's words are pairs of natural words 2h, 2h + 1
