@@ -45,7 +45,7 @@ template <int BYTES_, int BITS_, Scale SCALE_, int DIV_, int ZERO_, int M_, int 
 struct Block32 {
     static constexpr bool LEGACY = true;  // quant_k.cuh's formats: false
     static constexpr bool PAIRS = false;  // b in natural order (quant_k.cuh's table formats: Table4)
-    static constexpr bool HALF_SUMS = false;  // b's (d, d * sum) (quant_k.cuh's q2_K: SubScaled::HALF_SUMS)
+    static constexpr bool HALF_SUMS = false;  // b's (d, d * sum) (quant_k.cuh's q2_K, q6_K: SubScaled::HALF_SUMS)
     static constexpr int GRID_BYTES = 0;  // no lookup grid (quant_iq.cuh's formats have one)
     static constexpr int QK = 32;  // values a block
     static constexpr int BYTES = BYTES_;

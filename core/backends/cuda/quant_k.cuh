@@ -364,15 +364,20 @@ struct K4 : SubScaled<256, BYTES_, 32, 2> {
     }
     template <class S>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
+        // the nibbles (and q5_K's high bits) dotted where they lie in their bytes (16^(u % 2) and 2^u times the
+        // fields, unsigned), each sum shifted once
         const int qs = QS + 32 * (u >> 1);
-        int dot = 0;
+        unsigned lo[8], hi[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            unsigned q = (src.u32(qs + 4 * i) >> (4 * (u & 1))) & 0x0f0f0f0fu;
-            if constexpr (QH >= 0) {
-                q |= bits4(src.u32(QH + 4 * i), u) << 4;
-            }
-            dot = dot4(q, b[i], dot);
+            lo[i] = src.u32(qs + 4 * i) & (0x0f0f0f0fu << (4 * (u & 1)));
+            hi[i] = QH >= 0 ? src.u32(QH + 4 * i) & (0x01010101u << u) : 0u;
+        }
+        const int2 dl = dot_halves<true>(lo, b);
+        int dot = (dl.x + dl.y) >> (4 * (u & 1));
+        if constexpr (QH >= 0) {
+            const int2 dh = dot_halves<true>(hi, b);
+            dot += shift2(dh.x + dh.y, 4 - u);
         }
         unsigned sc, mn;
         scale_min_k4(src, SC, u, sc, mn);
@@ -389,6 +394,7 @@ struct q5_K : K4<176, 16, 48> {};
 
 struct q6_K : SubScaled<256, 210, 16, -1> {
     static constexpr int QL = 0, QH = 128, SC = 192, D = 208;
+    static constexpr bool HALF_SUMS = true;
     static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
         d = __fmul_rn(half_at(blk + D), static_cast<float>(static_cast<signed char>(blk[SC + s])));
         m = 0.0f;
@@ -399,23 +405,26 @@ struct q6_K : SubScaled<256, 210, 16, -1> {
         const int high = (blk[QH + 32 * n + (r & 31)] >> (2 * (r >> 5))) & 3;
         return (low | (high << 4)) - 32;
     }
-    template <class S>
+    template <bool SUMS = false, class S>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
         const int n = u >> 2, c = u & 3;  // values 128n + 32c ..
-        // code - 32 = low + 16 * (high - 2): the low nibbles where they lie (16^(c / 2) times, unsigned), and
-        // high - 2 as each byte's signed top crumb ((high ^ 2) << 6: 64 times the value, signed dp4a)
+        // code - 32 = low + 16 high - 32: the low nibbles and the high crumbs dotted where they lie (16^(c / 2) and
+        // 4^c times the fields, unsigned), then 32 times the halves' scaled sums of b's codes subtracted once (one
+        // dp2a over the sums)
         const int ql = QL + 64 * n + 32 * (c & 1), qh = QH + 32 * n;
         unsigned lo[8], hi[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             lo[i] = src.u32(ql + 4 * i) & (0x0f0f0f0fu << (4 * (c >> 1)));
-            hi[i] = ((src.u32(qh + 4 * i) << (6 - 2 * c)) & 0xc0c0c0c0u) ^ 0x80808080u;
+            hi[i] = src.u32(qh + 4 * i) & (0x03030303u << (2 * c));
         }
-        const int2 dl = dot_halves<true>(lo, b), dh = dot_halves(hi, b);
-        const int hx = (dl.x >> (4 * (c >> 1))) + (dh.x >> 2), hy = (dl.y >> (4 * (c >> 1))) + (dh.y >> 2);
-        const int s0 = static_cast<signed char>(src.u8(SC + 2 * u));
-        const int s1 = static_cast<signed char>(src.u8(SC + 2 * u + 1));
-        return ds.x * half_in(src, D) * static_cast<float>(s0 * hx + s1 * hy);
+        const int2 dl = dot_halves<true>(lo, b), dh = dot_halves<true>(hi, b);
+        const int hx = (dl.x >> (4 * (c >> 1))) + shift2(dh.x, 4 - 2 * c);
+        const int hy = (dl.y >> (4 * (c >> 1))) + shift2(dh.y, 4 - 2 * c);
+        const unsigned sc = src.u16(SC + 2 * u);  // the halves' int8 scales
+        const int s0 = static_cast<signed char>(sc & 0xffu), s1 = static_cast<signed char>(sc >> 8);
+        const int dots = s0 * hx + s1 * hy - 32 * __dp2a_lo(half_sums<SUMS>(b, ds), static_cast<int>(sc), 0);
+        return ds.x * half_in(src, D) * static_cast<float>(dots);
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
         return dot32_in(Mem<false>{blk}, u, b, ds);

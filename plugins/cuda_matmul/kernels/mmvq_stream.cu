@@ -225,7 +225,8 @@ __device__ __forceinline__ void load_b(const u8* src, long long b_es, bool vec, 
 // quantize_q8_1: amax over the 32 values (NaN if one is), d = amax / 127, codes v * 127 / amax
 // rounded half to even (od::quant::q8_1::code); the codes in value order, or for the 4-bit table formats
 // (Fmt::PAIRS) in nibble-pair order, so that their lookups skip a sort (quant_k.cuh's pair_word); with
-// Fmt::HALF_SUMS the halves' code sums in place of d * sum (q2_K: its mins' products without summing b again).
+// Fmt::HALF_SUMS the halves' code sums in place of d * sum (q2_K's mins, q6_K's -32 offsets: one dp2a, b not
+// summed again).
 // The two halves are lanes l and l ^ 1 of one warp, which meet by shuffles (every lane of the warp
 // calls this; `store` false: a lane with no block this round, whose partner has none either).
 template <int WT>
