@@ -551,7 +551,41 @@ def test_stream_grid_bytes_mirror_the_traits() -> None:
         # GridScaled<BYTES, SUB, entry, entries>, or iq2's Iq2Halves<BYTES, SC, entries> (8-byte entries)
         assert args[2] == entry if head[1] == "GridScaled" else (head[1], entry) == ("Iq2Halves", "unsigned long long")
     assert "struct Iq2Halves : GridScaled<BYTES_, 16, unsigned long long, ENTRIES_>" in src
-    assert "+ GRID_BYTES.get(dt, 0)" in inspect.getsource(stream.stream_smem)
+    assert "+ GRID_BYTES.get(dt, 0) * copies" in inspect.getsource(stream.stream_smem)
+    assert {dt for dt in grids if GRIDS[grids[dt]].shape[1] != 8} == set(stream.GRID_ENTRY)
+
+
+def test_stream_grid_copies_keep_the_warps_and_blocks() -> None:
+    """mmvq_stream's blocks hold a wavefront's worth of copies of a small grid where they fit beside what one copy
+    leaves (the warps a block, the blocks an SM), fewer where not, and one where fewer than GRID_COPIES_MIN would
+    fit; the spec passes the count and sizes the shared memory for it."""
+    lanes = {"iq2_xxs": 16, "iq2_xs": 8, "iq3_xxs": 32, "iq3_s": 16}  # a wavefront's lanes within 32 KB of copies
+    for dt in stream.GRID_BYTES:
+        assert stream.grid_copies(dt, 4096, 1, H200) == lanes.get(dt, 1), dt
+    assert stream.grid_copies("q4_K", 4096, 1, H200) == 1
+    # the kernel reads copies through GridAt only for the grids of which GRID_COPIES_MIN copies fit (GRID_COPIES)
+    kernel = specs.MMVQ_STREAM_CU.read_text()
+    assert "F::GRID_BYTES > 0 && F::GRID_BYTES * 8 <= 32768" in kernel
+    assert (stream.GRID_COPIES_MIN, stream.GRID_COPIES_MAX) == (8, 32768)
+    for dt, g in stream.GRID_BYTES.items():
+        if g * stream.GRID_COPIES_MIN > stream.GRID_COPIES_MAX:
+            assert all(stream.grid_copies(dt, k, n, H200) == 1 for k in (256, 4096, 14336) for n in (1, 8)), dt
+    cfg = specs.STREAM
+    for dt, k, n in itertools.product(lanes, (4096, 14336, 18944), (1, 2, 8)):
+        c = stream.grid_copies(dt, k, n, H200)
+        assert c == 1 or stream.GRID_COPIES_MIN <= c <= lanes[dt], (dt, k, n)
+        warps = stream.stream_warps(dt, k, n, H200)
+        assert stream.stream_warps(dt, k, n, H200, copies=c) == warps
+        per_sm = stream.stream_blocks_per_sm(stream.stream_smem(dt, k, n, warps, cfg.stages), H200, cfg)
+        assert stream.stream_blocks_per_sm(stream.stream_smem(dt, k, n, warps, cfg.stages, c), H200, cfg) == per_sm
+    # where a wavefront's copies would cost a block its warps (iq3_s, 8 columns of K 14336: 8 warps fit with 8 copies,
+    # not with 16), fewer
+    assert stream.grid_copies("iq3_s", 14336, 8, H200) == 8
+    assert stream.stream_warps("iq3_s", 14336, 8, H200, copies=16) < stream.stream_warps("iq3_s", 14336, 8, H200)
+    y = ops.mul_mat(zero_weight("w", (4096, 14336), "iq2_xxs"), od.input("x", (1, 14336)))
+    (spec,) = mmv.mmv_specs(y, y, fake_ptr, fake_scratch)
+    assert spec.kernel.startswith("mmvq_stream<W_IQ2_XXS,") and int(spec.args.grid_copies) == 16
+    assert spec.smem == stream.stream_smem("iq2_xxs", 14336, 1, cfg.warps, cfg.stages, 16)
 
 
 @pytest.mark.parametrize(("dt", "k", "glu", "layout"), [

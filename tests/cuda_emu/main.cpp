@@ -8,7 +8,7 @@
 using Fn = void (*)(const u8*, const u8*, long long, long long, long long, int, int, const u8*, long long,
                    long long, long long, long long, float*, int, int, int, const float*, const float*, long long,
                    int, float, float, const u8*, long long, long long, int, long long, const float*, float, float*,
-                   int, unsigned long long*, unsigned);
+                   int, int, unsigned long long*, unsigned);
 struct Entry { const char* name; Fn fn; };
 static const Entry table[] = {
 #include "instances.inc"
@@ -54,8 +54,8 @@ int main(int argc, char** argv) {
         emu_run_block(blockDim.x, [&](unsigned) {
             fn(P(0), P(1), L(2), L(3), L(4), I(5), I(6), P(7), L(8), L(9), L(10), L(11), (float*)P(12), I(13),
                I(14), I(15), (const float*)P(16), (const float*)P(17), L(18), I(19), F(20), F(21), P(22),
-               L(23), L(24), I(25), L(26), (const float*)P(27), F(28), (float*)P(29), I(30),
-               (unsigned long long*)P(31), (unsigned)atoll(a[32]));
+               L(23), L(24), I(25), L(26), (const float*)P(27), F(28), (float*)P(29), I(30), I(31),
+               (unsigned long long*)P(32), (unsigned)atoll(a[33]));
             if (!emu_pending.empty()) { fprintf(stderr, "copies pending at exit\n"); bad = 1; }
         });
         if (memcmp(blk.smem + smem, "\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", 16)) {

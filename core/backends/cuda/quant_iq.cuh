@@ -41,8 +41,9 @@ namespace od {
 namespace quant {
 
 // What the grid formats share: no legacy fields, 256 values, no mins; a grid of ENTRIES entries of type E,
-// which dot32_in reads at `grid` (ggml's table in global memory by default; mmvq_stream passes a copy in
-// shared memory, where a warp's gather of 32 scattered entries costs fewer wavefronts than in the L1).
+// which dot32_in reads through `grid` (ggml's table in global memory by default; mmvq_stream passes a
+// GridAt of its copies in shared memory, where a warp's gather of 32 scattered entries costs fewer
+// wavefronts than in the L1).
 template <int BYTES_, int SUB_, class E, int ENTRIES_>
 struct GridScaled : SubScaled<256, BYTES_, SUB_, -1> {
     using Entry = E;
@@ -50,24 +51,44 @@ struct GridScaled : SubScaled<256, BYTES_, SUB_, -1> {
     static constexpr int GRID_BYTES = ENTRIES_ * static_cast<int>(sizeof(E));
 };
 
-// Bit i of x's low 4 bits as byte i: 0x00 or 0x01 (each bit k of x lands on bit 8k only).
-__device__ __forceinline__ unsigned bit_bytes(unsigned x) { return ((x & 15u) * 0x00204081u) & 0x01010101u; }
+// A grid held as copies interleaved entry by entry (entry i's copy r at entry i * copies + r), read from
+// one copy: p its entry 0, stride = copies * sizeof(E) (mmvq_stream: the lane's copy, lane % copies, so that
+// the lanes of one shared-memory wavefront meet distinct banks whatever entries they gather).
+template <class E>
+struct GridAt {
+    const unsigned char* p;
+    unsigned stride;
+    __device__ __forceinline__ E operator[](unsigned i) const { return *reinterpret_cast<const E*>(p + i * stride); }
+};
 
 // ggml's ksigns_iq2xs: 7 sign bits and their parity as the 8th (an even count of minus signs).
 __device__ __forceinline__ unsigned signs8(unsigned s7) { return s7 | ((__popc(s7) & 1u) << 7); }
 
-// The int8 bytes of g negated where bit i of s (4 bits) is set. (g ^ 0xff) + 1 = -g in a byte carries
-// into the next only for g = 0, which no grid of ggml holds (tests/test_iq_grids.py checks).
-__device__ __forceinline__ unsigned signed4(unsigned g, unsigned s) {
-    const unsigned one = bit_bytes(s);
-    return (g ^ (one * 0xffu)) + one;
+// The sign masks of 8 sign bits s (s < 512): byte i of lo is 0xff where bit i is set, else 0 (values
+// 0..3), byte i of hi where bit 4 + i is (values 4..7). s * 0x80402010 (0x08040201) holds copies of s 9
+// bits apart, which never carry, and so bit 3 - i (7 - i) as byte i's top bit; the byte permute spreads
+// each top bit over its byte, the bytes in reverse order.
+__device__ __forceinline__ void sign_masks(unsigned s, unsigned& lo, unsigned& hi) {
+    lo = prmt(s * 0x80402010u, 0u, 0x89abu);
+    hi = prmt(s * 0x08040201u, 0u, 0x89abu);
 }
+
+// A signed dot product of grid bytes: pos - neg. A byte under a minus sign is taken as ~g = -g - 1, which
+// leaves b's code there short: neg gathers minus those codes (the mask's bytes are -1), once a unit.
+struct SignedDot {
+    int pos = 0, neg = 0;
+    __device__ __forceinline__ int value() const { return pos - neg; }
+};
 
 // Values 8l .. 8l+7 of a 32-value unit, the group's 8 int8 grid bytes g (low word: values 0..3) under
 // its 8 sign bits s, dotted with b's codes b[2l], b[2l+1].
-__device__ __forceinline__ int dot_group(unsigned long long g, unsigned s, const int (&b)[8], int l, int acc) {
-    acc = dot4(signed4(static_cast<unsigned>(g), s), b[2 * l], acc);
-    return dot4(signed4(static_cast<unsigned>(g >> 32), s >> 4), b[2 * l + 1], acc);
+__device__ __forceinline__ void dot_group(unsigned long long g, unsigned s, const int (&b)[8], int l, SignedDot& acc) {
+    unsigned lo, hi;
+    sign_masks(s, lo, hi);
+    acc.pos = dot4(static_cast<unsigned>(g) ^ lo, b[2 * l], acc.pos);
+    acc.pos = dot4(static_cast<unsigned>(g >> 32) ^ hi, b[2 * l + 1], acc.pos);
+    acc.neg = dot4(lo, b[2 * l], acc.neg);
+    acc.neg = dot4(hi, b[2 * l + 1], acc.neg);
 }
 
 // Byte k (0..7) of a grid entry, as the signed value it is.
@@ -98,17 +119,17 @@ struct iq2_xxs : GridScaled<66, 32, unsigned long long, 256> {
         const unsigned s = signs8((ld32_2(u + 4) >> (7 * l)) & 127u);
         return sign_of(grid_byte(iq2xxs_grid[u[l]], j & 7), s, j & 7);
     }
-    template <class S>
+    template <class S, class G = const Entry*>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
-                                                    const Entry* grid = global_grid()) {
+                                                    G grid = global_grid()) {
         const unsigned q = src.u32(QS + 8 * u), aux = src.u32(QS + 8 * u + 4);
-        int sum = 0;
+        SignedDot sum;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
-            sum = dot_group(grid[(q >> (8 * l)) & 0xffu], signs8((aux >> (7 * l)) & 127u), b, l, sum);
+            dot_group(grid[(q >> (8 * l)) & 0xffu], signs8((aux >> (7 * l)) & 127u), b, l, sum);
         }
         const int ls = static_cast<int>(aux >> 28);
-        return ds.x * (half_in(src, D) * 0.125f) * static_cast<float>((2 * ls + 1) * sum);
+        return ds.x * (half_in(src, D) * 0.125f) * static_cast<float>((2 * ls + 1) * sum.value());
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
         return dot32_in(Mem<false>{blk}, u, b, ds);
@@ -138,16 +159,16 @@ struct iq2_xs : Iq2Halves<74, 66, 512> {
         const unsigned q = ld16(blk + QS + 2 * (j >> 3));
         return sign_of(grid_byte(iq2xs_grid[q & 511u], j & 7), signs8(q >> 9), j & 7);
     }
-    template <class S>
+    template <class S, class G = const Entry*>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
-                                                    const Entry* grid = global_grid()) {
-        int sum[2] = {0, 0};
+                                                    G grid = global_grid()) {
+        SignedDot sum[2];
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const unsigned q = src.u16(QS + 8 * u + 2 * l);
-            sum[l >> 1] = dot_group(grid[q & 511u], signs8(q >> 9), b, l, sum[l >> 1]);
+            dot_group(grid[q & 511u], signs8(q >> 9), b, l, sum[l >> 1]);
         }
-        return finish(src, u, sum[0], sum[1], ds);
+        return finish(src, u, sum[0].value(), sum[1].value(), ds);
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
         return dot32_in(Mem<false>{blk}, u, b, ds);
@@ -162,17 +183,17 @@ struct iq2_s : Iq2Halves<82, 74, 1024> {
         const unsigned idx = blk[QS + g] | (((blk[QH + (g >> 2)] >> (2 * (g & 3))) & 3u) << 8);
         return sign_of(grid_byte(iq2s_grid[idx], j & 7), blk[SG + g], j & 7);
     }
-    template <class S>
+    template <class S, class G = const Entry*>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
-                                                    const Entry* grid = global_grid()) {
+                                                    G grid = global_grid()) {
         const unsigned qs = src.u32(QS + 4 * u), sg = src.u32(SG + 4 * u), qh = src.u8(QH + u);
-        int sum[2] = {0, 0};
+        SignedDot sum[2];
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const unsigned idx = ((qs >> (8 * l)) & 0xffu) | (((qh >> (2 * l)) & 3u) << 8);
-            sum[l >> 1] = dot_group(grid[idx], (sg >> (8 * l)) & 0xffu, b, l, sum[l >> 1]);
+            dot_group(grid[idx], (sg >> (8 * l)) & 0xffu, b, l, sum[l >> 1]);
         }
-        return finish(src, u, sum[0], sum[1], ds);
+        return finish(src, u, sum[0].value(), sum[1].value(), ds);
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
         return dot32_in(Mem<false>{blk}, u, b, ds);
@@ -182,8 +203,9 @@ struct iq2_s : Iq2Halves<82, 74, 1024> {
 // -- iq3: an index a 4 values ------------------------------------------------------------------
 
 // Values 8l .. 8l+7 from two iq3 grid entries (4 bytes each) under 8 sign bits s.
-__device__ __forceinline__ int dot_group3(unsigned g0, unsigned g1, unsigned s, const int (&b)[8], int l, int acc) {
-    return dot_group(g0 | (static_cast<unsigned long long>(g1) << 32), s, b, l, acc);
+__device__ __forceinline__ void dot_group3(unsigned g0, unsigned g1, unsigned s, const int (&b)[8], int l,
+                                           SignedDot& acc) {
+    dot_group(g0 | (static_cast<unsigned long long>(g1) << 32), s, b, l, acc);
 }
 
 struct iq3_xxs : GridScaled<98, 32, unsigned, 256> {
@@ -197,20 +219,19 @@ struct iq3_xxs : GridScaled<98, 32, unsigned, 256> {
         const unsigned s = signs8((ld32_2(blk + SS + 4 * (j >> 5)) >> (7 * ((j >> 3) & 3))) & 127u);
         return sign_of(grid_byte(iq3xxs_grid[blk[QS + (j >> 2)]], j & 3), s, j & 7);
     }
-    template <class S>
+    template <class S, class G = const Entry*>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
-                                                    const Entry* grid = global_grid()) {
+                                                    G grid = global_grid()) {
         const unsigned q[2] = {src.u32(QS + 8 * u), src.u32(QS + 8 * u + 4)};
         const unsigned aux = src.u32(SS + 4 * u);
-        int sum = 0;
+        SignedDot sum;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const unsigned w = q[l >> 1] >> (16 * (l & 1));
-            sum = dot_group3(grid[w & 0xffu], grid[(w >> 8) & 0xffu],
-                             signs8((aux >> (7 * l)) & 127u), b, l, sum);
+            dot_group3(grid[w & 0xffu], grid[(w >> 8) & 0xffu], signs8((aux >> (7 * l)) & 127u), b, l, sum);
         }
         const int ls = static_cast<int>(aux >> 28);
-        return ds.x * (half_in(src, D) * 0.25f) * static_cast<float>((2 * ls + 1) * sum);
+        return ds.x * (half_in(src, D) * 0.25f) * static_cast<float>((2 * ls + 1) * sum.value());
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
         return dot32_in(Mem<false>{blk}, u, b, ds);
@@ -233,20 +254,20 @@ struct iq3_s : GridScaled<110, 32, unsigned, 512> {
         const unsigned idx = blk[QS + k] | (((blk[QH + (k >> 3)] >> (k & 7)) & 1u) << 8);
         return sign_of(grid_byte(iq3s_grid[idx], j & 3), blk[SG + (j >> 3)], j & 7);
     }
-    template <class S>
+    template <class S, class G = const Entry*>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
-                                                    const Entry* grid = global_grid()) {
+                                                    G grid = global_grid()) {
         const unsigned q[2] = {src.u32(QS + 8 * u), src.u32(QS + 8 * u + 4)};
         const unsigned qh = src.u8(QH + u), sg = src.u32(SG + 4 * u);
-        int sum = 0;
+        SignedDot sum;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const unsigned w = q[l >> 1] >> (16 * (l & 1));
             const unsigned i0 = (w & 0xffu) | (((qh >> (2 * l)) & 1u) << 8);
             const unsigned i1 = ((w >> 8) & 0xffu) | (((qh >> (2 * l + 1)) & 1u) << 8);
-            sum = dot_group3(grid[i0], grid[i1], (sg >> (8 * l)) & 0xffu, b, l, sum);
+            dot_group3(grid[i0], grid[i1], (sg >> (8 * l)) & 0xffu, b, l, sum);
         }
-        return ds.x * half_in(src, D) * static_cast<float>((1 + 2 * ls(src, u)) * sum);
+        return ds.x * half_in(src, D) * static_cast<float>((1 + 2 * ls(src, u)) * sum.value());
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
         return dot32_in(Mem<false>{blk}, u, b, ds);
@@ -281,9 +302,9 @@ struct iq1_s : GridScaled<50, 32, unsigned long long, 2048> {
         return iq1_code(iq1s_grid[idx], j & 7, (h & 0x8000u) != 0);
     }
     // ggml's: dl * (db * sum(grid * b) + delta * db * sum(b)), db * sum(b) being q8_1's ds.y
-    template <class S>
+    template <class S, class G = const Entry*>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
-                                                    const Entry* grid = global_grid()) {
+                                                    G grid = global_grid()) {
         const unsigned qs = src.u32(QS + 4 * u), h = src.u16(QH + 2 * u);
         int sum = 0;
 #pragma unroll
@@ -325,9 +346,9 @@ struct iq1_m : GridScaled<56, 16, unsigned long long, 2048> {
         return iq1_code(iq1s_grid[blk[QS + t] | ((nib & 7u) << 8)], j & 7, (nib & 8u) != 0);
     }
     // ggml's: per half, sum(grid * b) + delta * sum(b) group by group, here 8 times that in integers
-    template <class S>
+    template <class S, class G = const Entry*>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
-                                                    const Entry* grid = global_grid()) {
+                                                    G grid = global_grid()) {
         const unsigned qs = src.u32(QS + 4 * u), qh = src.u16(QH + 2 * u);
         int sum[2] = {0, 0};
 #pragma unroll

@@ -71,7 +71,7 @@
 // blocks also write rms_norm(x) * norm_w to norm_out, (N, K) f32 contiguous, each block a slice, after
 // the ring. A template flag, not a null check: the code in every instance cost the q4_0 1b decode ~1%.
 // Dynamic shared memory: N * C * BCHUNK + (blockDim.x / 32) * NS * 32 * PIECE bytes, then the norm's
-// sums (8 floats a warp), then a grid format's grid (Fmt::GRID_BYTES: 1-16 KB; stage_grid), then each
+// sums (8 floats a warp), then a grid format's grid_copies copies of its grid (stage_grid), then each
 // warp's NS stage barriers (8 bytes each; used by the bulk copies only).
 //
 // Scaling as q_rows: a legacy block's dot with b's codes (dp4a over raw codes c), then
@@ -481,6 +481,38 @@ __device__ __forceinline__ void dot_chunk(const u8* wchunk, const u8* bchunk, in
     }
 }
 
+// The grid formats whose blocks may hold copies of their grid (stage_grid, a runtime count): those of which 8
+// copies (specs/stream.py's GRID_COPIES_MIN) fit in 32 KB (GRID_COPIES_MAX). The larger grids (iq2_s, iq1_s,
+// iq1_m) never get more than one, and read it through a plain pointer as before: the copies' runtime stride and
+// staging cost them 1-6% (H200, one column, docs/benchmarks.md's session 30).
+template <class F>
+constexpr bool GRID_COPIES = F::GRID_BYTES > 0 && F::GRID_BYTES * 8 <= 32768;
+
+// A grid format's lane's copy of its grid (quant_iq.cuh's GridAt), or a plain pointer to its one copy (and
+// nothing for the other formats).
+template <class F, bool = GRID_COPIES<F>>
+struct GridRef {
+    using type = const u8*;
+};
+template <class F>
+struct GridRef<F, true> {
+    using type = od::quant::GridAt<typename F::Entry>;
+};
+template <int WT>
+using GridOf = typename GridRef<mm::Fmt<WT>>::type;
+
+// Lane `lane`'s copy (lane % copies, copies a power of two) of the grid's `copies` at `grid` (stage_grid).
+template <int WT>
+__device__ __forceinline__ GridOf<WT> lane_grid(const u8* grid, int copies, int lane) {
+    using F = mm::Fmt<WT>;
+    if constexpr (GRID_COPIES<F>) {
+        constexpr int E = static_cast<int>(sizeof(typename F::Entry));
+        return {grid + (lane & (copies - 1)) * E, static_cast<unsigned>(copies * E)};
+    } else {
+        return grid;
+    }
+}
+
 // acc[n] += piece (at `wpiece`, shared) . b column n's piece, for quant_k.cuh's formats: the piece's
 // words in registers, then each 32-value unit u by the format's dot32_in over them (a Regs source:
 // constant offsets). A chunk (REG) is read with 16-byte loads, conflict-free as the legacy chunks; a
@@ -488,8 +520,8 @@ __device__ __forceinline__ void dot_chunk(const u8* wchunk, const u8* bchunk, in
 // boundary below it, then funnel-shifted by its phase (0 or 2 bytes: the same instructions in every
 // lane; the last lane's block ends on a granule, so no load passes the stage).
 template <int WT, int NT, bool RAGGED = false>
-__device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, int bcol_stride, int N, const u8* grid,
-                                          float (&acc)[NT]) {
+__device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, int bcol_stride, int N,
+                                          GridOf<WT> grid, float (&acc)[NT]) {
     using Gm = Geo<WT>;
     using F = mm::Fmt<WT>;
     constexpr int PER = F::QK / 32;  // units a block
@@ -539,7 +571,9 @@ __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, in
                 const int bq[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
                 if constexpr (F::PAIRS || F::HALF_SUMS) {  // b as quantize_b stores it for them
                     acc[n] += F::template dot32_in<true>(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds);
-                } else if constexpr (F::GRID_BYTES > 0) {  // the grid's copy in shared memory (stage_grid)
+                } else if constexpr (GRID_COPIES<F>) {  // the lane's copy of the grid in shared memory
+                    acc[n] += F::dot32_in(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds, grid);
+                } else if constexpr (F::GRID_BYTES > 0) {  // the grid's one copy in shared memory
                     acc[n] += F::dot32_in(od::quant::Regs{wd, j * F::BYTES}, u % PER, bq, ds,
                                           reinterpret_cast<const typename F::Entry*>(grid));
                 } else {
@@ -550,17 +584,41 @@ __device__ __forceinline__ void dot_piece(const u8* wpiece, const u8* bpiece, in
     }
 }
 
-// A grid format's lookup grid (Fmt::GRID_BYTES of it) copied by the block's threads to dst in shared memory:
-// the dot products gather 32 scattered entries a warp instruction, which the shared memory serves in fewer
-// wavefronts (its bank conflicts) than the L1 (one per 128-byte line touched). Nothing for other formats.
+// A grid format's lookup grid in shared memory at dst, `copies` copies interleaved entry by entry (GridAt):
+// the dot products gather 32 scattered entries a warp instruction; one copy met 3.9-way bank conflicts on
+// average (ncu, iq2_xxs, H200), and a lane reading copy lane % copies meets none where copies are the lanes of
+// one wavefront (16 of 8-byte entries, 32 of 4-byte ones). A thread loads up to BATCH entries at once (their
+// loads in flight together: the grid comes from L2 or DRAM) and stores each entry's copies from copy
+// (entry % copies) on, so that a warp's stores go to distinct banks. The large grids (not GRID_COPIES) are
+// copied once, entry by entry; nothing for other formats.
 template <int WT>
-__device__ __forceinline__ void stage_grid(u8* dst) {
+__device__ __forceinline__ void stage_grid(u8* dst, int copies) {
     using F = mm::Fmt<WT>;
-    if constexpr (F::GRID_BYTES > 0) {
+    if constexpr (!GRID_COPIES<F> && F::GRID_BYTES > 0) {  // one copy
         using E = typename F::Entry;
         const E* const src = F::global_grid();
         for (int i = static_cast<int>(threadIdx.x); i < F::ENTRIES; i += static_cast<int>(blockDim.x)) {
             reinterpret_cast<E*>(dst)[i] = src[i];
+        }
+    } else if constexpr (GRID_COPIES<F>) {
+        using E = typename F::Entry;
+        constexpr int BATCH = 8;
+        const E* const src = F::global_grid();
+        E* const out = reinterpret_cast<E*>(dst);
+        const int step = static_cast<int>(blockDim.x);
+        for (int i0 = static_cast<int>(threadIdx.x); i0 < F::ENTRIES; i0 += BATCH * step) {
+            E e[BATCH];
+#pragma unroll
+            for (int k = 0; k < BATCH; ++k) {
+                e[k] = i0 + k * step < F::ENTRIES ? src[i0 + k * step] : E{};
+            }
+#pragma unroll
+            for (int k = 0; k < BATCH; ++k) {
+                const int i = i0 + k * step;
+                for (int r = 0; i < F::ENTRIES && r < copies; ++r) {
+                    out[i * copies + ((r + i) & (copies - 1))] = e[k];
+                }
+            }
         }
     }
 }
@@ -588,7 +646,8 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
                 const u8* b, long long b_col, long long b_es, long long b_s2, long long b_s3, float* out, int M,
                 int K, int N, const float* bias0, const float* bias1, long long bias_col, int glu_kind, float alpha,
                 float limit, const u8* ids, long long ids_t, long long ids_u, int E, long long bias_e,
-                const float* norm_w, float norm_eps, float* norm_out, int preload, OD_INDEX_CHECK_PARAMS) {
+                const float* norm_w, float norm_eps, float* norm_out, int preload, int grid_copies,
+                OD_INDEX_CHECK_PARAMS) {
     od::grid_enter_later();  // below: after the first weight copies when the weights are constant
     using Gm = mms::Geo<WT>;
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
@@ -653,7 +712,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
     // 11.5): measured in one call, docs/benchmarks.md's session 28.
     constexpr bool BULK = od::HAS_BULK && !RAGGED && !mms::CP_ASYNC_STAGES<WT>;
     constexpr bool BULK_FIRST = BULK && !mms::HALF_PIECE<WT>;
-    const unsigned bars = od::smem_addr(grid + mm::Fmt<WT>::GRID_BYTES) + 8u * NS * warp;
+    const unsigned bars = od::smem_addr(grid + mm::Fmt<WT>::GRID_BYTES * grid_copies) + 8u * NS * warp;
     if constexpr (BULK) {
         if (lane < NS) {
             od::mbar_init(bars + 8u * lane, 1u);
@@ -750,7 +809,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
             od::cp_async_commit();
         }
     }
-    mms::stage_grid<WT>(grid);  // constant data: before the wait when the weights are too
+    mms::stage_grid<WT>(grid, grid_copies);  // constant data: before the wait when the weights are too
     if (preload) {
         od::grid_enter();
         mms::quantize_b<WT, TB, NT>(b + bb, b_col, b_es, N, K, L.C, bs, norm_w, norm_ss);
@@ -771,6 +830,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
 
     // 2. the ring
     const int rs = lane / L.G, lc = lane % L.G;
+    const mms::GridOf<WT> my_grid = mms::lane_grid<WT>(grid, grid_copies, lane);
     float acc[NT], gate[NT];
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
@@ -813,7 +873,7 @@ __global__ void __launch_bounds__(mms::THREADS_MAX, mms::Geo<WT>::MIN_BLOCKS)
                 mms::dot_chunk<WT, NT>(ring + (i % NS) * STAGE + at, bs + c * Gm::BCHUNK, bcol_stride, N, acc);
             } else {
                 mms::dot_piece<WT, NT, RAGGED>(ring + (i % NS) * STAGE + at, bs + c * Gm::BCHUNK, bcol_stride, N,
-                                               grid, acc);
+                                               my_grid, acc);
             }
         }
         if (seg == L.S - 1) {  // the end of a row's segments: sums over the row's G lanes

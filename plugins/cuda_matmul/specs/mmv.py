@@ -271,7 +271,7 @@ def mmv_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, *, a1: Tens
     if (a.dtype.is_quant and support.choose(node, device).path == "mmvq_stream"
             and stream_addresses(ptr, a, a1) and prologue["norm_w"] % 16 == 0):
         args = StreamArgs(head=MatvecHead(**rows, **cols, **sizes, **tail), ids=0, ids_t=0, ids_u=0, E=0, bias_e=0,
-                          **prologue, preload=_preload(a, a1), err_=UNCHECKED)
+                          **prologue, preload=_preload(a, a1), grid_copies=1, err_=UNCHECKED)
         spec = stream_spec(node, args, epi, device, stream)
         if spec is not None:
             return [spec]
@@ -323,7 +323,7 @@ def mmv_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard: G
                           r3=1, b=pb, b_col=0, b_es=b_es, b_s2=b_u if ub > 1 else 0, b_s3=b_t, out=ptr(out), M=m,
                           K=k, N=1, bias_col=0, **tail)
         args = StreamArgs(head=head, **picks, E=e, bias_e=bias_e // 4, norm_w=0, norm_eps=0.0, norm_out=0,
-                          preload=_preload(as_, a1, ids), err_=check)
+                          preload=_preload(as_, a1, ids), grid_copies=1, err_=check)
         spec = stream_spec(node, args, epi, device, stream)
         if spec is not None:
             return [spec]

@@ -36,9 +36,16 @@ REG_CHUNK_MAX = 272
 #: formats whose lane dots half a chunk (mmvq_stream.cu's HALF_PIECE): the table lookups make them ALU-bound,
 #: and half pieces halve each warp's ring and registers, so that two 8-warp blocks fit an SM
 HALF_PIECE = frozenset({"iq4_xs", "mxfp4"})
-#: bytes of the grid formats' lookup grids (quant_iq.cuh's GRID_BYTES), which mmvq_stream copies into shared memory
+#: bytes of the grid formats' lookup grids (quant_iq.cuh's GRID_BYTES), which mmvq_stream copies into shared memory,
+#: and of one entry where not 8 (quant_iq.cuh's Entry)
 GRID_BYTES = {"iq2_xxs": 2048, "iq2_xs": 4096, "iq2_s": 8192, "iq3_xxs": 1024, "iq3_s": 2048, "iq1_s": 16384,
               "iq1_m": 16384}
+GRID_ENTRY = {"iq3_xxs": 4, "iq3_s": 4}
+#: mmvq_stream's copies of a grid (its grid_copies, interleaved entry by entry, a lane reading copy lane % copies):
+#: at most as many as the lanes one shared-memory wavefront serves (128 bytes of entries), whose gathers then meet
+#: no bank conflict, and GRID_COPIES_MAX bytes of them; fewer than GRID_COPIES_MIN were no faster than one (H200,
+#: 14336x4096 and 4096x4096, one column: iq2_s with 4 copies, iq1_s and iq1_m with 2; docs/cuda_matmul.md)
+GRID_COPIES_MAX, GRID_COPIES_MIN = 32768, 8
 #: shared memory the driver reserves per block (sm_80 and sm_90)
 SMEM_PER_BLOCK_RESERVED = 1024
 
@@ -47,7 +54,8 @@ SMEM_PER_BLOCK_RESERVED = 1024
 class StreamArgs(KernelArgs):
     """mmvq_stream's arguments: the mat-vecs' head, then mul_mat_id's (ids 0 for a mul_mat), a fused rms_norm's
     weight and eps (norm_w 0: none) and where it also writes the normed values (norm_out 0: nowhere), `preload`,
-    the ids' check (UNCHECKED for a mul_mat)."""
+    a grid format's copies of its grid (stream_spec sets them: grid_copies), the ids' check (UNCHECKED for a
+    mul_mat)."""
 
     KERNELS = ("mmvq_stream",)
     _head: MatvecHead = attrs.field()
@@ -60,6 +68,7 @@ class StreamArgs(KernelArgs):
     norm_eps: np.float32 = f32()
     norm_out: np.uint64 = ptr()
     preload: np.int32 = i32()
+    grid_copies: np.int32 = i32()
     err_: IndexCheck
 
 
@@ -133,24 +142,45 @@ def stream_layout(dt: str, k: int, glu: bool) -> StreamLayout:
     return StreamLayout(c, g, r, s, 1, 2 * s)
 
 
-def stream_smem(dt: str, k: int, n: int, warps: int, stages: int) -> int:
+def stream_smem(dt: str, k: int, n: int, warps: int, stages: int, copies: int = 1) -> int:
     """Dynamic shared memory of an mmvq_stream block: b's n columns, each warp's ring, a fused norm's sums
-    (8 floats a warp), a grid format's grid, then each warp's stage barriers (an 8-byte mbarrier a stage)."""
+    (8 floats a warp), a grid format's `copies` copies of its grid, then each warp's stage barriers (an 8-byte
+    mbarrier a stage)."""
     g = stream_geo(dt)
     stage = 32 * g.piece + (RAGGED_STAGE_EXTRA if ragged(dt, k) else 0)
-    return (n * -(-k // g.values) * g.bpiece + warps * stages * stage + warps * 8 * 4 + GRID_BYTES.get(dt, 0)
+    return (n * -(-k // g.values) * g.bpiece + warps * stages * stage + warps * 8 * 4 + GRID_BYTES.get(dt, 0) * copies
             + warps * stages * 8)
 
 
-def stream_warps(dt: str, k: int, n: int, device: Device | None, cfg: StreamConfig | None = None) -> int:
+def stream_warps(dt: str, k: int, n: int, device: Device | None, cfg: StreamConfig | None = None,
+                 copies: int = 1) -> int:
     """The warps a block of mmvq_stream gets: cfg.warps, halved until the block's shared memory
     fits the device's opt-in limit; 0 when not even one warp fits."""
     cfg = cfg or STREAM
     limit = device_facts(device).smem_per_block_optin
     w = cfg.warps
-    while w >= 1 and stream_smem(dt, k, n, w, cfg.stages) > limit:
+    while w >= 1 and stream_smem(dt, k, n, w, cfg.stages, copies) > limit:
         w //= 2
     return max(w, 0)
+
+
+def grid_copies(dt: str, k: int, n: int, device: Device | None, cfg: StreamConfig | None = None) -> int:
+    """The copies of a grid format's grid an mmvq_stream block holds: the most (a power of two, GRID_COPIES_MIN
+    up to GRID_COPIES_MAX bytes and the lanes of a wavefront) that leave the block the warps and an SM the blocks
+    one copy does; else 1, and 1 for the other formats."""
+    cfg = cfg or STREAM
+    g = GRID_BYTES.get(dt, 0)
+    if not g:
+        return 1
+    warps = stream_warps(dt, k, n, device, cfg)
+    per_sm = stream_blocks_per_sm(stream_smem(dt, k, n, warps, cfg.stages), device, cfg)
+    c = min(128 // GRID_ENTRY.get(dt, 8), GRID_COPIES_MAX // g)
+    while c >= GRID_COPIES_MIN:
+        if (stream_warps(dt, k, n, device, cfg, c) == warps and
+                stream_blocks_per_sm(stream_smem(dt, k, n, warps, cfg.stages, c), device, cfg) == per_sm):
+            return c
+        c //= 2
+    return 1
 
 
 def stream_grid(layout: StreamLayout, m: int, batches: int, warps: int, blocks_per_sm: int, sm_count: int) -> int:
@@ -182,7 +212,7 @@ def stream_spec(node: Tensor, args: StreamArgs, epi: str, device: Device | None,
                 cfg: StreamConfig | None = None) -> KernelSpec | None:
     """mmvq_stream with `args` for mul_mat or mul_mat_id `node`, or None when it does not fit:
     cfg's warps halved until the block's shared memory fits, the grid from stream_grid (a
-    mul_mat_id batch a (token, slot))."""
+    mul_mat_id batch a (token, slot)), args' grid_copies from grid_copies."""
     cfg = cfg or STREAM
     a, b = node.srcs[:2]
     if node.op == "mul_mat_id":
@@ -195,7 +225,9 @@ def stream_spec(node: Tensor, args: StreamArgs, epi: str, device: Device | None,
     warps = stream_warps(dt, k, n, device, cfg)
     if not warps:
         return None
-    smem = stream_smem(dt, k, n, warps, cfg.stages)
+    copies = grid_copies(dt, k, n, device, cfg)
+    args = attrs.evolve(args, grid_copies=copies)
+    smem = stream_smem(dt, k, n, warps, cfg.stages, copies)
     layout = stream_layout(dt, k, epi == EPI_GLU)
     per_sm = stream_blocks_per_sm(smem, device, cfg)
     grid = (stream_grid(layout, m, b2 * b3, warps, per_sm, device_facts(device).sm_count) if n else 0, b2, b3)
