@@ -44,7 +44,7 @@ GRID_ENTRY = {"iq3_xxs": 4, "iq3_s": 4}
 #: mmvq_stream's copies of a grid (its grid_copies, interleaved entry by entry, a lane reading copy lane % copies):
 #: at most as many as the lanes one shared-memory wavefront serves (128 bytes of entries), whose gathers then meet
 #: no bank conflict, and GRID_COPIES_MAX bytes of them; fewer than GRID_COPIES_MIN were no faster than one (H200,
-#: 14336x4096 and 4096x4096, one column: iq2_s with 4 copies, iq1_s and iq1_m with 2; docs/cuda_matmul.md)
+#: 14336x4096 and 4096x4096, one column: iq2_s with 4 copies, iq1_s and iq1_m with 2; docs/benchmarks.md, session 30)
 GRID_COPIES_MAX, GRID_COPIES_MIN = 32768, 8
 #: shared memory the driver reserves per block (sm_80 and sm_90)
 SMEM_PER_BLOCK_RESERVED = 1024
