@@ -481,12 +481,13 @@ __device__ __forceinline__ void dot_chunk(const u8* wchunk, const u8* bchunk, in
     }
 }
 
-// The grid formats whose blocks may hold copies of their grid (stage_grid, a runtime count): those of which 8
-// copies (specs/stream.py's GRID_COPIES_MIN) fit in 32 KB (GRID_COPIES_MAX). The larger grids (iq2_s, iq1_s,
-// iq1_m) never get more than one, and read it through a plain pointer as before: the copies' runtime stride and
-// staging cost them 1-6% (H200, one column, docs/benchmarks.md's session 30).
+// The grid formats whose blocks may hold copies of their grid (stage_grid, a runtime count): those of which
+// GRID_COPIES_MIN copies fit in GRID_COPIES_MAX bytes (specs/stream.py's, which picks the count). The larger grids
+// (iq2_s, iq1_s, iq1_m) never get more than one, and read it through a plain pointer as before: the copies'
+// runtime stride and staging cost them 1-6% (H200, one column, docs/benchmarks.md's session 30).
+constexpr int GRID_COPIES_MIN = 8, GRID_COPIES_MAX = 32768;
 template <class F>
-constexpr bool GRID_COPIES = F::GRID_BYTES > 0 && F::GRID_BYTES * 8 <= 32768;
+constexpr bool GRID_COPIES = F::GRID_BYTES > 0 && F::GRID_BYTES * GRID_COPIES_MIN <= GRID_COPIES_MAX;
 
 // A grid format's lane's copy of its grid (quant_iq.cuh's GridAt), or a plain pointer to its one copy (and
 // nothing for the other formats).
