@@ -162,9 +162,11 @@ def test_round_trip_error_bound(name, rng):
 
 @pytest.mark.parametrize("name", ENCODED)
 def test_leading_axes_and_bad_shapes(name, rng):
-    x = rng.standard_normal((2, 3, 512)).astype(np.float32)
+    # 96 super-blocks: with 12 (a (2, 3, 512) input) q8_K's NMSE passed its bound in about 1 seed of 300 (CI, session
+    # 30); at 96 every format's bound is 10 or more standard deviations of its NMSE above the mean
+    x = rng.standard_normal((2, 24, 512)).astype(np.float32)
     raw = D.quantize(name, x)
-    assert raw.shape == (2, 3, 2 * D.dtype(name).block_bytes)
+    assert raw.shape == (2, 24, 2 * D.dtype(name).block_bytes)
     assert raw.tobytes() == D.quantize(name, x.reshape(-1, 256)).tobytes()
     y = D.dequantize(name, raw)
     assert y.shape == x.shape and nmse(y, x) < NMSE[name]
