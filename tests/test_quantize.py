@@ -1,7 +1,7 @@
 """`opdispatch quantize` and the type mixture it follows (opdispatch.models.quantize, .mixture).
 
 The mixture is checked against llama-quantize itself: tests/fixtures/llama_quantize_types.json
-holds the type llama-quantize gave every tensor of two small Llamas for each preset (made by
+holds the type llama-quantize gave every tensor of three small Llamas (one of 8 experts) for each preset (made by
 scripts/llama_quantize_types.py with llama.cpp's peer build; this test does not need it). The
 command runs end to end for every target whose types opdispatch has encoders for: the K-quant
 presets join as their encoders land in opdispatch.quants.
@@ -27,8 +27,8 @@ from opdispatch.models.mixture import PRESETS, ModelFacts, targets, tensor_type
 from opdispatch.models import quantize as quantize_module
 from opdispatch.models.quantize import file_type, plan_types, read_source
 from opdispatch.models.weights.gguf import gguf_dtype, load_gguf, read_gguf
-from opdispatch.quants import FORMATS
-from test_weights import logits, tiny_cfg, write_llama_gguf
+from opdispatch.quants import FORMATS, iquants
+from test_weights import logits, stacked_experts, tiny_cfg, write_llama_gguf
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "llama_quantize_types.json").read_text())
 CFG = tiny_cfg(hidden=256, ffn=512, vocab=160)  # rows of 256 and 512 values: whole K-quant blocks
@@ -76,7 +76,7 @@ def f32_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("target", [t for t in targets() if runnable(t)])
 def test_quantized_model_runs_like_itself_dequantized(target: str, f32_gguf: Path, tmp_path: Path, capsys,
                                                       rng: np.random.Generator) -> None:
-    """`opdispatch quantize` in every type it can write: the bytes are dtypes.quantize's of the source values, the
+    """`opdispatch quantize` in every type it can write: the bytes are llama-quantize's of the source values, the
     types the mixture's, the metadata copied; the file runs within 1e-2 of its own values as f32 (CPU reference)."""
     out = tmp_path / "out.gguf"
     assert main(["quantize", str(f32_gguf), str(out), target]) == 0
@@ -97,9 +97,22 @@ def test_quantized_model_runs_like_itself_dequantized(target: str, f32_gguf: Pat
         assert t.dtype.name == plan[name] == tensor_type(target, name, t.shape, ModelFacts(CFG.layers, CFG.heads,
                                                                                           CFG.kv_heads))
         assert t.dtype.name == "f32" or t.ndim == 2  # 1-d tensors (norms) stay f32
-        np.testing.assert_array_equal(t.data, dtypes.from_float(t.dtype, src[name]).view(np.uint8).reshape(-1))
+        np.testing.assert_array_equal(t.data, file_bytes(t.dtype.name, src[name]))
 
-    cfg, params = load_gguf(out)
+    assert_runs_like_f32(out, rng)
+
+
+def file_bytes(dt: str, values: np.ndarray) -> np.ndarray:
+    """The bytes llama-quantize writes for values in dt: dtypes.quantize's, but iq4_nl's (quantize_iq4_nl, 7 scale
+    tries a block: tests/test_iquants.py checks it against llama-quantize's own bytes)."""
+    if dt == "iq4_nl":
+        return iquants.encode_iq4_nl_file(values.reshape(*values.shape[:-1], -1, 32)).reshape(-1)
+    return dtypes.from_float(dt, values).view(np.uint8).reshape(-1)
+
+
+def assert_runs_like_f32(path: Path, rng: np.random.Generator) -> None:
+    """The GGUF model at path gives logits within 1e-2 (of max |logit|) of its own values as f32 (CPU reference)."""
+    cfg, params = load_gguf(path)
     cfg = attrs.evolve(cfg, cache_dtype="f32")
     f32 = {n: dtypes.to_host_float(t.dtype, t.host_view(t.data)) for n, t in params.items()}
     prompt = rng.integers(0, cfg.vocab, 9).tolist()
@@ -107,6 +120,24 @@ def test_quantized_model_runs_like_itself_dequantized(target: str, f32_gguf: Pat
     ref = logits(LlamaModel(attrs.evolve(cfg, dtype="f32"), f32), prompt)
     err = np.abs(got - ref).max()
     assert np.isfinite(got).all() and err <= 1e-2 * np.abs(ref).max(), f"{err:.3g} of {np.abs(ref).max():.3g}"
+
+
+def test_mxfp4_moe_file_holds_the_experts_in_mxfp4(tmp_path: Path, capsys, rng: np.random.Generator) -> None:
+    """MXFP4_MOE (gpt-oss's file type) of a MoE model: the stacked experts mxfp4, every other matrix q8_0 (the
+    output too), the router and norms f32, as llama-quantize writes it; the file runs like its values as f32."""
+    cfg = tiny_cfg(ffn=64, experts=4, experts_used=2)
+    src, out = tmp_path / "moe-f32.gguf", tmp_path / "moe-mxfp4.gguf"
+    write_llama_gguf(src, cfg, stacked_experts(cfg, random_weights(cfg, seed=int(rng.integers(2**31)))), "f32")
+    assert main(["quantize", str(src), str(out), "MXFP4_MOE"]) == 0
+    capsys.readouterr()
+    types = {name: t.dtype.name for name, t in read_gguf(out)[1].items()}
+    experts = {n for n in types if "_exps." in n}
+    assert len(experts) == 3 * cfg.layers and {types[n] for n in experts} == {"mxfp4"}
+    matrices = {n for n in types if n not in experts and n.endswith(".weight") and "norm" not in n}
+    assert {n: types[n] for n in matrices if types[n] != "q8_0"} == {
+        f"blk.{i}.ffn_gate_inp.weight": "f32" for i in range(cfg.layers)}
+    assert types["output.weight"] == "q8_0"
+    assert_runs_like_f32(out, rng)
 
 
 def test_quantized_file_runs_in_opdispatch_run_with_its_type_counts(f32_gguf: Path, tmp_path: Path, capsys) -> None:

@@ -13,7 +13,10 @@ tensor name and shape, and a few facts about the model (`ModelFacts`):
   importance matrix): output.weight (or token_embd.weight when the
   embeddings are tied) Q6_K unless the preset is Q8_0; attn_v and ffn_down
   one or two steps up on some layers (use_more_bits); Q2_K/Q3_K_* lift
-  attn_output too; MoE models of 8 experts and 70B models have their own bumps.
+  attn_output too; IQ4_NL/IQ4_XS lift attn_v (GQA >= 4) and the first eighth
+  of ffn_down; MoE models of 8 experts and 70B models have their own bumps.
+  MXFP4_MOE writes stacked experts (3-d tensors) mxfp4 and every other
+  matrix q8_0.
 - Then the fallback of tensor_type_fallback: a row length that is not whole
   blocks of the chosen type takes q4_0 (q2_K, q3_K), q5_0 (q4_K), q5_1
   (q5_K), q8_0 (q6_K) or iq4_nl (the 256-value I-quants), and f16 when that
@@ -49,7 +52,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("Q8_0", 7, "q8_0"), Preset("Q2_K", 10, "q2_K"), Preset("Q3_K_S", 11, "q3_K"),
     Preset("Q3_K_M", 12, "q3_K"), Preset("Q3_K_L", 13, "q3_K"), Preset("Q4_K_S", 14, "q4_K"),
     Preset("Q4_K_M", 15, "q4_K"), Preset("Q5_K_S", 16, "q5_K"), Preset("Q5_K_M", 17, "q5_K"),
-    Preset("Q6_K", 18, "q6_K"),
+    Preset("Q6_K", 18, "q6_K"), Preset("IQ4_NL", 25, "iq4_nl"), Preset("IQ4_XS", 30, "iq4_xs"),
+    Preset("MXFP4_MOE", 38, "mxfp4"),
 )}
 
 
@@ -77,6 +81,8 @@ class ModelFacts:
 _FALLBACK = {"q2_K": "q4_0", "q3_K": "q4_0", "q4_K": "q5_0", "q5_K": "q5_1", "q6_K": "q8_0",
              **{t: "iq4_nl" for t in ("iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq4_xs")}}
 _BLK = re.compile(r"blk\.(\d+)\.")
+#: the non-linear 4-bit presets, which share their mixture rules
+_IQ4 = ("IQ4_NL", "IQ4_XS")
 
 
 def targets() -> list[str]:
@@ -110,13 +116,15 @@ def _use_more_bits(i: int, n: int) -> bool:
 
 
 def _mixture(ftype: str, new: str, name: str, shape: tuple[int, ...], f: ModelFacts) -> str:
-    """llama_tensor_get_type_impl for a Llama (its Falcon, IQ and MXFP4 branches are not presets here)."""
+    """llama_tensor_get_type_impl for a Llama (its Falcon branches, and the IQ1-IQ3 presets, are not here)."""
     m = _BLK.match(name)
     i, n = (int(m.group(1)) if m else 0), f.n_layers
     if name == "output.weight" or (f.tied and name == "token_embd.weight"):
-        if shape[-1] % DTYPES[new].block_size:
+        if ftype == "MXFP4_MOE" or shape[-1] % DTYPES[new].block_size:
             return "q8_0"
         return new if new == "q8_0" else "q6_K"
+    if ftype == "MXFP4_MOE":  # the experts (stacked: 3-d) mxfp4, every other matrix q8_0
+        return new if len(shape) == 3 and shape[0] > 1 else "q8_0"
     if name == "token_embd.weight":
         return new
     if "attn_v.weight" in name or "attn_qkv.weight" in name or "attn_kv_b.weight" in name:
@@ -125,6 +133,8 @@ def _mixture(ftype: str, new: str, name: str, shape: tuple[int, ...], f: ModelFa
         elif ftype == "Q3_K_M":
             new = "q5_K" if i < 2 else "q4_K"
         elif ftype == "Q3_K_L":
+            new = "q5_K"
+        elif ftype in _IQ4 and f.n_gqa >= 4:
             new = "q5_K"
         elif ftype in ("Q4_K_M", "Q5_K_M") and _use_more_bits(i, n):
             new = "q6_K"
@@ -144,12 +154,14 @@ def _mixture(ftype: str, new: str, name: str, shape: tuple[int, ...], f: ModelFa
             return "q5_K"
         if ftype in ("Q4_K_M", "Q5_K_M"):
             return "q6_K" if _use_more_bits(i, n) else new
+        if ftype in _IQ4:  # llama-quantize's rule without an importance matrix
+            return "q5_K" if i < n // 8 else new
         if ftype == "Q4_K_S" and i < n // 8:
             return "q5_K"
         return new
     if "attn_output.weight" in name:
         if f.n_expert == 8:
-            return "q5_K" if ftype in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M") else new
+            return "q5_K" if ftype in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", *_IQ4) else new
         return {"Q2_K": "q3_K", "Q3_K_M": "q4_K", "Q3_K_L": "q5_K"}.get(ftype, new)
     return new
 

@@ -2,7 +2,9 @@
 
 The types come from opdispatch.models.mixture (llama-quantize's rules for a
 preset such as Q4_K_M, or one dtype for every tensor it quantizes); the bytes
-from opdispatch.dtypes.quantize (byte-exact with ggml's quantize_row_*_ref).
+are llama-quantize's: opdispatch.dtypes.quantize's (byte-exact with ggml's
+quantize_row_*_ref), but iq4_nl's, which llama-quantize writes with ggml's
+quantize_iq4_nl (7 scales tried a block where the _ref row takes one).
 Each tensor is decoded to f32 on its own (a GGUF's stored type, or
 safetensors' f32/f16/bf16), quantized and written before the next is read,
 so memory holds one tensor at a time. A tensor already in its chosen type is
@@ -28,6 +30,7 @@ import numpy as np
 
 from ..dtypes import DTYPES, from_float, to_host_float
 from ..quants import FORMATS
+from ..quants.iquants import encode_iq4_nl_file
 from ..tensor import Tensor, param
 from .llama.config import LlamaConfig
 from .mixture import PRESETS, ModelFacts, tensor_type
@@ -197,12 +200,22 @@ def _add_info(gguf: Any, writer: Any, name: str, shape: tuple[int, ...], dt: str
                                raw_dtype=raw_type if dt == "bf16" else None)
 
 
+#: the encoders llama-quantize writes a type with where they differ from dtypes.quantize's (the _ref rows)
+_FILE_ENCODERS = {"iq4_nl": encode_iq4_nl_file}
+
+
 def _converted(t: Tensor, dt: str) -> np.ndarray:
-    """Tensor t's data stored as dt: its bytes as they are if it is stored so, else decoded to f32 and encoded."""
+    """Tensor t's data stored as dt: its bytes as they are if it is stored so, else decoded to f32 and encoded
+    (by _FILE_ENCODERS' encoder where dt has one)."""
     stored = t.host_view(t.data)
     if t.dtype.name == dt:
         return np.ascontiguousarray(stored)
-    return from_float(dt, to_host_float(t.dtype, stored))
+    values = to_host_float(t.dtype, stored)
+    if dt not in _FILE_ENCODERS:
+        return from_float(dt, values)
+    d = DTYPES[dt]
+    blocks = values.astype(np.float32).reshape(*values.shape[:-1], -1, d.block_size)
+    return _FILE_ENCODERS[dt](blocks).reshape(*values.shape[:-1], -1)
 
 
 def _bar(out: TextIO, done: int, total: int, what: str, width: int = 30) -> None:
