@@ -4,7 +4,8 @@ Model: PRESETS["1b"] (hidden 2048, 16 layers, 32/8 heads, MLP 8192, vocab
 32000), max_ctx 1024, a KV cache of 16 sequences, weights in bf16, f16,
 q8_0 or q4_0, or in llama-quantize's Q4_K_M mixture (q4_K, q6_K for the
 output and the attn_v/ffn_down of the layers its use_more_bits picks: those
-layers' q/k/v stay three projections). Speed does not depend on the values,
+layers' q/k/v stay three projections); at batch-1 decode also its Q4_0,
+Q5_K_M, Q6_K and IQ4_XS mixtures (DOWNLOADS). Speed does not depend on the values,
 so the weights are drawn directly in their stored format from one random
 pool a type (opdispatch.models.llama.stored.random_params) instead of
 drawing 1.1B floats and quantizing them. Each layer's
@@ -74,15 +75,20 @@ STEPS, ROUNDS = 20, 5  # decode steps per timed round, rounds (median)
 GREEDY_STEPS = 128  # steps of one timed decode_greedy call: a generation of 128 tokens after CTX
 HF_STEPS = 5
 COMPILE_S = float(os.environ.get("OPDISPATCH_BENCH_COMPILE_S", "180"))
-HF_DTYPE = {"bf16": "bf16", "f16": "f16", "q8_0": "bf16", "q4_0": "bf16", "Q4_K_M": "bf16"}
+#: the file types people download, timed at batch-1 decode only (issue 18's tokens/s table): llama-quantize's
+#: Q4_0 (q4_0, its output q6_K), Q5_K_M, Q6_K and IQ4_XS mixtures
+DOWNLOADS = ("Q4_0", "Q5_K_M", "Q6_K", "IQ4_XS")
+HF_DTYPE = {"bf16": "bf16", "f16": "f16", "q8_0": "bf16", "q4_0": "bf16", "Q4_K_M": "bf16",
+            **{ft: "bf16" for ft in DOWNLOADS}}
 
 #: (weights, kind, batch, mode), in run order: one weights' model at a time. weights: a dtype for every
-#: matrix, or "Q4_K_M", llama-quantize's mixture of that file type (q4_K, some q6_K)
+#: matrix, or a file type of llama-quantize's ("Q4_K_M": q4_K, some q6_K), its mixture
 CASES = [
     ("bf16", "decode", 1, "default"), ("bf16", "decode", 16, "default"), ("bf16", "prefill", 1, "default"),
     ("bf16", "decode", 1, "no-fusion"), ("bf16", "decode", 1, "no-graphs"), ("bf16", "decode", 1, "no-pdl"),
     *[(dt, kind, b, "default") for dt in ("f16", "q8_0", "q4_0", "Q4_K_M")
       for kind, b in (("decode", 1), ("decode", 16), ("prefill", 1))],
+    *[(ft, "decode", 1, "default") for ft in DOWNLOADS],
 ]
 
 

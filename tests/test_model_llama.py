@@ -469,10 +469,15 @@ def test_the_8b_preset_is_llama_3_8b_shaped_and_splits_over_two_devices() -> Non
     assert halves["model.layers.0.mlp.down_proj.weight"] == (4096, 7168)
 
 
-@pytest.mark.parametrize("weights", ["bf16", "q8_0", "Q4_K_M"])
+#: a file type's default type and its types on the tiny model below (2 query heads a KV head: IQ4_XS keeps attn_v
+#: iq4_xs)
+MIXED = {"Q4_K_M": ("q4_K", {"q4_K", "q6_K"}), "IQ4_XS": ("iq4_xs", {"iq4_xs", "q6_K"})}
+
+
+@pytest.mark.parametrize("weights", ["bf16", "q8_0", *MIXED])
 def test_random_params_are_views_of_one_pool_a_type_in_their_stored_format(weights: str) -> None:
     cfg = attrs.evolve(PRESETS["tiny"], hidden=256, heads=4, kv_heads=2, ffn=512, cache_dtype="f32",
-                       dtype="q4_K" if weights == "Q4_K_M" else weights)
+                       dtype=MIXED[weights][0] if weights in MIXED else weights)
     params = random_params(cfg, seed=1, weights=weights)
     matrices = {n: t for n, t in params.items() if not isinstance(t, np.ndarray)}
     assert {n for n, a in params.items() if isinstance(a, np.ndarray)} == {
@@ -480,7 +485,7 @@ def test_random_params_are_views_of_one_pool_a_type_in_their_stored_format(weigh
     assert all(a.dtype == np.float32 and 0.9 <= a.min() and a.max() <= 1.1 for a in params.values()
                if isinstance(a, np.ndarray))
     types = {t.dtype.name for t in matrices.values()}
-    assert types == ({"q4_K", "q6_K"} if weights == "Q4_K_M" else {weights})
+    assert types == (MIXED[weights][1] if weights in MIXED else {weights})
 
     def owner(a: np.ndarray) -> np.ndarray:
         while isinstance(a.base, np.ndarray):
