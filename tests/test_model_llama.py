@@ -24,7 +24,7 @@ from opdispatch.models.generate import Generator, generate
 from opdispatch.models.llama.config import PRESETS, LlamaConfig
 from opdispatch.models.llama.model import LlamaModel
 from opdispatch.models.llama.names import random_weights, weight_shapes
-from opdispatch.models.llama.stored import random_params
+from opdispatch.models.llama.stored import random_params, weight_types
 from opdispatch.models.sampling import Sampler
 from opdispatch.plugins.cuda_matmul import fusion as mm_fusion, support as mm_support
 from opdispatch.testing.metrics import nmse
@@ -797,3 +797,23 @@ def test_progress_is_a_bar_on_a_terminal_and_one_line_elsewhere(tiny) -> None:
     text = tty.getvalue()
     assert text.startswith("\r") and text.endswith("\n") and text.count("\n") == 1
     assert "#" * 30 + " 5/5 tokens, " in text and "tokens/s" in text
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("weights", ["Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "IQ4_NL"])
+def test_downloaded_file_types_plan_every_product_on_the_gpu(weights: str, batch: int) -> None:
+    """The decode step of a model in each file type people download (llama-quantize's mixture: Q4_0's output q6_K,
+    IQ4_XS's attn_v and first ffn_down q5_K, ...), planned for an H200 without one: every node on the GPU, every
+    matrix product in cuda_matmul, none on the CPU (issue 18's files)."""
+    cfg = attrs.evolve(PRESETS["tiny"], hidden=2048, heads=16, kv_heads=4, ffn=1024, layers=8, vocab=512,
+                       dtype="f16")
+    types = weight_types(cfg, weights)
+    model = LlamaModel(cfg, random_params(cfg, weights=weights), max_seqs=16)
+    plan = compile(model.build(1, 20, batch=batch)[0], H200)
+    kernels = [s for s in plan.steps if s.kind in ("kernel", "fused")]
+    assert {s.device.name for s in kernels} == {"cuda0"}, plan.explain()
+    products = [n for s in kernels for n in s.nodes if n.op == "mul_mat"]
+    assert {s.plugin for s in kernels if any(n.op == "mul_mat" for n in s.nodes)} == {"cuda_matmul"}
+    multiplied = {n.srcs[0].dtype.name for n in products}
+    embedding = types.pop("model.embed_tokens.weight")  # read by get_rows, not multiplied
+    assert multiplied == set(types.values()), (embedding, types, multiplied)

@@ -23,12 +23,12 @@ from .config import LlamaConfig
 from .names import weight_shapes
 
 #: byte offsets of each block format's f16 scale fields (d, and dmin or m where there is one): ggml's block_* structs
-SCALE_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q2_K": (80, 82), "q3_K": (108,), "q4_K": (0, 2), "q5_K": (0, 2),
-                "q6_K": (208,), "iq4_xs": (0,)}
+SCALE_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q5_0": (0,), "q5_1": (0, 2), "q2_K": (80, 82), "q3_K": (108,),
+                "q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208,), "iq4_nl": (0,), "iq4_xs": (0,)}
 #: the f16 scale that makes random codes values of std ~0.02, like HF's initializer (code spread x sub-scale)
-SCALE = {"q8_0": 0.02 / 74, "q4_0": 0.02 / 4.6, "q2_K": 0.02 / (7.5 * 1.1), "q3_K": 0.02 / (16 * 2.3),
-         "q4_K": 0.02 / (32 * 4.6), "q5_K": 0.02 / (32 * 9.2), "q6_K": 0.02 / (64 * 18.5),
-         "iq4_xs": 0.02 / (18.5 * 67.4)}
+SCALE = {"q8_0": 0.02 / 74, "q4_0": 0.02 / 4.6, "q5_0": 0.02 / 9.2, "q5_1": 0.02 / 9.2, "q2_K": 0.02 / (7.5 * 1.1),
+         "q3_K": 0.02 / (16 * 2.3), "q4_K": 0.02 / (32 * 4.6), "q5_K": 0.02 / (32 * 9.2), "q6_K": 0.02 / (64 * 18.5),
+         "iq4_nl": 0.02 / 67.4, "iq4_xs": 0.02 / (18.5 * 67.4)}
 
 
 def weight_types(cfg: LlamaConfig, weights: str) -> dict[str, str]:
