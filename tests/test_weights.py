@@ -32,6 +32,7 @@ from opdispatch.models.generate import Generator
 from opdispatch.models.llama.config import LlamaConfig
 from opdispatch.models.llama.model import LlamaModel
 from opdispatch.models.llama.names import random_weights, weight_shapes
+from opdispatch.models.llama.stored import weight_types
 from opdispatch.models.mixture import ModelFacts, tensor_type
 from opdispatch.models.weights.gguf import gguf_dtype, load_gguf, read_gguf, unpermute_qk
 from opdispatch.models.weights.names import GGUF_LAYER_TO_HF, GGUF_TO_HF, gguf_name_to_hf
@@ -473,7 +474,7 @@ def quantized_gguf_model(path: Path, matrix_type: str, seed: int) -> tuple[Llama
         assert cli_main(["quantize", str(source), str(path), matrix_type]) == 0
     loaded_cfg, params = load_gguf(path)
     held = {t.dtype.name for t in params.values() if t.ndim == 2}
-    assert held == ({matrix_type} if matrix_type in dtypes.DTYPES else {"q4_K", "q6_K"}), held
+    assert held == ({matrix_type} if matrix_type in dtypes.DTYPES else set(weight_types(cfg, matrix_type).values()))
     return LlamaModel(attrs.evolve(loaded_cfg, cache_dtype="f32"), params), LlamaModel(cfg, weights)
 
 
@@ -507,8 +508,16 @@ def test_quantized_gguf_is_planned_on_the_gpu_in_its_block_format(matrix_type: s
         assert_planned_on_the_gpu(compile(model.build(n_tokens, 0)[0], H200), model)
 
 
-def test_q4_k_m_gguf_is_planned_on_the_gpu_in_its_block_formats(tmp_path: Path, rng: np.random.Generator) -> None:
-    model, _ = quantized_gguf_model(tmp_path / "q.gguf", "Q4_K_M", int(rng.integers(2**31)))
+#: the file types of `opdispatch quantize` the GPU tests write (llama-quantize's mixtures; on GPU_CFG, 2 query heads a
+#: KV head and 2 layers: Q4_K_M's second layer q6_K attn_v and ffn_down, IQ4_*'s first ffn_down q5_K... see
+#: weight_types)
+GPU_PRESETS = ("Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS")
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_preset_gguf_is_planned_on_the_gpu_in_its_block_formats(preset: str, tmp_path: Path,
+                                                                rng: np.random.Generator) -> None:
+    model, _ = quantized_gguf_model(tmp_path / "q.gguf", preset, int(rng.integers(2**31)))
     for n_tokens in (1, 12):
         assert_planned_on_the_gpu(compile(model.build(n_tokens, 0)[0], H200), model)
 
@@ -552,13 +561,15 @@ def test_quantized_gguf_runs_on_cuda_like_the_cpu_reference(matrix_type: str, tm
 
 
 @pytest.mark.gpu
-def test_q4_k_m_gguf_from_opdispatch_quantize_decodes_on_cuda_like_the_cpu_reference(
-        tmp_path: Path, rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_preset_gguf_from_opdispatch_quantize_decodes_on_cuda_like_the_cpu_reference(
+        preset: str, tmp_path: Path, rng: np.random.Generator) -> None:
     """`opdispatch quantize ... Q4_K_M` (q4_K matrices, q6_K for the LM head and the use_more_bits layers'
-    attn_v and ffn_down): every mul_mat and get_rows of the decode step reads its q4_K / q6_K blocks on cuda0,
-    no step falls back to the CPU, and the logits are within LOGITS_NMSE of the CPU reference on the file."""
-    model, f32_model = quantized_gguf_model(tmp_path / "q.gguf", "Q4_K_M", int(rng.integers(2**31)))
-    runs_on_cuda_like_the_cpu_reference(model, f32_model, "Q4_K_M", rng)
+    attn_v and ffn_down), and the other file types of GPU_PRESETS: every mul_mat and get_rows of the decode step
+    reads its blocks on cuda0 in their own types, no step falls back to the CPU, and the logits are within
+    LOGITS_NMSE of the CPU reference on the file."""
+    model, f32_model = quantized_gguf_model(tmp_path / "q.gguf", preset, int(rng.integers(2**31)))
+    runs_on_cuda_like_the_cpu_reference(model, f32_model, preset, rng)
 
 
 def test_tiny_llama_in_the_q4_k_m_mixture_runs_like_its_values(tmp_path: Path, rng: np.random.Generator) -> None:
