@@ -10,6 +10,7 @@ presets join as their encoders land in opdispatch.quants.
 from __future__ import annotations
 
 import json
+from collections import Counter
 import re
 from pathlib import Path
 
@@ -140,15 +141,24 @@ def test_mxfp4_moe_file_holds_the_experts_in_mxfp4(tmp_path: Path, capsys, rng: 
     assert_runs_like_f32(out, rng)
 
 
-def test_quantized_file_runs_in_opdispatch_run_with_its_type_counts(f32_gguf: Path, tmp_path: Path, capsys) -> None:
-    out = tmp_path / "q4_0.gguf"
-    assert main(["quantize", str(f32_gguf), str(out), "q4_0"]) == 0
+@pytest.mark.parametrize("target", ["q4_0", "Q4_K_M", "IQ4_XS"])
+def test_quantized_file_runs_in_opdispatch_run_with_its_type_counts(target: str, f32_gguf: Path, tmp_path: Path,
+                                                                    capsys) -> None:
+    """`opdispatch run --gguf` on a file of each kind: its summary line counts the tensors of each type the file
+    holds (q4_0: embedding, output and 7 matrices a layer q4_0, llama-quantize --pure; the mixtures as planned)."""
+    out = tmp_path / "q.gguf"
+    assert main(["quantize", str(f32_gguf), str(out), target]) == 0
     capsys.readouterr()
     code = main(["run", "--device", "cpu", "--gguf", str(out), "--tokens", "2", "--prompt-len", "3"])
     printed, err = capsys.readouterr()
     assert code == 0, err
-    # embedding, output and 7 matrices a layer in q4_0 (llama-quantize --pure), 2 norms a layer and the last f32
-    assert re.search(r"^weights: q4_0 x 16, f32 x 5, [\d.]+ KiB, loaded in", printed, re.M), printed
+    counts = Counter(plan_types(read_source(f32_gguf), target).values())
+    assert len(counts) >= 2 and counts["f32"] == 5  # 2 norms a layer and the last
+    if target == "q4_0":
+        assert counts == {"q4_0": 16, "f32": 5}
+    line = re.search(r"^weights: (.*), [\d.]+ KiB, loaded in", printed, re.M)
+    assert line and dict(re.findall(r"(\w+) x (\d+)", line.group(1))) == {k: str(v) for k, v in counts.items()}, (
+        printed, counts)
 
 
 def test_safetensors_source_gives_the_converters_file(tmp_path: Path, rng: np.random.Generator) -> None:
