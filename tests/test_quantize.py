@@ -10,8 +10,8 @@ presets join as their encoders land in opdispatch.quants.
 from __future__ import annotations
 
 import json
-from collections import Counter
 import re
+from collections import Counter
 from pathlib import Path
 
 import attrs
