@@ -98,6 +98,15 @@ def test_the_decode_step_kernels_launch_with_pdl() -> None:
         assert names <= pdl_kernels((plugins / source).resolve()), source
 
 
+def test_the_prefill_attention_kernels_launch_with_pdl() -> None:
+    from opdispatch.backends.cuda.kernels import pdl_kernels
+
+    plugins = Path(od.__file__).resolve().parent.parent / "plugins" / "cuda_attention" / "kernels"
+    for source, name in (("fattn_prefill.cu", "fattn_prefill"), ("fattn_prefill_wgmma.cu", "fattn_prefill_wgmma"),
+                         ("fattn_mask.cu", "fattn_mask_flags")):
+        assert pdl_kernels((plugins / source).resolve()) == {name}, source
+
+
 def test_graphs_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OPDISPATCH_DISABLE_CUDA_GRAPHS", raising=False)
     assert graphs.graphs_enabled()

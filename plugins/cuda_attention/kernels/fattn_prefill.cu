@@ -53,6 +53,7 @@ __device__ __forceinline__ void load_tile_full(unsigned short* dst, const char* 
 template <int D, typename KT>
 __global__ void __launch_bounds__(128, 2) fattn_prefill(
     PREFILL_PARAMS) {
+    od::grid_enter();
     using namespace od_attn;
     constexpr bool BF = od::same_v<KT, bf16>;
     constexpr int MT = D > 128 ? 1 : 2;  // m16 tiles a warp
