@@ -620,7 +620,7 @@ def test_rope_threads_rotate_every_pair_of_every_head_once(neox: bool, elem: int
 def test_every_kernel_signature_is_readable() -> None:
     for source, name in ((softmax.SOFTMAX_CU, "soft_max_f32"), (rope.ROPE_CU, "rope_kernel"),
                          (rope.ROPE_CU, "rope_set_rows"), (flash.DECODE_CU, "fattn_decode"),
-                         (flash.PREFILL_CU, "fattn_prefill"), (flash.PREFILL_CU, "fattn_mask_flags"),
+                         (flash.PREFILL_CU, "fattn_prefill"), (flash.MASK_CU, "fattn_mask_flags"),
                          (flash.PREFILL_WGMMA_CU, "fattn_prefill_wgmma")):
         assert kernel_param_types(source)[name]
 
@@ -803,7 +803,7 @@ def test_prefill_plan(d: int, kv: str, mask: bool, dev: DeviceFacts, wgmma: bool
     if mask:
         flags = launches[0]
         assert (flags.kernel, flags.grid) == (flash.MASK_FLAGS, (n_kt, n_qt, 1))
-        assert spec_types(flags) == kernel_param_types(flash.PREFILL_CU)["fattn_mask_flags"]
+        assert spec_types(flags) == kernel_param_types(flash.MASK_CU)["fattn_mask_flags"]
         assert (int(flags.args.bm), int(flags.args.bn)) == (bm, bn)
 
 

@@ -90,12 +90,24 @@ def test_the_decode_step_kernels_launch_with_pdl() -> None:
     plugins = Path(od.__file__).resolve().parent.parent / "plugins"
     expected = {"cuda_matmul/kernels/mmv.cu": {"mmv", "mmvq", "quantize_q8_1"},
                 "cuda_matmul/kernels/mmvq_stream.cu": {"mmvq_stream"},
+                "cuda_matmul/kernels/mmv_id.cu": {"mmv_id", "mmvq_id", "moe_route", "mmv_id_grouped",
+                                                  "mmvq_id_grouped"},
+                "cuda_misc/kernels/sort.cu": {"topk_moe"},
                 "cuda_attention/kernels/fattn_decode.cu": {"fattn_decode"},
                 "cuda_norm/kernels/norm.cu": {"norm_rows_f32"},
                 "cuda_misc/kernels/rows.cu": {"get_rows", "set_rows"},
                 "cuda_misc/kernels/reduce.cu": {"argmax_split"}}
     for source, names in expected.items():
         assert names <= pdl_kernels((plugins / source).resolve()), source
+
+
+def test_the_prefill_attention_kernels_launch_with_pdl() -> None:
+    from opdispatch.backends.cuda.kernels import pdl_kernels
+
+    plugins = Path(od.__file__).resolve().parent.parent / "plugins" / "cuda_attention" / "kernels"
+    for source, name in (("fattn_prefill.cu", "fattn_prefill"), ("fattn_prefill_wgmma.cu", "fattn_prefill_wgmma"),
+                         ("fattn_mask.cu", "fattn_mask_flags")):
+        assert pdl_kernels((plugins / source).resolve()) == {name}, source
 
 
 def test_graphs_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:

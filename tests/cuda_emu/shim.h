@@ -277,10 +277,24 @@ struct EmuBlock {
     std::vector<unsigned> xchg;
     unsigned char* smem;
     std::vector<unsigned> frag;  // the mma emulations' exchange (emu_mma_post): 6 words a thread
+    int vote = 0;                // __syncthreads_or's
 };
 inline EmuBlock* emu_ctx;
 
 inline void __syncthreads() { emu_ctx->block_bar->arrive_and_wait(); }
+// every thread's predicate ORed: the last vote read by all, cleared, gathered, then read
+inline int __syncthreads_or(int p) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        emu_ctx->vote = 0;
+    }
+    __syncthreads();
+    if (p) {
+        emu_ctx->vote = 1;
+    }
+    __syncthreads();
+    return emu_ctx->vote;
+}
 // common.cuh's od::last_block (not called by mmvq_stream, but compiled with the header)
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }

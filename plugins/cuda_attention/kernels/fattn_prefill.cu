@@ -53,6 +53,7 @@ __device__ __forceinline__ void load_tile_full(unsigned short* dst, const char* 
 template <int D, typename KT>
 __global__ void __launch_bounds__(128, 2) fattn_prefill(
     PREFILL_PARAMS) {
+    od::grid_enter();
     using namespace od_attn;
     constexpr bool BF = od::same_v<KT, bf16>;
     constexpr int MT = D > 128 ? 1 : 2;  // m16 tiles a warp
@@ -230,34 +231,5 @@ __global__ void __launch_bounds__(128, 2) fattn_prefill(
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         od_prefill::write_rows<D>(o[mt], mrun[mt], lrun[mt], sinks, out, b, h, hq, tq, q0 + wrow + mt * 16, g, tq4);
-    }
-}
-
-// One byte per (mask slice z = i3*m2 + i2, q tile i, kv tile j): 0 if every mask value
-// of the block (rows < tq, columns < tk) is -inf, 2 if every one is zero, else 1.
-// Grid (n_kv_tiles, n_q_tiles, m3*m2), 128 threads.
-__global__ void __launch_bounds__(128) fattn_mask_flags(const char* __restrict__ mask, unsigned char* __restrict__ flags,
-                                                        int tq, int tk, int bm, int bn, int m2, long long ms_t,
-                                                        long long ms_h, long long ms_b) {
-    const int j = blockIdx.x;
-    const int i = blockIdx.y;
-    const int z = blockIdx.z;
-    const char* base = mask + (z / m2) * ms_b + (z % m2) * ms_h;
-    const int rows = min(bm, tq - i * bm);
-    const int cols = min(bn, tk - j * bn);
-    int finite = 0, nonzero = 0;
-    for (int e = threadIdx.x; e < rows * cols; e += 128) {
-        const int r = e / cols;
-        const int c = e % cols;
-        const unsigned short bits =
-            *reinterpret_cast<const unsigned short*>(base + (static_cast<long long>(i) * bm + r) * ms_t +
-                                                     (static_cast<long long>(j) * bn + c) * 2);
-        finite |= bits != 0xfc00u;
-        nonzero |= (bits & 0x7fffu) != 0;
-    }
-    finite = __syncthreads_or(finite);
-    nonzero = __syncthreads_or(nonzero);
-    if (threadIdx.x == 0) {
-        flags[(static_cast<long long>(z) * gridDim.y + i) * gridDim.x + j] = !finite ? 0 : (nonzero ? 1 : 2);
     }
 }

@@ -30,6 +30,7 @@
 template <int D, typename KT, int WGS, int BN, int STAGES>
 __global__ void __launch_bounds__(WGS * 128, 1) fattn_prefill_wgmma(
     PREFILL_PARAMS) {
+    od::grid_enter();
     using namespace od_attn;
     namespace wg = od::wg;
     static_assert((D == 64 || D == 128) && (BN == 64 || BN == 128), "head sizes 64 and 128, key tiles of 64 or 128");

@@ -29,6 +29,7 @@ from .rope import CACHE_TYPES, cache_rows, ff_ptr, rope_fields
 DECODE_CU = KERNELS_DIR / "fattn_decode.cu"
 PREFILL_CU = KERNELS_DIR / "fattn_prefill.cu"
 PREFILL_WGMMA_CU = KERNELS_DIR / "fattn_prefill_wgmma.cu"
+MASK_CU = KERNELS_DIR / "fattn_mask.cu"
 
 #: head sizes flash_attn_ext has kernels for (K and V the same)
 HEAD_SIZES = (64, 80, 96, 128, 256)
@@ -75,8 +76,9 @@ KERNEL_SOURCES: dict[Path, tuple[str, ...]] = {
         [decode_kernel(d, kv) for d, kv in kv_variants()]
         + [decode_kernel(d, kv, r, i) for d in ATTN_HEAD_SIZES for kv in CACHE_TYPES for r in ("normal", "neox")
            for i in ("i32", "i64")]),
-    PREFILL_CU: tuple([prefill_kernel(d, kv) for d, kv in kv_variants()] + [MASK_FLAGS]),
+    PREFILL_CU: tuple(prefill_kernel(d, kv) for d, kv in kv_variants()),
     PREFILL_WGMMA_CU: tuple(prefill_kernel(d, kv, True) for d in WGMMA_CONFIG for kv in WGMMA_KV_TYPES),
+    MASK_CU: (MASK_FLAGS,),
 }
 
 # -- geometry ------------------------------------------------------------------------------------
@@ -414,7 +416,7 @@ def flash_plan(node: Tensor, dev: DeviceFacts, fused: FusedQKV | None = None) ->
         (m3, m2, _, _), (ms_b, ms_h, ms_t, _) = byte_strides(mask)
         fargs = MaskFlagsArgs(mask=ptr(mask), flags=flags, tq=tq, tk=tk, bm=bm, bn=bn, m2=m2, ms_t=ms_t, ms_h=ms_h,
                               ms_b=ms_b)
-        return [KernelSpec(PREFILL_CU, MASK_FLAGS, (n_kt, n_qt, m3 * m2), 128, fargs), main]
+        return [KernelSpec(MASK_CU, MASK_FLAGS, (n_kt, n_qt, m3 * m2), 128, fargs), main]
 
     return FlashPlan("prefill", ws, make_prefill)
 

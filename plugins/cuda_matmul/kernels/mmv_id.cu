@@ -29,6 +29,7 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv_id(const u8* as0, const u8* as1
                                                     float* out, int M, int K, const float* bias0, const float* bias1,
                                                     long long bias_e, int glu_kind, float alpha, float limit,
                                                     OD_INDEX_CHECK_PARAMS) {
+    od::grid_enter();
     constexpr int NW = EPI == EPI_GLU ? 2 : 1;
     __shared__ float res[NW * R];
     const int u = blockIdx.y, t = blockIdx.z, U = gridDim.y;
@@ -68,6 +69,7 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id(const u8* as0, const u8*
                                                         int M, int K, const float* bias0, const float* bias1,
                                                         long long bias_e, int glu_kind, float alpha, float limit,
                                                         OD_INDEX_CHECK_PARAMS) {
+    od::grid_enter();
     constexpr int NW = EPI == EPI_GLU ? 2 : 1, RB = mm::QROWS / NW;
     const int u = blockIdx.y, t = blockIdx.z, U = gridDim.y;
     const int m0 = blockIdx.x * RB;
@@ -116,6 +118,7 @@ constexpr int ROUTE_PER_THREAD = 4;  // experts a thread scans: E <= ROUTE_BLOCK
 extern "C" __global__ void __launch_bounds__(ROUTE_BLOCK) moe_route(const u8* ids, long long ids_t, long long ids_u,
                                                                     int T, int U, int E, int* route, float* out,
                                                                     int M, int tile_n, OD_INDEX_CHECK_PARAMS) {
+    od::grid_enter();
     extern __shared__ int smem[];
     int* count = smem;
     int* cursor = smem + E;
@@ -223,6 +226,7 @@ __global__ void __launch_bounds__(mm::BLOCK) mmv_id_grouped(const u8* as, long l
                                                             const int* route, const u8* b, long long b_t,
                                                             long long b_u, int Ub, long long b_es, float* out, int M,
                                                             int K, int U, const float* bias, long long bias_e) {
+    od::grid_enter();
     __shared__ float res[R * NT];
     const int s = blockIdx.y;
     if (s >= route[0]) {
@@ -266,6 +270,7 @@ __global__ void __launch_bounds__(mm::QTHREADS) mmvq_id_grouped(const u8* as, lo
                                                                 const int* route, const u8* bq, const u8* bds,
                                                                 int nbp, int Ub, float* out, int M, int K, int U,
                                                                 const float* bias, long long bias_e) {
+    od::grid_enter();
     const int s = blockIdx.y;
     if (s >= route[0]) {
         return;

@@ -376,6 +376,7 @@ template <int NPL>
 __global__ void __launch_bounds__(128) topk_moe(const float* __restrict__ logits, float* __restrict__ weights,
                                                 int* __restrict__ ids, const unsigned rows, const int E, const int k,
                                                 const long long row_stride, const float scale, const int norm) {
+    od::grid_enter();
     const unsigned row = blockIdx.x * 4 + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     if (row >= rows) {
