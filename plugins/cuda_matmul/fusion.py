@@ -20,10 +20,11 @@ node but the last is read only inside the group):
                                                                    its v), at one column: the kernel also
                                                                    writes them
 The fused kernels are the mat-vec ones, mmf, mmq and mmq_small (mul_mat_add only) and
-mmq_id (the bias of add_id), so each product must take a mat-vec path (mul_mat with
-N <= 8; mul_mat_id with one token for the GLU groups), mmf (mul_mat, f16/bf16
-weights, up to 16 columns), a quantized GEMM (mul_mat -> add, block formats, more
-than 8 columns) or mmq_id (mul_mat_id -> add_id with many tokens), with b in f32.
+mmq_id and mmq_wgmma_id (the bias of add_id), so each product must take a mat-vec path
+(mul_mat with N <= 8; mul_mat_id with one token for the GLU groups), mmf (mul_mat,
+f16/bf16 weights, up to 16 columns), a quantized GEMM (mul_mat -> add, block formats,
+more than 8 columns) or a quantized GEMM of mul_mat_id (mul_mat_id -> add_id with many
+tokens), with b in f32.
 The add may read the product as either source; the addend is only read (it may be
 the residual stream other nodes read too). The kernels add element
 r * bias_col + m of the addend to output row r = (i3 * B2 + i2) * N + n, column m
@@ -58,9 +59,11 @@ from .specs.stream import STREAMED, ragged
 MMV_PATHS = ("mmvf", "mmvq_stream", "mmvq", "mmv_id", "mmv_id_grouped")
 #: the quantized GEMMs of mul_mat: a bias or residual epilogue (mq::finish), no GLU
 GEMM_PATHS = ("mmq", "mmq_small")
+#: the quantized GEMMs of mul_mat_id: add_id's bias (mq::store_pairs)
+ID_GEMM_PATHS = ("mmq_id", "mmq_wgmma_id")
 #: the paths whose kernels take the epilogues: the mat-vecs, the tensor-core mmf, the quantized GEMMs (bias only),
-#: and mmq_id (add_id's bias; its GLU groups are one token's, which mmv_id takes)
-FUSED_PATHS = (*MMV_PATHS, "mmf", *GEMM_PATHS, "mmq_id")
+#: and those of mul_mat_id (add_id's bias; its GLU groups are one token's, which mmv_id takes)
+FUSED_PATHS = (*MMV_PATHS, "mmf", *GEMM_PATHS, *ID_GEMM_PATHS)
 
 #: the paths whose kernels take a fused rms_norm (the rms_norm_mul_mat groups): the mat-vec quantizing b itself,
 #: the GEMMs through their quantize_q8_1 launch

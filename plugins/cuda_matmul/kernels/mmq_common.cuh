@@ -369,4 +369,53 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
     }
 }
 
+// mul_mat_id's column tile `tile` of moe_route's table (E experts, `pairs` = T * U pairs; [0] the tiles, then
+// (expert, first, count) each): false for a tile past the table's count (the block has nothing to do), else its
+// expert e and pair count n, and its BN columns' pairs and q8_1 / bf16 b rows (pair p = t * U + u reads row
+// t * Ub + u % Ub) in the block's shared pair[BN] and brow[BN], the columns past its pairs repeating its last. The
+// block's THREADS threads call it; they have synchronized when it returns true.
+template <int BN, int THREADS>
+__device__ __forceinline__ bool pair_tile(const int* route, int E, int pairs, int tile, int U, int Ub, int* pair,
+                                          int* brow, int& e, int& n) {
+    const int* const table = route + 1 + 3 * E + pairs;
+    if (tile >= table[0]) {
+        return false;
+    }
+    e = table[1 + 3 * tile];
+    n = table[3 + 3 * tile];
+    const int* const list = route + 1 + 3 * E + table[2 + 3 * tile];
+    for (int c = threadIdx.x; c < BN; c += THREADS) {
+        const int p = list[min(c, n - 1)];
+        pair[c] = p;
+        brow[c] = p / U * Ub + p % U % Ub;
+    }
+    __syncthreads();
+    return true;
+}
+
+// A warp's sums acc (FM x FN mma tiles: rows from r0, the warp's first weight row, columns from c0 of its block's
+// column tile of n pairs) written to their pairs' output rows (out (pairs, M), pair[c] column c's), plus bias_row
+// (not null: the expert's bias, a fused add_id); rows past M and columns past n are not written.
+template <int FM, int FN>
+__device__ __forceinline__ void store_pairs(const float (&acc)[FM][FN][4], int r0, int c0, int M, int n,
+                                            const int* pair, float* out, const float* bias_row) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int fm = 0; fm < FM; ++fm) {
+#pragma unroll
+        for (int fn = 0; fn < FN; ++fn) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int m = r0 + 16 * fm + g + 8 * (i / 2);
+                const int c = c0 + 8 * fn + 2 * t + i % 2;
+                if (m < M && c < n) {
+                    out[static_cast<long long>(pair[c]) * M + m] =
+                        acc[fm][fn][i] + (bias_row != nullptr ? bias_row[m] : 0.0f);
+                }
+            }
+        }
+    }
+}
+
+
 }  // namespace mq

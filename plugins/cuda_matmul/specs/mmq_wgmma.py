@@ -1,5 +1,6 @@
-"""kernels/mmq_wgmma.cu's launch (the quantized GEMM for many columns on Hopper's wgmma): its tile, its shared
-memory, its argument record and the spec (b converted to bf16, then mmq_wgmma)."""
+"""kernels/mmq_wgmma.cu's launches (the quantized GEMM for many columns on Hopper's wgmma): its tiles, its shared
+memory, its argument records and the specs: mul_mat's (b converted to bf16, then mmq_wgmma) and mul_mat_id's
+(moe_route's tile table, b converted to bf16, then mmq_wgmma_id: MoE prefill)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import math
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, i32, i64, instance, ptr
+from opdispatch.backends.cuda.args import Guard, KernelArgs, i32, i64, instance, ptr
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
 
-from . import MMQ_WGMMA_CU, QUANT_NAMES, W_KIND, Ptr, Scratch, geometry
+from . import MMQ_WGMMA_CU, QUANT_NAMES, W_KIND, Ptr, Scratch, addr, geometry
+from . import mmv  # a module import: mmv imports support, which imports this module
 from .gemm import conversion
-from .mmq import row_stride
+from .mmq import MMQ_FORMATS, row_stride
+from .mmq_id import COLUMN_BYTES, max_tiles
 from .stream import device_facts
 
 #: the K tile (kernels/mmq_frags.cuh's mw::BK)
@@ -76,7 +79,24 @@ def wgmma_smem(dt: str, tile: WgmmaTile) -> int:
             + RAW_STAGES * tile.bm * row_stride(dt, RAW_KB))
 
 
-NAMES: tuple[str, ...] = tuple(instance_name(dt, t) for dt in WGMMA_FORMATS for t in TILES)
+#: mmq_wgmma_id's tile: column tiles of 128 (token, slot) pairs an expert (moe_route's tile_n)
+ID_TILE = NARROW
+#: the formats mmq_wgmma_id is compiled for: mmq_id's whose A fragments go straight into registers, and mxfp4
+#: (the MoE format of gpt-oss files)
+ID_FORMATS = tuple(dt for dt in (*RS_FORMATS, "mxfp4") if dt in MMQ_FORMATS)
+
+
+def id_instance_name(dt: str) -> str:
+    return instance("mmq_wgmma_id", W_KIND[dt], ID_TILE.warpgroups, ID_TILE.bn)
+
+
+def wgmma_id_smem(dt: str) -> int:
+    """Dynamic shared memory of an mmq_wgmma_id block: its columns' pairs and b rows, then wgmma_smem's."""
+    return COLUMN_BYTES * ID_TILE.bn + wgmma_smem(dt, ID_TILE)
+
+
+NAMES: tuple[str, ...] = (*(instance_name(dt, t) for dt in WGMMA_FORMATS for t in TILES),
+                          *(id_instance_name(dt) for dt in ID_FORMATS))
 
 
 @attrs.frozen
@@ -131,3 +151,46 @@ def wgmma_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
     return [conversion(b, "bf16", ptr(b), bf),
             KernelSpec(MMQ_WGMMA_CU, instance_name(a.dtype.name, tile), (tiles_m * splits * tiles_n, b2, b3),
                        tile.threads, args, smem=wgmma_smem(a.dtype.name, tile))]
+
+
+@attrs.frozen
+class MmqWgmmaIdArgs(KernelArgs):
+    """mmq_wgmma_id's arguments: mmq_id's (specs/mmq_id.py's MmqIdArgs) but for b, bf16 rows (the conversion's
+    output) in place of the q8_1 blocks."""
+
+    KERNELS = ("mmq_wgmma_id",)
+    as_: np.uint64 = ptr()
+    a_row: np.int64 = i64()
+    a_e: np.int64 = i64()
+    E: np.int32 = i32()
+    route: np.uint64 = ptr()
+    pairs: np.int32 = i32()
+    max_tiles: np.int32 = i32()
+    U: np.int32 = i32()
+    Ub: np.int32 = i32()
+    b: np.uint64 = ptr()
+    out: np.uint64 = ptr()
+    M: np.int32 = i32()
+    K: np.int32 = i32()
+    bias: np.uint64 = ptr()
+    bias_e: np.int64 = i64()
+
+
+def wgmma_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard: Guard, *,
+                   bias: Tensor | None = None) -> list[KernelSpec]:
+    """moe_route (its tile table for ID_TILE's column tiles; the ids checked by `guard`'s IndexCheck), b's T * Ub
+    rows converted to bf16 in the scratch buffer "b", then mmq_wgmma_id, for mul_mat_id `node` (its path
+    mmq_wgmma_id) writing `out` (node, or a fused add_id of the expert biases `bias`)."""
+    as_, b, ids = node.srcs
+    e, m, k = as_.shape
+    t, u = ids.shape
+    pairs = t * u
+    tiles = max_tiles(pairs, e, ID_TILE.bn)
+    route = mmv.route_spec(node, out, ptr, scratch, guard, tile_n=ID_TILE.bn, tiles=tiles)
+    bf = scratch("b", b.shape[0] * b.shape[1] * k * 2)
+    args = MmqWgmmaIdArgs(as_=ptr(as_), a_row=as_.strides[1], a_e=as_.strides[0], E=e, route=route.args.route,
+                          pairs=pairs, max_tiles=tiles, U=u, Ub=b.shape[1], b=bf, out=ptr(out), M=m, K=k,
+                          bias=addr(ptr, bias), bias_e=bias.strides[0] if bias is not None else 0)
+    return [route, conversion(b, "bf16", ptr(b), bf),
+            KernelSpec(MMQ_WGMMA_CU, id_instance_name(as_.dtype.name), (math.ceil(m / ID_TILE.bm) * tiles,),
+                       ID_TILE.threads, args, smem=wgmma_id_smem(as_.dtype.name))]
