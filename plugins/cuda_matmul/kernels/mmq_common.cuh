@@ -268,6 +268,23 @@ __device__ __forceinline__ void step_acc(float (&acc)[4], const AFrag& f, unsign
     }
 }
 
+// f(m, n, v) for each of a warp's sums acc (FM x FN mma tiles of 16 x 8, rows from r0 and columns from c0), at its
+// row m and column n in the mma's accumulator layout (rows lane / 4 and + 8, columns 2 (lane % 4) and + 1).
+template <int FM, int FN, class F>
+__device__ __forceinline__ void each_sum(const float (&acc)[FM][FN][4], int r0, int c0, F f) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int fm = 0; fm < FM; ++fm) {
+#pragma unroll
+        for (int fn = 0; fn < FN; ++fn) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                f(r0 + 16 * fm + g + 8 * (i / 2), c0 + 8 * fn + 2 * t + i % 2, acc[fm][fn][i]);
+            }
+        }
+    }
+}
+
 // The end of a warp's tile of 16 FM rows x 8 FN columns (acc: FM x FN mma_s8 outputs), rows from r0 and
 // columns from c0 of the output of batch row brow0 (out + brow0 * M, N x M), in its block's tile of BM rows from
 // bm0 and BN columns from bn0 (THREADS threads): written to out, or with split K (splits > 1) to the block's plane
@@ -282,28 +299,17 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
                                        long long brow0, float* out, float* part, int split, int splits,
                                        long long plane, int* counter, const float* bias, long long bias_col,
                                        bool owns = true) {
-    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     // the sum of output (n, m) as written to out
     auto biased = [&](float v, int n, int m) {
         return bias != nullptr ? v + bias[(brow0 + n) * bias_col + m] : v;
     };
     float* const dst = (splits == 1 ? out : part + split * plane) + brow0 * M;
     const int rows = owns ? M : 0;  // the rows this warp writes below: all or none
-#pragma unroll
-    for (int fm = 0; fm < FM; ++fm) {
-#pragma unroll
-        for (int fn = 0; fn < FN; ++fn) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int m = r0 + 16 * fm + g + 8 * (i / 2);
-                const int n = c0 + 8 * fn + 2 * t + i % 2;
-                if (m < rows && n < N) {
-                    dst[static_cast<long long>(n) * M + m] = splits == 1 ? biased(acc[fm][fn][i], n, m)
-                                                                         : acc[fm][fn][i];
-                }
-            }
+    each_sum(acc, r0, c0, [&](int m, int n, float v) {
+        if (m < rows && n < N) {
+            dst[static_cast<long long>(n) * M + m] = splits == 1 ? biased(v, n, m) : v;
         }
-    }
+    });
     if (splits == 1 || !od::last_block(counter, splits)) {
         return;
     }
@@ -399,22 +405,11 @@ __device__ __forceinline__ bool pair_tile(const int* route, int E, int pairs, in
 template <int FM, int FN>
 __device__ __forceinline__ void store_pairs(const float (&acc)[FM][FN][4], int r0, int c0, int M, int n,
                                             const int* pair, float* out, const float* bias_row) {
-    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-#pragma unroll
-    for (int fm = 0; fm < FM; ++fm) {
-#pragma unroll
-        for (int fn = 0; fn < FN; ++fn) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int m = r0 + 16 * fm + g + 8 * (i / 2);
-                const int c = c0 + 8 * fn + 2 * t + i % 2;
-                if (m < M && c < n) {
-                    out[static_cast<long long>(pair[c]) * M + m] =
-                        acc[fm][fn][i] + (bias_row != nullptr ? bias_row[m] : 0.0f);
-                }
-            }
+    each_sum(acc, r0, c0, [&](int m, int c, float v) {
+        if (m < M && c < n) {
+            out[static_cast<long long>(pair[c]) * M + m] = v + (bias_row != nullptr ? bias_row[m] : 0.0f);
         }
-    }
+    });
 }
 
 
