@@ -18,7 +18,7 @@
   and tile_for encode; prints the best tile per (format, shape, N) against the path support.choose takes.
 - mmq_id: the MoE prefill shape (64 experts, 8 used, 2048 x 2048 experts, b one row a token) at T = 64 and 512
   tokens (--tokens): mmv_id_grouped, every configuration of specs/mmq_id.CANDIDATES (mmq_id_config's two
-  among them) and mmq_wgmma_id, formats --id-formats (q4_0, q8_0, q4_K); prints the best of mmq_id and of
+  among them) and mmq_wgmma_id's tiles (specs/mmq_wgmma.ID_TILES), formats --id-formats (q4_0, q8_0, q4_K); prints the best of mmq_id and of
   mmq_wgmma_id per (format, T) against the path support.choose takes today.
 
 Each configuration's launches are built straight from the spec functions (the weights marked constant, as a
@@ -127,7 +127,7 @@ class Job:
         if self.kernel == "mmq_wgmma":
             return mmq_wgmma.wgmma_smem(self.fmt, self.cfg) <= device_facts(None).smem_per_block_optin
         if self.kernel == "mmq_wgmma_id":
-            return mmq_wgmma.wgmma_id_smem(self.fmt) <= device_facts(None).smem_per_block_optin
+            return mmq_wgmma.wgmma_id_smem(self.fmt, self.cfg) <= device_facts(None).smem_per_block_optin
         return True
 
     def specs(self, node: Tensor, ptr: Callable[[Tensor], int], scratch: Callable[..., int]) -> list[KernelSpec]:
@@ -142,7 +142,7 @@ class Job:
         elif self.kernel == "mmq_wgmma":
             specs = mmq_wgmma.wgmma_specs(node, ptr, scratch, None, self.cfg)
         elif self.kernel == "mmq_wgmma_id":
-            specs = mmq_wgmma.wgmma_id_specs(node, node, ptr, scratch, guard)
+            specs = mmq_wgmma.wgmma_id_specs(node, node, ptr, scratch, guard, tile=self.cfg)
         else:
             specs = mmv.grouped_specs(node, node, ptr, scratch, guard)
         last = specs[-1]
@@ -204,8 +204,9 @@ def id_jobs(fmts: Sequence[str], tokens: Sequence[int]) -> list[Job]:
             jobs += [Job("mmq_id", fmt, MOE_M, MOE_K, t, cfg, today == "mmq_id" and cfg == chosen, **shape)
                      for cfg in dict.fromkeys([chosen, *mmq_id.CANDIDATES])]
             if fmt in mmq_wgmma.ID_FORMATS:
-                jobs.append(Job("mmq_wgmma_id", fmt, MOE_M, MOE_K, t, mmq_wgmma.ID_TILE, today == "mmq_wgmma_id",
-                                **shape))
+                jobs += [Job("mmq_wgmma_id", fmt, MOE_M, MOE_K, t, tile,
+                             today == "mmq_wgmma_id" and tile == mmq_wgmma.ID_TILE, **shape)
+                         for tile in mmq_wgmma.ID_TILES]
     return jobs
 
 

@@ -2155,6 +2155,18 @@ def mmq_id_three_runs(dt: str, n_tok: int, n_exp: int, used: int, ub: int, rng: 
 
 
 @gpu
+@pytest.mark.parametrize("tile", mmq_wgmma.ID_TILES, ids=lambda t: f"n{t.bn}")
+@pytest.mark.parametrize("dt", ["q4_0", "q6_K", "mxfp4"])
+def test_mmq_wgmma_id_tiles(dt: str, tile, monkeypatch: pytest.MonkeyPatch, rng) -> None:  # noqa: ANN001
+    """mmq_wgmma_id in each tile the sweep times (specs/mmq_wgmma.ID_TILES), 512 tokens over 64 experts, 8 used, and
+    over 8, 2 used: as test_mmq_id."""
+    take_id_gemm(monkeypatch, "mmq_wgmma_id")
+    monkeypatch.setattr(mmq_wgmma, "ID_TILE", tile)
+    for n_exp, used in ((64, 8), (8, 2)):
+        mmq_id_three_runs(dt, 512, n_exp, used, 1, rng, "mmq_wgmma_id")
+
+
+@gpu
 @pytest.mark.parametrize("path", ID_GEMMS)
 @pytest.mark.parametrize("dt", ["q4_0", "q4_K"])
 def test_mmq_id_fused_add_id(dt: str, path: str, monkeypatch: pytest.MonkeyPatch, rng) -> None:  # noqa: ANN001

@@ -45,8 +45,8 @@ def test_the_jobs_are_the_brief(sweep) -> None:  # noqa: ANN001
     moe = jobs["mmq_id"]
     assert {(j.experts, j.used, j.m, j.k, j.n) for j in moe} == {(64, 8, 2048, 2048, t) for t in (64, 512)}
     assert {j.cfg for j in moe if j.kernel == "mmq_id"} >= set(mmq_id.CANDIDATES)
-    assert {(j.fmt, j.n) for j in moe if j.kernel == "mmq_wgmma_id"} == {(f, t) for f in ("q4_0", "q8_0", "q4_K")
-                                                                         for t in (64, 512)}
+    assert {(j.fmt, j.n, j.cfg) for j in moe if j.kernel == "mmq_wgmma_id"} == {
+        (f, t, tile) for f in ("q4_0", "q8_0", "q4_K") for t in (64, 512) for tile in mmq_wgmma.ID_TILES}
     for kernel, js in jobs.items():
         groups: dict[tuple, list] = {}
         for j in js:

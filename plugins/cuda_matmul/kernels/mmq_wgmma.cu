@@ -10,7 +10,8 @@
 // mul_mat_id's many-token products (mmq_wgmma_id, the end of this file), its b columns gathered by pair.
 //
 // A block is WGS warpgroups of 128 threads (Tiling; launched with 2): BM = 64 WGS weight rows (64 a warpgroup,
-// one m64nBNk16 accumulator of BN / 2 floats a thread), BN = 128 or 256 columns, K tiles of BK = 64 values. The
+// one m64nBNk16 accumulator of BN / 2 floats a thread), BN = 128 or 256 columns (mmq_wgmma_id: 64 or 128), K tiles
+// of BK = 64 values. The
 // wider tile halves the dequantization a product (its A fragments serve 256 columns) and the weight reads from L2:
 // on the H200 at 512 columns it took 0.71-0.81x the narrow tile's time (4096 x 14336 and 14336 x 4096, q4_0 and
 // q4_K; specs/mmq_wgmma.py's tile_for says when it is used). Shared memory:
@@ -59,7 +60,7 @@ template <int WGS, int BN_>
 struct Tiling {
     static constexpr int BM = 64 * WGS, BN = BN_, THREADS = 128 * WGS;
     static constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
-    static_assert(BN == 128 || BN == 256, "one m64n128 or m64n256 accumulator a warpgroup");
+    static_assert(BN == 64 || BN == 128 || BN == 256, "one m64n64, m64n128 or m64n256 accumulator a warpgroup");
 };
 
 // Bytes before raw K tile rt's first block in its first granule (mmq's lead: 0 where K tiles are whole granules).
@@ -306,8 +307,8 @@ __global__ void __launch_bounds__(128 * WGS, 1)
 // b[t, u % Ub] for block-format experts, as mmq_id.cu's mmq_id but for its b (bf16 rows, T * Ub of them: the
 // conversion launch before) and its products (this file's). moe_route's tile table (tile_n = BN) gives a block its
 // expert and column tile of pairs; grid (tiles_m * max_tiles), the column tile fastest; a block past the table's
-// tile count exits; no split K. Dynamic shared memory: the tile's pairs and b rows (BN ints each: 1024-byte
-// multiples, so the stages after them keep their alignment), then wgmma_smem's. Requirements (support.
+// tile count exits; no split K. Dynamic shared memory: the tile's pairs and b rows (BN ints each), then wgmma_smem's
+// (whose slack aligns the stages after them). Requirements (support.
 // mmq_wgmma_id_ok): mmq_wgmma's, the experts' rows a_row and experts a_e bytes apart. Out contiguous (T, U, M),
 // plus expert e's bias row (bias_e bytes apart) where bias is not null (a fused add_id).
 template <int WT, int WGS, int BN>
@@ -319,7 +320,6 @@ __global__ void __launch_bounds__(128 * WGS, 1)
     using TL = Tiling<WGS, BN>;
     extern __shared__ uint4 smem_u4[];
     u8* const smem = reinterpret_cast<u8*>(smem_u4);
-    static_assert(8 * BN % 1024 == 0, "the pair table keeps the stages' alignment");
     int* const pair = reinterpret_cast<int*>(smem);
     int* const brow = pair + BN;
     int e, n;

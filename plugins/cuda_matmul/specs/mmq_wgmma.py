@@ -38,7 +38,7 @@ RS_FORMATS = ("q4_0", "q8_0", "q4_K", "q5_K", "q6_K")
 @attrs.frozen
 class WgmmaTile:
     """A block's tile (mmq_wgmma.cu's Tiling): `warpgroups` of 128 threads, 64 weight rows each (bm rows); `bn`
-    columns, one m64n{bn} accumulator a warpgroup (128 or 256)."""
+    columns, one m64n{bn} accumulator a warpgroup (64, 128 or 256)."""
 
     warpgroups: int = 2
     bn: int = 128
@@ -79,20 +79,26 @@ def wgmma_smem(dt: str, tile: WgmmaTile) -> int:
             + RAW_STAGES * tile.bm * row_stride(dt, RAW_KB))
 
 
-#: mmq_wgmma_id's tile: column tiles of 128 (token, slot) pairs an expert (moe_route's tile_n)
+#: mmq_wgmma_id's tile: column tiles of 128 (token, slot) pairs an expert (moe_route's tile_n); ID_TILES are those
+#: scripts/mmq_sweep.py times (64 pairs a column tile: fewer empty columns where an expert has few more than 64, half
+#: the products to pay for each weight tile's dequantization)
 ID_TILE = NARROW
+ID_TILES: tuple[WgmmaTile, ...] = (ID_TILE, WgmmaTile(2, 64))
 #: the formats mmq_wgmma_id is compiled for: mmq_id's whose A fragments go straight into registers, and mxfp4
 #: (the MoE format of gpt-oss files)
 ID_FORMATS = tuple(dt for dt in (*RS_FORMATS, "mxfp4") if dt in MMQ_FORMATS)
 
 
-def id_instance_name(dt: str) -> str:
-    return instance("mmq_wgmma_id", W_KIND[dt], ID_TILE.warpgroups, ID_TILE.bn)
+def id_instance_name(dt: str, tile: WgmmaTile | None = None) -> str:
+    tile = tile or ID_TILE
+    return instance("mmq_wgmma_id", W_KIND[dt], tile.warpgroups, tile.bn)
 
 
-def wgmma_id_smem(dt: str) -> int:
-    """Dynamic shared memory of an mmq_wgmma_id block: its columns' pairs and b rows, then wgmma_smem's."""
-    return COLUMN_BYTES * ID_TILE.bn + wgmma_smem(dt, ID_TILE)
+def wgmma_id_smem(dt: str, tile: WgmmaTile | None = None) -> int:
+    """Dynamic shared memory of an mmq_wgmma_id block in `tile` (None: ID_TILE): its columns' pairs and b rows, then
+    wgmma_smem's."""
+    tile = tile or ID_TILE
+    return COLUMN_BYTES * tile.bn + wgmma_smem(dt, tile)
 
 
 NAMES: tuple[str, ...] = (*(instance_name(dt, t) for dt in WGMMA_FORMATS for t in TILES),
@@ -177,20 +183,22 @@ class MmqWgmmaIdArgs(KernelArgs):
 
 
 def wgmma_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard: Guard, *,
-                   bias: Tensor | None = None) -> list[KernelSpec]:
-    """moe_route (its tile table for ID_TILE's column tiles; the ids checked by `guard`'s IndexCheck), b's T * Ub
+                   bias: Tensor | None = None, tile: WgmmaTile | None = None) -> list[KernelSpec]:
+    """moe_route (its tile table for `tile`'s column tiles, None: ID_TILE; the ids checked by `guard`'s
+    IndexCheck), b's T * Ub
     rows converted to bf16 in the scratch buffer "b", then mmq_wgmma_id, for mul_mat_id `node` (its path
     mmq_wgmma_id) writing `out` (node, or a fused add_id of the expert biases `bias`)."""
     as_, b, ids = node.srcs
     e, m, k = as_.shape
     t, u = ids.shape
     pairs = t * u
-    tiles = max_tiles(pairs, e, ID_TILE.bn)
-    route = mmv.route_spec(node, out, ptr, scratch, guard, tile_n=ID_TILE.bn, tiles=tiles)
+    tile = tile or ID_TILE
+    tiles = max_tiles(pairs, e, tile.bn)
+    route = mmv.route_spec(node, out, ptr, scratch, guard, tile_n=tile.bn, tiles=tiles)
     bf = scratch("b", b.shape[0] * b.shape[1] * k * 2)
     args = MmqWgmmaIdArgs(as_=ptr(as_), a_row=as_.strides[1], a_e=as_.strides[0], E=e, route=route.args.route,
                           pairs=pairs, max_tiles=tiles, U=u, Ub=b.shape[1], b=bf, out=ptr(out), M=m, K=k,
                           bias=addr(ptr, bias), bias_e=bias.strides[0] if bias is not None else 0)
     return [route, conversion(b, "bf16", ptr(b), bf),
-            KernelSpec(MMQ_WGMMA_CU, id_instance_name(as_.dtype.name), (math.ceil(m / ID_TILE.bm) * tiles,),
-                       ID_TILE.threads, args, smem=wgmma_id_smem(as_.dtype.name))]
+            KernelSpec(MMQ_WGMMA_CU, id_instance_name(as_.dtype.name, tile), (math.ceil(m / tile.bm) * tiles,),
+                       tile.threads, args, smem=wgmma_id_smem(as_.dtype.name, tile))]
