@@ -18,7 +18,7 @@ from . import MMQ_WGMMA_CU, QUANT_NAMES, W_KIND, Ptr, Scratch, addr, geometry
 from . import mmv  # a module import: mmv imports support, which imports this module
 from .gemm import conversion
 from .mmq import MMQ_FORMATS, row_stride
-from .mmq_id import COLUMN_BYTES, max_tiles
+from .mmq_id import COLUMN_BYTES, RoutedExperts, max_tiles, routed_experts
 from .stream import device_facts
 
 #: the K tile (kernels/mmq_frags.cuh's mw::BK)
@@ -161,19 +161,10 @@ def wgmma_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
 
 @attrs.frozen
 class MmqWgmmaIdArgs(KernelArgs):
-    """mmq_wgmma_id's arguments: mmq_id's (specs/mmq_id.py's MmqIdArgs) but for b, bf16 rows (the conversion's
-    output) in place of the q8_1 blocks."""
+    """mmq_wgmma_id's arguments: mmq_id's but for b, bf16 rows (the conversion's output) in place of the q8_1 blocks."""
 
     KERNELS = ("mmq_wgmma_id",)
-    as_: np.uint64 = ptr()
-    a_row: np.int64 = i64()
-    a_e: np.int64 = i64()
-    E: np.int32 = i32()
-    route: np.uint64 = ptr()
-    pairs: np.int32 = i32()
-    max_tiles: np.int32 = i32()
-    U: np.int32 = i32()
-    Ub: np.int32 = i32()
+    _head: RoutedExperts = attrs.field()
     b: np.uint64 = ptr()
     out: np.uint64 = ptr()
     M: np.int32 = i32()
@@ -185,9 +176,8 @@ class MmqWgmmaIdArgs(KernelArgs):
 def wgmma_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard: Guard, *,
                    bias: Tensor | None = None, tile: WgmmaTile | None = None) -> list[KernelSpec]:
     """moe_route (its tile table for `tile`'s column tiles, None: ID_TILE; the ids checked by `guard`'s
-    IndexCheck), b's T * Ub
-    rows converted to bf16 in the scratch buffer "b", then mmq_wgmma_id, for mul_mat_id `node` (its path
-    mmq_wgmma_id) writing `out` (node, or a fused add_id of the expert biases `bias`)."""
+    IndexCheck), b's T * Ub rows converted to bf16 in the scratch buffer "b", then mmq_wgmma_id, for mul_mat_id
+    `node` (its path mmq_wgmma_id) writing `out` (node, or a fused add_id of the expert biases `bias`)."""
     as_, b, ids = node.srcs
     e, m, k = as_.shape
     t, u = ids.shape
@@ -196,8 +186,7 @@ def wgmma_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard:
     tiles = max_tiles(pairs, e, tile.bn)
     route = mmv.route_spec(node, out, ptr, scratch, guard, tile_n=tile.bn, tiles=tiles)
     bf = scratch("b", b.shape[0] * b.shape[1] * k * 2)
-    args = MmqWgmmaIdArgs(as_=ptr(as_), a_row=as_.strides[1], a_e=as_.strides[0], E=e, route=route.args.route,
-                          pairs=pairs, max_tiles=tiles, U=u, Ub=b.shape[1], b=bf, out=ptr(out), M=m, K=k,
+    args = MmqWgmmaIdArgs(head=routed_experts(node, ptr, route, tiles), b=bf, out=ptr(out), M=m, K=k,
                           bias=addr(ptr, bias), bias_e=bias.strides[0] if bias is not None else 0)
     return [route, conversion(b, "bf16", ptr(b), bf),
             KernelSpec(MMQ_WGMMA_CU, id_instance_name(as_.dtype.name, tile), (math.ceil(m / tile.bm) * tiles,),
