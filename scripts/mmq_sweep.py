@@ -192,7 +192,7 @@ def wgmma_jobs(fmts: Sequence[str], ns: Sequence[int], shapes: Sequence[tuple[in
 
 
 def id_jobs(fmts: Sequence[str], tokens: Sequence[int]) -> list[Job]:
-    """mmv_id_grouped, every mmq_id CANDIDATES configuration, then mmq_wgmma_id (its formats), at the MoE prefill
+    """mmv_id_grouped, every mmq_id CANDIDATES configuration, then mmq_wgmma_id's tiles, at the MoE prefill
     shape; `table` marks the path (and configuration) support.choose takes."""
     jobs = []
     for fmt in fmts:
@@ -203,10 +203,9 @@ def id_jobs(fmts: Sequence[str], tokens: Sequence[int]) -> list[Job]:
             jobs.append(Job("mmv_id_grouped", fmt, MOE_M, MOE_K, t, None, today == "mmv_id_grouped", **shape))
             jobs += [Job("mmq_id", fmt, MOE_M, MOE_K, t, cfg, today == "mmq_id" and cfg == chosen, **shape)
                      for cfg in dict.fromkeys([chosen, *mmq_id.CANDIDATES])]
-            if fmt in mmq_wgmma.ID_FORMATS:
-                jobs += [Job("mmq_wgmma_id", fmt, MOE_M, MOE_K, t, tile,
-                             today == "mmq_wgmma_id" and tile == mmq_wgmma.ID_TILE, **shape)
-                         for tile in mmq_wgmma.ID_TILES]
+            jobs += [Job("mmq_wgmma_id", fmt, MOE_M, MOE_K, t, tile,
+                         today == "mmq_wgmma_id" and tile == mmq_wgmma.ID_TILE, **shape)
+                     for tile in mmq_wgmma.ID_TILES]
     return jobs
 
 

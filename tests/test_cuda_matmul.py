@@ -296,7 +296,7 @@ MMQ_ID_PATHS = [
     ("q4_K", (64, 64, 2048), 512, 8, "mmq_wgmma_id", ""),  # the target: 64 experts, 8 used, a 512-token prefill
     ("q4_0", (8, 64, 256), 256, 1, "mmq_id", f"32 {FEW}"),
     ("q4_0", (8, 64, 256), 257, 1, "mmq_wgmma_id", ""),  # 33 pairs an expert
-    ("q4_1", (8, 64, 256), 512, 2, "mmq_id", "q4_1 has no dequantizing wgmma mul_mat_id"),
+    ("q4_1", (8, 64, 256), 512, 2, "mmq_id", "not selected for q4_1 (support.MMQ_WGMMA_ID_TYPES)"),
     ("q8_0", (64, 64, 2048), 64, 8, "mmv_id_grouped",
      "512 (token, slot) pairs for 64 experts: at most 8 an expert do not fill the GEMM's column tiles"),
     ("q6_K", (8, 64, 256), 64, 2, "mmv_id_grouped", "K=256 is not a multiple of 2048 (rows of whole 1680-byte chunks)"),
@@ -2087,8 +2087,8 @@ def test_mul_mat_id(dt: str, n_exp: int, used: int, n_tok: int, rng) -> None:  #
         assert_close(got, ref, f"mul_mat_id as={dt} e={n_exp} used={used} t={n_tok} b_rows={b_rows} ({path})")
 
 
-#: K of test_mmq_id's experts: rows of two whole chunks or more (q6_K's chunk is 2048 values, mxfp4's 512)
-MMQ_ID_K = {"q4_0": 512, "q8_0": 256, "q4_K": 768, "q5_K": 768, "q6_K": 2048, "mxfp4": 1024}
+#: K of test_mmq_id's experts: rows of whole chunks (q6_K's chunk is 2048 values, mxfp4's 512, iq4_xs's 512)
+MMQ_ID_K = {"q4_0": 512, "q8_0": 256, "q4_K": 768, "q5_K": 768, "q6_K": 2048, "mxfp4": 1024, "iq4_xs": 1024}
 #: mul_mat_id's quantized GEMMs
 ID_GEMMS = ("mmq_id", "mmq_wgmma_id")
 
@@ -2102,12 +2102,13 @@ def moe_ids(rng: np.random.Generator, n_tok: int, used: int, n_exp: int) -> np.n
 def take_id_gemm(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     """Several tokens' mul_mat_id of mmq's formats on `path` (mmq_id or mmq_wgmma_id) whatever the pairs an expert
     (by default mmq_id needs more than support.MMQ_ID_PAIRS_PER_EXPERT, mmq_wgmma_id more than
-    support.MMQ_WGMMA_ID_MIN_MEAN)."""
+    support.MMQ_WGMMA_ID_MIN_MEAN) and the formats selected for mmq_wgmma_id (support.MMQ_WGMMA_ID_TYPES)."""
     monkeypatch.setattr(support, "MMQ_ID_PAIRS_PER_EXPERT", 0)
     if path == "mmq_id":
         monkeypatch.setattr(support, "MMQ_WGMMA_ID_TYPES", ())
     else:
         monkeypatch.setattr(support, "MMQ_WGMMA_ID_MIN_MEAN", 0)
+        monkeypatch.setattr(support, "MMQ_WGMMA_ID_TYPES", mmq.MMQ_FORMATS)
 
 
 def id_gemm_reference(path: str, plan_cpu: od.Plan, feeds: dict) -> np.ndarray:

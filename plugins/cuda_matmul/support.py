@@ -63,7 +63,7 @@ MMQ_WGMMA_TYPES: tuple[str, ...] = ("q4_0", "q8_0")
 #: took 0.33-0.55x mmq's time at 96 and 128 columns, 0.55-1.02x at 64 and 0.56-1.14x at 48
 MMQ_WGMMA_MIN_N = 65
 #: the formats whose mul_mat_id with many tokens takes mmq_wgmma_id (the dequantizing wgmma GEMM, compute capability
-#: 9.0) instead of mmq_id, where an expert has more than MMQ_WGMMA_ID_MIN_MEAN pairs on average: mmq_id carries
+#: 9.0; compiled for every format of mmq_id) instead of mmq_id, where an expert has more than MMQ_WGMMA_ID_MIN_MEAN pairs on average: mmq_id carries
 #: mmq's int8 products, each K step's sums converted and scaled (near twice cuBLAS bf16's time at 512 columns), which
 #: left the MoE prefill at 3.4x (q4_0) and 6.4x (q4_K) the dense product of the same active parameters on the H200
 #: (session 13; target 1.5x). Not yet timed: `benchmarks/test_bench_matmul.py -k moe_prefill` times both.
@@ -282,8 +282,6 @@ def mmq_wgmma_id_ok(node: Tensor, device: Device | None = None) -> bool | str:
     average, the shared memory within the device's."""
     a = _a(node)
     dt = a.dtype.name
-    if dt not in mmq_wgmma.ID_FORMATS:
-        return f"{dt} has no dequantizing wgmma mul_mat_id"
     if dt not in MMQ_WGMMA_ID_TYPES:
         return f"not selected for {dt} (support.MMQ_WGMMA_ID_TYPES)"
     wgmma = _wgmma_ok(a.shape[-1], device)

@@ -84,9 +84,6 @@ def wgmma_smem(dt: str, tile: WgmmaTile) -> int:
 #: the products to pay for each weight tile's dequantization)
 ID_TILE = NARROW
 ID_TILES: tuple[WgmmaTile, ...] = (ID_TILE, WgmmaTile(2, 64))
-#: the formats mmq_wgmma_id is compiled for: mmq_id's whose A fragments go straight into registers, and mxfp4
-#: (the MoE format of gpt-oss files)
-ID_FORMATS = tuple(dt for dt in (*RS_FORMATS, "mxfp4") if dt in MMQ_FORMATS)
 
 
 def id_instance_name(dt: str, tile: WgmmaTile | None = None) -> str:
@@ -102,7 +99,7 @@ def wgmma_id_smem(dt: str, tile: WgmmaTile | None = None) -> int:
 
 
 NAMES: tuple[str, ...] = (*(instance_name(dt, t) for dt in WGMMA_FORMATS for t in TILES),
-                          *(id_instance_name(dt) for dt in ID_FORMATS))
+                          *(id_instance_name(dt) for dt in MMQ_FORMATS))  # mmq_wgmma_id: every format of mmq_id
 
 
 @attrs.frozen
