@@ -18,8 +18,8 @@
   and tile_for encode; prints the best tile per (format, shape, N) against the path support.choose takes.
 - mmq_id: the MoE prefill shape (64 experts, 8 used, 2048 x 2048 experts, b one row a token) at T = 64 and 512
   tokens (--tokens): mmv_id_grouped, every configuration of specs/mmq_id.CANDIDATES (mmq_id_config's two
-  among them) and mmq_wgmma_id's tiles (specs/mmq_wgmma.ID_TILES), formats --id-formats (q4_0, q8_0, q4_K); prints the best of mmq_id and of
-  mmq_wgmma_id per (format, T) against the path support.choose takes today.
+  among them) and mmq_wgmma_id's tiles (specs/mmq_wgmma.ID_TILES), formats --id-formats (q4_0, q8_0, q4_K);
+  prints the best of mmq_id and of mmq_wgmma_id per (format, T) against the path support.choose takes today.
 
 Each configuration's launches are built straight from the spec functions (the weights marked constant, as a
 model's are: PDL preload on), captured into a CUDA graph of several instances and timed by its replays. At
@@ -86,8 +86,8 @@ def seconds(replay: Callable[[], None], sync: Callable[[], None]) -> float:
 @attrs.frozen
 class Job:
     """One configuration to time: `kernel` (mmq, mmq_small, mmq_wgmma, mmq_id, mmq_wgmma_id, or the mat-vec
-    mmv_id_grouped) on format
-    `fmt`, weights (experts x) m x k, n columns (tokens for mul_mat_id); `table`: what the plugin runs today."""
+    mmv_id_grouped) on format `fmt`, weights (experts x) m x k, n columns (tokens for mul_mat_id); `table`: what the
+    plugin runs today."""
 
     kernel: str
     fmt: str

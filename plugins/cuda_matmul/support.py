@@ -63,10 +63,11 @@ MMQ_WGMMA_TYPES: tuple[str, ...] = ("q4_0", "q8_0")
 #: took 0.33-0.55x mmq's time at 96 and 128 columns, 0.55-1.02x at 64 and 0.56-1.14x at 48
 MMQ_WGMMA_MIN_N = 65
 #: the formats whose mul_mat_id with many tokens takes mmq_wgmma_id (the dequantizing wgmma GEMM, compute capability
-#: 9.0; compiled for every format of mmq_id) instead of mmq_id, where an expert has more than MMQ_WGMMA_ID_MIN_MEAN pairs on average: mmq_id carries
-#: mmq's int8 products, each K step's sums converted and scaled (near twice cuBLAS bf16's time at 512 columns), which
-#: left the MoE prefill at 3.4x (q4_0) and 6.4x (q4_K) the dense product of the same active parameters on the H200
-#: (session 13; target 1.5x). Not yet timed: `benchmarks/test_bench_matmul.py -k moe_prefill` times both.
+#: 9.0; compiled for every format of mmq_id) instead of mmq_id, where an expert has more than MMQ_WGMMA_ID_MIN_MEAN
+#: pairs on average: mmq_id carries mmq's int8 products, each K step's sums converted and scaled (near twice cuBLAS
+#: bf16's time at 512 columns), which left the MoE prefill at 3.4x (q4_0) and 6.4x (q4_K) the dense product of the
+#: same active parameters on the H200 (session 13; target 1.5x). Not yet timed: `benchmarks/test_bench_matmul.py -k
+#: moe_prefill` times both.
 MMQ_WGMMA_ID_TYPES: tuple[str, ...] = ("q4_0", "q8_0", "q4_K", "q5_K", "q6_K", "mxfp4")
 #: mean (token, slot) pairs an expert from which mmq_wgmma_id's column tiles (128 pairs) are taken over mmq_id's
 #: (32 up to specs/mmq_id.SMALL_MEAN pairs an expert, 64 above)

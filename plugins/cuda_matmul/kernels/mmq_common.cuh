@@ -412,5 +412,4 @@ __device__ __forceinline__ void store_pairs(const float (&acc)[FM][FN][4], int r
     });
 }
 
-
 }  // namespace mq

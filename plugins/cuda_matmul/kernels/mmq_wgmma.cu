@@ -11,10 +11,9 @@
 //
 // A block is WGS warpgroups of 128 threads (Tiling; launched with 2): BM = 64 WGS weight rows (64 a warpgroup,
 // one m64nBNk16 accumulator of BN / 2 floats a thread), BN = 128 or 256 columns (mmq_wgmma_id: 64 or 128), K tiles
-// of BK = 64 values. The
-// wider tile halves the dequantization a product (its A fragments serve 256 columns) and the weight reads from L2:
-// on the H200 at 512 columns it took 0.71-0.81x the narrow tile's time (4096 x 14336 and 14336 x 4096, q4_0 and
-// q4_K; specs/mmq_wgmma.py's tile_for says when it is used). Shared memory:
+// of BK = 64 values. The wider tile halves the dequantization a product (its A fragments serve 256 columns) and the
+// weight reads from L2: on the H200 at 512 columns it took 0.71-0.81x the narrow tile's time (4096 x 14336 and
+// 14336 x 4096, q4_0 and q4_K; specs/mmq_wgmma.py's tile_for says when it is used). Shared memory:
 //   A    2 stages of BM x BK bf16 (BM * 128 bytes), written by the block's dequantization (st.shared, then
 //        fence.proxy.async so that the tensor cores see it);
 //   B    4 stages of BN x BK bf16 (BN * 128 bytes), cp.async three K tiles ahead;
@@ -308,9 +307,9 @@ __global__ void __launch_bounds__(128 * WGS, 1)
 // conversion launch before) and its products (this file's). moe_route's tile table (tile_n = BN) gives a block its
 // expert and column tile of pairs; grid (tiles_m * max_tiles), the column tile fastest; a block past the table's
 // tile count exits; no split K. Dynamic shared memory: the tile's pairs and b rows (BN ints each), then wgmma_smem's
-// (whose slack aligns the stages after them). Requirements (support.
-// mmq_wgmma_id_ok): mmq_wgmma's, the experts' rows a_row and experts a_e bytes apart. Out contiguous (T, U, M),
-// plus expert e's bias row (bias_e bytes apart) where bias is not null (a fused add_id).
+// (whose slack aligns the stages after them). Requirements (support.mmq_wgmma_id_ok): mmq_wgmma's, the experts'
+// rows a_row and experts a_e bytes apart. Out contiguous (T, U, M), plus expert e's bias row (bias_e bytes apart)
+// where bias is not null (a fused add_id).
 template <int WT, int WGS, int BN>
 __global__ void __launch_bounds__(128 * WGS, 1)
     mmq_wgmma_id(const mm::u8* as, long long a_row, long long a_e, int E, const int* route, int pairs, int max_tiles,
