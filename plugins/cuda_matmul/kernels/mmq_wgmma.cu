@@ -39,8 +39,9 @@
 // tiles still fills the GPU), and mq::finish (mmq's) writes the sums or the slices' ordered sum: deterministic.
 //
 // Requirements (support.mmq_wgmma_ok): K % 64 == 0 and mmq's row conditions (rows of whole 16-byte granules, a
-// 16-byte aligned: the raw stages); b bf16 rows of K values, contiguous (B3, B2, N, K), 16-byte aligned. Rows
-// past M read row M - 1 and columns past N read column N - 1; neither is written.
+// 16-byte aligned: the raw stages); b bf16 rows of K values, contiguous (B3, B2, N, K), 16-byte aligned, readable
+// BN rows past its last (what they hold is never used). Rows past M read row M - 1 and columns past N read the rows
+// after column N - 1 (the next batch's, or that padding); neither is written.
 
 #include "mmq_frags.cuh"
 #include "wgmma.cuh"
@@ -124,29 +125,48 @@ __device__ __forceinline__ void issue_raw(u8* st, const u8* wa, long long a_row,
     }
 }
 
-// K tile kt of the block's BN b columns into the B stage at shared address sb: column r is bf16 row brow(r) of b
-// (rows of K values); BN * BK / 8 cp.async of 16 bytes, a thread's every THREADS-th.
-template <class TL, class BRow>
-__device__ __forceinline__ void load_b(unsigned sb, const u8* b, BRow brow, int K, int kt, int tid) {
-    constexpr int CHUNKS = TL::BN * BK / 8;
+// A thread's share of a B stage: chunk ch = tid % 8 (16 bytes, K values 8 ch .. 8 ch + 7 of the K tile) of tile rows
+// r0 + ROWS i, i < PER (r0 = tid / 8, ROWS = THREADS / 8: BN * BK / 8 chunks a stage, THREADS at a time), each at
+// the same offset of its 128-byte row in the swizzled stage: r0's + 128 ROWS i (ROWS a multiple of 8 keeps r % 8).
+template <class TL>
+struct BShare {
+    static constexpr int ROWS = TL::THREADS / 8, PER = TL::BN / ROWS;
+    static_assert(TL::BN % ROWS == 0, "whole rows of chunks a thread");
+    __device__ __forceinline__ static unsigned dst(int tid) { return swz(tid >> 3, tid & 7); }
+};
+
+// The thread's B sources at K tile 0 (row(i): row i of its share, its chunk), for load_b: Dense, b's rows of a
+// column tile in order (padded past the last column: no clamp), a fixed stride apart; Gathered, rows by a table
+// (mmq_wgmma_id's pairs), each address kept. Both computed once, before the K loop.
+struct DenseB {
+    const u8* p;
+    long long step;
+    __device__ __forceinline__ const u8* row(int i) const { return p + i * step; }
+};
+template <int PER>
+struct GatheredB {
+    const u8* p[PER];
+    __device__ __forceinline__ const u8* row(int i) const { return p[i]; }
+};
+
+// K tile kt of the block's BN b columns into the B stage at shared address sb: the thread's BShare, from src.
+template <class TL, class Src>
+__device__ __forceinline__ void load_b(unsigned sb, const Src& src, int kt, int tid) {
+    using S = BShare<TL>;
+    const unsigned d = sb + S::dst(tid);
 #pragma unroll
-    for (int i = 0; i < (CHUNKS + TL::THREADS - 1) / TL::THREADS; ++i) {
-        const int c = tid + i * TL::THREADS;
-        if (CHUNKS % TL::THREADS != 0 && c >= CHUNKS) {
-            break;
-        }
-        const int r = c >> 3, ch = c & 7;
-        od::cp_async16(sb + swz(r, ch), b + (brow(r) * K + kt * BK + ch * 8) * 2);
+    for (int i = 0; i < S::PER; ++i) {
+        od::cp_async16(d + i * S::ROWS * 128, src.row(i) + kt * BK * 2);
     }
 }
 
 // A block's sums d (one m64nBNk16 accumulator a warpgroup) over raw K tiles rt0 .. rt0 + nraw - 1 of its BM weight
-// rows (row r: row min(m0 + r, M - 1) of wa, a_row bytes apart) and its BN b columns (brow, load_b's): the K loop
+// rows (row r: row min(m0 + r, M - 1) of wa, a_row bytes apart) and its BN b columns (bsrc, load_b's): the K loop
 // of mmq_wgmma and mmq_wgmma_id, its stages in smem (wgmma_smem of specs/mmq_wgmma.py, aligned here). Every thread
 // of the block calls it; it returns with no copy in flight and every product done.
-template <int WT, class TL, class BRow>
+template <int WT, class TL, class Src>
 __device__ __forceinline__ void main_loop(u8* const smem, const u8* const wa, long long a_row, int m0, int M,
-                                          const u8* b, BRow brow, int K, int rt0, int nraw, float (&d)[TL::BN / 2]) {
+                                          const Src& bsrc, int K, int rt0, int nraw, float (&d)[TL::BN / 2]) {
     constexpr int BM = TL::BM, BN = TL::BN;
     constexpr unsigned A_BYTES = TL::A_BYTES, B_BYTES = TL::B_BYTES;
     using T = mq::Tile<mm::Fmt<WT>, RAW_KB>;
@@ -177,7 +197,7 @@ __device__ __forceinline__ void main_loop(u8* const smem, const u8* const wa, lo
 #pragma unroll
     for (int s = 0; s < B_STAGES - 1; ++s) {
         if (s < nk) {
-            load_b<TL>(sB + s * B_BYTES, b, brow, K, kt0 + s, tid);
+            load_b<TL>(sB + s * B_BYTES, bsrc, kt0 + s, tid);
         }
     }
     od::cp_async_commit();
@@ -230,7 +250,7 @@ __device__ __forceinline__ void main_loop(u8* const smem, const u8* const wa, lo
         // copies into the stages K tile kt - 1 held: b's K tile kt + B_STAGES - 1; a raw K tile whose last K tile
         // (kt + 1) was just dequantized frees its stage for the raw K tile two ahead
         if (kt + B_STAGES - 1 < nk) {
-            load_b<TL>(sB + ((kt + B_STAGES - 1) % B_STAGES) * B_BYTES, b, brow, K, kt0 + kt + B_STAGES - 1, tid);
+            load_b<TL>(sB + ((kt + B_STAGES - 1) % B_STAGES) * B_BYTES, bsrc, kt0 + kt + B_STAGES - 1, tid);
         }
         if ((kt + 1) % SUBS == SUBS - 1 && (kt + 1) / SUBS + 2 < nraw) {
             issue_raw<WT, TL>(raw_stage((kt + 1) / SUBS + 2), wa, a_row, m0, M, nb, rt0 + (kt + 1) / SUBS + 2, tid);
@@ -294,8 +314,10 @@ __global__ void __launch_bounds__(128 * WGS, 1)
     const int rt0 = static_cast<int>(static_cast<long long>(split) * nraw_all / splits);
     const int nraw = static_cast<int>(static_cast<long long>(split + 1) * nraw_all / splits) - rt0;
     float d[BN / 2];
-    main_loop<WT, TL>(reinterpret_cast<u8*>(smem_u4), a + (i3 / r3) * a_s3 + (i2 / r2) * a_s2, a_row, m0, M, b,
-                      [&](int r) { return brow0 + min(n0 + r, N - 1); }, K, rt0, nraw, d);
+    const int tid = threadIdx.x;
+    const DenseB bsrc{b + ((brow0 + n0 + (tid >> 3)) * K + (tid & 7) * 8) * 2, 2ll * BShare<TL>::ROWS * K};
+    main_loop<WT, TL>(reinterpret_cast<u8*>(smem_u4), a + (i3 / r3) * a_s3 + (i2 / r2) * a_s2, a_row, m0, M, bsrc,
+                      K, rt0, nraw, d);
     const long long plane = static_cast<long long>(gridDim.y) * gridDim.z * N * M;
     mq::finish<1, BN / 8, TL::BM, BN, TL::THREADS>(as_frags<BN>(d), m0 + wg_row(), n0, m0, n0, M, N, brow0, out, part,
                                                    split, splits, plane,
@@ -328,8 +350,13 @@ __global__ void __launch_bounds__(128 * WGS, 1)
     }
     const int m0 = static_cast<int>(blockIdx.x / max_tiles) * TL::BM;
     float d[BN / 2];
-    main_loop<WT, TL>(smem + 8 * BN, as + e * a_e, a_row, m0, M, b,
-                      [&](int r) { return static_cast<long long>(brow[r]); }, K, 0, (K / 32 + RAW_KB - 1) / RAW_KB, d);
+    using S = BShare<TL>;
+    GatheredB<S::PER> bsrc;
+#pragma unroll
+    for (int i = 0; i < S::PER; ++i) {  // the tile's rows of b (its pairs'), the thread's share of them
+        bsrc.p[i] = b + (static_cast<long long>(brow[(threadIdx.x >> 3) + S::ROWS * i]) * K + (threadIdx.x & 7) * 8) * 2;
+    }
+    main_loop<WT, TL>(smem + 8 * BN, as + e * a_e, a_row, m0, M, bsrc, K, 0, (K / 32 + RAW_KB - 1) / RAW_KB, d);
     mq::store_pairs<1, BN / 8>(as_frags<BN>(d), m0 + wg_row(), 0, M, n, pair, out,
                                bias != nullptr ? bias + e * bias_e / 4 : nullptr);
 }

@@ -135,7 +135,8 @@ def wgmma_splits(tiles: int, k: int, device: Device | None) -> int:
 
 def wgmma_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None = None,
                 tile: WgmmaTile | None = None) -> list[KernelSpec]:
-    """b converted to contiguous bf16 rows in the scratch buffer "b", then mmq_wgmma in `tile` (None: tile_for's),
+    """b converted to contiguous bf16 rows in the scratch buffer "b" (with a tile's rows more, which the kernel reads
+    past the last column and never uses), then mmq_wgmma in `tile` (None: tile_for's),
     for mul_mat `node` (its path mmq_wgmma) on `device` (None: an H200); split K also takes the scratch buffers of
     the partial sums and of the tiles' counters (zeroed once: the kernel sets them back)."""
     a, b = node.srcs
@@ -148,7 +149,7 @@ def wgmma_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
     if splits > 1:
         part = scratch("mmq_wgmma partial sums", splits * b3 * b2 * n * m * 4)
         counters = scratch("mmq_wgmma split counters", b3 * b2 * tiles_m * tiles_n * 4, zeroed=True)
-    bf = scratch("b", b3 * b2 * n * k * 2)
+    bf = scratch("b", (b3 * b2 * n + tile.bn) * k * 2)  # a column tile's rows past the last: read, never used
     args = MmqWgmmaArgs(a=ptr(a), a_row=sa1, a_s2=sa2, a_s3=sa3, r2=b2 // a2, r3=b3 // a3, b=bf, out=ptr(node), M=m,
                         K=k, N=n, tiles_m=tiles_m, tiles_n=tiles_n, splits=splits, part=part, counters=counters)
     return [conversion(b, "bf16", ptr(b), bf),
