@@ -354,7 +354,8 @@ __global__ void __launch_bounds__(128 * WGS, 1)
     GatheredB<S::PER> bsrc;
 #pragma unroll
     for (int i = 0; i < S::PER; ++i) {  // the tile's rows of b (its pairs'), the thread's share of them
-        bsrc.p[i] = b + (static_cast<long long>(brow[(threadIdx.x >> 3) + S::ROWS * i]) * K + (threadIdx.x & 7) * 8) * 2;
+        const long long row = brow[(threadIdx.x >> 3) + S::ROWS * i];
+        bsrc.p[i] = b + (row * K + (threadIdx.x & 7) * 8) * 2;
     }
     main_loop<WT, TL>(smem + 8 * BN, as + e * a_e, a_row, m0, M, bsrc, K, 0, (K / 32 + RAW_KB - 1) / RAW_KB, d);
     mq::store_pairs<1, BN / 8>(as_frags<BN>(d), m0 + wg_row(), 0, M, n, pair, out,

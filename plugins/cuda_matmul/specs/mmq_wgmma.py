@@ -136,9 +136,9 @@ def wgmma_splits(tiles: int, k: int, device: Device | None) -> int:
 def wgmma_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None = None,
                 tile: WgmmaTile | None = None) -> list[KernelSpec]:
     """b converted to contiguous bf16 rows in the scratch buffer "b" (with a tile's rows more, which the kernel reads
-    past the last column and never uses), then mmq_wgmma in `tile` (None: tile_for's),
-    for mul_mat `node` (its path mmq_wgmma) on `device` (None: an H200); split K also takes the scratch buffers of
-    the partial sums and of the tiles' counters (zeroed once: the kernel sets them back)."""
+    past the last column and never uses), then mmq_wgmma in `tile` (None: tile_for's), for mul_mat `node` (its path
+    mmq_wgmma) on `device` (None: an H200); split K also takes the scratch buffers of the partial sums and of the
+    tiles' counters (zeroed once: the kernel sets them back)."""
     a, b = node.srcs
     (a3, a2, m, k), (sa3, sa2, sa1, _) = geometry(a)
     (b3, b2, n, _), _ = geometry(b)
