@@ -36,6 +36,7 @@ from opdispatch.backends.cuda.devices import H200
 from opdispatch.backends.cuda.kernels import INCLUDE_DIR, KernelSpec, kernel_param_types
 from opdispatch.dtypes import DTYPES, dequantize, from_float
 from opdispatch.ops.base import BLOCK_FORMATS
+from opdispatch.ops.elementwise import GLU_KINDS
 from opdispatch.quants.iq_grids import GRIDS
 from opdispatch.errors import DeviceIndexError
 from opdispatch.graph import Graph
@@ -913,7 +914,8 @@ def _glu_of_other_weight_dtypes() -> Tensor:
 
 
 @pytest.mark.parametrize(("build", "reason"), [
-    (_bias_add_of_large_batch, r"mul_mat takes cublas, not a mat-vec kernel, mmf or mmq \(batch 17\)"),
+    (_bias_add_of_large_batch, r"mul_mat takes cublas, which adds a contiguous addend of the product's shape "
+                               r"\(17, 32\) \(its C\), not"),
     (lambda: _addend((2, 1, 32)), r"the addend .* is neither one row of 32 values nor of the product's shape"),
     (lambda: _addend((3, 32), batch=(2,)), r"the addend .* is neither one row of 32 values nor of the product's shape"),
     (lambda: _addend((2, 3, 32), view="rows"), r"the addend .* rows are not evenly spaced"),
@@ -925,7 +927,7 @@ def _glu_of_other_weight_dtypes() -> Tensor:
     (lambda: _glu_graph(same_x=False), r"the two products read different inputs"),
     (_moe_glu_several_tokens, r"4 tokens: the fused GLU is for one token"),
     (_glu_of_other_weight_dtypes, r"the weights differ in dtype, shape or strides"),
-    (lambda: _glu_graph(n=17), r"mul_mat takes cublas, not a mat-vec kernel, mmf or mmq \(batch 17\)"),
+    (lambda: _glu_graph(n=17), r"mul_mat takes cublas, which fuses a bias or residual, not a GLU \(batch 17\)"),
 ])
 def test_fusion_check_declines_with_a_reason(build: Callable[[], Tensor], reason: str) -> None:
     y = build()
@@ -1340,6 +1342,8 @@ class Memory:
 
     def convert(self, spec: KernelSpec) -> None:
         kind, types = spec.kernel.split("<")
+        if kind in ("convert_norm", "convert_glu"):
+            return self.prologue(kind, B_OF[types.rstrip(">").split(",")[0].strip()], spec.args)
         ts, td = (x.strip() for x in types.rstrip(">").split(","))
         args = [int(a) for a in spec.arg_values]
         if kind == "convert":
@@ -1355,6 +1359,21 @@ class Memory:
         flat = np.ascontiguousarray(out).view(np.uint8).reshape(-1)
         self.mem[dst:dst + flat.size] = flat
 
+    def prologue(self, kind: str, td: str, args: attrs.AttrsInstance) -> None:
+        """convert_norm (rms_norm(x) * w, x's rows s1 bytes apart) or convert_glu (act(g) * u) into td."""
+        if kind == "convert_norm":
+            x = self.array(int(args.x), (int(args.rows), int(args.n0)), (int(args.s1), 4), NP["f32"]).astype(np.float64)
+            w = self.array(int(args.w), (int(args.n0),), (4,), NP["f32"])
+            vals = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + float(args.eps)) * w
+        else:
+            g, u = (self.array(int(p), (int(args.n),), (4,), NP["f32"]) for p in (args.g, args.u))
+            y = ops.glu_split(od.param("g", g.copy()), od.param("u", u.copy()), GLU_KINDS[int(args.kind)],
+                              float(args.alpha), float(args.limit))
+            (vals,) = od.compile(y, "cpu").run({})
+        flat = np.ascontiguousarray(from_float(td, vals.astype(np.float32))).view(np.uint8).reshape(-1)
+        dst = int(args.dst)
+        self.mem[dst:dst + flat.size] = flat
+
     def gemm(self, g: GemmSpec) -> None:
         if g.kind == "gemm":
             trips = [(g.a, g.b, g.c)]
@@ -1368,6 +1387,8 @@ class Memory:
             a = self.colmajor(pa, (g.k, g.m) if g.transa else (g.m, g.k), g.lda, g.a_type)
             b = self.colmajor(pb, (g.n, g.k) if g.transb else (g.k, g.n), g.ldb, g.b_type)
             c = (a.T if g.transa else a) @ (b.T if g.transb else b)
+            if g.addend:
+                c = c + self.colmajor(g.addend, (g.m, g.n), g.ldc, "f32")
             self.colmajor(pc, (g.m, g.n), g.ldc, "f32")[...] = c
 
     def colmajor(self, ptr: int, shape: tuple, ld: int, dtype: str) -> np.ndarray:

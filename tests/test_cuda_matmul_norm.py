@@ -61,7 +61,7 @@ def test_unfused_matvec_passes_no_norm() -> None:
     assert launch.kernel.startswith("mmvq_stream<") and int(launch.args.norm_w) == 0
 
 
-NOT_THERE = "the rms_norm fuses into mmvq_stream, mmq, mmq_small only"
+NOT_THERE = f"the rms_norm fuses into {', '.join(fusion.NORM_PATHS)} only"
 
 
 @pytest.mark.parametrize(("make", "why"), [

@@ -123,16 +123,18 @@ def test_mul_mat_id_reaches_the_grouped_mat_vec_and_the_gemm(reach: dict[str, se
 @pytest.mark.parametrize("dt", ("f16", "bf16", *QUANT_NAMES))
 def test_fused_patterns_reach_every_batch(reach: dict[str, set[tuple]], dt: str) -> None:
     """The bias (and residual) and gate/up GLU patterns at 9 .. 512 columns: fused on mmf (f16 / bf16 up to 16
-    columns); the add fused on mmq too, the GLU not; unfused on dequant_cublas and cuBLAS, which take no
-    epilogue; fused on the mat-vecs at 1 and 8."""
+    columns); the add fused on every GEMM too (cuBLAS: the contiguous residual, its C), the GLU not; fused on the
+    mat-vecs at 1 and 8."""
     for group, rule in (("fused:mul_mat_add", "mul_mat_add"), ("fused:mul_mat_glu", "mul_mat_glu")):
         mine = {(n, path, fused) for fmt, _, n, _, _, _, path, fused in reach[group] if fmt == dt}
         for n in (9, 16, 64, 512):
             if dt in ("f16", "bf16"):
-                want = ("mmf", rule) if n <= support.MMF_MAX_N else ("cublas", "")
+                path = "mmf" if n <= support.MMF_MAX_N else "cublas"
             else:
                 path = _gemm(dt, n)
-                want = (path, rule if path in fusion.GEMM_PATHS and rule == "mul_mat_add" else "")
+            # cuBLAS adds contiguous residuals only, which the sweep's are but at 16 columns (strided rows)
+            add = rule == "mul_mat_add" and not (path in ("cublas", "dequant_cublas") and n == 16)
+            want = (path, rule if path == "mmf" or add else "")
             assert (n, *want) in mine, (group, n)
         assert {1, 8} <= {n for n, _, fused in mine if fused == rule}, group
 
@@ -140,19 +142,25 @@ def test_fused_patterns_reach_every_batch(reach: dict[str, set[tuple]], dt: str)
 @pytest.mark.parametrize("dt", ("f16", "bf16", *QUANT_NAMES))
 def test_residual_adds_fuse_wherever_the_bias_does(dt: str) -> None:
     """The sweep's residual cases (an addend of the product's shape, contiguous or in padded rows) fuse exactly
-    where its bias cases of the same N and K do: every path with an epilogue, at every batch."""
+    where its bias cases of the same N and K do, every path with an epilogue at every batch, and on cuBLAS, whose
+    C is a contiguous addend of the product's shape (not a bias row), where they are contiguous."""
     rng = np.random.default_rng(0)
-    fused: dict[bool, set[tuple]] = defaultdict(set)
+    bias: dict[tuple, bool] = {}
+    residual: dict[tuple, tuple[bool, str, bool]] = {}
     for case in cases.cases("fused:mul_mat_add", full=True):
         if f"a={dt} " not in case.label + " ":
             continue
         outputs, _ = case.build(rng)
         plan = od.compile(Graph.build(outputs), H200)
         (node,) = [n for s in plan.steps if s.kind in ("kernel", "fused") for n in s.nodes if n.op == "mul_mat"]
-        fused["residual" in case.label].add((support.batch_n(node), node.srcs[0].shape[-1], bool(plan.fusions)))
-    assert {9, 16, 64, 512} <= {n for n, _, _ in fused[True]}
-    shapes = {(n, k) for n, k, _ in fused[True]}
-    assert fused[True] == {(n, k, f) for n, k, f in fused[False] if (n, k) in shapes}, dt
+        key = (support.batch_n(node), node.srcs[0].shape[-1])
+        if "residual" in case.label:
+            residual[key] = (bool(plan.fusions), support.choose(node, H200).path, "residual:contig" in case.label)
+        else:
+            bias[key] = bool(plan.fusions)
+    assert {9, 16, 64, 512} <= {n for n, _ in residual}
+    for key, (fused, path, contig) in residual.items():
+        assert fused == (bias[key] or (path in ("cublas", "dequant_cublas") and contig)), (dt, key, path)
 
 
 @pytest.mark.parametrize("dt", QUANT_NAMES)

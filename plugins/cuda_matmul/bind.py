@@ -16,12 +16,13 @@ from opdispatch.tensor import Tensor
 
 from . import fusion, support
 from .specs import Ptr, Scratch
-from .specs.gemm import GemmSpec, Spec, gemm_specs, out_prod_specs
+from .specs.gemm import GemmSpec, Spec, gemm_specs, glu_conversion, norm_conversion, out_prod_specs
 from .specs.mmf import addresses_ok, mmf_fused_specs, mmf_specs
 from .specs.mmq import mmq_addresses, mmq_specs
 from .specs.mmq_id import mmq_id_specs
 from .specs.mmq_small import pair_ok as small_pair_ok
 from .specs.mmq_small import small_specs
+from .specs.mmq_wgmma import b_bytes as wgmma_b_bytes
 from .specs.mmq_wgmma import wgmma_id_specs, wgmma_specs
 from .specs.mmv import fused_specs, grouped_specs, mmv_id_specs, mmv_specs, quantize_spec
 
@@ -47,7 +48,7 @@ def _gemm_launch(ctx: CudaContext, g: GemmSpec) -> Launch:
     ct = cublas.CUDA_R_32F
     if g.kind in ("gemm", "strided"):
         return h.matmul(g.transa, g.transb, g.m, g.n, g.k, g.a, at, g.lda, g.b, bt, g.ldb, g.c, ct, g.ldc, g.strides,
-                        g.batch)
+                        g.batch, beta=1.0 if g.addend else 0.0, c_in=g.addend)
     pa, pb, pc = zip(*g.ptrs)
     return h.gemm_batched(g.transa, g.transb, g.m, g.n, g.k, pa, at, g.lda, pb, bt, g.ldb, pc, ct, g.ldc)
 
@@ -138,6 +139,8 @@ def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
         return _bind(ctx, nodes[-1], lambda scratch: mmf_fused_specs(nodes, ctx.ptr, scratch, ctx.device))
     if path in fusion.GEMM_PATHS:  # mul_mat -> add (a bias or a residual), or the rms_norm before one or two
         return _bind(ctx, nodes[-1], lambda scratch: gemm_fused_specs(nodes, ctx.ptr, scratch, ctx.device))
+    if path in fusion.B16_PATHS:  # the same, or a glu before one, on the GEMMs of 16-bit b
+        return _bind(ctx, nodes[-1], lambda scratch: b16_fused_specs(nodes, ctx.ptr, scratch, ctx.device))
     if path in fusion.ID_GEMM_PATHS and mmq_addresses(ctx.ptr, nodes[0].srcs[0]):  # mul_mat_id -> add_id
         bias = fusion.parts(nodes)[1][0]
         specs = mmq_id_specs if path == "mmq_id" else wgmma_id_specs
@@ -170,6 +173,32 @@ def gemm_fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch, device
                    quant=quant)
         specs += mmq_specs(prod, ptr, scratch, **epi) if path == "mmq" else small_specs(prod, ptr, scratch, device,
                                                                                          **epi)
+    return specs
+
+
+def b16_fused_specs(nodes: Sequence[Tensor], ptr: Ptr, scratch: Scratch, device: Device | None) -> list[Spec]:
+    """The launches of a group whose products take fusion.B16_PATHS (cuBLAS, mmq_wgmma) on `device`: a fused
+    rms_norm (before one or two products) or glu (before one) written as the products' 16-bit b by one conversion
+    (convert_norm, convert_glu), then each product reading it; a mul_mat_add's addend added by the product (cuBLAS'
+    C, mmq_wgmma's bias), which writes the add."""
+    prods, biases, _ = fusion.parts(nodes)
+    paths = [support.choose(prod, device).path for prod in prods]
+    norm, glu = fusion.norm_of(nodes), fusion.glu_in_of(nodes)
+    specs: list[Spec] = []
+    b16 = None
+    if norm is not None or glu is not None:
+        td = fusion.b_form(prods[0], paths[0])
+        n, k = prods[0].srcs[1].shape[-2:]
+        b16 = scratch("b", wgmma_b_bytes(n, k))
+        specs.append(norm_conversion(norm.x, norm.w, norm.eps, td, ptr, b16) if norm is not None
+                     else glu_conversion(glu, td, ptr, b16))
+    for prod, bias, path in zip(prods, biases, paths):
+        out = nodes[-1] if len(prods) == 1 else prod
+        if path == "mmq_wgmma":
+            specs += wgmma_specs(prod, ptr, scratch, device, out=out, b16=b16, bias=bias,
+                                 bias_col=fusion.bias_col(prod, bias))
+        else:
+            specs += gemm_specs(prod, ptr, scratch, out=out, b16=b16, addend=bias)
     return specs
 
 

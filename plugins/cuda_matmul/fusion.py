@@ -19,11 +19,13 @@ node but the last is read only inside the group):
                                                                    values too (a decoder's q/k stack beside
                                                                    its v), at one column: the kernel also
                                                                    writes them
-The fused kernels are the mat-vec ones, mmf, mmq and mmq_small (mul_mat_add only) and
-mmq_id and mmq_wgmma_id (the bias of add_id), so each product must take a mat-vec path
-(mul_mat with N <= 8; mul_mat_id with one token for the GLU groups), mmf (mul_mat,
-f16/bf16 weights, up to 16 columns), a quantized GEMM (mul_mat -> add, block formats,
-more than 8 columns) or a quantized GEMM of mul_mat_id (mul_mat_id -> add_id with many
+  glu_mul_mat           glu(gate, up) -> mul_mat                   a decoder's down product, its b the glu's
+  glu_mul_mat_add       the same with an add after the mul_mat     result, on the GEMMs of 16-bit b
+The fused kernels are the mat-vec ones, mmf, mmq and mmq_small (mul_mat_add only), the GEMMs of 16-bit b
+(B16_PATHS: mul_mat_add, the rms_norm and glu groups) and mmq_id and mmq_wgmma_id (the bias of add_id), so
+each product must take a mat-vec path (mul_mat with N <= 8; mul_mat_id with one token for the GLU groups),
+mmf (mul_mat, f16/bf16 weights, up to 16 columns), a GEMM (mul_mat -> add, more than 8 columns; cuBLAS: a
+contiguous addend of the product's shape) or a quantized GEMM of mul_mat_id (mul_mat_id -> add_id with many
 tokens), with b in f32.
 The add may read the product as either source; the addend is only read (it may be
 the residual stream other nodes read too). The kernels add element
@@ -35,8 +37,10 @@ the norm's rsqrt) or the quantized GEMMs (their quantize_q8_1 launch rounds rms_
 once for a pair: NORM_PATHS), with x f32 of one batch and w one contiguous f32 row of K
 values; the norm's kernel launch and its result's round trip through memory go
 (rms_norm_mul_mat_share: the launch only; its blocks write the normed values, f32 and
-contiguous as every mul's result, for the other readers). Anything else: a reason, and the
-nodes run unfused (or by a smaller rule: cuda_norm's rms_norm -> mul).
+contiguous as every mul's result, for the other readers). On the GEMMs of 16-bit b the
+launch that converts b writes rms_norm(x) * w or glu(gate, up) in its place (convert.cu's
+convert_norm, convert_glu). Anything else: a reason, and the nodes run unfused (or by a
+smaller rule: cuda_norm's rms_norm -> mul).
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ from opdispatch.support import whole_elements
 from opdispatch.tensor import Tensor
 
 from . import support
-from .specs import KEEP_NT
+from .specs import B16_TYPES, KEEP_NT
+from .specs.gemm import compute_type
 from .specs.stream import STREAMED, ragged
 
 MMV_PATHS = ("mmvf", "mmvq_stream", "mmvq", "mmv_id", "mmv_id_grouped")
@@ -61,13 +66,21 @@ MMV_PATHS = ("mmvf", "mmvq_stream", "mmvq", "mmv_id", "mmv_id_grouped")
 GEMM_PATHS = ("mmq", "mmq_small")
 #: the quantized GEMMs of mul_mat_id: add_id's bias (mq::store_pairs)
 ID_GEMM_PATHS = ("mmq_id", "mmq_wgmma_id")
-#: the paths whose kernels take the epilogues: the mat-vecs, the tensor-core mmf, the quantized GEMMs (bias only),
-#: and those of mul_mat_id (add_id's bias; its GLU groups are one token's, which mmv_id takes)
-FUSED_PATHS = (*MMV_PATHS, "mmf", *GEMM_PATHS, *ID_GEMM_PATHS)
+#: the GEMMs whose b goes in as 16-bit rows, converted by a launch before the product (cuBLAS: the weights' compute
+#: type, f16 or bf16; mmq_wgmma: bf16). A fused rms_norm or glu before the product writes those rows itself
+#: (convert.cu's convert_norm, convert_glu: the f32 values never go through memory); an add after it is the
+#: product's own (cublasLt's C, a residual of the product's shape; mmq_wgmma's mq::finish, as mmq's). One batch.
+B16_PATHS = ("cublas", "dequant_cublas", "mmq_wgmma")
+#: the paths whose kernels take the epilogues: the mat-vecs, the tensor-core mmf, the quantized GEMMs and the
+#: 16-bit-b GEMMs (a bias or a residual only), and those of mul_mat_id (add_id's bias; its GLU groups are one
+#: token's, which mmv_id takes)
+FUSED_PATHS = (*MMV_PATHS, "mmf", *GEMM_PATHS, *B16_PATHS, *ID_GEMM_PATHS)
 
 #: the paths whose kernels take a fused rms_norm (the rms_norm_mul_mat groups): the mat-vec quantizing b itself,
-#: the GEMMs through their quantize_q8_1 launch
-NORM_PATHS = ("mmvq_stream", *GEMM_PATHS)
+#: the quantized GEMMs through their quantize_q8_1 launch, the 16-bit-b GEMMs through convert_norm
+NORM_PATHS = ("mmvq_stream", *GEMM_PATHS, *B16_PATHS)
+#: the ops a group opens with when a glu's result is the product's b (B16_PATHS only)
+GLU_PREFIX = ("glu",)
 #: the ops a group opens with when it fuses the rms_norm before its products
 NORM_PREFIX = ("rms_norm", "mul")
 
@@ -89,6 +102,8 @@ PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mul_mat_id_glu", ("mul_mat_id", "mul_mat_id", "glu")),
     ("mul_mat_add", ("mul_mat", "add")),
     ("mul_mat_id_add_id", ("mul_mat_id", "add_id")),
+    ("glu_mul_mat_add", (*GLU_PREFIX, "mul_mat", "add")),
+    ("glu_mul_mat", (*GLU_PREFIX, "mul_mat")),
 )
 
 
@@ -110,6 +125,24 @@ def norm_of(nodes: Sequence[Tensor], share: bool = False) -> Norm | None:
         return None
     norm, mul = nodes[:2]
     return Norm(norm.srcs[0], _other(mul, norm), float(norm.params["eps"]), mul if share else None)
+
+
+def glu_in_of(nodes: Sequence[Tensor]) -> Tensor | None:
+    """The glu whose result a group's product reads as b (the glu_mul_mat groups), None for other groups."""
+    return nodes[0] if nodes[0].op == "glu" else None
+
+
+def b_form(node: Tensor, path: str) -> str | None:
+    """What b becomes before product `node` on `path` reads it, which one launch can write for two products: "q8_1"
+    (the quantized GEMMs' quantize_q8_1), a B16_TYPES name (B16_PATHS), or None (b read as it is)."""
+    if path in GEMM_PATHS:
+        return "q8_1"
+    if path == "mmq_wgmma":
+        return "bf16"
+    if path in B16_PATHS:
+        ct = compute_type(node.srcs[0])
+        return ct if ct in B16_TYPES else None
+    return None
 
 
 def _other(node: Tensor, src: Tensor) -> Tensor:
@@ -138,6 +171,8 @@ def _norm_ok(device: Device, nodes: Sequence[Tensor]) -> bool | str:
         path = support.choose(p, device).path
         if path not in NORM_PATHS:
             return f"mul_mat takes {path}; the rms_norm fuses into {', '.join(NORM_PATHS)} only"
+        if path in B16_PATHS and b_form(p, path) is None:
+            return f"mul_mat takes {path} with {p.srcs[0].dtype.name} weights, which reads b as it is"
     return True
 
 
@@ -153,11 +188,17 @@ def check_share(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool |
 
 
 def check_pair(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
-    """`check` for the PAIR rule: both products on a quantized GEMM (one quantize_q8_1 launch feeds both)."""
+    """`check` for the PAIR rule: both products on GEMMs that take b in one form (one quantize_q8_1 or
+    convert_norm launch feeds both)."""
+    forms = []
     for p in nodes[2:]:
         path = support.choose(p, device).path
-        if path not in GEMM_PATHS:
-            return f"mul_mat takes {path}; two products share the fused rms_norm on {', '.join(GEMM_PATHS)} only"
+        if path not in (*GEMM_PATHS, *B16_PATHS):
+            return (f"mul_mat takes {path}; two products share the fused rms_norm on "
+                    f"{', '.join((*GEMM_PATHS, *B16_PATHS))} only")
+        forms.append(b_form(p, path))
+    if forms[0] != forms[1]:
+        return f"the two products take b as {forms[0]} and {forms[1]}: one launch writes one form"
     return check(device, nodes, graph)
 
 
@@ -168,9 +209,11 @@ def _mmv(device: Device, node: Tensor, glu: bool) -> bool | str:
     if c.reason:
         return f"{node.op}: {c.reason}"
     if c.path not in FUSED_PATHS:
-        return f"{node.op} takes {c.path}, not a mat-vec kernel, mmf or mmq (batch {support.batch_n(node)})"
-    if glu and c.path in GEMM_PATHS:
+        return f"{node.op} takes {c.path}, whose kernels take no fused epilogue (batch {support.batch_n(node)})"
+    if glu and c.path in (*GEMM_PATHS, *B16_PATHS):
         return f"{node.op} takes {c.path}, which fuses a bias or residual, not a GLU (batch {support.batch_n(node)})"
+    if c.path in B16_PATHS and pad4(node.shape)[:2] != (1, 1):
+        return f"{node.op} takes {c.path}, whose fused groups are one batch's, not {node.shape}"
     if node.srcs[1].dtype.name != "f32":
         return f"{node.op}: b must be f32 to fuse, got {node.srcs[1].dtype.name}"
     return True
@@ -235,6 +278,39 @@ def _bias_ok(prod: Tensor, add: Tensor) -> bool | str:
     return True
 
 
+def _addend_ok(device: Device, prod: Tensor, add: Tensor) -> bool | str:
+    """True if the path of `prod` adds what `add` adds (a check after _bias_ok), else why not: cuBLAS adds its C, a
+    contiguous matrix of the product's shape, not one row or spaced rows."""
+    path = support.choose(prod, device).path
+    bias = _bias_of(prod, add)
+    if path in ("cublas", "dequant_cublas") and (pad4(bias.shape) != pad4(prod.shape) or not bias.is_contiguous()):
+        return (f"mul_mat takes {path}, which adds a contiguous addend of the product's shape {prod.shape} (its C), "
+                f"not {bias.describe()} {bias.strides}")
+    return True
+
+
+def _glu_in_ok(device: Device, nodes: Sequence[Tensor]) -> bool | str:
+    """True if the glu a group opens with can be written as the b of the product after it, else why not."""
+    glu, prod = nodes[:2]
+    if glu.srcs[1] is None:
+        return "glu over one tensor's halves, not a gate and an up tensor"
+    if glu.params.get("swapped"):
+        return "swapped glu"
+    if glu.params["kind"] not in GLU_KINDS:
+        return f"unknown glu kind {glu.params['kind']}"
+    if prod.srcs[1] is not glu:
+        return "the mul_mat does not read the glu's result as b"
+    for t in glu.srcs:
+        if t.dtype.name != "f32" or not t.is_contiguous() or t.shape != glu.shape:
+            return f"the glu's sources must be contiguous f32 of its shape {glu.shape}, got {t.describe()}"
+    c = support.choose(prod, device)
+    if c.reason:
+        return f"mul_mat: {c.reason}"
+    if c.path not in B16_PATHS or b_form(prod, c.path) is None:
+        return f"mul_mat takes {c.path}; a glu's result is written as b for {', '.join(B16_PATHS)} (16-bit b) only"
+    return True
+
+
 def _bias_of(prod: Tensor, add: Tensor) -> Tensor:
     return add.srcs[1] if add.op == "add_id" else _other(add, prod)
 
@@ -245,6 +321,8 @@ def parts(nodes: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor | None], T
     rms_norm (norm_of) is not among them."""
     if nodes[0].op == "rms_norm":
         nodes = nodes[2:]
+    elif nodes[0].op == "glu":
+        nodes = nodes[1:]
     glu = nodes[-1] if nodes[-1].op == "glu" else None
     groups: list[list] = []  # [product, bias, the node glu reads]
     for n in nodes[:-1] if glu is not None else nodes:
@@ -265,6 +343,11 @@ def check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
         if why is not True:
             return why
         nodes = nodes[2:]
+    elif nodes[0].op == "glu":
+        why = _glu_in_ok(device, nodes)
+        if why is not True:
+            return why
+        nodes = nodes[1:]
     glu = nodes[-1] if nodes[-1].op == "glu" else None
     body = list(nodes[:-1] if glu is not None else nodes)
     prods = [n for n in body if n.op in ("mul_mat", "mul_mat_id")]
@@ -276,6 +359,8 @@ def check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
     for i, n in enumerate(body):
         if n.op in ("add", "add_id"):
             why = _bias_ok(body[i - 1], n)
+            if why is True:
+                why = _addend_ok(device, body[i - 1], n)
             if why is not True:
                 return why
             ends.append(n)

@@ -240,17 +240,18 @@ class Cublas:
 
     def matmul(self, transa: int, transb: int, m: int, n: int, k: int, a: int, a_type: int, lda: int, b: int,
                b_type: int, ldb: int, c: int, c_type: int, ldc: int, strides: tuple[int, int, int] = (0, 0, 0),
-               batch: int = 1, alpha: float = 1.0, beta: float = 0.0) -> GemmLaunch:
+               batch: int = 1, alpha: float = 1.0, beta: float = 0.0, c_in: int = 0) -> GemmLaunch:
         """C (m x n, column-major) = alpha * op(A) op(B) + beta * C through cublasLt, float accumulation;
-        `batch` of them with operand i at base + i * strides (elements). The algorithm is the fastest
-        of cuBLAS' heuristic candidates for this problem, timed on first use (see the module doc)."""
+        `batch` of them with operand i at base + i * strides (elements). A nonzero c_in is the C read (of C's
+        layout), which the result then does not overwrite: cublasLt's C and D apart. The algorithm is the
+        fastest of cuBLAS' heuristic candidates for this problem, timed on first use (see the module doc)."""
         lt = lt_library()
         if self.lt is None:
             self.lt = ctypes.c_void_p()
             check(lt.cublasLtCreate(ctypes.byref(self.lt)), "cublasLtCreate")
         types = (a_type, b_type, c_type)
         align = tuple(_alignment(ptr, stride * ELEMENT_BYTES[t] if batch > 1 else 0)
-                      for ptr, stride, t in zip((a, b, c), strides, types))
+                      for ptr, stride, t in zip((a, b, c_in or c, c), (*strides, strides[2]), (*types, c_type)))
         key = (transa, transb, m, n, k, types, lda, ldb, ldc, strides, batch, align)
         problem = self.lt_problems.get(key)
         al, be = self._scalars(alpha, beta)
@@ -268,13 +269,13 @@ class Cublas:
             check(lt.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
             _set(lt.cublasLtMatmulPreferenceSetAttribute, pref, LT_PREF_MAX_WORKSPACE_BYTES,
                  ctypes.c_uint64(WORKSPACE_BYTES))
-            for attr, value in zip(LT_PREF_MIN_ALIGNMENT_BYTES, (*align, align[2])):
+            for attr, value in zip(LT_PREF_MIN_ALIGNMENT_BYTES, align):
                 _set(lt.cublasLtMatmulPreferenceSetAttribute, pref, attr, ctypes.c_uint32(value))
             c_bytes = ((batch - 1) * strides[2] + ldc * n) * ELEMENT_BYTES[c_type]
             algo = self._fastest(desc, layouts, pref, a, b, c_bytes, al, be)
             problem = self.lt_problems[key] = (desc, layouts, algo)
         desc, (la, lb, lc), algo = problem
-        args = (self.lt, desc, ctypes.addressof(al), a, la, b, lb, ctypes.addressof(be), c, lc, c, lc,
+        args = (self.lt, desc, ctypes.addressof(al), a, la, b, lb, ctypes.addressof(be), c_in or c, lc, c, lc,
                 ctypes.addressof(algo), self.workspace.ptr, WORKSPACE_BYTES, int(self.backend.stream.ptr))
         return self._launch("cublasLtMatmul", lt.cublasLtMatmul, args, (al, be, algo), extra=tuple(algo.data))
 

@@ -243,10 +243,42 @@ def _mul_mat_glu(name: str, full: bool) -> Iterator[Case]:
             yield one(ta, "swiglu", 77, n, _fused_k(ta))
 
 
+def _glu_product(name: str, full: bool, residual: bool) -> Iterator[Case]:
+    """glu(gate, up) as the b of a product (+ a residual of the product's shape): a decoder's MLP output. Where the
+    product's GEMM takes b as 16-bit rows (cuBLAS, mmq_wgmma: prefill widths) one launch writes act(gate) * up as
+    those rows and the GEMM adds the residual; elsewhere the nodes run apart. The product's bound (its b rounded
+    once either way)."""
+    def one(ta: str, kind: str, m: int, n: int, k: int) -> Case:
+        def make(inp: Inputs) -> Tensor:
+            y = ops.mul_mat(inp.source((m, k), ta), ops.glu_split(inp.uniform((n, k)), inp.uniform((n, k)), kind))
+            return ops.add(y, inp.uniform((n, m))) if residual else y
+
+        return Case("add" if residual else "mul_mat", f"{kind} a={ta} m={m} n={n} k={k}", make,
+                    bound("mul_mat", weight=ta), 2 * m * n * k, fused=name)
+
+    yield one("f16", "swiglu", 16, 40, 64)  # cuBLAS
+    yield one("q4_0", "geglu", 77, 200, 256)  # mmq_wgmma
+    yield one("q5_1", "swiglu_oai", 13, 200, 96)  # dequant_cublas
+    if full:
+        for ta, n in itertools.product(_FUSED_WEIGHTS, _FUSED_BATCHES):
+            yield one(ta, "swiglu", 77, n, _fused_k(ta))
+
+
+@fused("glu_mul_mat_add", needs=("glu", "mul_mat", "add"))
+def _glu_mul_mat_add(name: str, full: bool) -> Iterator[Case]:
+    yield from _glu_product(name, full, residual=True)
+
+
+@fused("glu_mul_mat", needs=("glu", "mul_mat"))
+def _glu_mul_mat(name: str, full: bool) -> Iterator[Case]:
+    yield from _glu_product(name, full, residual=False)
+
+
 def _rms_norm_product(name: str, full: bool, glu: bool) -> Iterator[Case]:
     """rms_norm(x) * w before a product (or a gate/up GLU pair): the mat-vecs take the norm (mmvq_stream for
-    block formats at whole chunks); elsewhere cuda_norm's rms_norm -> mul runs it. The normed values are
-    about 1 in size, so the product's bound holds (twice it for the GLU, as mul_mat_glu)."""
+    block formats at whole chunks), the GEMMs in the launch that prepares their b (quantize_q8_1, convert_norm);
+    elsewhere cuda_norm's rms_norm -> mul runs it. The normed values are about 1 in size, so the product's bound
+    holds (twice it for the GLU, as mul_mat_glu)."""
     def one(ta: str, m: int, n: int, k: int) -> Case:
         def make(inp: Inputs) -> Tensor:
             h = ops.mul(ops.rms_norm(inp.uniform((n, k)), 1e-5), inp.uniform((k,)))
@@ -280,8 +312,8 @@ def _rms_norm_mul_mat_glu(name: str, full: bool) -> Iterator[Case]:
 
 @fused("rms_norm_mul_mat_pair", needs=("rms_norm", "mul", "mul_mat"))
 def _rms_norm_mul_mat_pair(name: str, full: bool) -> Iterator[Case]:
-    """rms_norm(x) * w read by two products of one weight type on the quantized GEMMs (above 8 columns), both
-    outputs: one quantize_q8_1 launch rounds the normed values for both; each is held to mul_mat's bound."""
+    """rms_norm(x) * w read by two products of one weight type on the GEMMs (above 8 columns), both outputs: one
+    quantize_q8_1 (or convert_norm) launch rounds the normed values for both; each is held to mul_mat's bound."""
     def one(ta: str, m: int, n: int, k: int) -> Case:
         def make(inp: Inputs) -> list[Tensor]:
             h = ops.mul(ops.rms_norm(inp.uniform((n, k)), 1e-5), inp.uniform((k,)))
@@ -335,8 +367,8 @@ def _mul_mat_id_add_id(name: str, full: bool) -> Iterator[Case]:
             yield one(ta, 8, 2, n_tok, 77, whole_k(ta, 2 * K_TILE) if ta in BLOCK_FORMATS else 80)
 
 
-#: the fused patterns' weights and batches past the mat-vecs (f16 / bf16: mmf's, which fuses up to 16
-#: columns; the block formats' GEMMs take no epilogue: the pattern runs unfused)
+#: the fused patterns' weights and batches past the mat-vecs (f16 / bf16: mmf's, which fuses up to 16 columns, then
+#: cuBLAS; the block formats' GEMMs take the adds and norms, not the GLU)
 _FUSED_WEIGHTS = ("f16", "bf16", *WEIGHT_FORMATS)
 _FUSED_BATCHES = (9, 16, 64, 512)
 

@@ -289,14 +289,17 @@ __device__ __forceinline__ int wg_row() {
 // bf16 (B3, B2, N, K) contiguous; out contiguous (B3, B2, N, M). The raw K tiles of a row are cut in `splits`
 // contiguous slices, one block each (split K, as mmq: a grid of few output tiles still fills the GPU); with
 // splits > 1, part holds splits * B3 * B2 * N * M floats and counters B3 * B2 * tiles_m * tiles_n ints (zero
-// before the launch, and again after it), and mq::finish adds the slices in order. Grid (tiles_m * splits *
-// tiles_n, B2, B3), the column tile fastest (the blocks reading the same weights run together); 128 WGS threads;
-// dynamic shared memory specs/mmq_wgmma.py's wgmma_smem: A_STAGES * A_BYTES (none for the RS formats) +
-// B_STAGES * B_BYTES (1024-byte aligned), then RAW_STAGES raw stages of BM rows of Tile<Q, RAW_KB>::RS bytes.
+// before the launch, and again after it), and mq::finish adds the slices in order. A bias (not null: a fused
+// mul_mat_add) is added to every output written, output row r adding bias[r * bias_col + m] (mq::finish). Grid
+// (tiles_m * splits * tiles_n, B2, B3), the column tile fastest (the blocks reading the same weights run
+// together); 128 WGS threads; dynamic shared memory specs/mmq_wgmma.py's wgmma_smem: A_STAGES * A_BYTES (none for
+// the RS formats) + B_STAGES * B_BYTES (1024-byte aligned), then RAW_STAGES raw stages of BM rows of
+// Tile<Q, RAW_KB>::RS bytes.
 template <int WT, int WGS, int BN>
 __global__ void __launch_bounds__(128 * WGS, 1)
     mmq_wgmma(const mm::u8* a, long long a_row, long long a_s2, long long a_s3, int r2, int r3, const mm::u8* b,
-              float* out, int M, int K, int N, int tiles_m, int tiles_n, int splits, float* part, int* counters) {
+              float* out, int M, int K, int N, int tiles_m, int tiles_n, int splits, float* part, int* counters,
+              const float* bias, long long bias_col) {
     od::grid_enter();
     using namespace mw;
     using TL = Tiling<WGS, BN>;
@@ -321,7 +324,8 @@ __global__ void __launch_bounds__(128 * WGS, 1)
     const long long plane = static_cast<long long>(gridDim.y) * gridDim.z * N * M;
     mq::finish<1, BN / 8, TL::BM, BN, TL::THREADS>(as_frags<BN>(d), m0 + wg_row(), n0, m0, n0, M, N, brow0, out, part,
                                                    split, splits, plane,
-                                                   counters + (batch * tiles_m + tm) * tiles_n + tn, nullptr, 0);
+                                                   counters + (batch * tiles_m + tm) * tiles_n + tn, bias,
+                                                   bias_col);
 }
 
 // mul_mat_id with many tokens on the same K loop (mmq_wgmma_id, MoE prefill): out[t, u, :] = as[ids[t, u]] @

@@ -52,6 +52,9 @@ B_KIND = {"f32": "B_F32", "f16": "B_F16", "bf16": "B_BF16"}
 EPI_NONE, EPI_BIAS, EPI_GLU = "EPI_NONE", "EPI_BIAS", "EPI_GLU"
 EPIS = (EPI_NONE, EPI_BIAS, EPI_GLU)
 FLOAT_NAMES = ("f32", "f16", "bf16")
+#: the 16-bit types the GEMM paths' b is converted to (cuBLAS: the weights' compute type; mmq_wgmma: bf16), which
+#: a fused rms_norm or glu writes itself (convert.cu's convert_norm, convert_glu)
+B16_TYPES = ("f16", "bf16")
 LEGACY_NAMES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")  # quant.cuh's 32-value formats: mmq's
 QUANT_NAMES = (*LEGACY_NAMES, *SUBSCALED_NAMES)
 
@@ -183,6 +186,14 @@ def dequant_name(wt: str, td: str) -> str:
     return instance("dequant", W_KIND[wt], B_KIND[td])
 
 
+def convert_norm_name(td: str) -> str:
+    return instance("convert_norm", B_KIND[td])
+
+
+def convert_glu_name(td: str, vec: bool) -> str:
+    return instance("convert_glu", B_KIND[td], vec)
+
+
 ROUTE_NAME = "moe_route"
 
 MMV_NAMES: tuple[str, ...] = (
@@ -204,6 +215,8 @@ MMV_ID_NAMES: tuple[str, ...] = (
 CONVERT_NAMES: tuple[str, ...] = (
     *(convert_name(ts, td) for ts in FLOAT_NAMES for td in FLOAT_NAMES),
     *(dequant_name(wt, td) for wt in QUANT_NAMES for td in ("f16", "f32")),
+    *(convert_norm_name(td) for td in B16_TYPES),
+    *(convert_glu_name(td, vec) for td in B16_TYPES for vec in (False, True)),
 )
 #: mmvq_stream, every block format: b f32 for every column count (quant_nts) and epilogue; b f16/bf16
 #: (unfused mul_mat only) for 8 columns, but for the grid I-quants (mmvq takes those: STREAM_B16)

@@ -7,15 +7,18 @@ column-major matrix (or converted first), as the spec functions' docstrings show
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, Shape4, i32, i64, ptr
+from opdispatch.backends.cuda.args import KernelArgs, Shape4, f32, i32, i64, ptr
 from opdispatch.backends.cuda.cublas import CUBLAS_OP_N, CUBLAS_OP_T
-from opdispatch.backends.cuda.kernels import KernelSpec
+from opdispatch.backends.cuda.kernels import GLU_CODES, KernelSpec
 from opdispatch.tensor import Tensor
 
-from . import CONVERT_BLOCK, CONVERT_CU, CONVERT_GRID_MAX, Ptr, Scratch, convert_name, dequant_name, geometry
+from . import (CONVERT_BLOCK, CONVERT_CU, CONVERT_GRID_MAX, Ptr, Scratch, convert_glu_name, convert_name,
+               convert_norm_name, dequant_name, geometry)
 
 
 @attrs.frozen
@@ -41,11 +44,43 @@ class DequantArgs(KernelArgs):
 
 
 @attrs.frozen
+class ConvertNormArgs(KernelArgs):
+    """convert_norm's arguments: x's rows (row stride s1 bytes, n0 values each, `rows` of them), the norm weight
+    w and eps, the destination."""
+
+    KERNELS = ("convert_norm",)
+    x: np.uint64 = ptr()
+    s1: np.int64 = i64()
+    n0: np.int32 = i32()
+    rows: np.int32 = i32()
+    w: np.uint64 = ptr()
+    eps: np.float32 = f32()
+    dst: np.uint64 = ptr()
+
+
+@attrs.frozen
+class ConvertGluArgs(KernelArgs):
+    """convert_glu's arguments: the gate and up values (n, contiguous f32 alike), the GLU kind's code and
+    swiglu_oai's alpha and limit, the destination."""
+
+    KERNELS = ("convert_glu",)
+    g: np.uint64 = ptr()
+    u: np.uint64 = ptr()
+    n: np.int64 = i64()
+    kind: np.int32 = i32()
+    alpha: np.float32 = f32()
+    limit: np.float32 = f32()
+    dst: np.uint64 = ptr()
+
+
+@attrs.frozen
 class GemmSpec:
     """One cuBLAS call, column-major (see cublas.py): C (m x n) = op(A) (m x k) op(B) (k x n).
 
     kind "gemm" (batch 1), "strided" (operand i at ptr + i * stride elements)
-    or "batched" (one address per batch in `ptrs`: (a, b, c) triples)."""
+    or "batched" (one address per batch in `ptrs`: (a, b, c) triples). A nonzero `addend` (kind "gemm" only) is
+    the address of a matrix of C's layout added to the product (cublasLt's C, beta 1, where the result D is `c`):
+    a fused mul_mat_add."""
 
     kind: str
     transa: int
@@ -64,6 +99,7 @@ class GemmSpec:
     strides: tuple[int, int, int] = (0, 0, 0)
     batch: int = 1
     ptrs: tuple[tuple[int, int, int], ...] = ()
+    addend: int = 0
 
 
 Spec = KernelSpec | GemmSpec
@@ -80,6 +116,27 @@ def conversion(src: Tensor, dst_type: str, src_ptr: int, dst: int) -> KernelSpec
                           DequantArgs(src=src_ptr, n0=n0, n1=n1, n2=n2, n3=n3, s1=s1, s2=s2, s3=s3, dst=dst))
     return KernelSpec(CONVERT_CU, convert_name(src.dtype.name, dst_type), grid, CONVERT_BLOCK,
                       ConvertArgs(src=src_ptr, shape=Shape4(n0, n1, n2, n3, s0, s1, s2, s3), dst=dst))
+
+
+def norm_conversion(x: Tensor, w: Tensor, eps: float, dst_type: str, ptr: Ptr, dst: int) -> KernelSpec:
+    """convert_norm: rms_norm(x) * w (x f32 rows of one batch, w one contiguous f32 row) as contiguous `dst_type`
+    rows at `dst`: the b of the products after a fused rms_norm -> mul."""
+    (_, _, rows, n0), (_, _, s1, _) = geometry(x)
+    return KernelSpec(CONVERT_CU, convert_norm_name(dst_type), (max(1, min(rows, CONVERT_GRID_MAX)),), CONVERT_BLOCK,
+                      ConvertNormArgs(x=ptr(x), s1=s1, n0=n0, rows=rows, w=ptr(w), eps=eps, dst=dst))
+
+
+def glu_conversion(glu: Tensor, dst_type: str, ptr: Ptr, dst: int) -> KernelSpec:
+    """convert_glu: glu(gate, up) (two contiguous f32 sources alike) as contiguous `dst_type` values at `dst`: the
+    b of the product after a fused glu."""
+    g, u = glu.srcs
+    n = glu.size
+    vec = n % 4 == 0 and ptr(g) % 16 == 0 and ptr(u) % 16 == 0
+    grid = max(1, min(math.ceil(n / ((4 if vec else 1) * CONVERT_BLOCK)), CONVERT_GRID_MAX))
+    p = glu.params
+    return KernelSpec(CONVERT_CU, convert_glu_name(dst_type, vec), (grid,), CONVERT_BLOCK,
+                      ConvertGluArgs(g=ptr(g), u=ptr(u), n=n, kind=GLU_CODES[p["kind"]], alpha=p["alpha"],
+                                     limit=p["limit"], dst=dst))
 
 
 @attrs.frozen
@@ -122,8 +179,11 @@ def compute_type(a: Tensor) -> str:
     return "f16" if a.dtype.is_quant else a.dtype.name
 
 
-def gemm_specs(node: Tensor, ptr: Ptr, scratch: Scratch) -> list[Spec]:
-    """cublas / dequant_cublas for mul_mat `node`.
+def gemm_specs(node: Tensor, ptr: Ptr, scratch: Scratch, *, out: Tensor | None = None, b16: int | None = None,
+               addend: Tensor | None = None) -> list[Spec]:
+    """cublas / dequant_cublas for mul_mat `node`; in a fused group (one batch), the result written to `out`
+    (None: node), b already in the compute type at b16 (contiguous rows: a fused rms_norm or glu wrote them) and
+    `addend` (contiguous, the product's shape) added by the GEMM itself.
 
     Row-major out (N, M) = b (N, K) @ a (M, K)^T, in cuBLAS' column-major terms:
     a's row-major (M, K) buffer (row stride lda >= K) read column-major is a
@@ -147,7 +207,9 @@ def gemm_specs(node: Tensor, ptr: Ptr, scratch: Scratch) -> list[Spec]:
     else:
         a_op = Operand(ptr(a), sa3, sa2, sa1 // es if m > 1 else k, CUBLAS_OP_T, ct)
     b_elem = b.dtype.block_bytes
-    if b.dtype.name == ct and (k == 1 or sb0 == b_elem) and (n == 1 or sb1 >= k * b_elem):
+    if b16 is not None:
+        b_op = Operand(b16, b2 * n * k * es, n * k * es, k, CUBLAS_OP_N, ct)
+    elif b.dtype.name == ct and (k == 1 or sb0 == b_elem) and (n == 1 or sb1 >= k * b_elem):
         b_op = Operand(ptr(b), sb3, sb2, sb1 // b_elem if n > 1 else k, CUBLAS_OP_N, ct)
     elif b.dtype.name == ct and n > 1 and sb1 == b_elem and (k == 1 or sb0 >= n * b_elem):
         b_op = Operand(ptr(b), sb3, sb2, sb0 // b_elem if k > 1 else n, CUBLAS_OP_T, ct)
@@ -155,7 +217,7 @@ def gemm_specs(node: Tensor, ptr: Ptr, scratch: Scratch) -> list[Spec]:
         dst = scratch("b", b3 * b2 * n * k * es)
         specs.append(conversion(b, ct, ptr(b), dst))
         b_op = Operand(dst, b2 * n * k * es, n * k * es, k, CUBLAS_OP_N, ct)
-    c_op = Operand(ptr(node), b2 * n * m * 4, n * m * 4, m, 0, "f32")
+    c_op = Operand(ptr(node if out is None else out), b2 * n * m * 4, n * m * 4, m, 0, "f32")
     r3, r2 = b3 // a3, b2 // a2
     nn, batches, ratios = n, (b3, b2), (r3, r2)
     if r2 > 1 and b_op.trans == CUBLAS_OP_N and b_op.s2 == n * b_op.ld * es:
@@ -163,8 +225,11 @@ def gemm_specs(node: Tensor, ptr: Ptr, scratch: Scratch) -> list[Spec]:
         nn, batches, ratios = n * r2, (b3, a2), (r3, 1)
         b_op = attrs.evolve(b_op, s2=b_op.s2 * r2)
         c_op = attrs.evolve(c_op, s2=c_op.s2 * r2)
-    specs.append(batched(dict(m=m, n=nn, k=k), a_op, b_op, c_op, batches, ratios))
-    return specs
+    gemm = batched(dict(m=m, n=nn, k=k), a_op, b_op, c_op, batches, ratios)
+    if addend is not None:
+        assert gemm.kind == "gemm", "an addend is fused into one batch's GEMM only"
+        gemm = attrs.evolve(gemm, addend=ptr(addend))
+    return [*specs, gemm]
 
 
 def out_prod_specs(node: Tensor, ptr: Ptr, scratch: Scratch) -> list[Spec]:

@@ -105,7 +105,8 @@ NAMES: tuple[str, ...] = (*(instance_name(dt, t) for dt in WGMMA_FORMATS for t i
 @attrs.frozen
 class MmqWgmmaArgs(KernelArgs):
     """mmq_wgmma's arguments: the weights a, their row and batch strides and b's broadcast ratios r2, r3; b as
-    bf16 rows (the conversion's output); out and the sizes; the grid's tiles and split K's scratch."""
+    bf16 rows (the conversion's output); out and the sizes; the grid's tiles and split K's scratch; the bias (0:
+    none) and its row stride bias_col in floats (0: one row), as mmq's."""
 
     KERNELS = ("mmq_wgmma",)
     a: np.uint64 = ptr()
@@ -124,6 +125,14 @@ class MmqWgmmaArgs(KernelArgs):
     splits: np.int32 = i32()
     part: np.uint64 = ptr()
     counters: np.uint64 = ptr()
+    bias: np.uint64 = ptr()
+    bias_col: np.int64 = i64()
+
+
+def b_bytes(rows: int, k: int) -> int:
+    """Bytes of b's bf16 rows for `rows` columns of K values (all batches), as the kernel reads them: the widest
+    column tile's rows more (read past the last column, never used)."""
+    return (rows + max(t.bn for t in TILES)) * k * 2
 
 
 def wgmma_splits(tiles: int, k: int, device: Device | None) -> int:
@@ -134,11 +143,14 @@ def wgmma_splits(tiles: int, k: int, device: Device | None) -> int:
 
 
 def wgmma_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None = None,
-                tile: WgmmaTile | None = None) -> list[KernelSpec]:
-    """b converted to contiguous bf16 rows in the scratch buffer "b" (with a tile's rows more, which the kernel reads
-    past the last column and never uses), then mmq_wgmma in `tile` (None: tile_for's), for mul_mat `node` (its path
-    mmq_wgmma) on `device` (None: an H200); split K also takes the scratch buffers of the partial sums and of the
-    tiles' counters (zeroed once: the kernel sets them back)."""
+                tile: WgmmaTile | None = None, *, out: Tensor | None = None, b16: int | None = None,
+                bias: Tensor | None = None, bias_col: int = 0) -> list[KernelSpec]:
+    """b converted to contiguous bf16 rows in the scratch buffer "b" (b_bytes: with a tile's rows more, which the
+    kernel reads past the last column and never uses), then mmq_wgmma in `tile` (None: tile_for's), for mul_mat
+    `node` (its path mmq_wgmma) on `device` (None: an H200); split K also takes the scratch buffers of the partial
+    sums and of the tiles' counters (zeroed once: the kernel sets them back). A fused group's: the result written
+    to `out` (None: node), b's bf16 rows already at b16 (a fused rms_norm or glu wrote them, b_bytes of them: no
+    conversion), `bias` added (rows bias_col floats apart, 0 for one row: fusion.bias_col)."""
     a, b = node.srcs
     (a3, a2, m, k), (sa3, sa2, sa1, _) = geometry(a)
     (b3, b2, n, _), _ = geometry(b)
@@ -149,10 +161,12 @@ def wgmma_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
     if splits > 1:
         part = scratch("mmq_wgmma partial sums", splits * b3 * b2 * n * m * 4)
         counters = scratch("mmq_wgmma split counters", b3 * b2 * tiles_m * tiles_n * 4, zeroed=True)
-    bf = scratch("b", (b3 * b2 * n + tile.bn) * k * 2)  # a column tile's rows past the last: read, never used
-    args = MmqWgmmaArgs(a=ptr(a), a_row=sa1, a_s2=sa2, a_s3=sa3, r2=b2 // a2, r3=b3 // a3, b=bf, out=ptr(node), M=m,
-                        K=k, N=n, tiles_m=tiles_m, tiles_n=tiles_n, splits=splits, part=part, counters=counters)
-    return [conversion(b, "bf16", ptr(b), bf),
+    convert = b16 is None
+    bf = scratch("b", b_bytes(b3 * b2 * n, k)) if convert else b16
+    args = MmqWgmmaArgs(a=ptr(a), a_row=sa1, a_s2=sa2, a_s3=sa3, r2=b2 // a2, r3=b3 // a3, b=bf,
+                        out=ptr(node if out is None else out), M=m, K=k, N=n, tiles_m=tiles_m, tiles_n=tiles_n,
+                        splits=splits, part=part, counters=counters, bias=addr(ptr, bias), bias_col=bias_col)
+    return [*([conversion(b, "bf16", ptr(b), bf)] if convert else []),
             KernelSpec(MMQ_WGMMA_CU, instance_name(a.dtype.name, tile), (tiles_m * splits * tiles_n, b2, b3),
                        tile.threads, args, smem=wgmma_smem(a.dtype.name, tile))]
 
