@@ -2671,7 +2671,8 @@ def test_mmq_wgmma_specs() -> None:
 
     conv, main = mmq_wgmma.wgmma_specs(y, lambda t: 1 << 20, scratch)
     assert conv.kernel == specs.convert_name("f32", "bf16") and conv.args.dst == main.args.b
-    assert bufs["b"] == ((4 * 300 + 128) * 512 * 2, False)  # a column tile of rows past the last, read, not used
+    assert bufs["b"] == ((4 * 300 + 256) * 512 * 2, False)  # the widest column tile's rows past the last: read
+    assert bufs["b"][0] == mmq_wgmma.b_bytes(4 * 300, 512)  # (not used), what a fused group's b16 rows hold too
     assert bufs["mmq_wgmma partial sums"] == (2 * 4 * 300 * 200 * 4, False)
     assert bufs["mmq_wgmma split counters"] == (4 * 2 * 3 * 4, True)
     assert main.kernel == "mmq_wgmma<W_Q4_K, 2, 128>" and main.grid == (2 * 2 * 3, 4, 1) and main.block == 256
