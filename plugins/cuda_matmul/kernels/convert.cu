@@ -1,4 +1,4 @@
-// Copies that prepare cuBLAS operands, written to a contiguous scratch buffer:
+// Copies that prepare the GEMMs' operands (cuBLAS's, mmq_wgmma's b), written to a contiguous scratch buffer:
 //   convert<TS, TD>   a float tensor of any strides -> contiguous TD (f32/f16/bf16),
 //                     rounded as opdispatch.dtypes.from_float (to nearest even).
 //   dequant<WT, TD>   rows of a block-format tensor (any row and batch strides) ->
@@ -8,11 +8,12 @@
 //                     the products after a fused rms_norm -> mul (fusion.py's rms_norm groups
 //                     on the cuBLAS paths and mmq_wgmma), so the normed values never go
 //                     through memory in f32.
-//   convert_glu<TD>   act(gate) * up of two contiguous f32 tensors alike -> TD: the b of
-//                     the product after a fused glu (fusion.py's glu_mul_mat groups).
-// Both take 4-d geometry innermost first: n0 values a row, rows n1 x n2 x n3
-// with byte strides s1, s2, s3 (convert also s0, the element stride). A block
-// of CONVERT_BLOCK threads walks rows (grid-stride over n1 * n2 * n3 rows).
+//   convert_glu<TD, VEC>  act(gate) * up of two contiguous f32 tensors alike -> TD: the b
+//                     of the product after a fused glu (fusion.py's glu_mul_mat groups).
+// convert and dequant take 4-d geometry innermost first: n0 values a row, rows n1 x n2 x n3
+// with byte strides s1, s2, s3 (convert also s0, the element stride). A block of
+// CONVERT_BLOCK threads walks rows (grid-stride over n1 * n2 * n3 rows); convert_norm's
+// rows likewise, convert_glu's values grid-stride.
 
 #include "mm_common.cuh"
 
