@@ -289,15 +289,23 @@ def _addend_ok(device: Device, prod: Tensor, add: Tensor) -> bool | str:
     return True
 
 
-def _glu_in_ok(device: Device, nodes: Sequence[Tensor]) -> bool | str:
-    """True if the glu a group opens with can be written as the b of the product after it, else why not."""
-    glu, prod = nodes[:2]
+def _glu_form_ok(glu: Tensor) -> bool | str:
+    """True if a fused kernel computes `glu` (gate and up two tensors, a known kind, not swapped), else why not."""
     if glu.srcs[1] is None:
         return "glu over one tensor's halves, not a gate and an up tensor"
     if glu.params.get("swapped"):
         return "swapped glu"
     if glu.params["kind"] not in GLU_KINDS:
         return f"unknown glu kind {glu.params['kind']}"
+    return True
+
+
+def _glu_in_ok(device: Device, nodes: Sequence[Tensor]) -> bool | str:
+    """True if the glu a group opens with can be written as the b of the product after it, else why not."""
+    glu, prod = nodes[:2]
+    why = _glu_form_ok(glu)
+    if why is not True:
+        return why
     if prod.srcs[1] is not glu:
         return "the mul_mat does not read the glu's result as b"
     for t in glu.srcs:
@@ -367,14 +375,11 @@ def check(device: Device, nodes: Sequence[Tensor], graph: Graph) -> bool | str:
     if glu is None:
         return True
     heads = ends if ends else prods
-    if glu.srcs[1] is None:
-        return "glu over one tensor's halves, not a gate and an up product"
+    why = _glu_form_ok(glu)
+    if why is not True:
+        return why
     if {id(s) for s in glu.srcs} != {id(h) for h in heads}:
         return "glu does not combine the two products"
-    if glu.params.get("swapped"):
-        return "swapped glu"
-    if glu.params["kind"] not in GLU_KINDS:
-        return f"unknown glu kind {glu.params['kind']}"
     if glu.dtype.name != "f32" or not glu.is_contiguous():
         return "glu must give a contiguous f32 result"
     g, u = prods
