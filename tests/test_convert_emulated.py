@@ -27,7 +27,7 @@ from opdispatch.plugins.cuda_matmul import specs
 from opdispatch.plugins.cuda_matmul.specs.gemm import (ConvertGluArgs, ConvertNormArgs, glu_conversion,
                                                        norm_conversion)
 from opdispatch.tensor import Tensor
-from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, write_headers
+from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, run_launches, write_headers
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
 
@@ -61,17 +61,6 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return exe
 
 
-def _run(emulator: Path, arena: ScratchArena, spec, tmp_path: Path) -> None:  # noqa: ANN001
-    mem_file = tmp_path / "mem.bin"
-    arena.mem.tofile(mem_file)
-    grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
-    cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, grid), str(spec.block),
-           *(str(a.item()) for a in spec.arg_values)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={"EMU_SMEM": str(spec.smem)})
-    assert done.returncode == 0, done.stderr
-    arena.mem = np.fromfile(mem_file, np.uint8)
-
-
 def _ulps(got: np.ndarray, want: np.ndarray) -> int:
     """The most units in the last place between two arrays of one 16-bit type (the bits as an ordered integer:
     +0 and -0 alike, neighbors across zero one apart)."""
@@ -99,7 +88,7 @@ def test_convert_norm_emulated(td: str, rows: int, k: int, pad: int, emulator: P
     dst = arena.scratch("b", rows * k * 2)
     spec = norm_conversion(x, w, 1e-5, td, arena.ptr, dst)
     assert (spec.grid, spec.block) == ((rows,), specs.CONVERT_BLOCK)
-    _run(emulator, arena, spec, tmp_path)
+    arena.mem = run_launches([spec], arena, False, emulator, tmp_path)
     got = arena.mem[dst:dst + rows * k * 2].view(NP16[td]).reshape(rows, k)
     v = xs[:, :k].astype(np.float64)
     want = (v / np.sqrt((v * v).mean(axis=1, keepdims=True) + 1e-5) * ws).astype(NP16[td])
@@ -125,7 +114,7 @@ def test_convert_glu_emulated(td: str, kind: str, shape: tuple, offset: int, emu
     dst = arena.scratch("b", n * 2)
     spec = glu_conversion(y, td, arena.ptr, dst)
     assert spec.kernel.endswith("true>" if n % 4 == 0 and offset == 0 else "false>"), spec.kernel
-    _run(emulator, arena, spec, tmp_path)
+    arena.mem = run_launches([spec], arena, False, emulator, tmp_path)
     got = arena.mem[dst:dst + n * 2].view(NP16[td]).reshape(shape)
     (ref,) = od.compile(y, "cpu").run({g: gs, u: us})
     assert np.isfinite(got.astype(np.float32)).all(), "an output left unwritten"

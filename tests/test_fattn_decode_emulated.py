@@ -34,9 +34,9 @@ from opdispatch.plugins.cuda_attention.specs import flash
 from opdispatch.tensor import Tensor
 from opdispatch.testing.cases import Inputs, bound
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, write_headers
+from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, run_launches, write_headers
 from test_cuda_attention import attn_step, fa_graph
-from test_mmq_emulated import call, run_launches
+from test_mmq_emulated import call
 
 #: a small GPU (2 SMs), so that a split streams several tiles through the stages (3 at D = 64)
 DEVICE = facts(Device("cuda0", "cuda", "an emulated sm_90 GPU of 2 SMs", {**H200.props, "sm_count": 2}))

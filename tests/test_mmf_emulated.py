@@ -33,7 +33,7 @@ from opdispatch.plugins.cuda_matmul import fusion, specs, support
 from opdispatch.plugins.cuda_matmul.specs import mmf
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, write_headers
+from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, run_launches, write_headers
 from helpers import gate_up_glu
 
 NMSE_MAX = 5e-4
@@ -149,14 +149,7 @@ def _emulate(y: Tensor, feeds: dict, emulator: Path, tmp_path: Path) -> tuple[np
     for n in graph.nodes:
         arena.place(n, None)
     (spec,) = _specs(y, arena)
-    mem_file = tmp_path / "mem.bin"
-    arena.mem.tofile(mem_file)
-    grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
-    cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, grid), str(spec.block),
-           *(str(a.item()) for a in spec.arg_values)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={"EMU_SMEM": str(spec.smem)})
-    assert done.returncode == 0, done.stderr
-    arena.mem = np.fromfile(mem_file, np.uint8)
+    arena.mem = run_launches([spec], arena, False, emulator, tmp_path)
     out = _nodes(y)[-1]
     at = arena.ptr(out)
     return arena.mem[at:at + out.nbytes].view(np.float32).reshape(out.shape), spec, arena

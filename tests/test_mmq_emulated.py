@@ -14,7 +14,6 @@ test_cuda_matmul.py. Skipped without g++ 12 or newer (C++20, _Float16).
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from opdispatch.plugins.cuda_matmul import fusion, specs, support
 from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_id
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, write_headers
+from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, run_launches, write_headers
 from test_mmvq_stream_emulated import q8_1_rounded
 
 NMSE_MAX = 5e-4
@@ -225,23 +224,6 @@ def build_emulator(build: Path, kernels: tuple[str, ...], arity: dict[str, int])
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     arity = {s.kernel: len(s.arg_values) for make, _, cfg in CASES.values() for s in _specs(make(), cfg)}
     return build_emulator(tmp_path_factory.mktemp("mmq_emu"), ("mmv.cu", "mmq.cu"), arity)
-
-
-def run_launches(launches: list, arena: ScratchArena, eager: bool, emulator: Path, tmp_path: Path,
-                 shuffle: int | None = None) -> np.ndarray:
-    """The arena's memory after the emulator ran `launches` in turn on it (each launch's blocks in a random order
-    of seed `shuffle`, if given: kernel_main.cpp's EMU_SHUFFLE)."""
-    mem_file = tmp_path / "mem.bin"
-    arena.mem.tofile(mem_file)
-    for spec in launches:
-        grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
-        cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, grid), str(spec.block),
-               *(str(v.item()) for v in spec.arg_values)]
-        env = {**os.environ, "EMU_SMEM": str(spec.smem), "EMU_EAGER": str(int(eager)),
-               **({} if shuffle is None else {"EMU_SHUFFLE": str(shuffle)})}
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        assert done.returncode == 0, f"{spec.kernel}: {done.stderr}"
-    return np.fromfile(mem_file, np.uint8)
 
 
 def _emulate(y: Tensor, feeds: dict, eager: bool, cfg: mmq.MmqConfig | None, emulator: Path,

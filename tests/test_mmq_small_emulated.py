@@ -29,8 +29,8 @@ from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_small
 from opdispatch.quants.samples import random_blocks
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import gxx_major
-from test_mmq_emulated import NMSE_MAX, NMSE_Q8_1, ScratchArena, build_emulator, run_launches
+from cuda_emu.hostcode import gxx_major, run_launches
+from test_mmq_emulated import NMSE_MAX, NMSE_Q8_1, ScratchArena, build_emulator
 from test_mmvq_stream_emulated import q8_1_rounded
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")

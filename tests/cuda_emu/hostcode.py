@@ -6,11 +6,12 @@ edit of the PTX fails here by name instead of compiling something else; the othe
 emulated kernel includes). q8_1_reference is quant.cuh's
 q8_1 rounding in numpy float32, which both the header test and the mmvq_stream emulation check.
 `Arena` is the emulated device memory the kernel emulations share, with an error word; `ScratchArena` one that
-also hands out scratch buffers.
+also hands out scratch buffers. `run_launches` runs launch specs on a kernel_main.cpp emulator over an arena's memory.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -162,3 +163,21 @@ class ScratchArena(Arena):
         self.mem[at:at + nbytes] = 0 if zeroed else 0xFF
         self.roles[role] = (at, nbytes)
         return at
+
+
+def run_launches(launches: list, arena: ScratchArena, eager: bool, emulator: Path, tmp_path: Path,
+                 shuffle: int | None = None) -> np.ndarray:
+    """The arena's memory after a kernel_main.cpp emulator ran `launches` (KernelSpecs) in turn on it: each with its
+    dynamic shared memory, cp.async copies landing when issued if `eager` (EMU_EAGER), its blocks in a random order
+    of seed `shuffle` if given (EMU_SHUFFLE)."""
+    mem_file = tmp_path / "mem.bin"
+    arena.mem.tofile(mem_file)
+    for spec in launches:
+        grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
+        cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, grid), str(spec.block),
+               *(str(v.item()) for v in spec.arg_values)]
+        env = {**os.environ, "EMU_SMEM": str(spec.smem), "EMU_EAGER": str(int(eager)),
+               **({} if shuffle is None else {"EMU_SHUFFLE": str(shuffle)})}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, f"{spec.kernel}: {done.stderr}"
+    return np.fromfile(mem_file, np.uint8)
