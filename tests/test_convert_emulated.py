@@ -14,7 +14,6 @@ Skipped without g++ 12 or newer (C++20, _Float16).
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import ml_dtypes
@@ -26,39 +25,23 @@ from opdispatch import ops
 from opdispatch.plugins.cuda_matmul import specs
 from opdispatch.plugins.cuda_matmul.specs.gemm import (ConvertGluArgs, ConvertNormArgs, glu_conversion,
                                                        norm_conversion)
-from opdispatch.tensor import Tensor
-from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, run_launches, write_headers
+from cuda_emu.hostcode import ScratchArena, gxx_major, run_launches
+from test_mmq_emulated import build_emulator
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
 
 NP16 = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
-#: the instances run here, by kernel: their argument counts
+#: the kernels run here and their argument records (an instance takes as many arguments as its record names)
 RECORDS = {"convert_norm": ConvertNormArgs, "convert_glu": ConvertGluArgs}
 
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """convert.cu and its headers, host-ready, built with a call for each convert_norm and convert_glu instance."""
-    build = tmp_path_factory.mktemp("convert_emu")
-    write_headers(build)
-    (build / "mm_common.cuh").write_text(specs.CONVERT_CU.with_name("mm_common.cuh").read_text())
-    src = specs.CONVERT_CU.read_text()
-    assert "asm" not in src, "convert.cu has inline PTX the emulation does not replace"
-    (build / "kernel.cu").write_text(src)
-    (build / "main.cpp").write_text((EMU / "kernel_main.cpp").read_text())
-    calls = []
-    for name in specs.CONVERT_NAMES:
-        kernel = name.split("<")[0]
-        if kernel in RECORDS:
-            args = ", ".join(f"a[{i}]" for i in range(len(RECORDS[kernel].names())))
-            calls.append(f'    {{"{name}", [](const Arg* a) {{ {name}({args}); }}}},\n')
-    assert len(calls) == 6
-    (build / "instances.inc").write_text("".join(calls))
-    exe = build / "emu"
-    cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-w", "-I", str(build), str(build / "main.cpp"), "-o", str(exe)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
-    return exe
+    arity = {name: len(RECORDS[name.split("<")[0]].names()) for name in specs.CONVERT_NAMES
+             if name.split("<")[0] in RECORDS}
+    assert len(arity) == 6
+    return build_emulator(tmp_path_factory.mktemp("convert_emu"), ("convert.cu",), arity)
 
 
 def _ulps(got: np.ndarray, want: np.ndarray) -> int:

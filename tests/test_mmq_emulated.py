@@ -192,6 +192,7 @@ SWAPS: dict[str, tuple[tuple[str, str], ...]] = {
     "mmv_id.cu": ((ROUTE_SHARED, "int* smem = reinterpret_cast<int*>(emu_ctx->smem);"),),
     "mmq_id.cu": ((SHARED, EMU_SHARED),),
     "mmq_small.cu": ((SHARED, EMU_SHARED),),
+    "convert.cu": (),
 }
 
 
