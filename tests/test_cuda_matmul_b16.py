@@ -194,16 +194,21 @@ def test_b16_groups_declined_with_their_reason(make, why: str, rng) -> None:  # 
 # -- on a GPU -------------------------------------------------------------------------------------
 
 
+#: (weights, columns) whose products take a GEMM of 16-bit b on the H200: f16/bf16 above mmf's 16 columns (cuBLAS), the
+#: grid I-quants above the mat-vecs' 8 (dequant_cublas), the formats mmq takes above its 128 (mmq_wgmma for q4_0 and
+#: q8_0, dequant_cublas for the others)
+B16_CASES = [*((dt, n) for dt in ("bf16", "f16", "iq2_xs") for n in (40, 300, 512)),
+             *((dt, n) for dt in ("q4_0", "q8_0", "q5_1", "q4_K") for n in (300, 512))]
+
+
 @gpu
-@pytest.mark.parametrize("n", [40, 300, 512])
-@pytest.mark.parametrize("dt", ["bf16", "f16", "q4_0", "q8_0", "q5_1", "q4_K", "iq2_xs"])
+@pytest.mark.parametrize(("dt", "n"), B16_CASES)
 def test_b16_groups_on_gpu(dt: str, n: int, rng) -> None:  # noqa: ANN001
-    """Every group where the product's path at this width is cuBLAS, dequant_cublas or mmq_wgmma (M off the
-    tiles), over a CUDA graph's capture and replays: the norm pair, the glu before the down product with and
-    without its residual, the product with its residual."""
+    """Every group on the product's path (cuBLAS, dequant_cublas or mmq_wgmma; M off the tiles), over a CUDA
+    graph's capture and replays: the norm pair, the glu before the down product with and without its residual,
+    the product with its residual."""
     k = 512 if dt in ("bf16", "f16") else 768
     m = 300
-    device = od.device("cuda0")
     for outputs, rule in (
         (norm_pair(dt, m, k, n), fusion.PAIR),
         ([glu_down(dt, m, k, n)], "glu_mul_mat_add"),
@@ -211,7 +216,6 @@ def test_b16_groups_on_gpu(dt: str, n: int, rng) -> None:  # noqa: ANN001
         ([product_residual(dt, m, k, n)], "mul_mat_add"),
     ):
         prod = next(t for t in Graph.build(outputs).nodes if t.op == "mul_mat")
-        path = support.choose(prod, device).path
-        if path not in fusion.B16_PATHS:
-            continue  # mmf, mmq or mmq_small at this width: tests/test_cuda_matmul.py's
+        path = support.choose(prod, od.compile(outputs, "cuda0").device).path
+        assert path in fusion.B16_PATHS, f"{dt} n={n}: {path}"
         check_on_gpu(outputs, [rule], f"{dt} n={n} {rule} on {path}", rng, runs=2)
