@@ -15,8 +15,9 @@ kernel name without its parameter list (so that a kernel whose parameters change
 programmatic dependent launch on (the default) a kernel's duration includes its wait for the one before;
 OPDISPATCH_PDL=0 gives durations without overlap. Either way the table also gives each kernel's time added to the
 step in the last replay (its end minus the latest end before it; these sum to the replay's span), which is what a
-kernel costs the step with the overlap. To compare commits, install each in turn (pip install -e)
-and run this script from the repository root of each with a different LABEL.
+kernel costs the step with the overlap, and that time again by launch grid (so that a kernel launched for several
+weight shapes, such as a step's GEMMs, shows each shape's share). To compare commits, install each in turn (pip
+install -e) and run this script from the repository root of each with a different LABEL.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import json
 import os
 import sys
 import tempfile
-from typing import Sequence
+from typing import Callable, Sequence
 
 REPS = 50
 CTX = 512
@@ -37,17 +38,25 @@ def kernel_name(name: str) -> str:
     return name.split("(")[0][:140]
 
 
-def added_by_kernel(events: Sequence[dict], replays: int) -> dict[str, list[float]]:
-    """{kernel name: [us added to the step, launches]} over the last of `replays` equal replays of a plan, from
-    the kernel events of a chrome trace ("name", "ts" and "dur" in us): a kernel adds its end minus the latest
-    end of the kernels that started before it (0 when one of them ends later), so the sum is the replay's span."""
+def launch_shape(event: dict) -> str:
+    """A kernel event's name without its parameter list, and its grid (the trace's args): one row for each
+    shape a kernel is launched in (a step's GEMMs of different weights apart)."""
+    return f"{kernel_name(event['name'])} grid {tuple(event.get('args', {}).get('grid', ()))}"
+
+
+def added_by_kernel(events: Sequence[dict], replays: int,
+                    key: Callable[[dict], str] = lambda e: kernel_name(e["name"])) -> dict[str, list[float]]:
+    """{key (the kernel's name): [us added to the step, launches]} over the last of `replays` equal replays of a
+    plan, from the kernel events of a chrome trace ("name", "ts" and "dur" in us): a kernel adds its end minus the
+    latest end of the kernels that started before it (0 when one of them ends later), so the sum is the replay's
+    span."""
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     last = kernels[len(kernels) - len(kernels) // replays:]
     added: dict[str, list[float]] = {}
     end = last[0]["ts"] if last else 0.0
     for e in last:
         stop = e["ts"] + e["dur"]
-        row = added.setdefault(kernel_name(e["name"]), [0.0, 0])
+        row = added.setdefault(key(e), [0.0, 0])
         row[0] += max(0.0, stop - end)
         row[1] += 1
         end = max(end, stop)
@@ -98,8 +107,9 @@ def run(label: str, dtypes: list[str], batch: int = 1, prefill: bool = False) ->
         with tempfile.TemporaryDirectory() as tmp:
             prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
             with open(os.path.join(tmp, "trace.json")) as f:
-                added = added_by_kernel(json.load(f)["traceEvents"], REPS)
-        out[dt] = {"device_us": device, "kernels": kernels, "added": added}
+                events = json.load(f)["traceEvents"]
+        out[dt] = {"device_us": device, "kernels": kernels, "added": added_by_kernel(events, REPS),
+                   "added_by_shape": added_by_kernel(events, REPS, launch_shape)}
         print(f"{label} {dt}: step device us {[round(d, 1) for d in device]}", flush=True)
         del gen, model, plan
         torch.cuda.empty_cache()
@@ -132,6 +142,9 @@ def table(folder: str) -> None:
         added = {label: runs[label][dt]["added"] for label in labels if "added" in runs[label][dt]}
         if added:
             _section(added, "us added to the last replay: its end past the latest end before it", "the replay's span")
+        shapes = {label: runs[label][dt]["added_by_shape"] for label in labels if "added_by_shape" in runs[label][dt]}
+        if shapes:
+            _section(shapes, "us added to the last replay, by launch grid", "the replay's span")
 
 
 if __name__ == "__main__":

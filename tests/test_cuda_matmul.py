@@ -34,10 +34,11 @@ import opdispatch.plugins.cuda_matmul as cm
 from opdispatch import ops
 from opdispatch.backends.cuda.devices import H200
 from opdispatch.backends.cuda.kernels import INCLUDE_DIR, KernelSpec, kernel_param_types
-from opdispatch.dtypes import DTYPES, dequantize, from_float
+from opdispatch.dtypes import DTYPES, dequantize, encodable, from_float
 from opdispatch.ops.base import BLOCK_FORMATS
 from opdispatch.ops.elementwise import GLU_KINDS
 from opdispatch.quants.iq_grids import GRIDS
+from opdispatch.quants.samples import random_blocks
 from opdispatch.errors import DeviceIndexError
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
@@ -1494,6 +1495,10 @@ def feeds_for(y: Tensor | list, rng: np.random.Generator, n_experts: int = 0) ->
         if t.dtype.name == "i32":  # expert ids: distinct along the last axis
             order = np.argsort(rng.random(t.shape[:-1] + (n_experts,)), axis=-1)
             feeds[t] = order[..., : t.shape[-1]].astype(np.int32)
+        elif not encodable(t.dtype):  # a grid I-quant: random valid blocks, as opdispatch cannot round to it
+            raw_shape = t.array_layout()[0]
+            feeds[t] = random_blocks(rng, t.dtype.name, int(np.prod(raw_shape)) // t.dtype.block_bytes
+                                     ).reshape(raw_shape)
         else:
             feeds[t] = uniform(rng, t.shape)
     return feeds

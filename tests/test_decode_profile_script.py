@@ -48,17 +48,29 @@ def test_added_time_sums_to_the_last_replays_span(profile, rng) -> None:  # noqa
     assert sum(us for us, _ in added.values()) == pytest.approx(span)
 
 
+def test_added_time_by_launch_grid_parts_a_kernel_by_its_shapes(profile, rng) -> None:  # noqa: ANN001
+    events, want = _replay(0.0, rng)
+    events[3]["args"] = {"grid": [64, 2, 1]}  # the second mmf launched for other weights
+    events[0]["args"] = {"grid": [32, 1, 1]}
+    added = profile.added_by_kernel(events, 1, profile.launch_shape)
+    gemm = events[0]["dur"]
+    assert added["void mmf<2, 2, 0> grid (32, 1, 1)"] == [pytest.approx(gemm), 1]
+    assert added["void mmf<2, 2, 0> grid (64, 2, 1)"] == [pytest.approx(want["mmf<2, 2, 0>"] - gemm), 1]
+    assert added["void norm_rows_f32<1> grid ()"] == [0.0, 1]  # an event without a grid keeps its name
+
+
 def test_table_shows_the_added_time_of_the_runs_that_have_it(profile, tmp_path: Path, capsys,  # noqa: ANN001
                                                              rng) -> None:  # noqa: ANN001
     events, _ = _replay(0.0, rng)
     added = profile.added_by_kernel(events, 1)
     kernels = {name: [us, 1.0] for name, (us, _) in added.items()}
     runs = {"old": {"bf16": {"device_us": [20.0] * 3, "kernels": kernels}},  # a run from before the added time
-            "new": {"bf16": {"device_us": [19.0] * 3, "kernels": kernels, "added": added}}}
+            "new": {"bf16": {"device_us": [19.0] * 3, "kernels": kernels, "added": added,
+                             "added_by_shape": profile.added_by_kernel(events, 1, profile.launch_shape)}}}
     for label, run in runs.items():
         (tmp_path / f"prof-{label}.json").write_text(json.dumps(run))
     profile.table(str(tmp_path))
     out = capsys.readouterr().out
-    assert "us added to the last replay" in out and "the replay's span" in out
+    assert "us added to the last replay" in out and "the replay's span" in out and "by launch grid" in out
     span = sum(us for us, _ in added.values())
     assert f"{span:12.2f} |       | the replay's span" in out

@@ -207,10 +207,11 @@ def test_decode_graph_is_the_same_across_tokens(tiny) -> None:
     assert len({Graph.build(model.build(1, n_past)[0]).key() for n_past in (11, 12, 57)}) == 1
 
 
-def test_window_grows_in_steps_of_256() -> None:
+def test_window_grows_in_steps_of_128() -> None:
     cfg = attrs.evolve(TINY_F32, max_ctx=600)
     model = LlamaModel(cfg, random_weights(cfg, 0))
-    assert [model.build(1, n)[1].mask.shape[-1] for n in (0, 255, 256, 599)] == [256, 256, 512, 600]
+    assert [model.build(1, n)[1].mask.shape[-1] for n in (0, 127, 128, 255, 256, 599)] == [128, 128, 256, 256, 384,
+                                                                                            600]
     with pytest.raises(ValueError, match="max_ctx"):
         model.build(2, 599)
 
@@ -289,7 +290,7 @@ def test_batch_steps_write_each_sequence_in_its_own_cache_region(tiny) -> None:
     plan = compile(LlamaModel(big, random_weights(big), max_seqs=16).build(1, 300, batch=16)[0], H200)
     assert plan.summary()["copies"] == 0 and all(s.device is H200 for s in plan.steps if s.kind != "view")
     fa = [s for s in plan.fusions if s.kernel == "rope_qkv_flash_attn_ext"]
-    assert len(fa) == 2 and fa[0].nodes[-1].srcs[1].shape == (16, 2, 512, 64)
+    assert len(fa) == 2 and fa[0].nodes[-1].srcs[1].shape == (16, 2, 384, 64)  # 301 positions: window_for's 384
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "q4_0"])
@@ -358,7 +359,7 @@ def test_1b_decode_step_fuses_the_attention_at_every_batch(batch: int) -> None:
                    H200)
     fa = [s.nodes[-1] for s in plan.fusions if s.kernel == "rope_qkv_flash_attn_ext"]
     assert len(fa) == cfg.layers == sum(n.op == "flash_attn_ext" for n in plan.graph.nodes), plan.explain()
-    assert fa[0].srcs[1].shape == (batch, 8, 768, 64)
+    assert fa[0].srcs[1].shape == (batch, 8, 640, 64)  # window_for(513)
 
 
 #: a config whose head size the fused decode attention takes (64)

@@ -23,8 +23,9 @@ WEIGHT_DTYPES = tuple(name for name, t in DTYPES.items() if t.is_float or t.is_q
 CONVERTIBLE_DTYPES = tuple(name for name in WEIGHT_DTYPES if name not in FORMATS or FORMATS[name].encode is not None)
 CACHE_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 ROPE_MODES = ("neox", "normal")
-#: the attention window grows in steps of this many positions (or up to max_ctx)
-WINDOW_STEP = 256
+#: the attention window grows in steps of this many positions (or up to max_ctx): a plan (and CUDA graph) a
+#: window, and the decode attention reads the whole window (the masked keys past the last token too)
+WINDOW_STEP = 128
 #: LlamaConfig.from_hf caps the context (the KV cache is allocated whole) unless max_ctx is given
 HF_MAX_CTX = 4096
 
@@ -222,5 +223,6 @@ PRESETS: dict[str, LlamaConfig] = {
 
 
 def window_for(cfg: LlamaConfig, n_end: int) -> int:
-    """Cache positions attention reads when the last token sits at n_end - 1: a multiple of 256, or max_ctx."""
+    """Cache positions attention reads when the last token sits at n_end - 1: a multiple of WINDOW_STEP, or
+    max_ctx."""
     return min(cfg.max_ctx, -(-n_end // WINDOW_STEP) * WINDOW_STEP)

@@ -268,18 +268,24 @@ __device__ __forceinline__ void step_acc(float (&acc)[4], const AFrag& f, unsign
     }
 }
 
-// f(m, n, v) for each of a warp's sums acc (FM x FN mma tiles of 16 x 8, rows from r0 and columns from c0), at its
-// row m and column n in the mma's accumulator layout (rows lane / 4 and + 8, columns 2 (lane % 4) and + 1).
+// (m, n): the row and column of a warp's sum acc[fm][fn][i] (mma tiles of 16 x 8, rows from r0 and columns from
+// c0) in the mma's accumulator layout (rows lane / 4 and + 8, columns 2 (lane % 4) and + 1).
+__device__ __forceinline__ int2 sum_at(int r0, int c0, int fm, int fn, int i) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    return make_int2(r0 + 16 * fm + g + 8 * (i / 2), c0 + 8 * fn + 2 * t + i % 2);
+}
+
+// f(m, n, v) for each of a warp's sums acc (FM x FN mma tiles), at its row m and column n (sum_at).
 template <int FM, int FN, class F>
 __device__ __forceinline__ void each_sum(const float (&acc)[FM][FN][4], int r0, int c0, F f) {
-    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
     for (int fm = 0; fm < FM; ++fm) {
 #pragma unroll
         for (int fn = 0; fn < FN; ++fn) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                f(r0 + 16 * fm + g + 8 * (i / 2), c0 + 8 * fn + 2 * t + i % 2, acc[fm][fn][i]);
+                const int2 at = sum_at(r0, c0, fm, fn, i);
+                f(at.x, at.y, acc[fm][fn][i]);
             }
         }
     }
@@ -290,26 +296,48 @@ __device__ __forceinline__ void each_sum(const float (&acc)[FM][FN][4], int r0, 
 // bm0 and BN columns from bn0 (THREADS threads): written to out, or with split K (splits > 1) to the block's plane
 // `split` of part (planes `plane` floats apart), after which the last block of the tile to finish (od::last_block
 // on `counter`, which it sets back to 0) adds the planes in split order and writes out: deterministic. A bias
-// (not null) is added to the sums written to out: output row r = brow0 + n, column m adds bias[r * bias_col + m]
-// (bias_col 0: one row for every output row; else a residual addend's rows, bias_col floats apart). Rows past M
-// and columns past N are not written. Every thread of the block calls it; a warp with `owns` false (mmq_small's
-// k-groups past the first, whose sums its first k-group added) writes no plane.
+// (not null) is added to the sums written to out (with split K, the planes are added to it): output row r = brow0
+// + n, column m adds bias[r * bias_col + m] (bias_col 0: one row for every output row; else a residual addend's
+// rows, bias_col floats apart). Rows past M and columns past N are not written. Every thread of the block calls
+// it; a warp with `owns` false (mmq_small's k-groups past the first, whose sums its first k-group added) writes no
+// plane.
 template <int FM, int FN, int BM, int BN, int THREADS>
 __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, int c0, int bm0, int bn0, int M, int N,
                                        long long brow0, float* out, float* part, int split, int splits,
                                        long long plane, int* counter, const float* bias, long long bias_col,
                                        bool owns = true) {
-    // the sum of output (n, m) as written to out
-    auto biased = [&](float v, int n, int m) {
-        return bias != nullptr ? v + bias[(brow0 + n) * bias_col + m] : v;
-    };
+    // output (n, m)'s bias (0 without one)
+    auto bias_at = [&](int n, int m) { return bias != nullptr ? bias[(brow0 + n) * bias_col + m] : 0.0f; };
     float* const dst = (splits == 1 ? out : part + split * plane) + brow0 * M;
     const int rows = owns ? M : 0;  // the rows this warp writes below: all or none
-    each_sum(acc, r0, c0, [&](int m, int n, float v) {
-        if (m < rows && n < N) {
-            dst[static_cast<long long>(n) * M + m] = splits == 1 ? biased(v, n, m) : v;
+    // FB column tiles at a time: their biases loaded together before their stores (a store may alias the bias, a
+    // residual added in place, so the compiler would not move a load above one: a load's latency each output)
+    constexpr int FB = FN < 4 ? FN : 4;
+#pragma unroll
+    for (int fm = 0; fm < FM; ++fm) {
+#pragma unroll
+        for (int fn0 = 0; fn0 < FN; fn0 += FB) {
+            float add[FB][4];
+#pragma unroll
+            for (int f = 0; f < FB; ++f) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int2 at = sum_at(r0, c0, fm, fn0 + f, i);  // (m, n)
+                    add[f][i] = splits == 1 && fn0 + f < FN && at.x < rows && at.y < N ? bias_at(at.y, at.x) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int f = 0; f < FB; ++f) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int2 at = sum_at(r0, c0, fm, fn0 + f, i);
+                    if (fn0 + f < FN && at.x < rows && at.y < N) {
+                        dst[static_cast<long long>(at.y) * M + at.x] = acc[fm][fn0 + f][i] + add[f][i];
+                    }
+                }
+            }
         }
-    });
+    }
     if (splits == 1 || !od::last_block(counter, splits)) {
         return;
     }
@@ -337,7 +365,10 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
                 const int item = static_cast<int>(threadIdx.x) + (e0 + e) * THREADS;
                 ns[e] = bn0 + item / (BM / RUN), ms[e] = bm0 + RUN * (item % (BM / RUN));
                 live[e] = item < ITEMS && ns[e] < N && ms[e] < M;
-                sum[e] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                // the bias first: its loads in flight with the planes' (after them they had added a latency)
+                sum[e] = live[e] ? make_float4(bias_at(ns[e], ms[e]), bias_at(ns[e], ms[e] + 1),
+                                               bias_at(ns[e], ms[e] + 2), bias_at(ns[e], ms[e] + 3))
+                                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             }
 #pragma unroll 4
             for (int s = 0; s < splits; ++s) {
@@ -353,10 +384,7 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
 #pragma unroll
             for (int e = 0; e < CH; ++e) {
                 if (live[e]) {
-                    const int n = ns[e], m = ms[e];
-                    *reinterpret_cast<float4*>(o + static_cast<long long>(n) * M + m) = make_float4(
-                        biased(sum[e].x, n, m), biased(sum[e].y, n, m + 1), biased(sum[e].z, n, m + 2),
-                        biased(sum[e].w, n, m + 3));
+                    *reinterpret_cast<float4*>(o + static_cast<long long>(ns[e]) * M + ms[e]) = sum[e];
                 }
             }
         }
@@ -366,11 +394,11 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
         const int n = bn0 + item / BM, m = bm0 + item % BM;
         if (n < N && m < M) {
             const long long at = static_cast<long long>(n) * M + m;
-            float sum = 0.0f;
+            float sum = bias_at(n, m);
             for (int s = 0; s < splits; ++s) {
                 sum += __ldcg(src + s * plane + at);
             }
-            o[at] = biased(sum, n, m);
+            o[at] = sum;
         }
     }
 }

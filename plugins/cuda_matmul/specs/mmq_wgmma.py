@@ -33,8 +33,6 @@ WGMMA_FORMATS = QUANT_NAMES
 RS_FORMATS = ("q4_0", "q8_0", "q4_K", "q5_K", "q6_K")
 
 
-
-
 @attrs.frozen
 class WgmmaTile:
     """A block's tile (mmq_wgmma.cu's Tiling): `warpgroups` of 128 threads, 64 weight rows each (bm rows); `bn`
