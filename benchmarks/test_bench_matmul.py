@@ -292,30 +292,37 @@ def test_wgmma_or_dequant_512(benchmark, torch_cuda, monkeypatch: pytest.MonkeyP
     benchmark.pedantic(lambda: (plans[0].launch(), plans[0].synchronize()), rounds=5, iterations=1)
 
 
-@pytest.mark.parametrize("dt", ["q4_0", "q4_K"])
+@pytest.mark.parametrize("dt", ["q4_0", "q4_K", "mxfp4"])
 def test_moe_prefill_8_of_64(benchmark, torch_cuda, monkeypatch: pytest.MonkeyPatch, dt: str) -> None:  # noqa: ANN001
-    """A 512-token MoE prefill through 8 of 64 experts of 2048 x 2048 (hidden 2048) on mmq_id, against a dense
-    mul_mat with the same active parameters ((8 * 2048) x 2048 weights, 512 columns, on the path the table gives)
-    and against mmv_id_grouped (mmq_id's threshold raised), timed in interleaved rounds: `us` mmq_id's,
+    """A 512-token MoE prefill through 8 of 64 experts of 2048 x 2048 (hidden 2048) on the path the table gives
+    (mmq_wgmma_id for its formats), against mmq_id (mmq_wgmma_id unselected), a dense mul_mat with the same active
+    parameters ((8 * 2048) x 2048 weights, 512 columns, on the path the table gives) and mmv_id_grouped (the
+    quantized GEMMs' threshold raised), timed in interleaved rounds: `us` the chosen path's, `mmq_id_us`,
     `dense_us`, `grouped_us`. The goal: us <= 1.5 dense_us."""
     E, U, M, K, T = 64, 8, 2048, 2048, 512
     row = np.broadcast_to(rand(1, K), (E * M, K))  # one row's blocks repeated (param_sets): the speed is the same
     experts = param_sets("experts", row, dt, 1)[0].reshape(E, M, K)
-    x, ids = od.input("x", (T, 1, K)), od.input("ids", (T, U), "i32")
     chosen = np.argsort(np.random.default_rng(2).random((T, E)), axis=-1)[:, :U].astype(np.int32)
-    feeds = {x: rand(T, 1, K), ids: chosen}
-    plan = ready(ops.mul_mat_id(experts, x, ids), feeds, MATMUL, ops=MATMUL_OPS, kernel="mmq_id")
+    xv = rand(T, 1, K)
+
+    def moe_plan(path: str) -> od.Plan:
+        plan_cache(manager()).plans.clear()  # the same graph shape: without this the cached plan comes back
+        x, ids = od.input("x", (T, 1, K)), od.input("ids", (T, U), "i32")
+        y = ops.mul_mat_id(experts, x, ids)
+        return ready(y, {x: xv, ids: chosen}, MATMUL, ops=MATMUL_OPS, kernel=path or support.choose(y).path)
+
+    plan = moe_plan("")
+    monkeypatch.setattr(support, "MMQ_WGMMA_ID_TYPES", ())
+    mmq_id_plan = moe_plan("mmq_id")
     dense_w = param_sets("dense", row[:U * M], dt, 1)[0]
     xd = od.input("xd", (T, K))
     dense_y = ops.mul_mat(dense_w, xd)
     dense = ready(dense_y, {xd: rand(T, K)}, MATMUL, ops=MATMUL_OPS, kernel=support.choose(dense_y).path)
     monkeypatch.setattr(support, "MMQ_ID_PAIRS_PER_EXPERT", 2**31)
-    plan_cache(manager()).plans.clear()  # the same graph shape: without this the cached mmq_id plan comes back
-    xg, idsg = od.input("xg", (T, 1, K)), od.input("idsg", (T, U), "i32")
-    grouped = ready(ops.mul_mat_id(experts, xg, idsg), {xg: feeds[x], idsg: feeds[ids]}, MATMUL, ops=MATMUL_OPS,
-                    kernel="mmv_id_grouped")
-    ours, theirs, slow = interleaved_seconds([(p.launch, p.synchronize) for p in (plan, dense, grouped)])
-    benchmark.extra_info.update({"us": ours * 1e6, "dense_us": theirs * 1e6, "grouped_us": slow * 1e6,
-                                 "vs_dense": ours / theirs, "speedup_vs_grouped": slow / ours,
-                                 "TFLOP/s": 2 * T * U * M * K / ours / 1e12})
+    grouped = moe_plan("mmv_id_grouped")
+    ours, mmq_id_s, theirs, slow = interleaved_seconds(
+        [(p.launch, p.synchronize) for p in (plan, mmq_id_plan, dense, grouped)])
+    benchmark.extra_info.update({"us": ours * 1e6, "mmq_id_us": mmq_id_s * 1e6, "dense_us": theirs * 1e6,
+                                 "grouped_us": slow * 1e6, "vs_dense": ours / theirs, "vs_mmq_id": ours / mmq_id_s,
+                                 "speedup_vs_grouped": slow / ours, "TFLOP/s": 2 * T * U * M * K / ours / 1e12})
     benchmark.pedantic(lambda: (plan.launch(), plan.synchronize()), rounds=5, iterations=1)

@@ -17,9 +17,9 @@
   --wgmma-ns (48 .. 2048) and format of --wgmma-formats (q4_0, q8_0, q4_K): the crossover support.MMQ_WGMMA_MIN_N
   and tile_for encode; prints the best tile per (format, shape, N) against the path support.choose takes.
 - mmq_id: the MoE prefill shape (64 experts, 8 used, 2048 x 2048 experts, b one row a token) at T = 64 and 512
-  tokens (--tokens): mmv_id_grouped and every configuration of specs/mmq_id.CANDIDATES (mmq_id_config's two
-  among them), formats --id-formats (q4_0, q8_0, q4_K); prints the best per (format, T) against the path
-  support.choose takes today.
+  tokens (--tokens): mmv_id_grouped, every configuration of specs/mmq_id.CANDIDATES (mmq_id_config's two
+  among them) and mmq_wgmma_id's tiles (specs/mmq_wgmma.ID_TILES), formats --id-formats (q4_0, q8_0, q4_K);
+  prints the best of mmq_id and of mmq_wgmma_id per (format, T) against the path support.choose takes today.
 
 Each configuration's launches are built straight from the spec functions (the weights marked constant, as a
 model's are: PDL preload on), captured into a CUDA graph of several instances and timed by its replays. At
@@ -85,8 +85,9 @@ def seconds(replay: Callable[[], None], sync: Callable[[], None]) -> float:
 
 @attrs.frozen
 class Job:
-    """One configuration to time: `kernel` (mmq, mmq_small, mmq_id, or the mat-vec mmv_id_grouped) on format
-    `fmt`, weights (experts x) m x k, n columns (tokens for mul_mat_id); `table`: what the plugin runs today."""
+    """One configuration to time: `kernel` (mmq, mmq_small, mmq_wgmma, mmq_id, mmq_wgmma_id, or the mat-vec
+    mmv_id_grouped) on format `fmt`, weights (experts x) m x k, n columns (tokens for mul_mat_id); `table`: what the
+    plugin runs today."""
 
     kernel: str
     fmt: str
@@ -101,7 +102,7 @@ class Job:
     @property
     def rounding(self) -> str:
         """How the kernel rounds b: outputs of the same rounding agree but for summation order."""
-        return "bf16" if self.kernel == "mmq_wgmma" else "q8_1"
+        return "bf16" if self.kernel in ("mmq_wgmma", "mmq_wgmma_id") else "q8_1"
 
     @property
     def group(self) -> tuple:
@@ -125,6 +126,8 @@ class Job:
             return mmq_id.mmq_id_smem(self.fmt, self.cfg) <= device_facts(None).smem_per_block_optin
         if self.kernel == "mmq_wgmma":
             return mmq_wgmma.wgmma_smem(self.fmt, self.cfg) <= device_facts(None).smem_per_block_optin
+        if self.kernel == "mmq_wgmma_id":
+            return mmq_wgmma.wgmma_id_smem(self.fmt, self.cfg) <= device_facts(None).smem_per_block_optin
         return True
 
     def specs(self, node: Tensor, ptr: Callable[[Tensor], int], scratch: Callable[..., int]) -> list[KernelSpec]:
@@ -138,6 +141,8 @@ class Job:
             specs = mmq_id.mmq_id_specs(node, node, ptr, scratch, guard, cfg=self.cfg)
         elif self.kernel == "mmq_wgmma":
             specs = mmq_wgmma.wgmma_specs(node, ptr, scratch, None, self.cfg)
+        elif self.kernel == "mmq_wgmma_id":
+            specs = mmq_wgmma.wgmma_id_specs(node, node, ptr, scratch, guard, tile=self.cfg)
         else:
             specs = mmv.grouped_specs(node, node, ptr, scratch, guard)
         last = specs[-1]
@@ -187,8 +192,8 @@ def wgmma_jobs(fmts: Sequence[str], ns: Sequence[int], shapes: Sequence[tuple[in
 
 
 def id_jobs(fmts: Sequence[str], tokens: Sequence[int]) -> list[Job]:
-    """mmv_id_grouped, then every mmq_id CANDIDATES configuration, at the MoE prefill shape; `table` marks
-    the path (and configuration) support.choose takes."""
+    """mmv_id_grouped, every mmq_id CANDIDATES configuration, then mmq_wgmma_id's tiles, at the MoE prefill
+    shape; `table` marks the path (and configuration) support.choose takes."""
     jobs = []
     for fmt in fmts:
         for t in tokens:
@@ -198,6 +203,9 @@ def id_jobs(fmts: Sequence[str], tokens: Sequence[int]) -> list[Job]:
             jobs.append(Job("mmv_id_grouped", fmt, MOE_M, MOE_K, t, None, today == "mmv_id_grouped", **shape))
             jobs += [Job("mmq_id", fmt, MOE_M, MOE_K, t, cfg, today == "mmq_id" and cfg == chosen, **shape)
                      for cfg in dict.fromkeys([chosen, *mmq_id.CANDIDATES])]
+            jobs += [Job("mmq_wgmma_id", fmt, MOE_M, MOE_K, t, tile,
+                         today == "mmq_wgmma_id" and tile == mmq_wgmma.ID_TILE, **shape)
+                     for tile in mmq_wgmma.ID_TILES]
     return jobs
 
 
@@ -526,6 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report_versus(rows, "mmq_wgmma", "N")
         else:
             report_versus(rows, "mmq_id", "T")
+            report_versus(rows, "mmq_wgmma_id", "T")
     print(f"total {time.perf_counter() - t_start:.1f} s")
     return 0
 

@@ -287,18 +287,24 @@ def _moe_node(dt: str, experts: tuple[int, int, int], n_tok: int, used: int, b_r
                           od.input("ids", (n_tok, used), "i32"))
 
 
-#: (dt, experts (E, M, K), tokens, slots, path, why mmq_id declines): the quantized GEMM from more than
-#: support.MMQ_ID_PAIRS_PER_EXPERT pairs an expert, for its formats and rows of whole chunks
+#: (dt, experts (E, M, K), tokens, slots, path, why the path before it declines): the quantized GEMMs from more than
+#: support.MMQ_ID_PAIRS_PER_EXPERT pairs an expert, for their formats and rows of whole chunks: mmq_wgmma_id above
+#: support.MMQ_WGMMA_ID_MIN_MEAN pairs an expert for its formats, else mmq_id
+FEW = "pairs an expert on average (at most 32): mmq_id's narrower column tiles waste less"
 MMQ_ID_PATHS = [
-    ("q4_0", (8, 64, 256), 33, 2, "mmq_id", ""),  # 66 pairs > 8 * 8
+    ("q4_0", (8, 64, 256), 33, 2, "mmq_id", f"9 {FEW}"),  # 66 pairs > 8 * 8
     ("q4_0", (8, 64, 256), 32, 2, "mmv_id_grouped",
      "64 (token, slot) pairs for 8 experts: at most 8 an expert do not fill the GEMM's column tiles"),
-    ("q4_K", (64, 64, 2048), 512, 8, "mmq_id", ""),  # the target: 64 experts, 8 used, a 512-token prefill
+    ("q4_K", (64, 64, 2048), 512, 8, "mmq_wgmma_id", ""),  # the target: 64 experts, 8 used, a 512-token prefill
+    ("q4_0", (8, 64, 256), 256, 1, "mmq_id", f"32 {FEW}"),
+    ("q4_0", (8, 64, 256), 257, 1, "mmq_wgmma_id", ""),  # 33 pairs an expert
+    ("q4_1", (8, 64, 256), 512, 2, "mmq_id", "not selected for q4_1 (support.MMQ_WGMMA_ID_TYPES)"),
     ("q8_0", (64, 64, 2048), 64, 8, "mmv_id_grouped",
      "512 (token, slot) pairs for 64 experts: at most 8 an expert do not fill the GEMM's column tiles"),
     ("q6_K", (8, 64, 256), 64, 2, "mmv_id_grouped", "K=256 is not a multiple of 2048 (rows of whole 1680-byte chunks)"),
     ("q5_1", (4, 64, 96), 40, 2, "mmv_id_grouped", "K=96 is not a multiple of 64 (rows of whole 48-byte chunks)"),
-    ("mxfp4", (4, 64, 512), 40, 2, "mmq_id", ""),
+    ("mxfp4", (4, 64, 512), 40, 2, "mmq_id", f"20 {FEW}"),
+    ("mxfp4", (4, 64, 512), 160, 2, "mmq_wgmma_id", ""),  # gpt-oss's expert format
     ("f16", (8, 64, 256), 64, 2, "mmv_id_grouped", "float experts take the mat-vecs"),
     ("q8_0", (8, 64, 256), 1, 8, "mmv_id", ""),  # one token: the mat-vec, whatever the pairs
     *([("iq2_xs", (8, 64, 2048), 64, 2, "mmv_id_grouped", "iq2_xs has no quantized GEMM")] if "iq2_xs" in DTYPES
@@ -309,20 +315,36 @@ MMQ_ID_PATHS = [
 @pytest.mark.parametrize(("dt", "experts", "n_tok", "used", "path", "why"), MMQ_ID_PATHS)
 def test_mul_mat_id_takes_mmq_id_with_enough_pairs(dt: str, experts: tuple, n_tok: int, used: int, path: str,
                                                    why: str) -> None:
-    """choose() takes mmq_id for several tokens where its conditions hold, else mmv_id_grouped, and mmq_id's
-    Kernel says why it declined; exactly one Kernel takes each node."""
+    """choose() takes a quantized GEMM for several tokens where its conditions hold (mmq_wgmma_id, else mmq_id),
+    else mmv_id_grouped, and the Kernel of the path declining says why; exactly one Kernel takes each node."""
     y = _moe_node(dt, experts, n_tok, used)
     (step,) = steps_of(od.compile(y, H200), "mul_mat_id")
     assert (step.plugin, step.kernel) == ("cuda_matmul", path)
     kernels = {k.name: k for k in cm.kernels(device=H200) if k.op == "mul_mat_id"}
     assert [name for name, k in kernels.items() if k.supports(H200, y) is True] == [path]
-    if path == "mmv_id_grouped":
-        assert support.choose(y, H200).note == f"mmq_id: {why}"
-        assert kernels["mmq_id"].supports(H200, y) == f"mmv_id_grouped takes it (mmq_id: {why})"
+    declined = {"mmv_id_grouped": "mmq_id", "mmq_id": "mmq_wgmma_id"}.get(path)
+    if declined:
+        assert support.choose(y, H200).note == f"{declined}: {why}"
+        assert kernels[declined].supports(H200, y) == f"{path} takes it ({declined}: {why})"
     if n_tok > 1 and dt in mmq.MMQ_FORMATS:  # the threshold is the named constant's
         assert (support.mmq_id_ok(y, H200) is True) == (
             n_tok * used > support.MMQ_ID_PAIRS_PER_EXPERT * experts[0] and experts[-1] % stream.stream_geo(
                 dt).row_values == 0)
+
+
+def test_mmq_wgmma_id_follows_its_constants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mmq_wgmma_id takes the formats of support.MMQ_WGMMA_ID_TYPES above support.MMQ_WGMMA_ID_MIN_MEAN pairs an
+    expert, and compute capability 9.0 only (wgmma is sm_90a code)."""
+    y = _moe_node("q4_0", (8, 64, 256), 64, 2)  # 16 pairs an expert
+    assert support.choose(y, H200).path == "mmq_id"
+    monkeypatch.setattr(support, "MMQ_WGMMA_ID_MIN_MEAN", 15)
+    assert support.choose(y, H200).path == "mmq_wgmma_id"
+    a100 = Device("cuda0", "cuda", "an sm_80 GPU", {**H200.props, "cc": (8, 0)})
+    assert support.choose(y, a100) == support.Choice(
+        "mmq_id", note="mmq_wgmma_id: wgmma needs compute capability 9.0 (sm_90a code), not 8.0")
+    monkeypatch.setattr(support, "MMQ_WGMMA_ID_TYPES", ())
+    assert support.choose(y, H200) == support.Choice(
+        "mmq_id", note="mmq_wgmma_id: not selected for q4_0 (support.MMQ_WGMMA_ID_TYPES)")
 
 
 def test_mmq_id_threshold_follows_the_constant(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -417,6 +439,52 @@ def test_mmq_id_fits_every_format() -> None:
             assert mmq_id.mmq_id_fits(dt, pairs, 8, H200)
             assert mmq_id.instance_name(dt, cfg) in mmq_id.NAMES
     assert len(mmq_id.NAMES) == 2 * len(mmq.MMQ_FORMATS)
+
+
+@pytest.mark.parametrize(("dt", "b_rows"), [("q4_0", 1), ("q6_K", 8), ("mxfp4", 2)])
+def test_mmq_wgmma_id_specs(dt: str, b_rows: int) -> None:
+    """moe_route with its tile table (tile_n 128, room for max_tiles), b's T * Ub rows converted to bf16, then
+    mmq_wgmma_id on a grid of 128-row tiles times max_tiles, its pair table and stages within the H200's shared
+    memory, every argument typed as the kernel's parameters."""
+    e, m, k, n_tok, used = 64, 2048, 2048, 512, 8
+    y = _moe_node(dt, (e, m, k), n_tok, used, b_rows)
+    assert support.choose(y, H200).path == "mmq_wgmma_id"
+    pairs = n_tok * used
+    sizes, scratch = _recording_scratch()
+    route, conv, spec = mmq_wgmma.wgmma_id_specs(y, y, fake_ptr, scratch, FakeGuard())
+    for s in (route, conv, spec):
+        check_spec(s)
+    tiles = -(-pairs // 128) + min(e, pairs)
+    assert route.kernel == "moe_route" and (route.args.tile_n, route.args.T, route.args.U) == (128, n_tok, used)
+    assert sizes["route"] == 4 * (1 + 3 * e + pairs + 1 + 3 * tiles)
+    assert conv.kernel == "convert<B_F32, B_BF16>" and conv.args.dst == SCRATCH + 2**30 * 2
+    assert sizes["b"] == n_tok * b_rows * k * 2
+    assert spec.kernel == mmq_wgmma.id_instance_name(dt) == f"mmq_wgmma_id<W_{dt.upper()}, 2, 128>"
+    assert spec.kernel in specs.KERNEL_SOURCES[specs.MMQ_WGMMA_CU]
+    assert spec.grid == (m // 128 * tiles,) and spec.block == 256
+    assert spec.smem == 8 * 128 + mmq_wgmma.wgmma_smem(dt, mmq_wgmma.NARROW)
+    assert spec.smem <= stream.device_facts(H200).smem_per_block_optin
+    args = spec.args
+    assert (args.pairs, args.max_tiles, args.U, args.Ub, args.E, args.M, args.K) == (pairs, tiles, used, b_rows, e,
+                                                                                         m, k)
+    assert (args.route, args.b, args.out, args.bias, args.bias_e) == (route.args.route, conv.args.dst, fake_ptr(y),
+                                                                      0, 0)
+    assert (args.a_row, args.a_e, int(args.as_)) == (y.srcs[0].strides[1], y.srcs[0].strides[0],
+                                                     fake_ptr(y.srcs[0]))
+
+
+def test_mmq_wgmma_id_fused_bias_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mul_mat_id -> add_id on mmq_wgmma_id: the add_id node is written, the experts' bias rows passed."""
+    monkeypatch.setattr(support, "MMQ_WGMMA_ID_MIN_MEAN", 0)
+    y = _moe_add_id(40, "q4_0", 256)
+    plan = od.compile(y, H200)
+    assert [(s.plugin, s.kernel) for s in plan.fusions] == [("cuda_matmul", "mul_mat_id_add_id")], plan.explain()
+    node = Graph.build(y).nodes[0]
+    assert support.choose(node, H200).path == "mmq_wgmma_id"
+    bias = y.srcs[1]
+    route, _, spec = mmq_wgmma.wgmma_id_specs(node, y, fake_ptr, fake_scratch, FakeGuard(), bias=bias)
+    assert (spec.args.out, route.args.out) == (fake_ptr(y), fake_ptr(y))  # moe_route's NaN rows too
+    assert (spec.args.bias, spec.args.bias_e) == (fake_ptr(bias), 32 * 4)
 
 
 @pytest.mark.parametrize("dt", ["f32", "f16", "q8_0"])
@@ -1597,6 +1665,7 @@ def test_mmq_id_a8(dt: str, monkeypatch: pytest.MonkeyPatch, rng) -> None:  # no
     prefill shape (64 experts, 8 used, 512 tokens; 77 rows: a partial row tile) against the reference on b rounded
     to q8_1; three runs, arenas poisoned and new ids each time."""
     force_a8(monkeypatch, mmq.A8_WIDE)
+    take_id_gemm(monkeypatch, "mmq_id")
     n_tok, used, n_exp = 512, 8, 64
     assert mmq_id.mmq_id_config(dt, n_tok * used, n_exp) == mmq.A8_WIDE
     mmq_id_three_runs(dt, n_tok, n_exp, used, 1, rng)
@@ -2044,15 +2113,10 @@ def test_mul_mat_id(dt: str, n_exp: int, used: int, n_tok: int, rng) -> None:  #
         assert_close(got, ref, f"mul_mat_id as={dt} e={n_exp} used={used} t={n_tok} b_rows={b_rows} ({path})")
 
 
-@pytest.fixture
-def mmq_id_any_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """mmq_id takes every mul_mat_id of several tokens that its formats and rows allow (by default it needs more
-    than support.MMQ_ID_PAIRS_PER_EXPERT pairs an expert)."""
-    monkeypatch.setattr(support, "MMQ_ID_PAIRS_PER_EXPERT", 0)
-
-
-#: K of test_mmq_id's experts: rows of two whole chunks or more (q6_K's chunk is 2048 values)
-MMQ_ID_K = {"q4_0": 512, "q8_0": 256, "q4_K": 768, "q6_K": 2048}
+#: K of test_mmq_id's experts: rows of whole chunks (q6_K's chunk is 2048 values, mxfp4's 512, iq4_xs's 512)
+MMQ_ID_K = {"q4_0": 512, "q8_0": 256, "q4_K": 768, "q5_K": 768, "q6_K": 2048, "mxfp4": 1024, "iq4_xs": 1024}
+#: mul_mat_id's quantized GEMMs
+ID_GEMMS = ("mmq_id", "mmq_wgmma_id")
 
 
 def moe_ids(rng: np.random.Generator, n_tok: int, used: int, n_exp: int) -> np.ndarray:
@@ -2061,56 +2125,94 @@ def moe_ids(rng: np.random.Generator, n_tok: int, used: int, n_exp: int) -> np.n
     return pool[np.argsort(rng.random((n_tok, n_exp - 1)), axis=-1)[:, :used]].astype(np.int32)
 
 
+def take_id_gemm(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Several tokens' mul_mat_id of mmq's formats on `path` (mmq_id or mmq_wgmma_id) whatever the pairs an expert
+    (by default mmq_id needs more than support.MMQ_ID_PAIRS_PER_EXPERT, mmq_wgmma_id more than
+    support.MMQ_WGMMA_ID_MIN_MEAN) and the formats selected for mmq_wgmma_id (support.MMQ_WGMMA_ID_TYPES)."""
+    monkeypatch.setattr(support, "MMQ_ID_PAIRS_PER_EXPERT", 0)
+    if path == "mmq_id":
+        monkeypatch.setattr(support, "MMQ_WGMMA_ID_TYPES", ())
+    else:
+        monkeypatch.setattr(support, "MMQ_WGMMA_ID_MIN_MEAN", 0)
+        monkeypatch.setattr(support, "MMQ_WGMMA_ID_TYPES", mmq.MMQ_FORMATS)
+
+
+def id_gemm_reference(path: str, plan_cpu: od.Plan, feeds: dict) -> np.ndarray:
+    """The reference of `path`'s product: on b rounded to q8_1 (mmq_id's only rounding), or on b as it is
+    (mmq_wgmma_id rounds b and the weights to bf16: WGMMA_NMSE)."""
+    (ref,) = plan_cpu.run(q8_1_rounded(feeds, "x") if path == "mmq_id" else feeds)
+    return ref
+
+
 @gpu
-@pytest.mark.usefixtures("mmq_id_any_pairs")
+@pytest.mark.parametrize("path", ID_GEMMS)
 @pytest.mark.parametrize("b_rows", ["1", "U"])
 @pytest.mark.parametrize(("n_exp", "used"), [(8, 2), (64, 8)])
 @pytest.mark.parametrize("n_tok", [9, 64, 512])
 @pytest.mark.parametrize("dt", list(MMQ_ID_K))
-def test_mmq_id(dt: str, n_tok: int, n_exp: int, used: int, b_rows: str, rng) -> None:  # noqa: ANN001
-    """mul_mat_id on mmq_id (moe_route's tile table, quantize_q8_1, the gathered GEMM) against the reference run
-    on b rounded to q8_1 (its only rounding), 77 expert rows (a partial row tile), b one row a token or one a slot;
-    three runs of the plan (warm-up, CUDA-graph capture, replay), its arenas poisoned and new ids each time (the
-    grid is fixed by the shapes, the routing is not), an expert unused each run, every output written."""
-    mmq_id_three_runs(dt, n_tok, n_exp, used, 1 if b_rows == "1" else used, rng)
+def test_mmq_id(dt: str, n_tok: int, n_exp: int, used: int, b_rows: str, path: str, monkeypatch: pytest.MonkeyPatch,
+                rng) -> None:  # noqa: ANN001
+    """mul_mat_id on mmq_id and mmq_wgmma_id (moe_route's tile table, b quantized to q8_1 or converted to bf16, the
+    gathered GEMM) against the reference (mmq_id's on b rounded to q8_1, its only rounding), 77 expert rows (a
+    partial row tile), b one row a token or one a slot; three runs of the plan (warm-up, CUDA-graph capture,
+    replay), its arenas poisoned and new ids each time (the grid is fixed by the shapes, the routing is not), an
+    expert unused each run, every output written."""
+    take_id_gemm(monkeypatch, path)
+    mmq_id_three_runs(dt, n_tok, n_exp, used, 1 if b_rows == "1" else used, rng, path)
 
 
-def mmq_id_three_runs(dt: str, n_tok: int, n_exp: int, used: int, ub: int, rng: np.random.Generator) -> None:
-    """mul_mat_id of (n_exp, 77, K) `dt` experts planned on mmq_id, run three times (warm-up, CUDA-graph capture,
-    replay), its arenas poisoned and new ids each time, against the reference on b rounded to q8_1."""
+def mmq_id_three_runs(dt: str, n_tok: int, n_exp: int, used: int, ub: int, rng: np.random.Generator,
+                      path: str = "mmq_id") -> None:
+    """mul_mat_id of (n_exp, 77, K) `dt` experts planned on `path` (mmq_id or mmq_wgmma_id), run three times
+    (warm-up, CUDA-graph capture, replay), its arenas poisoned and new ids each time, against id_gemm_reference."""
     k = MMQ_ID_K[dt]
     ids = od.input("ids", (n_tok, used), "i32")
     y = ops.mul_mat_id(od.input("experts", (n_exp, 77, k), dt), od.input("x", (n_tok, ub, k)), ids)
     plan = od.compile(y, "cuda0")
     (step,) = steps_of(plan, "mul_mat_id")
-    assert step.kernel == "mmq_id", plan.explain()
+    assert step.kernel == path, plan.explain()
     for run in range(3):
         feeds = {**(subscaled_feeds if dt in SUBSCALED else feeds_for)(y, rng, n_exp),
                  ids: moe_ids(rng, n_tok, used, n_exp)}
         poison_arenas(plan)
         (got,) = plan.run(feeds)
-        (ref,) = od.compile(y, "cpu").run(q8_1_rounded(feeds, "x"))
-        assert_close(got, ref, f"mmq_id as={dt} e={n_exp} used={used} t={n_tok} b_rows={ub}, run {run}", Q8_1_NMSE)
+        ref = id_gemm_reference(path, od.compile(y, "cpu"), feeds)
+        assert_close(got, ref, f"{path} as={dt} e={n_exp} used={used} t={n_tok} b_rows={ub}, run {run}",
+                     Q8_1_NMSE if path == "mmq_id" else WGMMA_NMSE)
 
 
 @gpu
+@pytest.mark.parametrize("tile", mmq_wgmma.ID_TILES, ids=lambda t: f"n{t.bn}")
+@pytest.mark.parametrize("dt", ["q4_0", "q6_K", "mxfp4"])
+def test_mmq_wgmma_id_tiles(dt: str, tile, monkeypatch: pytest.MonkeyPatch, rng) -> None:  # noqa: ANN001
+    """mmq_wgmma_id in each tile the sweep times (specs/mmq_wgmma.ID_TILES), 512 tokens over 64 experts, 8 used, and
+    over 8, 2 used: as test_mmq_id."""
+    take_id_gemm(monkeypatch, "mmq_wgmma_id")
+    monkeypatch.setattr(mmq_wgmma, "ID_TILE", tile)
+    for n_exp, used in ((64, 8), (8, 2)):
+        mmq_id_three_runs(dt, 512, n_exp, used, 1, rng, "mmq_wgmma_id")
+
+
+@gpu
+@pytest.mark.parametrize("path", ID_GEMMS)
 @pytest.mark.parametrize("dt", ["q4_0", "q4_K"])
-def test_mmq_id_fused_add_id(dt: str, rng) -> None:  # noqa: ANN001
-    """mul_mat_id -> add_id fused on mmq_id (the experts' bias rows added as the sums are written) against the
-    reference on b rounded to q8_1 and against the unfused nodes."""
+def test_mmq_id_fused_add_id(dt: str, path: str, monkeypatch: pytest.MonkeyPatch, rng) -> None:  # noqa: ANN001
+    """mul_mat_id -> add_id fused on mmq_id and mmq_wgmma_id (the experts' bias rows added as the sums are written)
+    against id_gemm_reference and against the unfused nodes."""
+    take_id_gemm(monkeypatch, path)
     y = moe(dt, 8, 77, 512, 64, 2, False, True)
     node = Graph.build(y).nodes[0]
-    assert support.choose(node).path == "mmq_id"
+    assert support.choose(node).path == path
     plan = od.compile(y, "cuda0")
     assert [(s.plugin, s.kernel) for s in plan.fusions] == [("cuda_matmul", "mul_mat_id_add_id")], plan.explain()
     feeds = (subscaled_feeds if dt in SUBSCALED else feeds_for)(y, rng, 8)
     poison_arenas(plan)
     (fused,) = plan.run(feeds)
-    (ref,) = od.compile(y, "cpu").run(q8_1_rounded(feeds, "x"))
-    assert_close(fused, ref, f"mmq_id + add_id as={dt}", Q8_1_NMSE)
+    nmse_max = Q8_1_NMSE if path == "mmq_id" else WGMMA_NMSE
+    assert_close(fused, id_gemm_reference(path, od.compile(y, "cpu"), feeds), f"{path} + add_id as={dt}", nmse_max)
     unfused_plan, unfused, _ = run_both(y, feeds, fusion=False)
-    assert {s.kernel for s in steps_of(unfused_plan, "mul_mat_id")} == {"mmq_id"}
-    assert_close(fused, unfused, f"mmq_id + add_id as={dt}: fused vs unfused", Q8_1_NMSE)
+    assert {s.kernel for s in steps_of(unfused_plan, "mul_mat_id")} == {path}
+    assert_close(fused, unfused, f"{path} + add_id as={dt}: fused vs unfused", nmse_max)
 
 
 @gpu
@@ -2574,7 +2676,8 @@ def test_mmq_wgmma_specs() -> None:
 
     conv, main = mmq_wgmma.wgmma_specs(y, lambda t: 1 << 20, scratch)
     assert conv.kernel == specs.convert_name("f32", "bf16") and conv.args.dst == main.args.b
-    assert bufs["b"] == (4 * 300 * 512 * 2, False)
+    assert bufs["b"] == ((4 * 300 + 256) * 512 * 2, False)  # the widest column tile's rows past the last: read
+    assert bufs["b"][0] == mmq_wgmma.b_bytes(4 * 300, 512)  # (not used), what a fused group's b16 rows hold too
     assert bufs["mmq_wgmma partial sums"] == (2 * 4 * 300 * 200 * 4, False)
     assert bufs["mmq_wgmma split counters"] == (4 * 2 * 3 * 4, True)
     assert main.kernel == "mmq_wgmma<W_Q4_K, 2, 128>" and main.grid == (2 * 2 * 3, 4, 1) and main.block == 256

@@ -35,7 +35,7 @@ def test_cli_parses(sweep) -> None:  # noqa: ANN001
 def test_the_jobs_are_the_brief(sweep) -> None:  # noqa: ANN001
     """mmq_small: q4_0 / q8_0 / q4_K at 4096 x 14336 and 14336 x 4096, N 9, 16, 24, 32, each SMALL_CANDIDATES
     configuration beside mmq's table entry; mmq_id: 64 experts, 8 used, 2048 x 2048, T 64 and 512, beside
-    mmv_id_grouped, one job a group marked as what runs today."""
+    mmv_id_grouped and mmq_wgmma_id, one job a group marked as what runs today."""
     jobs = sweep.plan(sweep.parse_args(["--kernel", "mmq,mmq_small,mmq_id"]))
     small = jobs["mmq_small"]
     assert {(j.fmt, j.m, j.k, j.n) for j in small} == {
@@ -45,6 +45,8 @@ def test_the_jobs_are_the_brief(sweep) -> None:  # noqa: ANN001
     moe = jobs["mmq_id"]
     assert {(j.experts, j.used, j.m, j.k, j.n) for j in moe} == {(64, 8, 2048, 2048, t) for t in (64, 512)}
     assert {j.cfg for j in moe if j.kernel == "mmq_id"} >= set(mmq_id.CANDIDATES)
+    assert {(j.fmt, j.n, j.cfg) for j in moe if j.kernel == "mmq_wgmma_id"} == {
+        (f, t, tile) for f in ("q4_0", "q8_0", "q4_K") for t in (64, 512) for tile in mmq_wgmma.ID_TILES}
     for kernel, js in jobs.items():
         groups: dict[tuple, list] = {}
         for j in js:
@@ -53,10 +55,9 @@ def test_the_jobs_are_the_brief(sweep) -> None:  # noqa: ANN001
             (today,) = [j for j in members if j.table]
             if kernel == "mmq_small":
                 assert (today.kernel, today.cfg) == ("mmq", mmq.mmq_config(today.fmt, today.n))
-            elif kernel == "mmq_id":  # 64 tokens: 8 pairs an expert, the grouped mat-vec; 512: mmq_id
-                want = ("mmq_id", mmq_id.mmq_id_config(today.fmt, today.n * 8, 64)) if today.n > 64 else \
-                    ("mmv_id_grouped", None)
-                assert (today.kernel, today.cfg) == want, group
+            elif kernel == "mmq_id":  # 64 tokens: 8 pairs an expert, the grouped mat-vec; 512: mmq_wgmma_id
+                assert (today.kernel, today.cfg) == (("mmq_wgmma_id", mmq_wgmma.ID_TILE) if today.n > 64 else
+                                                     ("mmv_id_grouped", None)), group
 
 
 def test_every_job_builds_specs_within_the_h200(sweep) -> None:  # noqa: ANN001

@@ -63,6 +63,15 @@ def _gemm(dt: str, n: int) -> str:
     return "mmq_wgmma" if wgmma else "dequant_cublas"
 
 
+def _id_path(dt: str, t: int, e: int, u: int) -> str:
+    """The path of mul_mat_id at t > 1 tokens over e experts, u used, on rows of whole chunks (K a multiple of 64)."""
+    if dt not in MMQ_FORMATS or t * u <= support.MMQ_ID_PAIRS_PER_EXPERT * e:
+        return "mmv_id_grouped"
+    if dt in support.MMQ_WGMMA_ID_TYPES and -(-t * u // e) > support.MMQ_WGMMA_ID_MIN_MEAN:
+        return "mmq_wgmma_id"
+    return "mmq_id"
+
+
 def test_weight_formats_are_those_the_kernels_read() -> None:
     assert set(WEIGHT_FORMATS) == set(QUANT_NAMES) and set(MMQ_FORMATS) | set(GRID_NAMES) == set(QUANT_NAMES)
 
@@ -96,17 +105,19 @@ def test_mul_mat_reaches_every_path_at_every_batch(reach: dict[str, set[tuple]],
 @pytest.mark.parametrize("dt", QUANT_NAMES)
 def test_mul_mat_id_reaches_the_grouped_mat_vec_and_the_gemm(reach: dict[str, set[tuple]], dt: str) -> None:
     """Many tokens (9, 64, 512) over 8 experts, 2 used, and 64 experts, 8 used: mmq_id above 8 (token, slot) pairs
-    an expert for mmq's formats (both of its configurations: up to 32 pairs an expert and more), mmv_id_grouped
-    below and for the grid I-quants; mmv_id at one token."""
+    an expert for mmq's formats (both of its configurations, up to 32 pairs an expert and more, where mmq_wgmma_id
+    does not take the latter), mmq_wgmma_id above 32 for its formats, mmv_id_grouped below 8 and for the grid
+    I-quants; mmv_id at one token."""
     mine = {r for r in reach["mul_mat_id"] if r[0] == dt}
     paths = {(t, e, u, path) for _, _, t, k, e, u, path, _ in mine if k % chunk(dt) == 0}
     for (e, u), t in [(shape, t) for shape in MOE_SHAPES for t in MOE_TOKENS]:
-        many = dt in MMQ_FORMATS and t * u > support.MMQ_ID_PAIRS_PER_EXPERT * e
-        assert (t, e, u, "mmq_id" if many else "mmv_id_grouped") in paths, (t, e, u)
+        assert (t, e, u, _id_path(dt, t, e, u)) in paths, (t, e, u)
     assert any(path == "mmv_id" for *_, path, _ in mine)
     if dt in MMQ_FORMATS:
         configs = {mmq_id.mmq_id_config(dt, t * u, e) for t, e, u, path in paths if path == "mmq_id"}
-        assert len(configs) == 2
+        assert len(configs) == (1 if dt in support.MMQ_WGMMA_ID_TYPES else 2)
+    if dt in support.MMQ_WGMMA_ID_TYPES:
+        assert any(path == "mmq_wgmma_id" for *_, path in paths)
 
 
 @pytest.mark.parametrize("dt", ("f16", "bf16", *QUANT_NAMES))
@@ -156,8 +167,7 @@ def test_residual_adds_fuse_wherever_the_bias_does(dt: str) -> None:
 def test_mul_mat_id_add_id_is_fused_on_every_path(reach: dict[str, set[tuple]], dt: str) -> None:
     mine = {(t, path) for fmt, _, t, _, _, _, path, rule in reach["fused:mul_mat_id_add_id"]
             if fmt == dt and rule == "mul_mat_id_add_id"}
-    want = {(1, "mmv_id"), (9, "mmv_id_grouped")}
-    want |= {(64, "mmq_id"), (512, "mmq_id")} if dt in MMQ_FORMATS else {(64, "mmv_id_grouped")}
+    want = {(1, "mmv_id"), (9, "mmv_id_grouped"), *((t, _id_path(dt, t, 8, 2)) for t in (64, 512))}
     assert want <= mine
 
 

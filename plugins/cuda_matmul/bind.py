@@ -23,7 +23,7 @@ from .specs.mmq_id import mmq_id_specs
 from .specs.mmq_small import pair_ok as small_pair_ok
 from .specs.mmq_small import small_specs
 from .specs.mmq_wgmma import b_bytes as wgmma_b_bytes
-from .specs.mmq_wgmma import wgmma_specs
+from .specs.mmq_wgmma import wgmma_id_specs, wgmma_specs
 from .specs.mmv import fused_specs, grouped_specs, mmv_id_specs, mmv_specs, quantize_spec
 
 if TYPE_CHECKING:
@@ -120,6 +120,13 @@ def bind_mmq_id(ctx: CudaContext, node: Tensor) -> Launch:
     return bind_mmv_id_grouped(ctx, node)
 
 
+def bind_mmq_wgmma_id(ctx: CudaContext, node: Tensor) -> Launch:
+    """mmq_wgmma_id; mmv_id_grouped should an arena place the experts off a 16-byte boundary."""
+    if mmq_addresses(ctx.ptr, node.srcs[0]):
+        return _bind(ctx, node, lambda scratch: wgmma_id_specs(node, node, ctx.ptr, scratch, ctx.index_check))
+    return bind_mmv_id_grouped(ctx, node)
+
+
 def bind_fused_share(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
     """The SHARE rule's group: the mat-vec with the norm, writing the normed values too."""
     return _bind(ctx, nodes[-1], lambda scratch: fused_specs(nodes, ctx.ptr, scratch, ctx.index_check, ctx.device,
@@ -134,10 +141,11 @@ def bind_fused(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
         return _bind(ctx, nodes[-1], lambda scratch: gemm_fused_specs(nodes, ctx.ptr, scratch, ctx.device))
     if path in fusion.B16_PATHS:  # the same, or a glu before one, on the GEMMs of 16-bit b
         return _bind(ctx, nodes[-1], lambda scratch: b16_fused_specs(nodes, ctx.ptr, scratch, ctx.device))
-    if path == "mmq_id" and mmq_addresses(ctx.ptr, nodes[0].srcs[0]):  # mul_mat_id -> add_id
+    if path in fusion.ID_GEMM_PATHS and mmq_addresses(ctx.ptr, nodes[0].srcs[0]):  # mul_mat_id -> add_id
         bias = fusion.parts(nodes)[1][0]
-        return _bind(ctx, nodes[-1], lambda scratch: mmq_id_specs(nodes[0], nodes[-1], ctx.ptr, scratch,
-                                                                  ctx.index_check, bias=bias))
+        specs = mmq_id_specs if path == "mmq_id" else wgmma_id_specs
+        return _bind(ctx, nodes[-1], lambda scratch: specs(nodes[0], nodes[-1], ctx.ptr, scratch, ctx.index_check,
+                                                           bias=bias))
     return _bind(ctx, nodes[-1], lambda scratch: fused_specs(nodes, ctx.ptr, scratch, ctx.index_check, ctx.device))
 
 
@@ -207,6 +215,7 @@ PATHS: tuple[tuple[str, str, Callable], ...] = (
     ("mul_mat", "dequant_cublas", bind_gemm),
     ("mul_mat_id", "mmv_id", bind_mmv_id),
     ("mul_mat_id", "mmq_id", bind_mmq_id),
+    ("mul_mat_id", "mmq_wgmma_id", bind_mmq_wgmma_id),
     ("mul_mat_id", "mmv_id_grouped", bind_mmv_id_grouped),
     ("out_prod", "cublas_out_prod", bind_out_prod),
 )

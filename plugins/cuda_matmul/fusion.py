@@ -22,10 +22,11 @@ node but the last is read only inside the group):
   glu_mul_mat           glu(gate, up) -> mul_mat                   a decoder's down product, its b the glu's
   glu_mul_mat_add       the same with an add after the mul_mat     result, on the GEMMs of 16-bit b
 The fused kernels are the mat-vec ones, mmf, mmq and mmq_small (mul_mat_add only), the GEMMs of 16-bit b
-(B16_PATHS: mul_mat_add, the rms_norm and glu groups) and mmq_id (the bias of add_id), so each product must
-take a mat-vec path (mul_mat with N <= 8; mul_mat_id with one token for the GLU groups), mmf (mul_mat,
-f16/bf16 weights, up to 16 columns), a GEMM (mul_mat -> add, more than 8 columns; cuBLAS: a contiguous
-addend of the product's shape) or mmq_id (mul_mat_id -> add_id with many tokens), with b in f32.
+(B16_PATHS: mul_mat_add, the rms_norm and glu groups) and mmq_id and mmq_wgmma_id (the bias of add_id), so
+each product must take a mat-vec path (mul_mat with N <= 8; mul_mat_id with one token for the GLU groups),
+mmf (mul_mat, f16/bf16 weights, up to 16 columns), a GEMM (mul_mat -> add, more than 8 columns; cuBLAS: a
+contiguous addend of the product's shape) or a quantized GEMM of mul_mat_id (mul_mat_id -> add_id with many
+tokens), with b in f32.
 The add may read the product as either source; the addend is only read (it may be
 the residual stream other nodes read too). The kernels add element
 r * bias_col + m of the addend to output row r = (i3 * B2 + i2) * N + n, column m
@@ -63,15 +64,17 @@ from .specs.stream import STREAMED, ragged
 MMV_PATHS = ("mmvf", "mmvq_stream", "mmvq", "mmv_id", "mmv_id_grouped")
 #: the quantized GEMMs of mul_mat: a bias or residual epilogue (mq::finish), no GLU
 GEMM_PATHS = ("mmq", "mmq_small")
+#: the quantized GEMMs of mul_mat_id: add_id's bias (mq::store_pairs)
+ID_GEMM_PATHS = ("mmq_id", "mmq_wgmma_id")
 #: the GEMMs whose b goes in as 16-bit rows, converted by a launch before the product (cuBLAS: the weights' compute
 #: type, f16 or bf16; mmq_wgmma: bf16). A fused rms_norm or glu before the product writes those rows itself
 #: (convert.cu's convert_norm, convert_glu: the f32 values never go through memory); an add after it is the
 #: product's own (cublasLt's C, a residual of the product's shape; mmq_wgmma's mq::finish, as mmq's). One batch.
 B16_PATHS = ("cublas", "dequant_cublas", "mmq_wgmma")
 #: the paths whose kernels take the epilogues: the mat-vecs, the tensor-core mmf, the quantized GEMMs and the
-#: 16-bit-b GEMMs (a bias or a residual only), and mmq_id (add_id's bias; its GLU groups are one token's, which
-#: mmv_id takes)
-FUSED_PATHS = (*MMV_PATHS, "mmf", *GEMM_PATHS, *B16_PATHS, "mmq_id")
+#: 16-bit-b GEMMs (a bias or a residual only), and those of mul_mat_id (add_id's bias; its GLU groups are one
+#: token's, which mmv_id takes)
+FUSED_PATHS = (*MMV_PATHS, "mmf", *GEMM_PATHS, *B16_PATHS, *ID_GEMM_PATHS)
 
 #: the paths whose kernels take a fused rms_norm (the rms_norm_mul_mat groups): the mat-vec quantizing b itself,
 #: the quantized GEMMs through their quantize_q8_1 launch, the 16-bit-b GEMMs through convert_norm

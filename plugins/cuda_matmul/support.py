@@ -10,6 +10,7 @@ description. The paths are listed in docs/cuda_matmul.md.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import attrs
@@ -61,6 +62,16 @@ MMQ_WGMMA_TYPES: tuple[str, ...] = ("q4_0", "q8_0")
 #: (2026-12-04, one process, q4_0 / q8_0 / q4_K at 4096 x 14336, 14336 x 4096, 2048 x 8192, 8192 x 2048) it
 #: took 0.33-0.55x mmq's time at 96 and 128 columns, 0.55-1.02x at 64 and 0.56-1.14x at 48
 MMQ_WGMMA_MIN_N = 65
+#: the formats whose mul_mat_id with many tokens takes mmq_wgmma_id (the dequantizing wgmma GEMM, compute capability
+#: 9.0; compiled for every format of mmq_id) instead of mmq_id, where an expert has more than MMQ_WGMMA_ID_MIN_MEAN
+#: pairs on average: mmq_id carries mmq's int8 products, each K step's sums converted and scaled (near twice cuBLAS
+#: bf16's time at 512 columns), which left the MoE prefill at 3.4x (q4_0) and 6.4x (q4_K) the dense product of the
+#: same active parameters on the H200 (session 13; target 1.5x). Not yet timed: `benchmarks/test_bench_matmul.py -k
+#: moe_prefill` times both.
+MMQ_WGMMA_ID_TYPES: tuple[str, ...] = ("q4_0", "q8_0", "q4_K", "q5_K", "q6_K", "mxfp4")
+#: mean (token, slot) pairs an expert from which mmq_wgmma_id's column tiles (128 pairs) are taken over mmq_id's
+#: (32 up to specs/mmq_id.SMALL_MEAN pairs an expert, 64 above)
+MMQ_WGMMA_ID_MIN_MEAN = 32
 #: most experts the routing kernel of mmv_id_grouped and mmq_id takes (shared memory: 2 ints an expert)
 ROUTE_MAX_EXPERTS = 4096
 #: mul_mat_id with several tokens takes mmq_id (the quantized GEMM) where it has more than this many (token,
@@ -208,6 +219,17 @@ def mmq_ok(node: Tensor, device: Device | None = None) -> bool | str:
     return True
 
 
+def _wgmma_ok(k: int, device: Device | None) -> bool | str:
+    """True if the wgmma GEMMs can run K=k products on `device`: compute capability 9.0 exactly (sm_90a code), K
+    whole K tiles."""
+    facts = device_facts(device)
+    if device is not None and device.kind == "cuda" and facts.cc != (9, 0):
+        return f"wgmma needs compute capability 9.0 (sm_90a code), not {facts.cc[0]}.{facts.cc[1]}"
+    if k % mmq_wgmma.BK:
+        return f"K={k} is not a multiple of {mmq_wgmma.BK} (mmq_wgmma's K tile)"
+    return True
+
+
 def mmq_wgmma_ok(node: Tensor, device: Device | None = None) -> bool | str:
     """True if mmq_wgmma runs mul_mat `node` (block-format a, N > 8, declined by mmq: checked by the caller), else
     why dequant_cublas runs it: wgmma (compute capability 9.0 exactly: sm_90a code), K whole K tiles, mmq's row
@@ -219,10 +241,9 @@ def mmq_wgmma_ok(node: Tensor, device: Device | None = None) -> bool | str:
     if a.dtype.name not in MMQ_WGMMA_TYPES:
         return f"not selected for {a.dtype.name} (support.MMQ_WGMMA_TYPES: not faster than dequant_cublas)"
     facts = device_facts(device)
-    if device is not None and device.kind == "cuda" and facts.cc != (9, 0):
-        return f"wgmma needs compute capability 9.0 (sm_90a code), not {facts.cc[0]}.{facts.cc[1]}"
-    if k % mmq_wgmma.BK:
-        return f"K={k} is not a multiple of {mmq_wgmma.BK} (mmq_wgmma's K tile)"
+    wgmma = _wgmma_ok(k, device)
+    if wgmma is not True:
+        return wgmma
     g = stream_geo(a.dtype.name)
     chunked = _whole_chunks(a, g.row_values, g.chunk, device, "wgmma")
     if chunked is not True:
@@ -253,6 +274,27 @@ def mmq_id_ok(node: Tensor, device: Device | None = None) -> bool | str:
         return chunked
     if not mmq_id.mmq_id_fits(dt, pairs, experts, device):
         return "the tile's stages do not fit in shared memory"
+    return True
+
+
+def mmq_wgmma_id_ok(node: Tensor, device: Device | None = None) -> bool | str:
+    """True if mmq_wgmma_id runs mul_mat_id `node` (taken by mmq_id: checked by the caller), else why mmq_id runs it:
+    a format of MMQ_WGMMA_ID_TYPES, the wgmma conditions, more than MMQ_WGMMA_ID_MIN_MEAN pairs an expert on
+    average, the shared memory within the device's."""
+    a = _a(node)
+    dt = a.dtype.name
+    if dt not in MMQ_WGMMA_ID_TYPES:
+        return f"not selected for {dt} (support.MMQ_WGMMA_ID_TYPES)"
+    wgmma = _wgmma_ok(a.shape[-1], device)
+    if wgmma is not True:
+        return wgmma
+    mean = math.ceil(node.shape[0] * node.shape[1] / a.shape[0])
+    if mean <= MMQ_WGMMA_ID_MIN_MEAN:
+        return (f"{mean} pairs an expert on average (at most {MMQ_WGMMA_ID_MIN_MEAN}): mmq_id's narrower column tiles "
+                "waste less")
+    smem = mmq_wgmma.wgmma_id_smem(dt)
+    if smem > device_facts(device).smem_per_block_optin:
+        return f"its {smem} bytes of shared memory exceed the device's {device_facts(device).smem_per_block_optin}"
     return True
 
 
@@ -318,7 +360,10 @@ def choose(node: Tensor, device: Device | None = None) -> Choice:
         if node.shape[0] == 1:
             return Choice("mmv_id")
         ok = mmq_id_ok(node, device) if quant else "float experts take the mat-vecs"
-        return Choice("mmq_id") if ok is True else Choice("mmv_id_grouped", note=f"mmq_id: {ok}")
+        if ok is not True:
+            return Choice("mmv_id_grouped", note=f"mmq_id: {ok}")
+        wg = mmq_wgmma_id_ok(node, device)
+        return Choice("mmq_wgmma_id") if wg is True else Choice("mmq_id", note=f"mmq_wgmma_id: {wg}")
     return Choice("cublas_out_prod")
 
 

@@ -268,6 +268,29 @@ __device__ __forceinline__ void step_acc(float (&acc)[4], const AFrag& f, unsign
     }
 }
 
+// (m, n): the row and column of a warp's sum acc[fm][fn][i] (mma tiles of 16 x 8, rows from r0 and columns from
+// c0) in the mma's accumulator layout (rows lane / 4 and + 8, columns 2 (lane % 4) and + 1).
+__device__ __forceinline__ int2 sum_at(int r0, int c0, int fm, int fn, int i) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    return make_int2(r0 + 16 * fm + g + 8 * (i / 2), c0 + 8 * fn + 2 * t + i % 2);
+}
+
+// f(m, n, v) for each of a warp's sums acc (FM x FN mma tiles), at its row m and column n (sum_at).
+template <int FM, int FN, class F>
+__device__ __forceinline__ void each_sum(const float (&acc)[FM][FN][4], int r0, int c0, F f) {
+#pragma unroll
+    for (int fm = 0; fm < FM; ++fm) {
+#pragma unroll
+        for (int fn = 0; fn < FN; ++fn) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int2 at = sum_at(r0, c0, fm, fn, i);
+                f(at.x, at.y, acc[fm][fn][i]);
+            }
+        }
+    }
+}
+
 // The end of a warp's tile of 16 FM rows x 8 FN columns (acc: FM x FN mma_s8 outputs), rows from r0 and
 // columns from c0 of the output of batch row brow0 (out + brow0 * M, N x M), in its block's tile of BM rows from
 // bm0 and BN columns from bn0 (THREADS threads): written to out, or with split K (splits > 1) to the block's plane
@@ -283,13 +306,12 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
                                        long long brow0, float* out, float* part, int split, int splits,
                                        long long plane, int* counter, const float* bias, long long bias_col,
                                        bool owns = true) {
-    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     // output (n, m)'s bias (0 without one)
     auto bias_at = [&](int n, int m) { return bias != nullptr ? bias[(brow0 + n) * bias_col + m] : 0.0f; };
     float* const dst = (splits == 1 ? out : part + split * plane) + brow0 * M;
     const int rows = owns ? M : 0;  // the rows this warp writes below: all or none
-    // FB column fragments at a time: their biases loaded together before their stores (a store may alias the bias,
-    // a residual added in place, so the compiler would not move a load above one: a load's latency each output)
+    // FB column tiles at a time: their biases loaded together before their stores (a store may alias the bias, a
+    // residual added in place, so the compiler would not move a load above one: a load's latency each output)
     constexpr int FB = FN < 4 ? FN : 4;
 #pragma unroll
     for (int fm = 0; fm < FM; ++fm) {
@@ -300,17 +322,17 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
             for (int f = 0; f < FB; ++f) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const int m = r0 + 16 * fm + g + 8 * (i / 2), n = c0 + 8 * (fn0 + f) + 2 * t + i % 2;
-                    add[f][i] = splits == 1 && fn0 + f < FN && m < rows && n < N ? bias_at(n, m) : 0.0f;
+                    const int2 at = sum_at(r0, c0, fm, fn0 + f, i);  // (m, n)
+                    add[f][i] = splits == 1 && fn0 + f < FN && at.x < rows && at.y < N ? bias_at(at.y, at.x) : 0.0f;
                 }
             }
 #pragma unroll
             for (int f = 0; f < FB; ++f) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const int m = r0 + 16 * fm + g + 8 * (i / 2), n = c0 + 8 * (fn0 + f) + 2 * t + i % 2;
-                    if (fn0 + f < FN && m < rows && n < N) {
-                        dst[static_cast<long long>(n) * M + m] = acc[fm][fn0 + f][i] + add[f][i];
+                    const int2 at = sum_at(r0, c0, fm, fn0 + f, i);
+                    if (fn0 + f < FN && at.x < rows && at.y < N) {
+                        dst[static_cast<long long>(at.y) * M + at.x] = acc[fm][fn0 + f][i] + add[f][i];
                     }
                 }
             }
@@ -379,6 +401,43 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
             o[at] = sum;
         }
     }
+}
+
+// mul_mat_id's column tile `tile` of moe_route's table (E experts, `pairs` = T * U pairs; [0] the tiles, then
+// (expert, first, count) each): false for a tile past the table's count (the block has nothing to do), else its
+// expert e and pair count n, and its BN columns' pairs and q8_1 / bf16 b rows (pair p = t * U + u reads row
+// t * Ub + u % Ub) in the block's shared pair[BN] and brow[BN], the columns past its pairs repeating its last. The
+// block's THREADS threads call it; they have synchronized when it returns true.
+template <int BN, int THREADS>
+__device__ __forceinline__ bool pair_tile(const int* route, int E, int pairs, int tile, int U, int Ub, int* pair,
+                                          int* brow, int& e, int& n) {
+    const int* const table = route + 1 + 3 * E + pairs;
+    if (tile >= table[0]) {
+        return false;
+    }
+    e = table[1 + 3 * tile];
+    n = table[3 + 3 * tile];
+    const int* const list = route + 1 + 3 * E + table[2 + 3 * tile];
+    for (int c = threadIdx.x; c < BN; c += THREADS) {
+        const int p = list[min(c, n - 1)];
+        pair[c] = p;
+        brow[c] = p / U * Ub + p % U % Ub;
+    }
+    __syncthreads();
+    return true;
+}
+
+// A warp's sums acc (FM x FN mma tiles: rows from r0, the warp's first weight row, columns from c0 of its block's
+// column tile of n pairs) written to their pairs' output rows (out (pairs, M), pair[c] column c's), plus bias_row
+// (not null: the expert's bias, a fused add_id); rows past M and columns past n are not written.
+template <int FM, int FN>
+__device__ __forceinline__ void store_pairs(const float (&acc)[FM][FN][4], int r0, int c0, int M, int n,
+                                            const int* pair, float* out, const float* bias_row) {
+    each_sum(acc, r0, c0, [&](int m, int c, float v) {
+        if (m < M && c < n) {
+            out[static_cast<long long>(pair[c]) * M + m] = v + (bias_row != nullptr ? bias_row[m] : 0.0f);
+        }
+    });
 }
 
 }  // namespace mq

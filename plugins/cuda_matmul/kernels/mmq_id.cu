@@ -37,43 +37,20 @@ __global__ void __launch_bounds__(32 * WM * WN)
     extern __shared__ uint4 smem_u4[];
     u8* const smem = reinterpret_cast<u8*>(smem_u4);
 
-    const int tile = static_cast<int>(blockIdx.x % max_tiles), tm = static_cast<int>(blockIdx.x / max_tiles);
-    const int* const table = route + 1 + 3 * E + pairs;  // [0] the tiles, then (expert, first, count) each
-    if (tile >= table[0]) {
-        return;
-    }
-    const int e = table[1 + 3 * tile], n = table[3 + 3 * tile];
-    const int* const list = route + 1 + 3 * E + table[2 + 3 * tile];
     int* const pair = reinterpret_cast<int*>(smem);  // column c's pair (its output row) ...
     int* const brow = pair + BN;                      // ... and its q8_1 b row
-    for (int c = threadIdx.x; c < BN; c += THREADS) {
-        const int p = list[min(c, n - 1)];
-        pair[c] = p;
-        brow[c] = p / U * Ub + p % U % Ub;
+    int e, n;
+    if (!mq::pair_tile<BN, THREADS>(route, E, pairs, static_cast<int>(blockIdx.x % max_tiles), U, Ub, pair, brow, e,
+                                    n)) {
+        return;
     }
-    __syncthreads();
-
+    const int tm = static_cast<int>(blockIdx.x / max_tiles);
     const int m0 = tm * BM, nb = K / 32;
     float acc[FM][FN][4];
     mq::k_loop<WT, FM, FN, WM, WN, NS, KB, A8>(smem + 8 * BN, as + e * a_e, a_row, m0, M, bq, bds, nbp,
                                                [&](int c) { return static_cast<long long>(brow[c]); }, nb, 0,
                                                (nb + KB - 1) / KB, 0, acc);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int row0 = warp / WN * 16 * FM, col0 = warp % WN * 8 * FN;  // the warp's tile in the block's
-    const float* const bias_row = bias != nullptr ? bias + e * bias_e / 4 : nullptr;
-#pragma unroll
-    for (int fm = 0; fm < FM; ++fm) {
-#pragma unroll
-        for (int fn = 0; fn < FN; ++fn) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int m = m0 + row0 + 16 * fm + g + 8 * (i / 2);
-                const int c = col0 + 8 * fn + 2 * t + i % 2;
-                if (m < M && c < n) {
-                    out[static_cast<long long>(pair[c]) * M + m] =
-                        acc[fm][fn][i] + (bias_row != nullptr ? bias_row[m] : 0.0f);
-                }
-            }
-        }
-    }
+    const int warp = threadIdx.x / 32;
+    mq::store_pairs<FM, FN>(acc, m0 + warp / WN * 16 * FM, warp % WN * 8 * FN, M, n, pair, out,
+                            bias != nullptr ? bias + e * bias_e / 4 : nullptr);
 }

@@ -6,13 +6,14 @@
 // scales and offsets folded into the values), b comes as bf16 rows (convert.cu, the launch before), and the
 // products run on wgmma.mma_async with f32 accumulators across the whole slice of K. No weight is ever written
 // back dequantized. wgmma needs the sm_90a target: the first line of this file makes kernels.py (and the compile
-// test) build it so; support.mmq_wgmma_ok takes compute capability 9.0 only.
+// test) build it so; support.mmq_wgmma_ok takes compute capability 9.0 only. The K loop (mw::main_loop) also runs
+// mul_mat_id's many-token products (mmq_wgmma_id, the end of this file), its b columns gathered by pair.
 //
 // A block is WGS warpgroups of 128 threads (Tiling; launched with 2): BM = 64 WGS weight rows (64 a warpgroup,
-// one m64nBNk16 accumulator of BN / 2 floats a thread), BN = 128 or 256 columns, K tiles of BK = 64 values. The
-// wider tile halves the dequantization a product (its A fragments serve 256 columns) and the weight reads from L2:
-// on the H200 at 512 columns it took 0.71-0.81x the narrow tile's time (4096 x 14336 and 14336 x 4096, q4_0 and
-// q4_K; specs/mmq_wgmma.py's tile_for says when it is used). Shared memory:
+// one m64nBNk16 accumulator of BN / 2 floats a thread), BN = 128 or 256 columns (mmq_wgmma_id: 64 or 128), K tiles
+// of BK = 64 values. The wider tile halves the dequantization a product (its A fragments serve 256 columns) and the
+// weight reads from L2: on the H200 at 512 columns it took 0.71-0.81x the narrow tile's time (4096 x 14336 and
+// 14336 x 4096, q4_0 and q4_K; specs/mmq_wgmma.py's tile_for says when it is used). Shared memory:
 //   A    2 stages of BM x BK bf16 (BM * 128 bytes), written by the block's dequantization (st.shared, then
 //        fence.proxy.async so that the tensor cores see it);
 //   B    4 stages of BN x BK bf16 (BN * 128 bytes), cp.async three K tiles ahead;
@@ -38,8 +39,9 @@
 // tiles still fills the GPU), and mq::finish (mmq's) writes the sums or the slices' ordered sum: deterministic.
 //
 // Requirements (support.mmq_wgmma_ok): K % 64 == 0 and mmq's row conditions (rows of whole 16-byte granules, a
-// 16-byte aligned: the raw stages); b bf16 rows of K values, contiguous (B3, B2, N, K), 16-byte aligned. Rows
-// past M read row M - 1 and columns past N read column N - 1; neither is written.
+// 16-byte aligned: the raw stages); b bf16 rows of K values, contiguous (B3, B2, N, K), 16-byte aligned, readable
+// BN rows past its last (what they hold is never used). Rows past M read row M - 1 and columns past N read the rows
+// after column N - 1 (the next batch's, or that padding); neither is written.
 
 #include "mmq_frags.cuh"
 #include "wgmma.cuh"
@@ -58,7 +60,7 @@ template <int WGS, int BN_>
 struct Tiling {
     static constexpr int BM = 64 * WGS, BN = BN_, THREADS = 128 * WGS;
     static constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
-    static_assert(BN == 128 || BN == 256, "one m64n128 or m64n256 accumulator a warpgroup");
+    static_assert(BN == 64 || BN == 128 || BN == 256, "one m64n64, m64n128 or m64n256 accumulator a warpgroup");
 };
 
 // Bytes before raw K tile rt's first block in its first granule (mmq's lead: 0 where K tiles are whole granules).
@@ -123,77 +125,66 @@ __device__ __forceinline__ void issue_raw(u8* st, const u8* wa, long long a_row,
     }
 }
 
-// K tile kt of b's columns n0 .. n0 + BN - 1 (clamped to N - 1; b bf16 rows of K values, column n of this batch
-// at row brow0 + n) into the B stage at shared address sb: BN * BK / 8 cp.async of 16 bytes, a thread's every
-// THREADS-th.
+// A thread's share of a B stage: chunk ch = tid % 8 (16 bytes, K values 8 ch .. 8 ch + 7 of the K tile) of tile rows
+// r0 + ROWS i, i < PER (r0 = tid / 8, ROWS = THREADS / 8: BN * BK / 8 chunks a stage, THREADS at a time), each at
+// the same offset of its 128-byte row in the swizzled stage: r0's + 128 ROWS i (ROWS a multiple of 8 keeps r % 8).
 template <class TL>
-__device__ __forceinline__ void load_b(unsigned sb, const u8* b, long long brow0, int n0, int N, int K, int kt,
-                                       int tid) {
-    constexpr int CHUNKS = TL::BN * BK / 8;
+struct BShare {
+    static constexpr int ROWS = TL::THREADS / 8, PER = TL::BN / ROWS;
+    static_assert(TL::BN % ROWS == 0, "whole rows of chunks a thread");
+    __device__ __forceinline__ static unsigned dst(int tid) { return swz(tid >> 3, tid & 7); }
+};
+
+// The thread's B sources at K tile 0 (row(i): row i of its share, its chunk), for load_b: Dense, b's rows of a
+// column tile in order (padded past the last column: no clamp), a fixed stride apart; Gathered, rows by a table
+// (mmq_wgmma_id's pairs), each address kept. Both computed once, before the K loop.
+struct DenseB {
+    const u8* p;
+    long long step;
+    __device__ __forceinline__ const u8* row(int i) const { return p + i * step; }
+};
+template <int PER>
+struct GatheredB {
+    const u8* p[PER];
+    __device__ __forceinline__ const u8* row(int i) const { return p[i]; }
+};
+
+// K tile kt of the block's BN b columns into the B stage at shared address sb: the thread's BShare, from src.
+template <class TL, class Src>
+__device__ __forceinline__ void load_b(unsigned sb, const Src& src, int kt, int tid) {
+    using S = BShare<TL>;
+    const unsigned d = sb + S::dst(tid);
 #pragma unroll
-    for (int i = 0; i < (CHUNKS + TL::THREADS - 1) / TL::THREADS; ++i) {
-        const int c = tid + i * TL::THREADS;
-        if (CHUNKS % TL::THREADS != 0 && c >= CHUNKS) {
-            break;
-        }
-        const int r = c >> 3, ch = c & 7;
-        const long long row = brow0 + min(n0 + r, N - 1);
-        od::cp_async16(sb + swz(r, ch), b + (row * K + kt * BK + ch * 8) * 2);
+    for (int i = 0; i < S::PER; ++i) {
+        od::cp_async16(d + i * S::ROWS * 128, src.row(i) + kt * BK * 2);
     }
 }
 
-}  // namespace mw
-
-// mul_mat with block-format weights: out[i3, i2, n, m] = sum_k a[i3 / r3, i2 / r2, m, k] * b[i3, i2, n, k]. a rows
-// a_row bytes apart, batch strides a_s2, a_s3 (16-byte multiples, a 16-byte aligned, rows of whole granules); b
-// bf16 (B3, B2, N, K) contiguous; out contiguous (B3, B2, N, M). The raw K tiles of a row are cut in `splits`
-// contiguous slices, one block each (split K, as mmq: a grid of few output tiles still fills the GPU); with
-// splits > 1, part holds splits * B3 * B2 * N * M floats and counters B3 * B2 * tiles_m * tiles_n ints (zero
-// before the launch, and again after it), and mq::finish adds the slices in order. A bias (not null: a fused
-// mul_mat_add) is added to every output written, output row r adding bias[r * bias_col + m] (mq::finish). Grid
-// (tiles_m * splits * tiles_n, B2, B3), the column tile fastest (the blocks reading the same weights run
-// together); 128 WGS threads; dynamic shared memory specs/mmq_wgmma.py's wgmma_smem: A_STAGES * A_BYTES (none for
-// the RS formats) + B_STAGES * B_BYTES (1024-byte aligned), then RAW_STAGES raw stages of BM rows of
-// Tile<Q, RAW_KB>::RS bytes.
-template <int WT, int WGS, int BN>
-__global__ void __launch_bounds__(128 * WGS, 1)
-    mmq_wgmma(const mm::u8* a, long long a_row, long long a_s2, long long a_s3, int r2, int r3, const mm::u8* b,
-              float* out, int M, int K, int N, int tiles_m, int tiles_n, int splits, float* part, int* counters,
-              const float* bias, long long bias_col) {
-    od::grid_enter();
-    using namespace mw;
-    using TL = Tiling<WGS, BN>;
-    constexpr int BM = TL::BM, THREADS = TL::THREADS;
+// A block's sums d (one m64nBNk16 accumulator a warpgroup) over raw K tiles rt0 .. rt0 + nraw - 1 of its BM weight
+// rows (row r: row min(m0 + r, M - 1) of wa, a_row bytes apart) and its BN b columns (bsrc, load_b's): the K loop
+// of mmq_wgmma and mmq_wgmma_id, its stages in smem (wgmma_smem of specs/mmq_wgmma.py, aligned here). Every thread
+// of the block calls it; it returns with no copy in flight and every product done.
+template <int WT, class TL, class Src>
+__device__ __forceinline__ void main_loop(u8* const smem, const u8* const wa, long long a_row, int m0, int M,
+                                          const Src& bsrc, int K, int rt0, int nraw, float (&d)[TL::BN / 2]) {
+    constexpr int BM = TL::BM, BN = TL::BN;
     constexpr unsigned A_BYTES = TL::A_BYTES, B_BYTES = TL::B_BYTES;
     using T = mq::Tile<mm::Fmt<WT>, RAW_KB>;
     constexpr int RAW_BYTES = BM * T::RS;
     constexpr bool RS = RS_FORMAT<WT>;
     constexpr int A_STAGES_HELD = RS ? 0 : A_STAGES;  // RS formats write no A stage
-    extern __shared__ uint4 smem_u4[];
-    u8* const smem = reinterpret_cast<u8*>(smem_u4);
     const unsigned pad = ((od::smem_addr(smem) + 1023u) & ~1023u) - od::smem_addr(smem);
     const unsigned sA = od::smem_addr(smem) + pad, sB = sA + A_STAGES_HELD * A_BYTES;
     u8* const raw = smem + pad + A_STAGES_HELD * A_BYTES + B_STAGES * B_BYTES;
 
     const int tid = threadIdx.x;
-    const int tn = static_cast<int>(blockIdx.x % tiles_n);
-    const int split = static_cast<int>((blockIdx.x / tiles_n) % splits);
-    const int tm = static_cast<int>(blockIdx.x / (tiles_n * splits));
-    const int i2 = blockIdx.y, i3 = blockIdx.z;
-    const int m0 = tm * BM, n0 = tn * BN;
-    const u8* const wa = a + (i3 / r3) * a_s3 + (i2 / r2) * a_s2;
-    const long long batch = static_cast<long long>(i3) * gridDim.y + i2;
-    const long long brow0 = batch * N;
-    const int nb = K / 32, nraw_all = (nb + RAW_KB - 1) / RAW_KB;
-    // this block's slice: raw K tiles rt0 .. rt0 + nraw - 1, K tiles kt0 .. kt0 + nk - 1 (kt below counts from kt0)
-    const int rt0 = static_cast<int>(static_cast<long long>(split) * nraw_all / splits);
-    const int nraw = static_cast<int>(static_cast<long long>(split + 1) * nraw_all / splits) - rt0;
+    const int nb = K / 32;
+    // K tiles kt0 .. kt0 + nk - 1 (kt below counts from kt0)
     const int kt0 = rt0 * SUBS, nk = min(nraw * SUBS, K / BK - kt0);
     const int wg = tid >> 7;  // this thread's warpgroup: weight rows 64 wg .. 64 wg + 63 of the tile
     auto raw_stage = [&](int r) { return raw + (r % RAW_STAGES) * RAW_BYTES; };
     auto raw_of = [&](int kt) { return raw_stage(kt / SUBS) + raw_lead<WT>(rt0 + kt / SUBS); };
 
-    float d[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {
         d[i] = 0.0f;
@@ -206,7 +197,7 @@ __global__ void __launch_bounds__(128 * WGS, 1)
 #pragma unroll
     for (int s = 0; s < B_STAGES - 1; ++s) {
         if (s < nk) {
-            load_b<TL>(sB + s * B_BYTES, b, brow0, n0, N, K, kt0 + s, tid);
+            load_b<TL>(sB + s * B_BYTES, bsrc, kt0 + s, tid);
         }
     }
     od::cp_async_commit();
@@ -259,8 +250,7 @@ __global__ void __launch_bounds__(128 * WGS, 1)
         // copies into the stages K tile kt - 1 held: b's K tile kt + B_STAGES - 1; a raw K tile whose last K tile
         // (kt + 1) was just dequantized frees its stage for the raw K tile two ahead
         if (kt + B_STAGES - 1 < nk) {
-            load_b<TL>(sB + ((kt + B_STAGES - 1) % B_STAGES) * B_BYTES, b, brow0, n0, N, K, kt0 + kt + B_STAGES - 1,
-                   tid);
+            load_b<TL>(sB + ((kt + B_STAGES - 1) % B_STAGES) * B_BYTES, bsrc, kt0 + kt + B_STAGES - 1, tid);
         }
         if ((kt + 1) % SUBS == SUBS - 1 && (kt + 1) / SUBS + 2 < nraw) {
             issue_raw<WT, TL>(raw_stage((kt + 1) / SUBS + 2), wa, a_row, m0, M, nb, rt0 + (kt + 1) / SUBS + 2, tid);
@@ -277,13 +267,101 @@ __global__ void __launch_bounds__(128 * WGS, 1)
     wg::wait<0>();
     wg::fence_regs(d);
     od::cp_async_wait<0>();  // only empty groups can be left
+}
 
-    // The accumulator layout of m64nNk16 is mma.sync m16n8's, 8 columns at a time: warp w of the warpgroup holds
-    // rows 16 w + lane / 4 and + 8, columns 8 i + 2 (lane % 4) and + 1 in d[4 i .. 4 i + 3], so mmq's finish
-    // (FM = 1, FN = BN / 8) writes it, or its slice's plane and the slices' sum.
-    const float(&acc)[1][BN / 8][4] = *reinterpret_cast<const float(*)[1][BN / 8][4]>(&d);
+// The accumulator layout of m64nNk16 is mma.sync m16n8's, 8 columns at a time: warp w of the warpgroup holds rows
+// 16 w + lane / 4 and + 8, columns 8 i + 2 (lane % 4) and + 1 in d[4 i .. 4 i + 3], so mmq's writers (FM = 1,
+// FN = BN / 8) take it as their sums, from the warp's first row, wg_row(): 64 wg + 16 w of the tile.
+template <int BN>
+using Frags = float[1][BN / 8][4];
+template <int BN>
+__device__ __forceinline__ const Frags<BN>& as_frags(const float (&d)[BN / 2]) {
+    return *reinterpret_cast<const Frags<BN>*>(&d);
+}
+__device__ __forceinline__ int wg_row() {
+    return static_cast<int>(threadIdx.x >> 7) * 64 + static_cast<int>((threadIdx.x >> 5) & 3) * 16;
+}
+
+}  // namespace mw
+
+// mul_mat with block-format weights: out[i3, i2, n, m] = sum_k a[i3 / r3, i2 / r2, m, k] * b[i3, i2, n, k]. a rows
+// a_row bytes apart, batch strides a_s2, a_s3 (16-byte multiples, a 16-byte aligned, rows of whole granules); b
+// bf16 (B3, B2, N, K) contiguous; out contiguous (B3, B2, N, M). The raw K tiles of a row are cut in `splits`
+// contiguous slices, one block each (split K, as mmq: a grid of few output tiles still fills the GPU); with
+// splits > 1, part holds splits * B3 * B2 * N * M floats and counters B3 * B2 * tiles_m * tiles_n ints (zero
+// before the launch, and again after it), and mq::finish adds the slices in order. A bias (not null: a fused
+// mul_mat_add) is added to every output written, output row r adding bias[r * bias_col + m] (mq::finish). Grid
+// (tiles_m * splits * tiles_n, B2, B3), the column tile fastest (the blocks reading the same weights run
+// together); 128 WGS threads; dynamic shared memory specs/mmq_wgmma.py's wgmma_smem: A_STAGES * A_BYTES (none for
+// the RS formats) + B_STAGES * B_BYTES (1024-byte aligned), then RAW_STAGES raw stages of BM rows of
+// Tile<Q, RAW_KB>::RS bytes.
+template <int WT, int WGS, int BN>
+__global__ void __launch_bounds__(128 * WGS, 1)
+    mmq_wgmma(const mm::u8* a, long long a_row, long long a_s2, long long a_s3, int r2, int r3, const mm::u8* b,
+              float* out, int M, int K, int N, int tiles_m, int tiles_n, int splits, float* part, int* counters,
+              const float* bias, long long bias_col) {
+    od::grid_enter();
+    using namespace mw;
+    using TL = Tiling<WGS, BN>;
+    extern __shared__ uint4 smem_u4[];
+
+    const int tn = static_cast<int>(blockIdx.x % tiles_n);
+    const int split = static_cast<int>((blockIdx.x / tiles_n) % splits);
+    const int tm = static_cast<int>(blockIdx.x / (tiles_n * splits));
+    const int i2 = blockIdx.y, i3 = blockIdx.z;
+    const int m0 = tm * TL::BM, n0 = tn * BN;
+    const long long batch = static_cast<long long>(i3) * gridDim.y + i2;
+    const long long brow0 = batch * N;
+    // this block's slice: raw K tiles rt0 .. rt0 + nraw - 1
+    const int nraw_all = (K / 32 + RAW_KB - 1) / RAW_KB;
+    const int rt0 = static_cast<int>(static_cast<long long>(split) * nraw_all / splits);
+    const int nraw = static_cast<int>(static_cast<long long>(split + 1) * nraw_all / splits) - rt0;
+    float d[BN / 2];
+    const int tid = threadIdx.x;
+    const DenseB bsrc{b + ((brow0 + n0 + (tid >> 3)) * K + (tid & 7) * 8) * 2, 2ll * BShare<TL>::ROWS * K};
+    main_loop<WT, TL>(reinterpret_cast<u8*>(smem_u4), a + (i3 / r3) * a_s3 + (i2 / r2) * a_s2, a_row, m0, M, bsrc,
+                      K, rt0, nraw, d);
     const long long plane = static_cast<long long>(gridDim.y) * gridDim.z * N * M;
-    mq::finish<1, BN / 8, BM, BN, THREADS>(acc, m0 + wg * 64 + ((tid >> 5) & 3) * 16, n0, m0, n0, M, N, brow0, out,
-                                           part, split, splits, plane, counters + (batch * tiles_m + tm) * tiles_n + tn,
-                                           bias, bias_col);
+    mq::finish<1, BN / 8, TL::BM, BN, TL::THREADS>(as_frags<BN>(d), m0 + wg_row(), n0, m0, n0, M, N, brow0, out, part,
+                                                   split, splits, plane,
+                                                   counters + (batch * tiles_m + tm) * tiles_n + tn, bias,
+                                                   bias_col);
+}
+
+// mul_mat_id with many tokens on the same K loop (mmq_wgmma_id, MoE prefill): out[t, u, :] = as[ids[t, u]] @
+// b[t, u % Ub] for block-format experts, as mmq_id.cu's mmq_id but for its b (bf16 rows, T * Ub of them: the
+// conversion launch before) and its products (this file's). moe_route's tile table (tile_n = BN) gives a block its
+// expert and column tile of pairs; grid (tiles_m * max_tiles), the column tile fastest; a block past the table's
+// tile count exits; no split K. Dynamic shared memory: the tile's pairs and b rows (BN ints each), then wgmma_smem's
+// (whose slack aligns the stages after them). Requirements (support.mmq_wgmma_id_ok): mmq_wgmma's, the experts'
+// rows a_row and experts a_e bytes apart. Out contiguous (T, U, M), plus expert e's bias row (bias_e bytes apart)
+// where bias is not null (a fused add_id).
+template <int WT, int WGS, int BN>
+__global__ void __launch_bounds__(128 * WGS, 1)
+    mmq_wgmma_id(const mm::u8* as, long long a_row, long long a_e, int E, const int* route, int pairs, int max_tiles,
+                 int U, int Ub, const mm::u8* b, float* out, int M, int K, const float* bias, long long bias_e) {
+    od::grid_enter();  // the table (moe_route) and b's bf16 rows (the conversion) come from the kernels before
+    using namespace mw;
+    using TL = Tiling<WGS, BN>;
+    extern __shared__ uint4 smem_u4[];
+    u8* const smem = reinterpret_cast<u8*>(smem_u4);
+    int* const pair = reinterpret_cast<int*>(smem);
+    int* const brow = pair + BN;
+    int e, n;
+    if (!mq::pair_tile<BN, TL::THREADS>(route, E, pairs, static_cast<int>(blockIdx.x % max_tiles), U, Ub, pair, brow,
+                                        e, n)) {
+        return;
+    }
+    const int m0 = static_cast<int>(blockIdx.x / max_tiles) * TL::BM;
+    float d[BN / 2];
+    using S = BShare<TL>;
+    GatheredB<S::PER> bsrc;
+#pragma unroll
+    for (int i = 0; i < S::PER; ++i) {  // the tile's rows of b (its pairs'), the thread's share of them
+        const long long row = brow[(threadIdx.x >> 3) + S::ROWS * i];
+        bsrc.p[i] = b + (row * K + (threadIdx.x & 7) * 8) * 2;
+    }
+    main_loop<WT, TL>(smem + 8 * BN, as + e * a_e, a_row, m0, M, bsrc, K, 0, (K / 32 + RAW_KB - 1) / RAW_KB, d);
+    mq::store_pairs<1, BN / 8>(as_frags<BN>(d), m0 + wg_row(), 0, M, n, pair, out,
+                               bias != nullptr ? bias + e * bias_e / 4 : nullptr);
 }

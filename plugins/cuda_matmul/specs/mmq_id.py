@@ -14,7 +14,7 @@ import math
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import Guard, KernelArgs, i32, i64, ptr
+from opdispatch.backends.cuda.args import ArgGroup, Guard, KernelArgs, i32, i64, ptr
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
@@ -55,8 +55,11 @@ NAMES: tuple[str, ...] = tuple(dict.fromkeys(instance_name(dt, mmq_id_config(dt,
 
 
 @attrs.frozen
-class MmqIdArgs(KernelArgs):
-    KERNELS = ("mmq_id",)
+class RoutedExperts(ArgGroup):
+    """The parameters mul_mat_id's quantized GEMMs (mmq_id, mmq_wgmma_id) open with, alike: the experts as_ (rows
+    a_row, experts a_e bytes apart, E of them), moe_route's table (`pairs` = T * U pairs, room for max_tiles column
+    tiles), the slots U and b's rows a token Ub."""
+
     as_: np.uint64 = ptr()
     a_row: np.int64 = i64()
     a_e: np.int64 = i64()
@@ -66,6 +69,20 @@ class MmqIdArgs(KernelArgs):
     max_tiles: np.int32 = i32()
     U: np.int32 = i32()
     Ub: np.int32 = i32()
+
+
+def routed_experts(node: Tensor, ptr: Ptr, route: KernelSpec, tiles: int) -> RoutedExperts:
+    """RoutedExperts of mul_mat_id `node` with moe_route's spec `route`, its table's room `tiles`."""
+    as_, b, ids = node.srcs
+    t, u = ids.shape
+    return RoutedExperts(as_=ptr(as_), a_row=as_.strides[1], a_e=as_.strides[0], E=as_.shape[0],
+                         route=route.args.route, pairs=t * u, max_tiles=tiles, U=u, Ub=b.shape[1])
+
+
+@attrs.frozen
+class MmqIdArgs(KernelArgs):
+    KERNELS = ("mmq_id",)
+    _head: RoutedExperts = attrs.field()
     bq: np.uint64 = ptr()
     bds: np.uint64 = ptr()
     nbp: np.int32 = i32()
@@ -108,9 +125,8 @@ def mmq_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard: G
     route = mmv.route_spec(node, out, ptr, scratch, guard, tile_n=cfg.bn, tiles=tiles)
     quant = mmv.quantize_spec(b, ptr(b), scratch)
     q = quant.args
-    args = MmqIdArgs(as_=ptr(as_), a_row=as_.strides[1], a_e=as_.strides[0], E=e, route=route.args.route,
-                     pairs=pairs, max_tiles=tiles, U=u, Ub=b.shape[1], bq=q.bq, bds=q.bds, nbp=q.nbp, out=ptr(out),
-                     M=m, K=k, bias=addr(ptr, bias), bias_e=bias.strides[0] if bias is not None else 0)
+    args = MmqIdArgs(head=routed_experts(node, ptr, route, tiles), bq=q.bq, bds=q.bds, nbp=q.nbp, out=ptr(out), M=m,
+                     K=k, bias=addr(ptr, bias), bias_e=bias.strides[0] if bias is not None else 0)
     grid = (math.ceil(m / cfg.bm) * tiles,)
     return [route, quant, KernelSpec(MMQ_ID_CU, instance_name(dt, cfg), grid, cfg.threads, args,
                                      smem=mmq_id_smem(dt, cfg))]

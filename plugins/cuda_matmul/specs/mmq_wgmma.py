@@ -1,5 +1,6 @@
-"""kernels/mmq_wgmma.cu's launch (the quantized GEMM for many columns on Hopper's wgmma): its tile, its shared
-memory, its argument record and the spec (b converted to bf16, then mmq_wgmma)."""
+"""kernels/mmq_wgmma.cu's launches (the quantized GEMM for many columns on Hopper's wgmma): its tiles, its shared
+memory, its argument records and the specs: mul_mat's (b converted to bf16, then mmq_wgmma) and mul_mat_id's
+(moe_route's tile table, b converted to bf16, then mmq_wgmma_id: MoE prefill)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import math
 import attrs
 import numpy as np
 
-from opdispatch.backends.cuda.args import KernelArgs, i32, i64, instance, ptr
+from opdispatch.backends.cuda.args import Guard, KernelArgs, i32, i64, instance, ptr
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.hookspecs import Device
 from opdispatch.tensor import Tensor
 
 from . import MMQ_WGMMA_CU, QUANT_NAMES, W_KIND, Ptr, Scratch, addr, geometry
+from . import mmv  # a module import: mmv imports support, which imports this module
 from .gemm import conversion
-from .mmq import row_stride
+from .mmq import MMQ_FORMATS, row_stride
+from .mmq_id import COLUMN_BYTES, RoutedExperts, max_tiles, routed_experts
 from .stream import device_facts
 
 #: the K tile (kernels/mmq_frags.cuh's mw::BK)
@@ -33,7 +36,7 @@ RS_FORMATS = ("q4_0", "q8_0", "q4_K", "q5_K", "q6_K")
 @attrs.frozen
 class WgmmaTile:
     """A block's tile (mmq_wgmma.cu's Tiling): `warpgroups` of 128 threads, 64 weight rows each (bm rows); `bn`
-    columns, one m64n{bn} accumulator a warpgroup (128 or 256)."""
+    columns, one m64n{bn} accumulator a warpgroup (64, 128 or 256)."""
 
     warpgroups: int = 2
     bn: int = 128
@@ -74,7 +77,27 @@ def wgmma_smem(dt: str, tile: WgmmaTile) -> int:
             + RAW_STAGES * tile.bm * row_stride(dt, RAW_KB))
 
 
-NAMES: tuple[str, ...] = tuple(instance_name(dt, t) for dt in WGMMA_FORMATS for t in TILES)
+#: mmq_wgmma_id's tile: column tiles of 128 (token, slot) pairs an expert (moe_route's tile_n); ID_TILES are those
+#: scripts/mmq_sweep.py times (64 pairs a column tile: fewer empty columns where an expert has few more than 64, half
+#: the products to pay for each weight tile's dequantization)
+ID_TILE = NARROW
+ID_TILES: tuple[WgmmaTile, ...] = (ID_TILE, WgmmaTile(2, 64))
+
+
+def id_instance_name(dt: str, tile: WgmmaTile | None = None) -> str:
+    tile = tile or ID_TILE
+    return instance("mmq_wgmma_id", W_KIND[dt], tile.warpgroups, tile.bn)
+
+
+def wgmma_id_smem(dt: str, tile: WgmmaTile | None = None) -> int:
+    """Dynamic shared memory of an mmq_wgmma_id block in `tile` (None: ID_TILE): its columns' pairs and b rows, then
+    wgmma_smem's."""
+    tile = tile or ID_TILE
+    return COLUMN_BYTES * tile.bn + wgmma_smem(dt, tile)
+
+
+NAMES: tuple[str, ...] = (*(instance_name(dt, t) for dt in WGMMA_FORMATS for t in TILES),
+                          *(id_instance_name(dt) for dt in MMQ_FORMATS))  # mmq_wgmma_id: every format of mmq_id
 
 
 @attrs.frozen
@@ -105,8 +128,9 @@ class MmqWgmmaArgs(KernelArgs):
 
 
 def b_bytes(rows: int, k: int) -> int:
-    """Bytes of b's bf16 rows for `rows` columns of K values (all batches), as the kernel reads them."""
-    return rows * k * 2
+    """Bytes of b's bf16 rows for `rows` columns of K values (all batches), as the kernel reads them: the widest
+    column tile's rows more (read past the last column, never used)."""
+    return (rows + max(t.bn for t in TILES)) * k * 2
 
 
 def wgmma_splits(tiles: int, k: int, device: Device | None) -> int:
@@ -119,10 +143,11 @@ def wgmma_splits(tiles: int, k: int, device: Device | None) -> int:
 def wgmma_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None = None,
                 tile: WgmmaTile | None = None, *, out: Tensor | None = None, b16: int | None = None,
                 bias: Tensor | None = None, bias_col: int = 0) -> list[KernelSpec]:
-    """b converted to contiguous bf16 rows in the scratch buffer "b", then mmq_wgmma in `tile` (None: tile_for's),
-    for mul_mat `node` (its path mmq_wgmma) on `device` (None: an H200); split K also takes the scratch buffers of
-    the partial sums and of the tiles' counters (zeroed once: the kernel sets them back). A fused group's: the
-    result written to `out` (None: node), b's bf16 rows already at b16 (a fused rms_norm or glu wrote them: no
+    """b converted to contiguous bf16 rows in the scratch buffer "b" (b_bytes: with a tile's rows more, which the
+    kernel reads past the last column and never uses), then mmq_wgmma in `tile` (None: tile_for's), for mul_mat
+    `node` (its path mmq_wgmma) on `device` (None: an H200); split K also takes the scratch buffers of the partial
+    sums and of the tiles' counters (zeroed once: the kernel sets them back). A fused group's: the result written
+    to `out` (None: node), b's bf16 rows already at b16 (a fused rms_norm or glu wrote them, b_bytes of them: no
     conversion), `bias` added (rows bias_col floats apart, 0 for one row: fusion.bias_col)."""
     a, b = node.srcs
     (a3, a2, m, k), (sa3, sa2, sa1, _) = geometry(a)
@@ -142,3 +167,37 @@ def wgmma_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
     return [*([conversion(b, "bf16", ptr(b), bf)] if convert else []),
             KernelSpec(MMQ_WGMMA_CU, instance_name(a.dtype.name, tile), (tiles_m * splits * tiles_n, b2, b3),
                        tile.threads, args, smem=wgmma_smem(a.dtype.name, tile))]
+
+
+@attrs.frozen
+class MmqWgmmaIdArgs(KernelArgs):
+    """mmq_wgmma_id's arguments: mmq_id's but for b, bf16 rows (the conversion's output) in place of the q8_1 blocks."""
+
+    KERNELS = ("mmq_wgmma_id",)
+    _head: RoutedExperts = attrs.field()
+    b: np.uint64 = ptr()
+    out: np.uint64 = ptr()
+    M: np.int32 = i32()
+    K: np.int32 = i32()
+    bias: np.uint64 = ptr()
+    bias_e: np.int64 = i64()
+
+
+def wgmma_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard: Guard, *,
+                   bias: Tensor | None = None, tile: WgmmaTile | None = None) -> list[KernelSpec]:
+    """moe_route (its tile table for `tile`'s column tiles, None: ID_TILE; the ids checked by `guard`'s
+    IndexCheck), b's T * Ub rows converted to bf16 in the scratch buffer "b", then mmq_wgmma_id, for mul_mat_id
+    `node` (its path mmq_wgmma_id) writing `out` (node, or a fused add_id of the expert biases `bias`)."""
+    as_, b, ids = node.srcs
+    e, m, k = as_.shape
+    t, u = ids.shape
+    pairs = t * u
+    tile = tile or ID_TILE
+    tiles = max_tiles(pairs, e, tile.bn)
+    route = mmv.route_spec(node, out, ptr, scratch, guard, tile_n=tile.bn, tiles=tiles)
+    bf = scratch("b", b.shape[0] * b.shape[1] * k * 2)
+    args = MmqWgmmaIdArgs(head=routed_experts(node, ptr, route, tiles), b=bf, out=ptr(out), M=m, K=k,
+                          bias=addr(ptr, bias), bias_e=bias.strides[0] if bias is not None else 0)
+    return [route, conversion(b, "bf16", ptr(b), bf),
+            KernelSpec(MMQ_WGMMA_CU, id_instance_name(as_.dtype.name, tile), (math.ceil(m / tile.bm) * tiles,),
+                       tile.threads, args, smem=wgmma_id_smem(as_.dtype.name, tile))]
