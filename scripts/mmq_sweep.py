@@ -186,7 +186,7 @@ def wgmma_jobs(fmts: Sequence[str], ns: Sequence[int], shapes: Sequence[tuple[in
             for n in ns:
                 today = support.choose(Job("mmq", fmt, m, k, n).node()).path
                 jobs.append(Job("mmq", fmt, m, k, n, mmq.mmq_config(fmt, n), today == "mmq"))
-                jobs += [Job("mmq_wgmma", fmt, m, k, n, t, today == "mmq_wgmma" and t == mmq_wgmma.tile_for(n))
+                jobs += [Job("mmq_wgmma", fmt, m, k, n, t, today == "mmq_wgmma" and t == mmq_wgmma.tile_for(m, n, k))
                          for t in mmq_wgmma.TILES]
     return jobs
 

@@ -2632,7 +2632,7 @@ def test_mmq_wgmma(dt: str, tile, rng, monkeypatch: pytest.MonkeyPatch) -> None:
     """mmq_wgmma for every block format and tile at WGMMA_SHAPES, three runs of the plan (warm-up, CUDA-graph
     capture, replay), its arenas poisoned before each (so every output element must be written), against the
     reference."""
-    monkeypatch.setattr(mmq_wgmma, "tile_for", lambda n: tile)
+    monkeypatch.setattr(mmq_wgmma, "node_tile", lambda node, device=None: tile)
     for a_shape, b_shape in WGMMA_SHAPES:
         y = ops.mul_mat(od.input("a", a_shape, dt), od.input("b", b_shape))
         plan = od.compile(y, "cuda0")
@@ -2646,11 +2646,25 @@ def test_mmq_wgmma(dt: str, tile, rng, monkeypatch: pytest.MonkeyPatch) -> None:
             assert_close(got, ref, f"mmq_wgmma a={dt} {a_shape} b={b_shape}, run {run}", WGMMA_NMSE)
 
 
-@pytest.mark.parametrize(("n", "bn"), [(9, 128), (256, 128), (300, 128), (384, 128), (512, 256), (640, 128),
-                                       (768, 256), (2048, 256)])
-def test_mmq_wgmma_tile_for(n: int, bn: int) -> None:
-    """The wide tile above 256 columns where it pads no more columns than the narrow one."""
-    assert mmq_wgmma.tile_for(n).bn == bn
+@pytest.mark.parametrize(("m", "n", "k", "bn"), [
+    (14336, 9, 4096, 128), (14336, 128, 4096, 128),  # the wide tile half padding
+    (14336, 129, 4096, 256), (8192, 300, 2048, 256), (4096, 512, 14336, 256), (2048, 512, 8192, 256),
+    (4096, 512, 4096, 256),  # wide blocks of K 2048 and more (4096 x 4096: split in 2)
+    (3072, 512, 2048, 128), (2048, 512, 2048, 128), (2048, 1024, 2048, 128),  # split to 1024 or 512 values
+    (3072, 1024, 2048, 256), (2048, 2048, 2048, 256)])  # a wave of wide tiles, K not split
+def test_mmq_wgmma_tile_for(m: int, n: int, k: int, bn: int) -> None:
+    """The wide tile above 128 columns where each block runs 2048 values of K or more after split K, on the H200
+    (132 SMs: wgmma_splits)."""
+    assert mmq_wgmma.tile_for(m, n, k, 1, H200).bn == bn
+
+
+def test_mmq_wgmma_node_tile_counts_batches() -> None:
+    """The batches count as tiles: 2048 x 2048 weights at 512 columns take the wide tile in 4 batches (128 tiles,
+    K not split), the narrow one in 1."""
+    b1 = ops.mul_mat(od.input("a", (2048, 2048), "q4_0"), od.input("b", (512, 2048)))
+    b4 = ops.mul_mat(od.input("a", (2048, 2048), "q4_0"), od.input("b", (4, 512, 2048)))
+    assert mmq_wgmma.node_tile(b1, H200) == mmq_wgmma.NARROW
+    assert mmq_wgmma.node_tile(b4, H200) == mmq_wgmma.WIDE
 
 
 def test_mmq_wgmma_tiles_fit_the_h200() -> None:

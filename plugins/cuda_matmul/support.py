@@ -251,7 +251,7 @@ def mmq_wgmma_ok(node: Tensor, device: Device | None = None) -> bool | str:
     b3, b2 = pad4(b.shape)[:2]
     if max(b2, b3) > GRID_YZ_MAX:
         return f"batch dims {b3} x {b2} exceed the grid's {GRID_YZ_MAX}"
-    smem = mmq_wgmma.wgmma_smem(a.dtype.name, mmq_wgmma.tile_for(batch_n(node)))
+    smem = mmq_wgmma.wgmma_smem(a.dtype.name, mmq_wgmma.node_tile(node, device))
     if smem > facts.smem_per_block_optin:
         return f"its {smem} bytes of shared memory exceed the device's {facts.smem_per_block_optin}"
     return True

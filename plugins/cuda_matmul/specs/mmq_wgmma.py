@@ -54,14 +54,31 @@ class WgmmaTile:
 #: warpgroups: three (192 rows) were slower at 512 columns on the H200 but for 4160 x 4096 at 300 columns.
 NARROW, WIDE = WgmmaTile(2, 128), WgmmaTile(2, 256)
 TILES: tuple[WgmmaTile, ...] = (NARROW, WIDE)
+#: the fewest K values a block of the wide tile runs (its launch's K over its split) for tile_for to take it
+WIDE_MIN_K = 2048
 
 
-def tile_for(n: int) -> WgmmaTile:
-    """The tile of a launch of n columns: WIDE above 256 columns where its column tiles pad no more columns than
-    NARROW's (ceil(n / 128) even), else NARROW. On the H200 (2026-12-04, q4_0 and q4_K) WIDE took 0.69-0.81x
-    NARROW's time at 512 and 2048 columns of 4096 x 14336 and 14336 x 4096 weights and 1.03x at 4096 x 4096
-    (64 tiles a wave short); at 300 columns (512 padded against 384) 1.25x, at 128 1.77x."""
-    return WIDE if n > 256 and math.ceil(n / 128) % 2 == 0 else NARROW
+def tile_for(m: int, n: int, k: int, batches: int = 1, device: Device | None = None) -> WgmmaTile:
+    """The tile of a launch of m x k weights and n columns (in `batches` batches) on `device`: WIDE above 128
+    columns where each of its blocks runs at least WIDE_MIN_K values of K (after wgmma_splits cuts K for a grid of
+    few tiles), else NARROW. A block's start (the first copies) and end (the split's sum) weigh on a short K loop,
+    and the narrow tile's grid has twice the blocks: on the H200 (2026-12-05, q4_0 and q4_K, 300 to 2048 columns)
+    NARROW took 0.82-0.92x WIDE's time at 3072 x 2048 and 2048 x 2048 weights and 300-1024 columns (wide blocks
+    of 512-1024 values of K), WIDE 0.70-0.87x NARROW's at 8192 x 2048, 16384 x 2048, 2048 x 8192, 4096 x 14336
+    and 14336 x 4096 (2048 values or more), and 4096 x 4096 at 300 and 512 columns (2048) within 2% either way.
+    At 128 columns or fewer WIDE's tile is half padding (1.77x NARROW's time at 128)."""
+    if n <= NARROW.bn:
+        return NARROW
+    tiles = math.ceil(m / WIDE.bm) * math.ceil(n / WIDE.bn) * batches
+    return WIDE if k / wgmma_splits(tiles, k, device) >= WIDE_MIN_K else NARROW
+
+
+def node_tile(node: Tensor, device: Device | None = None) -> WgmmaTile:
+    """tile_for's tile of mul_mat `node` on `device`."""
+    a, b = node.srcs
+    (_, _, m, k), _ = geometry(a)
+    (b3, b2, n, _), _ = geometry(b)
+    return tile_for(m, n, k, b3 * b2, device)
 
 
 def instance_name(dt: str, tile: WgmmaTile) -> str:
@@ -144,7 +161,7 @@ def wgmma_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
                 tile: WgmmaTile | None = None, *, out: Tensor | None = None, b16: int | None = None,
                 bias: Tensor | None = None, bias_col: int = 0) -> list[KernelSpec]:
     """b converted to contiguous bf16 rows in the scratch buffer "b" (b_bytes: with a tile's rows more, which the
-    kernel reads past the last column and never uses), then mmq_wgmma in `tile` (None: tile_for's), for mul_mat
+    kernel reads past the last column and never uses), then mmq_wgmma in `tile` (None: node_tile's), for mul_mat
     `node` (its path mmq_wgmma) on `device` (None: an H200); split K also takes the scratch buffers of the partial
     sums and of the tiles' counters (zeroed once: the kernel sets them back). A fused group's: the result written
     to `out` (None: node), b's bf16 rows already at b16 (a fused rms_norm or glu wrote them, b_bytes of them: no
@@ -152,7 +169,7 @@ def wgmma_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
     a, b = node.srcs
     (a3, a2, m, k), (sa3, sa2, sa1, _) = geometry(a)
     (b3, b2, n, _), _ = geometry(b)
-    tile = tile or tile_for(n)
+    tile = tile or node_tile(node, device)
     tiles_m, tiles_n = math.ceil(m / tile.bm), math.ceil(n / tile.bn)
     splits = wgmma_splits(tiles_m * tiles_n * b2 * b3, k, device)
     part = counters = 0
