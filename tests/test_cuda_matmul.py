@@ -461,7 +461,7 @@ def test_mmq_wgmma_id_specs(dt: str, b_rows: int) -> None:
     assert sizes["b"] == n_tok * b_rows * k * 2
     assert spec.kernel == mmq_wgmma.id_instance_name(dt) == f"mmq_wgmma_id<W_{dt.upper()}, 2, 128>"
     assert spec.kernel in specs.KERNEL_SOURCES[specs.MMQ_WGMMA_CU]
-    assert spec.grid == (m // 128 * tiles,) and spec.block == 256
+    assert spec.grid == (m // 128 * tiles,) and spec.block == (384 if dt in mmq_wgmma.RS_FORMATS else 256)
     assert spec.smem == 8 * 128 + mmq_wgmma.wgmma_smem(dt, mmq_wgmma.NARROW)
     assert spec.smem <= stream.device_facts(H200).smem_per_block_optin
     args = spec.args
@@ -2694,7 +2694,8 @@ def test_mmq_wgmma_specs() -> None:
     assert bufs["b"][0] == mmq_wgmma.b_bytes(4 * 300, 512)  # (not used), what a fused group's b16 rows hold too
     assert bufs["mmq_wgmma partial sums"] == (2 * 4 * 300 * 200 * 4, False)
     assert bufs["mmq_wgmma split counters"] == (4 * 2 * 3 * 4, True)
-    assert main.kernel == "mmq_wgmma<W_Q4_K, 2, 128>" and main.grid == (2 * 2 * 3, 4, 1) and main.block == 256
+    # q4_K (an RS format): two computing warpgroups and one that copies
+    assert main.kernel == "mmq_wgmma<W_Q4_K, 2, 128>" and main.grid == (2 * 2 * 3, 4, 1) and main.block == 384
     a = main.args
     assert (a.M, a.K, a.N, a.tiles_m, a.tiles_n, a.splits, a.r2, a.r3) == (200, 512, 300, 2, 3, 2, 2, 1)
     assert a.a_row == 512 // 256 * 144 and a.a_s2 == 200 * a.a_row
