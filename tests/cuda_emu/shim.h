@@ -282,6 +282,16 @@ struct EmuBlock {
 inline EmuBlock* emu_ctx;
 
 inline void __syncthreads() { emu_ctx->block_bar->arrive_and_wait(); }
+// bar.sync 1, threads (common.cuh's sync_block<THREADS>): the block's barrier where it names every thread; a
+// barrier of part of the block (a warp-specialized kernel's, whose other warps have left) is not emulated.
+inline void emu_named_barrier(unsigned threads) {
+    if (threads != blockDim.x * blockDim.y * blockDim.z) {
+        fprintf(stderr, "bar.sync of %u of the block's %u threads is not emulated\n", threads,
+                blockDim.x * blockDim.y * blockDim.z);
+        std::abort();
+    }
+    __syncthreads();
+}
 // every thread's predicate ORed: the last vote read by all, cleared, gathered, then read
 inline int __syncthreads_or(int p) {
     __syncthreads();
@@ -414,6 +424,12 @@ inline void emu_bulk(unsigned saddr, const void* src, unsigned bytes, unsigned b
     EmuBar& b = emu_bar(bar);
     b.copies.push_back({emu_ctx->smem + saddr, src, bytes});
     b.issued += bytes;
+}
+// mbarrier.arrive without transactions (a warp-specialized kernel's hand-over between warps): not emulated (the
+// emulated barriers count one arrival, their expect_tx).
+inline void emu_mbar_arrive(unsigned bar) {
+    fprintf(stderr, "mbarrier.arrive at %u: arrivals beyond expect_tx's are not emulated\n", bar);
+    std::abort();
 }
 inline bool emu_mbar_try_wait(unsigned bar, unsigned parity) {
     EmuBar& b = emu_bar(bar);
