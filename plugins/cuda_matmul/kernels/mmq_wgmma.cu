@@ -452,6 +452,25 @@ __device__ __forceinline__ void regs_up() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
 }
 
+// An RS format's block (TL with its producer warpgroup): the copying warpgroup runs produce (its B sources
+// src_of(p), p its thread), the computing ones consume and then epilogue(d) with their sums; each warpgroup's
+// registers set for its role first. Every thread of the block calls it.
+template <int WT, class TL, class SrcOf, class Epilogue>
+__device__ __forceinline__ void specialized(u8* const smem, const u8* const wa, long long a_row, int m0, int M,
+                                            const SrcOf& src_of, int K, int rt0, int nraw, const Epilogue& epilogue) {
+    const Bars bars = init_bars<TL>();
+    if (threadIdx.x >= TL::CONSUMERS) {
+        regs_down<PRODUCER_REGS>();
+        const int p = static_cast<int>(threadIdx.x) - TL::CONSUMERS;
+        produce<WT, TL>(smem, bars, wa, a_row, m0, M, src_of(p), K, rt0, nraw, p);
+    } else {
+        regs_up<CONSUMER_REGS>();
+        float d[TL::BN / 2];
+        consume<WT, TL>(smem, bars, K, rt0, nraw, d);
+        epilogue(d);
+    }
+}
+
 // The accumulator layout of m64nNk16 is mma.sync m16n8's, 8 columns at a time: warp w of the warpgroup holds rows
 // 16 w + lane / 4 and + 8, columns 8 i + 2 (lane % 4) and + 1 in d[4 i .. 4 i + 3], so mmq's writers (FM = 1,
 // FN = BN / 8) take it as their sums, from the warp's first row, wg_row(): 64 wg + 16 w of the tile.
@@ -503,22 +522,16 @@ __global__ void __launch_bounds__(mw::TilingOf<WT, WGS, BN>::THREADS, 1)
     const int nraw = static_cast<int>(static_cast<long long>(split + 1) * nraw_all / splits) - rt0;
     const long long plane = static_cast<long long>(gridDim.y) * gridDim.z * N * M;
     int* const counter = counters + (batch * tiles_m + tm) * tiles_n + tn;
-    float d[BN / 2];
     if constexpr (RS_FORMAT<WT>) {
-        const Bars bars = init_bars<TL>();
-        if (threadIdx.x >= TL::CONSUMERS) {
-            regs_down<PRODUCER_REGS>();
-            const int p = static_cast<int>(threadIdx.x) - TL::CONSUMERS;
-            produce<WT, TL>(smem, bars, wa, a_row, m0, M, dense_share<BN, PRODUCER_THREADS>(b, brow0 + n0, K, p), K,
-                            rt0, nraw, p);
-        } else {
-            regs_up<CONSUMER_REGS>();
-            consume<WT, TL>(smem, bars, K, rt0, nraw, d);
-            mq::finish<1, BN / 8, TL::BM, BN, TL::CONSUMERS, TL::CONSUMERS>(
-                as_frags<BN>(d), m0 + wg_row(), n0, m0, n0, M, N, brow0, out, part, split, splits, plane, counter, bias,
-                bias_col);
-        }
+        specialized<WT, TL>(
+            smem, wa, a_row, m0, M, [&](int p) { return dense_share<BN, PRODUCER_THREADS>(b, brow0 + n0, K, p); }, K,
+            rt0, nraw, [&](const float(&d)[BN / 2]) {
+                mq::finish<1, BN / 8, TL::BM, BN, TL::CONSUMERS, TL::CONSUMERS>(
+                    as_frags<BN>(d), m0 + wg_row(), n0, m0, n0, M, N, brow0, out, part, split, splits, plane, counter,
+                    bias, bias_col);
+            });
     } else {
+        float d[BN / 2];
         main_loop<WT, TL>(smem, wa, a_row, m0, M, dense_share<BN, TL::THREADS>(b, brow0 + n0, K, threadIdx.x), K,
                           rt0, nraw, d);
         mq::finish<1, BN / 8, TL::BM, BN, TL::THREADS>(as_frags<BN>(d), m0 + wg_row(), n0, m0, n0, M, N, brow0, out,
@@ -554,20 +567,14 @@ __global__ void __launch_bounds__(mw::TilingOf<WT, WGS, BN>::THREADS, 1)
     const int nraw = (K / 32 + RAW_KB - 1) / RAW_KB;
     const u8* const wa = as + e * a_e;
     const float* const bias_row = bias != nullptr ? bias + e * bias_e / 4 : nullptr;
-    float d[BN / 2];
     if constexpr (RS_FORMAT<WT>) {
-        const Bars bars = init_bars<TL>();
-        if (threadIdx.x >= TL::CONSUMERS) {
-            regs_down<PRODUCER_REGS>();
-            const int p = static_cast<int>(threadIdx.x) - TL::CONSUMERS;
-            produce<WT, TL>(smem + 8 * BN, bars, wa, a_row, m0, M, gathered_share<BN, PRODUCER_THREADS>(b, brow, K, p),
-                            K, 0, nraw, p);
-        } else {
-            regs_up<CONSUMER_REGS>();
-            consume<WT, TL>(smem + 8 * BN, bars, K, 0, nraw, d);
-            mq::store_pairs<1, BN / 8>(as_frags<BN>(d), m0 + wg_row(), 0, M, n, pair, out, bias_row);
-        }
+        specialized<WT, TL>(
+            smem + 8 * BN, wa, a_row, m0, M, [&](int p) { return gathered_share<BN, PRODUCER_THREADS>(b, brow, K, p); },
+            K, 0, nraw, [&](const float(&d)[BN / 2]) {
+                mq::store_pairs<1, BN / 8>(as_frags<BN>(d), m0 + wg_row(), 0, M, n, pair, out, bias_row);
+            });
     } else {
+        float d[BN / 2];
         main_loop<WT, TL>(smem + 8 * BN, wa, a_row, m0, M, gathered_share<BN, TL::THREADS>(b, brow, K, threadIdx.x), K,
                           0, nraw, d);
         mq::store_pairs<1, BN / 8>(as_frags<BN>(d), m0 + wg_row(), 0, M, n, pair, out, bias_row);
