@@ -181,6 +181,20 @@ def mmq_any_n(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(support, "MMQ_SMALL_MAX_N", support.MMV_MAX_N)
 
 
+#: mmq_frags.cuh's inline PTX (whole statements) and shim.h's host replacements
+FRAGS_PTX = (
+    ('asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));', "r = emu_cvt_bf16x2(hi, lo);"),
+    ('asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(t) : "r"(x), "r"(0x3f803f80u), "r"(0xc308c308u));',
+     "t = emu_fma_bf16x2(x, 0x3f803f80u, 0xc308c308u);"),
+    ('asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(v) : "r"(t), "r"(d2));', "v = emu_mul_bf16x2(t, d2);"),
+)
+#: mmq_wgmma.cu's own inline PTX: the A stages' 8-byte stores, setmaxnreg (the host's registers are its own)
+WGMMA_PTX = (
+    ('asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(saddr), "r"(a), "r"(b) : "memory");',
+     "memcpy(emu_ctx->smem + saddr, &a, 4), memcpy(emu_ctx->smem + saddr + 4, &b, 4);"),
+    ('asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\\n" ::"n"(R));', ""),
+    ('asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\\n" ::"n"(R));', ""),
+)
 #: each kernel file the emulations copy: the swaps that make it host C++ (the inline PTX, the dynamic shared memory)
 SWAPS: dict[str, tuple[tuple[str, str], ...]] = {
     "mm_common.cuh": (),
@@ -193,6 +207,8 @@ SWAPS: dict[str, tuple[tuple[str, str], ...]] = {
     "mmq_id.cu": ((SHARED, EMU_SHARED),),
     "mmq_small.cu": ((SHARED, EMU_SHARED),),
     "convert.cu": (),
+    "mmq_frags.cuh": FRAGS_PTX,
+    "mmq_wgmma.cu": (*WGMMA_PTX, (SHARED, EMU_SHARED)),
 }
 
 

@@ -321,7 +321,7 @@ struct Bars {
 // The block's barriers, initialized by thread 0 and visible to every thread when it returns (a block barrier).
 template <class TL>
 __device__ __forceinline__ Bars init_bars() {
-    __shared__ alignas(8) unsigned long long bars[2 * B_STAGES + 2 * RAW_STAGES];
+    __shared__ unsigned long long bars[2 * B_STAGES + 2 * RAW_STAGES];  // 8-byte aligned, as mbarriers must be
     const Bars b{od::smem_addr(bars)};
     if (threadIdx.x == 0) {
         for (int s = 0; s < B_STAGES; ++s) {
