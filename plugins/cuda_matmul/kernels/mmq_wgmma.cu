@@ -405,13 +405,15 @@ __device__ __forceinline__ void consume(u8* const smem, const Bars& bars, int K,
     od::mbar_wait(bars.full_raw(0), 0);
     frags<WT>(st.raw_of(0), 0, frow, ft, f0);
     auto step = [&](int kt, unsigned (&cur)[4][4], unsigned (&nxt)[4][4]) {
-        const unsigned b_st = st.b(kt);
+        // the stage's descriptor once: a k16 step 32 bytes on is 2 more in its address field (>> 4), which stays
+        // below its 14 bits (shared memory < 256 KB)
+        const unsigned long long db = wg::desc_k(st.b(kt));
         od::mbar_wait(bars.full_b(kt % B_STAGES), (kt / B_STAGES) & 1);
         wg::fence_regs(d);
         wg::fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
-            wg::rs<BN, true, 0>(d, cur[kk], wg::desc_k(b_st + kk * 32));
+            wg::rs<BN, true, 0>(d, cur[kk], db + 2 * kk);
         }
         wg::commit();
         wg::wait<1>();  // K tile kt - 1's products are done: its B stage and fragment set are free
