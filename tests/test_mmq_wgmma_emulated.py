@@ -1,6 +1,6 @@
-"""cuda_matmul's quantized GEMM on Hopper's wgmma (mmq_wgmma.cu, after convert.cu's conversion of b to bf16) run on
-the CPU: the real sources, compiled by g++ against tests/cuda_emu/shim.h, on the launch specs the plugin binds
-(specs/mmq_wgmma.py).
+"""cuda_matmul's quantized GEMM on Hopper's wgmma (mmq_wgmma.cu, after convert.cu's conversion of b to bf16; and
+mmq_wgmma_id after mmv_id.cu's moe_route) run on the CPU: the real sources, compiled by g++ against
+tests/cuda_emu/shim.h, on the launch specs the plugin binds (specs/mmq_wgmma.py).
 
 The emulation (tests/cuda_emu/shim.h): every CUDA thread a fiber; mbarriers counting arrivals phase by phase;
 wgmma.mma_async a warpgroup collective in the 128-byte swizzle's addressing (the A fragments exchanged at issue).
@@ -33,7 +33,7 @@ from opdispatch.plugins.cuda_matmul.specs import mmq_wgmma
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
 from cuda_emu.hostcode import ScratchArena, gxx_major, run_launches
-from test_mmq_emulated import build_emulator
+from test_mmq_emulated import _id_node, _ids, _moe, build_emulator
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
 
@@ -137,3 +137,66 @@ def test_cases_cover_both_loops_and_split_k() -> None:
         seen.add((dt in mmq_wgmma.RS_FORMATS, tile.bn, main.args.splits > 1))
     assert {rs for rs, _, _ in seen} == {True, False} and {bn for _, bn, _ in seen} == {128, 256}
     assert {split for _, _, split in seen} == {True, False}
+
+
+# -- mmq_wgmma_id: mul_mat_id with many tokens (moe_route's tile table, b converted to bf16, then mmq_wgmma_id) -----
+
+#: name: (graph, ids kind, tile, eager copies): the warp-specialized loop on gathered b rows (q4_0, q4_K with a fused
+#: add_id) and the A-stage one (q4_1), tiles of 128 and 64 pairs, unused experts, Ub 1 and Ub == U
+ID_CASES = {
+    "q4_0 E8 U2 T150 Ub1 M77 K512 (random ids)": (lambda: _moe("q4_0", 8, 77, 512, 150, 2, 1), "random", NARROW, True),
+    "q4_K E4 U2 T100 Ub=U add_id bias (64-pair tiles)": (lambda: _moe("q4_K", 4, 40, 512, 100, 2, 2, bias=True),
+                                                         "random", mmq_wgmma.ID_TILES[1], False),
+    "q8_0 E8 U2 T90 (experts 3..7 unused)": (lambda: _moe("q8_0", 8, 64, 768, 90, 2, 1), "few", NARROW, False),
+    "q4_1 E4 U2 T80 (A stages)": (lambda: _moe("q4_1", 4, 50, 256, 80, 2, 1), "random", NARROW, False),
+}
+
+
+def _id_launches(y: Tensor, arena: ScratchArena, tile: mmq_wgmma.WgmmaTile) -> list:
+    bias = y.srcs[1] if y.op == "add_id" else None
+    return mmq_wgmma.wgmma_id_specs(_id_node(y), y, arena.ptr, arena.scratch, arena.guard, bias=bias, tile=tile)
+
+
+@pytest.fixture(scope="module")
+def id_emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    arity = {}
+    for make, _, tile, _ in ID_CASES.values():
+        y = make()
+        arena = ScratchArena(1 << 26)
+        for t in (*Graph.build(y).leafs, *Graph.build(y).nodes):
+            arena.place(t, None)
+        arity.update({s.kernel: len(s.arg_values) for s in _id_launches(y, arena, tile)})
+    return build_emulator(tmp_path_factory.mktemp("mmq_wgmma_id_emu"),
+                          ("mmv.cu", "mmv_id.cu", "convert.cu", "mmq_frags.cuh", "mmq_wgmma.cu"), arity)
+
+
+@pytest.mark.parametrize("case", list(ID_CASES))
+def test_mmq_wgmma_id_emulated(case: str, id_emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+    """moe_route, the conversion and mmq_wgmma_id as the plugin binds them, run in turn by the emulator on one memory
+    (outputs and scratch poisoned), against the reference."""
+    make, kind, tile, eager = ID_CASES[case]
+    y = make()
+    graph = Graph.build(y)
+    node = _id_node(y)
+    as_, b, ids = node.srcs
+    e, (t, u) = as_.shape[0], ids.shape
+    feeds = {leaf: rng.uniform(-1, 1, leaf.shape).astype(np.float32) for leaf in graph.inputs}
+    feeds[ids] = _ids(kind, rng, t, u, e)
+    arena = ScratchArena(sum(x.base.nbytes + 256 for x in (*graph.leafs, *graph.nodes)) + 4 * b.base.nbytes
+                         + 4 * (8 * t * u + 4 * e) + (1 << 16))
+    for leaf in graph.leafs:
+        arena.place(leaf, from_float(leaf.dtype.name, feeds[leaf]))
+    for n in graph.nodes:
+        arena.place(n, None)
+    launches = _id_launches(y, arena, tile)
+    assert [s.kernel.split("<")[0] for s in launches] == ["moe_route", "convert", "mmq_wgmma_id"]
+    main = launches[2]
+    rs = as_.dtype.name in mmq_wgmma.RS_FORMATS
+    assert main.block == tile.threads(as_.dtype.name) == 128 * (tile.warpgroups + rs)
+    mem = run_launches(launches, arena, eager, id_emulator, tmp_path, last_first=eager, wgmma_at_issue=not eager)
+    at = arena.ptr(y)
+    got = mem[at:at + y.nbytes].view(np.float32).reshape(y.shape)
+    (ref,) = od.compile(y, "cpu").run(feeds)
+    what = f"{case}: {main.kernel} grid {main.grid} block {main.block}"
+    assert np.isfinite(got).all(), f"{what}: non-finite outputs (unwritten, or read before landing)"
+    assert nmse(got, ref) <= NMSE_MAX, f"{what}: NMSE {nmse(got, ref):.3g}"
