@@ -175,10 +175,12 @@ def call(name: str, nargs: int) -> str:
 def mmq_any_n(monkeypatch: pytest.MonkeyPatch) -> None:
     """The selection table takes mmq for every column count above the mat-vecs' (by default it stops at
     support.MMQ_MAX_N, and gives 9 .. support.MMQ_SMALL_MAX_N columns to mmq_small), so that every TABLE entry
-    is reached."""
+    is reached; and mmq_id for every mul_mat_id with many tokens (by default mmq_wgmma_id takes those of its formats
+    above support.MMQ_WGMMA_ID_MIN_MEAN pairs an expert, such as the 128 x 128 converted-tile case's)."""
     monkeypatch.setattr(support, "MMQ_MAX_N", 2**31)
     monkeypatch.setattr(support, "MMQ_WGMMA_MIN_N", 2**31)  # mmq_wgmma only where mmq declines
     monkeypatch.setattr(support, "MMQ_SMALL_MAX_N", support.MMV_MAX_N)
+    monkeypatch.setattr(support, "MMQ_WGMMA_ID_TYPES", ())
 
 
 #: mmq_frags.cuh's inline PTX (whole statements) and shim.h's host replacements

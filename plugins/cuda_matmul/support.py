@@ -66,8 +66,9 @@ MMQ_WGMMA_MIN_N = 65
 #: 9.0; compiled for every format of mmq_id) instead of mmq_id, where an expert has more than MMQ_WGMMA_ID_MIN_MEAN
 #: pairs on average: mmq_id carries mmq's int8 products, each K step's sums converted and scaled (near twice cuBLAS
 #: bf16's time at 512 columns), which left the MoE prefill at 3.4x (q4_0) and 6.4x (q4_K) the dense product of the
-#: same active parameters on the H200 (session 13; target 1.5x). Not yet timed: `benchmarks/test_bench_matmul.py -k
-#: moe_prefill` times both.
+#: same active parameters on the H200 (session 13; target 1.5x). Session 35 (H200, `test_moe_prefill_8_of_64`, one
+#: call): 226 us (q4_0) and 268 (q4_K) against mmq_id's 377 and 617. q8_0, q5_K, q6_K (the same register-fragment
+#: loop) and mxfp4 (through the A stages; 400 us, with no mmq_id time beside it) are selected untimed against mmq_id.
 MMQ_WGMMA_ID_TYPES: tuple[str, ...] = ("q4_0", "q8_0", "q4_K", "q5_K", "q6_K", "mxfp4")
 #: mean (token, slot) pairs an expert from which mmq_wgmma_id's column tiles (128 pairs) are taken over mmq_id's
 #: (32 up to specs/mmq_id.SMALL_MEAN pairs an expert, 64 above)
