@@ -33,7 +33,7 @@ from opdispatch.plugins.cuda_matmul.specs import mmq_wgmma
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
 from cuda_emu.hostcode import ScratchArena, gxx_major, run_launches
-from test_mmq_emulated import _id_node, _ids, _moe, build_emulator
+from test_mmq_emulated import _id_node, _moe, build_emulator, id_arena
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
 
@@ -176,18 +176,8 @@ def test_mmq_wgmma_id_emulated(case: str, id_emulator: Path, tmp_path: Path, rng
     (outputs and scratch poisoned), against the reference."""
     make, kind, tile, eager = ID_CASES[case]
     y = make()
-    graph = Graph.build(y)
-    node = _id_node(y)
-    as_, b, ids = node.srcs
-    e, (t, u) = as_.shape[0], ids.shape
-    feeds = {leaf: rng.uniform(-1, 1, leaf.shape).astype(np.float32) for leaf in graph.inputs}
-    feeds[ids] = _ids(kind, rng, t, u, e)
-    arena = ScratchArena(sum(x.base.nbytes + 256 for x in (*graph.leafs, *graph.nodes)) + 4 * b.base.nbytes
-                         + 4 * (8 * t * u + 4 * e) + (1 << 16))
-    for leaf in graph.leafs:
-        arena.place(leaf, from_float(leaf.dtype.name, feeds[leaf]))
-    for n in graph.nodes:
-        arena.place(n, None)
+    as_, b, _ = _id_node(y).srcs
+    feeds, arena = id_arena(y, kind, rng, 4 * b.base.nbytes)  # b's bf16 rows
     launches = _id_launches(y, arena, tile)
     assert [s.kernel.split("<")[0] for s in launches] == ["moe_route", "convert", "mmq_wgmma_id"]
     main = launches[2]
