@@ -56,8 +56,9 @@ MMQ_SMALL_MAX_N = 32
 #: the A stages: q8_0 4096 x 14336 270 us, q4_K 333 us, where dequant_cublas took 266 and 212; the Q4_K_M prefill
 #: 8.65 ms against 5.15). The GPU tests select every format. Session 27 (the wide tile, register fragments for the
 #: K-quants): test_mmq[q4_K-512] 177.4 us against dequant_cublas's 205.3, but the Q4_K_M prefill 5.06 ms against
-#: 4.75, so the K-quants stay off.
-MMQ_WGMMA_TYPES: tuple[str, ...] = ("q4_0", "q8_0")
+#: 4.75, so the K-quants stay off. Session 35 (the RS formats' warp-specialized loop): the K-quants with register
+#: fragments (q4_K, q5_K, q6_K) selected too, for the device to time against dequant_cublas before this lands.
+MMQ_WGMMA_TYPES: tuple[str, ...] = ("q4_0", "q8_0", "q4_K", "q5_K", "q6_K")
 #: from this many columns mmq_wgmma takes the products of MMQ_WGMMA_TYPES that mmq would: on the H200
 #: (2026-12-04, one process, q4_0 / q8_0 / q4_K at 4096 x 14336, 14336 x 4096, 2048 x 8192, 8192 x 2048) it
 #: took 0.33-0.55x mmq's time at 96 and 128 columns, 0.55-1.02x at 64 and 0.56-1.14x at 48
