@@ -267,14 +267,15 @@ def test_mmq_layers(measure_cold, torch_cuda, dt: str, shape: tuple, n: int) -> 
 
 
 @pytest.mark.parametrize("shape", list(LAYER_SHAPES.values()), ids=list(LAYER_SHAPES))
-@pytest.mark.parametrize("dt", ["q4_K", "q6_K"])
-def test_wgmma_or_dequant_512(benchmark, torch_cuda, monkeypatch: pytest.MonkeyPatch, dt: str,  # noqa: ANN001
-                              shape: tuple) -> None:
-    """The evidence for support.MMQ_WGMMA_TYPES: a Q4_K_M file's formats at the 1b preset's layer shapes and 512
-    columns (its prefill), mmq_wgmma (dt selected) against dequant_cublas (dt not selected) and torch's bf16
+@pytest.mark.parametrize("dt", ["q4_0", "q4_K", "q6_K"])
+@pytest.mark.parametrize("n", [512, 2048])
+def test_wgmma_or_dequant(benchmark, torch_cuda, monkeypatch: pytest.MonkeyPatch, n: int, dt: str,  # noqa: ANN001
+                          shape: tuple) -> None:
+    """The evidence for support.MMQ_WGMMA_TYPES: Q4_0's and Q4_K_M's formats at the 1b preset's layer shapes and 512 or
+    2048 columns (prefills), mmq_wgmma (dt selected) against dequant_cublas (dt not selected) and torch's bf16
     matmul, timed in interleaved rounds: `us` mmq_wgmma's, `dequant_us`, `torch_us`."""
     torch = torch_cuda
-    (M, K), N = shape, 512
+    (M, K), N = shape, n
     va, vx = rand(M, K), rand(N, K)
     plans = []
     for types in ((*support.MMQ_WGMMA_TYPES, dt), tuple(t for t in support.MMQ_WGMMA_TYPES if t != dt)):
