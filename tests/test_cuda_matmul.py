@@ -121,16 +121,16 @@ PATH_CASES = [
     ("q8_0", (2, 64, 14336), (2, 65, 14336), "mmq_wgmma"),  # N >= support.MMQ_WGMMA_MIN_N (q8_0 selected)
     ("q4_0", (64, 4096), (128, 4096), "mmq_wgmma"),
     ("q8_0", (2, 64, 14336), (2, 512, 14336), "mmq_wgmma"),  # N > support.MMQ_MAX_N
-    ("q4_K", (2, 64, 14336), (2, 512, 14336), "dequant_cublas"),  # N > support.MMQ_MAX_N (mmq_wgmma unselected)
+    ("q4_K", (2, 64, 14336), (2, 512, 14336), "dequant_cublas"),  # N > support.MMQ_MAX_N, support.MMQ_WGMMA_MIN_VALUES
     ("q4_1", (64, 128), (16, 128), "mmq_small"),
     ("q4_1", (64, 128), (40, 128), "mmq"),
     ("q5_1", (64, 64), (70, 64), "mmq"),
     ("q4_K", (64, 256), (16, 256), "mmq_small"),
-    ("q5_K", (2, 64, 512), (2, 128, 512), "mmq"),
+    ("q5_K", (2, 64, 512), (2, 128, 512), "mmq"),  # a weight under support.MMQ_WGMMA_MIN_VALUES
     ("q6_K", (64, 2048), (9, 2048), "mmq_small"),
     ("q6_K", (64, 2048), (64, 2048), "mmq"),
     ("q6_K", (64, 256), (9, 256), "dequant_cublas"),  # K % 2048 != 0: q6_K rows of whole 1680-byte chunks
-    ("q4_K", (64, 256), (129, 256), "dequant_cublas"),  # N > support.MMQ_MAX_N
+    ("q4_K", (64, 256), (129, 256), "dequant_cublas"),  # N > support.MMQ_MAX_N, support.MMQ_WGMMA_MIN_VALUES
 ]
 
 #: with mmq_wgmma selected (wgmma_selected): the products mmq declines, where its own conditions hold
@@ -152,18 +152,30 @@ def wgmma_selected(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def select_wgmma(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(support, "MMQ_WGMMA_TYPES", specs.QUANT_NAMES)
+    monkeypatch.setattr(support, "MMQ_WGMMA_MIN_VALUES", {})
 
 
 def test_mmq_wgmma_takes_the_selected_formats() -> None:
-    """By default q4_0's and q8_0's many-column products take mmq_wgmma; q4_K's stay on dequant_cublas, the note
-    says why."""
-    for dt in ("q4_0", "q8_0"):
-        x = ops.mul_mat(weight("w", (64, 14336), dt), od.input("x", (512, 14336)))
-        assert support.choose(x, H200).path == "mmq_wgmma"
-    y = ops.mul_mat(weight("w", (64, 14336), "q4_K"), od.input("x", (512, 14336)))
+    """By default the RS formats' many-column products take mmq_wgmma (the K-quants' from
+    support.MMQ_WGMMA_MIN_VALUES weight values); q4_1's stay on dequant_cublas, the note says why."""
+    big, small = (2048, 8192), (2048, 4096)  # 2^24 and 2^23 values
+    assert big[0] * big[1] == max(support.MMQ_WGMMA_MIN_VALUES.values())
+    for dt in mmq_wgmma.RS_FORMATS:
+        for shape in (big, small):
+            x = ops.mul_mat(zero_weight("w", shape, dt), od.input("x", (512, shape[1])))
+            least = support.MMQ_WGMMA_MIN_VALUES.get(dt, 0)
+            assert support.choose(x, H200).path == ("mmq_wgmma" if shape[0] * shape[1] >= least else
+                                                    "dequant_cublas"), (dt, shape)
+    y = ops.mul_mat(zero_weight("w", small, "q4_K"), od.input("x", (512, small[1])))
+    assert support.choose(y, H200).note.endswith(
+        "mmq_wgmma: not selected for q4_K weights of 2048 x 4096 values (support.MMQ_WGMMA_MIN_VALUES: from "
+        "16777216; dequant_cublas is faster below)")
+    y = ops.mul_mat(zero_weight("w", small, "q4_K"), od.input("x", (128, small[1])))
+    assert support.choose(y, H200).path == "mmq"  # where mmq_wgmma is not selected, mmq keeps its columns
+    y = ops.mul_mat(weight("w", (64, 14336), "q4_1"), od.input("x", (512, 14336)))
     c = support.choose(y, H200)
     assert c.path == "dequant_cublas"
-    assert c.note.endswith("mmq_wgmma: not selected for q4_K (support.MMQ_WGMMA_TYPES: not faster than "
+    assert c.note.endswith("mmq_wgmma: not selected for q4_1 (support.MMQ_WGMMA_TYPES: not faster than "
                            "dequant_cublas)")
 
 
@@ -461,7 +473,7 @@ def test_mmq_wgmma_id_specs(dt: str, b_rows: int) -> None:
     assert sizes["b"] == n_tok * b_rows * k * 2
     assert spec.kernel == mmq_wgmma.id_instance_name(dt) == f"mmq_wgmma_id<W_{dt.upper()}, 2, 128>"
     assert spec.kernel in specs.KERNEL_SOURCES[specs.MMQ_WGMMA_CU]
-    assert spec.grid == (m // 128 * tiles,) and spec.block == 256
+    assert spec.grid == (m // 128 * tiles,) and spec.block == (384 if dt in mmq_wgmma.RS_FORMATS else 256)
     assert spec.smem == 8 * 128 + mmq_wgmma.wgmma_smem(dt, mmq_wgmma.NARROW)
     assert spec.smem <= stream.device_facts(H200).smem_per_block_optin
     args = spec.args
@@ -2495,7 +2507,8 @@ def test_subscaled_mul_mat_path(dt: str, n: int, wgmma: bool, monkeypatch: pytes
                                                   "column only")
         else:
             gemm = dt in mmq.MMQ_FORMATS  # the grid I-quants have no quantized GEMM
-            wide = "mmq_wgmma" if wgmma and whole and k % mmq_wgmma.BK == 0 else "dequant_cublas"
+            selected = wgmma or support.wgmma_takes(dt, 13, k) is True
+            wide = "mmq_wgmma" if selected and whole and k % mmq_wgmma.BK == 0 else "dequant_cublas"
             wgmma_first = wide == "mmq_wgmma" and n >= support.MMQ_WGMMA_MIN_N  # mmq_wgmma is faster there
             big = "mmq" if gemm and whole and n <= support.MMQ_MAX_N and not wgmma_first else wide
             small_gemm = support.MMQ_SMALL_MIN_N <= n <= support.MMQ_SMALL_MAX_N
@@ -2694,7 +2707,8 @@ def test_mmq_wgmma_specs() -> None:
     assert bufs["b"][0] == mmq_wgmma.b_bytes(4 * 300, 512)  # (not used), what a fused group's b16 rows hold too
     assert bufs["mmq_wgmma partial sums"] == (2 * 4 * 300 * 200 * 4, False)
     assert bufs["mmq_wgmma split counters"] == (4 * 2 * 3 * 4, True)
-    assert main.kernel == "mmq_wgmma<W_Q4_K, 2, 128>" and main.grid == (2 * 2 * 3, 4, 1) and main.block == 256
+    # q4_K (an RS format): two computing warpgroups and one that copies
+    assert main.kernel == "mmq_wgmma<W_Q4_K, 2, 128>" and main.grid == (2 * 2 * 3, 4, 1) and main.block == 384
     a = main.args
     assert (a.M, a.K, a.N, a.tiles_m, a.tiles_n, a.splits, a.r2, a.r3) == (200, 512, 300, 2, 3, 2, 2, 1)
     assert a.a_row == 512 // 256 * 144 and a.a_s2 == 200 * a.a_row

@@ -183,6 +183,20 @@ def mmq_any_n(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(support, "MMQ_WGMMA_ID_TYPES", ())
 
 
+#: mmq_frags.cuh's inline PTX (whole statements) and shim.h's host replacements
+FRAGS_PTX = (
+    ('asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));', "r = emu_cvt_bf16x2(hi, lo);"),
+    ('asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(t) : "r"(x), "r"(0x3f803f80u), "r"(0xc308c308u));',
+     "t = emu_fma_bf16x2(x, 0x3f803f80u, 0xc308c308u);"),
+    ('asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(v) : "r"(t), "r"(d2));', "v = emu_mul_bf16x2(t, d2);"),
+)
+#: mmq_wgmma.cu's own inline PTX: the A stages' 8-byte stores, setmaxnreg (the host's registers are its own)
+WGMMA_PTX = (
+    ('asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(saddr), "r"(a), "r"(b) : "memory");',
+     "memcpy(emu_ctx->smem + saddr, &a, 4), memcpy(emu_ctx->smem + saddr + 4, &b, 4);"),
+    ('asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\\n" ::"n"(R));', ""),
+    ('asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\\n" ::"n"(R));', ""),
+)
 #: each kernel file the emulations copy: the swaps that make it host C++ (the inline PTX, the dynamic shared memory)
 SWAPS: dict[str, tuple[tuple[str, str], ...]] = {
     "mm_common.cuh": (),
@@ -195,6 +209,8 @@ SWAPS: dict[str, tuple[tuple[str, str], ...]] = {
     "mmq_id.cu": ((SHARED, EMU_SHARED),),
     "mmq_small.cu": ((SHARED, EMU_SHARED),),
     "convert.cu": (),
+    "mmq_frags.cuh": FRAGS_PTX,
+    "mmq_wgmma.cu": (*WGMMA_PTX, (SHARED, EMU_SHARED)),
 }
 
 
@@ -402,6 +418,23 @@ def check_route(words: np.ndarray, ids: np.ndarray, e: int, bn: int, tiles: int)
     assert [tuple(r) for r in got.tolist()] == want
 
 
+def id_arena(y: Tensor, kind: str, rng: np.random.Generator, scratch: int) -> tuple[dict, ScratchArena]:
+    """Feeds of mul_mat_id `y`'s graph (uniform in [-1, 1), its ids of `kind`: _ids) and an arena holding them, its
+    nodes poisoned and room for `scratch` bytes of scratch buffers besides the routing table's."""
+    graph = Graph.build(y)
+    ids = _id_node(y).srcs[2]
+    e, (t, u) = _id_node(y).srcs[0].shape[0], ids.shape
+    feeds = {leaf: rng.uniform(-1, 1, leaf.shape).astype(np.float32) for leaf in graph.inputs}
+    feeds[ids] = _ids(kind, rng, t, u, e)
+    arena = ScratchArena(sum(x.base.nbytes + 256 for x in (*graph.leafs, *graph.nodes)) + scratch
+                         + 4 * (8 * t * u + 4 * e) + (1 << 16))
+    for leaf in graph.leafs:
+        arena.place(leaf, from_float(leaf.dtype.name, feeds[leaf]))
+    for n in graph.nodes:
+        arena.place(n, None)
+    return feeds, arena
+
+
 @pytest.mark.parametrize("case", _marked(list(ID_CASES)))
 def test_mmq_id_emulated(case: str, id_emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
     """moe_route, quantize_q8_1 and mmq_id as the plugin binds them, run in turn by the emulator on one memory
@@ -409,19 +442,11 @@ def test_mmq_id_emulated(case: str, id_emulator: Path, tmp_path: Path, rng) -> N
     the reference (mul_mat_id's bound) and against it on b rounded to q8_1 (the kernel's only rounding)."""
     make, kind, eager, cfg = ID_CASES[case]
     y = make()
-    graph = Graph.build(y)
     node = _id_node(y)
     as_, b, ids = node.srcs
     e, (t, u) = as_.shape[0], ids.shape
     assert support.choose(node).path == "mmq_id", support.mmq_id_ok(node)
-    feeds = {leaf: rng.uniform(-1, 1, leaf.shape).astype(np.float32) for leaf in graph.inputs}
-    feeds[ids] = _ids(kind, rng, t, u, e)
-    arena = ScratchArena(sum(x.base.nbytes + 256 for x in (*graph.leafs, *graph.nodes)) + 40 * b.base.nbytes
-                         + 4 * (8 * t * u + 4 * e) + (1 << 16))
-    for leaf in graph.leafs:
-        arena.place(leaf, from_float(leaf.dtype.name, feeds[leaf]))
-    for n in graph.nodes:
-        arena.place(n, None)
+    feeds, arena = id_arena(y, kind, rng, 40 * b.base.nbytes)
     launches = _id_specs(y, arena, cfg)
     assert [s.kernel.split("<")[0] for s in launches] == ["moe_route", "quantize_q8_1", "mmq_id"]
     mem = run_launches(launches, arena, eager, id_emulator, tmp_path)

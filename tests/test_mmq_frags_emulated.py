@@ -40,13 +40,6 @@ from test_quant_header import random_blocks as any_finite_blocks
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
 
-#: mmq_frags.cuh's inline PTX (whole statements) and shim.h's host replacements
-FRAGS_PTX = (
-    ('asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));', "r = emu_cvt_bf16x2(hi, lo);"),
-    ('asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(t) : "r"(x), "r"(0x3f803f80u), "r"(0xc308c308u));',
-     "t = emu_fma_bf16x2(x, 0x3f803f80u, 0xc308c308u);"),
-    ('asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(v) : "r"(t), "r"(d2));', "v = emu_mul_bf16x2(t, d2);"),
-)
 #: the plugin headers mmq_frags.cuh includes, made host C++ by test_mmq_emulated.py's swaps
 HEADERS = ("mm_common.cuh", "mmv_common.cuh", "mmq_common.cuh")
 FORMATS = mmq_wgmma.RS_FORMATS
@@ -61,7 +54,7 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_headers(build)
     for name in (*HEADERS, "mmq_frags.cuh"):
         src = specs.KERNELS_DIR.joinpath(name).read_text()
-        for ptx, host in FRAGS_PTX if name == "mmq_frags.cuh" else SWAPS[name]:
+        for ptx, host in SWAPS[name]:
             assert ptx in src, f"{name} changed: update the emulation's swap of {ptx.strip()[:60]}"
             src = src.replace(ptx, host)
         assert "asm" not in src, f"{name} has inline PTX the emulation does not replace"

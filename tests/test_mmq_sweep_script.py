@@ -108,7 +108,7 @@ def test_the_wgmma_jobs_bracket_the_crossover(sweep) -> None:  # noqa: ANN001
         assert [(j.kernel, j.cfg) for j in members] == [("mmq", mmq.mmq_config(fmt, n)),
                                                         *(("mmq_wgmma", t) for t in mmq_wgmma.TILES)]
         today = [(j.kernel, j.cfg) for j in members if j.table]
-        if fmt in support.MMQ_WGMMA_TYPES and n >= support.MMQ_WGMMA_MIN_N:
+        if support.wgmma_takes(fmt, m, k) is True and n >= support.MMQ_WGMMA_MIN_N:
             assert today == [("mmq_wgmma", mmq_wgmma.tile_for(m, n, k))]
         elif n <= support.MMQ_MAX_N:
             assert today == [("mmq", mmq.mmq_config(fmt, n))]

@@ -53,11 +53,12 @@ def reach() -> dict[str, set[tuple]]:
     return _reach()
 
 
-def _gemm(dt: str, n: int) -> str:
-    """The path of mul_mat at n > 8 columns on rows of whole chunks (K a multiple of 64 in every case here)."""
+def _gemm(dt: str, n: int, m: int, k: int) -> str:
+    """The path of mul_mat of m x k weights at n > 8 columns on rows of whole chunks (K a multiple of 64 in every case
+    here)."""
     if dt in MMQ_FORMATS and support.MMQ_SMALL_MIN_N <= n <= support.MMQ_SMALL_MAX_N:
         return "mmq_small"
-    wgmma = dt in support.MMQ_WGMMA_TYPES
+    wgmma = support.wgmma_takes(dt, m, k) is True
     if dt in MMQ_FORMATS and n <= support.MMQ_MAX_N and not (wgmma and n >= support.MMQ_WGMMA_MIN_N):
         return "mmq"
     return "mmq_wgmma" if wgmma else "dequant_cublas"
@@ -93,12 +94,14 @@ def test_mul_mat_reaches_every_path_at_every_batch(reach: dict[str, set[tuple]],
     """Each batch on rows of whole chunks (the streamed mat-vec at 1, then mmq, mmq_wgmma or dequant_cublas), the
     two-launch mat-vec on rows of part chunks, and the odd sizes on the GEMM: M and N partial tiles, K of odd_k."""
     mine = {r for r in reach["mul_mat"] if r[0] == dt}
-    by_batch = {(n, path) for _, m, n, k, *_, path, _ in mine if k % chunk(dt) == 0 and m % 2}
-    assert {(1, "mmvq_stream"), *((n, _gemm(dt, n)) for n in BATCHES if n > 1)} <= by_batch
+    rows = [(n, m, k, path) for _, m, n, k, *_, path, _ in mine if k % chunk(dt) == 0 and m % 2]
+    assert any(n == 1 and path == "mmvq_stream" for n, _, _, path in rows)
+    for n in (n for n in BATCHES if n > 1):
+        assert any(cols == n and path == _gemm(dt, n, m, k) for cols, m, k, path in rows), n
     if chunk(dt) > DTYPES[dt].block_size:  # rows of q4_K / q5_K blocks are always whole chunks
         assert any(path == "mmvq" for *_, path, _ in mine)
     for n in ODD_BATCHES:
-        assert any(path == _gemm(dt, n) and m % 64 and cols == n and k == odd_k(dt)
+        assert any(path == _gemm(dt, n, m, k) and m % 64 and cols == n and k == odd_k(dt)
                    for _, m, cols, k, *_, path, _ in mine), n
 
 
@@ -120,23 +123,25 @@ def test_mul_mat_id_reaches_the_grouped_mat_vec_and_the_gemm(reach: dict[str, se
         assert any(path == "mmq_wgmma_id" for *_, path in paths)
 
 
+def _fused(dt: str, rule: str, n: int, m: int, k: int) -> tuple[str, str]:
+    """The path of rule's pattern on m x k weights of dt at n > 8 columns, and the rule where it is fused there."""
+    path = ("mmf" if n <= support.MMF_MAX_N else "cublas") if dt in ("f16", "bf16") else _gemm(dt, n, m, k)
+    # cuBLAS adds contiguous residuals only, which the sweep's are but at 16 columns (strided rows)
+    add = rule == "mul_mat_add" and not (path in ("cublas", "dequant_cublas") and n == 16)
+    return path, rule if path == "mmf" or add else ""
+
+
 @pytest.mark.parametrize("dt", ("f16", "bf16", *QUANT_NAMES))
 def test_fused_patterns_reach_every_batch(reach: dict[str, set[tuple]], dt: str) -> None:
     """The bias (and residual) and gate/up GLU patterns at 9 .. 512 columns: fused on mmf (f16 / bf16 up to 16
     columns); the add fused on every GEMM too (cuBLAS: the contiguous residual, its C), the GLU not; fused on the
     mat-vecs at 1 and 8."""
     for group, rule in (("fused:mul_mat_add", "mul_mat_add"), ("fused:mul_mat_glu", "mul_mat_glu")):
-        mine = {(n, path, fused) for fmt, _, n, _, _, _, path, fused in reach[group] if fmt == dt}
+        mine = {(n, m, k, path, fused) for fmt, m, n, k, _, _, path, fused in reach[group] if fmt == dt}
         for n in (9, 16, 64, 512):
-            if dt in ("f16", "bf16"):
-                path = "mmf" if n <= support.MMF_MAX_N else "cublas"
-            else:
-                path = _gemm(dt, n)
-            # cuBLAS adds contiguous residuals only, which the sweep's are but at 16 columns (strided rows)
-            add = rule == "mul_mat_add" and not (path in ("cublas", "dequant_cublas") and n == 16)
-            want = (path, rule if path == "mmf" or add else "")
-            assert (n, *want) in mine, (group, n)
-        assert {1, 8} <= {n for n, _, fused in mine if fused == rule}, group
+            assert any((path, fused) == _fused(dt, rule, n, m, k) for cols, m, k, path, fused in mine if cols == n), \
+                (group, n)
+        assert {1, 8} <= {n for n, *_, fused in mine if fused == rule}, group
 
 
 @pytest.mark.parametrize("dt", ("f16", "bf16", *QUANT_NAMES))

@@ -56,8 +56,17 @@ MMQ_SMALL_MAX_N = 32
 #: the A stages: q8_0 4096 x 14336 270 us, q4_K 333 us, where dequant_cublas took 266 and 212; the Q4_K_M prefill
 #: 8.65 ms against 5.15). The GPU tests select every format. Session 27 (the wide tile, register fragments for the
 #: K-quants): test_mmq[q4_K-512] 177.4 us against dequant_cublas's 205.3, but the Q4_K_M prefill 5.06 ms against
-#: 4.75, so the K-quants stay off.
-MMQ_WGMMA_TYPES: tuple[str, ...] = ("q4_0", "q8_0")
+#: 4.75, so the K-quants stayed off. Session 36 (the RS formats' warp-specialized loop; H200, one call): the K-quants
+#: with register fragments (q4_K, q5_K, q6_K) on: test_mmq[q4_K-512] 151.7 us against 205.0, the Q4_K_M prefill
+#: 4049 us against 4222 with every K-quant product on it; MMQ_WGMMA_MIN_VALUES keeps the smaller weights off it
+#: (the prefill not yet timed so).
+MMQ_WGMMA_TYPES: tuple[str, ...] = ("q4_0", "q8_0", "q4_K", "q5_K", "q6_K")
+#: the fewest weight values (rows x K of one matrix) from which mmq_wgmma takes a format of MMQ_WGMMA_TYPES (one
+#: not named here: any). On the H200 (session 36, `test_wgmma_or_dequant` at 512 columns, one call) q4_K took
+#: 0.74x dequant_cublas's time at 8192 x 2048 weights and 0.87x at 2048 x 8192, but 1.20x at 3072 x 2048, 1.21x at
+#: 2048 x 2048 and 1.73x at 512 x 2048; q6_K 0.76x, 0.91x, 1.26x, 1.27x, 1.59x. Below, the product goes where it
+#: went before (mmq up to MMQ_MAX_N columns, dequant_cublas above).
+MMQ_WGMMA_MIN_VALUES: dict[str, int] = {"q4_K": 1 << 24, "q5_K": 1 << 24, "q6_K": 1 << 24}
 #: from this many columns mmq_wgmma takes the products of MMQ_WGMMA_TYPES that mmq would: on the H200
 #: (2026-12-04, one process, q4_0 / q8_0 / q4_K at 4096 x 14336, 14336 x 4096, 2048 x 8192, 8192 x 2048) it
 #: took 0.33-0.55x mmq's time at 96 and 128 columns, 0.55-1.02x at 64 and 0.56-1.14x at 48
@@ -231,6 +240,18 @@ def _wgmma_ok(k: int, device: Device | None) -> bool | str:
     return True
 
 
+def wgmma_takes(dt: str, m: int, k: int) -> bool | str:
+    """True if mmq_wgmma is selected for m x k weights of format dt (MMQ_WGMMA_TYPES, MMQ_WGMMA_MIN_VALUES), else
+    why not."""
+    if dt not in MMQ_WGMMA_TYPES:
+        return f"not selected for {dt} (support.MMQ_WGMMA_TYPES: not faster than dequant_cublas)"
+    least = MMQ_WGMMA_MIN_VALUES.get(dt, 0)
+    if m * k < least:
+        return (f"not selected for {dt} weights of {m} x {k} values (support.MMQ_WGMMA_MIN_VALUES: from {least}; "
+                "dequant_cublas is faster below)")
+    return True
+
+
 def mmq_wgmma_ok(node: Tensor, device: Device | None = None) -> bool | str:
     """True if mmq_wgmma runs mul_mat `node` (block-format a, N > 8, declined by mmq: checked by the caller), else
     why dequant_cublas runs it: wgmma (compute capability 9.0 exactly: sm_90a code), K whole K tiles, mmq's row
@@ -239,8 +260,9 @@ def mmq_wgmma_ok(node: Tensor, device: Device | None = None) -> bool | str:
     k = a.shape[-1]
     if a.dtype.name not in mmq_wgmma.WGMMA_FORMATS:
         return f"{a.dtype.name} has no dequantizing wgmma GEMM"
-    if a.dtype.name not in MMQ_WGMMA_TYPES:
-        return f"not selected for {a.dtype.name} (support.MMQ_WGMMA_TYPES: not faster than dequant_cublas)"
+    selected = wgmma_takes(a.dtype.name, a.shape[-2], k)
+    if selected is not True:
+        return selected
     facts = device_facts(device)
     wgmma = _wgmma_ok(k, device)
     if wgmma is not True:

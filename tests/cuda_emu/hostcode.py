@@ -12,6 +12,7 @@ also hands out scratch buffers. `run_launches` runs launch specs on a kernel_mai
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -51,6 +52,8 @@ _SWAPS = (
      "emu_mbar_expect_tx(bar, bytes);"),
     ('asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\\n"\n'
      '                 ::"r"(saddr), "l"(src), "r"(bytes), "r"(bar) : "memory");', "emu_bulk(saddr, src, bytes, bar);"),
+    ('asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\\n" ::"r"(bar) : "memory");', "emu_mbar_arrive(bar);"),
+    ('asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");', "emu_named_barrier(THREADS);"),
     ('asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\\n"\n'
      '                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");', "done = emu_mbar_try_wait(bar, parity);"),
     ('asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"\n'
@@ -81,14 +84,44 @@ def host_common() -> str:
     return text
 
 
-#: shared headers of sm_90a-only code (Hopper's wgmma), which no emulated kernel includes: not copied
-_HOPPER_ONLY = ("wgmma.cuh",)
+#: wgmma.cuh's inline PTX (whole statements; the products' macro bodies from their asm to its operands) and shim.h's
+#: host emulation (the wgmma emulation: products recorded at issue, computed at the wait that retires them)
+_WGMMA_SWAPS = (
+    ('asm volatile("wgmma.fence.sync.aligned;" ::: "memory");', ""),
+    ('asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");', "emu_wg_commit();"),
+    ('asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");', "emu_wg_wait(N);"),
+    ('asm volatile("fence.proxy.async.shared::cta;" ::: "memory");', ""),  # one memory here
+    ('asm volatile("" : "+f"(d[i])::"memory");', "(void)d[i];"),
+    ('asm volatile("" : "+r"(f[i][j])::"memory");', "(void)f[i][j];"),
+    ('asm volatile("{\\n.reg .pred p;\\nsetp.ne.b32 p, %" #IP ", 0;\\n" \\\n'
+     '                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" ACC_TXT "}, %" #IA \\\n'
+     '                     ", %" #IB ", p, 1, 1, 0, 0;\\n}\\n" \\\n'
+     '                     : ACC_OUTS(d) \\\n'
+     '                     : "l"(da), "l"(db), "r"(acc));', "emu_wgmma(d, N, BF, nullptr, da, db, 0, acc);"),
+    ('asm volatile("{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n" \\\n'
+     '                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" ACC_TXT "}, {%" #I0 \\\n'
+     '                     ", %" #I1 ", %" #I2 ", %" #I3 "}, %" #IB ", p, 1, 1, " #TB ";\\n}\\n" \\\n'
+     '                     : ACC_OUTS(d) \\\n'
+     '                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));',
+     "emu_wgmma(d, N, BF, a, 0, db, TB, 1);"),
+)
+
+
+def host_wgmma() -> str:
+    """wgmma.cuh with its inline PTX replaced by shim.h's wgmma emulation (its comments still say asm)."""
+    text = (INCLUDE / "wgmma.cuh").read_text()
+    for ptx, host in _WGMMA_SWAPS:
+        assert ptx in text, f"wgmma.cuh changed: update the emulation's swap of {ptx[:60]}"
+        text = text.replace(ptx, host)
+    assert not re.search(r"\basm\s*(volatile\s*)?\(", text), "wgmma.cuh has inline PTX the emulation does not replace"
+    return text
 
 
 def write_headers(build: Path) -> None:
     """The shared headers, host-ready, and shim.h into `build` (to go first on the include path)."""
     for header in INCLUDE.glob("*.cuh"):
-        if header.name in _HOPPER_ONLY:
+        if header.name == "wgmma.cuh":
+            (build / header.name).write_text(host_wgmma())
             continue
         text = host_common() if header.name == "common.cuh" else header.read_text()
         assert "asm" not in text, f"{header.name} has inline PTX the emulation does not replace"
@@ -166,10 +199,11 @@ class ScratchArena(Arena):
 
 
 def run_launches(launches: list, arena: ScratchArena, eager: bool, emulator: Path, tmp_path: Path,
-                 shuffle: int | None = None) -> np.ndarray:
+                 shuffle: int | None = None, last_first: bool = False, wgmma_at_issue: bool = False) -> np.ndarray:
     """The arena's memory after a kernel_main.cpp emulator ran `launches` (KernelSpecs) in turn on it: each with its
     dynamic shared memory, cp.async copies landing when issued if `eager` (EMU_EAGER), its blocks in a random order
-    of seed `shuffle` if given (EMU_SHUFFLE)."""
+    of seed `shuffle` if given (EMU_SHUFFLE), a block's last threads scheduled first if `last_first`
+    (EMU_LAST_FIRST), wgmma products computed at issue if `wgmma_at_issue` (EMU_WGMMA_AT_ISSUE)."""
     mem_file = tmp_path / "mem.bin"
     arena.mem.tofile(mem_file)
     for spec in launches:
@@ -177,7 +211,8 @@ def run_launches(launches: list, arena: ScratchArena, eager: bool, emulator: Pat
         cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, grid), str(spec.block),
                *(str(v.item()) for v in spec.arg_values)]
         env = {**os.environ, "EMU_SMEM": str(spec.smem), "EMU_EAGER": str(int(eager)),
-               **({} if shuffle is None else {"EMU_SHUFFLE": str(shuffle)})}
+               **({} if shuffle is None else {"EMU_SHUFFLE": str(shuffle)}), "EMU_LAST_FIRST": str(int(last_first)),
+               "EMU_WGMMA_AT_ISSUE": str(int(wgmma_at_issue))}
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         assert done.returncode == 0, f"{spec.kernel}: {done.stderr}"
     return np.fromfile(mem_file, np.uint8)

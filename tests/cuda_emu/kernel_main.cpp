@@ -4,7 +4,9 @@
 //   EMU_SMEM=bytes: dynamic shared memory a block, poisoned (0xFF) and guarded at its end;
 //   EMU_EAGER=1: cp.async copies land when issued (else at the wait_group that covers them);
 //   EMU_SHUFFLE=seed: the blocks in a random order of that seed (else in grid order), for kernels whose
-//   blocks meet through counters (split K's last block): they must not rely on the order.
+//   blocks meet through counters (split K's last block): they must not rely on the order;
+//   EMU_LAST_FIRST=1: a block's runnable fiber of the highest thread index runs first (shim.h's emu_yield);
+//   EMU_WGMMA_AT_ISSUE=1: wgmma products computed when issued (else at the wait that retires them).
 // MEM_FILE holds device memory (pointer arguments are byte offsets into it, 0 = nullptr) and gets
 // it back after the run. instances.inc lists {name, call}: each call passes its kernel's arguments as
 // `Arg`s, which convert to the parameter's type (a pointer into the memory, an integer or a float).
@@ -58,6 +60,10 @@ int main(int argc, char** argv) {
     const int smem = smem_env ? atoi(smem_env) : 0;
     const char* eager_env = getenv("EMU_EAGER");
     emu_eager = eager_env && atoi(eager_env) != 0;
+    const char* last_env = getenv("EMU_LAST_FIRST");
+    emu_last_first = last_env && atoi(last_env) != 0;
+    const char* issue_env = getenv("EMU_WGMMA_AT_ISSUE");
+    emu_wgmma_at_issue = issue_env && atoi(issue_env) != 0;
     std::vector<Arg> args;
     for (int i = 7; i < argc; ++i) args.push_back({argv[i], mem});
     int bad = 0;
@@ -80,12 +86,14 @@ int main(int argc, char** argv) {
         blk.xchg.assign(blockDim.x, 0u);
         blk.frag.assign(blockDim.x * 6, 0u);
         blk.smem = smem ? (unsigned char*)aligned_alloc(16, smem + 16) : nullptr;  // poisoned, a guard after
+        blk.smem_bytes = smem;
         if (smem) memset(blk.smem, 0xff, smem + 16);
         blockIdx.x = bx; blockIdx.y = by; blockIdx.z = bz;
         emu_ctx = &blk;
         emu_run_block(blockDim.x, [&](unsigned) {
             entry->call(args.data());
             if (!emu_pending.empty()) { fprintf(stderr, "copies pending at exit\n"); bad = 1; }
+            if (!emu_fibers[emu_cur].products.empty()) { fprintf(stderr, "wgmma products pending at exit\n"); bad = 1; }
         });
         if (smem && memcmp(blk.smem + smem, "\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", 16)) {
             fprintf(stderr, "shared memory written past its end\n");
@@ -93,6 +101,8 @@ int main(int argc, char** argv) {
         }
         free(blk.smem);
         for (auto* w : wb) delete w;
+        for (auto* w : blk.wg_bar) delete w;
+        for (auto& [n, b] : blk.named) delete b;
     }
     f = fopen(argv[1], "wb");
     fwrite(mem, 1, size, f);

@@ -1,5 +1,6 @@
 // Host emulation of the CUDA subset that cuda_matmul's mmvq_stream.cu, mmq.cu and mmq_id.cu (with mmv.cu's
-// quantize_q8_1 and mmv_id.cu's moe_route), mmq_wgmma's A-fragment builders (mmq_frags.cuh), cuda_misc's row
+// quantize_q8_1 and mmv_id.cu's moe_route), mmq_wgmma.cu (its wgmma products, mbarriers and named barrier too:
+// tests/test_mmq_wgmma_emulated.py) and its A-fragment builders (mmq_frags.cuh), cuda_misc's row
 // kernels, cuda_attention's fattn_decode.cu and the shared headers (common.cuh, quant.cuh) use, for
 // tests/test_mmvq_stream_emulated.py, tests/test_mmq_emulated.py, tests/test_mmq_frags_emulated.py,
 // tests/test_rows_emulated.py, tests/test_fattn_decode_emulated.py and tests/test_quant_header.py:
@@ -165,12 +166,16 @@ inline int emu_groups;
 // over; the last to arrive at a barrier releases the others and yields too, so each phase between barriers
 // runs its threads in index order. A barrier that can never fill (threads ended, or waiting elsewhere) is a
 // deadlock: reported, exit status 3.
+struct EmuWgmma;  // a wgmma product issued and not yet retired (the wgmma emulation below)
 struct EmuFiber {
     ucontext_t ctx;
     dim3 tid;
     std::vector<EmuCopy> pending;
     int groups = 0;
     bool blocked = false, done = false;
+    bool spinning = false;            // its last mbarrier try_wait failed
+    std::vector<EmuWgmma*> products;  // in issue order
+    int product_groups = 0;           // wgmma.commit_group's so far
 };
 // bytes of stack a fiber (reserved, not committed until touched), a guard page below each
 inline constexpr size_t EMU_STACK = 1 << 20, EMU_GUARD = 1 << 12;
@@ -196,9 +201,21 @@ inline void emu_switch(size_t next) {
 }
 
 // On to the next runnable fiber after the running one (the running one itself if it is the only one); false
-// if none is runnable, not even the running one.
+// if none is runnable, not even the running one. emu_last_first (EMU_LAST_FIRST=1): the runnable fiber of the
+// highest thread index instead, so that a block's last warps (a warp-specialized kernel's producer) run as far
+// ahead as their barriers let them: a stage handed back too early is then refilled under the readers.
+inline bool emu_last_first;
 inline bool emu_yield() {
     const size_t n = emu_fibers.size();
+    if (emu_last_first) {  // the highest thread that is not spinning on an mbarrier, else as below
+        for (size_t j = n; j-- > 0;) {
+            const EmuFiber& f = emu_fibers[j];
+            if (j != emu_cur && !f.blocked && !f.done && !f.spinning) {
+                emu_switch(j);
+                return true;
+            }
+        }
+    }
     for (size_t i = 1; i <= n; ++i) {
         const size_t j = (emu_cur + i) % n;
         if (!emu_fibers[j].blocked && !emu_fibers[j].done) {
@@ -278,10 +295,25 @@ struct EmuBlock {
     unsigned char* smem;
     std::vector<unsigned> frag;  // the mma emulations' exchange (emu_mma_post): 6 words a thread
     int vote = 0;                // __syncthreads_or's
+    std::map<unsigned, EmuBarrier*> named;  // bar.sync 1, n's barriers by n (emu_named_barrier)
+    std::vector<EmuBarrier*> wg_bar;        // a warpgroup's (128 threads) barrier, for the wgmma exchange
+    std::vector<unsigned> wg_frag;          // its A fragments: 4 words a thread
+    unsigned smem_bytes = 0;                // the dynamic shared memory's size
 };
 inline EmuBlock* emu_ctx;
 
 inline void __syncthreads() { emu_ctx->block_bar->arrive_and_wait(); }
+// bar.sync 1, threads (common.cuh's sync_block<THREADS>): the block's barrier where it names every thread, else one
+// of that many threads (a warp-specialized kernel's computing warps, the others having left).
+inline void emu_named_barrier(unsigned threads) {
+    if (threads == blockDim.x * blockDim.y * blockDim.z) {
+        __syncthreads();
+        return;
+    }
+    EmuBarrier*& b = emu_ctx->named[threads];
+    if (b == nullptr) b = new EmuBarrier(threads);
+    b->arrive_and_wait();
+}
 // every thread's predicate ORed: the last vote read by all, cleared, gathered, then read
 inline int __syncthreads_or(int p) {
     __syncthreads();
@@ -377,7 +409,12 @@ inline void emu_wait(int n) {
 // (EMU_BAR_SPINS in a row, every thread's), a stage's copies never add up to what its barrier expects, or were never
 // issued: reported, abort. The barriers by (the block's shared memory, address).
 struct EmuBulk { void* dst; const void* src; unsigned bytes; };
-struct EmuBar { int phase = 0; bool armed = false; long long expected = 0, issued = 0; std::vector<EmuBulk> copies; };
+struct EmuBar {
+    int phase = 0;
+    unsigned count = 1, pending = 1;  // arrivals a phase, and those still to come in this one
+    long long expected = 0, issued = 0;
+    std::vector<EmuBulk> copies;
+};
 inline std::map<std::pair<const unsigned char*, unsigned>, EmuBar> emu_bars;
 inline constexpr long long EMU_BAR_SPINS = 1 << 20;
 inline long long emu_bar_spins;  // waits failed in a row
@@ -390,21 +427,35 @@ inline EmuBar& emu_bar(unsigned bar) {
     return it->second;
 }
 inline void emu_mbar_init(unsigned bar, unsigned count) {
-    if (count != 1 || (bar & 7)) {
-        fprintf(stderr, "mbarrier.init at %u with count %u (the emulation takes count 1, 8-byte aligned)\n", bar, count);
+    if (count == 0 || (bar & 7)) {
+        fprintf(stderr, "mbarrier.init at %u with count %u (8-byte aligned, a count above 0)\n", bar, count);
         std::abort();
     }
-    emu_bars[{emu_ctx->smem, bar}] = EmuBar{};
+    emu_bars[{emu_ctx->smem, bar}] = EmuBar{0, count, count};
+}
+// the phase's arrivals all in and its copies' bytes issued: it completes (the copies land) when next looked at
+inline bool emu_bar_ready(const EmuBar& b) { return b.pending == 0 && b.issued == b.expected; }
+inline void emu_bar_complete(EmuBar& b) {
+    for (const EmuBulk& c : b.copies) memcpy(c.dst, c.src, c.bytes);
+    b = EmuBar{b.phase + 1, b.count, b.count};
+}
+// one arrival; one beyond the phase's count belongs to the next phase, once this one can complete
+inline void emu_bar_arrival(unsigned bar, EmuBar& b) {
+    if (b.pending == 0) {
+        if (!emu_bar_ready(b)) {
+            fprintf(stderr, "mbarrier at %u: an arrival beyond its count %u in phase %d\n", bar, b.count, b.phase);
+            std::abort();
+        }
+        emu_bar_complete(b);
+    }
+    --b.pending;
 }
 inline void emu_mbar_expect_tx(unsigned bar, unsigned bytes) {
     EmuBar& b = emu_bar(bar);
-    if (b.armed) {
-        fprintf(stderr, "mbarrier at %u armed twice in one phase\n", bar);
-        std::abort();
-    }
-    b.armed = true;
+    emu_bar_arrival(bar, b);
     b.expected += bytes;
 }
+inline void emu_mbar_arrive(unsigned bar) { emu_bar_arrival(bar, emu_bar(bar)); }
 inline void emu_bulk(unsigned saddr, const void* src, unsigned bytes, unsigned bar) {
     const unsigned char* s = (const unsigned char*)src;
     if (bytes == 0 || bytes % 16 || s < emu_gmem_lo || s + bytes > emu_gmem_hi || ((uintptr_t)s & 15) || (saddr & 15)) {
@@ -418,18 +469,18 @@ inline void emu_bulk(unsigned saddr, const void* src, unsigned bytes, unsigned b
 inline bool emu_mbar_try_wait(unsigned bar, unsigned parity) {
     EmuBar& b = emu_bar(bar);
     bool done = (unsigned)(b.phase & 1) != parity;  // the phase of that parity has completed already
-    if (!done && b.armed && b.issued == b.expected) {
-        for (const EmuBulk& c : b.copies) memcpy(c.dst, c.src, c.bytes);
-        b = EmuBar{b.phase + 1};
+    if (!done && emu_bar_ready(b)) {
+        emu_bar_complete(b);
         done = true;
     }
+    emu_fibers[emu_cur].spinning = !done;
     if (done) {
         emu_bar_spins = 0;
         return true;
     }
     if (++emu_bar_spins > EMU_BAR_SPINS) {
-        fprintf(stderr, "mbarrier at %u: phase %d never completes (armed %d, %lld bytes expected, %lld issued)\n",
-                bar, b.phase, (int)b.armed, b.expected, b.issued);
+        fprintf(stderr, "mbarrier at %u: phase %d never completes (%u arrivals to come, %lld bytes expected, %lld "
+                "issued)\n", bar, b.phase, b.pending, b.expected, b.issued);
         std::abort();
     }
     emu_yield();  // the lanes that arm and issue run
@@ -526,6 +577,123 @@ inline void emu_mma_m16n8k16_bf16(float* d, unsigned a0, unsigned a1, unsigned a
 inline void emu_mma_m16n8k16_f16(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
                                  unsigned b1) {
     emu_mma_m16n8k16(d, a0, a1, a2, a3, b0, b1, false);
+}
+
+// -- wgmma.mma_async (wgmma.cuh's ss / rs), a warpgroup collective, asynchronous -------------------------------
+// A product is recorded at issue (rs: the warpgroup's A fragments exchanged then, as the registers are read) and
+// computed when a wgmma.wait_group retires its group (emu_wg_wait), reading B (and ss's A) from shared memory
+// then: a stage overwritten before the wait that covers its products gives a wrong sum. K-major operands in the
+// 128-byte swizzle only (the descriptor's start address, its stride between 8-row groups; element (row, k) at
+// a = start + row / 8 * stride + row % 8 * 128 + 2 k, swizzled a ^ ((a >> 7) & 7) << 4). Each thread computes
+// its own accumulators (warp w of the warpgroup: rows 16 w + g and + 8, columns 8 i + 2 t and + 1), sums in double.
+struct EmuWgmma {
+    float* d;
+    int n, group;
+    bool bf16, accumulate;
+    std::vector<float> a;  // rs: the warpgroup's 64 x 16 A; empty: ss, A at da
+    unsigned long long da, db;
+};
+// the block's warpgroup barriers and fragment exchange, made by the first wgmma instruction
+inline void emu_wg_init() {
+    if (emu_ctx->wg_bar.empty()) {
+        for (unsigned w = 0; w < (blockDim.x + 127) / 128; ++w) emu_ctx->wg_bar.push_back(new EmuBarrier(128));
+        emu_ctx->wg_frag.assign(blockDim.x * 4, 0u);
+    }
+}
+// the running thread's warpgroup's barrier (wgmma's instructions are warpgroup collectives)
+inline void emu_wg_sync() {
+    emu_wg_init();
+    emu_ctx->wg_bar[threadIdx.x / 128]->arrive_and_wait();
+}
+inline float emu_b16_value(const unsigned char* p, bool bf16) {
+    unsigned short h;
+    memcpy(&h, p, 2);
+    return bf16 ? __uint_as_float((unsigned)h << 16) : emu_h2f(h);
+}
+inline float emu_wg_operand(unsigned long long desc, int row, int k, bool bf16) {
+    if ((desc >> 62) != 1) {
+        fprintf(stderr, "wgmma descriptor %llx: only the 128-byte swizzle is emulated\n", desc);
+        std::abort();
+    }
+    const unsigned start = (unsigned)(desc & 0x3FFFu) << 4, stride = (unsigned)((desc >> 32) & 0x3FFFu) << 4;
+    unsigned a = start + (unsigned)(row / 8) * stride + (unsigned)(row % 8) * 128 + 2 * (unsigned)k;
+    a ^= ((a >> 7) & 7u) << 4;
+    if (a + 2 > emu_ctx->smem_bytes) {
+        fprintf(stderr, "wgmma operand at %u past the %u bytes of shared memory\n", a, emu_ctx->smem_bytes);
+        std::abort();
+    }
+    return emu_b16_value(emu_ctx->smem + a, bf16);
+}
+inline void emu_wgmma_run(const EmuWgmma& p);
+// EMU_WGMMA_AT_ISSUE=1: a product computed when issued, its operands read then (a stage read before its copies have
+// landed shows), instead of at the wait that retires it (a stage refilled before then shows)
+inline bool emu_wgmma_at_issue;
+inline void emu_wgmma(float* d, int n, bool bf16, const unsigned* frag, unsigned long long da, unsigned long long db,
+                      int tb, int accumulate) {
+    if (tb != 0) {
+        fprintf(stderr, "wgmma with an MN-major B is not emulated\n");
+        std::abort();
+    }
+    EmuFiber& me = emu_fibers[emu_cur];
+    EmuWgmma* p = new EmuWgmma{d, n, me.product_groups, bf16, accumulate != 0, {}, da, db};
+    if (frag != nullptr) {  // the warpgroup's A fragments, read now
+        emu_wg_init();
+        const unsigned wg = threadIdx.x / 128, l = threadIdx.x % 128;
+        unsigned* x = emu_ctx->wg_frag.data() + wg * 512;
+        memcpy(x + 4 * l, frag, 16);
+        emu_wg_sync();
+        p->a.assign(64 * 16, 0.0f);
+        for (int j = 0; j < 128; ++j) {
+            const int row = 16 * (j / 32) + j % 32 / 4, t = j % 4;
+            for (int e = 0; e < 2; ++e) {
+                const int at[4][2] = {{row, 2 * t}, {row + 8, 2 * t}, {row, 2 * t + 8}, {row + 8, 2 * t + 8}};
+                for (int w = 0; w < 4; ++w) {
+                    const unsigned word = x[4 * j + w];
+                    const unsigned short h = (unsigned short)(e ? word >> 16 : word & 0xffffu);
+                    p->a[at[w][0] * 16 + at[w][1] + e] = bf16 ? __uint_as_float((unsigned)h << 16) : emu_h2f(h);
+                }
+            }
+        }
+        emu_wg_sync();  // every thread has read the fragments before the next exchange
+    }
+    if (emu_wgmma_at_issue) {
+        emu_wgmma_run(*p);
+        delete p;
+        return;
+    }
+    me.products.push_back(p);
+}
+inline void emu_wgmma_run(const EmuWgmma& p) {
+    const int l = threadIdx.x % 128, w = l / 32, g = l % 32 / 4, t = l % 4;
+    for (int i = 0; i < p.n / 8; ++i) {
+        for (int e = 0; e < 4; ++e) {
+            const int row = 16 * w + g + 8 * (e / 2), col = 8 * i + 2 * t + e % 2;
+            double s = p.accumulate ? p.d[4 * i + e] : 0.0;
+            for (int k = 0; k < 16; ++k) {
+                const float a = p.a.empty() ? emu_wg_operand(p.da, row, k, p.bf16) : p.a[row * 16 + k];
+                s += (double)a * (double)emu_wg_operand(p.db, col, k, p.bf16);
+            }
+            p.d[4 * i + e] = (float)s;
+        }
+    }
+}
+inline void emu_wg_commit() { ++emu_fibers[emu_cur].product_groups; }
+// wgmma.wait_group n: the products of every committed group but the newest n computed, in issue order, by the
+// whole warpgroup between two of its barriers (no thread reuses their operands before every thread has read them)
+inline void emu_wg_wait(int n) {
+    emu_wg_sync();
+    EmuFiber& me = emu_fibers[emu_cur];
+    std::vector<EmuWgmma*> keep;
+    for (EmuWgmma* p : me.products) {
+        if (p->group < me.product_groups - n) {
+            emu_wgmma_run(*p);
+            delete p;
+        } else {
+            keep.push_back(p);
+        }
+    }
+    me.products.swap(keep);
+    emu_wg_sync();
 }
 
 // -- ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 (common.cuh), a warp collective -----------------------

@@ -133,19 +133,32 @@ __device__ __forceinline__ T block_scan(T v, T& total, T* exclusive = nullptr) {
 // (read them with __ldcg or volatile loads: not through the read-only cache, and not through
 // L1, which may hold stale lines). The last block sets the counter back to 0, so the
 // counter, zeroed once when allocated, is ready for the next launch or CUDA-graph replay.
-// Must be reached by every thread of the block.
+// Must be reached by every thread of the block (with THREADS > 0: by its first THREADS threads, which
+// sync_block<THREADS> synchronizes).
 
+// sync_block<THREADS>(): the block's barrier, or with THREADS > 0 named barrier 1 of the first THREADS threads
+// (a kernel whose other warps have left, such as a producer warpgroup's: kernels/mmq_wgmma.cu).
+template <int THREADS = 0>
+__device__ __forceinline__ void sync_block() {
+    if constexpr (THREADS == 0) {
+        __syncthreads();
+    } else {
+        asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
+    }
+}
+
+template <int THREADS = 0>
 __device__ __forceinline__ bool last_block(int* counter, int blocks) {
     __shared__ bool last;
     __threadfence();  // this block's writes are visible device-wide before it counts itself done
-    __syncthreads();
+    sync_block<THREADS>();
     if (threadIdx.x == 0) {
         last = atomicAdd(counter, 1) == blocks - 1;
         if (last) {
             *counter = 0;  // every block has counted: ready for the next launch
         }
     }
-    __syncthreads();
+    sync_block<THREADS>();
     if (last) {
         __threadfence();  // order this block's reads after the other blocks' counted writes
     }
@@ -414,6 +427,13 @@ __device__ __forceinline__ void bulk_copy(unsigned saddr, const void* src, unsig
 #if OD_BULK
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                  ::"r"(saddr), "l"(src), "r"(bytes), "r"(bar) : "memory");
+#endif
+}
+
+// One arrival on the barrier (its count of expected arrivals set by mbar_init), no transactions.
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+#if OD_BULK
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 #endif
 }
 

@@ -299,9 +299,9 @@ __device__ __forceinline__ void each_sum(const float (&acc)[FM][FN][4], int r0, 
 // (not null) is added to the sums written to out (with split K, the planes are added to it): output row r = brow0
 // + n, column m adds bias[r * bias_col + m] (bias_col 0: one row for every output row; else a residual addend's
 // rows, bias_col floats apart). Rows past M and columns past N are not written. Every thread of the block calls
-// it; a warp with `owns` false (mmq_small's k-groups past the first, whose sums its first k-group added) writes no
-// plane.
-template <int FM, int FN, int BM, int BN, int THREADS>
+// it (or with SYNC > 0 its first SYNC threads, the rest having left: od::last_block<SYNC>); a warp with `owns`
+// false (mmq_small's k-groups past the first, whose sums its first k-group added) writes no plane.
+template <int FM, int FN, int BM, int BN, int THREADS, int SYNC = 0>
 __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, int c0, int bm0, int bn0, int M, int N,
                                        long long brow0, float* out, float* part, int split, int splits,
                                        long long plane, int* counter, const float* bias, long long bias_col,
@@ -338,7 +338,7 @@ __device__ __forceinline__ void finish(const float (&acc)[FM][FN][4], int r0, in
             }
         }
     }
-    if (splits == 1 || !od::last_block(counter, splits)) {
+    if (splits == 1 || !od::last_block<SYNC>(counter, splits)) {
         return;
     }
     // The block's tile, every thread a share: runs of 4 rows (16-byte loads) where M and the addresses allow, planes

@@ -6,27 +6,34 @@
 // scales and offsets folded into the values), b comes as bf16 rows (convert.cu, the launch before), and the
 // products run on wgmma.mma_async with f32 accumulators across the whole slice of K. No weight is ever written
 // back dequantized. wgmma needs the sm_90a target: the first line of this file makes kernels.py (and the compile
-// test) build it so; support.mmq_wgmma_ok takes compute capability 9.0 only. The K loop (mw::main_loop) also runs
-// mul_mat_id's many-token products (mmq_wgmma_id, the end of this file), its b columns gathered by pair.
+// test) build it so; support.mmq_wgmma_ok takes compute capability 9.0 only. The K loops (mw::main_loop, and
+// mw::produce / mw::consume for the RS formats below) also run mul_mat_id's many-token products (mmq_wgmma_id,
+// the end of this file), its b columns gathered by pair.
 //
-// A block is WGS warpgroups of 128 threads (Tiling; launched with 2): BM = 64 WGS weight rows (64 a warpgroup,
+// A block is WGS computing warpgroups of 128 threads (Tiling; launched with 2), plus for the RS formats one
+// warpgroup more that only copies (see "warp-specialized" below): BM = 64 WGS weight rows (64 a warpgroup,
 // one m64nBNk16 accumulator of BN / 2 floats a thread), BN = 128 or 256 columns (mmq_wgmma_id: 64 or 128), K tiles
 // of BK = 64 values. The wider tile halves the dequantization a product (its A fragments serve 256 columns) and the
 // weight reads from L2: on the H200 at 512 columns it took 0.71-0.81x the narrow tile's time (4096 x 14336 and
 // 14336 x 4096, q4_0 and q4_K; specs/mmq_wgmma.py's tile_for says when it is used). Shared memory:
 //   A    2 stages of BM x BK bf16 (BM * 128 bytes), written by the block's dequantization (st.shared, then
 //        fence.proxy.async so that the tensor cores see it);
-//   B    4 stages of BN x BK bf16 (BN * 128 bytes), cp.async three K tiles ahead;
+//   B    4 stages of BN x BK bf16 (BN * 128 bytes), cp.async three K tiles ahead (warp-specialized: as soon as
+//        the stage is free);
 //   raw  2 stages of the weights' raw blocks: mmq's K tile of 256 values (Tile<Q, 8>: each row's covering
-//        16-byte granules, cp.async), 4 of this kernel's K tiles, issued two raw tiles ahead.
+//        16-byte granules, cp.async), 4 of this kernel's K tiles, issued two raw tiles ahead (warp-specialized:
+//        with b's K tile two before the raw tile's first).
 // A and B are K-major in the 128-byte swizzle wgmma reads (row r's 16-byte chunk c at r * 128 + (c ^ (r % 8)) *
 // 16, each tile 1024-byte aligned; the descriptor's stride between 8-row groups 1024 bytes, a k16 step 32 bytes
 // further along the row).
-// K tile t: the four wgmma of t are issued (one commit group), then wgmma.wait_group 1 (t - 1's are done), and
-// while t's run the block dequantizes t + 1 into the A stage t - 1 held (a warpgroup's threads write exactly the
-// rows its own products read, so no barrier is needed before), waits for its copies, and after one barrier issues
-// the copies into the stages t - 1 freed. The tensor cores are never drained inside the loop: t + 1's products
-// queue behind t's. Dequantization: quant.cuh's load_unit for every format (8 values a unit, v = code * d + m in
+// K tile t (main_loop, the A-stage formats): the four wgmma of t are issued (one commit group), then
+// wgmma.wait_group 1 (t - 1's are done), and while t's run the block dequantizes t + 1 into the A stage t - 1 held
+// (a warpgroup's threads write exactly the rows its own products read, so no barrier is needed before), waits for
+// its copies, and after one barrier issues the copies into the stages t - 1 freed. The tensor cores are never
+// drained inside the loop: t + 1's products queue behind t's. The RS formats' loop is warp-specialized (produce,
+// consume): the last warpgroup issues every copy and the computing warpgroups only build fragments and issue
+// products, the stages handed over on mbarriers (Bars) instead of a block barrier a K tile, and setmaxnreg gives
+// the copying warpgroup's registers to the computing ones. Dequantization: quant.cuh's load_unit for every format (8 values a unit, v = code * d + m in
 // f32, rounded to bf16, into the A stages), but q4_0, q8_0, q4_K, q5_K and q6_K (RS), whose values go from the raw
 // stage straight into the A fragments in registers (wgmma's A-from-registers form: no A stage written or read,
 // which halves the shared memory traffic a K tile), two K tiles' fragments in turn: q4_0's nibbles to bf16 by their
@@ -54,14 +61,18 @@ namespace wg = od::wg;
 // issued three steps ahead
 constexpr int A_STAGES = 2, B_STAGES = 4, RAW_STAGES = 2;
 
-// A block's tile: WGS warpgroups of 128 threads, BM = 64 WGS weight rows (64 a warpgroup), BN columns (one
-// m64nBNk16 accumulator of BN / 2 floats a thread).
-template <int WGS, int BN_>
+// A block's tile: WGS warpgroups of 128 threads computing (CONSUMERS), BM = 64 WGS weight rows (64 a warpgroup),
+// BN columns (one m64nBNk16 accumulator of BN / 2 floats a thread); with PRODUCER one warpgroup more, after them,
+// that only copies (the RS formats: main_loop_ws).
+template <int WGS, int BN_, bool PRODUCER = false>
 struct Tiling {
-    static constexpr int BM = 64 * WGS, BN = BN_, THREADS = 128 * WGS;
+    static constexpr int BM = 64 * WGS, BN = BN_, CONSUMERS = 128 * WGS, THREADS = CONSUMERS + (PRODUCER ? 128 : 0);
     static constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
     static_assert(BN == 64 || BN == 128 || BN == 256, "one m64n64, m64n128 or m64n256 accumulator a warpgroup");
 };
+// mmq_wgmma's tiling for format WT: a producer warpgroup for the RS formats.
+template <int WT, int WGS, int BN>
+using TilingOf = Tiling<WGS, BN, RS_FORMAT<WT>>;
 
 // Bytes before raw K tile rt's first block in its first granule (mmq's lead: 0 where K tiles are whole granules).
 template <int WT>
@@ -108,9 +119,9 @@ __device__ __forceinline__ void dequant_tile(unsigned sa, const u8* raw, int kt,
 }
 
 // Raw K tile rt (256 values, fewer at the end of a row) of weight rows m0 .. m0 + BM - 1 (clamped to M - 1) into
-// the raw stage `st`: the 16-byte granules covering each row's blocks (mmq's issue_a); returns nothing, the
-// blocks start lead(rt) bytes into each row.
-template <int WT, class TL>
+// the raw stage `st` by NT threads (tid < NT): the 16-byte granules covering each row's blocks (mmq's issue_a);
+// returns nothing, the blocks start lead(rt) bytes into each row.
+template <int WT, int BM, int NT>
 __device__ __forceinline__ void issue_raw(u8* st, const u8* wa, long long a_row, int m0, int M, int nb, int rt,
                                           int tid) {
     using F = mm::Fmt<WT>;
@@ -119,19 +130,20 @@ __device__ __forceinline__ void issue_raw(u8* st, const u8* wa, long long a_row,
     const int lead = raw_lead<WT>(rt);
     const int at = j0 / T::STEPS * F::BYTES - lead;
     const int wg = (lead + kb / T::STEPS * F::BYTES + (T::ALIGNED ? 0 : 15)) / 16;
-    for (od::Walk w(tid, TL::THREADS, wg); w.row < TL::BM; w.next()) {
+    for (od::Walk w(tid, NT, wg); w.row < BM; w.next()) {
         const u8* src = wa + static_cast<long long>(min(m0 + w.row, M - 1)) * a_row + at + 16 * w.col;
         od::cp_async16(od::smem_addr(st + w.row * T::RS + 16 * w.col), src);
     }
 }
 
-// A thread's share of a B stage: chunk ch = tid % 8 (16 bytes, K values 8 ch .. 8 ch + 7 of the K tile) of tile rows
-// r0 + ROWS i, i < PER (r0 = tid / 8, ROWS = THREADS / 8: BN * BK / 8 chunks a stage, THREADS at a time), each at
-// the same offset of its 128-byte row in the swizzled stage: r0's + 128 ROWS i (ROWS a multiple of 8 keeps r % 8).
-template <class TL>
+// A thread's share of a B stage copied by NT threads: chunk ch = tid % 8 (16 bytes, K values 8 ch .. 8 ch + 7 of the
+// K tile) of tile rows r0 + ROWS i, i < PER (r0 = tid / 8, ROWS = NT / 8: BN * BK / 8 chunks a stage, NT at a time),
+// each at the same offset of its 128-byte row in the swizzled stage: r0's + 128 ROWS i (ROWS a multiple of 8 keeps
+// r % 8).
+template <int BN, int NT>
 struct BShare {
-    static constexpr int ROWS = TL::THREADS / 8, PER = TL::BN / ROWS;
-    static_assert(TL::BN % ROWS == 0, "whole rows of chunks a thread");
+    static constexpr int ROWS = NT / 8, PER = BN / ROWS;
+    static_assert(BN % ROWS == 0, "whole rows of chunks a thread");
     __device__ __forceinline__ static unsigned dst(int tid) { return swz(tid >> 3, tid & 7); }
 };
 
@@ -149,10 +161,29 @@ struct GatheredB {
     __device__ __forceinline__ const u8* row(int i) const { return p[i]; }
 };
 
-// K tile kt of the block's BN b columns into the B stage at shared address sb: the thread's BShare, from src.
-template <class TL, class Src>
+// Copying thread t's B sources (of NT copying threads) for b's rows from row0 on (a column tile, K values each).
+template <int BN, int NT>
+__device__ __forceinline__ DenseB dense_share(const u8* b, long long row0, int K, int t) {
+    return DenseB{b + ((row0 + (t >> 3)) * K + (t & 7) * 8) * 2, 2ll * BShare<BN, NT>::ROWS * K};
+}
+// The same for the rows brow[0 .. BN - 1] of b (a tile's gathered pairs, in shared memory).
+template <int BN, int NT>
+__device__ __forceinline__ GatheredB<BShare<BN, NT>::PER> gathered_share(const u8* b, const int* brow, int K, int t) {
+    using S = BShare<BN, NT>;
+    GatheredB<S::PER> src;
+#pragma unroll
+    for (int i = 0; i < S::PER; ++i) {
+        const long long row = brow[(t >> 3) + S::ROWS * i];
+        src.p[i] = b + (row * K + (t & 7) * 8) * 2;
+    }
+    return src;
+}
+
+// K tile kt of the block's BN b columns into the B stage at shared address sb: the thread's BShare (of NT copying
+// threads), from src.
+template <int BN, int NT, class Src>
 __device__ __forceinline__ void load_b(unsigned sb, const Src& src, int kt, int tid) {
-    using S = BShare<TL>;
+    using S = BShare<BN, NT>;
     const unsigned d = sb + S::dst(tid);
 #pragma unroll
     for (int i = 0; i < S::PER; ++i) {
@@ -160,88 +191,85 @@ __device__ __forceinline__ void load_b(unsigned sb, const Src& src, int kt, int 
     }
 }
 
+// The stages of a block's shared memory (wgmma_smem of specs/mmq_wgmma.py: A_STAGES A stages, none for the RS
+// formats; B_STAGES B stages, each 1024-byte aligned; RAW_STAGES raw stages of BM rows of Tile<Q, RAW_KB>::RS
+// bytes) and the K tiles of a block's slice (raw K tiles rt0 .. rt0 + nraw - 1: K tiles kt0 .. kt0 + nk - 1).
+template <int WT, class TL>
+struct Stages {
+    using T = mq::Tile<mm::Fmt<WT>, RAW_KB>;
+    static constexpr int A_HELD = RS_FORMAT<WT> ? 0 : A_STAGES, RAW_BYTES = TL::BM * T::RS;
+    unsigned sA, sB;
+    u8* raw;
+    int rt0, kt0, nk;
+    __device__ __forceinline__ Stages(u8* smem, int K, int rt0_, int nraw) : rt0(rt0_) {
+        const unsigned pad = ((od::smem_addr(smem) + 1023u) & ~1023u) - od::smem_addr(smem);
+        sA = od::smem_addr(smem) + pad;
+        sB = sA + A_HELD * TL::A_BYTES;
+        raw = smem + pad + A_HELD * TL::A_BYTES + B_STAGES * TL::B_BYTES;
+        kt0 = rt0 * SUBS;
+        nk = min(nraw * SUBS, K / BK - kt0);
+    }
+    __device__ __forceinline__ unsigned b(int kt) const { return sB + (kt % B_STAGES) * TL::B_BYTES; }
+    __device__ __forceinline__ u8* raw_stage(int r) const { return raw + (r % RAW_STAGES) * RAW_BYTES; }
+    // K tile kt's raw K tile, from its first block
+    __device__ __forceinline__ const u8* raw_of(int kt) const {
+        return raw_stage(kt / SUBS) + raw_lead<WT>(rt0 + kt / SUBS);
+    }
+};
+
 // A block's sums d (one m64nBNk16 accumulator a warpgroup) over raw K tiles rt0 .. rt0 + nraw - 1 of its BM weight
-// rows (row r: row min(m0 + r, M - 1) of wa, a_row bytes apart) and its BN b columns (bsrc, load_b's): the K loop
-// of mmq_wgmma and mmq_wgmma_id, its stages in smem (wgmma_smem of specs/mmq_wgmma.py, aligned here). Every thread
-// of the block calls it; it returns with no copy in flight and every product done.
+// rows (row r: row min(m0 + r, M - 1) of wa, a_row bytes apart) and its BN b columns (bsrc, load_b's), for the
+// formats dequantized into A stages (not RS_FORMAT): the K loop of mmq_wgmma and mmq_wgmma_id, every thread of
+// the block computing and copying. It returns with no copy in flight and every product done.
 template <int WT, class TL, class Src>
 __device__ __forceinline__ void main_loop(u8* const smem, const u8* const wa, long long a_row, int m0, int M,
                                           const Src& bsrc, int K, int rt0, int nraw, float (&d)[TL::BN / 2]) {
-    constexpr int BM = TL::BM, BN = TL::BN;
-    constexpr unsigned A_BYTES = TL::A_BYTES, B_BYTES = TL::B_BYTES;
-    using T = mq::Tile<mm::Fmt<WT>, RAW_KB>;
-    constexpr int RAW_BYTES = BM * T::RS;
-    constexpr bool RS = RS_FORMAT<WT>;
-    constexpr int A_STAGES_HELD = RS ? 0 : A_STAGES;  // RS formats write no A stage
-    const unsigned pad = ((od::smem_addr(smem) + 1023u) & ~1023u) - od::smem_addr(smem);
-    const unsigned sA = od::smem_addr(smem) + pad, sB = sA + A_STAGES_HELD * A_BYTES;
-    u8* const raw = smem + pad + A_STAGES_HELD * A_BYTES + B_STAGES * B_BYTES;
-
-    const int tid = threadIdx.x;
-    const int nb = K / 32;
-    // K tiles kt0 .. kt0 + nk - 1 (kt below counts from kt0)
-    const int kt0 = rt0 * SUBS, nk = min(nraw * SUBS, K / BK - kt0);
+    static_assert(!RS_FORMAT<WT>, "the RS formats run main_loop_ws");
+    constexpr int BN = TL::BN, NT = TL::THREADS;
+    const Stages<WT, TL> st(smem, K, rt0, nraw);
+    const int tid = threadIdx.x, nb = K / 32, kt0 = st.kt0, nk = st.nk;
     const int wg = tid >> 7;  // this thread's warpgroup: weight rows 64 wg .. 64 wg + 63 of the tile
-    auto raw_stage = [&](int r) { return raw + (r % RAW_STAGES) * RAW_BYTES; };
-    auto raw_of = [&](int kt) { return raw_stage(kt / SUBS) + raw_lead<WT>(rt0 + kt / SUBS); };
 
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {
         d[i] = 0.0f;
     }
     // ahead of the loop: raw K tiles 0 and 1, b's K tiles 0 .. B_STAGES - 2, K tile 0 dequantized
-    issue_raw<WT, TL>(raw_stage(0), wa, a_row, m0, M, nb, rt0, tid);
+    issue_raw<WT, TL::BM, NT>(st.raw_stage(0), wa, a_row, m0, M, nb, rt0, tid);
     if (nraw > 1) {
-        issue_raw<WT, TL>(raw_stage(1), wa, a_row, m0, M, nb, rt0 + 1, tid);
+        issue_raw<WT, TL::BM, NT>(st.raw_stage(1), wa, a_row, m0, M, nb, rt0 + 1, tid);
     }
 #pragma unroll
     for (int s = 0; s < B_STAGES - 1; ++s) {
         if (s < nk) {
-            load_b<TL>(sB + s * B_BYTES, bsrc, kt0 + s, tid);
+            load_b<BN, NT>(st.b(s), bsrc, kt0 + s, tid);
         }
     }
     od::cp_async_commit();
     od::cp_async_wait<0>();
     __syncthreads();
-    // q4_0, q8_0, q4_K, q5_K and q6_K (RS): the weights' fragments go from the raw stage into registers, two K
-    // tiles' worth (f0, f1) in turn; the other formats through the A stages
-    const int frow = wg * 64 + ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2), ft = tid & 3;  // this lane's row g, t
-    unsigned f0[4][4], f1[4][4];
-    if constexpr (RS) {
-        frags<WT>(raw_of(0), 0, frow, ft, f0);
-    } else {
-        dequant_tile<WT>(sA, raw_of(0), 0, tid);
-    }
+    dequant_tile<WT>(st.sA, st.raw_of(0), 0, tid);
     wg::fence_async_smem();
     __syncthreads();
 
-    // K tile kt, its fragments in cur (RS) and the next one's into nxt
-    auto step = [&](int kt, unsigned (&cur)[4][4], unsigned (&nxt)[4][4]) {
-        const unsigned a_st = sA + (kt & 1) * A_BYTES + wg * 64 * 128;
-        const unsigned b_st = sB + (kt % B_STAGES) * B_BYTES;
+#pragma unroll 1
+    for (int kt = 0; kt < nk; ++kt) {
+        const unsigned a_st = st.sA + (kt & 1) * TL::A_BYTES + wg * 64 * 128;
+        const unsigned b_st = st.b(kt);
         wg::fence_regs(d);
         wg::fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
-            if constexpr (RS) {
-                wg::rs<BN, true, 0>(d, cur[kk], wg::desc_k(b_st + kk * 32));
-            } else {
-                wg::ss<BN, true>(d, wg::desc_k(a_st + kk * 32), wg::desc_k(b_st + kk * 32), 1);
-            }
+            wg::ss<BN, true>(d, wg::desc_k(a_st + kk * 32), wg::desc_k(b_st + kk * 32), 1);
         }
         wg::commit();
-        // K tile kt - 1's products are done (this warpgroup's), so its A stage (or fragments), the one tile kt + 1
-        // takes, is free: a warpgroup's threads dequantize exactly the rows its own products read. Tile kt's
-        // products run on meanwhile, and kt + 1's are issued behind them without draining the tensor cores.
+        // K tile kt - 1's products are done (this warpgroup's), so its A stage, the one tile kt + 1 takes, is
+        // free: a warpgroup's threads dequantize exactly the rows its own products read. Tile kt's products run on
+        // meanwhile, and kt + 1's are issued behind them without draining the tensor cores.
         wg::wait<1>();
         wg::fence_regs(d);
         if (kt + 1 < nk) {
-            if constexpr (RS) {
-                wg::fence_regs(nxt);
-                frags<WT>(raw_of(kt + 1), kt + 1, frow, ft, nxt);
-            } else {
-                dequant_tile<WT>(sA + ((kt + 1) & 1) * A_BYTES, raw_of(kt + 1), kt + 1, tid);
-            }
+            dequant_tile<WT>(st.sA + ((kt + 1) & 1) * TL::A_BYTES, st.raw_of(kt + 1), kt + 1, tid);
         }
         od::cp_async_wait<1>();  // the copies of step kt - 2 and before (b's K tile kt + 1, any raw K tile needed
                                  // next) have landed for this thread: each step commits one group
@@ -250,12 +278,160 @@ __device__ __forceinline__ void main_loop(u8* const smem, const u8* const wa, lo
         // copies into the stages K tile kt - 1 held: b's K tile kt + B_STAGES - 1; a raw K tile whose last K tile
         // (kt + 1) was just dequantized frees its stage for the raw K tile two ahead
         if (kt + B_STAGES - 1 < nk) {
-            load_b<TL>(sB + ((kt + B_STAGES - 1) % B_STAGES) * B_BYTES, bsrc, kt0 + kt + B_STAGES - 1, tid);
+            load_b<BN, NT>(st.b(kt + B_STAGES - 1), bsrc, kt0 + kt + B_STAGES - 1, tid);
         }
         if ((kt + 1) % SUBS == SUBS - 1 && (kt + 1) / SUBS + 2 < nraw) {
-            issue_raw<WT, TL>(raw_stage((kt + 1) / SUBS + 2), wa, a_row, m0, M, nb, rt0 + (kt + 1) / SUBS + 2, tid);
+            issue_raw<WT, TL::BM, NT>(st.raw_stage((kt + 1) / SUBS + 2), wa, a_row, m0, M, nb,
+                                      rt0 + (kt + 1) / SUBS + 2, tid);
         }
         od::cp_async_commit();
+    }
+    wg::wait<0>();
+    wg::fence_regs(d);
+    od::cp_async_wait<0>();  // only empty groups can be left
+}
+
+// The warp-specialized K loop of the RS formats (main_loop_ws): the block's last warpgroup only copies (produce),
+// the others only build fragments and issue products (consume), handing stages over on mbarriers in shared memory
+// (Bars), so that the computing warps' chain a K tile holds neither the copies' address arithmetic nor a block
+// barrier. ncu of the loop where every warp did both (q4_0 4096 x 14336 at 512 columns, H200, session 35): about
+// 265 instructions a warp a K tile, 5.4 cycles apart (2 warps a scheduler), 1630 cycles a K tile against the 1024
+// of its products; the tensor pipe 61% busy, the warps waiting on it 0.3% of their stalls.
+//   full_b[s] / empty_b[s]   B stage s holds K tile kt (s = kt % B_STAGES) / is free again: the producer's 128
+//                            threads arrive on full_b once their copies have landed (cp.async.wait_group, then
+//                            fence.proxy.async: each writer makes its own copies visible to the tensor cores), the
+//                            computing threads on empty_b once tile kt's products are done (wgmma.wait_group).
+//   full_raw[s] / empty_raw[s]  raw stage s holds raw K tile r (s = r % RAW_STAGES) / is free again: its copies
+//                            go out with b's K tile r SUBS - 2 (K tile 0 for r = 0) and are signalled with it; the
+//                            computing threads arrive on empty_raw once the fragments of its last K tile are built.
+// A barrier's n-th use (n = kt / B_STAGES, or r / RAW_STAGES) completes phase n: waited on with parity n & 1.
+constexpr int PRODUCER_THREADS = 128, COPY_LAG = 2;  // K tiles of copies in flight before the producer signals
+// setmaxnreg: the producer gives registers to the computing warpgroups (2 C + P <= 504 for 2 computing
+// warpgroups: their 384 threads start at 168 each)
+constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+
+struct Bars {
+    unsigned base;  // full_b[B_STAGES], empty_b[B_STAGES], full_raw[RAW_STAGES], empty_raw[RAW_STAGES], 8 bytes each
+    __device__ __forceinline__ unsigned full_b(int s) const { return base + 8 * s; }
+    __device__ __forceinline__ unsigned empty_b(int s) const { return base + 8 * (B_STAGES + s); }
+    __device__ __forceinline__ unsigned full_raw(int s) const { return base + 8 * (2 * B_STAGES + s); }
+    __device__ __forceinline__ unsigned empty_raw(int s) const { return base + 8 * (2 * B_STAGES + RAW_STAGES + s); }
+};
+
+// The block's barriers, initialized by thread 0 and visible to every thread when it returns (a block barrier).
+template <class TL>
+__device__ __forceinline__ Bars init_bars() {
+    __shared__ unsigned long long bars[2 * B_STAGES + 2 * RAW_STAGES];  // 8-byte aligned, as mbarriers must be
+    const Bars b{od::smem_addr(bars)};
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < B_STAGES; ++s) {
+            od::mbar_init(b.full_b(s), PRODUCER_THREADS);
+            od::mbar_init(b.empty_b(s), TL::CONSUMERS);
+        }
+        for (int s = 0; s < RAW_STAGES; ++s) {
+            od::mbar_init(b.full_raw(s), PRODUCER_THREADS);
+            od::mbar_init(b.empty_raw(s), TL::CONSUMERS);
+        }
+    }
+    __syncthreads();
+    return b;
+}
+
+// The raw K tile whose copies go out with b's K tile kt, or -1: raw K tile 0 with K tile 0, r with r SUBS - 2 (its
+// first fragments are built at step r SUBS - 1).
+__device__ __forceinline__ int raw_with(int kt, int nraw) {
+    const int r = kt == 0 ? 0 : (kt + 2) % SUBS == 0 ? (kt + 2) / SUBS : -1;
+    return r < nraw ? r : -1;
+}
+
+// The producer warpgroup's loop (p: its thread, 0 .. 127): every stage's copies, b's from bsrc (load_b's, for 128
+// threads), each stage refilled once the computing threads have freed it.
+template <int WT, class TL, class Src>
+__device__ __forceinline__ void produce(u8* const smem, const Bars& bars, const u8* const wa, long long a_row,
+                                        int m0, int M, const Src& bsrc, int K, int rt0, int nraw, int p) {
+    static_assert(SUBS > 2, "a raw K tile's copies go out two K tiles before its first");
+    const Stages<WT, TL> st(smem, K, rt0, nraw);
+    const int nb = K / 32, nk = st.nk;
+    auto signal = [&](int j) {  // K tile j's copies (and a raw K tile's with them) have landed for this thread
+        wg::fence_async_smem();
+        od::mbar_arrive(bars.full_b(j % B_STAGES));
+        const int r = raw_with(j, nraw);
+        if (r >= 0) {
+            od::mbar_arrive(bars.full_raw(r % RAW_STAGES));
+        }
+    };
+#pragma unroll 1
+    for (int kt = 0; kt < nk; ++kt) {
+        const int r = raw_with(kt, nraw);
+        if (r >= 0) {
+            if (r >= RAW_STAGES) {
+                od::mbar_wait(bars.empty_raw(r % RAW_STAGES), (r / RAW_STAGES - 1) & 1);
+            }
+            issue_raw<WT, TL::BM, PRODUCER_THREADS>(st.raw_stage(r), wa, a_row, m0, M, nb, rt0 + r, p);
+        }
+        if (kt >= B_STAGES) {
+            od::mbar_wait(bars.empty_b(kt % B_STAGES), (kt / B_STAGES - 1) & 1);
+        }
+        load_b<TL::BN, PRODUCER_THREADS>(st.b(kt), bsrc, st.kt0 + kt, p);
+        od::cp_async_commit();
+        if (kt >= COPY_LAG) {
+            od::cp_async_wait<COPY_LAG>();
+            signal(kt - COPY_LAG);
+        }
+    }
+    od::cp_async_wait<0>();
+#pragma unroll 1
+    for (int j = max(nk - COPY_LAG, 0); j < nk; ++j) {
+        signal(j);
+    }
+}
+
+// The computing warpgroups' loop (threadIdx.x < TL::CONSUMERS): each K tile's four products issued as its B stage
+// fills, the next K tile's fragments built from its raw stage while they run (two fragment sets in turn: a set is
+// rewritten only after wgmma.wait_group 1 has retired the products that read it). Returns every product done.
+template <int WT, class TL>
+__device__ __forceinline__ void consume(u8* const smem, const Bars& bars, int K, int rt0, int nraw,
+                                        float (&d)[TL::BN / 2]) {
+    constexpr int BN = TL::BN;
+    const Stages<WT, TL> st(smem, K, rt0, nraw);
+    const int tid = threadIdx.x, nk = st.nk;
+    const int wg = tid >> 7;
+    const int frow = wg * 64 + ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2), ft = tid & 3;  // this lane's row g, t
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+        d[i] = 0.0f;
+    }
+    unsigned f0[4][4], f1[4][4];
+    od::mbar_wait(bars.full_raw(0), 0);
+    frags<WT>(st.raw_of(0), 0, frow, ft, f0);
+    auto step = [&](int kt, unsigned (&cur)[4][4], unsigned (&nxt)[4][4]) {
+        // the stage's descriptor once: a k16 step 32 bytes on is 2 more in its address field (>> 4), which stays
+        // below its 14 bits (shared memory < 256 KB)
+        const unsigned long long db = wg::desc_k(st.b(kt));
+        od::mbar_wait(bars.full_b(kt % B_STAGES), (kt / B_STAGES) & 1);
+        wg::fence_regs(d);
+        wg::fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            wg::rs<BN, true, 0>(d, cur[kk], db + 2 * kk);
+        }
+        wg::commit();
+        wg::wait<1>();  // K tile kt - 1's products are done: its B stage and fragment set are free
+        wg::fence_regs(d);
+        if (kt >= 1) {
+            od::mbar_arrive(bars.empty_b((kt - 1) % B_STAGES));
+        }
+        const int n = kt + 1;
+        if (n < nk) {
+            if (n % SUBS == 0) {
+                od::mbar_wait(bars.full_raw((n / SUBS) % RAW_STAGES), (n / SUBS / RAW_STAGES) & 1);
+            }
+            wg::fence_regs(nxt);
+            frags<WT>(st.raw_of(n), n, frow, ft, nxt);
+            if (n % SUBS == SUBS - 1) {  // the raw K tile's last fragments: its stage is free
+                od::mbar_arrive(bars.empty_raw((n / SUBS) % RAW_STAGES));
+            }
+        }
     };
 #pragma unroll 1
     for (int kt = 0; kt < nk; kt += 2) {  // two K tiles a turn: the fragments' registers swap by name
@@ -266,7 +442,35 @@ __device__ __forceinline__ void main_loop(u8* const smem, const u8* const wa, lo
     }
     wg::wait<0>();
     wg::fence_regs(d);
-    od::cp_async_wait<0>();  // only empty groups can be left
+}
+
+// setmaxnreg for the warpgroup's role (sm_90a), each in its own branch of the role's if / else.
+template <int R>
+__device__ __forceinline__ void regs_down() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+template <int R>
+__device__ __forceinline__ void regs_up() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+
+// An RS format's block (TL with its producer warpgroup): the copying warpgroup runs produce (its B sources
+// src_of(p), p its thread), the computing ones consume and then epilogue(d) with their sums; each warpgroup's
+// registers set for its role first. Every thread of the block calls it.
+template <int WT, class TL, class SrcOf, class Epilogue>
+__device__ __forceinline__ void specialized(u8* const smem, const u8* const wa, long long a_row, int m0, int M,
+                                            const SrcOf& src_of, int K, int rt0, int nraw, const Epilogue& epilogue) {
+    const Bars bars = init_bars<TL>();
+    if (threadIdx.x >= TL::CONSUMERS) {
+        regs_down<PRODUCER_REGS>();
+        const int p = static_cast<int>(threadIdx.x) - TL::CONSUMERS;
+        produce<WT, TL>(smem, bars, wa, a_row, m0, M, src_of(p), K, rt0, nraw, p);
+    } else {
+        regs_up<CONSUMER_REGS>();
+        float d[TL::BN / 2];
+        consume<WT, TL>(smem, bars, K, rt0, nraw, d);
+        epilogue(d);
+    }
 }
 
 // The accumulator layout of m64nNk16 is mma.sync m16n8's, 8 columns at a time: warp w of the warpgroup holds rows
@@ -296,14 +500,15 @@ __device__ __forceinline__ int wg_row() {
 // the RS formats) + B_STAGES * B_BYTES (1024-byte aligned), then RAW_STAGES raw stages of BM rows of
 // Tile<Q, RAW_KB>::RS bytes.
 template <int WT, int WGS, int BN>
-__global__ void __launch_bounds__(128 * WGS, 1)
+__global__ void __launch_bounds__(mw::TilingOf<WT, WGS, BN>::THREADS, 1)
     mmq_wgmma(const mm::u8* a, long long a_row, long long a_s2, long long a_s3, int r2, int r3, const mm::u8* b,
               float* out, int M, int K, int N, int tiles_m, int tiles_n, int splits, float* part, int* counters,
               const float* bias, long long bias_col) {
     od::grid_enter();
     using namespace mw;
-    using TL = Tiling<WGS, BN>;
+    using TL = TilingOf<WT, WGS, BN>;
     extern __shared__ uint4 smem_u4[];
+    u8* const smem = reinterpret_cast<u8*>(smem_u4);
 
     const int tn = static_cast<int>(blockIdx.x % tiles_n);
     const int split = static_cast<int>((blockIdx.x / tiles_n) % splits);
@@ -312,20 +517,28 @@ __global__ void __launch_bounds__(128 * WGS, 1)
     const int m0 = tm * TL::BM, n0 = tn * BN;
     const long long batch = static_cast<long long>(i3) * gridDim.y + i2;
     const long long brow0 = batch * N;
+    const u8* const wa = a + (i3 / r3) * a_s3 + (i2 / r2) * a_s2;
     // this block's slice: raw K tiles rt0 .. rt0 + nraw - 1
     const int nraw_all = (K / 32 + RAW_KB - 1) / RAW_KB;
     const int rt0 = static_cast<int>(static_cast<long long>(split) * nraw_all / splits);
     const int nraw = static_cast<int>(static_cast<long long>(split + 1) * nraw_all / splits) - rt0;
-    float d[BN / 2];
-    const int tid = threadIdx.x;
-    const DenseB bsrc{b + ((brow0 + n0 + (tid >> 3)) * K + (tid & 7) * 8) * 2, 2ll * BShare<TL>::ROWS * K};
-    main_loop<WT, TL>(reinterpret_cast<u8*>(smem_u4), a + (i3 / r3) * a_s3 + (i2 / r2) * a_s2, a_row, m0, M, bsrc,
-                      K, rt0, nraw, d);
     const long long plane = static_cast<long long>(gridDim.y) * gridDim.z * N * M;
-    mq::finish<1, BN / 8, TL::BM, BN, TL::THREADS>(as_frags<BN>(d), m0 + wg_row(), n0, m0, n0, M, N, brow0, out, part,
-                                                   split, splits, plane,
-                                                   counters + (batch * tiles_m + tm) * tiles_n + tn, bias,
-                                                   bias_col);
+    int* const counter = counters + (batch * tiles_m + tm) * tiles_n + tn;
+    if constexpr (RS_FORMAT<WT>) {
+        specialized<WT, TL>(
+            smem, wa, a_row, m0, M, [&](int p) { return dense_share<BN, PRODUCER_THREADS>(b, brow0 + n0, K, p); }, K,
+            rt0, nraw, [&](const float(&d)[BN / 2]) {
+                mq::finish<1, BN / 8, TL::BM, BN, TL::CONSUMERS, TL::CONSUMERS>(
+                    as_frags<BN>(d), m0 + wg_row(), n0, m0, n0, M, N, brow0, out, part, split, splits, plane, counter,
+                    bias, bias_col);
+            });
+    } else {
+        float d[BN / 2];
+        main_loop<WT, TL>(smem, wa, a_row, m0, M, dense_share<BN, TL::THREADS>(b, brow0 + n0, K, threadIdx.x), K,
+                          rt0, nraw, d);
+        mq::finish<1, BN / 8, TL::BM, BN, TL::THREADS>(as_frags<BN>(d), m0 + wg_row(), n0, m0, n0, M, N, brow0, out,
+                                                       part, split, splits, plane, counter, bias, bias_col);
+    }
 }
 
 // mul_mat_id with many tokens on the same K loop (mmq_wgmma_id, MoE prefill): out[t, u, :] = as[ids[t, u]] @
@@ -337,12 +550,12 @@ __global__ void __launch_bounds__(128 * WGS, 1)
 // rows a_row and experts a_e bytes apart. Out contiguous (T, U, M), plus expert e's bias row (bias_e bytes apart)
 // where bias is not null (a fused add_id).
 template <int WT, int WGS, int BN>
-__global__ void __launch_bounds__(128 * WGS, 1)
+__global__ void __launch_bounds__(mw::TilingOf<WT, WGS, BN>::THREADS, 1)
     mmq_wgmma_id(const mm::u8* as, long long a_row, long long a_e, int E, const int* route, int pairs, int max_tiles,
                  int U, int Ub, const mm::u8* b, float* out, int M, int K, const float* bias, long long bias_e) {
     od::grid_enter();  // the table (moe_route) and b's bf16 rows (the conversion) come from the kernels before
     using namespace mw;
-    using TL = Tiling<WGS, BN>;
+    using TL = TilingOf<WT, WGS, BN>;
     extern __shared__ uint4 smem_u4[];
     u8* const smem = reinterpret_cast<u8*>(smem_u4);
     int* const pair = reinterpret_cast<int*>(smem);
@@ -353,15 +566,19 @@ __global__ void __launch_bounds__(128 * WGS, 1)
         return;
     }
     const int m0 = static_cast<int>(blockIdx.x / max_tiles) * TL::BM;
-    float d[BN / 2];
-    using S = BShare<TL>;
-    GatheredB<S::PER> bsrc;
-#pragma unroll
-    for (int i = 0; i < S::PER; ++i) {  // the tile's rows of b (its pairs'), the thread's share of them
-        const long long row = brow[(threadIdx.x >> 3) + S::ROWS * i];
-        bsrc.p[i] = b + (row * K + (threadIdx.x & 7) * 8) * 2;
+    const int nraw = (K / 32 + RAW_KB - 1) / RAW_KB;
+    const u8* const wa = as + e * a_e;
+    const float* const bias_row = bias != nullptr ? bias + e * bias_e / 4 : nullptr;
+    if constexpr (RS_FORMAT<WT>) {
+        specialized<WT, TL>(
+            smem + 8 * BN, wa, a_row, m0, M, [&](int p) { return gathered_share<BN, PRODUCER_THREADS>(b, brow, K, p); },
+            K, 0, nraw, [&](const float(&d)[BN / 2]) {
+                mq::store_pairs<1, BN / 8>(as_frags<BN>(d), m0 + wg_row(), 0, M, n, pair, out, bias_row);
+            });
+    } else {
+        float d[BN / 2];
+        main_loop<WT, TL>(smem + 8 * BN, wa, a_row, m0, M, gathered_share<BN, TL::THREADS>(b, brow, K, threadIdx.x), K,
+                          0, nraw, d);
+        mq::store_pairs<1, BN / 8>(as_frags<BN>(d), m0 + wg_row(), 0, M, n, pair, out, bias_row);
     }
-    main_loop<WT, TL>(smem + 8 * BN, as + e * a_e, a_row, m0, M, bsrc, K, 0, (K / 32 + RAW_KB - 1) / RAW_KB, d);
-    mq::store_pairs<1, BN / 8>(as_frags<BN>(d), m0 + wg_row(), 0, M, n, pair, out,
-                               bias != nullptr ? bias + e * bias_e / 4 : nullptr);
 }

@@ -45,9 +45,10 @@ class WgmmaTile:
     def bm(self) -> int:
         return 64 * self.warpgroups
 
-    @property
-    def threads(self) -> int:
-        return 128 * self.warpgroups
+    def threads(self, dt: str) -> int:
+        """A block's threads for format dt: the computing warpgroups, and for RS_FORMATS one more that only
+        copies (mmq_wgmma.cu's warp-specialized loop)."""
+        return 128 * (self.warpgroups + (dt in RS_FORMATS))
 
 
 #: the narrow and the wide tile (tile_for picks one); the compile test builds both for every format. Two
@@ -183,7 +184,7 @@ def wgmma_specs(node: Tensor, ptr: Ptr, scratch: Scratch, device: Device | None 
                         splits=splits, part=part, counters=counters, bias=addr(ptr, bias), bias_col=bias_col)
     return [*([conversion(b, "bf16", ptr(b), bf)] if convert else []),
             KernelSpec(MMQ_WGMMA_CU, instance_name(a.dtype.name, tile), (tiles_m * splits * tiles_n, b2, b3),
-                       tile.threads, args, smem=wgmma_smem(a.dtype.name, tile))]
+                       tile.threads(a.dtype.name), args, smem=wgmma_smem(a.dtype.name, tile))]
 
 
 @attrs.frozen
@@ -217,4 +218,4 @@ def wgmma_id_specs(node: Tensor, out: Tensor, ptr: Ptr, scratch: Scratch, guard:
                           bias=addr(ptr, bias), bias_e=bias.strides[0] if bias is not None else 0)
     return [route, conversion(b, "bf16", ptr(b), bf),
             KernelSpec(MMQ_WGMMA_CU, id_instance_name(as_.dtype.name, tile), (math.ceil(m / tile.bm) * tiles,),
-                       tile.threads, args, smem=wgmma_id_smem(as_.dtype.name, tile))]
+                       tile.threads(as_.dtype.name), args, smem=wgmma_id_smem(as_.dtype.name, tile))]
