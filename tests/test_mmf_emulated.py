@@ -33,7 +33,7 @@ from opdispatch.plugins.cuda_matmul import fusion, specs, support
 from opdispatch.plugins.cuda_matmul.specs import mmf
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, run_launches, write_headers
+from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, placed_arena, run_launches, write_headers
 from helpers import gate_up_glu
 
 NMSE_MAX = 5e-4
@@ -190,10 +190,7 @@ def test_cases_cover_the_kernel() -> None:
     residual_splits = set()
     for make in CASES.values():
         y = make()
-        arena = ScratchArena(sum(t.base.nbytes + 256 for t in Graph.build(y).leafs) + (4 << 20))
-        for t in (*Graph.build(y).leafs, *Graph.build(y).nodes):
-            arena.place(t, None)
-        (spec,) = _specs(y, arena)
+        (spec,) = _specs(y, placed_arena(y, sum(t.base.nbytes + 256 for t in Graph.build(y).leafs) + (4 << 20)))
         seen.add((int(spec.args.splits) > 1, _tiles_a_warp(spec) > 1, spec.kernel))
         if int(spec.args.bias_col) > 0:
             residual_splits.add(int(spec.args.splits) > 1)

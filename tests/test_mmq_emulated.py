@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Callable, Iterable
 
 import attrs
 import numpy as np
@@ -29,7 +30,7 @@ from opdispatch.plugins.cuda_matmul import fusion, specs, support
 from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_id
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, run_launches, write_headers
+from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, placed_arena, run_launches, write_headers
 from test_mmvq_stream_emulated import q8_1_rounded
 
 NMSE_MAX = 5e-4
@@ -214,6 +215,16 @@ SWAPS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+def launch_arity(graphs: Iterable[tuple[Tensor, Callable[[Tensor, ScratchArena], list]]],
+                 nbytes: int = 1 << 26) -> dict[str, int]:
+    """build_emulator's instances: each kernel's argument count over the launches of `graphs` (an output, and what
+    gives its launches in an arena holding its graph's tensors)."""
+    arity = {}
+    for y, launches in graphs:
+        arity.update({s.kernel: len(s.arg_values) for s in launches(y, placed_arena(y, nbytes))})
+    return arity
+
+
 def build_emulator(build: Path, kernels: tuple[str, ...], arity: dict[str, int]) -> Path:
     """tests/cuda_emu/kernel_main.cpp compiled in `build` for the instances `arity` names (name: its argument
     count) of the kernel files `kernels` (SWAPS' keys), with the shared headers made host C++."""
@@ -383,13 +394,8 @@ def _id_specs(y: Tensor, arena: ScratchArena, cfg: mmq.MmqConfig | None) -> list
 
 @pytest.fixture(scope="module")
 def id_emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    arity = {}
-    for make, _, _, cfg in ID_CASES.values():
-        y = make()
-        arena = ScratchArena(1 << 24)
-        for leaf in (*Graph.build(y).leafs, *Graph.build(y).nodes):
-            arena.place(leaf, None)
-        arity.update({s.kernel: len(s.arg_values) for s in _id_specs(y, arena, cfg)})
+    arity = launch_arity((make(), lambda y, arena, cfg=cfg: _id_specs(y, arena, cfg))
+                         for make, _, _, cfg in ID_CASES.values())
     return build_emulator(tmp_path_factory.mktemp("mmq_id_emu"), ("mmv.cu", "mmv_id.cu", "mmq_id.cu"), arity)
 
 

@@ -32,8 +32,8 @@ from opdispatch.graph import Graph
 from opdispatch.plugins.cuda_matmul.specs import mmq_wgmma
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import ScratchArena, gxx_major, run_launches
-from test_mmq_emulated import _id_node, _moe, build_emulator, id_arena
+from cuda_emu.hostcode import ScratchArena, gxx_major, placed_arena, run_launches
+from test_mmq_emulated import _id_node, _moe, build_emulator, id_arena, launch_arity
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
 
@@ -79,13 +79,8 @@ def _launches(y: Tensor, arena: ScratchArena, tile: mmq_wgmma.WgmmaTile, case: s
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    arity = {}
-    for case, (make, tile, _) in CASES.items():
-        y = make()
-        arena = ScratchArena(1 << 26)
-        for t in (*Graph.build(y).leafs, *Graph.build(y).nodes):
-            arena.place(t, None)
-        arity.update({s.kernel: len(s.arg_values) for s in _launches(y, arena, tile, case)})
+    arity = launch_arity((make(), lambda y, arena, tile=tile, case=case: _launches(y, arena, tile, case))
+                         for case, (make, tile, _) in CASES.items())
     return build_emulator(tmp_path_factory.mktemp("mmq_wgmma_emu"), ("convert.cu", "mmq_frags.cuh", "mmq_wgmma.cu"),
                           arity)
 
@@ -129,10 +124,7 @@ def test_cases_cover_both_loops_and_split_k() -> None:
     seen = set()
     for case, (make, tile, _) in CASES.items():
         y = make()
-        arena = ScratchArena(1 << 26)
-        for t in (*Graph.build(y).leafs, *Graph.build(y).nodes):
-            arena.place(t, None)
-        main = _launches(y, arena, tile, case)[1]
+        main = _launches(y, placed_arena(y), tile, case)[1]
         dt = _node(y).srcs[0].dtype.name
         seen.add((dt in mmq_wgmma.RS_FORMATS, tile.bn, main.args.splits > 1))
     assert {rs for rs, _, _ in seen} == {True, False} and {bn for _, bn, _ in seen} == {128, 256}
@@ -159,13 +151,8 @@ def _id_launches(y: Tensor, arena: ScratchArena, tile: mmq_wgmma.WgmmaTile) -> l
 
 @pytest.fixture(scope="module")
 def id_emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    arity = {}
-    for make, _, tile, _ in ID_CASES.values():
-        y = make()
-        arena = ScratchArena(1 << 26)
-        for t in (*Graph.build(y).leafs, *Graph.build(y).nodes):
-            arena.place(t, None)
-        arity.update({s.kernel: len(s.arg_values) for s in _id_launches(y, arena, tile)})
+    arity = launch_arity((make(), lambda y, arena, tile=tile: _id_launches(y, arena, tile))
+                         for make, _, tile, _ in ID_CASES.values())
     return build_emulator(tmp_path_factory.mktemp("mmq_wgmma_id_emu"),
                           ("mmv.cu", "mmv_id.cu", "convert.cu", "mmq_frags.cuh", "mmq_wgmma.cu"), arity)
 

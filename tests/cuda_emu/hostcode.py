@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from opdispatch.backends.cuda.args import IndexCheck
+from opdispatch.graph import Graph
 from opdispatch.tensor import Tensor
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,6 +197,15 @@ class ScratchArena(Arena):
         self.mem[at:at + nbytes] = 0 if zeroed else 0xFF
         self.roles[role] = (at, nbytes)
         return at
+
+
+def placed_arena(y: Tensor, nbytes: int = 1 << 26) -> ScratchArena:
+    """An arena of nbytes holding every tensor of y's graph (no values written)."""
+    arena = ScratchArena(nbytes)
+    graph = Graph.build(y)
+    for t in (*graph.leafs, *graph.nodes):
+        arena.place(t, None)
+    return arena
 
 
 def run_launches(launches: list, arena: ScratchArena, eager: bool, emulator: Path, tmp_path: Path,
