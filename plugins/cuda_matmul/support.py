@@ -64,7 +64,8 @@ MMQ_WGMMA_TYPES: tuple[str, ...] = ("q4_0", "q8_0", "q4_K", "q5_K", "q6_K")
 #: the fewest weight values (rows x K of one matrix) from which mmq_wgmma takes a format of MMQ_WGMMA_TYPES (one
 #: not named here: any). On the H200 (session 36, `test_wgmma_or_dequant` at 512 columns, one call) q4_K took
 #: 0.74x dequant_cublas's time at 8192 x 2048 weights and 0.87x at 2048 x 8192, but 1.20x at 3072 x 2048, 1.21x at
-#: 2048 x 2048 and 1.73x at 512 x 2048; q6_K 0.76x, 0.91x, 1.26x, 1.27x, 1.59x. Below, the product goes where it
+#: 2048 x 2048 and 1.73x at 512 x 2048; q6_K 0.76x, 0.91x, 1.26x, 1.27x, 1.59x. q5_K, not timed against
+#: dequant_cublas, follows them (its fragments cost between q4_K's and q6_K's). Below, the product goes where it
 #: went before (mmq up to MMQ_MAX_N columns, dequant_cublas above).
 MMQ_WGMMA_MIN_VALUES: dict[str, int] = {"q4_K": 1 << 24, "q5_K": 1 << 24, "q6_K": 1 << 24}
 #: from this many columns mmq_wgmma takes the products of MMQ_WGMMA_TYPES that mmq would: on the H200
