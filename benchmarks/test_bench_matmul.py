@@ -21,9 +21,9 @@
   2*M*N*K (the goal: no slower than torch's bf16 GEMM of the same shape, its time in extra_info["torch_us"]);
   and at the 1b preset's layer shapes, 16, 32, 64 and 128 columns, cold (batch-16 decode, the widest
   tiles of mmq_small and mmq).
-- mmq_wgmma against dequant_cublas for q4_0, q4_K and q6_K (a Q4_0 and a Q4_K_M file's formats) at the 1b preset's
-  layer shapes and 512 and 2048 columns: the evidence for which formats and weights support.MMQ_WGMMA_TYPES and
-  MMQ_WGMMA_MIN_VALUES take.
+- mmq_wgmma against dequant_cublas for q4_0, q4_K, q5_K and q6_K (Q4_0, Q4_K_M and Q5_K_M files' formats) at the
+  1b preset's layer shapes and 512 and 2048 columns: the evidence for which formats and weights
+  support.MMQ_WGMMA_TYPES and MMQ_WGMMA_MIN_VALUES take.
 
 The mat-vecs, mmf, gate/up and MoE are timed cold (conftest.measure_cold): one plan
 holds 32 or more instances taking several weight sets in turn (for MoE, sets of
@@ -268,13 +268,14 @@ def test_mmq_layers(measure_cold, torch_cuda, dt: str, shape: tuple, n: int) -> 
 
 
 @pytest.mark.parametrize("shape", list(LAYER_SHAPES.values()), ids=list(LAYER_SHAPES))
-@pytest.mark.parametrize("dt", ["q4_0", "q4_K", "q6_K"])
+@pytest.mark.parametrize("dt", ["q4_0", "q4_K", "q5_K", "q6_K"])
 @pytest.mark.parametrize("n", [512, 2048])
 def test_wgmma_or_dequant(benchmark, torch_cuda, monkeypatch: pytest.MonkeyPatch, n: int, dt: str,  # noqa: ANN001
                           shape: tuple) -> None:
-    """The evidence for support.MMQ_WGMMA_TYPES and MMQ_WGMMA_MIN_VALUES: Q4_0's and Q4_K_M's formats at the 1b
-    preset's layer shapes and 512 or 2048 columns (prefills), mmq_wgmma (dt selected) against dequant_cublas (dt not
-    selected) and torch's bf16 matmul, timed in interleaved rounds: `us` mmq_wgmma's, `dequant_us`, `torch_us`."""
+    """The evidence for support.MMQ_WGMMA_TYPES and MMQ_WGMMA_MIN_VALUES: Q4_0's, Q4_K_M's and Q5_K_M's formats at
+    the 1b preset's layer shapes and 512 or 2048 columns (prefills), mmq_wgmma (dt selected) against dequant_cublas
+    (dt not selected) and torch's bf16 matmul, timed in interleaved rounds: `us` mmq_wgmma's, `dequant_us`,
+    `torch_us`."""
     torch = torch_cuda
     (M, K), N = shape, n
     va, vx = rand(M, K), rand(N, K)
