@@ -10,10 +10,10 @@ them, so that a stage handed back before its products are retired is refilled un
 at the wait_group that covers them) with the products computed at issue, so that a stage signalled before its copies
 have landed is read poisoned. Both faults, put in the kernel by hand, failed these tests (session 35). A fragment map
 or a swizzle that does not match, a barrier phase off by one or a hand-over that deadlocks shows as a wrong sum, a
-NaN (shared memory and outputs start poisoned) or an abort. The RS formats run the warp-specialized loop (a copying warpgroup, mbarriers), the others the A-stage
-loop; both tiles, split K (the last block's sums on the computing warps' named barrier). Outputs are compared with
-the numpy reference by NMSE (the GPU tests' bound: b and the weights rounded to bf16). Skipped without g++ 12 or
-newer (C++20, _Float16).
+NaN (shared memory and outputs start poisoned) or an abort. The RS formats run the warp-specialized loop (a copying
+warpgroup, mbarriers), the others the A-stage loop; both tiles, split K (the last block's sums on the computing warps'
+named barrier). Outputs are compared with the numpy reference by NMSE (the GPU tests' bound: b and the weights rounded
+to bf16). Skipped without g++ 12 or newer (C++20, _Float16).
 """
 
 from __future__ import annotations

@@ -125,17 +125,6 @@ __device__ __forceinline__ T block_scan(T v, T& total, T* exclusive = nullptr) {
     return v + before;
 }
 
-// -- "the last block finishes the job" -------------------------------------------
-// A grid whose blocks each write a part of a result, and whose last block to finish then
-// reads all of it (merges split-K partials, normalizes the rows the others wrote), in one
-// launch. Every block calls last_block(counter, blocks) after its writes; it returns true in
-// the one block that counted last, after which that block sees every other block's writes
-// (read them with __ldcg or volatile loads: not through the read-only cache, and not through
-// L1, which may hold stale lines). The last block sets the counter back to 0, so the
-// counter, zeroed once when allocated, is ready for the next launch or CUDA-graph replay.
-// Must be reached by every thread of the block (with THREADS > 0: by its first THREADS threads, which
-// sync_block<THREADS> synchronizes).
-
 // sync_block<THREADS>(): the block's barrier, or with THREADS > 0 named barrier 1 of the first THREADS threads
 // (a kernel whose other warps have left, such as a producer warpgroup's: kernels/mmq_wgmma.cu).
 template <int THREADS = 0>
@@ -147,6 +136,16 @@ __device__ __forceinline__ void sync_block() {
     }
 }
 
+// -- "the last block finishes the job" -------------------------------------------
+// A grid whose blocks each write a part of a result, and whose last block to finish then
+// reads all of it (merges split-K partials, normalizes the rows the others wrote), in one
+// launch. Every block calls last_block(counter, blocks) after its writes; it returns true in
+// the one block that counted last, after which that block sees every other block's writes
+// (read them with __ldcg or volatile loads: not through the read-only cache, and not through
+// L1, which may hold stale lines). The last block sets the counter back to 0, so the
+// counter, zeroed once when allocated, is ready for the next launch or CUDA-graph replay.
+// Must be reached by every thread of the block (with THREADS > 0: by its first THREADS threads, which
+// sync_block<THREADS> synchronizes).
 template <int THREADS = 0>
 __device__ __forceinline__ bool last_block(int* counter, int blocks) {
     __shared__ bool last;

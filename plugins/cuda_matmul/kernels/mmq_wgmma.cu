@@ -26,22 +26,22 @@
 // A and B are K-major in the 128-byte swizzle wgmma reads (row r's 16-byte chunk c at r * 128 + (c ^ (r % 8)) *
 // 16, each tile 1024-byte aligned; the descriptor's stride between 8-row groups 1024 bytes, a k16 step 32 bytes
 // further along the row).
-// K tile t (main_loop, the A-stage formats): the four wgmma of t are issued (one commit group), then
-// wgmma.wait_group 1 (t - 1's are done), and while t's run the block dequantizes t + 1 into the A stage t - 1 held
-// (a warpgroup's threads write exactly the rows its own products read, so no barrier is needed before), waits for
-// its copies, and after one barrier issues the copies into the stages t - 1 freed. The tensor cores are never
-// drained inside the loop: t + 1's products queue behind t's. The RS formats' loop is warp-specialized (produce,
-// consume): the last warpgroup issues every copy and the computing warpgroups only build fragments and issue
-// products, the stages handed over on mbarriers (Bars) instead of a block barrier a K tile, and setmaxnreg gives
-// the copying warpgroup's registers to the computing ones. Dequantization: quant.cuh's load_unit for every format (8 values a unit, v = code * d + m in
-// f32, rounded to bf16, into the A stages), but q4_0, q8_0, q4_K, q5_K and q6_K (RS), whose values go from the raw
-// stage straight into the A fragments in registers (wgmma's A-from-registers form: no A stage written or read,
-// which halves the shared memory traffic a K tile), two K tiles' fragments in turn: q4_0's nibbles to bf16 by their
-// bits, bf16x2 arithmetic (d rounded to bf16 first); q8_0's codes to f32 by their bits, one fma each; the K-quants'
-// codes to f32 by their bits (masked into the mantissa of a power of two, which is then subtracted), then the A
-// stage's own f32 operation (fmaf(q, d * sc, -(dmin * min)), q6_K's (q - 32) * (d * sc)). q8_0's and the
-// K-quants' fragments hold the A stage's bf16 values bit for bit (q8_0: but for an infinite d). The fragment
-// builders live in mmq_frags.cuh, which tests/test_mmq_frags_emulated.py runs on the CPU.
+// K tile t (main_loop, the A-stage formats): the four wgmma of t are issued (one commit group), then wgmma.wait_group 1
+// (t - 1's are done), and while t's run the block dequantizes t + 1 into the A stage t - 1 held (a warpgroup's threads
+// write exactly the rows its own products read, so no barrier is needed before), waits for its copies, and after one
+// barrier issues the copies into the stages t - 1 freed. The tensor cores are never drained inside the loop: t + 1's
+// products queue behind t's. The RS formats' loop is warp-specialized (produce, consume): the last warpgroup issues
+// every copy and the computing warpgroups only build fragments and issue products, the stages handed over on mbarriers
+// (Bars) instead of a block barrier a K tile, and setmaxnreg gives the copying warpgroup's registers to the computing
+// ones. Dequantization: quant.cuh's load_unit for every format (8 values a unit, v = code * d + m in f32, rounded to
+// bf16, into the A stages), but q4_0, q8_0, q4_K, q5_K and q6_K (RS), whose values go from the raw stage straight into
+// the A fragments in registers (wgmma's A-from-registers form: no A stage written or read, which halves the shared
+// memory traffic a K tile), two K tiles' fragments in turn: q4_0's nibbles to bf16 by their bits, bf16x2 arithmetic (d
+// rounded to bf16 first); q8_0's codes to f32 by their bits, one fma each; the K-quants' codes to f32 by their bits
+// (masked into the mantissa of a power of two, which is then subtracted), then the A stage's own f32 operation (fmaf(q,
+// d * sc, -(dmin * min)), q6_K's (q - 32) * (d * sc)). q8_0's and the K-quants' fragments hold the A stage's bf16
+// values bit for bit (q8_0: but for an infinite d). The fragment builders live in mmq_frags.cuh, which
+// tests/test_mmq_frags_emulated.py runs on the CPU.
 // Split K: the raw K tiles of a row are cut in `splits` contiguous slices, one block each (a grid of few output
 // tiles still fills the GPU), and mq::finish (mmq's) writes the sums or the slices' ordered sum: deterministic.
 //
@@ -63,7 +63,7 @@ constexpr int A_STAGES = 2, B_STAGES = 4, RAW_STAGES = 2;
 
 // A block's tile: WGS warpgroups of 128 threads computing (CONSUMERS), BM = 64 WGS weight rows (64 a warpgroup),
 // BN columns (one m64nBNk16 accumulator of BN / 2 floats a thread); with PRODUCER one warpgroup more, after them,
-// that only copies (the RS formats: main_loop_ws).
+// that only copies (the RS formats: specialized, produce and consume).
 template <int WGS, int BN_, bool PRODUCER = false>
 struct Tiling {
     static constexpr int BM = 64 * WGS, BN = BN_, CONSUMERS = 128 * WGS, THREADS = CONSUMERS + (PRODUCER ? 128 : 0);
@@ -224,7 +224,7 @@ struct Stages {
 template <int WT, class TL, class Src>
 __device__ __forceinline__ void main_loop(u8* const smem, const u8* const wa, long long a_row, int m0, int M,
                                           const Src& bsrc, int K, int rt0, int nraw, float (&d)[TL::BN / 2]) {
-    static_assert(!RS_FORMAT<WT>, "the RS formats run main_loop_ws");
+    static_assert(!RS_FORMAT<WT>, "the RS formats run the warp-specialized loop (specialized)");
     constexpr int BN = TL::BN, NT = TL::THREADS;
     const Stages<WT, TL> st(smem, K, rt0, nraw);
     const int tid = threadIdx.x, nb = K / 32, kt0 = st.kt0, nk = st.nk;
@@ -291,7 +291,7 @@ __device__ __forceinline__ void main_loop(u8* const smem, const u8* const wa, lo
     od::cp_async_wait<0>();  // only empty groups can be left
 }
 
-// The warp-specialized K loop of the RS formats (main_loop_ws): the block's last warpgroup only copies (produce),
+// The warp-specialized K loop of the RS formats (specialized): the block's last warpgroup only copies (produce),
 // the others only build fragments and issue products (consume), handing stages over on mbarriers in shared memory
 // (Bars), so that the computing warps' chain a K tile holds neither the copies' address arithmetic nor a block
 // barrier. ncu of the loop where every warp did both (q4_0 4096 x 14336 at 512 columns, H200, session 35): about
