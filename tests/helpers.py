@@ -107,6 +107,32 @@ def gate_up_glu(dt: str, m: int, k: int, n: int, bias: bool, kind: str) -> Tenso
     return ops.glu_split(g, u, kind)
 
 
+def biased(dt: str, m: int, k: int, n: int) -> Tensor:
+    """add(mul_mat(w, x), bias): a (m, k) weight of type dt, x (n, k), one bias row: the fused bias pattern."""
+    return ops.add(ops.mul_mat(new_input("w", (m, k), dt), new_input("x", (n, k))), new_input("bias", (m,)))
+
+
+def residual(dt: str, m: int, k: int, n: int, batch: tuple = (), pad: int = 0) -> Tensor:
+    """add(r, mul_mat(w, x)): r of the product's shape (*batch, n, m), rows m + pad floats apart (a view when pad)."""
+    wide = new_input("r", (*batch, n, m + pad))
+    r = wide.view((*batch, n, m), wide.strides) if pad else wide
+    return ops.add(r, ops.mul_mat(new_input("w", (m, k), dt), new_input("x", (*batch, n, k))))
+
+
+def assert_graph_segments(plan: Any, disabled: str) -> None:
+    """`plan`'s CUDA segments ran as OPDISPATCH_DISABLE_CUDA_GRAPHS = `disabled` says: launched directly, never
+    captured ("1"), or captured once and replayed since ("0")."""
+    from opdispatch.backends.cuda.backend import Segment  # CuPy's: only the GPU tests call this
+
+    segments = [s for s in plan._bind().runners if isinstance(s, Segment)]
+    assert segments
+    for s in segments:
+        if disabled == "1":
+            assert s.runner.capture is None and s.runner.captures == 0
+        else:
+            assert s.runner.captures == 1 and not s.runner.disabled, s.runner.disabled
+
+
 #: the error word's device address a FakeGuard hands out
 FAKE_WORD = 0x7E00_0000_0000
 

@@ -41,7 +41,7 @@ from opdispatch.tensor import Tensor
 from opdispatch.testing.cases import Inputs, bound
 from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
-from helpers import FAKE_WORD, FakeGuard, edge_cases
+from helpers import FAKE_WORD, FakeGuard, assert_graph_segments, edge_cases
 
 gpu = pytest.mark.gpu
 
@@ -1235,8 +1235,6 @@ def attention_block(seed: int) -> tuple[list[Tensor], dict]:
 
 @gpu
 def test_cuda_graph_replay_matches_direct_launches(monkeypatch: pytest.MonkeyPatch, rng) -> None:  # noqa: ANN001
-    from opdispatch.backends.cuda.backend import Segment
-
     seeds = [int(s) for s in rng.integers(0, 2**31, 4)]
     results = {}
     for disabled in ("1", "0"):
@@ -1246,13 +1244,7 @@ def test_cuda_graph_replay_matches_direct_launches(monkeypatch: pytest.MonkeyPat
             outputs, feeds = attention_block(seed)
             plan = od.compile(outputs, "cuda0")
             results[disabled].append(plan.run(feeds))
-        segments = [s for s in plan._bind().runners if isinstance(s, Segment)]
-        assert segments
-        for s in segments:
-            if disabled == "1":
-                assert s.runner.capture is None and s.runner.captures == 0
-            else:
-                assert s.runner.captures == 1 and not s.runner.disabled
+        assert_graph_segments(plan, disabled)
     outputs, feeds = attention_block(seeds[-1])
     for got, ref in zip(results["0"][-1], reference(outputs, feeds)):
         assert_close(got, ref, FA_BOUND, "replayed graph vs reference")

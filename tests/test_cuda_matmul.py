@@ -49,7 +49,7 @@ from opdispatch.tensor import Tensor
 from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
 from cuda_emu.hostcode import q8_1_reference
-from helpers import FAKE_WORD, FakeGuard, edge_cases, gate_up_glu, moe, subscaled_blocks
+from helpers import FAKE_WORD, FakeGuard, assert_graph_segments, edge_cases, gate_up_glu, moe, subscaled_blocks
 
 gpu = pytest.mark.gpu
 
@@ -2414,8 +2414,6 @@ def test_every_output_element_is_written_on_each_run(n: int, rng) -> None:  # no
 
 @gpu
 def test_cuda_graph_replay_matches_direct_launches(monkeypatch: pytest.MonkeyPatch, rng) -> None:  # noqa: ANN001
-    from opdispatch.backends.cuda.backend import Segment
-
     values = {}
     results = {}
     for disabled in ("1", "0"):
@@ -2427,13 +2425,7 @@ def test_cuda_graph_replay_matches_direct_launches(monkeypatch: pytest.MonkeyPat
                 values[n] = [named_feeds([y, z], rng, 4) for _ in range(3)]
             plan = od.compile([y, z], "cuda0")
             outs.append([plan.run(f) for f in values[n]])
-            segments = [s for s in plan._bind().runners if isinstance(s, Segment)]
-            assert segments
-            for s in segments:
-                if disabled == "1":
-                    assert s.runner.capture is None and s.runner.captures == 0
-                else:
-                    assert s.runner.captures == 1 and not s.runner.disabled, s.runner.disabled
+            assert_graph_segments(plan, disabled)
         results[disabled] = outs
     for direct, replayed in zip(results["1"], results["0"]):
         for d_run, r_run in zip(direct, replayed):

@@ -33,7 +33,7 @@ from opdispatch.plugins.cuda_norm import specs as cn
 from opdispatch.tensor import Tensor
 from opdispatch.testing.harness import Status, run_case
 from opdispatch.testing.metrics import nmse
-from helpers import edge_cases
+from helpers import assert_graph_segments, edge_cases
 
 gpu = pytest.mark.gpu
 
@@ -435,8 +435,6 @@ def test_output_may_alias_the_input(op: str, ncols: int, rng) -> None:  # noqa: 
 
 @gpu
 def test_cuda_graph_replay_matches_direct_launches(monkeypatch: pytest.MonkeyPatch, rng) -> None:  # noqa: ANN001
-    from opdispatch.backends.cuda.backend import Segment
-
     shape = (8, 1000)
     inputs = [{"x": uniform(rng, shape), "r": uniform(rng, shape)} for _ in range(4)]
     weight = uniform(rng, shape[-1:], -2, 2)
@@ -448,13 +446,7 @@ def test_cuda_graph_replay_matches_direct_launches(monkeypatch: pytest.MonkeyPat
         y = ops.rms_norm(ops.add(ops.mul(ops.rms_norm(x), w), r))
         plan = od.compile(y, "cuda0")
         results[disabled] = [plan.run({x: v["x"], r: v["r"]})[0] for v in inputs]
-        segments = [s for s in plan._bind().runners if isinstance(s, Segment)]
-        assert segments
-        for s in segments:
-            if disabled == "1":
-                assert s.runner.capture is None and s.runner.captures == 0
-            else:
-                assert s.runner.captures == 1 and not s.runner.disabled
+        assert_graph_segments(plan, disabled)
     for direct, replayed in zip(results["1"], results["0"]):
         assert np.array_equal(direct, replayed)
 

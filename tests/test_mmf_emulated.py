@@ -34,7 +34,7 @@ from opdispatch.plugins.cuda_matmul.specs import mmf
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
 from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, placed_arena, run_launches, write_headers
-from helpers import gate_up_glu
+from helpers import biased, gate_up_glu, residual
 
 NMSE_MAX = 5e-4
 NMSE_ROUNDED = 1e-9  # against the reference on b rounded to a's type, as the kernel rounds it
@@ -59,17 +59,6 @@ def _mm(dt: str, m: int, k: int, n: int, batch: tuple = (), a_batch: tuple | Non
     return ops.mul_mat(a, b)
 
 
-def _bias(dt: str, m: int, k: int, n: int) -> Tensor:
-    return ops.add(ops.mul_mat(od.input("w", (m, k), dt), od.input("x", (n, k))), od.input("bias", (m,)))
-
-
-def _residual(dt: str, m: int, k: int, n: int, batch: tuple = (), pad: int = 0) -> Tensor:
-    """add(r, mul_mat(w, x)): r of the product's shape (*batch, n, m), rows m + pad floats apart (a view when pad)."""
-    wide = od.input("r", (*batch, n, m + pad))
-    r = wide.view((*batch, n, m), wide.strides) if pad else wide
-    return ops.add(r, ops.mul_mat(od.input("w", (m, k), dt), od.input("x", (*batch, n, k))))
-
-
 #: name: graph; each covers a part of the kernel (splits and row groups as split_k gives them on DEVICE:
 #: 8 blocks of 8 warps)
 CASES = {
@@ -83,9 +72,9 @@ CASES = {
     "bf16 N9 K2080 persistent, two splits, M tail": lambda: _mm("bf16", 600, 2080, 9),
     "bf16 broadcast batches, splits": lambda: _mm("bf16", 19, 512, 10, batch=(2, 3), a_batch=(1, 3)),
     "f16 b transposed (element loads)": lambda: _mm("f16", 21, 64, 16, bview="T"),
-    "bias bf16 N13, splits": lambda: _bias("bf16", 45, 1024, 13),
-    "residual bf16 N16, splits": lambda: _residual("bf16", 45, 1024, 16),
-    "residual f16 N9 padded rows over batches, one split": lambda: _residual("f16", 33, 96, 9, batch=(2,), pad=5),
+    "bias bf16 N13, splits": lambda: biased("bf16", 45, 1024, 13),
+    "residual bf16 N16, splits": lambda: residual("bf16", 45, 1024, 16),
+    "residual f16 N9 padded rows over batches, one split": lambda: residual("f16", 33, 96, 9, batch=(2,), pad=5),
     "glu f16 N16 bias swiglu_oai, splits": lambda: gate_up_glu("f16", 70, 512, 16, True, "swiglu_oai"),
     "glu bf16 N11 geglu": lambda: gate_up_glu("bf16", 33, 96, 11, False, "geglu"),
     "glu bf16 N16 persistent, two splits": lambda: gate_up_glu("bf16", 600, 2080, 16, False, "swiglu"),

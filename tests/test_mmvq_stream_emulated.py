@@ -40,7 +40,7 @@ from opdispatch.tensor import Tensor
 from opdispatch.testing.cases.base import bound
 from opdispatch.testing.metrics import nmse
 from cuda_emu.hostcode import EMU, Arena, gxx_major, q8_1_reference, write_headers
-from helpers import gate_up_glu, moe, subscaled_blocks
+from helpers import biased, gate_up_glu, moe, residual, subscaled_blocks
 
 NMSE_Q8_1 = 1e-8  # against the reference on b rounded to q8_1 as the kernel rounds it
 VIEWS = ("view", "reshape", "permute", "transpose")
@@ -65,17 +65,6 @@ def _mm(dt: str, m: int, k: int, n: int, tb: str = "f32", batch: tuple = (), bvi
     return ops.mul_mat(a, b)
 
 
-def _bias(dt: str, m: int, k: int, n: int) -> Tensor:
-    return ops.add(ops.mul_mat(od.input("w", (m, k), dt), od.input("x", (n, k))), od.input("bias", (m,)))
-
-
-def _residual(dt: str, m: int, k: int, n: int, batch: tuple = (), pad: int = 0) -> Tensor:
-    """add(r, mul_mat(w, x)): r of the product's shape (*batch, n, m), rows m + pad floats apart (a view when pad)."""
-    wide = od.input("r", (*batch, n, m + pad))
-    r = wide.view((*batch, n, m), wide.strides) if pad else wide
-    return ops.add(r, ops.mul_mat(od.input("w", (m, k), dt), od.input("x", (*batch, n, k))))
-
-
 def _normed(dt: str, m: int, k: int, n: int, glu: bool = False) -> Tensor:
     """rms_norm(x) * w before a product (or a gate/up GLU pair): the fused rms_norm groups."""
     h = ops.mul(ops.rms_norm(od.input("x", (n, k)), 1e-5), od.input("nw", (k,)))
@@ -98,9 +87,9 @@ CASES = {
     "q8_0 b f16 misaligned (scalar loads)": (lambda: _mm("q8_0", 29, 512, 3, tb="f16", bview="offset"), DEFAULT,
                                              False),
     "q4_1 b bf16 transposed": (lambda: _mm("q4_1", 29, 512, 3, tb="bf16", bview="T"), DEFAULT, True),
-    "q5_0 bias": (lambda: _bias("q5_0", 45, 512, 5), DEFAULT, False),
-    "q4_0 residual N8 K4096": (lambda: _residual("q4_0", 77, 4096, 8), DEFAULT, False),
-    "q8_0 residual N3 padded rows over batches, K14336": (lambda: _residual("q8_0", 21, 14336, 3, (2,), 5),
+    "q5_0 bias": (lambda: biased("q5_0", 45, 512, 5), DEFAULT, False),
+    "q4_0 residual N8 K4096": (lambda: residual("q4_0", 77, 4096, 8), DEFAULT, False),
+    "q8_0 residual N3 padded rows over batches, K14336": (lambda: residual("q8_0", 21, 14336, 3, (2,), 5),
                                                           specs.StreamConfig(2, 2, 1), True),
     "glu q4_0 K4096 gate and up in a stage, bias":
         (lambda: gate_up_glu("q4_0", 77, 4096, 2, True, "swiglu_oai"), DEFAULT, False),
@@ -137,7 +126,7 @@ def _k_cases(dt: str, i: int) -> dict:
         f"{dt} rows of one chunk, N 1": (lambda: _mm(dt, 77, rv, 1), DEFAULT, i % 2 == 1),
         f"{dt} rows of 7 chunks, N {3 + i % 2}": (lambda: _mm(dt, 45, 7 * rv, 3 + i % 2), DEFAULT, False),
         f"{dt} K{long_k} two segments, N 8, 2 warps": (lambda: _mm(dt, 19, long_k, 8), two, True),
-        f"{dt} bias, N {5 + i % 3}": (lambda: _bias(dt, 45, 2 * rv, 5 + i % 3), DEFAULT, False),
+        f"{dt} bias, N {5 + i % 3}": (lambda: biased(dt, 45, 2 * rv, 5 + i % 3), DEFAULT, False),
         f"glu {dt} gate and up in a stage, bias": (lambda: gate_up_glu(dt, 37, rv, 2, True, "swiglu_oai"), DEFAULT,
                                                    False),
         f"glu {dt} K{long_k} gate then up segments": (lambda: gate_up_glu(dt, 21, long_k, 2, False, "geglu"), two,
@@ -157,11 +146,11 @@ for _i, _dt in enumerate(K_FORMATS):
 CASES.update({
     "ragged mxfp4 K2880 (gpt-oss), half pieces": (lambda: _mm("mxfp4", 37, 2880, 1), DEFAULT, False),
     "ragged iq4_nl K96 (R 32: one partial piece a row)": (lambda: _mm("iq4_nl", 40, 96, 1), DEFAULT, True),
-    "ragged iq4_nl K2880 bias (rows 4 bytes off)": (lambda: _bias("iq4_nl", 45, 2880, 1), DEFAULT, False),
+    "ragged iq4_nl K2880 bias (rows 4 bytes off)": (lambda: biased("iq4_nl", 45, 2880, 1), DEFAULT, False),
     "ragged glu q6_K K3584 (one-block pieces), bias": (lambda: gate_up_glu("q6_K", 21, 3584, 1, True, "swiglu"),
                                                        DEFAULT, False),
     "ragged iq4_xs K768": (lambda: _mm("iq4_xs", 19, 768, 1), specs.StreamConfig(2, 2, 1), True),
-    "ragged q2_K K768 residual": (lambda: _residual("q2_K", 23, 768, 1), DEFAULT, False),
+    "ragged q2_K K768 residual": (lambda: residual("q2_K", 23, 768, 1), DEFAULT, False),
     "ragged q3_K K18688 three segments": (lambda: _mm("q3_K", 13, 18688, 1), specs.StreamConfig(2, 2, 1), False),
     "ragged mul_mat_id mxfp4 K2880 3 of 4 experts": (lambda: moe("mxfp4", 4, 33, 2880, 1, 3, False, False),
                                                       DEFAULT, False),
