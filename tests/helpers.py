@@ -11,6 +11,7 @@ import attrs
 import numpy as np
 import pytest
 
+from opdispatch import Plan
 from opdispatch import input as new_input
 from opdispatch import ops
 from opdispatch.backends.cuda.args import IndexCheck
@@ -119,7 +120,7 @@ def residual(dt: str, m: int, k: int, n: int, batch: tuple = (), pad: int = 0) -
     return ops.add(r, ops.mul_mat(new_input("w", (m, k), dt), new_input("x", (*batch, n, k))))
 
 
-def assert_graph_segments(plan: Any, disabled: str) -> None:
+def assert_graph_segments(plan: Plan, disabled: str) -> None:
     """`plan`'s CUDA segments ran as OPDISPATCH_DISABLE_CUDA_GRAPHS = `disabled` says: launched directly, never
     captured ("1"), or captured once and replayed since ("0")."""
     from opdispatch.backends.cuda.backend import Segment  # CuPy's: only the GPU tests call this
