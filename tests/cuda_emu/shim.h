@@ -1,9 +1,10 @@
 // Host emulation of the CUDA subset that cuda_matmul's mmvq_stream.cu, mmq.cu and mmq_id.cu (with mmv.cu's
 // quantize_q8_1 and mmv_id.cu's moe_route), mmq_wgmma.cu (its wgmma products, mbarriers and named barrier too:
 // tests/test_mmq_wgmma_emulated.py) and its A-fragment builders (mmq_frags.cuh), cuda_misc's row
-// kernels, cuda_attention's fattn_decode.cu and the shared headers (common.cuh, quant.cuh) use, for
-// tests/test_mmvq_stream_emulated.py, tests/test_mmq_emulated.py, tests/test_mmq_frags_emulated.py,
-// tests/test_rows_emulated.py, tests/test_fattn_decode_emulated.py and tests/test_quant_header.py:
+// kernels, cuda_attention's fattn_decode.cu, fattn_prefill.cu (its warp votes too) and fattn_mask.cu and the shared
+// headers (common.cuh, quant.cuh) use, for tests/test_mmvq_stream_emulated.py, tests/test_mmq_emulated.py,
+// tests/test_mmq_frags_emulated.py, tests/test_rows_emulated.py, tests/test_fattn_decode_emulated.py,
+// tests/test_fattn_prefill_emulated.py and tests/test_quant_header.py (among others):
 // one fiber per CUDA thread (emu_run_block: a block's threads take turns on one OS thread, switching only at
 // __syncthreads / __syncwarp / shuffles, which are barriers, and at an mbarrier wait that cannot complete yet),
 // cp.async performed at wait_group time (lazy) or at issue (eager), and bulk copies when their mbarrier's phase
@@ -80,6 +81,7 @@ inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
     return (unsigned)(v >> (sh & 31u));
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }  // 1 + the lowest set bit's index, 0 for none
 inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
     return c;
@@ -369,6 +371,20 @@ inline T __shfl_xor_sync(unsigned, T v, int off, int = 32) {
     __syncwarp();
     return r;
 }
+
+// vote.ballot: bit l set where lane l's predicate holds (the prefill attention's key tile walk and softmax),
+// through the shuffles' exchange; vote.any from it
+inline unsigned __ballot_sync(unsigned, int p) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    unsigned* x = emu_ctx->xchg.data() + warp * 32;
+    x[lane] = p != 0;
+    __syncwarp();
+    unsigned bits = 0;
+    for (int l = 0; l < 32; ++l) bits |= x[l] << l;
+    __syncwarp();
+    return bits;
+}
+inline int __any_sync(unsigned mask, int p) { return __ballot_sync(mask, p) != 0; }
 
 // cp.async (emu_pending, emu_groups: the running fiber's)
 inline bool emu_eager;

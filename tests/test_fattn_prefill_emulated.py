@@ -1,0 +1,145 @@
+"""cuda_attention's prefill attention on mma.sync (fattn_prefill.cu), with the mask tile flags its plan computes
+first (fattn_mask.cu), run on the CPU: their real sources compiled by g++ against the host emulation of CUDA
+(tests/cuda_emu/shim.h: ldmatrix and mma.sync as warp collectives), on the launch specs the plugin binds for a
+GPU without wgmma. Each case runs with cp.async copies landing at the wait_group that covers them (lazy: a K/V
+stage read before its wait shows) and at issue (eager: a copy into a stage still being read shows).
+
+Outputs and shared memory start poisoned (0xFF), so an output row left unwritten, or a tile read before it
+landed, shows; results are compared with the numpy reference by NMSE (flash_attn_ext's bound). The cases cross
+the kernel's edges: query rows past a tile (tq not a multiple of 128), a last key tile cut short, key tiles the
+flags skip (causal), mixed and mask-free, GQA, sinks, ALiBi and softcap, f16, bf16 and q8_0 K/V. On the H200
+the same kernels run in test_cuda_attention.py.
+
+Skipped without g++ 12 or newer (C++20, _Float16).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import opdispatch as od
+from opdispatch.backends.cuda.devices import H200, facts
+from opdispatch.dtypes import from_float
+from opdispatch.graph import Graph
+from opdispatch.hookspecs import Device
+from opdispatch.plugins.cuda_attention.specs import flash
+from opdispatch.tensor import Tensor
+from opdispatch.testing.cases import Inputs, bound
+from opdispatch.testing.metrics import nmse
+from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, run_launches, write_headers
+from test_cuda_attention import fa_graph
+from test_fattn_decode_emulated import SHARED, SWAPS
+from test_mmq_emulated import call
+
+#: a GPU without wgmma (compute capability 8.0), so that every head size and K/V type takes fattn_prefill
+DEVICE = facts(Device("cuda0", "cuda", "an emulated sm_80 GPU of 2 SMs", {**H200.props, "cc": (8, 0), "sm_count": 2}))
+#: prefill_common.cuh's 2^x on the MUFU unit (flushing denormal results to zero), as the host computes it
+EX2 = (re.compile(r'asm\("ex2\.approx\.ftz\.f32 %0, %1;" : "=f"\(y\) : "f"\(x\)\);'),
+       "y = exp2f(x); if (std::fpclassify(y) == FP_SUBNORMAL) y = 0.0f;")
+
+pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
+
+#: name: fa_graph's arguments (on DEVICE: 128 query rows a block, key tiles of 64, or 64 and 32 above D 128)
+CASES: dict[str, dict] = {
+    "d=64 f16 causal, q tail, kv tail": dict(d=64, tq=150, tk=200, hq=4, hkv=2, mask="causal"),
+    "d=64 f16 gqa 4 random mask, sinks": dict(d=64, tq=40, tk=130, hq=8, hkv=2, mask="random", sinks=True),
+    "d=128 bf16 no mask": dict(d=128, tq=33, tk=96, hq=2, hkv=1, kv="bf16"),
+    "d=128 q8_0 causal, ALiBi": dict(d=128, tq=70, tk=150, hq=4, hkv=4, kv="q8_0", mask="causal", max_bias=8.0),
+    "d=64 f16 softcap, mask per head": dict(d=64, tq=20, tk=64, hq=2, hkv=1, mask="random", softcap=20.0,
+                                            mask_shape=(1, 2, 32, 64)),
+    "d=256 f16 causal (64-row tiles)": dict(d=256, tq=80, tk=100, hq=2, hkv=1, mask="causal"),
+}
+
+
+def _launches(y: Tensor, arena: ScratchArena) -> list:
+    """The launches the plugin binds for flash_attn_ext `y` on DEVICE: the mask's tile flags (with a mask), then
+    fattn_prefill."""
+    plan = flash.flash_plan(y, DEVICE)
+    assert plan.kind == "prefill"
+    ws = [arena.scratch(w.what, w.nbytes, w.zeroed) for w in plan.workspaces]
+    specs = plan.specs(arena.ptr, ws, arena.guard)
+    assert specs[-1].kernel == flash.prefill_kernel(y.srcs[0].shape[-1], y.srcs[1].dtype.name)
+    return specs
+
+
+def _arena(y: Tensor, feeds: dict | None = None) -> ScratchArena:
+    """Memory holding the graph's leafs (fed, poisoned without `feeds`) and its node (poisoned)."""
+    graph = Graph.build(y)
+    arena = ScratchArena(sum(t.base.nbytes + 256 for t in (*graph.leafs, *graph.nodes)) + (1 << 20))
+    for leaf in graph.leafs:
+        arena.place(leaf, None if feeds is None else from_float(leaf.dtype.name, feeds[leaf]))
+    for n in graph.nodes:
+        arena.place(n, None)
+    return arena
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """fattn_mask.cu and fattn_prefill.cu with their headers, host-ready, built with a call for every instance the
+    cases launch."""
+    build = tmp_path_factory.mktemp("fattn_prefill_emu")
+    write_headers(build)
+    attn = flash.PREFILL_CU.with_name("attn_common.cuh").read_text()
+    for ptx, host in SWAPS:
+        attn, n = ptx.subn(host, attn)
+        assert n == 1, f"attn_common.cuh changed: update the emulation's swap of {ptx.pattern[:50]}"
+    prefill = flash.PREFILL_CU.with_name("prefill_common.cuh").read_text()
+    prefill, n = EX2[0].subn(EX2[1], prefill)
+    assert n == 1, "prefill_common.cuh's ex2.approx changed: update the emulation's swap"
+    for name, text in (("attn_common.cuh", attn), ("prefill_common.cuh", prefill)):
+        assert "asm" not in text, f"{name} has inline PTX the emulation does not replace"
+        (build / name).write_text(text)
+    kernel = flash.PREFILL_CU.read_text()
+    assert SHARED[0] in kernel and "asm" not in kernel
+    (build / "kernel.cu").write_text(flash.MASK_CU.read_text() + kernel.replace(*SHARED))
+    (build / "main.cpp").write_text((EMU / "kernel_main.cpp").read_text())
+    arity = {flash.MASK_FLAGS: len(flash.MaskFlagsArgs.names())}
+    for kw in CASES.values():
+        arity[flash.prefill_kernel(kw["d"], kw.get("kv", "f16"))] = len(flash.PrefillArgs.names())
+    (build / "instances.inc").write_text("".join(call(name, n) for name, n in sorted(arity.items())))
+    exe = build / "emu"
+    cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-w", "-I", str(build),
+           str(build / "main.cpp"), "-o", str(exe)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
+    return exe
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["lazy", "eager"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fattn_prefill_emulated(case: str, eager: bool, emulator: Path, tmp_path: Path, rng) -> None:  # noqa: ANN001
+    inp = Inputs(rng)
+    y = fa_graph(inp, **CASES[case])
+    feeds = {t: inp.feeds[t] for t in Graph.build(y).leafs}
+    (ref,) = od.compile(y, "cpu").run(feeds)
+    arena = _arena(y, feeds)
+    launches = _launches(y, arena)
+    mem = run_launches(launches, arena, eager, emulator, tmp_path)
+    got = arena.bytes_of(y, mem)[:y.nbytes].view(np.float32).reshape(y.shape)
+    what = f"{case}: {launches[-1].kernel} grid {launches[-1].grid}"
+    assert np.isfinite(got).all(), f"{what}: non-finite output (unwritten, or a tile read before it landed)"
+    assert nmse(got, ref) <= bound("flash_attn_ext"), f"{what}: NMSE {nmse(got, ref):.3g}"
+
+
+def test_cases_cover_the_kernel() -> None:
+    """The cases reach a mask (its flags launched first) and none, query rows and keys past a tile, both tile
+    shapes, GQA, and every flag: key tiles skipped (all -inf), mixed, and all zero."""
+    seen = set()
+    for kw in CASES.values():
+        y = fa_graph(Inputs(np.random.default_rng(0)), **kw)
+        launches = _launches(y, _arena(y))
+        q, k = y.srcs[0], y.srcs[1]
+        bm, bn = flash.prefill_tile_m(kw["d"]), flash.prefill_tile_n(kw["d"])
+        seen |= {("mask", len(launches) == 2), ("q tail", kw["tq"] % bm != 0), ("kv tail", kw["tk"] % bn != 0),
+                 ("tile", bm, bn), ("gqa", q.shape[1] > k.shape[1])}
+        if kw.get("mask") == "causal":
+            m = np.where(np.arange(kw["tk"])[None, :] > np.arange(kw["tq"])[:, None] + kw["tk"] - kw["tq"], 1, 0)
+            tiles = [m[i:i + bm, j:j + bn] for i in range(0, kw["tq"], bm) for j in range(0, kw["tk"], bn)]
+            seen |= {("flag", 0 if t.all() else 2 if not t.any() else 1) for t in tiles}
+    assert {("mask", True), ("mask", False), ("q tail", True), ("kv tail", True), ("tile", 128, 64), ("tile", 64, 32),
+            ("gqa", True), ("flag", 0), ("flag", 1), ("flag", 2)} <= seen, seen
