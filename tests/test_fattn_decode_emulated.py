@@ -17,7 +17,6 @@ Skipped without g++ 12 or newer (C++20, _Float16).
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 from typing import Callable
 
@@ -34,7 +33,7 @@ from opdispatch.plugins.cuda_attention.specs import flash
 from opdispatch.tensor import Tensor
 from opdispatch.testing.cases import Inputs, bound
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, run_launches, write_headers
+from cuda_emu.hostcode import EMU, ScratchArena, compile_emulator, gxx_major, run_launches, write_headers
 from test_cuda_attention import attn_step, fa_graph
 from test_mmq_emulated import call
 
@@ -54,6 +53,16 @@ SWAPS = (
 )
 SHARED = ("extern __shared__ __align__(16) unsigned short smem[];",
           "unsigned short* smem = reinterpret_cast<unsigned short*>(emu_ctx->smem);")
+
+
+def host_attn_common() -> str:
+    """attn_common.cuh with its inline PTX swapped for shim.h's host emulation (SWAPS), each swap asserted."""
+    src = flash.DECODE_CU.with_name("attn_common.cuh").read_text()
+    for ptx, host in SWAPS:
+        src, n = ptx.subn(host, src)
+        assert n == 1, f"attn_common.cuh changed: update the emulation's swap of {ptx.pattern[:50]}"
+    assert "asm" not in src, "attn_common.cuh has inline PTX the emulation does not replace"
+    return src
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
 
@@ -131,12 +140,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """fattn_decode.cu and its headers, host-ready, built with a call for every instance the cases launch."""
     build = tmp_path_factory.mktemp("fattn_emu")
     write_headers(build)
-    src = flash.DECODE_CU.with_name("attn_common.cuh").read_text()
-    for ptx, host in SWAPS:
-        src, n = ptx.subn(host, src)
-        assert n == 1, f"attn_common.cuh changed: update the emulation's swap of {ptx.pattern[:50]}"
-    assert "asm" not in src, "attn_common.cuh has inline PTX the emulation does not replace"
-    (build / "attn_common.cuh").write_text(src)
+    (build / "attn_common.cuh").write_text(host_attn_common())
     rope = flash.DECODE_CU.with_name("rope_common.cuh").read_text()
     assert "asm" not in rope
     (build / "rope_common.cuh").write_text(rope)
@@ -149,12 +153,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # (g++ would deduce IT from the Arg given for new_idx)
     table = "".join(call(n, arity[n]).replace(f"{{ {n}(", f"{{ {_spelled(n)}(") for n in sorted(arity))
     (build / "instances.inc").write_text(table)
-    exe = build / "emu"
-    cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-w", "-I", str(build),
-           str(build / "main.cpp"), "-o", str(exe)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
-    return exe
+    return compile_emulator(build / "main.cpp", build / "emu")
 
 
 def _emulate(outputs: list[Tensor], feeds: dict, eager: bool, emulator: Path, tmp_path: Path) -> tuple[list, str]:

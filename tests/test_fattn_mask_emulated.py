@@ -10,7 +10,6 @@ Skipped without g++ 12 or newer (C++20, _Float16).
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ import opdispatch as od
 from opdispatch import ops
 from opdispatch.backends.cuda.devices import H200, facts
 from opdispatch.plugins.cuda_attention.specs import flash
-from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, run_launches, write_headers
+from cuda_emu.hostcode import EMU, ScratchArena, compile_emulator, gxx_major, run_launches, write_headers
 from test_mmq_emulated import call
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
@@ -37,11 +36,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (build / "kernel.cu").write_text(kernel)
     (build / "main.cpp").write_text((EMU / "kernel_main.cpp").read_text())
     (build / "instances.inc").write_text(call(flash.MASK_FLAGS, len(flash.MaskFlagsArgs.names())))
-    exe = build / "emu"
-    cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-w", "-I", str(build), str(build / "main.cpp"), "-o", str(exe)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
-    return exe
+    return compile_emulator(build / "main.cpp", build / "emu")
 
 
 def _mask_values(rng: np.random.Generator, heads: int, tq: int, tk: int) -> np.ndarray:

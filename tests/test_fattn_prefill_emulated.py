@@ -16,7 +16,6 @@ Skipped without g++ 12 or newer (C++20, _Float16).
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -31,9 +30,9 @@ from opdispatch.plugins.cuda_attention.specs import flash
 from opdispatch.tensor import Tensor
 from opdispatch.testing.cases import Inputs, bound
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, run_launches, write_headers
+from cuda_emu.hostcode import EMU, ScratchArena, compile_emulator, gxx_major, run_launches, write_headers
 from test_cuda_attention import fa_graph
-from test_fattn_decode_emulated import SHARED, SWAPS
+from test_fattn_decode_emulated import SHARED, host_attn_common
 from test_mmq_emulated import call
 
 #: a GPU without wgmma (compute capability 8.0), so that every head size and K/V type takes fattn_prefill
@@ -84,16 +83,12 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cases launch."""
     build = tmp_path_factory.mktemp("fattn_prefill_emu")
     write_headers(build)
-    attn = flash.PREFILL_CU.with_name("attn_common.cuh").read_text()
-    for ptx, host in SWAPS:
-        attn, n = ptx.subn(host, attn)
-        assert n == 1, f"attn_common.cuh changed: update the emulation's swap of {ptx.pattern[:50]}"
+    (build / "attn_common.cuh").write_text(host_attn_common())
     prefill = flash.PREFILL_CU.with_name("prefill_common.cuh").read_text()
     prefill, n = EX2[0].subn(EX2[1], prefill)
     assert n == 1, "prefill_common.cuh's ex2.approx changed: update the emulation's swap"
-    for name, text in (("attn_common.cuh", attn), ("prefill_common.cuh", prefill)):
-        assert "asm" not in text, f"{name} has inline PTX the emulation does not replace"
-        (build / name).write_text(text)
+    assert "asm" not in prefill, "prefill_common.cuh has inline PTX the emulation does not replace"
+    (build / "prefill_common.cuh").write_text(prefill)
     kernel = flash.PREFILL_CU.read_text()
     assert SHARED[0] in kernel and "asm" not in kernel
     (build / "kernel.cu").write_text(flash.MASK_CU.read_text() + kernel.replace(*SHARED))
@@ -102,12 +97,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for kw in CASES.values():
         arity[flash.prefill_kernel(kw["d"], kw.get("kv", "f16"))] = len(flash.PrefillArgs.names())
     (build / "instances.inc").write_text("".join(call(name, n) for name, n in sorted(arity.items())))
-    exe = build / "emu"
-    cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-w", "-I", str(build),
-           str(build / "main.cpp"), "-o", str(exe)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
-    return exe
+    return compile_emulator(build / "main.cpp", build / "emu")
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["lazy", "eager"])

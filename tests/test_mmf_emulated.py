@@ -17,7 +17,6 @@ Skipped without g++ 12 or newer (C++20, _Float16).
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +32,7 @@ from opdispatch.plugins.cuda_matmul import fusion, specs, support
 from opdispatch.plugins.cuda_matmul.specs import mmf
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, placed_arena, run_launches, write_headers
+from cuda_emu.hostcode import EMU, ScratchArena, compile_emulator, gxx_major, placed_arena, run_launches, write_headers
 from helpers import biased, gate_up_glu, residual
 
 NMSE_MAX = 5e-4
@@ -117,11 +116,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     args = ", ".join(f"a[{i}]" for i in range(len(mmf.MmfArgs.names())))
     (build / "instances.inc").write_text("".join(f'    {{"{k}", [](const Arg* a) {{ {k}({args}); }}}},\n'
                                                  for k in specs.MMF_NAMES))
-    exe = build / "emu"
-    cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-w", "-I", str(build), str(build / "main.cpp"), "-o", str(exe)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
-    return exe
+    return compile_emulator(build / "main.cpp", build / "emu")
 
 
 def _feeds(y: Tensor, rng: np.random.Generator) -> dict[Tensor, np.ndarray]:

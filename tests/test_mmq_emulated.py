@@ -14,7 +14,6 @@ test_cuda_matmul.py. Skipped without g++ 12 or newer (C++20, _Float16).
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -30,7 +29,7 @@ from opdispatch.plugins.cuda_matmul import fusion, specs, support
 from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_id
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, ScratchArena, gxx_major, placed_arena, run_launches, write_headers
+from cuda_emu.hostcode import EMU, ScratchArena, compile_emulator, gxx_major, placed_arena, run_launches, write_headers
 from test_mmvq_stream_emulated import q8_1_rounded
 
 NMSE_MAX = 5e-4
@@ -242,12 +241,7 @@ def build_emulator(build: Path, kernels: tuple[str, ...], arity: dict[str, int])
     (build / "kernel.cu").write_text("".join(f'#include "{k}"\n' for k in kernels))
     (build / "main.cpp").write_text((EMU / "kernel_main.cpp").read_text())
     (build / "instances.inc").write_text("".join(call(n, arity[n]) for n in sorted(arity)))
-    exe = build / "emu"
-    cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-w", "-I", str(build),
-           str(build / "main.cpp"), "-o", str(exe)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
-    return exe
+    return compile_emulator(build / "main.cpp", build / "emu")
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from opdispatch.plugins.cuda_matmul import specs
 from opdispatch.plugins.cuda_matmul.specs import mmq_wgmma
 from opdispatch.plugins.cuda_matmul.specs.mmq import row_stride
 from opdispatch.quants.samples import random_blocks
-from cuda_emu.hostcode import EMU, gxx_major, write_headers
+from cuda_emu.hostcode import EMU, compile_emulator, gxx_major, write_headers
 from helpers import subscaled_blocks
 from test_mmq_emulated import SWAPS
 from test_quant_header import random_blocks as any_finite_blocks
@@ -61,12 +61,7 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (build / name).write_text(src)
     (build / "formats.inc").write_text("".join(f"FORMAT({q}, {specs.W_KIND[q]})\n" for q in mmq_wgmma.WGMMA_FORMATS))
     (build / "frags_main.cpp").write_text((EMU / "frags_main.cpp").read_text())  # its includes: the build's copies
-    exe = build / "frags"
-    cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-w", "-I", str(build), str(build / "frags_main.cpp"),
-           "-o", str(exe)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
-    return exe
+    return compile_emulator(build / "frags_main.cpp", build / "frags")
 
 
 def _run(driver: Path, *args: str) -> str:

@@ -39,7 +39,7 @@ from opdispatch.plugins.cuda_matmul.specs import mmv, stream
 from opdispatch.tensor import Tensor
 from opdispatch.testing.cases.base import bound
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, Arena, gxx_major, q8_1_reference, write_headers
+from cuda_emu.hostcode import Arena, EMU, compile_emulator, gxx_major, q8_1_reference, write_headers
 from helpers import biased, gate_up_glu, moe, residual, subscaled_blocks
 
 NMSE_Q8_1 = 1e-8  # against the reference on b rounded to q8_1 as the kernel rounds it
@@ -222,14 +222,8 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     names = sorted({_instance(make(), cfg) for make, cfg, _ in CASES.values()} |
                    {_instance(_normed(*case[:4]), case[4], share=True) for case in SHARE_CASES})
     (build / "instances.inc").write_text("".join(f'    {{"{n}", &{n}}},\n' for n in names))
-    exe = build / "emu"
-    # no contraction: q8_1::code's product and add round separately, as __fmul_rn makes nvcc keep them; -O0: the
-    # instances build in a third of -O1's time, more than the slower runs give back (test file: 93 -> 62 CPU s)
-    cmd = ["g++", "-std=c++20", "-O0", "-ffp-contract=off", "-pthread", "-w", "-I", str(build),
-           str(build / "main.cpp"), "-o", str(exe)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
-    return exe
+    # -O0: the instances build in a third of -O1's time, more than the slower runs give back (93 -> 62 CPU s)
+    return compile_emulator(build / "main.cpp", build / "emu", "-O0")
 
 
 def _feeds(y: Tensor, rng: np.random.Generator) -> dict[Tensor, np.ndarray]:

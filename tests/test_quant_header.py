@@ -22,7 +22,7 @@ import pytest
 
 from opdispatch import dtypes
 from opdispatch.quants import legacy
-from cuda_emu.hostcode import EMU, gxx_major, q8_1_reference, write_headers
+from cuda_emu.hostcode import EMU, compile_emulator, gxx_major, q8_1_reference, write_headers
 from helpers import SUBSCALED_HALVES, SUBSCALED_SIZES, subscaled_blocks
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
@@ -40,13 +40,7 @@ NBLOCKS = 257
 def driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build = tmp_path_factory.mktemp("quant_header")
     write_headers(build)
-    exe = build / "quant"
-    # no contraction: the header's __fmul_rn / __fadd_rn are plain operations here, each rounded
-    cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-w", "-I", str(build),
-           str(EMU / "quant_main.cpp"), "-o", str(exe)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
-    return exe
+    return compile_emulator(EMU / "quant_main.cpp", build / "quant")
 
 
 def _run(driver: Path, *args: str) -> subprocess.CompletedProcess:

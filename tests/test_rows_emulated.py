@@ -31,7 +31,7 @@ from opdispatch.dtypes import dequantize, from_float
 from opdispatch.graph import Graph
 from opdispatch.plugins.cuda_misc.specs import rows
 from opdispatch.tensor import Flag, Tensor
-from cuda_emu.hostcode import EMU, Arena, gxx_major, write_headers
+from cuda_emu.hostcode import Arena, EMU, compile_emulator, gxx_major, write_headers
 from helpers import subscaled_blocks
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
@@ -126,11 +126,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
         args = ", ".join(f"a[{i}]" for i in range(len(RECORDS[k.split("<")[0]].names())))
         lines.append(f'    {{"{k}", [](const Arg* a) {{ {k}({args}); }}}},\n')
     (build / "instances.inc").write_text("".join(lines))
-    exe = build / "emu"
-    cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-w", "-I", str(build), str(build / "main.cpp"), "-o", str(exe)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
-    return exe
+    return compile_emulator(build / "main.cpp", build / "emu")
 
 
 def _ids(node: Tensor) -> Tensor:

@@ -130,6 +130,16 @@ def write_headers(build: Path) -> None:
     (build / "shim.h").write_text((EMU / "shim.h").read_text())
 
 
+def compile_emulator(source: Path, exe: Path, opt: str = "-O1") -> Path:
+    """`exe`: g++ (C++20, threads) of `source` against the host-ready headers in exe's folder (write_headers), no
+    float contraction (each product and add rounded alone, as __fmul_rn / __fadd_rn make nvcc keep them)."""
+    cmd = ["g++", "-std=c++20", opt, "-ffp-contract=off", "-pthread", "-w", "-I", str(exe.parent), str(source), "-o",
+           str(exe)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
+    return exe
+
+
 def q8_1_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(codes, d) of ggml's q8_1 for each 32 values along the last axis of x (float32 math):
     d = amax / 127, codes rint(v * (127 / amax)), 0 for a block of zeros."""
