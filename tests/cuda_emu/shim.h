@@ -1,7 +1,8 @@
 // Host emulation of the CUDA subset that cuda_matmul's mmvq_stream.cu, mmq.cu and mmq_id.cu (with mmv.cu's
 // quantize_q8_1 and mmv_id.cu's moe_route), mmq_wgmma.cu (its wgmma products, mbarriers and named barrier too:
 // tests/test_mmq_wgmma_emulated.py) and its A-fragment builders (mmq_frags.cuh), cuda_misc's row
-// kernels, cuda_attention's fattn_decode.cu, fattn_prefill.cu (its warp votes too) and fattn_mask.cu and the shared
+// kernels, cuda_attention's fattn_decode.cu, fattn_prefill.cu (its warp votes too), fattn_prefill_wgmma.cu (an
+// MN-major wgmma B too) and fattn_mask.cu and the shared
 // headers (common.cuh, quant.cuh) use, for tests/test_mmvq_stream_emulated.py, tests/test_mmq_emulated.py,
 // tests/test_mmq_frags_emulated.py, tests/test_rows_emulated.py, tests/test_fattn_decode_emulated.py,
 // tests/test_fattn_prefill_emulated.py and tests/test_quant_header.py (among others):
@@ -598,16 +599,19 @@ inline void emu_mma_m16n8k16_f16(float* d, unsigned a0, unsigned a1, unsigned a2
 // -- wgmma.mma_async (wgmma.cuh's ss / rs), a warpgroup collective, asynchronous -------------------------------
 // A product is recorded at issue (rs: the warpgroup's A fragments exchanged then, as the registers are read) and
 // computed when a wgmma.wait_group retires its group (emu_wg_wait), reading B (and ss's A) from shared memory
-// then: a stage overwritten before the wait that covers its products gives a wrong sum. K-major operands in the
-// 128-byte swizzle only (the descriptor's start address, its stride between 8-row groups; element (row, k) at
-// a = start + row / 8 * stride + row % 8 * 128 + 2 k, swizzled a ^ ((a >> 7) & 7) << 4). Each thread computes
-// its own accumulators (warp w of the warpgroup: rows 16 w + g and + 8, columns 8 i + 2 t and + 1), sums in double.
+// then: a stage overwritten before the wait that covers its products gives a wrong sum. Operands in the 128-byte
+// swizzle only (the descriptor's start address, leading byte offset lbo, stride byte offset sbo): K-major, element
+// (row, k) at a = start + row / 8 * sbo + row % 8 * 128 + 2 k; MN-major (rs's B with TB 1: the prefill attention's
+// V), element (n, k) at a = start + n / 64 * lbo + k / 8 * sbo + k % 8 * 128 + 2 (n % 64); either swizzled
+// a ^ ((a >> 7) & 7) << 4. Each thread computes its own accumulators (warp w of the warpgroup: rows 16 w + g and
+// + 8, columns 8 i + 2 t and + 1), sums in double.
 struct EmuWgmma {
     float* d;
     int n, group;
     bool bf16, accumulate;
     std::vector<float> a;  // rs: the warpgroup's 64 x 16 A; empty: ss, A at da
     unsigned long long da, db;
+    int tb;  // B MN-major
 };
 // the block's warpgroup barriers and fragment exchange, made by the first wgmma instruction
 inline void emu_wg_init() {
@@ -626,13 +630,17 @@ inline float emu_b16_value(const unsigned char* p, bool bf16) {
     memcpy(&h, p, 2);
     return bf16 ? __uint_as_float((unsigned)h << 16) : emu_h2f(h);
 }
-inline float emu_wg_operand(unsigned long long desc, int row, int k, bool bf16) {
+// element (row, k) of a K-major operand, or (n = row, k) of an MN-major one (mn)
+inline float emu_wg_operand(unsigned long long desc, int row, int k, bool bf16, bool mn = false) {
     if ((desc >> 62) != 1) {
         fprintf(stderr, "wgmma descriptor %llx: only the 128-byte swizzle is emulated\n", desc);
         std::abort();
     }
-    const unsigned start = (unsigned)(desc & 0x3FFFu) << 4, stride = (unsigned)((desc >> 32) & 0x3FFFu) << 4;
-    unsigned a = start + (unsigned)(row / 8) * stride + (unsigned)(row % 8) * 128 + 2 * (unsigned)k;
+    const unsigned start = (unsigned)(desc & 0x3FFFu) << 4, lbo = (unsigned)((desc >> 16) & 0x3FFFu) << 4,
+                   sbo = (unsigned)((desc >> 32) & 0x3FFFu) << 4;
+    unsigned a = mn ? start + (unsigned)(row / 64) * lbo + (unsigned)(k / 8) * sbo + (unsigned)(k % 8) * 128 +
+                          2 * (unsigned)(row % 64)
+                    : start + (unsigned)(row / 8) * sbo + (unsigned)(row % 8) * 128 + 2 * (unsigned)k;
     a ^= ((a >> 7) & 7u) << 4;
     if (a + 2 > emu_ctx->smem_bytes) {
         fprintf(stderr, "wgmma operand at %u past the %u bytes of shared memory\n", a, emu_ctx->smem_bytes);
@@ -646,12 +654,8 @@ inline void emu_wgmma_run(const EmuWgmma& p);
 inline bool emu_wgmma_at_issue;
 inline void emu_wgmma(float* d, int n, bool bf16, const unsigned* frag, unsigned long long da, unsigned long long db,
                       int tb, int accumulate) {
-    if (tb != 0) {
-        fprintf(stderr, "wgmma with an MN-major B is not emulated\n");
-        std::abort();
-    }
     EmuFiber& me = emu_fibers[emu_cur];
-    EmuWgmma* p = new EmuWgmma{d, n, me.product_groups, bf16, accumulate != 0, {}, da, db};
+    EmuWgmma* p = new EmuWgmma{d, n, me.product_groups, bf16, accumulate != 0, {}, da, db, tb};
     if (frag != nullptr) {  // the warpgroup's A fragments, read now
         emu_wg_init();
         const unsigned wg = threadIdx.x / 128, l = threadIdx.x % 128;
@@ -687,7 +691,7 @@ inline void emu_wgmma_run(const EmuWgmma& p) {
             double s = p.accumulate ? p.d[4 * i + e] : 0.0;
             for (int k = 0; k < 16; ++k) {
                 const float a = p.a.empty() ? emu_wg_operand(p.da, row, k, p.bf16) : p.a[row * 16 + k];
-                s += (double)a * (double)emu_wg_operand(p.db, col, k, p.bf16);
+                s += (double)a * (double)emu_wg_operand(p.db, col, k, p.bf16, p.tb != 0);
             }
             p.d[4 * i + e] = (float)s;
         }
