@@ -25,7 +25,7 @@ import pytest
 
 import opdispatch as od
 from opdispatch.backends.cuda.devices import H200, facts
-from opdispatch.dtypes import from_float, to_host_float
+from opdispatch.dtypes import to_host_float
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_attention import fusion
@@ -33,7 +33,7 @@ from opdispatch.plugins.cuda_attention.specs import flash
 from opdispatch.tensor import Tensor
 from opdispatch.testing.cases import Inputs, bound
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, ScratchArena, compile_emulator, gxx_major, run_launches, write_headers
+from cuda_emu.hostcode import EMU, ScratchArena, compile_emulator, fed_arena, gxx_major, run_launches, write_headers
 from test_cuda_attention import attn_step, fa_graph
 from test_mmq_emulated import call
 
@@ -113,21 +113,9 @@ def _all_launches() -> list:
     specs = []
     for make in CASES.values():
         outputs = make(Inputs(np.random.default_rng(0)))
-        specs.append(_launch(outputs, _arena(outputs))[0])
+        specs.append(_launch(outputs, fed_arena(outputs))[0])
     return specs
 
-
-def _arena(outputs: list[Tensor], feeds: dict | None = None) -> ScratchArena:
-    """Memory holding the graph's leafs (fed, or a state's initial rows; poisoned without `feeds`) and its
-    nodes (poisoned)."""
-    graph = Graph.build(outputs)
-    arena = ScratchArena(sum(t.base.nbytes + 256 for t in (*graph.leafs, *graph.nodes)) + (4 << 20))
-    for leaf in graph.leafs:
-        data = None if feeds is None else from_float(leaf.dtype.name, feeds[leaf]) if leaf in feeds else leaf.data
-        arena.place(leaf, data)
-    for n in graph.nodes:
-        arena.place(n, None)
-    return arena
 
 
 def _spelled(name: str) -> str:
@@ -158,7 +146,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _emulate(outputs: list[Tensor], feeds: dict, eager: bool, emulator: Path, tmp_path: Path) -> tuple[list, str]:
     """`outputs` as the emulated launch leaves them (attention, then the caches if fused), and a description."""
-    arena = _arena(outputs, feeds)
+    arena = fed_arena(outputs, feeds)
     spec, fa, _ = _launch(outputs, arena)
     mem = run_launches([spec], arena, eager, emulator, tmp_path)
     what = (f"{spec.kernel} grid {spec.grid} chunk {int(spec.args.chunk)} mask_vec {int(spec.args.mask_vec)} "
@@ -188,7 +176,7 @@ def test_fattn_decode_emulated(case: str, eager: bool, emulator: Path, tmp_path:
         limit = bound("set_rows", cache.dtype.name)
         assert nmse(out, want.reshape(out.shape)) <= limit, f"{case}: {what}: {cache.describe()}"
     if len(outputs) > 1:
-        assert int(_launch(outputs, _arena(outputs))[0].args.kv_early) == 1
+        assert int(_launch(outputs, fed_arena(outputs))[0].args.kv_early) == 1
 
 
 def test_cases_cover_the_kernel() -> None:
@@ -198,7 +186,7 @@ def test_cases_cover_the_kernel() -> None:
     seen = set()
     for make in CASES.values():
         outputs = make(Inputs(np.random.default_rng(0)))
-        spec = _launch(outputs, _arena(outputs))[0]
+        spec = _launch(outputs, fed_arena(outputs))[0]
         a, fused = spec.args, len(outputs) > 1
         seen |= {(fused, "splits" if int(a.ws_acc) else "one split"),
                  ("stages wrap around", int(a.chunk) > 3 * flash.DECODE_BN),

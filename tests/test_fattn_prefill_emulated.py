@@ -24,14 +24,13 @@ import pytest
 
 import opdispatch as od
 from opdispatch.backends.cuda.devices import H200, facts
-from opdispatch.dtypes import from_float
 from opdispatch.graph import Graph
 from opdispatch.hookspecs import Device
 from opdispatch.plugins.cuda_attention.specs import flash
 from opdispatch.tensor import Tensor
 from opdispatch.testing.cases import Inputs, bound
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, ScratchArena, compile_emulator, gxx_major, run_launches, write_headers
+from cuda_emu.hostcode import EMU, ScratchArena, compile_emulator, fed_arena, gxx_major, run_launches, write_headers
 from test_cuda_attention import fa_graph
 from test_fattn_decode_emulated import SHARED, host_attn_common
 from test_mmq_emulated import call
@@ -84,16 +83,6 @@ def _launches(y: Tensor, arena: ScratchArena, wgmma: bool) -> list:
     return specs
 
 
-def _arena(y: Tensor, feeds: dict | None = None) -> ScratchArena:
-    """Memory holding the graph's leafs (fed, poisoned without `feeds`) and its node (poisoned)."""
-    graph = Graph.build(y)
-    arena = ScratchArena(sum(t.base.nbytes + 256 for t in (*graph.leafs, *graph.nodes)) + (1 << 20))
-    for leaf in graph.leafs:
-        arena.place(leaf, None if feeds is None else from_float(leaf.dtype.name, feeds[leaf]))
-    for n in graph.nodes:
-        arena.place(n, None)
-    return arena
-
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -129,7 +118,7 @@ def test_fattn_prefill_emulated(case: str, eager: bool, emulator: Path, tmp_path
     y = fa_graph(inp, **(WGMMA_CASES if wgmma else CASES)[case])
     feeds = {t: inp.feeds[t] for t in Graph.build(y).leafs}
     (ref,) = od.compile(y, "cpu").run(feeds)
-    arena = _arena(y, feeds)
+    arena = fed_arena(y, feeds)
     launches = _launches(y, arena, wgmma)
     mem = run_launches(launches, arena, eager, emulator, tmp_path)
     got = arena.bytes_of(y, mem)[:y.nbytes].view(np.float32).reshape(y.shape)
@@ -146,7 +135,7 @@ def test_cases_cover_the_kernels() -> None:
     for wgmma, cases in ((False, CASES), (True, WGMMA_CASES)):
         for kw in cases.values():
             y = fa_graph(Inputs(np.random.default_rng(0)), **kw)
-            launches = _launches(y, _arena(y), wgmma)
+            launches = _launches(y, fed_arena(y), wgmma)
             q, k = y.srcs[0], y.srcs[1]
             bm, bn = flash.prefill_tile_m(kw["d"], wgmma), flash.prefill_tile_n(kw["d"], wgmma)
             seen |= {(wgmma, "mask", len(launches) == 2), (wgmma, "q tail", kw["tq"] % bm != 0),

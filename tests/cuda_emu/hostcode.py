@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from opdispatch.backends.cuda.args import IndexCheck
+from opdispatch.dtypes import from_float
 from opdispatch.graph import Graph
 from opdispatch.tensor import Tensor
 
@@ -215,6 +216,19 @@ def placed_arena(y: Tensor, nbytes: int = 1 << 26) -> ScratchArena:
     graph = Graph.build(y)
     for t in (*graph.leafs, *graph.nodes):
         arena.place(t, None)
+    return arena
+
+
+def fed_arena(outputs: Tensor | list[Tensor], feeds: dict | None = None, extra: int = 4 << 20) -> ScratchArena:
+    """A ScratchArena holding every leaf of `outputs`' graph (its feed as the leaf's type, or a state's own initial
+    rows; poisoned without `feeds`) and every node (poisoned), with `extra` bytes for scratch buffers."""
+    graph = Graph.build(outputs)
+    arena = ScratchArena(sum(t.base.nbytes + 256 for t in (*graph.leafs, *graph.nodes)) + extra)
+    for leaf in graph.leafs:
+        data = None if feeds is None else from_float(leaf.dtype.name, feeds[leaf]) if leaf in feeds else leaf.data
+        arena.place(leaf, data)
+    for n in graph.nodes:
+        arena.place(n, None)
     return arena
 
 
