@@ -1,5 +1,5 @@
 // Host emulation of the CUDA subset that cuda_matmul's mmvq_stream.cu, mmq.cu and mmq_id.cu (with mmv.cu's
-// quantize_q8_1, mmv and mmvq, and mmv_id.cu's moe_route), mmq_wgmma.cu (its wgmma products, mbarriers and named barrier too:
+// quantize_q8_1, mmv and mmvq, and mmv_id.cu's kernels), mmq_wgmma.cu (its wgmma products, mbarriers and named barrier too:
 // tests/test_mmq_wgmma_emulated.py) and its A-fragment builders (mmq_frags.cuh), cuda_misc's row
 // kernels, cuda_attention's fattn_decode.cu, fattn_prefill.cu (its warp votes too), fattn_prefill_wgmma.cu (an
 // MN-major wgmma B too) and fattn_mask.cu and the shared
