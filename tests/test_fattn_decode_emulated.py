@@ -33,9 +33,9 @@ from opdispatch.plugins.cuda_attention.specs import flash
 from opdispatch.tensor import Tensor
 from opdispatch.testing.cases import Inputs, bound
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, ScratchArena, compile_emulator, fed_arena, gxx_major, run_launches, write_headers
+from cuda_emu.hostcode import ScratchArena, call, fed_arena, gxx_major, kernel_emulator, run_launches, write_headers
 from test_cuda_attention import attn_step, fa_graph
-from test_mmq_emulated import call
+
 
 #: a small GPU (2 SMs), so that a split streams several tiles through the stages (3 at D = 64)
 DEVICE = facts(Device("cuda0", "cuda", "an emulated sm_90 GPU of 2 SMs", {**H200.props, "sm_count": 2}))
@@ -134,14 +134,11 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (build / "rope_common.cuh").write_text(rope)
     kernel = flash.DECODE_CU.read_text()
     assert SHARED[0] in kernel and "asm" not in kernel
-    (build / "kernel.cu").write_text(kernel.replace(*SHARED))
-    (build / "main.cpp").write_text((EMU / "kernel_main.cpp").read_text())
     arity = {s.kernel: len(s.arg_values) for s in _all_launches()}
     # the table's names as specs give them, each calling the instance with every template argument spelled
     # (g++ would deduce IT from the Arg given for new_idx)
     table = "".join(call(n, arity[n]).replace(f"{{ {n}(", f"{{ {_spelled(n)}(") for n in sorted(arity))
-    (build / "instances.inc").write_text(table)
-    return compile_emulator(build / "main.cpp", build / "emu")
+    return kernel_emulator(build, kernel.replace(*SHARED), table)
 
 
 def _emulate(outputs: list[Tensor], feeds: dict, eager: bool, emulator: Path, tmp_path: Path) -> tuple[list, str]:

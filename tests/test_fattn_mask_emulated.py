@@ -19,8 +19,7 @@ import opdispatch as od
 from opdispatch import ops
 from opdispatch.backends.cuda.devices import H200, facts
 from opdispatch.plugins.cuda_attention.specs import flash
-from cuda_emu.hostcode import EMU, ScratchArena, compile_emulator, gxx_major, run_launches, write_headers
-from test_mmq_emulated import call
+from cuda_emu.hostcode import ScratchArena, call, gxx_major, kernel_emulator, run_launches, write_headers
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
 
@@ -33,10 +32,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_headers(build)
     kernel = flash.MASK_CU.read_text()
     assert "asm" not in kernel
-    (build / "kernel.cu").write_text(kernel)
-    (build / "main.cpp").write_text((EMU / "kernel_main.cpp").read_text())
-    (build / "instances.inc").write_text(call(flash.MASK_FLAGS, len(flash.MaskFlagsArgs.names())))
-    return compile_emulator(build / "main.cpp", build / "emu")
+    return kernel_emulator(build, kernel, call(flash.MASK_FLAGS, len(flash.MaskFlagsArgs.names())))
 
 
 def _mask_values(rng: np.random.Generator, heads: int, tq: int, tk: int) -> np.ndarray:

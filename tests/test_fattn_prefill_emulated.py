@@ -30,10 +30,10 @@ from opdispatch.plugins.cuda_attention.specs import flash
 from opdispatch.tensor import Tensor
 from opdispatch.testing.cases import Inputs, bound
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, ScratchArena, compile_emulator, fed_arena, gxx_major, run_launches, write_headers
+from cuda_emu.hostcode import ScratchArena, call, fed_arena, gxx_major, kernel_emulator, run_launches, write_headers
 from test_cuda_attention import fa_graph
 from test_fattn_decode_emulated import SHARED, host_attn_common
-from test_mmq_emulated import call
+
 
 #: a GPU without wgmma (compute capability 8.0), so that every head size and K/V type takes fattn_prefill
 DEVICE = facts(Device("cuda0", "cuda", "an emulated sm_80 GPU of 2 SMs", {**H200.props, "cc": (8, 0), "sm_count": 2}))
@@ -100,14 +100,11 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert SHARED[0] in kernel and "asm" not in kernel
     wgmma = flash.PREFILL_WGMMA_CU.read_text()
     assert WGMMA_SHARED[0] in wgmma and "asm" not in wgmma
-    (build / "kernel.cu").write_text(flash.MASK_CU.read_text() + kernel.replace(*SHARED) +
-                                     wgmma.replace(*WGMMA_SHARED))
-    (build / "main.cpp").write_text((EMU / "kernel_main.cpp").read_text())
     arity = {flash.MASK_FLAGS: len(flash.MaskFlagsArgs.names())}
     for kw, on in [*((kw, False) for kw in CASES.values()), *((kw, True) for kw in WGMMA_CASES.values())]:
         arity[_kernel(kw, on)] = len(flash.PrefillArgs.names())
-    (build / "instances.inc").write_text("".join(call(name, n) for name, n in sorted(arity.items())))
-    return compile_emulator(build / "main.cpp", build / "emu")
+    return kernel_emulator(build, flash.MASK_CU.read_text() + kernel.replace(*SHARED) + wgmma.replace(*WGMMA_SHARED),
+                           "".join(call(name, n) for name, n in sorted(arity.items())))
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["lazy", "eager"])

@@ -32,7 +32,7 @@ from opdispatch.plugins.cuda_matmul import fusion, specs, support
 from opdispatch.plugins.cuda_matmul.specs import mmf
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, ScratchArena, compile_emulator, gxx_major, placed_arena, run_launches, write_headers
+from cuda_emu.hostcode import ScratchArena, call, gxx_major, kernel_emulator, placed_arena, run_launches, write_headers
 from helpers import biased, gate_up_glu, residual
 
 NMSE_MAX = 5e-4
@@ -111,12 +111,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert shared in src
     src = src.replace(shared, "uint4* mmf_smem = reinterpret_cast<uint4*>(emu_ctx->smem);")
     assert "asm" not in src, "mmf.cu has inline PTX the emulation does not replace"
-    (build / "kernel.cu").write_text(src)
-    (build / "main.cpp").write_text((EMU / "kernel_main.cpp").read_text())
-    args = ", ".join(f"a[{i}]" for i in range(len(mmf.MmfArgs.names())))
-    (build / "instances.inc").write_text("".join(f'    {{"{k}", [](const Arg* a) {{ {k}({args}); }}}},\n'
-                                                 for k in specs.MMF_NAMES))
-    return compile_emulator(build / "main.cpp", build / "emu")
+    return kernel_emulator(build, src, "".join(call(k, len(mmf.MmfArgs.names())) for k in specs.MMF_NAMES))
 
 
 def _feeds(y: Tensor, rng: np.random.Generator) -> dict[Tensor, np.ndarray]:

@@ -29,7 +29,7 @@ from opdispatch.plugins.cuda_matmul import fusion, specs, support
 from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_id
 from opdispatch.tensor import Tensor
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import EMU, ScratchArena, compile_emulator, gxx_major, placed_arena, run_launches, write_headers
+from cuda_emu.hostcode import ScratchArena, call, gxx_major, kernel_emulator, placed_arena, run_launches, write_headers
 from test_mmvq_stream_emulated import q8_1_rounded
 
 NMSE_MAX = 5e-4
@@ -165,10 +165,6 @@ def _specs(y: Tensor, cfg: mmq.MmqConfig | None) -> list:
     return _launches(y, a, cfg)
 
 
-def call(name: str, nargs: int) -> str:
-    """instances.inc's entry for instance `name` of a kernel of nargs parameters."""
-    args = ", ".join(f"a[{i}]" for i in range(nargs))
-    return f'    {{"{name}", [](const Arg* a) {{ {name}({args}); }}}},\n'
 
 
 @pytest.fixture(autouse=True)
@@ -238,10 +234,8 @@ def build_emulator(build: Path, kernels: tuple[str, ...], arity: dict[str, int])
             src = src.replace(ptx, host)
         assert "asm" not in src, f"{name} has inline PTX the emulation does not replace"
         (build / name).write_text(src)
-    (build / "kernel.cu").write_text("".join(f'#include "{k}"\n' for k in kernels))
-    (build / "main.cpp").write_text((EMU / "kernel_main.cpp").read_text())
-    (build / "instances.inc").write_text("".join(call(n, arity[n]) for n in sorted(arity)))
-    return compile_emulator(build / "main.cpp", build / "emu")
+    return kernel_emulator(build, "".join(f'#include "{k}"\n' for k in kernels),
+                           "".join(call(n, arity[n]) for n in sorted(arity)))
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from opdispatch.dtypes import dequantize, from_float
 from opdispatch.graph import Graph
 from opdispatch.plugins.cuda_misc.specs import rows
 from opdispatch.tensor import Flag, Tensor
-from cuda_emu.hostcode import Arena, EMU, compile_emulator, gxx_major, write_headers
+from cuda_emu.hostcode import Arena, call, gxx_major, kernel_emulator, write_headers
 from helpers import subscaled_blocks
 
 pytestmark = pytest.mark.skipif(gxx_major() < 12, reason="needs g++ 12 or newer (C++20, _Float16)")
@@ -117,16 +117,10 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (build / name).write_text((rows.KERNELS_DIR / name).read_text())
     src = rows.ROWS_CU.read_text()
     assert "asm" not in src, "rows.cu has inline PTX the emulation does not replace"
-    (build / "kernel.cu").write_text(src)
-    (build / "main.cpp").write_text((EMU / "kernel_main.cpp").read_text())
-    lines = []
     grid_kernels = {_grid_spec(n, _grid_arena(n, np.random.default_rng(0))[0]).kernel
                     for dt in rows.GRID for n in _grid_nodes(dt).values()}
-    for k in sorted({kernel for _, _, kernel in CASES.values()} | grid_kernels):
-        args = ", ".join(f"a[{i}]" for i in range(len(RECORDS[k.split("<")[0]].names())))
-        lines.append(f'    {{"{k}", [](const Arg* a) {{ {k}({args}); }}}},\n')
-    (build / "instances.inc").write_text("".join(lines))
-    return compile_emulator(build / "main.cpp", build / "emu")
+    kernels = sorted({kernel for _, _, kernel in CASES.values()} | grid_kernels)
+    return kernel_emulator(build, src, "".join(call(k, len(RECORDS[k.split("<")[0]].names())) for k in kernels))
 
 
 def _ids(node: Tensor) -> Tensor:

@@ -141,6 +141,22 @@ def compile_emulator(source: Path, exe: Path, opt: str = "-O1") -> Path:
     return exe
 
 
+def call(name: str, nargs: int) -> str:
+    """instances.inc's entry for instance `name` of a kernel of nargs parameters."""
+    args = ", ".join(f"a[{i}]" for i in range(nargs))
+    return f'    {{"{name}", [](const Arg* a) {{ {name}({args}); }}}},\n'
+
+
+def kernel_emulator(build: Path, kernel: str, instances: str) -> Path:
+    """build/emu: kernel_main.cpp running the kernels of `kernel` (host-ready source, written as kernel.cu) by name
+    through `instances` (instances.inc's entries), against the headers already in `build` (write_headers', and any
+    the caller made host-ready)."""
+    (build / "kernel.cu").write_text(kernel)
+    (build / "main.cpp").write_text((EMU / "kernel_main.cpp").read_text())
+    (build / "instances.inc").write_text(instances)
+    return compile_emulator(build / "main.cpp", build / "emu")
+
+
 def q8_1_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(codes, d) of ggml's q8_1 for each 32 values along the last axis of x (float32 math):
     d = amax / 127, codes rint(v * (127 / amax)), 0 for a block of zeros."""
@@ -241,7 +257,8 @@ def run_launches(launches: list, arena: ScratchArena, eager: bool, emulator: Pat
     mem_file = tmp_path / "mem.bin"
     arena.mem.tofile(mem_file)
     for spec in launches:
-        grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
+        grid = (spec.grid,) if isinstance(spec.grid, int) else tuple(spec.grid)
+        grid += (1,) * (3 - len(grid))
         cmd = [str(emulator), str(mem_file), spec.kernel, *map(str, grid), str(spec.block),
                *(str(v.item()) for v in spec.arg_values)]
         env = {**os.environ, "EMU_SMEM": str(spec.smem), "EMU_EAGER": str(int(eager)),
