@@ -2,7 +2,7 @@
 // quantize_q8_1, mmv and mmvq, and mmv_id.cu's kernels), mmq_wgmma.cu (its wgmma products, mbarriers and named barrier too:
 // tests/test_mmq_wgmma_emulated.py) and its A-fragment builders (mmq_frags.cuh), cuda_misc's row
 // kernels, cuda_attention's fattn_decode.cu, fattn_prefill.cu (its warp votes too), fattn_prefill_wgmma.cu (an
-// MN-major wgmma B too) and fattn_mask.cu and the shared
+// MN-major wgmma B too) and fattn_mask.cu, cuda_norm's norm.cu and the shared
 // headers (common.cuh, quant.cuh) use, for tests/test_mmvq_stream_emulated.py, tests/test_mmq_emulated.py,
 // tests/test_mmq_frags_emulated.py, tests/test_rows_emulated.py, tests/test_fattn_decode_emulated.py,
 // tests/test_fattn_prefill_emulated.py and tests/test_quant_header.py (among others):
