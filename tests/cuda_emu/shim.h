@@ -1,11 +1,10 @@
-// Host emulation of the CUDA subset that cuda_matmul's mmvq_stream.cu, mmq.cu and mmq_id.cu (with mmv.cu's
-// quantize_q8_1, mmv and mmvq, and mmv_id.cu's kernels), mmq_wgmma.cu (its wgmma products, mbarriers and named barrier too:
-// tests/test_mmq_wgmma_emulated.py) and its A-fragment builders (mmq_frags.cuh), cuda_misc's row
-// kernels, cuda_attention's fattn_decode.cu, fattn_prefill.cu (its warp votes too), fattn_prefill_wgmma.cu (an
-// MN-major wgmma B too) and fattn_mask.cu, cuda_norm's norm.cu and the shared
-// headers (common.cuh, quant.cuh) use, for tests/test_mmvq_stream_emulated.py, tests/test_mmq_emulated.py,
-// tests/test_mmq_frags_emulated.py, tests/test_rows_emulated.py, tests/test_fattn_decode_emulated.py,
-// tests/test_fattn_prefill_emulated.py and tests/test_quant_header.py (among others):
+// Host emulation of the CUDA subset that the plugins' kernels and the shared headers (common.cuh, quant.cuh,
+// wgmma.cuh) use, for the CPU emulation tests (tests/test_*_emulated.py, tests/test_quant_header.py): cuda_matmul's
+// mmvq_stream.cu, mmq.cu, mmq_id.cu, mmq_small.cu, mmf.cu, convert.cu, mmv.cu (quantize_q8_1, mmv, mmvq),
+// mmv_id.cu (its mul_mat_id kernels and moe_route), mmq_wgmma.cu (its wgmma products, mbarriers and named barrier)
+// and its A-fragment builders (mmq_frags.cuh), cuda_misc's row kernels, cuda_attention's fattn_decode.cu,
+// fattn_prefill.cu (its warp votes), fattn_prefill_wgmma.cu (an MN-major wgmma B) and fattn_mask.cu, cuda_norm's
+// norm.cu:
 // one fiber per CUDA thread (emu_run_block: a block's threads take turns on one OS thread, switching only at
 // __syncthreads / __syncwarp / shuffles, which are barriers, and at an mbarrier wait that cannot complete yet),
 // cp.async performed at wait_group time (lazy) or at issue (eager), and bulk copies when their mbarrier's phase
