@@ -345,31 +345,32 @@ inline void __syncwarp(unsigned = 0xffffffffu) { emu_ctx->warp_bar[threadIdx.x /
 template <class T>
 inline T __ldg(const T* p) { return *p; }
 
-// lane l gets lane l - off's v (its own where l < off): mmv_id.cu's moe_route scans with it
-template <class T>
-inline T __shfl_up_sync(unsigned, T v, unsigned off, int = 32) {
+// lane l gets lane from(l)'s v, through the warp's exchange slots: the shuffles below
+template <class T, class From>
+inline T emu_shfl(T v, From from) {
     static_assert(sizeof(T) == 4, "4-byte shuffles");
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     unsigned* x = emu_ctx->xchg.data() + warp * 32;
     memcpy(&x[lane], &v, 4);
     __syncwarp();
     T r;
-    memcpy(&r, &x[lane >= (int)off ? lane - (int)off : lane], 4);
+    memcpy(&r, &x[from(lane)], 4);
     __syncwarp();
     return r;
 }
-
+// lane l gets lane l - off's v (its own where l < off): mmv_id.cu's moe_route scans with it
+template <class T>
+inline T __shfl_up_sync(unsigned, T v, unsigned off, int = 32) {
+    return emu_shfl(v, [&](int l) { return l >= (int)off ? l - (int)off : l; });
+}
+// lane l gets lane src's v (src taken modulo the width, within each width-lane group: rope's angle exchange)
+template <class T>
+inline T __shfl_sync(unsigned, T v, int src, int width = 32) {
+    return emu_shfl(v, [&](int l) { return l / width * width + (src % width + width) % width; });
+}
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int off, int = 32) {
-    static_assert(sizeof(T) == 4, "4-byte shuffles");
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    unsigned* x = emu_ctx->xchg.data() + warp * 32;
-    memcpy(&x[lane], &v, 4);
-    __syncwarp();
-    T r;
-    memcpy(&r, &x[lane ^ off], 4);
-    __syncwarp();
-    return r;
+    return emu_shfl(v, [&](int l) { return l ^ off; });
 }
 
 // vote.ballot: bit l set where lane l's predicate holds (the prefill attention's key tile walk and softmax),
