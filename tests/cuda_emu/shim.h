@@ -3,8 +3,8 @@
 // mmvq_stream.cu, mmq.cu, mmq_id.cu, mmq_small.cu, mmf.cu, convert.cu, mmv.cu (quantize_q8_1, mmv, mmvq),
 // mmv_id.cu (its mul_mat_id kernels and moe_route), mmq_wgmma.cu (its wgmma products, mbarriers and named barrier)
 // and its A-fragment builders (mmq_frags.cuh), cuda_misc's row kernels, cuda_attention's fattn_decode.cu,
-// fattn_prefill.cu (its warp votes), fattn_prefill_wgmma.cu (an MN-major wgmma B) and fattn_mask.cu, cuda_norm's
-// norm.cu:
+// fattn_prefill.cu (its warp votes), fattn_prefill_wgmma.cu (an MN-major wgmma B), fattn_mask.cu, softmax.cu and
+// rope.cu, cuda_norm's norm.cu:
 // one fiber per CUDA thread (emu_run_block: a block's threads take turns on one OS thread, switching only at
 // __syncthreads / __syncwarp / shuffles, which are barriers, and at an mbarrier wait that cannot complete yet),
 // cp.async performed at wait_group time (lazy) or at issue (eager), and bulk copies when their mbarrier's phase
