@@ -24,7 +24,7 @@ import opdispatch as od
 from opdispatch import ops
 from opdispatch.dtypes import DTYPES, dequantize
 from opdispatch.graph import Graph
-from opdispatch.plugins.cuda_matmul import bind, fusion, specs, support
+from opdispatch.plugins.cuda_matmul import bind, fusion, support
 from opdispatch.plugins.cuda_matmul.specs import mmq, mmq_small
 from opdispatch.quants.samples import random_blocks
 from opdispatch.tensor import Tensor
