@@ -64,8 +64,15 @@ SMALL_WAVE = SmallConfig(kw=4, kb=16, stages=2, kt_min=1, kts_max=4)
 #: what scripts/mmq_sweep.py --kernel mmq_small times (SMALL first): row groups of 2 to 8 warps that split a
 #: block's K tiles (kw), short rings (a warp streams one or two K tiles at the 1b preset's shapes), 32-row warps
 #: (fm 2: b read once for twice the rows), 16 warps a block, and SMALL_WAVE's 16-step K tiles; slices of at most
-#: 8 K tiles (2048 values: b's copy 40 KB at 16 columns); SMALL's ring 3 and 4 stages deep
+#: 8 K tiles (2048 values: b's copy 40 KB at 16 columns); SMALL's ring 3 and 4 stages deep; and grids of one wave
+#: at large shapes (ONE_WAVE)
 KW8 = SmallConfig(kw=8, stages=2, kt_min=1, kts_max=8)
+#: SMALL's blocks, two resident an SM (launch bound, 128 registers), but slices of kt_min K tiles or more, so that
+#: a large grid is one wave of longer slices rather than two of short ones: at 16384 x 2048 (the 1b preset's
+#: gate/up pair, one launch) kt_min 4 gives 2 slices, 256 blocks (SMALL: 4 slices, 512 blocks); kt_min 7 at
+#: 4096 x 14336 and 8 at 14336 x 4096 give 8 and 2 slices (256 and 224 blocks). A ring of 3 keeps two K tiles in
+#: flight a warp.
+ONE_WAVE: tuple[SmallConfig, ...] = tuple(attrs.evolve(SMALL, blocks_per_sm=2, kt_min=kt, stages=3) for kt in (4, 7, 8))
 SMALL_CANDIDATES: tuple[SmallConfig, ...] = tuple(dict.fromkeys((
     SMALL,
     SMALL_WAVE,
@@ -79,6 +86,7 @@ SMALL_CANDIDATES: tuple[SmallConfig, ...] = tuple(dict.fromkeys((
     attrs.evolve(KW8, warps=16, blocks_per_sm=2),
     attrs.evolve(SMALL, stages=3),
     attrs.evolve(SMALL, stages=4),
+    *ONE_WAVE,
 )))
 #: the column tiles (8 columns each) mmq_small is compiled for: N <= 16 takes 2, N <= 32 takes 4
 SMALL_NTS = (2, 4)
