@@ -205,8 +205,9 @@ __global__ void __launch_bounds__(mmfk::THREADS, 2)
         const int r = wr + RJ * c;
         at[c] = (r * PR + (wp ^ (r % 8))) * PIECE;
     }
+    auto piece_at = [&](int j) { return at[j % V] + j / V * 8 * PR * PIECE; };  // copy j's offset in a slot
     const unsigned ring_s = od::smem_addr(ring);
-    const long long a1_off = NW == 2 ? static_cast<long long>(a1 - a0) : 0;
+    const long long a1_off = NW == 2 ? static_cast<long long>(a1 - a0) : 0;  // the pair shares a0's strides
     const u8* const wbase = a0 + (i3 / r3) * a_s3 + (i2 / r2) * a_s2 + 2ll * k0 + PIECE * wp;
     const u8* src[COPIES];
     int qi = 0, gi = 0, ti = first, si = 0;
@@ -222,7 +223,7 @@ __global__ void __launch_bounds__(mmfk::THREADS, 2)
             if (gi * U * UNIT + 8 * wp < kn) {
 #pragma unroll
                 for (int j = 0; j < COPIES; ++j) {
-                    const unsigned dst = ring_s + slot + at[j % V] + j / V * 8 * PR * PIECE;
+                    const unsigned dst = ring_s + slot + piece_at(j);
 #pragma unroll
                     for (int v = 0; v < NW; ++v) {
                         od::cp_async16(dst + v * WEIGHT_BYTES, src[j] + v * a1_off);
@@ -231,7 +232,7 @@ __global__ void __launch_bounds__(mmfk::THREADS, 2)
             } else {
 #pragma unroll
                 for (int j = 0; j < COPIES; ++j) {
-                    u8* const dst = ring + slot + at[j % V] + j / V * 8 * PR * PIECE;
+                    u8* const dst = ring + slot + piece_at(j);
 #pragma unroll
                     for (int v = 0; v < NW; ++v) {
                         *reinterpret_cast<uint4*>(dst + v * WEIGHT_BYTES) = make_uint4(0u, 0u, 0u, 0u);
