@@ -102,11 +102,14 @@ __device__ __forceinline__ void stage_b(const u8* b, long long b_col, long long 
                                         int units, u8* bs) {
     const int quads = units * (UNIT / 4);  // 4 values a load
     const int total = NB * quads;
+    // i / quads as umulhi(i, inv): exact while i * quads < 2^32 (here i < total + STAGE_LOADS * THREADS and quads
+    // at most KS_MAX / 4: specs/mmf.py), one multiply where a signed division took a dozen instructions
+    const unsigned inv = 0xffffffffu / static_cast<unsigned>(quads) + 1u;
     for (int i0 = threadIdx.x; i0 < total; i0 += STAGE_LOADS * THREADS) {
         float4 v[STAGE_LOADS];
 #pragma unroll
         for (int r = 0; r < STAGE_LOADS; ++r) {
-            const int i = i0 + r * THREADS, n = i / quads, kk = 4 * (i - n * quads);
+            const int i = i0 + r * THREADS, n = __umulhi(i, inv), kk = 4 * (i - n * quads);
             v[r] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (n < N && kk < kn) {  // kn % 8 == 0: the 4 values lie in the split; i >= total: n >= NB >= N
                 const u8* col = b + n * b_col;
@@ -116,7 +119,7 @@ __device__ __forceinline__ void stage_b(const u8* b, long long b_col, long long 
         }
 #pragma unroll
         for (int r = 0; r < STAGE_LOADS; ++r) {
-            const int i = i0 + r * THREADS, n = i / quads, kk = 4 * (i - n * quads);
+            const int i = i0 + r * THREADS, n = __umulhi(i, inv), kk = 4 * (i - n * quads);
             if (i < total) {  // pairs p, p + 1 of the unit (p even) at words 4 (p % 4) + p / 4 (the layout above)
                 unsigned* col = reinterpret_cast<unsigned*>(bs + ((kk / UNIT) * NB + n) * UNIT_BYTES);
                 const int p = (kk % UNIT) / 2;
@@ -185,36 +188,66 @@ __global__ void __launch_bounds__(mmfk::THREADS, 2)
     const int first = rg * WARPS + warp, stride = groups_x * WARPS;
     const int total = first < tiles ? ((tiles - 1 - first) / stride + 1) * gpt : 0;  // this warp's groups
 
-    // the weights (a0's, and a1's for EPI_GLU) at row 0, k0
-    const u8* wbase[NW];
-    {
-        const long long off = (i3 / r3) * a_s3 + (i2 / r2) * a_s2 + 2ll * k0;
-        wbase[0] = a0 + off;
-        if constexpr (NW == 2) {
-            wbase[1] = a1 + off;
-        }
+    // The copy stream, STAGES - 1 groups ahead of the products: group qi (of the warp's `total`) into ring slot
+    // si, group gi of tile ti. A lane's copies of a group all take piece wp = lane % PR of a row, rows wr + RJ j
+    // (j < COPIES); src[j] points at that piece of a0's row (clamped to M - 1) for the group, set at a tile's
+    // first group and moved on by a group's bytes after each, and its slot offset is at[j % V] plus a constant
+    // (the swizzle r % 8 repeats every V copies), so that a copy costs its address add (a1's: the weights'
+    // offset added). Pieces past the split (k0 + kn <= K) are zeros, stored, not copied.
+    constexpr int RJ = od::WARP_SIZE / PR;      // rows a copy instruction covers
+    constexpr int V = 8 / RJ;                   // copies before the rows' swizzle repeats
+    constexpr int GROUP_STEP = U * UNIT_BYTES;  // bytes of a row a group covers
+    static_assert(8 % RJ == 0 && COPIES % V == 0, "whole swizzle periods");
+    const int wp = lane % PR, wr = lane / PR;
+    unsigned at[V];
+#pragma unroll
+    for (int c = 0; c < V; ++c) {
+        const int r = wr + RJ * c;
+        at[c] = (r * PR + (wp ^ (r % 8))) * PIECE;
     }
-    // group q's copies (tile q / gpt, units from (q % gpt) * U) into ring slot q % STAGES, one commit group;
-    // pieces past the split (k0 + kn <= K) are zeros, stored, not copied
-    auto issue = [&](int q) {
-        if (q < total) {
-            const int i = q / gpt, k = (q - i * gpt) * U * UNIT;
-            const int m0 = (first + i * stride) * 16;
-            u8* const slot = ring + (q % STAGES) * STAGE_BYTES;
+    auto piece_at = [&](int j) { return at[j % V] + j / V * 8 * PR * PIECE; };  // copy j's offset in a slot
+    const unsigned ring_s = od::smem_addr(ring);
+    const long long a1_off = NW == 2 ? static_cast<long long>(a1 - a0) : 0;  // the pair shares a0's strides
+    const u8* const wbase = a0 + (i3 / r3) * a_s3 + (i2 / r2) * a_s2 + 2ll * k0 + PIECE * wp;
+    const u8* src[COPIES];
+    int qi = 0, gi = 0, ti = first, si = 0;
+    auto issue = [&]() {
+        if (qi < total) {
+            if (gi == 0) {
 #pragma unroll
-            for (int j = 0; j < COPIES; ++j) {
-                const int c = j * od::WARP_SIZE + lane, r = c / PR, p = c % PR, kk = k + 8 * p;
-                const int at = (r * PR + (p ^ (r % 8))) * PIECE;
-                const long long row = min(m0 + r, M - 1) * a_row;
+                for (int j = 0; j < COPIES; ++j) {
+                    src[j] = wbase + min(ti * 16 + wr + RJ * j, M - 1) * a_row;
+                }
+            }
+            const unsigned slot = si * STAGE_BYTES;
+            if (gi * U * UNIT + 8 * wp < kn) {
 #pragma unroll
-                for (int v = 0; v < NW; ++v) {
-                    u8* const dst = slot + v * WEIGHT_BYTES + at;
-                    if (kk < kn) {
-                        od::cp_async16(od::smem_addr(dst), wbase[v] + row + 2ll * kk);
-                    } else {
-                        *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+                for (int j = 0; j < COPIES; ++j) {
+                    const unsigned dst = ring_s + slot + piece_at(j);
+#pragma unroll
+                    for (int v = 0; v < NW; ++v) {
+                        od::cp_async16(dst + v * WEIGHT_BYTES, src[j] + v * a1_off);
                     }
                 }
+            } else {
+#pragma unroll
+                for (int j = 0; j < COPIES; ++j) {
+                    u8* const dst = ring + slot + piece_at(j);
+#pragma unroll
+                    for (int v = 0; v < NW; ++v) {
+                        *reinterpret_cast<uint4*>(dst + v * WEIGHT_BYTES) = make_uint4(0u, 0u, 0u, 0u);
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < COPIES; ++j) {
+                src[j] += GROUP_STEP;
+            }
+            ++qi;
+            si = si == STAGES - 1 ? 0 : si + 1;
+            if (++gi == gpt) {
+                gi = 0;
+                ti += stride;
             }
         }
         od::cp_async_commit();  // empty past the warp's last group: the wait below counts groups alike
@@ -223,7 +256,7 @@ __global__ void __launch_bounds__(mmfk::THREADS, 2)
     auto issue_first = [&]() {
 #pragma unroll
         for (int q = 0; q < STAGES - 1; ++q) {
-            issue(q);
+            issue();
         }
     };
     if (preload) {
@@ -311,16 +344,17 @@ __global__ void __launch_bounds__(mmfk::THREADS, 2)
     const u8* const bl = bs + g * UNIT_BYTES + 16 * t;  // column g, pairs of lane t, of unit 0
     // ldmatrix: lanes 0-7 / 8-15 / 16-23 / 24-31 address rows 0-7 / 8-15 / 0-7 / 8-15, pieces 2m / 2m / 2m + 1 / 2m + 1
     const int lr = lane % 8 + 8 * ((lane / 8) % 2), lp = lane / 16;
-    // group q from its slot: its mma, then the tile's flush at its last group
-    auto step = [&](int q) {
-        const int i = q / gpt, u0 = (q - i * gpt) * U;
-        const unsigned slot = od::smem_addr(ring + (q % STAGES) * STAGE_BYTES) + lr * PR * PIECE;
+    // The products: group gs of tile ts from ring slot ss, then the tile's flush at its last group
+    int gs = 0, ts = first, ss = 0;
+    auto step = [&]() {
+        const unsigned slot = ring_s + ss * STAGE_BYTES + lr * PR * PIECE;
+        const u8* const bu = bl + gs * U * NB * UNIT_BYTES;  // b's units of the group
 #pragma unroll
         for (int j = 0; j < U; ++j) {
             uint4 bv[NT];
 #pragma unroll
             for (int h = 0; h < NT; ++h) {
-                bv[h] = *reinterpret_cast<const uint4*>(bl + ((u0 + j) * NB + 8 * h) * UNIT_BYTES);
+                bv[h] = *reinterpret_cast<const uint4*>(bu + (j * NB + 8 * h) * UNIT_BYTES);
             }
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
@@ -336,17 +370,20 @@ __global__ void __launch_bounds__(mmfk::THREADS, 2)
                 }
             }
         }
-        if (q - i * gpt == gpt - 1) {
-            flush(first + i * stride);
+        ss = ss == STAGES - 1 ? 0 : ss + 1;
+        if (++gs == gpt) {
+            flush(ts);
             zero();
+            gs = 0;
+            ts += stride;
         }
     };
 
     zero();
     for (int q = 0; q < total; ++q) {
         od::cp_async_wait<STAGES - 2>();  // this lane's copies of group q have landed
-        __syncwarp();                      // and the other lanes': the slot is whole; slot (q - 1) % STAGES is read
-        issue(q + STAGES - 1);             // into the slot group q - 1 left
-        step(q);
+        __syncwarp();                      // and the other lanes': the slot is whole; the slot group q - 1 read is free
+        issue();                           // group q + STAGES - 1, into that slot
+        step();
     }
 }
