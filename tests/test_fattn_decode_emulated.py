@@ -33,7 +33,8 @@ from opdispatch.plugins.cuda_attention.specs import flash
 from opdispatch.tensor import Tensor
 from opdispatch.testing.cases import Inputs, bound
 from opdispatch.testing.metrics import nmse
-from cuda_emu.hostcode import ScratchArena, call, fed_arena, gxx_major, kernel_emulator, run_launches, write_headers
+from cuda_emu.hostcode import (ScratchArena, call, fed_arena, gxx_major, host_ready, kernel_emulator,
+                              run_launches, write_headers)
 from test_cuda_attention import attn_step, fa_graph
 
 
@@ -129,9 +130,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build = tmp_path_factory.mktemp("fattn_emu")
     write_headers(build)
     (build / "attn_common.cuh").write_text(host_attn_common())
-    rope = flash.DECODE_CU.with_name("rope_common.cuh").read_text()
-    assert "asm" not in rope
-    (build / "rope_common.cuh").write_text(rope)
+    (build / "rope_common.cuh").write_text(host_ready(flash.DECODE_CU.with_name("rope_common.cuh")))
     kernel = flash.DECODE_CU.read_text()
     assert SHARED[0] in kernel and "asm" not in kernel
     arity = {s.kernel: len(s.arg_values) for s in _all_launches()}

@@ -131,6 +131,13 @@ def write_headers(build: Path) -> None:
     (build / "shim.h").write_text((EMU / "shim.h").read_text())
 
 
+def host_ready(path: Path) -> str:
+    """The text of a kernel source that runs on the host as it is (no inline PTX for the emulation to replace)."""
+    text = path.read_text()
+    assert "asm" not in text, f"{path.name} has inline PTX the emulation does not replace"
+    return text
+
+
 def compile_emulator(source: Path, exe: Path, opt: str = "-O1") -> Path:
     """`exe`: g++ (C++20, threads) of `source` against the host-ready headers in exe's folder (write_headers), no
     float contraction (each product and add rounded alone, as __fmul_rn / __fadd_rn make nvcc keep them)."""
