@@ -352,8 +352,8 @@ struct K4 : SubScaled<256, BYTES_, 32, 2> {
     static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
         unsigned sc, mn;
         scale_min_k4(Mem<false>{blk}, SC, s, sc, mn);
-        d = __fmul_rn(half_at(blk + D), static_cast<float>(sc));
-        m = __fmul_rn(half_at(blk + 2), static_cast<float>(mn));
+        d = __fmul_rn(half_at(blk + D), small_f32(sc));  // not static_cast: an I2F.U16 (common.cuh)
+        m = __fmul_rn(half_at(blk + 2), small_f32(mn));
     }
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
         int q = (blk[QS + 32 * (j >> 6) + (j & 31)] >> (4 * ((j >> 5) & 1))) & 15;
@@ -396,7 +396,7 @@ struct q6_K : SubScaled<256, 210, 16, -1> {
     static constexpr int QL = 0, QH = 128, SC = 192, D = 208;
     static constexpr bool HALF_SUMS = true;
     static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
-        d = __fmul_rn(half_at(blk + D), static_cast<float>(static_cast<signed char>(blk[SC + s])));
+        d = __fmul_rn(half_at(blk + D), s8_f32(blk[SC + s]));  // not static_cast: an I2F.S16 (common.cuh)
         m = 0.0f;
     }
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
