@@ -37,7 +37,7 @@ from opdispatch.backends.cuda.kernels import INCLUDE_DIR, KernelSpec, kernel_par
 from opdispatch.dtypes import DTYPES, dequantize, encodable, from_float
 from opdispatch.ops.base import BLOCK_FORMATS
 from opdispatch.ops.elementwise import GLU_KINDS
-from opdispatch.quants.iq_grids import GRIDS
+from opdispatch.quants.iq_grids import TABLES
 from opdispatch.quants.samples import random_blocks
 from opdispatch.errors import DeviceIndexError
 from opdispatch.graph import Graph
@@ -615,15 +615,15 @@ def test_stream_chunks_mirror_the_kernel() -> None:
 
 def test_stream_grid_bytes_mirror_the_traits() -> None:
     """stream.GRID_BYTES, the shared memory mmvq_stream gives a grid format's lookup grid, is the grid's size
-    (ggml's entries times their width, opdispatch.quants.iq_grids) and quant_iq.cuh's traits name that grid
+    (its entries times their width, opdispatch.quants.iq_grids.TABLES) and quant_iq.cuh's traits name that grid
     with that many entries of that width: a smaller figure would let stage_grid write past the block's memory."""
     grids = {"iq2_xxs": "iq2xxs_grid", "iq2_xs": "iq2xs_grid", "iq2_s": "iq2s_grid", "iq3_xxs": "iq3xxs_grid",
-             "iq3_s": "iq3s_grid", "iq1_s": "iq1s_grid", "iq1_m": "iq1s_grid"}
+             "iq3_s": "iq3s_grid", "iq1_s": "iq1s_nibbles", "iq1_m": "iq1s_nibbles"}
     assert set(stream.GRID_BYTES) == set(grids) == {dt for dt in stream.STREAMED if dt.startswith("iq")} - {
         "iq4_nl", "iq4_xs"}
     src = (INCLUDE_DIR / "quant_iq.cuh").read_text()
     for dt, name in grids.items():
-        grid = GRIDS[name]
+        grid = TABLES[name]
         assert stream.GRID_BYTES[dt] == grid.size
         entry = "unsigned long long" if grid.shape[1] == 8 else "unsigned"
         head = re.search(rf"struct {dt} : (\w+)<([^>]*)> {{\n.*?return (\w+); }}", src)
@@ -634,7 +634,7 @@ def test_stream_grid_bytes_mirror_the_traits() -> None:
         assert args[2] == entry if head[1] == "GridScaled" else (head[1], entry) == ("Iq2Halves", "unsigned long long")
     assert "struct Iq2Halves : GridScaled<BYTES_, 16, unsigned long long, ENTRIES_>" in src
     assert "+ GRID_BYTES.get(dt, 0) * copies" in inspect.getsource(stream.stream_smem)
-    assert {dt for dt in grids if GRIDS[grids[dt]].shape[1] != 8} == set(stream.GRID_ENTRY)
+    assert {dt for dt in grids if TABLES[grids[dt]].shape[1] != 8} == set(stream.GRID_ENTRY)
 
 
 def test_stream_grid_copies_keep_the_warps_and_blocks() -> None:

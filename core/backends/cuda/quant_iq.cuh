@@ -8,7 +8,8 @@
 //   iq2 / iq3   d = ggml's db (d * (0.5 + ls) * 0.25, iq3_xxs * 0.5, iq3_s d * (1 + 2 s)), each
 //               product rounded in ggml's order; code = the grid entry times its sign (a sign is
 //               a multiply by +-1 in ggml: exact, so db * (grid * sign) is its (db * grid) * sign)
-//   iq1         ggml's value is dl * (grid + delta), grid in {-1, 0, 1}, delta +-1/8: here
+//   iq1         (the grid held as iq1s_nibbles: each value plus 1 in a nibble, 4 bytes an entry)
+//               ggml's value is dl * (grid + delta), grid in {-1, 0, 1}, delta +-1/8: here
 //               d = dl / 8 (exact: dl is an f16 times an odd integer below 16, far from float's
 //               subnormals) and code = 8 * grid + 8 * delta, an odd integer, so d * code is the
 //               same real number rounded once: bit-exact with opdispatch.dtypes.dequantize
@@ -276,19 +277,22 @@ struct iq3_s : GridScaled<110, 32, unsigned, 512> {
 
 // -- iq1: grid values -1, 0, 1 plus a delta of +-1/8 ----------------------------------------------
 
-// An iq1s_grid entry (int8 bytes) dotted with b's codes b[2l], b[2l+1].
-__device__ __forceinline__ int dot_iq1(unsigned long long g, const int (&b)[8], int l, int acc) {
-    acc = dot4(static_cast<unsigned>(g), b[2 * l], acc);
-    return dot4(static_cast<unsigned>(g >> 32), b[2 * l + 1], acc);
+// An iq1s_nibbles entry g (iq_grids.cuh: a group's values plus 1, 0..2, value k in byte k's low nibble, 4 + k in
+// its high) dotted with b's codes b[2l], b[2l+1] where the nibbles lie: lo gathers the low nibbles' dots, hi 16
+// times the high nibbles' (unsigned bytes, od::dp4a_us); the plain dot is lo + hi / 16 minus b's sum there.
+__device__ __forceinline__ void dot_iq1(unsigned g, const int (&b)[8], int l, int& lo, int& hi) {
+    lo = dp4a_us(g & 0x0f0f0f0fu, b[2 * l], lo);
+    hi = dp4a_us(g & 0xf0f0f0f0u, b[2 * l + 1], hi);
 }
 
-// 8 * (grid byte k) + (delta negative ? -1 : 1): 8 * (grid + delta).
-__device__ __forceinline__ int iq1_code(unsigned long long g, int k, bool minus) {
-    return 8 * grid_byte(g, k) + (minus ? -1 : 1);
+// 8 * (grid value k of entry g) + (delta negative ? -1 : 1): 8 * (grid + delta).
+__device__ __forceinline__ int iq1_code(unsigned g, int k, bool minus) {
+    const int v = static_cast<int>((g >> (8 * (k & 3) + 4 * (k >> 2))) & 15u) - 1;
+    return 8 * v + (minus ? -1 : 1);
 }
 
-struct iq1_s : GridScaled<50, 32, unsigned long long, 2048> {
-    static __device__ __forceinline__ const Entry* global_grid() { return iq1s_grid; }
+struct iq1_s : GridScaled<50, 32, unsigned, 2048> {
+    static __device__ __forceinline__ const Entry* global_grid() { return iq1s_nibbles; }
     static constexpr int D = 0, QS = 2, QH = 34;
     static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
         const unsigned h = ld16(blk + QH + 2 * s);
@@ -299,29 +303,30 @@ struct iq1_s : GridScaled<50, 32, unsigned long long, 2048> {
         const unsigned h = ld16(blk + QH + 2 * (j >> 5));
         const int l = (j >> 3) & 3;
         const unsigned idx = blk[QS + (j >> 3)] | (((h >> (3 * l)) & 7u) << 8);
-        return iq1_code(iq1s_grid[idx], j & 7, (h & 0x8000u) != 0);
+        return iq1_code(iq1s_nibbles[idx], j & 7, (h & 0x8000u) != 0);
     }
-    // ggml's: dl * (db * sum(grid * b) + delta * db * sum(b)), db * sum(b) being q8_1's ds.y
+    // ggml's: dl * (db * sum(grid * b) + delta * db * sum(b)), db * sum(b) being q8_1's ds.y; here the dot of
+    // grid + 1 (dot_iq1's) and delta - 1
     template <class S, class G = const Entry*>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
                                                     G grid = global_grid()) {
         const unsigned qs = src.u32(QS + 4 * u), h = src.u16(QH + 2 * u);
-        int sum = 0;
+        int lo = 0, hi = 0;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
-            sum = dot_iq1(grid[((qs >> (8 * l)) & 0xffu) | (((h >> (3 * l)) & 7u) << 8)], b, l, sum);
+            dot_iq1(grid[((qs >> (8 * l)) & 0xffu) | (((h >> (3 * l)) & 7u) << 8)], b, l, lo, hi);
         }
         const float dl = half_in(src, D) * static_cast<float>(2 * ((h >> 12) & 7u) + 1);
-        const float delta = (h & 0x8000u) ? -0.125f : 0.125f;
-        return dl * (ds.x * static_cast<float>(sum) + ds.y * delta);
+        const float delta = (h & 0x8000u) ? -1.125f : -0.875f;
+        return dl * (ds.x * static_cast<float>(lo + (hi >> 4)) + ds.y * delta);
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
         return dot32_in(Mem<false>{blk}, u, b, ds);
     }
 };
 
-struct iq1_m : GridScaled<56, 16, unsigned long long, 2048> {
-    static __device__ __forceinline__ const Entry* global_grid() { return iq1s_grid; }
+struct iq1_m : GridScaled<56, 16, unsigned, 2048> {
+    static __device__ __forceinline__ const Entry* global_grid() { return iq1s_nibbles; }
     static constexpr int QS = 0, QH = 32, SC = 48;
     // d: the f16 of the 4 scale words' top nibbles
     template <class S>
@@ -343,20 +348,26 @@ struct iq1_m : GridScaled<56, 16, unsigned long long, 2048> {
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
         const int t = j >> 3;  // the group
         const unsigned nib = (blk[QH + (t >> 1)] >> (4 * (t & 1))) & 15u;
-        return iq1_code(iq1s_grid[blk[QS + t] | ((nib & 7u) << 8)], j & 7, (nib & 8u) != 0);
+        return iq1_code(iq1s_nibbles[blk[QS + t] | ((nib & 7u) << 8)], j & 7, (nib & 8u) != 0);
     }
-    // ggml's: per half, sum(grid * b) + delta * sum(b) group by group, here 8 times that in integers
+    // ggml's: per half, sum(grid * b) + delta * sum(b) group by group, here 8 times that in integers: the dot of
+    // grid + 1 (dot_iq1's) and (delta - 1) * sum(b)
     template <class S, class G = const Entry*>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
                                                     G grid = global_grid()) {
         const unsigned qs = src.u32(QS + 4 * u), qh = src.u16(QH + 2 * u);
         int sum[2] = {0, 0};
 #pragma unroll
-        for (int l = 0; l < 4; ++l) {
-            const unsigned nib = (qh >> (4 * l)) & 15u;
-            const int dot = dot_iq1(grid[((qs >> (8 * l)) & 0xffu) | ((nib & 7u) << 8)], b, l, 0);
-            const int sumb = dot4(0x01010101u, b[2 * l + 1], dot4(0x01010101u, b[2 * l], 0));
-            sum[l >> 1] += 8 * dot + ((nib & 8u) ? -sumb : sumb);
+        for (int half = 0; half < 2; ++half) {
+            int lo = 0, hi = 0;
+#pragma unroll
+            for (int l = 2 * half; l < 2 * half + 2; ++l) {
+                const unsigned nib = (qh >> (4 * l)) & 15u;
+                dot_iq1(grid[((qs >> (8 * l)) & 0xffu) | ((nib & 7u) << 8)], b, l, lo, hi);
+                const int sumb = dot4(0x01010101u, b[2 * l + 1], dot4(0x01010101u, b[2 * l], 0));
+                sum[half] += (nib & 8u) ? -9 * sumb : -7 * sumb;
+            }
+            sum[half] += 8 * (lo + (hi >> 4));
         }
         const int s0 = 2 * sc3(src, 2 * u) + 1, s1 = 2 * sc3(src, 2 * u + 1) + 1;
         return ds.x * (dd(src) * 0.125f) * static_cast<float>(s0 * sum[0] + s1 * sum[1]);
