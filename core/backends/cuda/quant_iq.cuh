@@ -65,13 +65,24 @@ struct GridAt {
 // ggml's ksigns_iq2xs: 7 sign bits and their parity as the 8th (an even count of minus signs).
 __device__ __forceinline__ unsigned signs8(unsigned s7) { return s7 | ((__popc(s7) & 1u) << 7); }
 
-// The sign masks of 8 sign bits s (s < 512): byte i of lo is 0xff where bit i is set, else 0 (values
-// 0..3), byte i of hi where bit 4 + i is (values 4..7). s * 0x80402010 (0x08040201) holds copies of s 9
-// bits apart, which never carry, and so bit 3 - i (7 - i) as byte i's top bit; the byte permute spreads
-// each top bit over its byte, the bytes in reverse order.
-__device__ __forceinline__ void sign_masks(unsigned s, unsigned& lo, unsigned& hi) {
-    lo = prmt(s * 0x80402010u, 0u, 0x89abu);
-    hi = prmt(s * 0x08040201u, 0u, 0x89abu);
+// A group's sign masks: byte i of lo is 0xff where value i is negative, else 0 (values 0..3), of hi for
+// value 4 + i.
+struct Signs {
+    unsigned lo, hi;
+};
+
+// The masks of 8 sign bits s (s < 512). s * 0x80402010 (0x08040201) holds copies of s 9 bits apart, which never
+// carry, and so bit 3 - i (7 - i) as byte i's top bit; the byte permute spreads each top bit over its byte, the
+// bytes in reverse order.
+__device__ __forceinline__ Signs signs_of(unsigned s) {
+    return {prmt(s * 0x80402010u, 0u, 0x89abu), prmt(s * 0x08040201u, 0u, 0x89abu)};
+}
+
+// The masks of ggml's 7 stored sign bits s7 and their parity as the 8th (signs8's): hi's byte 3 is the sign of
+// byte 0 of popc(s7) << 7, whose top bit is the parity.
+__device__ __forceinline__ Signs signs_of7(unsigned s7) {
+    const unsigned parity = static_cast<unsigned>(__popc(s7)) << 7;
+    return {prmt(s7 * 0x80402010u, 0u, 0x89abu), prmt(s7 * 0x08040201u, parity, 0xc9abu)};
 }
 
 // A signed dot product of grid bytes: pos - neg. A byte under a minus sign is taken as ~g = -g - 1, which
@@ -82,14 +93,12 @@ struct SignedDot {
 };
 
 // Values 8l .. 8l+7 of a 32-value unit, the group's 8 int8 grid bytes g (low word: values 0..3) under
-// its 8 sign bits s, dotted with b's codes b[2l], b[2l+1].
-__device__ __forceinline__ void dot_group(unsigned long long g, unsigned s, const int (&b)[8], int l, SignedDot& acc) {
-    unsigned lo, hi;
-    sign_masks(s, lo, hi);
-    acc.pos = dot4(static_cast<unsigned>(g) ^ lo, b[2 * l], acc.pos);
-    acc.pos = dot4(static_cast<unsigned>(g >> 32) ^ hi, b[2 * l + 1], acc.pos);
-    acc.neg = dot4(lo, b[2 * l], acc.neg);
-    acc.neg = dot4(hi, b[2 * l + 1], acc.neg);
+// its signs m, dotted with b's codes b[2l], b[2l+1].
+__device__ __forceinline__ void dot_group(unsigned long long g, Signs m, const int (&b)[8], int l, SignedDot& acc) {
+    acc.pos = dot4(static_cast<unsigned>(g) ^ m.lo, b[2 * l], acc.pos);
+    acc.pos = dot4(static_cast<unsigned>(g >> 32) ^ m.hi, b[2 * l + 1], acc.pos);
+    acc.neg = dot4(m.lo, b[2 * l], acc.neg);
+    acc.neg = dot4(m.hi, b[2 * l + 1], acc.neg);
 }
 
 // Byte k (0..7) of a grid entry, as the signed value it is.
@@ -127,7 +136,7 @@ struct iq2_xxs : GridScaled<66, 32, unsigned long long, 256> {
         SignedDot sum;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
-            dot_group(grid[(q >> (8 * l)) & 0xffu], signs8((aux >> (7 * l)) & 127u), b, l, sum);
+            dot_group(grid[(q >> (8 * l)) & 0xffu], signs_of7((aux >> (7 * l)) & 127u), b, l, sum);
         }
         const int ls = static_cast<int>(aux >> 28);
         return ds.x * (half_in(src, D) * 0.125f) * static_cast<float>((2 * ls + 1) * sum.value());
@@ -167,7 +176,7 @@ struct iq2_xs : Iq2Halves<74, 66, 512> {
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const unsigned q = src.u16(QS + 8 * u + 2 * l);
-            dot_group(grid[q & 511u], signs8(q >> 9), b, l, sum[l >> 1]);
+            dot_group(grid[q & 511u], signs_of7(q >> 9), b, l, sum[l >> 1]);
         }
         return finish(src, u, sum[0].value(), sum[1].value(), ds);
     }
@@ -192,7 +201,7 @@ struct iq2_s : Iq2Halves<82, 74, 1024> {
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const unsigned idx = ((qs >> (8 * l)) & 0xffu) | (((qh >> (2 * l)) & 3u) << 8);
-            dot_group(grid[idx], (sg >> (8 * l)) & 0xffu, b, l, sum[l >> 1]);
+            dot_group(grid[idx], signs_of((sg >> (8 * l)) & 0xffu), b, l, sum[l >> 1]);
         }
         return finish(src, u, sum[0].value(), sum[1].value(), ds);
     }
@@ -203,10 +212,10 @@ struct iq2_s : Iq2Halves<82, 74, 1024> {
 
 // -- iq3: an index a 4 values ------------------------------------------------------------------
 
-// Values 8l .. 8l+7 from two iq3 grid entries (4 bytes each) under 8 sign bits s.
-__device__ __forceinline__ void dot_group3(unsigned g0, unsigned g1, unsigned s, const int (&b)[8], int l,
+// Values 8l .. 8l+7 from two iq3 grid entries (4 bytes each) under signs m.
+__device__ __forceinline__ void dot_group3(unsigned g0, unsigned g1, Signs m, const int (&b)[8], int l,
                                            SignedDot& acc) {
-    dot_group(g0 | (static_cast<unsigned long long>(g1) << 32), s, b, l, acc);
+    dot_group(g0 | (static_cast<unsigned long long>(g1) << 32), m, b, l, acc);
 }
 
 struct iq3_xxs : GridScaled<98, 32, unsigned, 256> {
@@ -229,7 +238,7 @@ struct iq3_xxs : GridScaled<98, 32, unsigned, 256> {
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const unsigned w = q[l >> 1] >> (16 * (l & 1));
-            dot_group3(grid[w & 0xffu], grid[(w >> 8) & 0xffu], signs8((aux >> (7 * l)) & 127u), b, l, sum);
+            dot_group3(grid[w & 0xffu], grid[(w >> 8) & 0xffu], signs_of7((aux >> (7 * l)) & 127u), b, l, sum);
         }
         const int ls = static_cast<int>(aux >> 28);
         return ds.x * (half_in(src, D) * 0.25f) * static_cast<float>((2 * ls + 1) * sum.value());
@@ -266,7 +275,7 @@ struct iq3_s : GridScaled<110, 32, unsigned, 512> {
             const unsigned w = q[l >> 1] >> (16 * (l & 1));
             const unsigned i0 = (w & 0xffu) | (((qh >> (2 * l)) & 1u) << 8);
             const unsigned i1 = ((w >> 8) & 0xffu) | (((qh >> (2 * l + 1)) & 1u) << 8);
-            dot_group3(grid[i0], grid[i1], (sg >> (8 * l)) & 0xffu, b, l, sum);
+            dot_group3(grid[i0], grid[i1], signs_of((sg >> (8 * l)) & 0xffu), b, l, sum);
         }
         return ds.x * half_in(src, D) * static_cast<float>((1 + 2 * ls(src, u)) * sum.value());
     }
