@@ -1728,8 +1728,9 @@ def test_mmq_small_broadcast_batches(dt: str, bs: tuple, rng) -> None:  # noqa: 
 
 
 def test_mmq_small_grid_on_the_h200() -> None:
-    """mmq_small's cut of the benchmark's shapes on the H200's description: split K so that the grid is about
-    SMALL.blocks_per_sm blocks an SM, slices of kt_min K tiles at least, and the shared memory fits."""
+    """mmq_small's cut of the benchmark's shapes on the H200's description: split K into as many slices as keep
+    the grid within SMALL.blocks_per_sm blocks an SM (one wave), slices of kt_min K tiles at least, and the shared
+    memory fits."""
     cfg, sms = mmq_small.SMALL, 132
     for dt, m, k, n in (("q4_0", 14336, 4096, 16), ("q8_0", 4096, 14336, 32), ("q4_K", 2048, 2048, 16),
                         ("q4_0", 2048, 8192, 9)):
@@ -1737,11 +1738,12 @@ def test_mmq_small_grid_on_the_h200() -> None:
         nkt = -(-k // 32 // cfg.kb)
         assert g.tiles_m == -(-m // cfg.bm) and 1 <= g.splits <= min(cfg.split_max, nkt // cfg.kt_min)
         assert g.splits == cfg.split_max or g.splits == nkt // cfg.kt_min or \
-            g.tiles_m * g.splits >= cfg.blocks_per_sm * sms > g.tiles_m * (g.splits - 1), (dt, m, k, g)
+            g.tiles_m * g.splits <= cfg.blocks_per_sm * sms < g.tiles_m * (g.splits + 1), (dt, m, k, g)
         assert g.kts * g.splits >= nkt > (g.kts - 1) * g.splits
         smem = mmq_small.small_smem(dt, mmq_small.small_nt(n), g.kts)
         assert smem <= 227 * 1024, (dt, smem)
-    assert mmq_small.small_grid(14336, 4096, 1, H200) == mmq_small.SmallGrid(112, 5, 4)
+    assert mmq_small.small_grid(14336, 4096, 1, H200) == mmq_small.SmallGrid(112, 2, 8)
+    assert mmq_small.small_grid(8192, 2048, 2, H200) == mmq_small.SmallGrid(64, 2, 4)  # the gate/up pair: 256 blocks
     assert mmq_small.small_smem("q4_0", 2, 6) == 16 * (6 * 8 * 40 + 32) + cfg.warps * cfg.stages * 16 * 144
 
 
