@@ -121,6 +121,8 @@ class Bound:
     plumbing: Plumbing | None = None
     #: the index uses of the plan's kernels and their error words (checked where the plan synchronizes)
     checks: IndexTable = attrs.field(factory=IndexTable)
+    #: device name -> what the plan's binds on it share (Backend.bind_context's `shared`)
+    shared: dict[str, dict[Any, Any]] = attrs.field(factory=dict)
 
     def where(self, b: Tensor, dev: Device) -> tuple[Any, int]:
         """(buffer, byte offset) of base `b` on `dev`."""
@@ -204,7 +206,8 @@ def bind_plan(plan: Plan) -> Bound:
         if seg_dev is not None and seg_dev is not s.device:
             flush()
         seg_dev = s.device
-        ctx = backends[s.device.name].bind_context(_resolver(bound, s.device), bound.checks)
+        ctx = backends[s.device.name].bind_context(_resolver(bound, s.device), bound.checks,
+                                                   bound.shared.setdefault(s.device.name, {}))
         launch = s.bind(ctx, s.nodes[0]) if s.kind == "kernel" else s.bind(ctx, s.nodes)
         segment.append((f"{s.describe()} by {s.plugin}:{s.kernel}", launch))
     flush()

@@ -807,6 +807,35 @@ def test_prefill_plan(d: int, kv: str, mask: bool, dev: DeviceFacts, wgmma: bool
         assert (int(flags.args.bm), int(flags.args.bn)) == (bm, bn)
 
 
+def test_prefill_nodes_of_one_mask_share_its_flags() -> None:
+    """The prefill nodes of a plan reading one mask with the same tiles share its flags (flash.mask_flags_role): the
+    first computes them (fattn_mask_flags, then its kernel), the later ones only read that role; another mask, other
+    query rows or keys, a state's mask (set_rows may write it between them) or no shared dict: flags of their own."""
+    q, k, v = od.input("q", (1, 8, 300, 128)), od.input("k", (1, 2, 1000, 128), "f16"), od.input("v", (1, 2, 1000, 128),
+                                                                                                "f16")
+    mask, other = od.input("m", (1, 1, 304, 1000), "f16"), od.input("m2", (1, 1, 304, 1000), "f16")
+    cache = od.state("c", (1, 1, 304, 1000), "f16")
+
+    def node(m: Tensor, tq: int = 300) -> Tensor:
+        return ops.flash_attn_ext(q if tq == 300 else od.input("q1", (1, 8, tq, 128)), k, v, m, 0.1)
+
+    def kernels(plan: flash.FlashPlan) -> list[str]:
+        return [s.kernel.split("<")[0] for s in plan.specs(fake_ptr, [BASE], FakeGuard())]
+
+    shared: dict = {}
+    first, again, new_mask, shorter = (flash.flash_plan(n, DEV, shared=shared)
+                                       for n in (node(mask), node(mask), node(other), node(mask, 200)))
+    assert kernels(first) == ["fattn_mask_flags", "fattn_prefill_wgmma"] and kernels(again) == ["fattn_prefill_wgmma"]
+    assert first.workspaces == again.workspaces
+    for own in (new_mask, shorter):
+        assert kernels(own) == kernels(first) and own.workspaces[0].what not in (
+            first.workspaces[0].what, *(w.what for p in (new_mask, shorter) if p is not own for w in p.workspaces))
+    assert kernels(flash.flash_plan(node(other), DEV, shared=shared)) == ["fattn_prefill_wgmma"]
+    for _ in range(2):  # a state's mask, and a plan of its own (no shared dict): computed every time
+        assert kernels(flash.flash_plan(node(cache), DEV, shared=shared)) == kernels(first)
+        assert kernels(flash.flash_plan(node(mask), DEV)) == kernels(first)
+
+
 def test_prefill_wgmma_smem_fits_the_h200() -> None:
     """Q and the K/V stages of every configured fattn_prefill_wgmma, and its 1024-byte alignment, within a block's
     227 KiB."""
@@ -1083,6 +1112,34 @@ def test_mma_sync_prefill_matches_the_reference(case: str, rng, monkeypatch: pyt
     _, (got,) = run_on_gpu(y, inp.feeds)
     (ref,) = reference(y, inp.feeds)
     assert_close(got, ref, FA_BOUND, f"flash_attn_ext on fattn_prefill {case}")
+
+
+@gpu
+def test_prefills_of_one_mask_read_the_flags_the_first_computed(rng) -> None:  # noqa: ANN001
+    """A chain of prefill attentions reading masks a, b, a (each one's q the one before's output): the third reads
+    the flags the first computed in the same run (one fattn_mask_flags launch a mask: two roles in the plan's
+    shared dict), which b's did not overwrite; a and b skip different tiles, so reading b's flags would be wrong.
+    All three match the reference on every run."""
+    inp = Inputs(rng)
+    tq, tk, d = 300, 1000, 128
+    k, v = (inp.uniform((1, 2, tk, d), "f16", layout="perm") for _ in range(2))
+    rows = -(-tq // 16) * 16
+    causal = np.where(np.arange(tk)[None, :] > tk - tq + np.arange(rows)[:, None], -np.inf, 0.0)
+    a = inp._leaf((1, 1, rows, tk), "f16", causal[None, None])
+    b = inp.mask((1, 1, rows, tk), "f16", hidden=(128, 640))
+    q, outs = inp.uniform((1, 8, tq, d), layout="perm"), []
+    for m in (a, b, a):
+        outs.append(ops.flash_attn_ext(q, k, v, m, 1.0 / math.sqrt(d)))
+        q = ops.permute(outs[-1], (0, 2, 1, 3))
+    plan, got = run_on_gpu(outs, inp.feeds)
+    shared = plan._bind().shared["cuda0"]
+    assert sum(1 for key in shared if key[:1] == (flash.MASK_FLAGS,)) == 2
+    refs = reference(outs, inp.feeds)
+    for run in range(2):
+        for i, (g, r) in enumerate(zip(got, refs)):
+            assert_close(g, r, FA_BOUND, f"prefill {i} (mask {'aba'[i]}), run {run + 1}")
+        plan.poison()
+        got = plan.run(inp.feeds)
 
 
 @gpu

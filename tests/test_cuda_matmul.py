@@ -37,7 +37,7 @@ from opdispatch.backends.cuda.kernels import INCLUDE_DIR, KernelSpec, kernel_par
 from opdispatch.dtypes import DTYPES, dequantize, encodable, from_float
 from opdispatch.ops.base import BLOCK_FORMATS
 from opdispatch.ops.elementwise import GLU_KINDS
-from opdispatch.quants.iq_grids import GRIDS
+from opdispatch.quants.iq_grids import TABLES
 from opdispatch.quants.samples import random_blocks
 from opdispatch.errors import DeviceIndexError
 from opdispatch.graph import Graph
@@ -615,15 +615,15 @@ def test_stream_chunks_mirror_the_kernel() -> None:
 
 def test_stream_grid_bytes_mirror_the_traits() -> None:
     """stream.GRID_BYTES, the shared memory mmvq_stream gives a grid format's lookup grid, is the grid's size
-    (ggml's entries times their width, opdispatch.quants.iq_grids) and quant_iq.cuh's traits name that grid
+    (its entries times their width, opdispatch.quants.iq_grids.TABLES) and quant_iq.cuh's traits name that grid
     with that many entries of that width: a smaller figure would let stage_grid write past the block's memory."""
     grids = {"iq2_xxs": "iq2xxs_grid", "iq2_xs": "iq2xs_grid", "iq2_s": "iq2s_grid", "iq3_xxs": "iq3xxs_grid",
-             "iq3_s": "iq3s_grid", "iq1_s": "iq1s_grid", "iq1_m": "iq1s_grid"}
+             "iq3_s": "iq3s_grid", "iq1_s": "iq1s_nibbles", "iq1_m": "iq1s_nibbles"}
     assert set(stream.GRID_BYTES) == set(grids) == {dt for dt in stream.STREAMED if dt.startswith("iq")} - {
         "iq4_nl", "iq4_xs"}
     src = (INCLUDE_DIR / "quant_iq.cuh").read_text()
     for dt, name in grids.items():
-        grid = GRIDS[name]
+        grid = TABLES[name]
         assert stream.GRID_BYTES[dt] == grid.size
         entry = "unsigned long long" if grid.shape[1] == 8 else "unsigned"
         head = re.search(rf"struct {dt} : (\w+)<([^>]*)> {{\n.*?return (\w+); }}", src)
@@ -634,7 +634,7 @@ def test_stream_grid_bytes_mirror_the_traits() -> None:
         assert args[2] == entry if head[1] == "GridScaled" else (head[1], entry) == ("Iq2Halves", "unsigned long long")
     assert "struct Iq2Halves : GridScaled<BYTES_, 16, unsigned long long, ENTRIES_>" in src
     assert "+ GRID_BYTES.get(dt, 0) * copies" in inspect.getsource(stream.stream_smem)
-    assert {dt for dt in grids if GRIDS[grids[dt]].shape[1] != 8} == set(stream.GRID_ENTRY)
+    assert {dt for dt in grids if TABLES[grids[dt]].shape[1] != 8} == set(stream.GRID_ENTRY)
 
 
 def test_stream_grid_copies_keep_the_warps_and_blocks() -> None:
@@ -1728,8 +1728,9 @@ def test_mmq_small_broadcast_batches(dt: str, bs: tuple, rng) -> None:  # noqa: 
 
 
 def test_mmq_small_grid_on_the_h200() -> None:
-    """mmq_small's cut of the benchmark's shapes on the H200's description: split K so that the grid is about
-    SMALL.blocks_per_sm blocks an SM, slices of kt_min K tiles at least, and the shared memory fits."""
+    """mmq_small's cut of the benchmark's shapes on the H200's description: split K into as many slices as keep
+    the grid within SMALL.blocks_per_sm blocks an SM (one wave), slices of kt_min K tiles at least, and the shared
+    memory fits."""
     cfg, sms = mmq_small.SMALL, 132
     for dt, m, k, n in (("q4_0", 14336, 4096, 16), ("q8_0", 4096, 14336, 32), ("q4_K", 2048, 2048, 16),
                         ("q4_0", 2048, 8192, 9)):
@@ -1737,11 +1738,12 @@ def test_mmq_small_grid_on_the_h200() -> None:
         nkt = -(-k // 32 // cfg.kb)
         assert g.tiles_m == -(-m // cfg.bm) and 1 <= g.splits <= min(cfg.split_max, nkt // cfg.kt_min)
         assert g.splits == cfg.split_max or g.splits == nkt // cfg.kt_min or \
-            g.tiles_m * g.splits >= cfg.blocks_per_sm * sms > g.tiles_m * (g.splits - 1), (dt, m, k, g)
+            g.tiles_m * g.splits <= cfg.blocks_per_sm * sms < g.tiles_m * (g.splits + 1), (dt, m, k, g)
         assert g.kts * g.splits >= nkt > (g.kts - 1) * g.splits
         smem = mmq_small.small_smem(dt, mmq_small.small_nt(n), g.kts)
         assert smem <= 227 * 1024, (dt, smem)
-    assert mmq_small.small_grid(14336, 4096, 1, H200) == mmq_small.SmallGrid(112, 5, 4)
+    assert mmq_small.small_grid(14336, 4096, 1, H200) == mmq_small.SmallGrid(112, 2, 8)
+    assert mmq_small.small_grid(8192, 2048, 2, H200) == mmq_small.SmallGrid(64, 2, 4)  # the gate/up pair: 256 blocks
     assert mmq_small.small_smem("q4_0", 2, 6) == 16 * (6 * 8 * 40 + 32) + cfg.warps * cfg.stages * 16 * 144
 
 

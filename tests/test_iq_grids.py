@@ -45,10 +45,18 @@ def test_header_is_what_the_generator_writes():
     assert HEADER.read_text() == G.cuda_header()
 
 
+def test_iq1_nibbles_are_the_grid_plus_one():
+    """iq1s_nibbles, the device's iq1s_grid: entry i's byte k holds value k + 1 low and value 4 + k + 1 high."""
+    nib = G.IQ1S_NIBBLES.astype(np.int16)
+    np.testing.assert_array_equal(nib & 15, G.IQ1S_GRID[:, :4] + 1)
+    np.testing.assert_array_equal(nib >> 4, G.IQ1S_GRID[:, 4:] + 1)
+    assert "iq1s_grid" not in G.TABLES and "iq1s_nibbles" in G.TABLES
+
+
 def test_header_holds_ggml_words():
-    """The header spells the grids as ggml does: entry i's bytes, low first, are GRIDS[name][i]."""
+    """The header spells the grids as ggml does: entry i's bytes, low first, are TABLES[name][i]."""
     text = G.cuda_header()
-    for name, grid in G.GRIDS.items():
+    for name, grid in ((n, t) for n, t in G.TABLES.items() if t.ndim == 2):
         width = grid.shape[1]
         word = int.from_bytes(grid[-1].astype(np.uint8).tobytes(), "little")
         ctype = "unsigned long long" if width == 8 else "unsigned int"
@@ -61,7 +69,7 @@ PROBE = r"""
 
 __global__ void probe(const int* i, unsigned long long* out) {
     const int k = *i;
-    out[0] = od::quant::iq2xxs_grid[k] + od::quant::iq2xs_grid[k] + od::quant::iq2s_grid[k] + od::quant::iq1s_grid[k];
+    out[0] = od::quant::iq2xxs_grid[k] + od::quant::iq2xs_grid[k] + od::quant::iq2s_grid[k] + od::quant::iq1s_nibbles[k];
     out[1] = od::quant::iq3xxs_grid[k] + od::quant::iq3s_grid[k] + od::quant::ksigns_iq2xs[k % 128];
     out[2] = od::quant::kmask_iq2xs[k % 8] + od::quant::kvalues_iq4nl[k % 16] + od::quant::kvalues_mxfp4[k % 16];
 }

@@ -70,9 +70,12 @@ class Backend(Protocol):
     def fill(self, buf: Buffer, byte: int) -> None:
         """Set every byte of `buf` (tests poison outputs with it)."""
 
-    def bind_context(self, where: Callable[[Tensor], tuple[Buffer, int]], checks: IndexTable) -> BindContext:
+    def bind_context(self, where: Callable[[Tensor], tuple[Buffer, int]], checks: IndexTable,
+                     shared: dict[Any, Any]) -> BindContext:
         """A context that resolves tensors to (buffer, byte offset) through `where`; device kernels that
-        read indices register them in `checks`, the plan's table (opdispatch.errorword)."""
+        read indices register them in `checks`, the plan's table (opdispatch.errorword). `shared` is what the
+        plan's binds on this device share, in the order the plan runs them: a bind may leave there what a later
+        one reuses (the scratch role an earlier launch of the same run filled, for one)."""
 
     def executor(self, launches: list[tuple[str, Launch]]) -> Callable[[], None]:
         """Something that runs the launches in order (CUDA: captured and replayed).

@@ -9,7 +9,7 @@ is killed later, when the pages are written.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 import numpy as np
@@ -100,7 +100,8 @@ class HostBackend:
     def fill(self, buf: HostBuffer, byte: int) -> None:
         buf.data.fill(byte)
 
-    def bind_context(self, where: Callable[[Tensor], tuple[HostBuffer, int]], checks: IndexTable) -> HostContext:
+    def bind_context(self, where: Callable[[Tensor], tuple[HostBuffer, int]], checks: IndexTable,
+                     shared: dict[Any, Any]) -> HostContext:
         return HostContext(self.device, self, where)  # the reference kernels check indices themselves
 
     def executor(self, launches: list[tuple[str, Launch]]) -> Callable[[], None]:

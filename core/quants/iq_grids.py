@@ -257,9 +257,15 @@ KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 3
 #: e2m1's 16 values doubled (ggml's kvalues_mxfp4: code 8 is -0, written 0), so e8m0 scales are halved
 KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
-#: every table by ggml's name, in the order the header lists them
+#: iq1s_grid as the device reads it: entry i one word whose byte k holds value k plus 1 in its low nibble and value
+#: 4 + k plus 1 in its high (-1, 0, 1 as 0, 1, 2), so that a lookup is 4 bytes and a dot takes the nibbles where
+#: they lie (quant_iq.cuh's iq1 formats)
+IQ1S_NIBBLES = ((IQ1S_GRID[:, :4] + 1) | ((IQ1S_GRID[:, 4:] + 1) << 4)).astype(np.uint8)
+
+#: every table of the header by name (ggml's, but iq1s_nibbles in place of iq1s_grid), in the order it lists them
 TABLES: dict[str, np.ndarray] = {
-    "kmask_iq2xs": KMASK_IQ2XS, "ksigns_iq2xs": KSIGNS_IQ2XS, **GRIDS,
+    "kmask_iq2xs": KMASK_IQ2XS, "ksigns_iq2xs": KSIGNS_IQ2XS,
+    **{name: grid for name, grid in GRIDS.items() if name != "iq1s_grid"}, "iq1s_nibbles": IQ1S_NIBBLES,
     "kvalues_iq4nl": KVALUES_IQ4NL, "kvalues_mxfp4": KVALUES_MXFP4,
 }
 

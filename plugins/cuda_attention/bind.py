@@ -38,7 +38,7 @@ def bind_rope_qkv_set_rows(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:
 
 
 def bind_flash_attn_ext(ctx: CudaContext, node: Tensor) -> Launch:
-    return _bind_flash(ctx, flash_plan(node, facts(ctx.device)))
+    return _bind_flash(ctx, flash_plan(node, facts(ctx.device), shared=ctx.shared))
 
 
 def bind_qkv_flash_attn_ext(ctx: CudaContext, nodes: Sequence[Tensor]) -> Launch:

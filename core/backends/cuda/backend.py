@@ -63,12 +63,14 @@ class CudaBuffer:
 @attrs.define(eq=False)
 class CudaContext:
     """What a kernel's bind sees on a GPU: addresses, CuPy views, the stream to launch on, the
-    plan's table of index checks."""
+    plan's table of index checks, and what the plan's binds on this GPU share (`shared`: a bind may leave
+    there what a later bind of the plan reuses, such as the scratch role its launch fills each run)."""
 
     device: Device
     backend: CudaBackend
     where: Callable[[Tensor], tuple[CudaBuffer, int]]
     checks: IndexTable
+    shared: dict[Any, Any] = attrs.field(factory=dict)
 
     @property
     def stream(self) -> Any:
@@ -338,10 +340,12 @@ class CudaBackend:
 
     # -- execution -------------------------------------------------------------------
     def bind_context(self, where: Callable[[Tensor], tuple[CudaBuffer, int]],
-                     checks: IndexTable | None = None) -> CudaContext:
-        """A context resolving tensors through `where`, registering index uses in `checks` (the plan's;
-        a bind outside a plan, as tests make, gets a table of its own)."""
-        return CudaContext(self.device, self, where, checks if checks is not None else IndexTable())
+                     checks: IndexTable | None = None, shared: dict[Any, Any] | None = None) -> CudaContext:
+        """A context resolving tensors through `where`, registering index uses in `checks` and sharing
+        `shared` with the plan's other binds on this GPU (the plan's; a bind outside a plan, as tests make,
+        gets its own)."""
+        return CudaContext(self.device, self, where, checks if checks is not None else IndexTable(),
+                           shared if shared is not None else {})
 
     def executor(self, launches: list[tuple[str, Launch]]) -> Segment:
         """A Segment running `launches` through a GraphRunner (captured unless

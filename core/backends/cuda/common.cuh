@@ -324,6 +324,20 @@ struct alignas(sizeof(T) * N) Pack {
     T v[N];
 };
 
+// -- small integers as floats, exactly, without I2F ----------------------------------
+// Where nvcc can tell a value fits 16 bits it converts it by I2F.U16 / I2F.S16, on the XU pipe at a quarter
+// of the FMA pipe's rate (a q4_K K step of mmq_small held 8 of them); these take a lop3 and an add instead:
+// under the exponent of 2^23 the mantissa counts units, and the subtraction is exact.
+// x (bits 8 .. 31 clear) as a float.
+__device__ __forceinline__ float small_f32(unsigned x) {
+    return __fsub_rn(__uint_as_float(x | 0x4b000000u), 8388608.0f);
+}
+
+// An int8 (bits 0 .. 7 of x, bits 8 .. 31 clear) as a float: 2^23 + 128 + v, less 2^23 + 128.
+__device__ __forceinline__ float s8_f32(unsigned x) {
+    return __fsub_rn(__uint_as_float((x ^ 0x80u) | 0x4b000000u), 8388736.0f);
+}
+
 // -- raw accesses at 2-byte aligned addresses --------------------------------------
 // Block formats of 18, 22 or 34 bytes leave their fields only 2-byte aligned: one 16-bit
 // access, or two for 32 bits.

@@ -8,7 +8,8 @@
 //   iq2 / iq3   d = ggml's db (d * (0.5 + ls) * 0.25, iq3_xxs * 0.5, iq3_s d * (1 + 2 s)), each
 //               product rounded in ggml's order; code = the grid entry times its sign (a sign is
 //               a multiply by +-1 in ggml: exact, so db * (grid * sign) is its (db * grid) * sign)
-//   iq1         ggml's value is dl * (grid + delta), grid in {-1, 0, 1}, delta +-1/8: here
+//   iq1         (the grid held as iq1s_nibbles: each value plus 1 in a nibble, 4 bytes an entry)
+//               ggml's value is dl * (grid + delta), grid in {-1, 0, 1}, delta +-1/8: here
 //               d = dl / 8 (exact: dl is an f16 times an odd integer below 16, far from float's
 //               subnormals) and code = 8 * grid + 8 * delta, an odd integer, so d * code is the
 //               same real number rounded once: bit-exact with opdispatch.dtypes.dequantize
@@ -64,13 +65,24 @@ struct GridAt {
 // ggml's ksigns_iq2xs: 7 sign bits and their parity as the 8th (an even count of minus signs).
 __device__ __forceinline__ unsigned signs8(unsigned s7) { return s7 | ((__popc(s7) & 1u) << 7); }
 
-// The sign masks of 8 sign bits s (s < 512): byte i of lo is 0xff where bit i is set, else 0 (values
-// 0..3), byte i of hi where bit 4 + i is (values 4..7). s * 0x80402010 (0x08040201) holds copies of s 9
-// bits apart, which never carry, and so bit 3 - i (7 - i) as byte i's top bit; the byte permute spreads
-// each top bit over its byte, the bytes in reverse order.
-__device__ __forceinline__ void sign_masks(unsigned s, unsigned& lo, unsigned& hi) {
-    lo = prmt(s * 0x80402010u, 0u, 0x89abu);
-    hi = prmt(s * 0x08040201u, 0u, 0x89abu);
+// A group's sign masks: byte i of lo is 0xff where value i is negative, else 0 (values 0..3), of hi for
+// value 4 + i.
+struct Signs {
+    unsigned lo, hi;
+};
+
+// The masks of 8 sign bits s (s < 512). s * 0x80402010 (0x08040201) holds copies of s 9 bits apart, which never
+// carry, and so bit 3 - i (7 - i) as byte i's top bit; the byte permute spreads each top bit over its byte, the
+// bytes in reverse order.
+__device__ __forceinline__ Signs signs_of(unsigned s) {
+    return {prmt(s * 0x80402010u, 0u, 0x89abu), prmt(s * 0x08040201u, 0u, 0x89abu)};
+}
+
+// The masks of ggml's 7 stored sign bits s7 and their parity as the 8th (signs8's): hi's byte 3 is the sign of
+// byte 0 of popc(s7) << 7, whose top bit is the parity.
+__device__ __forceinline__ Signs signs_of7(unsigned s7) {
+    const unsigned parity = static_cast<unsigned>(__popc(s7)) << 7;
+    return {prmt(s7 * 0x80402010u, 0u, 0x89abu), prmt(s7 * 0x08040201u, parity, 0xc9abu)};
 }
 
 // A signed dot product of grid bytes: pos - neg. A byte under a minus sign is taken as ~g = -g - 1, which
@@ -81,14 +93,12 @@ struct SignedDot {
 };
 
 // Values 8l .. 8l+7 of a 32-value unit, the group's 8 int8 grid bytes g (low word: values 0..3) under
-// its 8 sign bits s, dotted with b's codes b[2l], b[2l+1].
-__device__ __forceinline__ void dot_group(unsigned long long g, unsigned s, const int (&b)[8], int l, SignedDot& acc) {
-    unsigned lo, hi;
-    sign_masks(s, lo, hi);
-    acc.pos = dot4(static_cast<unsigned>(g) ^ lo, b[2 * l], acc.pos);
-    acc.pos = dot4(static_cast<unsigned>(g >> 32) ^ hi, b[2 * l + 1], acc.pos);
-    acc.neg = dot4(lo, b[2 * l], acc.neg);
-    acc.neg = dot4(hi, b[2 * l + 1], acc.neg);
+// its signs m, dotted with b's codes b[2l], b[2l+1].
+__device__ __forceinline__ void dot_group(unsigned long long g, Signs m, const int (&b)[8], int l, SignedDot& acc) {
+    acc.pos = dot4(static_cast<unsigned>(g) ^ m.lo, b[2 * l], acc.pos);
+    acc.pos = dot4(static_cast<unsigned>(g >> 32) ^ m.hi, b[2 * l + 1], acc.pos);
+    acc.neg = dot4(m.lo, b[2 * l], acc.neg);
+    acc.neg = dot4(m.hi, b[2 * l + 1], acc.neg);
 }
 
 // Byte k (0..7) of a grid entry, as the signed value it is.
@@ -126,7 +136,7 @@ struct iq2_xxs : GridScaled<66, 32, unsigned long long, 256> {
         SignedDot sum;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
-            dot_group(grid[(q >> (8 * l)) & 0xffu], signs8((aux >> (7 * l)) & 127u), b, l, sum);
+            dot_group(grid[(q >> (8 * l)) & 0xffu], signs_of7((aux >> (7 * l)) & 127u), b, l, sum);
         }
         const int ls = static_cast<int>(aux >> 28);
         return ds.x * (half_in(src, D) * 0.125f) * static_cast<float>((2 * ls + 1) * sum.value());
@@ -166,7 +176,7 @@ struct iq2_xs : Iq2Halves<74, 66, 512> {
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const unsigned q = src.u16(QS + 8 * u + 2 * l);
-            dot_group(grid[q & 511u], signs8(q >> 9), b, l, sum[l >> 1]);
+            dot_group(grid[q & 511u], signs_of7(q >> 9), b, l, sum[l >> 1]);
         }
         return finish(src, u, sum[0].value(), sum[1].value(), ds);
     }
@@ -191,7 +201,7 @@ struct iq2_s : Iq2Halves<82, 74, 1024> {
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const unsigned idx = ((qs >> (8 * l)) & 0xffu) | (((qh >> (2 * l)) & 3u) << 8);
-            dot_group(grid[idx], (sg >> (8 * l)) & 0xffu, b, l, sum[l >> 1]);
+            dot_group(grid[idx], signs_of((sg >> (8 * l)) & 0xffu), b, l, sum[l >> 1]);
         }
         return finish(src, u, sum[0].value(), sum[1].value(), ds);
     }
@@ -202,10 +212,10 @@ struct iq2_s : Iq2Halves<82, 74, 1024> {
 
 // -- iq3: an index a 4 values ------------------------------------------------------------------
 
-// Values 8l .. 8l+7 from two iq3 grid entries (4 bytes each) under 8 sign bits s.
-__device__ __forceinline__ void dot_group3(unsigned g0, unsigned g1, unsigned s, const int (&b)[8], int l,
+// Values 8l .. 8l+7 from two iq3 grid entries (4 bytes each) under signs m.
+__device__ __forceinline__ void dot_group3(unsigned g0, unsigned g1, Signs m, const int (&b)[8], int l,
                                            SignedDot& acc) {
-    dot_group(g0 | (static_cast<unsigned long long>(g1) << 32), s, b, l, acc);
+    dot_group(g0 | (static_cast<unsigned long long>(g1) << 32), m, b, l, acc);
 }
 
 struct iq3_xxs : GridScaled<98, 32, unsigned, 256> {
@@ -228,7 +238,7 @@ struct iq3_xxs : GridScaled<98, 32, unsigned, 256> {
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const unsigned w = q[l >> 1] >> (16 * (l & 1));
-            dot_group3(grid[w & 0xffu], grid[(w >> 8) & 0xffu], signs8((aux >> (7 * l)) & 127u), b, l, sum);
+            dot_group3(grid[w & 0xffu], grid[(w >> 8) & 0xffu], signs_of7((aux >> (7 * l)) & 127u), b, l, sum);
         }
         const int ls = static_cast<int>(aux >> 28);
         return ds.x * (half_in(src, D) * 0.25f) * static_cast<float>((2 * ls + 1) * sum.value());
@@ -265,7 +275,7 @@ struct iq3_s : GridScaled<110, 32, unsigned, 512> {
             const unsigned w = q[l >> 1] >> (16 * (l & 1));
             const unsigned i0 = (w & 0xffu) | (((qh >> (2 * l)) & 1u) << 8);
             const unsigned i1 = ((w >> 8) & 0xffu) | (((qh >> (2 * l + 1)) & 1u) << 8);
-            dot_group3(grid[i0], grid[i1], (sg >> (8 * l)) & 0xffu, b, l, sum);
+            dot_group3(grid[i0], grid[i1], signs_of((sg >> (8 * l)) & 0xffu), b, l, sum);
         }
         return ds.x * half_in(src, D) * static_cast<float>((1 + 2 * ls(src, u)) * sum.value());
     }
@@ -276,19 +286,22 @@ struct iq3_s : GridScaled<110, 32, unsigned, 512> {
 
 // -- iq1: grid values -1, 0, 1 plus a delta of +-1/8 ----------------------------------------------
 
-// An iq1s_grid entry (int8 bytes) dotted with b's codes b[2l], b[2l+1].
-__device__ __forceinline__ int dot_iq1(unsigned long long g, const int (&b)[8], int l, int acc) {
-    acc = dot4(static_cast<unsigned>(g), b[2 * l], acc);
-    return dot4(static_cast<unsigned>(g >> 32), b[2 * l + 1], acc);
+// An iq1s_nibbles entry g (iq_grids.cuh: a group's values plus 1, 0..2, value k in byte k's low nibble, 4 + k in
+// its high) dotted with b's codes b[2l], b[2l+1] where the nibbles lie: lo gathers the low nibbles' dots, hi 16
+// times the high nibbles' (unsigned bytes, od::dp4a_us); the plain dot is lo + hi / 16 minus b's sum there.
+__device__ __forceinline__ void dot_iq1(unsigned g, const int (&b)[8], int l, int& lo, int& hi) {
+    lo = dp4a_us(g & 0x0f0f0f0fu, b[2 * l], lo);
+    hi = dp4a_us(g & 0xf0f0f0f0u, b[2 * l + 1], hi);
 }
 
-// 8 * (grid byte k) + (delta negative ? -1 : 1): 8 * (grid + delta).
-__device__ __forceinline__ int iq1_code(unsigned long long g, int k, bool minus) {
-    return 8 * grid_byte(g, k) + (minus ? -1 : 1);
+// 8 * (grid value k of entry g) + (delta negative ? -1 : 1): 8 * (grid + delta).
+__device__ __forceinline__ int iq1_code(unsigned g, int k, bool minus) {
+    const int v = static_cast<int>((g >> (8 * (k & 3) + 4 * (k >> 2))) & 15u) - 1;
+    return 8 * v + (minus ? -1 : 1);
 }
 
-struct iq1_s : GridScaled<50, 32, unsigned long long, 2048> {
-    static __device__ __forceinline__ const Entry* global_grid() { return iq1s_grid; }
+struct iq1_s : GridScaled<50, 32, unsigned, 2048> {
+    static __device__ __forceinline__ const Entry* global_grid() { return iq1s_nibbles; }
     static constexpr int D = 0, QS = 2, QH = 34;
     static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
         const unsigned h = ld16(blk + QH + 2 * s);
@@ -299,29 +312,30 @@ struct iq1_s : GridScaled<50, 32, unsigned long long, 2048> {
         const unsigned h = ld16(blk + QH + 2 * (j >> 5));
         const int l = (j >> 3) & 3;
         const unsigned idx = blk[QS + (j >> 3)] | (((h >> (3 * l)) & 7u) << 8);
-        return iq1_code(iq1s_grid[idx], j & 7, (h & 0x8000u) != 0);
+        return iq1_code(iq1s_nibbles[idx], j & 7, (h & 0x8000u) != 0);
     }
-    // ggml's: dl * (db * sum(grid * b) + delta * db * sum(b)), db * sum(b) being q8_1's ds.y
+    // ggml's: dl * (db * sum(grid * b) + delta * db * sum(b)), db * sum(b) being q8_1's ds.y; here the dot of
+    // grid + 1 (dot_iq1's) and delta - 1
     template <class S, class G = const Entry*>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
                                                     G grid = global_grid()) {
         const unsigned qs = src.u32(QS + 4 * u), h = src.u16(QH + 2 * u);
-        int sum = 0;
+        int lo = 0, hi = 0;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
-            sum = dot_iq1(grid[((qs >> (8 * l)) & 0xffu) | (((h >> (3 * l)) & 7u) << 8)], b, l, sum);
+            dot_iq1(grid[((qs >> (8 * l)) & 0xffu) | (((h >> (3 * l)) & 7u) << 8)], b, l, lo, hi);
         }
         const float dl = half_in(src, D) * static_cast<float>(2 * ((h >> 12) & 7u) + 1);
-        const float delta = (h & 0x8000u) ? -0.125f : 0.125f;
-        return dl * (ds.x * static_cast<float>(sum) + ds.y * delta);
+        const float delta = (h & 0x8000u) ? -1.125f : -0.875f;
+        return dl * (ds.x * static_cast<float>(lo + (hi >> 4)) + ds.y * delta);
     }
     static __device__ __forceinline__ float dot32(const unsigned char* blk, int u, const int (&b)[8], float2 ds) {
         return dot32_in(Mem<false>{blk}, u, b, ds);
     }
 };
 
-struct iq1_m : GridScaled<56, 16, unsigned long long, 2048> {
-    static __device__ __forceinline__ const Entry* global_grid() { return iq1s_grid; }
+struct iq1_m : GridScaled<56, 16, unsigned, 2048> {
+    static __device__ __forceinline__ const Entry* global_grid() { return iq1s_nibbles; }
     static constexpr int QS = 0, QH = 32, SC = 48;
     // d: the f16 of the 4 scale words' top nibbles
     template <class S>
@@ -343,20 +357,26 @@ struct iq1_m : GridScaled<56, 16, unsigned long long, 2048> {
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
         const int t = j >> 3;  // the group
         const unsigned nib = (blk[QH + (t >> 1)] >> (4 * (t & 1))) & 15u;
-        return iq1_code(iq1s_grid[blk[QS + t] | ((nib & 7u) << 8)], j & 7, (nib & 8u) != 0);
+        return iq1_code(iq1s_nibbles[blk[QS + t] | ((nib & 7u) << 8)], j & 7, (nib & 8u) != 0);
     }
-    // ggml's: per half, sum(grid * b) + delta * sum(b) group by group, here 8 times that in integers
+    // ggml's: per half, sum(grid * b) + delta * sum(b) group by group, here 8 times that in integers: the dot of
+    // grid + 1 (dot_iq1's) and (delta - 1) * sum(b)
     template <class S, class G = const Entry*>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds,
                                                     G grid = global_grid()) {
         const unsigned qs = src.u32(QS + 4 * u), qh = src.u16(QH + 2 * u);
         int sum[2] = {0, 0};
 #pragma unroll
-        for (int l = 0; l < 4; ++l) {
-            const unsigned nib = (qh >> (4 * l)) & 15u;
-            const int dot = dot_iq1(grid[((qs >> (8 * l)) & 0xffu) | ((nib & 7u) << 8)], b, l, 0);
-            const int sumb = dot4(0x01010101u, b[2 * l + 1], dot4(0x01010101u, b[2 * l], 0));
-            sum[l >> 1] += 8 * dot + ((nib & 8u) ? -sumb : sumb);
+        for (int half = 0; half < 2; ++half) {
+            int lo = 0, hi = 0;
+#pragma unroll
+            for (int l = 2 * half; l < 2 * half + 2; ++l) {
+                const unsigned nib = (qh >> (4 * l)) & 15u;
+                dot_iq1(grid[((qs >> (8 * l)) & 0xffu) | ((nib & 7u) << 8)], b, l, lo, hi);
+                const int sumb = dot4(0x01010101u, b[2 * l + 1], dot4(0x01010101u, b[2 * l], 0));
+                sum[half] += (nib & 8u) ? -9 * sumb : -7 * sumb;
+            }
+            sum[half] += 8 * (lo + (hi >> 4));
         }
         const int s0 = 2 * sc3(src, 2 * u) + 1, s1 = 2 * sc3(src, 2 * u + 1) + 1;
         return ds.x * (dd(src) * 0.125f) * static_cast<float>(s0 * sum[0] + s1 * sum[1]);

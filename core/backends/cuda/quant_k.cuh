@@ -352,8 +352,8 @@ struct K4 : SubScaled<256, BYTES_, 32, 2> {
     static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
         unsigned sc, mn;
         scale_min_k4(Mem<false>{blk}, SC, s, sc, mn);
-        d = __fmul_rn(half_at(blk + D), static_cast<float>(sc));
-        m = __fmul_rn(half_at(blk + 2), static_cast<float>(mn));
+        d = __fmul_rn(half_at(blk + D), small_f32(sc));  // not static_cast: an I2F.U16 (common.cuh)
+        m = __fmul_rn(half_at(blk + 2), small_f32(mn));
     }
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
         int q = (blk[QS + 32 * (j >> 6) + (j & 31)] >> (4 * ((j >> 5) & 1))) & 15;
@@ -396,7 +396,7 @@ struct q6_K : SubScaled<256, 210, 16, -1> {
     static constexpr int QL = 0, QH = 128, SC = 192, D = 208;
     static constexpr bool HALF_SUMS = true;
     static __device__ __forceinline__ void scale(const unsigned char* blk, int s, float& d, float& m) {
-        d = __fmul_rn(half_at(blk + D), static_cast<float>(static_cast<signed char>(blk[SC + s])));
+        d = __fmul_rn(half_at(blk + D), s8_f32(blk[SC + s]));  // not static_cast: an I2F.S16 (common.cuh)
         m = 0.0f;
     }
     static __device__ __forceinline__ int code(const unsigned char* blk, int j) {
@@ -408,11 +408,27 @@ struct q6_K : SubScaled<256, 210, 16, -1> {
     template <bool SUMS = false, class S>
     static __device__ __forceinline__ float dot32_in(const S& src, int u, const int (&b)[8], float2 ds) {
         const int n = u >> 2, c = u & 3;  // values 128n + 32c ..
-        // code - 32 = low + 16 high - 32: the low nibbles and the high crumbs dotted where they lie (16^(c / 2) and
-        // 4^c times the fields, unsigned), then 32 times the halves' scaled sums of b's codes subtracted once (one
-        // dp2a over the sums)
         const int ql = QL + 64 * n + 32 * (c & 1), qh = QH + 32 * n;
         unsigned lo[8], hi[8];
+        if constexpr (!SUMS) {
+            // without b's half sums at hand (mmvq, mmvq_id: quantize_q8_1's b): code - 32 = low + 16 (high - 2), the
+            // low nibbles where they lie (16^(c / 2) times, unsigned) and high - 2 as each byte's signed top crumb
+            // ((high ^ 2) << 6: 64 times the value, signed dp4a); summing b's halves here took mmvq<q6_K> at 2-5
+            // columns from 72-128 to 96-168 registers (ptxas, sm_90)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                lo[i] = src.u32(ql + 4 * i) & (0x0f0f0f0fu << (4 * (c >> 1)));
+                hi[i] = ((src.u32(qh + 4 * i) << (6 - 2 * c)) & 0xc0c0c0c0u) ^ 0x80808080u;
+            }
+            const int2 dl = dot_halves<true>(lo, b), dh = dot_halves(hi, b);
+            const int hx = (dl.x >> (4 * (c >> 1))) + (dh.x >> 2), hy = (dl.y >> (4 * (c >> 1))) + (dh.y >> 2);
+            const unsigned sc = src.u16(SC + 2 * u);
+            const int s0 = static_cast<signed char>(sc & 0xffu), s1 = static_cast<signed char>(sc >> 8);
+            return ds.x * half_in(src, D) * static_cast<float>(s0 * hx + s1 * hy);
+        }
+        // code - 32 = low + 16 high - 32: the low nibbles and the high crumbs dotted where they lie (16^(c / 2) and
+        // 4^c times the fields, unsigned), then 32 times the halves' scaled sums of b's codes subtracted once (one
+        // dp2a over the sums mmvq_stream's b carries)
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             lo[i] = src.u32(ql + 4 * i) & (0x0f0f0f0fu << (4 * (c >> 1)));

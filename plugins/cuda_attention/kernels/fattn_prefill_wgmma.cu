@@ -68,14 +68,9 @@ __global__ void __launch_bounds__(WGS * 128, 1) fattn_prefill_wgmma(
         }
     }
 
-    const unsigned char* fl =
-        flags != nullptr ? flags + ((static_cast<long long>(b % m3) * m2 + h % m2) * gridDim.x + qt) * n_kv_tiles
-                         : nullptr;
-    const char* mbase = mask != nullptr ? mask + (b % m3) * ms_b + (h % m2) * ms_h : nullptr;
-    const bool mask_al4 = ((reinterpret_cast<unsigned long long>(mbase) | static_cast<unsigned long long>(ms_t)) & 3ull) == 0;
-    const od_prefill::Logits lg{mbase, ms_t, alibi_slope(use_alibi, h, n_head_log2, m0, m1) * LOG2E,
-                                softcap != 0.0f ? softcap * LOG2E : scale * LOG2E,
-                                softcap != 0.0f ? scale / softcap : 1.0f, softcap, tq, tk, mask_al4};
+    const unsigned char* fl = od_prefill::tile_flags(flags, b, h, m2, m3, qt, n_kv_tiles);
+    const od_prefill::Logits lg = od_prefill::logits_of(mask, ms_t, ms_h, ms_b, m2, m3, b, h, scale, softcap,
+                                                        use_alibi, m0, m1, n_head_log2, tq, tk);
     const char* kbase = k + b * ks_b + kvh * ks_h;
     const char* vbase = v + b * vs_b + kvh * vs_h;
     const bool vec = kv_vec != 0;

@@ -81,6 +81,28 @@ struct Logits {
     bool mask_al4;
 };
 
+// The mask tile flags of query tile qt for (batch b, head h), n_kv_tiles bytes (fattn_mask.cu's; null without flags).
+__device__ __forceinline__ const unsigned char* tile_flags(const unsigned char* flags, int b, int h, int m2, int m3,
+                                                           int qt, int n_kv_tiles) {
+    return flags != nullptr
+               ? flags + ((static_cast<long long>(b % m3) * m2 + h % m2) * gridDim.x + qt) * n_kv_tiles
+               : nullptr;
+}
+
+// The Logits of (batch b, head h): its mask rows (the mask's slices by modulo m2, m3; none without a mask), its
+// ALiBi slope and the scales, from the kernels' PREFILL_PARAMS of those names.
+__device__ __forceinline__ Logits logits_of(const char* mask, long long ms_t, long long ms_h, long long ms_b, int m2,
+                                            int m3, int b, int h, float scale, float softcap, int use_alibi, float m0,
+                                            float m1, int n_head_log2, int tq, int tk) {
+    const char* mbase = mask != nullptr ? mask + (b % m3) * ms_b + (h % m2) * ms_h : nullptr;
+    // mask rows 4-byte aligned: a key pair (even key) is one 32-bit load
+    const bool al4 =
+        ((reinterpret_cast<unsigned long long>(mbase) | static_cast<unsigned long long>(ms_t)) & 3ull) == 0;
+    return {mbase, ms_t, od_attn::alibi_slope(use_alibi, h, n_head_log2, m0, m1) * LOG2E,
+            softcap != 0.0f ? softcap * LOG2E : scale * LOG2E, softcap != 0.0f ? scale / softcap : 1.0f, softcap, tq,
+            tk, al4};
+}
+
 // Whether a key tile (first key kb, BN keys, mask flag `flag`) keeps the raw dot products (the common tile: mask
 // block all zero or no mask, no softcap, every key < tk, scale > 0): their maximum is taken raw and scaled once a
 // row, and the scale folds into the exponent's FFMA, so a logit costs FMNMX + FFMA + MUFU + FADD. Other tiles (the

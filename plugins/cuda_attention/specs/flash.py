@@ -21,7 +21,7 @@ from opdispatch.backends.cuda.devices import DeviceFacts
 from opdispatch.backends.cuda.kernels import KernelSpec
 from opdispatch.backends.cuda.scratch import Workspace
 from opdispatch.ops.base import pad4
-from opdispatch.tensor import Tensor
+from opdispatch.tensor import Flag, Tensor
 
 from .common import CTYPE, KERNELS_DIR, Ptr, alibi_fields, aligned, byte_strides, idx_ctype
 from .rope import CACHE_TYPES, cache_rows, ff_ptr, rope_fields
@@ -388,10 +388,27 @@ class FlashPlan:
         return self.make(ptr, ws, guard)
 
 
-def flash_plan(node: Tensor, dev: DeviceFacts, fused: FusedQKV | None = None) -> FlashPlan:
+def mask_flags_role(shared: dict[Any, Any], mask: Tensor, tq: int, tk: int, bm: int, bn: int) -> tuple[str, bool]:
+    """The scratch role of the flags of `mask` (tq query rows, tk keys, bm x bn tiles) and whether this node's plan
+    computes them (fattn_mask_flags) or reads those a node before it in the plan computed in the same run. The
+    prefill nodes of a plan that read one mask (the same tensor, so the same bytes: a plan's tensors are written
+    once a run, but for a state, which set_rows may write between them) with the same tiles share a role of their
+    own in `shared` (the plan's, CudaContext.shared): one fattn_mask_flags launch a mask, not one a layer."""
+    if (mask.view_src or mask).flags & Flag.STATE:
+        return "flash_attn_ext mask tile flags", True
+    key = (MASK_FLAGS, mask, tq, tk, bm, bn)
+    if key in shared:
+        return shared[key], False
+    roles = sum(1 for k in shared if isinstance(k, tuple) and k[:1] == (MASK_FLAGS,))
+    shared[key] = role = f"flash_attn_ext mask tile flags {roles}"
+    return role, True
+
+
+def flash_plan(node: Tensor, dev: DeviceFacts, fused: FusedQKV | None = None,
+               shared: dict[Any, Any] | None = None) -> FlashPlan:
     """Decode (split-K) for Tq <= DECODE_MAX_TQ, else prefill (tensor cores: wgmma where prefill_wgmma holds);
     `fused`: the decode kernel also rotates q (read from fused.xq) and writes the new K/V rows (fusion.check_attn
-    holds)."""
+    holds). `shared`: what the plan's binds share (mask_flags_role; None: this node's own)."""
     q, k, _, mask, _ = node.srcs
     b, hq, tq, d = q.shape
     tk, kv = k.shape[2], k.dtype.name
@@ -402,16 +419,18 @@ def flash_plan(node: Tensor, dev: DeviceFacts, fused: FusedQKV | None = None) ->
     n_qt = -(-tq // bm)
     n_kt = -(-tk // bn)
     ws: tuple[Workspace, ...] = ()
+    computes = False
     if mask is not None:
         m3, m2 = pad4(mask.shape)[:2]
-        ws = (Workspace(m3 * m2 * n_qt * n_kt, "flash_attn_ext mask tile flags"),)
+        role, computes = mask_flags_role({} if shared is None else shared, mask, tq, tk, bm, bn)
+        ws = (Workspace(m3 * m2 * n_qt * n_kt, role),)
 
     def make_prefill(ptr: Ptr, wsp: Sequence[int], guard: Guard) -> list[KernelSpec]:
         flags = wsp[0] if mask is not None else 0
         args = PrefillArgs(**_q_fields(q, ptr), **_shared_fields(node, ptr), flags=flags, n_kv_tiles=n_kt)
         main = KernelSpec(PREFILL_WGMMA_CU if wgmma else PREFILL_CU, prefill_kernel(d, kv, wgmma), (n_qt, hq, b),
                           prefill_threads(d, wgmma), args, prefill_smem(d, wgmma))
-        if mask is None:
+        if not computes:
             return [main]
         (m3, m2, _, _), (ms_b, ms_h, ms_t, _) = byte_strides(mask)
         fargs = MaskFlagsArgs(mask=ptr(mask), flags=flags, tq=tq, tk=tk, bm=bm, bn=bn, m2=m2, ms_t=ms_t, ms_h=ms_h,

@@ -107,11 +107,6 @@ __device__ __forceinline__ float field(unsigned w) {
     return __fsub_rn(__uint_as_float((w & (((1u << BITS) - 1u) << P)) | E), __uint_as_float(E));
 }
 
-// A small integer (a byte, bits 8 .. 31 clear) as a float, exactly, as field.
-__device__ __forceinline__ float small_f32(unsigned x) {
-    return __fsub_rn(__uint_as_float(x | 0x4b000000u), 8388608.0f);
-}
-
 // q4_K and q5_K's sub-blocks 2c and 2c + 1 of the super-block at blk (16-byte aligned): their scales s0, s1 and
 // negated mins m0, m1 as K4::scale and load_unit make them (d * sc and -(dmin * min), one f32 product each, both
 // exact: 11 by 6 bits). The six-bit fields as ggml's get_scale_min_k4 (scale_min_k4), two at a time and without a
@@ -130,10 +125,10 @@ __device__ __forceinline__ void k4_scales(const u8* blk, int c, float& s0, float
     const unsigned sc_lo = od::ld16(sb + 4 * hi), sc_top = od::ld16(sb - 4 * hi) >> (2 * hi);
     const unsigned mn_lo = od::ld16(sb + 4) >> (4 * hi), mn_top = od::ld16(sb + 4 - 4 * hi) >> (2 * hi);
     const unsigned sc = (sc_lo & 0x0f0fu) | (sc_top & 0x3030u), mn = (mn_lo & 0x0f0fu) | (mn_top & 0x3030u);
-    s0 = __fmul_rn(d, small_f32(sc & 0xffu));
-    s1 = __fmul_rn(d, small_f32(sc >> 8));
-    m0 = -__fmul_rn(dmin, small_f32(mn & 0xffu));
-    m1 = -__fmul_rn(dmin, small_f32(mn >> 8));
+    s0 = __fmul_rn(d, od::small_f32(sc & 0xffu));
+    s1 = __fmul_rn(d, od::small_f32(sc >> 8));
+    m0 = -__fmul_rn(dmin, od::small_f32(mn & 0xffu));
+    m1 = -__fmul_rn(dmin, od::small_f32(mn >> 8));
 }
 
 // q4_K's A fragments for 64-value K tile kt straight from its raw K tile (one super-block a row, 16-byte aligned):
@@ -202,11 +197,6 @@ __device__ __forceinline__ void q5_K_frags(const u8* raw, int kt, int r0, int t,
     }
 }
 
-// An int8 (bits 0 .. 7 of x, bits 8 .. 31 clear) as a float, exactly, as field: 2^23 + 128 + v, less 2^23 + 128.
-__device__ __forceinline__ float s8_f32(unsigned x) {
-    return __fsub_rn(__uint_as_float((x ^ 0x80u) | 0x4b000000u), 8388736.0f);
-}
-
 // q6_K's A fragments for 64-value K tile kt straight from its raw K tile (one super-block a row, 2-byte aligned):
 // values 64c + k (c = kt % SUBS, k < 64) have the low 4 code bits in nibble c % 2 of ql byte 64 (c / 2) + k, the
 // high 2 in crumb 2 (c % 2) + k / 32 of qh byte 32 (c / 2) + k % 32, and k16 step j's scale is int8 4c + j. This
@@ -232,8 +222,8 @@ __device__ __forceinline__ void q6_K_frags(const u8* raw, int kt, int r0, int t,
         const u8* const blk = raw + (r0 + 8 * h) * T::RS;
         const float d = od::f16_to_f32(od::ld16(blk + F::D));
         const unsigned sc01 = od::ld16(blk + F::SC + 4 * c), sc23 = od::ld16(blk + F::SC + 4 * c + 2);
-        const float sc[4] = {__fmul_rn(d, s8_f32(sc01 & 0xffu)), __fmul_rn(d, s8_f32(sc01 >> 8)),
-                             __fmul_rn(d, s8_f32(sc23 & 0xffu)), __fmul_rn(d, s8_f32(sc23 >> 8))};
+        const float sc[4] = {__fmul_rn(d, od::s8_f32(sc01 & 0xffu)), __fmul_rn(d, od::s8_f32(sc01 >> 8)),
+                             __fmul_rn(d, od::s8_f32(sc23 & 0xffu)), __fmul_rn(d, od::s8_f32(sc23 >> 8))};
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
 #pragma unroll

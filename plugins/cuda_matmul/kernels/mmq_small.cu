@@ -65,6 +65,9 @@ __global__ void __launch_bounds__(32 * W, SMALL_MIN_BLOCKS<W>)
     using Q = mm::Fmt<WT>;
     using T = mq::Tile<Q, KB>;
     constexpr int WR = 16 * FM, BM = WR * (W / KW), NP = 8 * NT, RS = T::RS, STAGE = WR * RS;
+    // a K tile's steps unrolled whole (every b and weight address a constant offset: fewer instructions) where
+    // a warp has at most two mma tiles; by two at four (whole, ptxas spilled the K-quants at 128 registers)
+    constexpr int STEP_UNROLL = FM * NT <= 2 ? KB : 2;
     static_assert(NS >= 2, "a ring of two stages at least");
     static_assert(W % KW == 0, "whole row groups of KW warps");
     static_assert(FM * NT * 32 * 16 <= NS * STAGE, "a warp's sums fit its ring (the k-groups' reduction)");
@@ -180,8 +183,11 @@ __global__ void __launch_bounds__(32 * W, SMALL_MIN_BLOCKS<W>)
         const int kt = kg + KW * i;
         const u8* const wst = ring + i % NS * STAGE + lead(kt);
         const int kb = min(KB, nb - (kt0 + kt) * KB);
-#pragma unroll 2
-        for (int j = 0; j < kb; ++j) {
+#pragma unroll STEP_UNROLL
+        for (int j = 0; j < KB; ++j) {
+            if (j >= kb) {
+                break;
+            }
             mq::AFrag af[FM];
 #pragma unroll
             for (int fm = 0; fm < FM; ++fm) {

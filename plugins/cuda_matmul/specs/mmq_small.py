@@ -29,14 +29,16 @@ class SmallConfig:
     """mmq_small's tunables. Template: each warp owns 16 fm weight rows, a block `warps` warps in row groups of
     `kw` (each warp of a group every kw-th K tile of the block's slice), each warp a ring of `stages` K tiles
     of `kb` steps of 32 values. Launch: K is cut in slices so that the grid has about `blocks_per_sm` blocks an
-    SM, each slice at least `kt_min` K tiles a warp (kt_min * kw a slice), at most `kts_max` K tiles (b's copy
-    in shared memory) where `split_max` slices allow.
+    SM (`within`: at most that many, so that a grid of the blocks an SM holds is one wave), each slice at least
+    `kt_min` K tiles a warp (kt_min * kw a slice), at most `kts_max` K tiles (b's copy in shared memory) where
+    `split_max` slices allow.
     The defaults: the least time summed over q4_0 and q4_K at the 1b preset's layer shapes, 16 columns, of
     `scripts/mmq_sweep.py --kernel mmq_small` on the H200 (2026-12-02; 8 warps, where 4 had been the first guess);
     2 stages since 2026-12-03 (4 before): at the 1b preset's slices a warp streams two K tiles, so a deeper ring
     only costs shared memory, and for q8_0, q5_1 and q6_K 4 stages (over 100 KB a block) left one block an SM
     (16 columns, cold: q8_0 8192 x 2048 16.8 -> 12.9 us, 2048 x 8192 18.2 -> 14.1; q4_0, q4_K, q5_K, iq4_xs 1-5%
-    faster; docs/benchmarks.md, session 24)."""
+    faster; docs/benchmarks.md, session 24). SMALL cuts K `within` 2 blocks an SM, what the launch bound leaves
+    resident (untimed: the gate/up pair's grid, 16384 x 2048 at the 1b preset, was 512 blocks, two waves)."""
 
     fm: int = 1
     warps: int = 8
@@ -47,6 +49,7 @@ class SmallConfig:
     kt_min: int = 2
     kts_max: int = 64
     split_max: int = 16
+    within: bool = False
 
     @property
     def bm(self) -> int:
@@ -54,7 +57,7 @@ class SmallConfig:
 
 
 #: the configuration binds use for large weights (specs/mmq_small.small_config)
-SMALL = SmallConfig()
+SMALL = SmallConfig(blocks_per_sm=2, within=True)
 #: ... and for small ones, where its grid is one wave: k-groups of 4 warps over 16-step K tiles, 32 rows a block.
 #: At the 1b preset's q/k/v and o shapes, 16 columns, cold (scripts/mmq_sweep.py, H200, 2026-12-02; us, SMALL's
 #: in brackets): q4_0 3072x2048 9.6 (12.3), 2048x2048 8.6 (11.5); q4_K 11.1 (13.5), 9.9 (12.9); q8_0 10.4 / 10.0
@@ -67,14 +70,13 @@ SMALL_WAVE = SmallConfig(kw=4, kb=16, stages=2, kt_min=1, kts_max=4)
 #: 8 K tiles (2048 values: b's copy 40 KB at 16 columns); SMALL's ring 3 and 4 stages deep; and grids of one wave
 #: at large shapes (ONE_WAVE)
 KW8 = SmallConfig(kw=8, stages=2, kt_min=1, kts_max=8)
-#: SMALL's blocks, two resident an SM (launch bound, 128 registers), but slices of kt_min K tiles or more, so that
-#: a large grid is one wave of longer slices rather than two of short ones: at 16384 x 2048 (the 1b preset's
-#: gate/up pair, one launch) kt_min 4 gives 2 slices, 256 blocks (SMALL: 4 slices, 512 blocks); kt_min 7 at
-#: 4096 x 14336 and 8 at 14336 x 4096 give 8 and 2 slices (256 and 224 blocks). A ring of 3 keeps two K tiles in
-#: flight a warp.
-ONE_WAVE: tuple[SmallConfig, ...] = tuple(attrs.evolve(SMALL, blocks_per_sm=2, kt_min=kt, stages=3) for kt in (4, 7, 8))
+#: SMALL (one wave of two resident blocks an SM) with a ring of 3, two K tiles in flight a warp, and slices of at
+#: least 4, 7 or 8 K tiles: fewer, longer slices where the wave is not full (16384 x 2048, the 1b preset's gate/up
+#: pair: 2 slices, 256 blocks with kt_min 4, 1 and 128 with 7 or 8)
+ONE_WAVE: tuple[SmallConfig, ...] = tuple(attrs.evolve(SMALL, kt_min=kt, stages=3) for kt in (4, 7, 8))
 SMALL_CANDIDATES: tuple[SmallConfig, ...] = tuple(dict.fromkeys((
     SMALL,
+    SmallConfig(),  # SMALL before session 38: at least 4 blocks an SM, two waves of resident blocks
     SMALL_WAVE,
     KW8,
     attrs.evolve(KW8, stages=3),
@@ -135,11 +137,12 @@ class SmallGrid:
 
 
 def small_grid(m: int, k: int, batches: int, device: Device | None, cfg: SmallConfig = SMALL) -> SmallGrid:
-    """Row tiles of cfg.bm rows, and K's slices: enough for cfg.blocks_per_sm blocks an SM over the grid, or more
-    where a slice would hold over kts_max K tiles; at most one per kt_min K tiles a warp (kt_min * kw a slice)
+    """Row tiles of cfg.bm rows, and K's slices: enough for cfg.blocks_per_sm blocks an SM over the grid (within: as
+    many as keep it at most that), or more where a slice would hold over kts_max K tiles; at most one per kt_min K tiles a warp (kt_min * kw a slice)
     and split_max."""
     tiles_m, nkt = math.ceil(m / cfg.bm), math.ceil(k // 32 / cfg.kb)
-    want = math.ceil(cfg.blocks_per_sm * device_facts(device).sm_count / (tiles_m * batches))
+    blocks = cfg.blocks_per_sm * device_facts(device).sm_count
+    want = blocks // (tiles_m * batches) if cfg.within else math.ceil(blocks / (tiles_m * batches))
     want = max(want, math.ceil(nkt / cfg.kts_max))
     splits = max(1, min(want, nkt // (cfg.kt_min * cfg.kw), cfg.split_max))
     return SmallGrid(tiles_m, splits, math.ceil(nkt / splits))

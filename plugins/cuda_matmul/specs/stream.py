@@ -38,9 +38,9 @@ REG_CHUNK_MAX = 272
 HALF_PIECE = frozenset({"iq4_xs", "mxfp4"})
 #: bytes of the grid formats' lookup grids (quant_iq.cuh's GRID_BYTES), which mmvq_stream copies into shared memory,
 #: and of one entry where not 8 (quant_iq.cuh's Entry)
-GRID_BYTES = {"iq2_xxs": 2048, "iq2_xs": 4096, "iq2_s": 8192, "iq3_xxs": 1024, "iq3_s": 2048, "iq1_s": 16384,
-              "iq1_m": 16384}
-GRID_ENTRY = {"iq3_xxs": 4, "iq3_s": 4}
+GRID_BYTES = {"iq2_xxs": 2048, "iq2_xs": 4096, "iq2_s": 8192, "iq3_xxs": 1024, "iq3_s": 2048, "iq1_s": 8192,
+              "iq1_m": 8192}
+GRID_ENTRY = {"iq3_xxs": 4, "iq3_s": 4, "iq1_s": 4, "iq1_m": 4}
 #: mmvq_stream's copies of a grid (its grid_copies, interleaved entry by entry, a lane reading copy lane % copies):
 #: at most as many as the lanes one shared-memory wavefront serves (128 bytes of entries), whose gathers then meet
 #: no bank conflict, and GRID_COPIES_MAX bytes of them; fewer than GRID_COPIES_MIN were no faster than one (H200,
