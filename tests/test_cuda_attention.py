@@ -629,8 +629,8 @@ def test_every_launched_kernel_has_a_record_following_its_head() -> None:
     records = {kernel: cls for module in (softmax, rope, flash) for cls in vars(module).values()
                if isinstance(cls, type) and issubclass(cls, KernelArgs) and cls is not KernelArgs
                for kernel in cls.KERNELS}
-    assert sorted(records) == ["fattn_decode", "fattn_mask_flags", "fattn_prefill", "fattn_prefill_wgmma", "rope_kernel",
-                               "rope_qkv_set_rows", "rope_set_rows", "soft_max_f32"]
+    assert sorted(records) == ["fattn_decode", "fattn_mask_flags", "fattn_prefill", "fattn_prefill_wgmma",
+                               "rope_kernel", "rope_qkv_set_rows", "rope_set_rows", "soft_max_f32"]
     for source, names in specs.KERNEL_SOURCES.items():
         heads = kernel_params(source)
         for kernel in {name.split("<")[0] for name in names}:

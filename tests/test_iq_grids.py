@@ -69,7 +69,8 @@ PROBE = r"""
 
 __global__ void probe(const int* i, unsigned long long* out) {
     const int k = *i;
-    out[0] = od::quant::iq2xxs_grid[k] + od::quant::iq2xs_grid[k] + od::quant::iq2s_grid[k] + od::quant::iq1s_nibbles[k];
+    out[0] = od::quant::iq2xxs_grid[k] + od::quant::iq2xs_grid[k] + od::quant::iq2s_grid[k] +
+             od::quant::iq1s_nibbles[k];
     out[1] = od::quant::iq3xxs_grid[k] + od::quant::iq3s_grid[k] + od::quant::ksigns_iq2xs[k % 128];
     out[2] = od::quant::kmask_iq2xs[k % 8] + od::quant::kvalues_iq4nl[k % 16] + od::quant::kvalues_mxfp4[k % 16];
 }

@@ -128,7 +128,8 @@ __device__ __forceinline__ void to_log2(float (&s)[NT][4], const Logits& L, int 
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 const unsigned mv = mrow[nt * 4];  // keys kb + nt * 8 + 2 * tq4 + {0, 1}
-                s[nt][2 * r] = od_attn::masked(static_cast<unsigned short>(mv & 0xffffu), L.slope2, s[nt][2 * r] * L.mul2);
+                s[nt][2 * r] =
+                    od_attn::masked(static_cast<unsigned short>(mv & 0xffffu), L.slope2, s[nt][2 * r] * L.mul2);
                 s[nt][2 * r + 1] =
                     od_attn::masked(static_cast<unsigned short>(mv >> 16), L.slope2, s[nt][2 * r + 1] * L.mul2);
             }

@@ -38,7 +38,9 @@ class SmallConfig:
     only costs shared memory, and for q8_0, q5_1 and q6_K 4 stages (over 100 KB a block) left one block an SM
     (16 columns, cold: q8_0 8192 x 2048 16.8 -> 12.9 us, 2048 x 8192 18.2 -> 14.1; q4_0, q4_K, q5_K, iq4_xs 1-5%
     faster; docs/benchmarks.md, session 24). SMALL cuts K `within` 2 blocks an SM, what the launch bound leaves
-    resident (untimed: the gate/up pair's grid, 16384 x 2048 at the 1b preset, was 512 blocks, two waves)."""
+    resident, since 2026-12-05 (at least 4 before: the 1b preset's gate/up pair, one 16384 x 2048 grid, was 512
+    blocks, two waves; now 256): the 1b batch-16 decode took 0.94x the time in q4_0 and 0.91x in Q4_K_M, the
+    single 16-column layer products within 1.1% (docs/benchmarks.md, session 39)."""
 
     fm: int = 1
     warps: int = 8
@@ -138,8 +140,8 @@ class SmallGrid:
 
 def small_grid(m: int, k: int, batches: int, device: Device | None, cfg: SmallConfig = SMALL) -> SmallGrid:
     """Row tiles of cfg.bm rows, and K's slices: enough for cfg.blocks_per_sm blocks an SM over the grid (within: as
-    many as keep it at most that), or more where a slice would hold over kts_max K tiles; at most one per kt_min K tiles a warp (kt_min * kw a slice)
-    and split_max."""
+    many as keep it at most that), or more where a slice would hold over kts_max K tiles; at most one per kt_min K
+    tiles a warp (kt_min * kw a slice) and split_max."""
     tiles_m, nkt = math.ceil(m / cfg.bm), math.ceil(k // 32 / cfg.kb)
     blocks = cfg.blocks_per_sm * device_facts(device).sm_count
     want = blocks // (tiles_m * batches) if cfg.within else math.ceil(blocks / (tiles_m * batches))
