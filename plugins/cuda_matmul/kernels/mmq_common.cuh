@@ -232,14 +232,6 @@ struct Conv {
     }
 };
 
-// An mma's int32 sum (|dot| < 2^22: at most 32 products of two int8) as a float, exactly: added into the bits of
-// 1.5 * 2^23, whose mantissa then counts units, it reads 1.5 * 2^23 + dot, and the subtraction is exact. An integer
-// add and an FADD where static_cast<float> is an I2F, which Hopper issues at a quarter of the rate (16 an SM a
-// clock): step_acc converts 4 sums a column tile a K step, 8 XU cycles a warp each.
-__device__ __forceinline__ float dot_f32(int dot) {
-    return __fsub_rn(__int_as_float(dot + 0x4B400000), 12582912.0f);
-}
-
 // acc (lane (g, t)'s outputs of the tile: rows g, g + 8 by columns 2t, 2t + 1, as mma_s8's d) += one K
 // step: f's dot with b's codes (b0, b1: column g, mma_s8's layout), scaled by b's (d, d * sum) of columns
 // 2t (s0) and 2t + 1 (s1) and f's scales, as mode<Q>() says.
@@ -263,11 +255,11 @@ __device__ __forceinline__ void step_acc(float (&acc)[4], const AFrag& f, unsign
         const float xw = f.x[i / 2], yw = f.y[i / 2];
         float v;
         if constexpr (mode<Q>() == HALVES) {
-            v = fmaf(s.x, fmaf(xw, dot_f32(dot[i]), yw * dot_f32(dot2[i])), acc[i]);
+            v = fmaf(s.x, fmaf(xw, od::dot_f32(dot[i]), yw * od::dot_f32(dot2[i])), acc[i]);
         } else {
-            v = fmaf(xw * s.x, dot_f32(dot[i]), acc[i]);
+            v = fmaf(xw * s.x, od::dot_f32(dot[i]), acc[i]);
             if constexpr (mode<Q>() == MINS16) {
-                v = fmaf(yw * s.x, dot_f32(dot2[i]), v);
+                v = fmaf(yw * s.x, od::dot_f32(dot2[i]), v);
             } else if constexpr (Q::M >= 0) {
                 v = fmaf(yw, s.y, v);
             }
