@@ -473,6 +473,12 @@ inline void emu_mbar_expect_tx(unsigned bar, unsigned bytes) {
     b.expected += bytes;
 }
 inline void emu_mbar_arrive(unsigned bar) { emu_bar_arrival(bar, emu_bar(bar)); }
+// cp.async.mbarrier.arrive.noinc: the thread's copies issued so far land (committed or not), then its arrival
+inline void emu_cp_mbar_arrive(unsigned bar) {
+    for (auto& c : emu_pending) emu_copy(c);
+    emu_pending.clear();
+    emu_mbar_arrive(bar);
+}
 inline void emu_bulk(unsigned saddr, const void* src, unsigned bytes, unsigned bar) {
     const unsigned char* s = (const unsigned char*)src;
     if (bytes == 0 || bytes % 16 || s < emu_gmem_lo || s + bytes > emu_gmem_hi || ((uintptr_t)s & 15) || (saddr & 15)) {

@@ -297,15 +297,17 @@ __device__ __forceinline__ void main_loop(u8* const smem, const u8* const wa, lo
 // barrier. ncu of the loop where every warp did both (q4_0 4096 x 14336 at 512 columns, H200, session 35): about
 // 265 instructions a warp a K tile, 5.4 cycles apart (2 warps a scheduler), 1630 cycles a K tile against the 1024
 // of its products; the tensor pipe 61% busy, the warps waiting on it 0.3% of their stalls.
-//   full_b[s] / empty_b[s]   B stage s holds K tile kt (s = kt % B_STAGES) / is free again: the producer's 128
-//                            threads arrive on full_b once their copies have landed (cp.async.wait_group, then
-//                            fence.proxy.async: each writer makes its own copies visible to the tensor cores), the
-//                            computing threads on empty_b once tile kt's products are done (wgmma.wait_group).
+//   full_b[s] / empty_b[s]   B stage s holds K tile kt (s = kt % B_STAGES) / is free again: each of the producer's
+//                            128 threads arrives on full_b as its copies land (cp.async.mbarrier.arrive.noinc,
+//                            issued behind them), and each computing thread fences the stage for the async proxy
+//                            (fence.proxy.async) before its products read it; the computing threads arrive on
+//                            empty_b once tile kt's products are done (wgmma.wait_group).
 //   full_raw[s] / empty_raw[s]  raw stage s holds raw K tile r (s = r % RAW_STAGES) / is free again: its copies
-//                            go out with b's K tile r SUBS - 2 (K tile 0 for r = 0) and are signalled with it; the
-//                            computing threads arrive on empty_raw once the fragments of its last K tile are built.
+//                            go out before b's K tile r SUBS - 2 (K tile 0 for r = 0) and arrive on it as they land;
+//                            the computing threads arrive on empty_raw once the fragments of its last K tile are
+//                            built.
 // A barrier's n-th use (n = kt / B_STAGES, or r / RAW_STAGES) completes phase n: waited on with parity n & 1.
-constexpr int PRODUCER_THREADS = 128, COPY_LAG = 2;  // K tiles of copies in flight before the producer signals
+constexpr int PRODUCER_THREADS = 128;
 // setmaxnreg: the producer gives registers to the computing warpgroups (2 C + P <= 504 for 2 computing
 // warpgroups: their 384 threads start at 168 each)
 constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
@@ -345,21 +347,14 @@ __device__ __forceinline__ int raw_with(int kt, int nraw) {
 }
 
 // The producer warpgroup's loop (p: its thread, 0 .. 127): every stage's copies, b's from bsrc (load_b's, for 128
-// threads), each stage refilled once the computing threads have freed it.
+// threads), each stage refilled once the computing threads have freed it, and signalled by the copies themselves
+// (cp_async_mbar_arrive): a stage fills as soon as its copies land, never behind the producer's next wait.
 template <int WT, class TL, class Src>
 __device__ __forceinline__ void produce(u8* const smem, const Bars& bars, const u8* const wa, long long a_row,
                                         int m0, int M, const Src& bsrc, int K, int rt0, int nraw, int p) {
     static_assert(SUBS > 2, "a raw K tile's copies go out two K tiles before its first");
     const Stages<WT, TL> st(smem, K, rt0, nraw);
     const int nb = K / 32, nk = st.nk;
-    auto signal = [&](int j) {  // K tile j's copies (and a raw K tile's with them) have landed for this thread
-        wg::fence_async_smem();
-        od::mbar_arrive(bars.full_b(j % B_STAGES));
-        const int r = raw_with(j, nraw);
-        if (r >= 0) {
-            od::mbar_arrive(bars.full_raw(r % RAW_STAGES));
-        }
-    };
 #pragma unroll 1
     for (int kt = 0; kt < nk; ++kt) {
         const int r = raw_with(kt, nraw);
@@ -368,22 +363,16 @@ __device__ __forceinline__ void produce(u8* const smem, const Bars& bars, const 
                 od::mbar_wait(bars.empty_raw(r % RAW_STAGES), (r / RAW_STAGES - 1) & 1);
             }
             issue_raw<WT, TL::BM, PRODUCER_THREADS>(st.raw_stage(r), wa, a_row, m0, M, nb, rt0 + r, p);
+            od::cp_async_mbar_arrive(bars.full_raw(r % RAW_STAGES));
         }
         if (kt >= B_STAGES) {
             od::mbar_wait(bars.empty_b(kt % B_STAGES), (kt / B_STAGES - 1) & 1);
         }
         load_b<TL::BN, PRODUCER_THREADS>(st.b(kt), bsrc, st.kt0 + kt, p);
-        od::cp_async_commit();
-        if (kt >= COPY_LAG) {
-            od::cp_async_wait<COPY_LAG>();
-            signal(kt - COPY_LAG);
-        }
+        od::cp_async_mbar_arrive(bars.full_b(kt % B_STAGES));
     }
-    od::cp_async_wait<0>();
-#pragma unroll 1
-    for (int j = max(nk - COPY_LAG, 0); j < nk; ++j) {
-        signal(j);
-    }
+    od::cp_async_commit();
+    od::cp_async_wait<0>();  // none of its copies outlives the thread
 }
 
 // The computing warpgroups' loop (threadIdx.x < TL::CONSUMERS): each K tile's four products issued as its B stage
@@ -409,6 +398,7 @@ __device__ __forceinline__ void consume(u8* const smem, const Bars& bars, int K,
         // below its 14 bits (shared memory < 256 KB)
         const unsigned long long db = wg::desc_k(st.b(kt));
         od::mbar_wait(bars.full_b(kt % B_STAGES), (kt / B_STAGES) & 1);
+        wg::fence_async_smem();  // the stage's copies (the generic proxy) before the products' reads (the async one)
         wg::fence_regs(d);
         wg::fence();
 #pragma unroll
