@@ -31,6 +31,10 @@ WGMMA_FORMATS = QUANT_NAMES
 #: the formats whose A fragments are built in registers straight from the raw stage (mmq_frags.cuh's
 #: RS_FORMAT): they hold no A stages
 RS_FORMATS = ("q4_0", "q8_0", "q4_K", "q5_K", "q6_K")
+#: the most b stages of the RS formats' warp-specialized loop and the shared memory they are sized to (mmq_wgmma.cu's
+#: mw::WS_B_MAX, mw::SMEM_BUDGET: compute capability 9.0's 227 KB a block less 2 KB for the static barriers and
+#: mmq_wgmma_id's pairs and b rows)
+WS_B_MAX, WS_SMEM_BUDGET = 8, 227 * 1024 - 2048
 
 
 @attrs.frozen
@@ -86,12 +90,22 @@ def instance_name(dt: str, tile: WgmmaTile) -> str:
     return instance("mmq_wgmma", W_KIND[dt], tile.warpgroups, tile.bn)
 
 
+def b_stages(dt: str, tile: WgmmaTile) -> int:
+    """b's stages in a block for format dt and `tile` (mmq_wgmma.cu's Stages::NB): 4 (mw::B_STAGES) for the formats
+    dequantized into A stages; for RS_FORMATS (the warp-specialized loop) as many as fit in WS_SMEM_BUDGET beside
+    the raw stages, up to WS_B_MAX."""
+    if dt not in RS_FORMATS:
+        return 4
+    fit = (WS_SMEM_BUDGET - 1024 - RAW_STAGES * tile.bm * row_stride(dt, RAW_KB)) // (tile.bn * BK * 2)
+    return min(WS_B_MAX, fit)
+
+
 def wgmma_smem(dt: str, tile: WgmmaTile) -> int:
     """Dynamic shared memory of a block for format dt and `tile`: 2 stages of the dequantized weights (bm x BK
-    bf16; none for RS_FORMATS), 4 of b (bn x BK bf16), the slack that aligns them to 1024 bytes (the 128-byte
+    bf16; none for RS_FORMATS), b_stages of b (bn x BK bf16), the slack that aligns them to 1024 bytes (the 128-byte
     swizzle's period), then the raw stages (bm rows of mmq's K tile of RAW_KB steps)."""
     a_stages = 0 if dt in RS_FORMATS else 2
-    return (a_stages * tile.bm * BK * 2 + 4 * tile.bn * BK * 2 + 1024
+    return (a_stages * tile.bm * BK * 2 + b_stages(dt, tile) * tile.bn * BK * 2 + 1024
             + RAW_STAGES * tile.bm * row_stride(dt, RAW_KB))
 
 
