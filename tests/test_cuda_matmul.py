@@ -2706,7 +2706,8 @@ def test_mmq_wgmma_specs() -> None:
     a = main.args
     assert (a.M, a.K, a.N, a.tiles_m, a.tiles_n, a.splits, a.r2, a.r3) == (200, 512, 300, 2, 3, 2, 2, 1)
     assert a.a_row == 512 // 256 * 144 and a.a_s2 == 200 * a.a_row
-    assert main.smem == 4 * 128 * 64 * 2 + 1024 + 2 * 128 * mmq.row_stride("q4_K", 8)  # q4_K: no A stages
+    # q4_K: no A stages, and the warp-specialized loop's 8 b stages beside 3 raw ones
+    assert main.smem == 8 * 128 * 64 * 2 + 1024 + 3 * 128 * mmq.row_stride("q4_K", 8)
 
 
 @pytest.mark.usefixtures("wgmma_selected")

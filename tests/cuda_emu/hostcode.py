@@ -55,6 +55,8 @@ _SWAPS = (
     ('asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\\n"\n'
      '                 ::"r"(saddr), "l"(src), "r"(bytes), "r"(bar) : "memory");', "emu_bulk(saddr, src, bytes, bar);"),
     ('asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\\n" ::"r"(bar) : "memory");', "emu_mbar_arrive(bar);"),
+    ('asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\\n" ::"r"(bar) : "memory");',
+     "emu_cp_mbar_arrive(bar);"),
     ('asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");', "emu_named_barrier(THREADS);"),
     ('asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\\n"\n'
      '                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");', "done = emu_mbar_try_wait(bar, parity);"),

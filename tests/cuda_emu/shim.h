@@ -300,7 +300,7 @@ struct EmuBlock {
     std::map<unsigned, EmuBarrier*> named;  // bar.sync 1, n's barriers by n (emu_named_barrier)
     std::vector<EmuBarrier*> wg_bar;        // a warpgroup's (128 threads) barrier, for the wgmma exchange
     std::vector<unsigned> wg_frag;          // its A fragments: 4 words a thread
-    unsigned smem_bytes = 0;                // the dynamic shared memory's size
+    unsigned smem_bytes = 0;                // the dynamic shared memory (kernel_main.cpp; 0 elsewhere)
 };
 inline EmuBlock* emu_ctx;
 
@@ -401,7 +401,7 @@ inline void emu_cp16z(unsigned saddr, const void* src, int bytes) {
     void* dst = emu_ctx->smem + saddr;
     const unsigned char* s = (const unsigned char*)src;
     if (bytes < 0 || bytes > 16 || s < emu_gmem_lo || s + bytes > emu_gmem_hi || ((uintptr_t)s & 15) ||
-        ((uintptr_t)dst & 15)) {
+        ((uintptr_t)dst & 15) || (emu_ctx->smem_bytes && saddr + 16 > emu_ctx->smem_bytes)) {
         fprintf(stderr, "cp.async out of range or misaligned: src %p dst %p\n", src, dst);
         std::abort();
     }
@@ -473,6 +473,12 @@ inline void emu_mbar_expect_tx(unsigned bar, unsigned bytes) {
     b.expected += bytes;
 }
 inline void emu_mbar_arrive(unsigned bar) { emu_bar_arrival(bar, emu_bar(bar)); }
+// cp.async.mbarrier.arrive.noinc: the thread's copies issued so far land (committed or not), then its arrival
+inline void emu_cp_mbar_arrive(unsigned bar) {
+    for (auto& c : emu_pending) emu_copy(c);
+    emu_pending.clear();
+    emu_mbar_arrive(bar);
+}
 inline void emu_bulk(unsigned saddr, const void* src, unsigned bytes, unsigned bar) {
     const unsigned char* s = (const unsigned char*)src;
     if (bytes == 0 || bytes % 16 || s < emu_gmem_lo || s + bytes > emu_gmem_hi || ((uintptr_t)s & 15) || (saddr & 15)) {

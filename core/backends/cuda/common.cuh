@@ -457,6 +457,15 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
 #endif
 }
 
+// One arrival on the barrier once every cp.async this thread has issued so far has landed (cp.async.mbarrier.arrive
+// .noinc: the arrival is one of the count mbar_init set, made by the copy engine when the copies complete), so that
+// a copying thread signals a stage without waiting for its copies itself.
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
+#if OD_BULK
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 #if OD_BULK
     unsigned done = 0;

@@ -18,8 +18,8 @@
 // 14336 x 4096, q4_0 and q4_K; specs/mmq_wgmma.py's tile_for says when it is used). Shared memory:
 //   A    2 stages of BM x BK bf16 (BM * 128 bytes), written by the block's dequantization (st.shared, then
 //        fence.proxy.async so that the tensor cores see it);
-//   B    4 stages of BN x BK bf16 (BN * 128 bytes), cp.async three K tiles ahead (warp-specialized: as soon as
-//        the stage is free);
+//   B    4 stages of BN x BK bf16 (BN * 128 bytes), cp.async three K tiles ahead (warp-specialized: as many
+//        stages as fit, up to 8 (Stages::NB), each refilled as soon as it is free);
 //   raw  2 stages of the weights' raw blocks: mmq's K tile of 256 values (Tile<Q, 8>: each row's covering
 //        16-byte granules, cp.async), 4 of this kernel's K tiles, issued two raw tiles ahead (warp-specialized:
 //        with b's K tile two before the raw tile's first).
@@ -60,6 +60,16 @@ namespace wg = od::wg;
 // 4 stages of b: step kt's cp_async_wait<1> leaves the copies of step kt - 1 in flight, so b's K tile kt + 1 is
 // issued three steps ahead
 constexpr int A_STAGES = 2, B_STAGES = 4, RAW_STAGES = 2;
+// The warp-specialized loop (the RS formats) holds as many B stages as fit, up to WS_B_MAX: its copies are not
+// waited for by the computing threads, so every stage more is a K tile more of copy latency hidden (the narrow
+// tile's K tile is half the wide one's products). SMEM_BUDGET: the 227 KB a block may opt in to on compute
+// capability 9.0, less 2 KB (the static barriers, mmq_wgmma_id's pairs and b rows); specs/mmq_wgmma.py's
+// b_stages mirrors the count.
+constexpr int WS_B_MAX = 8;
+constexpr unsigned SMEM_BUDGET = 227 * 1024 - 2048;
+// ... and a third raw stage where B_STAGES B stages still fit beside it: the producer then waits for the raw stage
+// of raw K tile r - 3 instead of r - 2, so that it may run up to 8 K tiles ahead, not 4
+constexpr int WS_RAW_STAGES = 3;
 
 // A block's tile: WGS warpgroups of 128 threads computing (CONSUMERS), BM = 64 WGS weight rows (64 a warpgroup),
 // BN columns (one m64nBNk16 accumulator of BN / 2 floats a thread); with PRODUCER one warpgroup more, after them,
@@ -192,12 +202,18 @@ __device__ __forceinline__ void load_b(unsigned sb, const Src& src, int kt, int 
 }
 
 // The stages of a block's shared memory (wgmma_smem of specs/mmq_wgmma.py: A_STAGES A stages, none for the RS
-// formats; B_STAGES B stages, each 1024-byte aligned; RAW_STAGES raw stages of BM rows of Tile<Q, RAW_KB>::RS
+// formats; NB B stages, each 1024-byte aligned; NR raw stages of BM rows of Tile<Q, RAW_KB>::RS
 // bytes) and the K tiles of a block's slice (raw K tiles rt0 .. rt0 + nraw - 1: K tiles kt0 .. kt0 + nk - 1).
 template <int WT, class TL>
 struct Stages {
     using T = mq::Tile<mm::Fmt<WT>, RAW_KB>;
     static constexpr int A_HELD = RS_FORMAT<WT> ? 0 : A_STAGES, RAW_BYTES = TL::BM * T::RS;
+    // B stages: B_STAGES for main_loop (its wait_group counts assume them), as many as fit for the RS formats
+    // B stages fitting beside nr raw stages
+    static constexpr int fit(int nr) { return static_cast<int>((SMEM_BUDGET - 1024 - nr * RAW_BYTES) / TL::B_BYTES); }
+    // raw stages: RAW_STAGES for main_loop, WS_RAW_STAGES for the RS formats where B_STAGES B stages fit beside them
+    static constexpr int NR = RS_FORMAT<WT> && fit(WS_RAW_STAGES) >= B_STAGES ? WS_RAW_STAGES : RAW_STAGES;
+    static constexpr int NB = !RS_FORMAT<WT> ? B_STAGES : fit(NR) < WS_B_MAX ? fit(NR) : WS_B_MAX;
     unsigned sA, sB;
     u8* raw;
     int rt0, kt0, nk;
@@ -205,12 +221,12 @@ struct Stages {
         const unsigned pad = ((od::smem_addr(smem) + 1023u) & ~1023u) - od::smem_addr(smem);
         sA = od::smem_addr(smem) + pad;
         sB = sA + A_HELD * TL::A_BYTES;
-        raw = smem + pad + A_HELD * TL::A_BYTES + B_STAGES * TL::B_BYTES;
+        raw = smem + pad + A_HELD * TL::A_BYTES + NB * TL::B_BYTES;
         kt0 = rt0 * SUBS;
         nk = min(nraw * SUBS, K / BK - kt0);
     }
-    __device__ __forceinline__ unsigned b(int kt) const { return sB + (kt % B_STAGES) * TL::B_BYTES; }
-    __device__ __forceinline__ u8* raw_stage(int r) const { return raw + (r % RAW_STAGES) * RAW_BYTES; }
+    __device__ __forceinline__ unsigned b(int kt) const { return sB + (kt % NB) * TL::B_BYTES; }
+    __device__ __forceinline__ u8* raw_stage(int r) const { return raw + (r % NR) * RAW_BYTES; }
     // K tile kt's raw K tile, from its first block
     __device__ __forceinline__ const u8* raw_of(int kt) const {
         return raw_stage(kt / SUBS) + raw_lead<WT>(rt0 + kt / SUBS);
@@ -297,38 +313,40 @@ __device__ __forceinline__ void main_loop(u8* const smem, const u8* const wa, lo
 // barrier. ncu of the loop where every warp did both (q4_0 4096 x 14336 at 512 columns, H200, session 35): about
 // 265 instructions a warp a K tile, 5.4 cycles apart (2 warps a scheduler), 1630 cycles a K tile against the 1024
 // of its products; the tensor pipe 61% busy, the warps waiting on it 0.3% of their stalls.
-//   full_b[s] / empty_b[s]   B stage s holds K tile kt (s = kt % B_STAGES) / is free again: the producer's 128
-//                            threads arrive on full_b once their copies have landed (cp.async.wait_group, then
-//                            fence.proxy.async: each writer makes its own copies visible to the tensor cores), the
-//                            computing threads on empty_b once tile kt's products are done (wgmma.wait_group).
-//   full_raw[s] / empty_raw[s]  raw stage s holds raw K tile r (s = r % RAW_STAGES) / is free again: its copies
-//                            go out with b's K tile r SUBS - 2 (K tile 0 for r = 0) and are signalled with it; the
-//                            computing threads arrive on empty_raw once the fragments of its last K tile are built.
-// A barrier's n-th use (n = kt / B_STAGES, or r / RAW_STAGES) completes phase n: waited on with parity n & 1.
-constexpr int PRODUCER_THREADS = 128, COPY_LAG = 2;  // K tiles of copies in flight before the producer signals
+//   full_b[s] / empty_b[s]   B stage s holds K tile kt (s = kt % NB, Stages' count) / is free again: each of the
+//                            producer's 128 threads arrives on full_b as its copies land
+//                            (cp.async.mbarrier.arrive.noinc, issued behind them), and each computing thread fences
+//                            the stage for the async proxy (fence.proxy.async) before its products read it; the
+//                            computing threads arrive on empty_b once tile kt's products are done (wgmma.wait_group).
+//   full_raw[s] / empty_raw[s]  raw stage s holds raw K tile r (s = r % NR, Stages' count) / is free again: its copies
+//                            go out before b's K tile r SUBS - 2 (K tile 0 for r = 0) and arrive on it as they land;
+//                            the computing threads arrive on empty_raw once the fragments of its last K tile are
+//                            built.
+// A barrier's n-th use (n = kt / NB, or r / NR) completes phase n: waited on with parity n & 1.
+constexpr int PRODUCER_THREADS = 128;
 // setmaxnreg: the producer gives registers to the computing warpgroups (2 C + P <= 504 for 2 computing
 // warpgroups: their 384 threads start at 168 each)
 constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
 
 struct Bars {
-    unsigned base;  // full_b[B_STAGES], empty_b[B_STAGES], full_raw[RAW_STAGES], empty_raw[RAW_STAGES], 8 bytes each
+    unsigned base;  // full_b[WS_B_MAX], empty_b[WS_B_MAX], full_raw[WS_RAW_STAGES], empty_raw[WS_RAW_STAGES], 8 bytes
     __device__ __forceinline__ unsigned full_b(int s) const { return base + 8 * s; }
-    __device__ __forceinline__ unsigned empty_b(int s) const { return base + 8 * (B_STAGES + s); }
-    __device__ __forceinline__ unsigned full_raw(int s) const { return base + 8 * (2 * B_STAGES + s); }
-    __device__ __forceinline__ unsigned empty_raw(int s) const { return base + 8 * (2 * B_STAGES + RAW_STAGES + s); }
+    __device__ __forceinline__ unsigned empty_b(int s) const { return base + 8 * (WS_B_MAX + s); }
+    __device__ __forceinline__ unsigned full_raw(int s) const { return base + 8 * (2 * WS_B_MAX + s); }
+    __device__ __forceinline__ unsigned empty_raw(int s) const { return base + 8 * (2 * WS_B_MAX + WS_RAW_STAGES + s); }
 };
 
 // The block's barriers, initialized by thread 0 and visible to every thread when it returns (a block barrier).
 template <class TL>
 __device__ __forceinline__ Bars init_bars() {
-    __shared__ unsigned long long bars[2 * B_STAGES + 2 * RAW_STAGES];  // 8-byte aligned, as mbarriers must be
+    __shared__ unsigned long long bars[2 * WS_B_MAX + 2 * WS_RAW_STAGES];  // 8-byte aligned, as mbarriers must be
     const Bars b{od::smem_addr(bars)};
     if (threadIdx.x == 0) {
-        for (int s = 0; s < B_STAGES; ++s) {
+        for (int s = 0; s < WS_B_MAX; ++s) {  // those past the format's stage count go unused
             od::mbar_init(b.full_b(s), PRODUCER_THREADS);
             od::mbar_init(b.empty_b(s), TL::CONSUMERS);
         }
-        for (int s = 0; s < RAW_STAGES; ++s) {
+        for (int s = 0; s < WS_RAW_STAGES; ++s) {
             od::mbar_init(b.full_raw(s), PRODUCER_THREADS);
             od::mbar_init(b.empty_raw(s), TL::CONSUMERS);
         }
@@ -345,45 +363,33 @@ __device__ __forceinline__ int raw_with(int kt, int nraw) {
 }
 
 // The producer warpgroup's loop (p: its thread, 0 .. 127): every stage's copies, b's from bsrc (load_b's, for 128
-// threads), each stage refilled once the computing threads have freed it.
+// threads), each stage refilled once the computing threads have freed it, and signalled by the copies themselves
+// (cp_async_mbar_arrive): a stage fills as soon as its copies land, never behind the producer's next wait.
 template <int WT, class TL, class Src>
 __device__ __forceinline__ void produce(u8* const smem, const Bars& bars, const u8* const wa, long long a_row,
                                         int m0, int M, const Src& bsrc, int K, int rt0, int nraw, int p) {
     static_assert(SUBS > 2, "a raw K tile's copies go out two K tiles before its first");
     const Stages<WT, TL> st(smem, K, rt0, nraw);
+    constexpr int NB = Stages<WT, TL>::NB, NR = Stages<WT, TL>::NR;
     const int nb = K / 32, nk = st.nk;
-    auto signal = [&](int j) {  // K tile j's copies (and a raw K tile's with them) have landed for this thread
-        wg::fence_async_smem();
-        od::mbar_arrive(bars.full_b(j % B_STAGES));
-        const int r = raw_with(j, nraw);
-        if (r >= 0) {
-            od::mbar_arrive(bars.full_raw(r % RAW_STAGES));
-        }
-    };
 #pragma unroll 1
     for (int kt = 0; kt < nk; ++kt) {
         const int r = raw_with(kt, nraw);
         if (r >= 0) {
-            if (r >= RAW_STAGES) {
-                od::mbar_wait(bars.empty_raw(r % RAW_STAGES), (r / RAW_STAGES - 1) & 1);
+            if (r >= NR) {
+                od::mbar_wait(bars.empty_raw(r % NR), (r / NR - 1) & 1);
             }
             issue_raw<WT, TL::BM, PRODUCER_THREADS>(st.raw_stage(r), wa, a_row, m0, M, nb, rt0 + r, p);
+            od::cp_async_mbar_arrive(bars.full_raw(r % NR));
         }
-        if (kt >= B_STAGES) {
-            od::mbar_wait(bars.empty_b(kt % B_STAGES), (kt / B_STAGES - 1) & 1);
+        if (kt >= NB) {
+            od::mbar_wait(bars.empty_b(kt % NB), (kt / NB - 1) & 1);
         }
         load_b<TL::BN, PRODUCER_THREADS>(st.b(kt), bsrc, st.kt0 + kt, p);
-        od::cp_async_commit();
-        if (kt >= COPY_LAG) {
-            od::cp_async_wait<COPY_LAG>();
-            signal(kt - COPY_LAG);
-        }
+        od::cp_async_mbar_arrive(bars.full_b(kt % NB));
     }
-    od::cp_async_wait<0>();
-#pragma unroll 1
-    for (int j = max(nk - COPY_LAG, 0); j < nk; ++j) {
-        signal(j);
-    }
+    od::cp_async_commit();
+    od::cp_async_wait<0>();  // none of its copies outlives the thread
 }
 
 // The computing warpgroups' loop (threadIdx.x < TL::CONSUMERS): each K tile's four products issued as its B stage
@@ -394,6 +400,7 @@ __device__ __forceinline__ void consume(u8* const smem, const Bars& bars, int K,
                                         float (&d)[TL::BN / 2]) {
     constexpr int BN = TL::BN;
     const Stages<WT, TL> st(smem, K, rt0, nraw);
+    constexpr int NB = Stages<WT, TL>::NB, NR = Stages<WT, TL>::NR;
     const int tid = threadIdx.x, nk = st.nk;
     const int wg = tid >> 7;
     const int frow = wg * 64 + ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2), ft = tid & 3;  // this lane's row g, t
@@ -408,7 +415,8 @@ __device__ __forceinline__ void consume(u8* const smem, const Bars& bars, int K,
         // the stage's descriptor once: a k16 step 32 bytes on is 2 more in its address field (>> 4), which stays
         // below its 14 bits (shared memory < 256 KB)
         const unsigned long long db = wg::desc_k(st.b(kt));
-        od::mbar_wait(bars.full_b(kt % B_STAGES), (kt / B_STAGES) & 1);
+        od::mbar_wait(bars.full_b(kt % NB), (kt / NB) & 1);
+        wg::fence_async_smem();  // the stage's copies (the generic proxy) before the products' reads (the async one)
         wg::fence_regs(d);
         wg::fence();
 #pragma unroll
@@ -419,17 +427,17 @@ __device__ __forceinline__ void consume(u8* const smem, const Bars& bars, int K,
         wg::wait<1>();  // K tile kt - 1's products are done: its B stage and fragment set are free
         wg::fence_regs(d);
         if (kt >= 1) {
-            od::mbar_arrive(bars.empty_b((kt - 1) % B_STAGES));
+            od::mbar_arrive(bars.empty_b((kt - 1) % NB));
         }
         const int n = kt + 1;
         if (n < nk) {
             if (n % SUBS == 0) {
-                od::mbar_wait(bars.full_raw((n / SUBS) % RAW_STAGES), (n / SUBS / RAW_STAGES) & 1);
+                od::mbar_wait(bars.full_raw((n / SUBS) % NR), (n / SUBS / NR) & 1);
             }
             wg::fence_regs(nxt);
             frags<WT>(st.raw_of(n), n, frow, ft, nxt);
             if (n % SUBS == SUBS - 1) {  // the raw K tile's last fragments: its stage is free
-                od::mbar_arrive(bars.empty_raw((n / SUBS) % RAW_STAGES));
+                od::mbar_arrive(bars.empty_raw((n / SUBS) % NR));
             }
         }
     };
@@ -497,7 +505,8 @@ __device__ __forceinline__ int wg_row() {
 // mul_mat_add) is added to every output written, output row r adding bias[r * bias_col + m] (mq::finish). Grid
 // (tiles_m * splits * tiles_n, B2, B3), the column tile fastest (the blocks reading the same weights run
 // together); 128 WGS threads; dynamic shared memory specs/mmq_wgmma.py's wgmma_smem: A_STAGES * A_BYTES (none for
-// the RS formats) + B_STAGES * B_BYTES (1024-byte aligned), then RAW_STAGES raw stages of BM rows of
+// the RS formats) + NB * B_BYTES (Stages' count: B_STAGES, or for the RS formats as many as fit up to WS_B_MAX;
+// 1024-byte aligned), then NR raw stages (RAW_STAGES, or WS_RAW_STAGES where they fit) of BM rows of
 // Tile<Q, RAW_KB>::RS bytes.
 template <int WT, int WGS, int BN>
 __global__ void __launch_bounds__(mw::TilingOf<WT, WGS, BN>::THREADS, 1)

@@ -31,6 +31,12 @@ WGMMA_FORMATS = QUANT_NAMES
 #: the formats whose A fragments are built in registers straight from the raw stage (mmq_frags.cuh's
 #: RS_FORMAT): they hold no A stages
 RS_FORMATS = ("q4_0", "q8_0", "q4_K", "q5_K", "q6_K")
+#: the most b stages of the RS formats' warp-specialized loop and the shared memory they are sized to (mmq_wgmma.cu's
+#: mw::WS_B_MAX, mw::SMEM_BUDGET: compute capability 9.0's 227 KB a block less 2 KB for the static barriers and
+#: mmq_wgmma_id's pairs and b rows)
+WS_B_MAX, WS_SMEM_BUDGET = 8, 227 * 1024 - 2048
+#: the raw stages of the warp-specialized loop where 4 b stages fit beside them (mw::WS_RAW_STAGES)
+WS_RAW_STAGES = 3
 
 
 @attrs.frozen
@@ -86,13 +92,31 @@ def instance_name(dt: str, tile: WgmmaTile) -> str:
     return instance("mmq_wgmma", W_KIND[dt], tile.warpgroups, tile.bn)
 
 
+def _b_fit(dt: str, tile: WgmmaTile, raw_stages: int) -> int:
+    """b's stages that fit in WS_SMEM_BUDGET beside raw_stages raw stages (mmq_wgmma.cu's Stages::fit)."""
+    return (WS_SMEM_BUDGET - 1024 - raw_stages * tile.bm * row_stride(dt, RAW_KB)) // (tile.bn * BK * 2)
+
+
+def raw_stages(dt: str, tile: WgmmaTile) -> int:
+    """The raw stages of a block for format dt and `tile` (Stages::NR): RAW_STAGES, or for RS_FORMATS
+    WS_RAW_STAGES where 4 b stages still fit beside them."""
+    return WS_RAW_STAGES if dt in RS_FORMATS and _b_fit(dt, tile, WS_RAW_STAGES) >= 4 else RAW_STAGES
+
+
+def b_stages(dt: str, tile: WgmmaTile) -> int:
+    """b's stages in a block for format dt and `tile` (Stages::NB): 4 (mw::B_STAGES) for the formats dequantized
+    into A stages; for RS_FORMATS (the warp-specialized loop) as many as fit beside the raw stages, up to
+    WS_B_MAX."""
+    return min(WS_B_MAX, _b_fit(dt, tile, raw_stages(dt, tile))) if dt in RS_FORMATS else 4
+
+
 def wgmma_smem(dt: str, tile: WgmmaTile) -> int:
     """Dynamic shared memory of a block for format dt and `tile`: 2 stages of the dequantized weights (bm x BK
-    bf16; none for RS_FORMATS), 4 of b (bn x BK bf16), the slack that aligns them to 1024 bytes (the 128-byte
-    swizzle's period), then the raw stages (bm rows of mmq's K tile of RAW_KB steps)."""
+    bf16; none for RS_FORMATS), b_stages of b (bn x BK bf16), the slack that aligns them to 1024 bytes (the 128-byte
+    swizzle's period), then raw_stages raw stages (bm rows of mmq's K tile of RAW_KB steps)."""
     a_stages = 0 if dt in RS_FORMATS else 2
-    return (a_stages * tile.bm * BK * 2 + 4 * tile.bn * BK * 2 + 1024
-            + RAW_STAGES * tile.bm * row_stride(dt, RAW_KB))
+    return (a_stages * tile.bm * BK * 2 + b_stages(dt, tile) * tile.bn * BK * 2 + 1024
+            + raw_stages(dt, tile) * tile.bm * row_stride(dt, RAW_KB))
 
 
 #: mmq_wgmma_id's tile: column tiles of 128 (token, slot) pairs an expert (moe_route's tile_n); ID_TILES are those
