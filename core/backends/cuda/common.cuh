@@ -338,13 +338,6 @@ __device__ __forceinline__ float s8_f32(unsigned x) {
     return __fsub_rn(__uint_as_float((x ^ 0x80u) | 0x4b000000u), 8388736.0f);
 }
 
-// An mma's int32 sum (|dot| < 2^22: at most 32 products of two int8) as a float: added into the bits of 1.5 * 2^23,
-// whose mantissa then counts units, it reads 1.5 * 2^23 + dot, less 1.5 * 2^23 (I2F: a quarter of the rate; mmq's
-// step_acc converts 4 sums a column tile a K step).
-__device__ __forceinline__ float dot_f32(int dot) {
-    return __fsub_rn(__int_as_float(dot + 0x4B400000), 12582912.0f);
-}
-
 // -- raw accesses at 2-byte aligned addresses --------------------------------------
 // Block formats of 18, 22 or 34 bytes leave their fields only 2-byte aligned: one 16-bit
 // access, or two for 32 bits.

@@ -235,6 +235,9 @@ struct Conv {
 // acc (lane (g, t)'s outputs of the tile: rows g, g + 8 by columns 2t, 2t + 1, as mma_s8's d) += one K
 // step: f's dot with b's codes (b0, b1: column g, mma_s8's layout), scaled by b's (d, d * sum) of columns
 // 2t (s0) and 2t + 1 (s1) and f's scales, as mode<Q>() says.
+// The sums go to float by static_cast: on sm_90 one I2FP.F32.S32 each, not the XU pipe's I2F. An integer add
+// and an exact FADD in its place (session 39) were two instructions for one, and mmq's 64-column products
+// ran 3-4% slower with them.
 template <int WT>
 __device__ __forceinline__ void step_acc(float (&acc)[4], const AFrag& f, unsigned b0, unsigned b1, float2 s0,
                                          float2 s1) {
@@ -255,11 +258,11 @@ __device__ __forceinline__ void step_acc(float (&acc)[4], const AFrag& f, unsign
         const float xw = f.x[i / 2], yw = f.y[i / 2];
         float v;
         if constexpr (mode<Q>() == HALVES) {
-            v = fmaf(s.x, fmaf(xw, od::dot_f32(dot[i]), yw * od::dot_f32(dot2[i])), acc[i]);
+            v = fmaf(s.x, fmaf(xw, static_cast<float>(dot[i]), yw * static_cast<float>(dot2[i])), acc[i]);
         } else {
-            v = fmaf(xw * s.x, od::dot_f32(dot[i]), acc[i]);
+            v = fmaf(xw * s.x, static_cast<float>(dot[i]), acc[i]);
             if constexpr (mode<Q>() == MINS16) {
-                v = fmaf(yw * s.x, od::dot_f32(dot2[i]), v);
+                v = fmaf(yw * s.x, static_cast<float>(dot2[i]), v);
             } else if constexpr (Q::M >= 0) {
                 v = fmaf(yw, s.y, v);
             }
