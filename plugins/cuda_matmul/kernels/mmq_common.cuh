@@ -236,8 +236,8 @@ struct Conv {
 // step: f's dot with b's codes (b0, b1: column g, mma_s8's layout), scaled by b's (d, d * sum) of columns
 // 2t (s0) and 2t + 1 (s1) and f's scales, as mode<Q>() says.
 // The sums go to float by static_cast: on sm_90 one I2FP.F32.S32 each, not the XU pipe's I2F. An integer add
-// and an exact FADD in its place (session 39) were two instructions for one, and mmq's 64-column products
-// ran 3-4% slower with them.
+// and an exact FADD in its place (session 39) were two instructions for one; with them main ran mmq's 64-column
+// products 3-4% slower than the commit before (H100, session 40; docs/benchmarks.md).
 template <int WT>
 __device__ __forceinline__ void step_acc(float (&acc)[4], const AFrag& f, unsigned b0, unsigned b1, float2 s0,
                                          float2 s1) {

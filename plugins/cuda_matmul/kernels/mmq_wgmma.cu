@@ -22,7 +22,8 @@
 //        stages as fit, up to 8 (Stages::NB), each refilled as soon as it is free);
 //   raw  2 stages of the weights' raw blocks: mmq's K tile of 256 values (Tile<Q, 8>: each row's covering
 //        16-byte granules, cp.async), 4 of this kernel's K tiles, issued two raw tiles ahead (warp-specialized:
-//        with b's K tile two before the raw tile's first).
+//        3 stages where 4 B stages fit beside them (Stages::NR), each issued with b's K tile two before the raw
+//        tile's first).
 // A and B are K-major in the 128-byte swizzle wgmma reads (row r's 16-byte chunk c at r * 128 + (c ^ (r % 8)) *
 // 16, each tile 1024-byte aligned; the descriptor's stride between 8-row groups 1024 bytes, a k16 step 32 bytes
 // further along the row).
@@ -208,11 +209,11 @@ template <int WT, class TL>
 struct Stages {
     using T = mq::Tile<mm::Fmt<WT>, RAW_KB>;
     static constexpr int A_HELD = RS_FORMAT<WT> ? 0 : A_STAGES, RAW_BYTES = TL::BM * T::RS;
-    // B stages: B_STAGES for main_loop (its wait_group counts assume them), as many as fit for the RS formats
     // B stages fitting beside nr raw stages
     static constexpr int fit(int nr) { return static_cast<int>((SMEM_BUDGET - 1024 - nr * RAW_BYTES) / TL::B_BYTES); }
     // raw stages: RAW_STAGES for main_loop, WS_RAW_STAGES for the RS formats where B_STAGES B stages fit beside them
     static constexpr int NR = RS_FORMAT<WT> && fit(WS_RAW_STAGES) >= B_STAGES ? WS_RAW_STAGES : RAW_STAGES;
+    // B stages: B_STAGES for main_loop (its wait_group counts assume them), as many as fit for the RS formats
     static constexpr int NB = !RS_FORMAT<WT> ? B_STAGES : fit(NR) < WS_B_MAX ? fit(NR) : WS_B_MAX;
     unsigned sA, sB;
     u8* raw;
